@@ -1,0 +1,178 @@
+"""The decoder seam: a registry of methods sharing one call and one result type.
+
+``decoder.generate(prompt_ids, max_new_tokens, stop, sampling) -> GenerationResult``
+"""
+
+from __future__ import annotations
+
+import inspect
+import time
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+import torch
+
+from pardec.config import ConfigError, SamplingConfig
+from pardec.models.cached import CachedModel
+from pardec.registry import Registry
+
+
+@dataclass
+class GenerationResult:
+    tokens: list[int]  # new tokens only (an EOS that stopped generation is included)
+    stop_reason: str  # "eos" | "stop_string" | "length"
+    target_forwards: int  # forwards of the target model, prefill included
+    draft_forwards: int = 0
+    accepted: list[int] = field(default_factory=list)  # tokens committed by each target forward
+    prefill_s: float = 0.0
+    total_s: float = 0.0
+    extras: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def tokens_per_forward(self) -> float:
+        return len(self.tokens) / max(1, self.target_forwards)
+
+
+class Stopper:
+    """Stop conditions: EOS ids and stop strings, checked token by token so every method stops at the
+    same position of the same token sequence."""
+
+    WINDOW = 48  # tokens decoded around a new token when looking for stop strings
+
+    def __init__(self, tokenizer=None, eos_ids: set[int] | list[int] = (), stop_strings: list[str] = ()):
+        self.tokenizer = tokenizer
+        self.eos_ids = set(int(e) for e in eos_ids)
+        self.stop_strings = [s for s in stop_strings if s]
+        if self.stop_strings and tokenizer is None:
+            raise ValueError("stop strings need a tokenizer")
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=False)
+
+    def first_stop(self, prev: list[int], new: list[int]) -> tuple[int, str] | None:
+        """(index into ``new`` of the token that ends generation, reason) or None."""
+        for j, t in enumerate(new):
+            if t in self.eos_ids:
+                return j, "eos"
+            if self.stop_strings:
+                seq = prev + new[: j + 1]
+                text = self._decode(seq[-self.WINDOW :])
+                if any(s in text for s in self.stop_strings):
+                    return j, "stop_string"
+        return None
+
+    def final_text(self, tokens: list[int]) -> str:
+        """Decoded completion without special tokens, cut before the first stop string."""
+        text = self.tokenizer.decode(tokens, skip_special_tokens=True)
+        cuts = [text.find(s) for s in self.stop_strings if s in text]
+        return text[: min(cuts)] if cuts else text
+
+
+class Output:
+    """Accumulates committed tokens, enforcing max_new_tokens and the stop conditions."""
+
+    def __init__(self, max_new_tokens: int, stop: Stopper):
+        self.max_new = max_new_tokens
+        self.stop = stop
+        self.tokens: list[int] = []
+        self.accepted: list[int] = []
+        self.reason: str | None = None
+
+    @property
+    def done(self) -> bool:
+        return self.reason is not None
+
+    @property
+    def room(self) -> int:
+        return self.max_new - len(self.tokens)
+
+    def commit(self, new: list[int]) -> list[int]:
+        """Append tokens produced by one target forward; returns those actually kept."""
+        new = list(new[: self.room])
+        hit = self.stop.first_stop(self.tokens, new)
+        if hit is not None:
+            new = new[: hit[0] + 1]
+            self.reason = hit[1]
+        self.tokens.extend(new)
+        self.accepted.append(len(new))
+        if self.reason is None and self.room <= 0:
+            self.reason = "length"
+        return new
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+class Timer:
+    def __init__(self, device: torch.device):
+        self.device = device
+        sync(device)
+        self.t0 = time.perf_counter()
+
+    def elapsed(self) -> float:
+        sync(self.device)
+        return time.perf_counter() - self.t0
+
+
+class Decoder:
+    """Base class. Subclasses set ``lossless`` and implement :meth:`generate`."""
+
+    name: ClassVar[str] = ""
+    #: under greedy decoding the output equals greedy AR token for token (fp32)
+    lossless: ClassVar[bool] = False
+    needs_draft: ClassVar[bool] = False
+
+    def __init__(self, target: CachedModel, tokenizer=None, draft: CachedModel | None = None):
+        self.target = target
+        self.tokenizer = tokenizer
+        self.draft = draft
+
+    def generate(
+        self,
+        prompt_ids: torch.Tensor | list[int],
+        max_new_tokens: int,
+        stop: Stopper | None = None,
+        sampling: SamplingConfig | None = None,
+    ) -> GenerationResult:
+        raise NotImplementedError
+
+    # helpers -------------------------------------------------------------------------------
+    def _prompt(self, prompt_ids) -> torch.Tensor:
+        ids = torch.as_tensor(prompt_ids, dtype=torch.long).reshape(1, -1)
+        if ids.shape[1] == 0:
+            raise ValueError("empty prompt")
+        return ids.to(self.target.device)
+
+
+METHODS: Registry[type[Decoder]] = Registry("method")
+
+
+def register_method(name: str, *, aliases: tuple[str, ...] = ()):
+    def deco(cls: type[Decoder]) -> type[Decoder]:
+        cls.name = name
+        return METHODS.register(name, aliases=aliases)(cls)
+
+    return deco
+
+
+def method_params(cls: type[Decoder]) -> dict[str, inspect.Parameter]:
+    sig = inspect.signature(cls.__init__)
+    return {k: p for k, p in sig.parameters.items() if k not in ("self", "target", "tokenizer", "draft")}
+
+
+def build_decoder(
+    name: str, target: CachedModel, tokenizer=None, draft: CachedModel | None = None, **params: Any
+) -> Decoder:
+    """Instantiate a registered method; unknown parameters raise naming the valid ones."""
+    import pardec.decoding  # noqa: F401  (registers the built-in methods)
+
+    cls = METHODS.get(name)
+    valid = method_params(cls)
+    bad = sorted(set(params) - set(valid))
+    if bad:
+        raise ConfigError(f"method {name!r} has no parameter(s) {bad}; valid: {', '.join(sorted(valid)) or 'none'}")
+    if cls.needs_draft and draft is None:
+        raise ConfigError(f"method {name!r} needs a draft model: pass draft=<name>")
+    return cls(target, tokenizer=tokenizer, draft=draft, **params)

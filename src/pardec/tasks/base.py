@@ -1,0 +1,124 @@
+"""The task seam: a benchmark is a registered :class:`Task`.
+
+A task loads its documents (HF hub by default, a local file via ``dataset.path`` always possible), builds
+the prompt for each turn (chat template for chat models, plain text for base models), names its stop
+strings, scores a document's completions and aggregates the scores. Like lm-evaluation-harness tasks,
+but small.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any, ClassVar
+
+from pardec.config import DatasetConfig
+from pardec.registry import Registry
+
+
+class DataError(ValueError):
+    """A dataset cannot be read; the message names the file/line or the override to pass."""
+
+
+class Task:
+    name: ClassVar[str] = ""
+    #: key of the headline metric in :meth:`aggregate`'s output
+    metric: ClassVar[str] = "score"
+    higher_is_better: ClassVar[bool] = True
+    #: conversation turns per document (MT-Bench: 2); turn k is conditioned on the method's own answers
+    n_turns: ClassVar[int] = 1
+
+    def __init__(self, cfg: DatasetConfig, timeout_s: float = 10.0):
+        self.cfg = cfg
+        self.timeout_s = timeout_s
+
+    # -- documents ---------------------------------------------------------------------------
+    def docs(self) -> list[dict]:
+        """Every document, each with a unique string ``id``, in a fixed order."""
+        raise NotImplementedError
+
+    # -- prompting ---------------------------------------------------------------------------
+    def prompt_ids(self, doc: dict, tokenizer, chat: bool, history: list[str] = ()) -> list[int]:
+        """Token ids of the prompt for turn ``len(history)``; ``history`` holds earlier answers."""
+        raise NotImplementedError
+
+    def stop_strings(self, chat: bool) -> list[str]:
+        return []
+
+    # -- scoring -----------------------------------------------------------------------------
+    def score(self, doc: dict, completions: list[str]) -> dict[str, Any]:
+        """Per-document scores, e.g. ``{"pass": 1.0}``; a value may be None (not computed)."""
+        raise NotImplementedError
+
+    def aggregate(self, scores: list[dict[str, Any]]) -> dict[str, Any]:
+        """Mean of every numeric key over the documents where it is not None (None if never computed)."""
+        keys = sorted({k for s in scores for k in s})
+        out: dict[str, Any] = {}
+        for k in keys:
+            vals = [s[k] for s in scores if isinstance(s.get(k), (int, float)) and not isinstance(s.get(k), bool)
+                    or isinstance(s.get(k), bool)]
+            vals = [float(v) for v in vals if v is not None and not (isinstance(v, float) and math.isnan(v))]
+            out[k] = sum(vals) / len(vals) if vals else None
+            out[f"{k}_n"] = len(vals)
+        return out
+
+
+TASKS: Registry[type[Task]] = Registry("dataset")
+
+
+def register_task(name: str, *, aliases: tuple[str, ...] = ()):
+    def deco(cls: type[Task]) -> type[Task]:
+        cls.name = name
+        return TASKS.register(name, aliases=aliases)(cls)
+
+    return deco
+
+
+def build_task(cfg: DatasetConfig, timeout_s: float = 10.0) -> Task:
+    import pardec.tasks  # noqa: F401  (registers the built-in tasks)
+
+    return TASKS.get(cfg.name)(cfg, timeout_s=timeout_s)
+
+
+# ------------------------------------------------------------------------------- helpers
+def read_jsonl(path: str | Path) -> list[dict]:
+    """Records of a JSONL file; a malformed line raises naming the file and the line number."""
+    p = Path(path)
+    if not p.is_file():
+        raise DataError(f"dataset file {p} does not exist")
+    rows = []
+    with p.open(encoding="utf-8") as f:
+        for i, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                rows.append(json.loads(line))
+            except json.JSONDecodeError as e:
+                raise DataError(f"{p}, line {i}: malformed JSON ({e.msg})") from None
+    return rows
+
+
+def load_hub(hub_id: str, config: str | None, split: str, task: str) -> list[dict]:
+    """Rows of a Hugging Face hub dataset; offline failures say which ``dataset.path`` to pass instead."""
+    try:
+        import datasets
+
+        ds = datasets.load_dataset(hub_id, config, split=split)
+    except Exception as e:  # network, auth, missing split: all end the same way for the user
+        raise DataError(
+            f"could not load dataset {hub_id!r} (config {config!r}, split {split!r}) from the Hugging Face hub: "
+            f"{type(e).__name__}: {str(e)[:300]}. Offline? Pass a local copy: dataset.path=<file> "
+            f"(see conf/dataset/{task}.yaml for the expected fields)"
+        ) from None
+    return [dict(r) for r in ds]
+
+
+def chat_ids(tokenizer, messages: list[dict], assistant_prefix: str = "") -> list[int]:
+    """Chat-template prompt ids, generation prompt added, optionally starting the assistant's answer."""
+    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    return tokenizer(text + assistant_prefix, add_special_tokens=False)["input_ids"]
+
+
+def text_ids(tokenizer, text: str) -> list[int]:
+    return tokenizer(text)["input_ids"]
