@@ -56,9 +56,8 @@ class Task:
         keys = sorted({k for s in scores for k in s})
         out: dict[str, Any] = {}
         for k in keys:
-            vals = [s[k] for s in scores if isinstance(s.get(k), (int, float)) and not isinstance(s.get(k), bool)
-                    or isinstance(s.get(k), bool)]
-            vals = [float(v) for v in vals if v is not None and not (isinstance(v, float) and math.isnan(v))]
+            vals = [float(s[k]) for s in scores if isinstance(s.get(k), (int, float))]  # bool counts as 0/1
+            vals = [v for v in vals if not math.isnan(v)]
             out[k] = sum(vals) / len(vals) if vals else None
             out[f"{k}_n"] = len(vals)
         return out
