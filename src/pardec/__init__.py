@@ -8,3 +8,13 @@ __version__ = "0.1.0"
 REPO_ROOT = Path(__file__).resolve().parents[2]
 CONF_DIR = REPO_ROOT / "conf"
 DATA_DIR = REPO_ROOT / "data"
+
+
+def _register_resolvers() -> None:
+    from omegaconf import OmegaConf
+
+    if not OmegaConf.has_resolver("pardec_root"):
+        OmegaConf.register_new_resolver("pardec_root", lambda: str(REPO_ROOT))
+
+
+_register_resolvers()

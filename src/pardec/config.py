@@ -119,8 +119,12 @@ class RunConfig:
     resume: bool = False
     timeout_s: float = 10.0  # sandbox wall-clock limit per program
     stop_at_eos: bool = True
+    repeats: int = 1
+    dtype: str = "fp32"
 
     def __post_init__(self) -> None:
+        _at_least("", "repeats", self.repeats, 1)
+        _choice("", "dtype", self.dtype, DTYPES)
         if self.n_samples is not None:
             _at_least("", "n_samples", self.n_samples, 1)
         _at_least("", "max_new_tokens", self.max_new_tokens, 1)

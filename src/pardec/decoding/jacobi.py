@@ -67,6 +67,10 @@ class Jacobi(Decoder):
         self.max_iters = max_iters or block_size
         self.record_trajectories = record_trajectories
 
+    def initial_guess(self, prompt: torch.Tensor, output: list[int], n: int, gen: torch.Generator) -> list[int]:
+        """n random prompt tokens (CLLM's initialisation). Tests override it to steer acceptance."""
+        return prompt[torch.randint(len(prompt), (n,), generator=gen)].tolist()
+
     @torch.inference_mode()
     def generate(self, prompt_ids, max_new_tokens, stop=None, sampling=None) -> GenerationResult:
         s = sampling or SamplingConfig()
@@ -86,7 +90,7 @@ class Jacobi(Decoder):
         stationary = 0
         while not out.done:
             n = min(self.block_size, out.room)
-            guess = prompt[torch.randint(len(prompt), (n,), generator=init_gen)].tolist()
+            guess = self.initial_guess(prompt, out.tokens, n, init_gen)
             block: list[int] = []  # committed tokens of this block
             states, committed = [list(guess)], [0]
             iters = 0

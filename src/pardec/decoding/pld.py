@@ -37,6 +37,10 @@ class PromptLookup(Decoder):
             raise ConfigError(f"method.num_pred={num_pred} is out of range: it must be >= 1")
         self.max_ngram, self.min_ngram, self.num_pred = max_ngram, min_ngram, num_pred
 
+    def propose(self, seq: torch.Tensor) -> torch.Tensor:
+        """Draft tokens for the sequence so far (prompt + output) [L]; tests override it."""
+        return lookup(seq, self.max_ngram, self.min_ngram, self.num_pred)
+
     @torch.inference_mode()
     def generate(self, prompt_ids, max_new_tokens, stop=None, sampling=None) -> GenerationResult:
         s = sampling or SamplingConfig()
@@ -51,7 +55,7 @@ class PromptLookup(Decoder):
         seq = torch.cat([ids[0].cpu(), torch.tensor([last])])
         forwards, drafted = 1, 0
         while not out.done:
-            draft = lookup(seq, self.max_ngram, self.min_ngram, self.num_pred)[: out.room - 1]
+            draft = self.propose(seq)[: out.room - 1]
             base = self.target.length
             logits = self.target.forward(torch.cat([torch.tensor([last]), draft])[None].to(dev)).logits[0]
             forwards += 1

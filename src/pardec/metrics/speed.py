@@ -1,0 +1,58 @@
+"""Speed aggregation over per-prompt records: totals, per-repeat mean ± std, per-prompt medians."""
+
+from __future__ import annotations
+
+import statistics
+from collections import Counter, defaultdict
+
+
+def mean_std(values: list[float]) -> tuple[float | None, float | None]:
+    if not values:
+        return None, None
+    return statistics.fmean(values), (statistics.stdev(values) if len(values) > 1 else 0.0)
+
+
+def tokens_per_s(rows: list[dict]) -> float | None:
+    """Total tokens / total wall time."""
+    wall = sum(r["wall_s"] for r in rows)
+    return sum(r["n_tokens"] for r in rows) / wall if wall > 0 else None
+
+
+def per_repeat(rows: list[dict]) -> dict[int, list[dict]]:
+    out: dict[int, list[dict]] = defaultdict(list)
+    for r in rows:
+        out[r.get("repeat", 0)].append(r)
+    return dict(out)
+
+
+def speed_summary(method: list[dict], baseline: list[dict]) -> dict:
+    """Tokens/s of method and baseline and their ratio, each as mean ± std over repeats, plus the median
+    of per-prompt speedups. Rows are results.jsonl records (skipped ones excluded)."""
+    m_rep, b_rep = per_repeat(method), per_repeat(baseline)
+    m_tps = [tokens_per_s(rows) for rows in m_rep.values()]
+    b_tps = [tokens_per_s(rows) for rows in b_rep.values()]
+    ratios = [m / b for r in m_rep if r in b_rep
+              for m, b in [(tokens_per_s(m_rep[r]), tokens_per_s(b_rep[r]))] if m and b]
+    base = {(r["id"], r.get("repeat", 0)): r for r in baseline}
+    per_prompt = []
+    for r in method:
+        b = base.get((r["id"], r.get("repeat", 0)))
+        if b and r["wall_s"] > 0 and b["wall_s"] > 0 and b["n_tokens"] and r["n_tokens"]:
+            per_prompt.append((r["n_tokens"] / r["wall_s"]) / (b["n_tokens"] / b["wall_s"]))
+    tps, tps_std = mean_std([x for x in m_tps if x])
+    btps, btps_std = mean_std([x for x in b_tps if x])
+    sp, sp_std = mean_std(ratios)
+    forwards = sum(r["target_forwards"] for r in method)
+    bforwards = sum(r["target_forwards"] for r in baseline)
+    return {
+        "tokens_per_s": tps,
+        "tokens_per_s_std": tps_std,
+        "baseline_tokens_per_s": btps,
+        "baseline_tokens_per_s_std": btps_std,
+        "speedup": sp,
+        "speedup_std": sp_std,
+        "speedup_median": statistics.median(per_prompt) if per_prompt else None,
+        "tokens_per_forward": sum(r["n_tokens"] for r in method) / forwards if forwards else None,
+        "baseline_tokens_per_forward": sum(r["n_tokens"] for r in baseline) / bforwards if bforwards else None,
+        "accepted_histogram": dict(sorted(Counter(a for r in method for a in r.get("accepted", [])).items())),
+    }
