@@ -202,9 +202,9 @@ def run(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
 
     if docs and spec.bench.warmup:
         warm_ids = task.prompt_ids(docs[0], tok, chat, [])
-        for dec in decoders.values():
-            for _ in range(spec.bench.warmup):
-                dec.generate(warm_ids, spec.bench.warmup_tokens, Stopper(tok), spec.sampling)
+        for _ in range(spec.bench.warmup):  # interleaved, like the timed loop
+            for dec in decoders.values():
+                dec.generate(warm_ids, spec.bench.warmup_tokens, stopper, spec.sampling)
 
     bar = tqdm(docs, desc=f"{spec.method} on {spec.dataset.name}", unit="prompt", dynamic_ncols=True)
     for i, doc in enumerate(bar):

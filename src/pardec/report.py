@@ -1,0 +1,476 @@
+"""Collect evaluation run dirs into one Spec-Bench-style report: markdown tables, a CSV and plots.
+
+    python -m pardec.report outputs/multirun/2026-*/* --out reports/x
+
+Every run dir written by ``python -m evaluate`` holds a ``summary.json`` (one method on one dataset,
+against its baseline) and a ``results.jsonl`` (one line per prompt per role). Runs are grouped into
+table rows by (method, model, dtype); the baseline (``ar``) gets its own row at 1.00×.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import glob
+import json
+import statistics
+import warnings
+from collections import Counter, defaultdict
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402  (the backend must be chosen first)
+
+MISSING = "–"
+SUMMARY = "summary.json"
+RESULTS = "results.jsonl"
+
+
+class ReportWarning(UserWarning):
+    """A run or a results line that was skipped while building the report."""
+
+
+# ----------------------------------------------------------------------------------------- loading
+
+
+def _run_dirs(path_or_glob: str) -> list[Path]:
+    """Run dirs named by one argument: a glob, a run dir, a dir of run dirs, or a summary.json."""
+    if glob.has_magic(path_or_glob):
+        matches = sorted(glob.glob(path_or_glob))
+        if not matches:
+            raise FileNotFoundError(f"no paths match {path_or_glob!r}")
+        paths = [Path(m) for m in matches]
+    else:
+        paths = [Path(path_or_glob)]
+    dirs: list[Path] = []
+    for path in paths:
+        if not path.exists():
+            raise FileNotFoundError(f"{path} does not exist")
+        if path.is_file():
+            if path.name != SUMMARY:
+                warnings.warn(f"ignoring {path}: not a run dir or {SUMMARY}", ReportWarning, stacklevel=3)
+                continue
+            dirs.append(path.parent)
+        elif (path / SUMMARY).is_file():
+            dirs.append(path)
+        else:
+            found = sorted(p.parent for p in path.rglob(SUMMARY))
+            if not found:
+                raise FileNotFoundError(f"{path} holds no {SUMMARY} (not a finished evaluation run dir)")
+            dirs.extend(found)
+    return dirs
+
+
+def _read_results(path: Path) -> list[dict[str, Any]]:
+    """Lines of a results.jsonl; an unparsable line (e.g. a run killed mid-write) is skipped with a warning."""
+    lines = path.read_text(encoding="utf-8").splitlines()
+    records = []
+    for i, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError:
+            where = "truncated last line" if i == len(lines) else f"malformed line {i}"
+            warnings.warn(f"{path}: skipping {where}", ReportWarning, stacklevel=2)
+    return records
+
+
+def _histogram_from_results(records: Iterable[dict[str, Any]]) -> dict[int, int]:
+    """Tokens committed per target forward -> count, over the method role's lines."""
+    counts: Counter[int] = Counter()
+    for rec in records:
+        if rec.get("role") == "method" and "skipped" not in rec:
+            counts.update(int(a) for a in rec.get("accepted") or [])
+    return dict(counts)
+
+
+def _load_run(run_dir: Path) -> dict[str, Any] | None:
+    """One run: the summary's fields plus ``run_dir``, ``n_results``, ``n_skipped``; None if corrupt."""
+    try:
+        summary = json.loads((run_dir / SUMMARY).read_text(encoding="utf-8"))
+    except json.JSONDecodeError as err:
+        warnings.warn(f"skipping {run_dir}: corrupt {SUMMARY} ({err})", ReportWarning, stacklevel=2)
+        return None
+    if not isinstance(summary, dict) or not {"method", "dataset"} <= summary.keys():
+        warnings.warn(f"skipping {run_dir}: {SUMMARY} lacks 'method'/'dataset'", ReportWarning, stacklevel=2)
+        return None
+    results = _read_results(run_dir / RESULTS) if (run_dir / RESULTS).is_file() else []
+    run = dict(summary, run_dir=str(run_dir))
+    run["n_results"] = sum("skipped" not in r for r in results)
+    run["n_skipped"] = sum("skipped" in r for r in results)
+    hist = summary.get("accepted_histogram") or _histogram_from_results(results)
+    run["accepted_histogram"] = {int(k): int(v) for k, v in hist.items()}
+    return run
+
+
+def load_runs(paths_or_globs: Sequence[str]) -> list[dict[str, Any]]:
+    """Load every run under the given dirs/globs (deduplicated, in order).
+
+    Raises FileNotFoundError for a path or glob that names no run; a corrupt summary.json is skipped
+    with a :class:`ReportWarning`.
+    """
+    seen: dict[Path, None] = {}
+    for arg in paths_or_globs:
+        for d in _run_dirs(str(arg)):
+            seen.setdefault(d.resolve(), None)
+    runs = [run for d in seen if (run := _load_run(d)) is not None]
+    if not runs:
+        raise ValueError("no valid runs to report on")
+    return runs
+
+
+# ------------------------------------------------------------------------------------------- table
+
+
+@dataclass
+class Cell:
+    """One (row, dataset) entry: means over the runs that fell in it."""
+
+    speedup: float | None
+    speedup_std: float | None
+    tokens_per_s: float | None
+    baseline_tokens_per_s: float | None
+    hf_tokens_per_s: float | None
+    tokens_per_forward: float | None
+    exact_match: float | None
+    metric_name: str | None
+    metric: float | None
+    perplexity: float | None
+
+
+@dataclass
+class Row:
+    """A table row: one method (or the baseline) for one (model, dtype), across datasets."""
+
+    method: str
+    params: str
+    model: str
+    dtype: str
+    is_baseline: bool
+    label: str = ""
+    cells: dict[str, Cell] = field(default_factory=dict)
+
+    @property
+    def key(self) -> tuple[str, str, str, str]:
+        """(method, params, model, dtype), as :func:`_group` gives it for a run."""
+        return self.method, self.params, self.model, self.dtype
+
+    def overall(self, attr: str) -> float | None:
+        """Mean of a cell attribute over the datasets that have it."""
+        return _mean(getattr(c, attr) for c in self.cells.values())
+
+    def quality(self) -> str:
+        """Task metric(s) averaged over datasets, each with its name, e.g. ``correct 0.120``."""
+        by_name: dict[str, list[float]] = defaultdict(list)
+        for c in self.cells.values():
+            if c.metric is not None:
+                by_name[c.metric_name or "metric"].append(c.metric)
+        return " · ".join(f"{name} {statistics.fmean(v):.3f}" for name, v in by_name.items()) or MISSING
+
+
+def _group(run: dict[str, Any]) -> tuple[str, str, str, str]:
+    """(method, method params as ``k=v, ...``, model, dtype) of a run: its row in the table."""
+    params = ", ".join(f"{k}={v}" for k, v in sorted((run.get("method_params") or {}).items()))
+    return str(run["method"]), params, str(run.get("model", "?")), str(run.get("dtype", "?"))
+
+
+def _mean(values: Iterable[float | None]) -> float | None:
+    present = [float(v) for v in values if v is not None]
+    return statistics.fmean(present) if present else None
+
+
+def _entry(run: dict[str, Any], baseline: bool) -> dict[str, Any]:
+    """The numbers one run contributes to its method row, or (``baseline=True``) to its baseline row."""
+    own = "baseline_" if baseline else ""  # the baseline's own numbers carry this prefix in summary.json
+    repeated = (run.get("repeats") or 1) > 1
+    return {
+        "speedup": 1.0 if baseline else run.get("speedup"),
+        "speedup_std": run.get("speedup_std") if repeated and not baseline else None,
+        "tokens_per_s": run.get(f"{own}tokens_per_s"),
+        "baseline_tokens_per_s": run.get("baseline_tokens_per_s"),
+        "hf_tokens_per_s": run.get("hf_tokens_per_s"),
+        "tokens_per_forward": run.get(f"{own}tokens_per_forward"),
+        "exact_match": None if baseline else run.get("exact_match_rate"),  # the baseline is the reference
+        "metric_name": run.get("metric_name"),
+        "metric": run.get(f"{own}metric"),
+        "perplexity": run.get(f"{own}perplexity"),
+    }
+
+
+def _cell(entries: list[dict[str, Any]]) -> Cell:
+    """Average entries; several runs of one cell get the std of their speedups, one run keeps its own."""
+    speedups = [e["speedup"] for e in entries if e["speedup"] is not None]
+    std = entries[0]["speedup_std"] if len(entries) == 1 else None
+    if len(speedups) > 1 and len(set(speedups)) > 1:
+        std = statistics.stdev(speedups)
+    names = {e["metric_name"] for e in entries if e["metric_name"]}
+    return Cell(
+        speedup=_mean(speedups),
+        speedup_std=std,
+        metric_name=" / ".join(sorted(names)) or None,
+        **{k: _mean(e[k] for e in entries) for k in (
+            "tokens_per_s", "baseline_tokens_per_s", "hf_tokens_per_s",
+            "tokens_per_forward", "exact_match", "metric", "perplexity")},
+    )  # fmt: skip
+
+
+def build_table(runs: Sequence[dict[str, Any]]) -> list[Row]:
+    """Rows grouped by (method, method params, model, dtype), the baseline's row first in each (model, dtype).
+
+    Labels name the params, model and dtype only where they vary. Several runs of one (row, dataset) cell
+    are averaged, with a :class:`ReportWarning`.
+    """
+    entries: dict[tuple[str, str, str, str, bool], dict[str, list[dict[str, Any]]]] = defaultdict(
+        lambda: defaultdict(list)
+    )
+    for run in runs:
+        method, params, model, dtype = _group(run)
+        dataset, baseline = str(run["dataset"]), run.get("baseline")
+        if baseline:
+            entries[(str(baseline), "", model, dtype, True)][dataset].append(_entry(run, baseline=True))
+        if method != baseline:
+            entries[(method, params, model, dtype, False)][dataset].append(_entry(run, baseline=False))
+
+    params_of: dict[str, set[str]] = defaultdict(set)
+    for method, params, *_ in entries:
+        params_of[method].add(params)
+    models, dtypes = {k[2] for k in entries}, {k[3] for k in entries}
+    rows = []
+    for key in sorted(entries, key=lambda k: (k[2], k[3], not k[4], k[0], k[1])):
+        method, params, model, dtype, is_base = key
+        varying = ((params, len(params_of[method]) > 1), (model, len(models) > 1), (dtype, len(dtypes) > 1))
+        tags = [tag for tag, varies in varying if varies and tag]
+        label = f"{method} ({', '.join(tags)})" if tags else method
+        cells = {ds: _cell(es) for ds, es in sorted(entries[key].items())}
+        for ds, es in entries[key].items():
+            if len(es) > 1 and not is_base:
+                where = f"{method} [{params}] {model} {dtype} on {ds}"
+                warnings.warn(f"{len(es)} runs of {where}: averaged", ReportWarning, stacklevel=2)
+        rows.append(Row(method, params, model, dtype, is_base, label, cells))
+    return rows
+
+
+def datasets_of(rows: Sequence[Row]) -> list[str]:
+    """Sorted datasets appearing in any row."""
+    return sorted({ds for row in rows for ds in row.cells})
+
+
+# ------------------------------------------------------------------------------------------ format
+
+
+def _num(value: float | None, fmt: str = ".2f") -> str:
+    return MISSING if value is None else f"{value:{fmt}}"
+
+
+def format_speedup(mean: float | None, std: float | None = None) -> str:
+    """``1.37×``, or ``1.37× ± 0.05`` when a std is known."""
+    if mean is None:
+        return MISSING
+    return f"{mean:.2f}×" + (f" ± {std:.2f}" if std is not None else "")
+
+
+def _md_table(header: list[str], body: list[list[str]]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "|".join(["---"] + [":-:"] * (len(header) - 1)) + "|"]
+    lines += ["| " + " | ".join(r) + " |" for r in body]
+    return "\n".join(lines)
+
+
+def render_markdown(rows: Sequence[Row]) -> str:
+    """The speedup table (Spec-Bench style) and the tokens/s table, as markdown."""
+    datasets = datasets_of(rows)
+    speed = _md_table(
+        ["Method", *datasets, "Mean speedup", "Tokens/forward", "Exact match", "Quality", "Perplexity"],
+        [
+            [
+                row.label,
+                *(format_speedup(c.speedup, c.speedup_std) if (c := row.cells.get(ds)) else MISSING
+                  for ds in datasets),
+                format_speedup(row.overall("speedup")),
+                _num(row.overall("tokens_per_forward")),
+                _num(row.overall("exact_match"), ".1%"),
+                row.quality(),
+                _num(row.overall("perplexity")),
+            ]
+            for row in rows
+        ],
+    )  # fmt: skip
+
+    def tps(c: Cell | None) -> str:
+        if c is None:
+            return MISSING
+        return " / ".join(
+            _num(v, ".1f") for v in (c.tokens_per_s, c.baseline_tokens_per_s, c.hf_tokens_per_s)
+        )
+
+    throughput = _md_table(
+        ["Method", *datasets], [[row.label, *(tps(row.cells.get(ds)) for ds in datasets)] for row in rows]
+    )
+    return (
+        "## Speedup over the baseline\n\n" + speed + "\n\n"
+        "## Tokens/s (method / baseline / HF generate)\n\n" + throughput + "\n"
+    )
+
+
+# ----------------------------------------------------------------------------------------- writers
+
+
+def write_markdown(rows: Sequence[Row], path: Path) -> str:
+    """Write report.md; returns its text."""
+    text = "# pardec report\n\n" + render_markdown(rows)
+    path.write_text(text, encoding="utf-8")
+    return text
+
+
+def _scalar(value: Any) -> bool:
+    return value is None or isinstance(value, str | int | float | bool)
+
+
+def write_csv(runs: Sequence[dict[str, Any]], path: Path) -> None:
+    """One row per run: every scalar summary field; dicts of scalars (``extras``, ``method_params``,
+    ``sampling``, ...) flattened to ``<field>.<key>``; lists and the accepted histogram left out."""
+    flat = []
+    for run in runs:
+        row = {}
+        for key, value in run.items():
+            if _scalar(value):
+                row[key] = value
+            elif isinstance(value, dict) and key != "accepted_histogram":
+                row.update({f"{key}.{k}": v for k, v in value.items() if _scalar(v)})
+        flat.append(row)
+    columns = list(dict.fromkeys(k for row in flat for k in row))
+    with path.open("w", newline="", encoding="utf-8") as fh:
+        writer = csv.DictWriter(fh, fieldnames=columns)
+        writer.writeheader()
+        writer.writerows(flat)
+
+
+def _color(i: int, n: int) -> Any:
+    """Distinct colours for up to 20 series (tab10, or tab20 beyond 10)."""
+    return plt.get_cmap("tab10" if n <= 10 else "tab20")(i % (10 if n <= 10 else 20))
+
+
+def _finish(fig: Any, ax: Any, path: Path, has_data: bool) -> None:
+    """Legend outside the axes (or a "no data" note), then save and close."""
+    if not has_data:
+        ax.text(0.5, 0.5, "no data", ha="center", va="center", transform=ax.transAxes)
+    else:
+        ax.legend(fontsize="small", loc="upper left", bbox_to_anchor=(1.01, 1.0))
+    fig.savefig(path, dpi=120, bbox_inches="tight")
+    plt.close(fig)
+
+
+def _grouped_bars(ax: Any, series: dict[str, dict[Any, tuple[float, float | None]]], xs: list[Any]) -> None:
+    """One bar per series at each x (an x a series lacks leaves a gap), with error bars where given."""
+    width = 0.8 / max(1, len(series))
+    for i, (label, values) in enumerate(series.items()):
+        at = [j for j, x in enumerate(xs) if x in values]
+        errs = [values[xs[j]][1] or 0.0 for j in at]
+        offsets = [j - 0.4 + width * (i + 0.5) for j in at]
+        heights = [values[xs[j]][0] for j in at]
+        color = _color(i, len(series))
+        ax.bar(offsets, heights, width, yerr=errs if any(errs) else None, capsize=2, label=label, color=color)
+    ax.set_xticks(range(len(xs)), [str(x) for x in xs])
+
+
+def plot_speedup(rows: Sequence[Row], path: Path) -> None:
+    """Grouped bars: speedup per method per dataset (baseline as a line at 1×), std as error bars."""
+    series = {
+        r.label: {ds: (c.speedup, c.speedup_std) for ds, c in r.cells.items() if c.speedup is not None}
+        for r in rows
+        if not r.is_baseline
+    }
+    datasets = sorted({ds for values in series.values() for ds in values})
+    fig, ax = plt.subplots(figsize=(min(16.0, 4.0 + 0.25 * len(datasets) * len(series)), 4.5))
+    _grouped_bars(ax, series, datasets)
+    if datasets:
+        ax.axhline(1.0, color="gray", linestyle="--", linewidth=1)
+    ax.set_ylabel("speedup over baseline (×)")
+    ax.set_title("Speedup per dataset")
+    _finish(fig, ax, path, has_data=bool(datasets))
+
+
+def plot_accepted_hist(runs: Sequence[dict[str, Any]], rows: Sequence[Row], path: Path) -> None:
+    """Fraction of target forwards committing k tokens, one series per method row (summed over datasets)."""
+    labels = {r.key: r.label for r in rows if not r.is_baseline}
+    hists: dict[str, Counter[int]] = defaultdict(Counter)
+    for run in runs:
+        key = _group(run)
+        if key in labels and run["accepted_histogram"] and run["method"] != run.get("baseline"):
+            hists[labels[key]].update(run["accepted_histogram"])
+    series = {
+        label: {k: (n / total, None) for k, n in hist.items()}
+        for label, hist in hists.items()
+        if (total := sum(hist.values())) > 0
+    }
+    ks = sorted({k for values in series.values() for k in values})
+    fig, ax = plt.subplots(figsize=(min(16.0, 4.0 + 0.2 * len(ks) * len(series)), 4.5))
+    _grouped_bars(ax, series, ks)
+    ax.set_xlabel("tokens committed per target forward")
+    ax.set_ylabel("fraction of forwards")
+    ax.set_title("Accepted tokens per target forward")
+    _finish(fig, ax, path, has_data=bool(series))
+
+
+def plot_speedup_vs_tpf(runs: Sequence[dict[str, Any]], path: Path) -> None:
+    """Scatter of speedup against tokens per target forward, one labelled point per run."""
+    points = [
+        (r["tokens_per_forward"], r["speedup"], str(r["method"]), str(r["dataset"]))
+        for r in runs
+        if r.get("tokens_per_forward") is not None and r.get("speedup") is not None
+    ]
+    methods = list(dict.fromkeys(m for _, _, m, _ in points))
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for i, method in enumerate(methods):
+        xs, ys, datasets = zip(*[(x, y, ds) for x, y, m, ds in points if m == method])
+        ax.scatter(xs, ys, color=_color(i, len(methods)), label=method)
+        for x, y, ds in zip(xs, ys, datasets):
+            ax.annotate(
+                f"{method}/{ds}", (x, y), xytext=(4, 4), textcoords="offset points", fontsize="x-small"
+            )
+    if points:
+        ax.axhline(1.0, color="gray", linestyle="--", linewidth=1)
+    ax.set_xlabel("tokens per target forward")
+    ax.set_ylabel("speedup over baseline (×)")
+    ax.set_title("Speedup vs tokens per forward")
+    _finish(fig, ax, path, has_data=bool(points))
+
+
+def write_report(runs: Sequence[dict[str, Any]], out: Path) -> str:
+    """Write report.md, report.csv and the three PNGs into ``out``; returns the markdown."""
+    out.mkdir(parents=True, exist_ok=True)
+    rows = build_table(runs)
+    text = write_markdown(rows, out / "report.md")
+    write_csv(runs, out / "report.csv")
+    plot_speedup(rows, out / "speedup.png")
+    plot_accepted_hist(runs, rows, out / "accepted_hist.png")
+    plot_speedup_vs_tpf(runs, out / "speedup_vs_tpf.png")
+    return text
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    """CLI: ``python -m pardec.report RUN_DIR_OR_GLOB ... --out DIR``."""
+    parser = argparse.ArgumentParser(prog="python -m pardec.report", description=__doc__.splitlines()[0])
+    parser.add_argument("runs", nargs="+", help="run dirs, dirs holding run dirs, or globs (quote them)")
+    parser.add_argument("--out", required=True, type=Path, help="directory for report.md/.csv and plots")
+    args = parser.parse_args(argv)
+    format_warning = warnings.formatwarning
+    warnings.formatwarning = lambda message, category, *_args, **_kw: f"{category.__name__}: {message}\n"
+    try:
+        try:
+            runs = load_runs(args.runs)
+        except (FileNotFoundError, ValueError) as err:  # a bad argument: usage and message, no traceback
+            parser.error(str(err))
+        print(write_report(runs, args.out))
+    finally:
+        warnings.formatwarning = format_warning
+    print(f"wrote {len(runs)} runs to {args.out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,141 @@
+"""`python -m evaluate`: config validation, an end-to-end run on tiny_random, resume, skips, multirun."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from hydra import compose, initialize_config_dir
+
+from pardec import CONF_DIR
+from pardec.config import ConfigError
+from pardec.evaluate import run, validate
+from pardec.registry import UnknownNameError
+
+TINY = ["model=tiny_random", "n_samples=3", "max_new_tokens=12", "bench.warmup=0", "perplexity.enabled=true"]
+
+
+def cfg_of(*overrides: str):
+    with initialize_config_dir(str(CONF_DIR), version_base="1.3"):
+        return compose("evaluate", overrides=list(overrides))
+
+
+def lines(run_dir: Path) -> list[dict]:
+    return [json.loads(x) for x in (run_dir / "results.jsonl").read_text().splitlines() if x.strip()]
+
+
+@pytest.mark.parametrize(
+    "overrides,needle",
+    [
+        ([], "no method given: pass +method=<name>; valid methods: ar, hf_generate, jacobi, pld"),
+        (["+method=jacobi", "method.name=jacobo"], "unknown method 'jacobo'. Did you mean 'jacobi'?"),
+        (["+method=jacobi", "+method.blocksize=4"], "has no parameter(s) ['blocksize']; valid: block_size"),
+        (["+method=jacobi", "method.block_size=0"], "method.block_size=0 is out of range"),
+        (["+method=ar", "dataset.name=gsm9k"], "unknown dataset 'gsm9k'. Did you mean 'gsm8k'?"),
+        (["+method=ar", "max_new_tokens=0"], "max_new_tokens=0 is out of range: it must be >= 1"),
+        (["+method=ar", "n_samples=0"], "n_samples=0 is out of range"),
+        (["+method=ar", "dtype=fp8"], "dtype='fp8' is not valid; choose one of: fp32, bf16, fp16"),
+        (["+method=ar", "sampling.top_p=1.5"], "sampling.top_p=1.5 is out of range"),
+        (["+method=ar", "bench.baseline=nope"], "unknown method 'nope'"),
+        (["+method=ar", "max_new_tokens=abc"], "max_new_tokens"),
+    ],
+)
+def test_config_errors_name_the_bad_value_and_choices(overrides, needle):
+    with pytest.raises((ConfigError, UnknownNameError)) as e:
+        validate(cfg_of(*overrides))
+    assert needle in str(e.value)
+
+
+def test_unknown_config_group_option_lists_valid_ones():
+    from hydra.errors import MissingConfigException
+
+    with pytest.raises(MissingConfigException) as e:
+        cfg_of("+method=nope")
+    assert "jacobi" in str(e.value)  # Hydra lists the available options
+
+
+def test_end_to_end_run_writes_results_and_summary(tmp_path):
+    summary = run(cfg_of("+method=jacobi", "method.block_size=4", "bench.include_hf=true", *TINY), tmp_path)
+    recs = lines(tmp_path)
+    assert len(recs) == 9 and {r["role"] for r in recs} == {"baseline", "method", "hf"}
+    for r in recs:
+        for k in ("id", "method", "tokens", "text", "target_forwards", "draft_forwards", "accepted", "wall_s",
+                  "equal_to_baseline", "first_divergence", "score"):
+            assert k in r
+        if r["role"] != "baseline":
+            assert r["equal_to_baseline"] is True and r["first_divergence"] is None
+    saved = json.loads((tmp_path / "summary.json").read_text())
+    assert saved == json.loads(json.dumps(summary))
+    for k in ("method", "baseline", "dataset", "model", "dtype", "n_samples", "tokens_per_s", "baseline_tokens_per_s",
+              "hf_tokens_per_s", "speedup", "speedup_median", "tokens_per_forward", "exact_match_rate", "metric",
+              "peak_rss_mb", "perplexity"):
+        assert k in saved, k
+    assert saved["exact_match_rate"] == 1.0 and saved["n_samples"] == 3 and saved["metric_name"] == "pass"
+    assert saved["perplexity"] == pytest.approx(saved["baseline_perplexity"])
+    assert saved["extras"]["fast_forward"] >= 1.0
+
+
+def test_resume_after_a_kill_redoes_and_duplicates_nothing(tmp_path):
+    args = ("+method=pld", *TINY, "n_samples=4")
+    run(cfg_of(*args), tmp_path)
+    full = lines(tmp_path)
+    # simulate a kill: keep 3 complete records and half of the 4th
+    raw = (tmp_path / "results.jsonl").read_text().splitlines(keepends=True)
+    (tmp_path / "results.jsonl").write_text("".join(raw[:3]) + raw[3][: len(raw[3]) // 2])
+    with pytest.raises(FileExistsError, match="resume=true"):
+        run(cfg_of(*args), tmp_path)
+    run(cfg_of(*args, "resume=true"), tmp_path)
+    again = lines(tmp_path)
+    keys = [(r["id"], r["role"], r["repeat"]) for r in again]
+    assert len(keys) == len(set(keys)) == len(full) == 8
+    assert again[:3] == full[:3]  # finished records untouched
+    assert [r["tokens"] for r in again] == [r["tokens"] for r in full]  # greedy: same tokens again
+    with pytest.raises(ConfigError, match="cannot resume"):
+        run(cfg_of("+method=jacobi", *TINY, "n_samples=4", "resume=true"), tmp_path)
+
+
+def test_prompt_longer_than_context_is_skipped_and_recorded(tmp_path):
+    summary = run(cfg_of("+method=ar", *TINY, "max_new_tokens=2040", "n_samples=2"), tmp_path)
+    recs = lines(tmp_path)
+    assert len(recs) == 2 and all("exceeds the model's context of 2048 tokens" in r["skipped"] for r in recs)
+    assert summary["n_samples"] == 0 and len(summary["skipped"]) == 2
+
+
+def test_repeats_report_mean_and_std(tmp_path):
+    s = run(cfg_of("+method=jacobi", *TINY, "n_samples=2", "repeats=2"), tmp_path)
+    assert len(lines(tmp_path)) == 8 and s["repeats"] == 2
+    assert s["speedup_std"] is not None and s["tokens_per_s_std"] is not None
+
+
+def _cli(*args: str, cwd: Path, env: dict | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "evaluate", *args], cwd=cwd, capture_output=True, text=True,
+                          env={**os.environ, **(env or {})}, timeout=600)
+
+
+def test_cli_from_another_directory_and_clear_errors(tmp_path):
+    out = tmp_path / "run"
+    p = _cli("+method=jacobi", *TINY, f"hydra.run.dir={out}", cwd=tmp_path)
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert "speedup (total time)" in p.stdout and (out / "summary.json").is_file()
+    bad = _cli("+method=jacobi", "model=tiny_random", "dtype=fp8", f"hydra.run.dir={tmp_path / 'bad'}", cwd=tmp_path)
+    assert bad.returncode == 2 and "dtype='fp8' is not valid" in bad.stderr
+    missing = _cli("model=tiny_random", f"hydra.run.dir={tmp_path / 'bad2'}", cwd=tmp_path)
+    assert missing.returncode == 2 and "pass +method=<name>" in missing.stderr
+    nomodel = _cli("+method=ar", "model=local", "model.path=/no/such/dir", f"hydra.run.dir={tmp_path / 'bad3'}",
+                   cwd=tmp_path)
+    assert nomodel.returncode == 2 and "/no/such/dir" in nomodel.stderr
+
+
+def test_multirun_gives_one_dir_per_job_and_wandb_offline(tmp_path):
+    sweep = tmp_path / "sweep"
+    p = _cli("-m", "+method=ar,pld", "dataset=humaneval", *TINY, "n_samples=1", "logger=wandb",
+             f"hydra.sweep.dir={sweep}", cwd=tmp_path,
+             env={"WANDB_MODE": "offline", "WANDB_SILENT": "true", "WANDB_DIR": str(tmp_path)})
+    assert p.returncode == 0, p.stderr[-2000:]
+    jobs = sorted(d for d in sweep.iterdir() if (d / "summary.json").is_file())
+    assert [json.loads((d / "summary.json").read_text())["method"] for d in jobs] == ["ar", "pld"]
+    assert list(jobs[0].glob("wandb/offline-run-*")), "W&B wrote an offline run in the job dir"

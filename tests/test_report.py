@@ -1,0 +1,181 @@
+"""pardec.report on synthetic run dirs: loading, table values, CSV, plots, CLI."""
+
+from __future__ import annotations
+
+import csv
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from pardec.report import MISSING, ReportWarning, build_table, load_runs, main, render_markdown
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+PLOTS = ("speedup.png", "accepted_hist.png", "speedup_vs_tpf.png")
+
+
+def summary(method: str, dataset: str, **over: Any) -> dict[str, Any]:
+    """A summary.json like the one `python -m evaluate` writes."""
+    base = {
+        "method": method, "method_params": {}, "baseline": "ar", "dataset": dataset, "model": "smollm2_135m",
+        "dtype": "bf16", "n_samples": 2, "skipped": [], "repeats": 1, "max_new_tokens": 16,
+        "sampling": {"temperature": 0.0, "top_k": 0, "top_p": 1.0, "seed": 0},
+        "tokens_per_s": 40.0, "tokens_per_s_std": 0.0, "baseline_tokens_per_s": 30.0,
+        "baseline_tokens_per_s_std": 0.0, "hf_tokens_per_s": None,
+        "speedup": 1.33, "speedup_std": 0.0, "speedup_median": 1.3,
+        "tokens_per_forward": 1.8, "baseline_tokens_per_forward": 1.0, "exact_match_rate": 1.0,
+        "metric_name": "correct", "metric": 0.5, "baseline_metric": 0.5,
+        "perplexity": 5.0, "baseline_perplexity": 5.0, "peak_rss_mb": 100.0,
+        "accepted_histogram": {"1": 10, "2": 5}, "extras": {"fast_forward": 1.3},
+    }  # fmt: skip
+    return base | over
+
+
+def make_run(root: Path, name: str, summ: dict[str, Any], results: str | None = None) -> Path:
+    """A run dir with summary.json and results.jsonl (`results` overrides the jsonl text)."""
+    run = root / name
+    (run / ".hydra").mkdir(parents=True)
+    (run / ".hydra" / "config.yaml").write_text(f"method: {summ['method']}\n")
+    (run / "summary.json").write_text(json.dumps(summ))
+    if results is None:
+        lines = [
+            {"id": i, "method": summ["method"], "role": role, "repeat": 0, "n_tokens": 3, "accepted": [2, 1]}
+            for i in range(2)
+            for role in ("method", "baseline")
+        ]
+        results = "".join(json.dumps(line) + "\n" for line in lines)
+    (run / "results.jsonl").write_text(results)
+    return run
+
+
+@pytest.fixture
+def multirun(tmp_path: Path) -> Path:
+    """3 methods × 2 datasets: repeats>1 on one, a truncated results.jsonl, a null metric, a missing cell."""
+    root = tmp_path / "multirun" / "2026-01-01" / "12-00-00"
+    ar = {"speedup": 1.0, "tokens_per_forward": 1.0, "accepted_histogram": {"1": 9}}
+    humaneval = {"metric_name": "pass@1", "metric": 0.25, "baseline_metric": 0.25}
+    truncated = '{"id": 0, "role": "method", "accepted": [1]}\n{"id": 1, "role": "meth'
+    make_run(root, "0", summary("ar", "gsm8k", **ar))
+    make_run(root, "1", summary("ar", "humaneval", **ar, **humaneval))
+    make_run(root, "2", summary("jacobi", "gsm8k", speedup=1.37, speedup_std=0.05, repeats=3))
+    make_run(
+        root, "3", summary("jacobi", "humaneval", speedup=1.21, **humaneval) | {"metric": None}, truncated
+    )
+    make_run(root, "4", summary("pld", "gsm8k", speedup=2.0, exact_match_rate=0.9, hf_tokens_per_s=28.0))
+    return root.parent.parent
+
+
+def test_load_runs_glob_and_recursive(multirun: Path) -> None:
+    with pytest.warns(ReportWarning, match="truncated last line"):
+        by_glob = load_runs([str(multirun / "2026-*" / "*" / "*")])
+    with pytest.warns(ReportWarning):
+        by_parent = load_runs([str(multirun)])
+    assert len(by_glob) == len(by_parent) == 5
+    assert {r["run_dir"] for r in by_glob} == {r["run_dir"] for r in by_parent}
+    truncated = next(r for r in by_glob if r["run_dir"].endswith("3"))
+    assert truncated["n_results"] == 1
+
+
+def test_load_runs_errors(tmp_path: Path) -> None:
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(FileNotFoundError, match="empty"):
+        load_runs([str(tmp_path / "empty")])
+    with pytest.raises(FileNotFoundError, match="no paths match"):
+        load_runs([str(tmp_path / "nothing-*")])
+    make_run(tmp_path, "bad", summary("jacobi", "gsm8k"))
+    (tmp_path / "bad" / "summary.json").write_text("{not json")
+    make_run(tmp_path, "good", summary("jacobi", "gsm8k"))
+    with pytest.warns(ReportWarning, match="corrupt"):
+        runs = load_runs([str(tmp_path / "bad"), str(tmp_path / "good")])
+    assert [Path(r["run_dir"]).name for r in runs] == ["good"]
+
+
+def test_main_reports_a_bad_path_without_traceback(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    (tmp_path / "crashed").mkdir()
+    with pytest.raises(SystemExit) as exc:
+        main([str(tmp_path / "crashed"), "--out", str(tmp_path / "out")])
+    assert exc.value.code == 2
+    assert "crashed holds no summary.json" in capsys.readouterr().err
+
+
+def test_histogram_falls_back_to_results(tmp_path: Path) -> None:
+    make_run(tmp_path, "r", summary("pld", "gsm8k", accepted_histogram=None))
+    (run,) = load_runs([str(tmp_path / "r")])
+    assert run["accepted_histogram"] == {2: 2, 1: 2}  # method lines only
+
+
+def table(md: str, n: int = 0) -> dict[str, list[str]]:
+    """The n-th markdown table of `md` as {row label: cells}, header included under "Method"."""
+    tables = [block for block in md.split("\n\n") if block.startswith("| Method")]
+    rows = [line.strip("| ").split(" | ") for line in tables[n].splitlines() if not line.startswith("|-")]
+    return {row[0]: row[1:] for row in rows}
+
+
+def test_table_values(multirun: Path) -> None:
+    with pytest.warns(ReportWarning):
+        rows = build_table(load_runs([str(multirun)]))
+    assert [r.label for r in rows] == ["ar", "jacobi", "pld"]  # one model/dtype: no tags in labels
+    md = render_markdown(rows)
+    speed, tps = table(md, 0), table(md, 1)
+    assert speed["Method"] == ["gsm8k", "humaneval", "Mean speedup", "Tokens/forward", "Exact match",
+                               "Quality", "Perplexity"]  # fmt: skip
+    assert speed["ar"] == ["1.00×", "1.00×", "1.00×", "1.00", MISSING, "correct 0.500 · pass@1 0.250", "5.00"]
+    assert speed["jacobi"] == ["1.37× ± 0.05", "1.21×", "1.29×", "1.80", "100.0%", "correct 0.500", "5.00"]
+    assert speed["pld"] == ["2.00×", MISSING, "2.00×", "1.80", "90.0%", "correct 0.500", "5.00"]
+    assert tps["pld"] == ["40.0 / 30.0 / 28.0", MISSING]
+    assert tps["ar"] == ["30.0 / 30.0 / 28.0", "30.0 / 30.0 / –"]
+
+
+def test_labels_tag_model_and_dtype_when_they_vary(tmp_path: Path) -> None:
+    make_run(tmp_path, "a", summary("jacobi", "gsm8k", dtype="bf16"))
+    make_run(tmp_path, "b", summary("jacobi", "gsm8k", dtype="fp32", speedup=1.1))
+    rows = build_table(load_runs([str(tmp_path)]))
+    assert [r.label for r in rows] == ["ar (bf16)", "jacobi (bf16)", "ar (fp32)", "jacobi (fp32)"]
+    assert rows[3].cells["gsm8k"].speedup == pytest.approx(1.1)
+
+
+def test_method_params_split_rows_when_they_vary(tmp_path: Path) -> None:
+    make_run(tmp_path, "a", summary("jacobi", "gsm8k", method_params={"window": 8}))
+    make_run(tmp_path, "b", summary("jacobi", "gsm8k", method_params={"window": 16}, speedup=1.5))
+    make_run(tmp_path, "c", summary("pld", "gsm8k", method_params={"ngram": 3}))
+    rows = build_table(load_runs([str(tmp_path)]))
+    assert [r.label for r in rows] == ["ar", "jacobi (window=16)", "jacobi (window=8)", "pld"]
+
+
+def test_repeated_runs_of_a_cell_are_averaged(tmp_path: Path) -> None:
+    make_run(tmp_path, "a", summary("jacobi", "gsm8k", speedup=1.2))
+    make_run(tmp_path, "b", summary("jacobi", "gsm8k", speedup=1.4))
+    with pytest.warns(ReportWarning, match="2 runs"):
+        rows = build_table(load_runs([str(tmp_path)]))
+    cell = rows[1].cells["gsm8k"]
+    assert (cell.speedup, cell.speedup_std) == (pytest.approx(1.3), pytest.approx(0.1414, abs=1e-4))
+
+
+def test_main_end_to_end(multirun: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "report"
+    with pytest.warns(ReportWarning):
+        main([str(multirun / "2026-*" / "*" / "*"), "--out", str(out)])
+    printed = capsys.readouterr().out
+    assert "| jacobi | 1.37× ± 0.05 |" in printed
+    assert (out / "report.md").read_text().count("| pld |") == 2  # speedup and tokens/s tables
+    with (out / "report.csv").open() as fh:
+        rows = list(csv.DictReader(fh))
+    assert len(rows) == 5
+    columns = {"method", "dataset", "speedup", "peak_rss_mb", "extras.fast_forward", "sampling.temperature"}
+    assert columns | {"run_dir", "n_results", "n_skipped"} <= rows[0].keys()
+    assert not any(c.startswith(("accepted_histogram", "skipped")) for c in rows[0])
+    jacobi_he = next(r for r in rows if r["method"] == "jacobi" and r["dataset"] == "humaneval")
+    assert jacobi_he["metric"] == "" and float(jacobi_he["speedup"]) == 1.21
+    for name in PLOTS:
+        assert (out / name).read_bytes()[:8] == PNG_MAGIC
+
+
+@pytest.mark.parametrize("method", ["jacobi", "ar"])  # an ar-only report has nothing to plot: "no data"
+def test_plots_with_a_single_run(tmp_path: Path, method: str) -> None:
+    make_run(tmp_path, "only", summary(method, "gsm8k"))
+    main([str(tmp_path / "only"), "--out", str(tmp_path / "out")])
+    for name in PLOTS:
+        assert (tmp_path / "out" / name).read_bytes()[:8] == PNG_MAGIC
