@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import torch
-from transformers import GenerationConfig
+from transformers import GenerationConfig, StoppingCriteria, StoppingCriteriaList
 
 from pardec.config import SamplingConfig
 from pardec.decoding.base import Decoder, GenerationResult, Output, Stopper, Timer, register_method
@@ -30,13 +30,15 @@ class HFGenerate(Decoder):
             temperature=s.temperature if not s.greedy else None,
             top_k=(s.top_k or None) if not s.greedy else None,
             top_p=s.top_p if not s.greedy else None,
-            stop_strings=stop.stop_strings or None,
         )
         if not s.greedy:
             torch.manual_seed(s.seed)
-        extra = {"tokenizer": self.tokenizer} if stop.stop_strings else {}
+        # our stop-string rule (generated text only), not generate()'s own, which also matches across the
+        # prompt boundary and would stop at a different token
+        criteria = StoppingCriteriaList([_StopStrings(stop, ids.shape[1])]) if stop.stop_strings else None
         timer = Timer(ids.device)
-        seq = model.generate(ids, attention_mask=torch.ones_like(ids), generation_config=gc, **extra)
+        seq = model.generate(ids, attention_mask=torch.ones_like(ids), generation_config=gc,
+                             stopping_criteria=criteria)
         total = timer.elapsed()
         new = seq[0, ids.shape[1] :].tolist()
         # apply our own stop rule to generate()'s output so every method is cut the same way
@@ -44,3 +46,15 @@ class HFGenerate(Decoder):
         out.commit(new)
         n = len(out.tokens)
         return GenerationResult(out.tokens, out.reason or "length", n, 0, [1] * n, 0.0, total)
+
+
+class _StopStrings(StoppingCriteria):
+    """generate() stopping criterion applying :class:`Stopper`'s stop strings to the generated tokens."""
+
+    def __init__(self, stop: Stopper, prompt_len: int):
+        self.stop, self.prompt_len = stop, prompt_len
+
+    def __call__(self, input_ids: torch.Tensor, scores, **kwargs) -> torch.Tensor:
+        new = input_ids[0, self.prompt_len :].tolist()
+        hit = self.stop.first_stop(new[:-1], new[-1:]) if new else None
+        return torch.full((input_ids.shape[0],), hit is not None, dtype=torch.bool, device=input_ids.device)
