@@ -13,6 +13,7 @@ from typing import Any, ClassVar
 import torch
 
 from pardec.config import ConfigError, SamplingConfig
+from pardec.decoding.sampling import make_generator, select, verify_draft
 from pardec.models.cached import CachedModel
 from pardec.registry import Registry
 
@@ -138,12 +139,51 @@ class Decoder:
     ) -> GenerationResult:
         raise NotImplementedError
 
-    # helpers -------------------------------------------------------------------------------
-    def _prompt(self, prompt_ids) -> torch.Tensor:
+    # shared steps ----------------------------------------------------------------------------
+    def _start(self, prompt_ids, max_new_tokens: int, stop: Stopper | None, sampling: SamplingConfig | None):
+        """Prefill the target with the prompt and commit its first token.
+
+        Returns (state, last committed token); ``state.prefill_s`` is set, the clock keeps running."""
+        s = sampling or SamplingConfig()
         ids = torch.as_tensor(prompt_ids, dtype=torch.long).reshape(1, -1)
         if ids.shape[1] == 0:
             raise ValueError("empty prompt")
-        return ids.to(self.target.device)
+        ids = ids.to(self.target.device)
+        st = _Run(s, Output(max_new_tokens, stop or Stopper()), ids, make_generator(s, ids.device), Timer(ids.device))
+        last = int(select(self.target.prefill(ids), s, st.gen))
+        st.out.commit([last])
+        st.prefill_s = st.timer.elapsed()
+        st.target_forwards = 1
+        return st, last
+
+    def _verify_chain(self, st: _Run, last: int, draft: torch.Tensor) -> tuple[torch.Tensor, list[int], list[int]]:
+        """One target forward over ``[last, *draft]``; commit the accepted prefix + one target token and keep
+        only their positions in the cache. Returns (logits [k+1, V], committed tokens, kept by the output)."""
+        base = self.target.length
+        inp = torch.cat([torch.tensor([last]), draft.cpu()])[None].to(st.ids.device)
+        logits = self.target.forward(inp).logits[0]
+        st.target_forwards += 1
+        acc = verify_draft(draft.to(st.ids.device), logits, st.s, st.gen)
+        kept = st.out.commit(acc)
+        self.target.truncate(base + len(acc))  # `last` + the accepted draft tokens
+        return logits, acc, kept
+
+    def _result(self, st: _Run, extras: dict | None = None, draft_forwards: int = 0) -> GenerationResult:
+        return GenerationResult(st.out.tokens, st.out.reason, st.target_forwards, draft_forwards, st.out.accepted,
+                                st.prefill_s, st.timer.elapsed(), extras or {})
+
+
+@dataclass
+class _Run:
+    """Per-call state shared by the steps of one generation."""
+
+    s: SamplingConfig
+    out: Output
+    ids: torch.Tensor  # [1, T] prompt on the target's device
+    gen: torch.Generator | None
+    timer: Timer
+    prefill_s: float = 0.0
+    target_forwards: int = 0
 
 
 METHODS: Registry[type[Decoder]] = Registry("method")

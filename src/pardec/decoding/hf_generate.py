@@ -17,7 +17,7 @@ class HFGenerate(Decoder):
     def generate(self, prompt_ids, max_new_tokens, stop=None, sampling=None) -> GenerationResult:
         s = sampling or SamplingConfig()
         stop = stop or Stopper()
-        ids = self._prompt(prompt_ids)
+        ids = torch.as_tensor(prompt_ids, dtype=torch.long).reshape(1, -1).to(self.target.device)
         model = self.target.model
         eos = sorted(stop.eos_ids) or None  # None: no EOS stop, like our decoders with an empty Stopper
         # a fresh config (not the model's, whose eos/sampling defaults would leak in)

@@ -21,9 +21,9 @@ from __future__ import annotations
 
 import torch
 
-from pardec.config import ConfigError, SamplingConfig
-from pardec.decoding.base import Decoder, GenerationResult, Output, Stopper, Timer, register_method
-from pardec.decoding.sampling import make_generator, select, verify_draft
+from pardec.config import ConfigError
+from pardec.decoding.base import Decoder, GenerationResult, register_method
+from pardec.decoding.sampling import select
 
 
 def stationary_count(states: list[list[int]], committed: list[int], fixed_point: list[int]) -> int:
@@ -73,18 +73,10 @@ class Jacobi(Decoder):
 
     @torch.inference_mode()
     def generate(self, prompt_ids, max_new_tokens, stop=None, sampling=None) -> GenerationResult:
-        s = sampling or SamplingConfig()
-        out = Output(max_new_tokens, stop or Stopper())
-        ids = self._prompt(prompt_ids)
-        dev = ids.device
-        gen = make_generator(s, dev)
-        init_gen = torch.Generator().manual_seed(s.seed)  # initial guesses, seeded independently
-        prompt = ids[0].cpu()
-        timer = Timer(dev)
-        last = int(select(self.target.prefill(ids), s, gen))
-        out.commit([last])
-        prefill_s = timer.elapsed()
-        forwards = 1
+        st, last = self._start(prompt_ids, max_new_tokens, stop, sampling)
+        out = st.out
+        init_gen = torch.Generator().manual_seed(st.s.seed)  # initial guesses, seeded independently
+        prompt = st.ids[0].cpu()
         ff_counts: list[int] = []
         trajectories: list[dict] = []
         stationary = 0
@@ -93,20 +85,13 @@ class Jacobi(Decoder):
             guess = self.initial_guess(prompt, out.tokens, n, init_gen)
             block: list[int] = []  # committed tokens of this block
             states, committed = [list(guess)], [0]
-            iters = 0
-            while len(block) < n and not out.done and iters < self.max_iters:
-                base = self.target.length
-                inp = torch.tensor([[last] + guess[:-1]], device=dev)
-                logits = self.target.forward(inp).logits[0]  # [r, V]
-                forwards += 1
-                iters += 1
-                acc = verify_draft(torch.tensor(guess[:-1], device=dev), logits, s, gen)
-                kept = out.commit(acc)
-                self.target.truncate(base + len(acc))  # keep `last` + accepted guesses
+            while len(block) < n and not out.done and len(states) <= self.max_iters:  # iterations = len - 1
+                # the guess's last token has no successor in the block: it is only predicted, not verified
+                logits, acc, kept = self._verify_chain(st, last, torch.tensor(guess[:-1], dtype=torch.long))
                 block += kept
                 ff_counts.append(len(kept))
                 last = acc[-1]
-                guess = select(logits[len(acc) :], s, gen).tolist() if len(block) < n else []
+                guess = select(logits[len(acc) :], st.s, st.gen).tolist() if len(block) < n else []
                 states.append(block + guess)
                 committed.append(len(block))
             complete = len(block) == n
@@ -123,5 +108,4 @@ class Jacobi(Decoder):
         }
         if self.record_trajectories:
             extras["trajectories"] = trajectories
-        return GenerationResult(out.tokens, out.reason, forwards, 0, out.accepted, prefill_s, timer.elapsed(),
-                                extras)
+        return self._result(st, extras)

@@ -5,9 +5,8 @@ from __future__ import annotations
 
 import torch
 
-from pardec.config import ConfigError, SamplingConfig
-from pardec.decoding.base import Decoder, GenerationResult, Output, Stopper, Timer, register_method
-from pardec.decoding.sampling import make_generator, select, verify_draft
+from pardec.config import ConfigError
+from pardec.decoding.base import Decoder, GenerationResult, register_method
 
 
 def lookup(seq: torch.Tensor, max_ngram: int, min_ngram: int, num_pred: int) -> torch.Tensor:
@@ -43,30 +42,16 @@ class PromptLookup(Decoder):
 
     @torch.inference_mode()
     def generate(self, prompt_ids, max_new_tokens, stop=None, sampling=None) -> GenerationResult:
-        s = sampling or SamplingConfig()
-        out = Output(max_new_tokens, stop or Stopper())
-        ids = self._prompt(prompt_ids)
-        dev = ids.device
-        gen = make_generator(s, dev)
-        timer = Timer(dev)
-        last = int(select(self.target.prefill(ids), s, gen))
-        out.commit([last])
-        prefill_s = timer.elapsed()
-        seq = torch.cat([ids[0].cpu(), torch.tensor([last])])
-        forwards, drafted = 1, 0
-        while not out.done:
-            draft = self.propose(seq)[: out.room - 1]
-            base = self.target.length
-            logits = self.target.forward(torch.cat([torch.tensor([last]), draft])[None].to(dev)).logits[0]
-            forwards += 1
+        st, last = self._start(prompt_ids, max_new_tokens, stop, sampling)
+        seq = torch.cat([st.ids[0].cpu(), torch.tensor([last])])
+        drafted = accepted = 0
+        while not st.out.done:
+            draft = self.propose(seq)[: st.out.room - 1]
+            _, acc, kept = self._verify_chain(st, last, draft)
             drafted += draft.numel()
-            acc = verify_draft(draft.to(dev), logits, s, gen)
-            kept = out.commit(acc)
-            self.target.truncate(base + len(acc))
+            accepted += len(acc) - 1
             last = acc[-1]
             seq = torch.cat([seq, torch.tensor(kept, dtype=torch.long)])
-        accepted_drafts = len(out.tokens) - (forwards)  # every forward commits exactly one non-draft token
-        extras = {"drafted_tokens": drafted, "accepted_draft_tokens": max(0, accepted_drafts),
-                  "draft_acceptance": max(0, accepted_drafts) / drafted if drafted else None}
-        return GenerationResult(out.tokens, out.reason, forwards, 0, out.accepted, prefill_s, timer.elapsed(),
-                                extras)
+        extras = {"drafted_tokens": drafted, "accepted_draft_tokens": accepted,
+                  "draft_acceptance": accepted / drafted if drafted else None}
+        return self._result(st, extras)
