@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import resource
 import statistics
 import sys
@@ -31,6 +30,7 @@ from pardec.config import (
     SamplingConfig,
     to_dataclass,
 )
+from pardec.jsonl import append_jsonl, read_jsonl
 
 log = logging.getLogger("pardec.evaluate")
 
@@ -106,21 +106,7 @@ class ResultsLog:
             self._load()
 
     def _load(self) -> None:
-        raw = self.path.read_bytes()
-        lines = raw.split(b"\n")
-        good: list[bytes] = []
-        for i, line in enumerate(lines):
-            if not line.strip():
-                continue
-            try:
-                self.records.append(json.loads(line))
-                good.append(line)
-            except json.JSONDecodeError:
-                if i < len(lines) - 1 and any(x.strip() for x in lines[i + 1 :]):
-                    raise ValueError(f"{self.path}, line {i + 1}: malformed JSON in the middle of the file") from None
-                log.warning("dropping a truncated last line of %s (the run was killed while writing it)", self.path)
-        if len(good) != len([x for x in lines if x.strip()]):
-            self.path.write_bytes(b"\n".join(good) + b"\n")
+        self.records = read_jsonl(self.path, repair=True)
 
     def done(self, doc_id: str, role: str, repeat: int) -> dict | None:
         for r in self.records:
@@ -129,10 +115,7 @@ class ResultsLog:
         return None
 
     def append(self, rec: dict) -> None:
-        with self.path.open("a", encoding="utf-8") as f:
-            f.write(json.dumps(rec) + "\n")
-            f.flush()
-            os.fsync(f.fileno())
+        append_jsonl(self.path, [rec])
         self.records.append(rec)
 
 

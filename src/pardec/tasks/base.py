@@ -8,12 +8,12 @@ but small.
 
 from __future__ import annotations
 
-import json
 import math
 from pathlib import Path
 from typing import Any, ClassVar
 
 from pardec.config import DatasetConfig
+from pardec.jsonl import read_jsonl as _read_jsonl
 from pardec.registry import Registry
 
 
@@ -82,20 +82,8 @@ def build_task(cfg: DatasetConfig, timeout_s: float = 10.0) -> Task:
 
 # ------------------------------------------------------------------------------- helpers
 def read_jsonl(path: str | Path) -> list[dict]:
-    """Records of a JSONL file; a malformed line raises naming the file and the line number."""
-    p = Path(path)
-    if not p.is_file():
-        raise DataError(f"dataset file {p} does not exist")
-    rows = []
-    with p.open(encoding="utf-8") as f:
-        for i, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                rows.append(json.loads(line))
-            except json.JSONDecodeError as e:
-                raise DataError(f"{p}, line {i}: malformed JSON ({e.msg})") from None
-    return rows
+    """Records of a JSONL file; a malformed line raises :class:`DataError` naming the file and the line."""
+    return _read_jsonl(path, error=DataError)
 
 
 def load_hub(hub_id: str, config: str | None, split: str, task: str) -> list[dict]:
