@@ -1,0 +1,288 @@
+"""`python -m train +experiment=<name> [stage=collect|train|all] [key=value ...]`: CLLM training end to end.
+
+* ``stage=collect``: Jacobi trajectories of ``model`` on ``dataset`` into ``collect.out_dir``
+  (default ``${paths.data_dir}/trajectories/<experiment>``); resumable: rerun the same command after a kill.
+* ``stage=train``: :class:`~pardec.training.trainer.CLLMTrainer` on ``<train_data>/trajectories.jsonl``
+  (``train_data`` defaults to ``collect.out_dir``); the final model (LoRA merged) and tokenizer go to
+  ``<run dir>/final``, loadable with ``python -m evaluate +method=jacobi model=local model.path=<run dir>/final``.
+* ``stage=all``: both, in one process.
+
+Several processes (``torchrun --nproc_per_node N -m train ...``): collection is sharded by prompt index and
+merged by rank 0; training is data parallel (``trainer.deepspeed=zero2|zero3`` for DeepSpeed). All ranks must
+agree on the run directory, so ``run_name`` (the last component of ``hydra.run.dir``) is not a timestamp
+there but ``torchrun-<first 8 chars of TORCHELASTIC_RUN_ID>``, which torchrun gives every worker of one launch
+(``--standalone`` makes it unique per launch); otherwise pass ``run_name=<name>`` yourself. Only rank 0 writes
+``.hydra/`` (``hydra.output_subdir`` is null on the others), creates the W&B run and writes the summary;
+every rank logs to ``train.log`` / ``train-rank<r>.log``.
+
+Resume a killed training run: rerun with the same ``run_name`` (or ``hydra.run.dir``) and
+``trainer.resume_from_checkpoint=true`` (the latest ``checkpoint-*`` in the run dir) or ``=<checkpoint dir>``.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import logging
+import os
+import sys
+from dataclasses import dataclass, fields, replace
+from pathlib import Path
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf
+
+from pardec import CONF_DIR
+from pardec.config import ConfigError, DatasetConfig, ModelConfig, to_dataclass
+from pardec.training.collect import CollectConfig
+
+log = logging.getLogger("pardec.train")
+
+STAGES = ("collect", "train", "all")
+#: keys of the ``trainer`` group handled here; every other key is a CLLMConfig / TrainingArguments field
+APP_KEYS = ("lora", "deepspeed", "model_dtype", "resume_from_checkpoint")
+LORA_KEYS = ("enabled", "r", "alpha", "dropout", "target_modules")
+
+
+# ------------------------------------------------------------------------------------------- ranks
+@dataclass(frozen=True)
+class Dist:
+    rank: int = 0
+    world: int = 1
+    local_rank: int = 0
+
+    @classmethod
+    def from_env(cls) -> Dist:
+        env = os.environ
+        return cls(int(env.get("RANK", 0)), int(env.get("WORLD_SIZE", 1)), int(env.get("LOCAL_RANK", 0)))
+
+
+def _run_name() -> str:
+    d = Dist.from_env()
+    if d.world == 1:
+        return datetime.datetime.now().strftime("%Y-%m-%d_%H-%M-%S")
+    run_id = os.environ.get("TORCHELASTIC_RUN_ID", "none")
+    if run_id in ("", "none"):
+        raise ConfigError(f"{d.world} processes need one shared run directory: pass run_name=<name> "
+                          "(or launch with `torchrun --standalone`, which gives every rank the same run id)")
+    return f"torchrun-{run_id[:8]}"
+
+
+def register_resolvers() -> None:
+    resolvers = {
+        "pardec_run_name": _run_name,
+        "pardec_rank0": lambda value: value if Dist.from_env().rank == 0 else None,
+        "pardec_rank_suffix": lambda: "" if Dist.from_env().rank == 0 else f"-rank{Dist.from_env().rank}",
+    }
+    for name, fn in resolvers.items():
+        if not OmegaConf.has_resolver(name):
+            OmegaConf.register_new_resolver(name, fn)
+
+
+register_resolvers()
+
+
+# ------------------------------------------------------------------------------------------- config
+@dataclass
+class TrainSpec:
+    experiment: str
+    stage: str
+    model: ModelConfig
+    dataset: DatasetConfig
+    collect: CollectConfig
+    trainer: dict  # CLLMConfig keyword arguments
+    lora: dict | None  # LoRA settings when enabled
+    deepspeed: Path | None
+    model_dtype: str
+    resume: bool | str | None
+    train_data: Path
+    logger: dict
+    threads: int
+    config: dict  # the whole resolved config (for W&B)
+
+
+def experiments() -> list[str]:
+    return sorted(p.stem for p in (CONF_DIR / "experiment").glob("*.yaml"))
+
+
+def validate(cfg: DictConfig) -> TrainSpec:
+    """Check every name and value before anything heavy loads; errors name the key and the valid choices."""
+    from pardec.training.trainer import CLLMConfig, check_options
+
+    name = cfg.get("experiment_name")
+    if not name:
+        raise ConfigError(f"no experiment given: pass +experiment=<name>; valid experiments: {', '.join(experiments())}")
+    if cfg.stage not in STAGES:
+        raise ConfigError(f"stage={cfg.stage!r} is not valid; choose one of: {', '.join(STAGES)}")
+    tcfg = OmegaConf.to_container(cfg.trainer, resolve=True)
+    valid = {f.name for f in fields(CLLMConfig) if f.init} | set(APP_KEYS)
+    unknown = sorted(set(tcfg) - valid)
+    if unknown:
+        raise ConfigError(f"unknown key(s) {unknown} in trainer; valid: {', '.join(APP_KEYS)}, the CLLM keys "
+                          f"(loss_type, distance, jsd_beta, ar_weight, max_length, state_sampling) and any "
+                          f"transformers.TrainingArguments field")
+    check_options(tcfg)
+    lora = dict(tcfg.pop("lora", None) or {})
+    bad = sorted(set(lora) - set(LORA_KEYS))
+    if bad:
+        raise ConfigError(f"unknown key(s) {bad} in trainer.lora; valid: {', '.join(LORA_KEYS)}")
+    model_dtype = tcfg.pop("model_dtype", "fp32")
+    deepspeed = _deepspeed_config(tcfg.pop("deepspeed", None))
+    resume = tcfg.pop("resume_from_checkpoint", None)
+    model = to_dataclass(ModelConfig, cfg.model, "model")
+    replace(model, dtype=model_dtype)  # range check of trainer.model_dtype
+    return TrainSpec(
+        experiment=name, stage=cfg.stage, model=model,
+        dataset=to_dataclass(DatasetConfig, cfg.dataset, "dataset"),
+        collect=to_dataclass(CollectConfig, cfg.collect, "collect"),
+        trainer=tcfg, lora=lora if lora.get("enabled") else None, deepspeed=deepspeed, model_dtype=model_dtype,
+        resume=resume, train_data=Path(cfg.train_data),
+        logger=OmegaConf.to_container(cfg.get("logger") or {"name": "none"}, resolve=True),
+        threads=int(cfg.get("threads", 2)), config=OmegaConf.to_container(cfg, resolve=True),
+    )
+
+
+def _deepspeed_config(name: str | None) -> Path | None:
+    if not name:
+        return None
+    choices = sorted(p.stem for p in (CONF_DIR / "deepspeed").glob("*.json"))
+    if name not in choices:
+        raise ConfigError(f"trainer.deepspeed={name!r} is not valid; choose one of: {', '.join(choices)} or null")
+    return CONF_DIR / "deepspeed" / f"{name}.json"
+
+
+# ------------------------------------------------------------------------------------------- stages
+def _barrier(d: Dist):
+    """A barrier over all ranks (the process group is created on first use), or None for one process."""
+    if d.world == 1:
+        return None
+    import torch
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        if torch.cuda.is_available():
+            torch.cuda.set_device(d.local_rank)
+        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+    return dist.barrier
+
+
+def run_collect(spec: TrainSpec, d: Dist) -> dict | None:
+    from pardec.models.cached import CachedModel
+    from pardec.models.loading import load_model
+    from pardec.training.collect import collect, collection_meta, eos_ids_of, prompts_from_dataset
+
+    barrier = _barrier(d)
+    lm = load_model(spec.model)
+    chat = {"auto": lm.chat, "chat": True, "base": False}[spec.dataset.prompt_style]
+    prompts = prompts_from_dataset(spec.dataset, lm.tokenizer, chat, spec.collect.max_prompts)
+    eos = eos_ids_of(lm.model, lm.tokenizer)
+    identity = {"model": {"name": spec.model.name, "path": spec.model.path, "dtype": spec.model.dtype},
+                "dataset": {"name": spec.dataset.name, "split": spec.dataset.split, "path": spec.dataset.path,
+                            "chat": chat}}
+    meta = collection_meta(spec.collect, identity, eos)
+    log.info("collecting trajectories of %d prompts into %s (rank %d of %d)", len(prompts), spec.collect.out_dir,
+             d.rank, d.world)
+    stats = collect(spec.collect, CachedModel(lm.model), eos, prompts, meta, d.rank, d.world, barrier)
+    if stats is not None:
+        log.info("trajectories: %s", json.dumps(stats))
+    return stats
+
+
+def run_train(spec: TrainSpec, run_dir: Path, d: Dist) -> dict[str, Any]:
+    from pardec.models.loading import load_model
+    from pardec.tracking import Tracker
+    from pardec.training.data import CLLMCollator, TrajectoryDataset
+    from pardec.training.trainer import CLLMConfig, CLLMTrainer
+    from pardec.training.trajectories import load_trajectories
+
+    stats_file = spec.train_data / "stats.json"
+    if stats_file.is_file() and not json.loads(stats_file.read_text()).get("complete", True):
+        raise ConfigError(f"{spec.train_data} holds an unfinished collection ({stats_file}); "
+                          f"finish it first: rerun with stage=collect")
+    report_to = spec.logger.get("name", "none")
+    defaults = {"output_dir": str(run_dir), "report_to": report_to, "run_name": run_dir.name}
+    args = CLLMConfig(**{**defaults, **spec.trainer},  # before the model, as ZeRO-3 requires
+                      deepspeed=str(spec.deepspeed) if spec.deepspeed else None)
+    if spec.deepspeed:  # zero.Init (ZeRO-3, inside from_pretrained) needs DeepSpeed's process group now
+        import deepspeed
+
+        _ = args.device  # torch.distributed, as the Trainer sets it up
+        deepspeed.init_distributed()
+    records = load_trajectories(spec.train_data)
+    lm = load_model(replace(spec.model, device="cpu", dtype=spec.model_dtype))  # the Trainer places it
+    model = lm.model
+    if spec.lora:
+        from peft import LoraConfig, get_peft_model
+
+        lo = spec.lora
+        model = get_peft_model(model, LoraConfig(r=lo.get("r", 16), lora_alpha=lo.get("alpha", 32),
+                                                 lora_dropout=lo.get("dropout", 0.05), task_type="CAUSAL_LM",
+                                                 target_modules=lo.get("target_modules")))
+    ds = TrajectoryDataset(records, args.loss_type, args.state_sampling, args.max_length, args.seed)
+    trainer = CLLMTrainer(model=model, args=args, train_dataset=ds, data_collator=CLLMCollator(lm.tokenizer.pad_token_id),
+                          processing_class=lm.tokenizer)
+    logger = spec.logger if d.rank == 0 else {"name": "none"}  # one W&B run: rank 0's
+    with Tracker(logger, run_dir, spec.config, "train", name=run_dir.name) as tracker:
+        result = trainer.train(resume_from_checkpoint=spec.resume)
+        final = run_dir / "final"
+        save_final(trainer, spec, run_dir, final, d)
+        summary = {**result.metrics, "samples": len(ds), "truncated_samples": ds.n_truncated,
+                   "records": len(records), "final_model": str(final)}
+        tracker.log_summary(summary)
+    return summary
+
+
+def save_final(trainer, spec: TrainSpec, run_dir: Path, final: Path, d: Dist) -> None:
+    """Full weights + tokenizer into ``final``; with LoRA the adapter goes to ``<run dir>/adapter`` and rank 0
+    merges it into a fresh copy of the base weights (works the same under ZeRO-3, where weights are sharded)."""
+    from pardec.models.loading import load_model
+
+    trainer.model.config.use_cache = True  # the Trainer turned it off for training; decoding wants it
+    if not spec.lora:
+        trainer.save_model(str(final))
+        return
+    adapter = run_dir / "adapter"
+    trainer.save_model(str(adapter))
+    if d.rank == 0:
+        from peft import PeftModel
+        from transformers.integrations.deepspeed import unset_hf_deepspeed_config
+
+        unset_hf_deepspeed_config()  # training is over: load the base whole, not ZeRO-3 sharded (rank 0 alone)
+        base = load_model(replace(spec.model, device="cpu", dtype=spec.model_dtype))
+        merged = PeftModel.from_pretrained(base.model, str(adapter)).merge_and_unload()
+        merged.save_pretrained(str(final))
+        base.tokenizer.save_pretrained(str(final))
+
+
+def run(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
+    """Run the stages ``cfg.stage`` names; returns (and on rank 0 writes) ``train_summary.json``."""
+    import torch
+
+    spec = validate(cfg)
+    d = Dist.from_env()
+    torch.set_num_threads(spec.threads)
+    summary: dict[str, Any] = {"experiment": spec.experiment, "stage": spec.stage, "run_dir": str(run_dir)}
+    if spec.stage in ("collect", "all"):
+        summary["collect"] = run_collect(spec, d)
+    if spec.stage in ("train", "all"):
+        summary["train"] = run_train(spec, run_dir, d)
+    if d.rank == 0:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        (run_dir / "train_summary.json").write_text(json.dumps(summary, indent=2, default=str) + "\n")
+    return summary
+
+
+def main() -> None:
+    import hydra
+    from hydra.core.hydra_config import HydraConfig
+
+    @hydra.main(config_path=str(CONF_DIR), config_name="train", version_base="1.3")
+    def _app(cfg: DictConfig) -> None:
+        try:
+            run(cfg, Path(HydraConfig.get().runtime.output_dir))
+        except (ConfigError, KeyError, FileNotFoundError, FileExistsError, ValueError) as e:
+            # user errors: one clear line, no traceback wall (set HYDRA_FULL_ERROR=1 for one)
+            print(f"error: {e}", file=sys.stderr)
+            sys.exit(2)
+
+    _app()

@@ -1,0 +1,169 @@
+"""The Jacobi trajectory files: schema, resumable writer, merge across ranks, reader.
+
+Layout of a collection directory (``collect.out_dir``)::
+
+    meta.json           schema_version, the collection settings (block size, model, seed, ...)
+    part-{rank}.jsonl   the work log of each rank, one record per prompt, appended and fsynced as produced
+    trajectories.jsonl  the merged records of every rank, sorted by prompt index, dropped records left out
+    stats.json          prompts, kept, dropped, blocks, mean iterations per block, tokens, complete
+
+One record (``schema_version`` 1)::
+
+    {"schema_version": 1, "id": "<doc id>", "index": 12,           # index: position in the prompt list
+     "prompt_ids": [...], "answer_ids": [...],                      # answer: greedy answer up to EOS / limit
+     "stop_reason": "eos" | "length",
+     "blocks": [{"states": [[n ids], ...],                          # initial guess ... fixed point
+                 "fixed_point": [n ids]}, ...],                     # == states[-1]
+     "drop_reason": null | "repetition"}                            # part files only
+
+Concatenated fixed points = greedy AR output (``answer_ids`` is its prefix up to the first EOS). The last
+block may be shorter than the block size (the ``max_new_tokens`` limit), and may extend past the EOS.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from collections.abc import Iterable
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+SCHEMA_VERSION = 1
+REQUIRED = ("schema_version", "id", "prompt_ids", "blocks", "answer_ids")
+MERGED = "trajectories.jsonl"
+
+
+class TrajectoryError(ValueError):
+    """A trajectory file is missing, malformed or of another schema version; the message names the file."""
+
+
+def part_path(out_dir: Path, rank: int) -> Path:
+    return out_dir / f"part-{rank}.jsonl"
+
+
+def read_part(path: Path, repair: bool = False) -> list[dict]:
+    """Records of a work log; a last line without its newline (a killed or a still running writer) is
+    ignored, and with ``repair`` (the file's own writer, before appending) cut off the file."""
+    if not path.is_file():
+        return []
+    data = path.read_bytes()
+    end = data.rfind(b"\n") + 1
+    if end < len(data) and repair:
+        log.warning("%s: dropping a truncated last line (%d bytes) left by an interrupted run", path, len(data) - end)
+        with path.open("r+b") as f:
+            f.truncate(end)
+    return _parse_lines(path, data[:end].decode("utf-8").splitlines())
+
+
+def _parse_lines(path: Path, lines: Iterable[str]) -> list[dict]:
+    out = []
+    for i, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            out.append(json.loads(line))
+        except json.JSONDecodeError as e:
+            raise TrajectoryError(f"{path}, line {i}: malformed JSON ({e.msg})") from None
+    return out
+
+
+class PartWriter:
+    """Appends records to ``part-{rank}.jsonl``, one line each, flushed and fsynced after every batch."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        self.f = path.open("a", encoding="utf-8")
+
+    def write(self, records: list[dict]) -> None:
+        for r in records:
+            self.f.write(json.dumps(r, separators=(",", ":")) + "\n")
+        self.f.flush()
+        os.fsync(self.f.fileno())
+
+    def close(self) -> None:
+        self.f.close()
+
+
+def done_ids(out_dir: Path, rank: int) -> set[str]:
+    """Ids already written by any rank (whatever the world size of earlier runs); repairs ``rank``'s own file
+    (other ranks may be appending to theirs)."""
+    mine = part_path(out_dir, rank)
+    return {r["id"] for p in sorted(out_dir.glob("part-*.jsonl")) for r in read_part(p, repair=p == mine)}
+
+
+def merge(out_dir: Path, expected: int) -> dict:
+    """Merge every part file into ``trajectories.jsonl`` (sorted by index, dropped records left out) and
+    write ``stats.json``; returns the stats. ``expected``: the number of prompts of the whole collection."""
+    by_id: dict[str, dict] = {}
+    for p in sorted(out_dir.glob("part-*.jsonl")):
+        for r in read_part(p):
+            by_id.setdefault(r["id"], r)
+    records = sorted(by_id.values(), key=lambda r: r.get("index", 0))
+    kept = [{k: v for k, v in r.items() if k != "drop_reason"} for r in records if not r.get("drop_reason")]
+    tmp = out_dir / (MERGED + ".tmp")
+    with tmp.open("w", encoding="utf-8") as f:
+        for r in kept:
+            f.write(json.dumps(r, separators=(",", ":")) + "\n")
+    tmp.replace(out_dir / MERGED)
+    stats = trajectory_stats(records, kept, expected)
+    (out_dir / "stats.json").write_text(json.dumps(stats, indent=2) + "\n")
+    return stats
+
+
+def trajectory_stats(records: list[dict], kept: list[dict], expected: int) -> dict:
+    blocks = [b for r in kept for b in r["blocks"]]
+    iters = [len(b["states"]) for b in blocks]  # forwards per block: one per state (the last confirms it)
+    dropped: dict[str, int] = {}
+    for r in records:
+        if r.get("drop_reason"):
+            dropped[r["drop_reason"]] = dropped.get(r["drop_reason"], 0) + 1
+    return {
+        "schema_version": SCHEMA_VERSION,
+        "prompts": len(records),
+        "expected_prompts": expected,
+        "complete": len(records) >= expected,
+        "kept": len(kept),
+        "dropped": dropped,
+        "blocks": len(blocks),
+        "mean_iterations_per_block": sum(iters) / max(1, len(iters)),
+        "tokens": sum(len(r["answer_ids"]) for r in kept),
+        "eos_stops": sum(r.get("stop_reason") == "eos" for r in kept),
+    }
+
+
+def validate_record(rec: dict, where: str) -> None:
+    """Raise :class:`TrajectoryError` naming ``where`` if ``rec`` does not follow schema 1."""
+    missing = [k for k in REQUIRED if k not in rec]
+    if missing:
+        raise TrajectoryError(f"{where}: missing field(s) {missing}; a record needs {list(REQUIRED)}")
+    if rec["schema_version"] != SCHEMA_VERSION:
+        raise TrajectoryError(
+            f"{where}: schema_version {rec['schema_version']!r}, but this pardec reads version {SCHEMA_VERSION}; "
+            f"collect the trajectories again (stage=collect)"
+        )
+    for j, b in enumerate(rec["blocks"]):
+        bad = [k for k in ("states", "fixed_point") if k not in b]
+        if bad:
+            raise TrajectoryError(f"{where}: block {j} is missing field(s) {bad}")
+        if not b["states"] or b["states"][-1] != b["fixed_point"]:
+            raise TrajectoryError(f"{where}: block {j}: the last state is not the fixed point")
+
+
+def load_trajectories(path: str | Path) -> list[dict]:
+    """Records of a merged trajectory file (or of ``<dir>/trajectories.jsonl``), validated."""
+    p = Path(path)
+    if p.is_dir():
+        p = p / MERGED
+    if not p.is_file():
+        raise TrajectoryError(f"trajectory file {p} does not exist; run the collection first (stage=collect)")
+    meta = p.parent / "meta.json"
+    if meta.is_file():
+        version = json.loads(meta.read_text()).get("schema_version")
+        if version != SCHEMA_VERSION:
+            raise TrajectoryError(f"{meta}: schema_version {version!r}, but this pardec reads {SCHEMA_VERSION}")
+    records = _parse_lines(p, p.read_text(encoding="utf-8").splitlines())
+    for i, r in enumerate(records, 1):
+        validate_record(r, f"{p}, record {i}")
+    return records

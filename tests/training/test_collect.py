@@ -1,0 +1,149 @@
+"""Trajectory collection on tiny random Llamas: fixed points = greedy AR, resume, merge, schema errors."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from pardec.decoding import Stopper, build_decoder
+from pardec.models.cached import CachedModel
+from pardec.training.collect import (
+    CollectConfig,
+    Prompt,
+    augment_states,
+    collect,
+    collection_meta,
+    has_degenerate_repetition,
+    jacobi_trajectories,
+)
+from pardec.training.trajectories import TrajectoryError, load_trajectories, read_part
+from tests.conftest import tiny
+
+TEXTS = ["Hello", "def fibonacci(n):\n    return", "The quick brown fox jumps over the lazy dog. " * 3,
+         "Natalia sold clips to 48 of her friends.", "1 2 3"]
+
+
+def _prompts(tok) -> list[Prompt]:
+    return [Prompt(i, f"doc{i}", tok(t)["input_ids"]) for i, t in enumerate(TEXTS)]
+
+
+def _greedy(cm, ids, max_new, eos: set[int]) -> list[int]:
+    return build_decoder("ar", cm, None).generate(ids, max_new, Stopper(eos_ids=eos)).tokens
+
+
+@pytest.mark.parametrize("block_size", [4, 7])
+def test_fixed_points_are_greedy_ar_in_a_padded_batch(block_size):
+    lm = tiny()
+    cm = CachedModel(lm.model)
+    prompts = [p.ids for p in _prompts(lm.tokenizer)]
+    max_new = 19  # not a multiple of the block size: the last block is shorter
+    ref = [_greedy(cm, p, max_new, set()) for p in prompts]
+    eos = {ref[1][9]}  # make row 1 stop early (and any other row that emits this token)
+    ref_eos = [_greedy(cm, p, max_new, eos) for p in prompts]
+    gens = [torch.Generator().manual_seed(i) for i in range(len(prompts))]
+    out = jacobi_trajectories(cm, prompts, block_size, max_new, eos, gens)
+    for r, full, want in zip(out, ref, ref_eos):
+        for b in r["blocks"]:
+            assert b["states"][-1] == b["fixed_point"]
+            assert all(len(s) == len(b["fixed_point"]) for s in b["states"])
+            assert all(a != c for a, c in zip(b["states"], b["states"][1:]))  # every recorded state is new
+            assert len(b["states"]) <= len(b["fixed_point"]) + 1
+        fps = [t for b in r["blocks"] for t in b["fixed_point"]]
+        assert fps == full[: len(fps)]
+        assert r["answer_ids"] == want
+        assert r["stop_reason"] == ("eos" if len(want) < max_new or want[-1] in eos else "length")
+        assert r["unconverged"] == 0
+    assert out[1]["stop_reason"] == "eos" and len(out[1]["answer_ids"]) <= 10
+
+
+def _cfg(tmp_path, **kw) -> CollectConfig:
+    return CollectConfig(block_size=5, max_new_tokens=12, batch_size=2, out_dir=str(tmp_path / "traj"), **kw)
+
+
+def test_collect_resume_after_kill_reproduces_the_records(tmp_path):
+    lm = tiny()
+    cm = CachedModel(lm.model)
+    prompts = _prompts(lm.tokenizer)
+    ref_cfg = _cfg(tmp_path / "ref")
+    meta = collection_meta(ref_cfg, {"model": "tiny"}, set())
+    stats = collect(ref_cfg, cm, set(), prompts, meta)
+    assert stats["complete"] and stats["kept"] == len(prompts) and stats["blocks"] == 3 * len(prompts)
+    ref = load_trajectories(ref_cfg.out_dir)
+    assert [r["index"] for r in ref] == list(range(len(prompts)))
+
+    cfg = _cfg(tmp_path)
+    assert collect(cfg, cm, set(), prompts, meta, stop_after=3) is None  # "killed" after 3 records
+    part = tmp_path / "traj" / "part-0.jsonl"
+    with part.open("a") as f:
+        f.write('{"schema_version": 1, "id": "doc3", "prom')  # and a half-written line
+    # a second "rank" of an earlier 2-process run wrote doc4 already
+    (tmp_path / "traj" / "part-1.jsonl").write_text(
+        (tmp_path / "ref" / "traj" / "part-0.jsonl").read_text().splitlines()[4] + "\n")
+    stats = collect(cfg, cm, set(), prompts, meta)
+    assert stats["complete"] and stats["prompts"] == len(prompts)
+    assert load_trajectories(cfg.out_dir) == ref
+    ids = [r["id"] for r in read_part(part)]
+    assert ids == ["doc0", "doc1", "doc2", "doc3"]  # no duplicate, the truncated line is gone
+
+    other = collection_meta(_cfg(tmp_path, seed=1), {"model": "tiny"}, set())
+    with pytest.raises(FileExistsError, match="other settings"):
+        collect(cfg, cm, set(), prompts, other)
+
+
+def test_sharded_collection_merges_sorted(tmp_path):
+    lm = tiny()
+    cm = CachedModel(lm.model)
+    prompts = _prompts(lm.tokenizer)
+    cfg = _cfg(tmp_path)
+    meta = collection_meta(cfg, {"model": "tiny"}, set())
+    assert collect(cfg, cm, set(), prompts, meta, rank=1, world=2) is None
+    stats = collect(cfg, cm, set(), prompts, meta, rank=0, world=2)
+    assert stats["complete"]
+    recs = load_trajectories(cfg.out_dir)
+    assert [r["index"] for r in recs] == list(range(len(prompts)))
+    assert {r["id"] for r in read_part(tmp_path / "traj" / "part-1.jsonl")} == {"doc1", "doc3"}
+
+
+def test_cleaning_drops_repetitive_answers(tmp_path):
+    assert has_degenerate_repetition([5] * 9, max_ngram=1, max_repeats=8)
+    assert not has_degenerate_repetition([5] * 8, max_ngram=1, max_repeats=8)
+    assert has_degenerate_repetition([1, 2, 3] + [7, 8] * 4, max_ngram=2, max_repeats=3)
+    assert not has_degenerate_repetition([1, 2, 3] + [7, 8] * 3, max_ngram=2, max_repeats=3)
+    lm = tiny()
+    cm = CachedModel(lm.model)
+    prompts = _prompts(lm.tokenizer)
+    cfg = _cfg(tmp_path, clean=True, clean_max_ngram=12, clean_max_repeats=1)  # any repeat at all
+    stats = collect(cfg, cm, set(), prompts, collection_meta(cfg, {"model": "tiny"}, set()))
+    kept = load_trajectories(cfg.out_dir)
+    assert stats["kept"] == len(kept) and stats["kept"] + stats["dropped"].get("repetition", 0) == len(prompts)
+    assert all(not has_degenerate_repetition(r["answer_ids"], 12, 1) for r in kept)
+
+
+def test_augmentation_corrects_wrong_tokens_after_the_first():
+    import random
+
+    blocks = [{"states": [[1, 2, 3, 4], [9, 2, 8, 8], [9, 9, 9, 9]], "fixed_point": [9, 9, 9, 9]}]
+    augment_states(blocks, 1.0, random.Random(0))
+    assert blocks[0]["states"] == [[1, 9, 9, 9], [9, 2, 9, 9], [9, 9, 9, 9]]
+
+
+def test_schema_errors_name_the_file_and_fields(tmp_path):
+    f = tmp_path / "trajectories.jsonl"
+    with pytest.raises(TrajectoryError, match="does not exist"):
+        load_trajectories(f)
+    good = {"schema_version": 1, "id": "a", "prompt_ids": [1], "answer_ids": [2],
+            "blocks": [{"states": [[3], [2]], "fixed_point": [2]}]}
+    f.write_text(json.dumps(good) + "\n" + json.dumps({"schema_version": 1, "id": "b"}) + "\n")
+    with pytest.raises(TrajectoryError, match=r"trajectories.jsonl, record 2: missing field\(s\) \['prompt_ids'"):
+        load_trajectories(f)
+    f.write_text(json.dumps({**good, "schema_version": 2}) + "\n")
+    with pytest.raises(TrajectoryError, match="schema_version 2"):
+        load_trajectories(tmp_path)
+    f.write_text(json.dumps({**good, "blocks": [{"states": [[3]], "fixed_point": [2]}]}) + "\n")
+    with pytest.raises(TrajectoryError, match="not the fixed point"):
+        load_trajectories(f)
+    f.write_text("{not json\n")
+    with pytest.raises(TrajectoryError, match="line 1: malformed JSON"):
+        load_trajectories(f)

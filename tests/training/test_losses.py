@@ -1,0 +1,104 @@
+"""CLLM losses: zeros, hand-computed values, masks, stop-gradient, normalisation under accumulation."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from pardec.training.losses import ar_loss, consistency_loss, token_divergence, total_loss
+
+# target p = (1/2, 1/2), student q = (3/4, 1/4)
+P, Q = (0.5, 0.5), (0.75, 0.25)
+
+
+def _kl(a, b) -> float:
+    return sum(x * math.log(x / y) for x, y in zip(a, b))
+
+
+M = tuple(0.5 * x + 0.5 * y for x, y in zip(P, Q))
+EXPECTED = {"fkl": _kl(P, Q), "rkl": _kl(Q, P), "jsd": 0.5 * _kl(P, M) + 0.5 * _kl(Q, M)}
+
+
+def _logits(probs) -> torch.Tensor:
+    return torch.tensor(probs).log()[None, None]  # [1, 1, 2]
+
+
+@pytest.mark.parametrize("distance", ["fkl", "rkl", "jsd"])
+def test_known_values_on_two_token_vocab(distance):
+    got = token_divergence(_logits(Q), _logits(P), distance, beta=0.5)
+    assert got.shape == (1, 1)
+    assert got.item() == pytest.approx(EXPECTED[distance], rel=1e-5)
+    assert EXPECTED["fkl"] == pytest.approx(0.5 * math.log(4 / 3))  # the hand computation itself
+
+
+def test_jsd_endpoints_are_the_kls():
+    s, t = torch.randn(2, 3, 7), torch.randn(2, 3, 7)
+    torch.testing.assert_close(token_divergence(s, t, "jsd", 0.0), token_divergence(s, t, "fkl"))
+    torch.testing.assert_close(token_divergence(s, t, "jsd", 1.0), token_divergence(s, t, "rkl"))
+
+
+@pytest.mark.parametrize("distance", ["fkl", "rkl", "jsd"])
+def test_zero_for_identical_logits(distance):
+    x = torch.randn(3, 4, 11)
+    mask = torch.ones(3, 4, dtype=torch.bool)
+    assert consistency_loss(x, x.clone(), mask, distance).item() == pytest.approx(0.0, abs=1e-6)
+
+
+def test_masked_positions_do_not_count():
+    s, t = torch.randn(2, 3, 5), torch.randn(2, 3, 5)
+    mask = torch.tensor([[True, False, True], [False, False, True]])
+    base = consistency_loss(s, t, mask)
+    s2 = s.clone()
+    s2[~mask] += 100 * torch.randn_like(s2[~mask])
+    torch.testing.assert_close(consistency_loss(s2, t, mask), base)
+    per_tok = token_divergence(s, t)
+    torch.testing.assert_close(base, per_tok[mask].mean())
+    assert consistency_loss(s, t, torch.zeros(2, 3, dtype=torch.bool)).item() == 0.0
+
+
+def test_no_gradient_through_the_target():
+    s = torch.randn(2, 3, 5, requires_grad=True)
+    t = torch.randn(2, 3, 5, requires_grad=True)
+    for d in ("fkl", "rkl", "jsd"):
+        consistency_loss(s, t, torch.ones(2, 3, dtype=torch.bool), d).backward()
+    assert s.grad is not None and s.grad.abs().sum() > 0
+    assert t.grad is None
+
+
+def test_ar_loss_known_values_and_prompt_mask():
+    third = math.log(3.0)
+    logits = torch.tensor([[[0.0, third], [third, 0.0], [5.0, -5.0]]])  # [1, 3, 2]
+    # position 0 predicts token 0 (p = 1/4), position 1 predicts token 1 (p = 1/4); the last is unused
+    assert ar_loss(logits, torch.tensor([[-100, 0, 1]])).item() == pytest.approx(math.log(4))
+    assert ar_loss(logits, torch.tensor([[-100, -100, 0]])).item() == pytest.approx(math.log(4 / 3))
+    assert ar_loss(logits, torch.tensor([[-100, -100, -100]])).item() == 0.0
+
+
+def test_total_is_consistency_plus_weighted_ar():
+    assert total_loss(torch.tensor(1.5), torch.tensor(0.25), 10.0).item() == pytest.approx(4.0)
+
+
+@pytest.mark.parametrize("distance", ["fkl", "jsd"])
+def test_micro_batches_with_num_items_equal_one_big_batch(distance):
+    torch.manual_seed(0)
+    s = torch.randn(4, 5, 9, requires_grad=True)
+    t = torch.randn(4, 5, 9)
+    mask = torch.rand(4, 5) < 0.6
+    labels = torch.randint(9, (4, 5)).masked_fill(torch.rand(4, 5) < 0.4, -100)
+
+    def loss(lo, hi, n_c=None, n_a=None):
+        return total_loss(consistency_loss(s[lo:hi], t[lo:hi], mask[lo:hi], distance, num_items=n_c),
+                          ar_loss(s[lo:hi], labels[lo:hi], num_items=n_a))
+
+    big = loss(0, 4)
+    (g_big,) = torch.autograd.grad(big, s)
+    n_c, n_a = mask.sum(), (labels[:, 1:] != -100).sum()
+    parts = [loss(0, 1, n_c, n_a), loss(1, 4, n_c, n_a)]
+    (g_acc,) = torch.autograd.grad(sum(parts), s)
+    torch.testing.assert_close(sum(parts), big)
+    torch.testing.assert_close(g_acc, g_big)
+    # without the fixed normaliser, the mean of micro-batch means is not the big-batch mean
+    naive = (loss(0, 1) + loss(1, 4)) / 2
+    assert not torch.allclose(naive, big)

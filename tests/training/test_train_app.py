@@ -1,0 +1,131 @@
+"""`python -m train`: config composition and validation, the cllm_tiny experiment end to end, resume, and a
+2-rank DeepSpeed ZeRO-2 run through torchrun (CPU, gloo)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from hydra import compose, initialize_config_dir
+from hydra.core.hydra_config import HydraConfig
+from omegaconf import DictConfig, OmegaConf, open_dict
+
+from pardec import CONF_DIR, REPO_ROOT
+from pardec.config import ConfigError, ModelConfig
+from pardec.models.loading import load_model
+from pardec.train import experiments, run, validate
+from pardec.training.trainer import CLLMConfig
+from pardec.training.trajectories import load_trajectories, read_part
+
+
+def _compose(overrides: list[str]) -> DictConfig:
+    with initialize_config_dir(str(CONF_DIR), version_base="1.3"):
+        cfg = compose("train", overrides=overrides, return_hydra_config=True)
+    HydraConfig.instance().set_config(cfg)  # for ${hydra:runtime.choices.experiment}
+    with open_dict(cfg):
+        del cfg["hydra"]
+    OmegaConf.resolve(cfg)
+    HydraConfig.instance().cfg = None  # leave no global state behind
+    return cfg
+
+
+def _tiny(tmp_path: Path, *extra: str) -> DictConfig:
+    return _compose(["+experiment=cllm_tiny", f"paths.data_dir={tmp_path}/data", f"paths.output_dir={tmp_path}/out",
+                     *extra])
+
+
+def _available(name: str) -> bool:
+    text = (CONF_DIR / "experiment" / f"{name}.yaml").read_text()
+    groups = [line.split("override /")[1].split(":") for line in text.splitlines() if "override /" in line]
+    return all((CONF_DIR / g.strip() / f"{o.strip()}.yaml").is_file() for g, o in groups)
+
+
+@pytest.mark.parametrize("name", experiments())
+def test_every_experiment_validates(name):
+    if not _available(name):
+        pytest.skip(f"experiment {name} names a model/dataset config that does not exist yet")
+    spec = validate(_compose([f"+experiment={name}"]))
+    assert spec.experiment == name
+    assert spec.collect.out_dir.endswith(f"trajectories/{name}") and spec.train_data == Path(spec.collect.out_dir)
+
+
+def test_errors_name_the_choices():
+    with pytest.raises(ConfigError, match="no experiment given.*cllm_gsm8k.*cllm_tiny"):
+        validate(_compose([]))
+    with pytest.raises(ConfigError, match=r"unknown key\(s\) \['bogus'\] in trainer"):
+        validate(_compose(["+experiment=cllm_tiny", "+trainer.bogus=1"]))
+    with pytest.raises(ConfigError, match="trainer.deepspeed='zero9' is not valid; choose one of: zero2, zero3"):
+        validate(_compose(["+experiment=cllm_tiny", "trainer.deepspeed=zero9"]))
+    with pytest.raises(ConfigError, match="distance='kl' is not valid; choose one of: fkl, rkl, jsd"):
+        validate(_compose(["+experiment=cllm_tiny", "trainer.distance=kl"]))
+    with pytest.raises(ConfigError, match="loss_type='both' is not valid"):
+        CLLMConfig(output_dir="/tmp/unused", loss_type="both")
+    with pytest.raises(ConfigError, match="stage='eval'"):
+        validate(_compose(["+experiment=cllm_tiny", "stage=eval"]))
+
+
+def test_tiny_end_to_end_with_lora_then_resume(tmp_path):
+    run_dir = tmp_path / "run"
+    summary = run(_tiny(tmp_path, "trainer.lora.enabled=true", "trainer.lora.r=4"), run_dir)
+    assert summary["collect"]["complete"] and summary["train"]["samples"] > 0
+    assert json.loads((run_dir / "train_summary.json").read_text())["experiment"] == "cllm_tiny"
+    records = load_trajectories(tmp_path / "data" / "trajectories" / "cllm_tiny")
+    assert len(records) == 6
+    final = load_model(ModelConfig(name="local", source="local", path=str(run_dir / "final"), device="cpu"))
+    base = load_model(ModelConfig(name="tiny_random", source="tiny_random", device="cpu"))
+    ids = torch.tensor([records[0]["prompt_ids"]])
+    assert not torch.allclose(final.model(ids).logits, base.model(ids).logits)  # merged LoRA weights
+    assert final.tokenizer.eos_token == base.tokenizer.eos_token and final.model.config.use_cache
+
+    # full fine-tuning with checkpoints, then resumed from the latest one; collection is reused as is
+    run(_tiny(tmp_path, "stage=all", "trainer.save_strategy=steps", "trainer.save_steps=1"), run_dir)
+    assert len(load_trajectories(tmp_path / "data" / "trajectories" / "cllm_tiny")) == 6
+    assert json.loads((run_dir / "final" / "config.json").read_text())["use_cache"] is True
+    run(_tiny(tmp_path, "stage=train", "trainer.max_steps=3", "trainer.save_strategy=steps", "trainer.save_steps=1",
+              "trainer.resume_from_checkpoint=true"), run_dir)
+    state = json.loads((run_dir / "checkpoint-3" / "trainer_state.json").read_text())
+    assert [h["step"] for h in state["log_history"] if "loss" in h] == [1, 2, 3]
+
+
+def _torchrun(tmp_path: Path, *overrides: str) -> None:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO_ROOT / "src")}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "-m", "train",
+           "+experiment=cllm_tiny", "threads=1", f"paths.data_dir={tmp_path}/data",
+           f"paths.output_dir={tmp_path}/out", *overrides]
+    proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+
+
+@pytest.mark.slow
+def test_deepspeed_zero2_two_ranks_on_cpu(tmp_path):
+    """torchrun, 2 CPU ranks, gloo: sharded collection merged by rank 0, then ZeRO-2 training; both ranks agree
+    on the run dir; rank 0 alone writes .hydra and final/."""
+    _torchrun(tmp_path, "stage=all", "trainer.deepspeed=zero2")
+    (run_dir,) = (tmp_path / "out" / "train" / "runs" / "cllm_tiny").iterdir()
+    assert run_dir.name.startswith("torchrun-")
+    assert (run_dir / ".hydra").is_dir() and (run_dir / "train-rank1.log").is_file()
+    assert (run_dir / "final" / "config.json").is_file()
+    summary = json.loads((run_dir / "train_summary.json").read_text())
+    assert summary["collect"]["complete"] and summary["train"]["samples"] > 0
+    traj = tmp_path / "data" / "trajectories" / "cllm_tiny"
+    assert [len(read_part(traj / f"part-{r}.jsonl")) for r in (0, 1)] == [3, 3]
+    assert [r["index"] for r in load_trajectories(traj)] == list(range(6))
+
+
+@pytest.mark.slow
+def test_deepspeed_zero3_loads_a_local_model_sharded(tmp_path):
+    """ZeRO-3 with a from_pretrained model (zero.Init while loading), LoRA, merged into final/ by rank 0."""
+    local = load_model(ModelConfig(name="tiny_random", source="tiny_random", device="cpu"))
+    local.model.save_pretrained(tmp_path / "base")
+    local.tokenizer.save_pretrained(tmp_path / "base")
+    _torchrun(tmp_path, "stage=all", "trainer.deepspeed=zero3", "model=local", f"model.path={tmp_path}/base",
+              "trainer.lora.enabled=true")
+    (run_dir,) = (tmp_path / "out" / "train" / "runs" / "cllm_tiny").iterdir()
+    final = load_model(ModelConfig(name="local", source="local", path=str(run_dir / "final"), device="cpu"))
+    changed = [k for k, v in local.model.state_dict().items() if not torch.equal(v, final.model.state_dict()[k])]
+    assert changed and all("proj" in k for k in changed)  # LoRA targets only
