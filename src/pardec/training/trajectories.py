@@ -24,9 +24,9 @@ from __future__ import annotations
 
 import json
 import logging
-import os
-from collections.abc import Iterable
 from pathlib import Path
+
+from pardec.jsonl import append_jsonl, read_jsonl
 
 log = logging.getLogger(__name__)
 
@@ -44,29 +44,9 @@ def part_path(out_dir: Path, rank: int) -> Path:
 
 
 def read_part(path: Path, repair: bool = False) -> list[dict]:
-    """Records of a work log; a last line without its newline (a killed or a still running writer) is
-    ignored, and with ``repair`` (the file's own writer, before appending) cut off the file."""
-    if not path.is_file():
-        return []
-    data = path.read_bytes()
-    end = data.rfind(b"\n") + 1
-    if end < len(data) and repair:
-        log.warning("%s: dropping a truncated last line (%d bytes) left by an interrupted run", path, len(data) - end)
-        with path.open("r+b") as f:
-            f.truncate(end)
-    return _parse_lines(path, data[:end].decode("utf-8").splitlines())
-
-
-def _parse_lines(path: Path, lines: Iterable[str]) -> list[dict]:
-    out = []
-    for i, line in enumerate(lines, 1):
-        if not line.strip():
-            continue
-        try:
-            out.append(json.loads(line))
-        except json.JSONDecodeError as e:
-            raise TrajectoryError(f"{path}, line {i}: malformed JSON ({e.msg})") from None
-    return out
+    """Records of a work log (none if it does not exist yet); a last line cut by a kill is ignored, and with
+    ``repair`` (the file's own writer, before appending) cut off the file."""
+    return read_jsonl(path, error=TrajectoryError, repair=repair, missing_ok=True)
 
 
 class PartWriter:
@@ -74,16 +54,12 @@ class PartWriter:
 
     def __init__(self, path: Path):
         self.path = path
-        self.f = path.open("a", encoding="utf-8")
 
     def write(self, records: list[dict]) -> None:
-        for r in records:
-            self.f.write(json.dumps(r, separators=(",", ":")) + "\n")
-        self.f.flush()
-        os.fsync(self.f.fileno())
+        append_jsonl(self.path, records)
 
     def close(self) -> None:
-        self.f.close()
+        pass
 
 
 def done_ids(out_dir: Path, rank: int) -> set[str]:
@@ -163,7 +139,7 @@ def load_trajectories(path: str | Path) -> list[dict]:
         version = json.loads(meta.read_text()).get("schema_version")
         if version != SCHEMA_VERSION:
             raise TrajectoryError(f"{meta}: schema_version {version!r}, but this pardec reads {SCHEMA_VERSION}")
-    records = _parse_lines(p, p.read_text(encoding="utf-8").splitlines())
+    records = read_jsonl(p, error=TrajectoryError)
     for i, r in enumerate(records, 1):
         validate_record(r, f"{p}, record {i}")
     return records
