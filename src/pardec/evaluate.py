@@ -98,6 +98,7 @@ class ResultsLog:
     def __init__(self, path: Path, resume: bool):
         self.path = path
         self.records: list[dict] = []
+        self._by_key: dict[tuple, dict] = {}  # (id, role, repeat) -> record
         if path.exists() and path.stat().st_size:
             if not resume:
                 raise FileExistsError(
@@ -107,16 +108,15 @@ class ResultsLog:
 
     def _load(self) -> None:
         self.records = read_jsonl(self.path, repair=True)
+        self._by_key = {(r["id"], r["role"], r.get("repeat", 0)): r for r in self.records}
 
     def done(self, doc_id: str, role: str, repeat: int) -> dict | None:
-        for r in self.records:
-            if r["id"] == doc_id and r["role"] == role and r.get("repeat", 0) == repeat:
-                return r
-        return None
+        return self._by_key.get((doc_id, role, repeat))
 
     def append(self, rec: dict) -> None:
         append_jsonl(self.path, [rec])
         self.records.append(rec)
+        self._by_key[(rec["id"], rec["role"], rec.get("repeat", 0))] = rec
 
 
 def first_divergence(a: list[int], b: list[int]) -> int | None:
