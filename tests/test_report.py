@@ -27,7 +27,7 @@ def summary(method: str, dataset: str, **over: Any) -> dict[str, Any]:
         "tokens_per_forward": 1.8, "baseline_tokens_per_forward": 1.0, "exact_match_rate": 1.0,
         "metric_name": "correct", "metric": 0.5, "baseline_metric": 0.5,
         "perplexity": 5.0, "baseline_perplexity": 5.0, "peak_rss_mb": 100.0,
-        "accepted_histogram": {"1": 10, "2": 5}, "extras": {"fast_forward": 1.3},
+        "accepted_histogram": {"1": 10, "2": 5}, "extras": {"fast_forward": 1.3}, "exactness": "tokens",
     }  # fmt: skip
     return base | over
 
@@ -120,11 +120,13 @@ def test_table_values(multirun: Path) -> None:
     assert [r.label for r in rows] == ["ar", "jacobi", "pld"]  # one model/dtype: no tags in labels
     md = render_markdown(rows)
     speed, tps = table(md, 0), table(md, 1)
-    assert speed["Method"] == ["gsm8k", "humaneval", "Mean speedup", "Tokens/forward", "Exact match",
-                               "Quality", "Perplexity"]  # fmt: skip
-    assert speed["ar"] == ["1.00×", "1.00×", "1.00×", "1.00", MISSING, "correct 0.500 · pass@1 0.250", "5.00"]
-    assert speed["jacobi"] == ["1.37× ± 0.05", "1.21×", "1.29×", "1.80", "100.0%", "correct 0.500", "5.00"]
-    assert speed["pld"] == ["2.00×", MISSING, "2.00×", "1.80", "90.0%", "correct 0.500", "5.00"]
+    assert speed["Method"] == ["gsm8k", "humaneval", "Mean speedup", "Tokens/forward", "Exactness", "Exact match",
+                               "Draft acceptance", "Quality", "Perplexity"]  # fmt: skip
+    assert speed["ar"] == ["1.00×", "1.00×", "1.00×", "1.00", "reference", MISSING, MISSING,
+                           "correct 0.500 · pass@1 0.250", "5.00"]  # fmt: skip
+    assert speed["jacobi"] == ["1.37× ± 0.05", "1.21×", "1.29×", "1.80", "tokens", "100.0%", MISSING,
+                               "correct 0.500", "5.00"]  # fmt: skip
+    assert speed["pld"] == ["2.00×", MISSING, "2.00×", "1.80", "tokens", "90.0%", MISSING, "correct 0.500", "5.00"]
     assert tps["pld"] == ["40.0 / 30.0 / 28.0", MISSING]
     assert tps["ar"] == ["30.0 / 30.0 / 28.0", "30.0 / 30.0 / –"]
 
@@ -179,3 +181,42 @@ def test_plots_with_a_single_run(tmp_path: Path, method: str) -> None:
     main([str(tmp_path / "only"), "--out", str(tmp_path / "out")])
     for name in PLOTS:
         assert (tmp_path / "out" / name).read_bytes()[:8] == PNG_MAGIC
+
+
+def test_peers_and_draft_rows_and_csv(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """transformers' decoders (``peers``) get their own rows, a draft tags its rows, CSV flattens peers,
+    errored prompts are counted and left out of the histogram."""
+    peer = {"exactness": "tokens", "speedup_std": None, "draft_forwards": 0, "draft_acceptance": None}
+    peers = {
+        "hf": peer | {"method": "hf_generate", "tokens_per_s": 29.0, "speedup": 0.97, "tokens_per_forward": 1.0,
+                      "exact_match_rate": 1.0},
+        "hf_pld": peer | {"method": "hf_pld", "tokens_per_s": 45.0, "speedup": 1.5, "tokens_per_forward": 2.1,
+                          "exact_match_rate": 1.0, "draft_acceptance": 0.4},
+        "hf_assisted": peer | {"method": "hf_assisted", "tokens_per_s": 36.0, "speedup": 1.2, "draft_forwards": 90,
+                               "tokens_per_forward": 2.5, "exact_match_rate": 0.5, "draft_acceptance": 0.6},
+    }  # fmt: skip
+    results = "".join(json.dumps(x) + "\n" for x in [
+        {"id": 0, "role": "method", "repeat": 0, "accepted": [3, 1]},
+        {"id": 1, "role": "method", "repeat": 0, "error": "model 'x' produced non-finite logits (NaN/inf)"},
+        {"id": 0, "role": "baseline", "repeat": 0, "accepted": [1, 1]},
+    ])  # fmt: skip
+    make_run(tmp_path, "a", summary("sps", "gsm8k", draft="smollm2_distilled", exactness="distribution",
+                                    draft_acceptance=0.7, peers=peers, accepted_histogram=None), results)
+    make_run(tmp_path, "b", summary("pld", "gsm8k", peers={"hf": peers["hf"]}))
+    runs = load_runs([str(tmp_path)])
+    a = next(r for r in runs if r["method"] == "sps")
+    assert (a["n_results"], a["n_errors"]) == (2, 1) and a["accepted_histogram"] == {3: 1, 1: 1}
+    rows = build_table(runs)  # hf_generate is in both runs: averaged without a warning
+    assert [r.label for r in rows] == ["ar", "hf_assisted", "hf_generate", "hf_pld", "pld", "sps"]
+    assert rows[-1].params == rows[1].params == "draft=smollm2_distilled"  # a label shows it only where it varies
+    assert [r.is_peer for r in rows] == [False, True, True, True, False, False]
+    speed = table(render_markdown(rows))
+    assert speed["hf_pld"] == ["1.50×", "1.50×", "2.10", "tokens", "100.0%", "40.0%", MISSING, MISSING]
+    assert speed["sps"][3:6] == ["distribution", "100.0%", "70.0%"]
+    assert speed["hf_generate"][:2] == ["0.97×", "0.97×"]
+    main([str(tmp_path), "--out", str(tmp_path / "out")])
+    capsys.readouterr()
+    with (tmp_path / "out" / "report.csv").open() as fh:
+        sps = next(r for r in csv.DictReader(fh) if r["method"] == "sps")
+    assert float(sps["peers.hf_pld.tokens_per_s"]) == 45.0 and sps["peers.hf_assisted.method"] == "hf_assisted"
+    assert sps["n_errors"] == "1" and sps["draft"] == "smollm2_distilled"

@@ -54,6 +54,7 @@ class ModelConfig:
     heads: int = 4
     seed: int = 0
     tokenizer: str | None = None  # tiny_random: model config name whose tokenizer to use
+    missing_hint: str | None = None  # local source: how to make ``path`` exist (named by the error when it does not)
 
     def __post_init__(self) -> None:
         _choice("model", "source", self.source, MODEL_SOURCES)

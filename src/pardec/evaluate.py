@@ -2,15 +2,22 @@
 prompts, interleaved per prompt, after a warm-up, with a fixed thread count; write ``results.jsonl`` (one line
 per prompt per role, appended as produced) and ``summary.json`` in the Hydra run dir; print a table.
 
-Roles: ``baseline`` (``bench.baseline``, plain ``ar`` at the same dtype), ``method``, and ``hf``
-(transformers ``generate()``, when ``bench.include_hf=true``). A killed run restarted with ``resume=true`` and
-the same ``hydra.run.dir`` redoes nothing that was written and duplicates nothing.
+Roles: ``baseline`` (``bench.baseline``, plain ``ar`` at the same dtype), ``method``, and, when
+``bench.include_hf=true``, transformers' own decoders as peers: ``hf`` (plain ``generate()``), ``hf_pld`` (its
+prompt lookup) and, when a draft is configured, ``hf_assisted`` (assisted generation with the same draft model).
+A killed run restarted with ``resume=true`` and the same ``hydra.run.dir`` redoes nothing that was written and
+duplicates nothing.
+
+A prompt whose generation hits NaN/inf logits (or gives any non-finite number) gets a record with ``error``: it is
+left out of every speed and quality aggregate, counted in the summary, and the run goes on. Nothing non-finite is
+ever written: JSON is written with ``allow_nan=False`` after mapping NaN/inf to null.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import math
 import resource
 import statistics
 import sys
@@ -38,7 +45,9 @@ RUN_KEYS = ("n_samples", "max_new_tokens", "threads", "seed", "resume", "timeout
             "dtype")
 # fields that must match when a run is resumed
 RESUME_KEYS = ("method", "method_params", "model", "dtype", "dataset", "max_new_tokens", "sampling", "baseline",
-               "include_hf", "repeats")
+               "include_hf", "repeats", "draft")
+#: peer roles run when ``bench.include_hf=true``: role -> method (``hf_assisted`` only with a draft)
+PEERS = {"hf": "hf_generate", "hf_pld": "hf_pld", "hf_assisted": "hf_assisted"}
 
 
 @dataclass
@@ -80,6 +89,7 @@ def validate(cfg: DictConfig) -> EvalSpec:
         draft = to_dataclass(ModelConfig, cfg.draft, "draft")
     if cls.needs_draft and draft is None:
         raise ConfigError(f"method {name!r} needs a draft model: pass draft=<name>")
+    _check_models(model, draft)
     run = to_dataclass(RunConfig, {k: cfg.get(k) for k in RUN_KEYS if k in cfg}, "the top-level keys")
     sampling = to_dataclass(SamplingConfig, cfg.get("sampling"), "sampling")
     bench = to_dataclass(BenchConfig, cfg.get("bench"), "bench")
@@ -91,9 +101,23 @@ def validate(cfg: DictConfig) -> EvalSpec:
     return EvalSpec(name, mcfg, model, draft, dataset, run, sampling, bench, ppl, logger)
 
 
+def _check_models(model: ModelConfig, draft: ModelConfig | None) -> None:
+    """Without loading weights: the model (and draft) can be had (local dir exists, hub model cached or reachable)
+    and the draft tokenizes like the target (only the tokenizers are loaded)."""
+    from pardec.models.loading import check_available, check_same_tokenizer
+
+    check_available(model, "model")
+    if draft is not None:
+        check_available(draft, "draft")
+        check_same_tokenizer(model, draft)
+
+
 # ------------------------------------------------------------------------------------------------ results
 class ResultsLog:
-    """Append-only JSONL of per-prompt records; repairs a line truncated by a kill; knows what is done."""
+    """Append-only JSONL of per-prompt records; repairs a line truncated by a kill; knows what is done.
+
+    A record is done by (id, role, repeat) whatever it holds: a skipped or errored prompt (``skipped`` /
+    ``error``) is not retried on resume (a NaN model would fail again forever); start a new run dir to retry."""
 
     def __init__(self, path: Path, resume: bool):
         self.path = path
@@ -114,6 +138,7 @@ class ResultsLog:
         return self._by_key.get((doc_id, role, repeat))
 
     def append(self, rec: dict) -> None:
+        rec = finite(rec)
         append_jsonl(self.path, [rec])
         self.records.append(rec)
         self._by_key[(rec["id"], rec["role"], rec.get("repeat", 0))] = rec
@@ -130,6 +155,33 @@ def _scalar_extras(extras: dict) -> dict:
     return {k: v for k, v in extras.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
 
 
+def finite(obj: Any) -> Any:
+    """``obj`` with every NaN/inf float (in nested dicts, lists, tuples) replaced by None."""
+    if isinstance(obj, float) and not math.isfinite(obj):
+        return None
+    if isinstance(obj, dict):
+        return {k: finite(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [finite(v) for v in obj]
+    return obj
+
+
+def non_finite(obj: Any, where: str = "") -> str | None:
+    """Path of the first NaN/inf float in ``obj`` (e.g. ``nll`` or ``extras.fast_forward``), or None."""
+    if isinstance(obj, float) and not math.isfinite(obj):
+        return where or "value"
+    items = obj.items() if isinstance(obj, dict) else enumerate(obj) if isinstance(obj, (list, tuple)) else ()
+    for k, v in items:
+        if (hit := non_finite(v, f"{where}.{k}" if where else str(k))) is not None:
+            return hit
+    return None
+
+
+def write_json(path: Path, obj: Any) -> None:
+    """Strict JSON (no NaN/Infinity tokens): non-finite floats become null."""
+    path.write_text(json.dumps(finite(obj), indent=2, allow_nan=False))
+
+
 # ------------------------------------------------------------------------------------------------ harness
 def run(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
     """Evaluate as ``cfg`` says, writing into ``run_dir``; returns the summary."""
@@ -138,7 +190,7 @@ def run(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
 
     from pardec.decoding import METHODS, Stopper, build_decoder
     from pardec.metrics.perplexity import completion_nll
-    from pardec.models.cached import CachedModel
+    from pardec.models.cached import CachedModel, NonFiniteLogitsError
     from pardec.models.loading import load_model
     from pardec.tasks.base import build_task
     from pardec.tracking import Tracker
@@ -151,7 +203,8 @@ def run(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
     identity = {"method": spec.method, "method_params": spec.method_params, "model": spec.model.name,
                 "dtype": spec.model.dtype, "dataset": spec.dataset.name, "max_new_tokens": r.max_new_tokens,
                 "sampling": asdict(spec.sampling), "baseline": spec.bench.baseline,
-                "include_hf": spec.bench.include_hf, "repeats": r.repeats}
+                "include_hf": spec.bench.include_hf, "repeats": r.repeats,
+                "draft": {"name": spec.draft.name, "path": spec.draft.path} if spec.draft else None}
     _check_resume(run_dir / "run.json", identity, r.resume)
     results = ResultsLog(run_dir / "results.jsonl", r.resume)
 
@@ -161,8 +214,8 @@ def run(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
     lm = load_model(spec.model)
     tok = lm.tokenizer
     chat = {"auto": lm.chat, "chat": True, "base": False}[spec.dataset.prompt_style]
-    target = CachedModel(lm.model)
-    draft = CachedModel(load_model(spec.draft).model) if spec.draft else None
+    target = CachedModel(lm.model, name=spec.model.name)
+    draft = CachedModel(load_model(spec.draft).model, name=f"draft:{spec.draft.name}") if spec.draft else None
     scorer = lm.model
     if spec.perplexity.get("enabled") and spec.perplexity.get("model"):
         from pardec.models.loading import _named
@@ -172,8 +225,9 @@ def run(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
     roles = [("baseline", METHODS.canonical(spec.bench.baseline), {})]
     if spec.method != roles[0][1]:
         roles.append(("method", spec.method, spec.method_params))
-    if spec.bench.include_hf and spec.method != "hf_generate":
-        roles.append(("hf", "hf_generate", {}))
+    if spec.bench.include_hf:
+        roles += [(role, name, {}) for role, name in PEERS.items()
+                  if name not in (spec.method, roles[0][1]) and (draft is not None or not METHODS.get(name).needs_draft)]
     decoders = {role: build_decoder(name, target, tok, draft, **params) for role, name, params in roles}
     method_role = "method" if len(roles) > 1 and roles[1][0] == "method" else "baseline"
     eos = set()
@@ -185,9 +239,12 @@ def run(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
 
     if docs and spec.bench.warmup:
         warm_ids = task.prompt_ids(docs[0], tok, chat, [])
-        for _ in range(spec.bench.warmup):  # interleaved, like the timed loop
-            for dec in decoders.values():
-                dec.generate(warm_ids, spec.bench.warmup_tokens, stopper, spec.sampling)
+        try:
+            for _ in range(spec.bench.warmup):  # interleaved, like the timed loop
+                for dec in decoders.values():
+                    dec.generate(warm_ids, spec.bench.warmup_tokens, stopper, spec.sampling)
+        except NonFiniteLogitsError as e:  # the prompts will record it; the warm-up just ends
+            log.warning("warm-up stopped: %s", e)
 
     bar = tqdm(docs, desc=f"{spec.method} on {spec.dataset.name}", unit="prompt", dynamic_ncols=True)
     for i, doc in enumerate(bar):
@@ -197,18 +254,24 @@ def run(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
             for role, name, _ in roles:
                 if results.done(doc["id"], role, rep):
                     continue
-                rec = _run_one(task, doc, decoders[role], tok, chat, stopper, sampling, r.max_new_tokens,
-                               target.max_length, scorer if spec.perplexity.get("enabled") else None, completion_nll)
+                try:
+                    rec = _run_one(task, doc, decoders[role], tok, chat, stopper, sampling, r.max_new_tokens,
+                                   target.max_length, scorer if spec.perplexity.get("enabled") else None,
+                                   completion_nll)
+                except NonFiniteLogitsError as e:  # this prompt stops here, the run goes on
+                    rec = {"error": str(e)}
+                if (where := non_finite(rec)) is not None:
+                    rec = {**finite(rec), "error": f"non-finite {where} (NaN/inf)"}
                 rec.update(id=doc["id"], method=name, role=role, repeat=rep)
                 base = results.done(doc["id"], "baseline", rep)
-                if role != "baseline" and base is not None and "skipped" not in rec and "skipped" not in base:
+                if role != "baseline" and base is not None and not _failed(rec) and not _failed(base):
                     rec["equal_to_baseline"] = rec["turn_tokens"] == base["turn_tokens"]
                     rec["first_divergence"] = first_divergence(rec["tokens"], base["tokens"])
                 results.append(rec)
         bar.set_postfix_str(_running_speed(results.records, method_role))
 
-    summary = summarize(spec, task, results.records, method_role, lm.model.config)
-    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+    summary = finite(summarize(spec, task, results.records, method_role, lm.model.config))
+    write_json(run_dir / "summary.json", summary)
     print(format_table(summary))
     group = None
     try:
@@ -235,15 +298,15 @@ def _check_resume(path: Path, identity: dict, resume: bool) -> None:
         if diff:
             raise ConfigError(f"cannot resume {path.parent}: {', '.join(f'{k} was {old.get(k)!r}, now {identity.get(k)!r}' for k in diff)}")
     else:
-        path.write_text(json.dumps(identity, indent=2))
+        write_json(path, identity)
 
 
 def _run_one(task, doc, dec, tok, chat, stopper, sampling, max_new, max_len, scorer, completion_nll) -> dict:
     """All turns of one document with one decoder -> a results.jsonl record (without id/role)."""
     history: list[str] = []
     turns, accepted, extras = [], [], []
-    tf = df = 0
-    wall = prefill = nll = 0.0
+    tf = df = drafted = draft_acc = 0
+    wall = prefill = nll = draft_s = 0.0
     n_nll = 0
     for _ in range(task.n_turns):
         ids = task.prompt_ids(doc, tok, chat, history)
@@ -257,7 +320,8 @@ def _run_one(task, doc, dec, tok, chat, stopper, sampling, max_new, max_len, sco
         accepted += res.accepted
         extras.append(_scalar_extras(res.extras))
         tf, df = tf + res.target_forwards, df + res.draft_forwards
-        wall, prefill = wall + res.total_s, prefill + res.prefill_s
+        wall, prefill, draft_s = wall + res.total_s, prefill + res.prefill_s, draft_s + res.draft_s
+        drafted, draft_acc = drafted + res.drafted, draft_acc + res.draft_accepted
         if scorer is not None:
             s, n = completion_nll(scorer, ids, res.tokens)
             nll, n_nll = nll + s, n_nll + n
@@ -267,6 +331,7 @@ def _run_one(task, doc, dec, tok, chat, stopper, sampling, max_new, max_len, sco
         "text": history[0] if len(history) == 1 else history,
         "target_forwards": tf, "draft_forwards": df, "accepted": accepted,
         "wall_s": wall, "prefill_s": prefill,
+        "draft_s": draft_s, "drafted": drafted, "draft_accepted": draft_acc,
         "equal_to_baseline": None, "first_divergence": None,
         "score": task.score(doc, history),
         "nll": nll if scorer is not None else None, "nll_tokens": n_nll,
@@ -274,28 +339,39 @@ def _run_one(task, doc, dec, tok, chat, stopper, sampling, max_new, max_len, sco
     }
 
 
+def _failed(rec: dict) -> bool:
+    """A record that holds no generation to measure: skipped (too long) or errored (non-finite)."""
+    return "skipped" in rec or "error" in rec
+
+
 def _running_speed(records: list[dict], method_role: str) -> str:
     from pardec.metrics.speed import tokens_per_s
 
-    m = [x for x in records if x["role"] == method_role and "skipped" not in x]
-    b = [x for x in records if x["role"] == "baseline" and "skipped" not in x]
+    m = [x for x in records if x["role"] == method_role and not _failed(x)]
+    b = [x for x in records if x["role"] == "baseline" and not _failed(x)]
     mt, bt = tokens_per_s(m) if m else None, tokens_per_s(b) if b else None
     return f"{mt:.1f} tok/s, x{mt / bt:.2f}" if mt and bt else ""
 
 
 def summarize(spec: EvalSpec, task, records: list[dict], method_role: str, model_config) -> dict[str, Any]:
     from pardec.decoding import METHODS
+    from pardec.decoding.base import lossless_under_greedy
     from pardec.metrics.perplexity import perplexity
     from pardec.metrics.speed import speed_summary, tokens_per_s
 
-    ok = [x for x in records if "skipped" not in x]
-    rows = {role: [x for x in ok if x["role"] == role] for role in ("baseline", "method", "hf")}
+    ok = [x for x in records if not _failed(x)]
+    rows = {role: [x for x in ok if x["role"] == role] for role in ("baseline", "method", *PEERS)}
     method_rows = rows[method_role]
     skipped = sorted({x["id"] for x in records if "skipped" in x})
-    lossless = METHODS.get(spec.method).lossless and spec.sampling.greedy
-    eq = [x["equal_to_baseline"] for x in method_rows if x.get("equal_to_baseline") is not None]
-    if method_role == "baseline":
-        eq = [True] * len(method_rows)
+    errors = [{k: x[k] for k in ("id", "role", "repeat", "error")} for x in records if "error" in x]
+    cls = METHODS.get(spec.method)
+
+    def exact(role_rows: list[dict], method: str) -> float | None:
+        """Share of prompts equal to the baseline, for methods lossless under greedy decoding (else None)."""
+        if not (lossless_under_greedy(METHODS.get(method)) and spec.sampling.greedy):
+            return None
+        eq = [x["equal_to_baseline"] for x in role_rows if x.get("equal_to_baseline") is not None]
+        return sum(eq) / len(eq) if eq else None
 
     def quality(rs: list[dict]) -> dict:
         first = [x for x in rs if x.get("repeat", 0) == 0]
@@ -303,27 +379,57 @@ def summarize(spec: EvalSpec, task, records: list[dict], method_role: str, model
 
     def ppl(rs: list[dict]) -> float | None:
         n = sum(x.get("nll_tokens") or 0 for x in rs)
-        return perplexity(sum(x.get("nll") or 0.0 for x in rs), n) if n else None
+        s = sum(x.get("nll") or 0.0 for x in rs)
+        return perplexity(s, n) if n and s / n < 700 else None  # exp() of more overflows: no meaningful value
+
+    def drafting(rs: list[dict]) -> dict:
+        """Draft use of some records: acceptance of drafted tokens, mean tokens committed per target forward
+        (``accepted``), the draft's share of wall time; None where the records did not draft."""
+        drafted, wall = sum(x.get("drafted") or 0 for x in rs), sum(x["wall_s"] for x in rs)
+        forwards = sum(x.get("draft_forwards") or 0 for x in rs)
+        acc = [a for x in rs for a in x.get("accepted") or []]
+        return {"draft_forwards": forwards,
+                "draft_acceptance": sum(x.get("draft_accepted") or 0 for x in rs) / drafted if drafted else None,
+                "mean_accepted_length": statistics.fmean(acc) if acc else None,
+                "draft_time_share": sum(x.get("draft_s") or 0.0 for x in rs) / wall if wall > 0 and forwards else None}
 
     mq, bq = quality(method_rows), quality(rows["baseline"])
+    role_method = {"baseline": spec.bench.baseline, "method": spec.method, **PEERS}
+    if method_role == "baseline":
+        method_exact = 1.0 if method_rows and lossless_under_greedy(cls) and spec.sampling.greedy else None
+    else:
+        method_exact = exact(method_rows, spec.method)
+    peers = {}
+    for role in PEERS:
+        if rows[role]:
+            sp = speed_summary(rows[role], rows["baseline"])
+            peers[role] = {"method": role_method[role], "exactness": METHODS.get(role_method[role]).exactness,
+                           "tokens_per_s": sp["tokens_per_s"], "speedup": sp["speedup"],
+                           "tokens_per_forward": sp["tokens_per_forward"],
+                           "exact_match_rate": exact(rows[role], role_method[role]), **drafting(rows[role])}
     summary: dict[str, Any] = {
         "method": spec.method,
         "method_params": spec.method_params,
         "baseline": spec.bench.baseline,
+        "draft": spec.draft.name if spec.draft else None,
         "dataset": spec.dataset.name,
         "model": spec.model.name,
         "dtype": spec.model.dtype,
         "n_samples": len({x["id"] for x in method_rows}),
         "skipped": skipped,
+        "n_errors": len(errors),
+        "errors": errors,
         "repeats": spec.run.repeats,
         "max_new_tokens": spec.run.max_new_tokens,
         "sampling": asdict(spec.sampling),
         "threads": spec.run.threads,
-        "lossless": METHODS.get(spec.method).lossless,
+        "exactness": cls.exactness,
         **speed_summary(method_rows, rows["baseline"] or method_rows),
         "hf_tokens_per_s": tokens_per_s(rows["hf"]) if rows["hf"] else None,
-        "exact_match_rate": (sum(eq) / len(eq) if eq else None) if lossless else None,
+        "exact_match_rate": method_exact,
         "first_divergences": [x["first_divergence"] for x in method_rows if x.get("first_divergence") is not None],
+        **drafting(method_rows),
+        "peers": peers,
         "metric_name": task.metric,
         "metric": mq.get(task.metric),
         "baseline_metric": bq.get(task.metric),
@@ -335,8 +441,7 @@ def summarize(spec: EvalSpec, task, records: list[dict], method_role: str, model
                    for k in sorted({k for x in method_rows for k in x["extras"]})},
     }
     if rows["hf"]:
-        heq = [x["equal_to_baseline"] for x in rows["hf"] if x.get("equal_to_baseline") is not None]
-        summary["hf_exact_match_rate"] = sum(heq) / len(heq) if heq else None
+        summary["hf_exact_match_rate"] = peers["hf"]["exact_match_rate"]
     try:
         import torch
 
@@ -369,10 +474,36 @@ def _fmt(v: Any, spec: str = ".3g") -> str:
     return format(v, spec) if isinstance(v, (int, float)) and not isinstance(v, bool) else str(v)
 
 
+def comparison_rows(s: dict) -> list[dict[str, Any]]:
+    """Baseline, peers and method side by side: role, method, tokens/s, speedup vs the baseline, tokens per
+    target forward, exact match vs the baseline, draft acceptance."""
+    rows = [{"role": "baseline", "method": s["baseline"], "tokens_per_s": s["baseline_tokens_per_s"],
+             "speedup": 1.0 if s["baseline_tokens_per_s"] else None,
+             "tokens_per_forward": s.get("baseline_tokens_per_forward"), "exact_match_rate": None,
+             "draft_acceptance": None}]
+    rows += [{"role": role, **p} for role, p in (s.get("peers") or {}).items()]
+    if s["method"] != s["baseline"]:
+        rows.append({"role": "method", "method": s["method"], **{k: s.get(k) for k in (
+            "tokens_per_s", "speedup", "tokens_per_forward", "exact_match_rate", "draft_acceptance")}})
+    return rows
+
+
+def format_comparison(s: dict) -> str:
+    """:func:`comparison_rows` as an aligned text table."""
+    head = ("role", "method", "tokens/s", f"speedup vs {s['baseline']}", "tokens/forward", "exact match",
+            "draft acceptance")
+    body = [(r["role"], r["method"], _fmt(r["tokens_per_s"], ".2f"), _fmt(r["speedup"], ".2f"),
+             _fmt(r["tokens_per_forward"], ".2f"), _fmt(r["exact_match_rate"], ".2f"),
+             _fmt(r.get("draft_acceptance"), ".2f")) for r in comparison_rows(s)]
+    widths = [max(len(str(x)) for x in col) for col in zip(head, *body)]
+    return "\n".join("  ".join(f"{x:<{w}}" for x, w in zip(line, widths)).rstrip() for line in (head, *body))
+
+
 def format_table(s: dict) -> str:
     rows = [
         ("method", s["method"]), ("baseline", s["baseline"]), ("dataset", s["dataset"]), ("model", s["model"]),
-        ("dtype", s["dtype"]), ("n_samples", s["n_samples"]), ("repeats", s["repeats"]),
+        ("draft", s.get("draft")), ("dtype", s["dtype"]), ("n_samples", s["n_samples"]), ("repeats", s["repeats"]),
+        ("exactness", s.get("exactness")),
         ("tokens/s", f"{_fmt(s['tokens_per_s'], '.2f')} ± {_fmt(s['tokens_per_s_std'], '.2f')}"),
         ("baseline tokens/s", f"{_fmt(s['baseline_tokens_per_s'], '.2f')} ± {_fmt(s['baseline_tokens_per_s_std'], '.2f')}"),
         ("hf generate tokens/s", _fmt(s["hf_tokens_per_s"], ".2f")),
@@ -384,13 +515,22 @@ def format_table(s: dict) -> str:
         ("perplexity (method / baseline)", f"{_fmt(s['perplexity'])} / {_fmt(s['baseline_perplexity'])}"),
         ("peak RSS MB", _fmt(s["peak_rss_mb"], ".0f")),
     ]
+    if s.get("draft") or s.get("draft_acceptance") is not None:
+        rows += [("draft forwards", _fmt(s.get("draft_forwards"))),
+                 ("draft acceptance", _fmt(s.get("draft_acceptance"), ".3f")),
+                 ("mean accepted length", _fmt(s.get("mean_accepted_length"), ".3f")),
+                 ("draft share of wall time", _fmt(s.get("draft_time_share"), ".3f"))]
     rows += [(k, _fmt(v)) for k, v in s["extras"].items()]
     if s.get("pass_at_k"):
         rows += [(k, _fmt(v)) for k, v in s["pass_at_k"].items()]
     if s["skipped"]:
         rows.append(("skipped prompts", len(s["skipped"])))
+    if s.get("n_errors"):
+        first = s["errors"][0]
+        rows.append(("errors", f"{s['n_errors']} (first: {first['role']} on {first['id']}: {first['error']})"))
     w = max(len(k) for k, _ in rows)
-    return "\n".join(f"{k:<{w}}  {v}" for k, v in rows)
+    table = "\n".join(f"{k:<{w}}  {'–' if v is None else v}" for k, v in rows)
+    return table + "\n\n" + format_comparison(s)
 
 
 def main() -> None:

@@ -4,7 +4,9 @@
 
 Every run dir written by ``python -m evaluate`` holds a ``summary.json`` (one method on one dataset,
 against its baseline) and a ``results.jsonl`` (one line per prompt per role). Runs are grouped into
-table rows by (method, model, dtype); the baseline (``ar``) gets its own row at 1.00×.
+table rows by (method, params and draft, model, dtype); the baseline (``ar``) gets its own row at 1.00×, and
+transformers' decoders run beside it (``peers`` in the summary: ``hf_generate``, ``hf_pld``, ``hf_assisted``)
+get theirs. Prompts whose generation failed (``error`` in results.jsonl) are counted, never measured.
 """
 
 from __future__ import annotations
@@ -85,7 +87,7 @@ def _histogram_from_results(records: Iterable[dict[str, Any]]) -> dict[int, int]
     """Tokens committed per target forward -> count, over the method role's lines."""
     counts: Counter[int] = Counter()
     for rec in records:
-        if rec.get("role") == "method" and "skipped" not in rec:
+        if rec.get("role") == "method" and "skipped" not in rec and "error" not in rec:
             counts.update(int(a) for a in rec.get("accepted") or [])
     return dict(counts)
 
@@ -102,8 +104,9 @@ def _load_run(run_dir: Path) -> dict[str, Any] | None:
         return None
     results = _read_results(run_dir / RESULTS) if (run_dir / RESULTS).is_file() else []
     run = dict(summary, run_dir=str(run_dir))
-    run["n_results"] = sum("skipped" not in r for r in results)
+    run["n_results"] = sum("skipped" not in r and "error" not in r for r in results)
     run["n_skipped"] = sum("skipped" in r for r in results)
+    run["n_errors"] = sum("error" in r for r in results)
     hist = summary.get("accepted_histogram") or _histogram_from_results(results)
     run["accepted_histogram"] = {int(k): int(v) for k, v in hist.items()}
     return run
@@ -139,6 +142,8 @@ class Cell:
     hf_tokens_per_s: float | None
     tokens_per_forward: float | None
     exact_match: float | None
+    draft_acceptance: float | None
+    exactness: str | None
     metric_name: str | None
     metric: float | None
     perplexity: float | None
@@ -153,6 +158,7 @@ class Row:
     model: str
     dtype: str
     is_baseline: bool
+    is_peer: bool = False  # transformers' decoders run beside the baseline (``peers`` of the summaries)
     label: str = ""
     cells: dict[str, Cell] = field(default_factory=dict)
 
@@ -165,6 +171,10 @@ class Row:
         """Mean of a cell attribute over the datasets that have it."""
         return _mean(getattr(c, attr) for c in self.cells.values())
 
+    def exactness(self) -> str:
+        """What the method guarantees (``tokens`` / ``distribution`` / ``approximate``), as its runs say."""
+        return next((c.exactness for c in self.cells.values() if c.exactness), MISSING)
+
     def quality(self) -> str:
         """Task metric(s) averaged over datasets, each with its name, e.g. ``correct 0.120``."""
         by_name: dict[str, list[float]] = defaultdict(list)
@@ -175,9 +185,10 @@ class Row:
 
 
 def _group(run: dict[str, Any]) -> tuple[str, str, str, str]:
-    """(method, method params as ``k=v, ...``, model, dtype) of a run: its row in the table."""
-    params = ", ".join(f"{k}={v}" for k, v in sorted((run.get("method_params") or {}).items()))
-    return str(run["method"]), params, str(run.get("model", "?")), str(run.get("dtype", "?"))
+    """(method, method params (and draft) as ``k=v, ...``, model, dtype) of a run: its row in the table."""
+    params = sorted((run.get("method_params") or {}).items()) + ([("draft", run["draft"])] if run.get("draft") else [])
+    return str(run["method"]), ", ".join(f"{k}={v}" for k, v in params), str(run.get("model", "?")), str(
+        run.get("dtype", "?"))
 
 
 def _mean(values: Iterable[float | None]) -> float | None:
@@ -197,10 +208,23 @@ def _entry(run: dict[str, Any], baseline: bool) -> dict[str, Any]:
         "hf_tokens_per_s": run.get("hf_tokens_per_s"),
         "tokens_per_forward": run.get(f"{own}tokens_per_forward"),
         "exact_match": None if baseline else run.get("exact_match_rate"),  # the baseline is the reference
+        "draft_acceptance": None if baseline else run.get("draft_acceptance"),
+        "exactness": None if baseline else run.get("exactness"),
         "metric_name": run.get("metric_name"),
         "metric": run.get(f"{own}metric"),
         "perplexity": run.get(f"{own}perplexity"),
     }
+
+
+def _peer_entry(run: dict[str, Any], peer: dict[str, Any]) -> dict[str, Any]:
+    """The numbers of one of transformers' decoders run beside the baseline (``summary["peers"][role]``)."""
+    return {
+        "speedup": peer.get("speedup"), "speedup_std": None, "tokens_per_s": peer.get("tokens_per_s"),
+        "baseline_tokens_per_s": run.get("baseline_tokens_per_s"), "hf_tokens_per_s": run.get("hf_tokens_per_s"),
+        "tokens_per_forward": peer.get("tokens_per_forward"), "exact_match": peer.get("exact_match_rate"),
+        "draft_acceptance": peer.get("draft_acceptance"), "exactness": peer.get("exactness"),
+        "metric_name": None, "metric": None, "perplexity": None,
+    }  # fmt: skip
 
 
 def _cell(entries: list[dict[str, Any]]) -> Cell:
@@ -214,21 +238,24 @@ def _cell(entries: list[dict[str, Any]]) -> Cell:
         speedup=_mean(speedups),
         speedup_std=std,
         metric_name=" / ".join(sorted(names)) or None,
+        exactness=next((e["exactness"] for e in entries if e["exactness"]), None),
         **{k: _mean(e[k] for e in entries) for k in (
             "tokens_per_s", "baseline_tokens_per_s", "hf_tokens_per_s",
-            "tokens_per_forward", "exact_match", "metric", "perplexity")},
+            "tokens_per_forward", "exact_match", "draft_acceptance", "metric", "perplexity")},
     )  # fmt: skip
 
 
 def build_table(runs: Sequence[dict[str, Any]]) -> list[Row]:
-    """Rows grouped by (method, method params, model, dtype), the baseline's row first in each (model, dtype).
+    """Rows grouped by (method, method params, model, dtype), the baseline's row first in each (model, dtype),
+    then the peers (transformers' decoders, from each run's ``peers``), then the methods.
 
     Labels name the params, model and dtype only where they vary. Several runs of one (row, dataset) cell
-    are averaged, with a :class:`ReportWarning`.
+    are averaged, with a :class:`ReportWarning` (not for the baseline and peers, which every job reruns).
     """
     entries: dict[tuple[str, str, str, str, bool], dict[str, list[dict[str, Any]]]] = defaultdict(
         lambda: defaultdict(list)
     )
+    peer_keys: set[tuple[str, str, str, str, bool]] = set()
     for run in runs:
         method, params, model, dtype = _group(run)
         dataset, baseline = str(run["dataset"]), run.get("baseline")
@@ -236,23 +263,28 @@ def build_table(runs: Sequence[dict[str, Any]]) -> list[Row]:
             entries[(str(baseline), "", model, dtype, True)][dataset].append(_entry(run, baseline=True))
         if method != baseline:
             entries[(method, params, model, dtype, False)][dataset].append(_entry(run, baseline=False))
+        for peer in (run.get("peers") or {}).values():
+            tag = f"draft={run['draft']}" if run.get("draft") and peer.get("draft_forwards") else ""
+            key = (str(peer["method"]), tag, model, dtype, False)
+            peer_keys.add(key)
+            entries[key][dataset].append(_peer_entry(run, peer))
 
     params_of: dict[str, set[str]] = defaultdict(set)
     for method, params, *_ in entries:
         params_of[method].add(params)
     models, dtypes = {k[2] for k in entries}, {k[3] for k in entries}
     rows = []
-    for key in sorted(entries, key=lambda k: (k[2], k[3], not k[4], k[0], k[1])):
+    for key in sorted(entries, key=lambda k: (k[2], k[3], not k[4], k not in peer_keys, k[0], k[1])):
         method, params, model, dtype, is_base = key
         varying = ((params, len(params_of[method]) > 1), (model, len(models) > 1), (dtype, len(dtypes) > 1))
         tags = [tag for tag, varies in varying if varies and tag]
         label = f"{method} ({', '.join(tags)})" if tags else method
         cells = {ds: _cell(es) for ds, es in sorted(entries[key].items())}
         for ds, es in entries[key].items():
-            if len(es) > 1 and not is_base:
+            if len(es) > 1 and not is_base and key not in peer_keys:
                 where = f"{method} [{params}] {model} {dtype} on {ds}"
                 warnings.warn(f"{len(es)} runs of {where}: averaged", ReportWarning, stacklevel=2)
-        rows.append(Row(method, params, model, dtype, is_base, label, cells))
+        rows.append(Row(method, params, model, dtype, is_base, key in peer_keys, label, cells))
     return rows
 
 
@@ -285,7 +317,8 @@ def render_markdown(rows: Sequence[Row]) -> str:
     """The speedup table (Spec-Bench style) and the tokens/s table, as markdown."""
     datasets = datasets_of(rows)
     speed = _md_table(
-        ["Method", *datasets, "Mean speedup", "Tokens/forward", "Exact match", "Quality", "Perplexity"],
+        ["Method", *datasets, "Mean speedup", "Tokens/forward", "Exactness", "Exact match", "Draft acceptance",
+         "Quality", "Perplexity"],
         [
             [
                 row.label,
@@ -293,7 +326,9 @@ def render_markdown(rows: Sequence[Row]) -> str:
                   for ds in datasets),
                 format_speedup(row.overall("speedup")),
                 _num(row.overall("tokens_per_forward")),
+                "reference" if row.is_baseline else row.exactness(),
                 _num(row.overall("exact_match"), ".1%"),
+                _num(row.overall("draft_acceptance"), ".1%"),
                 row.quality(),
                 _num(row.overall("perplexity")),
             ]
@@ -331,9 +366,21 @@ def _scalar(value: Any) -> bool:
     return value is None or isinstance(value, str | int | float | bool)
 
 
+def _flatten(prefix: str, value: dict[str, Any]) -> dict[str, Any]:
+    """Scalars of nested dicts as ``<prefix>.<key>[.<key>...]`` (lists left out)."""
+    out: dict[str, Any] = {}
+    for k, v in value.items():
+        if _scalar(v):
+            out[f"{prefix}.{k}"] = v
+        elif isinstance(v, dict):
+            out.update(_flatten(f"{prefix}.{k}", v))
+    return out
+
+
 def write_csv(runs: Sequence[dict[str, Any]], path: Path) -> None:
-    """One row per run: every scalar summary field; dicts of scalars (``extras``, ``method_params``,
-    ``sampling``, ...) flattened to ``<field>.<key>``; lists and the accepted histogram left out."""
+    """One row per run: every scalar summary field; dicts (``extras``, ``method_params``, ``sampling``, ``peers``
+    ...) flattened to ``<field>.<key>`` (``peers.hf_pld.tokens_per_s``); lists and the accepted histogram left
+    out."""
     flat = []
     for run in runs:
         row = {}
@@ -341,7 +388,7 @@ def write_csv(runs: Sequence[dict[str, Any]], path: Path) -> None:
             if _scalar(value):
                 row[key] = value
             elif isinstance(value, dict) and key != "accepted_histogram":
-                row.update({f"{key}.{k}": v for k, v in value.items() if _scalar(v)})
+                row.update(_flatten(key, value))
         flat.append(row)
     columns = list(dict.fromkeys(k for row in flat for k in row))
     with path.open("w", newline="", encoding="utf-8") as fh:

@@ -1,4 +1,5 @@
-"""Every lossless method reproduces greedy `ar` token for token in fp32 on tiny random models."""
+"""Every method whose exactness is `tokens` or `distribution` reproduces greedy `ar` token for token in fp32 on
+tiny random models; draft methods are run with drafts that accept everything, some, and almost nothing."""
 
 from __future__ import annotations
 
@@ -7,19 +8,22 @@ import torch
 
 from pardec.config import SamplingConfig
 from pardec.decoding import METHODS, Stopper, build_decoder
+from pardec.decoding.base import lossless_under_greedy
 from pardec.decoding.jacobi import Jacobi
 from pardec.decoding.pld import PromptLookup, lookup
 from pardec.models.cached import CachedModel
-from tests.conftest import tiny
+from tests.conftest import draft_for, tiny
 
-LOSSLESS = [m for m in METHODS.names() if METHODS.get(m).lossless and not METHODS.get(m).needs_draft]
+LOSSLESS = [m for m in METHODS.names() if lossless_under_greedy(METHODS.get(m))]
+DRAFTS = ("self", "noisy", "random")
 PROMPTS = {
     "short": [1, 504, 1812],
     "code": "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n",
     "long": "The quick brown fox jumps over the lazy dog. " * 12,
 }
 PARAMS = {"jacobi": [{"block_size": 16}, {"block_size": 5}, {"block_size": 1}, {"block_size": 7, "max_iters": 2}],
-          "pld": [{}, {"max_ngram": 1, "num_pred": 3}, {"max_ngram": 4, "min_ngram": 2, "num_pred": 20}]}
+          "pld": [{}, {"max_ngram": 1, "num_pred": 3}, {"max_ngram": 4, "min_ngram": 2, "num_pred": 20}],
+          "sps": [{"gamma": 4}, {"gamma": 1}, {"gamma": 9}, {"gamma": 3, "adaptive": True, "gamma_max": 8}]}
 
 
 def _ids(tok, prompt):
@@ -30,8 +34,14 @@ def _ar(cm, tok, ids, n, stop):
     return build_decoder("ar", cm, tok).generate(ids, n, stop)
 
 
+def _build(method, cm, tok, seed=0, draft="self", **params):
+    """A decoder; methods that need a draft get ``draft_for(draft, seed)``."""
+    d = draft_for(draft, seed) if METHODS.get(method).needs_draft else None
+    return build_decoder(method, cm, tok, d, **params)
+
+
 def test_every_lossless_method_is_covered():
-    assert {"ar", "hf_generate", "jacobi", "pld"} <= set(LOSSLESS)
+    assert {"ar", "hf_generate", "jacobi", "pld", "sps"} <= set(LOSSLESS)
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2])
@@ -45,11 +55,16 @@ def test_lossless_equals_ar(method, prompt, seed):
     max_new = 37  # not a multiple of any block size below
     ref = _ar(cm, lm.tokenizer, ids, max_new, stop)
     assert len(ref.tokens) == max_new and ref.target_forwards == max_new
+    drafts = DRAFTS if METHODS.get(method).needs_draft else ("self",)
     for params in PARAMS.get(method, [{}]):
-        res = build_decoder(method, cm, lm.tokenizer, **params).generate(ids, max_new, stop)
-        assert res.tokens == ref.tokens, (method, params)
-        assert res.stop_reason == "length"
-        assert sum(res.accepted) == len(res.tokens)
+        for draft in drafts:
+            res = _build(method, cm, lm.tokenizer, seed, draft, **params).generate(ids, max_new, stop)
+            assert res.tokens == ref.tokens, (method, params, draft)
+            assert res.stop_reason == "length"
+            assert sum(res.accepted) == len(res.tokens)
+            if method == "sps" and draft == "self":  # the target's own weights as the draft
+                assert res.draft_accepted >= 0.9 * res.drafted > 0, (method, params)
+                assert res.target_forwards < ref.target_forwards
 
 
 class OracleJacobi(Jacobi):
@@ -118,7 +133,8 @@ def test_lookup_finds_most_recent_longest_match():
 
 
 @pytest.mark.parametrize("method,params", [("jacobi", {"block_size": 8}), ("jacobi", {"block_size": 3}),
-                                           ("pld", {}), ("hf_generate", {})])
+                                           ("pld", {}), ("hf_generate", {}), ("sps", {"gamma": 6}),
+                                           ("sps", {"gamma": 2, "adaptive": True})])
 @pytest.mark.parametrize("stop_at", [0, 4, 10])
 def test_eos_inside_a_block(method, params, stop_at):
     lm = tiny(1)
@@ -129,7 +145,7 @@ def test_eos_inside_a_block(method, params, stop_at):
     stop = Stopper(lm.tokenizer, eos_ids=[eos])
     ref = _ar(cm, lm.tokenizer, ids, 40, stop)
     assert ref.tokens == free[: free.index(eos) + 1] and ref.stop_reason == "eos"
-    res = build_decoder(method, cm, lm.tokenizer, **params).generate(ids, 40, stop)
+    res = _build(method, cm, lm.tokenizer, 1, "self", **params).generate(ids, 40, stop)
     assert res.tokens == ref.tokens and res.stop_reason == "eos"
 
 
@@ -144,7 +160,7 @@ def test_oracle_jacobi_eos_inside_a_fast_forwarded_block():
     assert res.tokens == ref.tokens and res.stop_reason == "eos"
 
 
-@pytest.mark.parametrize("method", ["jacobi", "pld", "hf_generate"])
+@pytest.mark.parametrize("method", ["jacobi", "pld", "hf_generate", "sps"])
 def test_stop_strings_cut_every_method_at_the_same_token(method):
     lm = tiny(0)
     cm = CachedModel(lm.model)
@@ -155,7 +171,7 @@ def test_stop_strings_cut_every_method_at_the_same_token(method):
     stop = Stopper(tok, stop_strings=[piece])
     ref = _ar(cm, tok, ids, 30, stop)
     assert ref.stop_reason == "stop_string" and len(ref.tokens) <= 10
-    res = build_decoder(method, cm, tok).generate(ids, 30, stop)
+    res = _build(method, cm, tok).generate(ids, 30, stop)
     assert res.tokens == ref.tokens and res.stop_reason == "stop_string"
     assert piece not in stop.final_text(res.tokens)
 
@@ -167,7 +183,7 @@ def test_max_new_tokens_respected(max_new):
     ids = _ids(lm.tokenizer, PROMPTS["code"])
     ref = _ar(cm, lm.tokenizer, ids, max_new, Stopper(lm.tokenizer))
     for method in LOSSLESS:
-        res = build_decoder(method, cm, lm.tokenizer).generate(ids, max_new, Stopper(lm.tokenizer))
+        res = _build(method, cm, lm.tokenizer, 2).generate(ids, max_new, Stopper(lm.tokenizer))
         assert res.tokens == ref.tokens and len(res.tokens) == max_new
 
 
@@ -187,8 +203,8 @@ def test_sampling_is_seeded_and_methods_stay_in_distribution_support():
     cm = CachedModel(lm.model)
     ids = _ids(lm.tokenizer, PROMPTS["code"])
     s = SamplingConfig(temperature=0.8, top_k=20, top_p=0.9, seed=3)
-    for method in ("ar", "jacobi", "pld"):
-        dec = build_decoder(method, cm, lm.tokenizer)
+    for method in ("ar", "jacobi", "pld", "sps"):
+        dec = _build(method, cm, lm.tokenizer, 0, "noisy")
         a = dec.generate(ids, 20, Stopper(lm.tokenizer), s).tokens
         b = dec.generate(ids, 20, Stopper(lm.tokenizer), s).tokens
         assert a == b, method  # same seed, same tokens

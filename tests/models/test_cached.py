@@ -1,5 +1,6 @@
 """The cached-model seam against recomputation: truncate, keep, tree masks, padding."""
 
+import pytest
 import torch
 
 from pardec.models.cached import CachedModel
@@ -98,3 +99,79 @@ def test_truncate_and_keep_reject_bad_arguments():
         assert "out of range" in str(e)
     else:
         raise AssertionError("keep out of range must raise")
+
+
+def test_logits_at_chosen_positions_only():
+    lm = tiny(0)
+    cm = CachedModel(lm.model)
+    ids = list(range(700, 716))
+    full = _full_logits(lm.model, ids)
+    cm.prefill(torch.tensor([ids[:8]]))
+    got = cm.forward(torch.tensor([ids[8:]]), logits_at=[0, 5, 7]).logits[0]
+    assert got.shape[0] == 3
+    torch.testing.assert_close(got, full[[8, 13, 15]], rtol=1e-4, atol=1e-5)
+    assert cm.length == 16  # every new token is still cached
+
+
+def test_hidden_states_of_a_chosen_layer_and_run_upper_from_them():
+    lm = tiny(1, layers=3)
+    cm = CachedModel(lm.model)
+    ids = list(range(800, 812))
+    full = _full_logits(lm.model, ids)
+    ref_hidden = lm.model(input_ids=torch.tensor([ids]), output_hidden_states=True).hidden_states
+    cm.prefill(torch.tensor([ids[:6]]))
+    for layer in range(3):
+        cm.truncate(6)
+        out = cm.forward(torch.tensor([ids[6:]]), hidden_layer=layer)
+        torch.testing.assert_close(out.hidden[0], ref_hidden[layer][0, 6:], rtol=1e-4, atol=1e-5)
+        # inject those states entering `layer` again, over the cache of the first 6 tokens only
+        cm.truncate(6)
+        up = cm.run_upper(out.hidden, layer, positions=torch.arange(6, 12))
+        torch.testing.assert_close(up[0], full[6:], rtol=1e-4, atol=1e-5)
+        assert cm.length == 6  # nothing appended by run_upper
+    # a pseudo state that sees only part of the cache (positions 0..3) and itself equals the same state
+    # run over a cache that holds only those positions
+    cm.truncate(6)
+    h = cm.forward(torch.tensor([[ids[6]]]), hidden_layer=1).hidden
+    cm.truncate(6)
+    see = torch.zeros(1, 7, dtype=torch.bool)
+    see[0, :4] = True
+    see[0, -1] = True
+    up = cm.run_upper(h, 1, positions=torch.tensor([4]), attend=see)
+    cm.truncate(4)
+    torch.testing.assert_close(up[0, 0], cm.run_upper(h, 1, positions=torch.tensor([4]))[0, 0], rtol=1e-4, atol=1e-5)
+    with pytest.raises(ValueError, match="out of range"):
+        cm.run_upper(h, 3, positions=torch.tensor([6]))
+
+
+def test_cache_knows_its_tokens_and_syncs_with_a_committed_sequence():
+    lm = tiny(0)
+    cm = CachedModel(lm.model)
+    cm.prefill(torch.tensor([[1, 2, 3, 4]]))
+    cm.forward(torch.tensor([[5, 6, 7]]))
+    assert cm.tokens == [1, 2, 3, 4, 5, 6, 7]
+    assert cm.sync([1, 2, 3, 4, 5, 9, 10]) == [9, 10]  # drafted 6, 7 rejected: cut to the common prefix
+    assert cm.tokens == [1, 2, 3, 4, 5] and cm.length == 5
+    assert cm.sync([1, 2, 3, 4, 5]) == [5]  # fully held: the last token is fed again for its logits
+    assert cm.length == 4
+    cm.truncate(2)
+    assert cm.tokens == [1, 2]
+    assert cm.sync([8]) == [8] and cm.length == 0
+    # after catching up, logits equal a recomputation
+    got = cm.forward(torch.tensor([[8, 9, 10]])).logits[0, -1]
+    torch.testing.assert_close(got, _full_logits(lm.model, [8, 9, 10])[-1], rtol=1e-4, atol=1e-5)
+
+
+def test_non_finite_logits_raise_naming_model_and_position():
+    import copy
+
+    from pardec.models.cached import NonFiniteLogitsError
+
+    model = copy.deepcopy(tiny(0).model)
+    with torch.no_grad():
+        model.lm_head.weight[123] = float("nan")
+    cm = CachedModel(model, name="nan-model")
+    with pytest.raises(NonFiniteLogitsError, match=r"'nan-model'.*position 2"):
+        cm.prefill(torch.tensor([[1, 2, 3]]))
+    with pytest.raises(NonFiniteLogitsError, match="position 5"):
+        cm.forward(torch.tensor([[4, 5, 6]]), logits_at=[2])

@@ -10,7 +10,7 @@ from pardec.decoding.sampling import select
 
 @register_method("ar", aliases=("greedy", "autoregressive"))
 class AR(Decoder):
-    lossless = True
+    exactness = "distribution"
 
     @torch.inference_mode()
     def generate(self, prompt_ids, max_new_tokens, stop=None, sampling=None) -> GenerationResult:

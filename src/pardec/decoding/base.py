@@ -13,7 +13,9 @@ from typing import Any, ClassVar
 import torch
 
 from pardec.config import ConfigError, SamplingConfig
-from pardec.decoding.sampling import make_generator, select, verify_draft
+from pardec.decoding.sampling import make_generator, select
+from pardec.decoding.tree import Tree
+from pardec.decoding.verify import verify_chain, verify_tree
 from pardec.models.cached import CachedModel
 from pardec.registry import Registry
 
@@ -27,6 +29,9 @@ class GenerationResult:
     accepted: list[int] = field(default_factory=list)  # tokens committed by each target forward
     prefill_s: float = 0.0
     total_s: float = 0.0
+    draft_s: float = 0.0  # wall time spent in draft-model forwards (part of total_s)
+    drafted: int = 0  # draft tokens proposed to the target (draft methods; 0 otherwise)
+    draft_accepted: int = 0  # of those, accepted by verification
     extras: dict[str, Any] = field(default_factory=dict)
 
     @property
@@ -117,12 +122,23 @@ class Timer:
         return time.perf_counter() - self.t0
 
 
+#: ``tokens``: greedy output equals greedy ``ar`` token for token (fp32), and sampling draws from the target's
+#: distribution; ``distribution``: samples exactly from the target's (warped) distribution, greedy included;
+#: ``approximate``: lossy on purpose (reported with perplexity and the task metric beside its speed).
+EXACTNESS = ("tokens", "distribution", "approximate")
+
+
+def lossless_under_greedy(cls: type[Decoder]) -> bool:
+    """Whether greedy output must equal greedy ``ar`` token for token."""
+    return cls.exactness in ("tokens", "distribution")
+
+
 class Decoder:
-    """Base class. Subclasses set ``lossless`` and implement :meth:`generate`."""
+    """Base class. Subclasses set ``exactness`` and implement :meth:`generate`."""
 
     name: ClassVar[str] = ""
-    #: under greedy decoding the output equals greedy AR token for token (fp32)
-    lossless: ClassVar[bool] = False
+    #: what the method guarantees (see :data:`EXACTNESS`); tests hold every method to it
+    exactness: ClassVar[str] = "approximate"
     needs_draft: ClassVar[bool] = False
 
     def __init__(self, target: CachedModel, tokenizer=None, draft: CachedModel | None = None):
@@ -156,21 +172,38 @@ class Decoder:
         st.target_forwards = 1
         return st, last
 
-    def _verify_chain(self, st: _Run, last: int, draft: torch.Tensor) -> tuple[torch.Tensor, list[int], list[int]]:
+    def _verify_chain(self, st: _Run, last: int, draft: torch.Tensor,
+                      q: torch.Tensor | None = None) -> tuple[torch.Tensor, list[int], list[int]]:
         """One target forward over ``[last, *draft]``; commit the accepted prefix + one target token and keep
-        only their positions in the cache. Returns (logits [k+1, V], committed tokens, kept by the output)."""
+        only their positions in the cache. ``q`` [k, V]: the draft's distributions (None: a deterministic
+        draft). Returns (logits [k+1, V], committed tokens, kept by the output)."""
         base = self.target.length
         inp = torch.cat([torch.tensor([last]), draft.cpu()])[None].to(st.ids.device)
         logits = self.target.forward(inp).logits[0]
         st.target_forwards += 1
-        acc = verify_draft(draft.to(st.ids.device), logits, st.s, st.gen)
+        acc = verify_chain(draft, logits, st.s, st.gen, q)
         kept = st.out.commit(acc)
         self.target.truncate(base + len(acc))  # `last` + the accepted draft tokens
         return logits, acc, kept
 
-    def _result(self, st: _Run, extras: dict | None = None, draft_forwards: int = 0) -> GenerationResult:
+    def _verify_tree(self, st: _Run, last: int, tree: Tree,
+                     q: dict[int, torch.Tensor] | None = None) -> tuple[torch.Tensor, list[int], list[int]]:
+        """One target forward over the tree (root = ``last``) under its ancestor mask; commit the accepted path
+        + one target token and compact the cache to exactly that path. Returns (logits [N, V], committed
+        tokens, kept by the output)."""
+        base = self.target.length
+        logits = self.target.forward(tree.tokens(last)[None], positions=tree.positions(base),
+                                     attend=tree.attend).logits[0]
+        st.target_forwards += 1
+        verdict = verify_tree(tree, logits, st.s, st.gen, q)
+        kept = st.out.commit(verdict.tokens)
+        self.target.keep(verdict.path)
+        return logits, verdict.tokens, kept
+
+    def _result(self, st: _Run, extras: dict | None = None, draft_forwards: int = 0, draft_s: float = 0.0,
+                drafted: int = 0, draft_accepted: int = 0) -> GenerationResult:
         return GenerationResult(st.out.tokens, st.out.reason, st.target_forwards, draft_forwards, st.out.accepted,
-                                st.prefill_s, st.timer.elapsed(), extras or {})
+                                st.prefill_s, st.timer.elapsed(), draft_s, drafted, draft_accepted, extras or {})
 
 
 @dataclass

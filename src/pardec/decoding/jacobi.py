@@ -5,7 +5,7 @@ An n-token block is initialised with random prompt tokens. Each iteration runs o
 guess for all r positions at once. The longest prefix of the old guess that the forward confirms, plus the
 first new token (always correct), is committed ("fast-forwarded"); the cache keeps only the committed
 positions and the rest of the new guess is iterated on. Under greedy decoding the committed tokens are
-exactly greedy AR's; under sampling the guess is verified by rejection sampling (``verify_draft``).
+exactly greedy AR's; under sampling the guess is verified by rejection sampling (``verify_chain``).
 
 Reported per generation (``extras``):
 
@@ -52,7 +52,7 @@ def stationary_count(states: list[list[int]], committed: list[int], fixed_point:
 
 @register_method("jacobi")
 class Jacobi(Decoder):
-    lossless = True
+    exactness = "distribution"
 
     def __init__(self, target, tokenizer=None, draft=None, block_size: int = 16, max_iters: int | None = None,
                  record_trajectories: bool = True):

@@ -25,7 +25,7 @@ def lookup(seq: torch.Tensor, max_ngram: int, min_ngram: int, num_pred: int) -> 
 
 @register_method("pld", aliases=("prompt_lookup",))
 class PromptLookup(Decoder):
-    lossless = True
+    exactness = "distribution"
 
     def __init__(self, target, tokenizer=None, draft=None, max_ngram: int = 3, min_ngram: int = 1,
                  num_pred: int = 10):
@@ -54,4 +54,4 @@ class PromptLookup(Decoder):
             seq = torch.cat([seq, torch.tensor(kept, dtype=torch.long)])
         extras = {"drafted_tokens": drafted, "accepted_draft_tokens": accepted,
                   "draft_acceptance": accepted / drafted if drafted else None}
-        return self._result(st, extras)
+        return self._result(st, extras, drafted=drafted, draft_accepted=accepted)

@@ -1,4 +1,4 @@
-"""Shared token-selection primitives: logit warping, greedy/sampled choice, draft verification.
+"""Shared token-selection primitives: logit warping, greedy/sampled choice (verification: ``verify.py``).
 
 Every decoder imports these; none re-implements them.
 """
@@ -34,44 +34,6 @@ def select(logits: torch.Tensor, s: SamplingConfig, gen: torch.Generator | None)
     probs = warp(logits, s)
     flat = probs.reshape(-1, probs.shape[-1])
     return torch.multinomial(flat, 1, generator=gen).reshape(probs.shape[:-1])
-
-
-def verify_draft(
-    draft: torch.Tensor, logits: torch.Tensor, s: SamplingConfig, gen: torch.Generator | None
-) -> list[int]:
-    """Verify a deterministic draft (a token chain) against the target's logits.
-
-    draft:  [k] proposed tokens d_0..d_{k-1}
-    logits: [k+1, V]; logits[i] is the target's distribution for the position of d_i (logits[k]: the bonus)
-    Returns the committed tokens: the accepted draft prefix plus one token from the target (length 1..k+1).
-
-    Greedy: accept while d_i == argmax. Sampling: speculative rejection sampling with a one-hot proposal
-    (accept d_i with probability p_i(d_i); on rejection sample from p_i with d_i removed), which leaves the
-    output distribution exactly the target's.
-    """
-    k = draft.numel()
-    if s.greedy:
-        pred = logits.argmax(-1)
-        mism = (pred[:k] != draft).nonzero()
-        a = int(mism[0]) if mism.numel() else k
-        return pred[: a + 1].tolist()
-    probs = warp(logits, s)
-    out: list[int] = []
-    for i in range(k):
-        d = int(draft[i])
-        p = probs[i]
-        u = torch.rand((), generator=gen, device=p.device)
-        if u < p[d]:
-            out.append(d)
-            continue
-        residual = p.clone()
-        residual[d] = 0.0
-        if residual.sum() <= 0:  # p was one-hot on d: cannot happen after a rejection, but stay safe
-            residual = p
-        out.append(int(torch.multinomial(residual / residual.sum(), 1, generator=gen)))
-        return out
-    out.append(int(torch.multinomial(probs[k], 1, generator=gen)))
-    return out
 
 
 def make_generator(s: SamplingConfig, device: torch.device) -> torch.Generator | None:

@@ -2,15 +2,30 @@
 
 Every decoder talks to the target (and draft) model through :class:`CachedModel`'s verbs:
 
-* ``prefill(ids)``                          -> logits of the last prompt position
-* ``forward(ids, positions, attend, ...)``  -> logits of every new position, appended to the cache
-* ``truncate(length)``                      -> drop cached positions past ``length``
-* ``keep(indices)``                         -> keep a subset of the last-appended positions (tree paths)
-* ``length``                                -> cached positions
+* ``prefill(ids)``                               -> logits of the last prompt position
+* ``forward(ids, positions, attend, ...)``       -> logits of the new positions (all, the last, or chosen
+  ones), optionally the hidden states entering a chosen layer; the new tokens are appended to the cache
+* ``run_upper(hidden, layer, positions, attend)`` -> logits of injected hidden states run through layers
+  ``layer..L-1``, the final norm and the LM head, seeing the cache; nothing is appended (FIRP's pseudo states)
+* ``truncate(length)``                           -> drop cached positions past ``length``
+* ``keep(indices)``                              -> keep a subset of the last-appended positions (tree paths)
+* ``sync(seq)``                                  -> truncate to the common prefix with a committed sequence
+  and return the tokens still to feed (a draft model catching up with the target's output)
+* ``length`` / ``tokens``                        -> cached positions / the token ids they hold
+
+Visibility: by default a new token sees every cached position and the new tokens before it. ``attend`` narrows
+that: a bool ``[T, T]`` mask among the new tokens (a tree: each token sees its ancestors), or ``[T, length+T]``
+over cached and new positions, so that branches an earlier forward left in the cache (several drafts, beams)
+stay invisible to each other.
+
+Every forward checks its logits: NaN or inf raises :class:`NonFiniteLogitsError` naming the model and the
+position, instead of decoding garbage.
 
 Facts this file relies on (transformers 5.2x): a 4D attention mask must be an *additive* float mask
 (0 where attended, ``finfo.min`` elsewhere) passed with explicit ``position_ids`` (a bool mask is silently
-wrong under eager attention); ``DynamicCache.crop(-n)`` removes ``n`` positions (positive values raise).
+wrong under eager attention); ``DynamicCache.crop(-n)`` removes ``n`` positions (positive values raise);
+``logits_to_keep`` takes an int (the last n) or a tensor of positions; Llama-style models keep their decoder
+layers in ``model.model.layers`` with ``model.model.norm``, ``model.model.rotary_emb`` and ``model.lm_head``.
 """
 
 from __future__ import annotations
@@ -21,19 +36,25 @@ import torch
 from transformers import DynamicCache, PreTrainedModel
 
 
+class NonFiniteLogitsError(RuntimeError):
+    """A model produced NaN or inf logits; the message names the model and the position."""
+
+
 @dataclass
 class ForwardOut:
-    logits: torch.Tensor  # [B, T, V] (or [B, 1, V] when only the last position was asked for)
-    hidden_states: tuple[torch.Tensor, ...] | None = None  # per layer, [B, T, H], embeddings first
+    logits: torch.Tensor  # [B, T', V]: every new position, the last one, or the ``logits_at`` ones
+    hidden: torch.Tensor | None = None  # [B, T, H] entering the layer asked for (``hidden_layer``)
 
 
 class CachedModel:
     """An HF causal LM plus its KV cache. Batch size is fixed by the first forward after a reset."""
 
-    def __init__(self, model: PreTrainedModel):
+    def __init__(self, model: PreTrainedModel, name: str | None = None):
         self.model = model.eval()
         self.config = model.config
+        self.name = name or getattr(model.config, "_name_or_path", "") or type(model).__name__
         self.cache = DynamicCache(config=model.config)
+        self._tokens = torch.zeros(1, 0, dtype=torch.long)  # [B, length] token ids held by the cache (CPU)
         self._last_appended = 0  # positions appended by the most recent forward (for ``keep``)
 
     # ---------------------------------------------------------------- properties
@@ -50,12 +71,22 @@ class CachedModel:
         return self.cache.get_seq_length()
 
     @property
+    def tokens(self) -> list[int]:
+        """Token ids of the cached positions (row 0), in cache order."""
+        return self._tokens[0].tolist()
+
+    @property
     def max_length(self) -> int:
         return int(getattr(self.config, "max_position_embeddings", 1 << 30))
+
+    @property
+    def num_layers(self) -> int:
+        return int(self.config.num_hidden_layers)
 
     # ---------------------------------------------------------------- verbs
     def reset(self) -> None:
         self.cache = DynamicCache(config=self.config)
+        self._tokens = torch.zeros(1, 0, dtype=torch.long)
         self._last_appended = 0
 
     @torch.inference_mode()
@@ -73,41 +104,86 @@ class CachedModel:
         attend: torch.Tensor | None = None,
         key_valid: torch.Tensor | None = None,
         last_only: bool = False,
-        hidden_states: bool = False,
+        logits_at: torch.Tensor | list[int] | None = None,
+        hidden_layer: int | None = None,
     ) -> ForwardOut:
         """Run new tokens ``ids`` [B, T] after the cached ones and append them to the cache.
 
-        positions: [B, T] or [T] absolute positions; default ``length .. length+T-1``.
-        attend:    bool [T, T] or [B, T, T], ``attend[i, j]`` = new token i sees new token j (a tree mask);
-                   default causal. Every new token always sees every cached position that is valid.
-        key_valid: bool [B, length+T], False for padding positions nobody may attend to.
+        positions:    [B, T] or [T] absolute positions; default ``length .. length+T-1``.
+        attend:       bool [T, T] / [B, T, T] (new token i sees new token j; cached positions all visible) or
+                      [T, length+T] / [B, T, length+T] (over cached and new positions); default causal.
+        key_valid:    bool [B, length+T], False for padding positions nobody may attend to.
+        last_only:    logits of the last new position only ([B, 1, V]).
+        logits_at:    indices of the new positions whose logits are wanted ([B, len, V]); saves the LM head's
+                      work on the others.
+        hidden_layer: also return the hidden states entering decoder layer ``hidden_layer`` (0 = embeddings).
         """
         ids = ids.to(self.device)
         if ids.dim() == 1:
             ids = ids[None]
         bsz, t = ids.shape
         past = self.length
-        if positions is None:
-            positions = torch.arange(past, past + t, device=self.device)
-        positions = positions.to(self.device)
-        if positions.dim() == 1:
-            positions = positions[None].expand(bsz, t)
+        positions = self._positions(positions, bsz, t, past)
         kwargs = {}
         if attend is not None or key_valid is not None:
             kwargs["attention_mask"] = self._additive_mask(bsz, t, past, attend, key_valid)
         if last_only:
             kwargs["logits_to_keep"] = 1
-        out = self.model(
-            input_ids=ids,
-            position_ids=positions,
-            past_key_values=self.cache,
-            use_cache=True,
-            output_hidden_states=hidden_states,
-            **kwargs,
-        )
+        elif logits_at is not None:
+            kwargs["logits_to_keep"] = torch.as_tensor(logits_at, dtype=torch.long, device=self.device)
+        captured: list[torch.Tensor] = []
+        hook = None
+        if hidden_layer is not None:
+            hook = self._layer(hidden_layer).register_forward_pre_hook(
+                lambda _m, args, kw: captured.append(args[0] if args else kw["hidden_states"]), with_kwargs=True)
+        try:
+            out = self.model(input_ids=ids, position_ids=positions, past_key_values=self.cache, use_cache=True,
+                             **kwargs)
+        finally:
+            if hook is not None:
+                hook.remove()
         self.cache = out.past_key_values
+        self._tokens = torch.cat([self._tokens.expand(bsz, -1), ids.cpu()], dim=1)
         self._last_appended = t
-        return ForwardOut(out.logits, out.hidden_states if hidden_states else None)
+        self._check_finite(out.logits, past, t, last_only, kwargs.get("logits_to_keep"))
+        return ForwardOut(out.logits, captured[0] if captured else None)
+
+    @torch.inference_mode()
+    def run_upper(
+        self,
+        hidden: torch.Tensor,
+        layer: int,
+        positions: torch.Tensor,
+        attend: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Logits [B, T, V] of hidden states ``hidden`` [B, T, H] injected *entering* decoder layer ``layer`` at
+        ``positions`` ([T] or [B, T]) and run through layers ``layer..L-1``, the final norm and the LM head.
+
+        They see every cached position of those layers (narrowed by ``attend`` as in :meth:`forward`) and each
+        other causally by default; their keys and values are not kept, so the cache is unchanged afterwards.
+        """
+        if not 0 <= layer < self.num_layers:
+            raise ValueError(f"layer={layer} is out of range: the model has layers 0..{self.num_layers - 1}")
+        inner = self._inner()
+        hidden = hidden.to(self.device, self.dtype)
+        if hidden.dim() == 2:
+            hidden = hidden[None]
+        bsz, t, _ = hidden.shape
+        past = self.length
+        positions = self._positions(positions, bsz, t, past)
+        mask = self._additive_mask(bsz, t, past, attend, None)
+        rope = inner.rotary_emb(hidden, position_ids=positions)
+        try:
+            for block in inner.layers[layer : self.num_layers]:
+                hidden = block(hidden, attention_mask=mask, position_embeddings=rope, position_ids=positions,
+                               past_key_values=self.cache, use_cache=True)
+        finally:  # the layers appended the injected states' keys/values to their caches: drop them
+            for lc in self.cache.layers[layer:]:
+                if lc.keys is not None and lc.keys.shape[-2] > past:
+                    lc.keys, lc.values = lc.keys[..., :past, :], lc.values[..., :past, :]
+        logits = self.model.lm_head(inner.norm(hidden))
+        self._check_finite(logits, past, t, False, None)
+        return logits
 
     def truncate(self, length: int) -> None:
         """Keep the first ``length`` cached positions."""
@@ -116,6 +192,7 @@ class CachedModel:
             raise ValueError(f"cannot truncate a cache of {self.length} positions to {length}")
         if n_remove:
             self.cache.crop(-n_remove)
+            self._tokens = self._tokens[:, :length]
         self._last_appended = max(0, self._last_appended - n_remove)
 
     def keep(self, indices: torch.Tensor | list[int]) -> None:
@@ -127,14 +204,61 @@ class CachedModel:
         n = self._last_appended
         if idx.numel() and (int(idx.min()) < 0 or int(idx.max()) >= n):
             raise ValueError(f"keep indices {idx.tolist()} out of range for {n} last-appended positions")
+        if idx.numel() > 1 and bool((idx[1:] <= idx[:-1]).any()):
+            raise ValueError(f"keep indices {idx.tolist()} must be strictly increasing")
         start = self.length - n
         for layer in self.cache.layers:
             for name in ("keys", "values"):
                 t = getattr(layer, name)
                 setattr(layer, name, torch.cat([t[..., :start, :], t[..., start + idx, :]], dim=-2))
+        self._tokens = torch.cat([self._tokens[:, :start], self._tokens[:, start + idx.cpu()]], dim=1)
         self._last_appended = idx.numel()
 
-    # ---------------------------------------------------------------- masks
+    def sync(self, seq: list[int] | torch.Tensor) -> list[int]:
+        """Make the cache a prefix of ``seq`` (the committed sequence, batch 1): truncate it to the longest
+        common prefix and return the tokens of ``seq`` it still lacks (to be fed next).
+
+        At least the last token of ``seq`` is always returned (its logits are what the caller wants), so the
+        cache is cut to ``len(seq) - 1`` when it already held all of ``seq``."""
+        seq = torch.as_tensor(seq, dtype=torch.long).cpu()
+        held = self._tokens[0]
+        n = min(held.numel(), seq.numel() - 1)
+        diff = (held[:n] != seq[:n]).nonzero()
+        common = int(diff[0]) if diff.numel() else n
+        self.truncate(common)
+        return seq[common:].tolist()
+
+    # ---------------------------------------------------------------- helpers
+    def _inner(self):
+        inner = getattr(self.model, "model", None)
+        if inner is None or not hasattr(inner, "layers") or not hasattr(self.model, "lm_head"):
+            raise TypeError(f"{self.name}: run_upper/hidden_layer need a decoder-only model with "
+                            f"model.model.layers and lm_head (Llama-style); got {type(self.model).__name__}")
+        return inner
+
+    def _layer(self, layer: int) -> torch.nn.Module:
+        if not 0 <= layer < self.num_layers:
+            raise ValueError(f"hidden_layer={layer} is out of range: the model has layers 0..{self.num_layers - 1}")
+        return self._inner().layers[layer]
+
+    def _positions(self, positions, bsz: int, t: int, past: int) -> torch.Tensor:
+        if positions is None:
+            positions = torch.arange(past, past + t, device=self.device)
+        positions = torch.as_tensor(positions, dtype=torch.long).to(self.device)
+        if positions.dim() == 1:
+            positions = positions[None].expand(bsz, t)
+        return positions
+
+    def _check_finite(self, logits: torch.Tensor, past: int, t: int, last_only: bool, kept) -> None:
+        bad = ~torch.isfinite(logits)
+        if not bool(bad.any()):
+            return
+        b, j = (int(x) for x in bad.any(-1).nonzero()[0])
+        new = t - 1 if last_only else int(kept[j]) if isinstance(kept, torch.Tensor) else j
+        raise NonFiniteLogitsError(
+            f"model {self.name!r} produced non-finite logits (NaN/inf) at position {past + new} "
+            f"(row {b}, new token {new} of {t}, cache length {past})")
+
     def _additive_mask(
         self,
         bsz: int,
@@ -149,8 +273,14 @@ class CachedModel:
             attend = torch.ones(t, t, dtype=torch.bool, device=dev).tril()
         attend = attend.to(dev, torch.bool)
         if attend.dim() == 2:
-            attend = attend[None].expand(bsz, t, t)
-        allowed = torch.cat([torch.ones(bsz, t, past, dtype=torch.bool, device=dev), attend], dim=-1)
+            attend = attend[None].expand(bsz, *attend.shape)
+        if attend.shape[-2:] == (t, t):
+            allowed = torch.cat([torch.ones(bsz, t, past, dtype=torch.bool, device=dev), attend], dim=-1)
+        elif attend.shape[-2:] == (t, past + t):
+            allowed = attend.clone()
+        else:
+            raise ValueError(f"attend has shape {tuple(attend.shape)}; expected [.., {t}, {t}] (new tokens) or "
+                             f"[.., {t}, {past + t}] (cached + new positions)")
         if key_valid is not None:
             allowed = allowed & key_valid.to(dev, torch.bool)[:, None, :]
         # a fully masked row (a padding query) would give NaNs; let it see itself

@@ -6,8 +6,12 @@ from __future__ import annotations
 
 import importlib.util
 import logging
+import os
+import socket
+import threading
 from dataclasses import dataclass
 from pathlib import Path
+from urllib.parse import urlparse
 
 import torch
 from transformers import (
@@ -19,7 +23,7 @@ from transformers import (
 )
 
 from pardec import DATA_DIR
-from pardec.config import ModelConfig
+from pardec.config import ConfigError, ModelConfig
 
 log = logging.getLogger(__name__)
 
@@ -182,3 +186,108 @@ def load_model(cfg: ModelConfig) -> LoadedModel:
     if tok.pad_token_id is None:
         tok.pad_token = tok.eos_token
     return LoadedModel(model, tok, cfg)
+
+
+# ------------------------------------------------------------------------------------- checks before loading
+def _is_set(value: str | None) -> bool:
+    return (value or "").strip().upper() in ("1", "ON", "YES", "TRUE")
+
+
+def hub_offline() -> bool:
+    """Whether the Hugging Face hub is switched off (``HF_HUB_OFFLINE`` / ``TRANSFORMERS_OFFLINE``)."""
+    from huggingface_hub import constants
+
+    return bool(constants.HF_HUB_OFFLINE) or any(_is_set(os.environ.get(k))
+                                                 for k in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"))
+
+
+def hub_reachable(timeout: float = 3.0) -> bool:
+    """Whether the hub endpoint (or the HTTPS proxy in front of it) accepts a TCP connection within ``timeout``
+    seconds, name lookup included (run in a thread, so a hanging resolver cannot block longer)."""
+    from huggingface_hub import constants
+
+    proxy = os.environ.get("HTTPS_PROXY") or os.environ.get("https_proxy")
+    url = urlparse(proxy or constants.ENDPOINT)
+    host, port = url.hostname, url.port or (443 if url.scheme == "https" else 80)
+    ok: list[bool] = []
+
+    def probe() -> None:
+        try:
+            socket.create_connection((host, port), timeout=timeout).close()
+            ok.append(True)
+        except OSError:  # refused, unreachable, unknown host: all mean "not reachable"
+            ok.append(False)
+
+    t = threading.Thread(target=probe, daemon=True)
+    t.start()
+    t.join(timeout + 0.5)
+    return bool(ok and ok[0])
+
+
+def _hub_cached(repo: str, revision: str | None) -> bool:
+    from huggingface_hub import try_to_load_from_cache
+
+    return isinstance(try_to_load_from_cache(repo, "config.json", revision=revision), str)
+
+
+def check_available(cfg: ModelConfig, key: str = "model") -> None:
+    """Fail in seconds, with one line, when the weights of ``cfg`` cannot be had: a local dir that does not exist
+    (naming ``cfg.missing_hint``, the fix), a hub model neither cached nor reachable. ``key``: the config
+    section (``model`` or ``draft``) the error names."""
+    where = f"{key} {cfg.name!r}"
+    if cfg.source == "local":
+        if not cfg.path or cfg.path == "???":
+            raise ConfigError(f"{where} needs {key}.path=<dir>" + (f"; {cfg.missing_hint}" if cfg.missing_hint else ""))
+        if not (Path(cfg.path) / "config.json").is_file():
+            what = "is not a directory" if not Path(cfg.path).is_dir() else "holds no config.json"
+            hint = cfg.missing_hint or f"pass {key}.path=<a model directory>"
+            raise FileNotFoundError(f"{where}: {key}.path={cfg.path} {what}; {hint}")
+    elif cfg.source == "hub":
+        if not cfg.path or cfg.path == "???":
+            raise ConfigError(f"{where} needs {key}.path=<org/name> (a Hugging Face hub id)")
+        if _hub_cached(cfg.path, cfg.revision):
+            return
+        if hub_offline():
+            raise ConfigError(f"{where}: hub model {cfg.path} is not in the local Hugging Face cache and the hub is "
+                              f"off (HF_HUB_OFFLINE); download it first or use {key}=local {key}.path=<dir>")
+        if not hub_reachable():
+            raise ConfigError(f"{where}: hub model {cfg.path} is not in the local Hugging Face cache and the hub "
+                              f"cannot be reached (no network); download it elsewhere and use {key}=local "
+                              f"{key}.path=<dir>")
+
+
+def load_tokenizer_only(cfg: ModelConfig) -> PreTrainedTokenizerBase:
+    """The tokenizer of ``cfg`` without touching its weights (a GGUF is read for its tokenizer only)."""
+    if cfg.source == "tiny_random":
+        return load_tokenizer_only(SMOLLM2 if cfg.tokenizer in (None, "smollm2_135m") else _named(cfg.tokenizer))
+    if cfg.source in ("gguf", "gguf_package"):
+        cached = cache_dir_for(cfg)
+        if (cached / "tokenizer_config.json").is_file():
+            return AutoTokenizer.from_pretrained(cached)
+        d, f = _gguf_location(cfg)
+        return AutoTokenizer.from_pretrained(d, gguf_file=f)
+    return AutoTokenizer.from_pretrained(_weights_location(cfg), revision=cfg.revision)
+
+
+#: special tokens a draft must share with its target (pad is not compared: loading sets it to EOS when unset)
+SPECIAL_IDS = ("bos_token_id", "eos_token_id", "unk_token_id")
+
+
+def tokenizer_difference(a: PreTrainedTokenizerBase, b: PreTrainedTokenizerBase) -> str | None:
+    """What makes two tokenizers produce different ids (vocabulary mapping, special-token ids), or None."""
+    va, vb = a.get_vocab(), b.get_vocab()
+    if va != vb:
+        moved = sum(va[t] != vb[t] for t in va.keys() & vb.keys())
+        return f"vocabularies differ ({len(va)} vs {len(vb)} tokens, {moved} shared tokens with other ids)"
+    for attr in SPECIAL_IDS:
+        if getattr(a, attr) != getattr(b, attr):
+            return f"{attr} {getattr(a, attr)} vs {getattr(b, attr)}"
+    return None
+
+
+def check_same_tokenizer(target: ModelConfig, draft: ModelConfig) -> None:
+    """A draft must tokenize exactly like its target: compare their tokenizers (loaded without weights)."""
+    diff = tokenizer_difference(load_tokenizer_only(target), load_tokenizer_only(draft))
+    if diff:
+        raise ConfigError(f"draft {draft.name!r} ({draft.path or draft.source}) does not share the tokenizer of "
+                          f"model {target.name!r} ({target.path or target.source}): {diff}")

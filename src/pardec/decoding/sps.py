@@ -1,0 +1,91 @@
+"""`sps`: speculative sampling with a draft model (Leviathan et al. 2023; Chen et al. 2023).
+
+Each round the draft proposes ``gamma`` tokens autoregressively with its own KV cache (first resynchronised
+with the committed sequence: :meth:`CachedModel.sync` keeps the common prefix and feeds the rest), then one
+target forward over ``[last committed, d_1..d_gamma]`` verifies them (:func:`verify_chain` with the draft's
+distributions ``q``): greedy output equals greedy ``ar`` token for token, sampled output follows the target's
+distribution exactly (``exactness = "distribution"``). The draft samples from its own warped distribution
+(the run's temperature / top-k / top-p) and under greedy decoding proposes its argmax.
+
+``adaptive=true`` changes gamma between rounds: +1 after a fully accepted draft (up to ``gamma_max``), -1 when
+fewer than half of the draft was accepted (down to ``gamma_min``); ``gamma`` is the starting value.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from pardec.config import ConfigError
+from pardec.decoding.base import Decoder, GenerationResult, Timer, register_method
+from pardec.decoding.sampling import warp
+
+
+@register_method("sps", aliases=("speculative", "speculative_sampling"))
+class SpeculativeSampling(Decoder):
+    exactness = "distribution"
+    needs_draft = True
+
+    def __init__(self, target, tokenizer=None, draft=None, gamma: int = 4, adaptive: bool = False,
+                 gamma_min: int = 1, gamma_max: int = 12):
+        super().__init__(target, tokenizer, draft)
+        for key, v in (("gamma", gamma), ("gamma_min", gamma_min), ("gamma_max", gamma_max)):
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise ConfigError(f"method.{key}={v!r} is out of range: it must be an integer >= 1")
+        if adaptive and not gamma_min <= gamma <= gamma_max:
+            raise ConfigError(f"method.gamma={gamma} must lie in [gamma_min, gamma_max] = [{gamma_min}, {gamma_max}] "
+                              f"when method.adaptive=true")
+        self.gamma, self.adaptive, self.gamma_min, self.gamma_max = gamma, adaptive, gamma_min, gamma_max
+
+    def propose(self, seq: list[int], k: int, st) -> tuple[torch.Tensor, torch.Tensor | None, int]:
+        """Draft ``k`` tokens after ``seq`` (prompt + committed). Returns (tokens [k], q [k, V] or None under
+        greedy, draft forwards)."""
+        d = self.draft
+        feed = d.sync(seq)
+        logits = d.forward(torch.tensor([feed]), last_only=True).logits[0, -1]
+        forwards = 1
+        toks, qs = [], []
+        for i in range(k):
+            if st.s.greedy:
+                x = int(logits.argmax())
+            else:
+                q = warp(logits, st.s)
+                x = int(torch.multinomial(q, 1, generator=st.gen))
+                qs.append(q)
+            toks.append(x)
+            if i < k - 1:
+                logits = d.forward(torch.tensor([[x]])).logits[0, -1]
+                forwards += 1
+        return torch.tensor(toks, dtype=torch.long), (torch.stack(qs) if qs else None), forwards
+
+    @torch.inference_mode()
+    def generate(self, prompt_ids, max_new_tokens, stop=None, sampling=None) -> GenerationResult:
+        st, last = self._start(prompt_ids, max_new_tokens, stop, sampling)
+        self.draft.reset()
+        prompt = st.ids[0].tolist()
+        gamma = self.gamma
+        draft_forwards = drafted = accepted = 0
+        draft_s = 0.0
+        gammas: list[int] = []
+        while not st.out.done:
+            k = min(gamma, st.out.room - 1)  # the target adds one token of its own
+            if k < 1:
+                _, acc, _ = self._verify_chain(st, last, torch.zeros(0, dtype=torch.long))
+                last = acc[-1]
+                continue
+            t = Timer(st.ids.device)
+            toks, q, n_fwd = self.propose(prompt + st.out.tokens, k, st)
+            draft_s += t.elapsed()
+            draft_forwards += n_fwd
+            _, acc, _ = self._verify_chain(st, last, toks, q)
+            n_acc = len(acc) - 1
+            drafted, accepted = drafted + k, accepted + n_acc
+            gammas.append(k)
+            if self.adaptive:
+                if n_acc == k:
+                    gamma = min(self.gamma_max, gamma + 1)
+                elif 2 * n_acc < k:
+                    gamma = max(self.gamma_min, gamma - 1)
+            last = acc[-1]
+        extras = {"draft_acceptance": accepted / drafted if drafted else None,
+                  "mean_gamma": sum(gammas) / len(gammas) if gammas else None}
+        return self._result(st, extras, draft_forwards, draft_s, drafted, accepted)
