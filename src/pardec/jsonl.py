@@ -58,6 +58,6 @@ def append_jsonl(path: str | Path, records: Iterable[dict]) -> None:
     """Append one line per record, then flush and fsync: what returns is on disk."""
     with Path(path).open("a", encoding="utf-8") as f:
         for r in records:
-            f.write(json.dumps(r, separators=(",", ":")) + "\n")
+            f.write(json.dumps(r, separators=(",", ":"), allow_nan=False) + "\n")
         f.flush()
         os.fsync(f.fileno())

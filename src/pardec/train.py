@@ -17,6 +17,9 @@ every rank logs to ``train.log`` / ``train-rank<r>.log``.
 
 Resume a killed training run: rerun with the same ``run_name`` (or ``hydra.run.dir``) and
 ``trainer.resume_from_checkpoint=true`` (the latest ``checkpoint-*`` in the run dir) or ``=<checkpoint dir>``.
+
+Experiments declare a ``kind`` (default ``cllm``, the stages above). ``kind: draft`` distils a draft model for
+speculative decoding: ``stage=generate|train|eval|all`` (see :func:`run_draft`).
 """
 
 from __future__ import annotations
@@ -39,6 +42,8 @@ from pardec.training.collect import CollectConfig
 log = logging.getLogger("pardec.train")
 
 STAGES = ("collect", "train", "all")
+#: experiment kinds (the experiment's top-level ``kind`` key) and their stages
+KIND_STAGES = {"cllm": STAGES, "draft": ("generate", "train", "eval", "all")}
 #: keys of the ``trainer`` group handled here; every other key is a CLLMConfig / TrainingArguments field
 APP_KEYS = ("lora", "deepspeed", "model_dtype", "resume_from_checkpoint")
 LORA_KEYS = ("enabled", "r", "alpha", "dropout", "target_modules")
@@ -105,15 +110,21 @@ def experiments() -> list[str]:
     return sorted(p.stem for p in (CONF_DIR / "experiment").glob("*.yaml"))
 
 
-def validate(cfg: DictConfig) -> TrainSpec:
+def validate(cfg: DictConfig) -> TrainSpec | DraftSpec:
     """Check every name and value before anything heavy loads; errors name the key and the valid choices."""
     from pardec.training.trainer import CLLMConfig, check_options
 
     name = cfg.get("experiment_name")
     if not name:
         raise ConfigError(f"no experiment given: pass +experiment=<name>; valid experiments: {', '.join(experiments())}")
-    if cfg.stage not in STAGES:
-        raise ConfigError(f"stage={cfg.stage!r} is not valid; choose one of: {', '.join(STAGES)}")
+    kind = cfg.get("kind", "cllm")
+    if kind not in KIND_STAGES:
+        raise ConfigError(f"kind={kind!r} is not valid; choose one of: {', '.join(KIND_STAGES)}")
+    if cfg.stage not in KIND_STAGES[kind]:
+        raise ConfigError(f"stage={cfg.stage!r} is not valid for a {kind} experiment; choose one of: "
+                          f"{', '.join(KIND_STAGES[kind])}")
+    if kind == "draft":
+        return validate_draft(cfg, name)
     tcfg = OmegaConf.to_container(cfg.trainer, resolve=True)
     valid = {f.name for f in fields(CLLMConfig) if f.init} | set(APP_KEYS)
     unknown = sorted(set(tcfg) - valid)
@@ -254,6 +265,138 @@ def save_final(trainer, spec: TrainSpec, run_dir: Path, final: Path, d: Dist) ->
         base.tokenizer.save_pretrained(str(final))
 
 
+# ------------------------------------------------------------------------------------------- kind: draft
+#: keys of the ``draft`` section (the draft's shape)
+DRAFT_KEYS = ("layers", "vocab_size", "freeze_embeddings")
+
+
+@dataclass
+class DraftSpec:
+    experiment: str
+    stage: str
+    model: ModelConfig
+    layers: list[int]
+    vocab_size: int
+    freeze_embeddings: bool
+    loss: str
+    gen: Any  # pardec.training.distill.GenerateConfig: the training completions
+    eval_gen: list  # one GenerateConfig per held-out source, each with its own out_dir
+    eval_context: int
+    eval_repeats: int
+    trainer: dict  # DistillConfig keyword arguments
+    deepspeed: Path | None
+    model_dtype: str
+    resume: bool | str | None
+    logger: dict
+    threads: int
+    config: dict
+
+
+def validate_draft(cfg: DictConfig, name: str) -> DraftSpec:
+    """Check a ``kind: draft`` config before anything heavy loads (the layer range is checked against the
+    target's config when it can be read without loading weights, else when the target loads)."""
+    from pardec.training.distill import generate_config
+    from pardec.training.distill_trainer import DistillConfig
+
+    for key in ("draft", "distill", "eval"):
+        if not isinstance(cfg.get(key), DictConfig):
+            raise ConfigError(f"a draft experiment needs a `{key}` section (see conf/experiment/draft_tiny.yaml)")
+    draft = OmegaConf.to_container(cfg.draft, resolve=True)
+    _known(draft, DRAFT_KEYS, "draft")
+    layers = draft.get("layers")
+    if not isinstance(layers, list) or not layers or not all(isinstance(i, int) for i in layers):
+        raise ConfigError(f"draft.layers={layers!r} is not valid: give a non-empty list of target layer indices")
+    vocab_size = draft.get("vocab_size", 8192)
+    if not isinstance(vocab_size, int) or vocab_size < 2:
+        raise ConfigError(f"draft.vocab_size={vocab_size!r} is out of range: it must be an integer >= 2")
+    distill = OmegaConf.to_container(cfg.distill, resolve=True)
+    loss = distill.pop("loss", "fkl")
+    gen = generate_config(distill, "distill")
+    ev = OmegaConf.to_container(cfg["eval"], resolve=True)
+    context, repeats = int(ev.pop("context", 200)), int(ev.pop("repeats", 20))
+    if context < 2 or repeats < 1:
+        raise ConfigError(f"eval.context={context} / eval.repeats={repeats} out of range: need >= 2 / >= 1")
+    eval_all = generate_config(ev, "eval")
+    eval_gen = [replace(eval_all, sources=[s], out_dir=str(Path(eval_all.out_dir) / s.dataset.name))
+                for s in eval_all.sources]
+    tcfg = OmegaConf.to_container(cfg.trainer, resolve=True)
+    valid = ({f.name for f in fields(DistillConfig) if f.init} - {"loss"}) | set(APP_KEYS) - {"lora"}
+    unknown = sorted(set(tcfg) - valid)
+    if unknown:
+        raise ConfigError(f"unknown key(s) {unknown} in trainer; valid: deepspeed, model_dtype, "
+                          f"resume_from_checkpoint, max_length and any transformers.TrainingArguments field "
+                          f"(the loss is distill.loss)")
+    if loss not in ("fkl", "ce"):
+        raise ConfigError(f"distill.loss={loss!r} is not valid; choose one of: fkl, ce")
+    model_dtype = tcfg.pop("model_dtype", "fp32")
+    deepspeed = _deepspeed_config(tcfg.pop("deepspeed", None))
+    resume = tcfg.pop("resume_from_checkpoint", None)
+    model = to_dataclass(ModelConfig, cfg.model, "model")
+    replace(model, dtype=model_dtype)  # range check of trainer.model_dtype
+    n_layers = _target_layers(model)
+    if n_layers is not None and any(not 0 <= i < n_layers for i in layers):
+        raise ConfigError(f"draft.layers={layers} is out of range: the target {model.name} has layers "
+                          f"0..{n_layers - 1}")
+    return DraftSpec(
+        experiment=name, stage=cfg.stage, model=model, layers=layers, vocab_size=vocab_size,
+        freeze_embeddings=bool(draft.get("freeze_embeddings", True)), loss=loss, gen=gen, eval_gen=eval_gen,
+        eval_context=context, eval_repeats=repeats, trainer=tcfg, deepspeed=deepspeed, model_dtype=model_dtype,
+        resume=resume, logger=OmegaConf.to_container(cfg.get("logger") or {"name": "none"}, resolve=True),
+        threads=int(cfg.get("threads", 2)), config=OmegaConf.to_container(cfg, resolve=True),
+    )
+
+
+def _known(section: dict, keys: tuple[str, ...], where: str) -> None:
+    unknown = sorted(set(section) - set(keys))
+    if unknown:
+        raise ConfigError(f"unknown key(s) {unknown} in {where}; valid: {', '.join(keys)}")
+
+
+def _target_layers(model: ModelConfig) -> int | None:
+    """The target's layer count when its config is at hand without loading weights (else None)."""
+    from pardec.models.loading import cache_dir_for
+
+    if model.source == "tiny_random":
+        return model.layers
+    where = {"local": Path(model.path or ""), "gguf_package": cache_dir_for(model), "gguf": cache_dir_for(model)}
+    f = where.get(model.source, Path("/nonexistent")) / "config.json"
+    return json.loads(f.read_text()).get("num_hidden_layers") if f.is_file() else None
+
+
+def run_draft(spec: DraftSpec, run_dir: Path, d: Dist) -> dict[str, Any]:
+    """The stages of a draft experiment; returns (and on rank 0 writes) ``train_summary.json``.
+
+    * ``generate``: the target's greedy completions of ``distill.sources`` into ``distill.out_dir``;
+    * ``train``: :class:`~pardec.training.distill_trainer.DistillTrainer`; the draft goes to ``<run dir>/final``;
+    * ``eval`` (rank 0): completions of the held-out ``eval.sources`` (``<eval.out_dir>/<dataset>``), top-1
+      agreement of draft vs target on them and the forward cost ratio, into ``<run dir>/draft_eval.json``.
+    """
+    from pardec.training import distill_trainer as dt
+    from pardec.training.distill import run_generation
+
+    summary: dict[str, Any] = {"experiment": spec.experiment, "kind": "draft", "stage": spec.stage,
+                               "run_dir": str(run_dir)}
+    identity = {"name": spec.model.name, "path": spec.model.path, "dtype": spec.model.dtype}
+    if spec.stage in ("generate", "all"):
+        from pardec.models.loading import load_model
+
+        barrier = _barrier(d)  # first: it picks this rank's GPU
+        lm = load_model(spec.model)
+        summary["generate"] = run_generation(spec.gen, lm, identity, d.rank, d.world, barrier, "distill")
+        if summary["generate"]:
+            log.info("completions: %s", json.dumps(summary["generate"]))
+        del lm
+    if spec.stage in ("train", "all"):
+        summary["train"] = dt.train_draft(spec, run_dir, d.rank)
+    if spec.stage in ("eval", "all") and d.rank == 0:
+        summary["eval"] = dt.evaluate_draft(spec, run_dir, identity)
+        print(json.dumps(summary["eval"], indent=2))
+    if d.rank == 0:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        (run_dir / "train_summary.json").write_text(json.dumps(summary, indent=2, default=str) + "\n")
+    return summary
+
+
 def run(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
     """Run the stages ``cfg.stage`` names; returns (and on rank 0 writes) ``train_summary.json``."""
     import torch
@@ -261,6 +404,8 @@ def run(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
     spec = validate(cfg)
     d = Dist.from_env()
     torch.set_num_threads(spec.threads)
+    if isinstance(spec, DraftSpec):
+        return run_draft(spec, run_dir, d)
     summary: dict[str, Any] = {"experiment": spec.experiment, "stage": spec.stage, "run_dir": str(run_dir)}
     if spec.stage in ("collect", "all"):
         summary["collect"] = run_collect(spec, d)

@@ -51,6 +51,9 @@ def test_every_experiment_validates(name):
         pytest.skip(f"experiment {name} names a model/dataset config that does not exist yet")
     spec = validate(_compose([f"+experiment={name}"]))
     assert spec.experiment == name
+    if name.startswith("draft_"):  # kind: draft (tests/training/test_distill.py covers it)
+        assert spec.gen.out_dir.endswith(f"distill/{name}/train")
+        return
     assert spec.collect.out_dir.endswith(f"trajectories/{name}") and spec.train_data == Path(spec.collect.out_dir)
 
 

@@ -1,0 +1,251 @@
+"""Distillation data: the target's own greedy completions of prompts from several sources; batched, resumable,
+shardable. Used to train a draft model (``stage=generate``) and, on held-out prompts, to evaluate it.
+
+Layout of an output directory (``distill.out_dir``)::
+
+    meta.json           schema_version, model, sources, settings (a resumed run must match it)
+    part-{rank}.jsonl   the work log of each rank, one record per prompt, appended and fsynced per batch
+    completions.jsonl   the merged records of every rank, sorted by index
+    stats.json          prompts, tokens, mean length, stop reasons, per source counts, generation seconds
+
+One record (``schema_version`` 1)::
+
+    {"schema_version": 1, "id": "<source>/<doc id>", "source": "gsm8k", "index": 12,  # index: in the prompt list
+     "prompt_ids": [...], "completion_ids": [...],     # greedy, up to and including EOS (or max_new_tokens)
+     "stop_reason": "eos" | "length", "seconds": 0.8}  # seconds: the record's share of its batch's wall time
+
+Prompts are built as the task builds them for evaluation (chat template for chat models). Rank r of w takes the
+prompts with index % w == r (sorted by length within the rank, so batches pad little); rank 0 merges. Greedy
+decoding is HF ``generate`` with left padding; rows that stop early are cut at their first EOS.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+import time
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from pardec.config import ConfigError, DatasetConfig, to_dataclass
+from pardec.jsonl import append_jsonl
+from pardec.training.collect import Prompt, eos_ids_of
+from pardec.training.trajectories import done_ids, part_path, read_part
+
+log = logging.getLogger(__name__)
+
+SCHEMA_VERSION = 1
+MERGED = "completions.jsonl"
+REQUIRED = ("schema_version", "id", "source", "index", "prompt_ids", "completion_ids", "stop_reason")
+
+
+@dataclass
+class Source:
+    dataset: DatasetConfig
+    max_prompts: int | None = None  # the first N documents (None: all)
+
+
+@dataclass
+class GenerateConfig:
+    max_new_tokens: int = 128
+    batch_size: int = 8  # prompts per generate() call
+    out_dir: str = "data/distill"
+    overwrite: bool = False  # wipe out_dir when its meta.json is from other settings
+    sources: list[Source] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        for key in ("max_new_tokens", "batch_size"):
+            if getattr(self, key) < 1:
+                raise ConfigError(f"{key}={getattr(self, key)!r} is out of range: it must be >= 1")
+
+
+def generate_config(section: dict, where: str) -> GenerateConfig:
+    """A :class:`GenerateConfig` from a config section whose ``sources`` is a list of
+    ``{dataset: {...DatasetConfig}, max_prompts: N}``; errors name ``where``."""
+    section = dict(section)
+    raw = section.pop("sources", None) or []
+    if not raw:
+        raise ConfigError(f"{where}.sources is empty: list at least one {{dataset: {{name: ...}}, max_prompts: N}}")
+    sources = []
+    for i, s in enumerate(raw):
+        if not isinstance(s, dict) or "dataset" not in s or set(s) - {"dataset", "max_prompts"}:
+            raise ConfigError(f"{where}.sources[{i}] must be {{dataset: {{name: ...}}, max_prompts: N}}; got {s!r}")
+        ds = to_dataclass(DatasetConfig, s["dataset"], f"{where}.sources[{i}].dataset")
+        n = s.get("max_prompts")
+        if n is not None and n < 1:
+            raise ConfigError(f"{where}.sources[{i}].max_prompts={n!r} is out of range: it must be >= 1 or null")
+        sources.append(Source(ds, n))
+    cfg = to_dataclass(GenerateConfig, section, where)
+    cfg.sources = sources
+    return cfg
+
+
+# ------------------------------------------------------------------------------------------- prompts
+def source_prompts(sources: list[Source], tokenizer, model_chat: bool) -> list[Prompt]:
+    """Every source's first ``max_prompts`` documents as prompt ids, in source order; ids ``<source>/<doc id>``."""
+    from pardec.tasks.base import build_task
+
+    out: list[Prompt] = []
+    for s in sources:
+        task = build_task(s.dataset)
+        chat = {"auto": model_chat, "chat": True, "base": False}[s.dataset.prompt_style]
+        docs = task.docs()[: s.max_prompts] if s.max_prompts else task.docs()
+        for d in docs:
+            out.append(Prompt(len(out), f"{s.dataset.name}/{d['id']}", list(task.prompt_ids(d, tokenizer, chat))))
+    return out
+
+
+def generation_meta(cfg: GenerateConfig, model: dict, eos_ids: set[int]) -> dict:
+    """What identifies a generation run (a resumed run must match it)."""
+    sources = [{"dataset": asdict(s.dataset), "max_prompts": s.max_prompts} for s in cfg.sources]
+    return {"schema_version": SCHEMA_VERSION, "model": model, "sources": sources, "eos_ids": sorted(eos_ids),
+            "max_new_tokens": cfg.max_new_tokens, "decoding": "greedy"}
+
+
+def prepare_out_dir(cfg: GenerateConfig, meta: dict, rank: int = 0, key: str = "distill") -> Path:
+    """Create ``out_dir`` with ``meta.json``; an existing one from other settings raises (rank 0 with
+    ``overwrite``: the directory is wiped). ``key``: the config section named in the error."""
+    out = Path(cfg.out_dir)
+    meta_file = out / "meta.json"
+    if meta_file.is_file():
+        old = json.loads(meta_file.read_text())
+        if old != meta:
+            diff = sorted(k for k in set(old) | set(meta) if old.get(k) != meta.get(k))
+            if not cfg.overwrite or rank != 0:
+                raise FileExistsError(f"{out} holds completions generated with other settings (differ in {diff}); "
+                                      f"pass {key}.overwrite=true to replace them, or use another {key}.out_dir")
+            log.warning("%s.overwrite=true: removing %s (settings differ in %s)", key, out, diff)
+            shutil.rmtree(out)
+    out.mkdir(parents=True, exist_ok=True)
+    if not meta_file.is_file():
+        tmp = out / f"meta.json.tmp{rank}"
+        tmp.write_text(json.dumps(meta, indent=2) + "\n")
+        tmp.replace(meta_file)
+    return out
+
+
+# ------------------------------------------------------------------------------------------- decoding
+@torch.inference_mode()
+def greedy_batch(model, prompts: list[list[int]], max_new_tokens: int, eos_ids: set[int],
+                 pad_id: int) -> list[tuple[list[int], str]]:
+    """Greedy completions of a left-padded batch: per prompt (ids up to and including the first EOS, reason)."""
+    from transformers import GenerationConfig
+
+    width = max(len(p) for p in prompts)
+    ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
+    att = torch.zeros(len(prompts), width, dtype=torch.long)  # [B, P]: 0 = left padding
+    for i, p in enumerate(prompts):
+        ids[i, width - len(p) :] = torch.tensor(p)
+        att[i, width - len(p) :] = 1
+    gen = GenerationConfig(max_new_tokens=max_new_tokens, do_sample=False, num_beams=1,
+                           eos_token_id=sorted(eos_ids) or None, pad_token_id=pad_id)
+    out = model.generate(input_ids=ids.to(model.device), attention_mask=att.to(model.device), generation_config=gen)
+    results = []
+    for row in out[:, width:].tolist():  # [B, <= max_new_tokens]
+        stop = next((j for j, t in enumerate(row) if t in eos_ids), None)
+        results.append((row[: stop + 1], "eos") if stop is not None else (row[:max_new_tokens], "length"))
+    return results
+
+
+def generate(cfg: GenerateConfig, model, pad_id: int, eos_ids: set[int], prompts: list[Prompt], meta: dict,
+             rank: int = 0, world: int = 1, barrier: Callable[[], None] | None = None, stop_after: int | None = None,
+             key: str = "distill") -> dict | None:
+    """Generate this rank's share of ``prompts`` into ``part-{rank}.jsonl``, then (rank 0) merge.
+
+    Prompts already in any part file are skipped (resume). ``stop_after``: write at most that many records, then
+    return without merging (simulates a killed run in tests). Returns the stats on rank 0, else None.
+    """
+    if rank == 0:
+        prepare_out_dir(cfg, meta, rank, key)
+    if barrier:
+        barrier()  # rank 0 created (or wiped) the directory and wrote meta.json
+    out = prepare_out_dir(cfg, meta, rank, key) if rank else Path(cfg.out_dir)
+    seen = done_ids(out, rank)
+    todo = sorted((p for p in prompts if p.index % world == rank and p.id not in seen), key=lambda p: len(p.ids))
+    sources = {p.id: p.id.split("/", 1)[0] for p in prompts}
+    written = 0
+    bar = tqdm(total=len(todo), desc=f"generate[{rank}] {out.name}", position=rank, dynamic_ncols=True)
+    try:
+        for start in range(0, len(todo), cfg.batch_size):
+            batch = todo[start : start + cfg.batch_size]
+            if stop_after is not None:
+                batch = batch[: stop_after - written]
+                if not batch:
+                    return None
+            t0 = time.perf_counter()
+            results = greedy_batch(model, [p.ids for p in batch], cfg.max_new_tokens, eos_ids, pad_id)
+            share = (time.perf_counter() - t0) / len(batch)
+            append_jsonl(part_path(out, rank), [
+                {"schema_version": SCHEMA_VERSION, "id": p.id, "source": sources[p.id], "index": p.index,
+                 "prompt_ids": p.ids, "completion_ids": ids, "stop_reason": why, "seconds": round(share, 4)}
+                for p, (ids, why) in zip(batch, results)])
+            written += len(batch)
+            bar.update(len(batch))
+    finally:
+        bar.close()
+    if barrier:
+        barrier()
+    return merge(out, expected=len(prompts)) if rank == 0 else None
+
+
+def merge(out_dir: Path, expected: int) -> dict:
+    """Merge every part file into ``completions.jsonl`` (sorted by index) and write ``stats.json``."""
+    by_id: dict[str, dict] = {}
+    for p in sorted(out_dir.glob("part-*.jsonl")):
+        for r in read_part(p):
+            by_id.setdefault(r["id"], r)
+    records = sorted(by_id.values(), key=lambda r: r["index"])
+    tmp = out_dir / (MERGED + ".tmp")
+    with tmp.open("w", encoding="utf-8") as f:
+        for r in records:
+            f.write(json.dumps(r, separators=(",", ":")) + "\n")
+    tmp.replace(out_dir / MERGED)
+    lengths = [len(r["completion_ids"]) for r in records]
+    stats = {"schema_version": SCHEMA_VERSION, "prompts": len(records), "expected_prompts": expected,
+             "complete": len(records) >= expected, "tokens": sum(lengths),
+             "mean_completion_length": sum(lengths) / max(1, len(lengths)),
+             "mean_prompt_length": sum(len(r["prompt_ids"]) for r in records) / max(1, len(records)),
+             "stop_reasons": dict(Counter(r["stop_reason"] for r in records)),
+             "per_source": dict(Counter(r["source"] for r in records)),
+             "generation_seconds": round(sum(r.get("seconds", 0.0) for r in records), 1)}
+    (out_dir / "stats.json").write_text(json.dumps(stats, indent=2) + "\n")
+    return stats
+
+
+def load_completions(out_dir: str | Path, stage: str = "stage=generate") -> list[dict]:
+    """The merged records of ``out_dir``, validated; a missing or unfinished generation names ``stage``."""
+    from pardec.jsonl import read_jsonl
+
+    out = Path(out_dir)
+    f, stats = out / MERGED, out / "stats.json"
+    if not f.is_file():
+        raise FileNotFoundError(f"{f} does not exist; generate the completions first ({stage})")
+    if stats.is_file() and not json.loads(stats.read_text()).get("complete", True):
+        raise ConfigError(f"{out} holds an unfinished generation ({stats}); finish it first: rerun {stage}")
+    records = read_jsonl(f)
+    for i, r in enumerate(records, 1):
+        missing = [k for k in REQUIRED if k not in r]
+        if missing:
+            raise ValueError(f"{f}, record {i}: missing field(s) {missing}; a record needs {list(REQUIRED)}")
+        if r["schema_version"] != SCHEMA_VERSION:
+            raise ValueError(f"{f}, record {i}: schema_version {r['schema_version']!r}, this pardec reads "
+                             f"{SCHEMA_VERSION}; generate again ({stage})")
+    return records
+
+
+def run_generation(cfg: GenerateConfig, lm, model_identity: dict, rank: int, world: int, barrier, key: str,
+                   stop_after: int | None = None) -> dict | None:
+    """Prompts of ``cfg.sources`` -> greedy completions of ``lm`` (a LoadedModel) in ``cfg.out_dir``."""
+    prompts = source_prompts(cfg.sources, lm.tokenizer, lm.chat)
+    eos = eos_ids_of(lm.model, lm.tokenizer)
+    meta = generation_meta(cfg, model_identity, eos)
+    log.info("generating greedy completions of %d prompts into %s (rank %d of %d)", len(prompts), cfg.out_dir,
+             rank, world)
+    return generate(cfg, lm.model, lm.tokenizer.pad_token_id, eos, prompts, meta, rank, world, barrier,
+                    stop_after, key)
