@@ -2,17 +2,17 @@
 the first N prompts each, 256 new tokens, greedy: `ar`, `hf` (generate), `hf_assisted` (the distilled draft),
 `hf_pld`, `pld`, `sps` (fixed gamma) and `sps` with adaptive gamma.
 
-Per dataset, one `python -m evaluate` job per method, each with the baseline `ar` interleaved per prompt; the
-first job of a dataset also runs transformers' decoders as peers (`bench.include_hf=true`: hf, hf_pld, and
-hf_assisted with the draft), so ar and every peer are measured once. Then `pardec.report` aggregates the jobs and
-the table below is printed (and written to <out>/table.md).
+One `python -m evaluate` run per dataset measures them all side by side, interleaved per prompt after a warm-up:
+the first method of --methods is the run's method, the others run as `bench.also` roles, and
+`bench.include_hf=true` adds transformers' decoders as peers (hf, hf_pld, and hf_assisted with the draft). Then
+`pardec.report` aggregates the runs and the table below is printed (and written to <out>/table.md).
 
     python scripts/bench.py --dataset-path gsm8k=<gsm8k test.jsonl> [--datasets humaneval,gsm8k] [--n 20]
-        [--methods pld,sps,sps:adaptive=true] [--draft smollm2_distilled | none] [--dtype fp32] [overrides ...]
+        [--methods sps,pld,sps:adaptive=true] [--draft smollm2_distilled | none] [--dtype fp32] [overrides ...]
 
-A method is `name[:key=value[:key=value...]]` (its method.* overrides). Draft methods (and hf_assisted) need
-the draft: when its directory is missing (or --draft none) they are skipped with a printed note. GSM8K has no
-offline copy: without `--dataset-path gsm8k=...` it is skipped with a note.
+A method is `name[:key=value[:key=value...]]`. Draft methods (and hf_assisted) need the draft: when its
+directory is missing (or --draft none) they are skipped with a printed note. GSM8K has no offline copy: without
+`--dataset-path gsm8k=...` it is skipped with a note.
 """
 
 from __future__ import annotations
@@ -57,7 +57,7 @@ def main() -> None:
     ap.add_argument("--datasets", default="gsm8k,humaneval")
     ap.add_argument("--dataset-path", action="append", default=[], metavar="NAME=FILE",
                     help="a local file for a dataset, e.g. gsm8k=data/gsm8k_test.jsonl (repeatable)")
-    ap.add_argument("--methods", default="pld,sps,sps:adaptive=true")
+    ap.add_argument("--methods", default="sps,pld,sps:adaptive=true")
     ap.add_argument("--draft", default="smollm2_distilled", help="draft config for draft methods, or none")
     ap.add_argument("--model", default="smollm2_135m")
     ap.add_argument("--threads", type=int, default=2)
@@ -75,27 +75,27 @@ def main() -> None:
               f"(train one: python -m train +experiment=draft_smollm2)")
     methods = []
     for spec in a.methods.split(","):
-        name, over, label = parse_method(spec)
-        if METHODS.get(name).needs_draft and not has_draft:
+        if METHODS.get(spec.split(":")[0]).needs_draft and not has_draft:
             print(f"note: skipping {spec} (needs a draft)")
             continue
-        methods.append((name, over, label))
+        methods.append(spec)
+    if not methods:
+        sys.exit("no method left to run")
+    main_name, main_over, _ = parse_method(methods[0])
+    also = "[" + ",".join(f'"{m}"' for m in methods[1:]) + "]"
     runs = a.out / "runs"
     for ds in a.datasets.split(","):
         if ds not in OFFLINE_DATASETS and ds not in paths:
             print(f"note: skipping {ds}: no offline copy; pass --dataset-path {ds}=<local file>")
             continue
-        for i, (name, over, label) in enumerate(methods):
-            cmd = [sys.executable, "-m", "evaluate", f"+method={name}", *over, f"dataset={ds}",
-                   *([f"dataset.path={paths[ds]}"] if ds in paths else []), f"model={a.model}", f"dtype={a.dtype}",
-                   f"n_samples={a.n}", f"max_new_tokens={a.max_new_tokens}", f"threads={a.threads}",
-                   # the draft where it is used: draft methods, and the peers' hf_assisted in the first job
-                   *([f"draft={a.draft}"] if has_draft and (i == 0 or METHODS.get(name).needs_draft) else []),
-                   f"bench.include_hf={str(i == 0).lower()}",
-                   "perplexity.enabled=false", f"hydra.run.dir={runs / ds / f'{i}_{label}'}", *a.extra]
-            print("+", " ".join(cmd), flush=True)
-            subprocess.run(cmd, check=True, cwd=ROOT)
-    summaries = [json.loads(p.read_text()) for p in sorted(runs.glob("*/*/summary.json"))]
+        cmd = [sys.executable, "-m", "evaluate", f"+method={main_name}", *main_over, f"bench.also={also}",
+               f"dataset={ds}", *([f"dataset.path={paths[ds]}"] if ds in paths else []), f"model={a.model}",
+               f"dtype={a.dtype}", f"n_samples={a.n}", f"max_new_tokens={a.max_new_tokens}", f"threads={a.threads}",
+               *([f"draft={a.draft}"] if has_draft else []), "bench.include_hf=true", "perplexity.enabled=false",
+               f"hydra.run.dir={runs / ds}", *a.extra]
+        print("+", " ".join(cmd), flush=True)
+        subprocess.run(cmd, check=True, cwd=ROOT)
+    summaries = [json.loads(p.read_text()) for p in sorted(runs.glob("*/summary.json"))]
     if not summaries:
         sys.exit("no runs")
     subprocess.run([sys.executable, "-m", "pardec.report", str(runs), "--out", str(a.out / "report")], check=True)
@@ -109,26 +109,32 @@ def _f(v: float | None, spec: str = ".2f") -> str:
     return "–" if v is None else format(v, spec)
 
 
+def _label(method: str, params: dict) -> str:
+    """``method (key=value, ...)`` with the parameters that differ from the method's defaults."""
+    from pardec.decoding.base import METHODS, method_params
+
+    defaults = {k: p.default for k, p in method_params(METHODS.get(method)).items()}
+    shown = ", ".join(f"{k}={v}" for k, v in sorted(params.items()) if defaults.get(k, object()) != v)
+    return f"{method} ({shown})" if shown else method
+
+
 def bench_table(summaries: list[dict]) -> str:
-    """One row per (dataset, dtype, role): ar and the peers from the job that ran them, then each method."""
-    rows = ["| dataset | dtype | method | exactness | tokens/s | speedup vs ar | tokens / target forward | "
+    """One row per (dataset, role): ar, transformers' peers, the bench.also methods and the run's method."""
+    rows = ["| dataset | dtype | method | exactness | tokens/s | speedup vs ar (median) | tokens / target forward | "
             "exact match vs ar | draft acceptance | draft time share |", "|---|---|---|---|---|---|---|---|---|---|"]
-    for s in sorted(summaries, key=lambda s: (s["dataset"], s["dtype"], not s.get("peers"))):
+    for s in sorted(summaries, key=lambda s: (s["dataset"], s["dtype"])):
         where = f"| {s['dataset']} | {s['dtype']} |"
-        if s.get("peers"):  # the job that ran the baseline's peers: ar and the peers once
-            rows.append(f"{where} ar | tokens | {_f(s['baseline_tokens_per_s'], '.1f')} | 1.00 | "
-                        f"{_f(s.get('baseline_tokens_per_forward'))} | – | – | – |")
-            for p in s["peers"].values():
-                rows.append(f"{where} {p['method']} | {p.get('exactness') or '–'} | {_f(p['tokens_per_s'], '.1f')} | "
-                            f"{_f(p['speedup'])} | {_f(p['tokens_per_forward'])} | {_f(p['exact_match_rate'])} | "
-                            f"{_f(p.get('draft_acceptance'))} | {_f(p.get('draft_time_share'))} |")
-        params = ", ".join(f"{k}={v}" for k, v in sorted((s.get("method_params") or {}).items())
-                           if k in ("adaptive", "gamma"))
-        name = f"{s['method']} ({params})" if params else s["method"]
-        rows.append(f"{where} {name} | {s.get('exactness') or '–'} | {_f(s['tokens_per_s'], '.1f')} | "
-                    f"{_f(s['speedup'])} (median {_f(s['speedup_median'])}) | {_f(s['tokens_per_forward'])} | "
-                    f"{_f(s['exact_match_rate'])} | {_f(s.get('draft_acceptance'))} | "
-                    f"{_f(s.get('draft_time_share'))} |")
+        rows.append(f"{where} ar | distribution | {_f(s['baseline_tokens_per_s'], '.1f')} | 1.00 | "
+                    f"{_f(s.get('baseline_tokens_per_forward'))} | – | – | – |")
+        method = {"method": _label(s["method"], s.get("method_params") or {}), **{k: s.get(k) for k in (
+            "exactness", "tokens_per_s", "speedup", "speedup_median", "tokens_per_forward", "exact_match_rate",
+            "draft_acceptance", "draft_time_share")}}
+        for p in [*(s.get("peers") or {}).values(), method]:
+            name = p["method"] if p is method else _label(p["method"], p.get("params") or {})
+            rows.append(f"{where} {name} | {p.get('exactness') or '–'} | {_f(p['tokens_per_s'], '.1f')} | "
+                        f"{_f(p['speedup'])} ({_f(p.get('speedup_median'))}) | {_f(p['tokens_per_forward'])} | "
+                        f"{_f(p['exact_match_rate'])} | {_f(p.get('draft_acceptance'))} | "
+                        f"{_f(p.get('draft_time_share'))} |")
     return "\n".join(rows)
 
 

@@ -76,7 +76,7 @@ def test_end_to_end_run_writes_results_and_summary(tmp_path):
               "peak_rss_mb", "perplexity"):
         assert k in saved, k
     assert saved["exact_match_rate"] == 1.0 and saved["n_samples"] == 3 and saved["metric_name"] == "pass"
-    assert saved["exactness"] == "tokens" and "lossless" not in saved and saved["n_errors"] == 0
+    assert saved["exactness"] == "distribution" and "lossless" not in saved and saved["n_errors"] == 0
     assert set(saved["peers"]) == {"hf", "hf_pld"} and saved["draft"] is None
     for peer in saved["peers"].values():
         assert peer["exact_match_rate"] == 1.0 and peer["tokens_per_s"] > 0 and peer["speedup"] > 0
@@ -207,3 +207,30 @@ def test_non_finite_numbers_never_reach_json(tmp_path):
     assert finite(rec) == {"nll": None, "extras": {"x": [1.0, None]}, "ok": 2.0}
     write_json(tmp_path / "s.json", {"perplexity": float("nan")})
     assert _strict(tmp_path / "s.json") == [{"perplexity": None}]
+
+
+@pytest.mark.parametrize("entry,needle", [
+    ("nope", "unknown method 'nope'"),
+    ("pld:num_pred=0", "method.num_pred=0 is out of range"),
+    ("pld:bogus=1", "has no parameter(s) ['bogus']"),
+    ("pld:num_pred", "is not key=value"),
+    ("sps", "needs a draft model: pass draft=<name>"),
+])
+def test_bench_also_entries_are_validated_before_loading(entry, needle):
+    with pytest.raises((ConfigError, UnknownNameError)) as e:
+        validate(cfg_of("+method=ar", f"bench.also=[\"{entry}\"]"))
+    assert needle in str(e.value)
+
+
+def test_bench_also_runs_more_methods_side_by_side(tmp_path):
+    s = run(cfg_of("+method=pld", *TINY, "draft=tiny_random", "n_samples=2",
+                   'bench.also=["sps:adaptive=true:gamma=3", "jacobi:block_size=4"]'), tmp_path)
+    roles = {(r["id"], r["role"]) for r in lines(tmp_path)}
+    assert len(roles) == 2 * 4  # baseline, method, two `also` roles; nothing duplicated
+    also = {k: v for k, v in s["peers"].items() if k.startswith("also:")}
+    assert set(also) == {"also:sps:adaptive=true:gamma=3", "also:jacobi:block_size=4"}
+    sps = also["also:sps:adaptive=true:gamma=3"]
+    assert sps["method"] == "sps" and sps["params"] == {"adaptive": True, "gamma": 3}
+    assert sps["exactness"] == "distribution" and sps["exact_match_rate"] == 1.0
+    assert sps["draft_forwards"] > 0 and sps["tokens_per_s"] > 0
+    assert also["also:jacobi:block_size=4"]["exact_match_rate"] == 1.0

@@ -101,6 +101,9 @@ class DatasetConfig:
 class BenchConfig:
     baseline: str = "ar"
     include_hf: bool = False
+    # more methods run as roles on the same prompts in the same run: "name" or "name:key=value:key=value"
+    # (e.g. "sps:adaptive=true"); they are summarised beside the peers under ``peers.<name[:...]>``
+    also: list[str] = field(default_factory=list)
     warmup: int = 1  # warm-up generations per method before timing
     warmup_tokens: int = 16
 

@@ -21,7 +21,7 @@ import math
 import resource
 import statistics
 import sys
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -45,9 +45,23 @@ RUN_KEYS = ("n_samples", "max_new_tokens", "threads", "seed", "resume", "timeout
             "dtype")
 # fields that must match when a run is resumed
 RESUME_KEYS = ("method", "method_params", "model", "dtype", "dataset", "max_new_tokens", "sampling", "baseline",
-               "include_hf", "repeats", "draft")
+               "include_hf", "repeats", "draft", "also")
 #: peer roles run when ``bench.include_hf=true``: role -> method (``hf_assisted`` only with a draft)
 PEERS = {"hf": "hf_generate", "hf_pld": "hf_pld", "hf_assisted": "hf_assisted"}
+
+
+def parse_also(spec: str) -> tuple[str, dict]:
+    """``"sps:adaptive=true:gamma=6"`` -> ("sps", {"adaptive": True, "gamma": 6}); values parsed as YAML scalars."""
+    import yaml
+
+    name, *pairs = spec.split(":")
+    params = {}
+    for pair in pairs:
+        key, eq, value = pair.partition("=")
+        if not eq or not key:
+            raise ConfigError(f"bench.also entry {spec!r}: {pair!r} is not key=value; write e.g. 'sps:adaptive=true'")
+        params[key] = yaml.safe_load(value)
+    return name, params
 
 
 @dataclass
@@ -62,6 +76,7 @@ class EvalSpec:
     bench: BenchConfig
     perplexity: dict
     logger: dict
+    also: list[tuple[str, str, dict]] = field(default_factory=list)  # (role, method, params) of bench.also
 
 
 def validate(cfg: DictConfig) -> EvalSpec:
@@ -93,12 +108,24 @@ def validate(cfg: DictConfig) -> EvalSpec:
     run = to_dataclass(RunConfig, {k: cfg.get(k) for k in RUN_KEYS if k in cfg}, "the top-level keys")
     sampling = to_dataclass(SamplingConfig, cfg.get("sampling"), "sampling")
     bench = to_dataclass(BenchConfig, cfg.get("bench"), "bench")
+    also = []
+    for entry in bench.also:
+        a_name, a_params = parse_also(entry)
+        a_cls = METHODS.get(a_name)  # unknown names fail here, listing the valid ones
+        a_bad = sorted(set(a_params) - set(method_params(a_cls)))
+        if a_bad:
+            raise ConfigError(f"bench.also entry {entry!r}: method {a_cls.name!r} has no parameter(s) {a_bad}; "
+                              f"valid: {', '.join(method_params(a_cls)) or 'none'}")
+        a_cls(None, None, None, **a_params)  # range checks
+        if a_cls.needs_draft and draft is None:
+            raise ConfigError(f"bench.also entry {entry!r} needs a draft model: pass draft=<name>")
+        also.append((f"also:{entry}", a_cls.name, a_params))
     METHODS.canonical(bench.baseline)
     logger = OmegaConf.to_container(cfg.logger, resolve=True) if cfg.get("logger") else {"name": "none"}
     if logger.get("name") not in LOGGERS:
         raise ConfigError(f"logger={logger.get('name')!r} is not valid; choose one of: {', '.join(LOGGERS)}")
     ppl = OmegaConf.to_container(cfg.perplexity, resolve=True) if cfg.get("perplexity") else {"enabled": False}
-    return EvalSpec(name, mcfg, model, draft, dataset, run, sampling, bench, ppl, logger)
+    return EvalSpec(name, mcfg, model, draft, dataset, run, sampling, bench, ppl, logger, also)
 
 
 def _check_models(model: ModelConfig, draft: ModelConfig | None) -> None:
@@ -203,7 +230,7 @@ def run(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
     identity = {"method": spec.method, "method_params": spec.method_params, "model": spec.model.name,
                 "dtype": spec.model.dtype, "dataset": spec.dataset.name, "max_new_tokens": r.max_new_tokens,
                 "sampling": asdict(spec.sampling), "baseline": spec.bench.baseline,
-                "include_hf": spec.bench.include_hf, "repeats": r.repeats,
+                "include_hf": spec.bench.include_hf, "repeats": r.repeats, "also": spec.bench.also,
                 "draft": {"name": spec.draft.name, "path": spec.draft.path} if spec.draft else None}
     _check_resume(run_dir / "run.json", identity, r.resume)
     results = ResultsLog(run_dir / "results.jsonl", r.resume)
@@ -228,6 +255,7 @@ def run(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
     if spec.bench.include_hf:
         roles += [(role, name, {}) for role, name in PEERS.items()
                   if name not in (spec.method, roles[0][1]) and (draft is not None or not METHODS.get(name).needs_draft)]
+    roles += spec.also
     decoders = {role: build_decoder(name, target, tok, draft, **params) for role, name, params in roles}
     method_role = "method" if len(roles) > 1 and roles[1][0] == "method" else "baseline"
     eos = set()
@@ -360,7 +388,8 @@ def summarize(spec: EvalSpec, task, records: list[dict], method_role: str, model
     from pardec.metrics.speed import speed_summary, tokens_per_s
 
     ok = [x for x in records if not _failed(x)]
-    rows = {role: [x for x in ok if x["role"] == role] for role in ("baseline", "method", *PEERS)}
+    also = {role: name for role, name, _ in spec.also}
+    rows = {role: [x for x in ok if x["role"] == role] for role in ("baseline", "method", *PEERS, *also)}
     method_rows = rows[method_role]
     skipped = sorted({x["id"] for x in records if "skipped" in x})
     errors = [{k: x[k] for k in ("id", "role", "repeat", "error")} for x in records if "error" in x]
@@ -394,17 +423,19 @@ def summarize(spec: EvalSpec, task, records: list[dict], method_role: str, model
                 "draft_time_share": sum(x.get("draft_s") or 0.0 for x in rs) / wall if wall > 0 and forwards else None}
 
     mq, bq = quality(method_rows), quality(rows["baseline"])
-    role_method = {"baseline": spec.bench.baseline, "method": spec.method, **PEERS}
+    role_method = {"baseline": spec.bench.baseline, "method": spec.method, **PEERS, **also}
     if method_role == "baseline":
         method_exact = 1.0 if method_rows and lossless_under_greedy(cls) and spec.sampling.greedy else None
     else:
         method_exact = exact(method_rows, spec.method)
     peers = {}
-    for role in PEERS:
+    for role in (*PEERS, *also):
         if rows[role]:
             sp = speed_summary(rows[role], rows["baseline"])
             peers[role] = {"method": role_method[role], "exactness": METHODS.get(role_method[role]).exactness,
+                           "params": next((pr for r_, _, pr in spec.also if r_ == role), {}),
                            "tokens_per_s": sp["tokens_per_s"], "speedup": sp["speedup"],
+                           "speedup_median": sp.get("speedup_median"),
                            "tokens_per_forward": sp["tokens_per_forward"],
                            "exact_match_rate": exact(rows[role], role_method[role]), **drafting(rows[role])}
     summary: dict[str, Any] = {
@@ -480,21 +511,23 @@ def comparison_rows(s: dict) -> list[dict[str, Any]]:
     rows = [{"role": "baseline", "method": s["baseline"], "tokens_per_s": s["baseline_tokens_per_s"],
              "speedup": 1.0 if s["baseline_tokens_per_s"] else None,
              "tokens_per_forward": s.get("baseline_tokens_per_forward"), "exact_match_rate": None,
-             "draft_acceptance": None}]
+             "draft_acceptance": None, "draft_time_share": None}]
     rows += [{"role": role, **p} for role, p in (s.get("peers") or {}).items()]
     if s["method"] != s["baseline"]:
         rows.append({"role": "method", "method": s["method"], **{k: s.get(k) for k in (
-            "tokens_per_s", "speedup", "tokens_per_forward", "exact_match_rate", "draft_acceptance")}})
+            "tokens_per_s", "speedup", "tokens_per_forward", "exact_match_rate", "draft_acceptance",
+            "draft_time_share")}})
     return rows
 
 
 def format_comparison(s: dict) -> str:
     """:func:`comparison_rows` as an aligned text table."""
     head = ("role", "method", "tokens/s", f"speedup vs {s['baseline']}", "tokens/forward", "exact match",
-            "draft acceptance")
+            "draft acceptance", "draft time share")
     body = [(r["role"], r["method"], _fmt(r["tokens_per_s"], ".2f"), _fmt(r["speedup"], ".2f"),
              _fmt(r["tokens_per_forward"], ".2f"), _fmt(r["exact_match_rate"], ".2f"),
-             _fmt(r.get("draft_acceptance"), ".2f")) for r in comparison_rows(s)]
+             _fmt(r.get("draft_acceptance"), ".2f"), _fmt(r.get("draft_time_share"), ".2f"))
+            for r in comparison_rows(s)]
     widths = [max(len(str(x)) for x in col) for col in zip(head, *body)]
     return "\n".join("  ".join(f"{x:<{w}}" for x, w in zip(line, widths)).rstrip() for line in (head, *body))
 

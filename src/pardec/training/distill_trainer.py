@@ -20,6 +20,7 @@ top-1 agreement: student argmax == teacher argmax over the full vocabulary) and 
 
 from __future__ import annotations
 
+import json
 import statistics
 import time
 from dataclasses import dataclass, field
@@ -289,5 +290,5 @@ def evaluate_draft(spec, run_dir, identity: dict) -> dict:
     t_ms = forward_ms(lm.model, context, spec.eval_repeats)
     d_ms = forward_ms(draft, context, spec.eval_repeats)
     result["cost"] = {"context": len(context), "target_ms": t_ms, "draft_ms": d_ms, "draft_over_target": d_ms / t_ms}
-    (run_dir / "draft_eval.json").write_text(__import__("json").dumps(result, indent=2) + "\n")
+    (run_dir / "draft_eval.json").write_text(json.dumps(result, indent=2) + "\n")
     return result
