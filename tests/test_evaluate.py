@@ -42,6 +42,9 @@ def lines(run_dir: Path) -> list[dict]:
         (["+method=ar", "sampling.top_p=1.5"], "sampling.top_p=1.5 is out of range"),
         (["+method=ar", "bench.baseline=nope"], "unknown method 'nope'"),
         (["+method=ar", "max_new_tokens=abc"], "max_new_tokens"),
+        (["+method=sps", "draft=tiny_random", "model=tiny_random", "method.gamma=0"], "method.gamma=0 is out of range"),
+        (["+method=sps", "draft=tiny_random", "model=tiny_random", "method.gamma=9", "method.adaptive=true",
+          "method.gamma_max=8"], "method.gamma=9 must lie in [gamma_min, gamma_max] = [1, 8]"),
     ],
 )
 def test_config_errors_name_the_bad_value_and_choices(overrides, needle):

@@ -25,20 +25,18 @@ Sharding: rank r of w takes the prompts with index % w == r and writes ``part-{r
 
 from __future__ import annotations
 
-import json
 import logging
 import random
-import shutil
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
-from tqdm import tqdm
 
 from pardec.config import ConfigError, DatasetConfig
 from pardec.models.cached import CachedModel
-from pardec.training.trajectories import SCHEMA_VERSION, PartWriter, done_ids, merge, part_path
+from pardec.training import shards
+from pardec.training.trajectories import SCHEMA_VERSION, merge
 
 log = logging.getLogger(__name__)
 
@@ -216,25 +214,7 @@ def _as_list(x) -> list:
 def prepare_out_dir(cfg: CollectConfig, meta: dict, rank: int = 0) -> Path:
     """Create ``out_dir`` with ``meta.json``; a different existing meta raises (rank 0 with
     ``collect.overwrite``: the directory is wiped)."""
-    out = Path(cfg.out_dir)
-    meta_file = out / "meta.json"
-    if meta_file.is_file():
-        old = json.loads(meta_file.read_text())
-        if old != meta:
-            diff = sorted(k for k in set(old) | set(meta) if old.get(k) != meta.get(k))
-            if not cfg.overwrite or rank != 0:
-                raise FileExistsError(
-                    f"{out} holds trajectories collected with other settings (differ in {diff}); "
-                    f"pass collect.overwrite=true to replace them, or use another collect.out_dir"
-                )
-            log.warning("collect.overwrite=true: removing %s (settings differ in %s)", out, diff)
-            shutil.rmtree(out)
-    out.mkdir(parents=True, exist_ok=True)
-    if not meta_file.is_file():
-        tmp = out / f"meta.json.tmp{rank}"
-        tmp.write_text(json.dumps(meta, indent=2) + "\n")
-        tmp.replace(meta_file)
-    return out
+    return shards.prepare_out_dir(cfg.out_dir, cfg.overwrite, meta, rank, "collect", "trajectories collected")
 
 
 def collection_meta(cfg: CollectConfig, identity: dict, eos_ids: set[int]) -> dict:
@@ -267,27 +247,15 @@ def collect(
     if barrier:
         barrier()  # rank 0 created (or wiped) the directory and wrote meta.json
     out = prepare_out_dir(cfg, meta, rank) if rank else Path(cfg.out_dir)  # other ranks: check meta.json
-    seen = done_ids(out, rank)
-    todo = [p for p in prompts if p.index % world == rank and p.id not in seen]
-    writer = PartWriter(part_path(out, rank))
-    written = 0
-    bar = tqdm(total=len(todo), desc=f"collect[{rank}]", position=rank, dynamic_ncols=True)
-    try:
-        for start in range(0, len(todo), cfg.batch_size):
-            batch = todo[start : start + cfg.batch_size]
-            if stop_after is not None:
-                batch = batch[: stop_after - written]
-                if not batch:
-                    return None
-            gens = [torch.Generator().manual_seed(cfg.seed * 1_000_003 + p.index) for p in batch]
-            results = jacobi_trajectories(cm, [p.ids for p in batch], cfg.block_size, cfg.max_new_tokens, eos_ids,
-                                          gens, cfg.max_iters)
-            writer.write([_record(cfg, p, r) for p, r in zip(batch, results)])
-            written += len(batch)
-            bar.update(len(batch))
-    finally:
-        bar.close()
-        writer.close()
+
+    def work(batch: list[Prompt]) -> list[dict]:
+        gens = [torch.Generator().manual_seed(cfg.seed * 1_000_003 + p.index) for p in batch]
+        results = jacobi_trajectories(cm, [p.ids for p in batch], cfg.block_size, cfg.max_new_tokens, eos_ids,
+                                      gens, cfg.max_iters)
+        return [_record(cfg, p, r) for p, r in zip(batch, results)]
+
+    if not shards.run_shard(prompts, out, rank, world, cfg.batch_size, work, f"collect[{rank}]", stop_after):
+        return None
     if barrier:
         barrier()
     return merge(out, expected=len(prompts)) if rank == 0 else None

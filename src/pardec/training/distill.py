@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import json
 import logging
-import shutil
 import time
 from collections import Counter
 from collections.abc import Callable
@@ -31,12 +30,11 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
-from tqdm import tqdm
 
 from pardec.config import ConfigError, DatasetConfig, to_dataclass
-from pardec.jsonl import append_jsonl
+from pardec.training import shards
 from pardec.training.collect import Prompt, eos_ids_of
-from pardec.training.trajectories import done_ids, part_path, read_part
+from pardec.training.trajectories import read_part
 
 log = logging.getLogger(__name__)
 
@@ -111,23 +109,7 @@ def generation_meta(cfg: GenerateConfig, model: dict, eos_ids: set[int]) -> dict
 def prepare_out_dir(cfg: GenerateConfig, meta: dict, rank: int = 0, key: str = "distill") -> Path:
     """Create ``out_dir`` with ``meta.json``; an existing one from other settings raises (rank 0 with
     ``overwrite``: the directory is wiped). ``key``: the config section named in the error."""
-    out = Path(cfg.out_dir)
-    meta_file = out / "meta.json"
-    if meta_file.is_file():
-        old = json.loads(meta_file.read_text())
-        if old != meta:
-            diff = sorted(k for k in set(old) | set(meta) if old.get(k) != meta.get(k))
-            if not cfg.overwrite or rank != 0:
-                raise FileExistsError(f"{out} holds completions generated with other settings (differ in {diff}); "
-                                      f"pass {key}.overwrite=true to replace them, or use another {key}.out_dir")
-            log.warning("%s.overwrite=true: removing %s (settings differ in %s)", key, out, diff)
-            shutil.rmtree(out)
-    out.mkdir(parents=True, exist_ok=True)
-    if not meta_file.is_file():
-        tmp = out / f"meta.json.tmp{rank}"
-        tmp.write_text(json.dumps(meta, indent=2) + "\n")
-        tmp.replace(meta_file)
-    return out
+    return shards.prepare_out_dir(cfg.out_dir, cfg.overwrite, meta, rank, key, "completions generated")
 
 
 # ------------------------------------------------------------------------------------------- decoding
@@ -166,29 +148,19 @@ def generate(cfg: GenerateConfig, model, pad_id: int, eos_ids: set[int], prompts
     if barrier:
         barrier()  # rank 0 created (or wiped) the directory and wrote meta.json
     out = prepare_out_dir(cfg, meta, rank, key) if rank else Path(cfg.out_dir)
-    seen = done_ids(out, rank)
-    todo = sorted((p for p in prompts if p.index % world == rank and p.id not in seen), key=lambda p: len(p.ids))
     sources = {p.id: p.id.split("/", 1)[0] for p in prompts}
-    written = 0
-    bar = tqdm(total=len(todo), desc=f"generate[{rank}] {out.name}", position=rank, dynamic_ncols=True)
-    try:
-        for start in range(0, len(todo), cfg.batch_size):
-            batch = todo[start : start + cfg.batch_size]
-            if stop_after is not None:
-                batch = batch[: stop_after - written]
-                if not batch:
-                    return None
-            t0 = time.perf_counter()
-            results = greedy_batch(model, [p.ids for p in batch], cfg.max_new_tokens, eos_ids, pad_id)
-            share = (time.perf_counter() - t0) / len(batch)
-            append_jsonl(part_path(out, rank), [
-                {"schema_version": SCHEMA_VERSION, "id": p.id, "source": sources[p.id], "index": p.index,
+
+    def work(batch: list[Prompt]) -> list[dict]:
+        t0 = time.perf_counter()
+        results = greedy_batch(model, [p.ids for p in batch], cfg.max_new_tokens, eos_ids, pad_id)
+        share = (time.perf_counter() - t0) / len(batch)
+        return [{"schema_version": SCHEMA_VERSION, "id": p.id, "source": sources[p.id], "index": p.index,
                  "prompt_ids": p.ids, "completion_ids": ids, "stop_reason": why, "seconds": round(share, 4)}
-                for p, (ids, why) in zip(batch, results)])
-            written += len(batch)
-            bar.update(len(batch))
-    finally:
-        bar.close()
+                for p, (ids, why) in zip(batch, results)]
+
+    if not shards.run_shard(prompts, out, rank, world, cfg.batch_size, work, f"generate[{rank}] {out.name}",
+                            stop_after, order=lambda p: len(p.ids)):
+        return None
     if barrier:
         barrier()
     return merge(out, expected=len(prompts)) if rank == 0 else None
@@ -201,11 +173,7 @@ def merge(out_dir: Path, expected: int) -> dict:
         for r in read_part(p):
             by_id.setdefault(r["id"], r)
     records = sorted(by_id.values(), key=lambda r: r["index"])
-    tmp = out_dir / (MERGED + ".tmp")
-    with tmp.open("w", encoding="utf-8") as f:
-        for r in records:
-            f.write(json.dumps(r, separators=(",", ":")) + "\n")
-    tmp.replace(out_dir / MERGED)
+    shards.write_merged(out_dir / MERGED, records)
     lengths = [len(r["completion_ids"]) for r in records]
     stats = {"schema_version": SCHEMA_VERSION, "prompts": len(records), "expected_prompts": expected,
              "complete": len(records) >= expected, "tokens": sum(lengths),

@@ -26,7 +26,7 @@ import json
 import logging
 from pathlib import Path
 
-from pardec.jsonl import append_jsonl, read_jsonl
+from pardec.jsonl import read_jsonl
 
 log = logging.getLogger(__name__)
 
@@ -49,19 +49,6 @@ def read_part(path: Path, repair: bool = False) -> list[dict]:
     return read_jsonl(path, error=TrajectoryError, repair=repair, missing_ok=True)
 
 
-class PartWriter:
-    """Appends records to ``part-{rank}.jsonl``, one line each, flushed and fsynced after every batch."""
-
-    def __init__(self, path: Path):
-        self.path = path
-
-    def write(self, records: list[dict]) -> None:
-        append_jsonl(self.path, records)
-
-    def close(self) -> None:
-        pass
-
-
 def done_ids(out_dir: Path, rank: int) -> set[str]:
     """Ids already written by any rank (whatever the world size of earlier runs); repairs ``rank``'s own file
     (other ranks may be appending to theirs)."""
@@ -78,11 +65,9 @@ def merge(out_dir: Path, expected: int) -> dict:
             by_id.setdefault(r["id"], r)
     records = sorted(by_id.values(), key=lambda r: r.get("index", 0))
     kept = [{k: v for k, v in r.items() if k != "drop_reason"} for r in records if not r.get("drop_reason")]
-    tmp = out_dir / (MERGED + ".tmp")
-    with tmp.open("w", encoding="utf-8") as f:
-        for r in kept:
-            f.write(json.dumps(r, separators=(",", ":")) + "\n")
-    tmp.replace(out_dir / MERGED)
+    from pardec.training.shards import write_merged
+
+    write_merged(out_dir / MERGED, kept)
     stats = trajectory_stats(records, kept, expected)
     (out_dir / "stats.json").write_text(json.dumps(stats, indent=2) + "\n")
     return stats

@@ -1,0 +1,85 @@
+"""The resumable, shardable work loop shared by the data-generation stages (Jacobi trajectory collection,
+distillation completions): a directory with ``meta.json``, one append-only ``part-{rank}.jsonl`` per rank, and a
+merged file written atomically by rank 0.
+
+* :func:`prepare_out_dir`: create the directory with ``meta.json``; a directory written with other settings is
+  refused (or, on rank 0 with ``overwrite``, wiped), so a resumed run never mixes records of two settings.
+* :func:`run_shard`: rank r of w takes the prompts with index % w == r that no part file holds yet, runs them in
+  batches and appends each batch's records (fsynced) before the next: a kill loses at most one batch.
+* :func:`write_merged`: the merged JSONL, written to a temporary file and renamed.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+from tqdm import tqdm
+
+from pardec.jsonl import append_jsonl
+from pardec.training.trajectories import done_ids, part_path
+
+log = logging.getLogger(__name__)
+
+
+def prepare_out_dir(out_dir: str | Path, overwrite: bool, meta: dict, rank: int, key: str, what: str) -> Path:
+    """Create ``out_dir`` with ``meta.json``; an existing one from other settings raises (rank 0 with
+    ``overwrite``: the directory is wiped). ``key`` names the config section in the error, ``what`` the data."""
+    out = Path(out_dir)
+    meta_file = out / "meta.json"
+    if meta_file.is_file():
+        old = json.loads(meta_file.read_text())
+        if old != meta:
+            diff = sorted(k for k in set(old) | set(meta) if old.get(k) != meta.get(k))
+            if not overwrite or rank != 0:
+                raise FileExistsError(f"{out} holds {what} with other settings (differ in {diff}); pass "
+                                      f"{key}.overwrite=true to replace them, or use another {key}.out_dir")
+            log.warning("%s.overwrite=true: removing %s (settings differ in %s)", key, out, diff)
+            shutil.rmtree(out)
+    out.mkdir(parents=True, exist_ok=True)
+    if not meta_file.is_file():
+        tmp = out / f"meta.json.tmp{rank}"
+        tmp.write_text(json.dumps(meta, indent=2) + "\n")
+        tmp.replace(meta_file)
+    return out
+
+
+def run_shard(prompts: Sequence[Any], out: Path, rank: int, world: int, batch_size: int,
+              work: Callable[[list[Any]], list[dict]], desc: str, stop_after: int | None = None,
+              order: Callable[[Any], Any] | None = None) -> bool:
+    """Run ``work(batch) -> records`` over this rank's prompts (objects with ``index`` and ``id``) not yet in any
+    part file, appending each batch's records to ``part-{rank}.jsonl``. ``order``: sort key of the todo list
+    (e.g. prompt length, so batches pad little). ``stop_after``: write at most that many records and return
+    False (a simulated kill in tests); True when this rank's share is done."""
+    seen = done_ids(out, rank)
+    todo = [p for p in prompts if p.index % world == rank and p.id not in seen]
+    if order is not None:
+        todo.sort(key=order)
+    written = 0
+    bar = tqdm(total=len(todo), desc=desc, position=rank, dynamic_ncols=True)
+    try:
+        for start in range(0, len(todo), batch_size):
+            batch = todo[start : start + batch_size]
+            if stop_after is not None:
+                batch = batch[: stop_after - written]
+                if not batch:
+                    return False
+            append_jsonl(part_path(out, rank), work(batch))
+            written += len(batch)
+            bar.update(len(batch))
+    finally:
+        bar.close()
+    return True
+
+
+def write_merged(path: Path, records: list[dict]) -> None:
+    """``records`` as JSONL at ``path``, atomically (a temporary file renamed over it)."""
+    tmp = path.with_name(path.name + ".tmp")
+    with tmp.open("w", encoding="utf-8") as f:
+        for r in records:
+            f.write(json.dumps(r, separators=(",", ":"), allow_nan=False) + "\n")
+    tmp.replace(path)
