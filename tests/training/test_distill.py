@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import subprocess
@@ -133,7 +134,7 @@ def test_compute_loss_counts_completion_positions_only(tmp_path):
     args = DistillConfig(output_dir=str(tmp_path), use_cpu=True, report_to="none", save_strategy="no")
     student = build_draft(lm.model, [1], vocab)
     trainer = DistillTrainer(model=student, args=args, train_dataset=ds, data_collator=CompletionCollator(0),
-                             teacher=lm.model)
+                             teacher=copy.deepcopy(lm.model))  # the trainer freezes its teacher
     batch = CompletionCollator(0)([ds[0], ds[1]])
     loss = trainer.compute_loss(student, batch)
     want = []
@@ -145,7 +146,7 @@ def test_compute_loss_counts_completion_positions_only(tmp_path):
         want.append(distill_token_loss(s, t, "fkl"))
     assert torch.allclose(loss, torch.cat(want).mean(), atol=1e-5)
     loss.backward()
-    assert student.lm_head.weight.grad is not None and not any(p.requires_grad for p in lm.model.parameters())
+    assert student.lm_head.weight.grad is not None and not any(p.requires_grad for p in trainer.teacher.parameters())
 
 
 # ------------------------------------------------------------------------------------------- the app
