@@ -50,6 +50,11 @@ class Tracker:
         for k, v in summary.items():
             if isinstance(v, (int, float, str)) or v is None:
                 self.run.summary[f"{self.prefix}/{k}"] = v
+            elif k == "peers" and isinstance(v, dict):  # peers.<role>.<stat>, e.g. jacobi/peers/hf_pld/speedup
+                for role, stats in v.items():
+                    for stat, x in stats.items():
+                        if isinstance(x, (int, float, str)) or x is None:
+                            self.run.summary[f"{self.prefix}/peers/{role}/{stat}"] = x
 
     def log_table(self, key: str, rows: list[dict]) -> None:
         if self.run is None or not rows:
