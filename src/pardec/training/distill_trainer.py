@@ -31,6 +31,7 @@ from transformers import Trainer, TrainingArguments
 
 from pardec.training.data import _left_pad
 from pardec.training.losses import masked_sum, token_divergence
+from pardec.training.trainer import reduced_log_sums
 
 LOSSES = ("fkl", "ce")
 
@@ -150,12 +151,8 @@ class DistillTrainer(Trainer):
 
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
         if "loss" in logs:  # a training log: every rank is here, so the sums can be reduced
-            sums = self._log_sums.to(self.args.device)
-            if self.args.world_size > 1:
-                sums = self.accelerator.reduce(sums, reduction="sum")
-            kl, agree, kept, n = sums.tolist()
+            kl, agree, kept, n = reduced_log_sums(self)
             logs.update(kl=kl / max(n, 1.0), agreement=agree / max(n, 1.0), teacher_kept_mass=kept / max(n, 1.0))
-            self._log_sums.zero_()
         super().log(logs, start_time)
 
 

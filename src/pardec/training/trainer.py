@@ -55,6 +55,17 @@ def check_options(opts: dict) -> None:
         raise ConfigError(f"trainer.max_length={opts['max_length']!r} is out of range: it must be >= 2")
 
 
+def reduced_log_sums(trainer: Trainer) -> list[float]:
+    """The trainer's ``_log_sums`` (per-token sums accumulated by ``compute_loss`` since the last log) summed over
+    ranks, then reset. Call it from ``log`` on a training log, where every rank is."""
+    sums = trainer._log_sums.to(trainer.args.device)  # on CPU: the same tensor, so read it before the reset
+    if trainer.args.world_size > 1:
+        sums = trainer.accelerator.reduce(sums, reduction="sum")
+    values = sums.tolist()
+    trainer._log_sums.zero_()
+    return values
+
+
 class CLLMTrainer(Trainer):
     args: CLLMConfig
 
@@ -101,11 +112,7 @@ class CLLMTrainer(Trainer):
 
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
         if "loss" in logs:  # a training log: every rank is here, so the sums can be reduced
-            sums = self._log_sums.to(self.args.device)
-            if self.args.world_size > 1:
-                sums = self.accelerator.reduce(sums, reduction="sum")
-            c_sum, c_cnt, a_sum, a_cnt = sums.tolist()
+            c_sum, c_cnt, a_sum, a_cnt = reduced_log_sums(self)
             logs["consistency_loss"] = c_sum / max(c_cnt, 1.0)
             logs["ar_loss"] = a_sum / max(a_cnt, 1.0)
-            self._log_sums.zero_()
         super().log(logs, start_time)
