@@ -11,26 +11,13 @@ from __future__ import annotations
 
 import argparse
 import platform
-import statistics
-import time
 from pathlib import Path
 
 import torch
 
 from pardec.config import ModelConfig
-from pardec.models.cached import CachedModel
 from pardec.models.loading import load_model
-
-
-def median_ms(cm: CachedModel, context: list[int], t: int, repeats: int) -> float:
-    cm.prefill(torch.tensor([context]))
-    times = []
-    for _ in range(repeats + 2):  # the first two are warm-up
-        start = time.perf_counter()
-        cm.forward(torch.tensor([context[:t]]))
-        times.append(time.perf_counter() - start)
-        cm.truncate(len(context))
-    return statistics.median(times[2:]) * 1000
+from pardec.training.distill_trainer import forward_ms
 
 
 def main() -> None:
@@ -44,16 +31,17 @@ def main() -> None:
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
     lm = load_model(ModelConfig(dtype=a.dtype))
-    models = {"target": CachedModel(lm.model, "target")}
+    models = {"target": lm.model}
     if (a.draft / "config.json").is_file():
-        models["draft"] = CachedModel(load_model(ModelConfig(name="draft", source="local", path=str(a.draft),
-                                                             dtype=a.dtype)).model, "draft")
+        models["draft"] = load_model(ModelConfig(name="draft", source="local", path=str(a.draft), dtype=a.dtype)).model
     else:
         print(f"note: no draft at {a.draft}; timing the target only")
     text = "The quick brown fox jumps over the lazy dog. " * 60
     context = lm.tokenizer(text)["input_ids"][: a.context]
     sizes = [int(x) for x in a.tokens.split(",")]
-    ms = {name: {t: median_ms(cm, context, t, a.repeats) for t in sizes} for name, cm in models.items()}
+    # the cache holds the whole context, then T more tokens are run
+    ms = {name: {t: forward_ms(m, context + context[:t], a.repeats, tokens=t) for t in sizes}
+          for name, m in models.items()}
     print(f"{platform.processor() or platform.machine()}, threads={a.threads}, {a.dtype}, context {len(context)}")
     head = "| T | " + " | ".join(f"{n} ms | {n} / its T=1" for n in ms) + " |"
     print(head)

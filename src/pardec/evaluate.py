@@ -389,6 +389,7 @@ def summarize(spec: EvalSpec, task, records: list[dict], method_role: str, model
 
     ok = [x for x in records if not _failed(x)]
     also = {role: name for role, name, _ in spec.also}
+    also_params = {role: params for role, _, params in spec.also}
     rows = {role: [x for x in ok if x["role"] == role] for role in ("baseline", "method", *PEERS, *also)}
     method_rows = rows[method_role]
     skipped = sorted({x["id"] for x in records if "skipped" in x})
@@ -433,7 +434,7 @@ def summarize(spec: EvalSpec, task, records: list[dict], method_role: str, model
         if rows[role]:
             sp = speed_summary(rows[role], rows["baseline"])
             peers[role] = {"method": role_method[role], "exactness": METHODS.get(role_method[role]).exactness,
-                           "params": next((pr for r_, _, pr in spec.also if r_ == role), {}),
+                           "params": also_params.get(role, {}),
                            "tokens_per_s": sp["tokens_per_s"], "speedup": sp["speedup"],
                            "speedup_median": sp.get("speedup_median"),
                            "tokens_per_forward": sp["tokens_per_forward"],

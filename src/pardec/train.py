@@ -137,11 +137,7 @@ def validate(cfg: DictConfig) -> TrainSpec | DraftSpec:
     bad = sorted(set(lora) - set(LORA_KEYS))
     if bad:
         raise ConfigError(f"unknown key(s) {bad} in trainer.lora; valid: {', '.join(LORA_KEYS)}")
-    model_dtype = tcfg.pop("model_dtype", "fp32")
-    deepspeed = _deepspeed_config(tcfg.pop("deepspeed", None))
-    resume = tcfg.pop("resume_from_checkpoint", None)
-    model = to_dataclass(ModelConfig, cfg.model, "model")
-    replace(model, dtype=model_dtype)  # range check of trainer.model_dtype
+    model, model_dtype, deepspeed, resume = _app_keys(cfg, tcfg)
     return TrainSpec(
         experiment=name, stage=cfg.stage, model=model,
         dataset=to_dataclass(DatasetConfig, cfg.dataset, "dataset"),
@@ -151,6 +147,17 @@ def validate(cfg: DictConfig) -> TrainSpec | DraftSpec:
         logger=OmegaConf.to_container(cfg.get("logger") or {"name": "none"}, resolve=True),
         threads=int(cfg.get("threads", 2)), config=OmegaConf.to_container(cfg, resolve=True),
     )
+
+
+def _app_keys(cfg: DictConfig, tcfg: dict) -> tuple[ModelConfig, str, Path | None, bool | str | None]:
+    """Pop the keys of ``trainer`` that pardec.train handles from ``tcfg`` (model_dtype, deepspeed,
+    resume_from_checkpoint) and validate them with the model: (model, model_dtype, deepspeed JSON, resume)."""
+    model_dtype = tcfg.pop("model_dtype", "fp32")
+    deepspeed = _deepspeed_config(tcfg.pop("deepspeed", None))
+    resume = tcfg.pop("resume_from_checkpoint", None)
+    model = to_dataclass(ModelConfig, cfg.model, "model")
+    replace(model, dtype=model_dtype)  # range check of trainer.model_dtype
+    return model, model_dtype, deepspeed, resume
 
 
 def _deepspeed_config(name: str | None) -> Path | None:
@@ -296,7 +303,7 @@ def validate_draft(cfg: DictConfig, name: str) -> DraftSpec:
     """Check a ``kind: draft`` config before anything heavy loads (the layer range is checked against the
     target's config when it can be read without loading weights, else when the target loads)."""
     from pardec.training.distill import generate_config
-    from pardec.training.distill_trainer import DistillConfig
+    from pardec.training.distill_trainer import LOSSES, DistillConfig
 
     for key in ("draft", "distill", "eval"):
         if not isinstance(cfg.get(key), DictConfig):
@@ -326,13 +333,9 @@ def validate_draft(cfg: DictConfig, name: str) -> DraftSpec:
         raise ConfigError(f"unknown key(s) {unknown} in trainer; valid: deepspeed, model_dtype, "
                           f"resume_from_checkpoint, max_length and any transformers.TrainingArguments field "
                           f"(the loss is distill.loss)")
-    if loss not in ("fkl", "ce"):
-        raise ConfigError(f"distill.loss={loss!r} is not valid; choose one of: fkl, ce")
-    model_dtype = tcfg.pop("model_dtype", "fp32")
-    deepspeed = _deepspeed_config(tcfg.pop("deepspeed", None))
-    resume = tcfg.pop("resume_from_checkpoint", None)
-    model = to_dataclass(ModelConfig, cfg.model, "model")
-    replace(model, dtype=model_dtype)  # range check of trainer.model_dtype
+    if loss not in LOSSES:
+        raise ConfigError(f"distill.loss={loss!r} is not valid; choose one of: {', '.join(LOSSES)}")
+    model, model_dtype, deepspeed, resume = _app_keys(cfg, tcfg)
     n_layers = _target_layers(model)
     if n_layers is not None and any(not 0 <= i < n_layers for i in layers):
         raise ConfigError(f"draft.layers={layers} is out of range: the target {model.name} has layers "

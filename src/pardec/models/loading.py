@@ -257,16 +257,14 @@ def check_available(cfg: ModelConfig, key: str = "model") -> None:
 
 
 def load_tokenizer_only(cfg: ModelConfig) -> PreTrainedTokenizerBase:
-    """The tokenizer of ``cfg`` without touching its weights (a GGUF is read for its tokenizer only)."""
+    """The tokenizer of ``cfg`` without touching its weights: as :func:`load_tokenizer`, except that a GGUF not
+    dequantized yet is read for its tokenizer only."""
     if cfg.source == "tiny_random":
-        return load_tokenizer_only(SMOLLM2 if cfg.tokenizer in (None, "smollm2_135m") else _named(cfg.tokenizer))
-    if cfg.source in ("gguf", "gguf_package"):
-        cached = cache_dir_for(cfg)
-        if (cached / "tokenizer_config.json").is_file():
-            return AutoTokenizer.from_pretrained(cached)
+        cfg = SMOLLM2 if cfg.tokenizer in (None, "smollm2_135m") else _named(cfg.tokenizer)
+    if cfg.source in ("gguf", "gguf_package") and not (cache_dir_for(cfg) / "tokenizer_config.json").is_file():
         d, f = _gguf_location(cfg)
         return AutoTokenizer.from_pretrained(d, gguf_file=f)
-    return AutoTokenizer.from_pretrained(_weights_location(cfg), revision=cfg.revision)
+    return load_tokenizer(cfg)
 
 
 #: special tokens a draft must share with its target (pad is not compared: loading sets it to EOS when unset)

@@ -112,12 +112,12 @@ class CLLMCollator:
 
     def __call__(self, samples: list[dict]) -> dict[str, torch.Tensor]:
         seqs = [s["state_ids"] for s in samples] + [s["ar_ids"] for s in samples]
-        ids, att, pos = _left_pad(seqs, self.pad_id)
+        ids, att, pos = left_pad(seqs, self.pad_id)
         bsz, width = len(samples), ids.shape[1]
         labels = torch.full((bsz, width), IGNORE_INDEX, dtype=torch.long)
         for i, s in enumerate(samples):
             labels[i, width - len(s["ar_labels"]) :] = torch.tensor(s["ar_labels"])
-        t_ids, t_att, t_pos = _left_pad([s["target_ids"] for s in samples], self.pad_id)
+        t_ids, t_att, t_pos = left_pad([s["target_ids"] for s in samples], self.pad_id)
         k = max(len(s["consistency_mask"]) for s in samples)
         cmask = torch.zeros(bsz, k, dtype=torch.bool)
         for i, s in enumerate(samples):
@@ -127,7 +127,7 @@ class CLLMCollator:
                 "consistency_mask": cmask}
 
 
-def _left_pad(seqs: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def left_pad(seqs: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(ids, attention mask, position ids), each [N, max len], padded on the left; positions start at 0."""
     width = max(len(s) for s in seqs)
     ids = torch.full((len(seqs), width), pad_id, dtype=torch.long)

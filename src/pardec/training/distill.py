@@ -34,6 +34,7 @@ import torch
 from pardec.config import ConfigError, DatasetConfig, to_dataclass
 from pardec.training import shards
 from pardec.training.collect import Prompt, eos_ids_of
+from pardec.training.data import left_pad
 from pardec.training.trajectories import read_part
 
 log = logging.getLogger(__name__)
@@ -119,12 +120,8 @@ def greedy_batch(model, prompts: list[list[int]], max_new_tokens: int, eos_ids: 
     """Greedy completions of a left-padded batch: per prompt (ids up to and including the first EOS, reason)."""
     from transformers import GenerationConfig
 
-    width = max(len(p) for p in prompts)
-    ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
-    att = torch.zeros(len(prompts), width, dtype=torch.long)  # [B, P]: 0 = left padding
-    for i, p in enumerate(prompts):
-        ids[i, width - len(p) :] = torch.tensor(p)
-        att[i, width - len(p) :] = 1
+    ids, att, _ = left_pad(prompts, pad_id)  # [B, P]; att 0 = left padding
+    width = ids.shape[1]
     gen = GenerationConfig(max_new_tokens=max_new_tokens, do_sample=False, num_beams=1,
                            eos_token_id=sorted(eos_ids) or None, pad_token_id=pad_id)
     out = model.generate(input_ids=ids.to(model.device), attention_mask=att.to(model.device), generation_config=gen)

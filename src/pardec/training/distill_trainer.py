@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 from transformers import Trainer, TrainingArguments
 
-from pardec.training.data import _left_pad
+from pardec.training.data import left_pad
 from pardec.training.losses import masked_sum, token_divergence
 from pardec.training.trainer import reduced_log_sums
 
@@ -75,7 +75,7 @@ class CompletionCollator:
     pad_id: int
 
     def __call__(self, samples: list[dict]) -> dict[str, torch.Tensor]:
-        ids, att, pos = _left_pad([s["input_ids"] for s in samples], self.pad_id)
+        ids, att, pos = left_pad([s["input_ids"] for s in samples], self.pad_id)
         mask = torch.zeros_like(ids, dtype=torch.bool)
         for i, s in enumerate(samples):
             mask[i, ids.shape[1] - len(s["loss_mask"]) :] = torch.tensor(s["loss_mask"])
@@ -185,19 +185,19 @@ def agreement(draft, target, records: list[dict], pad_id: int, batch_size: int =
 
 
 @torch.inference_mode()
-def forward_ms(model, context: list[int], repeats: int = 20, warmup: int = 3) -> float:
-    """Median wall time (ms) of a 1-token cached forward after ``context`` tokens (the cache is cut back each
-    time), as a speculative decoder's drafting step does."""
+def forward_ms(model, context: list[int], repeats: int = 20, warmup: int = 3, tokens: int = 1) -> float:
+    """Median wall time (ms) of a cached forward of the last ``tokens`` tokens of ``context`` after the others
+    (the cache is cut back each time): a drafting step (1 token) or a verification forward (gamma + 1)."""
     from pardec.models.cached import CachedModel
 
     cm = CachedModel(model)
     ids = torch.tensor([context])
-    cm.prefill(ids[:, :-1])
+    cm.prefill(ids[:, :-tokens])
     base = cm.length
     times = []
     for i in range(warmup + repeats):
         t0 = time.perf_counter()
-        cm.forward(ids[:, -1:])
+        cm.forward(ids[:, -tokens:])
         if model.device.type == "cuda":
             torch.cuda.synchronize()
         if i >= warmup:
@@ -216,6 +216,7 @@ def train_draft(spec, run_dir, rank: int = 0) -> dict:
     from pardec.models.draft import build_draft, choose_vocab
     from pardec.models.loading import load_model
     from pardec.tracking import Tracker
+    from pardec.training.collect import eos_ids_of
     from pardec.training.distill import load_completions
 
     defaults = {"output_dir": str(run_dir), "report_to": spec.logger.get("name", "none"), "run_name": run_dir.name}
@@ -225,7 +226,7 @@ def train_draft(spec, run_dir, rank: int = 0) -> dict:
     lm = load_model(replace(spec.model, device="cpu", dtype=spec.model_dtype))  # the Trainer places the student
     tok, target = lm.tokenizer, lm.model
     counts = Counter(t for r in records for t in r["completion_ids"])
-    special = {*tok.all_special_ids, tok.pad_token_id, *_ids(target.generation_config.eos_token_id)}
+    special = {*tok.all_special_ids, tok.pad_token_id, *eos_ids_of(target, tok)}
     vocab = choose_vocab(counts, spec.vocab_size, sorted(i for i in special if i is not None),
                          target.config.vocab_size)
     student = build_draft(target, spec.layers, vocab)
@@ -251,10 +252,6 @@ def train_draft(spec, run_dir, rank: int = 0) -> dict:
                    "final_model": str(final)}
         tracker.log_summary(summary)
     return summary
-
-
-def _ids(x) -> list:
-    return [] if x is None else list(x) if isinstance(x, (list, tuple)) else [x]
 
 
 def evaluate_draft(spec, run_dir, identity: dict) -> dict:
