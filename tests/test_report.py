@@ -220,3 +220,16 @@ def test_peers_and_draft_rows_and_csv(tmp_path: Path, capsys: pytest.CaptureFixt
         sps = next(r for r in csv.DictReader(fh) if r["method"] == "sps")
     assert float(sps["peers.hf_pld.tokens_per_s"]) == 45.0 and sps["peers.hf_assisted.method"] == "hf_assisted"
     assert sps["n_errors"] == "1" and sps["draft"] == "smollm2_distilled"
+
+
+def test_bench_also_roles_keep_their_parameters_in_the_row(tmp_path: Path) -> None:
+    """A ``bench.also`` role (e.g. adaptive sps) is its own row, named by its parameters, not merged into the
+    run's method."""
+    also = {"method": "sps", "params": {"adaptive": True}, "exactness": "distribution", "speedup_std": None,
+            "draft_forwards": 50, "draft_acceptance": 0.3, "tokens_per_s": 20.0, "speedup": 0.9,
+            "tokens_per_forward": 1.7, "exact_match_rate": 1.0}
+    make_run(tmp_path, "a", summary("sps", "gsm8k", draft="smollm2_distilled", exactness="distribution",
+                                    peers={"also:sps:adaptive=true": also}))
+    rows = build_table(load_runs([str(tmp_path)]))
+    sps = [r for r in rows if r.method == "sps"]
+    assert sorted(r.params for r in sps) == ["adaptive=True, draft=smollm2_distilled", "draft=smollm2_distilled"]

@@ -264,7 +264,9 @@ def build_table(runs: Sequence[dict[str, Any]]) -> list[Row]:
         if method != baseline:
             entries[(method, params, model, dtype, False)][dataset].append(_entry(run, baseline=False))
         for peer in (run.get("peers") or {}).values():
-            tag = f"draft={run['draft']}" if run.get("draft") and peer.get("draft_forwards") else ""
+            tag = sorted((peer.get("params") or {}).items())  # a bench.also role's own parameters
+            tag += [("draft", run["draft"])] if run.get("draft") and peer.get("draft_forwards") else []
+            tag = ", ".join(f"{k}={v}" for k, v in tag)
             key = (str(peer["method"]), tag, model, dtype, False)
             peer_keys.add(key)
             entries[key][dataset].append(_peer_entry(run, peer))
