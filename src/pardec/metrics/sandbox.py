@@ -308,6 +308,7 @@ def _bwrap_args(work: Path, ro_paths: tuple[str, ...] = ()) -> list[str]:
     for d in hidden:
         args += ["--tmpfs", d]
     needed = {sys.base_prefix, sys.prefix, sys.exec_prefix, os.path.dirname(os.path.realpath(sys.executable)),
+              str(Path(__file__).resolve().parents[1]),  # pardec itself (scripts it runs, e.g. sql_child)
               *map(os.path.abspath, ro_paths)}
     for p in sorted(needed):  # the interpreter, its packages and the caller's files, if they were hidden
         if any(p == d or p.startswith(d + "/") for d in hidden) and os.path.exists(p):

@@ -1,29 +1,37 @@
 """Execution accuracy for text-to-SQL: run gold and predicted SQL read-only, compare the results.
 
-Three layers keep a database unchanged whatever a model writes: the statement must start with
-SELECT / WITH / VALUES; the file is opened read-only (``file:...?mode=ro``); and an authorizer allows
-only reads (SELECT, column reads, functions, recursive CTEs), so INSERT/UPDATE/DELETE/DROP/CREATE/
-ATTACH/DETACH/PRAGMA/transactions are denied before they run. A progress handler interrupts a query
-past its time limit, and at most ``max_rows`` rows are fetched.
+Every query runs in a child process (:mod:`pardec.metrics.sql_child`, started by
+:func:`pardec.metrics.sandbox.run_command`: namespaces, an address-space limit of ``memory_mb``, a hard
+kill at ``timeout_s`` plus the interpreter's start-up), so a query that allocates a gigabyte or spins
+inside one SQLite call costs this process nothing. Inside, three layers keep a database unchanged
+whatever a model writes: the statement must start with SELECT / WITH / VALUES; the file is opened
+read-only (``file:...?mode=ro``); and an authorizer allows only reads (SELECT, column reads, functions,
+recursive CTEs), so INSERT/UPDATE/DELETE/DROP/CREATE/ATTACH/DETACH/PRAGMA/transactions are denied before
+they run. A progress handler interrupts a query at its time limit between VM steps, and at most
+``max_rows`` rows are returned.
 """
 
 from __future__ import annotations
 
+import json
 import re
-import sqlite3
-import time
+import sys
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
-_ALLOWED = {sqlite3.SQLITE_SELECT, sqlite3.SQLITE_READ, sqlite3.SQLITE_FUNCTION, sqlite3.SQLITE_RECURSIVE}
+from pardec.metrics import sql_child
+from pardec.metrics.sandbox import run_command
+from pardec.metrics.sql_child import SQLError, connect_readonly
+
+__all__ = ["SQLError", "connect_readonly", "execute", "extract_sql", "order_matters", "results_match", "run",
+           "schema_sql"]
+
 _READ_START = re.compile(r"^\s*(select|with|values)\b", re.IGNORECASE)
 _FENCE = re.compile(r"```[ \t]*(?:sql|sqlite)?[ \t]*\n?(.*?)(?:```|$)", re.IGNORECASE | re.DOTALL)
 _ORDER_BY = re.compile(r"\border\s+by\b", re.IGNORECASE)
-
-
-class SQLError(RuntimeError):
-    """A query was refused, failed, ran out of time or returned too many rows; the message says which."""
+MEMORY_MB = 512
+STARTUP_S = 0.25  # the child's interpreter start-up (~0.07 s), on top of the query's limit before the hard kill
 
 
 @dataclass
@@ -53,41 +61,27 @@ def order_matters(gold_sql: str) -> bool:
     return bool(_ORDER_BY.search(gold_sql))
 
 
-def _authorize(action: int, *_args) -> int:
-    return sqlite3.SQLITE_OK if action in _ALLOWED else sqlite3.SQLITE_DENY
-
-
-def connect_readonly(db_path: str | Path) -> sqlite3.Connection:
-    """A read-only connection with the read-only authorizer installed."""
-    p = Path(db_path).resolve()
-    if not p.is_file():
-        raise FileNotFoundError(f"database {p} does not exist")
-    conn = sqlite3.connect(f"{p.as_uri()}?mode=ro", uri=True, check_same_thread=False)
-    conn.text_factory = lambda b: b.decode(errors="replace")  # some Spider databases hold non-UTF-8 text
-    conn.set_authorizer(_authorize)
-    return conn
-
-
-def execute(db_path: str | Path, sql: str, timeout_s: float = 10.0, max_rows: int = 100_000) -> list[tuple]:
-    """Rows of ``sql`` run read-only on ``db_path``; raises :class:`SQLError` naming the reason."""
+def execute(db_path: str | Path, sql: str, timeout_s: float = 10.0, max_rows: int = 100_000,
+            memory_mb: int = MEMORY_MB) -> list[tuple]:
+    """Rows of ``sql`` run read-only on ``db_path`` in a child process; raises :class:`SQLError` naming the reason."""
     if not _READ_START.match(sql):
         raise SQLError(f"refused: not a read-only query (must start with SELECT, WITH or VALUES): {sql[:80]!r}")
-    conn = connect_readonly(db_path)
-    deadline = time.monotonic() + timeout_s
-    conn.set_progress_handler(lambda: int(time.monotonic() > deadline), 1000)
-    try:
-        cur = conn.execute(sql)
-        rows: list[tuple] = []
-        while batch := cur.fetchmany(1000):
-            rows.extend(batch)
-            if len(rows) > max_rows:
-                raise SQLError(f"more than {max_rows} rows")
-        return rows
-    except sqlite3.Error as e:
-        reason = f"time limit {timeout_s}s exceeded" if time.monotonic() > deadline else f"{type(e).__name__}: {e}"
-        raise SQLError(reason) from None
-    finally:
-        conn.close()
+    db = Path(db_path).resolve()
+    if not db.is_file():
+        raise FileNotFoundError(f"database {db} does not exist")
+    argv = [sys.executable, "-I", "-B", sql_child.__file__, str(db), str(max_rows), str(timeout_s)]
+    r = run_command(argv, timeout_s=timeout_s + STARTUP_S, memory_mb=memory_mb, fsize_mb=256,
+                    files={"query.sql": sql}, ro_paths=(str(db),), read_back=("result.json",))
+    if r.status == "timeout":
+        raise SQLError(f"time limit {timeout_s}s exceeded (killed)")
+    if "result.json" not in r.files:
+        if "MemoryError" in r.stderr:
+            raise SQLError("memory limit exceeded")
+        raise SQLError(f"the SQL process ended without a result ({r.status}, exit {r.returncode}): {r.stderr[-300:]}")
+    out = json.loads(r.files["result.json"])
+    if "error" in out:
+        raise SQLError(out["error"])
+    return sql_child.decode_rows(out["rows"])
 
 
 def run(db_path: str | Path, sql: str, timeout_s: float = 10.0) -> ExecResult:
