@@ -14,6 +14,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from pardec.config import SamplingConfig
 from pardec.decoding import METHODS, Stopper, build_decoder
 from pardec.decoding.sampling import warp
+from pardec.decoding.tree import Tree
 from pardec.models.cached import CachedModel
 from tests.stats import chi_square_p
 
@@ -22,6 +23,7 @@ PROMPT = [3, 9, 3, 9, 3]  # repetitive, so prompt lookup proposes drafts
 SETTINGS = {"t1": SamplingConfig(temperature=1.0), "warped": SamplingConfig(temperature=2.0, top_k=5, top_p=0.9)}
 DISTRIBUTION = [m for m in METHODS.names() if METHODS.get(m).exactness == "distribution"]
 N = 1200
+PARAMS = {"sps": {"gamma": 2}, "jacobi": {"block_size": 3}, "lookahead": {"level": 3, "window": 3, "guess_set": 2}}
 
 
 @functools.cache
@@ -60,17 +62,23 @@ def test_sampled_output_follows_the_target_distribution(method, setting):
     s0 = SETTINGS[setting]
     target = tiny_vocab(0)
     draft = CachedModel(tiny_vocab(1), name="draft") if METHODS.get(method).needs_draft else None
-    params = {"gamma": 2} if method == "sps" else {"block_size": 3} if method == "jacobi" else {}
+    params = PARAMS.get(method, {})
     dec = build_decoder(method, CachedModel(target), None, draft, **params)
+    if method == "lookahead":  # fixed candidates that the target often, not always, continues with
+        fixed = {15: [(14, 0), (15,), (12, 4)], 14: [(0,), (13, 0)], 12: [(4,)]}
+        dec.candidates = lambda pool, last, room: Tree.from_paths([c[:room] for c in fixed.get(last, []) if room])
     obs: Counter = Counter()
-    drafted = accepted = 0
+    drafted = accepted = hits = 0
     for i in range(N):
         s = SamplingConfig(temperature=s0.temperature, top_k=s0.top_k, top_p=s0.top_p, seed=1000 + i)
         res = dec.generate(PROMPT, 3, Stopper(), s)
         obs[tuple(res.tokens)] += 1
         drafted, accepted = drafted + res.drafted, accepted + res.draft_accepted
+        hits += bool(res.extras.get("pool_hit_rate"))
     p, dof = chi_square_p(obs, exact_joint(target, s0), N)
     assert dof >= 8, dof
     assert p > 1e-3, (method, setting, p)
     if method in ("sps", "pld"):  # the drafts were really exercised, and partly accepted
         assert drafted > 0 and 0 < accepted < drafted, (drafted, accepted)
+    if method == "lookahead":  # pool candidates were accepted in some runs, not all
+        assert 0 < hits < N, hits

@@ -23,7 +23,9 @@ PROMPTS = {
 }
 PARAMS = {"jacobi": [{"block_size": 16}, {"block_size": 5}, {"block_size": 1}, {"block_size": 7, "max_iters": 2}],
           "pld": [{}, {"max_ngram": 1, "num_pred": 3}, {"max_ngram": 4, "min_ngram": 2, "num_pred": 20}],
-          "sps": [{"gamma": 4}, {"gamma": 1}, {"gamma": 9}, {"gamma": 3, "adaptive": True, "gamma_max": 8}]}
+          "sps": [{"gamma": 4}, {"gamma": 1}, {"gamma": 9}, {"gamma": 3, "adaptive": True, "gamma_max": 8}],
+          "lookahead": [{}, {"level": 2, "window": 1, "guess_set": 1}, {"level": 4, "window": 3, "guess_set": 2,
+                                                                          "pool_from_prompt": True}]}
 
 
 def _ids(tok, prompt):
@@ -41,7 +43,7 @@ def _build(method, cm, tok, seed=0, draft="self", **params):
 
 
 def test_every_lossless_method_is_covered():
-    assert {"ar", "hf_generate", "jacobi", "pld", "sps"} <= set(LOSSLESS)
+    assert {"ar", "hf_generate", "jacobi", "pld", "sps", "lookahead"} <= set(LOSSLESS)
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2])

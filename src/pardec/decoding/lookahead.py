@@ -1,0 +1,99 @@
+"""`lookahead`: lookahead decoding (Fu et al. 2024), target model only.
+
+Each step is one target forward over two branches under one mask (:func:`~pardec.decoding.ngram.lookahead_forward`):
+
+* the **lookahead branch**, a :class:`~pardec.decoding.ngram.LookaheadWindow` of ``level - 1`` levels by
+  ``window`` columns iterated Jacobi-style; once full it yields ``window`` n-grams (n = ``level``) per step into
+* the **n-gram pool** (:class:`~pardec.decoding.ngram.NGramPool`), keyed by first token, at most ``guess_set``
+  per key, least recently used evicted; the committed output's n-grams go in too;
+* the **verification branch**: up to ``guess_set`` pool n-grams keyed by the last committed token, as a trie
+  (:class:`~pardec.decoding.tree.Tree`), verified by :func:`~pardec.decoding.verify.verify_tree`: greedy commits
+  the longest candidate prefix equal to the target's argmax plus one target token (token-exact with ``ar``);
+  sampling uses the recursive rejection rule for deterministic candidates (exact in distribution).
+
+Defaults are the paper's 7B setting (W=15, N=5, G=15). The window starts from random prompt tokens (seeded by
+``sampling.seed``). ``pool_from_prompt=true`` also seeds the pool with the prompt's n-grams. Works on any
+causal LM, a CLLM checkpoint (``model=local``) included, as the CLLM paper pairs them.
+
+Reported per generation (``extras``): ``accepted_per_step`` (tokens per target forward after the prefill),
+``pool_lookup_rate`` (steps whose last token had candidates), ``pool_hit_rate`` (steps where a candidate
+token was accepted), ``pool_size`` (n-grams at the end).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from pardec.config import ConfigError
+from pardec.decoding.base import Decoder, GenerationResult, register_method
+from pardec.decoding.ngram import LookaheadWindow, NGramPool, keep_path, lookahead_forward
+from pardec.decoding.tree import Tree
+from pardec.decoding.verify import verify_tree
+
+#: (name, lowest, highest) of the integer parameters shared by lookahead and ouroboros
+RANGES = {"level": (2, 16), "window": (1, 128), "guess_set": (1, 128), "gamma": (1, 64), "top_k_phrases": (0, 64)}
+
+
+def check_ranges(**values: int) -> None:
+    """One line naming the parameter, its value and the valid range, for any value out of range."""
+    for key, v in values.items():
+        lo, hi = RANGES[key]
+        if not isinstance(v, int) or isinstance(v, bool) or not lo <= v <= hi:
+            raise ConfigError(f"method.{key}={v!r} is out of range: it must be an integer in [{lo}, {hi}]")
+
+
+def prompt_filler(prompt: list[int], seed: int):
+    """``fill(k)``: k random prompt tokens from a generator of its own (the window's initial guesses)."""
+    gen = torch.Generator().manual_seed(seed)
+
+    def fill(k: int) -> list[int]:
+        return [prompt[i] for i in torch.randint(len(prompt), (k,), generator=gen).tolist()]
+
+    return fill
+
+
+def candidate_tree(pool: NGramPool, key: int, k: int, room: int) -> Tree:
+    """A trie of up to ``k`` pool continuations of ``key``, each cut to ``room`` tokens (root only if none)."""
+    cands = [c[:room] for c in pool.get(key, k)] if room > 0 else []
+    return Tree.from_paths([c for c in cands if c])
+
+
+@register_method("lookahead", aliases=("lade",))
+class Lookahead(Decoder):
+    exactness = "distribution"
+
+    def __init__(self, target, tokenizer=None, draft=None, level: int = 5, window: int = 15, guess_set: int = 15,
+                 pool_from_prompt: bool = False):
+        super().__init__(target, tokenizer, draft)
+        check_ranges(level=level, window=window, guess_set=guess_set)
+        self.level, self.window, self.guess_set, self.pool_from_prompt = level, window, guess_set, pool_from_prompt
+
+    def candidates(self, pool: NGramPool, last: int, room: int) -> Tree:
+        """The verification branch: pool continuations of ``last``, cut to ``room`` tokens; tests override it."""
+        return candidate_tree(pool, last, self.guess_set, room)
+
+    @torch.inference_mode()
+    def generate(self, prompt_ids, max_new_tokens, stop=None, sampling=None) -> GenerationResult:
+        st, last = self._start(prompt_ids, max_new_tokens, stop, sampling)
+        prompt = st.ids[0].tolist()
+        pool = NGramPool(self.level, self.guess_set)
+        if self.pool_from_prompt:
+            pool.add_sequence(prompt)
+        window = LookaheadWindow(self.window, self.level, prompt_filler(prompt, st.s.seed))
+        steps = lookups = hits = 0
+        while not st.out.done:
+            tree = self.candidates(pool, last, st.out.room - 1)  # the target adds one token
+            tree_logits, top = lookahead_forward(self.target, [last], tree, window)
+            st.target_forwards += 1
+            verdict = verify_tree(tree, tree_logits, st.s, st.gen)
+            keep_path(self.target, 1, verdict.path)
+            kept = st.out.commit(verdict.tokens)
+            window.update(top.argmax(-1).tolist(), pool, advance=len(verdict.tokens))
+            seq = prompt + st.out.tokens
+            pool.add_sequence(seq[-(len(kept) + self.level - 1):])
+            steps, lookups, hits = steps + 1, lookups + (len(tree) > 1), hits + (len(verdict.path) > 1)
+            last = verdict.tokens[-1]
+        extras = {"accepted_per_step": (len(st.out.tokens) - 1) / steps if steps else None,
+                  "pool_lookup_rate": lookups / steps if steps else None,
+                  "pool_hit_rate": hits / steps if steps else None, "pool_size": len(pool)}
+        return self._result(st, extras)

@@ -1,0 +1,150 @@
+"""N-gram proposers shared by ``lookahead`` and ``ouroboros``: the pool, the lookahead window, and the one
+forward that runs both branches.
+
+* :class:`NGramPool`: n-grams keyed by their first token, at most ``max_per_key`` continuations per key,
+  least recently used evicted (re-adding one refreshes it). Lookahead's "n-gram pool", Ouroboros's
+  "phrase pool".
+* :class:`LookaheadWindow` (Fu et al. 2024, the lookahead branch): ``N-1`` levels of ``W`` guesses,
+  iterated Jacobi-style. Column ``j`` of level ``l`` sits at ``root + 1 + j + l``; it sees the root, level 0
+  up to column ``j`` and the tokens of its own column in levels ``1..l``, so each column is a sequence
+  (level 0's prefix, then up the column). The top level's outputs are the next guesses; once all levels
+  exist every column yields an n-gram (level 0 .. top level, output) for the pool. After each step the
+  oldest level is dropped and the columns move left by the tokens committed minus one, which keeps every
+  token at the position it was guessed for.
+* :func:`lookahead_forward`: one forward of a model over ``[prefix, candidate tree, window]`` -- the
+  verification branch (a :class:`~pardec.decoding.tree.Tree` of candidates rooted at the last prefix
+  token) and the lookahead branch under one mask, invisible to each other -- then the cache keeps only the
+  prefix (the caller keeps the accepted path with :func:`keep_path`).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Callable, Iterable
+
+import torch
+
+from pardec.decoding.tree import Tree
+from pardec.models.cached import CachedModel
+
+
+class NGramPool:
+    """``key token -> continuations`` (tuples of up to ``n - 1`` tokens), at most ``max_per_key`` per key, LRU."""
+
+    def __init__(self, n: int, max_per_key: int):
+        if n < 2 or max_per_key < 1:
+            raise ValueError(f"NGramPool needs n >= 2 and max_per_key >= 1; got n={n}, max_per_key={max_per_key}")
+        self.n, self.max_per_key = n, max_per_key
+        self._grams: dict[int, OrderedDict[tuple[int, ...], None]] = {}
+
+    def add(self, key: int, cont: Iterable[int]) -> None:
+        cont = tuple(int(t) for t in cont)[: self.n - 1]
+        if not cont:
+            return
+        grams = self._grams.setdefault(int(key), OrderedDict())
+        if cont in grams:
+            grams.move_to_end(cont)
+            return
+        grams[cont] = None
+        if len(grams) > self.max_per_key:
+            grams.popitem(last=False)  # the least recently used
+
+    def add_sequence(self, tokens: list[int]) -> None:
+        """Every full n-gram of ``tokens`` (key = its first token)."""
+        for i in range(len(tokens) - self.n + 1):
+            self.add(tokens[i], tokens[i + 1 : i + self.n])
+
+    def get(self, key: int, k: int | None = None) -> list[tuple[int, ...]]:
+        """Up to ``k`` continuations of ``key``, most recently added or refreshed first."""
+        grams = list(reversed(self._grams.get(int(key), ())))
+        return grams if k is None else grams[:k]
+
+    def __len__(self) -> int:
+        return sum(len(g) for g in self._grams.values())
+
+    def __contains__(self, key: int) -> bool:
+        return int(key) in self._grams
+
+    def clear(self) -> None:
+        self._grams.clear()
+
+
+class LookaheadWindow:
+    """The lookahead branch's 2D window: ``levels`` (up to ``n - 1``) rows of ``width`` guesses."""
+
+    def __init__(self, width: int, n: int, fill: Callable[[int], list[int]]):
+        if width < 1 or n < 2:
+            raise ValueError(f"LookaheadWindow needs width >= 1 and n >= 2; got width={width}, n={n}")
+        self.width, self.n, self.fill = width, n, fill
+        self.levels: list[list[int]] = [list(fill(width))]
+
+    def __len__(self) -> int:
+        return self.width * len(self.levels)
+
+    def inputs(self, root_pos: int) -> tuple[list[int], list[int], torch.Tensor]:
+        """(tokens, positions, attend [M, M] among the window's tokens), level by level; every one also sees
+        the root (the caller's job)."""
+        w, depth = self.width, len(self.levels)
+        tokens = [t for level in self.levels for t in level]
+        positions = [root_pos + 1 + j + lvl for lvl in range(depth) for j in range(w)]
+        m = w * depth
+        attend = torch.zeros(m, m, dtype=torch.bool)
+        causal = torch.ones(w, w, dtype=torch.bool).tril()
+        eye = torch.eye(w, dtype=torch.bool)
+        for lvl in range(depth):
+            rows = slice(lvl * w, (lvl + 1) * w)
+            attend[rows, :w] = causal
+            for below in range(1, lvl + 1):
+                attend[rows, below * w : (below + 1) * w] = eye
+        return tokens, positions, attend
+
+    def update(self, outputs: list[int], pool: NGramPool | None, advance: int) -> int:
+        """Take the top level's next guesses (``outputs``, one per column), harvest n-grams into ``pool`` once the
+        window is full, and move on by ``advance`` committed tokens. Returns the n-grams harvested."""
+        harvested = 0
+        if len(self.levels) == self.n - 1 and pool is not None:
+            for j in range(self.width):
+                pool.add(self.levels[0][j], [lvl[j] for lvl in self.levels[1:]] + [outputs[j]])
+                harvested += 1
+        levels = self.levels + [list(outputs)]
+        dropped = 0
+        if len(levels) > self.n - 1:
+            levels, dropped = levels[1:], 1
+        shift = max(0, advance - dropped)  # columns now behind the root
+        if shift:
+            levels = [lvl[shift:] + list(self.fill(min(shift, self.width))) for lvl in levels]
+            levels = [lvl[-self.width :] for lvl in levels]
+        self.levels = levels
+        return harvested
+
+
+def lookahead_forward(model: CachedModel, prefix: list[int], tree: Tree,
+                      window: LookaheadWindow | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """One forward over ``prefix[:-1]`` (causal), the candidate ``tree`` rooted at ``prefix[-1]``, and the
+    ``window`` (both branches see the whole prefix, not each other). Returns (logits of the tree's nodes [N, V],
+    logits of the window's top level [W, V] or None). Keep the accepted path with :func:`keep_path`."""
+    p, n = len(prefix), len(tree)
+    base = model.length
+    root_pos = base + p - 1
+    tokens = list(prefix[:-1]) + tree.tokens(prefix[-1]).tolist()
+    positions = list(range(base, root_pos)) + tree.positions(root_pos).tolist()
+    w_tokens, w_pos, w_attend = window.inputs(root_pos) if window is not None else ([], [], None)
+    m = len(w_tokens)
+    total = p - 1 + n + m
+    attend = torch.zeros(total, total, dtype=torch.bool)
+    attend[: p - 1, : p - 1] = torch.ones(p - 1, p - 1, dtype=torch.bool).tril()
+    attend[p - 1 :, : p - 1] = True  # tree and window see the prefix
+    attend[p - 1 : p - 1 + n, p - 1 : p - 1 + n] = tree.attend
+    if m:
+        attend[p - 1 + n :, p - 1] = True  # the root
+        attend[p - 1 + n :, p - 1 + n :] = w_attend
+    ids = torch.tensor([tokens + w_tokens], device=model.device)
+    pos = torch.tensor([positions + w_pos], device=model.device)
+    wanted = list(range(p - 1, p - 1 + n)) + (list(range(total - window.width, total)) if m else [])
+    logits = model.forward(ids, positions=pos, attend=attend, logits_at=wanted).logits[0]
+    return logits[:n], (logits[n:] if m else None)
+
+
+def keep_path(model: CachedModel, prefix_len: int, path: list[int]) -> None:
+    """After :func:`lookahead_forward`: keep the prefix and the accepted tree ``path`` (root first) in the cache."""
+    model.keep(list(range(prefix_len - 1)) + [prefix_len - 1 + i for i in path])
