@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
+from typing import Literal
 
 import pytest
 from hydra import compose, initialize_config_dir
@@ -31,7 +34,8 @@ def lines(run_dir: Path) -> list[dict]:
 @pytest.mark.parametrize(
     "overrides,needle",
     [
-        ([], "no method given: pass +method=<name>; valid methods: ar, hf_assisted, hf_generate, hf_pld, jacobi, pld"),
+        ([], "no method given: pass +method=<name>; valid methods: ar, hf_assisted, hf_generate, hf_pld, jacobi, lookahead, "
+                "ouroboros, pld, sps"),
         (["+method=jacobi", "method.name=jacobo"], "unknown method 'jacobo'. Did you mean 'jacobi'?"),
         (["+method=jacobi", "+method.blocksize=4"], "has no parameter(s) ['blocksize']; valid: block_size"),
         (["+method=jacobi", "method.block_size=0"], "method.block_size=0 is out of range"),
@@ -40,8 +44,11 @@ def lines(run_dir: Path) -> list[dict]:
         (["+method=ar", "n_samples=0"], "n_samples=0 is out of range"),
         (["+method=ar", "dtype=fp8"], "dtype='fp8' is not valid; choose one of: fp32, bf16, fp16"),
         (["+method=ar", "sampling.top_p=1.5"], "sampling.top_p=1.5 is out of range"),
-        (["+method=ar", "bench.baseline=nope"], "unknown method 'nope'"),
-        (["+method=ar", "max_new_tokens=abc"], "max_new_tokens"),
+        (["+method=ar", "bench.baseline=nope"], "bench.baseline='nope': unknown method 'nope'. Valid methods: ar, "),
+        (["+method=ar", "bench.baseline=sps"], "bench.baseline='sps': method 'sps' needs a draft model"),
+        (["+method=ar", "max_new_tokens=abc"], "max_new_tokens='abc' must be int"),
+        (["+method=ar", "sampling.temperature=hot"], "sampling.temperature='hot' must be float"),
+        (["+method=ar", "model=tiny_random", "model.seed=2.5"], "model.seed=2.5 must be int"),
         (["+method=sps", "draft=tiny_random", "model=tiny_random", "method.gamma=0"], "method.gamma=0 is out of range"),
         (["+method=sps", "draft=tiny_random", "model=tiny_random", "method.gamma=9", "method.adaptive=true",
           "method.gamma_max=8"], "method.gamma=9 must lie in [gamma_min, gamma_max] = [1, 8]"),
@@ -196,6 +203,9 @@ def test_nan_logits_record_an_error_and_the_run_goes_on(tmp_path):
     assert s["n_errors"] == 4 and {e["id"] for e in s["errors"]} == {first}
     assert {e["role"] for e in s["errors"]} == {"baseline", "method", "hf", "hf_pld"}
     assert s["n_samples"] == 1 and s["exact_match_rate"] == 1.0 and s["perplexity"] is not None  # second only
+    from pardec.metrics.sandbox import isolation
+
+    assert s["sandbox"] == isolation()  # HumanEval runs model output: the summary says which isolation ran
     # resume: errored records count as done (not retried forever), nothing is duplicated
     run(cfg_of(*args, "resume=true"), out)
     assert len(_strict(out / "results.jsonl")) == 8
@@ -237,3 +247,142 @@ def test_bench_also_runs_more_methods_side_by_side(tmp_path):
     assert sps["exactness"] == "distribution" and sps["exact_match_rate"] == 1.0
     assert sps["draft_forwards"] > 0 and sps["tokens_per_s"] > 0
     assert also["also:jacobi:block_size=4"]["exact_match_rate"] == 1.0
+
+
+# ------------------------------------------------------------------------------------------ method parameters
+@pytest.mark.parametrize("overrides,message", [
+    (["+method=jacobi", "method.block_size=abc"], "method.block_size='abc' must be int (jacobi(block_size: int = 16))"),
+    (["+method=jacobi", "method.block_size=2.5"], "method.block_size=2.5 must be int (jacobi(block_size: int = 16))"),
+    (["+method=jacobi", "method.max_iters=x"], "method.max_iters='x' must be int or null (jacobi(max_iters: int | None "
+                                               "= None))"),
+    (["+method=jacobi", "method.record_trajectories=1"], "method.record_trajectories=1 must be bool"),
+    (["+method=pld", "method.num_pred=[1,2]"], "method.num_pred=[1, 2] must be int"),
+    (["+method=hf_assisted", "draft=tiny_random", "method.assistant_confidence_threshold=high"],
+     "method.assistant_confidence_threshold='high' must be float"),
+    (["+method=ar", "bench.also=['pld:num_pred=abc']"],
+     "bench.also entry 'pld:num_pred=abc': method.num_pred='abc' must be int (pld(num_pred: int = 10))"),
+])
+def test_method_parameter_types_fail_in_one_line_before_loading(monkeypatch, overrides, message):
+    from pardec.models import loading
+
+    monkeypatch.setattr(loading, "load_model", lambda *a, **k: pytest.fail("a model loaded"))
+    with pytest.raises(ConfigError) as e:
+        validate(cfg_of("model=tiny_random", *overrides))
+    assert str(e.value) == message or str(e.value).startswith(message), str(e.value)
+    assert "\n" not in str(e.value)
+
+
+def test_method_parameter_types_accept_what_fits():
+    spec = validate(cfg_of("+method=hf_assisted", "model=tiny_random", "draft=tiny_random",
+                           "method.assistant_confidence_threshold=0"))  # an int where a float is wanted
+    assert spec.method_params["assistant_confidence_threshold"] == 0
+    assert validate(cfg_of("+method=jacobi", "model=tiny_random", "method.max_iters=null")).method_params[
+        "max_iters"] is None
+
+
+def test_every_method_parameter_has_a_checkable_type():
+    import pardec.decoding  # noqa: F401
+    from pardec.decoding.base import METHODS, _hints, method_params
+
+    for name in METHODS.names():
+        cls = METHODS.get(name)
+        untyped = sorted(set(method_params(cls)) - set(_hints(cls)))
+        assert not untyped, f"{name}: annotate {untyped} in __init__ so method.* values are type-checked"
+
+
+def test_check_params_reads_unions_and_literals():
+    from pardec.decoding.base import Decoder, build_decoder, check_params
+
+    class Fake(Decoder):
+        name = "fake"
+
+        def __init__(self, target, tokenizer=None, draft=None, mode: Literal["a", "b"] = "a", x: float = 1.0,
+                     n: int | None = None, free=None):
+            pass
+
+    check_params(Fake, {"mode": "b", "x": 2, "n": None, "free": object()})
+    for params, msg in [({"mode": "c"}, "method.mode='c' must be one of 'a', 'b'"),
+                        ({"x": True}, "method.x=True must be float"),
+                        ({"n": 1.5}, "method.n=1.5 must be int or null (fake(n: int | None = None))")]:
+        with pytest.raises(ConfigError, match=re.escape(msg)):
+            check_params(Fake, params)
+    with pytest.raises(ConfigError, match=re.escape("method.block_size='4' must be int")):
+        build_decoder("jacobi", None, None, block_size="4")  # the harness's own entry point checks too
+
+
+# ------------------------------------------------------------------------------------------ datasets
+def test_empty_dataset_is_an_error_before_any_model_loads(tmp_path, monkeypatch):
+    from pardec.models import loading
+    from pardec.tasks.base import DataError
+
+    monkeypatch.setattr(loading, "load_model", lambda *a, **k: pytest.fail("a model loaded"))
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("\n")
+    with pytest.raises(DataError) as e:
+        run(cfg_of("+method=ar", *TINY, f"dataset.path={empty}"), tmp_path / "run")
+    assert f"dataset 'humaneval' has no documents: dataset.path={empty}" in str(e.value)
+    assert not (tmp_path / "run").exists()  # nothing written
+
+
+# ------------------------------------------------------------------------------------------ resume identity
+def _hashes(root: Path) -> dict[str, str]:
+    import hashlib
+
+    return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+@pytest.mark.parametrize("override,diff", [
+    ("model.seed=1", "model.seed was 0, now 1"),
+    ("++model.revision=v2", "model.revision was None, now 'v2'"),
+    ("++model.adapter=/some/lora", "model.adapter was None, now '/some/lora'"),
+    ("draft=tiny_random", "draft was None, now {"),
+    ("dataset.path=/other/humaneval.jsonl", "dataset.path was None, now '/other/humaneval.jsonl'"),
+    ("dataset.prompt_style=base", "dataset.prompt_style was 'auto', now 'base'"),
+    ("dataset.extra.memory_mb=512", "dataset.extra.memory_mb was 1024, now 512"),
+    ("stop_at_eos=false", "stop_at_eos was True, now False"),
+    ("timeout_s=5", "timeout_s was 10.0, now 5.0"),
+    ("sampling.temperature=0.7", "sampling.temperature was 0.0, now 0.7"),
+    ("max_new_tokens=8", "max_new_tokens was 12, now 8"),
+    ("method.num_pred=3", "method_params.num_pred was 10, now 3"),
+    ("bench.baseline=hf_generate", "baseline was 'ar', now 'hf_generate'"),
+])
+def test_a_refused_resume_changes_nothing_and_stays_refused(tmp_path_factory, override, diff):
+    run_dir = _resumable_run(tmp_path_factory)
+    before = _hashes(run_dir)
+    args = ("+method=pld", *TINY, "n_samples=1")
+    with pytest.raises(FileExistsError, match="resume=true"):  # without resume=true: refused, nothing written
+        run(cfg_of(*args, override), run_dir)
+    assert _hashes(run_dir) == before
+    for _ in range(2):  # refused, and refused again: the first refusal did not make it acceptable
+        with pytest.raises(ConfigError) as e:
+            run(cfg_of(*args, override, "resume=true"), run_dir)
+        msg = str(e.value)
+        assert msg.startswith(f"cannot resume {run_dir}") and diff in msg and "hydra.run.dir" in msg, msg
+        assert "\n" not in msg
+        assert _hashes(run_dir) == before
+
+
+@functools.cache
+def _resumable_dir(root: str) -> Path:
+    run_dir = Path(root) / "run"
+    run(cfg_of("+method=pld", *TINY, "n_samples=1"), run_dir)
+    return run_dir
+
+
+def _resumable_run(tmp_path_factory) -> Path:
+    """One finished tiny run shared by the resume tests (they must leave it unchanged)."""
+    return _resumable_dir(str(tmp_path_factory.getbasetemp() / "resumable"))
+
+
+def test_cli_refused_resume_leaves_the_run_dir_byte_for_byte(tmp_path):
+    out = tmp_path / "run"
+    args = ("+method=pld", *TINY, "n_samples=1", f"hydra.run.dir={out}")
+    assert _cli(*args, cwd=tmp_path).returncode == 0
+    before = _hashes(out)
+    assert ".hydra/config.yaml" in before and "run.json" in before
+    for extra in (("model.seed=3",), ("model.seed=3", "resume=true"), ("model.seed=3", "resume=true")):
+        p = _cli(*args, *extra, cwd=tmp_path)
+        assert p.returncode == 2 and "Traceback" not in p.stderr, p.stderr[-2000:]
+        assert _hashes(out) == before, extra
+    assert "model.seed was 0, now 3" in p.stderr

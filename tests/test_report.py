@@ -147,6 +147,41 @@ def test_method_params_split_rows_when_they_vary(tmp_path: Path) -> None:
     assert [r.label for r in rows] == ["ar", "jacobi (window=16)", "jacobi (window=8)", "pld"]
 
 
+def test_runs_differing_in_draft_sampling_or_max_new_tokens_are_never_averaged(tmp_path: Path) -> None:
+    import warnings
+
+    sampled = {"temperature": 0.7, "top_k": 0, "top_p": 0.9, "seed": 0}
+    make_run(tmp_path, "a", summary("sps", "gsm8k", draft="d1", speedup=1.5))
+    make_run(tmp_path, "b", summary("sps", "gsm8k", draft="d2", speedup=1.1))
+    make_run(tmp_path, "c", summary("sps", "gsm8k", draft="d1", max_new_tokens=256, speedup=1.9))
+    make_run(tmp_path, "d", summary("sps", "gsm8k", draft="d1", sampling=sampled, speedup=1.2))
+    make_run(tmp_path, "e", summary("sps", "gsm8k", draft="local", draft_path="/x/final", speedup=1.3))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", ReportWarning)  # one run per row and dataset: nothing averaged
+        rows = build_table(load_runs([str(tmp_path)]))
+    labels = {r.label: r.cells["gsm8k"].speedup for r in rows}
+    assert labels == {
+        "ar (max_new_tokens=16, greedy)": 1.0,
+        "sps (draft=d1, max_new_tokens=16, greedy)": pytest.approx(1.5),
+        "sps (draft=d2, max_new_tokens=16, greedy)": pytest.approx(1.1),
+        "sps (draft=local /x/final, max_new_tokens=16, greedy)": pytest.approx(1.3),
+        "ar (max_new_tokens=16, temperature=0.7, top_k=0, top_p=0.9)": 1.0,
+        "sps (draft=d1, max_new_tokens=16, temperature=0.7, top_k=0, top_p=0.9)": pytest.approx(1.2),
+        "ar (max_new_tokens=256, greedy)": 1.0,
+        "sps (draft=d1, max_new_tokens=256, greedy)": pytest.approx(1.9),
+    }
+    assert "sps (draft=d1, max_new_tokens=256, greedy)" in render_markdown(rows)
+
+
+def test_runs_differing_only_in_the_sampling_seed_are_repeats(tmp_path: Path) -> None:
+    for i, speedup in enumerate((1.2, 1.4)):
+        sampling = {"temperature": 0.7, "top_k": 0, "top_p": 1.0, "seed": i}
+        make_run(tmp_path, str(i), summary("jacobi", "gsm8k", sampling=sampling, speedup=speedup))
+    with pytest.warns(ReportWarning, match="2 runs"):
+        rows = build_table(load_runs([str(tmp_path)]))
+    assert [r.label for r in rows] == ["ar", "jacobi"] and rows[1].cells["gsm8k"].speedup == pytest.approx(1.3)
+
+
 def test_repeated_runs_of_a_cell_are_averaged(tmp_path: Path) -> None:
     make_run(tmp_path, "a", summary("jacobi", "gsm8k", speedup=1.2))
     make_run(tmp_path, "b", summary("jacobi", "gsm8k", speedup=1.4))

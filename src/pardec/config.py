@@ -6,8 +6,10 @@ Hydra composes YAML; :func:`to_dataclass` turns a section into one of these (Ome
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields
-from typing import Any, TypeVar
+import re
+import sys
+from dataclasses import asdict, dataclass, field, fields
+from typing import Any, NoReturn, TypeVar
 
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
@@ -63,6 +65,12 @@ class ModelConfig:
         _choice("model", "attn_implementation", self.attn_implementation, ("sdpa", "eager"))
         _at_least("model", "layers", self.layers, 1)
         _at_least("model", "hidden", self.hidden, 8)
+
+    def identity(self) -> dict[str, Any]:
+        """Every field that changes what the model computes (where its weights come from, their dtype, adapter,
+        device, the tiny_random shape and seed, the chat template choice): runs that differ in one are not
+        resumable into each other. ``cache_dir`` and ``missing_hint`` are left out: they change no output."""
+        return {k: v for k, v in asdict(self).items() if k not in ("cache_dir", "missing_hint")}
 
 
 @dataclass
@@ -140,14 +148,69 @@ D = TypeVar("D")
 
 
 def to_dataclass(cls: type[D], section: DictConfig | dict | None, where: str) -> D:
-    """Validate a config section against ``cls``; unknown keys and bad types raise :class:`ConfigError`."""
+    """Validate a config section against ``cls``; unknown keys and bad types raise :class:`ConfigError`, naming
+    the key (``sampling.temperature='hot' must be float``)."""
     data = OmegaConf.to_container(section, resolve=True) if isinstance(section, DictConfig) else dict(section or {})
-    known = {f.name for f in fields(cls)}
-    unknown = sorted(set(data) - known)
+    known = {f.name: f for f in fields(cls)}
+    unknown = sorted(set(data) - set(known))
     if unknown:
         raise ConfigError(f"unknown key(s) {unknown} in {where}; valid keys: {', '.join(sorted(known))}")
     try:
         merged = OmegaConf.merge(OmegaConf.structured(cls), data)
         return OmegaConf.to_object(merged)  # type: ignore[return-value]
     except OmegaConfBaseException as e:
+        key = str(getattr(e, "full_key", None) or "")
+        if key in data:  # a value of the wrong type: name the key, the value and the type wanted
+            kind = str(known[key].type).replace(" | None", " or null")  # annotations are strings here
+            if re.fullmatch(r"[\w.\[\]]+", where):  # a section: name its key with it
+                raise ConfigError(f"{where}.{key}={data[key]!r} must be {kind}") from None
+            raise ConfigError(f"{key}={data[key]!r} must be {kind} (in {where})") from None
         raise ConfigError(f"bad value in {where}: {e.msg if hasattr(e, 'msg') else e}") from None
+
+
+def settings_diff(old: dict, new: dict, prefix: str = "") -> list[str]:
+    """Where two settings dicts (nested) differ, one ``key was <old>, now <new>`` per differing leaf, dotted keys
+    (``model.seed was 0, now 1``); a key missing on one side reads as None."""
+    out = []
+    for k in sorted(set(old) | set(new), key=str):
+        a, b = old.get(k), new.get(k)
+        if a == b:
+            continue
+        if isinstance(a, dict) and isinstance(b, dict):
+            out += settings_diff(a, b, f"{prefix}{k}.")
+        else:
+            out.append(f"{prefix}{k} was {a!r}, now {b!r}")
+    return out
+
+
+def exit_with_error(e: Exception) -> NoReturn:
+    """A user error at the command line: ``error: <message>`` on stderr, exit status 2, no traceback wall (set
+    HYDRA_FULL_ERROR=1 for one)."""
+    print(f"error: {e}", file=sys.stderr)
+    sys.exit(2)
+
+
+def check_overrides(argv: list[str], config_name: str) -> None:
+    """Compose ``config_name`` with the command line's overrides as Hydra is about to, so that what Hydra would
+    refuse (a config group option that does not exist, a key the config lacks, a malformed override) fails in
+    one line naming it, listing the valid options (Hydra's own messages span many lines and suggest a stack
+    trace). A command line with flags (``-m``, ``--cfg``, ...) is left to Hydra."""
+    if any(a.startswith("-") for a in argv):
+        return
+    from hydra import compose, initialize_config_dir
+    from hydra.errors import HydraException, MissingConfigException
+
+    from pardec import CONF_DIR
+
+    try:
+        with initialize_config_dir(str(CONF_DIR), version_base="1.3"):
+            compose(config_name, overrides=list(argv))
+    except MissingConfigException as e:
+        group, _, option = (e.missing_cfg_file or "").rpartition("/")
+        if group and e.options:
+            raise ConfigError(f"{group}={option!r} is not valid; choose one of: {', '.join(e.options)}") from None
+        raise ConfigError(" ".join(str(e).split("Config search path")[0].split())) from None
+    except HydraException as e:
+        where = f"override {e.override!r}: " if getattr(e, "override", None) else ""  # a parse error names no key
+        cause = f" ({str(e.__cause__).splitlines()[0]})" if e.__cause__ else ""
+        raise ConfigError(where + " ".join(str(e).split()) + cause) from None

@@ -6,7 +6,9 @@ Roles: ``baseline`` (``bench.baseline``, plain ``ar`` at the same dtype), ``meth
 ``bench.include_hf=true``, transformers' own decoders as peers: ``hf`` (plain ``generate()``), ``hf_pld`` (its
 prompt lookup) and, when a draft is configured, ``hf_assisted`` (assisted generation with the same draft model).
 A killed run restarted with ``resume=true`` and the same ``hydra.run.dir`` redoes nothing that was written and
-duplicates nothing.
+duplicates nothing; it is refused, changing nothing in the run dir, when any setting that changes the records
+differs from the first attempt's (``run.json``: model and draft configs, dataset, sampling, max_new_tokens,
+stop_at_eos, timeout_s, method and its parameters, roles, ...).
 
 A prompt whose generation hits NaN/inf logits (or gives any non-finite number) gets a record with ``error``: it is
 left out of every speed and quality aggregate, counted in the summary, and the run goes on. Nothing non-finite is
@@ -35,17 +37,16 @@ from pardec.config import (
     ModelConfig,
     RunConfig,
     SamplingConfig,
+    settings_diff,
     to_dataclass,
 )
 from pardec.jsonl import append_jsonl, read_jsonl
+from pardec.metrics.sandbox import isolation
 
 log = logging.getLogger("pardec.evaluate")
 
 RUN_KEYS = ("n_samples", "max_new_tokens", "threads", "seed", "resume", "timeout_s", "stop_at_eos", "repeats",
             "dtype")
-# fields that must match when a run is resumed
-RESUME_KEYS = ("method", "method_params", "model", "dtype", "dataset", "max_new_tokens", "sampling", "baseline",
-               "include_hf", "repeats", "draft", "also")
 #: peer roles run when ``bench.include_hf=true``: role -> method (``hf_assisted`` only with a draft)
 PEERS = {"hf": "hf_generate", "hf_pld": "hf_pld", "hf_assisted": "hf_assisted"}
 
@@ -83,7 +84,7 @@ def validate(cfg: DictConfig) -> EvalSpec:
     """Check every name and value before anything heavy loads; errors name the bad value and the choices."""
     import pardec.decoding  # noqa: F401
     import pardec.tasks  # noqa: F401
-    from pardec.decoding.base import METHODS, method_params
+    from pardec.decoding.base import METHODS
     from pardec.tasks.base import TASKS
     from pardec.tracking import LOGGERS
 
@@ -91,41 +92,48 @@ def validate(cfg: DictConfig) -> EvalSpec:
         raise ConfigError(f"no method given: pass +method=<name>; valid methods: {', '.join(METHODS.names())}")
     mcfg = OmegaConf.to_container(cfg.method, resolve=True)
     name = METHODS.canonical(mcfg.pop("name"))
-    cls = METHODS.get(name)
-    bad = sorted(set(mcfg) - set(method_params(cls)))
-    if bad:
-        raise ConfigError(f"method {name!r} has no parameter(s) {bad}; valid: {', '.join(method_params(cls)) or 'none'}")
-    cls(None, None, None, **mcfg)  # range checks of the method's own parameters (no model needed)
     dataset = to_dataclass(DatasetConfig, cfg.dataset, "dataset")
     TASKS.canonical(dataset.name)
     model = to_dataclass(ModelConfig, cfg.model, "model")
     draft = None
     if cfg.get("draft") is not None and cfg.draft.get("name"):
         draft = to_dataclass(ModelConfig, cfg.draft, "draft")
-    if cls.needs_draft and draft is None:
-        raise ConfigError(f"method {name!r} needs a draft model: pass draft=<name>")
-    _check_models(model, draft)
     run = to_dataclass(RunConfig, {k: cfg.get(k) for k in RUN_KEYS if k in cfg}, "the top-level keys")
     sampling = to_dataclass(SamplingConfig, cfg.get("sampling"), "sampling")
     bench = to_dataclass(BenchConfig, cfg.get("bench"), "bench")
+    _check_method(name, mcfg, draft)
+    _check_method(bench.baseline, {}, draft, f"bench.baseline={bench.baseline!r}")
     also = []
     for entry in bench.also:
         a_name, a_params = parse_also(entry)
-        a_cls = METHODS.get(a_name)  # unknown names fail here, listing the valid ones
-        a_bad = sorted(set(a_params) - set(method_params(a_cls)))
-        if a_bad:
-            raise ConfigError(f"bench.also entry {entry!r}: method {a_cls.name!r} has no parameter(s) {a_bad}; "
-                              f"valid: {', '.join(method_params(a_cls)) or 'none'}")
-        a_cls(None, None, None, **a_params)  # range checks
-        if a_cls.needs_draft and draft is None:
-            raise ConfigError(f"bench.also entry {entry!r} needs a draft model: pass draft=<name>")
+        a_cls = _check_method(a_name, a_params, draft, f"bench.also entry {entry!r}")
         also.append((f"also:{entry}", a_cls.name, a_params))
-    METHODS.canonical(bench.baseline)
     logger = OmegaConf.to_container(cfg.logger, resolve=True) if cfg.get("logger") else {"name": "none"}
     if logger.get("name") not in LOGGERS:
         raise ConfigError(f"logger={logger.get('name')!r} is not valid; choose one of: {', '.join(LOGGERS)}")
     ppl = OmegaConf.to_container(cfg.perplexity, resolve=True) if cfg.get("perplexity") else {"enabled": False}
+    _check_models(model, draft)
     return EvalSpec(name, mcfg, model, draft, dataset, run, sampling, bench, ppl, logger, also)
+
+
+def _check_method(name: str, params: dict, draft: ModelConfig | None, where: str = "") -> type:
+    """The class of method ``name``, checked without a model: the name, its parameters' names and types (from its
+    signature), their ranges (its own ``__init__``) and its need of a draft. ``where`` starts the errors
+    (``bench.also entry 'pld:num_pred=0': method.num_pred=0 is out of range ...``)."""
+    from pardec.decoding.base import METHODS, check_params
+    from pardec.registry import UnknownNameError
+
+    try:
+        cls = METHODS.get(name)
+        check_params(cls, params)
+        cls(None, None, None, **params)  # range checks of the method's own parameters (no model needed)
+        if cls.needs_draft and draft is None:
+            raise ConfigError(f"method {cls.name!r} needs a draft model: pass draft=<name>")
+    except (ConfigError, UnknownNameError) as e:
+        if not where:
+            raise
+        raise ConfigError(f"{where}: {e}") from None
+    return cls
 
 
 def _check_models(model: ModelConfig, draft: ModelConfig | None) -> None:
@@ -219,25 +227,21 @@ def run(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
     from pardec.metrics.perplexity import completion_nll
     from pardec.models.cached import CachedModel, NonFiniteLogitsError
     from pardec.models.loading import load_model
-    from pardec.tasks.base import build_task
+    from pardec.tasks.base import build_task, select_docs
     from pardec.tracking import Tracker
 
     spec = validate(cfg)
-    run_dir.mkdir(parents=True, exist_ok=True)
     r = spec.run
+    identity = run_identity(spec)
+    if r.resume:
+        check_resume(run_dir, identity)  # before anything is written: a refused run changes nothing
+    results = ResultsLog(run_dir / "results.jsonl", r.resume)  # refuses a run dir with records unless resumed
+    task = build_task(spec.dataset, timeout_s=r.timeout_s)
+    docs = select_docs(task, r.n_samples)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    write_json(run_dir / "run.json", identity)
     torch.set_num_threads(r.threads)
     torch.manual_seed(r.seed)
-    identity = {"method": spec.method, "method_params": spec.method_params, "model": spec.model.name,
-                "dtype": spec.model.dtype, "dataset": spec.dataset.name, "max_new_tokens": r.max_new_tokens,
-                "sampling": asdict(spec.sampling), "baseline": spec.bench.baseline,
-                "include_hf": spec.bench.include_hf, "repeats": r.repeats, "also": spec.bench.also,
-                "draft": {"name": spec.draft.name, "path": spec.draft.path} if spec.draft else None}
-    _check_resume(run_dir / "run.json", identity, r.resume)
-    results = ResultsLog(run_dir / "results.jsonl", r.resume)
-
-    task = build_task(spec.dataset, timeout_s=r.timeout_s)
-    docs = task.docs()
-    docs = docs[: r.n_samples] if r.n_samples else docs
     lm = load_model(spec.model)
     tok = lm.tokenizer
     chat = {"auto": lm.chat, "chat": True, "base": False}[spec.dataset.prompt_style]
@@ -319,14 +323,29 @@ def run(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
     return summary
 
 
-def _check_resume(path: Path, identity: dict, resume: bool) -> None:
-    if path.exists() and resume:
-        old = json.loads(path.read_text())
-        diff = [k for k in RESUME_KEYS if old.get(k) != identity.get(k)]
-        if diff:
-            raise ConfigError(f"cannot resume {path.parent}: {', '.join(f'{k} was {old.get(k)!r}, now {identity.get(k)!r}' for k in diff)}")
-    else:
-        write_json(path, identity)
+def run_identity(spec: EvalSpec) -> dict[str, Any]:
+    """Everything that changes the records of a run (``run.json``); a resumed run must match it in every key."""
+    r = spec.run
+    return {"method": spec.method, "method_params": spec.method_params, "model": spec.model.identity(),
+            "draft": spec.draft.identity() if spec.draft else None, "dataset": asdict(spec.dataset),
+            "max_new_tokens": r.max_new_tokens, "stop_at_eos": r.stop_at_eos, "timeout_s": r.timeout_s,
+            "repeats": r.repeats, "threads": r.threads, "seed": r.seed, "sampling": asdict(spec.sampling),
+            "baseline": spec.bench.baseline, "include_hf": spec.bench.include_hf, "also": spec.bench.also,
+            "perplexity": spec.perplexity}
+
+
+def check_resume(run_dir: Path, identity: dict) -> None:
+    """Refuse, writing nothing, to resume ``run_dir`` unless its records were made as ``identity`` says (every
+    key equal to the one in its ``run.json``); a run dir without records is not checked."""
+    results = run_dir / "results.jsonl"
+    if not (results.is_file() and results.stat().st_size):
+        return  # no records yet: nothing to mix with
+    path = run_dir / "run.json"
+    old = json.loads(path.read_text()) if path.is_file() else {}
+    diff = settings_diff(old, json.loads(json.dumps(identity)))  # as it would be written (tuples -> lists)
+    if diff:
+        raise ConfigError(f"cannot resume {run_dir}: its records were made with other settings ({'; '.join(diff)}); "
+                          f"rerun with those settings, or start a new run with another hydra.run.dir")
 
 
 def _run_one(task, doc, dec, tok, chat, stopper, sampling, max_new, max_len, scorer, completion_nll) -> dict:
@@ -444,6 +463,7 @@ def summarize(spec: EvalSpec, task, records: list[dict], method_role: str, model
         "method_params": spec.method_params,
         "baseline": spec.bench.baseline,
         "draft": spec.draft.name if spec.draft else None,
+        "draft_path": spec.draft.path if spec.draft else None,  # a config name (``local``) names no one draft
         "dataset": spec.dataset.name,
         "model": spec.model.name,
         "dtype": spec.model.dtype,
@@ -455,6 +475,7 @@ def summarize(spec: EvalSpec, task, records: list[dict], method_role: str, model
         "max_new_tokens": spec.run.max_new_tokens,
         "sampling": asdict(spec.sampling),
         "threads": spec.run.threads,
+        "sandbox": isolation() if task.sandboxed else None,  # which isolation ran model output, see metrics/sandbox.py
         "exactness": cls.exactness,
         **speed_summary(method_rows, rows["baseline"] or method_rows),
         "hf_tokens_per_s": tokens_per_s(rows["hf"]) if rows["hf"] else None,
@@ -567,18 +588,33 @@ def format_table(s: dict) -> str:
     return table + "\n\n" + format_comparison(s)
 
 
+def _hydra_subdir(output_dir: str, subdir: str) -> str | None:
+    """``hydra.output_subdir`` of ``conf/evaluate.yaml``: None (Hydra writes no config files) when ``output_dir``
+    already holds a run (``run.json``), so a resumed or a refused attempt leaves the first one's as they were."""
+    return None if (Path(output_dir) / "run.json").is_file() else subdir
+
+
+if not OmegaConf.has_resolver("pardec_hydra_subdir"):
+    OmegaConf.register_new_resolver("pardec_hydra_subdir", _hydra_subdir)
+
+
 def main() -> None:
     import hydra
     from hydra.core.hydra_config import HydraConfig
+
+    from pardec.config import check_overrides, exit_with_error
+
+    try:
+        check_overrides(sys.argv[1:], "evaluate")
+    except ConfigError as e:
+        exit_with_error(e)
 
     @hydra.main(config_path=str(CONF_DIR), config_name="evaluate", version_base="1.3")
     def _app(cfg: DictConfig) -> float | None:
         try:
             summary = run(cfg, Path(HydraConfig.get().runtime.output_dir))
         except (ConfigError, KeyError, FileNotFoundError, FileExistsError, ValueError) as e:
-            # user errors: one clear line, no traceback wall (set HYDRA_FULL_ERROR=1 for one)
-            print(f"error: {e}", file=sys.stderr)
-            sys.exit(2)
+            exit_with_error(e)
         return summary.get("speedup")
 
     _app()

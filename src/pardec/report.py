@@ -4,7 +4,8 @@
 
 Every run dir written by ``python -m evaluate`` holds a ``summary.json`` (one method on one dataset,
 against its baseline) and a ``results.jsonl`` (one line per prompt per role). Runs are grouped into
-table rows by (method, params and draft, model, dtype); the baseline (``ar``) gets its own row at 1.00×, and
+table rows by (method, params and draft, model, dtype, setting: max_new_tokens and sampling), so runs that differ
+in any of them are never averaged together; the baseline (``ar``) gets its own row at 1.00× per setting, and
 transformers' decoders run beside it (``peers`` in the summary: ``hf_generate``, ``hf_pld``, ``hf_assisted``)
 get theirs. Prompts whose generation failed (``error`` in results.jsonl) are counted, never measured.
 """
@@ -151,7 +152,7 @@ class Cell:
 
 @dataclass
 class Row:
-    """A table row: one method (or the baseline) for one (model, dtype), across datasets."""
+    """A table row: one method (or the baseline) for one (model, dtype, setting), across datasets."""
 
     method: str
     params: str
@@ -161,11 +162,12 @@ class Row:
     is_peer: bool = False  # transformers' decoders run beside the baseline (``peers`` of the summaries)
     label: str = ""
     cells: dict[str, Cell] = field(default_factory=dict)
+    setting: str = ""  # max_new_tokens and sampling, as :func:`_setting` writes them
 
     @property
-    def key(self) -> tuple[str, str, str, str]:
-        """(method, params, model, dtype), as :func:`_group` gives it for a run."""
-        return self.method, self.params, self.model, self.dtype
+    def key(self) -> tuple[str, str, str, str, str]:
+        """(method, params, model, dtype, setting), as :func:`_group` gives it for a run."""
+        return self.method, self.params, self.model, self.dtype, self.setting
 
     def overall(self, attr: str) -> float | None:
         """Mean of a cell attribute over the datasets that have it."""
@@ -184,11 +186,31 @@ class Row:
         return " · ".join(f"{name} {statistics.fmean(v):.3f}" for name, v in by_name.items()) or MISSING
 
 
-def _group(run: dict[str, Any]) -> tuple[str, str, str, str]:
-    """(method, method params (and draft) as ``k=v, ...``, model, dtype) of a run: its row in the table."""
-    params = sorted((run.get("method_params") or {}).items()) + ([("draft", run["draft"])] if run.get("draft") else [])
-    return str(run["method"]), ", ".join(f"{k}={v}" for k, v in params), str(run.get("model", "?")), str(
-        run.get("dtype", "?"))
+def _setting(run: dict[str, Any]) -> str:
+    """What a run generated under besides its method: ``max_new_tokens=256, greedy`` or ``max_new_tokens=256,
+    temperature=0.7, top_k=0, top_p=0.9``. The sampling seed is left out: runs differing only in it are repeats of
+    one setting (averaged, with a warning)."""
+    s = run.get("sampling") or {}
+    parts = [f"max_new_tokens={run['max_new_tokens']}"] if run.get("max_new_tokens") is not None else []
+    if s.get("temperature"):
+        parts += [f"{k}={s.get(k)}" for k in ("temperature", "top_k", "top_p")]
+    elif s:
+        parts.append("greedy")
+    return ", ".join(parts)
+
+
+def _draft(run: dict[str, Any]) -> list[tuple[str, str]]:
+    """``[("draft", "<name>")]`` (``<name> <path>`` when the summary gives a path), or [] without a draft."""
+    if not run.get("draft"):
+        return []
+    return [("draft", f"{run['draft']} {run['draft_path']}" if run.get("draft_path") else str(run["draft"]))]
+
+
+def _group(run: dict[str, Any]) -> tuple[str, str, str, str, str]:
+    """(method, method params (and draft) as ``k=v, ...``, model, dtype, setting) of a run: its row in the table."""
+    params = sorted((run.get("method_params") or {}).items()) + _draft(run)
+    return (str(run["method"]), ", ".join(f"{k}={v}" for k, v in params), str(run.get("model", "?")),
+            str(run.get("dtype", "?")), _setting(run))
 
 
 def _mean(values: Iterable[float | None]) -> float | None:
@@ -246,47 +268,48 @@ def _cell(entries: list[dict[str, Any]]) -> Cell:
 
 
 def build_table(runs: Sequence[dict[str, Any]]) -> list[Row]:
-    """Rows grouped by (method, method params, model, dtype), the baseline's row first in each (model, dtype),
-    then the peers (transformers' decoders, from each run's ``peers``), then the methods.
+    """Rows grouped by (method, method params and draft, model, dtype, setting), the baseline's row first in each
+    (model, dtype, setting), then the peers (transformers' decoders, from each run's ``peers``), then the methods.
 
-    Labels name the params, model and dtype only where they vary. Several runs of one (row, dataset) cell
+    Labels name the params, model, dtype and setting only where they vary. Several runs of one (row, dataset) cell
     are averaged, with a :class:`ReportWarning` (not for the baseline and peers, which every job reruns).
     """
-    entries: dict[tuple[str, str, str, str, bool], dict[str, list[dict[str, Any]]]] = defaultdict(
+    entries: dict[tuple[str, str, str, str, str, bool], dict[str, list[dict[str, Any]]]] = defaultdict(
         lambda: defaultdict(list)
     )
-    peer_keys: set[tuple[str, str, str, str, bool]] = set()
+    peer_keys: set[tuple[str, str, str, str, str, bool]] = set()
     for run in runs:
-        method, params, model, dtype = _group(run)
+        method, params, model, dtype, setting = _group(run)
         dataset, baseline = str(run["dataset"]), run.get("baseline")
         if baseline:
-            entries[(str(baseline), "", model, dtype, True)][dataset].append(_entry(run, baseline=True))
+            entries[(str(baseline), "", model, dtype, setting, True)][dataset].append(_entry(run, baseline=True))
         if method != baseline:
-            entries[(method, params, model, dtype, False)][dataset].append(_entry(run, baseline=False))
+            entries[(method, params, model, dtype, setting, False)][dataset].append(_entry(run, baseline=False))
         for peer in (run.get("peers") or {}).values():
             tag = sorted((peer.get("params") or {}).items())  # a bench.also role's own parameters
-            tag += [("draft", run["draft"])] if run.get("draft") and peer.get("draft_forwards") else []
+            tag += _draft(run) if peer.get("draft_forwards") else []
             tag = ", ".join(f"{k}={v}" for k, v in tag)
-            key = (str(peer["method"]), tag, model, dtype, False)
+            key = (str(peer["method"]), tag, model, dtype, setting, False)
             peer_keys.add(key)
             entries[key][dataset].append(_peer_entry(run, peer))
 
     params_of: dict[str, set[str]] = defaultdict(set)
     for method, params, *_ in entries:
         params_of[method].add(params)
-    models, dtypes = {k[2] for k in entries}, {k[3] for k in entries}
+    models, dtypes, settings = {k[2] for k in entries}, {k[3] for k in entries}, {k[4] for k in entries}
     rows = []
-    for key in sorted(entries, key=lambda k: (k[2], k[3], not k[4], k not in peer_keys, k[0], k[1])):
-        method, params, model, dtype, is_base = key
-        varying = ((params, len(params_of[method]) > 1), (model, len(models) > 1), (dtype, len(dtypes) > 1))
+    for key in sorted(entries, key=lambda k: (k[2], k[3], k[4], not k[5], k not in peer_keys, k[0], k[1])):
+        method, params, model, dtype, setting, is_base = key
+        varying = ((params, len(params_of[method]) > 1), (model, len(models) > 1), (dtype, len(dtypes) > 1),
+                   (setting, len(settings) > 1))
         tags = [tag for tag, varies in varying if varies and tag]
         label = f"{method} ({', '.join(tags)})" if tags else method
         cells = {ds: _cell(es) for ds, es in sorted(entries[key].items())}
         for ds, es in entries[key].items():
             if len(es) > 1 and not is_base and key not in peer_keys:
-                where = f"{method} [{params}] {model} {dtype} on {ds}"
+                where = f"{method} [{params}] {model} {dtype} [{setting}] on {ds}"
                 warnings.warn(f"{len(es)} runs of {where}: averaged", ReportWarning, stacklevel=2)
-        rows.append(Row(method, params, model, dtype, is_base, key in peer_keys, label, cells))
+        rows.append(Row(method, params, model, dtype, is_base, key in peer_keys, label, cells, setting))
     return rows
 
 

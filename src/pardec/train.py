@@ -29,7 +29,7 @@ import json
 import logging
 import os
 import sys
-from dataclasses import dataclass, fields, replace
+from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -187,16 +187,19 @@ def _barrier(d: Dist):
 def run_collect(spec: TrainSpec, d: Dist) -> dict | None:
     from pardec.models.cached import CachedModel
     from pardec.models.loading import load_model
+    from pardec.training import shards
     from pardec.training.collect import collect, collection_meta, eos_ids_of, prompts_from_dataset
 
+    # the model (its weights, dtype, chat template choice) and the dataset (source, split, prompt style, extra)
+    # fix the prompts and the EOS ids; a resumed collection must match them (checked now, before the model loads)
+    identity = {"model": spec.model.identity(), "dataset": asdict(spec.dataset)}
+    shards.check_settings(spec.collect.out_dir, collection_meta(spec.collect, identity, set()),
+                          spec.collect.overwrite, "collect", "trajectories collected", ignore=("eos_ids",))
     barrier = _barrier(d)
     lm = load_model(spec.model)
     chat = {"auto": lm.chat, "chat": True, "base": False}[spec.dataset.prompt_style]
     prompts = prompts_from_dataset(spec.dataset, lm.tokenizer, chat, spec.collect.max_prompts)
     eos = eos_ids_of(lm.model, lm.tokenizer)
-    identity = {"model": {"name": spec.model.name, "path": spec.model.path, "dtype": spec.model.dtype},
-                "dataset": {"name": spec.dataset.name, "split": spec.dataset.split, "path": spec.dataset.path,
-                            "chat": chat}}
     meta = collection_meta(spec.collect, identity, eos)
     log.info("collecting trajectories of %d prompts into %s (rank %d of %d)", len(prompts), spec.collect.out_dir,
              d.rank, d.world)
@@ -379,20 +382,19 @@ def run_draft(spec: DraftSpec, run_dir: Path, d: Dist) -> dict[str, Any]:
 
     summary: dict[str, Any] = {"experiment": spec.experiment, "kind": "draft", "stage": spec.stage,
                                "run_dir": str(run_dir)}
-    identity = {"name": spec.model.name, "path": spec.model.path, "dtype": spec.model.dtype}
     if spec.stage in ("generate", "all"):
         from pardec.models.loading import load_model
 
         barrier = _barrier(d)  # first: it picks this rank's GPU
         lm = load_model(spec.model)
-        summary["generate"] = run_generation(spec.gen, lm, identity, d.rank, d.world, barrier, "distill")
+        summary["generate"] = run_generation(spec.gen, lm, d.rank, d.world, barrier, "distill")
         if summary["generate"]:
             log.info("completions: %s", json.dumps(summary["generate"]))
         del lm
     if spec.stage in ("train", "all"):
         summary["train"] = dt.train_draft(spec, run_dir, d.rank)
     if spec.stage in ("eval", "all") and d.rank == 0:
-        summary["eval"] = dt.evaluate_draft(spec, run_dir, identity)
+        summary["eval"] = dt.evaluate_draft(spec, run_dir)
         print(json.dumps(summary["eval"], indent=2))
     if d.rank == 0:
         run_dir.mkdir(parents=True, exist_ok=True)
@@ -424,13 +426,18 @@ def main() -> None:
     import hydra
     from hydra.core.hydra_config import HydraConfig
 
+    from pardec.config import check_overrides, exit_with_error
+
+    try:
+        check_overrides(sys.argv[1:], "train")
+    except ConfigError as e:
+        exit_with_error(e)
+
     @hydra.main(config_path=str(CONF_DIR), config_name="train", version_base="1.3")
     def _app(cfg: DictConfig) -> None:
         try:
             run(cfg, Path(HydraConfig.get().runtime.output_dir))
         except (ConfigError, KeyError, FileNotFoundError, FileExistsError, ValueError) as e:
-            # user errors: one clear line, no traceback wall (set HYDRA_FULL_ERROR=1 for one)
-            print(f"error: {e}", file=sys.stderr)
-            sys.exit(2)
+            exit_with_error(e)
 
     _app()

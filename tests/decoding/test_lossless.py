@@ -25,7 +25,10 @@ PARAMS = {"jacobi": [{"block_size": 16}, {"block_size": 5}, {"block_size": 1}, {
           "pld": [{}, {"max_ngram": 1, "num_pred": 3}, {"max_ngram": 4, "min_ngram": 2, "num_pred": 20}],
           "sps": [{"gamma": 4}, {"gamma": 1}, {"gamma": 9}, {"gamma": 3, "adaptive": True, "gamma_max": 8}],
           "lookahead": [{}, {"level": 2, "window": 1, "guess_set": 1}, {"level": 4, "window": 3, "guess_set": 2,
-                                                                          "pool_from_prompt": True}]}
+                                                                          "pool_from_prompt": True}],
+          "ouroboros": [{}, {"gamma": 1, "level": 2, "window": 1, "guess_set": 1, "top_k_phrases": 1},
+                        {"accelerated_drafting": False, "lengthening": False, "verified_phrases": False},
+                        {"gamma": 6, "level": 3, "window": 4, "guess_set": 3, "warm_start": True}]}
 
 
 def _ids(tok, prompt):
@@ -43,7 +46,7 @@ def _build(method, cm, tok, seed=0, draft="self", **params):
 
 
 def test_every_lossless_method_is_covered():
-    assert {"ar", "hf_generate", "jacobi", "pld", "sps", "lookahead"} <= set(LOSSLESS)
+    assert {"ar", "hf_generate", "jacobi", "pld", "sps", "lookahead", "ouroboros"} <= set(LOSSLESS)
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2])
@@ -64,7 +67,7 @@ def test_lossless_equals_ar(method, prompt, seed):
             assert res.tokens == ref.tokens, (method, params, draft)
             assert res.stop_reason == "length"
             assert sum(res.accepted) == len(res.tokens)
-            if method == "sps" and draft == "self":  # the target's own weights as the draft
+            if method in ("sps", "ouroboros") and draft == "self":  # the target's own weights as the draft
                 assert res.draft_accepted >= 0.9 * res.drafted > 0, (method, params)
                 assert res.target_forwards < ref.target_forwards
 

@@ -147,3 +147,67 @@ def test_schema_errors_name_the_file_and_fields(tmp_path):
     f.write_text("{not json\n")
     with pytest.raises(TrajectoryError, match="line 1: malformed JSON"):
         load_trajectories(f)
+
+
+def _hashes(root) -> dict[str, str]:
+    import hashlib
+
+    return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def test_a_refused_collection_changes_nothing_and_stays_refused(tmp_path):
+    from dataclasses import asdict, replace
+
+    from pardec.config import DatasetConfig, ModelConfig
+
+    lm = tiny()
+    cm = CachedModel(lm.model)
+    prompts = _prompts(lm.tokenizer)[:2]
+    cfg = _cfg(tmp_path)
+    model = ModelConfig(name="tiny_random", source="tiny_random")
+    dataset = DatasetConfig(name="gsm8k", path="/data/gsm8k.jsonl")
+    meta = collection_meta(cfg, {"model": model.identity(), "dataset": asdict(dataset)}, set())
+    assert collect(cfg, cm, set(), prompts, meta)["complete"]
+    before = _hashes(tmp_path / "traj")
+    for change, diff in [({"model": replace(model, seed=1)}, "model.seed was 0, now 1"),
+                         ({"model": replace(model, adapter="/lora")}, "model.adapter was None, now '/lora'"),
+                         ({"dataset": replace(dataset, prompt_style="base")},
+                          "dataset.prompt_style was 'auto', now 'base'"),
+                         ({"dataset": replace(dataset, extra={"shots": 2})}, "dataset.extra.shots was None, now 2")]:
+        ident = {"model": change.get("model", model).identity(), "dataset": asdict(change.get("dataset", dataset))}
+        for _ in range(2):  # refused, and refused again
+            with pytest.raises(FileExistsError) as e:
+                collect(cfg, cm, set(), prompts, collection_meta(cfg, ident, set()))
+            assert diff in str(e.value) and "collect.overwrite=true" in str(e.value), str(e.value)
+            assert _hashes(tmp_path / "traj") == before
+
+
+def test_train_collect_refuses_other_settings_before_the_model_loads(tmp_path, monkeypatch):
+    from dataclasses import asdict, replace
+
+    from pardec.models import loading
+    from pardec.train import Dist, run_collect, validate
+    from tests.training.test_train_app import _tiny
+
+    spec = validate(_tiny(tmp_path, "stage=collect"))
+    out = tmp_path / "data" / "trajectories" / "cllm_tiny"
+    out.mkdir(parents=True)
+    old = {"model": replace(spec.model, seed=5).identity(), "dataset": asdict(spec.dataset)}
+    (out / "meta.json").write_text(json.dumps(collection_meta(spec.collect, old, {2})))
+    before = _hashes(out)
+
+    class Loaded(Exception):
+        pass
+
+    def load_model(cfg):
+        raise Loaded
+
+    monkeypatch.setattr(loading, "load_model", load_model)
+    with pytest.raises(FileExistsError, match=r"model.seed was 5, now 0\); pass collect.overwrite=true"):
+        run_collect(spec, Dist())
+    assert _hashes(out) == before
+    same = {"model": spec.model.identity(), "dataset": asdict(spec.dataset)}
+    (out / "meta.json").write_text(json.dumps(collection_meta(spec.collect, same, {2})))
+    with pytest.raises(Loaded):  # the same settings pass the early check (EOS ids are checked after loading)
+        run_collect(spec, Dist())

@@ -81,7 +81,7 @@ def test_generate_resumes_after_kill_and_refuses_other_settings(tmp_path):
         [{k: v for k, v in r.items() if k not in drop} for r in ref]
 
     other = _gen(tmp_path, max_new_tokens=7)
-    with pytest.raises(FileExistsError, match=r"other settings \(differ in \['max_new_tokens'\]\).*distill.overwrite"):
+    with pytest.raises(FileExistsError, match=r"other settings \(max_new_tokens was 6, now 7\).*distill.overwrite"):
         generate(other, lm.model, 0, set(), prompts, generation_meta(other, {"name": "tiny"}, set()))
     over = _gen(tmp_path, max_new_tokens=7, overwrite=True)
     assert generate(over, lm.model, 0, set(), prompts, generation_meta(over, {"name": "tiny"}, set()))["tokens"] == 35

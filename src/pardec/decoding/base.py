@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import inspect
 import time
+import types
+import typing
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -235,17 +237,83 @@ def method_params(cls: type[Decoder]) -> dict[str, inspect.Parameter]:
     return {k: p for k, p in sig.parameters.items() if k not in ("self", "target", "tokenizer", "draft")}
 
 
-def build_decoder(
-    name: str, target: CachedModel, tokenizer=None, draft: CachedModel | None = None, **params: Any
-) -> Decoder:
-    """Instantiate a registered method; unknown parameters raise naming the valid ones."""
-    import pardec.decoding  # noqa: F401  (registers the built-in methods)
+def _hints(cls: type[Decoder]) -> dict[str, Any]:
+    """Annotations of ``cls.__init__``'s parameters, string ones evaluated in its module (one that cannot be, e.g.
+    a name imported only for type checkers, is left out: that parameter goes unchecked)."""
+    fn = cls.__init__
+    out = {}
+    for key, p in inspect.signature(fn).parameters.items():
+        tp = p.annotation
+        if isinstance(tp, str):
+            try:
+                tp = eval(tp, fn.__globals__)  # what typing.get_type_hints does, one parameter at a time
+            except Exception:  # noqa: BLE001
+                continue
+        if tp is not inspect.Parameter.empty:
+            out[key] = tp
+    return out
 
-    cls = METHODS.get(name)
+
+def _is_a(value: Any, tp: Any) -> bool:
+    """Whether ``value`` (a parsed config scalar, list or dict) fits the annotation ``tp``: an int is a float, a
+    bool is not an int, ``X | None`` takes null; element types of containers are not checked."""
+    origin = typing.get_origin(tp)
+    if tp is Any:
+        return True
+    if tp is type(None) or tp is None:
+        return value is None
+    if origin in (typing.Union, types.UnionType):
+        return any(_is_a(value, t) for t in typing.get_args(tp))
+    if origin is typing.Literal:
+        return value in typing.get_args(tp)
+    if tp is bool:
+        return isinstance(value, bool)
+    if tp is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if tp is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    cls = origin or tp
+    return not isinstance(cls, type) or isinstance(value, cls)
+
+
+def _type_name(tp: Any) -> str:
+    """``int``, ``int or null``, ``one of 'a', 'b'``: an annotation as the error names it."""
+    if tp is type(None) or tp is None:
+        return "null"
+    if typing.get_origin(tp) in (typing.Union, types.UnionType):
+        return " or ".join(_type_name(t) for t in typing.get_args(tp))
+    if typing.get_origin(tp) is typing.Literal:
+        return "one of " + ", ".join(map(repr, typing.get_args(tp)))
+    return getattr(tp, "__name__", str(tp))
+
+
+def check_params(cls: type[Decoder], params: dict[str, Any]) -> None:
+    """Names and types of ``method.*`` parameters against ``cls.__init__``'s signature, before any model loads:
+    an unknown name or a value of the wrong type raises one line (``method.block_size='abc' must be int
+    (jacobi(block_size: int = 16))``). Ranges are the method's own ``__init__`` checks."""
     valid = method_params(cls)
     bad = sorted(set(params) - set(valid))
     if bad:
-        raise ConfigError(f"method {name!r} has no parameter(s) {bad}; valid: {', '.join(sorted(valid)) or 'none'}")
+        raise ConfigError(f"method {cls.name!r} has no parameter(s) {bad}; valid: {', '.join(valid) or 'none'}")
+    hints = _hints(cls)
+    for key, value in params.items():
+        tp = hints.get(key)
+        if tp is not None and not _is_a(value, tp):
+            p = valid[key]
+            decl = f"{key}: {p.annotation if isinstance(p.annotation, str) else _type_name(tp)}"
+            decl += "" if p.default is inspect.Parameter.empty else f" = {p.default!r}"
+            raise ConfigError(f"method.{key}={value!r} must be {_type_name(tp)} ({cls.name}({decl}))")
+
+
+def build_decoder(
+    name: str, target: CachedModel, tokenizer=None, draft: CachedModel | None = None, **params: Any
+) -> Decoder:
+    """Instantiate a registered method; unknown parameters and values of the wrong type raise naming the valid
+    ones."""
+    import pardec.decoding  # noqa: F401  (registers the built-in methods)
+
+    cls = METHODS.get(name)
+    check_params(cls, params)
     if cls.needs_draft and draft is None:
         raise ConfigError(f"method {name!r} needs a draft model: pass draft=<name>")
     return cls(target, tokenizer=tokenizer, draft=draft, **params)

@@ -6,12 +6,8 @@ from __future__ import annotations
 
 import importlib.util
 import logging
-import os
-import socket
-import threading
 from dataclasses import dataclass
 from pathlib import Path
-from urllib.parse import urlparse
 
 import torch
 from transformers import (
@@ -24,6 +20,7 @@ from transformers import (
 
 from pardec import DATA_DIR
 from pardec.config import ConfigError, ModelConfig
+from pardec.hub import MODEL_OFFLINE_VARS, hub_reachable, offline_var
 
 log = logging.getLogger(__name__)
 
@@ -189,39 +186,11 @@ def load_model(cfg: ModelConfig) -> LoadedModel:
 
 
 # ------------------------------------------------------------------------------------- checks before loading
-def _is_set(value: str | None) -> bool:
-    return (value or "").strip().upper() in ("1", "ON", "YES", "TRUE")
-
-
 def hub_offline() -> bool:
-    """Whether the Hugging Face hub is switched off (``HF_HUB_OFFLINE`` / ``TRANSFORMERS_OFFLINE``)."""
+    """Whether the Hugging Face hub is switched off for models (``HF_HUB_OFFLINE`` / ``TRANSFORMERS_OFFLINE``)."""
     from huggingface_hub import constants
 
-    return bool(constants.HF_HUB_OFFLINE) or any(_is_set(os.environ.get(k))
-                                                 for k in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"))
-
-
-def hub_reachable(timeout: float = 3.0) -> bool:
-    """Whether the hub endpoint (or the HTTPS proxy in front of it) accepts a TCP connection within ``timeout``
-    seconds, name lookup included (run in a thread, so a hanging resolver cannot block longer)."""
-    from huggingface_hub import constants
-
-    proxy = os.environ.get("HTTPS_PROXY") or os.environ.get("https_proxy")
-    url = urlparse(proxy or constants.ENDPOINT)
-    host, port = url.hostname, url.port or (443 if url.scheme == "https" else 80)
-    ok: list[bool] = []
-
-    def probe() -> None:
-        try:
-            socket.create_connection((host, port), timeout=timeout).close()
-            ok.append(True)
-        except OSError:  # refused, unreachable, unknown host: all mean "not reachable"
-            ok.append(False)
-
-    t = threading.Thread(target=probe, daemon=True)
-    t.start()
-    t.join(timeout + 0.5)
-    return bool(ok and ok[0])
+    return bool(constants.HF_HUB_OFFLINE) or offline_var(MODEL_OFFLINE_VARS) is not None
 
 
 def _hub_cached(repo: str, revision: str | None) -> bool:

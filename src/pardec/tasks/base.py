@@ -9,6 +9,8 @@ but small.
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -28,6 +30,9 @@ class Task:
     higher_is_better: ClassVar[bool] = True
     #: conversation turns per document (MT-Bench: 2); turn k is conditioned on the method's own answers
     n_turns: ClassVar[int] = 1
+    #: whether scoring runs model output (code, SQL) in :mod:`pardec.metrics.sandbox`: summary.json then says which
+    #: isolation ran (``sandbox``)
+    sandboxed: ClassVar[bool] = False
 
     def __init__(self, cfg: DatasetConfig, timeout_s: float = 10.0):
         self.cfg = cfg
@@ -87,18 +92,64 @@ def read_jsonl(path: str | Path) -> list[dict]:
 
 
 def load_hub(hub_id: str, config: str | None, split: str, task: str) -> list[dict]:
-    """Rows of a Hugging Face hub dataset; offline failures say which ``dataset.path`` to pass instead."""
-    try:
-        import datasets
+    """Rows of a Hugging Face hub dataset. Offline (``HF_DATASETS_OFFLINE`` / ``HF_HUB_OFFLINE`` set, or the hub not
+    reachable) only the local cache is read, so a dataset that is not cached fails in seconds, not after ~30 s of
+    retries; every failure is one line naming the dataset and the way out (``dataset.path=<file>``)."""
+    from pardec import hub
 
-        ds = datasets.load_dataset(hub_id, config, split=split)
+    var = hub.offline_var(hub.DATASET_OFFLINE_VARS)
+    offline = f"offline mode is on ({var})" if var else None
+    if offline is None and not hub.hub_reachable():
+        offline = "the Hugging Face hub cannot be reached (no network)"
+    try:
+        with _datasets_offline(offline is not None):
+            import datasets
+
+            ds = datasets.load_dataset(hub_id, config, split=split)
     except Exception as e:  # network, auth, missing split: all end the same way for the user
+        detail = " ".join(f"{type(e).__name__}: {e}".split())[:300]  # one line, whatever the library wrote
+        why = (f": {offline}, so only the local Hugging Face cache was read ({detail})" if offline
+               else f" from the Hugging Face hub: {detail}")
         raise DataError(
-            f"could not load dataset {hub_id!r} (config {config!r}, split {split!r}) from the Hugging Face hub: "
-            f"{type(e).__name__}: {str(e)[:300]}. Offline? Pass a local copy: dataset.path=<file> "
-            f"(see conf/dataset/{task}.yaml for the expected fields)"
+            f"could not load dataset {hub_id!r} (config {config!r}, split {split!r}){why}. Pass a local copy: "
+            f"dataset.path=<file> (see conf/dataset/{task}.yaml for the expected fields)"
         ) from None
     return [dict(r) for r in ds]
+
+
+@contextmanager
+def _datasets_offline(on: bool) -> Iterator[None]:
+    """Within: ``datasets`` and ``huggingface_hub`` in offline mode (cache only), whatever they read from the
+    environment when they were imported."""
+    if not on:
+        yield
+        return
+    import datasets.config
+    import huggingface_hub.constants
+
+    flags = [(datasets.config, "HF_HUB_OFFLINE"), (datasets.config, "HF_DATASETS_OFFLINE"),
+             (huggingface_hub.constants, "HF_HUB_OFFLINE")]
+    saved = [getattr(mod, name) for mod, name in flags]
+    for mod, name in flags:
+        setattr(mod, name, True)
+    try:
+        yield
+    finally:
+        for (mod, name), value in zip(flags, saved):
+            setattr(mod, name, value)
+
+
+def select_docs(task: Task, limit: int | None = None) -> list[dict]:
+    """The first ``limit`` documents of ``task`` (all: None); a dataset without any is a :class:`DataError`
+    naming where they were read from."""
+    docs = task.docs()
+    if not docs:
+        cfg = task.cfg
+        source = (f"dataset.path={cfg.path}" if cfg.path else f"dataset.hub_id={cfg.hub_id}" if cfg.hub_id
+                  else f"its default source (conf/dataset/{task.name}.yaml)")
+        raise DataError(f"dataset {task.name!r} has no documents: {source} holds no usable records; "
+                        f"pass a non-empty dataset.path=<file>")
+    return docs[:limit] if limit else docs
 
 
 def chat_ids(tokenizer, messages: list[dict], assistant_prefix: str = "") -> list[int]:

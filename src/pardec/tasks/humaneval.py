@@ -33,6 +33,7 @@ INSTRUCTION = ("Complete the following Python function. Reply with the whole fun
 @register_task("humaneval")
 class HumanEval(Task):
     metric = "pass"
+    sandboxed = True
 
     def __init__(self, cfg: DatasetConfig, timeout_s: float = 10.0):
         super().__init__(cfg, timeout_s)

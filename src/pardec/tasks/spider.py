@@ -62,6 +62,7 @@ def _read_json_list(path: Path) -> list[dict]:
 @register_task("spider")
 class Spider(Task):
     metric = "exec"
+    sandboxed = True
 
     def _root(self) -> Path | None:
         root = self.cfg.extra.get("root")

@@ -195,10 +195,10 @@ def augment_states(blocks: list[dict], prob: float, rng: random.Random) -> None:
 # ------------------------------------------------------------------------------------------- pipeline
 def prompts_from_dataset(cfg: DatasetConfig, tokenizer, chat: bool, max_prompts: int | None) -> list[Prompt]:
     """The first ``max_prompts`` documents of any registered task, as prompt token ids."""
-    from pardec.tasks.base import build_task
+    from pardec.tasks.base import build_task, select_docs
 
     task = build_task(cfg)
-    docs = task.docs()[:max_prompts] if max_prompts else task.docs()
+    docs = select_docs(task, max_prompts)
     return [Prompt(i, str(d["id"]), list(task.prompt_ids(d, tokenizer, chat))) for i, d in enumerate(docs)]
 
 

@@ -88,14 +88,13 @@ def generate_config(section: dict, where: str) -> GenerateConfig:
 # ------------------------------------------------------------------------------------------- prompts
 def source_prompts(sources: list[Source], tokenizer, model_chat: bool) -> list[Prompt]:
     """Every source's first ``max_prompts`` documents as prompt ids, in source order; ids ``<source>/<doc id>``."""
-    from pardec.tasks.base import build_task
+    from pardec.tasks.base import build_task, select_docs
 
     out: list[Prompt] = []
     for s in sources:
         task = build_task(s.dataset)
         chat = {"auto": model_chat, "chat": True, "base": False}[s.dataset.prompt_style]
-        docs = task.docs()[: s.max_prompts] if s.max_prompts else task.docs()
-        for d in docs:
+        for d in select_docs(task, s.max_prompts):
             out.append(Prompt(len(out), f"{s.dataset.name}/{d['id']}", list(task.prompt_ids(d, tokenizer, chat))))
     return out
 
@@ -204,12 +203,13 @@ def load_completions(out_dir: str | Path, stage: str = "stage=generate") -> list
     return records
 
 
-def run_generation(cfg: GenerateConfig, lm, model_identity: dict, rank: int, world: int, barrier, key: str,
+def run_generation(cfg: GenerateConfig, lm, rank: int, world: int, barrier, key: str,
                    stop_after: int | None = None) -> dict | None:
-    """Prompts of ``cfg.sources`` -> greedy completions of ``lm`` (a LoadedModel) in ``cfg.out_dir``."""
+    """Prompts of ``cfg.sources`` -> greedy completions of ``lm`` (a LoadedModel) in ``cfg.out_dir``; a resumed
+    generation must match the model's whole identity (``ModelConfig.identity``: weights, revision, dtype, ...)."""
     prompts = source_prompts(cfg.sources, lm.tokenizer, lm.chat)
     eos = eos_ids_of(lm.model, lm.tokenizer)
-    meta = generation_meta(cfg, model_identity, eos)
+    meta = generation_meta(cfg, lm.cfg.identity(), eos)
     log.info("generating greedy completions of %d prompts into %s (rank %d of %d)", len(prompts), cfg.out_dir,
              rank, world)
     return generate(cfg, lm.model, lm.tokenizer.pad_token_id, eos, prompts, meta, rank, world, barrier,

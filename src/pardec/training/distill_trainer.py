@@ -254,7 +254,7 @@ def train_draft(spec, run_dir, rank: int = 0) -> dict:
     return summary
 
 
-def evaluate_draft(spec, run_dir, identity: dict) -> dict:
+def evaluate_draft(spec, run_dir) -> dict:
     """The eval stage: greedy target completions of each held-out source (resumable, own out dir), teacher-forced
     top-1 agreement of ``<run>/final`` vs the target on them, and both models' 1-token forward time."""
     from dataclasses import replace
@@ -274,7 +274,7 @@ def evaluate_draft(spec, run_dir, identity: dict) -> dict:
                     "agreement": {}}
     records_all = []
     for g in spec.eval_gen:
-        run_generation(g, lm, identity, 0, 1, None, "eval")
+        run_generation(g, lm, 0, 1, None, "eval")
         records = load_completions(g.out_dir, "stage=eval")
         result["agreement"][g.sources[0].dataset.name] = agreement(draft, lm.model, records, pad, g.batch_size)
         records_all += records

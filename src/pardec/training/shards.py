@@ -3,7 +3,8 @@ distillation completions): a directory with ``meta.json``, one append-only ``par
 merged file written atomically by rank 0.
 
 * :func:`prepare_out_dir`: create the directory with ``meta.json``; a directory written with other settings is
-  refused (or, on rank 0 with ``overwrite``, wiped), so a resumed run never mixes records of two settings.
+  refused before anything is written (or, on rank 0 with ``overwrite``, wiped), so a resumed run never mixes
+  records of two settings; :func:`check_settings` is that check alone (e.g. before a model loads).
 * :func:`run_shard`: rank r of w takes the prompts with index % w == r that no part file holds yet, runs them in
   batches and appends each batch's records (fsynced) before the next: a kill loses at most one batch.
 * :func:`write_merged`: the merged JSONL, written to a temporary file and renamed.
@@ -20,26 +21,39 @@ from typing import Any
 
 from tqdm import tqdm
 
+from pardec.config import settings_diff
 from pardec.jsonl import append_jsonl
 from pardec.training.trajectories import done_ids, part_path
 
 log = logging.getLogger(__name__)
 
 
+def check_settings(out_dir: str | Path, meta: dict, overwrite: bool, key: str, what: str,
+                   ignore: tuple[str, ...] = ()) -> list[str]:
+    """How the settings in ``out_dir/meta.json`` differ from ``meta`` (top-level keys in ``ignore`` left out), as
+    ``model.seed was 0, now 1`` items; raises (one line, writing nothing) when they differ and not ``overwrite``.
+    ``key`` names the config section in the error, ``what`` the data."""
+    meta_file = Path(out_dir) / "meta.json"
+    if not meta_file.is_file():
+        return []
+    old = {k: v for k, v in json.loads(meta_file.read_text()).items() if k not in ignore}
+    diff = settings_diff(old, json.loads(json.dumps({k: v for k, v in meta.items() if k not in ignore})))
+    if diff and not overwrite:
+        raise FileExistsError(f"{out_dir} holds {what} with other settings ({'; '.join(diff)}); pass "
+                              f"{key}.overwrite=true to replace them, or use another {key}.out_dir")
+    return diff
+
+
 def prepare_out_dir(out_dir: str | Path, overwrite: bool, meta: dict, rank: int, key: str, what: str) -> Path:
-    """Create ``out_dir`` with ``meta.json``; an existing one from other settings raises (rank 0 with
-    ``overwrite``: the directory is wiped). ``key`` names the config section in the error, ``what`` the data."""
+    """Create ``out_dir`` with ``meta.json``; an existing one from other settings raises before anything is
+    written (rank 0 with ``overwrite``: the directory is wiped). ``key`` names the config section in the error,
+    ``what`` the data."""
     out = Path(out_dir)
     meta_file = out / "meta.json"
-    if meta_file.is_file():
-        old = json.loads(meta_file.read_text())
-        if old != meta:
-            diff = sorted(k for k in set(old) | set(meta) if old.get(k) != meta.get(k))
-            if not overwrite or rank != 0:
-                raise FileExistsError(f"{out} holds {what} with other settings (differ in {diff}); pass "
-                                      f"{key}.overwrite=true to replace them, or use another {key}.out_dir")
-            log.warning("%s.overwrite=true: removing %s (settings differ in %s)", key, out, diff)
-            shutil.rmtree(out)
+    diff = check_settings(out, meta, overwrite and rank == 0, key, what)
+    if diff:
+        log.warning("%s.overwrite=true: removing %s (settings differ: %s)", key, out, "; ".join(diff))
+        shutil.rmtree(out)
     out.mkdir(parents=True, exist_ok=True)
     if not meta_file.is_file():
         tmp = out / f"meta.json.tmp{rank}"

@@ -1,0 +1,181 @@
+"""Bad inputs to `python -m evaluate`: does each get one clear line, before any model loads?
+
+    python scripts/bad_inputs.py [--jobs 2] [--only SUBSTRING] [--show]
+
+Every case runs the real CLI in a subprocess on a tiny offline configuration (``model=tiny_random``, HumanEval,
+one prompt, 4 new tokens), with :func:`pardec.models.loading.load_model` wrapped so that a model load prints a
+marker on stderr. A case passes when the run fails (exit code != 0) with no Python traceback, its error is one
+line (``error: ...``) that names the bad value (the case's needle), no model loaded before it, and it came in
+under ``--slow`` seconds. Prints a table and ``N/M answered with one clear line before loading``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+MARKER = "@@pardec: a model is loading@@"
+BASE = ("model=tiny_random", "n_samples=1", "max_new_tokens=4", "bench.warmup=0", "perplexity.enabled=false",
+        "dataset=humaneval")
+#: the CLI with load_model wrapped to announce itself; argv after "--" goes to `python -m evaluate`
+WRAPPER = f"""
+import runpy, sys
+import pardec.models.loading as loading
+_load = loading.load_model
+def load_model(cfg):
+    print({MARKER!r}, file=sys.stderr, flush=True)
+    return _load(cfg)
+loading.load_model = load_model
+sys.argv = ["evaluate", *sys.argv[1:]]
+runpy.run_module("evaluate", run_name="__main__", alter_sys=True)
+"""
+
+
+@dataclass
+class Case:
+    name: str
+    args: tuple[str, ...]
+    needle: str  # the error line must contain this (the bad key or value)
+    env: dict = field(default_factory=dict)
+    files: dict = field(default_factory=dict)  # name -> content, written into the case's temp dir ({tmp} in args)
+
+
+CASES = [
+    # method parameters
+    Case("param type: str for int", ("+method=jacobi", "method.block_size=abc"), "method.block_size='abc'"),
+    Case("param type: float for int", ("+method=jacobi", "method.block_size=2.5"), "method.block_size=2.5"),
+    Case("param type: int for bool", ("+method=jacobi", "method.record_trajectories=1"), "method.record_trajectories"),
+    Case("param type: str for bool", ("+method=sps", "draft=tiny_random", "method.adaptive=maybe"), "method.adaptive"),
+    Case("param type: list for int", ("+method=pld", "method.num_pred=[1,2]"), "method.num_pred"),
+    Case("param type: str for float", ("+method=hf_assisted", "draft=tiny_random",
+                                       "method.assistant_confidence_threshold=high"), "assistant_confidence_threshold"),
+    Case("param unknown name", ("+method=jacobi", "+method.blocksize=4"), "blocksize"),
+    Case("param out of range", ("+method=jacobi", "method.block_size=0"), "method.block_size=0"),
+    Case("param bad choice", ("+method=hf_assisted", "draft=tiny_random", "method.num_assistant_tokens_schedule=x"),
+         "num_assistant_tokens_schedule"),
+    Case("method: unknown name", ("+method=jacobi", "method.name=jacobo"), "jacobo"),
+    Case("method: no such group option", ("+method=nope",), "nope"),
+    Case("method: missing", (), "+method"),
+    Case("method: needs a draft", ("+method=sps",), "draft"),
+    # datasets
+    Case("dataset: no such group option", ("+method=ar", "dataset=nope"), "nope"),
+    Case("dataset: unknown task name", ("+method=ar", "dataset.name=gsm9k"), "gsm9k"),
+    Case("dataset: missing file", ("+method=ar", "dataset.path=/no/such/file.jsonl"), "/no/such/file.jsonl"),
+    Case("dataset: empty file", ("+method=ar", "dataset.path={tmp}/empty.jsonl"), "empty.jsonl",
+         files={"empty.jsonl": ""}),
+    Case("dataset: malformed line", ("+method=ar", "dataset.path={tmp}/bad.jsonl"), "bad.jsonl",
+         files={"bad.jsonl": '{"task_id": "x"\n'}),
+    Case("dataset: bad prompt_style", ("+method=ar", "dataset.prompt_style=fancy"), "dataset.prompt_style"),
+    Case("dataset: offline hub", ("+method=ar", "dataset=mt_bench", "dataset.hub_id=pardec-tests/not-cached"),
+         "HF_DATASETS_OFFLINE", env={"HF_DATASETS_OFFLINE": "1"}),
+    Case("dataset: hub unreachable", ("+method=ar", "dataset=mt_bench", "dataset.hub_id=pardec-tests/not-cached"),
+         "pardec-tests/not-cached"),
+    # sampling
+    Case("sampling.temperature=-1", ("+method=ar", "sampling.temperature=-1"), "sampling.temperature=-1"),
+    Case("sampling.top_p=2", ("+method=ar", "sampling.top_p=2"), "sampling.top_p=2"),
+    Case("sampling.temperature=hot", ("+method=ar", "sampling.temperature=hot"), "sampling.temperature"),
+    # run keys
+    Case("max_new_tokens=0", ("+method=ar", "max_new_tokens=0"), "max_new_tokens=0"),
+    Case("max_new_tokens=-3", ("+method=ar", "max_new_tokens=-3"), "max_new_tokens=-3"),
+    Case("max_new_tokens=abc", ("+method=ar", "max_new_tokens=abc"), "max_new_tokens"),
+    Case("n_samples=0", ("+method=ar", "n_samples=0"), "n_samples=0"),
+    Case("timeout_s=0", ("+method=ar", "timeout_s=0"), "timeout_s=0"),
+    Case("dtype=fp8", ("+method=ar", "dtype=fp8"), "fp8"),
+    Case("unknown model key", ("+method=ar", "+model.layerz=3"), "layerz"),
+    Case("unknown model key without +", ("+method=ar", "model.layerz=3"), "model.layerz"),
+    Case("malformed override", ("+method=ar", "max_new_tokens=[1"), "max_new_tokens=[1"),
+    Case("a sweep without -m", ("+method=ar,pld",), "+method=ar,pld"),
+    Case("n_samples=abc", ("+method=ar", "n_samples=abc"), "n_samples='abc'"),
+    Case("sampling.seed=abc", ("+method=ar", "sampling.seed=abc"), "sampling.seed='abc'"),
+    # models and drafts
+    Case("model: no such group option", ("+method=ar", "model=nope"), "nope"),
+    Case("model: missing local dir", ("+method=ar", "model=local", "model.path=/no/such/dir"), "/no/such/dir"),
+    Case("draft: no such group option", ("+method=sps", "draft=nope"), "nope"),
+    Case("draft: missing local dir", ("+method=sps", "draft=local", "draft.path=/no/such/draft"), "/no/such/draft"),
+    Case("draft: hub offline", ("+method=sps", "draft=hub", "draft.path=pardec-tests/no-such-draft"),
+         "pardec-tests/no-such-draft", env={"HF_HUB_OFFLINE": "1"}),
+    # bench
+    Case("bench.baseline unknown", ("+method=ar", "bench.baseline=nope"), "bench.baseline='nope'"),
+    Case("bench.also unknown method", ("+method=ar", "bench.also=[nope]"), "nope"),
+    Case("bench.also bad pair", ("+method=ar", "bench.also=['pld:num_pred']"), "num_pred"),
+    Case("bench.also unknown param", ("+method=ar", "bench.also=['pld:numpred=3']"), "numpred"),
+    Case("bench.also param type", ("+method=ar", "bench.also=['pld:num_pred=abc']"), "num_pred='abc'"),
+    Case("bench.also needs a draft", ("+method=ar", "bench.also=[sps]"), "draft"),
+    Case("bench.warmup=-1", ("+method=ar", "bench.warmup=-1"), "bench.warmup=-1"),
+    Case("logger unknown", ("+method=ar", "logger.name=nope"), "nope"),
+]
+
+
+@dataclass
+class Outcome:
+    case: Case
+    ok: bool
+    why: str
+    seconds: float
+    line: str
+
+
+def run_case(case: Case, slow: float) -> Outcome:
+    with tempfile.TemporaryDirectory(prefix="pardec-bad-") as tmp:
+        for name, content in case.files.items():
+            Path(tmp, name).write_text(content)
+        args = [a.replace("{tmp}", tmp) for a in (*BASE, *case.args)]
+        # a later key=value wins, so the case's own dataset= / draft= override BASE's
+        env = {**os.environ, "PYTHONWARNINGS": "ignore", "TOKENIZERS_PARALLELISM": "false", **case.env}
+        t0 = time.perf_counter()
+        try:
+            p = subprocess.run([sys.executable, "-c", WRAPPER, *args, f"hydra.run.dir={tmp}/run"], cwd=tmp,
+                               env=env, capture_output=True, text=True, timeout=300)
+        except subprocess.TimeoutExpired:
+            return Outcome(case, False, "timed out", time.perf_counter() - t0, "")
+        seconds = time.perf_counter() - t0
+    err = p.stderr
+    errors = [x for x in err.splitlines() if x.startswith("error: ")]
+    line = errors[0] if errors else next((x for x in reversed(err.splitlines()) if x.strip()), "")
+    if p.returncode == 0:
+        why = "accepted (exit 0)"
+    elif "Traceback (most recent call last)" in err:
+        why = "traceback"
+    elif MARKER in (err.split(line)[0] if line else err):
+        why = "error after a model loaded"
+    elif len(errors) != 1:
+        why = "not one 'error:' line"
+    elif case.needle not in line:
+        why = f"does not name {case.needle!r}"
+    elif seconds > slow:
+        why = f"slow ({seconds:.0f} s)"
+    else:
+        why = ""
+    return Outcome(case, not why, why or "ok", seconds, line)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--jobs", type=int, default=max(2, os.cpu_count() or 1), help="cases run at once")
+    ap.add_argument("--only", default="", help="run the cases whose name contains this")
+    ap.add_argument("--slow", type=float, default=20.0, help="seconds after which an answer counts as too slow")
+    ap.add_argument("--show", action="store_true", help="print each case's error line")
+    a = ap.parse_args()
+    cases = [c for c in CASES if a.only in c.name]
+    with ThreadPoolExecutor(a.jobs) as pool:
+        outcomes = list(pool.map(lambda c: run_case(c, a.slow), cases))
+    w = max(len(c.name) for c in cases)
+    for o in outcomes:
+        print(f"{'ok ' if o.ok else 'BAD'}  {o.case.name:<{w}}  {o.seconds:5.1f}s  {o.why}")
+        if a.show or not o.ok:
+            print(f"{'':5}{'':<{w}}  {o.line[:220]}")
+    n = sum(o.ok for o in outcomes)
+    print(f"\n{n}/{len(outcomes)} answered with one clear line before loading")
+    sys.exit(0 if n == len(outcomes) else 1)
+
+
+if __name__ == "__main__":
+    main()

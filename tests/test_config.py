@@ -1,0 +1,58 @@
+"""pardec.config: typed sections name the bad key, Hydra overrides checked in one line, settings diffs."""
+
+from __future__ import annotations
+
+import pytest
+
+from pardec.config import (
+    ConfigError,
+    ModelConfig,
+    RunConfig,
+    SamplingConfig,
+    check_overrides,
+    settings_diff,
+    to_dataclass,
+)
+
+
+@pytest.mark.parametrize("cls,data,where,message", [
+    (SamplingConfig, {"temperature": "hot"}, "sampling", "sampling.temperature='hot' must be float"),
+    (RunConfig, {"max_new_tokens": "abc"}, "the top-level keys", "max_new_tokens='abc' must be int (in the top-level "
+                                                                 "keys)"),
+    (RunConfig, {"n_samples": 2.5}, "the top-level keys", "n_samples=2.5 must be int or null (in the top-level keys)"),
+    (ModelConfig, {"chat": "maybe"}, "draft", "draft.chat='maybe' must be bool or null"),
+])
+def test_wrong_types_name_the_key_value_and_type(cls, data, where, message):
+    with pytest.raises(ConfigError) as e:
+        to_dataclass(cls, data, where)
+    assert str(e.value) == message
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["dataset=nope"], "dataset='nope' is not valid; choose one of: cnn_dm, code_search_net, gsm8k, humaneval, "),
+    (["+method=nope"], "method='nope' is not valid; choose one of: ar, hf_assisted, hf_generate, hf_pld, jacobi, "),
+    (["model.layerz=3"], "Could not override 'model.layerz'. To append to your config use +model.layerz=3 (Key "
+                         "'layerz' is not in struct)"),
+    (["max_new_tokens=[1"], "override 'max_new_tokens=[1': "),
+])
+def test_overrides_hydra_would_refuse_are_one_line(argv, message):
+    with pytest.raises(ConfigError) as e:
+        check_overrides(argv, "evaluate")
+    assert str(e.value).startswith(message) and "\n" not in str(e.value), str(e.value)
+
+
+def test_good_overrides_and_flags_pass():
+    check_overrides(["+method=jacobi", "model=tiny_random", "method.block_size=4", "hydra.run.dir=/tmp/x"],
+                    "evaluate")
+    check_overrides(["-m", "+method=ar,pld", "dataset=nope"], "evaluate")  # flags: left to Hydra
+    with pytest.raises(ConfigError, match="experiment='nope' is not valid; choose one of: cllm_code"):
+        check_overrides(["+experiment=nope"], "train")
+
+
+def test_settings_diff_names_dotted_keys_with_both_values():
+    old = {"model": ModelConfig(name="t", source="tiny_random").identity(), "max_new_tokens": 8, "also": ["pld"]}
+    new = {"model": ModelConfig(name="t", source="tiny_random", seed=3).identity(), "max_new_tokens": 8,
+           "also": [], "draft": None}
+    assert settings_diff(old, new) == ["also was ['pld'], now []", "model.seed was 0, now 3"]
+    assert settings_diff(new, new) == []
+    assert "cache_dir" not in ModelConfig().identity() and "revision" in ModelConfig().identity()
