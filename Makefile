@@ -33,8 +33,8 @@ demo: setup  ## pld (+ sps with the distilled draft if trained) vs ar and HF gen
 test: setup  ## the test suite (CPU, offline, ~10 min on 2 cores)
 	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
 
-bench: setup  ## the README's speed table: SmolLM2 fp32, 20 GSM8K (GSM8K=<test.jsonl>) + 20 HumanEval, ar/hf*/pld/sps
-	$(BIN)/python scripts/bench.py $(if $(GSM8K),--dataset-path gsm8k=$(GSM8K))
+bench: setup  ## the README's speed table: SmolLM2 fp32, 20 GSM8K (GSM8K=<test.jsonl>), HumanEval, CNN/DM (CNNDM=<test.jsonl>)
+	$(BIN)/python scripts/bench.py $(if $(GSM8K),--dataset-path gsm8k=$(GSM8K)) $(if $(CNNDM),--dataset-path cnn_dm=$(CNNDM))
 
 lint: setup  ## ruff
 	$(BIN)/ruff check src tests scripts

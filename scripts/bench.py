@@ -1,6 +1,7 @@
-"""`make bench`: this issue's speed table. SmolLM2-135M-Instruct (fp32 by default) on GSM8K test and HumanEval,
-the first N prompts each, 256 new tokens, greedy: `ar`, `hf` (generate), `hf_assisted` (the distilled draft),
-`hf_pld`, `pld`, `sps` (fixed gamma) and `sps` with adaptive gamma.
+"""`make bench`: the README's speed table. SmolLM2-135M-Instruct (fp32 by default) on GSM8K test, HumanEval and
+CNN/DM, the first N prompts each, 256 new tokens, greedy: `ar`, `hf` (generate), `hf_assisted` (the distilled
+draft), `hf_pld`, `pld`, `sps` (fixed and adaptive gamma), `lookahead` (a CPU-sized window and the paper's
+default) and `ouroboros` (a CPU-sized window).
 
 One `python -m evaluate` run per dataset measures them all side by side, interleaved per prompt after a warm-up:
 the first method of --methods is the run's method, the others run as `bench.also` roles, and
@@ -8,7 +9,7 @@ the first method of --methods is the run's method, the others run as `bench.also
 `pardec.report` aggregates the runs and the table below is printed (and written to <out>/table.md).
 
     python scripts/bench.py --dataset-path gsm8k=<gsm8k test.jsonl> [--datasets humaneval,gsm8k] [--n 20]
-        [--methods sps,pld,sps:adaptive=true] [--draft smollm2_distilled | none] [--dtype fp32] [overrides ...]
+        [--methods sps,pld,lookahead,...] [--draft smollm2_distilled | none] [--dtype fp32] [overrides ...]
 
 A method is `name[:key=value[:key=value...]]`. Draft methods (and hf_assisted) need the draft: when its
 directory is missing (or --draft none) they are skipped with a printed note. GSM8K has no offline copy: without
@@ -54,10 +55,11 @@ def main() -> None:
     ap.add_argument("--n", type=int, default=20)
     ap.add_argument("--max-new-tokens", type=int, default=256)
     ap.add_argument("--dtype", default="fp32")
-    ap.add_argument("--datasets", default="gsm8k,humaneval")
+    ap.add_argument("--datasets", default="gsm8k,humaneval,cnn_dm")
     ap.add_argument("--dataset-path", action="append", default=[], metavar="NAME=FILE",
                     help="a local file for a dataset, e.g. gsm8k=data/gsm8k_test.jsonl (repeatable)")
-    ap.add_argument("--methods", default="sps,pld,sps:adaptive=true")
+    ap.add_argument("--methods", default=("sps,pld,sps:adaptive=true,lookahead:window=4:level=4:guess_set=4,lookahead,"
+                                          "ouroboros:window=4:level=4:guess_set=4"))
     ap.add_argument("--draft", default="smollm2_distilled", help="draft config for draft methods, or none")
     ap.add_argument("--model", default="smollm2_135m")
     ap.add_argument("--threads", type=int, default=2)

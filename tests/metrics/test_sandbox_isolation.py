@@ -18,7 +18,7 @@ from tests.metrics.adversarial import ATTACKS, EARLY_EXITS, early_exit_module, r
 pytestmark = pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="needs Linux /proc")
 ISOLATED = isolation().startswith("bwrap")
 needs_bwrap = pytest.mark.skipif(not ISOLATED, reason=f"needs bubblewrap; the sandbox here is {isolation()}")
-needs_seccomp = pytest.mark.skipif(seccomp_filter() is None, reason="no seccomp filter for this machine")
+needs_seccomp = pytest.mark.skipif("seccomp" not in isolation(), reason=f"no seccomp here: {isolation()}")
 
 
 @pytest.fixture(scope="module")

@@ -268,8 +268,16 @@ class SandboxResult:
 @functools.cache
 def isolation() -> str:
     """Which layers run untrusted code here: ``"bwrap+seccomp+guard"`` when bubblewrap works, else
-    ``"seccomp+guard (no namespaces: <why>)"`` (``+seccomp`` only on x86-64/arm64), with a loud warning."""
-    seccomp = "+seccomp" if seccomp_filter() is not None else ""
+    ``"seccomp+guard (no namespaces: <why>)"``, with a loud warning; ``seccomp`` only on x86-64/arm64 where a
+    probe child could install the filter (a warning says when it could not)."""
+    seccomp = ""
+    if seccomp_filter() is not None:
+        why_not = _seccomp_problem()
+        if why_not is None:
+            seccomp = "+seccomp"
+        else:
+            warnings.warn(f"SANDBOX WITHOUT SECCOMP: {why_not}; generated code may start processes (the PID namespace "
+                          "and the guard still apply)", RuntimeWarning, stacklevel=2)
     want = os.environ.get("PARDEC_SANDBOX", "")
     if want not in ("", "bwrap", "guard"):
         raise ValueError(f"PARDEC_SANDBOX={want!r}; valid: bwrap, guard (or unset: bwrap when it works)")
@@ -286,6 +294,18 @@ def isolation() -> str:
                   "user can and, by tampering with the interpreter, write them. Install bubblewrap "
                   "(apt-get install bubblewrap) to isolate it.", RuntimeWarning, stacklevel=2)
     return mode
+
+
+def _seccomp_problem() -> str | None:
+    """None if a Python child can install :func:`seccomp_filter` here (a container may forbid it), else why not."""
+    try:
+        p = subprocess.run([sys.executable, "-I", "-B", "-c", seccomp_prelude() + "print('ok')"], capture_output=True,
+                           timeout=30, stdin=subprocess.DEVNULL)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        return f"the seccomp probe failed to run ({e})"
+    if p.returncode != 0 or p.stdout.strip() != b"ok":
+        return p.stderr.decode(errors="replace").strip()[-200:] or f"the seccomp probe exited {p.returncode}"
+    return None
 
 
 def _bwrap_problem() -> str | None:
@@ -329,7 +349,8 @@ def run_program(code: str, timeout_s: float = 10.0, memory_mb: int = 1024, fsize
     "failed" (non-zero exit: an exception, SyntaxError, MemoryError, a denial; or no marker), "timeout",
     or "error" (killed by a signal: a crash, the CPU limit, a seccomp kill).
     """
-    source = seccomp_prelude() + _GUARD + _RUN.replace("__CTL_ENV__", _CTL_ENV).replace("__THEN__", repr(then))
+    source = (seccomp_prelude() if "seccomp" in isolation() else "") + _GUARD
+    source += _RUN.replace("__CTL_ENV__", _CTL_ENV).replace("__THEN__", repr(then))
     argv = [sys.executable, "-I", "-B", "-c", source]
     return _run(argv, timeout_s, memory_mb, fsize_mb, {"main.py": code}, (), marker=then is not None)
 
