@@ -12,8 +12,7 @@ from pardec.decoding import Stopper, build_decoder
 from pardec.decoding.lookahead import Lookahead
 from pardec.decoding.ngram import LookaheadWindow, NGramPool
 from pardec.decoding.tree import Tree
-from pardec.models.cached import CachedModel
-from tests.conftest import tiny
+from tests.decoding.conftest import TracksOutput
 
 
 def test_pool_keeps_at_most_g_per_key_least_recently_used_out():
@@ -52,17 +51,12 @@ def test_window_mask_positions_harvest_and_shift():
     assert win.levels[0][0] == 9 and win.levels[1][0] == 6 and len(win.levels[1]) == 3
 
 
-class OracleLookahead(Lookahead):
+class OracleLookahead(TracksOutput, Lookahead):
     """Candidates from the true continuation: a half-corrupted copy, a wrong token, and the full match."""
 
     def __init__(self, *a, truth: list[int], **kw):
         super().__init__(*a, **kw)
         self.truth = truth
-
-    def _start(self, *a, **kw):
-        st, last = super()._start(*a, **kw)
-        self.out_tokens = st.out.tokens  # the committed output, live: the oracle's index into the truth
-        return st, last
 
     def candidates(self, pool, last, room):
         i = len(self.out_tokens)
@@ -71,25 +65,13 @@ class OracleLookahead(Lookahead):
         return Tree.from_paths([p for p in (half, [good[0] + 1] if good else [], good) if p])
 
 
-@pytest.fixture(scope="module")
-def setup():
-    lm = tiny(0)
-    cm = CachedModel(lm.model)
-    ids = lm.tokenizer("def fibonacci(n):\n    return")["input_ids"]
-    return lm, cm, ids
-
-
-def _oracle(cm, tok, truth, **params):
-    return OracleLookahead(cm, tok, truth=truth, **params)
-
-
 @pytest.mark.parametrize("level", [2, 3, 5])
 @pytest.mark.parametrize("max_new", [1, 2, 9, 23])
 def test_oracle_candidates_commit_level_tokens_per_step_and_equal_ar(setup, level, max_new):
     lm, cm, ids = setup
     stop = Stopper(lm.tokenizer)
     ref = build_decoder("ar", cm, lm.tokenizer).generate(ids, max_new, stop)
-    dec = _oracle(cm, lm.tokenizer, ref.tokens + [0] * 8, level=level, window=2, guess_set=3)
+    dec = OracleLookahead(cm, lm.tokenizer, truth=ref.tokens + [0] * 8, level=level, window=2, guess_set=3)
     res = dec.generate(ids, max_new, stop)
     assert res.tokens == ref.tokens and res.stop_reason == "length"
     # every step accepts the full phrase (level - 1 tokens) plus the target's own token, cut at the budget
@@ -104,7 +86,7 @@ def test_eos_inside_a_phrase_stops_there(setup):
     eos = ref.tokens[6]
     stop = Stopper(lm.tokenizer, eos_ids={eos})
     want = build_decoder("ar", cm, lm.tokenizer).generate(ids, 12, stop)
-    res = _oracle(cm, lm.tokenizer, ref.tokens + [0] * 8, level=5, window=2, guess_set=3).generate(ids, 12, stop)
+    res = OracleLookahead(cm, lm.tokenizer, truth=ref.tokens + [0] * 8, level=5, window=2, guess_set=3).generate(ids, 12, stop)
     assert res.tokens == want.tokens and res.stop_reason == want.stop_reason == "eos"
     assert res.tokens[-1] == eos
 

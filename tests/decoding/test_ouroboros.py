@@ -10,31 +10,18 @@ import torch
 from pardec.config import ConfigError
 from pardec.decoding import Stopper, build_decoder
 from pardec.decoding.ouroboros import Ouroboros
-from pardec.models.cached import CachedModel
-from tests.conftest import draft_for, tiny
+from tests.conftest import draft_for
+from tests.decoding.conftest import TracksOutput
 
 SMALL = {"window": 3, "guess_set": 3, "level": 4}
 
 
-@pytest.fixture(scope="module")
-def setup():
-    lm = tiny(0)
-    cm = CachedModel(lm.model)
-    ids = lm.tokenizer("def fibonacci(n):\n    return")["input_ids"]
-    return lm, cm, ids
-
-
-class OracleOuroboros(Ouroboros):
+class OracleOuroboros(TracksOutput, Ouroboros):
     """Lengthening phrases from the true continuation after the draft: the full match, and a wrong one."""
 
     def __init__(self, *a, truth: list[int], **kw):
         super().__init__(*a, **kw)
         self.truth = truth
-
-    def _start(self, *a, **kw):
-        st, last = super()._start(*a, **kw)
-        self.out_tokens = st.out.tokens
-        return st, last
 
     def phrases_for(self, draft, room):
         if not self.lengthening or room <= 0:

@@ -24,38 +24,18 @@ from __future__ import annotations
 
 import torch
 
-from pardec.config import ConfigError
 from pardec.decoding.base import Decoder, GenerationResult, register_method
-from pardec.decoding.ngram import LookaheadWindow, NGramPool, keep_path, lookahead_forward
+from pardec.decoding.ngram import (
+    LookaheadWindow,
+    NGramPool,
+    candidate_tree,
+    check_ranges,
+    keep_path,
+    lookahead_forward,
+    prompt_filler,
+)
 from pardec.decoding.tree import Tree
 from pardec.decoding.verify import verify_tree
-
-#: (name, lowest, highest) of the integer parameters shared by lookahead and ouroboros
-RANGES = {"level": (2, 16), "window": (1, 128), "guess_set": (1, 128), "gamma": (1, 64), "top_k_phrases": (0, 64)}
-
-
-def check_ranges(**values: int) -> None:
-    """One line naming the parameter, its value and the valid range, for any value out of range."""
-    for key, v in values.items():
-        lo, hi = RANGES[key]
-        if not isinstance(v, int) or isinstance(v, bool) or not lo <= v <= hi:
-            raise ConfigError(f"method.{key}={v!r} is out of range: it must be an integer in [{lo}, {hi}]")
-
-
-def prompt_filler(prompt: list[int], seed: int):
-    """``fill(k)``: k random prompt tokens from a generator of its own (the window's initial guesses)."""
-    gen = torch.Generator().manual_seed(seed)
-
-    def fill(k: int) -> list[int]:
-        return [prompt[i] for i in torch.randint(len(prompt), (k,), generator=gen).tolist()]
-
-    return fill
-
-
-def candidate_tree(pool: NGramPool, key: int, k: int, room: int) -> Tree:
-    """A trie of up to ``k`` pool continuations of ``key``, each cut to ``room`` tokens (root only if none)."""
-    cands = [c[:room] for c in pool.get(key, k)] if room > 0 else []
-    return Tree.from_paths([c for c in cands if c])
 
 
 @register_method("lookahead", aliases=("lade",))
@@ -89,8 +69,8 @@ class Lookahead(Decoder):
             keep_path(self.target, 1, verdict.path)
             kept = st.out.commit(verdict.tokens)
             window.update(top.argmax(-1).tolist(), pool, advance=len(verdict.tokens))
-            seq = prompt + st.out.tokens
-            pool.add_sequence(seq[-(len(kept) + self.level - 1):])
+            recent = prompt[-self.level:] + st.out.tokens[-(len(kept) + self.level - 1):]
+            pool.add_sequence(recent[-(len(kept) + self.level - 1):])  # the n-grams ending in the new tokens
             steps, lookups, hits = steps + 1, lookups + (len(tree) > 1), hits + (len(verdict.path) > 1)
             last = verdict.tokens[-1]
         extras = {"accepted_per_step": (len(st.out.tokens) - 1) / steps if steps else None,

@@ -11,6 +11,8 @@ forward that runs both branches.
   exist every column yields an n-gram (level 0 .. top level, output) for the pool. After each step the
   oldest level is dropped and the columns move left by the tokens committed minus one, which keeps every
   token at the position it was guessed for.
+* :func:`check_ranges`, :func:`prompt_filler`, :func:`candidate_tree`: the two methods' parameter ranges, the
+  window's initial guesses, and the verification branch built from the pool.
 * :func:`lookahead_forward`: one forward of a model over ``[prefix, candidate tree, window]`` -- the
   verification branch (a :class:`~pardec.decoding.tree.Tree` of candidates rooted at the last prefix
   token) and the lookahead branch under one mask, invisible to each other -- then the cache keeps only the
@@ -24,6 +26,7 @@ from collections.abc import Callable, Iterable
 
 import torch
 
+from pardec.config import ConfigError
 from pardec.decoding.tree import Tree
 from pardec.models.cached import CachedModel
 
@@ -148,3 +151,31 @@ def lookahead_forward(model: CachedModel, prefix: list[int], tree: Tree,
 def keep_path(model: CachedModel, prefix_len: int, path: list[int]) -> None:
     """After :func:`lookahead_forward`: keep the prefix and the accepted tree ``path`` (root first) in the cache."""
     model.keep(list(range(prefix_len - 1)) + [prefix_len - 1 + i for i in path])
+
+
+#: (name, lowest, highest) of the integer parameters shared by lookahead and ouroboros
+RANGES = {"level": (2, 16), "window": (1, 128), "guess_set": (1, 128), "gamma": (1, 64), "top_k_phrases": (0, 64)}
+
+
+def check_ranges(**values: int) -> None:
+    """One line naming the parameter, its value and the valid range, for any value out of range."""
+    for key, v in values.items():
+        lo, hi = RANGES[key]
+        if not isinstance(v, int) or isinstance(v, bool) or not lo <= v <= hi:
+            raise ConfigError(f"method.{key}={v!r} is out of range: it must be an integer in [{lo}, {hi}]")
+
+
+def prompt_filler(prompt: list[int], seed: int):
+    """``fill(k)``: k random prompt tokens from a generator of its own (the window's initial guesses)."""
+    gen = torch.Generator().manual_seed(seed)
+
+    def fill(k: int) -> list[int]:
+        return [prompt[i] for i in torch.randint(len(prompt), (k,), generator=gen).tolist()]
+
+    return fill
+
+
+def candidate_tree(pool: NGramPool, key: int, k: int, room: int) -> Tree:
+    """A trie of up to ``k`` pool continuations of ``key``, each cut to ``room`` tokens (root only if none)."""
+    cands = [c[:room] for c in pool.get(key, k)] if room > 0 else []
+    return Tree.from_paths([c for c in cands if c])

@@ -32,8 +32,15 @@ import torch
 
 from pardec.config import ConfigError
 from pardec.decoding.base import Decoder, GenerationResult, Timer, register_method
-from pardec.decoding.lookahead import candidate_tree, check_ranges, prompt_filler
-from pardec.decoding.ngram import LookaheadWindow, NGramPool, keep_path, lookahead_forward
+from pardec.decoding.ngram import (
+    LookaheadWindow,
+    NGramPool,
+    candidate_tree,
+    check_ranges,
+    keep_path,
+    lookahead_forward,
+    prompt_filler,
+)
 from pardec.decoding.sampling import warp
 from pardec.decoding.tree import Tree
 from pardec.decoding.verify import verify_tree

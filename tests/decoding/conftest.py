@@ -1,0 +1,25 @@
+"""Shared by the oracle tests of the n-gram methods (test_lookahead, test_ouroboros)."""
+
+from __future__ import annotations
+
+import pytest
+
+from pardec.models.cached import CachedModel
+from tests.conftest import tiny
+
+
+class TracksOutput:
+    """Mixin for oracle decoders: ``self.out_tokens`` is the committed output, live (the oracle's index into the
+    true continuation)."""
+
+    def _start(self, *a, **kw):
+        st, last = super()._start(*a, **kw)
+        self.out_tokens = st.out.tokens
+        return st, last
+
+
+@pytest.fixture(scope="module")
+def setup():
+    """(tiny model, its CachedModel, a short code prompt's ids)."""
+    lm = tiny(0)
+    return lm, CachedModel(lm.model), lm.tokenizer("def fibonacci(n):\n    return")["input_ids"]
