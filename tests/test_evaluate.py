@@ -34,8 +34,8 @@ def lines(run_dir: Path) -> list[dict]:
 @pytest.mark.parametrize(
     "overrides,needle",
     [
-        ([], "no method given: pass +method=<name>; valid methods: ar, hf_assisted, hf_generate, hf_pld, jacobi, lookahead, "
-                "ouroboros, pld, sps"),
+        ([], "no method given: pass +method=<name>; valid methods: ar, bild, hf_assisted, hf_generate, hf_pld, jacobi, "
+                "lookahead, mjgd, mjsd, ouroboros, pld, spectr, sps"),
         (["+method=jacobi", "method.name=jacobo"], "unknown method 'jacobo'. Did you mean 'jacobi'?"),
         (["+method=jacobi", "+method.blocksize=4"], "has no parameter(s) ['blocksize']; valid: block_size"),
         (["+method=jacobi", "method.block_size=0"], "method.block_size=0 is out of range"),
@@ -52,6 +52,20 @@ def lines(run_dir: Path) -> list[dict]:
         (["+method=sps", "draft=tiny_random", "model=tiny_random", "method.gamma=0"], "method.gamma=0 is out of range"),
         (["+method=sps", "draft=tiny_random", "model=tiny_random", "method.gamma=9", "method.adaptive=true",
           "method.gamma_max=8"], "method.gamma=9 must lie in [gamma_min, gamma_max] = [1, 8]"),
+        (["+method=mjsd"], "method 'mjsd' needs a draft model: pass draft=<name>"),
+        (["+method=bild"], "method 'bild' needs a draft model: pass draft=<name>"),
+        (["+method=spectr"], "method 'spectr' needs a draft model: pass draft=<name>"),
+        (["+method=mjsd", "draft=tiny_random", "method.num_beams=0"],
+         "method.num_beams=0 is out of range: it must be an integer in [1, 64]"),
+        (["+method=mjsd", "draft=tiny_random", "method.width=9"], "method.width=9 is out of range: it must be an integer in [1, 8]"),
+        (["+method=mjsd", "draft=tiny_random", "method.tau=1.5"], "method.tau=1.5 is out of range: it must be a number in [0.0, 1.0]"),
+        (["+method=mjsd", "draft=tiny_random", "method.top_p=0"], "method.top_p=0 is out of range: it must be a number in (0.0, 1.0]"),
+        (["+method=mjgd", "method.K=0"], "method.K=0 is out of range"),
+        (["+method=spectr", "draft=tiny_random", "method.k=0"], "method.k=0 is out of range: it must be an integer in [1, 64]"),
+        (["+method=bild", "draft=tiny_random", "method.fallback_threshold=1.2"],
+         "method.fallback_threshold=1.2 is out of range: it must be a number in [0.0, 1.0]"),
+        (["+method=bild", "draft=tiny_random", "method.rollback_threshold=-1"],
+         "method.rollback_threshold=-1 is out of range: it must be a number in (0.0, 1000000.0]"),
     ],
 )
 def test_config_errors_name_the_bad_value_and_choices(overrides, needle):

@@ -28,7 +28,8 @@ PARAMS = {"jacobi": [{"block_size": 16}, {"block_size": 5}, {"block_size": 1}, {
                                                                           "pool_from_prompt": True}],
           "ouroboros": [{}, {"gamma": 1, "level": 2, "window": 1, "guess_set": 1, "top_k_phrases": 1},
                         {"accelerated_drafting": False, "lengthening": False, "verified_phrases": False},
-                        {"gamma": 6, "level": 3, "window": 4, "guess_set": 3, "warm_start": True}]}
+                        {"gamma": 6, "level": 3, "window": 4, "guess_set": 3, "warm_start": True}],
+          "spectr": [{}, {"k": 1, "gamma": 1}, {"k": 2, "gamma": 6}]}
 
 
 def _ids(tok, prompt):
@@ -46,7 +47,7 @@ def _build(method, cm, tok, seed=0, draft="self", **params):
 
 
 def test_every_lossless_method_is_covered():
-    assert {"ar", "hf_generate", "jacobi", "pld", "sps", "lookahead", "ouroboros"} <= set(LOSSLESS)
+    assert {"ar", "hf_generate", "jacobi", "pld", "sps", "lookahead", "ouroboros", "spectr"} <= set(LOSSLESS)
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2])
@@ -67,7 +68,7 @@ def test_lossless_equals_ar(method, prompt, seed):
             assert res.tokens == ref.tokens, (method, params, draft)
             assert res.stop_reason == "length"
             assert sum(res.accepted) == len(res.tokens)
-            if method in ("sps", "ouroboros") and draft == "self":  # the target's own weights as the draft
+            if method in ("sps", "ouroboros", "spectr") and draft == "self":  # the target's own weights as the draft
                 assert res.draft_accepted >= 0.9 * res.drafted > 0, (method, params)
                 assert res.target_forwards < ref.target_forwards
 

@@ -9,6 +9,7 @@ import inspect
 import time
 import types
 import typing
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -17,7 +18,7 @@ import torch
 from pardec.config import ConfigError, SamplingConfig
 from pardec.decoding.sampling import make_generator, select
 from pardec.decoding.tree import Tree
-from pardec.decoding.verify import verify_chain, verify_tree
+from pardec.decoding.verify import TreeVerdict, verify_chain, verify_tree
 from pardec.models.cached import CachedModel
 from pardec.registry import Registry
 
@@ -188,19 +189,26 @@ class Decoder:
         self.target.truncate(base + len(acc))  # `last` + the accepted draft tokens
         return logits, acc, kept
 
-    def _verify_tree(self, st: _Run, last: int, tree: Tree,
-                     q: dict[int, torch.Tensor] | None = None) -> tuple[torch.Tensor, list[int], list[int]]:
+    def _verify_tree(self, st: _Run, last: int, tree: Tree, q: dict[int, torch.Tensor] | None = None,
+                     rule: Callable[[torch.Tensor], TreeVerdict] | None = None,
+                     ) -> tuple[torch.Tensor, list[int], list[int]]:
         """One target forward over the tree (root = ``last``) under its ancestor mask; commit the accepted path
-        + one target token and compact the cache to exactly that path. Returns (logits [N, V], committed
-        tokens, kept by the output)."""
+        + one target token and compact the cache to exactly that path. ``rule(logits)`` replaces the shared
+        :func:`verify_tree` (a method's own acceptance rule). Returns (logits [N, V], committed tokens, kept by
+        the output)."""
         base = self.target.length
         logits = self.target.forward(tree.tokens(last)[None], positions=tree.positions(base),
                                      attend=tree.attend).logits[0]
         st.target_forwards += 1
-        verdict = verify_tree(tree, logits, st.s, st.gen, q)
+        verdict = rule(logits) if rule is not None else verify_tree(tree, logits, st.s, st.gen, q)
         kept = st.out.commit(verdict.tokens)
         self.target.keep(verdict.path)
         return logits, verdict.tokens, kept
+
+    def _step_alone(self, st: _Run, last: int) -> int:
+        """One target forward on ``last`` alone (no room left for a draft): commit its token and return it."""
+        _, acc, _ = self._verify_chain(st, last, torch.zeros(0, dtype=torch.long))
+        return acc[-1]
 
     def _result(self, st: _Run, extras: dict | None = None, draft_forwards: int = 0, draft_s: float = 0.0,
                 drafted: int = 0, draft_accepted: int = 0) -> GenerationResult:
@@ -219,6 +227,22 @@ class _Run:
     timer: Timer
     prefill_s: float = 0.0
     target_forwards: int = 0
+
+
+@dataclass
+class DraftClock:
+    """Wall time and forwards of a draft: ``clock.run(st, propose, *args)`` calls ``propose(*args)``, whose result
+    ends with its number of draft forwards, and adds both up."""
+
+    forwards: int = 0
+    seconds: float = 0.0
+
+    def run(self, st: _Run, propose: Callable[..., tuple], *args: Any) -> tuple:
+        t = Timer(st.ids.device)
+        out = propose(*args)
+        self.seconds += t.elapsed()
+        self.forwards += out[-1]
+        return out
 
 
 METHODS: Registry[type[Decoder]] = Registry("method")
@@ -303,6 +327,18 @@ def check_params(cls: type[Decoder], params: dict[str, Any]) -> None:
             decl = f"{key}: {p.annotation if isinstance(p.annotation, str) else _type_name(tp)}"
             decl += "" if p.default is inspect.Parameter.empty else f" = {p.default!r}"
             raise ConfigError(f"method.{key}={value!r} must be {_type_name(tp)} ({cls.name}({decl}))")
+
+
+def check_range(key: str, value: Any, lo: float, hi: float, integer: bool = True, open_lo: bool = False) -> None:
+    """One line naming ``method.<key>``, its value and the valid range when ``value`` is outside ``[lo, hi]``
+    (``(lo, hi]`` with ``open_lo``) or not an integer / a number as ``integer`` says."""
+    kind = int if integer else (int, float)
+    ok = isinstance(value, kind) and not isinstance(value, bool) and (lo < value if open_lo else lo <= value) \
+        and value <= hi
+    if not ok:
+        what = "an integer" if integer else "a number"
+        raise ConfigError(f"method.{key}={value!r} is out of range: it must be {what} in "
+                          f"{'(' if open_lo else '['}{lo}, {hi}]")
 
 
 def build_decoder(

@@ -26,7 +26,7 @@ from collections.abc import Callable, Iterable
 
 import torch
 
-from pardec.config import ConfigError
+from pardec.decoding.base import check_range
 from pardec.decoding.tree import Tree
 from pardec.models.cached import CachedModel
 
@@ -160,9 +160,7 @@ RANGES = {"level": (2, 16), "window": (1, 128), "guess_set": (1, 128), "gamma": 
 def check_ranges(**values: int) -> None:
     """One line naming the parameter, its value and the valid range, for any value out of range."""
     for key, v in values.items():
-        lo, hi = RANGES[key]
-        if not isinstance(v, int) or isinstance(v, bool) or not lo <= v <= hi:
-            raise ConfigError(f"method.{key}={v!r} is out of range: it must be an integer in [{lo}, {hi}]")
+        check_range(key, v, *RANGES[key])
 
 
 def prompt_filler(prompt: list[int], seed: int):

@@ -31,7 +31,7 @@ from __future__ import annotations
 import torch
 
 from pardec.config import ConfigError
-from pardec.decoding.base import Decoder, GenerationResult, Timer, register_method
+from pardec.decoding.base import Decoder, DraftClock, GenerationResult, register_method
 from pardec.decoding.ngram import (
     LookaheadWindow,
     NGramPool,
@@ -122,19 +122,15 @@ class Ouroboros(Decoder):
         prompt = st.ids[0].tolist()
         window = (LookaheadWindow(self.window, self.level, prompt_filler(prompt, st.s.seed))
                   if self.accelerated_drafting else None)
-        draft_forwards = drafted = from_draft = from_phrases = rounds = 0
-        draft_s = 0.0
+        drafted = from_draft = from_phrases = rounds = 0
+        clock = DraftClock()
         while not st.out.done:
             room = st.out.room - 1  # the target adds one token of its own
             k = min(self.gamma, room)
             if k < 1:
-                _, acc, _ = self._verify_chain(st, last, torch.zeros(0, dtype=torch.long))
-                last = acc[-1]
+                last = self._step_alone(st, last)
                 continue
-            t = Timer(st.ids.device)
-            toks, qs, n_fwd = self.draft_phrases(prompt + st.out.tokens, k, st, window)
-            draft_s += t.elapsed()
-            draft_forwards += n_fwd
+            toks, qs, _ = clock.run(st, self.draft_phrases, prompt + st.out.tokens, k, st, window)
             phrases = self.phrases_for(toks, room - len(toks))
             tree = Tree.from_paths([toks] + [toks + list(p) for p in phrases])  # nodes 1..k: the draft chain
             q = {i: qs[i] for i in range(len(qs))} if qs else None  # node i's child (draft token i+1) came from q
@@ -149,7 +145,7 @@ class Ouroboros(Decoder):
             last = acc[-1]
         n_new = len(st.out.tokens)
         extras = {"block_efficiency": (n_new - 1) / (st.target_forwards - 1) if st.target_forwards > 1 else None,
-                  "draft_forwards_per_token": draft_forwards / n_new if n_new else None,
+                  "draft_forwards_per_token": clock.forwards / n_new if n_new else None,
                   "accepted_from_draft": from_draft, "accepted_from_phrases": from_phrases,
                   "draft_acceptance": from_draft / drafted if drafted else None, "pool_size": len(self.pool)}
-        return self._result(st, extras, draft_forwards, draft_s, drafted, from_draft)
+        return self._result(st, extras, clock.forwards, clock.seconds, drafted, from_draft)

@@ -16,8 +16,8 @@ from __future__ import annotations
 import torch
 
 from pardec.config import ConfigError
-from pardec.decoding.base import Decoder, GenerationResult, Timer, register_method
-from pardec.decoding.sampling import warp
+from pardec.decoding.base import Decoder, DraftClock, GenerationResult, register_method
+from pardec.decoding.drafting import draft_chain
 
 
 @register_method("sps", aliases=("speculative", "speculative_sampling"))
@@ -39,23 +39,8 @@ class SpeculativeSampling(Decoder):
     def propose(self, seq: list[int], k: int, st) -> tuple[torch.Tensor, torch.Tensor | None, int]:
         """Draft ``k`` tokens after ``seq`` (prompt + committed). Returns (tokens [k], q [k, V] or None under
         greedy, draft forwards)."""
-        d = self.draft
-        feed = d.sync(seq)
-        logits = d.forward(torch.tensor([feed]), last_only=True).logits[0, -1]
-        forwards = 1
-        toks, qs = [], []
-        for i in range(k):
-            if st.s.greedy:
-                x = int(logits.argmax())
-            else:
-                q = warp(logits, st.s)
-                x = int(torch.multinomial(q, 1, generator=st.gen))
-                qs.append(q)
-            toks.append(x)
-            if i < k - 1:
-                logits = d.forward(torch.tensor([[x]])).logits[0, -1]
-                forwards += 1
-        return torch.tensor(toks, dtype=torch.long), (torch.stack(qs) if qs else None), forwards
+        chain = draft_chain(self.draft, seq, k, st.s, st.gen)
+        return chain.tokens, chain.q, chain.forwards
 
     @torch.inference_mode()
     def generate(self, prompt_ids, max_new_tokens, stop=None, sampling=None) -> GenerationResult:
@@ -63,19 +48,15 @@ class SpeculativeSampling(Decoder):
         self.draft.reset()
         prompt = st.ids[0].tolist()
         gamma = self.gamma
-        draft_forwards = drafted = accepted = 0
-        draft_s = 0.0
+        drafted = accepted = 0
+        clock = DraftClock()
         gammas: list[int] = []
         while not st.out.done:
             k = min(gamma, st.out.room - 1)  # the target adds one token of its own
             if k < 1:
-                _, acc, _ = self._verify_chain(st, last, torch.zeros(0, dtype=torch.long))
-                last = acc[-1]
+                last = self._step_alone(st, last)
                 continue
-            t = Timer(st.ids.device)
-            toks, q, n_fwd = self.propose(prompt + st.out.tokens, k, st)
-            draft_s += t.elapsed()
-            draft_forwards += n_fwd
+            toks, q, _ = clock.run(st, self.propose, prompt + st.out.tokens, k, st)
             _, acc, _ = self._verify_chain(st, last, toks, q)
             n_acc = len(acc) - 1
             drafted, accepted = drafted + k, accepted + n_acc
@@ -88,4 +69,4 @@ class SpeculativeSampling(Decoder):
             last = acc[-1]
         extras = {"draft_acceptance": accepted / drafted if drafted else None,
                   "mean_gamma": sum(gammas) / len(gammas) if gammas else None}
-        return self._result(st, extras, draft_forwards, draft_s, drafted, accepted)
+        return self._result(st, extras, clock.forwards, clock.seconds, drafted, accepted)

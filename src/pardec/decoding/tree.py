@@ -110,6 +110,10 @@ class Tree:
             path.append(self.parents[path[-1]])
         return path[::-1]
 
+    def label_path(self, node: int) -> tuple[int, ...]:
+        """The labels from the root's child down to ``node`` (empty for the root): the node's drafted prefix."""
+        return tuple(self.labels[n] for n in self.path_to(node)[1:])
+
     @property
     def max_depth(self) -> int:
         return int(self.depth.max())

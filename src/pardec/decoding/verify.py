@@ -17,6 +17,14 @@ Exact rules (the output follows the target's warped distribution; greedy = the t
   with no ``q`` for a node its children are deterministic candidates (one-hot proposals: ``p_{j+1}`` is ``p_j``
   without ``x_j``), e.g. n-gram or top-k candidates.
 
+* :func:`verify_tree_iid`: a tree built from ``k`` draft sequences drawn i.i.d. from ``q`` (SpecTr, Sun et al.
+  2023). Sampling: at each node the ``m`` draws of the sequences through it (repeats included, in draw order) go
+  through :func:`kseq` (the paper's k-sequential draft selection): draw ``X_i`` is accepted with probability
+  ``min(1, p(X_i) / (g q(X_i)))``; when all are rejected the token comes from the residual
+  ``norm(p - min(q, p / g) * sum_{i<m} (1 - beta)^i)`` with ``beta = sum_x min(q(x), p(x) / g)``, which makes the
+  output exactly ``p`` for any ``g`` in ``[1, m]`` with ``g >= sum_{i<m} (1 - beta(g))^i``; the smallest such ``g``
+  (found by bisection) accepts most. ``m = 1`` is speculative sampling. Greedy: as :func:`verify_tree`.
+
 Lossy rules of particular papers (typical acceptance, joint-likelihood thresholds, BiLD rollback) live with
 their methods and declare ``exactness = "approximate"``.
 
@@ -149,3 +157,77 @@ def verify_tree(
         if nxt is None:
             return TreeVerdict(path, [tree.labels[n] for n in path[1:]] + [_sample(p, gen)])
         path.append(nxt)
+
+
+def _kseq_factor(p: torch.Tensor, q: torch.Tensor, g: float, m: int) -> tuple[float, float]:
+    """(beta(g), sum_{i<m} (1 - beta)^i) of K-SEQ with division factor ``g`` and ``m`` draws."""
+    beta = float(torch.minimum(q, p / g).sum())
+    return beta, sum((1.0 - beta) ** i for i in range(m))
+
+
+def kseq_factor(p: torch.Tensor, q: torch.Tensor, m: int, iters: int = 40) -> float:
+    """The smallest division factor ``g`` in ``[1, m]`` with ``g >= sum_{i<m} (1 - beta(g))^i`` (K-SEQ stays exact
+    for every such ``g``; the smallest accepts most). ``g - sum`` increases with ``g``: bisection, returning the
+    upper end so the condition holds."""
+    lo, hi = 1.0, float(m)
+    if _kseq_factor(p, q, lo, m)[1] <= lo + 1e-6:  # beta(1) = 1 - (rounding): q == p, every draw is accepted
+        return lo
+    for _ in range(iters):
+        mid = 0.5 * (lo + hi)
+        if _kseq_factor(p, q, mid, m)[1] <= mid:
+            hi = mid
+        else:
+            lo = mid
+    return hi
+
+
+def kseq(draws: list[int], p: torch.Tensor, q: torch.Tensor, gen: torch.Generator | None
+         ) -> tuple[int | None, torch.Tensor]:
+    """K-SEQ selection among ``draws`` (i.i.d. samples from ``q``, in draw order) for target ``p``.
+
+    Returns (index of the accepted draw, None) or (None, the residual distribution to sample from)."""
+    m = len(draws)
+    g = kseq_factor(p, q, m)
+    for i, x in enumerate(draws):
+        if _uniform(gen, p.device) * g * float(q[x]) < float(p[x]):
+            return i, None
+    return None, kseq_residual(p, q, g, m)
+
+
+def kseq_residual(p: torch.Tensor, q: torch.Tensor, g: float, m: int) -> torch.Tensor:
+    """K-SEQ's distribution after ``m`` rejected draws: ``norm(p - min(q, p / g) * sum_{i<m} (1 - beta)^i)``."""
+    _, total = _kseq_factor(p, q, g, m)
+    r = (p - torch.minimum(q, p / g) * total).clamp(min=0.0)
+    s = r.sum()
+    # s == 0 means every draw is accepted with probability 1: the residual is never used
+    return r / s if s > _EPS else p
+
+
+def verify_tree_iid(
+    tree: Tree,
+    logits: torch.Tensor,
+    s: SamplingConfig,
+    gen: torch.Generator | None,
+    q: dict[int, torch.Tensor],
+    draws: dict[int, list[int]],
+) -> TreeVerdict:
+    """Verify a tree of i.i.d. draft sequences (see the module doc): ``q[node]`` is the warped draft distribution
+    the sequences through ``node`` drew their next token from and ``draws[node]`` those tokens, one per sequence,
+    in draw order (a leaf has none). Greedy decoding ignores both (:func:`verify_tree`)."""
+    if s.greedy:
+        return verify_tree(tree, logits, s, gen)
+    if logits.shape[0] != len(tree):
+        raise ValueError(f"verify_tree_iid: a tree of {len(tree)} nodes needs {len(tree)} logit rows, "
+                         f"got {logits.shape[0]}")
+    probs = warp(logits, s)
+    path = [0]
+    while True:
+        node = path[-1]
+        p = probs[node]
+        drawn = draws.get(node) or []
+        if not drawn:
+            return TreeVerdict(path, [tree.labels[n] for n in path[1:]] + [_sample(p, gen)])
+        i, residual = kseq(drawn, p, q[node].to(p.device, p.dtype), gen)
+        if i is None:
+            return TreeVerdict(path, [tree.labels[n] for n in path[1:]] + [_sample(residual, gen)])
+        path.append(next(c for c in tree.children[node] if tree.labels[c] == drawn[i]))

@@ -8,7 +8,8 @@ Every decoder talks to the target (and draft) model through :class:`CachedModel`
 * ``run_upper(hidden, layer, positions, attend)`` -> logits of injected hidden states run through layers
   ``layer..L-1``, the final norm and the LM head, seeing the cache; nothing is appended (FIRP's pseudo states)
 * ``truncate(length)``                           -> drop cached positions past ``length``
-* ``keep(indices)``                              -> keep a subset of the last-appended positions (tree paths)
+* ``keep(indices, start)``                       -> keep a subset of the positions from ``start`` on (default: the
+  last-appended ones; tree paths, a chosen beam)
 * ``sync(seq)``                                  -> truncate to the common prefix with a committed sequence
   and return the tokens still to feed (a draft model catching up with the target's output)
 * ``length`` / ``tokens``                        -> cached positions / the token ids they hold
@@ -195,18 +196,23 @@ class CachedModel:
             self._tokens = self._tokens[:, :length]
         self._last_appended = max(0, self._last_appended - n_remove)
 
-    def keep(self, indices: torch.Tensor | list[int]) -> None:
-        """Keep only ``indices`` (relative, increasing) of the positions appended by the last forward.
+    def keep(self, indices: torch.Tensor | list[int], start: int | None = None) -> None:
+        """Keep only ``indices`` (relative to ``start``, increasing) of the positions from ``start`` on; ``start``
+        defaults to the first position appended by the last forward.
 
-        Used after a tree verification: the accepted path's positions are moved to the front, in order.
+        Used after a tree verification (the accepted path's positions move to the front, in order) and after
+        several forwards of branches (beams, i.i.d. drafts: ``start`` = where the branches began).
         """
         idx = torch.as_tensor(indices, dtype=torch.long, device=self.device)
-        n = self._last_appended
+        if start is None:
+            start = self.length - self._last_appended
+        if not 0 <= start <= self.length:
+            raise ValueError(f"keep start={start} is out of range for a cache of {self.length} positions")
+        n = self.length - start
         if idx.numel() and (int(idx.min()) < 0 or int(idx.max()) >= n):
-            raise ValueError(f"keep indices {idx.tolist()} out of range for {n} last-appended positions")
+            raise ValueError(f"keep indices {idx.tolist()} out of range for the {n} positions from {start} on")
         if idx.numel() > 1 and bool((idx[1:] <= idx[:-1]).any()):
             raise ValueError(f"keep indices {idx.tolist()} must be strictly increasing")
-        start = self.length - n
         for layer in self.cache.layers:
             for name in ("keys", "values"):
                 t = getattr(layer, name)

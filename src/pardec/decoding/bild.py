@@ -1,0 +1,88 @@
+"""`bild`: Big Little Decoder (Kim et al. 2023), a draft that falls back to the target and a target that rolls
+the draft back.
+
+Each round the draft (the "little" model) generates token by token, the argmax under greedy decoding or a sample
+from its warped distribution, while it is confident: when the largest probability of its next-token
+distribution (softmax at temperature 1) falls below ``fallback_threshold``, or after ``max_draft`` tokens,
+control falls back to the target. The target ("big") runs once over the drafted tokens; the first drafted token
+``x_i`` whose distance to the target, the cross-entropy ``-log p(x_i)`` of the token under the target's
+distribution (softmax at temperature 1), exceeds ``rollback_threshold`` is rolled back with everything after it.
+The target then supplies the token at the first position it did not accept (where the draft stopped, or the
+rolled-back position): its argmax, or a sample from its warped distribution.
+
+Defaults: fallback 0.9 and rollback 2 (nats), the settings MJSD's comparison used for its chat/summarisation
+tasks (BiLD's README: rollback 2-5 usually works; fallback in (0, 1)); ``max_draft`` 10 as MJSD's BiLD runs.
+Accepted draft tokens need not be the target's choice: ``exactness = "approximate"``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from pardec.decoding.base import Decoder, GenerationResult, Timer, check_range, register_method
+from pardec.decoding.drafting import draft_chain
+from pardec.decoding.sampling import select
+
+
+def rollback_point(draft: torch.Tensor, logits: torch.Tensor, threshold: float) -> int:
+    """How many of ``draft`` [m] tokens survive: the index of the first whose cross-entropy under the target,
+    ``-log softmax(logits[i])[draft[i]]`` (``logits`` [m+1, V], row i scoring draft[i]), exceeds ``threshold``;
+    ``m`` if none does."""
+    m = draft.numel()
+    if m == 0:
+        return 0
+    nll = -torch.log_softmax(logits[:m].float(), -1).gather(-1, draft.to(logits.device)[:, None])[:, 0]
+    bad = (nll > threshold).nonzero()
+    return int(bad[0]) if bad.numel() else m
+
+
+@register_method("bild")
+class BigLittleDecoder(Decoder):
+    exactness = "approximate"
+    needs_draft = True
+
+    def __init__(self, target, tokenizer=None, draft=None, fallback_threshold: float = 0.9,
+                 rollback_threshold: float = 2.0, max_draft: int = 10):
+        super().__init__(target, tokenizer, draft)
+        check_range("fallback_threshold", fallback_threshold, 0.0, 1.0, integer=False)
+        check_range("rollback_threshold", rollback_threshold, 0.0, 1e6, integer=False, open_lo=True)
+        check_range("max_draft", max_draft, 1, 256)
+        self.fallback, self.rollback, self.max_draft = fallback_threshold, rollback_threshold, max_draft
+
+    def confident(self, logits: torch.Tensor) -> bool:
+        return float(torch.softmax(logits.float(), -1).max()) >= self.fallback
+
+    @torch.inference_mode()
+    def generate(self, prompt_ids, max_new_tokens, stop=None, sampling=None) -> GenerationResult:
+        st, last = self._start(prompt_ids, max_new_tokens, stop, sampling)
+        self.draft.reset()
+        prompt = st.ids[0].tolist()
+        draft_forwards = drafted = accepted = fallbacks = rollbacks = 0
+        draft_s = 0.0
+        while not st.out.done:
+            k = min(self.max_draft, st.out.room - 1)  # the target adds one token of its own
+            toks = torch.zeros(0, dtype=torch.long)
+            if k >= 1:
+                t = Timer(st.ids.device)
+                chain = draft_chain(self.draft, prompt + st.out.tokens, k, st.s, st.gen,
+                                    stop=lambda lg: not self.confident(lg))
+                draft_s += t.elapsed()
+                draft_forwards += chain.forwards
+                toks = chain.tokens
+                fallbacks += toks.numel() < k
+            base = self.target.length
+            inp = torch.cat([torch.tensor([last]), toks])[None].to(st.ids.device)
+            logits = self.target.forward(inp).logits[0]
+            st.target_forwards += 1
+            cut = rollback_point(toks, logits, self.rollback)
+            rollbacks += cut < toks.numel()
+            acc = toks[:cut].tolist() + [int(select(logits[cut], st.s, st.gen))]
+            st.out.commit(acc)
+            self.target.truncate(base + 1 + cut)  # `last` + the surviving draft tokens
+            drafted, accepted = drafted + toks.numel(), accepted + cut
+            last = acc[-1]
+        rounds = len(st.out.accepted) - 1  # the prefill committed the first token
+        extras = {"draft_acceptance": accepted / drafted if drafted else None,
+                  "fallback_rate": fallbacks / rounds if rounds else None,
+                  "rollback_rate": rollbacks / rounds if rounds else None}
+        return self._result(st, extras, draft_forwards, draft_s, drafted, accepted)

@@ -1,0 +1,160 @@
+"""Draft-side primitives shared by the methods that draft with a model (``sps``, ``bild``, ``mjsd``, ``mjgd``,
+``spectr``); the verification side is :mod:`pardec.decoding.verify`.
+
+* :func:`draft_chain`: ``k`` tokens after the committed sequence, one forward each, in the model's own cache
+  (resynchronised first with :meth:`CachedModel.sync`); an optional ``stop`` test ends the chain early (BiLD's
+  fallback).
+* :class:`Branches`: several continuations of one cached prefix grown side by side in one cache (beams,
+  i.i.d. draft sequences): every new token sees the prefix and its own branch's earlier tokens only, at
+  position ``prefix + depth``; afterwards one branch's path is kept (:meth:`Branches.keep`) and the rest
+  dropped, so the cache again holds a single sequence.
+* :func:`beam_search`: beam search (greedy) or beam sampling over :class:`Branches`, each beam carrying the
+  joint log-likelihood of every one of its prefixes, reordered with the beam indices at every step.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from pardec.config import SamplingConfig
+from pardec.decoding.sampling import warp
+from pardec.models.cached import CachedModel
+
+
+@dataclass
+class DraftChain:
+    tokens: torch.Tensor  # [m] long, m <= k
+    q: torch.Tensor | None  # [m, V] the warped distributions the tokens were sampled from (None under greedy)
+    forwards: int  # draft forwards run
+
+
+def draft_chain(draft: CachedModel, seq: list[int], k: int, s: SamplingConfig, gen: torch.Generator | None,
+                stop: Callable[[torch.Tensor], bool] | None = None) -> DraftChain:
+    """Draft up to ``k`` tokens after ``seq`` (prompt + committed): the argmax under greedy decoding, else a
+    sample from the draft's warped distribution. ``stop(logits [V])`` is asked before each token is chosen; True
+    ends the chain there (the logits' token is not drafted). The last drafted token is not fed."""
+    feed = draft.sync(seq)
+    logits = draft.forward(torch.tensor([feed]), last_only=True).logits[0, -1]
+    forwards = 1
+    toks: list[int] = []
+    qs: list[torch.Tensor] = []
+    for i in range(k):
+        if stop is not None and stop(logits):
+            break
+        if s.greedy:
+            x = int(logits.argmax())
+        else:
+            q = warp(logits, s)
+            x = int(torch.multinomial(q, 1, generator=gen))
+            qs.append(q)
+        toks.append(x)
+        if i < k - 1:
+            logits = draft.forward(torch.tensor([[x]])).logits[0, -1]
+            forwards += 1
+    return DraftChain(torch.tensor(toks, dtype=torch.long), torch.stack(qs) if qs else None, forwards)
+
+
+class Branches:
+    """Branches grown from the prefix cached in ``model`` (its length now is the branches' base).
+
+    Node ``i`` is the ``i``-th token fed through :meth:`grow`; its parent is another node or ``-1`` (the prefix).
+    The cache holds the nodes in feeding order after the prefix."""
+
+    def __init__(self, model: CachedModel):
+        self.model = model
+        self.base = model.length
+        self.parents: list[int] = []
+        self.depths: list[int] = []
+        self.forwards = 0
+
+    def path(self, node: int) -> list[int]:
+        """Nodes from the branch's first token down to ``node`` (empty for -1, the prefix)."""
+        out = []
+        while node != -1:
+            out.append(node)
+            node = self.parents[node]
+        return out[::-1]
+
+    def grow(self, tokens: list[int], parents: list[int]) -> tuple[torch.Tensor, list[int]]:
+        """Feed ``tokens`` [n], token ``i`` continuing node ``parents[i]``, in one forward.
+        Returns (logits [n, V] after each token, their node ids)."""
+        if len(tokens) != len(parents) or not tokens:
+            raise ValueError(f"grow needs one parent per token, got {len(tokens)} tokens and {len(parents)} parents")
+        old, n, base = len(self.parents), len(tokens), self.base
+        attend = torch.zeros(n, base + old + n, dtype=torch.bool)
+        attend[:, :base] = True
+        positions = []
+        for i, p in enumerate(parents):
+            if not -1 <= p < old:
+                raise ValueError(f"parent {p} is not a node (0..{old - 1}) or -1 (the prefix)")
+            attend[i, [base + j for j in self.path(p)]] = True
+            attend[i, base + old + i] = True
+            depth = self.depths[p] + 1 if p >= 0 else 0
+            positions.append(base + depth)
+            self.parents.append(p)
+            self.depths.append(depth)
+        logits = self.model.forward(torch.tensor([tokens]), positions=torch.tensor(positions), attend=attend).logits[0]
+        self.forwards += 1
+        return logits, list(range(old, old + n))
+
+    def keep(self, node: int) -> None:
+        """Keep the path from the prefix to ``node`` (-1: the prefix alone) and drop every other branch."""
+        self.model.keep(self.path(node), start=self.base)
+
+
+@dataclass
+class Beam:
+    tokens: list[int] = field(default_factory=list)
+    joint: list[float] = field(default_factory=list)  # joint[i] = log P(tokens[0..i]) under the scoring distribution
+    nodes: list[int] = field(default_factory=list)  # Branches node of each fed token (all but possibly the last)
+
+    @property
+    def score(self) -> float:
+        return self.joint[-1] if self.joint else 0.0
+
+
+Grow = Callable[[list[int], list[int]], tuple[torch.Tensor, list[int]]]
+
+
+def beam_search(first_logits: torch.Tensor, steps: int, num_beams: int, grow: Grow, propose: SamplingConfig,
+                gen: torch.Generator | None, temperature: float = 1.0, root: int = -1) -> list[Beam]:
+    """``steps`` tokens by beam search from ``first_logits`` [V] (the distribution after the prefix).
+
+    Each step expands every beam ``b`` with every token ``v``: candidate score ``score_b + log p_b(v)``, where
+    ``p_b`` is the softmax of the beam's logits at ``temperature`` (the joint likelihood the beams carry).
+    ``propose.greedy``: the ``num_beams`` best candidates (beam search). Otherwise beam sampling: ``num_beams``
+    candidates drawn without replacement with probability proportional to ``score_b`` times ``propose``'s warped
+    distribution (its temperature, top-k, top-p) of the beam, as HF's beam sampling does with the flattened
+    scores. New beams inherit their parent's tokens, nodes and prefix likelihoods (reordered with the beam
+    indices), and every new token but the last step's is fed through ``grow`` (``root``: the node the beams
+    hang from). Returns the beams, best joint likelihood first."""
+    beams = [Beam()]
+    logits = first_logits[None]  # [B, V]
+    for step in range(steps):
+        logp = torch.log_softmax(logits.float() / max(temperature, 1e-8), dim=-1)  # [B, V]
+        score = torch.tensor([b.score for b in beams])[:, None]
+        vocab = logp.shape[-1]
+        if propose.greedy:
+            flat = (score + logp).reshape(-1)
+            n = min(num_beams, int(torch.isfinite(flat).sum()))
+            picks = torch.topk(flat, n).indices
+        else:
+            weight = warp(logits, propose) * torch.exp(score - score.max())  # [B, V]
+            flat = weight.reshape(-1)
+            n = min(num_beams, int((flat > 0).sum()))
+            picks = torch.multinomial(flat / flat.sum(), n, replacement=False, generator=gen)
+        new = []
+        for f in picks.tolist():
+            b, v = divmod(f, vocab)
+            parent = beams[b]
+            new.append(Beam(parent.tokens + [v], parent.joint + [parent.score + float(logp[b, v])], list(parent.nodes)))
+        new.sort(key=lambda beam: -beam.score)
+        beams = new
+        if step < steps - 1:
+            logits, nodes = grow([b.tokens[-1] for b in beams], [b.nodes[-1] if b.nodes else root for b in beams])
+            for b, node in zip(beams, nodes):
+                b.nodes.append(node)
+    return beams

@@ -1,0 +1,183 @@
+"""MJSD / MJGD: beam bookkeeping on hand-set logits (each beam's prefix likelihoods follow the beam indices), the
+joint-likelihood acceptance against a hand computation, and both decoders against brute-force references."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from pardec.config import ConfigError, SamplingConfig
+from pardec.decoding import build_decoder
+from pardec.decoding.drafting import beam_search
+from pardec.decoding.mjsd import joint_accept
+from pardec.decoding.tree import Tree
+from pardec.models.cached import CachedModel
+from tests.conftest import draft_for, tiny
+from tests.decoding.stubs import TableLM
+
+V = 8
+# after the prefix: 1 (0.6) or 2 (0.4); after 1 two even choices, after 2 a confident one: the second step's best
+# beam [2, 5] (0.38) grows from the first step's *second* beam
+STUB = {(): {1: 0.6, 2: 0.4}, (1,): {3: 0.45, 4: 0.55}, (2,): {5: 0.95, 6: 0.05},
+        (1, 3): {7: 1.0}, (1, 4): {0: 0.5, 7: 0.5}, (2, 5): {0: 0.1, 7: 0.9}, (2, 6): {0: 1.0}}
+
+
+def _logits(probs: dict[int, float]) -> torch.Tensor:
+    out = torch.full((V,), -1e9)
+    for x, p in probs.items():
+        out[x] = math.log(p)
+    return out
+
+
+class StubGrow:
+    """``grow`` for :func:`beam_search` with hand-set logits keyed by the branch's tokens."""
+
+    def __init__(self):
+        self.seq_of: list[tuple[int, ...]] = []
+
+    def __call__(self, tokens, parents):
+        nodes, rows = [], []
+        for t, p in zip(tokens, parents):
+            seq = (self.seq_of[p] if p >= 0 else ()) + (t,)
+            self.seq_of.append(seq)
+            nodes.append(len(self.seq_of) - 1)
+            rows.append(_logits(STUB[seq]))
+        return torch.stack(rows), nodes
+
+
+def _joint(seq: tuple[int, ...]) -> float:
+    return sum(math.log(STUB[seq[:i]][seq[i]]) for i in range(len(seq)))
+
+
+def test_beam_search_carries_each_beams_own_prefix_likelihoods():
+    grow = StubGrow()
+    beams = beam_search(_logits(STUB[()]), 3, 2, grow, SamplingConfig(), None)
+    # step 2: [2, 5] = 0.38 > [1, 4] = 0.33 > [1, 3] = 0.27: beam order swapped; step 3 keeps [2, 5, 7], [1, 4, *]
+    assert [b.tokens for b in beams][0] == [2, 5, 7]
+    assert beams[1].tokens[:2] == [1, 4]
+    for b in beams:
+        assert b.joint == pytest.approx([_joint(tuple(b.tokens[: i + 1])) for i in range(3)], abs=1e-6)
+        assert [grow.seq_of[n] for n in b.nodes] == [tuple(b.tokens[: i + 1]) for i in range(2)]
+    # the reference code's bug would give beam [2, 5, 7] the first step's score of beam 0 (log 0.6)
+    assert beams[0].joint[0] == pytest.approx(math.log(0.4))
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_beam_sampling_carries_each_beams_own_prefix_likelihoods(seed):
+    grow = StubGrow()
+    beams = beam_search(_logits(STUB[()]), 3, 2, grow, SamplingConfig(temperature=1.0),
+                        torch.Generator().manual_seed(seed))
+    assert len({tuple(b.tokens) for b in beams}) == len(beams) == 2
+    assert beams[0].score >= beams[1].score
+    for b in beams:
+        assert b.joint == pytest.approx([_joint(tuple(b.tokens[: i + 1])) for i in range(3)], abs=1e-6)
+
+
+def test_joint_accept_by_hand():
+    tree = Tree.from_paths([[5, 6, 7], [5, 8]])  # nodes: 1=(5), 2=(5,6), 3=(5,6,7), 4=(5,8)
+    logp = torch.full((5, 10), -30.0)
+    logp[0, 5], logp[1, 6], logp[1, 8], logp[2, 7] = math.log(0.8), math.log(0.5), math.log(0.3), math.log(0.9)
+    # target joints: (5) 0.8, (5,6) 0.4, (5,6,7) 0.36, (5,8) 0.24; draft joints below -> ratios
+    q = {1: math.log(0.9), 2: math.log(0.81), 3: math.log(0.405), 4: math.log(0.045)}
+    # ratios min(1, p/q): (5) 0.889, (5,6) 0.494, (5,6,7) 0.889, (5,8) 1
+    assert joint_accept(tree, logp, q, math.log(0.5)) == 3  # the longest prefix over tau, though (5,6) is under it
+    assert joint_accept(tree, logp, q, math.log(0.95)) == 4
+    assert joint_accept(tree, logp, q, math.log(0.89)) == 4
+    assert joint_accept(tree, logp, q, -math.inf) == 3
+    q_low = {k: v - 5 for k, v in q.items()}  # every ratio 1: depth first, then the higher target joint
+    assert joint_accept(Tree.from_paths([[5, 6], [5, 8]]), logp, {1: q_low[1], 2: q_low[2], 3: q_low[4]}, 0.0) == 2
+    assert joint_accept(tree, logp, {k: 0.0 for k in q}, math.log(0.99)) == 0  # nothing: the root
+
+
+def _mjsd_on_stub(tau: float):
+    draft = TableLM(V, {})
+    target = TableLM(V, {7: {0: 1.0}, 0: {1: 0.5, 2: 0.5}, 2: {5: 0.45, 6: 0.55}, 5: {7: 1.0}})
+    # the draft's beam search after 0, with the hand-set STUB tables: [2, 5] (q 0.38) is the best beam of two
+    draft.logits[0] = _logits(STUB[()])
+    draft.logits[1], draft.logits[2] = _logits(STUB[(1,)]), _logits(STUB[(2,)])
+    dec = build_decoder("mjsd", target, None, draft, gamma=2, num_beams=2, tau=tau)
+    return dec.generate([7], 4), draft
+
+
+def test_mjsd_accepts_by_the_chosen_beams_own_joint_likelihood():
+    # p(2) = 0.5 over q(2) = 0.4: ratio 1; p(2, 5) = 0.225 over q(2, 5) = 0.38: ratio 0.59
+    res, draft = _mjsd_on_stub(0.9)
+    assert res.tokens[:3] == [0, 2, 6]  # (2) accepted, (2, 5) not; the target's argmax after 2 is 6
+    res, draft = _mjsd_on_stub(0.5)
+    assert res.tokens == [0, 2, 5, 7]  # both accepted, then the target's token after 5
+    assert draft.tokens[:3] == [7, 0, 2]  # the draft cache kept the accepted beam's fed token only
+
+
+def _beam_ref(model, seq: list[int], steps: int, beams: int) -> list[int]:
+    """Brute-force beam search (no cache): the best of ``beams`` beams over ``steps`` tokens after ``seq``."""
+    cur = [([], 0.0)]
+    for _ in range(steps):
+        with torch.no_grad():
+            logp = torch.stack([torch.log_softmax(model(torch.tensor([seq + t])).logits[0, -1].float(), -1)
+                                for t, _ in cur])
+        flat = (torch.tensor([s for _, s in cur])[:, None] + logp).reshape(-1)
+        top = torch.topk(flat, beams)
+        cur = [(cur[i // logp.shape[1]][0] + [i % logp.shape[1]], float(v))
+               for i, v in zip(top.indices.tolist(), top.values.tolist())]
+    return cur[0][0]
+
+
+def _argmax(model, seq):
+    with torch.no_grad():
+        return int(model(torch.tensor([seq])).logits[0, -1].argmax())
+
+
+@pytest.mark.parametrize("K,beams", [(1, 1), (2, 3), (3, 2)])
+def test_mjgd_equals_brute_force_beam_rounds(K, beams):
+    lm = tiny(0)
+    ids = lm.tokenizer("def fibonacci(n):")["input_ids"]
+    res = build_decoder("mjgd", CachedModel(lm.model), K=K, num_beams=beams).generate(ids, 9)
+    seq, out = list(ids), [_argmax(lm.model, ids)]
+    while len(out) < 9:
+        out += _beam_ref(lm.model, seq + out, min(K, 9 - len(out)), beams)
+    assert res.tokens == out
+    assert res.target_forwards == 9  # one forward per token: slow by design
+
+
+@pytest.mark.parametrize("gamma,beams", [(3, 1), (2, 3), (4, 2)])
+def test_mjsd_with_the_target_as_draft_equals_brute_force_rounds(gamma, beams):
+    """p == q: every drafted beam is accepted, so a round is the draft's beam search + the target's argmax."""
+    lm = tiny(1)
+    ids = lm.tokenizer("The quick brown fox")["input_ids"]
+    res = build_decoder("mjsd", CachedModel(lm.model), None, draft_for("self", 1), gamma=gamma,
+                        num_beams=beams).generate(ids, 11)
+    seq, out = list(ids), [_argmax(lm.model, ids)]
+    while len(out) < 11:
+        n = min(gamma, 11 - len(out) - 1)
+        out += _beam_ref(lm.model, seq + out, n, beams) if n else []
+        out.append(_argmax(lm.model, seq + out))
+    assert res.tokens == out
+    if beams == 1:  # beam search of width 1 is greedy: the output is greedy ar's
+        assert res.tokens == build_decoder("ar", CachedModel(lm.model)).generate(ids, 11).tokens
+
+
+def test_mjsd_sampling_reports_its_statistics():
+    lm = tiny(0)
+    ids = lm.tokenizer("def fibonacci(n):")["input_ids"]
+    dec = build_decoder("mjsd", CachedModel(lm.model), None, draft_for("noisy"), num_beams=4, width=2)
+    res = dec.generate(ids, 24, sampling=SamplingConfig(temperature=1.0, seed=5))
+    again = dec.generate(ids, 24, sampling=SamplingConfig(temperature=1.0, seed=5))
+    assert len(res.tokens) == 24 and res.tokens == again.tokens  # seeded
+    assert sum(res.accepted) == 24 and res.draft_forwards > 0
+    assert res.extras["mean_beams"] == 4.0 and 0.0 <= res.extras["full_accept_rate"] <= 1.0
+
+
+@pytest.mark.parametrize("method,params,needle", [
+    ("mjsd", {"num_beams": 0}, "method.num_beams=0 is out of range: it must be an integer in [1, 64]"),
+    ("mjsd", {"num_beams": 2, "width": 3}, "method.width=3 is out of range: it must be an integer in [1, 2]"),
+    ("mjsd", {"tau": -0.1}, "method.tau=-0.1 is out of range: it must be a number in [0.0, 1.0]"),
+    ("mjsd", {"gamma": 0}, "method.gamma=0 is out of range"),
+    ("mjgd", {"K": 0}, "method.K=0 is out of range: it must be an integer in [1, 64]"),
+    ("mjgd", {"num_beams": 0}, "method.num_beams=0 is out of range"),
+])
+def test_bad_parameters_are_named(method, params, needle):
+    with pytest.raises(ConfigError) as e:
+        build_decoder(method, TableLM(V, {}), None, TableLM(V, {}), **params)
+    assert needle in str(e.value)
