@@ -13,6 +13,11 @@ stop_at_eos, timeout_s, method and its parameters, roles, ...).
 A prompt whose generation hits NaN/inf logits (or gives any non-finite number) gets a record with ``error``: it is
 left out of every speed and quality aggregate, counted in the summary, and the run goes on. Nothing non-finite is
 ever written: JSON is written with ``allow_nan=False`` after mapping NaN/inf to null.
+
+Energy (``energy.enabled``, on by default): every timed generation is a Zeus window over the hardware energy
+counters (NVML on GPUs, RAPL on CPUs, see :mod:`pardec.metrics.energy`); records get ``energy_j`` and the summary
+``energy_j_per_token`` per role. Where no counter can be read the summary says "not measured" and why: nothing is
+estimated. The warm-up is not measured.
 """
 
 from __future__ import annotations
@@ -78,6 +83,7 @@ class EvalSpec:
     perplexity: dict
     logger: dict
     also: list[tuple[str, str, dict]] = field(default_factory=list)  # (role, method, params) of bench.also
+    energy: dict = field(default_factory=lambda: {"enabled": True})  # not in run_identity: it changes no token
 
 
 def validate(cfg: DictConfig) -> EvalSpec:
@@ -112,8 +118,13 @@ def validate(cfg: DictConfig) -> EvalSpec:
     if logger.get("name") not in LOGGERS:
         raise ConfigError(f"logger={logger.get('name')!r} is not valid; choose one of: {', '.join(LOGGERS)}")
     ppl = OmegaConf.to_container(cfg.perplexity, resolve=True) if cfg.get("perplexity") else {"enabled": False}
+    energy = OmegaConf.to_container(cfg.energy, resolve=True) if cfg.get("energy") else {"enabled": True}
+    if set(energy) - {"enabled"}:
+        raise ConfigError(f"energy has no key(s) {sorted(set(energy) - {'enabled'})}; valid: enabled")
+    if not isinstance(energy.get("enabled", True), bool):
+        raise ConfigError(f"energy.enabled={energy['enabled']!r} must be bool (true or false)")
     _check_models(model, draft)
-    return EvalSpec(name, mcfg, model, draft, dataset, run, sampling, bench, ppl, logger, also)
+    return EvalSpec(name, mcfg, model, draft, dataset, run, sampling, bench, ppl, logger, also, energy)
 
 
 def _check_method(name: str, params: dict, draft: ModelConfig | None, where: str = "") -> type:
@@ -224,6 +235,7 @@ def run(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
     from tqdm import tqdm
 
     from pardec.decoding import METHODS, Stopper, build_decoder
+    from pardec.metrics.energy import EnergyMeter
     from pardec.metrics.perplexity import completion_nll
     from pardec.models.cached import CachedModel, NonFiniteLogitsError
     from pardec.models.loading import load_model
@@ -252,6 +264,12 @@ def run(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
         from pardec.models.loading import _named
 
         scorer = load_model(_named(spec.perplexity["model"])).model
+    # the GPUs the models run on (their counters only: an idle GPU's energy is no generation's); RAPL: every package
+    gpus = {p.device.index or 0 for m in (lm.model, draft.model if draft else None, scorer) if m is not None
+            for p in m.parameters() if p.device.type == "cuda"}
+    meter = EnergyMeter.create(spec.energy.get("enabled", True), gpus=sorted(gpus))
+    if not meter.available:
+        log.info("energy not measured: %s", meter.reason)
 
     roles = [("baseline", METHODS.canonical(spec.bench.baseline), {})]
     if spec.method != roles[0][1]:
@@ -289,7 +307,7 @@ def run(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
                 try:
                     rec = _run_one(task, doc, decoders[role], tok, chat, stopper, sampling, r.max_new_tokens,
                                    target.max_length, scorer if spec.perplexity.get("enabled") else None,
-                                   completion_nll)
+                                   completion_nll, meter=meter)
                 except NonFiniteLogitsError as e:  # this prompt stops here, the run goes on
                     rec = {"error": str(e)}
                 if (where := non_finite(rec)) is not None:
@@ -302,7 +320,7 @@ def run(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
                 results.append(rec)
         bar.set_postfix_str(_running_speed(results.records, method_role))
 
-    summary = finite(summarize(spec, task, results.records, method_role, lm.model.config))
+    summary = finite(summarize(spec, task, results.records, method_role, lm.model.config, energy=meter.status()))
     write_json(run_dir / "summary.json", summary)
     print(format_table(summary))
     group = None
@@ -348,9 +366,14 @@ def check_resume(run_dir: Path, identity: dict) -> None:
                           f"rerun with those settings, or start a new run with another hydra.run.dir")
 
 
-def _run_one(task, doc, dec, tok, chat, stopper, sampling, max_new, max_len, scorer, completion_nll) -> dict:
-    """All turns of one document with one decoder -> a results.jsonl record (without id/role)."""
+def _run_one(task, doc, dec, tok, chat, stopper, sampling, max_new, max_len, scorer, completion_nll,
+             meter=None) -> dict:
+    """All turns of one document with one decoder -> a results.jsonl record (without id/role). ``meter`` (an
+    :class:`~pardec.metrics.energy.EnergyMeter`, None = not measured) measures each ``generate`` call: ``energy_j``
+    is their sum, None if any turn was not measured; ``energy_by_device`` its split ({} when not measured)."""
     history: list[str] = []
+    energy: list[float | None] = []
+    by_device: dict[str, float] = {}
     turns, accepted, extras = [], [], []
     tf = df = drafted = draft_acc = 0
     wall = prefill = nll = draft_s = 0.0
@@ -360,7 +383,15 @@ def _run_one(task, doc, dec, tok, chat, stopper, sampling, max_new, max_len, sco
         if len(ids) + max_new > max_len:
             return {"skipped": f"prompt of {len(ids)} tokens + max_new_tokens {max_new} exceeds the model's "
                                f"context of {max_len} tokens"}
-        res = dec.generate(ids, max_new, stopper, sampling)
+        if meter is None:
+            res = dec.generate(ids, max_new, stopper, sampling)
+            energy.append(None)
+        else:
+            with meter.window(getattr(dec, "name", "generate")) as reading:
+                res = dec.generate(ids, max_new, stopper, sampling)
+            energy.append(reading.joules)
+            for k, v in reading.by_device.items():
+                by_device[k] = by_device.get(k, 0.0) + v
         text = stopper.final_text(res.tokens)
         history.append(text)
         turns.append(res.tokens)
@@ -373,6 +404,7 @@ def _run_one(task, doc, dec, tok, chat, stopper, sampling, max_new, max_len, sco
             s, n = completion_nll(scorer, ids, res.tokens)
             nll, n_nll = nll + s, n_nll + n
     flat = [t for turn in turns for t in turn]
+    measured = bool(energy) and all(e is not None for e in energy)
     return {
         "n_tokens": len(flat), "tokens": flat, "turn_tokens": turns,
         "text": history[0] if len(history) == 1 else history,
@@ -382,6 +414,7 @@ def _run_one(task, doc, dec, tok, chat, stopper, sampling, max_new, max_len, sco
         "equal_to_baseline": None, "first_divergence": None,
         "score": task.score(doc, history),
         "nll": nll if scorer is not None else None, "nll_tokens": n_nll,
+        "energy_j": sum(energy) if measured else None, "energy_by_device": by_device if measured else {},
         "extras": {k: statistics.fmean(e[k] for e in extras if k in e) for k in extras[0]} if extras else {},
     }
 
@@ -400,9 +433,13 @@ def _running_speed(records: list[dict], method_role: str) -> str:
     return f"{mt:.1f} tok/s, x{mt / bt:.2f}" if mt and bt else ""
 
 
-def summarize(spec: EvalSpec, task, records: list[dict], method_role: str, model_config) -> dict[str, Any]:
+def summarize(spec: EvalSpec, task, records: list[dict], method_role: str, model_config,
+              energy: dict | None = None) -> dict[str, Any]:
+    """The run's summary. ``energy``: the meter's ``status()`` (``measured``, ``reason``, ``devices``); without it,
+    what the records say (measured where some record has ``energy_j``)."""
     from pardec.decoding import METHODS
     from pardec.decoding.base import lossless_under_greedy
+    from pardec.metrics.energy import joules_per_token
     from pardec.metrics.perplexity import perplexity
     from pardec.metrics.speed import speed_summary, tokens_per_s
 
@@ -414,6 +451,9 @@ def summarize(spec: EvalSpec, task, records: list[dict], method_role: str, model
     skipped = sorted({x["id"] for x in records if "skipped" in x})
     errors = [{k: x[k] for k in ("id", "role", "repeat", "error")} for x in records if "error" in x]
     cls = METHODS.get(spec.method)
+    if energy is None:
+        measured = any(x.get("energy_j") is not None for x in ok)
+        energy = {"measured": measured, "reason": None if measured else "no energy meter in this run", "devices": ""}
 
     def exact(role_rows: list[dict], method: str) -> float | None:
         """Share of prompts equal to the baseline, for methods lossless under greedy decoding (else None)."""
@@ -457,7 +497,9 @@ def summarize(spec: EvalSpec, task, records: list[dict], method_role: str, model
                            "tokens_per_s": sp["tokens_per_s"], "speedup": sp["speedup"],
                            "speedup_median": sp.get("speedup_median"),
                            "tokens_per_forward": sp["tokens_per_forward"],
-                           "exact_match_rate": exact(rows[role], role_method[role]), **drafting(rows[role])}
+                           "exact_match_rate": exact(rows[role], role_method[role]),
+                           "energy_j_per_token": joules_per_token(rows[role]), "perplexity": ppl(rows[role]),
+                           "metric": quality(rows[role]).get(task.metric), **drafting(rows[role])}
     summary: dict[str, Any] = {
         "method": spec.method,
         "method_params": spec.method_params,
@@ -489,6 +531,9 @@ def summarize(spec: EvalSpec, task, records: list[dict], method_role: str, model
         "metrics": mq,
         "perplexity": ppl(method_rows),
         "baseline_perplexity": ppl(rows["baseline"]),
+        "energy": dict(energy),
+        "energy_j_per_token": joules_per_token(method_rows),
+        "baseline_energy_j_per_token": joules_per_token(rows["baseline"]),
         "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
         "extras": {k: statistics.fmean(x["extras"][k] for x in method_rows if k in x["extras"])
                    for k in sorted({k for x in method_rows for k in x["extras"]})},
@@ -529,29 +574,42 @@ def _fmt(v: Any, spec: str = ".3g") -> str:
 
 def comparison_rows(s: dict) -> list[dict[str, Any]]:
     """Baseline, peers and method side by side: role, method, tokens/s, speedup vs the baseline, tokens per
-    target forward, exact match vs the baseline, draft acceptance."""
+    target forward, exact match vs the baseline, draft acceptance, energy per generated token (None: not
+    measured)."""
     rows = [{"role": "baseline", "method": s["baseline"], "tokens_per_s": s["baseline_tokens_per_s"],
              "speedup": 1.0 if s["baseline_tokens_per_s"] else None,
              "tokens_per_forward": s.get("baseline_tokens_per_forward"), "exact_match_rate": None,
-             "draft_acceptance": None, "draft_time_share": None}]
+             "draft_acceptance": None, "draft_time_share": None,
+             "energy_j_per_token": s.get("baseline_energy_j_per_token")}]
     rows += [{"role": role, **p} for role, p in (s.get("peers") or {}).items()]
     if s["method"] != s["baseline"]:
         rows.append({"role": "method", "method": s["method"], **{k: s.get(k) for k in (
             "tokens_per_s", "speedup", "tokens_per_forward", "exact_match_rate", "draft_acceptance",
-            "draft_time_share")}})
+            "draft_time_share", "energy_j_per_token")}})
     return rows
 
 
 def format_comparison(s: dict) -> str:
     """:func:`comparison_rows` as an aligned text table."""
     head = ("role", "method", "tokens/s", f"speedup vs {s['baseline']}", "tokens/forward", "exact match",
-            "draft acceptance", "draft time share")
+            "draft acceptance", "draft time share", "energy J/token")
     body = [(r["role"], r["method"], _fmt(r["tokens_per_s"], ".2f"), _fmt(r["speedup"], ".2f"),
              _fmt(r["tokens_per_forward"], ".2f"), _fmt(r["exact_match_rate"], ".2f"),
-             _fmt(r.get("draft_acceptance"), ".2f"), _fmt(r.get("draft_time_share"), ".2f"))
+             _fmt(r.get("draft_acceptance"), ".2f"), _fmt(r.get("draft_time_share"), ".2f"),
+             _fmt(r.get("energy_j_per_token"), ".4g"))
             for r in comparison_rows(s)]
     widths = [max(len(str(x)) for x in col) for col in zip(head, *body)]
     return "\n".join("  ".join(f"{x:<{w}}" for x, w in zip(line, widths)).rstrip() for line in (head, *body))
+
+
+def _energy_rows(s: dict) -> list[tuple[str, Any]]:
+    """The energy row(s) of :func:`format_table`: J/token of method and baseline, or "not measured: <reason>"."""
+    e = s.get("energy") or {}
+    if not e.get("measured"):
+        return [("energy J/token (method / baseline)", f"not measured: {e.get('reason') or 'no energy meter'}")]
+    rows = [("energy J/token (method / baseline)",
+             f"{_fmt(s.get('energy_j_per_token'), '.4g')} / {_fmt(s.get('baseline_energy_j_per_token'), '.4g')}")]
+    return rows + [("energy counters", "; ".join(x for x in (e.get("devices"), e.get("reason")) if x) or None)]
 
 
 def format_table(s: dict) -> str:
@@ -568,6 +626,7 @@ def format_table(s: dict) -> str:
         ("exact match vs baseline", _fmt(s["exact_match_rate"], ".3f")),
         (f"{s['metric_name']} (method / baseline)", f"{_fmt(s['metric'])} / {_fmt(s['baseline_metric'])}"),
         ("perplexity (method / baseline)", f"{_fmt(s['perplexity'])} / {_fmt(s['baseline_perplexity'])}"),
+        *_energy_rows(s),
         ("peak RSS MB", _fmt(s["peak_rss_mb"], ".0f")),
     ]
     if s.get("draft") or s.get("draft_acceptance") is not None:

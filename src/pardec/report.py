@@ -7,7 +7,9 @@ against its baseline) and a ``results.jsonl`` (one line per prompt per role). Ru
 table rows by (method, params and draft, model, dtype, setting: max_new_tokens and sampling), so runs that differ
 in any of them are never averaged together; the baseline (``ar``) gets its own row at 1.00× per setting, and
 transformers' decoders run beside it (``peers`` in the summary: ``hf_generate``, ``hf_pld``, ``hf_assisted``)
-get theirs. Prompts whose generation failed (``error`` in results.jsonl) are counted, never measured.
+get theirs. Prompts whose generation failed (``error`` in results.jsonl) are counted, never measured. Energy per
+generated token (``energy_j_per_token``) gets its own table where some run measured it, else one line saying
+why not ("not measured: <reason>" from the summaries' ``energy``).
 """
 
 from __future__ import annotations
@@ -148,6 +150,8 @@ class Cell:
     metric_name: str | None
     metric: float | None
     perplexity: float | None
+    energy_j_per_token: float | None = None
+    energy_reason: str | None = None  # why a run of this cell has no energy_j_per_token
 
 
 @dataclass
@@ -218,6 +222,14 @@ def _mean(values: Iterable[float | None]) -> float | None:
     return statistics.fmean(present) if present else None
 
 
+def _energy_reason(run: dict[str, Any]) -> str:
+    """Why a run's summary may hold no energy per token (its ``energy.reason``)."""
+    energy = run.get("energy")
+    if not energy:
+        return "the run recorded no energy"
+    return energy.get("reason") or "some generations were not measured"
+
+
 def _entry(run: dict[str, Any], baseline: bool) -> dict[str, Any]:
     """The numbers one run contributes to its method row, or (``baseline=True``) to its baseline row."""
     own = "baseline_" if baseline else ""  # the baseline's own numbers carry this prefix in summary.json
@@ -235,6 +247,8 @@ def _entry(run: dict[str, Any], baseline: bool) -> dict[str, Any]:
         "metric_name": run.get("metric_name"),
         "metric": run.get(f"{own}metric"),
         "perplexity": run.get(f"{own}perplexity"),
+        "energy_j_per_token": run.get(f"{own}energy_j_per_token"),
+        "energy_reason": _energy_reason(run),
     }
 
 
@@ -246,6 +260,7 @@ def _peer_entry(run: dict[str, Any], peer: dict[str, Any]) -> dict[str, Any]:
         "tokens_per_forward": peer.get("tokens_per_forward"), "exact_match": peer.get("exact_match_rate"),
         "draft_acceptance": peer.get("draft_acceptance"), "exactness": peer.get("exactness"),
         "metric_name": None, "metric": None, "perplexity": None,
+        "energy_j_per_token": peer.get("energy_j_per_token"), "energy_reason": _energy_reason(run),
     }  # fmt: skip
 
 
@@ -261,9 +276,11 @@ def _cell(entries: list[dict[str, Any]]) -> Cell:
         speedup_std=std,
         metric_name=" / ".join(sorted(names)) or None,
         exactness=next((e["exactness"] for e in entries if e["exactness"]), None),
+        energy_reason=next((e["energy_reason"] for e in entries if e["energy_j_per_token"] is None), None),
         **{k: _mean(e[k] for e in entries) for k in (
             "tokens_per_s", "baseline_tokens_per_s", "hf_tokens_per_s",
-            "tokens_per_forward", "exact_match", "draft_acceptance", "metric", "perplexity")},
+            "tokens_per_forward", "exact_match", "draft_acceptance", "metric", "perplexity",
+            "energy_j_per_token")},
     )  # fmt: skip
 
 
@@ -373,8 +390,24 @@ def render_markdown(rows: Sequence[Row]) -> str:
     )
     return (
         "## Speedup over the baseline\n\n" + speed + "\n\n"
-        "## Tokens/s (method / baseline / HF generate)\n\n" + throughput + "\n"
+        "## Tokens/s (method / baseline / HF generate)\n\n" + throughput + "\n\n"
+        "## Energy per generated token (J)\n\n" + _energy(rows, datasets) + "\n"
     )
+
+
+def _energy(rows: Sequence[Row], datasets: list[str]) -> str:
+    """J per generated token per row and dataset (– where not measured, the reasons below), or, where no run
+    measured energy, "not measured: <reasons>"."""
+    reasons = sorted({c.energy_reason for row in rows for c in row.cells.values()
+                      if c.energy_j_per_token is None and c.energy_reason})  # fmt: skip
+    if all(c.energy_j_per_token is None for row in rows for c in row.cells.values()):
+        return "not measured: " + ("; ".join(reasons) or "no run recorded energy")
+    table = _md_table(
+        ["Method", *datasets, "Mean"],
+        [[row.label, *(_num(c.energy_j_per_token, ".4g") if (c := row.cells.get(ds)) else MISSING for ds in datasets),
+          _num(row.overall("energy_j_per_token"), ".4g")] for row in rows],
+    )  # fmt: skip
+    return table + ("\n\n– not measured: " + "; ".join(reasons) if reasons else "")
 
 
 # ----------------------------------------------------------------------------------------- writers
