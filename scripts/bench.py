@@ -64,6 +64,7 @@ def main() -> None:
     ap.add_argument("--model", default="smollm2_135m")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--out", type=Path, default=ROOT / "outputs" / "bench" / time.strftime("%Y-%m-%d_%H-%M-%S"))
+    ap.add_argument("--no-perplexity", action="store_true", help="skip scoring the completions under the target")
     ap.add_argument("extra", nargs="*", help="more Hydra overrides for every job")
     a = ap.parse_args()
 
@@ -93,7 +94,7 @@ def main() -> None:
         cmd = [sys.executable, "-m", "evaluate", f"+method={main_name}", *main_over, f"bench.also={also}",
                f"dataset={ds}", *([f"dataset.path={paths[ds]}"] if ds in paths else []), f"model={a.model}",
                f"dtype={a.dtype}", f"n_samples={a.n}", f"max_new_tokens={a.max_new_tokens}", f"threads={a.threads}",
-               *([f"draft={a.draft}"] if has_draft else []), "bench.include_hf=true", "perplexity.enabled=false",
+               *([f"draft={a.draft}"] if has_draft else []), "bench.include_hf=true", f"perplexity.enabled={str(not a.no_perplexity).lower()}",
                f"hydra.run.dir={runs / ds}", *a.extra]
         print("+", " ".join(cmd), flush=True)
         subprocess.run(cmd, check=True, cwd=ROOT)
@@ -121,24 +122,33 @@ def _label(method: str, params: dict) -> str:
 
 
 def bench_table(summaries: list[dict]) -> str:
-    """One row per (dataset, role): ar, transformers' peers, the bench.also methods and the run's method."""
-    rows = ["| dataset | dtype | method | exactness | tokens/s | speedup vs ar (median) | tokens / target forward | "
-            "exact match vs ar | draft acceptance | draft time share |", "|---|---|---|---|---|---|---|---|---|---|"]
-    for s in sorted(summaries, key=lambda s: (s["dataset"], s["dtype"])):
-        where = f"| {s['dataset']} | {s['dtype']} |"
+    """One row per (dataset, role): ar, transformers' peers, the bench.also methods and the run's method, with the
+    completions' perplexity under the target, the task metric and the energy per token (– where not measured)."""
+    rows = ["| dataset | dtype | sampling | method | exactness | tokens/s | speedup vs ar (median) | "
+            "tokens / target forward | exact match vs ar | draft acceptance | draft time share | perplexity | "
+            "metric | J/token |", "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for s in sorted(summaries, key=lambda s: (s["dataset"], s["dtype"], s["sampling"]["temperature"])):
+        sp = s["sampling"]
+        how = "greedy" if not sp["temperature"] else f"T={sp['temperature']:g} k={sp['top_k']} p={sp['top_p']:g}"
+        where = f"| {s['dataset']} | {s['dtype']} | {how} |"
+        metric = f"{s['metric_name']}=" if s.get("metric_name") else ""
         rows.append(f"{where} ar | distribution | {_f(s['baseline_tokens_per_s'], '.1f')} | 1.00 | "
-                    f"{_f(s.get('baseline_tokens_per_forward'))} | – | – | – |")
+                    f"{_f(s.get('baseline_tokens_per_forward'))} | – | – | – | {_f(s.get('baseline_perplexity'), '.3f')} | "
+                    f"{metric}{_f(s.get('baseline_metric'))} | {_f(s.get('baseline_energy_j_per_token'), '.3g')} |")
         method = {"method": _label(s["method"], s.get("method_params") or {}), **{k: s.get(k) for k in (
             "exactness", "tokens_per_s", "speedup", "speedup_median", "tokens_per_forward", "exact_match_rate",
-            "draft_acceptance", "draft_time_share")}}
+            "draft_acceptance", "draft_time_share", "perplexity", "metric", "energy_j_per_token")}}
         for p in [*(s.get("peers") or {}).values(), method]:
             name = p["method"] if p is method else _label(p["method"], p.get("params") or {})
             rows.append(f"{where} {name} | {p.get('exactness') or '–'} | {_f(p['tokens_per_s'], '.1f')} | "
                         f"{_f(p['speedup'])} ({_f(p.get('speedup_median'))}) | {_f(p['tokens_per_forward'])} | "
                         f"{_f(p['exact_match_rate'])} | {_f(p.get('draft_acceptance'))} | "
-                        f"{_f(p.get('draft_time_share'))} |")
+                        f"{_f(p.get('draft_time_share'))} | {_f(p.get('perplexity'), '.3f')} | "
+                        f"{metric}{_f(p.get('metric'))} | {_f(p.get('energy_j_per_token'), '.3g')} |")
+    energy = {s["energy"]["reason"] for s in summaries if s.get("energy") and not s["energy"].get("measured")}
+    if energy:
+        rows.append(f"\nEnergy not measured: {'; '.join(sorted(energy))}.")
     return "\n".join(rows)
-
 
 if __name__ == "__main__":
     main()
