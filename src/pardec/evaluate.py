@@ -371,6 +371,9 @@ def _run_one(task, doc, dec, tok, chat, stopper, sampling, max_new, max_len, sco
     """All turns of one document with one decoder -> a results.jsonl record (without id/role). ``meter`` (an
     :class:`~pardec.metrics.energy.EnergyMeter`, None = not measured) measures each ``generate`` call: ``energy_j``
     is their sum, None if any turn was not measured; ``energy_by_device`` its split ({} when not measured)."""
+    from pardec.metrics.energy import EnergyMeter
+
+    meter = meter or EnergyMeter()  # a meter without a monitor: every reading is None
     history: list[str] = []
     energy: list[float | None] = []
     by_device: dict[str, float] = {}
@@ -383,15 +386,11 @@ def _run_one(task, doc, dec, tok, chat, stopper, sampling, max_new, max_len, sco
         if len(ids) + max_new > max_len:
             return {"skipped": f"prompt of {len(ids)} tokens + max_new_tokens {max_new} exceeds the model's "
                                f"context of {max_len} tokens"}
-        if meter is None:
+        with meter.window(getattr(dec, "name", "generate")) as reading:
             res = dec.generate(ids, max_new, stopper, sampling)
-            energy.append(None)
-        else:
-            with meter.window(getattr(dec, "name", "generate")) as reading:
-                res = dec.generate(ids, max_new, stopper, sampling)
-            energy.append(reading.joules)
-            for k, v in reading.by_device.items():
-                by_device[k] = by_device.get(k, 0.0) + v
+        energy.append(reading.joules)
+        for k, v in reading.by_device.items():
+            by_device[k] = by_device.get(k, 0.0) + v
         text = stopper.final_text(res.tokens)
         history.append(text)
         turns.append(res.tokens)

@@ -1,8 +1,9 @@
 """Draft-side primitives shared by the methods that draft with a model (``sps``, ``bild``, ``mjsd``, ``mjgd``,
 ``spectr``); the verification side is :mod:`pardec.decoding.verify`.
 
+* :func:`catch_up`: the draft's cache resynchronised with the committed sequence, and its next-token logits.
 * :func:`draft_chain`: ``k`` tokens after the committed sequence, one forward each, in the model's own cache
-  (resynchronised first with :meth:`CachedModel.sync`); an optional ``stop`` test ends the chain early (BiLD's
+  (after :func:`catch_up`); an optional ``stop`` test ends the chain early (BiLD's
   fallback).
 * :class:`Branches`: several continuations of one cached prefix grown side by side in one cache (beams,
   i.i.d. draft sequences): every new token sees the prefix and its own branch's earlier tokens only, at
@@ -31,13 +32,19 @@ class DraftChain:
     forwards: int  # draft forwards run
 
 
+def catch_up(draft: CachedModel, seq: list[int]) -> torch.Tensor:
+    """Resynchronise ``draft``'s cache with ``seq`` (prompt + committed: :meth:`CachedModel.sync` keeps the
+    common prefix) in one forward; returns its logits [V] for the token after ``seq``."""
+    feed = draft.sync(seq)
+    return draft.forward(torch.tensor([feed]), last_only=True).logits[0, -1]
+
+
 def draft_chain(draft: CachedModel, seq: list[int], k: int, s: SamplingConfig, gen: torch.Generator | None,
                 stop: Callable[[torch.Tensor], bool] | None = None) -> DraftChain:
     """Draft up to ``k`` tokens after ``seq`` (prompt + committed): the argmax under greedy decoding, else a
     sample from the draft's warped distribution. ``stop(logits [V])`` is asked before each token is chosen; True
     ends the chain there (the logits' token is not drafted). The last drafted token is not fed."""
-    feed = draft.sync(seq)
-    logits = draft.forward(torch.tensor([feed]), last_only=True).logits[0, -1]
+    logits = catch_up(draft, seq)
     forwards = 1
     toks: list[int] = []
     qs: list[torch.Tensor] = []

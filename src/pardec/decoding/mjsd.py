@@ -31,7 +31,7 @@ import torch
 
 from pardec.config import SamplingConfig
 from pardec.decoding.base import Decoder, DraftClock, GenerationResult, check_range, register_method
-from pardec.decoding.drafting import Beam, Branches, beam_search
+from pardec.decoding.drafting import Beam, Branches, beam_search, catch_up
 from pardec.decoding.sampling import select
 from pardec.decoding.tree import Tree
 from pardec.decoding.verify import TreeVerdict
@@ -81,10 +81,8 @@ class MJSD(Decoder):
     def propose(self, seq: list[int], steps: int, st) -> tuple[list[Beam], Branches, int]:
         """Beams of ``steps`` tokens after ``seq`` from the draft. Returns (beams, best first; the branches;
         draft forwards)."""
-        d = self.draft
-        feed = d.sync(seq)
-        first = d.forward(torch.tensor([feed]), last_only=True).logits[0, -1]
-        br = Branches(d)
+        first = catch_up(self.draft, seq)
+        br = Branches(self.draft)
         propose = st.s if st.s.greedy else SamplingConfig(temperature=st.s.temperature, top_k=self.top_k,
                                                            top_p=self.top_p)
         temp = 1.0 if st.s.greedy else st.s.temperature

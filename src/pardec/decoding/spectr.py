@@ -20,7 +20,7 @@ import functools
 import torch
 
 from pardec.decoding.base import Decoder, DraftClock, GenerationResult, check_range, register_method
-from pardec.decoding.drafting import Branches
+from pardec.decoding.drafting import Branches, catch_up
 from pardec.decoding.sampling import warp
 from pardec.decoding.tree import Tree
 from pardec.decoding.verify import verify_tree_iid
@@ -41,10 +41,8 @@ class SpecTr(Decoder):
         """``k`` sequences of ``length`` tokens after ``seq``. Returns (sequences, q and draws per prefix
         (tuple of tokens -> the distribution its continuations were drawn from / those tokens in draw order),
         the branches, the branch node of every fed prefix, draft forwards)."""
-        d = self.draft
-        feed = d.sync(seq)
-        first = d.forward(torch.tensor([feed]), last_only=True).logits[0, -1]
-        br = Branches(d)
+        first = catch_up(self.draft, seq)
+        br = Branches(self.draft)
         greedy = st.s.greedy
         gen = st.gen if not greedy else torch.Generator().manual_seed(st.s.seed)
         logits_of: dict[tuple[int, ...], torch.Tensor] = {(): first}
