@@ -264,7 +264,9 @@ def test_bench_also_roles_keep_their_parameters_in_the_row(tmp_path: Path) -> No
             "draft_forwards": 50, "draft_acceptance": 0.3, "tokens_per_s": 20.0, "speedup": 0.9,
             "tokens_per_forward": 1.7, "exact_match_rate": 1.0}
     make_run(tmp_path, "a", summary("sps", "gsm8k", draft="smollm2_distilled", exactness="distribution",
-                                    peers={"also:sps:adaptive=true": also}))
+                                    peers={"also:sps:adaptive=true": also | {"perplexity": 4.5, "metric": 0.75}}))
     rows = build_table(load_runs([str(tmp_path)]))
     sps = [r for r in rows if r.method == "sps"]
     assert sorted(r.params for r in sps) == ["adaptive=True, draft=smollm2_distilled", "draft=smollm2_distilled"]
+    adaptive = next(r for r in sps if "adaptive" in r.params).cells["gsm8k"]
+    assert (adaptive.perplexity, adaptive.metric, adaptive.metric_name) == (4.5, 0.75, "correct")

@@ -259,7 +259,8 @@ def _peer_entry(run: dict[str, Any], peer: dict[str, Any]) -> dict[str, Any]:
         "baseline_tokens_per_s": run.get("baseline_tokens_per_s"), "hf_tokens_per_s": run.get("hf_tokens_per_s"),
         "tokens_per_forward": peer.get("tokens_per_forward"), "exact_match": peer.get("exact_match_rate"),
         "draft_acceptance": peer.get("draft_acceptance"), "exactness": peer.get("exactness"),
-        "metric_name": None, "metric": None, "perplexity": None,
+        "metric_name": run.get("metric_name") if peer.get("metric") is not None else None,
+        "metric": peer.get("metric"), "perplexity": peer.get("perplexity"),  # absent in summaries before 2026-11-21
         "energy_j_per_token": peer.get("energy_j_per_token"), "energy_reason": _energy_reason(run),
     }  # fmt: skip
 
