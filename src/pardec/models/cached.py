@@ -7,6 +7,8 @@ Every decoder talks to the target (and draft) model through :class:`CachedModel`
   ones), optionally the hidden states entering a chosen layer; the new tokens are appended to the cache
 * ``run_upper(hidden, layer, positions, attend)`` -> logits of injected hidden states run through layers
   ``layer..L-1``, the final norm and the LM head, seeing the cache; nothing is appended (FIRP's pseudo states)
+* ``forward_pseudo(ids, project, layers, anchors)`` -> ``forward`` plus K pseudo hidden states per anchor, born
+  at intermediate layers by ``project`` and run through the rest of the model; they are not kept (FIRP)
 * ``truncate(length)``                           -> drop cached positions past ``length``
 * ``keep(indices, start)``                       -> keep a subset of the positions from ``start`` on (default: the
   last-appended ones; tree paths, a chosen beam)
@@ -31,6 +33,7 @@ layers in ``model.model.layers`` with ``model.model.norm``, ``model.model.rotary
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -45,6 +48,14 @@ class NonFiniteLogitsError(RuntimeError):
 class ForwardOut:
     logits: torch.Tensor  # [B, T', V]: every new position, the last one, or the ``logits_at`` ones
     hidden: torch.Tensor | None = None  # [B, T, H] entering the layer asked for (``hidden_layer``)
+
+
+@dataclass
+class PseudoOut:
+    logits: torch.Tensor  # [B, T', V] of the new tokens (all, or the ``logits_at`` ones)
+    pseudo: torch.Tensor  # [B, A, K, H] pseudo states after the final norm (LM head input): anchor a, step i
+    layers: list[tuple[torch.Tensor, torch.Tensor]] | None = None  # per layer input (+ the last output): new
+    #: tokens [B, T, H] and pseudo states born so far [B, A, i, H]; ``capture=True`` only
 
 
 class CachedModel:
@@ -117,7 +128,8 @@ class CachedModel:
         last_only:    logits of the last new position only ([B, 1, V]).
         logits_at:    indices of the new positions whose logits are wanted ([B, len, V]); saves the LM head's
                       work on the others.
-        hidden_layer: also return the hidden states entering decoder layer ``hidden_layer`` (0 = embeddings).
+        hidden_layer: also return the hidden states entering decoder layer ``hidden_layer`` (0 = embeddings;
+                      ``num_layers`` = after the final norm, what the LM head reads: Medusa's heads).
         """
         ids = ids.to(self.device)
         if ids.dim() == 1:
@@ -134,7 +146,9 @@ class CachedModel:
             kwargs["logits_to_keep"] = torch.as_tensor(logits_at, dtype=torch.long, device=self.device)
         captured: list[torch.Tensor] = []
         hook = None
-        if hidden_layer is not None:
+        if hidden_layer is not None and hidden_layer == self.num_layers:
+            hook = self._inner().norm.register_forward_hook(lambda _m, _args, out: captured.append(out))
+        elif hidden_layer is not None:
             hook = self._layer(hidden_layer).register_forward_pre_hook(
                 lambda _m, args, kw: captured.append(args[0] if args else kw["hidden_states"]), with_kwargs=True)
         try:
@@ -185,6 +199,102 @@ class CachedModel:
         logits = self.model.lm_head(inner.norm(hidden))
         self._check_finite(logits, past, t, False, None)
         return logits
+
+    def forward_pseudo(
+        self,
+        ids: torch.Tensor,
+        project: Callable[[int, torch.Tensor], torch.Tensor],
+        layers: list[int],
+        anchors: list[int] | torch.Tensor | None = None,
+        positions: torch.Tensor | None = None,
+        attend: torch.Tensor | None = None,
+        logits_at: torch.Tensor | list[int] | None = None,
+        capture: bool = False,
+    ) -> PseudoOut:
+        """FIRP's forward: new tokens ``ids`` [B, T] as in :meth:`forward` (appended to the cache), plus K pseudo
+        hidden states per anchor that are *not* kept.
+
+        Pseudo state ``i`` (0-based) of anchor ``a`` (an index into the new tokens) is born entering layer
+        ``layers[i]`` as ``project(i, h)``, ``h`` [B, A, H] = the anchors' hidden states entering that layer, with
+        position ``pos[a] + i + 1``; from there it runs through the remaining layers, seeing what its anchor sees
+        (cached and new tokens, as ``attend`` says), the anchor's earlier pseudo states and itself. The new
+        tokens never see pseudo states, so their logits and cache entries are those of :meth:`forward`. Its
+        output after the final norm predicts the token after position ``pos[a] + i + 1``.
+
+        Not under ``inference_mode``: training calls it with gradients (the callers of decoding wrap it).
+        ``capture``: also return every layer's input for the new tokens and the pseudo states (analyses).
+        """
+        inner = self._inner()
+        ids = ids.to(self.device)
+        if ids.dim() == 1:
+            ids = ids[None]
+        bsz, t = ids.shape
+        past = self.length
+        k = len(layers)
+        if k < 1 or any(not 0 <= x < self.num_layers for x in layers):
+            raise ValueError(f"pseudo layers={list(layers)} are out of range: give 1+ indices in "
+                             f"0..{self.num_layers - 1}")
+        if list(layers) != sorted(layers):
+            raise ValueError(f"pseudo layers={list(layers)} are not valid: they must be nondecreasing")
+        anchors = torch.arange(t) if anchors is None else torch.as_tensor(anchors, dtype=torch.long).cpu()
+        n_a = anchors.numel()
+        if n_a and (int(anchors.min()) < 0 or int(anchors.max()) >= t):
+            raise ValueError(f"anchors {anchors.tolist()} out of range for {t} new tokens")
+        positions = self._positions(positions, bsz, t, past)
+        anc_dev = anchors.to(self.device)
+        pseudo_pos = (positions[:, anc_dev, None] + torch.arange(1, k + 1, device=self.device)).transpose(1, 2)
+        all_pos = torch.cat([positions, pseudo_pos.reshape(bsz, k * n_a)], dim=1)  # rows: new, then (i, a)
+        # visibility over [cached, new, pseudo (i, a) in row order]
+        real = self._allowed(bsz, t, past, attend, None)  # [B, T, past+T]
+        n = t + k * n_a
+        allowed = torch.zeros(bsz, n, past + n, dtype=torch.bool, device=self.device)
+        allowed[:, :t, : past + t] = real
+        own = torch.arange(k, device=self.device)
+        sees_pseudo = (own[None, :] <= own[:, None])  # [K, K]: i sees i' <= i
+        same = torch.eye(n_a, dtype=torch.bool, device=self.device)
+        block = (sees_pseudo[:, None, :, None] & same[None, :, None, :]).reshape(k * n_a, k * n_a)
+        allowed[:, t:, : past + t] = real[:, anc_dev].repeat(1, k, 1)
+        allowed[:, t:, past + t :] = block
+        mask = self._to_additive(allowed)
+        hidden = inner.embed_tokens(ids)
+        rope = inner.rotary_emb(hidden, position_ids=all_pos)
+        born = 0
+        caught: list[tuple[torch.Tensor, torch.Tensor]] = []
+        try:
+            for layer in range(self.num_layers):
+                while born < k and layers[born] == layer:
+                    h = hidden[:, anc_dev]  # the anchors' own rows (new tokens come first)
+                    hidden = torch.cat([hidden, project(born, h).to(hidden.dtype)], dim=1)
+                    born += 1
+                m = t + born * n_a
+                if capture:
+                    caught.append((hidden[:, :t], hidden[:, t:]))
+                hidden = inner.layers[layer](
+                    hidden, attention_mask=mask[:, :, :m, : past + m],
+                    position_embeddings=tuple(x[:, :m] for x in rope), position_ids=all_pos[:, :m],
+                    past_key_values=self.cache, use_cache=True)
+        finally:  # drop the pseudo states' keys/values (and everything on an error part-way)
+            keep_to = past + t if born == k else past
+            for lc in self.cache.layers:
+                if lc.keys is not None and lc.keys.shape[-2] > keep_to:
+                    lc.keys, lc.values = lc.keys[..., :keep_to, :], lc.values[..., :keep_to, :]
+        normed = inner.norm(hidden)
+        real_h = normed[:, :t]
+        if logits_at is not None:
+            real_h = real_h[:, torch.as_tensor(logits_at, dtype=torch.long, device=self.device)]
+        logits = self.model.lm_head(real_h)
+        self._tokens = torch.cat([self._tokens.expand(bsz, -1), ids.cpu()], dim=1)
+        self._last_appended = t
+        self._check_finite(logits, past, t, False, None if logits_at is None else torch.as_tensor(logits_at))
+        pseudo = normed[:, t:].reshape(bsz, k, n_a, -1).transpose(1, 2)  # [B, A, K, H]
+        if capture:
+            caught.append((hidden[:, :t], hidden[:, t:]))
+        return PseudoOut(logits, pseudo, [(r, p.reshape(bsz, -1, n_a, p.shape[-1]).transpose(1, 2)) for r, p in caught]
+                         if capture else None)
+
+    def lm_head(self, normed: torch.Tensor) -> torch.Tensor:
+        """The LM head on hidden states that went through the final norm (pseudo states of :meth:`forward_pseudo`)."""
+        return self.model.lm_head(normed.to(self.device, self.dtype))
 
     def truncate(self, length: int) -> None:
         """Keep the first ``length`` cached positions."""
@@ -265,7 +375,7 @@ class CachedModel:
             f"model {self.name!r} produced non-finite logits (NaN/inf) at position {past + new} "
             f"(row {b}, new token {new} of {t}, cache length {past})")
 
-    def _additive_mask(
+    def _allowed(
         self,
         bsz: int,
         t: int,
@@ -273,7 +383,7 @@ class CachedModel:
         attend: torch.Tensor | None,
         key_valid: torch.Tensor | None,
     ) -> torch.Tensor:
-        """[B, 1, T, past+T] additive float mask: 0 = attend, finfo.min = masked."""
+        """[B, T, past+T] bool visibility of the new tokens over cached + new positions."""
         dev = self.device
         if attend is None:
             attend = torch.ones(t, t, dtype=torch.bool, device=dev).tril()
@@ -292,6 +402,15 @@ class CachedModel:
         # a fully masked row (a padding query) would give NaNs; let it see itself
         diag = torch.arange(t, device=dev)
         allowed[:, diag, past + diag] |= ~allowed.any(-1)
-        mask = torch.zeros(allowed.shape, dtype=self.dtype, device=dev)
+        return allowed
+
+    def _to_additive(self, allowed: torch.Tensor) -> torch.Tensor:
+        """[B, Q, K] bool -> [B, 1, Q, K] additive float mask: 0 = attend, finfo.min = masked."""
+        mask = torch.zeros(allowed.shape, dtype=self.dtype, device=allowed.device)
         mask.masked_fill_(~allowed, torch.finfo(self.dtype).min)
         return mask[:, None]
+
+    def _additive_mask(self, bsz: int, t: int, past: int, attend: torch.Tensor | None,
+                       key_valid: torch.Tensor | None) -> torch.Tensor:
+        """[B, 1, T, past+T] additive float mask: 0 = attend, finfo.min = masked."""
+        return self._to_additive(self._allowed(bsz, t, past, attend, key_valid))

@@ -1,0 +1,180 @@
+"""Drafters trained on the target itself, which draft K future tokens from one target forward:
+
+* :class:`MedusaHeads` (Medusa-1, Cai et al. 2024): K heads on the last hidden state (after the final norm); head
+  ``k`` (1-based) = ``ResBlock^n`` then its own ``Linear(H, V)``, and predicts the token ``k + 1`` positions after
+  the one the hidden state belongs to (the target's own LM head predicts the next one). ``ResBlock(x) = x +
+  SiLU(Wx + b)`` with ``W, b`` zero-initialised and each head's linear copied from the target's LM head, so an
+  untrained head starts as the target's next-token head (Medusa's initialisation).
+* :class:`FirpProjections` (FIRP, Wu et al. 2024): K linear maps ``h -> W_i h + b_i``; map ``i`` (1-based) turns
+  the hidden state of the last real token ``j`` entering layer ``t_i`` into the pseudo hidden state of position
+  ``j + i``, which then runs through layers ``t_i..L-1``, the final norm and the target's own LM head
+  (:meth:`pardec.models.cached.CachedModel.forward_pseudo`). Initialised as the identity (``W = I, b = 0``).
+
+Both save to a directory: ``drafter.json`` (kind, the base model's name and shape, K, layers, training facts) and
+``drafter.safetensors``. :func:`load_drafter` checks the shape against the target (hidden size, vocabulary,
+layer count) and raises one line naming both when they differ.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file, save_file
+from torch import nn
+
+from pardec.config import ConfigError
+
+FORMAT = "pardec-drafter"
+VERSION = 1
+KINDS = ("medusa", "firp")
+
+
+class ResBlock(nn.Module):
+    def __init__(self, hidden_size: int):
+        super().__init__()
+        self.linear = nn.Linear(hidden_size, hidden_size)
+        nn.init.zeros_(self.linear.weight)
+        nn.init.zeros_(self.linear.bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + nn.functional.silu(self.linear(x))
+
+
+class MedusaHeads(nn.Module):
+    kind = "medusa"
+
+    def __init__(self, hidden_size: int, vocab_size: int, num_heads: int, num_blocks: int = 1):
+        super().__init__()
+        if num_heads < 1:
+            raise ConfigError(f"medusa num_heads={num_heads} is out of range: it must be an integer >= 1")
+        self.hidden_size, self.vocab_size, self.num_heads, self.num_blocks = hidden_size, vocab_size, num_heads, num_blocks
+        self.heads = nn.ModuleList(
+            nn.Sequential(*[ResBlock(hidden_size) for _ in range(num_blocks)], nn.Linear(hidden_size, vocab_size,
+                                                                                          bias=False))
+            for _ in range(num_heads))
+
+    @property
+    def k(self) -> int:
+        return self.num_heads
+
+    def init_from(self, lm_head: nn.Linear) -> MedusaHeads:
+        with torch.no_grad():
+            for head in self.heads:
+                head[-1].weight.copy_(lm_head.weight)
+        return self
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[..., H] final-norm hidden states -> [..., K, V] logits (head k: the token k + 1 positions ahead)."""
+        return torch.stack([head(hidden) for head in self.heads], dim=-2)
+
+    def meta(self) -> dict[str, Any]:
+        return {"num_heads": self.num_heads, "num_blocks": self.num_blocks}
+
+
+class FirpProjections(nn.Module):
+    kind = "firp"
+
+    def __init__(self, hidden_size: int, vocab_size: int, layers: list[int]):
+        super().__init__()
+        if len(layers) < 1:
+            raise ConfigError(f"firp layers={layers} is not valid: K = len(layers) must be >= 1")
+        if list(layers) != sorted(layers):
+            raise ConfigError(f"firp layers={layers} is not valid: the layers must be nondecreasing")
+        self.hidden_size, self.vocab_size, self.layers = hidden_size, vocab_size, [int(x) for x in layers]
+        self.proj = nn.ModuleList(nn.Linear(hidden_size, hidden_size) for _ in layers)
+        with torch.no_grad():
+            for p in self.proj:
+                p.weight.copy_(torch.eye(hidden_size))
+                p.bias.zero_()
+
+    @property
+    def k(self) -> int:
+        return len(self.layers)
+
+    def forward(self, i: int, hidden: torch.Tensor) -> torch.Tensor:
+        """Projection ``i`` (0-based: the pseudo state ``i + 1`` positions ahead of its anchor)."""
+        p = self.proj[i]
+        return p(hidden.to(p.weight.dtype))
+
+    def meta(self) -> dict[str, Any]:
+        return {"layers": self.layers}
+
+
+Drafter = MedusaHeads | FirpProjections
+
+
+def new_drafter(kind: str, base_config, *, num_heads: int = 3, num_blocks: int = 1,
+                layers: list[int] | None = None, lm_head: nn.Linear | None = None) -> Drafter:
+    """A fresh drafter for a model with config ``base_config`` (layer indices checked against it)."""
+    hidden, vocab, n_layers = _shape(base_config)
+    if kind == "medusa":
+        heads = MedusaHeads(hidden, vocab, num_heads, num_blocks)
+        return heads.init_from(lm_head) if lm_head is not None else heads
+    if kind == "firp":
+        layers = list(layers or [])
+        bad = [x for x in layers if not 0 <= x < n_layers]
+        if bad:
+            raise ConfigError(f"firp layers={layers} is out of range: the model has layers 0..{n_layers - 1}")
+        return FirpProjections(hidden, vocab, layers)
+    raise ConfigError(f"drafter kind={kind!r} is not valid; choose one of: {', '.join(KINDS)}")
+
+
+def num_parameters(module: nn.Module) -> int:
+    return sum(p.numel() for p in module.parameters())
+
+
+def save_drafter(drafter: Drafter, out_dir: str | Path, base_config, base_name: str,
+                 extra: dict[str, Any] | None = None) -> Path:
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    hidden, vocab, n_layers = _shape(base_config)
+    meta = {"format": FORMAT, "version": VERSION, "kind": drafter.kind, "base_model": base_name,
+            "hidden_size": hidden, "vocab_size": vocab, "num_hidden_layers": n_layers, "k": drafter.k,
+            **drafter.meta(), "parameters": num_parameters(drafter), **(extra or {})}
+    state = {k: v.detach().contiguous().cpu() for k, v in drafter.state_dict().items()}
+    save_file(state, str(out / "drafter.safetensors"))
+    (out / "drafter.json").write_text(json.dumps(meta, indent=2) + "\n")
+    return out
+
+
+def read_meta(path: str | Path, key: str = "method.path") -> dict[str, Any]:
+    """``drafter.json`` of a drafter directory; one-line errors for a missing or foreign directory."""
+    f = Path(path) / "drafter.json"
+    if not f.is_file():
+        raise ConfigError(f"{key}={str(path)!r} holds no trained drafter (no drafter.json); train one with "
+                          f"python -m train +experiment=medusa_smollm2 (or firp_smollm2)")
+    try:
+        meta = json.loads(f.read_text())
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"{key}: {f} is not valid JSON ({e})") from None
+    if meta.get("format") != FORMAT or meta.get("version") != VERSION:
+        raise ConfigError(f"{key}: {f} has format {meta.get('format')!r} version {meta.get('version')!r}; "
+                          f"expected {FORMAT!r} version {VERSION}")
+    return meta
+
+
+def load_drafter(path: str | Path, base_config, kind: str, key: str = "method.path") -> tuple[Drafter, dict]:
+    """Load a saved drafter for a target with config ``base_config``; every mismatch is one line naming both."""
+    meta = read_meta(path, key)
+    if meta.get("kind") != kind:
+        raise ConfigError(f"{key}={str(path)!r} holds {meta.get('kind')!r} weights; this method needs {kind!r}")
+    hidden, vocab, n_layers = _shape(base_config)
+    for name, want in (("hidden_size", hidden), ("vocab_size", vocab), ("num_hidden_layers", n_layers)):
+        if meta.get(name) != want:
+            raise ConfigError(
+                f"{key}={str(path)!r} was trained for another model ({meta.get('base_model')!r}: {name} "
+                f"{meta.get(name)}); the target has {name} {want}")
+    if kind == "medusa":
+        drafter: Drafter = MedusaHeads(hidden, vocab, int(meta["num_heads"]), int(meta.get("num_blocks", 1)))
+    else:
+        drafter = new_drafter("firp", base_config, layers=list(meta["layers"]))
+    state = load_file(str(Path(path) / "drafter.safetensors"))
+    drafter.load_state_dict(state)
+    return drafter.eval(), meta
+
+
+def _shape(cfg) -> tuple[int, int, int]:
+    return int(cfg.hidden_size), int(cfg.vocab_size), int(cfg.num_hidden_layers)

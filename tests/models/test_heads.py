@@ -1,0 +1,140 @@
+"""FIRP's pseudo-state forward against a brute force that runs each anchor's pseudo states on their own, and the
+drafters' save / load checks."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pardec.config import ConfigError
+from pardec.decoding.tree import Tree
+from pardec.models.cached import CachedModel
+from pardec.models.heads import FirpProjections, MedusaHeads, load_drafter, new_drafter, save_drafter
+from tests.conftest import tiny
+
+
+def _random_projections(hidden: int, layers: list[int], seed: int = 0) -> FirpProjections:
+    proj = FirpProjections(hidden, 0, layers)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in proj.proj:
+            p.weight.add_(torch.randn(p.weight.shape, generator=g) * 0.2)
+            p.bias.copy_(torch.randn(p.bias.shape, generator=g) * 0.1)
+    return proj
+
+
+def _brute(model, seq: list[int], positions: list[int], proj: FirpProjections) -> torch.Tensor:
+    """The pseudo states of the last token of ``seq`` alone: the sequence ``seq`` then its K pseudo states, no
+    cache, plainly causal (each pseudo state sees the sequence, the earlier pseudo states and itself), pseudo
+    state i joining entering layer ``layers[i]``. Returns [K, V] logits."""
+    inner = model.model
+    h = inner.embed_tokens(torch.tensor([seq]))
+    k, n = proj.k, len(seq)
+    pos = torch.tensor([positions + [positions[-1] + i for i in range(1, k + 1)]])
+    born = 0
+    for layer in range(len(inner.layers)):
+        while born < k and proj.layers[born] == layer:
+            h = torch.cat([h, proj(born, h[:, n - 1 : n])], dim=1)
+            born += 1
+        m = h.shape[1]
+        causal = torch.full((m, m), torch.finfo(h.dtype).min).triu(1)[None, None]
+        rope = inner.rotary_emb(h, position_ids=pos[:, :m])
+        h = inner.layers[layer](h, attention_mask=causal, position_embeddings=rope, position_ids=pos[:, :m])
+    return model.lm_head(inner.norm(h))[0, n:]
+
+
+@pytest.mark.parametrize("layers", [[0, 1, 2], [1, 1], [2]])
+def test_pseudo_forward_over_a_tree_equals_brute_force_per_anchor(layers):
+    lm = tiny(1, layers=3)
+    model = lm.model
+    proj = _random_projections(model.config.hidden_size, layers)
+    cm = CachedModel(model)
+    prompt = list(range(700, 706))
+    cm.prefill(torch.tensor([prompt]))
+    tree = Tree.from_parents([-1, 0, 0, 1, 3], [-1, 11, 12, 13, 14])
+    toks = tree.tokens(42)
+    with torch.no_grad():
+        out = cm.forward_pseudo(toks[None], proj, layers, positions=tree.positions(6), attend=tree.attend)
+        assert cm.length == 6 + len(tree)  # the tree is appended, the pseudo states are not
+        assert cm.tokens == prompt + toks.tolist()
+        plain = CachedModel(model)
+        plain.prefill(torch.tensor([prompt]))
+        ref_logits = plain.forward(toks[None], positions=tree.positions(6), attend=tree.attend).logits[0]
+        torch.testing.assert_close(out.logits[0], ref_logits, rtol=1e-4, atol=1e-5)
+        for node in range(len(tree)):
+            path = tree.path_to(node)
+            seq = prompt + [int(toks[i]) for i in path]
+            want = _brute(model, seq, list(range(6)) + [6 + int(tree.depth[i]) for i in path], proj)
+            got = cm.lm_head(out.pseudo[0, node])
+            torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+        # the cache still serves later forwards exactly
+        nxt = cm.forward(torch.tensor([[99]]), positions=torch.tensor([6 + len(tree)])).logits[0, -1]
+        plain.forward(torch.tensor([[99]]), positions=torch.tensor([6 + len(tree)]))
+        assert nxt.shape[-1] == model.config.vocab_size
+
+
+def test_pseudo_forward_trains_only_the_projections():
+    lm = tiny(1, layers=3)
+    model = lm.model.requires_grad_(False)
+    proj = _random_projections(model.config.hidden_size, [1, 2])
+    cm = CachedModel(model)
+    out = cm.forward_pseudo(torch.tensor([list(range(300, 310))]), proj, proj.layers)
+    loss = cm.lm_head(out.pseudo).logsumexp(-1).mean()
+    loss.backward()
+    assert all(p.grad is not None and float(p.grad.abs().sum()) > 0 for p in proj.parameters())
+    assert all(p.grad is None for p in model.parameters())
+
+
+def test_pseudo_layers_and_anchors_are_checked():
+    cm = CachedModel(tiny(1, layers=3).model)
+    ident = FirpProjections(64, 0, [0])
+    with pytest.raises(ValueError, match="out of range"):
+        cm.forward_pseudo(torch.tensor([[1, 2]]), ident, [3])
+    with pytest.raises(ValueError, match="nondecreasing"):
+        cm.forward_pseudo(torch.tensor([[1, 2]]), ident, [2, 1])
+    with pytest.raises(ValueError, match="anchors"):
+        cm.forward_pseudo(torch.tensor([[1, 2]]), ident, [1], anchors=[5])
+    assert cm.length == 0
+
+
+def test_final_hidden_is_the_lm_head_input():
+    lm = tiny(0)
+    cm = CachedModel(lm.model)
+    with torch.inference_mode():
+        out = cm.forward(torch.tensor([[5, 6, 7]]), hidden_layer=lm.model.config.num_hidden_layers)
+        torch.testing.assert_close(cm.lm_head(out.hidden), out.logits, rtol=1e-5, atol=1e-5)
+
+
+def test_untrained_medusa_heads_repeat_the_lm_head():
+    lm = tiny(0)
+    heads = new_drafter("medusa", lm.model.config, num_heads=2, lm_head=lm.model.lm_head)
+    h = torch.randn(3, lm.model.config.hidden_size)
+    out = heads(h)
+    assert out.shape == (3, 2, lm.model.config.vocab_size)
+    torch.testing.assert_close(out[:, 1], lm.model.lm_head(h))
+
+
+def test_drafters_round_trip_and_refuse_another_model(tmp_path):
+    small, other = tiny(0), tiny(1, layers=3)
+    heads = new_drafter("medusa", small.model.config, num_heads=2, lm_head=small.model.lm_head)
+    save_drafter(heads, tmp_path / "m", small.model.config, "tiny")
+    back, meta = load_drafter(tmp_path / "m", small.model.config, "medusa")
+    assert isinstance(back, MedusaHeads) and meta["k"] == 2 and meta["parameters"] > 0
+    h = torch.randn(2, small.model.config.hidden_size)
+    torch.testing.assert_close(back(h), heads(h))
+    proj = new_drafter("firp", other.model.config, layers=[1, 2])
+    save_drafter(proj, tmp_path / "f", other.model.config, "tiny3")
+    assert load_drafter(tmp_path / "f", other.model.config, "firp")[0].layers == [1, 2]
+    with pytest.raises(ConfigError, match="num_hidden_layers 3.*the target has num_hidden_layers 2"):
+        load_drafter(tmp_path / "f", small.model.config, "firp")
+    with pytest.raises(ConfigError, match="holds 'firp' weights; this method needs 'medusa'"):
+        load_drafter(tmp_path / "f", other.model.config, "medusa")
+    with pytest.raises(ConfigError, match="no trained drafter"):
+        load_drafter(tmp_path / "nothing", small.model.config, "medusa")
+    wide = tiny(0).model.config.__class__(**{**small.model.config.to_dict(), "hidden_size": 128})
+    with pytest.raises(ConfigError, match="hidden_size 64.*the target has hidden_size 128"):
+        load_drafter(tmp_path / "m", wide, "medusa")
+    with pytest.raises(ConfigError, match="out of range"):
+        new_drafter("firp", small.model.config, layers=[0, 2])
+    with pytest.raises(ConfigError, match="nondecreasing"):
+        new_drafter("firp", other.model.config, layers=[2, 1])
