@@ -34,8 +34,11 @@ def lines(run_dir: Path) -> list[dict]:
 @pytest.mark.parametrize(
     "overrides,needle",
     [
-        ([], "no method given: pass +method=<name>; valid methods: ar, bild, hf_assisted, hf_generate, hf_pld, jacobi, "
-                "lookahead, mjgd, mjsd, ouroboros, pld, spectr, sps"),
+        ([], "no method given: pass +method=<name>; valid methods: ar, bild, firp, hf_assisted, hf_generate, hf_pld, "
+                "jacobi, lookahead, medusa, medusa_typical, mjgd, mjsd, ouroboros, pld, spectr, sps"),
+        (["+method=medusa"], "method 'medusa' needs trained medusa weights: method.heads=<dir>"),
+        (["+method=firp", "method.projections=/nonexistent"], "method.projections='/nonexistent' holds no trained "
+                                                                  "drafter"),
         (["+method=jacobi", "method.name=jacobo"], "unknown method 'jacobo'. Did you mean 'jacobi'?"),
         (["+method=jacobi", "+method.blocksize=4"], "has no parameter(s) ['blocksize']; valid: block_size"),
         (["+method=jacobi", "method.block_size=0"], "method.block_size=0 is out of range"),

@@ -16,6 +16,7 @@ from pardec.decoding import METHODS, Stopper, build_decoder
 from pardec.decoding.sampling import warp
 from pardec.decoding.tree import Tree
 from pardec.models.cached import CachedModel
+from tests.decoding.drafters import drafter_params
 from tests.stats import chi_square_p
 
 V = 16
@@ -54,7 +55,7 @@ def exact_joint(model, s: SamplingConfig) -> dict[tuple[int, int, int], float]:
 
 
 def test_every_distribution_method_is_covered():
-    assert {"ar", "jacobi", "pld", "sps", "spectr"} <= set(DISTRIBUTION)
+    assert {"ar", "jacobi", "pld", "sps", "spectr", "medusa", "firp"} <= set(DISTRIBUTION)
 
 
 @pytest.mark.parametrize("setting", list(SETTINGS))
@@ -63,7 +64,7 @@ def test_sampled_output_follows_the_target_distribution(method, setting):
     s0 = SETTINGS[setting]
     target = tiny_vocab(0)
     draft = CachedModel(tiny_vocab(1), name="draft") if METHODS.get(method).needs_draft else None
-    params = PARAMS.get(method, {})
+    params = {**drafter_params(method, target), **PARAMS.get(method, {})}
     dec = build_decoder(method, CachedModel(target), None, draft, **params)
     if method == "lookahead":  # fixed candidates that the target often, not always, continues with
         fixed = {15: [(14, 0), (15,), (12, 4)], 14: [(0,), (13, 0)], 12: [(4,)]}
@@ -79,7 +80,7 @@ def test_sampled_output_follows_the_target_distribution(method, setting):
     p, dof = chi_square_p(obs, exact_joint(target, s0), N)
     assert dof >= 8, dof
     assert p > 1e-3, (method, setting, p)
-    if method in ("sps", "pld", "ouroboros", "spectr"):  # the drafts were really exercised, and partly accepted
+    if method in ("sps", "pld", "ouroboros", "spectr", "medusa", "firp"):  # drafts exercised, partly accepted
         assert drafted > 0 and 0 < accepted < drafted, (drafted, accepted)
     if method == "lookahead":  # pool candidates were accepted in some runs, not all
         assert 0 < hits < N, hits

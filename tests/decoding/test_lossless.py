@@ -13,6 +13,7 @@ from pardec.decoding.jacobi import Jacobi
 from pardec.decoding.pld import PromptLookup, lookup
 from pardec.models.cached import CachedModel
 from tests.conftest import draft_for, tiny
+from tests.decoding.drafters import drafter_params
 
 LOSSLESS = [m for m in METHODS.names() if lossless_under_greedy(METHODS.get(m))]
 DRAFTS = ("self", "noisy", "random")
@@ -29,7 +30,9 @@ PARAMS = {"jacobi": [{"block_size": 16}, {"block_size": 5}, {"block_size": 1}, {
           "ouroboros": [{}, {"gamma": 1, "level": 2, "window": 1, "guess_set": 1, "top_k_phrases": 1},
                         {"accelerated_drafting": False, "lengthening": False, "verified_phrases": False},
                         {"gamma": 6, "level": 3, "window": 4, "guess_set": 3, "warm_start": True}],
-          "spectr": [{}, {"k": 1, "gamma": 1}, {"k": 2, "gamma": 6}]}
+          "spectr": [{}, {"k": 1, "gamma": 1}, {"k": 2, "gamma": 6}],
+          "medusa": [{}, {"tree": "chain"}, {"tree": "chain", "k": 1}],
+          "firp": [{}, {"tree": "chain"}, {"k": 2}]}
 
 
 def _ids(tok, prompt):
@@ -43,11 +46,12 @@ def _ar(cm, tok, ids, n, stop):
 def _build(method, cm, tok, seed=0, draft="self", **params):
     """A decoder; methods that need a draft get ``draft_for(draft, seed)``."""
     d = draft_for(draft, seed) if METHODS.get(method).needs_draft else None
-    return build_decoder(method, cm, tok, d, **params)
+    return build_decoder(method, cm, tok, d, **{**drafter_params(method, cm.model), **params})
 
 
 def test_every_lossless_method_is_covered():
-    assert {"ar", "hf_generate", "jacobi", "pld", "sps", "lookahead", "ouroboros", "spectr"} <= set(LOSSLESS)
+    assert {"ar", "hf_generate", "jacobi", "pld", "sps", "lookahead", "ouroboros", "spectr", "medusa",
+            "firp"} <= set(LOSSLESS)
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2])

@@ -1,6 +1,18 @@
 """Decoders. Importing this package registers every built-in method in :data:`METHODS`."""
 
-from pardec.decoding import ar, bild, hf_generate, jacobi, lookahead, mjsd, ouroboros, pld, spectr, sps  # noqa: F401
+from pardec.decoding import (  # noqa: F401
+    ar,
+    bild,
+    heads,
+    hf_generate,
+    jacobi,
+    lookahead,
+    mjsd,
+    ouroboros,
+    pld,
+    spectr,
+    sps,
+)
 from pardec.decoding.base import (  # noqa: F401
     METHODS,
     Decoder,

@@ -159,8 +159,10 @@ class Decoder:
         raise NotImplementedError
 
     # shared steps ----------------------------------------------------------------------------
-    def _start(self, prompt_ids, max_new_tokens: int, stop: Stopper | None, sampling: SamplingConfig | None):
-        """Prefill the target with the prompt and commit its first token.
+    def _start(self, prompt_ids, max_new_tokens: int, stop: Stopper | None, sampling: SamplingConfig | None,
+               prefill: Callable[[torch.Tensor], torch.Tensor] | None = None):
+        """Prefill the target with the prompt and commit its first token. ``prefill(ids) -> [1, V]`` replaces
+        ``target.prefill`` (a method that wants more than the last logits from that forward).
 
         Returns (state, last committed token); ``state.prefill_s`` is set, the clock keeps running."""
         s = sampling or SamplingConfig()
@@ -169,7 +171,7 @@ class Decoder:
             raise ValueError("empty prompt")
         ids = ids.to(self.target.device)
         st = _Run(s, Output(max_new_tokens, stop or Stopper()), ids, make_generator(s, ids.device), Timer(ids.device))
-        last = int(select(self.target.prefill(ids), s, st.gen))
+        last = int(select((prefill or self.target.prefill)(ids), s, st.gen))
         st.out.commit([last])
         st.prefill_s = st.timer.elapsed()
         st.target_forwards = 1

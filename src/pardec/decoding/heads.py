@@ -1,0 +1,192 @@
+"""Drafters trained on the target itself, one target forward per step: ``medusa`` (+ ``medusa_typical``) and
+``firp``.
+
+Each step the target runs once over a tree whose root is the last committed token and whose other nodes are
+candidates from the previous step's K draft distributions (depth d: the top-ranked tokens of distribution d, as
+the tree's rank paths say: :mod:`pardec.decoding.tree_search`). The same forward gives the target's logits at
+every node (verification: :func:`~pardec.decoding.verify.verify_tree`, the cache then keeps the accepted path)
+and the drafts of the next step, from the node that ends the accepted path:
+
+* ``medusa`` (Cai et al. 2024): the K heads of :class:`~pardec.models.heads.MedusaHeads` on the node's final
+  hidden state; head k drafts the token k + 1 positions after the one the target commits there.
+* ``firp`` (Wu et al. 2024): K pseudo hidden states per node, born at intermediate layers from the node's own
+  hidden states by :class:`~pardec.models.heads.FirpProjections` and run through the upper layers inside the same
+  forward (:meth:`~pardec.models.cached.CachedModel.forward_pseudo`); the LM head runs only on the accepted node's.
+
+Exactness: candidates are deterministic (top-k), so the shared tree rule keeps greedy output equal to ``ar`` and
+sampled output distributed exactly as the target's (``distribution``). ``medusa_typical`` replaces it under
+sampling by Medusa's typical acceptance (a candidate passes when its target probability exceeds
+``min(posterior_threshold, posterior_alpha * exp(-entropy))``, the longest passing path wins, the next token is
+sampled from the target at its end): ``approximate``, declared; under greedy it is the exact greedy rule.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import ClassVar
+
+import torch
+
+from pardec.config import ConfigError, SamplingConfig
+from pardec.decoding.base import Decoder, GenerationResult, Stopper, _Run, check_range, register_method
+from pardec.decoding.sampling import warp
+from pardec.decoding.tree import Tree
+from pardec.decoding.tree_search import resolve_tree, truncate_paths
+from pardec.decoding.verify import TreeVerdict, verify_tree
+from pardec.models.cached import CachedModel
+from pardec.models.heads import load_drafter, read_meta
+
+
+class TreeDrafter(Decoder):
+    """The shared loop; subclasses say how one forward yields the target's logits and the next drafts."""
+
+    exactness = "distribution"
+    kind: ClassVar[str] = ""
+    key: ClassVar[str] = ""  # the method parameter naming the drafter directory
+
+    def __init__(self, target: CachedModel, tokenizer=None, draft=None, path: str | None = None,
+                 tree: str = "chain", k: int | None = None):
+        super().__init__(target, tokenizer, draft)
+        if path is None:
+            raise ConfigError(f"method {self.name!r} needs trained {self.kind} weights: method.{self.key}=<dir> "
+                              f"(train them with python -m train +experiment={self.kind}_smollm2)")
+        key = f"method.{self.key}"
+        meta = read_meta(path, key)  # checks that need no model first (the harness checks before loading one)
+        if meta.get("kind") != self.kind:
+            raise ConfigError(f"{key}={path!r} holds {meta.get('kind')!r} weights; this method needs {self.kind!r}")
+        if k is not None:
+            check_range("k", k, 1, int(meta["k"]))
+        self.k = k or int(meta["k"])
+        # a tree deeper than the drafter's K is an error; one deeper than a smaller ``k`` asked for is cut to it
+        self.tree_name, paths = resolve_tree(tree, [Path(path) / "trees"], int(meta["k"]))
+        self.paths = truncate_paths(paths, self.k)
+        if target is not None:
+            self.drafter, self.meta = load_drafter(path, target.config, self.kind, key=key)
+            self.drafter.to(target.device, target.dtype)
+
+    # ------------------------------------------------------------------ per method
+    def _forward(self, ids: torch.Tensor, positions=None, attend=None, last_only: bool = False):
+        """(target logits [T', V], state from which :meth:`_drafts` reads a node's K draft logits)."""
+        raise NotImplementedError
+
+    def _drafts(self, state, node: int) -> torch.Tensor:
+        raise NotImplementedError
+
+    def _accept(self, tree: Tree, logits: torch.Tensor, st: _Run) -> TreeVerdict:
+        return verify_tree(tree, logits, st.s, st.gen)
+
+    # ------------------------------------------------------------------ shared
+    def candidates(self, drafts: torch.Tensor, depth: int) -> Tree:
+        """The tree of top-ranked draft tokens: the rank paths (cut to ``depth``) with ranks replaced by tokens."""
+        ranks = Tree.from_paths(truncate_paths(self.paths, depth))
+        if len(ranks) == 1:
+            return ranks
+        need = int(max(ranks.labels[1:])) + 1
+        top = drafts[: max(1, depth)].topk(min(need, drafts.shape[-1]), dim=-1).indices.cpu()  # [depth, need]
+        labels = [-1] + [int(top[int(ranks.depth[n]) - 1, ranks.labels[n]]) for n in range(1, len(ranks))]
+        return Tree(ranks.parents, labels)
+
+    @torch.inference_mode()
+    def generate(self, prompt_ids, max_new_tokens: int, stop: Stopper | None = None,
+                 sampling: SamplingConfig | None = None) -> GenerationResult:
+        box = {}
+
+        def prefill(ids: torch.Tensor) -> torch.Tensor:
+            self.target.reset()
+            logits, state = self._forward(ids, last_only=True)
+            box["drafts"] = self._drafts(state, -1)
+            return logits[-1:]
+
+        st, last = self._start(prompt_ids, max_new_tokens, stop, sampling, prefill)
+        drafts = box["drafts"]
+        drafted = accepted = 0
+        while not st.out.done:
+            tree = self.candidates(drafts, min(self.k, st.out.room - 1))
+            base = self.target.length
+            logits, state = self._forward(tree.tokens(last)[None], tree.positions(base), tree.attend)
+            st.target_forwards += 1
+            verdict = self._accept(tree, logits, st)
+            st.out.commit(verdict.tokens)
+            self.target.keep(verdict.path)
+            drafts = self._drafts(state, verdict.path[-1])
+            last = verdict.tokens[-1]
+            drafted += len(tree) - 1
+            accepted += len(verdict.path) - 1
+        return self._result(st, {"tree": self.tree_name, "tree_nodes": len(Tree.from_paths(self.paths)) - 1,
+                                 "k": self.k}, drafted=drafted, draft_accepted=accepted)
+
+
+@register_method("medusa")
+class Medusa(TreeDrafter):
+    kind, key = "medusa", "heads"
+
+    def __init__(self, target: CachedModel, tokenizer=None, draft=None, heads: str | None = None,
+                 tree: str = "chain", k: int | None = None):
+        super().__init__(target, tokenizer, draft, heads, tree, k)
+
+    def _forward(self, ids, positions=None, attend=None, last_only=False):
+        out = self.target.forward(ids, positions=positions, attend=attend, last_only=last_only,
+                                  hidden_layer=self.target.num_layers)
+        return out.logits[0], out.hidden[0]
+
+    def _drafts(self, hidden, node):
+        return self.drafter(hidden[node])[: self.k]  # [k, V]
+
+
+@register_method("medusa_typical")
+class MedusaTypical(Medusa):
+    """Medusa with its typical acceptance under sampling (lossy; greedy = the exact rule)."""
+
+    exactness = "approximate"
+
+    def __init__(self, target: CachedModel, tokenizer=None, draft=None, heads: str | None = None,
+                 tree: str = "chain", k: int | None = None, posterior_threshold: float = 0.09,
+                 posterior_alpha: float = 0.3):
+        super().__init__(target, tokenizer, draft, heads, tree, k)
+        check_range("posterior_threshold", posterior_threshold, 0.0, 1.0, integer=False)
+        check_range("posterior_alpha", posterior_alpha, 0.0, 1.0, integer=False)
+        self.threshold, self.alpha = posterior_threshold, posterior_alpha
+
+    def _accept(self, tree, logits, st):
+        if st.s.greedy:
+            return verify_tree(tree, logits, st.s, st.gen)
+        return typical_accept(tree, logits, st.s, st.gen, self.threshold, self.alpha)
+
+
+def typical_accept(tree: Tree, logits: torch.Tensor, s: SamplingConfig, gen: torch.Generator | None,
+                   threshold: float, alpha: float) -> TreeVerdict:
+    """Medusa's typical acceptance: node n passes when its parent's target probability of its token (temperature
+    only) exceeds ``min(threshold, alpha * exp(-H))``, H the entropy there; the deepest node whose whole path
+    passes wins (the first in node order among equals) and one more token is sampled from the target's warped
+    distribution at it."""
+    probs = torch.softmax(logits.float() / s.temperature, dim=-1)
+    ent = -(probs * probs.clamp_min(1e-30).log()).sum(-1)
+    bar = torch.minimum(torch.full_like(ent, threshold), alpha * torch.exp(-ent))
+    ok = [True] + [bool(probs[tree.parents[n], tree.labels[n]] > bar[tree.parents[n]]) for n in range(1, len(tree))]
+    best = 0
+    for n in range(1, len(tree)):
+        if all(ok[m] for m in tree.path_to(n)) and int(tree.depth[n]) > int(tree.depth[best]):
+            best = n
+    path = tree.path_to(best)
+    nxt = int(torch.multinomial(warp(logits[best], s), 1, generator=gen))
+    return TreeVerdict(path, [tree.labels[n] for n in path[1:]] + [nxt])
+
+
+@register_method("firp")
+class Firp(TreeDrafter):
+    kind, key = "firp", "projections"
+
+    def __init__(self, target: CachedModel, tokenizer=None, draft=None, projections: str | None = None,
+                 tree: str = "chain", k: int | None = None):
+        super().__init__(target, tokenizer, draft, projections, tree, k)
+        self.layers = self.drafter.layers[: self.k] if target is not None else None
+
+    def _forward(self, ids, positions=None, attend=None, last_only=False):
+        n = ids.shape[-1]
+        anchors = [n - 1] if last_only else None
+        out = self.target.forward_pseudo(ids, self.drafter, self.layers, anchors=anchors, positions=positions,
+                                         attend=attend, logits_at=[n - 1] if last_only else None)
+        return out.logits[0], out.pseudo[0]
+
+    def _drafts(self, pseudo, node):
+        return self.target.lm_head(pseudo[node])  # [k, V]
