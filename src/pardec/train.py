@@ -19,7 +19,8 @@ Resume a killed training run: rerun with the same ``run_name`` (or ``hydra.run.d
 ``trainer.resume_from_checkpoint=true`` (the latest ``checkpoint-*`` in the run dir) or ``=<checkpoint dir>``.
 
 Experiments declare a ``kind`` (default ``cllm``, the stages above). ``kind: draft`` distils a draft model for
-speculative decoding: ``stage=generate|train|eval|all`` (see :func:`run_draft`).
+speculative decoding: ``stage=generate|train|eval|all`` (see :func:`run_draft`). ``kind: heads`` self-distils
+Medusa heads or FIRP projections on the target, with the same stages (see :func:`run_heads`).
 """
 
 from __future__ import annotations
@@ -43,7 +44,8 @@ log = logging.getLogger("pardec.train")
 
 STAGES = ("collect", "train", "all")
 #: experiment kinds (the experiment's top-level ``kind`` key) and their stages
-KIND_STAGES = {"cllm": STAGES, "draft": ("generate", "train", "eval", "all")}
+KIND_STAGES = {"cllm": STAGES, "draft": ("generate", "train", "eval", "all"),
+               "heads": ("generate", "train", "eval", "all")}
 #: keys of the ``trainer`` group handled here; every other key is a CLLMConfig / TrainingArguments field
 APP_KEYS = ("lora", "deepspeed", "model_dtype", "resume_from_checkpoint")
 LORA_KEYS = ("enabled", "r", "alpha", "dropout", "target_modules")
@@ -110,7 +112,7 @@ def experiments() -> list[str]:
     return sorted(p.stem for p in (CONF_DIR / "experiment").glob("*.yaml"))
 
 
-def validate(cfg: DictConfig) -> TrainSpec | DraftSpec:
+def validate(cfg: DictConfig) -> TrainSpec | DraftSpec | HeadsSpec:
     """Check every name and value before anything heavy loads; errors name the key and the valid choices."""
     from pardec.training.trainer import CLLMConfig, check_options
 
@@ -125,6 +127,8 @@ def validate(cfg: DictConfig) -> TrainSpec | DraftSpec:
                           f"{', '.join(KIND_STAGES[kind])}")
     if kind == "draft":
         return validate_draft(cfg, name)
+    if kind == "heads":
+        return validate_heads(cfg, name)
     tcfg = OmegaConf.to_container(cfg.trainer, resolve=True)
     valid = {f.name for f in fields(CLLMConfig) if f.init} | set(APP_KEYS)
     unknown = sorted(set(tcfg) - valid)
@@ -378,23 +382,152 @@ def run_draft(spec: DraftSpec, run_dir: Path, d: Dist) -> dict[str, Any]:
       agreement of draft vs target on them and the forward cost ratio, into ``<run dir>/draft_eval.json``.
     """
     from pardec.training import distill_trainer as dt
-    from pardec.training.distill import run_generation
 
     summary: dict[str, Any] = {"experiment": spec.experiment, "kind": "draft", "stage": spec.stage,
                                "run_dir": str(run_dir)}
     if spec.stage in ("generate", "all"):
-        from pardec.models.loading import load_model
-
-        barrier = _barrier(d)  # first: it picks this rank's GPU
-        lm = load_model(spec.model)
-        summary["generate"] = run_generation(spec.gen, lm, d.rank, d.world, barrier, "distill")
-        if summary["generate"]:
-            log.info("completions: %s", json.dumps(summary["generate"]))
-        del lm
+        summary["generate"] = _generate_stage(spec, d)
     if spec.stage in ("train", "all"):
         summary["train"] = dt.train_draft(spec, run_dir, d.rank)
     if spec.stage in ("eval", "all") and d.rank == 0:
         summary["eval"] = dt.evaluate_draft(spec, run_dir)
+        print(json.dumps(summary["eval"], indent=2))
+    if d.rank == 0:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        (run_dir / "train_summary.json").write_text(json.dumps(summary, indent=2, default=str) + "\n")
+    return summary
+
+
+def _generate_stage(spec: DraftSpec | HeadsSpec, d: Dist) -> dict | None:
+    """The generate stage of a draft / heads experiment: the target's greedy completions of ``distill.sources``."""
+    from pardec.models.loading import load_model
+    from pardec.training.distill import run_generation
+
+    barrier = _barrier(d)  # first: it picks this rank's GPU
+    lm = load_model(spec.model)
+    stats = run_generation(spec.gen, lm, d.rank, d.world, barrier, "distill")
+    if stats:
+        log.info("completions: %s", json.dumps(stats))
+    return stats
+
+
+# ------------------------------------------------------------------------------------------- kind: heads
+#: keys of the ``drafter`` section per drafter kind
+HEADS_KEYS = {"medusa": ("kind", "num_heads", "num_blocks", "head_decay"), "firp": ("kind", "layers")}
+#: keys of the ``eval`` section of a heads experiment besides the generation keys
+HEADS_EVAL_KEYS = ("topk", "budgets")
+
+
+@dataclass
+class HeadsSpec:
+    experiment: str
+    stage: str
+    model: ModelConfig
+    drafter: dict  # kind, num_heads, num_blocks (medusa) / layers (firp)
+    head_decay: float
+    gen: Any  # pardec.training.distill.GenerateConfig: the training completions
+    eval_gen: list  # one GenerateConfig per held-out source, each with its own out_dir
+    topk: int
+    budgets: list[int]
+    trainer: dict  # HeadsConfig keyword arguments
+    deepspeed: Path | None
+    model_dtype: str
+    resume: bool | str | None
+    logger: dict
+    threads: int
+    config: dict
+
+
+def _int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def validate_heads(cfg: DictConfig, name: str) -> HeadsSpec:
+    """Check a ``kind: heads`` config before anything heavy loads (FIRP layers against the target's layer count
+    when its config can be read without loading weights, else when the drafter is built)."""
+    from pardec.training.distill import generate_config
+    from pardec.training.heads_trainer import HeadsConfig
+
+    for key in ("drafter", "distill", "eval"):
+        if not isinstance(cfg.get(key), DictConfig):
+            raise ConfigError(f"a heads experiment needs a `{key}` section (see conf/experiment/medusa_tiny.yaml)")
+    drafter = OmegaConf.to_container(cfg.drafter, resolve=True)
+    kind = drafter.get("kind")
+    if kind not in HEADS_KEYS:
+        raise ConfigError(f"drafter.kind={kind!r} is not valid; choose one of: {', '.join(HEADS_KEYS)}")
+    _known(drafter, HEADS_KEYS[kind], f"drafter (kind {kind})")
+    head_decay = 1.0
+    if kind == "medusa":
+        for key in ("num_heads", "num_blocks"):
+            v = drafter.setdefault(key, 3 if key == "num_heads" else 1)
+            if not _int(v) or v < 1:
+                raise ConfigError(f"drafter.{key}={v!r} is out of range: it must be an integer >= 1")
+        head_decay = drafter.pop("head_decay", 0.8)
+        if isinstance(head_decay, bool) or not isinstance(head_decay, (int, float)) or not 0 < head_decay <= 1:
+            raise ConfigError(f"drafter.head_decay={head_decay!r} is out of range: it must be a number in (0, 1]")
+        head_decay = float(head_decay)
+    else:
+        layers = drafter.get("layers")
+        if not isinstance(layers, list) or not layers or not all(_int(i) for i in layers):
+            raise ConfigError(f"drafter.layers={layers!r} is not valid: give a non-empty list of target layer "
+                              f"indices (one per pseudo step)")
+        if layers != sorted(layers):
+            raise ConfigError(f"drafter.layers={layers} is not valid: the layers must be nondecreasing")
+    distill = OmegaConf.to_container(cfg.distill, resolve=True)
+    gen = generate_config(distill, "distill")
+    ev = OmegaConf.to_container(cfg["eval"], resolve=True)
+    topk, budgets = ev.pop("topk", 10), ev.pop("budgets", [16, 32, 63])
+    if not _int(topk) or topk < 1:
+        raise ConfigError(f"eval.topk={topk!r} is out of range: it must be an integer >= 1")
+    if not isinstance(budgets, list) or not budgets or not all(_int(b) and b >= 1 for b in budgets):
+        raise ConfigError(f"eval.budgets={budgets!r} is not valid: give a non-empty list of integers >= 1 "
+                          f"(tree sizes)")
+    eval_all = generate_config(ev, "eval")
+    eval_gen = [replace(eval_all, sources=[s], out_dir=str(Path(eval_all.out_dir) / s.dataset.name))
+                for s in eval_all.sources]
+    tcfg = OmegaConf.to_container(cfg.trainer, resolve=True)
+    valid = ({f.name for f in fields(HeadsConfig) if f.init} - {"head_decay"}) | set(APP_KEYS) - {"lora"}
+    unknown = sorted(set(tcfg) - valid)
+    if unknown:
+        raise ConfigError(f"unknown key(s) {unknown} in trainer; valid: deepspeed, model_dtype, "
+                          f"resume_from_checkpoint, max_length and any transformers.TrainingArguments field "
+                          f"(head_decay is drafter.head_decay)")
+    model, model_dtype, deepspeed, resume = _app_keys(cfg, tcfg)
+    if kind == "firp":
+        n_layers = _target_layers(model)
+        if n_layers is not None and any(not 0 <= i < n_layers for i in drafter["layers"]):
+            raise ConfigError(f"drafter.layers={drafter['layers']} is out of range: the target {model.name} has "
+                              f"layers 0..{n_layers - 1}")
+    return HeadsSpec(
+        experiment=name, stage=cfg.stage, model=model, drafter=drafter, head_decay=head_decay, gen=gen,
+        eval_gen=eval_gen, topk=topk, budgets=budgets, trainer=tcfg, deepspeed=deepspeed, model_dtype=model_dtype,
+        resume=resume, logger=OmegaConf.to_container(cfg.get("logger") or {"name": "none"}, resolve=True),
+        threads=int(cfg.get("threads", 2)), config=OmegaConf.to_container(cfg, resolve=True),
+    )
+
+
+def run_heads(spec: HeadsSpec, run_dir: Path, d: Dist) -> dict[str, Any]:
+    """The stages of a heads experiment; returns (and on rank 0 writes) ``train_summary.json``.
+
+    * ``generate``: the target's greedy completions of ``distill.sources`` into ``distill.out_dir`` (as kind draft;
+      the SmolLM2 experiments share draft_smollm2's);
+    * ``train``: :class:`~pardec.training.heads_trainer.HeadsTrainer`; the drafter goes to ``<run dir>/final``;
+    * ``eval`` (rank 0): completions of the held-out ``eval.sources`` (``<eval.out_dir>/<dataset>``), per-depth
+      rank accuracies of the drafter's candidates, trees for ``eval.budgets`` in ``<run dir>/final/trees``, all
+      summarised in ``<run dir>/heads_eval.json``.
+    """
+    from pardec.training import heads_trainer as ht
+
+    summary: dict[str, Any] = {"experiment": spec.experiment, "kind": "heads", "drafter": spec.drafter["kind"],
+                               "stage": spec.stage, "run_dir": str(run_dir)}
+    if spec.stage in ("generate", "all"):
+        summary["generate"] = _generate_stage(spec, d)
+    if spec.stage in ("train", "all"):
+        summary["train"] = ht.train_heads(spec, run_dir, d.rank)
+    if spec.stage in ("eval", "all") and d.rank == 0:
+        result = ht.evaluate_heads(spec, run_dir)
+        summary["eval"] = {k: result[k] for k in ("positions", "parameters", "trees")}
+        summary["eval"]["topk_accuracy"] = result["overall"]["topk_accuracy"]
         print(json.dumps(summary["eval"], indent=2))
     if d.rank == 0:
         run_dir.mkdir(parents=True, exist_ok=True)
@@ -411,6 +544,8 @@ def run(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
     torch.set_num_threads(spec.threads)
     if isinstance(spec, DraftSpec):
         return run_draft(spec, run_dir, d)
+    if isinstance(spec, HeadsSpec):
+        return run_heads(spec, run_dir, d)
     summary: dict[str, Any] = {"experiment": spec.experiment, "stage": spec.stage, "run_dir": str(run_dir)}
     if spec.stage in ("collect", "all"):
         summary["collect"] = run_collect(spec, d)

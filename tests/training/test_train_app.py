@@ -54,6 +54,11 @@ def test_every_experiment_validates(name):
     if name.startswith("draft_"):  # kind: draft (tests/training/test_distill.py covers it)
         assert spec.gen.out_dir.endswith(f"distill/{name}/train")
         return
+    if name.startswith(("medusa_", "firp_")):  # kind: heads (tests/training/test_heads_trainer.py covers it)
+        shared = name.replace("medusa_", "draft_").replace("firp_", "draft_")  # the SmolLM2 ones reuse draft's data
+        assert spec.drafter["kind"] == name.split("_")[0]
+        assert spec.gen.out_dir.endswith((f"distill/{name}/train", f"distill/{shared}/train"))
+        return
     assert spec.collect.out_dir.endswith(f"trajectories/{name}") and spec.train_data == Path(spec.collect.out_dir)
 
 
