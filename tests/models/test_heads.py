@@ -73,16 +73,29 @@ def test_pseudo_forward_over_a_tree_equals_brute_force_per_anchor(layers):
         assert nxt.shape[-1] == model.config.vocab_size
 
 
-def test_pseudo_forward_trains_only_the_projections():
-    lm = tiny(1, layers=3)
-    model = lm.model.requires_grad_(False)
-    proj = _random_projections(model.config.hidden_size, [1, 2])
+@pytest.mark.parametrize("layers", [[1, 2], [0, 0, 2]])
+def test_pseudo_forward_trains_only_the_projections_and_split_gives_the_same(layers):
+    import copy
+
+    model = copy.deepcopy(tiny(1, layers=3).model).requires_grad_(False)
+    proj = _random_projections(model.config.hidden_size, layers)
     cm = CachedModel(model)
-    out = cm.forward_pseudo(torch.tensor([list(range(300, 310))]), proj, proj.layers)
-    loss = cm.lm_head(out.pseudo).logsumexp(-1).mean()
-    loss.backward()
-    assert all(p.grad is not None and float(p.grad.abs().sum()) > 0 for p in proj.parameters())
+    ids = torch.tensor([list(range(300, 310))])
+    grads, outs = [], []
+    for split in (False, True):
+        cm.reset()
+        proj.zero_grad()
+        out = cm.forward_pseudo(ids, proj, proj.layers, anchors=[3, 5, 9], split=split, logits_at=[2, 3])
+        assert cm.length == 10
+        loss = cm.lm_head(out.pseudo).logsumexp(-1).mean()
+        loss.backward()
+        assert all(p.grad is not None and float(p.grad.abs().sum()) > 0 for p in proj.parameters())
+        grads.append([p.grad.clone() for p in proj.parameters()])
+        outs.append((out.logits.detach(), out.pseudo.detach()))
     assert all(p.grad is None for p in model.parameters())
+    torch.testing.assert_close(outs[0], outs[1], rtol=1e-4, atol=1e-5)
+    for a, b in zip(*grads):
+        torch.testing.assert_close(a, b, rtol=1e-3, atol=1e-6)
 
 
 def test_pseudo_layers_and_anchors_are_checked():

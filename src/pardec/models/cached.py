@@ -210,6 +210,7 @@ class CachedModel:
         attend: torch.Tensor | None = None,
         logits_at: torch.Tensor | list[int] | None = None,
         capture: bool = False,
+        split: bool = False,
     ) -> PseudoOut:
         """FIRP's forward: new tokens ``ids`` [B, T] as in :meth:`forward` (appended to the cache), plus K pseudo
         hidden states per anchor that are *not* kept.
@@ -223,6 +224,9 @@ class CachedModel:
 
         Not under ``inference_mode``: training calls it with gradients (the callers of decoding wrap it).
         ``capture``: also return every layer's input for the new tokens and the pseudo states (analyses).
+        ``split``: run the new tokens through every layer first, without gradients, then the pseudo states alone
+        over the cache they left (same result, since the new tokens never see pseudo states): training, where
+        only the pseudo states need a backward pass; one pass (the default) is one forward when decoding.
         """
         inner = self._inner()
         ids = ids.to(self.device)
@@ -258,6 +262,10 @@ class CachedModel:
         mask = self._to_additive(allowed)
         hidden = inner.embed_tokens(ids)
         rope = inner.rotary_emb(hidden, position_ids=all_pos)
+        if split and capture:
+            raise ValueError("forward_pseudo: capture needs split=False")
+        if split:
+            return self._pseudo_split(ids, hidden, project, layers, anc_dev, all_pos, rope, mask, logits_at)
         born = 0
         caught: list[tuple[torch.Tensor, torch.Tensor]] = []
         try:
@@ -291,6 +299,49 @@ class CachedModel:
             caught.append((hidden[:, :t], hidden[:, t:]))
         return PseudoOut(logits, pseudo, [(r, p.reshape(bsz, -1, n_a, p.shape[-1]).transpose(1, 2)) for r, p in caught]
                          if capture else None)
+
+    def _pseudo_split(self, ids, hidden, project, layers, anc, all_pos, rope, mask, logits_at) -> PseudoOut:
+        """:meth:`forward_pseudo` in two passes: the new tokens (no gradients), then the pseudo states alone."""
+        inner = self._inner()
+        bsz, t = ids.shape
+        past, k, n_a = self.length, len(layers), anc.numel()
+        births: dict[int, torch.Tensor] = {}
+        pseudo = None
+        born = 0
+        try:
+            with torch.no_grad():
+                for layer in range(self.num_layers):
+                    if layer in layers:
+                        births[layer] = hidden[:, anc]
+                    hidden = inner.layers[layer](
+                        hidden, attention_mask=mask[:, :, :t, : past + t],
+                        position_embeddings=tuple(x[:, :t] for x in rope), position_ids=all_pos[:, :t],
+                        past_key_values=self.cache, use_cache=True)
+                real = inner.norm(hidden)
+            for layer in range(layers[0], self.num_layers):
+                while born < k and layers[born] == layer:
+                    new = project(born, births[layer]).to(hidden.dtype)
+                    pseudo = new if pseudo is None else torch.cat([pseudo, new], dim=1)
+                    born += 1
+                m = born * n_a
+                pseudo = inner.layers[layer](
+                    pseudo, attention_mask=mask[:, :, t : t + m, : past + t + m],
+                    position_embeddings=tuple(x[:, t : t + m] for x in rope), position_ids=all_pos[:, t : t + m],
+                    past_key_values=self.cache, use_cache=True)
+        finally:
+            keep_to = past + t if born == k else past
+            for lc in self.cache.layers:
+                if lc.keys is not None and lc.keys.shape[-2] > keep_to:
+                    lc.keys, lc.values = lc.keys[..., :keep_to, :], lc.values[..., :keep_to, :]
+        if logits_at is not None:
+            real = real[:, torch.as_tensor(logits_at, dtype=torch.long, device=self.device)]
+        with torch.no_grad():
+            logits = self.model.lm_head(real)
+        self._tokens = torch.cat([self._tokens.expand(bsz, -1), ids.cpu()], dim=1)
+        self._last_appended = t
+        self._check_finite(logits, past, t, False, None if logits_at is None else torch.as_tensor(logits_at))
+        out = inner.norm(pseudo).reshape(bsz, k, n_a, -1).transpose(1, 2)  # [B, A, K, H]
+        return PseudoOut(logits, out)
 
     def lm_head(self, normed: torch.Tensor) -> torch.Tensor:
         """The LM head on hidden states that went through the final norm (pseudo states of :meth:`forward_pseudo`)."""

@@ -93,7 +93,7 @@ def drafter_forward(base, drafter_call, drafter, ids: torch.Tensor, start: int,
         w = next(drafter.parameters())
         return teacher, drafter_call(hidden.to(w.dtype))
     cm = CachedModel(base)
-    out = cm.forward_pseudo(ids, drafter_call, drafter.layers, anchors=window, logits_at=window)
+    out = cm.forward_pseudo(ids, drafter_call, drafter.layers, anchors=window, logits_at=window, split=True)
     return out.logits.detach(), cm.lm_head(out.pseudo)
 
 
