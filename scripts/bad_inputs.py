@@ -48,6 +48,9 @@ class Case:
     files: dict = field(default_factory=dict)  # name -> content, written into the case's temp dir ({tmp} in args)
 
 
+MEDUSA_META = ('{"format": "pardec-drafter", "version": 1, "kind": "medusa", "base_model": "tiny_random", '
+               '"hidden_size": 64, "vocab_size": 49152, "num_hidden_layers": 2, "k": 3, "num_heads": 3}')
+
 CASES = [
     # method parameters
     Case("param type: str for int", ("+method=jacobi", "method.block_size=abc"), "method.block_size='abc'"),
@@ -77,6 +80,23 @@ CASES = [
          "method.fallback_threshold=2"),
     Case("bild: rollback <= 0", ("+method=bild", "draft=tiny_random", "method.rollback_threshold=0"),
          "method.rollback_threshold=0"),
+    # trained drafters (medusa / firp): checked from drafter.json and the tree file, before the target loads
+    Case("medusa: no heads", ("+method=medusa",), "method.heads=<dir>"),
+    Case("medusa: heads dir missing", ("+method=medusa", "method.heads=/no/such/heads"), "/no/such/heads"),
+    Case("firp: medusa weights", ("+method=firp", "method.projections={tmp}"), "holds 'medusa' weights",
+         files={"drafter.json": MEDUSA_META}),
+    Case("medusa: K < 1 (k=0)", ("+method=medusa", "method.heads={tmp}", "method.k=0"), "method.k=0",
+         files={"drafter.json": MEDUSA_META}),
+    Case("medusa: tree not a tree", ("+method=medusa", "method.heads={tmp}", "method.tree={tmp}/t.json"), "t.json",
+         files={"drafter.json": MEDUSA_META, "t.json": '{"format": "pardec-tree", "version": 1, "paths": [[0, 1]]}'}),
+    Case("medusa: tree not JSON", ("+method=medusa", "method.heads={tmp}", "method.tree={tmp}/t.json"), "t.json",
+         files={"drafter.json": MEDUSA_META, "t.json": "[[0], [1"}),
+    Case("medusa: tree deeper than K", ("+method=medusa", "method.heads={tmp}", "method.tree={tmp}/t.json"),
+         "exceeds", files={"drafter.json": MEDUSA_META,
+                           "t.json": '{"format": "pardec-tree", "version": 1, "paths": [[0], [0, 0], [0, 0, 0], '
+                                     '[0, 0, 0, 0]]}'}),
+    Case("medusa: unknown tree name", ("+method=medusa", "method.heads={tmp}", "method.tree=T99"), "T99",
+         files={"drafter.json": MEDUSA_META}),
     # datasets
     Case("dataset: no such group option", ("+method=ar", "dataset=nope"), "nope"),
     Case("dataset: unknown task name", ("+method=ar", "dataset.name=gsm9k"), "gsm9k"),
