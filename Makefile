@@ -6,7 +6,7 @@ STAMP  := $(VENV)/.pardec-installed
 TORCH_VERSION ?= 2.13.0
 PYTEST_ARGS ?=
 
-.PHONY: help setup demo test bench bench-mjsd lint clean
+.PHONY: help setup demo test bench bench-mjsd bench-heads lint clean
 
 help:  ## list targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-10s %s\n", $$1, $$2}'
@@ -48,6 +48,21 @@ bench-mjsd: setup  ## the MJSD/BiLD/SpecTr table: GSM8K (GSM8K=) and CNN/DM (CNN
 	$(BIN)/python scripts/bench.py $(if $(GSM8K),--dataset-path gsm8k=$(GSM8K)) $(if $(CNNDM),--dataset-path cnn_dm=$(CNNDM)) \
 	  --datasets gsm8k,cnn_dm --n $(MJSD_N) --out outputs/bench/mjsd_sampling --methods "mjsd,sps,spectr:k=2,spectr:k=4,bild" \
 	  bench.include_hf=false sampling.temperature=1.0 sampling.top_k=20 sampling.top_p=0.9
+
+HEADS_N ?= 20
+MEDUSA ?= outputs/train/runs/medusa_smollm2/default/final
+FIRP ?= outputs/train/runs/firp_smollm2/default/final
+HEADS_METHODS := firp:projections=$(FIRP):tree=T16,firp:projections=$(FIRP):tree=T32,firp:projections=$(FIRP):tree=T63,$\
+  medusa:heads=$(MEDUSA):tree=T16,medusa:heads=$(MEDUSA):tree=T32,medusa:heads=$(MEDUSA):tree=T63,pld
+bench-heads: setup  ## FIRP vs Medusa (T16/T32/T63) + pld/hf vs ar: GSM8K 0/1-shot (GSM8K=, GSM8K_TRAIN=), MT-Bench (MTBENCH=), CNN/DM (CNNDM=)
+	$(BIN)/python scripts/bench.py --draft none --n $(HEADS_N) --methods "$(HEADS_METHODS)" --out outputs/bench/heads \
+	  --datasets gsm8k,mt_bench,cnn_dm $(if $(GSM8K),--dataset-path gsm8k=$(GSM8K)) \
+	  $(if $(MTBENCH),--dataset-path mt_bench=$(MTBENCH)) $(if $(CNNDM),--dataset-path cnn_dm=$(CNNDM))
+	$(BIN)/python scripts/bench.py --draft none --n $(HEADS_N) --methods "$(HEADS_METHODS)" --out outputs/bench/heads_1shot \
+	  --datasets gsm8k $(if $(GSM8K),--dataset-path gsm8k=$(GSM8K)) dataset.extra.num_fewshot=1 \
+	  $(if $(GSM8K_TRAIN),dataset.extra.train_path=$(GSM8K_TRAIN))
+	$(BIN)/python scripts/heads_report.py --medusa $(MEDUSA) --firp $(FIRP) --bench outputs/bench/heads \
+	  --bench outputs/bench/heads_1shot --out outputs/heads_report
 
 lint: setup  ## ruff
 	$(BIN)/ruff check src tests scripts
