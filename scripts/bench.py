@@ -117,7 +117,12 @@ def _label(method: str, params: dict) -> str:
     from pardec.decoding.base import METHODS, method_params
 
     defaults = {k: p.default for k, p in method_params(METHODS.get(method)).items()}
-    shown = ", ".join(f"{k}={v}" for k, v in sorted(params.items()) if defaults.get(k, object()) != v)
+
+    def short(v):  # a long path (trained heads, projections) by its last three parts
+        parts = Path(v).parts if isinstance(v, str) and "/" in v else ()
+        return "…/" + "/".join(parts[-3:]) if len(parts) > 3 else v
+
+    shown = ", ".join(f"{k}={short(v)}" for k, v in sorted(params.items()) if defaults.get(k, object()) != v)
     return f"{method} ({shown})" if shown else method
 
 
