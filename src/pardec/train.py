@@ -330,16 +330,8 @@ def validate_draft(cfg: DictConfig, name: str) -> DraftSpec:
     context, repeats = int(ev.pop("context", 200)), int(ev.pop("repeats", 20))
     if context < 2 or repeats < 1:
         raise ConfigError(f"eval.context={context} / eval.repeats={repeats} out of range: need >= 2 / >= 1")
-    eval_all = generate_config(ev, "eval")
-    eval_gen = [replace(eval_all, sources=[s], out_dir=str(Path(eval_all.out_dir) / s.dataset.name))
-                for s in eval_all.sources]
-    tcfg = OmegaConf.to_container(cfg.trainer, resolve=True)
-    valid = ({f.name for f in fields(DistillConfig) if f.init} - {"loss"}) | set(APP_KEYS) - {"lora"}
-    unknown = sorted(set(tcfg) - valid)
-    if unknown:
-        raise ConfigError(f"unknown key(s) {unknown} in trainer; valid: deepspeed, model_dtype, "
-                          f"resume_from_checkpoint, max_length and any transformers.TrainingArguments field "
-                          f"(the loss is distill.loss)")
+    eval_gen = _eval_sources(ev)
+    tcfg = _trainer_section(cfg, DistillConfig, "loss", "the loss is distill.loss")
     if loss not in LOSSES:
         raise ConfigError(f"distill.loss={loss!r} is not valid; choose one of: {', '.join(LOSSES)}")
     model, model_dtype, deepspeed, resume = _app_keys(cfg, tcfg)
@@ -354,6 +346,29 @@ def validate_draft(cfg: DictConfig, name: str) -> DraftSpec:
         resume=resume, logger=OmegaConf.to_container(cfg.get("logger") or {"name": "none"}, resolve=True),
         threads=int(cfg.get("threads", 2)), config=OmegaConf.to_container(cfg, resolve=True),
     )
+
+
+def _eval_sources(ev: dict) -> list:
+    """The ``eval`` generation section of a draft / heads experiment: one GenerateConfig per held-out source, each
+    in its own ``<eval.out_dir>/<dataset>``."""
+    from pardec.training.distill import generate_config
+
+    eval_all = generate_config(ev, "eval")
+    return [replace(eval_all, sources=[s], out_dir=str(Path(eval_all.out_dir) / s.dataset.name))
+            for s in eval_all.sources]
+
+
+def _trainer_section(cfg: DictConfig, config_cls: type, elsewhere: str, hint: str) -> dict:
+    """The ``trainer`` section of a draft / heads experiment: ``config_cls`` (a TrainingArguments subclass) fields
+    but ``elsewhere`` (a key configured in another section, as ``hint`` says) plus the app's keys."""
+    tcfg = OmegaConf.to_container(cfg.trainer, resolve=True)
+    valid = ({f.name for f in fields(config_cls) if f.init} - {elsewhere}) | set(APP_KEYS) - {"lora"}
+    unknown = sorted(set(tcfg) - valid)
+    if unknown:
+        raise ConfigError(f"unknown key(s) {unknown} in trainer; valid: deepspeed, model_dtype, "
+                          f"resume_from_checkpoint, max_length and any transformers.TrainingArguments field "
+                          f"({hint})")
+    return tcfg
 
 
 def _known(section: dict, keys: tuple[str, ...], where: str) -> None:
@@ -482,16 +497,8 @@ def validate_heads(cfg: DictConfig, name: str) -> HeadsSpec:
     if not isinstance(budgets, list) or not budgets or not all(_int(b) and b >= 1 for b in budgets):
         raise ConfigError(f"eval.budgets={budgets!r} is not valid: give a non-empty list of integers >= 1 "
                           f"(tree sizes)")
-    eval_all = generate_config(ev, "eval")
-    eval_gen = [replace(eval_all, sources=[s], out_dir=str(Path(eval_all.out_dir) / s.dataset.name))
-                for s in eval_all.sources]
-    tcfg = OmegaConf.to_container(cfg.trainer, resolve=True)
-    valid = ({f.name for f in fields(HeadsConfig) if f.init} - {"head_decay"}) | set(APP_KEYS) - {"lora"}
-    unknown = sorted(set(tcfg) - valid)
-    if unknown:
-        raise ConfigError(f"unknown key(s) {unknown} in trainer; valid: deepspeed, model_dtype, "
-                          f"resume_from_checkpoint, max_length and any transformers.TrainingArguments field "
-                          f"(head_decay is drafter.head_decay)")
+    eval_gen = _eval_sources(ev)
+    tcfg = _trainer_section(cfg, HeadsConfig, "head_decay", "head_decay is drafter.head_decay")
     model, model_dtype, deepspeed, resume = _app_keys(cfg, tcfg)
     if kind == "firp":
         n_layers = _target_layers(model)

@@ -193,9 +193,7 @@ class CachedModel:
                 hidden = block(hidden, attention_mask=mask, position_embeddings=rope, position_ids=positions,
                                past_key_values=self.cache, use_cache=True)
         finally:  # the layers appended the injected states' keys/values to their caches: drop them
-            for lc in self.cache.layers[layer:]:
-                if lc.keys is not None and lc.keys.shape[-2] > past:
-                    lc.keys, lc.values = lc.keys[..., :past, :], lc.values[..., :past, :]
+            self._drop_keys_after(past)
         logits = self.model.lm_head(inner.norm(hidden))
         self._check_finite(logits, past, t, False, None)
         return logits
@@ -282,10 +280,7 @@ class CachedModel:
                     position_embeddings=tuple(x[:, :m] for x in rope), position_ids=all_pos[:, :m],
                     past_key_values=self.cache, use_cache=True)
         finally:  # drop the pseudo states' keys/values (and everything on an error part-way)
-            keep_to = past + t if born == k else past
-            for lc in self.cache.layers:
-                if lc.keys is not None and lc.keys.shape[-2] > keep_to:
-                    lc.keys, lc.values = lc.keys[..., :keep_to, :], lc.values[..., :keep_to, :]
+            self._drop_keys_after(past + t if born == k else past)
         normed = inner.norm(hidden)
         real_h = normed[:, :t]
         if logits_at is not None:
@@ -329,10 +324,7 @@ class CachedModel:
                     position_embeddings=tuple(x[:, t : t + m] for x in rope), position_ids=all_pos[:, t : t + m],
                     past_key_values=self.cache, use_cache=True)
         finally:
-            keep_to = past + t if born == k else past
-            for lc in self.cache.layers:
-                if lc.keys is not None and lc.keys.shape[-2] > keep_to:
-                    lc.keys, lc.values = lc.keys[..., :keep_to, :], lc.values[..., :keep_to, :]
+            self._drop_keys_after(past + t if born == k else past)
         if logits_at is not None:
             real = real[:, torch.as_tensor(logits_at, dtype=torch.long, device=self.device)]
         with torch.no_grad():
@@ -396,6 +388,12 @@ class CachedModel:
         return seq[common:].tolist()
 
     # ---------------------------------------------------------------- helpers
+    def _drop_keys_after(self, n: int) -> None:
+        """Cut every layer's keys/values to the first ``n`` positions (states a forward ran but must not keep)."""
+        for lc in self.cache.layers:
+            if lc.keys is not None and lc.keys.shape[-2] > n:
+                lc.keys, lc.values = lc.keys[..., :n, :], lc.values[..., :n, :]
+
     def _inner(self):
         inner = getattr(self.model, "model", None)
         if inner is None or not hasattr(inner, "layers") or not hasattr(self.model, "lm_head"):

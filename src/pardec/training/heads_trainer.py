@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 import torch
 from transformers import Trainer, TrainingArguments
 
+from pardec.training.distill_trainer import _unwrap
 from pardec.training.losses import masked_sum, token_divergence
 from pardec.training.trainer import reduced_log_sums
 
@@ -184,12 +185,6 @@ class HeadsTrainer(Trainer):
             logs["kl"] = sum(kl) / max(sum(n), 1.0)
             logs["top1"] = sum(agree) / max(sum(n), 1.0)
         super().log(logs, start_time)
-
-
-def _unwrap(model):
-    while hasattr(model, "module"):
-        model = model.module
-    return model
 
 
 # ------------------------------------------------------------------------------------------- evaluation
