@@ -35,7 +35,7 @@ def lines(run_dir: Path) -> list[dict]:
     "overrides,needle",
     [
         ([], "no method given: pass +method=<name>; valid methods: ar, bild, firp, hf_assisted, hf_generate, hf_pld, "
-                "jacobi, lookahead, medusa, medusa_typical, mjgd, mjsd, ouroboros, pld, spectr, sps"),
+                "jacobi, lookahead, medusa, medusa_typical, mjgd, mjsd, ouroboros, pld, sdsat, spectr, sps"),
         (["+method=medusa"], "method 'medusa' needs trained medusa weights: method.heads=<dir>"),
         (["+method=firp", "method.projections=/nonexistent"], "method.projections='/nonexistent' holds no trained "
                                                                   "drafter"),

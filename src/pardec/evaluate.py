@@ -124,6 +124,8 @@ def validate(cfg: DictConfig) -> EvalSpec:
     if not isinstance(energy.get("enabled", True), bool):
         raise ConfigError(f"energy.enabled={energy['enabled']!r} must be bool (true or false)")
     _check_models(model, draft)
+    for m_name, m_params in [(name, mcfg)] + [(a[1], a[2]) for a in also]:
+        METHODS.get(m_name).check_model(model, m_params)  # what a method needs of the model, before it loads
     return EvalSpec(name, mcfg, model, draft, dataset, run, sampling, bench, ppl, logger, also, energy)
 
 

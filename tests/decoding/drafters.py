@@ -39,7 +39,10 @@ def drafter_dir(model, kind: str, k: int = 3, seed: int = 0) -> Path:
 
 
 def drafter_params(method: str, model, tree: str = "T") -> dict:
-    """The method parameters naming a drafter for ``model`` ({} for methods without one)."""
+    """The method parameters naming a drafter for ``model`` (sdsat: a stand-in adaptive id; {} for methods without
+    one)."""
+    if method == "sdsat":  # a tiny random model has no trained adaptive token: its last id stands in for one
+        return {"adaptive_ids": [int(model.config.vocab_size) - 1]}
     if method not in KEYS:
         return {}
     return {KEYS[method]: str(drafter_dir(model, "firp" if method == "firp" else "medusa")), "tree": tree}

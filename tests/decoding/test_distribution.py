@@ -25,7 +25,8 @@ SETTINGS = {"t1": SamplingConfig(temperature=1.0), "warped": SamplingConfig(temp
 DISTRIBUTION = [m for m in METHODS.names() if METHODS.get(m).exactness == "distribution"]
 N = 1200
 PARAMS = {"sps": {"gamma": 2}, "jacobi": {"block_size": 3}, "lookahead": {"level": 3, "window": 3, "guess_set": 2},
-          "ouroboros": {"gamma": 2, "level": 3, "window": 2, "guess_set": 2}, "spectr": {"k": 2, "gamma": 2}}
+          "ouroboros": {"gamma": 2, "level": 3, "window": 2, "guess_set": 2}, "spectr": {"k": 2, "gamma": 2},
+          "sdsat": {"k": 2, "top_k": 3}}
 
 
 @functools.cache
@@ -55,7 +56,7 @@ def exact_joint(model, s: SamplingConfig) -> dict[tuple[int, int, int], float]:
 
 
 def test_every_distribution_method_is_covered():
-    assert {"ar", "jacobi", "pld", "sps", "spectr", "medusa", "firp"} <= set(DISTRIBUTION)
+    assert {"ar", "jacobi", "pld", "sps", "spectr", "medusa", "firp", "sdsat"} <= set(DISTRIBUTION)
 
 
 @pytest.mark.parametrize("setting", list(SETTINGS))
@@ -80,7 +81,7 @@ def test_sampled_output_follows_the_target_distribution(method, setting):
     p, dof = chi_square_p(obs, exact_joint(target, s0), N)
     assert dof >= 8, dof
     assert p > 1e-3, (method, setting, p)
-    if method in ("sps", "pld", "ouroboros", "spectr", "medusa", "firp"):  # drafts exercised, partly accepted
+    if method in ("sps", "pld", "ouroboros", "spectr", "medusa", "firp", "sdsat"):  # drafts exercised, partly accepted
         assert drafted > 0 and 0 < accepted < drafted, (drafted, accepted)
     if method == "lookahead":  # pool candidates were accepted in some runs, not all
         assert 0 < hits < N, hits

@@ -32,7 +32,8 @@ PARAMS = {"jacobi": [{"block_size": 16}, {"block_size": 5}, {"block_size": 1}, {
                         {"gamma": 6, "level": 3, "window": 4, "guess_set": 3, "warm_start": True}],
           "spectr": [{}, {"k": 1, "gamma": 1}, {"k": 2, "gamma": 6}],
           "medusa": [{}, {"tree": "chain"}, {"tree": "chain", "k": 1}],
-          "firp": [{}, {"tree": "chain"}, {"k": 2}]}
+          "firp": [{}, {"tree": "chain"}, {"k": 2}],
+          "sdsat": [{}, {"variant": "fused"}, {"k": 1}, {"k": 8, "variant": "fused"}]}
 
 
 def _ids(tok, prompt):
@@ -51,7 +52,7 @@ def _build(method, cm, tok, seed=0, draft="self", **params):
 
 def test_every_lossless_method_is_covered():
     assert {"ar", "hf_generate", "jacobi", "pld", "sps", "lookahead", "ouroboros", "spectr", "medusa",
-            "firp"} <= set(LOSSLESS)
+            "firp", "sdsat"} <= set(LOSSLESS)
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2])

@@ -10,6 +10,7 @@ from pardec.decoding import (  # noqa: F401
     mjsd,
     ouroboros,
     pld,
+    sdsat,
     spectr,
     sps,
 )

@@ -15,7 +15,7 @@ from typing import Any, ClassVar
 
 import torch
 
-from pardec.config import ConfigError, SamplingConfig
+from pardec.config import ConfigError, ModelConfig, SamplingConfig
 from pardec.decoding.sampling import make_generator, select
 from pardec.decoding.tree import Tree
 from pardec.decoding.verify import TreeVerdict, verify_chain, verify_tree
@@ -148,6 +148,11 @@ class Decoder:
         self.target = target
         self.tokenizer = tokenizer
         self.draft = draft
+
+    @classmethod
+    def check_model(cls, model: ModelConfig, params: dict[str, Any]) -> None:
+        """What the method needs of the model (``params``: its ``method.*`` settings), checked before the model
+        loads where the model's files are at hand; raises one line. Default: nothing."""
 
     def generate(
         self,

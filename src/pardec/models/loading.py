@@ -199,6 +199,25 @@ def _hub_cached(repo: str, revision: str | None) -> bool:
     return isinstance(try_to_load_from_cache(repo, "config.json", revision=revision), str)
 
 
+def read_config_json(cfg: ModelConfig) -> dict | None:
+    """The model's config.json as a dict when it is at hand without loading weights (a local directory, a GGUF
+    already dequantized, a hub model in the local cache); None otherwise (tiny random models have none)."""
+    import json
+
+    f: Path | str | None = None
+    if cfg.source == "local":
+        f = Path(cfg.path or "") / "config.json"
+    elif cfg.source in ("gguf", "gguf_package"):
+        f = cache_dir_for(cfg) / "config.json"
+    elif cfg.source == "hub" and cfg.path:
+        from huggingface_hub import try_to_load_from_cache
+
+        f = try_to_load_from_cache(cfg.path, "config.json", revision=cfg.revision)
+    if not isinstance(f, (str, Path)) or not Path(f).is_file():
+        return None
+    return json.loads(Path(f).read_text())
+
+
 def check_available(cfg: ModelConfig, key: str = "model") -> None:
     """Fail in seconds, with one line, when the weights of ``cfg`` cannot be had: a local dir that does not exist
     (naming ``cfg.missing_hint``, the fix), a hub model neither cached nor reachable. ``key``: the config

@@ -1,0 +1,186 @@
+"""``sdsat`` (Liu and Zhu 2024): speculative decoding with semantic adaptive tokens.
+
+A model fine-tuned on masked corpora (``python -m train +experiment=sdsat_smollm2``) has learnt one special token
+(or L of them, SDSAT-D): after a real prefix ``x_1..x_n``, the logits at the j-th appended adaptive token predict
+the token ``j + 1`` positions after ``x_n``. The target drafts for itself, so there is no draft model; each
+forward is the target's.
+
+State between forwards: the last committed token (not cached yet) and, maybe, K draft distributions for the K
+tokens after it. One forward runs, under a tree mask, the last token (the root), the candidate tree built from the
+drafts, and, where drafts are wanted next, ``k`` adaptive tokens after the end of the tree's main chain (the chain
+of every depth's most likely token). Verification is the shared tree rule on the tree's rows
+(:func:`~pardec.decoding.verify.verify_tree`); the cache keeps the accepted path only (the adaptive tokens never
+stay). The adaptive rows give the next drafts when the accepted path is the whole main chain (they were computed
+after it); otherwise the next forward drafts anew.
+
+* ``variant=two_step`` (the paper's greedy "two-step-draft-then-verify"): forward 1 = last token + k adaptive
+  tokens (commits the target's next token and drafts k more); forward 2 = that token + the k drafts (verifies
+  them, commits the accepted ones and one more). Up to k + 2 tokens per 2 forwards.
+* ``variant=fused``: every forward verifies the previous drafts *and* appends the k adaptive tokens, so a fully
+  accepted chain is followed at once by the next one: up to k + 1 tokens per forward.
+
+Candidates: under greedy the main chain alone (the drafts' argmax); under sampling a tree (the paper's nucleus
+sampling): at each depth the ``top_k`` most likely draft tokens inside the ``top_p`` nucleus of the draft's
+distribution (at the run's temperature); the most likely continues the main chain, the others are leaves hanging
+from the main chain's node one level up. The candidates are a deterministic function of the committed tokens, so
+the shared tree rule is exact (``distribution``): the paper's reference code sampled each row on its own, which is
+not. Adaptive ids never become candidates.
+
+``k`` is free at inference for identical adaptive tokens (one id repeated); SDSAT-D's distinct tokens allow
+``k <= L``. The adaptive ids come from the model's ``config.sdsat`` (written by training) or ``method.adaptive_ids``.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+import torch
+
+from pardec.config import ConfigError, ModelConfig, SamplingConfig
+from pardec.decoding.base import Decoder, GenerationResult, Stopper, check_range, register_method
+from pardec.decoding.tree import Tree
+from pardec.decoding.verify import verify_tree
+from pardec.models.cached import CachedModel
+from pardec.training.masked import adaptive_of
+
+TRAIN_HINT = ("train one with `python -m train +experiment=sdsat_smollm2` and pass model=local "
+              "model.path=<run dir>/final (or give method.adaptive_ids)")
+
+
+def adaptive_ids_of(config: Any) -> list[int] | None:
+    """The adaptive token ids an SDSAT-trained model's config (an HF config or a config.json dict) records."""
+    sd = adaptive_of(config)
+    return [int(i) for i in sd["adaptive_ids"]] if sd and sd.get("adaptive_ids") else None
+
+
+@register_method("sdsat")
+class SDSAT(Decoder):
+    exactness = "distribution"
+
+    def __init__(self, target: CachedModel, tokenizer=None, draft=None, k: int = 5,
+                 variant: Literal["two_step", "fused"] = "two_step", top_k: int = 10, top_p: float = 0.95,
+                 adaptive_ids: list | None = None):
+        super().__init__(target, tokenizer, draft)
+        check_range("k", k, 1, 1 << 16)
+        if variant not in ("two_step", "fused"):
+            raise ConfigError(f"method.variant={variant!r} is not valid; choose one of: two_step, fused")
+        check_range("top_k", top_k, 1, 1 << 20)
+        check_range("top_p", top_p, 0.0, 1.0, integer=False, open_lo=True)
+        if adaptive_ids is not None and (not adaptive_ids or not all(isinstance(i, int) and i >= 0
+                                                                    for i in adaptive_ids)):
+            raise ConfigError(f"method.adaptive_ids={adaptive_ids!r} is not valid: give a non-empty list of token ids")
+        self.k, self.fused, self.top_k, self.top_p = k, variant == "fused", top_k, top_p
+        self.variant = variant
+        self.adaptive: list[int] | None = list(adaptive_ids) if adaptive_ids is not None else None
+        if target is not None:
+            self.adaptive = self.adaptive or adaptive_ids_of(target.config)
+            if self.adaptive is None:
+                raise ConfigError(f"model {target.name!r} has no SDSAT adaptive token (no `sdsat` in its config): "
+                                  f"{TRAIN_HINT}")
+            vocab = int(target.config.vocab_size)
+            bad = [i for i in self.adaptive if i >= vocab]
+            if bad:
+                raise ConfigError(f"adaptive ids {bad} are outside the model's vocabulary (size {vocab})")
+        if self.adaptive is not None and len(self.adaptive) > 1 and k > len(self.adaptive):
+            raise ConfigError(f"method.k={k} is out of range: this model's {len(self.adaptive)} distinct adaptive "
+                              f"tokens (SDSAT-D, L={len(self.adaptive)}) draft at most k={len(self.adaptive)}")
+
+    @classmethod
+    def check_model(cls, model: ModelConfig, params: dict) -> None:
+        """Before the model loads: a model whose config.json is at hand must record adaptive tokens."""
+        from pardec.models.loading import read_config_json
+
+        if params.get("adaptive_ids") is not None:
+            return
+        config = read_config_json(model)
+        if config is not None and adaptive_ids_of(config) is None:
+            raise ConfigError(f"model {model.name!r} ({model.path or model.source}) has no SDSAT adaptive token "
+                              f"(no `sdsat` in its config.json): {TRAIN_HINT}")
+
+    # ------------------------------------------------------------------ drafting
+    def _adaptive_chain(self, n: int) -> list[int]:
+        """The ids of ``n`` appended adaptive tokens: one id repeated, or SDSAT-D's a_1..a_n."""
+        return [self.adaptive[0]] * n if len(self.adaptive) == 1 else self.adaptive[:n]
+
+    def _draft_logits(self, rows: torch.Tensor, committed: list[int]) -> torch.Tensor:
+        """[k, V] draft logits from the adaptive rows (adaptive ids excluded); ``committed``: the new tokens so far
+        (the drafts continue them). A seam for tests (oracle drafts)."""
+        rows = rows.float().clone()
+        rows[:, self.adaptive] = float("-inf")
+        return rows
+
+    def candidates(self, drafts: torch.Tensor, s: SamplingConfig) -> tuple[Tree, int]:
+        """(candidate tree, index of the main chain's last node) from draft logits [d, V]."""
+        parents, labels = [-1], [-1]
+        node = 0  # the main chain's deepest node so far
+        for d, tok in enumerate(drafts.argmax(-1).tolist()):
+            alts = [t for t in self._nucleus(drafts[d], s) if t != tok] if not s.greedy and self.top_k > 1 else []
+            parents += [node] * (1 + len(alts))
+            labels += [int(tok)] + alts
+            node = len(parents) - 1 - len(alts)
+        return Tree(parents, labels), node
+
+    def _nucleus(self, logits: torch.Tensor, s: SamplingConfig) -> list[int]:
+        """The ``top_k`` most likely tokens inside the ``top_p`` nucleus at the run's temperature, most likely
+        first (never empty)."""
+        probs = torch.softmax(logits / s.temperature, dim=-1)
+        top = probs.topk(min(self.top_k, probs.shape[-1]))
+        before = top.values.cumsum(0) - top.values  # mass of the more likely ones
+        keep = [int(t) for t, b, p in zip(top.indices, before, top.values) if b < self.top_p and p > 0]
+        return keep or [int(top.indices[0])]
+
+    # ------------------------------------------------------------------ loop
+    @torch.inference_mode()
+    def generate(self, prompt_ids, max_new_tokens: int, stop: Stopper | None = None,
+                 sampling: SamplingConfig | None = None) -> GenerationResult:
+        box: dict[str, torch.Tensor] = {}
+
+        def prefill(ids: torch.Tensor) -> torch.Tensor:
+            self.target.reset()
+            n = ids.shape[1]
+            extra = torch.tensor([self._adaptive_chain(self.k)], device=ids.device)
+            logits = self.target.forward(torch.cat([ids, extra], 1), logits_at=list(range(n - 1, n + self.k))
+                                         ).logits[0]
+            self.target.truncate(n)
+            box["rows"] = logits[1:]
+            return logits[:1]
+
+        st, last = self._start(prompt_ids, max_new_tokens, stop, sampling, prefill)
+        drafts = self._draft_logits(box["rows"], st.out.tokens)
+        drafted = accepted = 0
+        loops = 0
+        while not st.out.done:
+            depth = min(self.k, st.out.room - 1) if drafts is not None else 0
+            if depth > 0:
+                tree, anchor = self.candidates(drafts[:depth], st.s)
+            else:
+                tree, anchor = Tree.chain([]), 0
+            # adaptive tokens after the main chain: always when there are no drafts (two-step's first forward),
+            # every time in the fused variant; not when no token could follow the main chain
+            n_adapt = self.k if (depth == 0 or self.fused) and st.out.room > depth + 1 else 0
+            full = tree if not n_adapt else _with_chain(tree, anchor, self._adaptive_chain(n_adapt))
+            base = self.target.length
+            logits = self.target.forward(full.tokens(last)[None], positions=full.positions(base),
+                                         attend=full.attend).logits[0]
+            st.target_forwards += 1
+            loops += depth > 0
+            verdict = verify_tree(tree, logits[: len(tree)], st.s, st.gen)
+            st.out.commit(verdict.tokens)
+            self.target.keep(verdict.path)
+            drafted += len(tree) - 1
+            accepted += len(verdict.path) - 1
+            last = verdict.tokens[-1]
+            drafts = (self._draft_logits(logits[len(tree):], st.out.tokens)
+                      if n_adapt and verdict.path[-1] == anchor else None)
+        return self._result(st, {"k": self.k, "variant": self.variant, "verifications": loops},
+                            drafted=drafted, draft_accepted=accepted)
+
+
+def _with_chain(tree: Tree, anchor: int, labels: list[int]) -> Tree:
+    """``tree`` with a chain of ``labels`` hanging from node ``anchor`` (node indices len(tree)..)."""
+    parents, labs = list(tree.parents), list(tree.labels)
+    for lab in labels:
+        parents.append(anchor if len(parents) == len(tree) else len(parents) - 1)
+        labs.append(lab)
+    return Tree(parents, labs)
+
