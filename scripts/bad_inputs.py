@@ -97,6 +97,12 @@ CASES = [
                                      '[0, 0, 0, 0]]}'}),
     Case("medusa: unknown tree name", ("+method=medusa", "method.heads={tmp}", "method.tree=T99"), "T99",
          files={"drafter.json": MEDUSA_META}),
+    # sdsat: the adaptive tokens come from the model's config.json (read before the weights load)
+    Case("sdsat: k < 1", ("+method=sdsat", "method.k=0", "method.adaptive_ids=[5]"), "method.k=0"),
+    Case("sdsat: bad variant", ("+method=sdsat", "method.variant=tree"), "method.variant='tree'"),
+    Case("sdsat: k > L (SDSAT-D)", ("+method=sdsat", "method.adaptive_ids=[5,6,7]", "method.k=5"), "method.k=5"),
+    Case("sdsat: model without adaptive token", ("+method=sdsat", "model=local", "model.path={tmp}"),
+         "+experiment=sdsat_smollm2", files={"config.json": '{"model_type": "llama", "vocab_size": 64}'}),
     # datasets
     Case("dataset: no such group option", ("+method=ar", "dataset=nope"), "nope"),
     Case("dataset: unknown task name", ("+method=ar", "dataset.name=gsm9k"), "gsm9k"),
