@@ -29,6 +29,8 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import torch  # noqa: E402
 
+from pardec.report import method_entries  # noqa: E402
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -72,16 +74,10 @@ def pseudo_cosine(model, proj, records: list[dict], n: int) -> dict:
 def bench_rows(bench_dirs: list[Path]) -> list[dict]:
     """(dataset, method, tree, tokens/forward, speedup, exact match) of every medusa/firp run or role found."""
     rows = []
-    for d in bench_dirs:
-        for f in sorted(d.glob("**/summary.json")):
-            s = json.loads(f.read_text())
-            entries = [(s["method"], s.get("method_params") or {}, s)]
-            entries += [(p["method"], p.get("params") or {}, p) for p in (s.get("peers") or {}).values()]
-            for method, params, e in entries:
-                if method in ("medusa", "medusa_typical", "firp"):
-                    rows.append({"dataset": s["dataset"], "method": method, "tree": params.get("tree", "chain"),
-                                 "tokens_per_forward": e.get("tokens_per_forward"), "speedup": e.get("speedup"),
-                                 "exact_match_rate": e.get("exact_match_rate"), "run": str(f.parent)})
+    for s, method, params, e in method_entries(bench_dirs, ("medusa", "medusa_typical", "firp")):
+        rows.append({"dataset": s["dataset"], "method": method, "tree": params.get("tree", "chain"),
+                     "tokens_per_forward": e.get("tokens_per_forward"), "speedup": e.get("speedup"),
+                     "exact_match_rate": e.get("exact_match_rate"), "run": s["_dir"]})
     return rows
 
 

@@ -190,6 +190,21 @@ class Row:
         return " · ".join(f"{name} {statistics.fmean(v):.3f}" for name, v in by_name.items()) or MISSING
 
 
+def method_entries(bench_dirs: Sequence[Path], methods: Iterable[str]) -> list[tuple[dict, str, dict, dict]]:
+    """Every run (``summary.json`` under ``bench_dirs``) or ``bench.also`` role of one of ``methods``, as
+    (the run's summary, method, its parameters, its entry: the summary itself or the role's peer entry)."""
+    wanted = set(methods)
+    out = []
+    for d in bench_dirs:
+        for f in sorted(Path(d).glob("**/summary.json")):
+            s = json.loads(f.read_text())
+            s["_dir"] = str(f.parent)
+            entries = [(s["method"], s.get("method_params") or {}, s)]
+            entries += [(p["method"], p.get("params") or {}, p) for p in (s.get("peers") or {}).values()]
+            out += [(s, m, params, e) for m, params, e in entries if m in wanted]
+    return out
+
+
 def _setting(run: dict[str, Any]) -> str:
     """What a run generated under besides its method: ``max_new_tokens=256, greedy`` or ``max_new_tokens=256,
     temperature=0.7, top_k=0, top_p=0.9``. The sampling seed is left out: runs differing only in it are repeats of

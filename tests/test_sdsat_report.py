@@ -1,0 +1,42 @@
+"""scripts/sdsat_report.py: rows of sdsat runs and roles against k, the base-model metric beside them, the plot."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+_SPEC = importlib.util.spec_from_file_location("sdsat_report", Path(__file__).parents[1] / "scripts/sdsat_report.py")
+sdsat_report = importlib.util.module_from_spec(_SPEC)
+_SPEC.loader.exec_module(sdsat_report)
+
+
+def _run(path: Path, summary: dict) -> None:
+    path.mkdir(parents=True)
+    (path / "summary.json").write_text(json.dumps(summary))
+
+
+def test_rows_plot_and_markdown(tmp_path):
+    peers = {f"also:sdsat:k={k}:variant=fused": {"method": "sdsat", "params": {"k": k, "variant": "fused"},
+                                                 "tokens_per_s": 10.0 + k, "speedup": 0.5 + k / 10,
+                                                 "tokens_per_forward": 1.5, "draft_acceptance": 0.5 - k / 100,
+                                                 "exact_match_rate": 1.0}
+             for k in (3, 8)}
+    peers["hf"] = {"method": "hf_generate", "params": {}}
+    _run(tmp_path / "sd" / "humaneval", {
+        "dataset": "humaneval", "method": "sdsat", "method_params": {"k": 5}, "sampling": {"temperature": 0.0},
+        "tokens_per_s": 20.0, "baseline_tokens_per_s": 16.0, "speedup": 1.25, "tokens_per_forward": 2.0,
+        "draft_acceptance": 0.4, "exact_match_rate": 1.0, "metric_name": "pass@1", "metric": 0.2,
+        "baseline_metric": 0.2, "peers": peers})
+    _run(tmp_path / "base" / "humaneval", {"dataset": "humaneval", "method": "ar", "sampling": {"temperature": 0.0},
+                                            "metric_name": "pass@1", "metric": 0.25, "n_samples": 5, "peers": {}})
+    rows = sdsat_report.sdsat_rows([tmp_path / "sd"])
+    assert [(r["variant"], r["k"], r["tokens_per_s"]) for r in rows] == [("fused", 3, 13.0), ("fused", 8, 18.0),
+                                                                        ("two_step", 5, 20.0)]
+    base = sdsat_report.base_rows([tmp_path / "base"])
+    assert [(b["dataset"], b["metric"]) for b in base] == [("humaneval", 0.25)]
+    sdsat_report.plot(rows, tmp_path / "k.png")
+    assert (tmp_path / "k.png").stat().st_size > 1000
+    md = sdsat_report.render(rows, base, {"perplexity": {"ratio": 1.01}})
+    assert "| humaneval | greedy | two_step | 5 | 20.0 | 1.25 (–) | 2.00 | 0.40 | 1.00 |" in md
+    assert "| humaneval (5 prompts, greedy) | pass@1 | 0.25 | 0.20 |" in md
