@@ -20,7 +20,9 @@ Resume a killed training run: rerun with the same ``run_name`` (or ``hydra.run.d
 
 Experiments declare a ``kind`` (default ``cllm``, the stages above). ``kind: draft`` distils a draft model for
 speculative decoding: ``stage=generate|train|eval|all`` (see :func:`run_draft`). ``kind: heads`` self-distils
-Medusa heads or FIRP projections on the target, with the same stages (see :func:`run_heads`).
+Medusa heads or FIRP projections on the target, with the same stages (see :func:`run_heads`). ``kind: sdsat``
+fine-tunes the model itself to guess several tokens from adaptive tokens (SDSAT): ``stage=mask|train|eval|all``
+(see :func:`run_sdsat`).
 """
 
 from __future__ import annotations
@@ -45,7 +47,7 @@ log = logging.getLogger("pardec.train")
 STAGES = ("collect", "train", "all")
 #: experiment kinds (the experiment's top-level ``kind`` key) and their stages
 KIND_STAGES = {"cllm": STAGES, "draft": ("generate", "train", "eval", "all"),
-               "heads": ("generate", "train", "eval", "all")}
+               "heads": ("generate", "train", "eval", "all"), "sdsat": ("mask", "train", "eval", "all")}
 #: keys of the ``trainer`` group handled here; every other key is a CLLMConfig / TrainingArguments field
 APP_KEYS = ("lora", "deepspeed", "model_dtype", "resume_from_checkpoint")
 LORA_KEYS = ("enabled", "r", "alpha", "dropout", "target_modules")
@@ -112,7 +114,7 @@ def experiments() -> list[str]:
     return sorted(p.stem for p in (CONF_DIR / "experiment").glob("*.yaml"))
 
 
-def validate(cfg: DictConfig) -> TrainSpec | DraftSpec | HeadsSpec:
+def validate(cfg: DictConfig) -> TrainSpec | DraftSpec | HeadsSpec | SDSATSpec:
     """Check every name and value before anything heavy loads; errors name the key and the valid choices."""
     from pardec.training.trainer import CLLMConfig, check_options
 
@@ -129,6 +131,8 @@ def validate(cfg: DictConfig) -> TrainSpec | DraftSpec | HeadsSpec:
         return validate_draft(cfg, name)
     if kind == "heads":
         return validate_heads(cfg, name)
+    if kind == "sdsat":
+        return validate_sdsat(cfg, name)
     tcfg = OmegaConf.to_container(cfg.trainer, resolve=True)
     valid = {f.name for f in fields(CLLMConfig) if f.init} | set(APP_KEYS)
     unknown = sorted(set(tcfg) - valid)
@@ -137,20 +141,26 @@ def validate(cfg: DictConfig) -> TrainSpec | DraftSpec | HeadsSpec:
                           f"(loss_type, distance, jsd_beta, ar_weight, max_length, state_sampling) and any "
                           f"transformers.TrainingArguments field")
     check_options(tcfg)
-    lora = dict(tcfg.pop("lora", None) or {})
-    bad = sorted(set(lora) - set(LORA_KEYS))
-    if bad:
-        raise ConfigError(f"unknown key(s) {bad} in trainer.lora; valid: {', '.join(LORA_KEYS)}")
+    lora = _lora_section(tcfg)
     model, model_dtype, deepspeed, resume = _app_keys(cfg, tcfg)
     return TrainSpec(
         experiment=name, stage=cfg.stage, model=model,
         dataset=to_dataclass(DatasetConfig, cfg.dataset, "dataset"),
         collect=to_dataclass(CollectConfig, cfg.collect, "collect"),
-        trainer=tcfg, lora=lora if lora.get("enabled") else None, deepspeed=deepspeed, model_dtype=model_dtype,
+        trainer=tcfg, lora=lora, deepspeed=deepspeed, model_dtype=model_dtype,
         resume=resume, train_data=Path(cfg.train_data),
         logger=OmegaConf.to_container(cfg.get("logger") or {"name": "none"}, resolve=True),
         threads=int(cfg.get("threads", 2)), config=OmegaConf.to_container(cfg, resolve=True),
     )
+
+
+def _lora_section(tcfg: dict) -> dict | None:
+    """Pop ``trainer.lora`` from ``tcfg`` and check its keys: the settings when enabled, else None."""
+    lora = dict(tcfg.pop("lora", None) or {})
+    bad = sorted(set(lora) - set(LORA_KEYS))
+    if bad:
+        raise ConfigError(f"unknown key(s) {bad} in trainer.lora; valid: {', '.join(LORA_KEYS)}")
+    return lora if lora.get("enabled") else None
 
 
 def _app_keys(cfg: DictConfig, tcfg: dict) -> tuple[ModelConfig, str, Path | None, bool | str | None]:
@@ -224,25 +234,10 @@ def run_train(spec: TrainSpec, run_dir: Path, d: Dist) -> dict[str, Any]:
     if stats_file.is_file() and not json.loads(stats_file.read_text()).get("complete", True):
         raise ConfigError(f"{spec.train_data} holds an unfinished collection ({stats_file}); "
                           f"finish it first: rerun with stage=collect")
-    report_to = spec.logger.get("name", "none")
-    defaults = {"output_dir": str(run_dir), "report_to": report_to, "run_name": run_dir.name}
-    args = CLLMConfig(**{**defaults, **spec.trainer},  # before the model, as ZeRO-3 requires
-                      deepspeed=str(spec.deepspeed) if spec.deepspeed else None)
-    if spec.deepspeed:  # zero.Init (ZeRO-3, inside from_pretrained) needs DeepSpeed's process group now
-        import deepspeed
-
-        _ = args.device  # torch.distributed, as the Trainer sets it up
-        deepspeed.init_distributed()
+    args = training_args(CLLMConfig, spec, run_dir)  # before the model, as ZeRO-3 requires
     records = load_trajectories(spec.train_data)
     lm = load_model(replace(spec.model, device="cpu", dtype=spec.model_dtype))  # the Trainer places it
-    model = lm.model
-    if spec.lora:
-        from peft import LoraConfig, get_peft_model
-
-        lo = spec.lora
-        model = get_peft_model(model, LoraConfig(r=lo.get("r", 16), lora_alpha=lo.get("alpha", 32),
-                                                 lora_dropout=lo.get("dropout", 0.05), task_type="CAUSAL_LM",
-                                                 target_modules=lo.get("target_modules")))
+    model = apply_lora(lm.model, spec.lora) if spec.lora else lm.model
     ds = TrajectoryDataset(records, args.loss_type, args.state_sampling, args.max_length, args.seed)
     trainer = CLLMTrainer(model=model, args=args, train_dataset=ds, data_collator=CLLMCollator(lm.tokenizer.pad_token_id),
                           processing_class=lm.tokenizer)
@@ -257,9 +252,36 @@ def run_train(spec: TrainSpec, run_dir: Path, d: Dist) -> dict[str, Any]:
     return summary
 
 
-def save_final(trainer, spec: TrainSpec, run_dir: Path, final: Path, d: Dist) -> None:
+def training_args(config_cls: type, spec, run_dir: Path, **extra):
+    """``config_cls`` (a TrainingArguments subclass) from ``spec.trainer`` with the app's defaults (output_dir = the
+    run dir, report_to = the logger, run_name) and ``spec.deepspeed``. Build it before the model loads: with
+    DeepSpeed, DeepSpeed's process group is set up here, which ZeRO-3's zero.Init inside from_pretrained needs."""
+    defaults = {"output_dir": str(run_dir), "report_to": spec.logger.get("name", "none"), "run_name": run_dir.name}
+    args = config_cls(**{**defaults, **spec.trainer}, **extra,
+                      deepspeed=str(spec.deepspeed) if spec.deepspeed else None)
+    if spec.deepspeed:
+        import deepspeed
+
+        _ = args.device  # torch.distributed, as the Trainer sets it up
+        deepspeed.init_distributed()
+    return args
+
+
+def apply_lora(model, lora: dict, **extra):
+    """``model`` wrapped by peft with LoRA adapters as ``trainer.lora`` says (r, alpha, dropout, target_modules);
+    ``extra``: more ``peft.LoraConfig`` fields (SDSAT: ``trainable_token_indices``, the new tokens' rows)."""
+    from peft import LoraConfig, get_peft_model
+
+    return get_peft_model(model, LoraConfig(r=lora.get("r", 16), lora_alpha=lora.get("alpha", 32),
+                                            lora_dropout=lora.get("dropout", 0.05), task_type="CAUSAL_LM",
+                                            target_modules=lora.get("target_modules"), **extra))
+
+
+def save_final(trainer, spec, run_dir: Path, final: Path, d: Dist, prepare=None) -> None:
     """Full weights + tokenizer into ``final``; with LoRA the adapter goes to ``<run dir>/adapter`` and rank 0
-    merges it into a fresh copy of the base weights (works the same under ZeRO-3, where weights are sharded)."""
+    merges it into a fresh copy of the base weights (works the same under ZeRO-3, where weights are sharded).
+    ``prepare(base)``: called on that fresh LoadedModel before the merge, to give it what the training model had
+    beyond the base weights (SDSAT: the adaptive tokens in the tokenizer and the embeddings)."""
     from pardec.models.loading import load_model
 
     trainer.model.config.use_cache = True  # the Trainer turned it off for training; decoding wants it
@@ -274,6 +296,8 @@ def save_final(trainer, spec: TrainSpec, run_dir: Path, final: Path, d: Dist) ->
 
         unset_hf_deepspeed_config()  # training is over: load the base whole, not ZeRO-3 sharded (rank 0 alone)
         base = load_model(replace(spec.model, device="cpu", dtype=spec.model_dtype))
+        if prepare is not None:
+            prepare(base)
         merged = PeftModel.from_pretrained(base.model, str(adapter)).merge_and_unload()
         merged.save_pretrained(str(final))
         base.tokenizer.save_pretrained(str(final))
@@ -358,16 +382,22 @@ def _eval_sources(ev: dict) -> list:
             for s in eval_all.sources]
 
 
-def _trainer_section(cfg: DictConfig, config_cls: type, elsewhere: str, hint: str) -> dict:
-    """The ``trainer`` section of a draft / heads experiment: ``config_cls`` (a TrainingArguments subclass) fields
-    but ``elsewhere`` (a key configured in another section, as ``hint`` says) plus the app's keys."""
+def _trainer_section(cfg: DictConfig, config_cls: type, elsewhere: str | None, hint: str,
+                     lora: bool = False) -> dict:
+    """The ``trainer`` section of a draft / heads / sdsat experiment: ``config_cls`` (a TrainingArguments subclass)
+    fields but ``elsewhere`` (a key configured in another section, as ``hint`` says) plus the app's keys (``lora``
+    only where ``lora``)."""
+    from transformers import TrainingArguments
+
     tcfg = OmegaConf.to_container(cfg.trainer, resolve=True)
-    valid = ({f.name for f in fields(config_cls) if f.init} - {elsewhere}) | set(APP_KEYS) - {"lora"}
+    app = [k for k in APP_KEYS if lora or k != "lora"]
+    own = sorted({f.name for f in fields(config_cls) if f.init} - {f.name for f in fields(TrainingArguments)}
+                 - {elsewhere})
+    valid = ({f.name for f in fields(config_cls) if f.init} - {elsewhere}) | set(app)
     unknown = sorted(set(tcfg) - valid)
     if unknown:
-        raise ConfigError(f"unknown key(s) {unknown} in trainer; valid: deepspeed, model_dtype, "
-                          f"resume_from_checkpoint, max_length and any transformers.TrainingArguments field "
-                          f"({hint})")
+        raise ConfigError(f"unknown key(s) {unknown} in trainer; valid: {', '.join(app + own)} and any "
+                          f"transformers.TrainingArguments field ({hint})")
     return tcfg
 
 
@@ -379,13 +409,12 @@ def _known(section: dict, keys: tuple[str, ...], where: str) -> None:
 
 def _target_layers(model: ModelConfig) -> int | None:
     """The target's layer count when its config is at hand without loading weights (else None)."""
-    from pardec.models.loading import cache_dir_for
+    from pardec.models.loading import read_config_json
 
     if model.source == "tiny_random":
         return model.layers
-    where = {"local": Path(model.path or ""), "gguf_package": cache_dir_for(model), "gguf": cache_dir_for(model)}
-    f = where.get(model.source, Path("/nonexistent")) / "config.json"
-    return json.loads(f.read_text()).get("num_hidden_layers") if f.is_file() else None
+    config = read_config_json(model)
+    return config.get("num_hidden_layers") if config else None
 
 
 def run_draft(spec: DraftSpec, run_dir: Path, d: Dist) -> dict[str, Any]:
@@ -542,6 +571,157 @@ def run_heads(spec: HeadsSpec, run_dir: Path, d: Dist) -> dict[str, Any]:
     return summary
 
 
+# ------------------------------------------------------------------------------------------- kind: sdsat
+#: keys of the ``adaptive`` and ``eval`` sections of an sdsat experiment
+ADAPTIVE_KEYS = ("max_span", "diverse")
+SDSAT_EVAL_KEYS = ("sources", "max_docs", "stride", "k_max")
+
+
+@dataclass
+class SDSATSpec:
+    experiment: str
+    stage: str
+    model: ModelConfig
+    max_span: int  # L: adaptive windows of 1..L tokens
+    diverse: bool  # SDSAT-D: one adaptive token per offset
+    mask: Any  # pardec.training.masked.MaskConfig (its max_span / diverse are the adaptive section's)
+    eval_sources: list  # held-out sources, in masked.parse_sources form
+    eval_max_docs: int | None  # sequences per held-out source
+    eval_stride: int  # anchors every stride positions
+    eval_k_max: int  # adaptive slots per anchor (depths 1..k_max)
+    trainer: dict  # SDSATConfig keyword arguments
+    lora: dict | None  # LoRA settings when enabled
+    deepspeed: Path | None
+    model_dtype: str
+    resume: bool | str | None
+    logger: dict
+    threads: int
+    config: dict
+
+
+def _int_at_least(value: Any, low: int, key: str, or_null: bool = False) -> None:
+    if or_null and value is None:
+        return
+    if not _int(value) or value < low:
+        raise ConfigError(f"{key}={value!r} is out of range: it must be an integer >= {low}"
+                          + (" or null" if or_null else ""))
+
+
+def validate_sdsat(cfg: DictConfig, name: str) -> SDSATSpec:
+    """Check a ``kind: sdsat`` config before anything heavy loads. ``stage=train`` without ``mask`` also checks the
+    masked corpus in ``mask.out_dir`` now (finished, this schema version, built with these settings)."""
+    from pardec.training import masked as mk
+    from pardec.training.sdsat_trainer import SDSATConfig, check_options
+
+    for key in ("adaptive", "mask", "eval"):
+        if not isinstance(cfg.get(key), DictConfig):
+            raise ConfigError(f"an sdsat experiment needs an `{key}` section (see conf/experiment/sdsat_tiny.yaml)")
+    adaptive = OmegaConf.to_container(cfg.adaptive, resolve=True)
+    _known(adaptive, ADAPTIVE_KEYS, "adaptive")
+    max_span, diverse = adaptive.get("max_span", 5), adaptive.get("diverse", False)
+    _int_at_least(max_span, 1, "adaptive.max_span")
+    if not isinstance(diverse, bool):
+        raise ConfigError(f"adaptive.diverse={diverse!r} is not valid: it must be true or false")
+    mask = OmegaConf.to_container(cfg.mask, resolve=True)
+    moved = sorted(set(mask) & set(ADAPTIVE_KEYS))
+    if moved:
+        raise ConfigError(f"mask.{moved[0]} is not a mask key here: set adaptive.{moved[0]} (the tokens and the "
+                          f"windows share it)")
+    mask_cfg = to_dataclass(mk.MaskConfig, {**mask, "max_span": max_span, "diverse": diverse}, "mask")
+    if not mask_cfg.sources:
+        raise ConfigError(f"mask.sources is empty: list at least one of {mk.SOURCE_FORMS}")
+    ev = OmegaConf.to_container(cfg["eval"], resolve=True)
+    _known(ev, SDSAT_EVAL_KEYS, "eval")
+    eval_sources = mk.parse_sources(ev.get("sources"), "eval.sources")
+    if not eval_sources:
+        raise ConfigError(f"eval.sources is empty: list at least one of {mk.SOURCE_FORMS}")
+    max_docs, stride, k_max = ev.get("max_docs"), ev.get("stride", 8), ev.get("k_max", max_span)
+    _int_at_least(max_docs, 1, "eval.max_docs", or_null=True)
+    _int_at_least(stride, 1, "eval.stride")
+    _int_at_least(k_max, 1, "eval.k_max")
+    if diverse and k_max > max_span:
+        raise ConfigError(f"eval.k_max={k_max} is out of range: diverse adaptive tokens exist for depths "
+                          f"1..adaptive.max_span={max_span} only")
+    tcfg = _trainer_section(cfg, SDSATConfig, None, "w of Eq. 9 is mask_weight", lora=True)
+    check_options(tcfg)
+    lora = _lora_section(tcfg)
+    model, model_dtype, deepspeed, resume = _app_keys(cfg, tcfg)
+    if cfg.stage == "train":
+        _check_masked(mask_cfg)
+    return SDSATSpec(
+        experiment=name, stage=cfg.stage, model=model, max_span=max_span, diverse=diverse, mask=mask_cfg,
+        eval_sources=eval_sources, eval_max_docs=max_docs, eval_stride=stride, eval_k_max=k_max, trainer=tcfg,
+        lora=lora, deepspeed=deepspeed, model_dtype=model_dtype, resume=resume,
+        logger=OmegaConf.to_container(cfg.get("logger") or {"name": "none"}, resolve=True),
+        threads=int(cfg.get("threads", 2)), config=OmegaConf.to_container(cfg, resolve=True),
+    )
+
+
+def _check_masked(mask_cfg) -> None:
+    """The masked corpus the train stage will read: finished, of this schema version (masked.check_masked_dir) and
+    built with the configured masking settings (the model identity and the adaptive ids are checked when the model
+    has its tokens)."""
+    from pardec.config import settings_diff
+    from pardec.training import masked as mk
+
+    meta = mk.check_masked_dir(mask_cfg.out_dir)
+    want = mk.mask_meta(mask_cfg, meta.get("model"), mk.adaptive_tokens(mask_cfg.max_span, mask_cfg.diverse),
+                        meta.get("adaptive_ids", []))
+    diff = settings_diff(meta, json.loads(json.dumps(want)))
+    if diff:
+        raise ConfigError(f"{mask_cfg.out_dir} holds a masked corpus built with other settings ({'; '.join(diff)}); "
+                          f"rebuild it with stage=mask mask.overwrite=true, or use another mask.out_dir")
+
+
+def run_sdsat(spec: SDSATSpec, run_dir: Path, d: Dist) -> dict[str, Any]:
+    """The stages of an sdsat experiment; returns (and on rank 0 writes) ``train_summary.json``.
+
+    * ``mask``: the masked corpus of ``mask.sources`` in ``mask.out_dir`` (:func:`pardec.training.masked.
+      run_masking`; tokenizer only, no weights; resumable, sharded over ranks);
+    * ``train``: :class:`~pardec.training.sdsat_trainer.SDSATTrainer` (Eq. 9, full fine-tuning or LoRA); the model
+      with its adaptive tokens goes to ``<run dir>/final``, loadable with ``python -m evaluate +method=sdsat
+      model=local model.path=<run dir>/final``;
+    * ``eval`` (rank 0): held-out perplexity (base vs trained) and per-depth adaptive-token accuracy on
+      ``eval.sources``, into ``<run dir>/sdsat_eval.json``.
+    """
+    from pardec.training import sdsat_trainer as st
+
+    summary: dict[str, Any] = {"experiment": spec.experiment, "kind": "sdsat", "stage": spec.stage,
+                               "run_dir": str(run_dir)}
+    if spec.stage in ("mask", "all"):
+        summary["mask"] = _mask_stage(spec, d)
+    if spec.stage in ("train", "all"):
+        if spec.stage == "all":
+            _check_masked(spec.mask)  # what stage=train checks in validate
+        summary["train"] = st.train_sdsat(spec, run_dir, d.rank)
+    if spec.stage in ("eval", "all") and d.rank == 0:
+        result = st.evaluate_sdsat(spec, run_dir)
+        summary["eval"] = {k: result["overall"][k] for k in ("tokens", "ppl_base", "ppl_trained", "ppl_ratio")}
+        adaptive = result["overall"]["adaptive"]
+        summary["eval"].update(accuracy=adaptive["accuracy"],
+                               expected_tokens_per_loop=adaptive["expected_tokens_per_loop"])
+        print(json.dumps(summary["eval"], indent=2))
+    if d.rank == 0:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        (run_dir / "train_summary.json").write_text(json.dumps(summary, indent=2, default=str) + "\n")
+    return summary
+
+
+def _mask_stage(spec: SDSATSpec, d: Dist) -> dict | None:
+    from pardec.models.loading import load_tokenizer_only
+    from pardec.training.masked import run_masking
+
+    barrier = _barrier(d)
+    tok = load_tokenizer_only(spec.model)
+    chat = bool(spec.model.chat) if spec.model.chat is not None else bool(getattr(tok, "chat_template", None))
+    stats = run_masking(spec.mask, tok, spec.model.identity(), d.rank, d.world, barrier, chat=chat)
+    if barrier:
+        barrier()  # rank 0 has merged: every rank may read masked.jsonl now
+    if stats:
+        log.info("masked corpus: %s", json.dumps(stats))
+    return stats
+
+
 def run(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
     """Run the stages ``cfg.stage`` names; returns (and on rank 0 writes) ``train_summary.json``."""
     import torch
@@ -553,6 +733,8 @@ def run(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
         return run_draft(spec, run_dir, d)
     if isinstance(spec, HeadsSpec):
         return run_heads(spec, run_dir, d)
+    if isinstance(spec, SDSATSpec):
+        return run_sdsat(spec, run_dir, d)
     summary: dict[str, Any] = {"experiment": spec.experiment, "stage": spec.stage, "run_dir": str(run_dir)}
     if spec.stage in ("collect", "all"):
         summary["collect"] = run_collect(spec, d)

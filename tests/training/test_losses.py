@@ -1,4 +1,4 @@
-"""CLLM losses: zeros, hand-computed values, masks, stop-gradient, normalisation under accumulation."""
+"""Losses (CLLM, SDSAT Eq. 9): zeros, hand-computed values, masks, stop-gradient, normalisation under accumulation."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from pardec.training.losses import ar_loss, consistency_loss, token_divergence, total_loss
+from pardec.training.losses import ar_loss, consistency_loss, sdsat_loss, token_divergence, total_loss
 
 # target p = (1/2, 1/2), student q = (3/4, 1/4)
 P, Q = (0.5, 0.5), (0.75, 0.25)
@@ -102,3 +102,63 @@ def test_micro_batches_with_num_items_equal_one_big_batch(distance):
     # without the fixed normaliser, the mean of micro-batch means is not the big-batch mean
     naive = (loss(0, 1) + loss(1, 4)) / 2
     assert not torch.allclose(naive, big)
+
+
+# ------------------------------------------------------------------------------------------- SDSAT (Eq. 9)
+def _sdsat_case(seed: int = 0):
+    """B = 2 records, T = 4, V = 5: logits [4, 4, 5] (rows 0-1 plain, 2-3 masked), targets, masks."""
+    g = torch.Generator().manual_seed(seed)
+    logits = torch.randn(4, 4, 5, generator=g)
+    targets = torch.tensor([[1, 2, 3, 0], [4, 0, 2, 0]])
+    plain = torch.tensor([[True, True, True, False], [False, True, True, False]])  # row 1: prompt / padding out
+    masked = torch.tensor([[False, True, False, False], [False, True, True, False]])
+    return logits, targets, plain, masked
+
+
+def _ce(row: torch.Tensor, target: int) -> float:
+    return float(-row.log_softmax(-1)[target])
+
+
+def test_sdsat_loss_matches_a_hand_computation():
+    logits, targets, plain, masked = _sdsat_case()
+    out = sdsat_loss(logits, targets, plain, masked, w=0.5)
+    p_terms = [_ce(logits[b, t], int(targets[b, t])) for b in range(2) for t in range(4) if plain[b, t]]
+    m_terms = [_ce(logits[2 + b, t], int(targets[b, t])) for b in range(2) for t in range(4) if masked[b, t]]
+    f_p, f_m = sum(p_terms) / 5, sum(m_terms) / 3
+    assert out.plain.item() == pytest.approx(f_p, rel=1e-5) and out.masked.item() == pytest.approx(f_m, rel=1e-5)
+    assert out.total.item() == pytest.approx(0.5 * (f_p + 0.5 * f_m), rel=1e-5)
+    assert out.sums.tolist() == pytest.approx([sum(p_terms), 5, sum(m_terms), 3], rel=1e-5)
+    window = sdsat_loss(logits, targets, plain, masked, w=0.5, num_items=torch.tensor([10, 12]))  # a bigger window
+    assert window.plain.item() == pytest.approx(sum(p_terms) / 10, rel=1e-5)
+    assert window.masked.item() == pytest.approx(sum(m_terms) / 12, rel=1e-5)
+
+
+def test_sdsat_loss_ignores_what_it_must():
+    logits, targets, plain, masked = _sdsat_case()
+    out = sdsat_loss(logits, targets, plain, masked)
+    ordinary = logits.clone()  # masked rows, ordinary (non-adaptive) positions: no effect on the loss at all
+    ordinary[2:][~masked] = torch.randn(int((~masked).sum()), 5) * 10
+    again = sdsat_loss(ordinary, targets, plain, masked)
+    torch.testing.assert_close(again.total, out.total)
+    anything = logits.clone()  # masked rows changed anywhere: f_plain stays, f_masked moves
+    anything[2:] = torch.randn(2, 4, 5) * 10
+    moved = sdsat_loss(anything, targets, plain, masked)
+    torch.testing.assert_close(moved.plain, out.plain)
+    assert abs(moved.masked.item() - out.masked.item()) > 1e-3
+    leaf = logits.clone().requires_grad_(True)  # gradients reach exactly the counted positions
+    sdsat_loss(leaf, targets, plain, masked).total.backward()
+    touched = leaf.grad.abs().sum(-1) > 0
+    assert torch.equal(touched, torch.cat([plain, masked]))
+
+
+def test_sdsat_loss_without_masked_positions_is_half_the_plain_loss():
+    logits, targets, plain, _ = _sdsat_case()
+    out = sdsat_loss(logits.requires_grad_(True), targets, plain, torch.zeros_like(plain))
+    assert out.masked.item() == 0.0 and math.isfinite(out.total.item())
+    assert out.total.item() == pytest.approx(0.5 * out.plain.item())
+    out.total.backward()
+    assert torch.isfinite(logits.grad).all()
+    nothing = sdsat_loss(logits, targets, torch.zeros_like(plain), torch.zeros_like(plain))
+    assert nothing.total.item() == 0.0 and nothing.total.requires_grad  # still backward-able
+    with pytest.raises(ValueError, match="expected 2 x 2"):
+        sdsat_loss(logits[:3], targets, plain, plain)

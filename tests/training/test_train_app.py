@@ -59,6 +59,9 @@ def test_every_experiment_validates(name):
         assert spec.drafter["kind"] == name.split("_")[0]
         assert spec.gen.out_dir.endswith((f"distill/{name}/train", f"distill/{shared}/train"))
         return
+    if name.startswith("sdsat_"):  # kind: sdsat (tests/training/test_sdsat_trainer.py covers it)
+        assert spec.mask.out_dir.endswith(f"sdsat/{name}") and spec.eval_sources and spec.max_span >= 1
+        return
     assert spec.collect.out_dir.endswith(f"trajectories/{name}") and spec.train_data == Path(spec.collect.out_dir)
 
 

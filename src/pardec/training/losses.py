@@ -1,10 +1,15 @@
-"""CLLM losses as pure functions of logits, labels and masks (CLLM paper, Eqs. 4-6).
+"""Training losses as pure functions of logits, labels and masks: CLLM (paper Eqs. 4-6) and SDSAT (Eq. 9).
+
+CLLM:
 
 * consistency (Eqs. 4 and 5): a distance between the *target* distribution (the model's own logits on the
   fixed point, global, or on the next Jacobi state, local; always stop-gradient) and the *student*
   distribution (the model's logits on a Jacobi state), per block position;
 * AR (Eq. 6): next-token negative log-likelihood of the teacher's answer (prompt positions masked);
 * total = consistency + ``ar_weight`` * AR.
+
+SDSAT (paper Eq. 9, :func:`sdsat_loss`): ``0.5 * (f_plain + w * f_masked)``, next-token cross-entropies of the
+plain rows (ordinary tokens) and of the adaptive-token positions of the masked rows.
 
 Distances, per position, with ``p`` = target and ``q`` = student (trl's ``generalized_jsd_loss`` convention):
 
@@ -21,6 +26,7 @@ sum to exactly the loss of one big batch).
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -106,3 +112,56 @@ def ar_loss(logits: torch.Tensor, labels: torch.Tensor, num_items: torch.Tensor 
 def total_loss(consistency: torch.Tensor, ar: torch.Tensor, ar_weight: float = 10.0) -> torch.Tensor:
     """CLLM objective: consistency + ``ar_weight`` * AR."""
     return consistency + ar_weight * ar
+
+
+# ------------------------------------------------------------------------------------------- SDSAT (Eq. 9)
+class SDSATLoss(NamedTuple):
+    total: torch.Tensor  # 0.5 * (plain + w * masked): what is minimised
+    plain: torch.Tensor  # f_plain: CE over the plain rows' label positions (sum / normaliser)
+    masked: torch.Tensor  # f_masked: CE over the masked rows' adaptive-token positions (sum / normaliser)
+    sums: torch.Tensor  # [4] detached float64: plain CE sum, plain count, masked CE sum, masked count
+
+
+def _ce_sum(logits: torch.Tensor, targets: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(summed CE of ``logits`` [R, T, V] against ``targets`` [R, T] where ``mask`` [R, T], count): only the
+    selected positions go through the log-softmax."""
+    mask = mask.to(logits.device, torch.bool)
+    picked = logits[mask].float()  # [N, V]
+    if not picked.numel():  # nothing counts: 0, still attached to the graph (one finite logit times 0)
+        return logits.flatten()[:1].float().sum() * 0.0, mask.sum()
+    ce = F.cross_entropy(picked, targets.to(logits.device)[mask], reduction="sum")
+    return ce.float(), mask.sum()
+
+
+def sdsat_loss(
+    logits: torch.Tensor,
+    targets: torch.Tensor,
+    plain_mask: torch.Tensor,
+    masked_mask: torch.Tensor,
+    w: float = 1.0,
+    num_items: torch.Tensor | None = None,
+) -> SDSATLoss:
+    """SDSAT's improved loss (paper Eq. 9): ``0.5 * (f_plain + w * f_masked)``.
+
+    logits:      [2B, T, V]: rows ``0..B-1`` are the plain sequences, rows ``B..2B-1`` the masked versions of the
+                 same records (the same row order);
+    targets:     [B, T]: the token position ``t`` predicts, ``ids[t + 1]`` of the plain sequence (shared by both
+                 rows of a record: a masked position is trained to predict the plain next token);
+    plain_mask:  [B, T] bool: the plain rows' label positions (``t + 1 >= start``, not padding);
+    masked_mask: [B, T] bool: the masked rows' positions whose input is an adaptive token.
+    ``num_items``: [2] (plain count, masked count) over the whole gradient-accumulation window (default: this
+    batch's counts), so micro-batches sum to the loss of one big batch.
+
+    Ordinary positions of the masked rows count for nothing (the ordinary-token loss comes from the plain rows
+    only), and the masked rows never reach ``f_plain``. An empty set gives a 0 term, never NaN.
+    """
+    bsz = targets.shape[0]
+    if logits.shape[0] != 2 * bsz:
+        raise ValueError(f"sdsat_loss: logits have {logits.shape[0]} rows; expected 2 x {bsz} (plain + masked)")
+    p_sum, p_cnt = _ce_sum(logits[:bsz], targets, plain_mask)
+    m_sum, m_cnt = _ce_sum(logits[bsz:], targets, masked_mask)
+    counts = torch.stack([p_cnt, m_cnt]) if num_items is None else torch.as_tensor(num_items)
+    norm = counts.to(p_sum.device).clamp(min=1).to(p_sum.dtype)
+    plain, masked = p_sum / norm[0], m_sum / norm[1]
+    sums = torch.stack([p_sum.detach(), p_cnt.to(p_sum), m_sum.detach(), m_cnt.to(p_sum)]).double().cpu()
+    return SDSATLoss(0.5 * (plain + w * masked), plain, masked, sums)
