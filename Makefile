@@ -6,7 +6,7 @@ STAMP  := $(VENV)/.pardec-installed
 TORCH_VERSION ?= 2.13.0
 PYTEST_ARGS ?=
 
-.PHONY: help setup demo test bench bench-mjsd bench-heads lint clean
+.PHONY: help setup demo test bench bench-mjsd bench-heads bench-sdsat lint clean
 
 help:  ## list targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-10s %s\n", $$1, $$2}'
@@ -63,6 +63,22 @@ bench-heads: setup  ## FIRP vs Medusa (T16/T32/T63) + pld/hf vs ar: GSM8K 0/1-sh
 	  $(if $(GSM8K_TRAIN),dataset.extra.train_path=$(GSM8K_TRAIN))
 	$(BIN)/python scripts/heads_report.py --medusa $(MEDUSA) --firp $(FIRP) --bench outputs/bench/heads \
 	  --bench outputs/bench/heads_1shot --out outputs/heads_report
+
+SDSAT_N ?= 20
+SDSAT ?= outputs/train/runs/sdsat_smollm2/default/final
+SDSAT_METHODS := sdsat:k=3,sdsat:k=5,sdsat:k=8,sdsat:k=13,sdsat:k=3:variant=fused,sdsat:k=5:variant=fused,$\
+  sdsat:k=8:variant=fused,sdsat:k=13:variant=fused,pld
+bench-sdsat: setup  ## SDSAT (two-step / fused, k = 3..13, nucleus T 0.2 / 1.0) + pld/hf vs ar of the SDSAT model, ar on the base: HumanEval, GSM8K (GSM8K=)
+	$(BIN)/python scripts/bench.py --draft none --n $(SDSAT_N) --model local --methods "$(SDSAT_METHODS)" \
+	  --out outputs/bench/sdsat --datasets humaneval,gsm8k $(if $(GSM8K),--dataset-path gsm8k=$(GSM8K)) model.path=$(SDSAT)
+	for T in 0.2 1.0; do $(BIN)/python scripts/bench.py --draft none --n $(SDSAT_N) --model local \
+	  --methods "sdsat:k=5,sdsat:k=5:variant=fused" --out outputs/bench/sdsat_t$$T --datasets humaneval \
+	  model.path=$(SDSAT) sampling.temperature=$$T sampling.top_p=0.95 bench.include_hf=false || exit 1; done
+	$(BIN)/python scripts/bench.py --draft none --n $(SDSAT_N) --methods ar --out outputs/bench/sdsat_base \
+	  --datasets humaneval,gsm8k $(if $(GSM8K),--dataset-path gsm8k=$(GSM8K)) bench.include_hf=false
+	$(BIN)/python scripts/sdsat_report.py --bench outputs/bench/sdsat --bench outputs/bench/sdsat_t0.2 \
+	  --bench outputs/bench/sdsat_t1.0 --base outputs/bench/sdsat_base \
+	  --eval $(dir $(SDSAT:/=))sdsat_eval.json --out outputs/sdsat_report
 
 lint: setup  ## ruff
 	$(BIN)/ruff check src tests scripts

@@ -6,7 +6,8 @@
 
 * ``--bench``: bench runs on the SDSAT model (``scripts/bench.py --model local model.path=<final>``) whose method or
   ``bench.also`` roles include ``sdsat``; ar of the same model is each run's baseline.
-* ``--base``: runs of ``ar`` on the base model over the same prompts (the task metric beside the SDSAT model's).
+* ``--base``: runs of ``ar`` on the base model; ``--ar``: runs of ``ar`` on the SDSAT model over the same prompts
+  (default: the sdsat runs' baseline): the task metric of both side by side.
 * ``--eval``: the training run's ``sdsat_eval.json`` (held-out plain-text perplexity, base vs trained; teacher-forced
   adaptive-token accuracy per depth).
 
@@ -45,7 +46,7 @@ def sdsat_rows(bench_dirs: list[Path]) -> list[dict]:
 
 
 def base_rows(base_dirs: list[Path]) -> list[dict]:
-    """ar on the base model: dataset, the task metric, perplexity, tokens/s, prompts."""
+    """Runs of ar alone (on the base or the SDSAT model): dataset, the task metric, perplexity, tokens/s, prompts."""
     return [{"dataset": s["dataset"], "sampling": _sampling(s), "metric": e.get("metric"),
              "metric_name": s.get("metric_name"), "perplexity": e.get("perplexity"), "tokens_per_s": e.get("tokens_per_s"),
              "n": s.get("n_samples"), "run": s["_dir"]}
@@ -86,7 +87,7 @@ def plot(rows: list[dict], path: Path) -> None:
     plt.close(fig)
 
 
-def render(rows: list[dict], base: list[dict], ev: dict | None) -> str:
+def render(rows: list[dict], base: list[dict], ev: dict | None, ar: list[dict] = ()) -> str:
     md = ["## sdsat against k (bench runs on the SDSAT model; speedup vs ar of the same model)", "",
           "| dataset | sampling | variant | k | tokens/s | speedup (median) | tokens/forward | acceptance | exact match |",
           "|---|---|---|---|---|---|---|---|---|"]
@@ -96,11 +97,13 @@ def render(rows: list[dict], base: list[dict], ev: dict | None) -> str:
                   f"{_f(r['acceptance'])} | {_f(r['exact_match_rate'])} |")
     md += ["", "## Quality parity: ar on the base model vs ar on the SDSAT model (same prompts)", "",
            "| dataset | metric | base | SDSAT |", "|---|---|---|---|"]
-    sd = {(r["dataset"], r["sampling"]): r for r in rows}
+    # ar of the SDSAT model: its own runs (--ar) where given, else the sdsat bench runs' baseline
+    sd = {(r["dataset"], r["sampling"]): r["ar_metric"] for r in rows}
+    sd.update({(r["dataset"], r["sampling"]): r["metric"] for r in ar})
     for b in base:
-        r = sd.get((b["dataset"], b["sampling"]))
+        m = sd.get((b["dataset"], b["sampling"]))
         md.append(f"| {b['dataset']} ({b['n']} prompts, {b['sampling']}) | {b['metric_name']} | {_f(b['metric'])} | "
-                  f"{_f(r['ar_metric']) if r else '–'} |")
+                  f"{_f(m)} |")
     if ev:
         md += ["", "## Held-out evaluation of the training run (sdsat_eval.json)", "", "```",
                json.dumps(ev, indent=1)[:4000], "```"]
@@ -111,18 +114,20 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--bench", type=Path, action="append", default=[], help="bench dirs on the SDSAT model")
     ap.add_argument("--base", type=Path, action="append", default=[], help="ar runs on the base model")
+    ap.add_argument("--ar", type=Path, action="append", default=[],
+                    help="ar runs on the SDSAT model over the --base prompts (default: the sdsat runs' baseline)")
     ap.add_argument("--eval", type=Path, default=None, help="the training run's sdsat_eval.json")
     ap.add_argument("--out", type=Path, default=ROOT / "outputs/bench/sdsat")
     a = ap.parse_args()
-    rows, base = sdsat_rows(a.bench), base_rows(a.base)
+    rows, base, ar = sdsat_rows(a.bench), base_rows(a.base), base_rows(a.ar)
     if not rows:
         raise SystemExit(f"error: no sdsat run or role under {', '.join(map(str, a.bench)) or '(no --bench)'}")
     ev = json.loads(a.eval.read_text()) if a.eval and a.eval.is_file() else None
     a.out.mkdir(parents=True, exist_ok=True)
     plot(rows, a.out / "sdsat_k.png")
-    md = render(rows, base, ev)
+    md = render(rows, base, ev, ar)
     (a.out / "sdsat_report.md").write_text(md)
-    (a.out / "sdsat_report.json").write_text(json.dumps({"rows": rows, "base": base, "eval": ev}, indent=1) + "\n")
+    (a.out / "sdsat_report.json").write_text(json.dumps({"rows": rows, "base": base, "ar": ar, "eval": ev}, indent=1) + "\n")
     print(md)
     print(f"wrote {a.out / 'sdsat_report.md'}, {a.out / 'sdsat_k.png'}")
 

@@ -39,4 +39,6 @@ def test_rows_plot_and_markdown(tmp_path):
     assert (tmp_path / "k.png").stat().st_size > 1000
     md = sdsat_report.render(rows, base, {"perplexity": {"ratio": 1.01}})
     assert "| humaneval | greedy | two_step | 5 | 20.0 | 1.25 (–) | 2.00 | 0.40 | 1.00 |" in md
-    assert "| humaneval (5 prompts, greedy) | pass@1 | 0.25 | 0.20 |" in md
+    assert "| humaneval (5 prompts, greedy) | pass@1 | 0.25 | 0.20 |" in md  # the sdsat run's baseline
+    ar = [{**base[0], "metric": 0.3}]
+    assert "| humaneval (5 prompts, greedy) | pass@1 | 0.25 | 0.30 |" in sdsat_report.render(rows, base, None, ar)
