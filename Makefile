@@ -78,7 +78,7 @@ bench-sdsat: setup  ## SDSAT (two-step / fused, k = 3..13, nucleus T 0.2 / 1.0) 
 	  --datasets humaneval,gsm8k $(if $(GSM8K),--dataset-path gsm8k=$(GSM8K)) bench.include_hf=false
 	$(BIN)/python scripts/sdsat_report.py --bench outputs/bench/sdsat --bench outputs/bench/sdsat_t0.2 \
 	  --bench outputs/bench/sdsat_t1.0 --base outputs/bench/sdsat_base \
-	  --eval $(dir $(SDSAT:/=))sdsat_eval.json --out outputs/sdsat_report
+	  --eval $(dir $(SDSAT:/=))sdsat_eval.json --run $(dir $(SDSAT:/=)) --out outputs/sdsat_report
 
 lint: setup  ## ruff
 	$(BIN)/ruff check src tests scripts

@@ -12,7 +12,8 @@
   adaptive-token accuracy per depth).
 
 Writes ``<out>/sdsat_report.md`` (printed too), ``<out>/sdsat_k.png`` (acceptance and tokens/s against k, one line
-per variant and dataset, ar's tokens/s dashed) and ``<out>/sdsat_report.json``.
+per variant and dataset, ar's tokens/s dashed), ``<out>/sdsat_losses.png`` (with ``--run <training run dir>``: the
+plain and masked losses against the step, the paper's Figure 5) and ``<out>/sdsat_report.json``.
 """
 
 from __future__ import annotations
@@ -87,6 +88,32 @@ def plot(rows: list[dict], path: Path) -> None:
     plt.close(fig)
 
 
+def log_history(run_dir: Path) -> list[dict]:
+    """The training run's logged steps: ``<run>/log_history.json``, else the newest checkpoint's trainer state."""
+    f = run_dir / "log_history.json"
+    if f.is_file():
+        return json.loads(f.read_text())
+    states = sorted(run_dir.glob("checkpoint-*/trainer_state.json"), key=lambda p: int(p.parent.name.split("-")[1]))
+    return json.loads(states[-1].read_text())["log_history"] if states else []
+
+
+def plot_losses(history: list[dict], path: Path) -> bool:
+    """plain_loss and masked_loss against the step (the paper's Figure 5); False when nothing was logged."""
+    steps = [h for h in history if "plain_loss" in h]
+    if not steps:
+        return False
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for key, label in (("plain_loss", "plain tokens (plain rows)"), ("masked_loss", "adaptive positions")):
+        ax.plot([h["step"] for h in steps], [h[key] for h in steps], marker=".", label=label)
+    ax.set(xlabel="optimizer step", ylabel="cross-entropy", yscale="log", title="SDSAT training losses")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return True
+
+
 def render(rows: list[dict], base: list[dict], ev: dict | None, ar: list[dict] = ()) -> str:
     md = ["## sdsat against k (bench runs on the SDSAT model; speedup vs ar of the same model)", "",
           "| dataset | sampling | variant | k | tokens/s | speedup (median) | tokens/forward | acceptance | exact match |",
@@ -117,6 +144,7 @@ def main() -> None:
     ap.add_argument("--ar", type=Path, action="append", default=[],
                     help="ar runs on the SDSAT model over the --base prompts (default: the sdsat runs' baseline)")
     ap.add_argument("--eval", type=Path, default=None, help="the training run's sdsat_eval.json")
+    ap.add_argument("--run", type=Path, default=None, help="the training run dir (loss curves)")
     ap.add_argument("--out", type=Path, default=ROOT / "outputs/bench/sdsat")
     a = ap.parse_args()
     rows, base, ar = sdsat_rows(a.bench), base_rows(a.base), base_rows(a.ar)
@@ -126,6 +154,8 @@ def main() -> None:
     a.out.mkdir(parents=True, exist_ok=True)
     plot(rows, a.out / "sdsat_k.png")
     md = render(rows, base, ev, ar)
+    if a.run and plot_losses(log_history(a.run), a.out / "sdsat_losses.png"):
+        md += f"\nLoss curves: {a.out / 'sdsat_losses.png'}\n"
     (a.out / "sdsat_report.md").write_text(md)
     (a.out / "sdsat_report.json").write_text(json.dumps({"rows": rows, "base": base, "ar": ar, "eval": ev}, indent=1) + "\n")
     print(md)

@@ -42,3 +42,17 @@ def test_rows_plot_and_markdown(tmp_path):
     assert "| humaneval (5 prompts, greedy) | pass@1 | 0.25 | 0.20 |" in md  # the sdsat run's baseline
     ar = [{**base[0], "metric": 0.3}]
     assert "| humaneval (5 prompts, greedy) | pass@1 | 0.25 | 0.30 |" in sdsat_report.render(rows, base, None, ar)
+
+
+def test_loss_curves_from_the_run(tmp_path):
+    run = tmp_path / "run"
+    (run / "checkpoint-10").mkdir(parents=True)
+    (run / "checkpoint-2").mkdir()
+    hist = [{"step": i, "loss": 1.0, "plain_loss": 0.5, "masked_loss": 5.0 - i / 10} for i in range(1, 11)]
+    (run / "checkpoint-10" / "trainer_state.json").write_text(json.dumps({"log_history": hist}))
+    (run / "checkpoint-2" / "trainer_state.json").write_text(json.dumps({"log_history": hist[:2]}))
+    assert sdsat_report.log_history(run) == hist  # the newest checkpoint (by step, not by name)
+    (run / "log_history.json").write_text(json.dumps(hist[:5]))
+    assert sdsat_report.log_history(run) == hist[:5]  # the file train_sdsat writes wins
+    assert sdsat_report.plot_losses(hist, tmp_path / "l.png") and (tmp_path / "l.png").stat().st_size > 1000
+    assert not sdsat_report.plot_losses([{"step": 1, "loss": 1.0}], tmp_path / "none.png")

@@ -114,6 +114,8 @@ def test_tiny_end_to_end(tmp_path):
     assert summary["mask"]["complete"] and summary["mask"]["records"] == 6 and summary["mask"]["masked_positions"] > 0
     train = summary["train"]
     assert train["steps"] == 2 and train["samples"] == 6 and not train["lora"]
+    history = json.loads((run_dir / "log_history.json").read_text())  # the loss curves, both parts logged
+    assert [h["step"] for h in history if "plain_loss" in h and "masked_loss" in h] == [1, 2]
     final = run_dir / "final"
     sdsat = json.loads((final / "config.json").read_text())["sdsat"]
     assert sdsat["adaptive_tokens"] == [mk.ADAPTIVE_TOKEN] and sdsat["max_span"] == 3 and not sdsat["diverse"]

@@ -303,6 +303,8 @@ def train_sdsat(spec, run_dir, rank: int = 0) -> dict:
         seconds = time.perf_counter() - t0
         final = run_dir / "final"
         save_final(trainer, spec, run_dir, final, Dist.from_env(), prepare=attach)
+        if rank == 0:  # the loss curves (plain / masked), for scripts/sdsat_report.py
+            (run_dir / "log_history.json").write_text(json.dumps(trainer.state.log_history, indent=1) + "\n")
         trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
         summary = {**result.metrics, "train_seconds": round(seconds, 1), "steps": trainer.state.global_step,
                    "samples": len(ds), "truncated_samples": ds.n_truncated, "records": len(records),
