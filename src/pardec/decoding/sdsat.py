@@ -159,9 +159,11 @@ class SDSAT(Decoder):
             # every time in the fused variant; not when no token could follow the main chain
             n_adapt = self.k if (depth == 0 or self.fused) and st.out.room > depth + 1 else 0
             full = tree if not n_adapt else _with_chain(tree, anchor, self._adaptive_chain(n_adapt))
-            base = self.target.length
-            logits = self.target.forward(full.tokens(last)[None], positions=full.positions(base),
-                                         attend=full.attend).logits[0]
+            if all(p == i - 1 for i, p in enumerate(full.parents[1:], 1)):  # a chain (greedy): plain causal
+                logits = self.target.forward(full.tokens(last)[None]).logits[0]
+            else:
+                logits = self.target.forward(full.tokens(last)[None], positions=full.positions(self.target.length),
+                                             attend=full.attend).logits[0]
             st.target_forwards += 1
             loops += depth > 0
             verdict = verify_tree(tree, logits[: len(tree)], st.s, st.gen)
