@@ -235,3 +235,19 @@ def test_greedy_forward_count_and_tokens_per_forward():
     assert res.target_forwards == 10 and res.tokens_per_forward == 1.0 and res.accepted == [1] * 10
     assert res.total_s >= res.prefill_s > 0
     assert torch.is_tensor(torch.tensor(res.tokens))
+
+
+@pytest.mark.parametrize("block_size", [3, 8])
+def test_jacobi_fast_forward_with_perfect_guesses_is_the_block_size(block_size):
+    """Initial guesses = the true continuation: every block converges in one iteration committing all n tokens."""
+    lm = tiny(1)
+    cm = CachedModel(lm.model)
+    ids = _ids(lm.tokenizer, PROMPTS["code"])
+    n_new = 1 + 4 * block_size  # the prefill's token, then 4 whole blocks
+    ref = _ar(cm, lm.tokenizer, ids, n_new, Stopper(lm.tokenizer))
+    res = OracleJacobi(cm, lm.tokenizer, block_size=block_size, truth=ref.tokens, corrupt=10**6).generate(
+        ids, n_new, Stopper(lm.tokenizer))
+    assert res.tokens == ref.tokens
+    assert res.extras["fast_forward"] == block_size and res.extras["jacobi_iterations"] == 4
+    assert res.extras["stationary_tokens"] == 0 and res.extras["stationary_per_block"] == 0
+    assert res.target_forwards == 5

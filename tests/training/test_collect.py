@@ -18,7 +18,7 @@ from pardec.training.collect import (
     has_degenerate_repetition,
     jacobi_trajectories,
 )
-from pardec.training.trajectories import TrajectoryError, load_trajectories, read_part
+from pardec.training.trajectories import SCHEMA_VERSION, TrajectoryError, load_trajectories, read_part
 from tests.conftest import tiny
 
 TEXTS = ["Hello", "def fibonacci(n):\n    return", "The quick brown fox jumps over the lazy dog. " * 3,
@@ -121,25 +121,29 @@ def test_cleaning_drops_repetitive_answers(tmp_path):
     assert all(not has_degenerate_repetition(r["answer_ids"], 12, 1) for r in kept)
 
 
-def test_augmentation_corrects_wrong_tokens_after_the_first():
+def test_augmentation_adds_corrected_copies_and_keeps_the_trajectory():
     import random
 
-    blocks = [{"states": [[1, 2, 3, 4], [9, 2, 8, 8], [9, 9, 9, 9]], "fixed_point": [9, 9, 9, 9]}]
+    states = [[1, 2, 3, 4], [9, 2, 8, 8], [9, 9, 2, 9], [9, 9, 9, 9]]
+    blocks = [{"states": [list(s) for s in states], "fixed_point": [9, 9, 9, 9]}]
     augment_states(blocks, 1.0, random.Random(0))
-    assert blocks[0]["states"] == [[1, 9, 9, 9], [9, 2, 9, 9], [9, 9, 9, 9]]
+    assert blocks[0]["states"] == states  # the visited states stay true Jacobi successors
+    assert blocks[0]["augmented"] == [[1, 9, 9, 9], [9, 2, 9, 9]]  # [9, 9, 2, 9] has nothing after its first error
+    augment_states(blocks, 0.0, random.Random(0))
+    assert blocks[0]["augmented"] == []
 
 
 def test_schema_errors_name_the_file_and_fields(tmp_path):
     f = tmp_path / "trajectories.jsonl"
     with pytest.raises(TrajectoryError, match="does not exist"):
         load_trajectories(f)
-    good = {"schema_version": 1, "id": "a", "prompt_ids": [1], "answer_ids": [2],
+    good = {"schema_version": SCHEMA_VERSION, "id": "a", "prompt_ids": [1], "answer_ids": [2],
             "blocks": [{"states": [[3], [2]], "fixed_point": [2]}]}
-    f.write_text(json.dumps(good) + "\n" + json.dumps({"schema_version": 1, "id": "b"}) + "\n")
+    f.write_text(json.dumps(good) + "\n" + json.dumps({"schema_version": SCHEMA_VERSION, "id": "b"}) + "\n")
     with pytest.raises(TrajectoryError, match=r"trajectories.jsonl, record 2: missing field\(s\) \['prompt_ids'"):
         load_trajectories(f)
-    f.write_text(json.dumps({**good, "schema_version": 2}) + "\n")
-    with pytest.raises(TrajectoryError, match="schema_version 2"):
+    f.write_text(json.dumps({**good, "schema_version": 1}) + "\n")  # written before augmentation moved out
+    with pytest.raises(TrajectoryError, match="schema_version 1"):
         load_trajectories(tmp_path)
     f.write_text(json.dumps({**good, "blocks": [{"states": [[3]], "fixed_point": [2]}]}) + "\n")
     with pytest.raises(TrajectoryError, match="not the fixed point"):

@@ -112,3 +112,26 @@ def test_lora_trains_only_the_adapter(tmp_path, records):
     trainer.train()
     changed = {k for k, v in model.state_dict().items() if not torch.equal(before[k], v)}
     assert any("lora_B" in k for k in changed) and all("lora_" in k for k in changed)
+
+
+def test_consistency_mask_starts_after_the_first_wrong_token():
+    """Up to and including the first wrong position d, state and target rows hold the same tokens before each block
+    position, so their logits are equal there (checked on a model): the mask starts at d + 1."""
+    rec = {"id": "x", "prompt_ids": [1, 2], "answer_ids": [10, 11, 12, 13],
+           "blocks": [{"states": [[10, 5, 6, 7], [10, 11, 12, 7], [10, 11, 12, 13]], "fixed_point": [10, 11, 12, 13],
+                       "augmented": [[10, 5, 12, 13]]}]}
+    ds = TrajectoryDataset([rec], "global", "all")
+    assert len(ds) == 3  # two visited states + one augmented copy (global loss only)
+    assert [ds[i]["consistency_mask"] for i in range(3)] == [[False, False, True, True], [False] * 4,
+                                                             [False, False, True, True]]
+    assert ds[2]["state_ids"] == [1, 2, 10, 5, 12]
+    assert len(TrajectoryDataset([rec], "local", "all")) == 2  # an augmented copy has no Jacobi successor
+    model = tiny().model
+    with torch.no_grad():
+        for i in range(3):
+            s = ds[i]
+            student = model(torch.tensor([s["state_ids"]])).logits[0, -4:]
+            target = model(torch.tensor([s["target_ids"]])).logits[0, -4:]
+            same = [torch.equal(student[k], target[k]) for k in range(4)]
+            assert all(same[k] for k in range(4) if not s["consistency_mask"][k])  # masked out: zero loss anyway
+            assert not any(same[k] for k in range(4) if s["consistency_mask"][k])

@@ -13,6 +13,7 @@ Reported per generation (``extras``):
   plain Jacobi on an AR model gives ~1.0-1.1, a CLLM 2-3);
 * ``stationary_tokens``: tokens that were already correct in a state while an earlier open position was
   still wrong, and stayed unchanged until committed (the paper's stationary tokens), summed over blocks;
+  ``stationary_per_block``: their mean over the complete blocks (the paper's Table 3 counts per block);
 * ``trajectories``: per block, every state from the initial guess to the fixed point (n tokens each), the
   committed length after each iteration, and the fixed point.
 """
@@ -79,7 +80,7 @@ class Jacobi(Decoder):
         prompt = st.ids[0].cpu()
         ff_counts: list[int] = []
         trajectories: list[dict] = []
-        stationary = 0
+        stationary = complete_blocks = 0
         while not out.done:
             n = min(self.block_size, out.room)
             guess = self.initial_guess(prompt, out.tokens, n, init_gen)
@@ -97,12 +98,14 @@ class Jacobi(Decoder):
             complete = len(block) == n
             if complete:
                 stationary += stationary_count(states, committed, block)
+                complete_blocks += 1
             if self.record_trajectories:
                 trajectories.append({"states": states, "committed": committed, "fixed_point": block,
                                      "complete": complete})
         extras = {
             "fast_forward": sum(ff_counts) / max(1, len(ff_counts)),
             "stationary_tokens": stationary,
+            "stationary_per_block": stationary / complete_blocks if complete_blocks else None,
             "jacobi_iterations": len(ff_counts),
             "blocks": len(trajectories) if self.record_trajectories else None,
         }

@@ -13,9 +13,11 @@ Greedy Jacobi converges in at most n + 1 forwards (after t forwards the first t 
 
 Optional, both off by default:
 
-* augmentation (the CLLM repo's "randomly correct wrong tokens"): in every state but the fixed point, each
-  wrong token after the first wrong one is replaced by the fixed-point token with probability
-  ``augment_prob`` (the first wrong token is kept, so the state stays distinct from the fixed point);
+* augmentation (the paper's "augment the dataset" by randomly correcting wrong tokens): for every state but the
+  fixed point, a copy in which each wrong token after the first wrong one is replaced by the fixed-point token
+  with probability ``augment_prob`` (the first wrong token is kept, so the copy stays distinct from the fixed
+  point) is added to the block's ``augmented`` list when it differs from the state; the visited ``states`` stay
+  as they were, so consecutive states remain true Jacobi successors (the local loss's pairs);
 * cleaning: a record is dropped when its answer repeats some g-gram (g <= ``clean_max_ngram``) more than
   ``clean_max_repeats`` times in a row (see :func:`has_degenerate_repetition`). Dropped records stay in
   the part files (so a resumed run skips them) and are left out of ``trajectories.jsonl``.
@@ -181,15 +183,21 @@ def has_degenerate_repetition(ids: list[int], max_ngram: int = 8, max_repeats: i
 
 
 def augment_states(blocks: list[dict], prob: float, rng: random.Random) -> None:
-    """In place: in every state but the fixed point, replace each wrong token after the first wrong one by
-    the fixed-point token with probability ``prob``."""
+    """Add to every block ``augmented``: for each state but the fixed point, a copy with each wrong token after the
+    first wrong one replaced by the fixed-point token with probability ``prob`` (copies equal to their state left
+    out). The states themselves are not touched."""
     for b in blocks:
         fp = b["fixed_point"]
+        extra = []
         for s in b["states"][:-1]:
             wrong = [j for j, (t, f) in enumerate(zip(s, fp)) if t != f]
+            copy = list(s)
             for j in wrong[1:]:
                 if rng.random() < prob:
-                    s[j] = fp[j]
+                    copy[j] = fp[j]
+            if copy != s:
+                extra.append(copy)
+        b["augmented"] = extra
 
 
 # ------------------------------------------------------------------------------------------- pipeline

@@ -4,16 +4,22 @@ A sample is (prompt + answer before the block, a Jacobi state of the block, its 
 full teacher answer):
 
 * ``state_sampling="random"`` (the CLLM repo): one sample per (prompt, block); its state is drawn uniformly
-  from the block's states other than the fixed point, once, with ``seed`` (reproducible under resume);
-* ``state_sampling="all"``: one sample per (prompt, block, state), the fixed point excepted.
+  from the block's states other than the fixed point, once, with ``seed`` (reproducible under resume), plus
+  (global loss) one of its augmented states likewise;
+* ``state_sampling="all"``: one sample per (prompt, block, state), the fixed point excepted, plus (global loss)
+  one per augmented state.
 
 The consistency target is the fixed point (``loss_type="global"``, Eq. 4) or the next state of the
 trajectory (``"local"``, Eq. 5). Blocks whose first state already is the fixed point give no sample.
 
-Consistency positions: block position k counts from the first position where state and target disagree
-on (as in the CLLM repo: before it, state and target are the same sequence, so their logits are equal) and
-while k lies within the answer (positions after the EOS are padding). The AR part is the full teacher
-answer, with the prompt positions masked.
+Consistency positions: block position k counts from one position *after* the first position d where state and
+target disagree, and while k lies within the answer (positions after the EOS are padding). The logits at block
+position k are computed from the block's tokens before k; up to and including d those are the same in state and
+target, so their logits are equal and the loss there is zero: counting them (the CLLM repo counts from d) only
+inflates the normaliser. The AR part is the full teacher answer, with the prompt positions masked.
+
+Augmented states (the collection's corrected copies, ``block["augmented"]``) are extra samples whose target is
+the fixed point; they have no Jacobi successor, so the ``local`` loss leaves them out.
 
 Sequences longer than ``max_length`` are truncated from the left (the block, at the end, always survives);
 the dataset counts such samples in ``n_truncated``.
@@ -45,7 +51,7 @@ class TrajectoryDataset(torch.utils.data.Dataset):
                              f"{', '.join(STATE_SAMPLING)}")
         self.records, self.loss_type, self.max_length = records, loss_type, max_length
         rng = random.Random(seed)
-        self.items: list[tuple[int, int, int]] = []  # (record, block, state)
+        self.items: list[tuple[int, int, int]] = []  # (record, block, state); state < 0: augmented[-state - 1]
         for r, rec in enumerate(records):
             for b, blk in enumerate(rec["blocks"]):
                 n_states = len(blk["states"]) - 1  # the fixed point itself is no sample
@@ -54,7 +60,11 @@ class TrajectoryDataset(torch.utils.data.Dataset):
                 if len(blk["fixed_point"]) + 1 > max_length:
                     raise ValueError(f"max_length={max_length} is shorter than a block + 1 "
                                      f"({len(blk['fixed_point']) + 1} tokens)")
-                js = range(n_states) if state_sampling == "all" else [rng.randrange(n_states)]
+                n_aug = len(blk.get("augmented") or []) if loss_type == "global" else 0
+                if state_sampling == "all":
+                    js = list(range(n_states)) + [-1 - a for a in range(n_aug)]
+                else:
+                    js = [rng.randrange(n_states)] + ([-1 - rng.randrange(n_aug)] if n_aug else [])
                 self.items += [(r, b, j) for j in js]
         self.n_truncated = sum(self._lengths(i) > max_length for i in range(len(self.items)))
         if self.n_truncated:
@@ -77,12 +87,12 @@ class TrajectoryDataset(torch.utils.data.Dataset):
         blk = rec["blocks"][b]
         start = sum(len(x["fixed_point"]) for x in rec["blocks"][:b])
         prefix = rec["prompt_ids"] + rec["answer_ids"][:start]
-        state = blk["states"][j]
+        state = blk["states"][j] if j >= 0 else blk["augmented"][-j - 1]
         target = blk["fixed_point"] if self.loss_type == "global" else blk["states"][j + 1]
         n = len(state)
         n_valid = min(n, len(rec["answer_ids"]) - start)  # block positions up to the EOS
-        first_diff = next((k for k in range(n) if state[k] != target[k]), n)  # n: equal (augmented)
-        mask = [first_diff <= k < n_valid for k in range(n)]
+        first_diff = next((k for k in range(n) if state[k] != target[k]), n)  # n: equal
+        mask = [first_diff < k < n_valid for k in range(n)]  # at k <= first_diff both see the same tokens
         ar_ids = rec["prompt_ids"] + rec["answer_ids"]
         ar_labels = [IGNORE_INDEX] * len(rec["prompt_ids"]) + rec["answer_ids"]
         cut = self.max_length

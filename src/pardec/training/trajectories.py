@@ -7,13 +7,14 @@ Layout of a collection directory (``collect.out_dir``)::
     trajectories.jsonl  the merged records of every rank, sorted by prompt index, dropped records left out
     stats.json          prompts, kept, dropped, blocks, mean iterations per block, tokens, complete
 
-One record (``schema_version`` 1)::
+One record (``schema_version`` 2)::
 
-    {"schema_version": 1, "id": "<doc id>", "index": 12,           # index: position in the prompt list
+    {"schema_version": 2, "id": "<doc id>", "index": 12,           # index: position in the prompt list
      "prompt_ids": [...], "answer_ids": [...],                      # answer: greedy answer up to EOS / limit
      "stop_reason": "eos" | "length",
      "blocks": [{"states": [[n ids], ...],                          # initial guess ... fixed point
-                 "fixed_point": [n ids]}, ...],                     # == states[-1]
+                 "fixed_point": [n ids],                            # == states[-1]
+                 "augmented": [[n ids], ...]}, ...],                # corrected copies (augment_prob > 0 only)
      "drop_reason": null | "repetition"}                            # part files only
 
 Concatenated fixed points = greedy AR output (``answer_ids`` is its prefix up to the first EOS). The last
@@ -30,7 +31,8 @@ from pardec.jsonl import read_jsonl
 
 log = logging.getLogger(__name__)
 
-SCHEMA_VERSION = 1
+#: 2: augmented states are extra copies in ``augmented``; version 1 wrote them over the visited states
+SCHEMA_VERSION = 2
 REQUIRED = ("schema_version", "id", "prompt_ids", "blocks", "answer_ids")
 MERGED = "trajectories.jsonl"
 
