@@ -93,21 +93,33 @@ register_resolvers()
 
 # ------------------------------------------------------------------------------------------- config
 @dataclass
-class TrainSpec:
+class _Spec:
+    """What every experiment kind's spec holds (each kind adds its own sections)."""
+
     experiment: str
     stage: str
     model: ModelConfig
+    deepspeed: Path | None
+    model_dtype: str
+    resume: bool | str | None
+    logger: dict
+    threads: int
+    config: dict  # the whole resolved config (for W&B)
+
+
+def _run_keys(cfg: DictConfig) -> dict:
+    """The spec fields every kind reads the same way: the logger, the thread count and the whole config."""
+    return {"logger": OmegaConf.to_container(cfg.get("logger") or {"name": "none"}, resolve=True),
+            "threads": int(cfg.get("threads", 2)), "config": OmegaConf.to_container(cfg, resolve=True)}
+
+
+@dataclass
+class TrainSpec(_Spec):
     dataset: DatasetConfig
     collect: CollectConfig
     trainer: dict  # CLLMConfig keyword arguments
     lora: dict | None  # LoRA settings when enabled
-    deepspeed: Path | None
-    model_dtype: str
-    resume: bool | str | None
     train_data: Path
-    logger: dict
-    threads: int
-    config: dict  # the whole resolved config (for W&B)
 
 
 def experiments() -> list[str]:
@@ -149,8 +161,7 @@ def validate(cfg: DictConfig) -> TrainSpec | DraftSpec | HeadsSpec | SDSATSpec:
         collect=to_dataclass(CollectConfig, cfg.collect, "collect"),
         trainer=tcfg, lora=lora, deepspeed=deepspeed, model_dtype=model_dtype,
         resume=resume, train_data=Path(cfg.train_data),
-        logger=OmegaConf.to_container(cfg.get("logger") or {"name": "none"}, resolve=True),
-        threads=int(cfg.get("threads", 2)), config=OmegaConf.to_container(cfg, resolve=True),
+        **_run_keys(cfg),
     )
 
 
@@ -309,10 +320,7 @@ DRAFT_KEYS = ("layers", "vocab_size", "freeze_embeddings")
 
 
 @dataclass
-class DraftSpec:
-    experiment: str
-    stage: str
-    model: ModelConfig
+class DraftSpec(_Spec):
     layers: list[int]
     vocab_size: int
     freeze_embeddings: bool
@@ -322,12 +330,6 @@ class DraftSpec:
     eval_context: int
     eval_repeats: int
     trainer: dict  # DistillConfig keyword arguments
-    deepspeed: Path | None
-    model_dtype: str
-    resume: bool | str | None
-    logger: dict
-    threads: int
-    config: dict
 
 
 def validate_draft(cfg: DictConfig, name: str) -> DraftSpec:
@@ -367,8 +369,7 @@ def validate_draft(cfg: DictConfig, name: str) -> DraftSpec:
         experiment=name, stage=cfg.stage, model=model, layers=layers, vocab_size=vocab_size,
         freeze_embeddings=bool(draft.get("freeze_embeddings", True)), loss=loss, gen=gen, eval_gen=eval_gen,
         eval_context=context, eval_repeats=repeats, trainer=tcfg, deepspeed=deepspeed, model_dtype=model_dtype,
-        resume=resume, logger=OmegaConf.to_container(cfg.get("logger") or {"name": "none"}, resolve=True),
-        threads=int(cfg.get("threads", 2)), config=OmegaConf.to_container(cfg, resolve=True),
+        resume=resume, **_run_keys(cfg),
     )
 
 
@@ -463,10 +464,7 @@ HEADS_EVAL_KEYS = ("topk", "budgets")
 
 
 @dataclass
-class HeadsSpec:
-    experiment: str
-    stage: str
-    model: ModelConfig
+class HeadsSpec(_Spec):
     drafter: dict  # kind, num_heads, num_blocks (medusa) / layers (firp)
     head_decay: float
     gen: Any  # pardec.training.distill.GenerateConfig: the training completions
@@ -474,12 +472,6 @@ class HeadsSpec:
     topk: int
     budgets: list[int]
     trainer: dict  # HeadsConfig keyword arguments
-    deepspeed: Path | None
-    model_dtype: str
-    resume: bool | str | None
-    logger: dict
-    threads: int
-    config: dict
 
 
 def _int(value: Any) -> bool:
@@ -537,8 +529,7 @@ def validate_heads(cfg: DictConfig, name: str) -> HeadsSpec:
     return HeadsSpec(
         experiment=name, stage=cfg.stage, model=model, drafter=drafter, head_decay=head_decay, gen=gen,
         eval_gen=eval_gen, topk=topk, budgets=budgets, trainer=tcfg, deepspeed=deepspeed, model_dtype=model_dtype,
-        resume=resume, logger=OmegaConf.to_container(cfg.get("logger") or {"name": "none"}, resolve=True),
-        threads=int(cfg.get("threads", 2)), config=OmegaConf.to_container(cfg, resolve=True),
+        resume=resume, **_run_keys(cfg),
     )
 
 
@@ -578,10 +569,7 @@ SDSAT_EVAL_KEYS = ("sources", "max_docs", "stride", "k_max")
 
 
 @dataclass
-class SDSATSpec:
-    experiment: str
-    stage: str
-    model: ModelConfig
+class SDSATSpec(_Spec):
     max_span: int  # L: adaptive windows of 1..L tokens
     diverse: bool  # SDSAT-D: one adaptive token per offset
     mask: Any  # pardec.training.masked.MaskConfig (its max_span / diverse are the adaptive section's)
@@ -591,12 +579,6 @@ class SDSATSpec:
     eval_k_max: int  # adaptive slots per anchor (depths 1..k_max)
     trainer: dict  # SDSATConfig keyword arguments
     lora: dict | None  # LoRA settings when enabled
-    deepspeed: Path | None
-    model_dtype: str
-    resume: bool | str | None
-    logger: dict
-    threads: int
-    config: dict
 
 
 def _int_at_least(value: Any, low: int, key: str, or_null: bool = False) -> None:
@@ -652,8 +634,7 @@ def validate_sdsat(cfg: DictConfig, name: str) -> SDSATSpec:
         experiment=name, stage=cfg.stage, model=model, max_span=max_span, diverse=diverse, mask=mask_cfg,
         eval_sources=eval_sources, eval_max_docs=max_docs, eval_stride=stride, eval_k_max=k_max, trainer=tcfg,
         lora=lora, deepspeed=deepspeed, model_dtype=model_dtype, resume=resume,
-        logger=OmegaConf.to_container(cfg.get("logger") or {"name": "none"}, resolve=True),
-        threads=int(cfg.get("threads", 2)), config=OmegaConf.to_container(cfg, resolve=True),
+        **_run_keys(cfg),
     )
 
 

@@ -250,23 +250,14 @@ def collect(
     Prompts already in any part file are skipped (resume). ``stop_after``: write at most that many records,
     then return without merging (simulates a killed run in tests). Returns the stats on rank 0, else None.
     """
-    if rank == 0:
-        prepare_out_dir(cfg, meta, rank)
-    if barrier:
-        barrier()  # rank 0 created (or wiped) the directory and wrote meta.json
-    out = prepare_out_dir(cfg, meta, rank) if rank else Path(cfg.out_dir)  # other ranks: check meta.json
-
     def work(batch: list[Prompt]) -> list[dict]:
         gens = [torch.Generator().manual_seed(cfg.seed * 1_000_003 + p.index) for p in batch]
         results = jacobi_trajectories(cm, [p.ids for p in batch], cfg.block_size, cfg.max_new_tokens, eos_ids,
                                       gens, cfg.max_iters)
         return [_record(cfg, p, r) for p, r in zip(batch, results)]
 
-    if not shards.run_shard(prompts, out, rank, world, cfg.batch_size, work, f"collect[{rank}]", stop_after):
-        return None
-    if barrier:
-        barrier()
-    return merge(out, expected=len(prompts)) if rank == 0 else None
+    return shards.run_stage(prompts, cfg.out_dir, lambda r: prepare_out_dir(cfg, meta, r), rank, world, barrier,
+                            cfg.batch_size, work, f"collect[{rank}]", stop_after, lambda out, n: merge(out, expected=n))
 
 
 def _record(cfg: CollectConfig, p: Prompt, r: dict) -> dict:

@@ -139,11 +139,6 @@ def generate(cfg: GenerateConfig, model, pad_id: int, eos_ids: set[int], prompts
     Prompts already in any part file are skipped (resume). ``stop_after``: write at most that many records, then
     return without merging (simulates a killed run in tests). Returns the stats on rank 0, else None.
     """
-    if rank == 0:
-        prepare_out_dir(cfg, meta, rank, key)
-    if barrier:
-        barrier()  # rank 0 created (or wiped) the directory and wrote meta.json
-    out = prepare_out_dir(cfg, meta, rank, key) if rank else Path(cfg.out_dir)
     sources = {p.id: p.id.split("/", 1)[0] for p in prompts}
 
     def work(batch: list[Prompt]) -> list[dict]:
@@ -154,12 +149,9 @@ def generate(cfg: GenerateConfig, model, pad_id: int, eos_ids: set[int], prompts
                  "prompt_ids": p.ids, "completion_ids": ids, "stop_reason": why, "seconds": round(share, 4)}
                 for p, (ids, why) in zip(batch, results)]
 
-    if not shards.run_shard(prompts, out, rank, world, cfg.batch_size, work, f"generate[{rank}] {out.name}",
-                            stop_after, order=lambda p: len(p.ids)):
-        return None
-    if barrier:
-        barrier()
-    return merge(out, expected=len(prompts)) if rank == 0 else None
+    return shards.run_stage(prompts, cfg.out_dir, lambda r: prepare_out_dir(cfg, meta, r, key), rank, world,
+                            barrier, cfg.batch_size, work, f"generate[{rank}] {Path(cfg.out_dir).name}", stop_after,
+                            lambda out, n: merge(out, expected=n), order=lambda p: len(p.ids))
 
 
 def merge(out_dir: Path, expected: int) -> dict:
@@ -193,13 +185,7 @@ def load_completions(out_dir: str | Path, stage: str = "stage=generate") -> list
     if stats.is_file() and not json.loads(stats.read_text()).get("complete", True):
         raise ConfigError(f"{out} holds an unfinished generation ({stats}); finish it first: rerun {stage}")
     records = read_jsonl(f)
-    for i, r in enumerate(records, 1):
-        missing = [k for k in REQUIRED if k not in r]
-        if missing:
-            raise ValueError(f"{f}, record {i}: missing field(s) {missing}; a record needs {list(REQUIRED)}")
-        if r["schema_version"] != SCHEMA_VERSION:
-            raise ValueError(f"{f}, record {i}: schema_version {r['schema_version']!r}, this pardec reads "
-                             f"{SCHEMA_VERSION}; generate again ({stage})")
+    shards.check_records(records, f, REQUIRED, SCHEMA_VERSION, f"generate again ({stage})")
     return records
 
 

@@ -350,21 +350,14 @@ def run_masking(cfg: MaskConfig, tokenizer, identity: dict, rank: int = 0, world
     tokens = adaptive_tokens(cfg.max_span, cfg.diverse)
     ids = add_adaptive_tokens(tokenizer, tokens)
     meta = mask_meta(cfg, identity, tokens, ids)
-    if rank == 0:
-        _prepare(cfg, meta, rank)
-    if barrier:
-        barrier()  # rank 0 created (or wiped) the directory and wrote meta.json
-    out = _prepare(cfg, meta, rank) if rank else Path(cfg.out_dir)
-    log.info("masking %d sequences into %s (rank %d of %d)", len(records), out, rank, world)
+    log.info("masking %d sequences into %s (rank %d of %d)", len(records), cfg.out_dir, rank, world)
 
     def work(batch: list[CorpusRecord]) -> list[dict]:
         return [mask_record(r, cfg, ids) for r in batch]
 
-    if not shards.run_shard(records, out, rank, world, cfg.batch_size, work, f"mask[{rank}] {out.name}", stop_after):
-        return None
-    if barrier:
-        barrier()
-    return merge(out, expected=len(records)) if rank == 0 else None
+    return shards.run_stage(records, cfg.out_dir, lambda r: _prepare(cfg, meta, r), rank, world, barrier,
+                            cfg.batch_size, work, f"mask[{rank}] {Path(cfg.out_dir).name}", stop_after,
+                            lambda out, n: merge(out, expected=n))
 
 
 def _prepare(cfg: MaskConfig, meta: dict, rank: int) -> Path:
@@ -426,15 +419,13 @@ def load_masked(out_dir: str | Path, stage: str = STAGE) -> tuple[dict, list[dic
     if not f.is_file():
         raise FileNotFoundError(f"{f} does not exist; build the masked corpus first: run `{stage}`")
     records = read_jsonl(f)
-    for i, r in enumerate(records, 1):
-        missing = [k for k in REQUIRED if k not in r]
-        if missing:
-            raise ValueError(f"{f}, record {i}: missing field(s) {missing}; a record needs {list(REQUIRED)}")
-        _check_version(r["schema_version"], f"{f}, record {i}")
+    shards.check_records(records, f, REQUIRED, MASK_SCHEMA_VERSION, REMASK)
     return meta, records
+
+
+REMASK = "regenerate it with stage=mask (mask.overwrite=true)"
 
 
 def _check_version(version, where: str) -> None:
     if version != MASK_SCHEMA_VERSION:
-        raise ValueError(f"{where}: schema_version {version!r}, this pardec reads {MASK_SCHEMA_VERSION}; "
-                         f"regenerate it with stage=mask (mask.overwrite=true)")
+        raise ValueError(shards.version_error(where, version, MASK_SCHEMA_VERSION, REMASK))

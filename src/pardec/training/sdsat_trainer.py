@@ -37,7 +37,7 @@ import torch
 from transformers import Trainer, TrainingArguments
 
 from pardec.training.losses import sdsat_loss
-from pardec.training.trainer import reduced_log_sums
+from pardec.training.trainer import log_pair_means
 
 log = logging.getLogger(__name__)
 
@@ -145,9 +145,7 @@ class SDSATTrainer(Trainer):
 
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
         if "loss" in logs:  # a training log: every rank is here, so the sums can be reduced
-            p_sum, p_cnt, m_sum, m_cnt = reduced_log_sums(self)
-            logs["plain_loss"] = p_sum / max(p_cnt, 1.0)
-            logs["masked_loss"] = m_sum / max(m_cnt, 1.0)
+            log_pair_means(self, logs, ("plain_loss", "masked_loss"))
         super().log(logs, start_time)
 
 

@@ -7,7 +7,8 @@ merged file written atomically by rank 0.
   records of two settings; :func:`check_settings` is that check alone (e.g. before a model loads).
 * :func:`run_shard`: rank r of w takes the prompts with index % w == r that no part file holds yet, runs them in
   batches and appends each batch's records (fsynced) before the next: a kill loses at most one batch.
-* :func:`write_merged`: the merged JSONL, written to a temporary file and renamed.
+* :func:`write_merged`: the merged JSONL, written to a temporary file and renamed;
+* :func:`run_stage`: the three together under several ranks (prepare, barrier, this rank's share, barrier, merge).
 """
 
 from __future__ import annotations
@@ -88,6 +89,40 @@ def run_shard(prompts: Sequence[Any], out: Path, rank: int, world: int, batch_si
     finally:
         bar.close()
     return True
+
+
+def run_stage(items: Sequence[Any], out_dir: str | Path, prepare: Callable[[int], Path], rank: int, world: int,
+              barrier: Callable[[], None] | None, batch_size: int, work: Callable[[list[Any]], list[dict]],
+              desc: str, stop_after: int | None, merge: Callable[[Path, int], dict],
+              order: Callable[[Any], Any] | None = None) -> dict | None:
+    """One data-generation stage over ranks: rank 0 runs ``prepare(rank)`` (create or wipe ``out_dir``, write
+    meta.json) before the others check it, every rank runs its share (:func:`run_shard`), and once all are done
+    rank 0 returns ``merge(out_dir, len(items))``; other ranks, and a run stopped by ``stop_after``, return None."""
+    if rank == 0:
+        prepare(rank)
+    if barrier:
+        barrier()  # rank 0 created (or wiped) the directory and wrote meta.json
+    out = prepare(rank) if rank else Path(out_dir)  # other ranks: check meta.json
+    if not run_shard(items, out, rank, world, batch_size, work, desc, stop_after, order):
+        return None
+    if barrier:
+        barrier()
+    return merge(out, len(items)) if rank == 0 else None
+
+
+def check_records(records: list[dict], path: Path, required: tuple[str, ...], version: int, hint: str) -> None:
+    """Every record of the merged file ``path`` has the ``required`` fields and schema ``version``; else one line
+    naming the file and record (``hint``: how to make the file again)."""
+    for i, r in enumerate(records, 1):
+        missing = [k for k in required if k not in r]
+        if missing:
+            raise ValueError(f"{path}, record {i}: missing field(s) {missing}; a record needs {list(required)}")
+        if r["schema_version"] != version:
+            raise ValueError(version_error(f"{path}, record {i}", r["schema_version"], version, hint))
+
+
+def version_error(where: str, found: Any, version: int, hint: str) -> str:
+    return f"{where}: schema_version {found!r}, this pardec reads {version}; {hint}"
 
 
 def write_merged(path: Path, records: list[dict]) -> None:

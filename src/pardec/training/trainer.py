@@ -66,6 +66,14 @@ def reduced_log_sums(trainer: Trainer) -> list[float]:
     return values
 
 
+def log_pair_means(trainer: Trainer, logs: dict[str, float], names: tuple[str, ...]) -> None:
+    """Into a training log: ``names[i]`` = sum / count of the i-th (sum, count) pair of the trainer's ``_log_sums``
+    (reduced over ranks, then reset: :func:`reduced_log_sums`)."""
+    values = reduced_log_sums(trainer)
+    for i, name in enumerate(names):
+        logs[name] = values[2 * i] / max(values[2 * i + 1], 1.0)
+
+
 class CLLMTrainer(Trainer):
     args: CLLMConfig
 
@@ -112,7 +120,5 @@ class CLLMTrainer(Trainer):
 
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
         if "loss" in logs:  # a training log: every rank is here, so the sums can be reduced
-            c_sum, c_cnt, a_sum, a_cnt = reduced_log_sums(self)
-            logs["consistency_loss"] = c_sum / max(c_cnt, 1.0)
-            logs["ar_loss"] = a_sum / max(a_cnt, 1.0)
+            log_pair_means(self, logs, ("consistency_loss", "ar_loss"))
         super().log(logs, start_time)
