@@ -27,7 +27,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-from pardec.report import method_entries  # noqa: E402
+from pardec.report import log_history, method_entries  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -86,15 +86,6 @@ def plot(rows: list[dict], path: Path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
-
-
-def log_history(run_dir: Path) -> list[dict]:
-    """The training run's logged steps: ``<run>/log_history.json``, else the newest checkpoint's trainer state."""
-    f = run_dir / "log_history.json"
-    if f.is_file():
-        return json.loads(f.read_text())
-    states = sorted(run_dir.glob("checkpoint-*/trainer_state.json"), key=lambda p: int(p.parent.name.split("-")[1]))
-    return json.loads(states[-1].read_text())["log_history"] if states else []
 
 
 def plot_losses(history: list[dict], path: Path) -> bool:

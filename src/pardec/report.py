@@ -190,6 +190,16 @@ class Row:
         return " · ".join(f"{name} {statistics.fmean(v):.3f}" for name, v in by_name.items()) or MISSING
 
 
+def log_history(run_dir: Path) -> list[dict]:
+    """A training run's logged steps: ``<run>/log_history.json``, else the newest checkpoint's trainer state."""
+    f = Path(run_dir) / "log_history.json"
+    if f.is_file():
+        return json.loads(f.read_text())
+    states = sorted(Path(run_dir).glob("checkpoint-*/trainer_state.json"),
+                    key=lambda p: int(p.parent.name.split("-")[1]))
+    return json.loads(states[-1].read_text())["log_history"] if states else []
+
+
 def method_entries(bench_dirs: Sequence[Path], methods: Iterable[str]) -> list[tuple[dict, str, dict, dict]]:
     """Every run (``summary.json`` under ``bench_dirs``) or ``bench.also`` role of one of ``methods``, as
     (the run's summary, method, its parameters, its entry: the summary itself or the role's peer entry)."""

@@ -128,7 +128,7 @@ def experiments() -> list[str]:
 
 def validate(cfg: DictConfig) -> TrainSpec | DraftSpec | HeadsSpec | SDSATSpec:
     """Check every name and value before anything heavy loads; errors name the key and the valid choices."""
-    from pardec.training.trainer import CLLMConfig, check_options
+    from pardec.training.trainer import CLLM_KEYS, CLLMConfig, check_options
 
     name = cfg.get("experiment_name")
     if not name:
@@ -150,8 +150,7 @@ def validate(cfg: DictConfig) -> TrainSpec | DraftSpec | HeadsSpec | SDSATSpec:
     unknown = sorted(set(tcfg) - valid)
     if unknown:
         raise ConfigError(f"unknown key(s) {unknown} in trainer; valid: {', '.join(APP_KEYS)}, the CLLM keys "
-                          f"(loss_type, distance, jsd_beta, ar_weight, max_length, state_sampling) and any "
-                          f"transformers.TrainingArguments field")
+                          f"({', '.join(CLLM_KEYS)}) and any transformers.TrainingArguments field")
     check_options(tcfg)
     lora = _lora_section(tcfg)
     model, model_dtype, deepspeed, resume = _app_keys(cfg, tcfg)
@@ -249,16 +248,26 @@ def run_train(spec: TrainSpec, run_dir: Path, d: Dist) -> dict[str, Any]:
     records = load_trajectories(spec.train_data)
     lm = load_model(replace(spec.model, device="cpu", dtype=spec.model_dtype))  # the Trainer places it
     model = apply_lora(lm.model, spec.lora) if spec.lora else lm.model
-    ds = TrajectoryDataset(records, args.loss_type, args.state_sampling, args.max_length, args.seed)
-    trainer = CLLMTrainer(model=model, args=args, train_dataset=ds, data_collator=CLLMCollator(lm.tokenizer.pad_token_id),
-                          processing_class=lm.tokenizer)
+    held = records[len(records) - args.proxy_records :] if args.proxy_records else []  # the last ones, by index
+    if args.proxy_records and len(held) >= len(records):
+        raise ConfigError(f"trainer.proxy_records={args.proxy_records} leaves nothing to train on: {spec.train_data} "
+                          f"holds {len(records)} records")
+    records = records[: len(records) - len(held)]
+    ds = TrajectoryDataset(records, args.loss_type, args.state_sampling, args.max_length, args.seed,
+                           args.states_per_sample)
+    proxy = TrajectoryDataset(held, "global", "all", args.max_length) if held else None
+    trainer = CLLMTrainer(model=model, args=args, train_dataset=ds, eval_dataset=proxy,
+                          data_collator=CLLMCollator(lm.tokenizer.pad_token_id), processing_class=lm.tokenizer)
     logger = spec.logger if d.rank == 0 else {"name": "none"}  # one W&B run: rank 0's
     with Tracker(logger, run_dir, spec.config, "train", name=run_dir.name) as tracker:
         result = trainer.train(resume_from_checkpoint=spec.resume)
+        final_proxy = trainer.evaluate() if proxy is not None else {}  # the proxy after the last step
+        if d.rank == 0:  # the loss and proxy curves (scripts/cllm_report.py plots them)
+            (run_dir / "log_history.json").write_text(json.dumps(trainer.state.log_history, indent=1) + "\n")
         final = run_dir / "final"
         save_final(trainer, spec, run_dir, final, d)
-        summary = {**result.metrics, "samples": len(ds), "truncated_samples": ds.n_truncated,
-                   "records": len(records), "final_model": str(final)}
+        summary = {**result.metrics, **final_proxy, "samples": len(ds), "truncated_samples": ds.n_truncated,
+                   "records": len(records), "proxy_records": len(held), "final_model": str(final)}
         tracker.log_summary(summary)
     return summary
 

@@ -14,7 +14,9 @@ Every decoder talks to the target (and draft) model through :class:`CachedModel`
   last-appended ones; tree paths, a chosen beam)
 * ``sync(seq)``                                  -> truncate to the common prefix with a committed sequence
   and return the tokens still to feed (a draft model catching up with the target's output)
-* ``length`` / ``tokens``                        -> cached positions / the token ids they hold
+* ``take_rows(rows)`` / ``join_rows(other)``     -> move batch rows into a new CachedModel / append another's
+  rows (the shorter cache left-padded): rows leaving and joining a batch (continuous batching)
+* ``length`` / ``tokens`` / ``rows``             -> cached positions / the token ids they hold / batch rows
 
 Visibility: by default a new token sees every cached position and the new tokens before it. ``attend`` narrows
 that: a bool ``[T, T]`` mask among the new tokens (a tree: each token sees its ancestors), or ``[T, length+T]``
@@ -58,6 +60,19 @@ class PseudoOut:
     #: tokens [B, T, H] and pseudo states born so far [B, A, i, H]; ``capture=True`` only
 
 
+def additive_mask(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """[B, Q, K] bool (True = may attend) -> [B, 1, Q, K] additive float mask: 0 = attend, finfo.min = masked (the
+    form transformers needs for a 4D mask, with explicit position ids)."""
+    mask = torch.zeros(allowed.shape, dtype=dtype, device=allowed.device)
+    mask.masked_fill_(~allowed, torch.finfo(dtype).min)
+    return mask[:, None]
+
+
+def _left_pad(t: torch.Tensor, n: int) -> torch.Tensor:
+    """``t`` [B, H, L, D] with ``n`` zero positions prepended."""
+    return torch.cat([t.new_zeros(*t.shape[:2], n, t.shape[3]), t], dim=2) if n else t
+
+
 class CachedModel:
     """An HF causal LM plus its KV cache. Batch size is fixed by the first forward after a reset."""
 
@@ -86,6 +101,11 @@ class CachedModel:
     def tokens(self) -> list[int]:
         """Token ids of the cached positions (row 0), in cache order."""
         return self._tokens[0].tolist()
+
+    @property
+    def rows(self) -> int:
+        """Batch rows the cache holds (0 after :meth:`take_rows` took them all; 1 after a reset)."""
+        return self._tokens.shape[0]
 
     @property
     def max_length(self) -> int:
@@ -373,6 +393,41 @@ class CachedModel:
         self._tokens = torch.cat([self._tokens[:, :start], self._tokens[:, start + idx.cpu()]], dim=1)
         self._last_appended = idx.numel()
 
+    def take_rows(self, rows: torch.Tensor | list[int]) -> CachedModel:
+        """Move batch ``rows`` (their cache and tokens) into a new CachedModel on the same model; this one keeps
+        the other rows, in order. Used to park rows that need no more forwards, or to drop finished ones."""
+        idx = torch.as_tensor(rows, dtype=torch.long)
+        keep = torch.ones(self.rows, dtype=torch.bool)
+        keep[idx] = False
+        rest = keep.nonzero()[:, 0]
+        other = CachedModel(self.model, self.name)
+        for src, dst in zip(self._initialized_layers(), other._layers_for(self)):
+            k, v = src.keys, src.values
+            dst.lazy_initialization(k, v)
+            dst.keys, dst.values = k[idx.to(k.device)], v[idx.to(v.device)]
+            src.keys, src.values = k[rest.to(k.device)], v[rest.to(v.device)]
+        other._tokens, self._tokens = self._tokens[idx], self._tokens[rest]
+        self._last_appended = other._last_appended = 0
+        return other
+
+    def join_rows(self, other: CachedModel) -> tuple[int, int]:
+        """Append ``other``'s batch rows after this one's (``other`` is consumed). The shorter cache is left-padded
+        with zero keys/values to the longer one's length; returns (padding added to this one's rows, to
+        ``other``'s rows): positions the caller must mask (``key_valid`` False). An empty or reset cache simply
+        takes ``other``'s rows."""
+        if self.rows == 0 or not self._initialized_layers():
+            self.cache, self._tokens, self._last_appended = other.cache, other._tokens, 0
+            return 0, 0
+        pad_self, pad_other = max(0, other.length - self.length), max(0, self.length - other.length)
+        for a, b in zip(self._initialized_layers(), other._initialized_layers(), strict=True):
+            for name in ("keys", "values"):
+                x, y = _left_pad(getattr(a, name), pad_self), _left_pad(getattr(b, name), pad_other)
+                setattr(a, name, torch.cat([x, y.to(x.device)], dim=0))
+        pad = lambda t, n: torch.cat([torch.zeros(t.shape[0], n, dtype=t.dtype), t], dim=1)  # noqa: E731
+        self._tokens = torch.cat([pad(self._tokens, pad_self), pad(other._tokens, pad_other)], dim=0)
+        self._last_appended = 0
+        return pad_self, pad_other
+
     def sync(self, seq: list[int] | torch.Tensor) -> list[int]:
         """Make the cache a prefix of ``seq`` (the committed sequence, batch 1): truncate it to the longest
         common prefix and return the tokens of ``seq`` it still lacks (to be fed next).
@@ -388,6 +443,20 @@ class CachedModel:
         return seq[common:].tolist()
 
     # ---------------------------------------------------------------- helpers
+    def _initialized_layers(self) -> list:
+        layers = [lc for lc in self.cache.layers if getattr(lc, "keys", None) is not None and lc.keys.dim() == 4]
+        if layers and len(layers) != len(self.cache.layers):
+            raise TypeError(f"{self.name}: rows can only move between caches whose layers all hold [B, H, L, D] "
+                            f"keys (a dynamic cache); got {type(self.cache.layers[0]).__name__}")
+        return layers
+
+    def _layers_for(self, src: CachedModel) -> list:
+        """This (fresh) cache's layers, one per initialized layer of ``src``."""
+        n = len(src._initialized_layers())
+        if len(self.cache.layers) < n:
+            raise TypeError(f"{self.name}: a fresh cache has {len(self.cache.layers)} layers, {src.name} holds {n}")
+        return list(self.cache.layers[:n])
+
     def _drop_keys_after(self, n: int) -> None:
         """Cut every layer's keys/values to the first ``n`` positions (states a forward ran but must not keep)."""
         for lc in self.cache.layers:
@@ -454,10 +523,7 @@ class CachedModel:
         return allowed
 
     def _to_additive(self, allowed: torch.Tensor) -> torch.Tensor:
-        """[B, Q, K] bool -> [B, 1, Q, K] additive float mask: 0 = attend, finfo.min = masked."""
-        mask = torch.zeros(allowed.shape, dtype=self.dtype, device=allowed.device)
-        mask.masked_fill_(~allowed, torch.finfo(self.dtype).min)
-        return mask[:, None]
+        return additive_mask(allowed, self.dtype)
 
     def _additive_mask(self, bsz: int, t: int, past: int, attend: torch.Tensor | None,
                        key_valid: torch.Tensor | None) -> torch.Tensor:

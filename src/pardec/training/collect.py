@@ -4,12 +4,21 @@ For each prompt the target model Jacobi-decodes block by block under greedy deco
 starts from random tokens of the prompt (seeded per prompt), and every state is recorded until the fixed
 point; decoding continues from the fixed point until EOS or ``max_new_tokens``.
 
-Batching keeps every row at the same cache length: the cache holds ``prompt[:-1]`` + the committed blocks
-(left padding masked with ``key_valid``, explicit per-row ``positions``). Within a block, every iteration runs
-the whole block ``[last committed token, y_0 .. y_{n-2}]`` of every row, then truncates the cache back to the
-block start, until every row's block is a fixed point (rows already converged or finished stay frozen). The
-last forward ran every row at its fixed point, so its cache is exactly the committed one and is kept.
-Greedy Jacobi converges in at most n + 1 forwards (after t forwards the first t tokens are final).
+Nothing is computed twice or for nothing (continuous batching, :func:`jacobi_stream`):
+
+* prompts are sorted by length (rows of a batch pad little) and a batch holds ``batch_size`` rows; at every
+  block boundary the rows that finished (EOS or ``max_new_tokens``) leave and waiting prompts take their places
+  (prefilled in a cache of their own, then joined; left padding masked with ``key_valid``, explicit positions
+  per row); a record is written as soon as its prompt finishes;
+* within a block, a forward's outputs are final up to a row's first changed token, so the inputs before it stay
+  cached and the next forward runs only the rest of the block (the cache keeps the positions final for every
+  row still iterating);
+* a row whose outputs are all final (no change, or only the last position changed) has reached its fixed point
+  and its cache holds the whole block: it leaves the batch (parked) and rejoins at the block's end. A block of n
+  therefore takes at most n forwards (after t forwards the first t tokens are final).
+
+The recorded states are exactly those of plain Jacobi iteration over the whole block (a test compares them with
+an uncached reference).
 
 Optional, both off by default:
 
@@ -27,11 +36,13 @@ Sharding: rank r of w takes the prompts with index % w == r and writes ``part-{r
 
 from __future__ import annotations
 
+import itertools
 import logging
 import random
-from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -74,7 +85,73 @@ class Prompt:
 
 
 # ------------------------------------------------------------------------------------------- algorithm
+@dataclass
+class _Row:
+    """One prompt being decoded: ``last`` is its last committed token (not cached yet), at position ``pos``."""
+    key: Any
+    prompt: list[int]
+    gen: torch.Generator
+    last: int
+    pos: int
+    out: dict = field(default_factory=lambda: {"answer_ids": [], "stop_reason": None, "blocks": [],
+                                               "unconverged": 0})
+    produced: int = 0
+
+
 @torch.inference_mode()
+def jacobi_stream(
+    cm: CachedModel,
+    prompts: Iterable[tuple[Any, list[int], torch.Generator]],
+    batch_size: int,
+    block_size: int,
+    max_new_tokens: int,
+    eos_ids: set[int],
+    max_iters: int | None = None,
+) -> Iterator[tuple[Any, dict]]:
+    """Greedy Jacobi decoding of a stream of ``(key, prompt ids, generator)``, recording every state of every block;
+    yields ``(key, result)`` as each prompt finishes (not in input order).
+
+    A result is ``{"answer_ids", "stop_reason", "blocks": [{"states", "fixed_point"}], "unconverged"}``; the
+    generator draws the prompt's initial guesses (random tokens of its prompt). Continuous batching: at every
+    block boundary finished rows leave the batch and waiting prompts take their places (prefilled on their own,
+    then joined; left padding masked with ``key_valid``, explicit positions per row), so the batch stays full.
+    """
+    queue = iter(prompts)
+    rows: list[_Row] = []
+    key_valid = torch.zeros(0, 0, dtype=torch.bool)  # [B, cache length]: False = padding
+    cm.reset()
+    while True:
+        new = list(itertools.islice(queue, batch_size - len(rows)))
+        if new:
+            key_valid = _admit(cm, rows, key_valid, new)
+        if not rows:
+            return
+        n = [min(block_size, max_new_tokens - r.produced) for r in rows]
+        guess = torch.stack([_initial_guess(r, k, block_size) for r, k in zip(rows, n)])  # [B, block]
+        order, fixed, states, unconverged = _iterate_block(cm, rows, guess, n, key_valid, max_iters or block_size + 1)
+        rows, n = [rows[i] for i in order], [n[i] for i in order]
+        key_valid = torch.cat([key_valid[order], torch.ones(len(rows), block_size, dtype=torch.bool)], dim=1)
+        finished = []
+        for i, r in enumerate(rows):
+            fp = fixed[i][: n[i]]
+            r.out["blocks"].append({"states": [s[: n[i]] for s in states[i]], "fixed_point": fp})
+            r.out["unconverged"] += int(unconverged[i])
+            eos = next((j for j, t in enumerate(fp) if t in eos_ids), None)
+            r.out["answer_ids"] += fp if eos is None else fp[: eos + 1]
+            r.produced += n[i]
+            r.last, r.pos = fixed[i][-1], r.pos + block_size
+            if eos is not None or r.produced >= max_new_tokens:
+                r.out["stop_reason"] = "eos" if eos is not None else "length"
+                finished.append(i)
+        for i in finished:
+            yield rows[i].key, rows[i].out
+        if finished:
+            cm.take_rows(finished)  # dropped
+            stay = [i for i in range(len(rows)) if i not in set(finished)]
+            rows, key_valid = [rows[i] for i in stay], key_valid[stay]
+            key_valid = _drop_padding_columns(cm, key_valid)
+
+
 def jacobi_trajectories(
     cm: CachedModel,
     prompts: list[list[int]],
@@ -83,90 +160,132 @@ def jacobi_trajectories(
     eos_ids: set[int],
     generators: list[torch.Generator],
     max_iters: int | None = None,
+    batch_size: int | None = None,
 ) -> list[dict]:
-    """Greedy Jacobi decoding of a batch of prompts, recording every state of every block.
-
-    Returns per prompt ``{"answer_ids", "stop_reason", "blocks": [{"states", "fixed_point"}], "unconverged"}``.
-    ``generators[i]`` draws row i's initial guesses (random tokens of its prompt).
-    """
-    bsz, plen = len(prompts), max(len(p) for p in prompts)
-    if min(len(p) for p in prompts) < 1:
+    """:func:`jacobi_stream` over a list of prompts (all in one batch unless ``batch_size``), results in order."""
+    if min((len(p) for p in prompts), default=1) < 1:
         raise ValueError("empty prompt")
-    ids = torch.zeros(bsz, plen, dtype=torch.long)
-    key_valid = torch.zeros(bsz, plen, dtype=torch.bool)  # [B, P]: False = left padding
-    for i, p in enumerate(prompts):
-        ids[i, plen - len(p) :] = torch.tensor(p)
-        key_valid[i, plen - len(p) :] = True
-    positions = (key_valid.cumsum(-1) - 1).clamp(min=0)  # [B, P]
-    cm.reset()
-    if plen > 1:  # the cache holds prompt[:-1]; the last prompt token opens the first block
-        cm.forward(ids[:, :-1], positions=positions[:, :-1], key_valid=key_valid[:, :-1], last_only=True)
-    last = ids[:, -1].clone()  # [B] last committed token (its KV is not cached yet)
-    next_pos = positions[:, -1].clone()  # [B] its position
-    key_valid = key_valid[:, :-1]  # [B, cache length]
-    out = [{"answer_ids": [], "stop_reason": None, "blocks": [], "unconverged": 0} for _ in prompts]
-    done = torch.zeros(bsz, dtype=torch.bool)
-    produced = 0
-    while not done.all():
-        n = min(block_size, max_new_tokens - produced)
-        guess = torch.stack([torch.tensor(p)[torch.randint(len(p), (n,), generator=g)] for p, g in
-                             zip(prompts, generators)])  # [B, n]
-        guess[done] = last[done, None]  # finished rows: frozen filler
-        fixed, states, unconverged = _iterate_block(cm, last, guess, done, next_pos, key_valid, max_iters or n + 1)
-        key_valid = torch.cat([key_valid, torch.ones(bsz, n, dtype=torch.bool)], dim=1)
-        next_pos += n
-        produced += n
-        for i in (~done).nonzero()[:, 0].tolist():
-            fp = fixed[i].tolist()
-            out[i]["blocks"].append({"states": states[i], "fixed_point": fp})
-            out[i]["unconverged"] += int(unconverged[i])
-            eos = next((j for j, t in enumerate(fp) if t in eos_ids), None)
-            out[i]["answer_ids"] += fp if eos is None else fp[: eos + 1]
-            if eos is not None:
-                out[i]["stop_reason"], done[i] = "eos", True
-            elif produced >= max_new_tokens:
-                out[i]["stop_reason"], done[i] = "length", True
-        last = fixed[:, -1].clone()
+    out: list[dict] = [{}] * len(prompts)
+    for i, r in jacobi_stream(cm, zip(range(len(prompts)), prompts, generators), batch_size or len(prompts),
+                              block_size, max_new_tokens, eos_ids, max_iters):
+        out[i] = r
     return out
+
+
+def _initial_guess(row: _Row, n: int, block_size: int) -> torch.Tensor:
+    """``n`` random tokens of the row's prompt (its generator), then ``block_size - n`` copies of its last token:
+    the positions past a short last block are never recorded and cannot change the first ``n`` (causality)."""
+    p = torch.tensor(row.prompt)
+    g = p[torch.randint(len(p), (n,), generator=row.gen)]
+    return torch.cat([g, torch.full((block_size - n,), row.last, dtype=torch.long)])
+
+
+def _admit(cm: CachedModel, rows: list[_Row], key_valid: torch.Tensor,
+           new: list[tuple[Any, list[int], torch.Generator]]) -> torch.Tensor:
+    """Prefill ``prompt[:-1]`` of the new prompts (left-padded among themselves; the last prompt token opens the
+    first block) in a cache of their own, join it to ``cm``'s rows and append them to ``rows``; returns the
+    new ``key_valid``."""
+    if min(len(p) for _, p, _ in new) < 1:
+        raise ValueError("empty prompt")
+    plen = max(1, max(len(p) for _, p, _ in new) - 1)
+    ids = torch.zeros(len(new), plen, dtype=torch.long)
+    kv = torch.zeros(len(new), plen, dtype=torch.bool)
+    for i, (_, p, _) in enumerate(new):
+        ctx = p[:-1]
+        if ctx:
+            ids[i, plen - len(ctx):] = torch.tensor(ctx)
+            kv[i, plen - len(ctx):] = True
+    fresh = CachedModel(cm.model, cm.name)  # a one-token prompt's row holds one masked dummy position
+    fresh.forward(ids, positions=(kv.cumsum(-1) - 1).clamp(min=0), key_valid=kv, last_only=True)
+    pad_old, pad_new = cm.join_rows(fresh)
+    left = lambda t, k: torch.cat([torch.zeros(t.shape[0], k, dtype=torch.bool), t], dim=1)  # noqa: E731
+    rows += [_Row(key, list(p), g, p[-1], len(p) - 1) for key, p, g in new]
+    return torch.cat([left(key_valid, pad_old), left(kv, pad_new)], dim=0) if len(key_valid) else kv
+
+
+def _drop_padding_columns(cm: CachedModel, key_valid: torch.Tensor) -> torch.Tensor:
+    """Drop leading cache positions no row may attend to (left by rows that left the batch)."""
+    if not len(key_valid):
+        return key_valid
+    used = key_valid.any(0).nonzero()
+    start = int(used[0]) if used.numel() else key_valid.shape[1]
+    if start:
+        cm.keep(list(range(start, cm.length)), start=0)
+        key_valid = key_valid[:, start:]
+    return key_valid
 
 
 def _iterate_block(
     cm: CachedModel,
-    last: torch.Tensor,
+    rows: list[_Row],
     guess: torch.Tensor,
-    frozen: torch.Tensor,
-    next_pos: torch.Tensor,
+    n: list[int],
     key_valid: torch.Tensor,
     max_iters: int,
-) -> tuple[torch.Tensor, list[list[list[int]]], torch.Tensor]:
-    """Iterate one block of every row to its fixed point.
+) -> tuple[list[int], list[list[int]], list[list[list[int]]], list[bool]]:
+    """Iterate one block of every row to its fixed point (the first ``n[i]`` tokens of row i; Jacobi on a block
+    restricted to its first k positions is Jacobi on those k positions, by causality).
 
-    Returns (fixed points [B, n], the states of each row, unconverged [B] bool: rows cut by ``max_iters``).
+    Returns (``order``: the new row order of the cache, and per row in that order its fixed point, states and
+    whether ``max_iters`` cut it). On return the cache holds ``[last, fixed[:-1]]`` appended to every row.
 
-    last: [B]; guess: [B, n] initial states; frozen: [B] rows not decoded any more; next_pos: [B] position of
-    ``last``; key_valid: [B, cache length]. On return the cache holds ``[last, fixed[:, :-1]]`` appended.
+    Nothing is computed twice: after a forward, the tokens before a row's first change are final, so the cache
+    keeps the block positions final for every row still iterating (``c``) and the next forward runs only the
+    rest of the block; a row that converged leaves the batch (its cache, complete, is parked) and rejoins when
+    the block ends.
     """
-    bsz, n = guess.shape
+    bsz, width = guess.shape
     base = cm.length
-    positions = next_pos[:, None] + torch.arange(n)  # [B, n]
-    kv = torch.cat([key_valid, torch.ones(bsz, n, dtype=torch.bool)], dim=1)
-    states = [[g] for g in guess.tolist()]
-    converged = frozen.clone()
+    active = list(range(bsz))  # original row indices still iterating, in cache order
+    limit = torch.tensor(n)
+    states: list[list[list[int]]] = [[g] for g in guess.tolist()]
+    fixed: list[list[int]] = [[] for _ in range(bsz)]
+    parked: list[tuple[list[int], CachedModel]] = []
+    last = torch.tensor([r.last for r in rows])
+    pos = torch.tensor([r.pos for r in rows])
+    kv = key_valid
+    c = 0  # block positions (inputs) cached for every active row
     for _ in range(max_iters):
-        inp = torch.cat([last[:, None], guess[:, :-1]], dim=1)  # [B, n]
-        new = cm.forward(inp, positions=positions, key_valid=kv).logits.argmax(-1).cpu()  # [B, n]
-        changed = ~converged & (new != guess).any(-1)
-        for i in changed.nonzero()[:, 0].tolist():
-            states[i].append(new[i].tolist())
-        converged |= ~changed
-        guess = torch.where(changed[:, None], new, guess)
-        if converged.all():
-            return guess, states, ~converged
-        cm.truncate(base)
-    # only reachable with max_iters < n + 1 (or non-deterministic kernels): commit the latest states
-    log.warning("%d block(s) did not converge in %d iterations", int((~converged).sum()), max_iters)
-    cm.forward(torch.cat([last[:, None], guess[:, :-1]], dim=1), positions=positions, key_valid=kv, last_only=True)
-    return guess, states, ~converged
+        inp = torch.cat([last[active, None], guess[active, :-1]], dim=1)[:, c:]  # [A, width - c]
+        positions = pos[active, None] + torch.arange(c, width)
+        mask = torch.cat([kv, torch.ones(len(active), width, dtype=torch.bool)], dim=1)  # [A, base + width]
+        tail = cm.forward(inp, positions=positions, key_valid=mask).logits.argmax(-1)
+        old = guess[active]
+        new = torch.cat([old[:, :c], tail.cpu()], dim=1)
+        lim = limit[active]
+        differs = (new != old) & (torch.arange(width) < lim[:, None])  # [A, width]
+        changed = differs.any(-1)
+        first = torch.where(changed, differs.float().argmax(-1), lim)  # first change (outputs up to it are final)
+        for a, i in enumerate(active):
+            if changed[a]:
+                states[i].append(new[a].tolist())
+        guess[active] = new
+        # a row is at its fixed point once its outputs up to the limit are final (no change, or only the last
+        # position changed); its cache then holds the whole block: [last, fixed[:-1]]
+        done = (first >= lim - 1).nonzero()[:, 0].tolist()
+        if done:
+            parked.append(([active[a] for a in done], cm.take_rows(done)))
+            for a in done:
+                fixed[active[a]] = new[a].tolist()
+            stay = [a for a in range(len(active)) if a not in set(done)]
+            active, kv, first = [active[a] for a in stay], kv[stay], first[stay]
+        if not active:
+            break
+        c = int(first.min()) + 1  # inputs up to the first change (exclusive of it) are final for every active row
+        cm.truncate(base + c)
+    unconverged = [False] * bsz
+    if active:  # only reachable with max_iters < block + 1 (or non-deterministic kernels): commit the latest states
+        log.warning("%d block(s) did not converge in %d iterations", len(active), max_iters)
+        inp = torch.cat([last[active, None], guess[active, :-1]], dim=1)[:, c:]
+        mask = torch.cat([kv, torch.ones(len(active), width, dtype=torch.bool)], dim=1)
+        cm.forward(inp, positions=pos[active, None] + torch.arange(c, width), key_valid=mask, last_only=True)
+        for i in active:
+            fixed[i], unconverged[i] = guess[i].tolist(), True
+    order = list(active)
+    for idx, part in parked:
+        cm.join_rows(part)
+        order += idx
+    return order, [fixed[i] for i in order], [states[i] for i in order], [unconverged[i] for i in order]
 
 
 # ------------------------------------------------------------------------------------------- post-processing
@@ -250,14 +369,21 @@ def collect(
     Prompts already in any part file are skipped (resume). ``stop_after``: write at most that many records,
     then return without merging (simulates a killed run in tests). Returns the stats on rank 0, else None.
     """
-    def work(batch: list[Prompt]) -> list[dict]:
-        gens = [torch.Generator().manual_seed(cfg.seed * 1_000_003 + p.index) for p in batch]
-        results = jacobi_trajectories(cm, [p.ids for p in batch], cfg.block_size, cfg.max_new_tokens, eos_ids,
-                                      gens, cfg.max_iters)
-        return [_record(cfg, p, r) for p, r in zip(batch, results)]
+    def stream(todo: Iterator[Prompt]) -> Iterator[dict]:
+        by_index = {}
 
+        def feed():
+            for p in todo:
+                by_index[p.index] = p
+                yield p.index, p.ids, torch.Generator().manual_seed(cfg.seed * 1_000_003 + p.index)
+        for index, r in jacobi_stream(cm, feed(), cfg.batch_size, cfg.block_size, cfg.max_new_tokens, eos_ids,
+                                      cfg.max_iters):
+            yield _record(cfg, by_index.pop(index), r)
+
+    # prompts sorted by length: the rows of a batch pad little
     return shards.run_stage(prompts, cfg.out_dir, lambda r: prepare_out_dir(cfg, meta, r), rank, world, barrier,
-                            cfg.batch_size, work, f"collect[{rank}]", stop_after, lambda out, n: merge(out, expected=n))
+                            cfg.batch_size, None, f"collect[{rank}]", stop_after, lambda out, n: merge(out, expected=n),
+                            order=lambda p: (len(p.ids), p.index), stream=stream)
 
 
 def _record(cfg: CollectConfig, p: Prompt, r: dict) -> dict:

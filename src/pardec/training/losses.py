@@ -122,7 +122,7 @@ class SDSATLoss(NamedTuple):
     sums: torch.Tensor  # [4] detached float64: plain CE sum, plain count, masked CE sum, masked count
 
 
-def _ce_sum(logits: torch.Tensor, targets: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def ce_sum(logits: torch.Tensor, targets: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(summed CE of ``logits`` [R, T, V] against ``targets`` [R, T] where ``mask`` [R, T], count): only the
     selected positions go through the log-softmax."""
     mask = mask.to(logits.device, torch.bool)
@@ -158,8 +158,8 @@ def sdsat_loss(
     bsz = targets.shape[0]
     if logits.shape[0] != 2 * bsz:
         raise ValueError(f"sdsat_loss: logits have {logits.shape[0]} rows; expected 2 x {bsz} (plain + masked)")
-    p_sum, p_cnt = _ce_sum(logits[:bsz], targets, plain_mask)
-    m_sum, m_cnt = _ce_sum(logits[bsz:], targets, masked_mask)
+    p_sum, p_cnt = ce_sum(logits[:bsz], targets, plain_mask)
+    m_sum, m_cnt = ce_sum(logits[bsz:], targets, masked_mask)
     counts = torch.stack([p_cnt, m_cnt]) if num_items is None else torch.as_tensor(num_items)
     norm = counts.to(p_sum.device).clamp(min=1).to(p_sum.dtype)
     plain, masked = p_sum / norm[0], m_sum / norm[1]

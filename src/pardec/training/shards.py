@@ -6,17 +6,19 @@ merged file written atomically by rank 0.
   refused before anything is written (or, on rank 0 with ``overwrite``, wiped), so a resumed run never mixes
   records of two settings; :func:`check_settings` is that check alone (e.g. before a model loads).
 * :func:`run_shard`: rank r of w takes the prompts with index % w == r that no part file holds yet, runs them in
-  batches and appends each batch's records (fsynced) before the next: a kill loses at most one batch.
+  batches (or as a stream that refills its batch as prompts finish) and appends each record (fsynced) as soon as
+  it exists: a kill loses only the prompts in flight.
 * :func:`write_merged`: the merged JSONL, written to a temporary file and renamed;
 * :func:`run_stage`: the three together under several ranks (prepare, barrier, this rank's share, barrier, merge).
 """
 
 from __future__ import annotations
 
+import itertools
 import json
 import logging
 import shutil
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -64,37 +66,44 @@ def prepare_out_dir(out_dir: str | Path, overwrite: bool, meta: dict, rank: int,
 
 
 def run_shard(prompts: Sequence[Any], out: Path, rank: int, world: int, batch_size: int,
-              work: Callable[[list[Any]], list[dict]], desc: str, stop_after: int | None = None,
-              order: Callable[[Any], Any] | None = None) -> bool:
-    """Run ``work(batch) -> records`` over this rank's prompts (objects with ``index`` and ``id``) not yet in any
-    part file, appending each batch's records to ``part-{rank}.jsonl``. ``order``: sort key of the todo list
+              work: Callable[[list[Any]], list[dict]] | None, desc: str, stop_after: int | None = None,
+              order: Callable[[Any], Any] | None = None,
+              stream: Callable[[Iterator[Any]], Iterator[dict]] | None = None) -> bool:
+    """Run this rank's prompts (objects with ``index`` and ``id``) not yet in any part file, appending each record to
+    ``part-{rank}.jsonl`` (fsynced) as soon as it exists: ``work(batch) -> records`` over batches of
+    ``batch_size``, or ``stream(prompts) -> records``, which pulls prompts when it has room (continuous
+    batching) and yields each record when its prompt is done, in any order. ``order``: sort key of the todo list
     (e.g. prompt length, so batches pad little). ``stop_after``: write at most that many records and return
     False (a simulated kill in tests); True when this rank's share is done."""
     seen = done_ids(out, rank)
     todo = [p for p in prompts if p.index % world == rank and p.id not in seen]
     if order is not None:
         todo.sort(key=order)
+    if stream is None:
+        def stream(items: Iterator[Any]) -> Iterator[dict]:
+            while batch := list(itertools.islice(items, batch_size)):
+                yield from work(batch)
     written = 0
+    records = stream(iter(todo))
     bar = tqdm(total=len(todo), desc=desc, position=rank, dynamic_ncols=True)
     try:
-        for start in range(0, len(todo), batch_size):
-            batch = todo[start : start + batch_size]
-            if stop_after is not None:
-                batch = batch[: stop_after - written]
-                if not batch:
-                    return False
-            append_jsonl(part_path(out, rank), work(batch))
-            written += len(batch)
-            bar.update(len(batch))
+        for record in records:
+            if stop_after is not None and written >= stop_after:
+                return False
+            append_jsonl(part_path(out, rank), [record])
+            written += 1
+            bar.update(1)
+        return True
     finally:
+        getattr(records, "close", lambda: None)()
         bar.close()
-    return True
 
 
 def run_stage(items: Sequence[Any], out_dir: str | Path, prepare: Callable[[int], Path], rank: int, world: int,
-              barrier: Callable[[], None] | None, batch_size: int, work: Callable[[list[Any]], list[dict]],
+              barrier: Callable[[], None] | None, batch_size: int, work: Callable[[list[Any]], list[dict]] | None,
               desc: str, stop_after: int | None, merge: Callable[[Path, int], dict],
-              order: Callable[[Any], Any] | None = None) -> dict | None:
+              order: Callable[[Any], Any] | None = None,
+              stream: Callable[[Iterator[Any]], Iterator[dict]] | None = None) -> dict | None:
     """One data-generation stage over ranks: rank 0 runs ``prepare(rank)`` (create or wipe ``out_dir``, write
     meta.json) before the others check it, every rank runs its share (:func:`run_shard`), and once all are done
     rank 0 returns ``merge(out_dir, len(items))``; other ranks, and a run stopped by ``stop_after``, return None."""
@@ -103,7 +112,7 @@ def run_stage(items: Sequence[Any], out_dir: str | Path, prepare: Callable[[int]
     if barrier:
         barrier()  # rank 0 created (or wiped) the directory and wrote meta.json
     out = prepare(rank) if rank else Path(out_dir)  # other ranks: check meta.json
-    if not run_shard(items, out, rank, world, batch_size, work, desc, stop_after, order):
+    if not run_shard(items, out, rank, world, batch_size, work, desc, stop_after, order, stream):
         return None
     if barrier:
         barrier()

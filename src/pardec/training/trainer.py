@@ -1,9 +1,15 @@
 """`CLLMConfig` + `CLLMTrainer`: consistency-LLM training on a transformers Trainer (trl's Config/Trainer pair).
 
-Each step runs one forward with gradient over ``[Jacobi states; teacher answers]`` (one padded batch, so DDP,
-DeepSpeed and FSDP see one forward per backward) and one forward without gradient over the consistency
-targets (the model's own logits on the fixed point, global, or the next state, local: CLLM's stop-gradient
-target). Loss = consistency + ``ar_weight`` * AR (:mod:`pardec.training.losses`).
+Each step runs one forward over packed samples (:mod:`pardec.training.data`): per (prompt, block) the teacher
+answer (AR row) and several Jacobi states of the block as segments under a block-causal 4D mask. The AR row's
+logits give the AR loss and, detached, the global consistency target (CLLM's stop-gradient target: the model's
+own logits on the fixed point), so there is no separate target forward and no prefix is computed twice (the
+local loss packs its next-state targets as segments too, detached). Only the logits that count go through the
+LM head. Loss = consistency + ``ar_weight`` * AR (:mod:`pardec.training.losses`).
+
+Monitoring: with held-out trajectories (``eval_dataset``), :meth:`CLLMTrainer.evaluate` logs a teacher-forced
+fast-forward proxy (:func:`fast_forward_proxy`) to the console and W&B at every evaluation, long before a
+decoding benchmark could say whether a run is working.
 
 Normalisation: both terms are sums over valid tokens divided by the count of valid tokens in the whole
 gradient-accumulation window (summed over ranks when ``average_tokens_across_devices``), so accumulated
@@ -16,10 +22,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
-from transformers import Trainer, TrainingArguments
+from transformers import Trainer, TrainerCallback, TrainingArguments
 
-from pardec.training.data import LOSS_TYPES, STATE_SAMPLING
-from pardec.training.losses import DISTANCES, ar_token_nll, masked_sum, token_divergence, total_loss
+from pardec.models.cached import additive_mask
+from pardec.training.data import LOSS_TYPES, STATE_SAMPLING, TrajectoryDataset, packed_attention
+from pardec.training.losses import DISTANCES, IGNORE_INDEX, ce_sum, token_divergence, total_loss
 
 
 @dataclass
@@ -29,7 +36,11 @@ class CLLMConfig(TrainingArguments):
     jsd_beta: float = field(default=0.5, metadata={"help": "generalised JSD mixture weight of the target"})
     ar_weight: float = field(default=10.0, metadata={"help": "omega: total = consistency + omega * AR"})
     max_length: int = field(default=1024, metadata={"help": "longer samples are truncated from the left"})
-    state_sampling: str = field(default="random", metadata={"help": "random (one state per block) | all"})
+    state_sampling: str = field(default="random", metadata={"help": "random (states_per_sample per block, "
+                                                                    "drawn anew each epoch) | all"})
+    states_per_sample: int = field(default=1, metadata={"help": "Jacobi states packed with a block's AR row"})
+    proxy_records: int = field(default=0, metadata={"help": "trajectory records held out for the fast-forward "
+                                                            "proxy (evaluated every eval_steps; 0: none)"})
 
     def __post_init__(self) -> None:
         check_options({k: getattr(self, k) for k in CLLM_KEYS})
@@ -37,7 +48,8 @@ class CLLMConfig(TrainingArguments):
         super().__post_init__()
 
 
-CLLM_KEYS = ("loss_type", "distance", "jsd_beta", "ar_weight", "max_length", "state_sampling")
+CLLM_KEYS = ("loss_type", "distance", "jsd_beta", "ar_weight", "max_length", "state_sampling", "states_per_sample",
+             "proxy_records")
 
 
 def check_options(opts: dict) -> None:
@@ -51,6 +63,10 @@ def check_options(opts: dict) -> None:
         raise ConfigError(f"trainer.jsd_beta={opts['jsd_beta']!r} is out of range: it must be in [0, 1]")
     if opts.get("ar_weight", 0.0) < 0:
         raise ConfigError(f"trainer.ar_weight={opts['ar_weight']!r} is out of range: it must be >= 0")
+    for key in ("states_per_sample", "proxy_records"):
+        low = 1 if key == "states_per_sample" else 0
+        if key in opts and opts[key] < low:
+            raise ConfigError(f"trainer.{key}={opts[key]!r} is out of range: it must be >= {low}")
     if opts.get("max_length", 2) < 2:
         raise ConfigError(f"trainer.max_length={opts['max_length']!r} is out of range: it must be >= 2")
 
@@ -74,6 +90,25 @@ def log_pair_means(trainer: Trainer, logs: dict[str, float], names: tuple[str, .
         logs[name] = values[2 * i] / max(values[2 * i + 1], 1.0)
 
 
+class _EpochStates(TrainerCallback):
+    """Tell the training set which epoch begins, so that it draws that epoch's states (resumes included: the
+    epoch is the integer part of the trainer's progress)."""
+
+    def __init__(self, dataset):
+        self.dataset = dataset
+
+    def on_epoch_begin(self, args, state, control, **kwargs):
+        self.dataset.set_epoch(int(state.epoch + 1e-6))
+
+
+def packed_forward(model, inputs: dict, keep: torch.Tensor):
+    """Logits [B, len(keep), V] of the packed batch ``inputs`` at positions ``keep`` (one forward, 4D mask)."""
+    dtype = next(model.parameters()).dtype
+    mask = additive_mask(packed_attention(inputs["segment"], inputs["context"]), dtype)
+    return model(input_ids=inputs["input_ids"], attention_mask=mask, position_ids=inputs["position_ids"],
+                 logits_to_keep=keep).logits
+
+
 class CLLMTrainer(Trainer):
     args: CLLMConfig
 
@@ -81,14 +116,16 @@ class CLLMTrainer(Trainer):
         super().__init__(*args, **kwargs)
         self.loss_is_scaled_for_ga = True  # compute_loss divides by the window's token counts itself
         self._log_sums = torch.zeros(4, dtype=torch.float64)  # consistency sum, count, AR sum, count
+        if hasattr(self.train_dataset, "set_epoch"):
+            self.add_callback(_EpochStates(self.train_dataset))
 
     def get_batch_samples(self, epoch_iterator, num_batches: int, device: torch.device):
         """Prefetch the accumulation window; ``num_items_in_batch`` = [consistency tokens, AR tokens] in it."""
         batches, _ = super().get_batch_samples(epoch_iterator, num_batches, device)
         counts = torch.zeros(2, dtype=torch.long)
         for b in batches:
-            counts[0] += b["consistency_mask"].sum()
-            counts[1] += (b["ar_labels"][:, 1:] != -100).sum()
+            counts[0] += b["pairs"].shape[0]
+            counts[1] += (b["ar_targets"] != IGNORE_INDEX).sum()
         counts = counts.to(device)
         if self.args.average_tokens_across_devices and self.args.world_size > 1:
             counts = self.accelerator.gather(counts[None]).sum(0)
@@ -96,29 +133,91 @@ class CLLMTrainer(Trainer):
 
     def compute_loss(self, model, inputs, return_outputs: bool = False, num_items_in_batch=None):
         a = self.args
-        cmask, labels = inputs["consistency_mask"], inputs["ar_labels"]  # [B, K], [B, L]
-        bsz, k = cmask.shape
-        first_label = int((labels != -100).float().argmax(-1).min())
-        keep = max(k, labels.shape[1] - first_label + 1)  # logits from the one predicting the first label
-        out = model(input_ids=inputs["input_ids"], attention_mask=inputs["attention_mask"],
-                    position_ids=inputs["position_ids"], logits_to_keep=keep)
-        student, ar_logits = out.logits[:bsz, -k:], out.logits[bsz:]  # [B, K, V], [B, keep, V]
-        with torch.no_grad():
-            target = model(input_ids=inputs["target_ids"], attention_mask=inputs["target_attention_mask"],
-                           position_ids=inputs["target_position_ids"], logits_to_keep=k).logits  # [B, K, V]
-        c_sum, c_cnt = masked_sum(token_divergence(student, target, a.distance, a.jsd_beta), cmask)
-        a_sum, a_cnt = masked_sum(*ar_token_nll(ar_logits, labels[:, -keep:]))
+        targets, pairs = inputs["ar_targets"], inputs["pairs"]  # [B, T], [M, 3]
+        need = (targets != IGNORE_INDEX).any(0)
+        need[pairs[:, 1]] = True
+        need[pairs[:, 2]] = True
+        keep = need.nonzero()[:, 0]  # only these positions go through the LM head
+        at = torch.full_like(need, -1, dtype=torch.long)
+        at[keep] = torch.arange(len(keep), device=keep.device)
+        logits = packed_forward(model, inputs, keep)  # [B, K, V]
+        kept = targets[:, keep]
+        a_sum, a_cnt = ce_sum(logits, kept.clamp(min=0), kept != IGNORE_INDEX)
+        student = logits[pairs[:, 0], at[pairs[:, 1]]]  # [M, V]
+        target = logits[pairs[:, 0], at[pairs[:, 2]]].detach()  # the model's own logits: stop-gradient target
+        c_sum = token_divergence(student, target, a.distance, a.jsd_beta).sum() if len(pairs) else logits.sum() * 0
+        c_cnt = torch.tensor(len(pairs), device=logits.device)
         if num_items_in_batch is None:  # outside training_step: plain token means
-            num_items_in_batch = torch.stack([c_cnt, a_cnt])
+            num_items_in_batch = torch.stack([c_cnt, a_cnt.to(c_cnt.device)])
         norm = num_items_in_batch.to(c_sum.device).clamp(min=1)
         loss = total_loss(c_sum / norm[0], a_sum / norm[1], a.ar_weight)
         if a.average_tokens_across_devices and a.world_size > 1:
             loss = loss * a.world_size  # DDP / DeepSpeed average gradients over ranks; the counts were summed
         if model.training:
-            self._log_sums += torch.stack([c_sum, c_cnt, a_sum, a_cnt]).detach().double().cpu()
-        return (loss, out) if return_outputs else loss
+            self._log_sums += torch.stack([c_sum.detach().double().cpu(), c_cnt.double().cpu(),
+                                           a_sum.detach().double().cpu(), a_cnt.double().cpu()])
+        return (loss, logits) if return_outputs else loss
 
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
         if "loss" in logs:  # a training log: every rank is here, so the sums can be reduced
             log_pair_means(self, logs, ("consistency_loss", "ar_loss"))
         super().log(logs, start_time)
+
+    def evaluate(self, eval_dataset=None, ignore_keys=None, metric_key_prefix: str = "eval") -> dict[str, float]:
+        """The fast-forward proxy on the held-out trajectories, logged (console, W&B) and returned."""
+        ds = eval_dataset if eval_dataset is not None else self.eval_dataset
+        if ds is None:
+            return {}
+        metrics = {f"{metric_key_prefix}_{k}": v for k, v in
+                   fast_forward_proxy(self.model, ds, self.data_collator, self.args.per_device_eval_batch_size).items()}
+        self.log(metrics)
+        self.control = self.callback_handler.on_evaluate(self.args, self.state, self.control, metrics)
+        return metrics
+
+
+@torch.no_grad()
+def fast_forward_proxy(model, dataset: TrajectoryDataset, collator, batch_size: int = 4) -> dict[str, float]:
+    """Teacher-forced fast-forward proxy on held-out trajectories (every state of every block, ``dataset`` built
+    with ``state_sampling="all"``): from each state s the model makes one Jacobi step y in one forward (the
+    packed layout of training); with c(x) the number of leading tokens of x equal to the fixed point (within the
+    answer), the step gains c(y) - c(s) tokens. Returns ``ff_proxy``: the mean gain over all states (the
+    collecting model gains exactly its own per-step advance, ~1 for a base model), ``ff_proxy_init``: over the
+    blocks' first (random) states only, where Jacobi decoding starts; and ``ff_proxy_states``: how many."""
+    was_training = model.training
+    model.eval()
+    gains: list[int] = []
+    first: list[int] = []
+    try:
+        for start in range(0, len(dataset), batch_size):
+            idx = list(range(start, min(start + batch_size, len(dataset))))
+            samples = [dataset[i] for i in idx]
+            batch = {k: v.to(model.device) for k, v in collator(samples).items()}
+            logits = packed_forward(model, batch, torch.arange(batch["input_ids"].shape[1], device=model.device))
+            pred = logits.argmax(-1).cpu()  # [B, T]
+            for row, (i, sample) in enumerate(zip(idx, samples)):
+                r, b = dataset.items[i]
+                rec = dataset.records[r]
+                blk = rec["blocks"][b]
+                fp, n = blk["fixed_point"], len(blk["fixed_point"])
+                n_valid = min(n, len(rec["answer_ids"]) - sum(len(x["fixed_point"]) for x in rec["blocks"][:b]))
+                head = int(pred[row, sample["context"] - 1])  # block position 0: predicted by the prefix
+                for j, f in zip(dataset.states_of(i), sample["segments"]):
+                    if j < 0:
+                        continue
+                    s = blk["states"][j]
+                    y = [head] + pred[row, f : f + n - 1].tolist()
+                    c_s, c_y = _leading(s, fp, n_valid), _leading(y, fp, n_valid)
+                    if c_s >= n_valid:
+                        continue
+                    gains.append(c_y - c_s)
+                    if j == 0:
+                        first.append(c_y - c_s)
+    finally:
+        model.train(was_training)
+    mean = lambda xs: sum(xs) / len(xs) if xs else float("nan")  # noqa: E731
+    return {"ff_proxy": mean(gains), "ff_proxy_init": mean(first), "ff_proxy_states": float(len(gains))}
+
+
+def _leading(x: list[int], ref: list[int], n: int) -> int:
+    """How many leading tokens of ``x`` equal ``ref`` (at most ``n``)."""
+    return next((k for k in range(n) if x[k] != ref[k]), n)

@@ -1,0 +1,144 @@
+"""The CLLM report (issue: a CLLM that pays off on SmolLM2): Jacobi and lookahead on the base model and the CLLM,
+side by side, plus the training curves.
+
+    python scripts/cllm_report.py --bench base=outputs/bench/cllm_base --bench cllm=outputs/bench/cllm_trained \
+        [--run outputs/train/runs/cllm_gsm8k_smollm2/<run>] [--out outputs/bench/cllm]
+
+* ``--bench LABEL=DIR``: a ``scripts/bench.py`` output (``--methods jacobi,lookahead``) on one model; ``ar`` of the
+  same model is each run's baseline. One table row per (model, method): tokens/s, speedup over ``ar`` (total and
+  median over prompts), tokens per forward, the Jacobi extras (fast-forward: tokens committed per iteration;
+  stationary tokens per block; means over prompts), exact match vs ``ar`` and the task metric.
+* ``--run``: the training run dir; plots the consistency and AR losses and the fast-forward proxy on held-out
+  trajectories against the optimizer step (``<out>/cllm_training.png``).
+
+Writes ``<out>/cllm_report.md`` (printed too) and ``<out>/cllm_report.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+from pardec.report import log_history, method_entries  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+EXTRAS = ("fast_forward", "stationary_per_block")
+
+
+def role_extras(run_dir: Path) -> dict[str, dict[str, float | None]]:
+    """Per role of one evaluate run (``method`` or ``also:<label>``): the Jacobi extras' means over prompts."""
+    by_role: dict[str, list[dict]] = {}
+    for line in (run_dir / "results.jsonl").read_text().splitlines():
+        rec = json.loads(line)
+        if "error" not in rec:
+            by_role.setdefault(rec["role"], []).append(rec.get("extras") or {})
+    out = {}
+    for role, extras in by_role.items():
+        out[role] = {k: (statistics.mean(v) if (v := [e[k] for e in extras if e.get(k) is not None]) else None)
+                     for k in EXTRAS}
+    return out
+
+
+def bench_rows(label: str, bench_dir: Path) -> list[dict]:
+    """One row per method of the runs under ``bench_dir`` (ar included, as each run's baseline)."""
+    rows = []
+    for s, method, params, e in method_entries([bench_dir], ("jacobi", "lookahead")):
+        extras = role_extras(Path(s["_dir"]))
+        role = "method" if e is s else next((r for r in extras if r.startswith("also:") and method in r), None)
+        if e is s:  # the run's baseline, once per run
+            rows.append({"model": label, "method": "ar", "tokens_per_s": s.get("baseline_tokens_per_s"),
+                         "speedup": 1.0, "speedup_median": 1.0,
+                         "tokens_per_forward": s.get("baseline_tokens_per_forward"), "exact_match": None,
+                         "metric": s.get("baseline_metric"), "metric_name": s.get("metric_name"),
+                         "n": s.get("n_samples"), "dtype": s.get("dtype"), "max_new_tokens": s.get("max_new_tokens"),
+                         **dict.fromkeys(EXTRAS)})
+        params_txt = ", ".join(f"{k}={v}" for k, v in sorted(params.items()))
+        rows.append({"model": label, "method": f"{method} ({params_txt})" if params_txt else method,
+                     "tokens_per_s": e.get("tokens_per_s"), "speedup": e.get("speedup"),
+                     "speedup_median": e.get("speedup_median"), "tokens_per_forward": e.get("tokens_per_forward"),
+                     "exact_match": e.get("exact_match_rate"), "metric": e.get("metric"),
+                     "metric_name": s.get("metric_name"), "n": s.get("n_samples"), "dtype": s.get("dtype"),
+                     "max_new_tokens": s.get("max_new_tokens"), **(extras.get(role) or dict.fromkeys(EXTRAS))})
+    return rows
+
+
+def _f(x, nd=2) -> str:
+    return "–" if x is None else f"{x:.{nd}f}"
+
+
+def render(rows: list[dict]) -> str:
+    md = ["| model | method | tokens/s | speedup vs ar (median) | tokens/forward | fast-forward | stationary / block | "
+          "exact match vs ar | accuracy |", "|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        md.append(f"| {r['model']} | {r['method']} | {_f(r['tokens_per_s'], 1)} | {_f(r['speedup'])} "
+                  f"({_f(r['speedup_median'])}) | {_f(r['tokens_per_forward'])} | {_f(r['fast_forward'])} | "
+                  f"{_f(r['stationary_per_block'])} | {_f(r['exact_match'])} | {_f(r['metric'])} |")
+    if rows:
+        r = rows[0]
+        md.append(f"\n{r['n']} prompts per model, {r['dtype']}, max_new_tokens={r['max_new_tokens']}, greedy; "
+                  f"accuracy = {r['metric_name']}.")
+    return "\n".join(md) + "\n"
+
+
+def plot_training(history: list[dict], path: Path) -> bool:
+    """Consistency and AR losses, and the fast-forward proxy, against the step; False when nothing was logged."""
+    train = [h for h in history if "consistency_loss" in h]
+    proxy = [h for h in history if "eval_ff_proxy" in h]
+    if not train and not proxy:
+        return False
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
+    for key, label in (("consistency_loss", "consistency (per counted position)"), ("ar_loss", "AR (per token)")):
+        ax1.plot([h["step"] for h in train], [h[key] for h in train], marker=".", label=label)
+    ax1.set(xlabel="optimizer step", ylabel="loss", yscale="log", title="CLLM training losses")
+    for key, label in (("eval_ff_proxy", "all states"), ("eval_ff_proxy_init", "from the random initial state")):
+        ax2.plot([h["step"] for h in proxy], [h[key] for h in proxy], marker="o", label=label)
+    ax2.axhline(1.0, linestyle="--", color="grey", linewidth=1)
+    ax2.set(xlabel="optimizer step", ylabel="tokens gained per Jacobi step",
+            title="Fast-forward proxy (held-out trajectories, teacher-forced)")
+    for ax in (ax1, ax2):
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return True
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--bench", action="append", default=[], metavar="LABEL=DIR", help="a bench dir on one model")
+    ap.add_argument("--run", type=Path, default=None, help="the training run dir (loss and proxy curves)")
+    ap.add_argument("--out", type=Path, default=ROOT / "outputs/bench/cllm")
+    a = ap.parse_args()
+    rows = []
+    for spec in a.bench:
+        label, sep, d = spec.partition("=")
+        if not sep or not Path(d).is_dir():
+            raise SystemExit(f"error: --bench {spec!r}: expected LABEL=DIR with an existing DIR")
+        rows += bench_rows(label, Path(d))
+    if a.bench and not rows:
+        raise SystemExit(f"error: no jacobi or lookahead run under {', '.join(a.bench)}")
+    a.out.mkdir(parents=True, exist_ok=True)
+    md = render(rows) if rows else ""
+    history = log_history(a.run) if a.run else []
+    if history and plot_training(history, a.out / "cllm_training.png"):
+        md += f"\nTraining curves: {a.out / 'cllm_training.png'}\n"
+        proxy = [h for h in history if "eval_ff_proxy" in h]
+        if proxy:
+            md += (f"Fast-forward proxy: {proxy[0]['eval_ff_proxy']:.3f} (step {proxy[0]['step']}) -> "
+                   f"{proxy[-1]['eval_ff_proxy']:.3f} (step {proxy[-1]['step']}); from the initial state "
+                   f"{proxy[0]['eval_ff_proxy_init']:.3f} -> {proxy[-1]['eval_ff_proxy_init']:.3f}\n")
+    (a.out / "cllm_report.md").write_text(md)
+    (a.out / "cllm_report.json").write_text(json.dumps({"rows": rows}, indent=1) + "\n")
+    print(md)
+
+
+if __name__ == "__main__":
+    main()
