@@ -6,7 +6,7 @@ STAMP  := $(VENV)/.pardec-installed
 TORCH_VERSION ?= 2.13.0
 PYTEST_ARGS ?=
 
-.PHONY: help setup demo test bench bench-mjsd bench-heads bench-sdsat lint clean
+.PHONY: help setup demo test bench bench-mjsd bench-heads bench-sdsat bench-cllm lint clean
 
 help:  ## list targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-10s %s\n", $$1, $$2}'
@@ -79,6 +79,18 @@ bench-sdsat: setup  ## SDSAT (two-step / fused, k = 3..13, nucleus T 0.2 / 1.0) 
 	$(BIN)/python scripts/sdsat_report.py --bench outputs/bench/sdsat --bench outputs/bench/sdsat_t0.2 \
 	  --bench outputs/bench/sdsat_t1.0 --base outputs/bench/sdsat_base \
 	  --eval $(dir $(SDSAT:/=))sdsat_eval.json --run $(dir $(SDSAT:/=)) --out outputs/sdsat_report
+
+CLLM ?= outputs/train/runs/cllm_gsm8k_smollm2/session5
+CLLM_METHODS := jacobi:block_size=16,lookahead:window=4:level=4:guess_set=4
+bench-cllm: setup  ## CLLM: jacobi + lookahead vs ar on the trained CLLM (CLLM=<run dir>) and the base, GSM8K test x50, 48 tokens (GSM8K=)
+	@test -n "$(GSM8K)" || { echo "error: GSM8K=<gsm8k test.jsonl> is required (no offline copy)"; exit 1; }
+	$(BIN)/python scripts/bench.py --draft none --n 50 --max-new-tokens 48 --no-perplexity --model local \
+	  --methods "$(CLLM_METHODS)" --datasets gsm8k --dataset-path gsm8k=$(GSM8K) --out outputs/bench/cllm_trained \
+	  model.path=$(CLLM)/final bench.include_hf=false
+	$(BIN)/python scripts/bench.py --draft none --n 50 --max-new-tokens 48 --no-perplexity --methods "$(CLLM_METHODS)" \
+	  --datasets gsm8k --dataset-path gsm8k=$(GSM8K) --out outputs/bench/cllm_base bench.include_hf=false
+	$(BIN)/python scripts/cllm_report.py --bench base=outputs/bench/cllm_base --bench cllm=outputs/bench/cllm_trained \
+	  --run $(CLLM) --out outputs/bench/cllm
 
 lint: setup  ## ruff
 	$(BIN)/ruff check src tests scripts

@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
 from pathlib import Path
 
 import matplotlib
@@ -27,6 +28,9 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
 from pardec.report import log_history, method_entries  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench import _label  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 EXTRAS = ("fast_forward", "stationary_per_block")
@@ -59,8 +63,7 @@ def bench_rows(label: str, bench_dir: Path) -> list[dict]:
                          "metric": s.get("baseline_metric"), "metric_name": s.get("metric_name"),
                          "n": s.get("n_samples"), "dtype": s.get("dtype"), "max_new_tokens": s.get("max_new_tokens"),
                          **dict.fromkeys(EXTRAS)})
-        params_txt = ", ".join(f"{k}={v}" for k, v in sorted(params.items()))
-        rows.append({"model": label, "method": f"{method} ({params_txt})" if params_txt else method,
+        rows.append({"model": label, "method": _label(method, params),
                      "tokens_per_s": e.get("tokens_per_s"), "speedup": e.get("speedup"),
                      "speedup_median": e.get("speedup_median"), "tokens_per_forward": e.get("tokens_per_forward"),
                      "exact_match": e.get("exact_match_rate"), "metric": e.get("metric"),

@@ -246,13 +246,13 @@ def run_train(spec: TrainSpec, run_dir: Path, d: Dist) -> dict[str, Any]:
                           f"finish it first: rerun with stage=collect")
     args = training_args(CLLMConfig, spec, run_dir)  # before the model, as ZeRO-3 requires
     records = load_trajectories(spec.train_data)
-    lm = load_model(replace(spec.model, device="cpu", dtype=spec.model_dtype))  # the Trainer places it
-    model = apply_lora(lm.model, spec.lora) if spec.lora else lm.model
-    held = records[len(records) - args.proxy_records :] if args.proxy_records else []  # the last ones, by index
-    if args.proxy_records and len(held) >= len(records):
+    if args.proxy_records >= len(records):
         raise ConfigError(f"trainer.proxy_records={args.proxy_records} leaves nothing to train on: {spec.train_data} "
                           f"holds {len(records)} records")
+    held = records[len(records) - args.proxy_records :] if args.proxy_records else []  # the last ones, by index
     records = records[: len(records) - len(held)]
+    lm = load_model(replace(spec.model, device="cpu", dtype=spec.model_dtype))  # the Trainer places it
+    model = apply_lora(lm.model, spec.lora) if spec.lora else lm.model
     ds = TrajectoryDataset(records, args.loss_type, args.state_sampling, args.max_length, args.seed,
                            args.states_per_sample)
     proxy = TrajectoryDataset(held, "global", "all", args.max_length) if held else None

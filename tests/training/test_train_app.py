@@ -78,6 +78,10 @@ def test_errors_name_the_choices():
         CLLMConfig(output_dir="/tmp/unused", loss_type="both")
     with pytest.raises(ConfigError, match="stage='eval'"):
         validate(_compose(["+experiment=cllm_tiny", "stage=eval"]))
+    with pytest.raises(ConfigError, match="trainer.states_per_sample=0 is out of range: it must be >= 1"):
+        validate(_compose(["+experiment=cllm_tiny", "trainer.states_per_sample=0"]))
+    with pytest.raises(ConfigError, match="trainer.proxy_records=-1 is out of range: it must be >= 0"):
+        validate(_compose(["+experiment=cllm_tiny", "trainer.proxy_records=-1"]))
 
 
 def test_tiny_end_to_end_with_lora_then_resume(tmp_path):

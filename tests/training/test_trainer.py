@@ -176,6 +176,14 @@ def test_proxy_equals_the_trajectory_advance_for_the_collecting_model(records):
     assert got["ff_proxy_states"] == len(gains) > 0
     assert got["ff_proxy"] == pytest.approx(sum(gains) / len(gains))
     assert got["ff_proxy_init"] == pytest.approx(sum(init) / len(init))
+    assert got["ff_proxy_agree"] == 1.0  # the collecting model's greedy tokens are the collected ones
+
+    other = copy.deepcopy(lm.model)  # another model: it leaves the trajectory at times, and is credited 1 there
+    with torch.no_grad():
+        for p in other.parameters():
+            p.add_(torch.randn_like(p) * 0.05, alpha=1.0)
+    moved = fast_forward_proxy(other, ds, CLLMCollator(lm.tokenizer.pad_token_id))
+    assert moved["ff_proxy_agree"] < 1.0 and moved["ff_proxy"] >= 1.0 and moved["ff_proxy_states"] == len(gains)
     assert min(gains) >= 1  # greedy Jacobi: every step fixes at least one more token
 
 

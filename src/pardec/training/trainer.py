@@ -179,14 +179,20 @@ class CLLMTrainer(Trainer):
 def fast_forward_proxy(model, dataset: TrajectoryDataset, collator, batch_size: int = 4) -> dict[str, float]:
     """Teacher-forced fast-forward proxy on held-out trajectories (every state of every block, ``dataset`` built
     with ``state_sampling="all"``): from each state s the model makes one Jacobi step y in one forward (the
-    packed layout of training); with c(x) the number of leading tokens of x equal to the fixed point (within the
-    answer), the step gains c(y) - c(s) tokens. Returns ``ff_proxy``: the mean gain over all states (the
-    collecting model gains exactly its own per-step advance, ~1 for a base model), ``ff_proxy_init``: over the
-    blocks' first (random) states only, where Jacobi decoding starts; and ``ff_proxy_states``: how many."""
+    packed layout of training). With c the number of leading tokens of s equal to the fixed point (what Jacobi
+    decoding would have committed: those positions are not predicted again), the step commits its first open
+    token (Jacobi's always-correct token) plus the following tokens of y that equal the fixed point, counted only
+    while y's first open token agrees with the fixed point (else the model has left the collected trajectory and
+    nothing more is credited). Returns ``ff_proxy``: the mean over all states (exactly the trajectory's own
+    advance for the collecting model, ~1 for a base model), ``ff_proxy_init``: over the blocks' first (random)
+    states only, where Jacobi decoding starts; ``ff_proxy_agree``: how often y's first open token is the
+    fixed point's (the model's greedy token still the collected one; 1.0 for the collecting model); and
+    ``ff_proxy_states``: how many states."""
     was_training = model.training
     model.eval()
     gains: list[int] = []
     first: list[int] = []
+    agree = 0
     try:
         for start in range(0, len(dataset), batch_size):
             idx = list(range(start, min(start + batch_size, len(dataset))))
@@ -205,17 +211,20 @@ def fast_forward_proxy(model, dataset: TrajectoryDataset, collator, batch_size: 
                     if j < 0:
                         continue
                     s = blk["states"][j]
-                    y = [head] + pred[row, f : f + n - 1].tolist()
-                    c_s, c_y = _leading(s, fp, n_valid), _leading(y, fp, n_valid)
-                    if c_s >= n_valid:
+                    c = _leading(s, fp, n_valid)
+                    if c >= n_valid:
                         continue
-                    gains.append(c_y - c_s)
+                    y = [head] + pred[row, f : f + n - 1].tolist()
+                    ok = y[c] == fp[c]
+                    agree += ok
+                    gains.append(1 + (_leading(y[c + 1 :], fp[c + 1 :], n_valid - c - 1) if ok else 0))
                     if j == 0:
-                        first.append(c_y - c_s)
+                        first.append(gains[-1])
     finally:
         model.train(was_training)
     mean = lambda xs: sum(xs) / len(xs) if xs else float("nan")  # noqa: E731
-    return {"ff_proxy": mean(gains), "ff_proxy_init": mean(first), "ff_proxy_states": float(len(gains))}
+    return {"ff_proxy": mean(gains), "ff_proxy_init": mean(first), "ff_proxy_agree": agree / max(1, len(gains)),
+            "ff_proxy_states": float(len(gains))}
 
 
 def _leading(x: list[int], ref: list[int], n: int) -> int:
