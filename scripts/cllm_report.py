@@ -103,7 +103,7 @@ def plot_training(history: list[dict], path: Path) -> bool:
     for key, label in (("eval_ff_proxy", "all states"), ("eval_ff_proxy_init", "from the random initial state")):
         ax2.plot([h["step"] for h in proxy], [h[key] for h in proxy], marker="o", label=label)
     ax2.axhline(1.0, linestyle="--", color="grey", linewidth=1)
-    ax2.set(xlabel="optimizer step", ylabel="tokens gained per Jacobi step",
+    ax2.set(xlabel="optimizer step", ylabel="tokens committed per Jacobi step",
             title="Fast-forward proxy (held-out trajectories, teacher-forced)")
     for ax in (ax1, ax2):
         ax.grid(alpha=0.3)

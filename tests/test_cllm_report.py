@@ -1,0 +1,48 @@
+"""scripts/cllm_report.py: rows per (model, method) with the Jacobi extras of the right role, the training plot."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+_SPEC = importlib.util.spec_from_file_location("cllm_report", Path(__file__).parents[1] / "scripts/cllm_report.py")
+cllm_report = importlib.util.module_from_spec(_SPEC)
+_SPEC.loader.exec_module(cllm_report)
+
+
+def _bench(path: Path, ff: float) -> None:
+    run = path / "runs" / "gsm8k"
+    run.mkdir(parents=True)
+    peer = {"method": "lookahead", "params": {"window": 4}, "tokens_per_s": 11.0, "speedup": 0.8,
+            "speedup_median": 0.82, "tokens_per_forward": 1.4, "exact_match_rate": 1.0, "metric": 0.02}
+    (run / "summary.json").write_text(json.dumps({
+        "dataset": "gsm8k", "method": "jacobi", "method_params": {"block_size": 16}, "dtype": "fp32",
+        "max_new_tokens": 48, "n_samples": 2, "tokens_per_s": 12.0, "speedup": 0.9, "speedup_median": 0.88,
+        "tokens_per_forward": 1.45, "exact_match_rate": 1.0, "metric": 0.02, "metric_name": "correct",
+        "baseline_tokens_per_s": 14.0, "baseline_metric": 0.04, "peers": {"also:lookahead:window=4": peer}}))
+    recs = [{"role": "baseline", "extras": {}}, {"role": "also:lookahead:window=4", "extras": {"pool_hit_rate": 0.3}}]
+    recs += [{"role": "method", "extras": {"fast_forward": ff + d, "stationary_per_block": 1.0 + d}} for d in (-0.1, 0.1)]
+    recs.append({"role": "method", "error": "boom"})  # a failed prompt counts for nothing
+    (run / "results.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
+
+
+def test_rows_and_markdown(tmp_path):
+    _bench(tmp_path / "b", 1.05)
+    _bench(tmp_path / "c", 1.5)
+    rows = cllm_report.bench_rows("base", tmp_path / "b") + cllm_report.bench_rows("cllm", tmp_path / "c")
+    got = {(r["model"], r["method"]): r for r in rows}
+    assert set(got) == {(m, k) for m in ("base", "cllm") for k in ("ar", "jacobi", "lookahead (window=4)")}
+    assert got["cllm", "jacobi"]["fast_forward"] == 1.5 and got["cllm", "jacobi"]["stationary_per_block"] == 1.0
+    assert got["base", "lookahead (window=4)"]["fast_forward"] is None  # the extras belong to jacobi's role only
+    assert got["base", "ar"]["metric"] == 0.04 and got["base", "ar"]["tokens_per_s"] == 14.0
+    md = cllm_report.render(rows)
+    assert "| cllm | jacobi | 12.0 | 0.90 (0.88) | 1.45 | 1.50 | 1.00 | 1.00 | 0.02 |" in md
+    assert "2 prompts per model, fp32, max_new_tokens=48" in md
+
+
+def test_training_plot(tmp_path):
+    hist = [{"step": i, "loss": 3.0, "consistency_loss": 4.0 - i / 10, "ar_loss": 0.5} for i in range(1, 6)]
+    hist += [{"step": i, "eval_ff_proxy": 1.0 + i / 10, "eval_ff_proxy_init": 1.0} for i in (0, 5)]
+    assert cllm_report.plot_training(hist, tmp_path / "t.png") and (tmp_path / "t.png").stat().st_size > 1000
+    assert not cllm_report.plot_training([{"step": 1, "loss": 1.0}], tmp_path / "none.png")
