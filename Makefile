@@ -82,14 +82,21 @@ bench-sdsat: setup  ## SDSAT (two-step / fused, k = 3..13, nucleus T 0.2 / 1.0) 
 
 CLLM ?= outputs/train/runs/cllm_gsm8k_smollm2/session5
 CLLM_METHODS := jacobi:block_size=16,lookahead:window=4:level=4:guess_set=4
-bench-cllm: setup  ## CLLM: jacobi + lookahead vs ar on the trained CLLM (CLLM=<run dir>) and the base, GSM8K test x50, 48 tokens (GSM8K=)
+bench-cllm: setup  ## CLLM: jacobi + lookahead vs ar on the trained CLLM (CLLM=<run dir>) and the base, GSM8K test x50, 48 tokens; ar answer quality at 256 tokens (GSM8K=)
 	@test -n "$(GSM8K)" || { echo "error: GSM8K=<gsm8k test.jsonl> is required (no offline copy)"; exit 1; }
 	$(BIN)/python scripts/bench.py --draft none --n 50 --max-new-tokens 48 --no-perplexity --model local \
 	  --methods "$(CLLM_METHODS)" --datasets gsm8k --dataset-path gsm8k=$(GSM8K) --out outputs/bench/cllm_trained \
 	  model.path=$(CLLM)/final bench.include_hf=false
 	$(BIN)/python scripts/bench.py --draft none --n 50 --max-new-tokens 48 --no-perplexity --methods "$(CLLM_METHODS)" \
 	  --datasets gsm8k --dataset-path gsm8k=$(GSM8K) --out outputs/bench/cllm_base bench.include_hf=false
+	# answer quality past the trained 48 tokens: ar with room for whole answers, 25 problems, 256 tokens
+	$(BIN)/python scripts/bench.py --draft none --n 25 --max-new-tokens 256 --no-perplexity --model local --methods ar \
+	  --datasets gsm8k --dataset-path gsm8k=$(GSM8K) --out outputs/bench/cllm_long_trained model.path=$(CLLM)/final \
+	  bench.include_hf=false
+	$(BIN)/python scripts/bench.py --draft none --n 25 --max-new-tokens 256 --no-perplexity --methods ar \
+	  --datasets gsm8k --dataset-path gsm8k=$(GSM8K) --out outputs/bench/cllm_long_base bench.include_hf=false
 	$(BIN)/python scripts/cllm_report.py --bench base=outputs/bench/cllm_base --bench cllm=outputs/bench/cllm_trained \
+	  --quality base=outputs/bench/cllm_long_base/runs/gsm8k --quality cllm=outputs/bench/cllm_long_trained/runs/gsm8k \
 	  --run $(CLLM) --out outputs/bench/cllm
 
 lint: setup  ## ruff

@@ -2,12 +2,17 @@
 side by side, plus the training curves.
 
     python scripts/cllm_report.py --bench base=outputs/bench/cllm_base --bench cllm=outputs/bench/cllm_trained \
+        [--quality base=<evaluate run dir> --quality cllm=<evaluate run dir>] \
         [--run outputs/train/runs/cllm_gsm8k_smollm2/<run>] [--out outputs/bench/cllm]
 
 * ``--bench LABEL=DIR``: a ``scripts/bench.py`` output (``--methods jacobi,lookahead``) on one model; ``ar`` of the
   same model is each run's baseline. One table row per (model, method): tokens/s, speedup over ``ar`` (total and
   median over prompts), tokens per forward, the Jacobi extras (fast-forward: tokens committed per iteration;
   stationary tokens per block; means over prompts), exact match vs ``ar`` and the task metric.
+* ``--quality LABEL=DIR``: an ``evaluate`` run of ``ar`` with room for whole answers (e.g. 256 tokens) on one model:
+  accuracy, mean answer length, how many answers ended with EOS, how many fall into a loop (some <= 8-gram
+  repeated 9+ times in a row, the collection's cleaning rule) and the distinct-4-gram ratio. A CLLM trained on
+  the first ``max_new_tokens`` of each answer is only constrained there; this shows what happens past it.
 * ``--run``: the training run dir; plots the consistency and AR losses and the fast-forward proxy on held-out
   trajectories against the optimizer step (``<out>/cllm_training.png``).
 
@@ -28,6 +33,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
 from pardec.report import log_history, method_entries  # noqa: E402
+from pardec.training.collect import has_degenerate_repetition  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench import _label  # noqa: E402
@@ -70,6 +76,44 @@ def bench_rows(label: str, bench_dir: Path) -> list[dict]:
                      "metric_name": s.get("metric_name"), "n": s.get("n_samples"), "dtype": s.get("dtype"),
                      "max_new_tokens": s.get("max_new_tokens"), **(extras.get(role) or dict.fromkeys(EXTRAS))})
     return rows
+
+
+def distinct_ngrams(ids: list[int], n: int = 4) -> float | None:
+    """Distinct n-grams / n-grams of one answer (1.0: no n-gram repeats); None when shorter than n."""
+    grams = [tuple(ids[i:i + n]) for i in range(len(ids) - n + 1)]
+    return len(set(grams)) / len(grams) if grams else None
+
+
+def quality_row(label: str, run_dir: Path) -> dict:
+    """Answer quality of one ``evaluate`` run (its method's records; for ``ar`` against ``ar``, the baseline's):
+    see ``--quality``."""
+    s = json.loads((run_dir / "summary.json").read_text())
+    ok = [r for line in (run_dir / "results.jsonl").read_text().splitlines() if "error" not in (r := json.loads(line))]
+    recs = [r for r in ok if r.get("role") == "method"]
+    if not recs and s["method"] == s.get("baseline"):  # ar against ar runs once, as the baseline
+        recs = [r for r in ok if r.get("role") == "baseline"]
+    if not recs:
+        raise SystemExit(f"error: --quality {label}={run_dir}: no successful method records in results.jsonl")
+    cap = s["max_new_tokens"]
+    d4 = [v for r in recs if (v := distinct_ngrams(r["tokens"])) is not None]
+    return {"model": label, "method": s["method"], "n": len(recs), "max_new_tokens": cap, "dtype": s.get("dtype"),
+            "metric_name": s.get("metric_name"), "metric": s.get("metric"),
+            "mean_tokens": statistics.mean(r["n_tokens"] for r in recs),
+            "eos_stops": sum(r["n_tokens"] < cap for r in recs),
+            "loops": sum(has_degenerate_repetition(r["tokens"]) for r in recs),
+            "distinct_4": statistics.mean(d4) if d4 else None}
+
+
+def render_quality(rows: list[dict]) -> str:
+    md = ["| model | method | accuracy | mean tokens | ended with EOS | in a loop | distinct 4-grams |",
+          "|---|---|---|---|---|---|---|"]
+    for r in rows:
+        md.append(f"| {r['model']} | {r['method']} | {_f(r['metric'])} | {_f(r['mean_tokens'], 1)} | "
+                  f"{r['eos_stops']}/{r['n']} | {r['loops']}/{r['n']} | {_f(r['distinct_4'])} |")
+    r = rows[0]
+    md.append(f"\n{r['n']} prompts per model, {r['dtype']}, max_new_tokens={r['max_new_tokens']}, greedy; "
+              f"accuracy = {r['metric_name']}; in a loop = some <= 8-gram repeated 9+ times in a row.")
+    return "\n".join(md) + "\n"
 
 
 def _f(x, nd=2) -> str:
@@ -117,19 +161,27 @@ def plot_training(history: list[dict], path: Path) -> bool:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--bench", action="append", default=[], metavar="LABEL=DIR", help="a bench dir on one model")
+    ap.add_argument("--quality", action="append", default=[], metavar="LABEL=DIR",
+                    help="an evaluate run of ar with long answers on one model (answer quality)")
     ap.add_argument("--run", type=Path, default=None, help="the training run dir (loss and proxy curves)")
     ap.add_argument("--out", type=Path, default=ROOT / "outputs/bench/cllm")
     a = ap.parse_args()
-    rows = []
-    for spec in a.bench:
-        label, sep, d = spec.partition("=")
-        if not sep or not Path(d).is_dir():
-            raise SystemExit(f"error: --bench {spec!r}: expected LABEL=DIR with an existing DIR")
-        rows += bench_rows(label, Path(d))
+    rows, quality = [], []
+    for flag, specs in (("--bench", a.bench), ("--quality", a.quality)):
+        for spec in specs:
+            label, sep, d = spec.partition("=")
+            if not sep or not Path(d).is_dir():
+                raise SystemExit(f"error: {flag} {spec!r}: expected LABEL=DIR with an existing DIR")
+            if flag == "--bench":
+                rows += bench_rows(label, Path(d))
+            else:
+                quality.append(quality_row(label, Path(d)))
     if a.bench and not rows:
         raise SystemExit(f"error: no jacobi or lookahead run under {', '.join(a.bench)}")
     a.out.mkdir(parents=True, exist_ok=True)
     md = render(rows) if rows else ""
+    if quality:
+        md += ("\n" if md else "") + render_quality(quality)
     history = log_history(a.run) if a.run else []
     if history and plot_training(history, a.out / "cllm_training.png"):
         md += f"\nTraining curves: {a.out / 'cllm_training.png'}\n"
@@ -139,7 +191,7 @@ def main() -> None:
                    f"{proxy[-1]['eval_ff_proxy']:.3f} (step {proxy[-1]['step']}); from the initial state "
                    f"{proxy[0]['eval_ff_proxy_init']:.3f} -> {proxy[-1]['eval_ff_proxy_init']:.3f}\n")
     (a.out / "cllm_report.md").write_text(md)
-    (a.out / "cllm_report.json").write_text(json.dumps({"rows": rows}, indent=1) + "\n")
+    (a.out / "cllm_report.json").write_text(json.dumps({"rows": rows, "quality": quality}, indent=1) + "\n")
     print(md)
 
 

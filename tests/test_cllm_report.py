@@ -1,4 +1,5 @@
-"""scripts/cllm_report.py: rows per (model, method) with the Jacobi extras of the right role, the training plot."""
+"""scripts/cllm_report.py: rows per (model, method) with the Jacobi extras of the right role, answer quality of
+long `ar` runs, the training plot."""
 
 from __future__ import annotations
 
@@ -46,3 +47,23 @@ def test_training_plot(tmp_path):
     hist += [{"step": i, "eval_ff_proxy": 1.0 + i / 10, "eval_ff_proxy_init": 1.0} for i in (0, 5)]
     assert cllm_report.plot_training(hist, tmp_path / "t.png") and (tmp_path / "t.png").stat().st_size > 1000
     assert not cllm_report.plot_training([{"step": 1, "loss": 1.0}], tmp_path / "none.png")
+
+
+def test_quality(tmp_path):
+    run = tmp_path / "q"
+    run.mkdir()
+    (run / "summary.json").write_text(json.dumps({"method": "ar", "max_new_tokens": 40, "dtype": "fp32",
+                                                  "metric_name": "correct", "metric": 0.5}))
+    recs = [{"role": "method", "n_tokens": 12, "tokens": list(range(12))},  # stopped by EOS, all 4-grams distinct
+            {"role": "method", "n_tokens": 40, "tokens": [5, 6] * 20},      # a 2-gram 20 times in a row: a loop
+            {"role": "method", "error": "boom"}, {"role": "baseline", "n_tokens": 40, "tokens": [1] * 40}]
+    (run / "results.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
+    r = cllm_report.quality_row("cllm", run)
+    assert (r["n"], r["eos_stops"], r["loops"], r["mean_tokens"]) == (2, 1, 1, 26)
+    assert r["distinct_4"] == (1.0 + 2 / 37) / 2  # [5, 6] * 20 has 37 4-grams, 2 of them distinct
+    assert "| cllm | ar | 0.50 | 26.0 | 1/2 | 1/2 | 0.53 |" in cllm_report.render_quality([r])
+    assert cllm_report.distinct_ngrams([1, 2, 3]) is None
+    # ar against ar runs once, as the baseline: its records are the run's
+    (run / "summary.json").write_text(json.dumps({"method": "ar", "baseline": "ar", "max_new_tokens": 40}))
+    (run / "results.jsonl").write_text(json.dumps(recs[-1]) + "\n")
+    assert cllm_report.quality_row("base", run)["loops"] == 1
