@@ -32,7 +32,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-from pardec.report import log_history, method_entries  # noqa: E402
+from pardec.report import log_history, method_entries, read_results  # noqa: E402
 from pardec.training.collect import has_degenerate_repetition  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -45,8 +45,7 @@ EXTRAS = ("fast_forward", "stationary_per_block")
 def role_extras(run_dir: Path) -> dict[str, dict[str, float | None]]:
     """Per role of one evaluate run (``method`` or ``also:<label>``): the Jacobi extras' means over prompts."""
     by_role: dict[str, list[dict]] = {}
-    for line in (run_dir / "results.jsonl").read_text().splitlines():
-        rec = json.loads(line)
+    for rec in read_results(run_dir / "results.jsonl"):
         if "error" not in rec:
             by_role.setdefault(rec["role"], []).append(rec.get("extras") or {})
     out = {}
@@ -88,12 +87,10 @@ def quality_row(label: str, run_dir: Path) -> dict:
     """Answer quality of one ``evaluate`` run (its method's records; for ``ar`` against ``ar``, the baseline's):
     see ``--quality``."""
     s = json.loads((run_dir / "summary.json").read_text())
-    ok = [r for line in (run_dir / "results.jsonl").read_text().splitlines() if "error" not in (r := json.loads(line))]
-    recs = [r for r in ok if r.get("role") == "method"]
-    if not recs and s["method"] == s.get("baseline"):  # ar against ar runs once, as the baseline
-        recs = [r for r in ok if r.get("role") == "baseline"]
+    role = "baseline" if s["method"] == s.get("baseline") else "method"  # evaluate runs a method equal to its baseline once
+    recs = [r for r in read_results(run_dir / "results.jsonl") if r.get("role") == role and "error" not in r]
     if not recs:
-        raise SystemExit(f"error: --quality {label}={run_dir}: no successful method records in results.jsonl")
+        raise SystemExit(f"error: --quality {label}={run_dir}: no successful {role} records in results.jsonl")
     cap = s["max_new_tokens"]
     d4 = [v for r in recs if (v := distinct_ngrams(r["tokens"])) is not None]
     return {"model": label, "method": s["method"], "n": len(recs), "max_new_tokens": cap, "dtype": s.get("dtype"),

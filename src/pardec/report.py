@@ -71,7 +71,7 @@ def _run_dirs(path_or_glob: str) -> list[Path]:
     return dirs
 
 
-def _read_results(path: Path) -> list[dict[str, Any]]:
+def read_results(path: Path) -> list[dict[str, Any]]:
     """Lines of a results.jsonl; an unparsable line (e.g. a run killed mid-write) is skipped with a warning."""
     lines = path.read_text(encoding="utf-8").splitlines()
     records = []
@@ -105,7 +105,7 @@ def _load_run(run_dir: Path) -> dict[str, Any] | None:
     if not isinstance(summary, dict) or not {"method", "dataset"} <= summary.keys():
         warnings.warn(f"skipping {run_dir}: {SUMMARY} lacks 'method'/'dataset'", ReportWarning, stacklevel=2)
         return None
-    results = _read_results(run_dir / RESULTS) if (run_dir / RESULTS).is_file() else []
+    results = read_results(run_dir / RESULTS) if (run_dir / RESULTS).is_file() else []
     run = dict(summary, run_dir=str(run_dir))
     run["n_results"] = sum("skipped" not in r and "error" not in r for r in results)
     run["n_skipped"] = sum("skipped" in r for r in results)
