@@ -50,8 +50,8 @@ bench-mjsd: setup  ## the MJSD/BiLD/SpecTr table: GSM8K (GSM8K=) and CNN/DM (CNN
 	  bench.include_hf=false sampling.temperature=1.0 sampling.top_k=20 sampling.top_p=0.9
 
 HEADS_N ?= 20
-MEDUSA ?= outputs/train/runs/medusa_smollm2/default/final
-FIRP ?= outputs/train/runs/firp_smollm2/default/final
+MEDUSA ?= outputs/train/runs/heads_medusa_smollm2/default/final
+FIRP ?= outputs/train/runs/heads_firp_smollm2/default/final
 HEADS_METHODS := firp:projections=$(FIRP):tree=T16,firp:projections=$(FIRP):tree=T32,firp:projections=$(FIRP):tree=T63,$\
   medusa:heads=$(MEDUSA):tree=T16,medusa:heads=$(MEDUSA):tree=T32,medusa:heads=$(MEDUSA):tree=T63,pld
 bench-heads: setup  ## FIRP vs Medusa (T16/T32/T63) + pld/hf vs ar: GSM8K 0/1-shot (GSM8K=, GSM8K_TRAIN=), MT-Bench (MTBENCH=), CNN/DM (CNNDM=)

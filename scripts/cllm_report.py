@@ -33,7 +33,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
 from pardec.report import log_history, method_entries, read_results  # noqa: E402
-from pardec.training.collect import has_degenerate_repetition  # noqa: E402
+from pardec.training.cllm.collect import has_degenerate_repetition  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench import _label  # noqa: E402

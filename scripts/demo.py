@@ -53,7 +53,7 @@ def main() -> None:
     if p.returncode:
         print(p.stdout, end="")
         sys.exit(p.returncode)
-    from pardec.evaluate import format_comparison
+    from pardec.evaluation import format_comparison
 
     s = json.loads((a.out / "summary.json").read_text())
     print(f"\n{s['model']} {s['dtype']}, {s['dataset']} x {s['n_samples']}, {s['max_new_tokens']} new tokens, "

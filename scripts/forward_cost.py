@@ -17,7 +17,7 @@ import torch
 
 from pardec.config import ModelConfig
 from pardec.models.loading import load_model
-from pardec.training.distill_trainer import forward_ms
+from pardec.training.draft.trainer import forward_ms
 
 
 def main() -> None:

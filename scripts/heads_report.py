@@ -8,9 +8,9 @@
    layer from the layer each is born at (the paper's "progressively refined" figure), on held-out completions,
 4. draft size in parameters (and as a share of the target's).
 
-    python scripts/heads_report.py --medusa outputs/train/runs/medusa_smollm2/default/final \
-        --firp outputs/train/runs/firp_smollm2/default/final [--bench outputs/bench/heads] \
-        [--records data/distill/draft_smollm2/eval/gsm8k/completions.jsonl] [--n 16] [--out outputs/heads_report]
+    python scripts/heads_report.py --medusa outputs/train/runs/heads_medusa_smollm2/default/final \
+        --firp outputs/train/runs/heads_firp_smollm2/default/final [--bench outputs/bench/heads] \
+        [--records data/completions/draft_smollm2/eval/gsm8k/completions.jsonl] [--n 16] [--out outputs/heads_report]
 
 Writes ``report.md`` (tables), ``report.json`` and the plots ``cosine.png`` and ``accuracy.png`` to --out.
 """
@@ -90,7 +90,7 @@ def main() -> None:
     ap.add_argument("--medusa", type=Path, required=True, help="trained heads (<run>/final)")
     ap.add_argument("--firp", type=Path, required=True, help="trained projections (<run>/final)")
     ap.add_argument("--bench", type=Path, action="append", default=[], help="bench output dirs (repeatable)")
-    ap.add_argument("--records", type=Path, default=ROOT / "data/distill/draft_smollm2/eval/gsm8k/completions.jsonl")
+    ap.add_argument("--records", type=Path, default=ROOT / "data/completions/draft_smollm2/eval/gsm8k/completions.jsonl")
     ap.add_argument("--n", type=int, default=16, help="held-out records for the cosine analysis")
     ap.add_argument("--model", default="smollm2_135m")
     ap.add_argument("--threads", type=int, default=2)

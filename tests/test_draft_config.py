@@ -11,9 +11,9 @@ import pytest
 from transformers import LlamaConfig
 
 from pardec.config import ConfigError
-from pardec.evaluate import run, validate
+from pardec.evaluation import run, validate
 from pardec.models.loading import SMOLLM2, load_tokenizer_only
-from tests.test_evaluate import TINY, _cli, cfg_of, lines
+from tests.evaluation.helpers import TINY, cfg_of, lines, run_cli
 
 DISTILL_FIX = "train it: python -m train +experiment=draft_smollm2"
 
@@ -138,7 +138,7 @@ def test_hf_assisted_as_the_method(tmp_path):
 
 
 def test_cli_missing_distilled_draft_is_one_line(tmp_path):
-    p = _cli("+method=sps", "model=tiny_random", "draft=smollm2_distilled", f"paths.output_dir={tmp_path}",
+    p = run_cli("+method=sps", "model=tiny_random", "draft=smollm2_distilled", f"paths.output_dir={tmp_path}",
              f"hydra.run.dir={tmp_path / 'run'}", cwd=tmp_path)
     assert p.returncode == 2 and DISTILL_FIX in p.stderr and "Traceback" not in p.stderr
     assert len([x for x in p.stderr.splitlines() if x.startswith("error:")]) == 1

@@ -6,8 +6,11 @@ Hydra composes YAML; :func:`to_dataclass` turns a section into one of these (Ome
 
 from __future__ import annotations
 
+import enum
 import re
 import sys
+import types
+import typing
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any, NoReturn, TypeVar
 
@@ -17,6 +20,7 @@ from omegaconf.errors import OmegaConfBaseException
 DTYPES = ("fp32", "bf16", "fp16")
 MODEL_SOURCES = ("hub", "local", "gguf_package", "gguf", "tiny_random")
 DEVICES = ("auto", "cpu", "cuda")
+PROMPT_STYLES = ("auto", "chat", "base")
 
 
 class ConfigError(ValueError):
@@ -102,7 +106,11 @@ class DatasetConfig:
     extra: dict = field(default_factory=dict)  # task-specific options
 
     def __post_init__(self) -> None:
-        _choice("dataset", "prompt_style", self.prompt_style, ("auto", "chat", "base"))
+        _choice("dataset", "prompt_style", self.prompt_style, PROMPT_STYLES)
+
+    def use_chat(self, model_chat: bool) -> bool:
+        """Whether prompts are built with the chat template: ``prompt_style`` (``auto`` follows the model)."""
+        return {"auto": bool(model_chat), "chat": True, "base": False}[self.prompt_style]
 
 
 @dataclass
@@ -181,6 +189,52 @@ def settings_diff(old: dict, new: dict, prefix: str = "") -> list[str]:
         else:
             out.append(f"{prefix}{k} was {a!r}, now {b!r}")
     return out
+
+
+def fits_type(value: Any, tp: Any) -> bool:
+    """Whether ``value`` (a parsed config scalar, list or dict) fits the annotation ``tp``: an int is a float, a
+    bool is not an int, ``X | None`` takes null; element types of containers are not checked."""
+    origin = typing.get_origin(tp)
+    if tp is Any:
+        return True
+    if tp is type(None) or tp is None:
+        return value is None
+    if origin in (typing.Union, types.UnionType):
+        return any(fits_type(value, t) for t in typing.get_args(tp))
+    if origin is typing.Literal:
+        return value in typing.get_args(tp)
+    if tp is bool:
+        return isinstance(value, bool)
+    if tp is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if tp is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if isinstance(tp, type) and issubclass(tp, enum.Enum):  # a config gives an enum by its value
+        return isinstance(value, tp) or any(value == m.value for m in tp)
+    cls = origin or tp
+    return not isinstance(cls, type) or isinstance(value, cls)
+
+
+def type_name(tp: Any) -> str:
+    """``int``, ``int or null``, ``one of 'a', 'b'``: an annotation as the error names it."""
+    if tp is type(None) or tp is None:
+        return "null"
+    if typing.get_origin(tp) in (typing.Union, types.UnionType):
+        return " or ".join(type_name(t) for t in typing.get_args(tp))
+    if typing.get_origin(tp) is typing.Literal:
+        return "one of " + ", ".join(map(repr, typing.get_args(tp)))
+    return getattr(tp, "__name__", str(tp))
+
+
+def check_types(cls: type, values: dict[str, Any], where: str) -> None:
+    """The values of a dataclass's fields (``values``: name -> parsed config value; names that are no field are
+    left to the caller) against the field annotations: one line naming the first bad one (``trainer.learning_rate=
+    'abc' must be float``)."""
+    hints = typing.get_type_hints(cls)
+    for key, value in values.items():
+        tp = hints.get(key)
+        if tp is not None and not fits_type(value, tp):
+            raise ConfigError(f"{_key(where, key)}={value!r} must be {type_name(tp)}")
 
 
 def exit_with_error(e: Exception) -> NoReturn:

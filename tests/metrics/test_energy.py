@@ -180,8 +180,8 @@ def test_joules_per_token_is_total_over_total_or_none():
 
 
 def _one_doc(meter, readings_turns: int = 2):
-    """`_run_one` on a fake 2-turn task with a fake decoder."""
-    from pardec.evaluate import _run_one
+    """`run_document` on a fake 2-turn task with a fake decoder."""
+    from pardec.evaluation import run_document
 
     task = SimpleNamespace(n_turns=readings_turns, prompt_ids=lambda doc, tok, chat, hist: [1, 2, 3],
                            score=lambda doc, hist: {"pass": 1.0})
@@ -189,7 +189,7 @@ def _one_doc(meter, readings_turns: int = 2):
                           total_s=0.1, prefill_s=0.01, draft_s=0.0, drafted=0, draft_accepted=0)
     dec = SimpleNamespace(name="ar", generate=lambda *a: res)
     stopper = SimpleNamespace(final_text=lambda toks: "x")
-    return _run_one(task, {"id": "0"}, dec, None, False, stopper, None, 2, 100, None, None, meter=meter)
+    return run_document(task, {"id": "0"}, dec, None, False, stopper, None, 2, 100, None, None, meter=meter)
 
 
 def test_records_sum_turns_and_are_none_if_one_turn_is_not():
@@ -203,8 +203,8 @@ def test_records_sum_turns_and_are_none_if_one_turn_is_not():
 
 def test_energy_config_is_validated():
     from pardec.config import ConfigError
-    from pardec.evaluate import validate
-    from tests.test_evaluate import cfg_of
+    from pardec.evaluation import validate
+    from tests.evaluation.helpers import cfg_of
 
     assert validate(cfg_of("+method=ar", "model=tiny_random")).energy == {"enabled": True}
     assert validate(cfg_of("+method=ar", "model=tiny_random", "energy.enabled=false")).energy == {"enabled": False}
@@ -213,8 +213,8 @@ def test_energy_config_is_validated():
 
 
 def test_evaluate_without_counters_says_not_measured(no_counters, tmp_path, capsys):
-    from pardec.evaluate import format_comparison, run
-    from tests.test_evaluate import TINY, cfg_of, lines
+    from pardec.evaluation import format_comparison, run
+    from tests.evaluation.helpers import TINY, cfg_of, lines
 
     s = run(cfg_of("+method=pld", *TINY, "n_samples=1", "max_new_tokens=4", "perplexity.enabled=false"), tmp_path)
     printed = capsys.readouterr().out

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gzip
 import json
+import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -135,3 +136,31 @@ def test_chat_completion_with_the_whole_function_is_scored(task, docs):
     whole = "def truncate_number(number: float) -> float:\n    return number % 1.0"
     assert task.score(d, [whole]) == {"pass": 1.0}
     assert task.score(d, [whole.replace("% 1.0", "// 1.0")]) == {"pass": 0.0}
+
+
+def test_broken_sandbox_stops_scoring_instead_of_scoring_zero(task, docs, monkeypatch):
+    from pardec.metrics import sandbox
+
+    d = docs["HumanEval/0"]
+    sandbox.isolation()  # probed with the real interpreter
+    sandbox.clear_canaries()
+    monkeypatch.setattr(sys, "executable", "/nonexistent/pardec-venv/bin/python")  # no program can start
+    try:
+        with pytest.raises(sandbox.SandboxError) as e:
+            task.score(d, [d["canonical_solution"]])
+        msg = str(e.value)
+        assert "\n" not in msg and msg.startswith("sandbox canary failed: a known-good program ")
+        assert "/nonexistent/pardec-venv/bin/python" in msg and "No such file or directory" in msg
+    finally:
+        monkeypatch.undo()
+        sandbox.clear_canaries()
+    assert task.score(d, [d["canonical_solution"]]) == {"pass": 1.0}
+
+
+def test_canary_runs_with_the_task_memory_limit(monkeypatch):
+    from pardec.tasks import humaneval
+
+    seen = []
+    monkeypatch.setattr(humaneval, "check_programs", lambda memory_mb=1024: seen.append(memory_mb))
+    build_task(DatasetConfig(name="humaneval", extra={"memory_mb": 256})).check_sandbox()
+    assert seen == [256]

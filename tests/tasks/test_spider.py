@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import json
 import sqlite3
+import sys
 import time
 from pathlib import Path
 
@@ -199,3 +200,21 @@ def tok():
     from pardec.models.loading import SMOLLM2, load_tokenizer
 
     return load_tokenizer(SMOLLM2)
+
+
+def test_broken_sandbox_stops_scoring_instead_of_scoring_zero(task, monkeypatch):
+    from pardec.metrics import sandbox
+
+    sandbox.isolation()  # probed with the real interpreter
+    sandbox.clear_canaries()
+    monkeypatch.setattr(sys, "executable", "/nonexistent/pardec-venv/bin/python")  # the SQL child cannot start
+    try:
+        with pytest.raises(sandbox.SandboxError) as e:
+            task.score(task.docs()[0], ["SELECT name FROM singer WHERE country = 'France'"])
+        msg = str(e.value)
+        assert "\n" not in msg and msg.startswith("sandbox canary failed: a known-good query did not run (")
+        assert "/nonexistent/pardec-venv/bin/python" in msg and "No such file or directory" in msg
+    finally:
+        monkeypatch.undo()
+        sandbox.clear_canaries()
+    assert task.score(task.docs()[0], ["SELECT name FROM singer WHERE country = 'France'"])["exec"] == 1.0

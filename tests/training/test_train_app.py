@@ -19,8 +19,9 @@ from pardec import CONF_DIR, REPO_ROOT
 from pardec.config import ConfigError, ModelConfig
 from pardec.models.loading import load_model
 from pardec.train import experiments, run, validate
-from pardec.training.trainer import CLLMConfig
-from pardec.training.trajectories import load_trajectories, read_part
+from pardec.training.cllm.trainer import CLLMConfig
+from pardec.training.cllm.trajectories import load_trajectories
+from pardec.training.stages import read_part
 
 
 def _compose(overrides: list[str]) -> DictConfig:
@@ -51,15 +52,16 @@ def test_every_experiment_validates(name):
         pytest.skip(f"experiment {name} names a model/dataset config that does not exist yet")
     spec = validate(_compose([f"+experiment={name}"]))
     assert spec.experiment == name
-    if name.startswith("draft_"):  # kind: draft (tests/training/test_distill.py covers it)
-        assert spec.gen.out_dir.endswith(f"distill/{name}/train")
+    assert name.split("_")[0] == _compose([f"+experiment={name}"]).kind  # one name: the prefix is the kind
+    if name.startswith("draft_"):  # kind: draft (tests/training/draft/ covers it)
+        assert spec.gen.out_dir.endswith(f"completions/{name}/train")
         return
-    if name.startswith(("medusa_", "firp_")):  # kind: heads (tests/training/test_heads_trainer.py covers it)
-        shared = name.replace("medusa_", "draft_").replace("firp_", "draft_")  # the SmolLM2 ones reuse draft's data
-        assert spec.drafter["kind"] == name.split("_")[0]
-        assert spec.gen.out_dir.endswith((f"distill/{name}/train", f"distill/{shared}/train"))
+    if name.startswith("heads_"):  # kind: heads (tests/training/heads/ covers it)
+        shared = "draft_" + name.split("_", 2)[2]  # the SmolLM2 ones reuse draft's data
+        assert spec.heads["type"] == name.split("_")[1]
+        assert spec.gen.out_dir.endswith((f"completions/{name}/train", f"completions/{shared}/train"))
         return
-    if name.startswith("sdsat_"):  # kind: sdsat (tests/training/test_sdsat_trainer.py covers it)
+    if name.startswith("sdsat_"):  # kind: sdsat (tests/training/sdsat/ covers it)
         assert spec.mask.out_dir.endswith(f"sdsat/{name}") and spec.eval_sources and spec.max_span >= 1
         return
     assert spec.collect.out_dir.endswith(f"trajectories/{name}") and spec.train_data == Path(spec.collect.out_dir)

@@ -7,15 +7,13 @@ from __future__ import annotations
 
 import inspect
 import time
-import types
-import typing
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 import torch
 
-from pardec.config import ConfigError, ModelConfig, SamplingConfig
+from pardec.config import ConfigError, ModelConfig, SamplingConfig, fits_type, type_name
 from pardec.decoding.sampling import make_generator, select
 from pardec.decoding.tree import Tree
 from pardec.decoding.verify import TreeVerdict, verify_chain, verify_tree
@@ -285,39 +283,6 @@ def _hints(cls: type[Decoder]) -> dict[str, Any]:
     return out
 
 
-def _is_a(value: Any, tp: Any) -> bool:
-    """Whether ``value`` (a parsed config scalar, list or dict) fits the annotation ``tp``: an int is a float, a
-    bool is not an int, ``X | None`` takes null; element types of containers are not checked."""
-    origin = typing.get_origin(tp)
-    if tp is Any:
-        return True
-    if tp is type(None) or tp is None:
-        return value is None
-    if origin in (typing.Union, types.UnionType):
-        return any(_is_a(value, t) for t in typing.get_args(tp))
-    if origin is typing.Literal:
-        return value in typing.get_args(tp)
-    if tp is bool:
-        return isinstance(value, bool)
-    if tp is int:
-        return isinstance(value, int) and not isinstance(value, bool)
-    if tp is float:
-        return isinstance(value, (int, float)) and not isinstance(value, bool)
-    cls = origin or tp
-    return not isinstance(cls, type) or isinstance(value, cls)
-
-
-def _type_name(tp: Any) -> str:
-    """``int``, ``int or null``, ``one of 'a', 'b'``: an annotation as the error names it."""
-    if tp is type(None) or tp is None:
-        return "null"
-    if typing.get_origin(tp) in (typing.Union, types.UnionType):
-        return " or ".join(_type_name(t) for t in typing.get_args(tp))
-    if typing.get_origin(tp) is typing.Literal:
-        return "one of " + ", ".join(map(repr, typing.get_args(tp)))
-    return getattr(tp, "__name__", str(tp))
-
-
 def check_params(cls: type[Decoder], params: dict[str, Any]) -> None:
     """Names and types of ``method.*`` parameters against ``cls.__init__``'s signature, before any model loads:
     an unknown name or a value of the wrong type raises one line (``method.block_size='abc' must be int
@@ -329,11 +294,11 @@ def check_params(cls: type[Decoder], params: dict[str, Any]) -> None:
     hints = _hints(cls)
     for key, value in params.items():
         tp = hints.get(key)
-        if tp is not None and not _is_a(value, tp):
+        if tp is not None and not fits_type(value, tp):
             p = valid[key]
-            decl = f"{key}: {p.annotation if isinstance(p.annotation, str) else _type_name(tp)}"
+            decl = f"{key}: {p.annotation if isinstance(p.annotation, str) else type_name(tp)}"
             decl += "" if p.default is inspect.Parameter.empty else f" = {p.default!r}"
-            raise ConfigError(f"method.{key}={value!r} must be {_type_name(tp)} ({cls.name}({decl}))")
+            raise ConfigError(f"method.{key}={value!r} must be {type_name(tp)} ({cls.name}({decl}))")
 
 
 def check_range(key: str, value: Any, lo: float, hi: float, integer: bool = True, open_lo: bool = False) -> None:

@@ -32,7 +32,7 @@ not. Adaptive ids never become candidates.
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Literal
 
 import torch
 
@@ -40,17 +40,11 @@ from pardec.config import ConfigError, ModelConfig, SamplingConfig
 from pardec.decoding.base import Decoder, GenerationResult, Stopper, check_range, register_method
 from pardec.decoding.tree import Tree
 from pardec.decoding.verify import verify_tree
+from pardec.models.adaptive import adaptive_ids_of
 from pardec.models.cached import CachedModel
-from pardec.training.masked import adaptive_of
 
 TRAIN_HINT = ("train one with `python -m train +experiment=sdsat_smollm2` and pass model=local "
               "model.path=<run dir>/final (or give method.adaptive_ids)")
-
-
-def adaptive_ids_of(config: Any) -> list[int] | None:
-    """The adaptive token ids an SDSAT-trained model's config (an HF config or a config.json dict) records."""
-    sd = adaptive_of(config)
-    return [int(i) for i in sd["adaptive_ids"]] if sd and sd.get("adaptive_ids") else None
 
 
 @register_method("sdsat")

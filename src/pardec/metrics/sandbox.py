@@ -35,6 +35,16 @@ can read every file the harness can, and (the guard bypassed) write them and sig
 ``PARDEC_SANDBOX=guard`` forces that mode (tests use it); ``PARDEC_SANDBOX=bwrap`` makes a missing bwrap
 an error instead of a warning.
 
+**Interpreter paths**: the interpreter (``sys.executable``, the prefixes, the standard library and site-packages)
+is resolved symlink by symlink before the namespaces hide anything: every real directory it lives in under a hidden
+directory is re-bound read-only, and every symlink met on the way that lies in one is re-created, so a virtualenv
+reached through a symlink into ``/tmp`` (or one whose ``bin/python`` links there) still starts.
+
+**Canary** (:func:`canary`, :func:`check_programs`; :func:`pardec.metrics.sql.check_sandbox` for SQL): before a
+scorer uses the sandbox, a known-good program must pass and a known-bad one must fail through the very path the
+scorer uses, once per process and configuration. If not, :class:`SandboxError` says why in one line: a sandbox that
+cannot run anything would otherwise score every completion 0, silently.
+
 **Pass marker** (:func:`run_program` with ``then=``): the module code runs first; the harness sends a fresh
 random secret on stdin only after the program has reported (on a private pipe) that the module code
 finished with no other thread alive; the program then evaluates ``then`` (e.g. ``check(candidate)``) and
@@ -58,9 +68,11 @@ import signal
 import struct
 import subprocess
 import sys
+import sysconfig
 import tempfile
 import time
 import warnings
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -265,6 +277,74 @@ class SandboxResult:
         return self.status == "passed"
 
 
+class SandboxError(RuntimeError):
+    """The sandbox cannot tell a good program from a bad one here (the canary failed): scoring would be wrong, so the
+    run stops. The message is one line naming the cause."""
+
+
+#: the canary: ``check(answer)`` must pass and ``check(lambda: 0)`` must fail
+CANARY_MODULE = "def answer():\n    return 42\n\n\ndef check(f):\n    assert f() == 42, 'canary: wrong answer'\n"
+CANARY_TIMEOUT_S = 30.0  # generous: a loaded machine must not make a working sandbox look broken
+_canaries: dict[tuple, str | None] = {}
+
+
+def canary(name: str, probe: Callable[[], str | None], *key: Hashable) -> str:
+    """Run ``probe`` (None: the sandbox behaved; else what went wrong, as text) once per process and configuration
+    (``name``, the isolation, ``sys.executable``, ``key``), and raise :class:`SandboxError` while it says the
+    sandbox is broken; returns the isolation. An exception out of ``probe`` counts as a failure."""
+    try:
+        mode = isolation()
+    except RuntimeError as e:  # PARDEC_SANDBOX=bwrap without a working bwrap
+        raise SandboxError(_one_line(f"sandbox canary failed: {e}")) from None
+    k = (name, mode, sys.executable, *key)
+    if k not in _canaries:
+        try:
+            _canaries[k] = probe()
+        except Exception as e:  # whatever stops the canary would stop the scorer too
+            _canaries[k] = f"the {name} canary could not run ({type(e).__name__}: {e})"
+    problem = _canaries[k]
+    if problem:
+        hint = " or set PARDEC_SANDBOX=guard to run without namespaces" if mode.startswith("bwrap") else ""
+        raise SandboxError(_one_line(
+            f"sandbox canary failed: {problem}; scores would be wrong, so nothing is scored: fix the sandbox (see "
+            f"pardec.metrics.sandbox; isolation here: {mode}){hint}"))
+    return mode
+
+
+def clear_canaries() -> None:
+    """Forget every canary's result: the next scorer start runs its canary again."""
+    _canaries.clear()
+
+
+def check_programs(memory_mb: int = 1024) -> str:
+    """The canary of :func:`run_program` (HumanEval's path) with an address-space limit of ``memory_mb``: raises
+    :class:`SandboxError` unless a known-good program passes and a known-bad one fails; returns the isolation."""
+    return canary("program", functools.partial(_program_canary, memory_mb), memory_mb)
+
+
+def _program_canary(memory_mb: int) -> str | None:
+    try:
+        good = run_program(CANARY_MODULE, timeout_s=CANARY_TIMEOUT_S, memory_mb=memory_mb, then="check(answer)")
+    except OSError as e:  # the interpreter (or bwrap) cannot be started at all
+        return f"a known-good program could not start ({e})"
+    if not good.passed:
+        return f"a known-good program did not pass ({describe(good)})"
+    bad = run_program(CANARY_MODULE, timeout_s=CANARY_TIMEOUT_S, memory_mb=memory_mb, then="check(lambda: 0)")
+    if bad.passed:
+        return f"a known-bad program passed ({describe(bad)})"
+    return None
+
+
+def describe(r: SandboxResult) -> str:
+    """One line on how a sandboxed run ended: the last line it wrote (stderr first), its status and exit code."""
+    last = next((x for text in (r.stderr, r.stdout) for x in reversed(text.splitlines()) if x.strip()), "no output")
+    return _one_line(f"{last.strip()[-300:]}; {r.status}, exit {r.returncode}")
+
+
+def _one_line(text: str) -> str:
+    return " ".join(text.split())
+
+
 @functools.cache
 def isolation() -> str:
     """Which layers run untrusted code here: ``"bwrap+seccomp+guard"`` when bubblewrap works, else
@@ -314,7 +394,7 @@ def _bwrap_problem() -> str | None:
         return "bwrap not found"
     with tempfile.TemporaryDirectory(prefix="pardec_sandbox_probe_") as d:
         try:
-            p = subprocess.run([*_bwrap_args(Path(d)), "true"], capture_output=True, timeout=30)
+            p = subprocess.run([*bwrap_args(Path(d)), "true"], capture_output=True, timeout=30)
         except (OSError, subprocess.TimeoutExpired) as e:
             return f"bwrap failed to start ({e})"
     if p.returncode != 0:
@@ -322,21 +402,81 @@ def _bwrap_problem() -> str | None:
     return None
 
 
-def _bwrap_args(work: Path, ro_paths: tuple[str, ...] = ()) -> list[str]:
+def bwrap_args(work: Path, ro_paths: tuple[str, ...] = ()) -> list[str]:
+    """The ``bwrap`` command line (the program's argv goes after it) of layer 1: the host read-only, the hidden
+    directories empty, what the interpreter and ``ro_paths`` need of them visible again (:func:`visible_paths`),
+    ``work`` the one writable directory."""
     args = ["bwrap", "--ro-bind", "/", "/", "--dev", "/dev", "--proc", "/proc"]
     hidden = [d for d in HIDDEN_DIRS if os.path.isdir(d) and not os.path.islink(d)]
     for d in hidden:
         args += ["--tmpfs", d]
-    needed = {sys.base_prefix, sys.prefix, sys.exec_prefix, os.path.dirname(os.path.realpath(sys.executable)),
-              str(Path(__file__).resolve().parents[1]),  # pardec itself (scripts it runs, e.g. sql_child)
-              *map(os.path.abspath, ro_paths)}
-    for p in sorted(needed):  # the interpreter, its packages and the caller's files, if they were hidden
-        if any(p == d or p.startswith(d + "/") for d in hidden) and os.path.exists(p):
-            args += ["--ro-bind", p, p]
+    binds, links = visible_paths(hidden, ro_paths)
+    for p in binds:  # the interpreter, its packages and the caller's files, if they were hidden
+        args += ["--ro-bind", p, p]
+    for link, target in links:  # and the symlinks that lead to them from a hidden directory
+        args += ["--symlink", target, link]
     args += ["--bind", str(work), str(work), "--chdir", str(work),
              "--unshare-all", "--die-with-parent", "--new-session", "--cap-drop", "ALL",
              "--uid", "65534", "--gid", "65534", "--hostname", "sandbox"]
     return args
+
+
+def interpreter_paths() -> list[str]:
+    """The paths the sandboxed interpreter needs, as this process names them (symlinks not resolved): the
+    executable, the prefixes, the standard library and site-packages, and pardec itself (scripts it runs, e.g.
+    sql_child)."""
+    paths = [sys.executable, sys.prefix, sys.base_prefix, sys.exec_prefix, sys.base_exec_prefix,
+             str(Path(__file__).resolve().parents[1])]
+    sc = sysconfig.get_paths()
+    paths += [sc[k] for k in ("stdlib", "platstdlib", "purelib", "platlib") if sc.get(k)]
+    return [p for p in paths if p]
+
+
+def resolve_links(path: str) -> tuple[str, list[tuple[str, str]]]:
+    """``path`` resolved like :func:`os.path.realpath`, and every symlink met on the way: (its location, its target
+    as written), in the order the kernel follows them."""
+    links: list[tuple[str, str]] = []
+    parts = list(Path(os.path.join(os.getcwd(), path)).parts[1:])
+    cur = "/"
+    while parts:
+        name = parts.pop(0)
+        if name in ("", "."):
+            continue
+        if name == "..":
+            cur = os.path.dirname(cur)
+            continue
+        nxt = os.path.join(cur, name)
+        if not os.path.islink(nxt) or len(links) >= 40:  # 40: the kernel's limit on links in one lookup
+            cur = nxt
+            continue
+        target = os.readlink(nxt)
+        links.append((nxt, target))
+        parts = list(Path(target).parts[1:] if os.path.isabs(target) else Path(target).parts) + parts
+        if os.path.isabs(target):
+            cur = "/"
+    return cur, links
+
+
+def visible_paths(hidden: list[str], ro_paths: tuple[str, ...] = ()) -> tuple[list[str], list[tuple[str, str]]]:
+    """What must stay visible under the ``hidden`` directories for the interpreter (:func:`interpreter_paths`,
+    the executable's directory) and ``ro_paths`` to work: the real paths to re-bind read-only, and the symlinks
+    (location, target) on the way to them to re-create. Symlinks are resolved first, so a virtualenv reached
+    through a link into a hidden directory (``/work/.venv -> /tmp/venv``) gets its real directory bound."""
+
+    def under(p: str, dirs) -> bool:
+        return any(p == d or p.startswith(d.rstrip("/") + "/") for d in dirs)
+
+    binds: set[str] = set()
+    links: dict[str, str] = {}
+    for p in [*interpreter_paths(), *map(os.path.abspath, ro_paths)]:
+        real, chain = resolve_links(p)
+        if p == sys.executable:  # its directory: the interpreter may look beside itself (pyvenv.cfg, libs)
+            real = os.path.dirname(real)
+        if under(real, hidden) and os.path.exists(real):
+            binds.add(real)
+        links.update((link, target) for link, target in chain if under(link, hidden))
+    binds = {b for b in binds if not under(os.path.dirname(b), binds)}  # one bind per tree: its parts come with it
+    return sorted(binds), sorted((k, v) for k, v in links.items() if not under(k, binds))
 
 
 def run_program(code: str, timeout_s: float = 10.0, memory_mb: int = 1024, fsize_mb: int = 32,
@@ -384,7 +524,7 @@ def _run(argv: list[str], timeout_s: float, memory_mb: int, fsize_mb: int, files
     limits = ((resource.RLIMIT_AS, memory_mb << 20), (resource.RLIMIT_FSIZE, fsize_mb << 20),
               (resource.RLIMIT_CORE, 0), (resource.RLIMIT_CPU, int(timeout_s) + 1))
     if mode.startswith("bwrap"):
-        argv = [*_bwrap_args(work, ro_paths), *argv]
+        argv = [*bwrap_args(work, ro_paths), *argv]
     ctl_r = ctl_w = None
     if marker:
         ctl_r, ctl_w = os.pipe()

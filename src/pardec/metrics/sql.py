@@ -9,23 +9,28 @@ read-only (``file:...?mode=ro``); and an authorizer allows only reads (SELECT, c
 recursive CTEs), so INSERT/UPDATE/DELETE/DROP/CREATE/ATTACH/DETACH/PRAGMA/transactions are denied before
 they run. A progress handler interrupts a query at its time limit between VM steps, and at most
 ``max_rows`` rows are returned.
+
+:func:`check_sandbox` is the scorer's canary: a known-good query must return its rows and a known-bad one must fail
+in the child, through :func:`execute` itself, before anything is scored (see :func:`pardec.metrics.sandbox.canary`).
 """
 
 from __future__ import annotations
 
 import json
 import re
+import sqlite3
 import sys
+import tempfile
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
 from pardec.metrics import sql_child
-from pardec.metrics.sandbox import run_command
+from pardec.metrics.sandbox import CANARY_TIMEOUT_S, canary, run_command
 from pardec.metrics.sql_child import SQLError, connect_readonly
 
-__all__ = ["SQLError", "connect_readonly", "execute", "extract_sql", "order_matters", "results_match", "run",
-           "schema_sql"]
+__all__ = ["SQLError", "check_sandbox", "connect_readonly", "execute", "extract_sql", "order_matters",
+           "results_match", "run", "schema_sql"]
 
 _READ_START = re.compile(r"^\s*(select|with|values)\b", re.IGNORECASE)
 _FENCE = re.compile(r"```[ \t]*(?:sql|sqlite)?[ \t]*\n?(.*?)(?:```|$)", re.IGNORECASE | re.DOTALL)
@@ -90,6 +95,36 @@ def run(db_path: str | Path, sql: str, timeout_s: float = 10.0) -> ExecResult:
         return ExecResult(execute(db_path, sql, timeout_s))
     except SQLError as e:
         return ExecResult(None, str(e))
+
+
+def check_sandbox() -> str:
+    """The canary of :func:`execute` (Spider's path), once per process and configuration: raises
+    :class:`~pardec.metrics.sandbox.SandboxError` unless a known-good query returns its rows and a known-bad one fails
+    in the child (no such table); returns the isolation."""
+    return canary("sql", _sql_canary)
+
+
+def _sql_canary() -> str | None:
+    with tempfile.TemporaryDirectory(prefix="pardec_sql_canary_") as d:
+        db = Path(d) / "canary.sqlite"
+        conn = sqlite3.connect(db)
+        try:
+            conn.execute("CREATE TABLE t (x INTEGER)")
+            conn.executemany("INSERT INTO t VALUES (?)", [(1,), (2,)])
+            conn.commit()
+        finally:
+            conn.close()
+        try:
+            rows = execute(db, "SELECT x FROM t ORDER BY x", CANARY_TIMEOUT_S)
+        except (SQLError, OSError) as e:  # OSError: the interpreter (or bwrap) cannot be started at all
+            return f"a known-good query did not run ({' '.join(str(e).split())})"
+        if rows != [(1,), (2,)]:
+            return f"a known-good query returned {rows!r}, not [(1,), (2,)]"
+        try:
+            rows = execute(db, "SELECT x FROM no_such_table", CANARY_TIMEOUT_S)
+        except SQLError as e:
+            return None if "no such table" in str(e) else f"a known-bad query failed for another reason ({e})"
+        return f"a known-bad query returned {rows!r}"
 
 
 def results_match(gold: list[tuple], pred: list[tuple], ordered: bool) -> bool:

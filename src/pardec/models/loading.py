@@ -39,9 +39,25 @@ class LoadedModel:
 
     @property
     def chat(self) -> bool:
-        if self.cfg.chat is not None:
-            return bool(self.cfg.chat)
-        return bool(getattr(self.tokenizer, "chat_template", None))
+        return model_chat(self.cfg, self.tokenizer)
+
+    @property
+    def eos_ids(self) -> set[int]:
+        return eos_ids(self.model, self.tokenizer)
+
+
+def model_chat(cfg: ModelConfig, tokenizer) -> bool:
+    """Whether the model is a chat model: ``model.chat`` when set, else whether its tokenizer has a chat template."""
+    if cfg.chat is not None:
+        return bool(cfg.chat)
+    return bool(getattr(tokenizer, "chat_template", None))
+
+
+def eos_ids(model, tokenizer) -> set[int]:
+    """The ids that end a generation: the tokenizer's EOS and every ``eos_token_id`` of the generation config."""
+    gc = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    ids = {tokenizer.eos_token_id, *(gc if isinstance(gc, (list, tuple)) else [gc])}
+    return {int(i) for i in ids if i is not None}
 
 
 def resolve_device(device: str) -> torch.device:
@@ -106,13 +122,13 @@ def materialize_gguf(cfg: ModelConfig) -> Path:
 
 def load_tokenizer(cfg: ModelConfig) -> PreTrainedTokenizerBase:
     if cfg.source == "tiny_random":
-        return load_tokenizer(SMOLLM2 if cfg.tokenizer in (None, "smollm2_135m") else _named(cfg.tokenizer))
+        return load_tokenizer(SMOLLM2 if cfg.tokenizer in (None, "smollm2_135m") else named_config(cfg.tokenizer))
     if cfg.source in ("gguf", "gguf_package"):
         return AutoTokenizer.from_pretrained(materialize_gguf(cfg))
     return AutoTokenizer.from_pretrained(_weights_location(cfg), revision=cfg.revision)
 
 
-def _named(name: str) -> ModelConfig:
+def named_config(name: str) -> ModelConfig:
     from omegaconf import OmegaConf
 
     from pardec import CONF_DIR
@@ -248,7 +264,7 @@ def load_tokenizer_only(cfg: ModelConfig) -> PreTrainedTokenizerBase:
     """The tokenizer of ``cfg`` without touching its weights: as :func:`load_tokenizer`, except that a GGUF not
     dequantized yet is read for its tokenizer only."""
     if cfg.source == "tiny_random":
-        cfg = SMOLLM2 if cfg.tokenizer in (None, "smollm2_135m") else _named(cfg.tokenizer)
+        cfg = SMOLLM2 if cfg.tokenizer in (None, "smollm2_135m") else named_config(cfg.tokenizer)
     if cfg.source in ("gguf", "gguf_package") and not (cache_dir_for(cfg) / "tokenizer_config.json").is_file():
         d, f = _gguf_location(cfg)
         return AutoTokenizer.from_pretrained(d, gguf_file=f)

@@ -51,10 +51,26 @@ class Task:
     def stop_strings(self, chat: bool) -> list[str]:
         return []
 
+    def reference_answer(self, doc: dict, chat: bool) -> str | None:
+        """The document's reference answer as text continuing its prompt (chat or base), or None when the task
+        has none (e.g. a corpus to train on human text: the sdsat kind's ``{dataset: ...}`` sources)."""
+        return None
+
     # -- scoring -----------------------------------------------------------------------------
     def score(self, doc: dict, completions: list[str]) -> dict[str, Any]:
         """Per-document scores, e.g. ``{"pass": 1.0}``; a value may be None (not computed)."""
         raise NotImplementedError
+
+    def check_sandbox(self) -> None:
+        """For a ``sandboxed`` task: raise :class:`~pardec.metrics.sandbox.SandboxError` (one line naming the cause)
+        unless the sandbox its scorer uses runs a known-good program and fails a known-bad one (the canary, once per
+        process and configuration; see :mod:`pardec.metrics.sandbox`). Evaluate calls it before any model loads, a
+        sandboxed task's :meth:`score` before it scores. Here: :func:`~pardec.metrics.sandbox.run_program`'s canary;
+        nothing for a task that runs no model output."""
+        if self.sandboxed:
+            from pardec.metrics.sandbox import check_programs
+
+            check_programs()
 
     def aggregate(self, scores: list[dict[str, Any]]) -> dict[str, Any]:
         """Mean of every numeric key over the documents where it is not None (None if never computed)."""

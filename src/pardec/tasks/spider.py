@@ -14,7 +14,9 @@ completion continues after ``SELECT``, so when the extracted SQL does not start 
 
 Scores: ``exec`` is 1.0 when the predicted rows equal the gold rows (as multisets; as lists when the gold
 query has ORDER BY), else 0.0; a prediction that fails, writes or times out scores 0. A sample whose
-database is missing, or whose gold query fails, scores ``exec=None`` with an ``error``; the others go on.
+database is missing, or whose gold query fails, scores ``exec=None`` with an ``error``; the others go on. Before
+the first score, a canary checks that the SQL child runs a known-good query and fails a known-bad one
+(:func:`pardec.metrics.sql.check_sandbox`); a broken sandbox stops scoring with one line naming the cause.
 """
 
 from __future__ import annotations
@@ -117,7 +119,14 @@ class Spider(Task):
     def stop_strings(self, chat: bool) -> list[str]:
         return [] if chat else [";", "\n\n"]
 
+    def check_sandbox(self) -> None:
+        """The canary of :func:`pardec.metrics.sql.execute` (see :meth:`Task.check_sandbox`)."""
+        sql.check_sandbox()
+
     def score(self, doc: dict, completions: list[str]) -> dict[str, Any]:
+        """A sandbox that cannot run a known-good query raises :class:`~pardec.metrics.sandbox.SandboxError` instead
+        of scoring 0."""
+        self.check_sandbox()
         p = self.db_path(doc["db_id"])
         if not p.is_file():
             return {"exec": None, "error": f"missing database {p} for db_id {doc['db_id']!r}"}

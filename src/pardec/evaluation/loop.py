@@ -1,0 +1,185 @@
+"""The run loop of :func:`run`: validate, load, warm up, then every prompt with every role in turn (interleaved per
+prompt, so drift in the machine's speed hits every role alike), one :func:`run_document` per prompt per role per
+repeat, appended to ``results.jsonl`` as produced; then ``summary.json``, the printed table and the logger."""
+
+from __future__ import annotations
+
+import logging
+import statistics
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf
+
+from pardec.config import SamplingConfig
+from pardec.evaluation.results import ResultsLog, finite, first_divergence, is_failed, non_finite, write_json
+from pardec.evaluation.spec import PEERS, check_resume, run_identity, validate
+from pardec.evaluation.summary import running_speed, summarize
+from pardec.evaluation.tables import format_table
+
+log = logging.getLogger("pardec.evaluate")  # the name its messages have always carried
+
+
+def run(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
+    """Evaluate as ``cfg`` says, writing into ``run_dir``; returns the summary."""
+    import torch
+    from tqdm import tqdm
+
+    from pardec.decoding import METHODS, Stopper, build_decoder
+    from pardec.metrics.energy import EnergyMeter
+    from pardec.metrics.perplexity import completion_nll
+    from pardec.models.cached import CachedModel, NonFiniteLogitsError
+    from pardec.models.loading import load_model
+    from pardec.tasks.base import build_task, select_docs
+    from pardec.tracking import Tracker
+
+    spec = validate(cfg)
+    r = spec.run
+    identity = run_identity(spec)
+    if r.resume:
+        check_resume(run_dir, identity)  # before anything is written: a refused run changes nothing
+    results = ResultsLog(run_dir / "results.jsonl", r.resume)  # refuses a run dir with records unless resumed
+    task = build_task(spec.dataset, timeout_s=r.timeout_s)
+    docs = select_docs(task, r.n_samples)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    write_json(run_dir / "run.json", identity)
+    torch.set_num_threads(r.threads)
+    torch.manual_seed(r.seed)
+    lm = load_model(spec.model)
+    tok = lm.tokenizer
+    chat = spec.dataset.use_chat(lm.chat)
+    target = CachedModel(lm.model, name=spec.model.name)
+    draft = CachedModel(load_model(spec.draft).model, name=f"draft:{spec.draft.name}") if spec.draft else None
+    scorer = lm.model
+    if spec.perplexity.get("enabled") and spec.perplexity.get("model"):
+        from pardec.models.loading import named_config
+
+        scorer = load_model(named_config(spec.perplexity["model"])).model
+    # the GPUs the models run on (their counters only: an idle GPU's energy is no generation's); RAPL: every package
+    gpus = {p.device.index or 0 for m in (lm.model, draft.model if draft else None, scorer) if m is not None
+            for p in m.parameters() if p.device.type == "cuda"}
+    meter = EnergyMeter.create(spec.energy.get("enabled", True), gpus=sorted(gpus))
+    if not meter.available:
+        log.info("energy not measured: %s", meter.reason)
+
+    roles = [("baseline", METHODS.canonical(spec.bench.baseline), {})]
+    if spec.method != roles[0][1]:
+        roles.append(("method", spec.method, spec.method_params))
+    if spec.bench.include_hf:
+        roles += [(role, name, {}) for role, name in PEERS.items()
+                  if name not in (spec.method, roles[0][1]) and (draft is not None or not METHODS.get(name).needs_draft)]
+    roles += spec.also
+    decoders = {role: build_decoder(name, target, tok, draft, **params) for role, name, params in roles}
+    method_role = "method" if len(roles) > 1 and roles[1][0] == "method" else "baseline"
+    eos = lm.eos_ids if r.stop_at_eos else set()
+    stopper = Stopper(tok, eos, task.stop_strings(chat))
+
+    if docs and spec.bench.warmup:
+        warm_ids = task.prompt_ids(docs[0], tok, chat, [])
+        try:
+            for _ in range(spec.bench.warmup):  # interleaved, like the timed loop
+                for dec in decoders.values():
+                    dec.generate(warm_ids, spec.bench.warmup_tokens, stopper, spec.sampling)
+        except NonFiniteLogitsError as e:  # the prompts will record it; the warm-up just ends
+            log.warning("warm-up stopped: %s", e)
+
+    bar = tqdm(docs, desc=f"{spec.method} on {spec.dataset.name}", unit="prompt", dynamic_ncols=True)
+    for i, doc in enumerate(bar):
+        for rep in range(r.repeats):
+            sampling = spec.sampling if spec.sampling.greedy else SamplingConfig(
+                **{**asdict(spec.sampling), "seed": spec.sampling.seed + 100_003 * rep + i})
+            for role, name, _ in roles:
+                if results.done(doc["id"], role, rep):
+                    continue
+                try:
+                    rec = run_document(task, doc, decoders[role], tok, chat, stopper, sampling, r.max_new_tokens,
+                                       target.max_length, scorer if spec.perplexity.get("enabled") else None,
+                                       completion_nll, meter=meter)
+                except NonFiniteLogitsError as e:  # this prompt stops here, the run goes on
+                    rec = {"error": str(e)}
+                if (where := non_finite(rec)) is not None:
+                    rec = {**finite(rec), "error": f"non-finite {where} (NaN/inf)"}
+                rec.update(id=doc["id"], method=name, role=role, repeat=rep)
+                base = results.done(doc["id"], "baseline", rep)
+                if role != "baseline" and base is not None and not is_failed(rec) and not is_failed(base):
+                    rec["equal_to_baseline"] = rec["turn_tokens"] == base["turn_tokens"]
+                    rec["first_divergence"] = first_divergence(rec["tokens"], base["tokens"])
+                results.append(rec)
+        bar.set_postfix_str(running_speed(results.records, method_role))
+
+    summary = finite(summarize(spec, task, results.records, method_role, lm.model.config, energy=meter.status()))
+    write_json(run_dir / "summary.json", summary)
+    print(format_table(summary))
+    group = None
+    try:
+        from hydra.core.hydra_config import HydraConfig
+        from hydra.types import RunMode
+
+        hc = HydraConfig.get()
+        if hc.mode == RunMode.MULTIRUN:
+            group = Path(hc.sweep.dir).name
+    except ValueError:  # not running under Hydra (a direct call from Python)
+        pass
+    with Tracker(spec.logger, run_dir, OmegaConf.to_container(cfg, resolve=True), spec.method, group=group,
+                 name=f"{spec.method}-{spec.dataset.name}-{spec.model.name}-{spec.model.dtype}") as tr:
+        tr.log_summary(summary)
+        tr.log_table("per_prompt", [{k: v for k, v in rec.items() if k not in ("tokens", "turn_tokens", "accepted")}
+                                    for rec in results.records])
+    return summary
+
+
+def run_document(task, doc, dec, tok, chat, stopper, sampling, max_new, max_len, scorer, completion_nll,
+                 meter=None) -> dict:
+    """All turns of one document with one decoder -> a results.jsonl record (without id/role). ``meter`` (an
+    :class:`~pardec.metrics.energy.EnergyMeter`, None = not measured) measures each ``generate`` call: ``energy_j``
+    is their sum, None if any turn was not measured; ``energy_by_device`` its split ({} when not measured)."""
+    from pardec.metrics.energy import EnergyMeter
+
+    meter = meter or EnergyMeter()  # a meter without a monitor: every reading is None
+    history: list[str] = []
+    energy: list[float | None] = []
+    by_device: dict[str, float] = {}
+    turns, accepted, extras = [], [], []
+    tf = df = drafted = draft_acc = 0
+    wall = prefill = nll = draft_s = 0.0
+    n_nll = 0
+    for _ in range(task.n_turns):
+        ids = task.prompt_ids(doc, tok, chat, history)
+        if len(ids) + max_new > max_len:
+            return {"skipped": f"prompt of {len(ids)} tokens + max_new_tokens {max_new} exceeds the model's "
+                               f"context of {max_len} tokens"}
+        with meter.window(getattr(dec, "name", "generate")) as reading:
+            res = dec.generate(ids, max_new, stopper, sampling)
+        energy.append(reading.joules)
+        for k, v in reading.by_device.items():
+            by_device[k] = by_device.get(k, 0.0) + v
+        text = stopper.final_text(res.tokens)
+        history.append(text)
+        turns.append(res.tokens)
+        accepted += res.accepted
+        extras.append(_scalar_extras(res.extras))
+        tf, df = tf + res.target_forwards, df + res.draft_forwards
+        wall, prefill, draft_s = wall + res.total_s, prefill + res.prefill_s, draft_s + res.draft_s
+        drafted, draft_acc = drafted + res.drafted, draft_acc + res.draft_accepted
+        if scorer is not None:
+            s, n = completion_nll(scorer, ids, res.tokens)
+            nll, n_nll = nll + s, n_nll + n
+    flat = [t for turn in turns for t in turn]
+    measured = bool(energy) and all(e is not None for e in energy)
+    return {
+        "n_tokens": len(flat), "tokens": flat, "turn_tokens": turns,
+        "text": history[0] if len(history) == 1 else history,
+        "target_forwards": tf, "draft_forwards": df, "accepted": accepted,
+        "wall_s": wall, "prefill_s": prefill,
+        "draft_s": draft_s, "drafted": drafted, "draft_accepted": draft_acc,
+        "equal_to_baseline": None, "first_divergence": None,
+        "score": task.score(doc, history),
+        "nll": nll if scorer is not None else None, "nll_tokens": n_nll,
+        "energy_j": sum(energy) if measured else None, "energy_by_device": by_device if measured else {},
+        "extras": {k: statistics.fmean(e[k] for e in extras if k in e) for k in extras[0]} if extras else {},
+    }
+
+
+def _scalar_extras(extras: dict) -> dict:
+    return {k: v for k, v in extras.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}

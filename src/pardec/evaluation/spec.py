@@ -1,0 +1,169 @@
+"""What an evaluation run is: :class:`EvalSpec`, checked by :func:`validate` before anything heavy loads, and its
+identity (:func:`run_identity`, ``run.json``), which a resumed run must match (:func:`check_resume`)."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf
+
+from pardec.config import (
+    BenchConfig,
+    ConfigError,
+    DatasetConfig,
+    ModelConfig,
+    RunConfig,
+    SamplingConfig,
+    settings_diff,
+    to_dataclass,
+)
+
+RUN_KEYS = ("n_samples", "max_new_tokens", "threads", "seed", "resume", "timeout_s", "stop_at_eos", "repeats",
+            "dtype")
+#: peer roles run when ``bench.include_hf=true``: role -> method (``hf_assisted`` only with a draft)
+PEERS = {"hf": "hf_generate", "hf_pld": "hf_pld", "hf_assisted": "hf_assisted"}
+
+
+def parse_also(spec: str) -> tuple[str, dict]:
+    """``"sps:adaptive=true:gamma=6"`` -> ("sps", {"adaptive": True, "gamma": 6}); values parsed as YAML scalars."""
+    import yaml
+
+    name, *pairs = spec.split(":")
+    params = {}
+    for pair in pairs:
+        key, eq, value = pair.partition("=")
+        if not eq or not key:
+            raise ConfigError(f"bench.also entry {spec!r}: {pair!r} is not key=value; write e.g. 'sps:adaptive=true'")
+        params[key] = yaml.safe_load(value)
+    return name, params
+
+
+@dataclass
+class EvalSpec:
+    method: str
+    method_params: dict
+    model: ModelConfig
+    draft: ModelConfig | None
+    dataset: DatasetConfig
+    run: RunConfig
+    sampling: SamplingConfig
+    bench: BenchConfig
+    perplexity: dict
+    logger: dict
+    also: list[tuple[str, str, dict]] = field(default_factory=list)  # (role, method, params) of bench.also
+    energy: dict = field(default_factory=lambda: {"enabled": True})  # not in run_identity: it changes no token
+
+
+def validate(cfg: DictConfig) -> EvalSpec:
+    """Check every name and value before anything heavy loads; errors name the bad value and the choices. A task
+    that runs model output (code, SQL) also gets its sandbox checked here (:func:`check_scorer`)."""
+    import pardec.decoding  # noqa: F401
+    import pardec.tasks  # noqa: F401
+    from pardec.decoding.base import METHODS
+    from pardec.tasks.base import TASKS
+    from pardec.tracking import LOGGERS
+
+    if cfg.get("method") is None or cfg.method.get("name") is None:
+        raise ConfigError(f"no method given: pass +method=<name>; valid methods: {', '.join(METHODS.names())}")
+    mcfg = OmegaConf.to_container(cfg.method, resolve=True)
+    name = METHODS.canonical(mcfg.pop("name"))
+    dataset = to_dataclass(DatasetConfig, cfg.dataset, "dataset")
+    TASKS.canonical(dataset.name)
+    model = to_dataclass(ModelConfig, cfg.model, "model")
+    draft = None
+    if cfg.get("draft") is not None and cfg.draft.get("name"):
+        draft = to_dataclass(ModelConfig, cfg.draft, "draft")
+    run = to_dataclass(RunConfig, {k: cfg.get(k) for k in RUN_KEYS if k in cfg}, "the top-level keys")
+    sampling = to_dataclass(SamplingConfig, cfg.get("sampling"), "sampling")
+    bench = to_dataclass(BenchConfig, cfg.get("bench"), "bench")
+    check_method(name, mcfg, draft)
+    check_method(bench.baseline, {}, draft, f"bench.baseline={bench.baseline!r}")
+    also = []
+    for entry in bench.also:
+        a_name, a_params = parse_also(entry)
+        a_cls = check_method(a_name, a_params, draft, f"bench.also entry {entry!r}")
+        also.append((f"also:{entry}", a_cls.name, a_params))
+    logger = OmegaConf.to_container(cfg.logger, resolve=True) if cfg.get("logger") else {"name": "none"}
+    if logger.get("name") not in LOGGERS:
+        raise ConfigError(f"logger={logger.get('name')!r} is not valid; choose one of: {', '.join(LOGGERS)}")
+    ppl = OmegaConf.to_container(cfg.perplexity, resolve=True) if cfg.get("perplexity") else {"enabled": False}
+    energy = OmegaConf.to_container(cfg.energy, resolve=True) if cfg.get("energy") else {"enabled": True}
+    if set(energy) - {"enabled"}:
+        raise ConfigError(f"energy has no key(s) {sorted(set(energy) - {'enabled'})}; valid: enabled")
+    if not isinstance(energy.get("enabled", True), bool):
+        raise ConfigError(f"energy.enabled={energy['enabled']!r} must be bool (true or false)")
+    check_models(model, draft)
+    for m_name, m_params in [(name, mcfg)] + [(a[1], a[2]) for a in also]:
+        METHODS.get(m_name).check_model(model, m_params)  # what a method needs of the model, before it loads
+    check_scorer(dataset, run)
+    return EvalSpec(name, mcfg, model, draft, dataset, run, sampling, bench, ppl, logger, also, energy)
+
+
+def check_method(name: str, params: dict, draft: ModelConfig | None, where: str = "") -> type:
+    """The class of method ``name``, checked without a model: the name, its parameters' names and types (from its
+    signature), their ranges (its own ``__init__``) and its need of a draft. ``where`` starts the errors
+    (``bench.also entry 'pld:num_pred=0': method.num_pred=0 is out of range ...``)."""
+    from pardec.decoding.base import METHODS, check_params
+    from pardec.registry import UnknownNameError
+
+    try:
+        cls = METHODS.get(name)
+        check_params(cls, params)
+        cls(None, None, None, **params)  # range checks of the method's own parameters (no model needed)
+        if cls.needs_draft and draft is None:
+            raise ConfigError(f"method {cls.name!r} needs a draft model: pass draft=<name>")
+    except (ConfigError, UnknownNameError) as e:
+        if not where:
+            raise
+        raise ConfigError(f"{where}: {e}") from None
+    return cls
+
+
+def check_models(model: ModelConfig, draft: ModelConfig | None) -> None:
+    """Without loading weights: the model (and draft) can be had (local dir exists, hub model cached or reachable)
+    and the draft tokenizes like the target (only the tokenizers are loaded)."""
+    from pardec.models.loading import check_available, check_same_tokenizer
+
+    check_available(model, "model")
+    if draft is not None:
+        check_available(draft, "draft")
+        check_same_tokenizer(model, draft)
+
+
+def check_scorer(dataset: DatasetConfig, run: RunConfig) -> None:
+    """For a task whose scorer runs model output (``sandboxed``: HumanEval's code, Spider's SQL): its sandbox
+    canary (:meth:`~pardec.tasks.base.Task.check_sandbox`), before any model loads. A sandbox that cannot run a
+    known-good program raises :class:`~pardec.metrics.sandbox.SandboxError` (one line naming the cause) instead of
+    letting every completion score 0. Other tasks: nothing."""
+    from pardec.tasks.base import TASKS, build_task
+
+    if TASKS.get(dataset.name).sandboxed:
+        build_task(dataset, timeout_s=run.timeout_s).check_sandbox()
+
+
+def run_identity(spec: EvalSpec) -> dict[str, Any]:
+    """Everything that changes the records of a run (``run.json``); a resumed run must match it in every key."""
+    r = spec.run
+    return {"method": spec.method, "method_params": spec.method_params, "model": spec.model.identity(),
+            "draft": spec.draft.identity() if spec.draft else None, "dataset": asdict(spec.dataset),
+            "max_new_tokens": r.max_new_tokens, "stop_at_eos": r.stop_at_eos, "timeout_s": r.timeout_s,
+            "repeats": r.repeats, "threads": r.threads, "seed": r.seed, "sampling": asdict(spec.sampling),
+            "baseline": spec.bench.baseline, "include_hf": spec.bench.include_hf, "also": spec.bench.also,
+            "perplexity": spec.perplexity}
+
+
+def check_resume(run_dir: Path, identity: dict) -> None:
+    """Refuse, writing nothing, to resume ``run_dir`` unless its records were made as ``identity`` says (every
+    key equal to the one in its ``run.json``); a run dir without records is not checked."""
+    results = run_dir / "results.jsonl"
+    if not (results.is_file() and results.stat().st_size):
+        return  # no records yet: nothing to mix with
+    path = run_dir / "run.json"
+    old = json.loads(path.read_text()) if path.is_file() else {}
+    diff = settings_diff(old, json.loads(json.dumps(identity)))  # as it would be written (tuples -> lists)
+    if diff:
+        raise ConfigError(f"cannot resume {run_dir}: its records were made with other settings ({'; '.join(diff)}); "
+                          f"rerun with those settings, or start a new run with another hydra.run.dir")

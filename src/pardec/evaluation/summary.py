@@ -1,0 +1,158 @@
+"""The run's summary (``summary.json``): speed, exactness, quality, perplexity, drafting and energy per role,
+pass@k over repeats; what the records do not hold (a skipped or errored prompt) is left out of every aggregate."""
+
+from __future__ import annotations
+
+import resource
+import statistics
+from dataclasses import asdict
+from typing import Any
+
+from pardec.evaluation.results import is_failed
+from pardec.evaluation.spec import PEERS, EvalSpec
+from pardec.metrics.sandbox import isolation
+
+
+def running_speed(records: list[dict], method_role: str) -> str:
+    """The progress bar's note: the method's tokens/s so far and its speedup over the baseline ("" before both ran)."""
+    from pardec.metrics.speed import tokens_per_s
+
+    m = [x for x in records if x["role"] == method_role and not is_failed(x)]
+    b = [x for x in records if x["role"] == "baseline" and not is_failed(x)]
+    mt, bt = tokens_per_s(m) if m else None, tokens_per_s(b) if b else None
+    return f"{mt:.1f} tok/s, x{mt / bt:.2f}" if mt and bt else ""
+
+
+def summarize(spec: EvalSpec, task, records: list[dict], method_role: str, model_config,
+              energy: dict | None = None) -> dict[str, Any]:
+    """The run's summary. ``energy``: the meter's ``status()`` (``measured``, ``reason``, ``devices``); without it,
+    what the records say (measured where some record has ``energy_j``)."""
+    from pardec.decoding import METHODS
+    from pardec.decoding.base import lossless_under_greedy
+    from pardec.metrics.energy import joules_per_token
+    from pardec.metrics.perplexity import perplexity
+    from pardec.metrics.speed import speed_summary, tokens_per_s
+
+    ok = [x for x in records if not is_failed(x)]
+    also = {role: name for role, name, _ in spec.also}
+    also_params = {role: params for role, _, params in spec.also}
+    rows = {role: [x for x in ok if x["role"] == role] for role in ("baseline", "method", *PEERS, *also)}
+    method_rows = rows[method_role]
+    skipped = sorted({x["id"] for x in records if "skipped" in x})
+    errors = [{k: x[k] for k in ("id", "role", "repeat", "error")} for x in records if "error" in x]
+    cls = METHODS.get(spec.method)
+    if energy is None:
+        measured = any(x.get("energy_j") is not None for x in ok)
+        energy = {"measured": measured, "reason": None if measured else "no energy meter in this run", "devices": ""}
+
+    def exact(role_rows: list[dict], method: str) -> float | None:
+        """Share of prompts equal to the baseline, for methods lossless under greedy decoding (else None)."""
+        if not (lossless_under_greedy(METHODS.get(method)) and spec.sampling.greedy):
+            return None
+        eq = [x["equal_to_baseline"] for x in role_rows if x.get("equal_to_baseline") is not None]
+        return sum(eq) / len(eq) if eq else None
+
+    def quality(rs: list[dict]) -> dict:
+        first = [x for x in rs if x.get("repeat", 0) == 0]
+        return task.aggregate([x["score"] for x in first]) if first else {}
+
+    def ppl(rs: list[dict]) -> float | None:
+        n = sum(x.get("nll_tokens") or 0 for x in rs)
+        s = sum(x.get("nll") or 0.0 for x in rs)
+        return perplexity(s, n) if n and s / n < 700 else None  # exp() of more overflows: no meaningful value
+
+    def drafting(rs: list[dict]) -> dict:
+        """Draft use of some records: acceptance of drafted tokens, mean tokens committed per target forward
+        (``accepted``), the draft's share of wall time; None where the records did not draft."""
+        drafted, wall = sum(x.get("drafted") or 0 for x in rs), sum(x["wall_s"] for x in rs)
+        forwards = sum(x.get("draft_forwards") or 0 for x in rs)
+        acc = [a for x in rs for a in x.get("accepted") or []]
+        return {"draft_forwards": forwards,
+                "draft_acceptance": sum(x.get("draft_accepted") or 0 for x in rs) / drafted if drafted else None,
+                "mean_accepted_length": statistics.fmean(acc) if acc else None,
+                "draft_time_share": sum(x.get("draft_s") or 0.0 for x in rs) / wall if wall > 0 and forwards else None}
+
+    mq, bq = quality(method_rows), quality(rows["baseline"])
+    role_method = {"baseline": spec.bench.baseline, "method": spec.method, **PEERS, **also}
+    if method_role == "baseline":
+        method_exact = 1.0 if method_rows and lossless_under_greedy(cls) and spec.sampling.greedy else None
+    else:
+        method_exact = exact(method_rows, spec.method)
+    peers = {}
+    for role in (*PEERS, *also):
+        if rows[role]:
+            sp = speed_summary(rows[role], rows["baseline"])
+            peers[role] = {"method": role_method[role], "exactness": METHODS.get(role_method[role]).exactness,
+                           "params": also_params.get(role, {}),
+                           "tokens_per_s": sp["tokens_per_s"], "speedup": sp["speedup"],
+                           "speedup_median": sp.get("speedup_median"),
+                           "tokens_per_forward": sp["tokens_per_forward"],
+                           "exact_match_rate": exact(rows[role], role_method[role]),
+                           "energy_j_per_token": joules_per_token(rows[role]), "perplexity": ppl(rows[role]),
+                           "metric": quality(rows[role]).get(task.metric), **drafting(rows[role])}
+    summary: dict[str, Any] = {
+        "method": spec.method,
+        "method_params": spec.method_params,
+        "baseline": spec.bench.baseline,
+        "draft": spec.draft.name if spec.draft else None,
+        "draft_path": spec.draft.path if spec.draft else None,  # a config name (``local``) names no one draft
+        "dataset": spec.dataset.name,
+        "model": spec.model.name,
+        "dtype": spec.model.dtype,
+        "n_samples": len({x["id"] for x in method_rows}),
+        "skipped": skipped,
+        "n_errors": len(errors),
+        "errors": errors,
+        "repeats": spec.run.repeats,
+        "max_new_tokens": spec.run.max_new_tokens,
+        "sampling": asdict(spec.sampling),
+        "threads": spec.run.threads,
+        "sandbox": isolation() if task.sandboxed else None,  # which isolation ran model output, see metrics/sandbox.py
+        "exactness": cls.exactness,
+        **speed_summary(method_rows, rows["baseline"] or method_rows),
+        "hf_tokens_per_s": tokens_per_s(rows["hf"]) if rows["hf"] else None,
+        "exact_match_rate": method_exact,
+        "first_divergences": [x["first_divergence"] for x in method_rows if x.get("first_divergence") is not None],
+        **drafting(method_rows),
+        "peers": peers,
+        "metric_name": task.metric,
+        "metric": mq.get(task.metric),
+        "baseline_metric": bq.get(task.metric),
+        "metrics": mq,
+        "perplexity": ppl(method_rows),
+        "baseline_perplexity": ppl(rows["baseline"]),
+        "energy": dict(energy),
+        "energy_j_per_token": joules_per_token(method_rows),
+        "baseline_energy_j_per_token": joules_per_token(rows["baseline"]),
+        "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+        "extras": {k: statistics.fmean(x["extras"][k] for x in method_rows if k in x["extras"])
+                   for k in sorted({k for x in method_rows for k in x["extras"]})},
+    }
+    if rows["hf"]:
+        summary["hf_exact_match_rate"] = peers["hf"]["exact_match_rate"]
+    try:
+        import torch
+
+        if torch.cuda.is_available():
+            summary["peak_cuda_mb"] = torch.cuda.max_memory_allocated() / 2**20
+    except RuntimeError:
+        pass
+    if task.metric == "pass" and spec.run.repeats > 1 and not spec.sampling.greedy:
+        summary["pass_at_k"] = pass_at_k_summary(method_rows, spec.run.repeats)
+    return summary
+
+
+def pass_at_k_summary(rows: list[dict], n: int) -> dict[str, float]:
+    """pass@k for k in 1, 2, 5, 10, 100 up to ``n`` samples per prompt (the unbiased estimator of
+    :func:`pardec.metrics.passk.pass_at_k`, averaged over the prompts with at least k samples; None: none has)."""
+    from pardec.metrics.passk import pass_at_k
+
+    per_doc: dict[str, list[float]] = {}
+    for x in rows:
+        per_doc.setdefault(x["id"], []).append(float(x["score"].get("pass") or 0.0))
+    out = {}
+    for k in (1, 2, 5, 10, 100):
+        if k <= n:
+            vals = [pass_at_k(len(v), int(sum(v)), k) for v in per_doc.values() if len(v) >= k]
+            out[f"pass@{k}"] = statistics.fmean(vals) if vals else None
+    return out

@@ -1,0 +1,88 @@
+"""The printed tables of a run: :func:`format_table` (the summary, then the side-by-side comparison) and
+:func:`format_comparison` (baseline, peers and method in one aligned table, from :func:`comparison_rows`)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+def _fmt(v: Any, spec: str = ".3g") -> str:
+    if v is None:
+        return "–"
+    return format(v, spec) if isinstance(v, (int, float)) and not isinstance(v, bool) else str(v)
+
+
+def comparison_rows(s: dict) -> list[dict[str, Any]]:
+    """Baseline, peers and method side by side: role, method, tokens/s, speedup vs the baseline, tokens per
+    target forward, exact match vs the baseline, draft acceptance, energy per generated token (None: not
+    measured)."""
+    rows = [{"role": "baseline", "method": s["baseline"], "tokens_per_s": s["baseline_tokens_per_s"],
+             "speedup": 1.0 if s["baseline_tokens_per_s"] else None,
+             "tokens_per_forward": s.get("baseline_tokens_per_forward"), "exact_match_rate": None,
+             "draft_acceptance": None, "draft_time_share": None,
+             "energy_j_per_token": s.get("baseline_energy_j_per_token")}]
+    rows += [{"role": role, **p} for role, p in (s.get("peers") or {}).items()]
+    if s["method"] != s["baseline"]:
+        rows.append({"role": "method", "method": s["method"], **{k: s.get(k) for k in (
+            "tokens_per_s", "speedup", "tokens_per_forward", "exact_match_rate", "draft_acceptance",
+            "draft_time_share", "energy_j_per_token")}})
+    return rows
+
+
+def format_comparison(s: dict) -> str:
+    """:func:`comparison_rows` as an aligned text table."""
+    head = ("role", "method", "tokens/s", f"speedup vs {s['baseline']}", "tokens/forward", "exact match",
+            "draft acceptance", "draft time share", "energy J/token")
+    body = [(r["role"], r["method"], _fmt(r["tokens_per_s"], ".2f"), _fmt(r["speedup"], ".2f"),
+             _fmt(r["tokens_per_forward"], ".2f"), _fmt(r["exact_match_rate"], ".2f"),
+             _fmt(r.get("draft_acceptance"), ".2f"), _fmt(r.get("draft_time_share"), ".2f"),
+             _fmt(r.get("energy_j_per_token"), ".4g"))
+            for r in comparison_rows(s)]
+    widths = [max(len(str(x)) for x in col) for col in zip(head, *body)]
+    return "\n".join("  ".join(f"{x:<{w}}" for x, w in zip(line, widths)).rstrip() for line in (head, *body))
+
+
+def _energy_rows(s: dict) -> list[tuple[str, Any]]:
+    """The energy row(s) of :func:`format_table`: J/token of method and baseline, or "not measured: <reason>"."""
+    e = s.get("energy") or {}
+    if not e.get("measured"):
+        return [("energy J/token (method / baseline)", f"not measured: {e.get('reason') or 'no energy meter'}")]
+    rows = [("energy J/token (method / baseline)",
+             f"{_fmt(s.get('energy_j_per_token'), '.4g')} / {_fmt(s.get('baseline_energy_j_per_token'), '.4g')}")]
+    return rows + [("energy counters", "; ".join(x for x in (e.get("devices"), e.get("reason")) if x) or None)]
+
+
+def format_table(s: dict) -> str:
+    """A summary (``summary.json``) as the aligned two-column table evaluate prints, then :func:`format_comparison`."""
+    rows = [
+        ("method", s["method"]), ("baseline", s["baseline"]), ("dataset", s["dataset"]), ("model", s["model"]),
+        ("draft", s.get("draft")), ("dtype", s["dtype"]), ("n_samples", s["n_samples"]), ("repeats", s["repeats"]),
+        ("exactness", s.get("exactness")),
+        ("tokens/s", f"{_fmt(s['tokens_per_s'], '.2f')} ± {_fmt(s['tokens_per_s_std'], '.2f')}"),
+        ("baseline tokens/s", f"{_fmt(s['baseline_tokens_per_s'], '.2f')} ± {_fmt(s['baseline_tokens_per_s_std'], '.2f')}"),
+        ("hf generate tokens/s", _fmt(s["hf_tokens_per_s"], ".2f")),
+        ("speedup (total time)", f"{_fmt(s['speedup'], '.3f')} ± {_fmt(s['speedup_std'], '.3f')}"),
+        ("speedup (median prompt)", _fmt(s["speedup_median"], ".3f")),
+        ("tokens / target forward", _fmt(s["tokens_per_forward"], ".3f")),
+        ("exact match vs baseline", _fmt(s["exact_match_rate"], ".3f")),
+        (f"{s['metric_name']} (method / baseline)", f"{_fmt(s['metric'])} / {_fmt(s['baseline_metric'])}"),
+        ("perplexity (method / baseline)", f"{_fmt(s['perplexity'])} / {_fmt(s['baseline_perplexity'])}"),
+        *_energy_rows(s),
+        ("peak RSS MB", _fmt(s["peak_rss_mb"], ".0f")),
+    ]
+    if s.get("draft") or s.get("draft_acceptance") is not None:
+        rows += [("draft forwards", _fmt(s.get("draft_forwards"))),
+                 ("draft acceptance", _fmt(s.get("draft_acceptance"), ".3f")),
+                 ("mean accepted length", _fmt(s.get("mean_accepted_length"), ".3f")),
+                 ("draft share of wall time", _fmt(s.get("draft_time_share"), ".3f"))]
+    rows += [(k, _fmt(v)) for k, v in s["extras"].items()]
+    if s.get("pass_at_k"):
+        rows += [(k, _fmt(v)) for k, v in s["pass_at_k"].items()]
+    if s["skipped"]:
+        rows.append(("skipped prompts", len(s["skipped"])))
+    if s.get("n_errors"):
+        first = s["errors"][0]
+        rows.append(("errors", f"{s['n_errors']} (first: {first['role']} on {first['id']}: {first['error']})"))
+    w = max(len(k) for k, _ in rows)
+    table = "\n".join(f"{k:<{w}}  {'–' if v is None else v}" for k, v in rows)
+    return table + "\n\n" + format_comparison(s)

@@ -1,0 +1,107 @@
+"""Kind ``cllm``: consistency LLMs (Kou et al. 2024), ``python -m train +experiment=cllm_<name>``.
+
+Stages (``stage=collect|train|all``):
+
+* ``collect``: Jacobi trajectories of ``model`` on ``dataset`` into ``collect.out_dir`` (:mod:`.collect`, schema in
+  :mod:`.trajectories`; default ``${paths.data_dir}/trajectories/<experiment>``); resumable: rerun the same command
+  after a kill; sharded over ranks by prompt index, merged by rank 0;
+* ``train``: :class:`~.trainer.CLLMTrainer` on ``<train_data>/trajectories.jsonl`` (``train_data`` defaults to
+  ``collect.out_dir``; samples and collator in :mod:`.data`); the final model (LoRA merged) and tokenizer go to
+  ``<run dir>/final``, loadable with ``python -m evaluate +method=jacobi model=local model.path=<run dir>/final``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+from typing import Any
+
+from omegaconf import DictConfig
+
+from pardec.config import ConfigError, DatasetConfig, to_dataclass
+from pardec.training.cllm.collect import CollectConfig
+from pardec.training.kinds import Kind, Spec, common_fields, register_kind
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class CLLMSpec(Spec):
+    dataset: DatasetConfig
+    collect: CollectConfig
+    train_data: Path
+
+
+@register_kind("cllm")
+class CLLMKind(Kind):
+    name = "cllm"
+    stages = ("collect", "train")
+    example = "cllm_tiny"
+
+    def validate(self, cfg: DictConfig, name: str) -> CLLMSpec:
+        from pardec.training.cllm.trainer import CLLMConfig
+
+        self.sections(cfg, "collect")
+        return CLLMSpec(**common_fields(cfg, name, CLLMConfig, lora=True),
+                        dataset=to_dataclass(DatasetConfig, cfg.dataset, "dataset"),
+                        collect=to_dataclass(CollectConfig, cfg.collect, "collect"),
+                        train_data=Path(cfg.get("train_data") or cfg.collect.out_dir))
+
+    def stage_collect(self, spec: CLLMSpec, run_dir: Path, d) -> dict | None:
+        from pardec.models.cached import CachedModel
+        from pardec.models.loading import load_model
+        from pardec.training import stages
+        from pardec.training.cllm.collect import collect, collection_meta, prompts_from_dataset
+
+        # the model (its weights, dtype, chat template choice) and the dataset (source, split, prompt style, extra)
+        # fix the prompts and the EOS ids; a resumed collection must match them (checked now, before the model loads)
+        identity = {"model": spec.model.identity(), "dataset": asdict(spec.dataset)}
+        stages.check_settings(spec.collect.out_dir, collection_meta(spec.collect, identity, set()),
+                              spec.collect.overwrite, "collect", "trajectories collected", ignore=("eos_ids",))
+        barrier = d.barrier()
+        lm = load_model(spec.model)
+        prompts = prompts_from_dataset(spec.dataset, lm.tokenizer, lm.chat, spec.collect.max_prompts)
+        eos = lm.eos_ids
+        meta = collection_meta(spec.collect, identity, eos)
+        log.info("collecting trajectories of %d prompts into %s (rank %d of %d)", len(prompts), spec.collect.out_dir,
+                 d.rank, d.world)
+        stats = collect(spec.collect, CachedModel(lm.model), eos, prompts, meta, d.rank, d.world, barrier)
+        if stats is not None:
+            log.info("trajectories: %s", json.dumps(stats))
+        return stats
+
+    def stage_train(self, spec: CLLMSpec, run_dir: Path, d) -> dict[str, Any]:
+        from pardec.models.loading import load_model
+        from pardec.training.base import apply_lora, fit, save_final, training_args
+        from pardec.training.cllm.data import CLLMCollator, TrajectoryDataset
+        from pardec.training.cllm.trainer import CLLMConfig, CLLMTrainer
+        from pardec.training.cllm.trajectories import load_trajectories
+
+        stats_file = spec.train_data / "stats.json"
+        if stats_file.is_file() and not json.loads(stats_file.read_text()).get("complete", True):
+            raise ConfigError(f"{spec.train_data} holds an unfinished collection ({stats_file}); "
+                              f"finish it first: rerun with stage=collect")
+        args = training_args(CLLMConfig, spec, run_dir)  # before the model, as ZeRO-3 requires
+        records = load_trajectories(spec.train_data)
+        if args.proxy_records >= len(records):
+            raise ConfigError(f"trainer.proxy_records={args.proxy_records} leaves nothing to train on: "
+                              f"{spec.train_data} holds {len(records)} records")
+        held = records[len(records) - args.proxy_records :] if args.proxy_records else []  # the last ones, by index
+        records = records[: len(records) - len(held)]
+        lm = load_model(replace(spec.model, device="cpu", dtype=spec.model_dtype))  # the Trainer places it
+        model = apply_lora(lm.model, spec.lora) if spec.lora else lm.model
+        ds = TrajectoryDataset(records, args.loss_type, args.state_sampling, args.max_length, args.seed,
+                               args.states_per_sample)
+        proxy = TrajectoryDataset(held, "global", "all", args.max_length) if held else None
+        trainer = CLLMTrainer(model=model, args=args, train_dataset=ds, eval_dataset=proxy,
+                              data_collator=CLLMCollator(lm.tokenizer.pad_token_id), processing_class=lm.tokenizer)
+
+        def finish(final: Path) -> dict[str, Any]:
+            final_proxy = trainer.evaluate() if proxy is not None else {}  # the proxy after the last step
+            save_final(trainer, spec, run_dir, final, d)
+            return {**final_proxy, "samples": len(ds), "truncated_samples": ds.n_truncated, "records": len(records),
+                    "proxy_records": len(held), "final_model": str(final)}
+
+        return fit(trainer, spec, run_dir, d, finish)

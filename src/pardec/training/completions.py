@@ -1,0 +1,267 @@
+"""The target's own completions: its greedy completions of prompts from several sources; batched, resumable,
+shardable (:mod:`pardec.training.stages`). The one corpus every drafter is trained on: the draft kind (distilled
+draft models), the heads kind (Medusa heads, FIRP projections) and the sdsat kind (a ``{completions: <dir>}``
+source of the masked corpus) read it; on held-out prompts the draft and heads kinds evaluate on it.
+
+Layout of an output directory (``completions.out_dir``)::
+
+    meta.json           schema_version, model, sources, settings (a resumed run must match it)
+    part-{rank}.jsonl   the work log of each rank, one record per prompt, appended and fsynced per batch
+    completions.jsonl   the merged records of every rank, sorted by index
+    stats.json          prompts, tokens, mean length, stop reasons, per source counts, generation seconds
+
+One record (``schema_version`` 1)::
+
+    {"schema_version": 1, "id": "<source>/<doc id>", "source": "gsm8k", "index": 12,  # index: in the prompt list
+     "prompt_ids": [...], "completion_ids": [...],     # greedy, up to and including EOS (or max_new_tokens)
+     "stop_reason": "eos" | "length", "seconds": 0.8}  # seconds: the record's share of its batch's wall time
+
+Prompts are built as the task builds them for evaluation (chat template for chat models). Rank r of w takes the
+prompts with index % w == r (sorted by length within the rank, so batches pad little); rank 0 merges. Greedy
+decoding is HF ``generate`` with left padding; rows that stop early are cut at their first EOS.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+
+from pardec.config import ConfigError, DatasetConfig, to_dataclass
+from pardec.training import stages
+from pardec.training.stages import Prompt
+
+log = logging.getLogger(__name__)
+
+SCHEMA_VERSION = 1
+MERGED = "completions.jsonl"
+REQUIRED = ("schema_version", "id", "source", "index", "prompt_ids", "completion_ids", "stop_reason")
+
+
+@dataclass
+class Source:
+    dataset: DatasetConfig
+    max_prompts: int | None = None  # the first N documents (None: all)
+
+
+@dataclass
+class GenerateConfig:
+    max_new_tokens: int = 128
+    batch_size: int = 8  # prompts per generate() call
+    out_dir: str = "data/distill"
+    overwrite: bool = False  # wipe out_dir when its meta.json is from other settings
+    sources: list[Source] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        for key in ("max_new_tokens", "batch_size"):
+            if getattr(self, key) < 1:
+                raise ConfigError(f"{key}={getattr(self, key)!r} is out of range: it must be >= 1")
+
+
+def generate_config(section: dict, where: str) -> GenerateConfig:
+    """A :class:`GenerateConfig` from a config section whose ``sources`` is a list of
+    ``{dataset: {...DatasetConfig}, max_prompts: N}``; errors name ``where``."""
+    section = dict(section)
+    raw = section.pop("sources", None) or []
+    if not raw:
+        raise ConfigError(f"{where}.sources is empty: list at least one {{dataset: {{name: ...}}, max_prompts: N}}")
+    sources = []
+    for i, s in enumerate(raw):
+        if not isinstance(s, dict) or "dataset" not in s or set(s) - {"dataset", "max_prompts"}:
+            raise ConfigError(f"{where}.sources[{i}] must be {{dataset: {{name: ...}}, max_prompts: N}}; got {s!r}")
+        ds = to_dataclass(DatasetConfig, s["dataset"], f"{where}.sources[{i}].dataset")
+        n = s.get("max_prompts")
+        if n is not None and n < 1:
+            raise ConfigError(f"{where}.sources[{i}].max_prompts={n!r} is out of range: it must be >= 1 or null")
+        sources.append(Source(ds, n))
+    cfg = to_dataclass(GenerateConfig, section, where)
+    cfg.sources = sources
+    return cfg
+
+
+# ------------------------------------------------------------------------------------------- prompts
+def source_prompts(sources: list[Source], tokenizer, model_chat: bool) -> list[Prompt]:
+    """Every source's first ``max_prompts`` documents as prompt ids, in source order; ids ``<source>/<doc id>``."""
+    pairs = [p for s in sources
+             for p in stages.dataset_prompts(s.dataset, tokenizer, model_chat, s.max_prompts, f"{s.dataset.name}/")]
+    return [Prompt(i, doc_id, ids) for i, (doc_id, ids) in enumerate(pairs)]
+
+
+def generation_meta(cfg: GenerateConfig, model: dict, eos_ids: set[int]) -> dict:
+    """What identifies a generation run (a resumed run must match it)."""
+    sources = [{"dataset": asdict(s.dataset), "max_prompts": s.max_prompts} for s in cfg.sources]
+    return {"schema_version": SCHEMA_VERSION, "model": model, "sources": sources, "eos_ids": sorted(eos_ids),
+            "max_new_tokens": cfg.max_new_tokens, "decoding": "greedy"}
+
+
+def prepare_out_dir(cfg: GenerateConfig, meta: dict, rank: int = 0, key: str = "completions") -> Path:
+    """Create ``out_dir`` with ``meta.json``; an existing one from other settings raises (rank 0 with
+    ``overwrite``: the directory is wiped). ``key``: the config section named in the error."""
+    return stages.prepare_out_dir(cfg.out_dir, cfg.overwrite, meta, rank, key, "completions generated")
+
+
+# ------------------------------------------------------------------------------------------- decoding
+@torch.inference_mode()
+def greedy_batch(model, prompts: list[list[int]], max_new_tokens: int, eos_ids: set[int],
+                 pad_id: int) -> list[tuple[list[int], str]]:
+    """Greedy completions of a left-padded batch: per prompt (ids up to and including the first EOS, reason)."""
+    from transformers import GenerationConfig
+
+    ids, att, _ = left_pad(prompts, pad_id)  # [B, P]; att 0 = left padding
+    width = ids.shape[1]
+    gen = GenerationConfig(max_new_tokens=max_new_tokens, do_sample=False, num_beams=1,
+                           eos_token_id=sorted(eos_ids) or None, pad_token_id=pad_id)
+    out = model.generate(input_ids=ids.to(model.device), attention_mask=att.to(model.device), generation_config=gen)
+    results = []
+    for row in out[:, width:].tolist():  # [B, <= max_new_tokens]
+        stop = next((j for j, t in enumerate(row) if t in eos_ids), None)
+        results.append((row[: stop + 1], "eos") if stop is not None else (row[:max_new_tokens], "length"))
+    return results
+
+
+def generate(cfg: GenerateConfig, model, pad_id: int, eos_ids: set[int], prompts: list[Prompt], meta: dict,
+             rank: int = 0, world: int = 1, barrier: Callable[[], None] | None = None, stop_after: int | None = None,
+             key: str = "completions") -> dict | None:
+    """Generate this rank's share of ``prompts`` into ``part-{rank}.jsonl``, then (rank 0) merge.
+
+    Prompts already in any part file are skipped (resume). ``stop_after``: write at most that many records, then
+    return without merging (simulates a killed run in tests). Returns the stats on rank 0, else None.
+    """
+    sources = {p.id: p.id.split("/", 1)[0] for p in prompts}
+
+    def work(batch: list[Prompt]) -> list[dict]:
+        t0 = time.perf_counter()
+        results = greedy_batch(model, [p.ids for p in batch], cfg.max_new_tokens, eos_ids, pad_id)
+        share = (time.perf_counter() - t0) / len(batch)
+        return [{"schema_version": SCHEMA_VERSION, "id": p.id, "source": sources[p.id], "index": p.index,
+                 "prompt_ids": p.ids, "completion_ids": ids, "stop_reason": why, "seconds": round(share, 4)}
+                for p, (ids, why) in zip(batch, results)]
+
+    return stages.run_stage(prompts, cfg.out_dir, lambda r: prepare_out_dir(cfg, meta, r, key), rank, world,
+                            barrier, cfg.batch_size, work, f"generate[{rank}] {Path(cfg.out_dir).name}", stop_after,
+                            lambda out, n: merge(out, expected=n), order=lambda p: len(p.ids))
+
+
+def merge(out_dir: Path, expected: int) -> dict:
+    """Merge every part file into ``completions.jsonl`` (sorted by index) and write ``stats.json``."""
+    return stages.merge(out_dir, MERGED, expected, completion_stats)
+
+
+def completion_stats(records: list[dict], kept: list[dict], expected: int) -> dict:
+    lengths = [len(r["completion_ids"]) for r in records]
+    return {"schema_version": SCHEMA_VERSION, "prompts": len(records), "expected_prompts": expected,
+            "complete": len(records) >= expected, "tokens": sum(lengths),
+            "mean_completion_length": sum(lengths) / max(1, len(lengths)),
+            "mean_prompt_length": sum(len(r["prompt_ids"]) for r in records) / max(1, len(records)),
+            "stop_reasons": dict(Counter(r["stop_reason"] for r in records)),
+            "per_source": dict(Counter(r["source"] for r in records)),
+            "generation_seconds": round(sum(r.get("seconds", 0.0) for r in records), 1)}
+
+
+def load_completions(out_dir: str | Path, stage: str = "stage=generate") -> list[dict]:
+    """The merged records of ``out_dir``, validated; a missing or unfinished generation names ``stage``."""
+    from pardec.jsonl import read_jsonl
+
+    out = Path(out_dir)
+    f, stats = out / MERGED, out / "stats.json"
+    if not f.is_file():
+        raise FileNotFoundError(f"{f} does not exist; generate the completions first ({stage})")
+    if stats.is_file() and not json.loads(stats.read_text()).get("complete", True):
+        raise ConfigError(f"{out} holds an unfinished generation ({stats}); finish it first: rerun {stage}")
+    records = read_jsonl(f)
+    stages.check_records(records, f, REQUIRED, SCHEMA_VERSION, f"generate again ({stage})")
+    return records
+
+
+def run_generation(cfg: GenerateConfig, lm, rank: int, world: int, barrier, key: str = "completions",
+                   stop_after: int | None = None) -> dict | None:
+    """Prompts of ``cfg.sources`` -> greedy completions of ``lm`` (a LoadedModel) in ``cfg.out_dir``; a resumed
+    generation must match the model's whole identity (``ModelConfig.identity``: weights, revision, dtype, ...)."""
+    prompts = source_prompts(cfg.sources, lm.tokenizer, lm.chat)
+    eos = lm.eos_ids
+    meta = generation_meta(cfg, lm.cfg.identity(), eos)
+    log.info("generating greedy completions of %d prompts into %s (rank %d of %d)", len(prompts), cfg.out_dir,
+             rank, world)
+    return generate(cfg, lm.model, lm.tokenizer.pad_token_id, eos, prompts, meta, rank, world, barrier,
+                    stop_after, key)
+
+
+def generate_stage(gen: GenerateConfig, model_cfg, d) -> dict | None:
+    """The ``generate`` stage of the draft and heads kinds: the target's greedy completions of ``gen.sources``
+    (``d``: this process's :class:`~pardec.training.base.Dist`)."""
+    from pardec.models.loading import load_model
+
+    barrier = d.barrier()  # first: it picks this rank's GPU
+    lm = load_model(model_cfg)
+    stats = run_generation(gen, lm, d.rank, d.world, barrier)
+    if stats:
+        log.info("completions: %s", json.dumps(stats))
+    return stats
+
+
+def eval_sources(section: dict) -> list[GenerateConfig]:
+    """The ``eval`` generation section of a draft / heads experiment: one GenerateConfig per held-out source, each
+    in its own ``<eval.out_dir>/<dataset>``."""
+    from dataclasses import replace
+
+    eval_all = generate_config(section, "eval")
+    return [replace(eval_all, sources=[s], out_dir=str(Path(eval_all.out_dir) / s.dataset.name))
+            for s in eval_all.sources]
+
+
+# ------------------------------------------------------------------------------------------- training samples
+class CompletionDataset(torch.utils.data.Dataset):
+    """One sample per record: ``prompt + completion[:-1]`` (the last completion token is only a label) and a mask
+    of the positions that predict a completion token; longer sequences lose their start (counted)."""
+
+    def __init__(self, records: list[dict], max_length: int = 1024):
+        self.records = [r for r in records if r["completion_ids"]]
+        self.max_length = max_length
+        self.n_truncated = sum(len(r["prompt_ids"]) + len(r["completion_ids"]) - 1 > max_length for r in self.records)
+
+    def __len__(self) -> int:
+        return len(self.records)
+
+    def __getitem__(self, i: int) -> dict:
+        r = self.records[i]
+        ids = (r["prompt_ids"] + r["completion_ids"])[:-1]
+        mask = [j >= len(r["prompt_ids"]) - 1 for j in range(len(ids))]  # position j predicts token j + 1
+        return {"input_ids": ids[-self.max_length :], "loss_mask": mask[-self.max_length :]}
+
+
+@dataclass
+class CompletionCollator:
+    """Left-pads samples: ``input_ids``, ``attention_mask``, ``position_ids``, ``loss_mask`` (bool), all [B, L]."""
+
+    pad_id: int
+
+    def __call__(self, samples: list[dict]) -> dict[str, torch.Tensor]:
+        ids, att, pos = left_pad([s["input_ids"] for s in samples], self.pad_id)
+        mask = torch.zeros_like(ids, dtype=torch.bool)
+        for i, s in enumerate(samples):
+            mask[i, ids.shape[1] - len(s["loss_mask"]) :] = torch.tensor(s["loss_mask"])
+        return {"input_ids": ids, "attention_mask": att, "position_ids": pos, "loss_mask": mask}
+
+
+def loss_window(mask: torch.Tensor) -> int:
+    """Positions to keep logits for: from the first masked position of any row to the end (left padding)."""
+    first = int(mask.float().argmax(-1).masked_fill(~mask.any(-1), mask.shape[1]).min())
+    return max(1, mask.shape[1] - first)
+
+
+def left_pad(seqs: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(ids, attention mask, position ids), each [N, max len], padded on the left; positions start at 0."""
+    width = max(len(s) for s in seqs)
+    ids = torch.full((len(seqs), width), pad_id, dtype=torch.long)
+    att = torch.zeros(len(seqs), width, dtype=torch.long)
+    for i, s in enumerate(seqs):
+        ids[i, width - len(s) :] = torch.tensor(s)
+        att[i, width - len(s) :] = 1
+    pos = (att.cumsum(-1) - 1).clamp(min=0)
+    return ids, att, pos

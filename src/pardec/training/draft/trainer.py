@@ -1,0 +1,223 @@
+"""`DraftConfig` + `DraftTrainer`: distil a target into a :class:`~pardec.models.draft.DraftForCausalLM` on the
+target's own greedy completions (trl's Config/Trainer pair), plus the draft's evaluation (agreement, cost).
+
+Each step runs the student with gradient and the frozen teacher (the target; a separate module, kept out of the
+optimizer and of the DeepSpeed engine, moved to the args' device) on the same batch of ``prompt + completion``
+sequences (teacher forcing), and compares their next-token distributions at the completion positions only:
+
+* ``loss="fkl"``: KL(p || q), p = the teacher's distribution restricted to the draft vocabulary and renormalised,
+  q = the student's (which has support on the draft vocabulary only). Renormalising makes p a distribution over
+  what the student can express, so the loss is 0 exactly when the draft matches the teacher there and the
+  teacher's mass outside the vocabulary (logged as ``teacher_kept_mass``) adds no constant the student cannot
+  reduce; for speculative sampling this is the best the restricted draft can do up to that mass.
+* ``loss="ce"``: cross-entropy on the teacher's argmax over the draft vocabulary (hard labels).
+
+Temperature 1. Normalisation (:class:`~pardec.training.base.BaseTrainer`): the token sum divided by the number of completion positions in
+the whole gradient-accumulation window (summed over ranks), so accumulation gives the big-batch gradient. Logged
+beside loss / lr / grad_norm: ``kl`` (token mean of the fkl, whatever the loss), ``agreement`` (teacher-forced
+top-1 agreement: student argmax == teacher argmax over the full vocabulary) and ``teacher_kept_mass``.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import time
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+from pardec.config import ConfigError
+from pardec.training.base import BaseConfig, BaseTrainer, Dist, fit, training_args, unwrap
+from pardec.training.completions import CompletionCollator, CompletionDataset, loss_window
+from pardec.training.losses import masked_sum, token_divergence
+
+LOSSES = ("fkl", "ce")
+
+
+# ------------------------------------------------------------------------------------------- loss
+def distill_token_loss(student: torch.Tensor, teacher: torch.Tensor, loss: str = "fkl") -> torch.Tensor:
+    """Per-position loss [...] between student logits [..., K] (gradient flows) and the teacher's logits on the
+    same K kept ids [..., K] (detached; renormalised over K by the log-softmax)."""
+    if loss == "fkl":
+        return token_divergence(student, teacher, "fkl")
+    if loss == "ce":
+        return F.cross_entropy(student.float().flatten(0, -2), teacher.detach().argmax(-1).flatten(),
+                               reduction="none").view(student.shape[:-1])
+    raise ValueError(f"distill loss={loss!r} is not valid; choose one of: {', '.join(LOSSES)}")
+
+
+# ------------------------------------------------------------------------------------------- trainer
+@dataclass
+class DraftConfig(BaseConfig):
+    loss: str = field(default="fkl", metadata={"help": "fkl: KL(teacher || student) on the draft vocab | ce"})
+    max_length: int = field(default=1024, metadata={"help": "longer samples are truncated from the left"})
+
+    @classmethod
+    def check_values(cls, values: dict) -> None:
+        if "loss" in values and values["loss"] not in LOSSES:
+            raise ConfigError(f"trainer.loss={values['loss']!r} is not valid; choose one of: {', '.join(LOSSES)}")
+        if values.get("max_length", 2) < 2:
+            raise ConfigError(f"trainer.max_length={values['max_length']!r} is out of range: it must be >= 2")
+
+
+class DraftTrainer(BaseTrainer):
+    args: DraftConfig
+    log_sums_size = 4  # kl sum, agreement sum, kept mass sum, count
+
+    def __init__(self, *args, teacher: torch.nn.Module, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.teacher = teacher.to(self.args.device).eval().requires_grad_(False)  # not a submodule of the model
+
+    def window_counts(self, batches: list[dict]) -> int:
+        """Completion positions in the accumulation window."""
+        return sum(int(b["loss_mask"].sum()) for b in batches)
+
+    def compute_loss(self, model, inputs, return_outputs: bool = False, num_items_in_batch=None):
+        mask = inputs["loss_mask"]
+        k = loss_window(mask)
+        mask = mask[:, -k:]  # [B, k]
+        kw = {key: inputs[key] for key in ("input_ids", "attention_mask", "position_ids")}
+        out = model(**kw, logits_to_keep=k, draft_logits=True)
+        student = out.logits  # [B, k, K]
+        vocab = unwrap(model).vocab_ids(student.device)  # [K]
+        with torch.no_grad():
+            full = self.teacher(**kw, logits_to_keep=k).logits.to(student.device)  # [B, k, V]
+            teacher = full[..., vocab]  # [B, k, K]
+        per_token = distill_token_loss(student, teacher, self.args.loss)
+        l_sum, count = masked_sum(per_token, mask)
+        norm = count if num_items_in_batch is None else num_items_in_batch.to(l_sum.device)
+        loss = self.for_ranks(l_sum / norm.clamp(min=1))
+        if model.training:
+            with torch.no_grad():
+                kl = per_token if self.args.loss == "fkl" else token_divergence(student, teacher, "fkl")
+                agree = vocab[student.argmax(-1)] == full.argmax(-1)
+                kept = torch.exp(torch.logsumexp(teacher.float(), -1) - torch.logsumexp(full.float(), -1))
+                sums = [masked_sum(x.float(), mask)[0] for x in (kl, agree, kept)]
+                self.add_log_sums(torch.stack([*sums, count.float()]))
+        return (loss, out) if return_outputs else loss
+
+    def log_metrics(self, logs: dict[str, float], sums: list[float]) -> None:
+        kl, agree, kept, n = sums
+        logs.update(kl=kl / max(n, 1.0), agreement=agree / max(n, 1.0), teacher_kept_mass=kept / max(n, 1.0))
+
+
+# ------------------------------------------------------------------------------------------- evaluation
+@torch.inference_mode()
+def agreement(draft, target, records: list[dict], pad_id: int, batch_size: int = 8) -> dict:
+    """Teacher-forced top-1 agreement on ``records`` (prompt + target completion): the fraction of completion
+    positions where argmax draft == argmax target; also how often the target's argmax is the recorded token."""
+    ds = CompletionDataset(records, max_length=1 << 30)
+    collate = CompletionCollator(pad_id)
+    agree = same = n = 0
+    for start in range(0, len(ds), batch_size):
+        b = collate([ds[i] for i in range(start, min(start + batch_size, len(ds)))])
+        k = loss_window(b["loss_mask"])
+        mask = b["loss_mask"][:, -k:]
+        kw = {key: b[key].to(target.device) for key in ("input_ids", "attention_mask", "position_ids")}
+        t = target(**kw, logits_to_keep=k).logits.argmax(-1).cpu()  # [B, k]
+        d = draft(**{x: v.to(draft.device) for x, v in kw.items()}, logits_to_keep=k).logits.argmax(-1).cpu()
+        agree += int((t == d)[mask].sum())
+        n += int(mask.sum())
+        for row in range(len(t)):  # row's masked positions predict exactly its completion tokens
+            same += int((t[row][mask[row]] == torch.tensor(ds.records[start + row]["completion_ids"])).sum())
+    return {"positions": n, "agreement": agree / max(n, 1), "target_matches_record": same / max(n, 1)}
+
+
+@torch.inference_mode()
+def forward_ms(model, context: list[int], repeats: int = 20, warmup: int = 3, tokens: int = 1) -> float:
+    """Median wall time (ms) of a cached forward of the last ``tokens`` tokens of ``context`` after the others
+    (the cache is cut back each time): a drafting step (1 token) or a verification forward (gamma + 1)."""
+    from pardec.models.cached import CachedModel
+
+    cm = CachedModel(model)
+    ids = torch.tensor([context])
+    cm.prefill(ids[:, :-tokens])
+    base = cm.length
+    times = []
+    for i in range(warmup + repeats):
+        t0 = time.perf_counter()
+        cm.forward(ids[:, -tokens:])
+        if model.device.type == "cuda":
+            torch.cuda.synchronize()
+        if i >= warmup:
+            times.append((time.perf_counter() - t0) * 1e3)
+        cm.truncate(base)
+    return statistics.median(times)
+
+
+# ------------------------------------------------------------------------------------------- app stages
+def train_draft(spec, run_dir, d: Dist) -> dict:
+    """The train stage of a ``kind: draft`` experiment (``spec``: :class:`~pardec.training.draft.DraftSpec`):
+    student = build_draft(target, layers, vocab chosen from the completions' token counts); final model to
+    ``<run>/final``."""
+    from collections import Counter
+    from dataclasses import replace
+
+    from pardec.models.draft import build_draft, choose_vocab
+    from pardec.models.loading import load_model
+    from pardec.training.completions import load_completions
+
+    args = training_args(DraftConfig, spec, run_dir)  # before the model, as ZeRO-3 requires
+    records = load_completions(spec.gen.out_dir)
+    lm = load_model(replace(spec.model, device="cpu", dtype=spec.model_dtype))  # the Trainer places the student
+    tok, target = lm.tokenizer, lm.model
+    counts = Counter(t for r in records for t in r["completion_ids"])
+    special = {*tok.all_special_ids, tok.pad_token_id, *lm.eos_ids}
+    vocab = choose_vocab(counts, spec.vocab_size, sorted(i for i in special if i is not None),
+                         target.config.vocab_size)
+    student = build_draft(target, spec.layers, vocab)
+    if spec.freeze_embeddings:
+        student.model.embed_tokens.weight.requires_grad_(False)
+    kept = set(vocab)
+    covered = sum(c for t, c in counts.items() if t in kept) / max(1, sum(counts.values()))
+    ds = CompletionDataset(records, args.max_length)
+    trainer = DraftTrainer(model=student, args=args, train_dataset=ds, data_collator=CompletionCollator(
+        tok.pad_token_id), processing_class=tok, teacher=target)
+
+    def finish(final) -> dict:
+        trainer.model.config.use_cache = True  # the Trainer turned it off for training; decoding wants it
+        trainer.save_model(str(final))  # also the tokenizer (processing_class)
+        if d.rank == 0:
+            student.generation_config.save_pretrained(final)
+        return {"samples": len(ds), "truncated_samples": ds.n_truncated, "draft_layers": spec.layers,
+                "draft_vocab_size": len(vocab), "completion_tokens_covered_by_vocab": covered,
+                "trainable_parameters": sum(p.numel() for p in student.parameters() if p.requires_grad),
+                "final_model": str(final)}
+
+    return fit(trainer, spec, run_dir, d, finish)
+
+
+def evaluate_draft(spec, run_dir) -> dict:
+    """The eval stage: greedy target completions of each held-out source (resumable, own out dir), teacher-forced
+    top-1 agreement of ``<run>/final`` vs the target on them, and both models' 1-token forward time."""
+    from dataclasses import replace
+
+    from pardec.config import ModelConfig
+    from pardec.models.loading import load_model
+    from pardec.training.completions import load_completions, run_generation
+
+    final = run_dir / "final"
+    if not (final / "config.json").is_file():
+        raise FileNotFoundError(f"no trained draft in {final}; run stage=train first")
+    lm = load_model(replace(spec.model, dtype="fp32"))
+    draft = load_model(ModelConfig(name="draft", source="local", path=str(final), dtype="fp32",
+                                   device=spec.model.device)).model
+    pad = lm.tokenizer.pad_token_id
+    result: dict = {"draft": str(final), "target": spec.model.name, "threads": torch.get_num_threads(),
+                    "agreement": {}}
+    records_all = []
+    for g in spec.eval_gen:
+        run_generation(g, lm, 0, 1, None, "eval")
+        records = load_completions(g.out_dir, "stage=eval")
+        result["agreement"][g.sources[0].dataset.name] = agreement(draft, lm.model, records, pad, g.batch_size)
+        records_all += records
+    n = sum(a["positions"] for a in result["agreement"].values())
+    result["agreement_overall"] = sum(a["agreement"] * a["positions"] for a in result["agreement"].values()) / max(n, 1)
+    context = [t for r in records_all for t in r["prompt_ids"] + r["completion_ids"]][: spec.eval_context]
+    t_ms = forward_ms(lm.model, context, spec.eval_repeats)
+    d_ms = forward_ms(draft, context, spec.eval_repeats)
+    result["cost"] = {"context": len(context), "target_ms": t_ms, "draft_ms": d_ms, "draft_over_target": d_ms / t_ms}
+    (run_dir / "draft_eval.json").write_text(json.dumps(result, indent=2) + "\n")
+    return result

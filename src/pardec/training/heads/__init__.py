@@ -1,0 +1,107 @@
+"""Kind ``heads``: drafters trained on the target itself, which draft several tokens from one target forward:
+Medusa heads (``heads.type: medusa``) or FIRP projections (``heads.type: firp``), self-distilled on the target's own
+completions (``python -m train +experiment=heads_<type>_<name>``; the artifacts: :mod:`pardec.models.heads`).
+
+Stages (``stage=generate|train|eval|all``):
+
+* ``generate``: the target's greedy completions of ``completions.sources`` into ``completions.out_dir``
+  (:mod:`pardec.training.completions`; the SmolLM2 experiments share draft_smollm2's);
+* ``train``: :class:`~.trainer.HeadsTrainer`; the drafter goes to ``<run dir>/final``;
+* ``eval`` (rank 0): completions of the held-out ``eval.sources`` (``<eval.out_dir>/<dataset>``), per-depth rank
+  accuracies of the drafter's candidates, trees for ``eval.budgets`` in ``<run dir>/final/trees``, all summarised
+  in ``<run dir>/heads_eval.json``.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from omegaconf import DictConfig
+
+from pardec.config import ConfigError
+from pardec.training.kinds import Kind, Spec, check_layers, common_fields, is_int, known, register_kind
+
+#: keys of the ``heads`` section per type
+HEADS_KEYS = {"medusa": ("type", "num_heads", "num_blocks", "head_decay"), "firp": ("type", "layers")}
+
+
+@dataclass
+class HeadsSpec(Spec):
+    heads: dict  # type, num_heads, num_blocks (medusa) / layers (firp)
+    head_decay: float
+    gen: Any  # pardec.training.completions.GenerateConfig: the training completions
+    eval_gen: list  # one GenerateConfig per held-out source, each with its own out_dir
+    topk: int
+    budgets: list[int]
+
+
+@register_kind("heads")
+class HeadsKind(Kind):
+    name = "heads"
+    stages = ("generate", "train", "eval")
+    rank0_stages = ("eval",)
+    example = "heads_medusa_tiny"
+
+    def validate(self, cfg: DictConfig, name: str) -> HeadsSpec:
+        """Check a heads config before anything heavy loads (FIRP layers against the target's layer count when its
+        config can be read without loading weights, else when the drafter is built)."""
+        from pardec.training.completions import eval_sources, generate_config
+        from pardec.training.heads.trainer import HeadsConfig
+
+        heads, completions, ev = self.sections(cfg, "heads", "completions", "eval")
+        kind = heads.get("type")
+        if kind not in HEADS_KEYS:
+            raise ConfigError(f"heads.type={kind!r} is not valid; choose one of: {', '.join(HEADS_KEYS)}")
+        known(heads, HEADS_KEYS[kind], f"heads (type {kind})")
+        head_decay = 1.0
+        if kind == "medusa":
+            for key in ("num_heads", "num_blocks"):
+                v = heads.setdefault(key, 3 if key == "num_heads" else 1)
+                if not is_int(v) or v < 1:
+                    raise ConfigError(f"heads.{key}={v!r} is out of range: it must be an integer >= 1")
+            head_decay = heads.pop("head_decay", 0.8)
+            if isinstance(head_decay, bool) or not isinstance(head_decay, (int, float)) or not 0 < head_decay <= 1:
+                raise ConfigError(f"heads.head_decay={head_decay!r} is out of range: it must be a number in (0, 1]")
+            head_decay = float(head_decay)
+        else:
+            layers = heads.get("layers")
+            if not isinstance(layers, list) or not layers or not all(is_int(i) for i in layers):
+                raise ConfigError(f"heads.layers={layers!r} is not valid: give a non-empty list of target layer "
+                                  f"indices (one per pseudo step)")
+            if layers != sorted(layers):
+                raise ConfigError(f"heads.layers={layers} is not valid: the layers must be nondecreasing")
+        gen = generate_config(completions, "completions")
+        topk, budgets = ev.pop("topk", 10), ev.pop("budgets", [16, 32, 63])
+        if not is_int(topk) or topk < 1:
+            raise ConfigError(f"eval.topk={topk!r} is out of range: it must be an integer >= 1")
+        if not isinstance(budgets, list) or not budgets or not all(is_int(b) and b >= 1 for b in budgets):
+            raise ConfigError(f"eval.budgets={budgets!r} is not valid: give a non-empty list of integers >= 1 "
+                              f"(tree sizes)")
+        common = common_fields(cfg, name, HeadsConfig,
+                               elsewhere={"head_decay": "Medusa's head_decay is heads.head_decay"})
+        if kind == "firp":
+            check_layers(heads["layers"], common["model"], "heads.layers")
+        return HeadsSpec(**common, heads=heads, head_decay=head_decay, gen=gen, eval_gen=eval_sources(ev),
+                         topk=topk, budgets=budgets)
+
+    def stage_generate(self, spec: HeadsSpec, run_dir: Path, d) -> dict | None:
+        from pardec.training.completions import generate_stage
+
+        return generate_stage(spec.gen, spec.model, d)
+
+    def stage_train(self, spec: HeadsSpec, run_dir: Path, d) -> dict:
+        from pardec.training.heads.trainer import train_heads
+
+        return train_heads(spec, run_dir, d)
+
+    def stage_eval(self, spec: HeadsSpec, run_dir: Path, d) -> dict:
+        from pardec.training.heads.trainer import evaluate_heads
+
+        result = evaluate_heads(spec, run_dir)
+        out = {k: result[k] for k in ("positions", "parameters", "trees")}
+        out["topk_accuracy"] = result["overall"]["topk_accuracy"]
+        print(json.dumps(out, indent=2))
+        return out

@@ -1,0 +1,318 @@
+"""`HeadsConfig` + `HeadsTrainer`: self-distil a head/projection drafter (:mod:`pardec.models.heads`: Medusa heads,
+FIRP projections) on the target's own greedy completions, plus its held-out evaluation and tree search.
+
+The trainer's model is the drafter (a plain ``nn.Module``); the target ("base") is frozen, kept outside the
+optimizer and the DeepSpeed engine (as DraftTrainer's teacher) and moved to the args' device. Each sample is
+``prompt + completion[:-1]`` (:class:`~pardec.training.completions.CompletionDataset`, cut from the left to
+``max_length``), right-padded by :class:`RightPadCollator`: pads sit at the end, so no real token and no pseudo
+state ever attends to one and no key mask is needed.
+
+Loss (soft targets, temperature 1): for depth ``k`` (0-based) and position ``t``,
+``KL(p_{t+k+1} || q_{t,k})`` with ``p_j`` = the base's next-token distribution at position ``j`` (detached) and
+``q_{t,k}`` = head ``k`` (Medusa) / pseudo step ``k`` (FIRP) at anchor ``t``: both predict the token at
+``t + k + 2``. A term counts where ``p_{t+k+1}`` predicts a completion token (the loss mask of position
+``t + k + 1``; never a pad). Weights: Medusa ``head_decay ** k`` (Medusa-1's decay), FIRP 1 per step (the paper
+sums the steps). The weighted sum is divided by the number of (position, depth) terms in the whole
+gradient-accumulation window (summed over ranks), so accumulation gives the big-batch gradient.
+
+FIRP is trained *jointly*: all K projections in one forward, the loss summed over the steps. Pseudo step ``i``
+attends to steps ``< i`` of its anchor, so the loss of a later step also reaches earlier projections through
+attention; the FIRP paper trains each projection separately.
+
+Logged beside loss / lr / grad_norm, per depth ``d = k + 1``: ``kl_d<d>`` (mean forward KL) and ``top1_d<d>``
+(teacher-forced top-1 agreement: student argmax == teacher argmax), plus their term-weighted means ``kl`` and
+``top1``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from pardec.config import ConfigError
+from pardec.training.base import BaseConfig, BaseTrainer, Dist, fit, training_args, unwrap
+from pardec.training.losses import masked_sum, token_divergence
+
+log = logging.getLogger(__name__)
+
+
+# ------------------------------------------------------------------------------------------- data
+@dataclass
+class RightPadCollator:
+    """Right-pads samples of a CompletionDataset: ``input_ids`` [B, T] (``pad_id`` after the end), ``valid``
+    [B, T] (real tokens) and ``loss_mask`` [B, T] (positions whose next token is a completion token)."""
+
+    pad_id: int
+
+    def __call__(self, samples: list[dict]) -> dict[str, torch.Tensor]:
+        width = max(len(s["input_ids"]) for s in samples)
+        ids = torch.full((len(samples), width), self.pad_id, dtype=torch.long)
+        valid = torch.zeros(len(samples), width, dtype=torch.bool)
+        mask = torch.zeros(len(samples), width, dtype=torch.bool)
+        for i, s in enumerate(samples):
+            n = len(s["input_ids"])
+            ids[i, :n] = torch.tensor(s["input_ids"], dtype=torch.long)
+            valid[i, :n] = True
+            mask[i, :n] = torch.tensor(s["loss_mask"], dtype=torch.bool)
+        return {"input_ids": ids, "valid": valid, "loss_mask": mask & valid}
+
+
+def term_count(loss_mask: torch.Tensor, k: int) -> int:
+    """The (position, depth) terms of a batch: depth ``d`` (0-based) pairs anchor ``t`` with target ``t + d + 1``."""
+    return sum(int(loss_mask[:, d + 1 :].sum()) for d in range(k))
+
+
+def window_start(loss_mask: torch.Tensor, k: int) -> int:
+    """The first anchor any term needs: ``k`` before the first masked position of any row (0 if none sooner)."""
+    any_row = loss_mask.any(0)
+    if not bool(any_row.any()):
+        return max(0, loss_mask.shape[1] - 1)
+    return max(0, int(any_row.float().argmax()) - k)
+
+
+def depth_weights(kind: str, k: int, head_decay: float) -> list[float]:
+    return [head_decay**d for d in range(k)] if kind == "medusa" else [1.0] * k
+
+
+def drafter_forward(base, drafter_call, drafter, ids: torch.Tensor, start: int,
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(teacher logits [B, n, V] of positions ``start..T-1`` (detached), student logits [B, n, K, V] of anchors
+    ``start..T-1``); ``drafter_call`` is the (possibly wrapped) module to call, ``drafter`` the bare one."""
+    from pardec.models.cached import CachedModel
+
+    t = ids.shape[1]
+    window = torch.arange(start, t)
+    if drafter.kind == "medusa":
+        with torch.no_grad():
+            hidden = base.model(input_ids=ids).last_hidden_state[:, start:]  # after the final norm
+            teacher = base.lm_head(hidden)
+        w = next(drafter.parameters())
+        return teacher, drafter_call(hidden.to(w.dtype))
+    cm = CachedModel(base)
+    out = cm.forward_pseudo(ids, drafter_call, drafter.layers, anchors=window, logits_at=window, split=True)
+    return out.logits.detach(), cm.lm_head(out.pseudo)
+
+
+def depth_terms(teacher: torch.Tensor, student: torch.Tensor, mask: torch.Tensor, d: int):
+    """Depth ``d``: (per-term KL [B, n-d-1], teacher argmax, student argmax, mask), aligned; None if empty.
+    ``mask`` [B, n]: the loss mask of the window's positions."""
+    n = teacher.shape[1]
+    if n - d - 1 <= 0:
+        return None
+    s, p = student[:, : n - d - 1, d], teacher[:, d + 1 :]
+    return token_divergence(s, p, "fkl"), p.argmax(-1), s.argmax(-1), mask[:, d + 1 :]
+
+
+# ------------------------------------------------------------------------------------------- trainer
+@dataclass
+class HeadsConfig(BaseConfig):
+    max_length: int = field(default=1024, metadata={"help": "longer samples are truncated from the left"})
+    head_decay: float = field(default=0.8, metadata={"help": "Medusa: head k (0-based) weighs head_decay**k"})
+
+    @classmethod
+    def check_values(cls, values: dict) -> None:
+        if values.get("max_length", 2) < 2:
+            raise ConfigError(f"trainer.max_length={values['max_length']!r} is out of range: it must be >= 2")
+        if not 0.0 < values.get("head_decay", 0.8) <= 1.0:
+            raise ConfigError(f"heads.head_decay={values['head_decay']!r} is out of range: it must be in (0, 1]")
+
+
+class HeadsTrainer(BaseTrainer):
+    args: HeadsConfig
+
+    def __init__(self, *args, base: torch.nn.Module, **kwargs):
+        self.k = unwrap(kwargs["model"]).k
+        self.log_sums_size = 3 * self.k  # kl sums, agreement sums, counts per depth
+        super().__init__(*args, **kwargs)
+        self.base = base.to(self.args.device).eval().requires_grad_(False)  # not a submodule of the drafter
+
+    def window_counts(self, batches: list[dict]) -> int:
+        """(position, depth) terms in the accumulation window."""
+        return sum(term_count(b["loss_mask"], self.k) for b in batches)
+
+    def compute_loss(self, model, inputs, return_outputs: bool = False, num_items_in_batch=None):
+        drafter = unwrap(model)
+        ids, mask = inputs["input_ids"], inputs["loss_mask"].to(torch.bool)
+        start = window_start(mask, self.k)
+        teacher, student = drafter_forward(self.base, model, drafter, ids, start)
+        mask = mask[:, start:].to(student.device)
+        weights = depth_weights(drafter.kind, self.k, self.args.head_decay)
+        total = student.sum() * 0.0  # keeps the graph when no term counts
+        count = torch.zeros((), dtype=torch.long, device=student.device)
+        stats = torch.zeros(3 * self.k, dtype=torch.float64)
+        for d in range(self.k):
+            terms = depth_terms(teacher.to(student.device), student, mask, d)
+            if terms is None:
+                continue
+            kl, t_arg, s_arg, m = terms
+            l_sum, c = masked_sum(kl, m)
+            total = total + weights[d] * l_sum
+            count = count + c
+            if model.training:
+                with torch.no_grad():
+                    stats[d] = float(l_sum)
+                    stats[self.k + d] = float(masked_sum((t_arg == s_arg).float(), m)[0])
+                    stats[2 * self.k + d] = float(c)
+        norm = count if num_items_in_batch is None else num_items_in_batch.to(total.device)
+        loss = self.for_ranks(total / norm.clamp(min=1))
+        if model.training:
+            self.add_log_sums(stats)
+        return (loss, student) if return_outputs else loss
+
+    def log_metrics(self, logs: dict[str, float], sums: list[float]) -> None:
+        k = self.k
+        kl, agree, n = sums[:k], sums[k : 2 * k], sums[2 * k :]
+        for d in range(k):
+            logs[f"kl_d{d + 1}"] = kl[d] / max(n[d], 1.0)
+            logs[f"top1_d{d + 1}"] = agree[d] / max(n[d], 1.0)
+        logs["kl"] = sum(kl) / max(sum(n), 1.0)
+        logs["top1"] = sum(agree) / max(sum(n), 1.0)
+
+
+# ------------------------------------------------------------------------------------------- evaluation
+@torch.inference_mode()
+def future_ranks(base, drafter, records: list[dict]) -> tuple[torch.Tensor, torch.Tensor, dict]:
+    """Teacher-forced ranks of the true future tokens on ``records`` (prompt + the target's greedy completion).
+
+    Anchors are the positions ``t`` from the prompt's last token to the completion's third-to-last token; at
+    depth ``k`` (0-based) the true token is the record's token ``t + k + 2`` (valid while it is a completion
+    token). Its rank is the number of the drafter's logits at that depth strictly above its logit.
+    Returns (ranks [N, K], valid [N, K], {"anchors", "target_matches_record"}).
+    """
+    from pardec.models.cached import CachedModel
+
+    k = drafter.k
+    all_ranks, all_valid = [], []
+    same = anchors_n = 0
+    device = next(base.parameters()).device
+    for r in records:
+        full = list(r["prompt_ids"]) + list(r["completion_ids"])
+        p, n = len(r["prompt_ids"]), len(full)
+        if n - 3 < p - 1:
+            continue
+        ids = torch.tensor([full[:-1]], device=device)
+        anchors = torch.arange(p - 1, n - 2)  # t + 2 <= n - 1
+        if drafter.kind == "medusa":
+            hidden = base.model(input_ids=ids).last_hidden_state[0, anchors.to(device)]
+            target_logits = base.lm_head(hidden)
+            logits = drafter(hidden.to(next(drafter.parameters()).dtype))  # [A, K, V]
+        else:
+            cm = CachedModel(base)
+            out = cm.forward_pseudo(ids, drafter, drafter.layers, anchors=anchors, logits_at=anchors)
+            target_logits, logits = out.logits[0], cm.lm_head(out.pseudo)[0]
+        pos = anchors[:, None] + torch.arange(k)[None, :] + 2  # [A, K] positions of the true tokens
+        valid = pos <= n - 1
+        true = torch.tensor(full)[pos.clamp(max=n - 1)]
+        logits = logits.float().cpu()
+        true_logit = logits.gather(-1, true[..., None])
+        all_ranks.append((logits > true_logit).sum(-1))
+        all_valid.append(valid)
+        same += int((target_logits.argmax(-1).cpu() == torch.tensor(full)[anchors + 1]).sum())
+        anchors_n += len(anchors)
+    if not all_ranks:
+        return torch.zeros(0, k, dtype=torch.long), torch.zeros(0, k, dtype=torch.bool), {"anchors": 0,
+                                                                                         "target_matches_record": 0.0}
+    return (torch.cat(all_ranks), torch.cat(all_valid),
+            {"anchors": anchors_n, "target_matches_record": same / max(anchors_n, 1)})
+
+
+def accuracy_report(ranks: torch.Tensor, valid: torch.Tensor, topk: int) -> dict:
+    from pardec.decoding.tree_search import rank_accuracies, topk_accuracy
+
+    acc = rank_accuracies(ranks, topk, valid)
+    return {"positions": int(ranks.shape[0]), "valid_per_depth": valid.sum(0).tolist(),
+            "rank_accuracy": acc, "topk_accuracy": topk_accuracy(acc)}
+
+
+# ------------------------------------------------------------------------------------------- app stages
+def _new_drafter(spec, base):
+    from pardec.models.heads import new_drafter
+
+    h = spec.heads
+    if h["type"] == "medusa":
+        return new_drafter("medusa", base.config, num_heads=h["num_heads"], num_blocks=h["num_blocks"],
+                           lm_head=base.lm_head)
+    return new_drafter("firp", base.config, layers=h["layers"])
+
+
+def train_heads(spec, run_dir, d: Dist) -> dict:
+    """The train stage of a ``kind: heads`` experiment (``spec``: :class:`~pardec.training.heads.HeadsSpec`): a
+    fresh drafter trained on ``load_completions(spec.gen.out_dir)``; saved with ``save_drafter`` to ``<run>/final``."""
+    from dataclasses import replace
+
+    from pardec.models.heads import num_parameters, save_drafter
+    from pardec.models.loading import load_model
+    from pardec.training.completions import CompletionDataset, load_completions
+
+    args = training_args(HeadsConfig, spec, run_dir, head_decay=spec.head_decay)  # before the model (ZeRO-3)
+    records = load_completions(spec.gen.out_dir)
+    lm = load_model(replace(spec.model, device="cpu", dtype=spec.model_dtype))  # the Trainer places the drafter
+    base = lm.model.requires_grad_(False)
+    drafter = _new_drafter(spec, base)
+    ds = CompletionDataset(records, args.max_length)
+    pad = lm.tokenizer.pad_token_id
+    trainer = HeadsTrainer(model=drafter, args=args, train_dataset=ds,
+                           data_collator=RightPadCollator(0 if pad is None else pad), base=base)
+    t0 = time.perf_counter()
+
+    def finish(final) -> dict:
+        tokens = sum(len(ds[i]["input_ids"]) for i in range(len(ds)))
+        facts = {"train_seconds": round(time.perf_counter() - t0, 1), "samples": len(ds), "tokens": tokens,
+                 "steps": trainer.state.global_step, "epochs": args.num_train_epochs, "experiment": spec.experiment,
+                 **({"head_decay": spec.head_decay} if spec.heads["type"] == "medusa" else {})}
+        if d.rank == 0:
+            save_drafter(trainer.model, final, base.config, spec.model.name, extra=facts)
+        return {**facts, "truncated_samples": ds.n_truncated, "kind": spec.heads["type"],
+                "trainable_parameters": num_parameters(drafter), "final_drafter": str(final)}
+
+    return fit(trainer, spec, run_dir, d, finish)
+
+
+def evaluate_heads(spec, run_dir) -> dict:
+    """The eval stage: greedy target completions of each held-out source (resumable, own out dir), the ranks of the
+    true future tokens under ``<run>/final`` at each depth, per-rank accuracies, and trees searched for
+    ``spec.budgets`` (``<run>/final/trees/T<budget>.json``); all into ``<run>/heads_eval.json``."""
+    from dataclasses import replace
+
+    from pardec.decoding.tree_search import chain_paths, expected_accept_length, save_tree, search_tree
+    from pardec.models.heads import load_drafter, num_parameters
+    from pardec.models.loading import load_model
+    from pardec.training.completions import load_completions, run_generation
+
+    final = run_dir / "final"
+    if not (final / "drafter.json").is_file():
+        raise FileNotFoundError(f"no trained drafter in {final}; run stage=train first")
+    lm = load_model(replace(spec.model, dtype="fp32"))
+    kind = spec.heads["type"]
+    drafter, meta = load_drafter(final, lm.model.config, kind, key="final")
+    drafter = drafter.to(lm.model.device)
+    result: dict = {"drafter": str(final), "kind": kind, "target": spec.model.name, "k": drafter.k,
+                    "parameters": num_parameters(drafter), "topk": spec.topk, "per_dataset": {}}
+    ranks_all, valid_all = [], []
+    for g in spec.eval_gen:
+        run_generation(g, lm, 0, 1, None, "eval")
+        records = load_completions(g.out_dir, "stage=eval")
+        ranks, valid, extra = future_ranks(lm.model, drafter, records)
+        result["per_dataset"][g.sources[0].dataset.name] = {**accuracy_report(ranks, valid, spec.topk), **extra}
+        ranks_all.append(ranks)
+        valid_all.append(valid)
+    ranks, valid = torch.cat(ranks_all), torch.cat(valid_all)
+    overall = accuracy_report(ranks, valid, spec.topk)
+    result["overall"] = overall
+    result["positions"] = overall["positions"]
+    acc = overall["rank_accuracy"]
+    result["trees"] = {"chain": {"nodes": drafter.k,
+                                 "expected_accept_length": expected_accept_length(acc, chain_paths(drafter.k))}}
+    source = {"drafter": str(final), "kind": kind, "target": spec.model.name, "experiment": spec.experiment,
+              "positions": overall["positions"], "topk": spec.topk}
+    for b in spec.budgets:
+        paths = search_tree(acc, b)
+        f = save_tree(final / "trees" / f"T{b}.json", f"T{b}", paths, acc, {**source, "budget": b})
+        result["trees"][f"T{b}"] = {"nodes": len(paths), "expected_accept_length": expected_accept_length(acc, paths),
+                                    "file": str(f)}
+    (run_dir / "heads_eval.json").write_text(json.dumps(result, indent=2) + "\n")
+    return result

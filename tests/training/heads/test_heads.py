@@ -1,0 +1,202 @@
+"""Medusa / FIRP self-distillation on tiny random Llamas: the loss against a hand computation (alignment of head k
+at t with the target at t + k + 1, padding, the head_decay weights, the accumulation normaliser), then
+`+experiment=heads_medusa_tiny` / `heads_firp_tiny` end to end (generate -> train -> eval -> trees), resume, config errors."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from pardec.config import ConfigError, check_overrides
+from pardec.decoding.tree_search import resolve_tree
+from pardec.models.cached import CachedModel
+from pardec.models.heads import load_drafter, new_drafter
+from pardec.train import run, validate
+from pardec.training.completions import CompletionDataset
+from pardec.training.heads.trainer import (
+    HeadsConfig,
+    HeadsTrainer,
+    RightPadCollator,
+    future_ranks,
+    term_count,
+)
+from tests.conftest import tiny
+from tests.training.test_train_app import _compose
+
+RECORDS = [  # prompt + completion lengths 11 and 6: the second row is right-padded by 5
+    {"prompt_ids": [700, 701, 702, 703, 704], "completion_ids": [10, 11, 12, 13, 14, 15]},
+    {"prompt_ids": [800, 801, 802], "completion_ids": [20, 21, 22]},
+]
+
+
+def _perturbed(kind: str, model, seed: int = 0):
+    drafter = (new_drafter("medusa", model.config, num_heads=3, lm_head=model.lm_head) if kind == "medusa"
+               else new_drafter("firp", model.config, layers=[0, 1, 1]))
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in drafter.parameters():
+            p.add_(torch.randn(p.shape, generator=g) * 0.05)
+    return drafter
+
+
+def _hand(kind: str, model, drafter, decay: float) -> tuple[float, list[float], list[int]]:
+    """(weighted KL sum, per-depth KL sums, per-depth term counts), one unpadded sequence at a time."""
+    k = drafter.k
+    total, per, counts = 0.0, [0.0] * k, [0] * k
+    with torch.no_grad():
+        for r in RECORDS:
+            seq = (r["prompt_ids"] + r["completion_ids"])[:-1]
+            ids = torch.tensor([seq])
+            teacher = model(ids).logits[0]  # [T, V]
+            if kind == "medusa":
+                student = drafter(model.model(input_ids=ids).last_hidden_state[0])  # [T, K, V]
+            else:
+                cm = CachedModel(model)
+                student = cm.lm_head(cm.forward_pseudo(ids, drafter, drafter.layers).pseudo)[0]
+            for t in range(len(seq)):
+                for d in range(k):
+                    j = t + d + 1  # the teacher position whose next token head d at t predicts
+                    if j >= len(seq) or j < len(r["prompt_ids"]) - 1:  # past the end / predicts a prompt token
+                        continue
+                    p = teacher[j].softmax(-1)
+                    kl = float((p * (p.log() - student[t, d].log_softmax(-1))).sum())
+                    w = decay**d if kind == "medusa" else 1.0
+                    total += w * kl
+                    per[d] += kl
+                    counts[d] += 1
+    return total, per, counts
+
+
+@pytest.mark.parametrize("kind", ["medusa", "firp"])
+def test_loss_matches_a_hand_computation(tmp_path, kind):
+    lm = tiny(0)
+    model = lm.model.requires_grad_(False)
+    drafter = _perturbed(kind, model)
+    ds = CompletionDataset(RECORDS, max_length=64)
+    batch = RightPadCollator(0)([ds[0], ds[1]])
+    assert batch["input_ids"].shape == (2, 10) and batch["valid"][1].tolist() == [True] * 5 + [False] * 5
+    assert not batch["loss_mask"][1, 5:].any()
+    args = HeadsConfig(output_dir=str(tmp_path), use_cpu=True, report_to="none", head_decay=0.5)
+    trainer = HeadsTrainer(model=drafter, args=args, train_dataset=ds, data_collator=RightPadCollator(0), base=model)
+    total, per, counts = _hand(kind, model, drafter, 0.5)
+    n = sum(counts)
+    assert n == term_count(batch["loss_mask"], 3) and counts == [9, 9, 8]  # anchors may sit in the prompt
+    drafter.train()
+    loss = trainer.compute_loss(drafter, batch)
+    assert abs(float(loss.detach()) - total / n) < 1e-4 * max(1.0, total / n)
+    kl_sums, counted = trainer._log_sums[:3].tolist(), trainer._log_sums[6:].tolist()
+    assert counted == counts
+    torch.testing.assert_close(torch.tensor(kl_sums), torch.tensor(per), rtol=1e-4, atol=1e-5)
+    window = trainer.compute_loss(drafter, batch, num_items_in_batch=torch.tensor(4 * n))  # a 4x window
+    assert abs(float(window.detach()) - total / (4 * n)) < 1e-4 * max(1.0, total / n)
+    window.backward()
+    assert all(p.grad is not None for p in drafter.parameters())
+    assert all(p.grad is None for p in model.parameters())
+    logs = {"loss": float(loss.detach())}
+    trainer.log(logs)
+    assert {"kl_d1", "kl_d3", "top1_d1", "top1_d3", "kl", "top1"} <= set(logs)
+    assert abs(logs["kl_d2"] - per[1] / counts[1]) < 1e-4  # both training calls summed: the same mean
+
+
+def test_future_ranks_use_the_recorded_tokens():
+    lm = tiny(0)
+    model = lm.model
+    drafter = _perturbed("medusa", model)
+    ranks, valid, extra = future_ranks(model, drafter, RECORDS)
+    # anchors: record 0 t = 4..8 (5 rows), record 1 t = 2..3 (2 rows)
+    assert ranks.shape == (7, 3) and extra["anchors"] == 7
+    assert valid[:, 0].all() and valid.sum(0).tolist() == [7, 5, 3]
+    seq = RECORDS[0]["prompt_ids"] + RECORDS[0]["completion_ids"]
+    with torch.no_grad():
+        logits = drafter(model.model(input_ids=torch.tensor([seq[:-1]])).last_hidden_state[0])
+    t, d = 5, 1
+    true = seq[t + d + 2]
+    assert int(ranks[t - 4, d]) == int((logits[t, d] > logits[t, d, true]).sum())
+
+
+def _overrides(tmp_path, name: str, *extra: str) -> list[str]:
+    return [f"+experiment={name}", f"paths.data_dir={tmp_path}/data", f"paths.output_dir={tmp_path}/out", *extra]
+
+
+@pytest.mark.parametrize("name", ["heads_medusa_tiny", "heads_firp_tiny"])
+def test_tiny_end_to_end(tmp_path, name):
+    run_dir = tmp_path / "out" / "run"
+    summary = run(_compose(_overrides(tmp_path, name)), run_dir)
+    assert summary["generate"]["complete"] and summary["train"]["samples"] == 6 and summary["train"]["steps"] == 2
+    lm = tiny(0, layers=3)
+    drafter, meta = load_drafter(run_dir / "final", lm.model.config, name.split("_")[1])
+    assert meta["steps"] == 2 and meta["samples"] == 6 and meta["tokens"] > 0 and meta["train_seconds"] >= 0
+    ev = json.loads((run_dir / "heads_eval.json").read_text())
+    assert ev["positions"] > 0 and ev["parameters"] == meta["parameters"] and ev["k"] == drafter.k == 2
+    top = ev["overall"]["topk_accuracy"]
+    assert len(top) == 2 and len(top[0]) == 4 and all(a <= b + 1e-12 for row in top for a, b in zip(row, row[1:]))
+    assert set(ev["per_dataset"]) == {"gsm8k"}
+    for budget in (4, 8):
+        got, paths = resolve_tree(f"T{budget}", [run_dir / "final" / "trees"], max_depth=2)
+        assert got == f"T{budget}" and len(paths) == min(budget, 4 + 16)
+        assert ev["trees"][f"T{budget}"]["expected_accept_length"] >= 1.0
+    assert json.loads((run_dir / "train_summary.json").read_text())["eval"]["positions"] == ev["positions"]
+
+
+def test_resume_continues_from_the_checkpoint(tmp_path):
+    """Three steps straight equal two steps, a stop, and a resumed third step (constant lr, same data order)."""
+    gen = _overrides(tmp_path, "heads_medusa_tiny", "stage=generate")
+    run(_compose(gen), tmp_path / "out" / "gen")
+    base = _overrides(tmp_path, "heads_medusa_tiny", "stage=train", "trainer.save_strategy=steps", "trainer.save_steps=1",
+                      "trainer.lr_scheduler_type=constant", "trainer.warmup_steps=0")
+    straight, split = tmp_path / "out" / "straight", tmp_path / "out" / "split"
+    run(_compose([*base, "trainer.max_steps=3"]), straight)
+    run(_compose([*base, "trainer.max_steps=2"]), split)
+    assert (split / "checkpoint-2").is_dir() and not (split / "checkpoint-3").exists()
+    run(_compose([*base, "trainer.max_steps=3", "trainer.resume_from_checkpoint=true"]), split)
+    state = json.loads((split / "checkpoint-3" / "trainer_state.json").read_text())
+    assert [h["step"] for h in state["log_history"] if "loss" in h] == [1, 2, 3]
+    cfg = tiny(0, layers=3).model.config
+    a, _ = load_drafter(straight / "final", cfg, "medusa")
+    b, meta = load_drafter(split / "final", cfg, "medusa")
+    assert meta["steps"] == 3
+    for (name, x), y in zip(a.state_dict().items(), b.state_dict().values()):
+        torch.testing.assert_close(x, y, rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_config_errors(tmp_path):
+    cases = [
+        ("heads_medusa_tiny", ["heads.type=eagle"], r"heads.type='eagle' is not valid; choose one of: medusa, firp"),
+        ("heads_medusa_tiny", ["heads.num_heads=0"], "heads.num_heads=0 is out of range: it must be an integer >= 1"),
+        ("heads_medusa_tiny", ["heads.num_blocks=0"], "heads.num_blocks=0 is out of range"),
+        ("heads_medusa_tiny", ["heads.head_decay=0"], r"heads.head_decay=0 is out of range: it must be a number in \(0, 1\]"),
+        ("heads_medusa_tiny", ["+heads.layers=[1]"],
+         r"unknown key\(s\) \['layers'\] in heads \(type medusa\); valid: type, num_heads, num_blocks, head_decay"),
+        ("heads_firp_tiny", ["heads.layers=[0,3]"], r"heads.layers=\[0, 3\] is out of range: the target tiny_random "
+                                                r"has layers 0..2"),
+        ("heads_firp_tiny", ["heads.layers=[2,1]"], r"heads.layers=\[2, 1\] is not valid: the layers must be nondecreasing"),
+        ("heads_firp_tiny", ["heads.layers=[]"], "heads.layers=.* is not valid: give a non-empty list"),
+        ("heads_firp_tiny", ["+heads.num_heads=3"], r"unknown key\(s\) \['num_heads'\] in heads \(type firp\); valid: type, layers"),
+        ("heads_firp_tiny", ["eval.topk=0"], "eval.topk=0 is out of range"),
+        ("heads_firp_tiny", ["eval.budgets=[0]"], r"eval.budgets=\[0\] is not valid"),
+        ("heads_firp_tiny", ["+trainer.head_decay=0.5"], r"unknown key\(s\) \['head_decay'\] in trainer.*heads.head_decay"),
+        ("heads_firp_tiny", ["stage=collect"], "stage='collect' is not valid for a heads experiment; choose one of: generate"),
+    ]
+    for name, ov, pattern in cases:
+        with pytest.raises(ConfigError, match=pattern) as e:
+            run(_compose(_overrides(tmp_path, name, *ov)), tmp_path / "out" / "bad")
+        assert "\n" not in str(e.value)
+    assert not (tmp_path / "out").exists() and not (tmp_path / "data").exists()  # nothing loaded or written
+    with pytest.raises(ConfigError, match="kind='medusa' is not valid; choose one of: cllm, draft, heads, sdsat"):
+        check_overrides(_overrides(tmp_path, "heads_firp_tiny", "kind=medusa"), "train")
+    spec = validate(_compose(_overrides(tmp_path, "heads_firp_smollm2")))
+    assert spec.heads == {"type": "firp", "layers": [14, 19, 23]} and spec.budgets == [16, 32, 63]
+    assert spec.gen.out_dir.endswith("completions/draft_smollm2/train")
+
+
+def test_right_padding_never_changes_real_logits():
+    model = tiny(0).model
+    ds = CompletionDataset(RECORDS, max_length=64)
+    b = RightPadCollator(0)([ds[0], ds[1]])
+    with torch.no_grad():
+        padded = model(b["input_ids"]).logits[1, :5]
+        alone = model(torch.tensor([ds[1]["input_ids"]])).logits[0]
+    torch.testing.assert_close(F.log_softmax(padded, -1), F.log_softmax(alone, -1), rtol=1e-4, atol=1e-5)

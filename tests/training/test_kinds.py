@@ -1,0 +1,76 @@
+"""The experiment kinds' registry, the spellings renamed in this release, and the trainer section's type checks:
+all before anything loads."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+from omegaconf import open_dict
+
+from pardec import REPO_ROOT
+from pardec.config import ConfigError
+from pardec.registry import UnknownNameError
+from pardec.train import renamed, validate
+from pardec.training.kinds import load_kinds
+from tests.training.test_train_app import _compose
+
+
+def test_kinds_registry_names_every_kind_and_suggests():
+    kinds = load_kinds()
+    assert kinds.names() == ["cllm", "draft", "heads", "sdsat"]
+    assert all(kinds.get(k).name == k for k in kinds.names())
+    cfg = _compose(["+experiment=cllm_tiny"])
+    with open_dict(cfg):
+        cfg.kind = "clm"
+    with pytest.raises(UnknownNameError, match=r"unknown experiment kind 'clm'. Did you mean 'cllm'\? Valid experiment "
+                                               r"kinds: cllm, draft, heads, sdsat"):
+        validate(cfg)
+
+
+def test_old_spellings_are_rewritten_with_a_notice():
+    argv, notices = renamed(["+experiment=medusa_tiny", "trainer=distill", "distill.loss=ce", "drafter.kind=firp",
+                             "+drafter.layers=[1]", "distill.sources.0.max_prompts=3", "stage=train", "seed=1"])
+    assert argv == ["+experiment=heads_medusa_tiny", "trainer=draft", "trainer.loss=ce", "heads.type=firp",
+                    "+heads.layers=[1]", "completions.sources.0.max_prompts=3", "stage=train", "seed=1"]
+    assert len(notices) == 6 and all(n.startswith("notice: `") and "\n" not in n for n in notices)
+    assert renamed(["+experiment=heads_firp_tiny"]) == (["+experiment=heads_firp_tiny"], [])
+
+
+def test_old_sections_in_an_experiment_file_still_work(capsys):
+    cfg = _compose(["+experiment=heads_firp_tiny"])
+    with open_dict(cfg):  # an experiment written before the rename: drafter / distill sections
+        cfg.drafter = {"kind": "firp", "layers": [1, 2]}
+        cfg.distill = dict(cfg.completions)
+        del cfg["heads"], cfg["completions"]
+    spec = validate(cfg)
+    assert spec.heads == {"type": "firp", "layers": [1, 2]} and spec.gen.sources
+    assert capsys.readouterr().err.count("notice:") == 2
+
+
+@pytest.mark.parametrize("override, pattern", [
+    ("trainer.learning_rate=abc", "trainer.learning_rate='abc' must be float"),
+    ("trainer.max_steps=1.5", "trainer.max_steps=1.5 must be int"),
+    ("trainer.bf16=maybe", "trainer.bf16='maybe' must be bool"),
+    ("trainer.lr_scheduler_type=[1]", r"trainer.lr_scheduler_type=\[1\] must be SchedulerType or str"),
+    ("trainer.states_per_sample=x", "trainer.states_per_sample='x' must be int"),
+])
+def test_trainer_values_are_type_checked(override, pattern):
+    with pytest.raises(ConfigError, match=pattern) as e:
+        validate(_compose(["+experiment=cllm_tiny", override]))
+    assert "\n" not in str(e.value)
+
+
+@pytest.mark.slow
+def test_cli_old_name_and_bad_trainer_value_end_in_one_line(tmp_path):
+    """The defect: `trainer.learning_rate=abc` ended in a TypeError traceback. Now: the notice for the old experiment
+    name, then one error line, exit 2, before any model loads."""
+    p = subprocess.run([sys.executable, "-m", "train", "+experiment=medusa_tiny", "trainer.learning_rate=abc",
+                        f"paths.output_dir={tmp_path}/out", f"paths.data_dir={tmp_path}/data"],
+                       capture_output=True, text=True, cwd=REPO_ROOT, timeout=300)
+    assert p.returncode == 2, p.stderr
+    lines = [x for x in p.stderr.splitlines() if x.strip()]
+    assert lines[0].startswith("notice: `+experiment=medusa_tiny` is now spelled `+experiment=heads_medusa_tiny`")
+    assert lines[-1] == "error: trainer.learning_rate='abc' must be float" and "Traceback" not in p.stderr
+    assert not (tmp_path / "data").exists()
