@@ -32,7 +32,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-from pardec.report import log_history, method_entries, read_results  # noqa: E402
+from pardec.report import log_history, method_entries, read_results, save_figure  # noqa: E402
 from pardec.training.cllm.collect import has_degenerate_repetition  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -146,12 +146,7 @@ def plot_training(history: list[dict], path: Path) -> bool:
     ax2.axhline(1.0, linestyle="--", color="grey", linewidth=1)
     ax2.set(xlabel="optimizer step", ylabel="tokens committed per Jacobi step",
             title="Fast-forward proxy (held-out trajectories, teacher-forced)")
-    for ax in (ax1, ax2):
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save_figure(fig, path, (ax1, ax2), legend={"fontsize": 8})
     return True
 
 

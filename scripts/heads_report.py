@@ -29,7 +29,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import torch  # noqa: E402
 
-from pardec.report import method_entries  # noqa: E402
+from pardec.report import method_entries, save_figure  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -162,9 +162,7 @@ def main() -> None:
     ax.set_xlabel("layer (input of)")
     ax.set_ylabel("cosine(pseudo, real)")
     ax.set_title(f"FIRP pseudo states refined layer by layer ({a.model})")
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(a.out / "cosine.png", dpi=120)
+    save_figure(fig, a.out / "cosine.png", (ax,), legend={})
     fig, ax = plt.subplots(figsize=(6, 4))
     for k, e in acc.items():
         steps = range(1, len(e["topk_accuracy"]) + 1)
@@ -172,9 +170,7 @@ def main() -> None:
         ax.plot(steps, [r[min(4, len(r) - 1)] for r in e["topk_accuracy"]], marker="s", ls="--", label=f"{k} top-5")
     ax.set_xlabel("step ahead")
     ax.set_ylabel("held-out accuracy")
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(a.out / "accuracy.png", dpi=120)
+    save_figure(fig, a.out / "accuracy.png", (ax,), legend={})
     print("\n".join(md))
     print(f"\nwritten: {a.out}/report.md, report.json, cosine.png, accuracy.png")
 

@@ -27,7 +27,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-from pardec.report import log_history, method_entries  # noqa: E402
+from pardec.report import log_history, method_entries, save_figure  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -80,12 +80,8 @@ def plot(rows: list[dict], path: Path) -> None:
         ax2.annotate(f"ar {ds} {samp}", (ax2.get_xlim()[0], v), fontsize=7, va="bottom")
     ax1.set(xlabel="k (adaptive tokens)", ylabel="draft acceptance (accepted / drafted)", title="Acceptance vs k")
     ax2.set(xlabel="k (adaptive tokens)", ylabel="tokens / s", title="Speed vs k")
-    for ax in (ax1, ax2):
-        ax.grid(alpha=0.3)
     ax1.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save_figure(fig, path, (ax1, ax2))
 
 
 def plot_losses(history: list[dict], path: Path) -> bool:
@@ -97,11 +93,7 @@ def plot_losses(history: list[dict], path: Path) -> bool:
     for key, label in (("plain_loss", "plain tokens (plain rows)"), ("masked_loss", "adaptive positions")):
         ax.plot([h["step"] for h in steps], [h[key] for h in steps], marker=".", label=label)
     ax.set(xlabel="optimizer step", ylabel="cross-entropy", yscale="log", title="SDSAT training losses")
-    ax.grid(alpha=0.3)
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save_figure(fig, path, (ax,), legend={})
     return True
 
 

@@ -21,12 +21,14 @@ import json
 import os
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
 import torch
 from transformers import Trainer, TrainingArguments
+
+from pardec.config import ConfigError
 
 
 # ------------------------------------------------------------------------------------------- ranks
@@ -58,12 +60,18 @@ class Dist:
 # ------------------------------------------------------------------------------------------- config
 @dataclass
 class BaseConfig(TrainingArguments):
-    """TrainingArguments plus a kind's own fields; subclasses override :meth:`check_values` for their ranges."""
+    """TrainingArguments plus ``max_length`` (every kind's samples are cut to it) and a kind's own fields; subclasses
+    extend :meth:`check_values` for their ranges."""
+
+    max_length: int = field(default=1024, metadata={"help": "longer samples are truncated from the left"})
 
     @classmethod
     def check_values(cls, values: dict[str, Any]) -> None:
         """Range / choice checks of the kind's own fields that ``values`` holds (validation checks the config's
         section with it before anything loads); raise ConfigError naming ``trainer.<key>``."""
+        n = values.get("max_length", 2)
+        if isinstance(n, bool) or not isinstance(n, int) or n < 2:
+            raise ConfigError(f"trainer.max_length={n!r} is out of range: it must be an integer >= 2")
 
     def __post_init__(self) -> None:
         self.check_values({k: getattr(self, k) for k in self.own_fields()})

@@ -205,6 +205,14 @@ def generate_stage(gen: GenerateConfig, model_cfg, d) -> dict | None:
     return stats
 
 
+class GeneratesCompletions:
+    """The ``generate`` stage of a kind trained on the target's own completions (draft, heads): a mixin of its
+    :class:`~pardec.training.kinds.Kind`, whose spec holds ``gen`` (a :class:`GenerateConfig`)."""
+
+    def stage_generate(self, spec, run_dir: Path, d) -> dict | None:
+        return generate_stage(spec.gen, spec.model, d)
+
+
 def eval_sources(section: dict) -> list[GenerateConfig]:
     """The ``eval`` generation section of a draft / heads experiment: one GenerateConfig per held-out source, each
     in its own ``<eval.out_dir>/<dataset>``."""

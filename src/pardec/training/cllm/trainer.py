@@ -37,7 +37,6 @@ class CLLMConfig(BaseConfig):
     distance: str = field(default="fkl", metadata={"help": "fkl | rkl | jsd"})
     jsd_beta: float = field(default=0.5, metadata={"help": "generalised JSD mixture weight of the target"})
     ar_weight: float = field(default=10.0, metadata={"help": "omega: total = consistency + omega * AR"})
-    max_length: int = field(default=1024, metadata={"help": "longer samples are truncated from the left"})
     state_sampling: str = field(default="random", metadata={"help": "random (states_per_sample per block, "
                                                                     "drawn anew each epoch) | all"})
     states_per_sample: int = field(default=1, metadata={"help": "Jacobi states packed with a block's AR row"})
@@ -47,6 +46,7 @@ class CLLMConfig(BaseConfig):
     @classmethod
     def check_values(cls, opts: dict) -> None:
         """Range/choice checks of the CLLM keys (``opts`` may hold only some of them); raises ConfigError."""
+        super().check_values(opts)
         for key, choices in (("loss_type", LOSS_TYPES), ("distance", DISTANCES), ("state_sampling", STATE_SAMPLING)):
             if key in opts and opts[key] not in choices:
                 raise ConfigError(f"trainer.{key}={opts[key]!r} is not valid; choose one of: {', '.join(choices)}")
@@ -58,8 +58,6 @@ class CLLMConfig(BaseConfig):
             low = 1 if key == "states_per_sample" else 0
             if key in opts and opts[key] < low:
                 raise ConfigError(f"trainer.{key}={opts[key]!r} is out of range: it must be >= {low}")
-        if opts.get("max_length", 2) < 2:
-            raise ConfigError(f"trainer.max_length={opts['max_length']!r} is out of range: it must be >= 2")
 
 
 class _EpochStates(TrainerCallback):

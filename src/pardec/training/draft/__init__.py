@@ -21,6 +21,7 @@ from typing import Any
 from omegaconf import DictConfig
 
 from pardec.config import ConfigError
+from pardec.training.completions import GeneratesCompletions
 from pardec.training.kinds import Kind, Spec, check_layers, common_fields, known, register_kind
 
 #: keys of the ``draft`` section (the draft's shape)
@@ -39,7 +40,7 @@ class DraftSpec(Spec):
 
 
 @register_kind("draft")
-class DraftKind(Kind):
+class DraftKind(GeneratesCompletions, Kind):
     name = "draft"
     stages = ("generate", "train", "eval")
     rank0_stages = ("eval",)
@@ -68,11 +69,6 @@ class DraftKind(Kind):
         return DraftSpec(**common, layers=layers, vocab_size=vocab_size,
                          freeze_embeddings=bool(draft.get("freeze_embeddings", True)), gen=gen,
                          eval_gen=eval_sources(ev), eval_context=context, eval_repeats=repeats)
-
-    def stage_generate(self, spec: DraftSpec, run_dir: Path, d) -> dict | None:
-        from pardec.training.completions import generate_stage
-
-        return generate_stage(spec.gen, spec.model, d)
 
     def stage_train(self, spec: DraftSpec, run_dir: Path, d) -> dict:
         from pardec.training.draft.trainer import train_draft

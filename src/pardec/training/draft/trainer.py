@@ -52,14 +52,12 @@ def distill_token_loss(student: torch.Tensor, teacher: torch.Tensor, loss: str =
 @dataclass
 class DraftConfig(BaseConfig):
     loss: str = field(default="fkl", metadata={"help": "fkl: KL(teacher || student) on the draft vocab | ce"})
-    max_length: int = field(default=1024, metadata={"help": "longer samples are truncated from the left"})
 
     @classmethod
     def check_values(cls, values: dict) -> None:
+        super().check_values(values)
         if "loss" in values and values["loss"] not in LOSSES:
             raise ConfigError(f"trainer.loss={values['loss']!r} is not valid; choose one of: {', '.join(LOSSES)}")
-        if values.get("max_length", 2) < 2:
-            raise ConfigError(f"trainer.max_length={values['max_length']!r} is out of range: it must be >= 2")
 
 
 class DraftTrainer(BaseTrainer):

@@ -22,6 +22,7 @@ from typing import Any
 from omegaconf import DictConfig
 
 from pardec.config import ConfigError
+from pardec.training.completions import GeneratesCompletions
 from pardec.training.kinds import Kind, Spec, check_layers, common_fields, is_int, known, register_kind
 
 #: keys of the ``heads`` section per type
@@ -39,7 +40,7 @@ class HeadsSpec(Spec):
 
 
 @register_kind("heads")
-class HeadsKind(Kind):
+class HeadsKind(GeneratesCompletions, Kind):
     name = "heads"
     stages = ("generate", "train", "eval")
     rank0_stages = ("eval",)
@@ -86,11 +87,6 @@ class HeadsKind(Kind):
             check_layers(heads["layers"], common["model"], "heads.layers")
         return HeadsSpec(**common, heads=heads, head_decay=head_decay, gen=gen, eval_gen=eval_sources(ev),
                          topk=topk, budgets=budgets)
-
-    def stage_generate(self, spec: HeadsSpec, run_dir: Path, d) -> dict | None:
-        from pardec.training.completions import generate_stage
-
-        return generate_stage(spec.gen, spec.model, d)
 
     def stage_train(self, spec: HeadsSpec, run_dir: Path, d) -> dict:
         from pardec.training.heads.trainer import train_heads

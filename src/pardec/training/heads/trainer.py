@@ -110,13 +110,11 @@ def depth_terms(teacher: torch.Tensor, student: torch.Tensor, mask: torch.Tensor
 # ------------------------------------------------------------------------------------------- trainer
 @dataclass
 class HeadsConfig(BaseConfig):
-    max_length: int = field(default=1024, metadata={"help": "longer samples are truncated from the left"})
     head_decay: float = field(default=0.8, metadata={"help": "Medusa: head k (0-based) weighs head_decay**k"})
 
     @classmethod
     def check_values(cls, values: dict) -> None:
-        if values.get("max_length", 2) < 2:
-            raise ConfigError(f"trainer.max_length={values['max_length']!r} is out of range: it must be >= 2")
+        super().check_values(values)
         if not 0.0 < values.get("head_decay", 0.8) <= 1.0:
             raise ConfigError(f"heads.head_decay={values['head_decay']!r} is out of range: it must be in (0, 1]")
 

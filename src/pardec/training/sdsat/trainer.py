@@ -103,18 +103,15 @@ class SDSATCollator:
 # ------------------------------------------------------------------------------------------- trainer
 @dataclass
 class SDSATConfig(BaseConfig):
-    max_length: int = field(default=1024, metadata={"help": "longer records are truncated from the left"})
     mask_weight: float = field(default=1.0, metadata={"help": "w of Eq. 9: 0.5 * (f_plain + w * f_masked)"})
 
     @classmethod
     def check_values(cls, opts: dict) -> None:
         """Range checks of the SDSAT trainer keys (``opts`` may hold only some of them); raises ConfigError."""
+        super().check_values(opts)
         w = opts.get("mask_weight", 1.0)
         if isinstance(w, bool) or not isinstance(w, (int, float)) or w < 0:
             raise ConfigError(f"trainer.mask_weight={w!r} is out of range: it must be a number >= 0")
-        n = opts.get("max_length", 2)
-        if isinstance(n, bool) or not isinstance(n, int) or n < 2:
-            raise ConfigError(f"trainer.max_length={n!r} is out of range: it must be an integer >= 2")
 
 
 class SDSATTrainer(BaseTrainer):
