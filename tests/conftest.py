@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import os
 
 import pytest
 import torch
@@ -16,9 +17,13 @@ def tiny(seed: int = 0, dtype: str = "fp32", layers: int = 2) -> LoadedModel:
     return load_model(ModelConfig(name="tiny_random", source="tiny_random", seed=seed, dtype=dtype, layers=layers))
 
 
+#: torch threads per test: the machine's two cores, or one each when pytest-xdist runs two workers (``-n 2``)
+THREADS = 1 if os.environ.get("PYTEST_XDIST_WORKER") else 2
+
+
 @pytest.fixture(autouse=True)
 def _threads():
-    torch.set_num_threads(2)
+    torch.set_num_threads(THREADS)
     yield
 
 

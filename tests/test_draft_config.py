@@ -137,6 +137,7 @@ def test_hf_assisted_as_the_method(tmp_path):
     assert s["method"] == "hf_assisted" and s["exact_match_rate"] == 1.0 and s["draft_forwards"] > 0
 
 
+@pytest.mark.slow  # starts `python -m evaluate`
 def test_cli_missing_distilled_draft_is_one_line(tmp_path):
     p = run_cli("+method=sps", "model=tiny_random", "draft=smollm2_distilled", f"paths.output_dir={tmp_path}",
              f"hydra.run.dir={tmp_path / 'run'}", cwd=tmp_path)

@@ -8,6 +8,8 @@ from pardec.models.cached import CachedModel
 from pardec.models.loading import SMOLLM2, load_model
 from pardec.tasks.base import build_task
 
+pytestmark = pytest.mark.slow  # the real model
+
 
 @pytest.fixture(scope="module")
 def smollm2():
@@ -19,7 +21,6 @@ def test_smollm2_loads_from_the_safetensors_cache(smollm2):
     assert smollm2.model.dtype.is_floating_point
 
 
-@pytest.mark.slow
 def test_jacobi_and_pld_equal_ar_on_smollm2(smollm2):
     tok = smollm2.tokenizer
     task = build_task(DatasetConfig(name="humaneval"))

@@ -55,7 +55,7 @@ def test_every_lossless_method_is_covered():
             "firp", "sdsat"} <= set(LOSSLESS)
 
 
-@pytest.mark.parametrize("seed", [0, 1, 2])
+@pytest.mark.parametrize("seed", [0, pytest.param(1, marks=pytest.mark.slow), pytest.param(2, marks=pytest.mark.slow)])
 @pytest.mark.parametrize("prompt", list(PROMPTS))
 @pytest.mark.parametrize("method", [m for m in LOSSLESS if m != "ar"])
 def test_lossless_equals_ar(method, prompt, seed):

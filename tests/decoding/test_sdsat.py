@@ -98,6 +98,7 @@ def test_nucleus_tree():
     assert greedy.labels == [-1, 4, 5, 1] and a == 3  # greedy: the main chain only
 
 
+@pytest.mark.slow  # a chi-square test over many decodes
 def test_fused_sampling_follows_the_target_distribution():
     target = tiny_vocab(0)
     dec = build_decoder("sdsat", CachedModel(target), None, k=2, variant="fused", top_k=3, adaptive_ids=[15])

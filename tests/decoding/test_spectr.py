@@ -60,6 +60,7 @@ def test_kseq_samples_the_target(m):
     assert dof >= 3 and pval > 1e-3, pval
 
 
+@pytest.mark.slow  # a chi-square test over many decodes
 @pytest.mark.parametrize("setting", list(SETTINGS))
 def test_spectr_k4_samples_the_target_distribution(setting):
     s0 = SETTINGS[setting]
@@ -77,6 +78,7 @@ def test_spectr_k4_samples_the_target_distribution(setting):
     assert 0 < accepted < drafted
 
 
+@pytest.mark.slow  # many decodes per k
 def test_more_draft_sequences_accept_more():
     """k i.i.d. drafts accept at least as much as one on average (SpecTr's point), on the tiny-vocabulary pair."""
     target = CachedModel(tiny_vocab(0))

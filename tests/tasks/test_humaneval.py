@@ -39,6 +39,7 @@ def test_all_164_problems_load_offline(docs):
         assert {"prompt", "test", "entry_point", "canonical_solution"} <= set(d)
 
 
+@pytest.mark.slow  # 164 programs in the sandbox
 def test_every_canonical_solution_passes(task, docs):
     """Also proves the sandbox's guard lets ordinary test code (hashlib, math, ...) run."""
     with ThreadPoolExecutor(2) as pool:

@@ -86,6 +86,7 @@ def test_errors_name_the_choices():
         validate(_compose(["+experiment=cllm_tiny", "trainer.proxy_records=-1"]))
 
 
+@pytest.mark.slow  # two training runs
 def test_tiny_end_to_end_with_lora_then_resume(tmp_path):
     run_dir = tmp_path / "run"
     summary = run(_tiny(tmp_path, "trainer.lora.enabled=true", "trainer.lora.r=4"), run_dir)

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import importlib.util
 import logging
+import os
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -112,11 +114,16 @@ def materialize_gguf(cfg: ModelConfig) -> Path:
         del config.quantization_config
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     model.load_state_dict(gguf_model.state_dict())
-    tmp = out.with_name(out.name + ".tmp")
+    tmp = out.with_name(f"{out.name}.tmp-{os.getpid()}")  # one per process: ranks / test workers may race here
     model.save_pretrained(tmp)
     tok.save_pretrained(tmp)
     model.generation_config.save_pretrained(tmp)
-    tmp.rename(out)  # atomic: a half-written cache is never mistaken for a complete one
+    try:
+        tmp.rename(out)  # atomic: a half-written cache is never mistaken for a complete one
+    except OSError:
+        if not (out / "config.json").is_file():  # not another process's finished copy: a real failure
+            raise
+        shutil.rmtree(tmp, ignore_errors=True)  # another process finished first: its copy is the same
     return out
 
 

@@ -155,6 +155,7 @@ def test_compute_loss_counts_completion_positions_only(tmp_path):
 
 
 # ------------------------------------------------------------------------------------------- the app
+@pytest.mark.slow  # training runs, one of them through `python -m train`
 def test_draft_tiny_end_to_end_then_resume(tmp_path):
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO_ROOT / "src")}
     cmd = [sys.executable, "-m", "train", "+experiment=draft_tiny", "threads=1", f"paths.data_dir={tmp_path}/data",

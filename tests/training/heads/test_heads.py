@@ -141,6 +141,7 @@ def test_tiny_end_to_end(tmp_path, name):
     assert json.loads((run_dir / "train_summary.json").read_text())["eval"]["positions"] == ev["positions"]
 
 
+@pytest.mark.slow  # two training runs
 def test_resume_continues_from_the_checkpoint(tmp_path):
     """Three steps straight equal two steps, a stop, and a resumed third step (constant lr, same data order)."""
     gen = _overrides(tmp_path, "heads_medusa_tiny", "stage=generate")

@@ -130,6 +130,7 @@ def test_tiny_end_to_end(tmp_path):
     assert json.loads((run_dir / "train_summary.json").read_text())["eval"]["ppl_ratio"] == overall["ppl_ratio"]
 
 
+@pytest.mark.slow  # two training runs
 def test_resume_continues_from_the_checkpoint(tmp_path):
     """Four steps straight equal two steps, a stop, and two resumed steps (constant lr, same data order)."""
     run(_compose(_overrides(tmp_path, "stage=mask")), tmp_path / "out" / "mask")
@@ -149,6 +150,7 @@ def test_resume_continues_from_the_checkpoint(tmp_path):
         torch.testing.assert_close(x, y, rtol=1e-5, atol=1e-6, msg=name)
 
 
+@pytest.mark.slow  # a training run and a merge
 def test_lora_trains_the_adaptive_rows_and_merges(tmp_path):
     run(_compose(_overrides(tmp_path, "stage=mask")), tmp_path / "out" / "mask")
     run_dir = tmp_path / "out" / "lora"
