@@ -56,3 +56,18 @@ def test_settings_diff_names_dotted_keys_with_both_values():
     assert settings_diff(old, new) == ["also was ['pld'], now []", "model.seed was 0, now 3"]
     assert settings_diff(new, new) == []
     assert "cache_dir" not in ModelConfig().identity() and "revision" in ModelConfig().identity()
+
+
+def test_the_deepspeed_launchers_local_rank_argument_is_taken_out(monkeypatch):
+    """`deepspeed --num_gpus N --module train ...` appends `--local_rank=N`, which Hydra refuses."""
+    from pardec.config import launcher_argv
+
+    monkeypatch.delenv("LOCAL_RANK", raising=False)
+    assert launcher_argv(["+experiment=cllm_tiny", "stage=train", "--local_rank=1"]) == ["+experiment=cllm_tiny",
+                                                                                       "stage=train"]
+    import os
+
+    assert os.environ["LOCAL_RANK"] == "1"
+    monkeypatch.setenv("LOCAL_RANK", "3")  # the launcher's own environment wins
+    assert launcher_argv(["--local_rank", "0", "+method=ar"]) == ["+method=ar"] and os.environ["LOCAL_RANK"] == "3"
+    assert launcher_argv(["+method=ar", "-m"]) == ["+method=ar", "-m"]

@@ -244,6 +244,26 @@ def exit_with_error(e: Exception) -> NoReturn:
     sys.exit(2)
 
 
+def launcher_argv(argv: list[str]) -> list[str]:
+    """``argv`` without the ``--local_rank=N`` (or ``--local_rank N``) that the ``deepspeed`` launcher appends to the
+    program's arguments (Hydra would refuse it); the rank goes to ``LOCAL_RANK`` when the launcher did not set it."""
+    import os
+
+    out, i = [], 0
+    while i < len(argv):
+        arg = argv[i]
+        if arg == "--local_rank" and i + 1 < len(argv):
+            os.environ.setdefault("LOCAL_RANK", argv[i + 1])
+            i += 2
+            continue
+        if arg.startswith("--local_rank="):
+            os.environ.setdefault("LOCAL_RANK", arg.split("=", 1)[1])
+        else:
+            out.append(arg)
+        i += 1
+    return out
+
+
 def check_overrides(argv: list[str], config_name: str) -> None:
     """Compose ``config_name`` with the command line's overrides as Hydra is about to, so that what Hydra would
     refuse (a config group option that does not exist, a key the config lacks, a malformed override) fails in

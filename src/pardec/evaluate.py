@@ -29,7 +29,9 @@ def main() -> None:
     import hydra
     from hydra.core.hydra_config import HydraConfig
 
-    from pardec.config import check_overrides, exit_with_error
+    from pardec.config import check_overrides, exit_with_error, launcher_argv
+
+    sys.argv[1:] = launcher_argv(sys.argv[1:])  # the deepspeed launcher's --local_rank=N
 
     try:
         check_overrides(sys.argv[1:], "evaluate")

@@ -143,9 +143,9 @@ def main() -> None:
     import hydra
     from hydra.core.hydra_config import HydraConfig
 
-    from pardec.config import check_overrides, exit_with_error
+    from pardec.config import check_overrides, exit_with_error, launcher_argv
 
-    argv, notices = renamed(sys.argv[1:])
+    argv, notices = renamed(launcher_argv(sys.argv[1:]))
     for line in notices:
         print(line, file=sys.stderr)
     sys.argv[1:] = argv

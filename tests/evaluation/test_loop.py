@@ -140,3 +140,15 @@ def test_empty_dataset_is_an_error_before_any_model_loads(tmp_path, monkeypatch)
         run(cfg_of("+method=ar", *TINY, f"dataset.path={empty}"), tmp_path / "run")
     assert f"dataset 'humaneval' has no documents: dataset.path={empty}" in str(e.value)
     assert not (tmp_path / "run").exists()  # nothing written
+
+
+def test_the_warm_up_leaves_no_state_in_the_timed_decoders(tmp_path):
+    """The warm-up generates on the first timed prompt; Ouroboros's warm_start pool (kept across prompts) must not
+    start the timed run with what it harvested there: the records equal those of a run without a warm-up."""
+    args = ("+method=ouroboros", "method.warm_start=true", "draft=tiny_random", *TINY[:2], "max_new_tokens=24",
+            "bench.warmup_tokens=24", "perplexity.enabled=false")
+    run(cfg_of(*args, "bench.warmup=0"), tmp_path / "cold")
+    run(cfg_of(*args, "bench.warmup=1"), tmp_path / "warm")
+    keep = ("id", "role", "tokens", "target_forwards", "draft_forwards", "accepted", "extras")
+    cold, warm = ([{k: r[k] for k in keep} for r in lines(tmp_path / d)] for d in ("cold", "warm"))
+    assert warm == cold  # before the fix the warm run's first prompt drafted from phrases of its own warm-up

@@ -65,9 +65,10 @@ def test_trainer_values_are_type_checked(override, pattern):
 @pytest.mark.slow
 def test_cli_old_name_and_bad_trainer_value_end_in_one_line(tmp_path):
     """The defect: `trainer.learning_rate=abc` ended in a TypeError traceback. Now: the notice for the old experiment
-    name, then one error line, exit 2, before any model loads."""
+    name, then one error line, exit 2, before any model loads (the deepspeed launcher's `--local_rank` ignored)."""
     p = subprocess.run([sys.executable, "-m", "train", "+experiment=medusa_tiny", "trainer.learning_rate=abc",
-                        f"paths.output_dir={tmp_path}/out", f"paths.data_dir={tmp_path}/data"],
+                        f"paths.output_dir={tmp_path}/out", f"paths.data_dir={tmp_path}/data",
+                        "--local_rank=0"],  # as the deepspeed launcher appends it
                        capture_output=True, text=True, cwd=REPO_ROOT, timeout=300)
     assert p.returncode == 2, p.stderr
     lines = [x for x in p.stderr.splitlines() if x.strip()]

@@ -142,7 +142,7 @@ def beam_search(first_logits: torch.Tensor, steps: int, num_beams: int, grow: Gr
     logits = first_logits[None]  # [B, V]
     for step in range(steps):
         logp = torch.log_softmax(logits.float() / max(temperature, 1e-8), dim=-1)  # [B, V]
-        score = torch.tensor([b.score for b in beams])[:, None]
+        score = torch.tensor([b.score for b in beams], device=logp.device)[:, None]  # [B, 1]
         vocab = logp.shape[-1]
         if propose.greedy:
             flat = (score + logp).reshape(-1)

@@ -44,7 +44,8 @@ class SpecTr(Decoder):
         first = catch_up(self.draft, seq)
         br = Branches(self.draft)
         greedy = st.s.greedy
-        gen = st.gen if not greedy else torch.Generator().manual_seed(st.s.seed)
+        # greedy still draws sequences 2..k: a generator of its own, on the device of the draft's probabilities
+        gen = st.gen if not greedy else torch.Generator(device=first.device).manual_seed(st.s.seed)
         logits_of: dict[tuple[int, ...], torch.Tensor] = {(): first}
         node_of: dict[tuple[int, ...], int] = {(): -1}
         seqs: list[list[int]] = [[] for _ in range(self.k)]

@@ -55,7 +55,7 @@ def run(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
     if spec.perplexity.get("enabled") and spec.perplexity.get("model"):
         from pardec.models.loading import named_config
 
-        scorer = load_model(named_config(spec.perplexity["model"])).model
+        scorer = load_model(named_config(spec.perplexity["model"], r.dtype)).model
     # the GPUs the models run on (their counters only: an idle GPU's energy is no generation's); RAPL: every package
     gpus = {p.device.index or 0 for m in (lm.model, draft.model if draft else None, scorer) if m is not None
             for p in m.parameters() if p.device.type == "cuda"}
@@ -70,7 +70,10 @@ def run(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
         roles += [(role, name, {}) for role, name in PEERS.items()
                   if name not in (spec.method, roles[0][1]) and (draft is not None or not METHODS.get(name).needs_draft)]
     roles += spec.also
-    decoders = {role: build_decoder(name, target, tok, draft, **params) for role, name, params in roles}
+    def fresh_decoders() -> dict:
+        return {role: build_decoder(name, target, tok, draft, **params) for role, name, params in roles}
+
+    decoders = fresh_decoders()
     method_role = "method" if len(roles) > 1 and roles[1][0] == "method" else "baseline"
     eos = lm.eos_ids if r.stop_at_eos else set()
     stopper = Stopper(tok, eos, task.stop_strings(chat))
@@ -83,6 +86,9 @@ def run(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
                     dec.generate(warm_ids, spec.bench.warmup_tokens, stopper, spec.sampling)
         except NonFiniteLogitsError as e:  # the prompts will record it; the warm-up just ends
             log.warning("warm-up stopped: %s", e)
+        # the warm-up prompt is the first timed one: decoders that keep state across prompts (Ouroboros's
+        # warm_start pool) must not start the timed run with what they learnt from it
+        decoders = fresh_decoders()
 
     bar = tqdm(docs, desc=f"{spec.method} on {spec.dataset.name}", unit="prompt", dynamic_ncols=True)
     for i, doc in enumerate(bar):

@@ -135,7 +135,9 @@ def load_tokenizer(cfg: ModelConfig) -> PreTrainedTokenizerBase:
     return AutoTokenizer.from_pretrained(_weights_location(cfg), revision=cfg.revision)
 
 
-def named_config(name: str) -> ModelConfig:
+def named_config(name: str, dtype: str = "fp32") -> ModelConfig:
+    """``conf/model/<name>.yaml`` outside a composed config: its interpolations of the run's top-level keys
+    (``dtype: ${oc.select:dtype,fp32}``) resolve against ``dtype``, as they would inside one."""
     from omegaconf import OmegaConf
 
     from pardec import CONF_DIR
@@ -144,7 +146,8 @@ def named_config(name: str) -> ModelConfig:
     f = CONF_DIR / "model" / f"{name}.yaml"
     if not f.is_file():
         raise FileNotFoundError(f"no model config {f}")
-    return to_dataclass(ModelConfig, OmegaConf.load(f), f"model config {name}")
+    root = OmegaConf.create({"dtype": dtype, "model": OmegaConf.load(f)})
+    return to_dataclass(ModelConfig, root.model, f"model config {name}")
 
 
 def _weights_location(cfg: ModelConfig) -> str | Path:
