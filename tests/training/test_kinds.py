@@ -75,3 +75,21 @@ def test_cli_old_name_and_bad_trainer_value_end_in_one_line(tmp_path):
     assert lines[0].startswith("notice: `+experiment=medusa_tiny` is now spelled `+experiment=heads_medusa_tiny`")
     assert lines[-1] == "error: trainer.learning_rate='abc' must be float" and "Traceback" not in p.stderr
     assert not (tmp_path / "data").exists()
+
+
+def test_one_process_without_a_launcher_gets_a_launchers_environment(monkeypatch):
+    """`python -m train ... trainer.deepspeed=zero2` on one GPU without torchrun: DeepSpeed fell back to MPI
+    discovery (ModuleNotFoundError: mpi4py). training_args now sets rank 0 of 1 on a free local port first."""
+    import os
+
+    from pardec.training.base import single_process_env
+
+    for key in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(key, raising=False)
+    single_process_env()
+    assert (os.environ["RANK"], os.environ["LOCAL_RANK"], os.environ["WORLD_SIZE"]) == ("0", "0", "1")
+    assert os.environ["MASTER_ADDR"] == "127.0.0.1" and 0 < int(os.environ["MASTER_PORT"]) < 65536
+    monkeypatch.setenv("WORLD_SIZE", "2")  # under a launcher nothing changes
+    monkeypatch.setenv("RANK", "1")
+    single_process_env()
+    assert os.environ["RANK"] == "1"

@@ -159,6 +159,8 @@ def training_args(config_cls: type, spec, run_dir: Path, **extra):
     dir, report_to = the logger, run_name) and ``spec.deepspeed``. Build it before the model loads: with DeepSpeed,
     DeepSpeed's process group is set up here, which ZeRO-3's zero.Init inside from_pretrained needs."""
     defaults = {"output_dir": str(run_dir), "report_to": spec.logger.get("name", "none"), "run_name": run_dir.name}
+    if spec.deepspeed:
+        single_process_env()
     args = config_cls(**{**defaults, **spec.trainer, **extra},
                       deepspeed=str(spec.deepspeed) if spec.deepspeed else None)
     if spec.deepspeed:
@@ -167,6 +169,22 @@ def training_args(config_cls: type, spec, run_dir: Path, **extra):
         _ = args.device  # torch.distributed, as the Trainer sets it up
         deepspeed.init_distributed()
     return args
+
+
+def single_process_env() -> None:
+    """``python -m train`` without a launcher (one GPU, or this CPU): the environment a launcher would set for one
+    process (rank 0 of 1 on a free local port), so DeepSpeed does not fall back to MPI discovery (mpi4py is no
+    dependency). Under torchrun / the deepspeed launcher (``WORLD_SIZE`` set) nothing changes."""
+    if "WORLD_SIZE" in os.environ:
+        return
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    os.environ.update(RANK="0", LOCAL_RANK=os.environ.get("LOCAL_RANK", "0"), WORLD_SIZE="1",
+                      MASTER_ADDR=os.environ.get("MASTER_ADDR", "127.0.0.1"),
+                      MASTER_PORT=os.environ.get("MASTER_PORT", str(port)))
 
 
 def apply_lora(model, lora: dict, **extra):
