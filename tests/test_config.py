@@ -60,13 +60,13 @@ def test_settings_diff_names_dotted_keys_with_both_values():
 
 def test_the_deepspeed_launchers_local_rank_argument_is_taken_out(monkeypatch):
     """`deepspeed --num_gpus N --module train ...` appends `--local_rank=N`, which Hydra refuses."""
-    from pardec.config import launcher_argv
-
-    monkeypatch.delenv("LOCAL_RANK", raising=False)
-    assert launcher_argv(["+experiment=cllm_tiny", "stage=train", "--local_rank=1"]) == ["+experiment=cllm_tiny",
-                                                                                       "stage=train"]
     import os
 
+    from pardec.config import launcher_argv
+
+    monkeypatch.setattr(os, "environ", {k: v for k, v in os.environ.items() if k != "LOCAL_RANK"})  # restored after
+    assert launcher_argv(["+experiment=cllm_tiny", "stage=train", "--local_rank=1"]) == ["+experiment=cllm_tiny",
+                                                                                       "stage=train"]
     assert os.environ["LOCAL_RANK"] == "1"
     monkeypatch.setenv("LOCAL_RANK", "3")  # the launcher's own environment wins
     assert launcher_argv(["--local_rank", "0", "+method=ar"]) == ["+method=ar"] and os.environ["LOCAL_RANK"] == "3"

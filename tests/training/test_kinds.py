@@ -84,8 +84,8 @@ def test_one_process_without_a_launcher_gets_a_launchers_environment(monkeypatch
 
     from pardec.training.base import single_process_env
 
-    for key in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
-        monkeypatch.delenv(key, raising=False)
+    keys = ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+    monkeypatch.setattr(os, "environ", {k: v for k, v in os.environ.items() if k not in keys})  # restored after
     single_process_env()
     assert (os.environ["RANK"], os.environ["LOCAL_RANK"], os.environ["WORLD_SIZE"]) == ("0", "0", "1")
     assert os.environ["MASTER_ADDR"] == "127.0.0.1" and 0 < int(os.environ["MASTER_PORT"]) < 65536
