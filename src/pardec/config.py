@@ -7,6 +7,7 @@ Hydra composes YAML; :func:`to_dataclass` turns a section into one of these (Ome
 from __future__ import annotations
 
 import enum
+import os
 import re
 import sys
 import types
@@ -247,8 +248,6 @@ def exit_with_error(e: Exception) -> NoReturn:
 def launcher_argv(argv: list[str]) -> list[str]:
     """``argv`` without the ``--local_rank=N`` (or ``--local_rank N``) that the ``deepspeed`` launcher appends to the
     program's arguments (Hydra would refuse it); the rank goes to ``LOCAL_RANK`` when the launcher did not set it."""
-    import os
-
     out, i = [], 0
     while i < len(argv):
         arg = argv[i]

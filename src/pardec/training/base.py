@@ -223,10 +223,11 @@ def save_final(trainer, spec, run_dir: Path, final: Path, d: Dist, prepare=None)
         base.tokenizer.save_pretrained(str(final))
 
 
-def fit(trainer: Trainer, spec, run_dir: Path, d: Dist, finish: Callable[[Path], dict[str, Any]]) -> dict[str, Any]:
+def fit(trainer: Trainer, spec, run_dir: Path, d: Dist,
+        finish: Callable[[Path, dict[str, Any]], dict[str, Any]]) -> dict[str, Any]:
     """Train (resuming from ``spec.resume``) under the experiment's tracker (rank 0 logs to W&B), then
-    ``finish(<run dir>/final)`` (save the artifact, evaluate what the kind evaluates after training: its extra
-    summary fields); rank 0 writes ``log_history.json`` (the loss curves the report scripts plot). Returns the
+    ``finish(<run dir>/final, trained)`` (``trained``: ``train_seconds`` and ``steps``; save the artifact, evaluate
+    what the kind evaluates after training: its extra summary fields); rank 0 writes ``log_history.json`` (the loss curves the report scripts plot). Returns the
     summary: the Trainer's metrics, ``train_seconds``, ``steps`` and ``finish``'s fields."""
     from pardec.tracking import Tracker
 
@@ -234,10 +235,10 @@ def fit(trainer: Trainer, spec, run_dir: Path, d: Dist, finish: Callable[[Path],
     with Tracker(logger, run_dir, spec.config, "train", name=run_dir.name) as tracker:
         t0 = time.perf_counter()
         result = trainer.train(resume_from_checkpoint=spec.resume)
-        seconds = time.perf_counter() - t0
-        extra = finish(run_dir / "final")
+        trained = {"train_seconds": round(time.perf_counter() - t0, 1), "steps": trainer.state.global_step}
+        extra = finish(run_dir / "final", trained)
         if d.rank == 0:
             (run_dir / "log_history.json").write_text(json.dumps(trainer.state.log_history, indent=1) + "\n")
-        summary = {**result.metrics, "train_seconds": round(seconds, 1), "steps": trainer.state.global_step, **extra}
+        summary = {**result.metrics, **trained, **extra}
         tracker.log_summary(summary)
     return summary

@@ -98,7 +98,7 @@ class CLLMKind(Kind):
         trainer = CLLMTrainer(model=model, args=args, train_dataset=ds, eval_dataset=proxy,
                               data_collator=CLLMCollator(lm.tokenizer.pad_token_id), processing_class=lm.tokenizer)
 
-        def finish(final: Path) -> dict[str, Any]:
+        def finish(final: Path, trained: dict) -> dict[str, Any]:
             final_proxy = trainer.evaluate() if proxy is not None else {}  # the proxy after the last step
             save_final(trainer, spec, run_dir, final, d)
             return {**final_proxy, "samples": len(ds), "truncated_samples": ds.n_truncated, "records": len(records),

@@ -174,7 +174,7 @@ def train_draft(spec, run_dir, d: Dist) -> dict:
     trainer = DraftTrainer(model=student, args=args, train_dataset=ds, data_collator=CompletionCollator(
         tok.pad_token_id), processing_class=tok, teacher=target)
 
-    def finish(final) -> dict:
+    def finish(final, trained: dict) -> dict:
         trainer.model.config.use_cache = True  # the Trainer turned it off for training; decoding wants it
         trainer.save_model(str(final))  # also the tokenizer (processing_class)
         if d.rank == 0:

@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import json
 import logging
-import time
 from dataclasses import dataclass, field
 
 import torch
@@ -255,12 +254,11 @@ def train_heads(spec, run_dir, d: Dist) -> dict:
     pad = lm.tokenizer.pad_token_id
     trainer = HeadsTrainer(model=drafter, args=args, train_dataset=ds,
                            data_collator=RightPadCollator(0 if pad is None else pad), base=base)
-    t0 = time.perf_counter()
 
-    def finish(final) -> dict:
+    def finish(final, trained: dict) -> dict:  # the training facts go into drafter.json too
         tokens = sum(len(ds[i]["input_ids"]) for i in range(len(ds)))
-        facts = {"train_seconds": round(time.perf_counter() - t0, 1), "samples": len(ds), "tokens": tokens,
-                 "steps": trainer.state.global_step, "epochs": args.num_train_epochs, "experiment": spec.experiment,
+        facts = {**trained, "samples": len(ds), "tokens": tokens, "epochs": args.num_train_epochs,
+                 "experiment": spec.experiment,
                  **({"head_decay": spec.head_decay} if spec.heads["type"] == "medusa" else {})}
         if d.rank == 0:
             save_drafter(trainer.model, final, base.config, spec.model.name, extra=facts)

@@ -275,7 +275,7 @@ def train_sdsat(spec, run_dir, d: Dist) -> dict:
     trainer = SDSATTrainer(model=model, args=args, train_dataset=ds, data_collator=SDSATCollator(
         0 if pad is None else pad), processing_class=lm.tokenizer)
 
-    def finish(final) -> dict:
+    def finish(final, trained: dict) -> dict:
         save_final(trainer, spec, run_dir, final, d, prepare=attach)
         trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
         return {"samples": len(ds), "truncated_samples": ds.n_truncated, "records": len(records),
