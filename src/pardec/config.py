@@ -21,6 +21,10 @@ from omegaconf.errors import OmegaConfBaseException
 DTYPES = ("fp32", "bf16", "fp16")
 MODEL_SOURCES = ("hub", "local", "gguf_package", "gguf", "tiny_random")
 DEVICES = ("auto", "cpu", "cuda")
+#: accelerate's placements for a model larger than one device (``model.device_map``); None = all on ``model.device``
+DEVICE_MAPS = (None, "auto", "balanced", "balanced_low_0", "sequential")
+#: attention kernels: flash_attention_2 only where no custom (tree / Jacobi) mask is needed, see decoding.METHODS
+ATTN_IMPLEMENTATIONS = ("sdpa", "eager", "flash_attention_2")
 PROMPT_STYLES = ("auto", "chat", "base")
 
 
@@ -52,6 +56,7 @@ class ModelConfig:
     dtype: str = "fp32"
     device: str = "auto"
     attn_implementation: str = "sdpa"
+    device_map: str | None = None  # auto | balanced | sequential: split a model over the visible GPUs (accelerate)
     chat: bool | None = None  # use the chat template; None = when the tokenizer has one
     cache_dir: str | None = None  # where dequantized GGUF weights are cached (default data/models/<name>)
     adapter: str | None = None  # a peft (LoRA) adapter dir applied on top of the base weights
@@ -67,7 +72,8 @@ class ModelConfig:
         _choice("model", "source", self.source, MODEL_SOURCES)
         _choice("model", "dtype", self.dtype, DTYPES)
         _choice("model", "device", self.device, DEVICES)
-        _choice("model", "attn_implementation", self.attn_implementation, ("sdpa", "eager"))
+        _choice("model", "attn_implementation", self.attn_implementation, ATTN_IMPLEMENTATIONS)
+        _choice("model", "device_map", self.device_map, DEVICE_MAPS)
         _at_least("model", "layers", self.layers, 1)
         _at_least("model", "hidden", self.hidden, 8)
 
