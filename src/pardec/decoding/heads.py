@@ -62,7 +62,7 @@ class TreeDrafter(Decoder):
         self.paths = truncate_paths(paths, self.k)
         if target is not None:
             self.drafter, self.meta = load_drafter(path, target.config, self.kind, key=key)
-            self.drafter.to(target.device, target.dtype)
+            self.drafter.to(target.head_device, target.dtype)  # it reads what the LM head reads
 
     # ------------------------------------------------------------------ per method
     def _forward(self, ids: torch.Tensor, positions=None, attend=None, last_only: bool = False):

@@ -90,6 +90,12 @@ class CachedModel:
         return self.model.device
 
     @property
+    def head_device(self) -> torch.device:
+        """Where the final norm and the LM head read their input: ``device`` unless the model is split over several
+        devices (``model.device_map``), where it is the last one's."""
+        return self._inner().norm.weight.device
+
+    @property
     def dtype(self) -> torch.dtype:
         return self.model.dtype
 
@@ -158,12 +164,18 @@ class CachedModel:
         past = self.length
         positions = self._positions(positions, bsz, t, past)
         kwargs = {}
+        tail_at = None  # split model: the logits_at positions within the kept tail
         if attend is not None or key_valid is not None:
             kwargs["attention_mask"] = self._additive_mask(bsz, t, past, attend, key_valid)
         if last_only:
             kwargs["logits_to_keep"] = 1
         elif logits_at is not None:
-            kwargs["logits_to_keep"] = torch.as_tensor(logits_at, dtype=torch.long, device=self.device)
+            at = torch.as_tensor(logits_at, dtype=torch.long, device=self.device)
+            if self.head_device == self.device:
+                kwargs["logits_to_keep"] = at
+            else:  # split model: accelerate's hooks move a tensor argument to their device, not the LM head's
+                tail = t - int(at.min()) if at.numel() else 1  # (one sync; split models are the 34B+ case)
+                kwargs["logits_to_keep"], tail_at = tail, at - (t - tail)
         captured: list[torch.Tensor] = []
         hook = None
         if hidden_layer is not None and hidden_layer == self.num_layers:
@@ -180,8 +192,12 @@ class CachedModel:
         self.cache = out.past_key_values
         self._tokens = torch.cat([self._tokens.expand(bsz, -1), ids.cpu()], dim=1)
         self._last_appended = t
-        self._check_finite(out.logits, past, t, last_only, kwargs.get("logits_to_keep"))
-        return ForwardOut(out.logits, captured[0] if captured else None)
+        logits = out.logits
+        if tail_at is not None:
+            logits = logits[:, tail_at.to(logits.device)]
+            kwargs["logits_to_keep"] = tail_at + (t - kwargs["logits_to_keep"])
+        self._check_finite(logits, past, t, last_only, kwargs.get("logits_to_keep"))
+        return ForwardOut(logits, captured[0] if captured else None)
 
     @torch.inference_mode()
     def run_upper(
@@ -289,8 +305,8 @@ class CachedModel:
         try:
             for layer in range(self.num_layers):
                 while born < k and layers[born] == layer:
-                    h = hidden[:, anc_dev]  # the anchors' own rows (new tokens come first)
-                    hidden = torch.cat([hidden, project(born, h).to(hidden.dtype)], dim=1)
+                    h = hidden[:, anc_dev.to(hidden.device)]  # the anchors' own rows (new tokens come first)
+                    hidden = torch.cat([hidden, project(born, h).to(hidden.device, hidden.dtype)], dim=1)
                     born += 1
                 m = t + born * n_a
                 if capture:
@@ -304,7 +320,7 @@ class CachedModel:
         normed = inner.norm(hidden)
         real_h = normed[:, :t]
         if logits_at is not None:
-            real_h = real_h[:, torch.as_tensor(logits_at, dtype=torch.long, device=self.device)]
+            real_h = real_h[:, torch.as_tensor(logits_at, dtype=torch.long, device=real_h.device)]
         logits = self.model.lm_head(real_h)
         self._tokens = torch.cat([self._tokens.expand(bsz, -1), ids.cpu()], dim=1)
         self._last_appended = t
@@ -327,7 +343,7 @@ class CachedModel:
             with torch.no_grad():
                 for layer in range(self.num_layers):
                     if layer in layers:
-                        births[layer] = hidden[:, anc]
+                        births[layer] = hidden[:, anc.to(hidden.device)]
                     hidden = inner.layers[layer](
                         hidden, attention_mask=mask[:, :, :t, : past + t],
                         position_embeddings=tuple(x[:, :t] for x in rope), position_ids=all_pos[:, :t],
@@ -335,7 +351,8 @@ class CachedModel:
                 real = inner.norm(hidden)
             for layer in range(layers[0], self.num_layers):
                 while born < k and layers[born] == layer:
-                    new = project(born, births[layer]).to(hidden.dtype)
+                    into = births[layer] if pseudo is None else pseudo  # split models: layers on several devices
+                    new = project(born, births[layer]).to(into.device, hidden.dtype)
                     pseudo = new if pseudo is None else torch.cat([pseudo, new], dim=1)
                     born += 1
                 m = born * n_a
@@ -346,7 +363,7 @@ class CachedModel:
         finally:
             self._drop_keys_after(past + t if born == k else past)
         if logits_at is not None:
-            real = real[:, torch.as_tensor(logits_at, dtype=torch.long, device=self.device)]
+            real = real[:, torch.as_tensor(logits_at, dtype=torch.long, device=real.device)]
         with torch.no_grad():
             logits = self.model.lm_head(real)
         self._tokens = torch.cat([self._tokens.expand(bsz, -1), ids.cpu()], dim=1)
@@ -386,10 +403,12 @@ class CachedModel:
             raise ValueError(f"keep indices {idx.tolist()} out of range for the {n} positions from {start} on")
         if idx.numel() > 1 and bool((idx[1:] <= idx[:-1]).any()):
             raise ValueError(f"keep indices {idx.tolist()} must be strictly increasing")
+        on: dict[torch.device, torch.Tensor] = {}  # layers of a split model (device_map) sit on several devices
         for layer in self.cache.layers:
             for name in ("keys", "values"):
                 t = getattr(layer, name)
-                setattr(layer, name, torch.cat([t[..., :start, :], t[..., start + idx, :]], dim=-2))
+                at = on.setdefault(t.device, start + idx.to(t.device))
+                setattr(layer, name, torch.cat([t[..., :start, :], t[..., at, :]], dim=-2))
         self._tokens = torch.cat([self._tokens[:, :start], self._tokens[:, start + idx.cpu()]], dim=1)
         self._last_appended = idx.numel()
 

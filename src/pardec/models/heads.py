@@ -97,7 +97,7 @@ class FirpProjections(nn.Module):
     def forward(self, i: int, hidden: torch.Tensor) -> torch.Tensor:
         """Projection ``i`` (0-based: the pseudo state ``i + 1`` positions ahead of its anchor)."""
         p = self.proj[i]
-        return p(hidden.to(p.weight.dtype))
+        return p(hidden.to(p.weight.device, p.weight.dtype))  # a split target hands states from any of its devices
 
     def meta(self) -> dict[str, Any]:
         return {"layers": self.layers}
