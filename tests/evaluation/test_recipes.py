@@ -1,0 +1,139 @@
+"""Paper-scale recipes (`python -m evaluate +recipe=<name>`, conf/recipe/): each composes, passes validation with the
+paper's values, and documents its launch command and GPU memory. No weights and no network: the one check that
+needs the hub (the models can be had, the draft shares the target's tokenizer) is recorded instead of run, and
+shown to fail in one line offline, as it would on a machine without the weights."""
+
+from __future__ import annotations
+
+import pytest
+import yaml
+
+from pardec import CONF_DIR
+from pardec.config import ConfigError, check_overrides
+from pardec.evaluation import spec as spec_module
+from pardec.evaluation.spec import validate
+from pardec.models import loading
+from tests.evaluation.helpers import cfg_of, run_cli
+
+RECIPES = sorted(p.stem for p in (CONF_DIR / "recipe").glob("*.yaml"))
+
+#: (target hub id, draft hub id) of each model pair
+YI = ("01-ai/Yi-34B", "01-ai/Yi-6B")
+DSC = ("deepseek-ai/deepseek-coder-33b-instruct", "deepseek-ai/deepseek-coder-1.3b-instruct")
+LLAMA = ("meta-llama/Llama-2-13b-hf", "JackFram/llama-68m")
+
+# The papers' values, from the official code (github.com/thunlp/Ouroboros @ 7dac65b, benchmark/test_<task>.py:
+# argparse defaults and launch lines; K = topk=3, the default of ouroboros/ouroboros.py) and MJSD (Appendix D,
+# Table 5: tau = 0.1; github.com/ZongyueQin/MJSD @ bb00dc9, evaluation.py: (gamma, width, beams) = (4, 1, 8), top-k
+# 20, top-p 0.9, 128 tokens, the first 100 prompts, 4 repeats). The recipe files cite file and line for each.
+OUROBOROS = {  # recipe: (models, dataset, max_new_tokens, gamma, W, G, N, K)
+    "ouroboros_yi34b_humaneval": (YI, "humaneval", 512, 12, 20, 20, 7, 3),
+    "ouroboros_dscoder33b_humaneval": (DSC, "humaneval", 512, 11, 20, 20, 7, 3),
+    "ouroboros_yi34b_gsm8k": (YI, "gsm8k", 256, 4, 15, 15, 6, 3),
+    "ouroboros_yi34b_cnn_dm": (YI, "cnn_dm", 128, 10, 15, 15, 5, 3),
+    "ouroboros_yi34b_wmt16": (YI, "wmt16", 64, 5, 16, 16, 5, 3),
+}
+MJSD = {  # recipe: (models, dataset, max_new_tokens, method params)
+    "mjsd_llama2_13b_cnn_dm": (LLAMA, "cnn_dm", 128,
+                               {"gamma": 4, "width": 1, "num_beams": 8, "tau": 0.1, "top_k": 20, "top_p": 0.9}),
+}
+
+
+@pytest.fixture
+def checked_models(monkeypatch) -> list:
+    """Record instead of run :func:`~pardec.evaluation.spec.check_models` (hub availability and the tokenizer check,
+    which load tokenizers from the hub): ``[(model, draft), ...]``."""
+    calls: list = []
+    monkeypatch.setattr(spec_module, "check_models", lambda model, draft: calls.append((model, draft)))
+    return calls
+
+
+def _validated(name: str, checked_models: list):
+    spec = validate(cfg_of(f"+recipe={name}"))
+    assert len(checked_models) == 1, "validate() checks the models once, before any weights load"
+    return spec
+
+
+def test_every_recipe_has_its_paper_values_here():
+    assert RECIPES == sorted({**OUROBOROS, **MJSD})  # a new recipe: add the paper's values to this file
+
+
+@pytest.mark.parametrize("name", sorted(OUROBOROS))
+def test_ouroboros_recipes_compose_validate_and_hold_the_papers_values(name, checked_models):
+    (target, draft), dataset, max_new, gamma, window, guess_set, level, top_k = OUROBOROS[name]
+    spec = _validated(name, checked_models)
+    assert spec.method == "ouroboros"
+    p = spec.method_params
+    assert (p["gamma"], p["window"], p["guess_set"], p["level"], p["top_k_phrases"]) == (gamma, window, guess_set,
+                                                                                        level, top_k)
+    assert p["accelerated_drafting"] and p["lengthening"] and p["verified_phrases"] and not p["warm_start"]
+    assert (spec.model.path, spec.draft.path) == (target, draft)
+    assert spec.model.device_map == "auto" and spec.draft.device_map is None  # the 33B/34B target splits over GPUs
+    assert spec.model.dtype == spec.draft.dtype == spec.run.dtype == "fp16"  # the official scripts' torch.float16
+    assert spec.dataset.name == dataset and spec.run.max_new_tokens == max_new
+    assert spec.sampling.greedy
+    if dataset == "gsm8k":
+        assert spec.dataset.extra["num_fewshot"] == 8  # N_SHOT = 8
+    if dataset == "wmt16":
+        assert (spec.dataset.extra["source"], spec.dataset.extra["target"]) == ("de", "en")
+
+
+@pytest.mark.parametrize("name", sorted(MJSD))
+def test_mjsd_recipes_compose_validate_and_hold_the_papers_values(name, checked_models):
+    (target, draft), dataset, max_new, params = MJSD[name]
+    spec = _validated(name, checked_models)
+    assert spec.method == "mjsd"
+    assert {k: spec.method_params[k] for k in params} == params
+    assert spec.method_params["tau"] == 0.1  # Table 5
+    assert (spec.model.path, spec.draft.path) == (target, draft)
+    assert spec.model.dtype == spec.draft.dtype == "fp16"
+    assert spec.dataset.name == dataset and spec.run.max_new_tokens == max_new
+    assert (spec.run.n_samples, spec.run.repeats) == (100, 4)
+    assert (spec.sampling.temperature, spec.sampling.top_k, spec.sampling.top_p) == (1.0, 20, 0.9)
+
+
+@pytest.mark.parametrize("name", RECIPES)
+def test_every_recipe_documents_its_launch_command_and_gpu_memory(name):
+    text = (CONF_DIR / "recipe" / f"{name}.yaml").read_text()
+    assert text.startswith("# @package _global_\n")
+    header = text.split("\ndefaults:")[0]
+    assert f"python -m evaluate +recipe={name}" in header
+    assert "GPU memory (estimate" in header and " GB" in header
+
+
+def test_the_model_check_is_what_fails_offline(monkeypatch):
+    """Unmocked, validation reaches the hub check with the recipe's models: on a machine without the weights and with
+    the hub switched off it is one line naming the model and the switch (no download tried)."""
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setattr(loading, "_hub_cached", lambda repo, revision: False)
+    monkeypatch.setattr(loading, "hub_reachable", lambda timeout=3.0: pytest.fail("probed the hub while offline"))
+    with pytest.raises(ConfigError, match=r"model 'yi_34b': hub model 01-ai/Yi-34B is not in the local Hugging "
+                                          r"Face cache and the hub is off \(HF_HUB_OFFLINE\)") as e:
+        validate(cfg_of("+recipe=ouroboros_yi34b_humaneval"))
+    assert "\n" not in str(e.value)
+
+
+def test_an_unknown_recipe_is_one_line_listing_them():
+    with pytest.raises(ConfigError, match="recipe='nope' is not valid; choose one of: " + ", ".join(RECIPES)):
+        check_overrides(["+recipe=nope"], "evaluate")
+
+
+def test_command_line_overrides_still_apply_on_top_of_a_recipe(checked_models):
+    spec = validate(cfg_of("+recipe=ouroboros_yi34b_humaneval", "method.gamma=8", "n_samples=10"))
+    assert spec.method_params["gamma"] == 8 and spec.run.n_samples == 10
+    assert spec.method_params["window"] == 20  # the rest stays the recipe's
+
+
+@pytest.mark.slow  # a subprocess (~6 s)
+def test_cli_cfg_job_prints_the_recipe(tmp_path):
+    """The issue's check, literally: `python -m evaluate +recipe=<name> --cfg job` composes (exit 0) and prints the
+    paper's values."""
+    p = run_cli("+recipe=ouroboros_yi34b_humaneval", "--cfg", "job", "--resolve", cwd=tmp_path)
+    assert p.returncode == 0, p.stderr
+    cfg = yaml.safe_load(p.stdout)
+    m = cfg["method"]
+    assert (m["name"], m["gamma"], m["window"], m["guess_set"], m["level"], m["top_k_phrases"]) == (
+        "ouroboros", 12, 20, 20, 7, 3)
+    assert (cfg["model"]["path"], cfg["model"]["device_map"], cfg["draft"]["path"]) == ("01-ai/Yi-34B", "auto",
+                                                                                     "01-ai/Yi-6B")
+    assert cfg["dtype"] == cfg["model"]["dtype"] == "fp16" and cfg["max_new_tokens"] == 512
