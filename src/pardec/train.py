@@ -126,9 +126,12 @@ def run(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
     """Run the stages ``cfg.stage`` names; returns (and on rank 0 writes) ``train_summary.json``."""
     import torch
 
+    from pardec.models.loading import set_tf32
+
     spec = validate(cfg)
     d = Dist.from_env()
     torch.set_num_threads(spec.threads)
+    set_tf32(bool(cfg.get("tf32", True)))
     kind = load_kinds().get(cfg.kind)
     summary: dict[str, Any] = {"experiment": spec.experiment, "kind": kind.name, "stage": spec.stage,
                                "run_dir": str(run_dir)}

@@ -8,6 +8,7 @@ import importlib.util
 import logging
 import os
 import shutil
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -62,12 +63,40 @@ def eos_ids(model, tokenizer) -> set[int]:
     return {int(i) for i in ids if i is not None}
 
 
-def resolve_device(device: str) -> torch.device:
-    if device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if device == "cuda" and not torch.cuda.is_available():
+def resolve_device(device: str, env: Mapping[str, str] | None = None) -> torch.device:
+    """``model.device`` as a torch device: ``auto`` is CUDA when available, else the CPU. Under a launcher of several
+    processes (``WORLD_SIZE`` > 1 in ``env``, default the environment: torchrun, accelerate launch, deepspeed)
+    ``auto`` and ``cuda`` mean this process's GPU, :func:`rank_gpu`, so that the ranks do not all load onto GPU 0;
+    ``cuda:<i>`` and ``cpu`` are kept as written. (With ``model.device_map`` the weights are placed by accelerate,
+    not moved to this one device.)"""
+    env = os.environ if env is None else env
+    cuda = torch.cuda.is_available()
+    if device == "cuda" and not cuda:
         raise RuntimeError("model.device=cuda but no CUDA device is available; use model.device=auto or cpu")
+    if device in ("auto", "cuda") and cuda and int(env.get("WORLD_SIZE", 1)) > 1:
+        return torch.device("cuda", rank_gpu(env))
+    if device == "auto":
+        return torch.device("cuda" if cuda else "cpu")
     return torch.device(device)
+
+
+def rank_gpu(env: Mapping[str, str]) -> int:
+    """The GPU of this rank: ``LOCAL_RANK``, or 0 where the launcher shows each process one GPU of its own
+    (``CUDA_VISIBLE_DEVICES`` per rank); a ``LOCAL_RANK`` beyond the visible GPUs is an error naming both."""
+    local, n = int(env.get("LOCAL_RANK", 0)), torch.cuda.device_count()
+    if n == 1:
+        return 0
+    if local >= n:
+        raise RuntimeError(f"LOCAL_RANK={local} but this node shows {n} GPUs: launch at most {n} processes per node "
+                           f"(torchrun --nproc_per_node {n}) or set model.device=cuda:<i>")
+    return local
+
+
+def set_tf32(enabled: bool) -> None:
+    """Let fp32 matmuls and convolutions on Ampere+ GPUs run in TF32 (the ``tf32`` config key, default on): ~10-bit
+    mantissa products with fp32 accumulation, several times faster. No effect on the CPU or on bf16/fp16 runs."""
+    torch.backends.cuda.matmul.allow_tf32 = enabled
+    torch.backends.cudnn.allow_tf32 = enabled
 
 
 def _package_dir(package: str) -> Path:

@@ -154,7 +154,7 @@ def train_draft(spec, run_dir, d: Dist) -> dict:
     from dataclasses import replace
 
     from pardec.models.draft import build_draft, choose_vocab
-    from pardec.models.loading import load_model
+    from pardec.models.loading import TORCH_DTYPES, load_model
     from pardec.training.completions import load_completions
 
     args = training_args(DraftConfig, spec, run_dir)  # before the model, as ZeRO-3 requires
@@ -165,7 +165,8 @@ def train_draft(spec, run_dir, d: Dist) -> dict:
     special = {*tok.all_special_ids, tok.pad_token_id, *lm.eos_ids}
     vocab = choose_vocab(counts, spec.vocab_size, sorted(i for i in special if i is not None),
                          target.config.vocab_size)
-    student = build_draft(target, spec.layers, vocab)
+    student = build_draft(target, spec.layers, vocab)  # copies: the student keeps model_dtype
+    target = target.to(TORCH_DTYPES[spec.model.dtype])  # the frozen teacher runs in the run's dtype (bf16 on GPU)
     if spec.freeze_embeddings:
         student.model.embed_tokens.weight.requires_grad_(False)
     kept = set(vocab)
@@ -190,7 +191,6 @@ def train_draft(spec, run_dir, d: Dist) -> dict:
 def evaluate_draft(spec, run_dir) -> dict:
     """The eval stage: greedy target completions of each held-out source (resumable, own out dir), teacher-forced
     top-1 agreement of ``<run>/final`` vs the target on them, and both models' 1-token forward time."""
-    from dataclasses import replace
 
     from pardec.config import ModelConfig
     from pardec.models.loading import load_model
@@ -199,8 +199,8 @@ def evaluate_draft(spec, run_dir) -> dict:
     final = run_dir / "final"
     if not (final / "config.json").is_file():
         raise FileNotFoundError(f"no trained draft in {final}; run stage=train first")
-    lm = load_model(replace(spec.model, dtype="fp32"))
-    draft = load_model(ModelConfig(name="draft", source="local", path=str(final), dtype="fp32",
+    lm = load_model(spec.model)  # the run's dtype: fp32 on CPU, bf16 on GPU, as the decoders will run them
+    draft = load_model(ModelConfig(name="draft", source="local", path=str(final), dtype=spec.model.dtype,
                                    device=spec.model.device)).model
     pad = lm.tokenizer.pad_token_id
     result: dict = {"draft": str(final), "target": spec.model.name, "threads": torch.get_num_threads(),

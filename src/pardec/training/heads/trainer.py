@@ -272,7 +272,6 @@ def evaluate_heads(spec, run_dir) -> dict:
     """The eval stage: greedy target completions of each held-out source (resumable, own out dir), the ranks of the
     true future tokens under ``<run>/final`` at each depth, per-rank accuracies, and trees searched for
     ``spec.budgets`` (``<run>/final/trees/T<budget>.json``); all into ``<run>/heads_eval.json``."""
-    from dataclasses import replace
 
     from pardec.decoding.tree_search import chain_paths, expected_accept_length, save_tree, search_tree
     from pardec.models.heads import load_drafter, num_parameters
@@ -282,7 +281,7 @@ def evaluate_heads(spec, run_dir) -> dict:
     final = run_dir / "final"
     if not (final / "drafter.json").is_file():
         raise FileNotFoundError(f"no trained drafter in {final}; run stage=train first")
-    lm = load_model(replace(spec.model, dtype="fp32"))
+    lm = load_model(spec.model)  # the run's dtype: fp32 on CPU, bf16 on GPU, as the decoders will run it
     kind = spec.heads["type"]
     drafter, meta = load_drafter(final, lm.model.config, kind, key="final")
     drafter = drafter.to(lm.model.device)

@@ -290,7 +290,6 @@ def evaluate_sdsat(spec, run_dir) -> dict:
     """The eval stage: on the held-out ``eval.sources`` (at most ``eval.max_docs`` sequences each, cut like the
     training corpus), the plain-text perplexity under the base model and ``<run>/final`` (same tokens; their
     ratio), and the trained model's per-depth adaptive-token accuracy; all into ``<run>/sdsat_eval.json``."""
-    from dataclasses import replace
 
     from transformers.integrations.deepspeed import unset_hf_deepspeed_config
 
@@ -305,8 +304,8 @@ def evaluate_sdsat(spec, run_dir) -> dict:
     if sdsat is None:
         raise ValueError(f"{final}/config.json has no `sdsat` section: not an SDSAT model; run stage=train again")
     unset_hf_deepspeed_config()  # after a ZeRO-3 train stage: load the models whole (rank 0 alone), not sharded
-    base = load_model(replace(spec.model, dtype="fp32"))
-    trained = load_model(ModelConfig(name="sdsat", source="local", path=str(final), dtype="fp32",
+    base = load_model(spec.model)  # the run's dtype: fp32 on CPU, bf16 on GPU, as the decoders will run them
+    trained = load_model(ModelConfig(name="sdsat", source="local", path=str(final), dtype=spec.model.dtype,
                                      device=spec.model.device))
     k = spec.eval_k_max
     result: dict = {"model": str(final), "base": spec.model.name, "adaptive_tokens": sdsat["adaptive_tokens"],
