@@ -19,3 +19,36 @@ def test_every_named_model_config_resolves_on_its_own(name):
 def test_an_unknown_name_is_one_line():
     with pytest.raises(FileNotFoundError, match="no model config .*nope.yaml"):
         named_config("nope")
+
+
+def test_device_map_reaches_from_pretrained_and_the_model_is_not_moved(tmp_path, monkeypatch):
+    """``model.device_map=auto`` hands the placement to accelerate (a target larger than one GPU); load_model then
+    leaves the dispatched model where it was put."""
+    import torch
+
+    from pardec.config import ConfigError, ModelConfig
+    from pardec.models import loading
+    from tests.conftest import tiny
+
+    src = tiny(0)
+    src.model.save_pretrained(tmp_path)
+    src.tokenizer.save_pretrained(tmp_path)
+    calls = []
+    real = loading.AutoModelForCausalLM.from_pretrained
+
+    def spy(path, **kw):
+        model = real(path, **{k: v for k, v in kw.items() if k != "device_map"})
+        moves = []
+        model.to = lambda *a, **k: moves.append((a, k)) or model
+        calls.append((kw, moves))
+        return model
+
+    monkeypatch.setattr(loading.AutoModelForCausalLM, "from_pretrained", spy)
+    lm = loading.load_model(ModelConfig(name="local", source="local", path=str(tmp_path), device_map="auto"))
+    (kw, moves), = calls
+    assert kw["device_map"] == "auto" and kw["dtype"] == torch.float32 and moves == [] and not lm.model.training
+    loading.load_model(ModelConfig(name="local", source="local", path=str(tmp_path), device="cpu"))
+    kw, moves = calls[1]
+    assert "device_map" not in kw and moves  # a plain load is moved onto model.device
+    with pytest.raises(ConfigError, match="device_map='auto' needs weights on disk"):
+        loading.load_model(ModelConfig(name="tiny_random", source="tiny_random", device_map="auto"))

@@ -141,6 +141,8 @@ class Decoder:
     #: what the method guarantees (see :data:`EXACTNESS`); tests hold every method to it
     exactness: ClassVar[str] = "approximate"
     needs_draft: ClassVar[bool] = False
+    #: whether its forwards need a custom attention mask (trees, windows, branches): not with flash_attention_2
+    custom_mask: ClassVar[bool] = False
 
     def __init__(self, target: CachedModel, tokenizer=None, draft: CachedModel | None = None):
         self.target = target
@@ -311,6 +313,19 @@ def check_range(key: str, value: Any, lo: float, hi: float, integer: bool = True
         what = "an integer" if integer else "a number"
         raise ConfigError(f"method.{key}={value!r} is out of range: it must be {what} in "
                           f"{'(' if open_lo else '['}{lo}, {hi}]")
+
+
+def check_attention(name: str, model: ModelConfig, draft: ModelConfig | None = None) -> None:
+    """Refuse, before anything loads, ``attn_implementation=flash_attention_2`` for a method whose forwards need a
+    custom attention mask (flash-attention kernels take causal or padding masks only)."""
+    cls = METHODS.get(name)
+    for role, m in (("model", model), ("draft", draft if cls.needs_draft else None)):
+        if m is not None and cls.custom_mask and m.attn_implementation == "flash_attention_2":
+            raise ConfigError(
+                f"{role}.attn_implementation=flash_attention_2 cannot run method {name!r}: its forwards verify a "
+                f"token tree / window with a custom attention mask, which flash-attention kernels do not take; use "
+                f"{role}.attn_implementation=sdpa (methods that can use it: "
+                f"{', '.join(n for n in METHODS.names() if not METHODS.get(n).custom_mask)})")
 
 
 def build_decoder(

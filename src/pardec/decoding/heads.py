@@ -41,6 +41,7 @@ class TreeDrafter(Decoder):
     """The shared loop; subclasses say how one forward yields the target's logits and the next drafts."""
 
     exactness = "distribution"
+    custom_mask = True
     kind: ClassVar[str] = ""
     key: ClassVar[str] = ""  # the method parameter naming the drafter directory
 

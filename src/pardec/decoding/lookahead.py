@@ -41,6 +41,7 @@ from pardec.decoding.verify import verify_tree
 @register_method("lookahead", aliases=("lade",))
 class Lookahead(Decoder):
     exactness = "distribution"
+    custom_mask = True
 
     def __init__(self, target, tokenizer=None, draft=None, level: int = 5, window: int = 15, guess_set: int = 15,
                  pool_from_prompt: bool = False):

@@ -64,6 +64,7 @@ def joint_verdict(tree: Tree, logits: torch.Tensor, draft_logq: dict[int, float]
 @register_method("mjsd")
 class MJSD(Decoder):
     exactness = "approximate"
+    custom_mask = True
     needs_draft = True
 
     def __init__(self, target, tokenizer=None, draft=None, gamma: int = 4, num_beams: int = 8, width: int = 1,
@@ -135,6 +136,7 @@ class MJSD(Decoder):
 @register_method("mjgd")
 class MJGD(Decoder):
     exactness = "approximate"
+    custom_mask = True
 
     def __init__(self, target, tokenizer=None, draft=None, K: int = 4, num_beams: int = 4):
         super().__init__(target, tokenizer, draft)

@@ -49,6 +49,7 @@ from pardec.decoding.verify import verify_tree
 @register_method("ouroboros")
 class Ouroboros(Decoder):
     exactness = "distribution"
+    custom_mask = True
     needs_draft = True
 
     def __init__(self, target, tokenizer=None, draft=None, gamma: int = 4, window: int = 20, guess_set: int = 20,

@@ -50,6 +50,7 @@ TRAIN_HINT = ("train one with `python -m train +experiment=sdsat_smollm2` and pa
 @register_method("sdsat")
 class SDSAT(Decoder):
     exactness = "distribution"
+    custom_mask = True  # sampling trees (greedy chains need none)
 
     def __init__(self, target: CachedModel, tokenizer=None, draft=None, k: int = 5,
                  variant: Literal["two_step", "fused"] = "two_step", top_k: int = 10, top_p: float = 0.95,

@@ -29,6 +29,7 @@ from pardec.decoding.verify import verify_tree_iid
 @register_method("spectr")
 class SpecTr(Decoder):
     exactness = "distribution"
+    custom_mask = True
     needs_draft = True
 
     def __init__(self, target, tokenizer=None, draft=None, k: int = 4, gamma: int = 4):

@@ -42,6 +42,10 @@ import torch
 from transformers import DynamicCache, PreTrainedModel
 
 
+class FlashAttentionMaskError(ValueError):
+    """A forward needs a custom attention mask and the model runs flash_attention_2, which cannot take one."""
+
+
 class NonFiniteLogitsError(RuntimeError):
     """A model produced NaN or inf logits; the message names the model and the position."""
 
@@ -83,6 +87,8 @@ class CachedModel:
         self.cache = DynamicCache(config=model.config)
         self._tokens = torch.zeros(1, 0, dtype=torch.long)  # [B, length] token ids held by the cache (CPU)
         self._last_appended = 0  # positions appended by the most recent forward (for ``keep``)
+        #: flash_attention_2 kernels take causal (or padding) masks only: forwards that need a custom one refuse
+        self.flash = getattr(model.config, "_attn_implementation", None) == "flash_attention_2"
 
     # ---------------------------------------------------------------- properties
     @property
@@ -542,6 +548,11 @@ class CachedModel:
         return allowed
 
     def _to_additive(self, allowed: torch.Tensor) -> torch.Tensor:
+        if self.flash:
+            raise FlashAttentionMaskError(
+                f"model {self.name!r} runs attn_implementation=flash_attention_2, which takes no custom attention "
+                f"mask, and this forward needs one (a token tree, a Jacobi/lookahead window, injected or pseudo "
+                f"states, or padded batch rows); use model.attn_implementation=sdpa (or eager) for this method")
         return additive_mask(allowed, self.dtype)
 
     def _additive_mask(self, bsz: int, t: int, past: int, attend: torch.Tensor | None,

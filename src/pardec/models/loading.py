@@ -219,6 +219,9 @@ def load_model(cfg: ModelConfig) -> LoadedModel:
     """Load weights and tokenizer as ``cfg`` says, cast to its dtype and move to its device."""
     device = resolve_device(cfg.device)
     dtype = TORCH_DTYPES[cfg.dtype]
+    if cfg.device_map and cfg.source == "tiny_random":
+        raise ConfigError(f"model {cfg.name!r}: model.device_map={cfg.device_map!r} needs weights on disk or the hub "
+                          f"(a tiny_random model is built in memory); set model.device_map=null")
     tok = load_tokenizer(cfg)
     if cfg.source == "tiny_random":
         model = tiny_random_model(cfg, len(tok), tok.bos_token_id, tok.eos_token_id)
@@ -228,12 +231,17 @@ def load_model(cfg: ModelConfig) -> LoadedModel:
             dtype=dtype,
             revision=cfg.revision if cfg.source == "hub" else None,
             attn_implementation=cfg.attn_implementation,
+            # a target larger than one GPU: accelerate places its layers over the visible GPUs and moves the
+            # activations between them (CachedModel follows each layer's device)
+            **({"device_map": cfg.device_map} if cfg.device_map else {}),
         )
     if cfg.adapter:
         from peft import PeftModel
 
         model = PeftModel.from_pretrained(model, cfg.adapter).merge_and_unload()
-    model = model.to(device=device, dtype=dtype).eval()
+    if not cfg.device_map:  # (a dispatched model is already placed and in dtype)
+        model = model.to(device=device, dtype=dtype)
+    model = model.eval()
     model.config._attn_implementation = cfg.attn_implementation
     if tok.pad_token_id is None:
         tok.pad_token = tok.eos_token
