@@ -1,0 +1,256 @@
+"""`make gpu-smoke`: does pardec run on this machine's GPU? Offline, in minutes, with the local SmolLM2 and drafters
+made on the spot (untrained: this checks that everything runs and stays exact, not speed-ups):
+
+1. every decoding method in fp32 and bf16: exact-match rate against `ar` in the same dtype (tokens-exact methods
+   must reach 1.0 in fp32; bf16 flips near-ties), tokens per target forward, and wall time against `ar`;
+2. two optimizer steps of every experiment kind (the `*_tiny` experiments with `trainer.max_steps=2`, placed
+   on the GPU);
+3. a 2-process sharded `evaluate` (torchrun) when the machine has two GPUs or more.
+
+    python scripts/gpu_smoke.py [--device cuda|cpu] [--model smollm2_135m|tiny_random] [--new-tokens 32]
+                                [--methods ar,sps,...] [--kinds cllm,draft,...] [--out DIR]
+
+It writes ``<out>/gpu_smoke.json`` and prints one markdown table per part. On a machine without CUDA it runs with
+``--device cpu`` (CI runs it so, on the tiny random model, as a test of the script itself).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+PROMPTS = ["def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n",
+           "Question: Tom has 3 apples and buys 5 more. How many apples does he have?\nAnswer:",
+           "The quick brown fox jumps over the lazy dog. The quick brown fox"]
+KINDS = {"cllm": "cllm_tiny", "draft": "draft_tiny", "heads_medusa": "heads_medusa_tiny",
+         "heads_firp": "heads_firp_tiny", "sdsat": "sdsat_tiny"}
+
+
+def device_name(device: str) -> str:
+    import torch
+
+    if device.startswith("cuda"):
+        return f"{torch.cuda.get_device_name(0)} x{torch.cuda.device_count()} (CUDA {torch.version.cuda})"
+    model = next((ln.split(":", 1)[1].strip() for ln in Path("/proc/cpuinfo").read_text().splitlines()
+                  if ln.startswith("model name")), platform.processor()) if Path("/proc/cpuinfo").exists() else ""
+    return f"CPU {model} ({os.cpu_count()} cores)"
+
+
+def sync(device: str) -> None:
+    import torch
+
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def drafters(model, tok, work: Path) -> tuple[object, dict[str, dict]]:
+    """(a draft model: the target's first and last layers over its whole vocabulary, method parameters per
+    method): untrained Medusa heads and FIRP projections saved with a chain tree; SDSAT's adaptive token
+    stands in as the last vocabulary id."""
+    from pardec.decoding.tree_search import save_tree
+    from pardec.models.draft import build_draft
+    from pardec.models.heads import new_drafter, save_drafter
+
+    n = model.config.num_hidden_layers
+    draft = build_draft(model, sorted({0, n - 1}), list(range(model.config.vocab_size)))
+    params: dict[str, dict] = {"sdsat": {"adaptive_ids": [int(model.config.vocab_size) - 1]}}
+    for kind, key, methods in (("medusa", "heads", ("medusa", "medusa_typical")), ("firp", "projections", ("firp",))):
+        d = (new_drafter("medusa", model.config, num_heads=3, lm_head=model.lm_head) if kind == "medusa"
+             else new_drafter("firp", model.config, layers=[n // 2, n // 2, n - 1]))
+        out = save_drafter(d, work / kind, model.config, "smoke")
+        save_tree(out / "trees" / "chain.json", "chain", [[0], [0, 0], [0, 0, 0]])
+        for m in methods:
+            params[m] = {key: str(out), "tree": "chain"}
+    return draft, params
+
+
+def decoding(a, out: dict) -> list[dict]:
+    import torch
+
+    from pardec.config import ModelConfig
+    from pardec.decoding import METHODS, Stopper, build_decoder
+    from pardec.decoding.base import lossless_under_greedy
+    from pardec.models.cached import CachedModel
+    from pardec.models.loading import TORCH_DTYPES, load_model, named_config, set_tf32
+
+    set_tf32(True)
+    names = a.methods.split(",") if a.methods else METHODS.names()
+    rows = []
+    work = Path(tempfile.mkdtemp(prefix="pardec-smoke-"))
+    for dtype in ("fp32", "bf16"):
+        cfg = (ModelConfig(name="tiny_random", source="tiny_random", layers=3, dtype=dtype,
+                           device=a.device) if a.model == "tiny_random" else named_config(a.model, dtype))
+        if a.model != "tiny_random":
+            cfg.device = a.device
+        lm = load_model(cfg)
+        tok, model = lm.tokenizer, lm.model
+        draft_model, params = drafters(model, tok, work / dtype)
+        draft_model = draft_model.to(model.device, TORCH_DTYPES[dtype])
+        prompts = [tok(p)["input_ids"] for p in PROMPTS]
+        stop = Stopper(tok)
+        ref: dict[int, list[int]] = {}
+        ar_s = None
+        for name in (["ar"] + [n for n in names if n != "ar"]):
+            cls = METHODS.get(name)
+            row = {"method": name, "dtype": dtype, "exactness": cls.exactness}
+            try:
+                dec = build_decoder(name, CachedModel(model), tok,
+                                    CachedModel(draft_model, "draft") if cls.needs_draft else None,
+                                    **params.get(name, {}))
+                dec.generate(prompts[0], 4, stop)  # warm-up (kernels, allocator)
+                tokens = forwards = same = 0
+                sync(a.device)
+                t0 = time.perf_counter()
+                results = [dec.generate(p, a.new_tokens, stop) for p in prompts]
+                sync(a.device)
+                seconds = time.perf_counter() - t0
+                for i, r in enumerate(results):
+                    if name == "ar":
+                        ref[i] = r.tokens
+                    same += r.tokens == ref[i]
+                    tokens += len(r.tokens)
+                    forwards += r.target_forwards
+                ar_s = seconds if name == "ar" else ar_s
+                row.update(ok=True, exact_match=same / len(prompts), tokens_per_forward=tokens / max(forwards, 1),
+                           seconds=seconds, speed_vs_ar=ar_s / seconds if ar_s else None)
+                if dtype == "fp32" and lossless_under_greedy(cls) and same < len(prompts):
+                    row["problem"] = "a tokens-exact method differs from ar in fp32"
+            except Exception as e:  # noqa: BLE001  (a smoke test reports every failure and goes on)
+                row.update(ok=False, problem=f"{type(e).__name__}: {str(e)[:300]}")
+            rows.append(row)
+            print(f"  {dtype} {name:15s} {'ok' if row['ok'] and 'problem' not in row else 'FAILED'}", flush=True)
+        del model, draft_model
+        if a.device.startswith("cuda"):
+            torch.cuda.empty_cache()
+    out["decoding"] = rows
+    return rows
+
+
+def training(a, out: dict) -> list[dict]:
+    from hydra import compose, initialize_config_dir
+    from hydra.core.hydra_config import HydraConfig
+    from omegaconf import OmegaConf, open_dict
+
+    from pardec import CONF_DIR
+    from pardec.train import run
+
+    rows = []
+    names = a.kinds.split(",") if a.kinds else list(KINDS)
+    for kind in names:
+        exp = KINDS[kind]
+        work = Path(tempfile.mkdtemp(prefix=f"pardec-smoke-{kind}-"))
+        overrides = [f"+experiment={exp}", f"paths.data_dir={work}/data", f"paths.output_dir={work}/out",
+                     "trainer.max_steps=2", f"trainer.use_cpu={str(a.device == 'cpu').lower()}",
+                     f"model.device={a.device}"]
+        row = {"kind": kind, "experiment": exp}
+        t0 = time.perf_counter()
+        try:
+            with initialize_config_dir(str(CONF_DIR), version_base="1.3"):
+                cfg = compose("train", overrides=overrides, return_hydra_config=True)
+            HydraConfig.instance().set_config(cfg)
+            with open_dict(cfg):
+                del cfg["hydra"]
+            OmegaConf.resolve(cfg)
+            HydraConfig.instance().cfg = None
+            summary = run(cfg, work / "run")
+            steps = (summary.get("train") or {}).get("steps")
+            row.update(ok=True, steps=steps, dtype=cfg.dtype, seconds=time.perf_counter() - t0)
+            if steps != 2:
+                row["problem"] = f"trained {steps} steps, expected 2"
+        except Exception as e:  # noqa: BLE001
+            row.update(ok=False, problem=f"{type(e).__name__}: {str(e)[:300]}", seconds=time.perf_counter() - t0)
+        rows.append(row)
+        print(f"  train {kind:13s} {'ok' if row['ok'] and 'problem' not in row else 'FAILED'}", flush=True)
+    out["training"] = rows
+    return rows
+
+
+def sharded(a, out: dict) -> dict:
+    import torch
+
+    if not a.device.startswith("cuda") or torch.cuda.device_count() < 2:
+        out["sharded_evaluate"] = {"skipped": "needs 2 CUDA devices"}
+        return out["sharded_evaluate"]
+    run_dir = Path(tempfile.mkdtemp(prefix="pardec-smoke-sharded-"))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "-m", "evaluate",
+           "+method=pld", f"model={a.model}", "n_samples=8", "max_new_tokens=32", "perplexity.enabled=false",
+           f"hydra.run.dir={run_dir}"]
+    t0 = time.perf_counter()
+    p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
+    res = {"ok": p.returncode == 0, "seconds": time.perf_counter() - t0, "command": " ".join(cmd[1:])}
+    if p.returncode:
+        res["problem"] = p.stderr[-1000:]
+    else:
+        res["records"] = sum(1 for _ in open(run_dir / "results.jsonl"))
+    out["sharded_evaluate"] = res
+    return res
+
+
+def tables(out: dict) -> str:
+    lines = [f"GPU smoke test: {out['device']}, torch {out['torch']}, model {out['model']}, "
+             f"{out['new_tokens']} new tokens x {len(PROMPTS)} prompts, greedy ({out['date']})", "",
+             "| method | dtype | exactness | exact match vs ar | tokens/forward | speed vs ar | status |",
+             "|---|---|---|---|---|---|---|"]
+    for r in out["decoding"]:
+        if r["ok"]:
+            lines.append(f"| {r['method']} | {r['dtype']} | {r['exactness']} | {r['exact_match']:.2f} | "
+                         f"{r['tokens_per_forward']:.2f} | {r['speed_vs_ar']:.2f}x | {r.get('problem', 'ok')} |")
+        else:
+            lines.append(f"| {r['method']} | {r['dtype']} | {r['exactness']} | | | | {r['problem']} |")
+    lines += ["", "| kind | experiment | dtype | steps | seconds | status |", "|---|---|---|---|---|---|"]
+    for r in out.get("training", []):
+        lines.append(f"| {r['kind']} | {r['experiment']} | {r.get('dtype', '')} | {r.get('steps', '')} | "
+                     f"{r['seconds']:.0f} | {r.get('problem', 'ok')} |")
+    s = out.get("sharded_evaluate", {})
+    lines += ["", f"sharded evaluate (2 processes): {s.get('skipped') or ('ok' if s.get('ok') else s.get('problem'))}"]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    import torch
+
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", choices=["cuda", "cpu"])
+    ap.add_argument("--model", default="smollm2_135m", help="a conf/model name, or tiny_random")
+    ap.add_argument("--new-tokens", type=int, default=32)
+    ap.add_argument("--methods", default="", help="comma-separated (default: every method)")
+    ap.add_argument("--kinds", default="", help=f"comma-separated, of {', '.join(KINDS)} (default: all)")
+    ap.add_argument("--skip-training", action="store_true")
+    ap.add_argument("--out", type=Path, default=ROOT / "outputs" / "gpu_smoke" / time.strftime("%Y-%m-%d_%H-%M-%S"))
+    a = ap.parse_args(argv)
+    if a.device == "cuda" and not torch.cuda.is_available():
+        ap.error("--device cuda: no CUDA device is available here; use --device cpu")
+    unknown = set(filter(None, a.kinds.split(","))) - set(KINDS)
+    if unknown:
+        ap.error(f"--kinds {sorted(unknown)} not valid; choose from: {', '.join(KINDS)}")
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    out = {"device": device_name(a.device), "torch": torch.__version__, "model": a.model, "new_tokens": a.new_tokens,
+           "date": time.strftime("%Y-%m-%d")}
+    print(f"decoding ({out['device']})", flush=True)
+    decoding(a, out)
+    if not a.skip_training:
+        print("training", flush=True)
+        training(a, out)
+    sharded(a, out)
+    a.out.mkdir(parents=True, exist_ok=True)
+    (a.out / "gpu_smoke.json").write_text(json.dumps(out, indent=2) + "\n")
+    text = tables(out)
+    (a.out / "gpu_smoke.md").write_text(text + "\n")
+    print("\n" + text)
+    failed = [r for part in ("decoding", "training") for r in out.get(part, []) if not r["ok"] or "problem" in r]
+    if out.get("sharded_evaluate", {}).get("ok") is False:
+        failed.append(out["sharded_evaluate"])
+    print(f"\n{len(failed)} problem(s); full results in {a.out}")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

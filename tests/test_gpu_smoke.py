@@ -1,0 +1,42 @@
+"""scripts/gpu_smoke.py runs on the CPU (``--device cpu``) as a test of itself: every method in both dtypes, with
+tokens-exact methods equal to `ar` in fp32, and two training steps of an experiment kind."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+
+import pytest
+
+from pardec import REPO_ROOT
+
+
+@pytest.mark.slow
+def test_gpu_smoke_runs_on_cpu(tmp_path):
+    from pardec.decoding import METHODS
+
+    spec = importlib.util.spec_from_file_location("gpu_smoke", REPO_ROOT / "scripts" / "gpu_smoke.py")
+    smoke = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(smoke)
+    rc = smoke.main(["--device", "cpu", "--model", "tiny_random", "--new-tokens", "8", "--kinds", "cllm",
+                     "--out", str(tmp_path)])
+    out = json.loads((tmp_path / "gpu_smoke.json").read_text())
+    assert rc == 0, [r for r in out["decoding"] + out["training"] if "problem" in r]
+    assert {(r["method"], r["dtype"]) for r in out["decoding"]} == {
+        (m, d) for m in METHODS.names() for d in ("fp32", "bf16")}
+    assert all(r["ok"] for r in out["decoding"])
+    assert out["training"] == [{**out["training"][0], "kind": "cllm", "ok": True, "steps": 2}]
+    assert out["sharded_evaluate"] == {"skipped": "needs 2 CUDA devices"}
+    assert "| sps | fp32 |" in (tmp_path / "gpu_smoke.md").read_text()
+
+
+def test_gpu_smoke_refuses_cuda_without_a_gpu_and_unknown_kinds(tmp_path, capsys):
+    spec = importlib.util.spec_from_file_location("gpu_smoke", REPO_ROOT / "scripts" / "gpu_smoke.py")
+    smoke = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(smoke)
+    with pytest.raises(SystemExit):
+        smoke.main(["--device", "cuda"])
+    assert "no CUDA device is available here; use --device cpu" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        smoke.main(["--device", "cpu", "--kinds", "cllm,bogus"])
+    assert "--kinds ['bogus'] not valid; choose from: cllm, draft" in capsys.readouterr().err
