@@ -148,6 +148,7 @@ class RunConfig:
     stop_at_eos: bool = True
     repeats: int = 1
     dtype: str = "fp32"
+    tf32: bool = True  # fp32 matmuls on Ampere+ GPUs in TF32 (no effect on CPU or in bf16/fp16)
 
     def __post_init__(self) -> None:
         _at_least("", "repeats", self.repeats, 1)

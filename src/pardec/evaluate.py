@@ -1,6 +1,11 @@
 """`python -m evaluate +method=<m> [dataset=<d>] [model=<model>]`: the Hydra entry of :mod:`pardec.evaluation`
 (what a run does, writes and prints is described there). A user error (a bad config value, a refused resume, a
-broken sandbox, ...) is one ``error: ...`` line on stderr and exit status 2."""
+broken sandbox, ...) is one ``error: ...`` line on stderr and exit status 2.
+
+Under ``torchrun --nproc_per_node N -m evaluate ...`` (:mod:`pardec.evaluation.ranks`) every rank must write into
+one run dir: its last component is ``torchrun-<run id>`` instead of a timestamp (``--standalone`` gives each launch
+its own id; else pass ``hydra.run.dir=<dir>``); only rank 0 writes ``.hydra/``; rank r > 0 logs to
+``evaluate-rank<r>.log``."""
 
 from __future__ import annotations
 
@@ -12,17 +17,29 @@ from omegaconf import DictConfig, OmegaConf
 from pardec import CONF_DIR
 from pardec.config import ConfigError
 from pardec.evaluation import run
+from pardec.evaluation.ranks import Ranks, check_launch, launch_name
 from pardec.metrics.sandbox import SandboxError
 
 
 def _hydra_subdir(output_dir: str, subdir: str) -> str | None:
     """``hydra.output_subdir`` of ``conf/evaluate.yaml``: None (Hydra writes no config files) when ``output_dir``
-    already holds a run (``run.json``), so a resumed or a refused attempt leaves the first one's as they were."""
+    already holds a run (``run.json``), so a resumed or a refused attempt leaves the first one's as they were, and on
+    every rank but rank 0 of several."""
+    if Ranks.from_env().rank != 0:
+        return None
     return None if (Path(output_dir) / "run.json").is_file() else subdir
 
 
-if not OmegaConf.has_resolver("pardec_hydra_subdir"):
-    OmegaConf.register_new_resolver("pardec_hydra_subdir", _hydra_subdir)
+def _rank_suffix() -> str:
+    """The job log's suffix: none on rank 0 (``evaluate.log``), ``-rank<r>`` on the others."""
+    rank = Ranks.from_env().rank
+    return f"-rank{rank}" if rank else ""
+
+
+for _name, _fn in {"pardec_hydra_subdir": _hydra_subdir, "pardec_launch_name": launch_name,
+                   "pardec_eval_rank_suffix": _rank_suffix}.items():
+    if not OmegaConf.has_resolver(_name):
+        OmegaConf.register_new_resolver(_name, _fn)
 
 
 def main() -> None:
@@ -34,6 +51,7 @@ def main() -> None:
     sys.argv[1:] = launcher_argv(sys.argv[1:])  # the deepspeed launcher's --local_rank=N
 
     try:
+        check_launch(sys.argv[1:])  # several ranks: one run dir for all
         check_overrides(sys.argv[1:], "evaluate")
     except ConfigError as e:
         exit_with_error(e)

@@ -152,3 +152,90 @@ def test_the_warm_up_leaves_no_state_in_the_timed_decoders(tmp_path):
     keep = ("id", "role", "tokens", "target_forwards", "draft_forwards", "accepted", "extras")
     cold, warm = ([{k: r[k] for k in keep} for r in lines(tmp_path / d)] for d in ("cold", "warm"))
     assert warm == cold  # before the fix the warm run's first prompt drafted from phrases of its own warm-up
+
+
+# ------------------------------------------------------------------------------------------ divergence margin
+def test_divergence_margin_is_read_where_the_records_part(tmp_path):
+    """A stub target with hand-set logits: the margin is computed on the baseline's context at the first differing
+    position of the first differing turn (a multi-turn task: that turn's prompt is built from the earlier answers)."""
+    import torch
+
+    from pardec.evaluation import divergence_logits
+
+    class Stub(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.embed = torch.nn.Embedding(32, 4)
+            self.seen: list[list[int]] = []
+
+        def get_input_embeddings(self):
+            return self.embed
+
+        def forward(self, input_ids, use_cache=True, logits_to_keep=0):
+            self.seen.append(input_ids[0].tolist())
+            logits = torch.zeros(1, input_ids.shape[1], 32)
+            logits[0, -1, [3, 9, 4]] = torch.tensor([2.5, 6.0, 5.25])  # top-1 id 9, top-2 id 4: margin 0.75
+            return type("Out", (), {"logits": logits[:, -logits_to_keep:] if logits_to_keep else logits})
+
+    class TwoTurns:
+        def prompt_ids(self, doc, tok, chat, history):
+            assert list(history) == ["first answer"][: len(history)]
+            return [1, 2, 10 + len(history)]
+
+    model = Stub()
+    base = {"turn_tokens": [[5, 6], [7, 8, 9]], "text": ["first answer", "second"]}
+    rec = {"turn_tokens": [[5, 6], [7, 4]]}
+    out = divergence_logits(model, TwoTurns(), {}, None, True, rec, base)
+    assert model.seen == [[1, 2, 11, 7]]  # turn 2's prompt, then the baseline's tokens before the first difference
+    assert out == {"divergence_margin": 0.75, "divergence_top": [[9, 6.0], [4, 5.25]]}
+    # a record that stops where the baseline goes on parts there
+    divergence_logits(model, TwoTurns(), {}, None, True, {"turn_tokens": [[5, 6], [7]]}, base)
+    assert model.seen[-1] == [1, 2, 11, 7]
+    divergence_logits(model, TwoTurns(), {}, None, True, {"turn_tokens": [[5, 1], [7]]}, base)
+    assert model.seen[-1] == [1, 2, 10, 5]  # first turn differs
+
+
+def test_divergence_margin_of_a_tiny_llama_with_a_known_margin():
+    """The tiny Llama's LM head rebuilt so that at the context the logits are 5 (id a), 3 (id b) and 0 elsewhere:
+    the margin read is 2, and the context fed is the baseline's prompt + tokens before the divergence."""
+    import copy
+
+    import torch
+
+    from pardec.config import DatasetConfig
+    from pardec.evaluation import divergence_logits
+    from pardec.tasks.base import build_task
+    from tests.conftest import tiny
+
+    lm = tiny(0)
+    task = build_task(DatasetConfig(name="humaneval"))
+    doc = task.docs()[0]
+    prompt = task.prompt_ids(doc, lm.tokenizer, lm.chat, [])
+    base_tokens = [11, 22, 33, 44]
+    ctx = torch.tensor([prompt + base_tokens[:2]])
+    model = copy.deepcopy(lm.model)
+    with torch.no_grad():
+        h = model(input_ids=ctx, output_hidden_states=True).hidden_states[-1][0, -1]  # after the final norm
+        a, b = 123, 4567
+        model.lm_head.weight.zero_()
+        model.lm_head.weight[a] = 5.0 * h / h.dot(h)
+        model.lm_head.weight[b] = 3.0 * h / h.dot(h)
+    rec = {"turn_tokens": [base_tokens[:2] + [b]]}
+    out = divergence_logits(model, task, doc, lm.tokenizer, lm.chat, rec, {"turn_tokens": [base_tokens],
+                                                                          "text": "x"})
+    assert out["divergence_margin"] == pytest.approx(2.0, abs=1e-5)
+    assert [t for t, _ in out["divergence_top"]] == [a, b]
+    assert [v for _, v in out["divergence_top"]] == pytest.approx([5.0, 3.0], abs=1e-5)
+
+
+def test_a_lossy_method_records_its_divergences_and_the_summary_counts_them(tmp_path):
+    """BiLD with a random draft that is never unsure (fallback 0) nor rolled back: its tokens leave the target's."""
+    s = run(cfg_of("+method=bild", "draft=tiny_random", "method.fallback_threshold=0.0",
+                   "method.rollback_threshold=50", *TINY[:4], "n_samples=2", "perplexity.enabled=false"), tmp_path)
+    base, method = ([r for r in lines(tmp_path) if r["role"] == role] for role in ("baseline", "method"))
+    for b, m in zip(base, method):
+        assert b["divergence_margin"] is None and m["first_divergence"] is not None
+        (top1, l1), (_, l2) = m["divergence_top"]
+        assert m["divergence_margin"] == pytest.approx(l1 - l2) and m["divergence_margin"] >= 0
+        assert top1 == b["tokens"][m["first_divergence"]]  # greedy fp32: the target's top-1 is the baseline's token
+    assert s["n_divergences"] == 2 and s["n_near_ties"] == 0 and s["near_tie_ulps"] == 4

@@ -27,3 +27,15 @@ def test_format_table_says_what_was_not_measured():
     table = format_table(SUMMARY)
     assert "not measured: no counters" in table and "pass (method / baseline)" in table
     assert table.endswith(format_comparison(SUMMARY))
+
+
+def test_divergences_and_ranks_get_a_row_when_there_are_any():
+    assert "divergences" not in format_table({**SUMMARY, "n_divergences": 0, "n_near_ties": 0})
+    s = {**SUMMARY, "dtype": "bf16", "n_divergences": 3, "n_near_ties": 2, "near_tie_ulps": 4,
+         "peers": {"also:jacobi": {"method": "jacobi", "tokens_per_s": 1.0, "speedup": 0.1, "tokens_per_forward": 1.0,
+                                   "exact_match_rate": 0.5, "n_divergences": 1, "n_near_ties": 0}},
+         "ranks": [{"rank": 0, "host": "n1", "device": "cuda:0"}, {"rank": 1, "host": "n1", "device": "cuda:1"}]}
+    rows = dict(line.split("  ", 1) for line in format_table(s).split("\n\n")[0].splitlines())
+    assert rows["divergences (near-ties)"].strip() == ("method 3 (2), also:jacobi 1 (0); near-tie: target margin < 4 "
+                                                       "ulps of bf16")
+    assert rows["ranks"].strip() == "0: n1 cuda:0; 1: n1 cuda:1"

@@ -20,18 +20,39 @@ counters (NVML on GPUs, RAPL on CPUs, see :mod:`pardec.metrics.energy`); records
 ``energy_j_per_token`` per role. Where no counter can be read the summary says "not measured" and why: nothing is
 estimated. The warm-up is not measured.
 
+Several processes (``torchrun --nproc_per_node N -m evaluate ...``, ``accelerate launch``): rank r runs the prompts
+with index % N == r on its own device (``cuda:LOCAL_RANK``), the roles still interleaved per prompt, after its own
+warm-up, appending to ``results.rank{r}-of-{N}.jsonl`` (resumed on its own); rank 0 waits for all, merges them into
+``results.jsonl`` and writes one ``summary.json`` with ``ranks`` (see :mod:`~pardec.evaluation.ranks`).
+
+Where a role's tokens differ from the baseline's under greedy decoding, its record carries the target's logit margin there
+(``divergence_margin``: top-1 minus top-2, ``divergence_top``) and the summary counts the divergences and the
+near-ties among them (margin below :data:`~pardec.evaluation.summary.NEAR_TIE_ULPS` ulps of the run's dtype): a
+near-tie flip in bf16 is rounding, a divergence with a wide margin a bug (or a lossy method at work).
+
 A task whose scoring runs model output (HumanEval's code, Spider's SQL: ``sandboxed``) has its sandbox checked before
 any model loads: a known-good program must pass and a known-bad one fail (:mod:`pardec.metrics.sandbox`); if not,
 the run stops with one line naming the cause instead of scoring every completion 0.
 
 Modules: :mod:`~pardec.evaluation.spec` (:class:`EvalSpec`, :func:`validate`, the resume identity),
-:mod:`~pardec.evaluation.results` (the results log, nothing non-finite), :mod:`~pardec.evaluation.loop` (:func:`run`,
-:func:`run_document`), :mod:`~pardec.evaluation.summary` (:func:`summarize`, pass@k) and
-:mod:`~pardec.evaluation.tables` (the printed tables). The Hydra entry is :mod:`pardec.evaluate`.
+:mod:`~pardec.evaluation.results` (the results log and the ranks' part files, nothing non-finite),
+:mod:`~pardec.evaluation.loop` (:func:`run`, :func:`run_document`, :func:`divergence_logits`),
+:mod:`~pardec.evaluation.ranks` (several processes), :mod:`~pardec.evaluation.summary` (:func:`summarize`, near-ties,
+pass@k) and :mod:`~pardec.evaluation.tables` (the printed tables). The Hydra entry is :mod:`pardec.evaluate`.
 """
 
-from pardec.evaluation.loop import run, run_document
-from pardec.evaluation.results import ResultsLog, finite, first_divergence, is_failed, non_finite, write_json
+from pardec.evaluation.loop import divergence_logits, run, run_document
+from pardec.evaluation.ranks import Ranks
+from pardec.evaluation.results import (
+    ResultsLog,
+    finite,
+    first_divergence,
+    is_failed,
+    merge_parts,
+    non_finite,
+    part_path,
+    write_json,
+)
 from pardec.evaluation.spec import (
     PEERS,
     RUN_KEYS,
@@ -44,12 +65,21 @@ from pardec.evaluation.spec import (
     run_identity,
     validate,
 )
-from pardec.evaluation.summary import pass_at_k_summary, running_speed, summarize
+from pardec.evaluation.summary import (
+    NEAR_TIE_ULPS,
+    divergences,
+    is_near_tie,
+    near_tie_bound,
+    pass_at_k_summary,
+    running_speed,
+    summarize,
+)
 from pardec.evaluation.tables import comparison_rows, format_comparison, format_table
 
 __all__ = [
-    "PEERS", "RUN_KEYS", "EvalSpec", "ResultsLog", "check_method", "check_models", "check_resume", "check_scorer",
-    "comparison_rows", "finite", "first_divergence", "format_comparison", "format_table", "is_failed", "non_finite",
-    "parse_also", "pass_at_k_summary", "run", "run_document", "run_identity", "running_speed", "summarize",
-    "validate", "write_json",
+    "NEAR_TIE_ULPS", "PEERS", "RUN_KEYS", "EvalSpec", "Ranks", "ResultsLog", "check_method", "check_models",
+    "check_resume", "check_scorer", "comparison_rows", "divergence_logits", "divergences", "finite",
+    "first_divergence", "format_comparison", "format_table", "is_failed", "is_near_tie", "merge_parts",
+    "near_tie_bound", "non_finite", "parse_also", "part_path", "pass_at_k_summary", "run", "run_document",
+    "run_identity", "running_speed", "summarize", "validate", "write_json",
 ]

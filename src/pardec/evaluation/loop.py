@@ -1,6 +1,16 @@
 """The run loop of :func:`run`: validate, load, warm up, then every prompt with every role in turn (interleaved per
 prompt, so drift in the machine's speed hits every role alike), one :func:`run_document` per prompt per role per
-repeat, appended to ``results.jsonl`` as produced; then ``summary.json``, the printed table and the logger."""
+repeat, appended to ``results.jsonl`` as produced; then ``summary.json``, the printed table and the logger.
+
+Under a launcher of several processes (:mod:`~pardec.evaluation.ranks`) each rank runs this loop over its share of
+the prompts on its own device, appending to its own part file, and its records say where they were made (``rank``,
+``host``, ``device``); rank 0 waits for the others, merges the parts into ``results.jsonl`` (document order, then
+repeat, then role order as run) and alone writes the summary (with ``ranks``), prints the table and logs.
+
+Where a role's tokens differ from the baseline's under greedy decoding (``first_divergence``),
+:func:`divergence_logits` adds the target's top-2 logits there, outside any timed region: ``divergence_margin``
+tells a near-tie flip from a bug (:data:`~pardec.evaluation.summary.NEAR_TIE_ULPS`). Sampled runs differ by design:
+no margin is read there."""
 
 from __future__ import annotations
 
@@ -13,7 +23,18 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 
 from pardec.config import SamplingConfig
-from pardec.evaluation.results import ResultsLog, finite, first_divergence, is_failed, non_finite, write_json
+from pardec.evaluation import ranks as rk
+from pardec.evaluation.results import (
+    ResultsLog,
+    check_new,
+    finite,
+    first_divergence,
+    is_failed,
+    merge_parts,
+    non_finite,
+    part_path,
+    write_json,
+)
 from pardec.evaluation.spec import PEERS, check_resume, run_identity, validate
 from pardec.evaluation.summary import running_speed, summarize
 from pardec.evaluation.tables import format_table
@@ -22,7 +43,36 @@ log = logging.getLogger("pardec.evaluate")  # the name its messages have always 
 
 
 def run(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
-    """Evaluate as ``cfg`` says, writing into ``run_dir``; returns the summary."""
+    """Evaluate as ``cfg`` says, writing into ``run_dir``; returns the summary (on rank 0; other ranks: {})."""
+    from pardec.tasks.base import build_task, select_docs
+
+    spec = validate(cfg)
+    r = spec.run
+    ranks = rk.Ranks.from_env()
+    identity = run_identity(spec, ranks.world)
+    # before anything is written, on every rank: a refused run changes nothing
+    if r.resume:
+        check_resume(run_dir, identity)
+    else:
+        check_new(run_dir)  # any rank's records: refused unless resumed
+    results = ResultsLog(part_path(run_dir, ranks.rank, ranks.world), r.resume)
+    task = build_task(spec.dataset, timeout_s=r.timeout_s)
+    docs = select_docs(task, r.n_samples)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    if ranks.rank == 0:
+        write_json(run_dir / "run.json", identity)
+    # joining waits for every rank: none appends a record before all have checked the run dir (check_new)
+    created = rk.start(ranks, spec.model.device)
+    try:
+        return _run(cfg, run_dir, spec, ranks, task, docs, results)
+    finally:
+        rk.finish(created)
+
+
+def _run(cfg: DictConfig, run_dir: Path, spec, ranks: rk.Ranks, task, docs: list[dict],
+         results: ResultsLog) -> dict[str, Any]:
+    """:func:`run` once the run dir is checked and the process group (several ranks) is up; returns the summary
+    (rank 0; other ranks: {})."""
     import torch
     from tqdm import tqdm
 
@@ -30,20 +80,11 @@ def run(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
     from pardec.metrics.energy import EnergyMeter
     from pardec.metrics.perplexity import completion_nll
     from pardec.models.cached import CachedModel, NonFiniteLogitsError
-    from pardec.models.loading import load_model
-    from pardec.tasks.base import build_task, select_docs
+    from pardec.models.loading import load_model, set_tf32
     from pardec.tracking import Tracker
 
-    spec = validate(cfg)
     r = spec.run
-    identity = run_identity(spec)
-    if r.resume:
-        check_resume(run_dir, identity)  # before anything is written: a refused run changes nothing
-    results = ResultsLog(run_dir / "results.jsonl", r.resume)  # refuses a run dir with records unless resumed
-    task = build_task(spec.dataset, timeout_s=r.timeout_s)
-    docs = select_docs(task, r.n_samples)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    write_json(run_dir / "run.json", identity)
+    set_tf32(r.tf32)
     torch.set_num_threads(r.threads)
     torch.manual_seed(r.seed)
     lm = load_model(spec.model)
@@ -60,8 +101,11 @@ def run(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
     gpus = {p.device.index or 0 for m in (lm.model, draft.model if draft else None, scorer) if m is not None
             for p in m.parameters() if p.device.type == "cuda"}
     meter = EnergyMeter.create(spec.energy.get("enabled", True), gpus=sorted(gpus))
-    if not meter.available:
+    if not meter.available and ranks.rank == 0:
         log.info("energy not measured: %s", meter.reason)
+    device = rk.model_devices(lm.model)
+    place = rk.record_place(ranks, device)
+    mine = ranks.share(docs)
 
     roles = [("baseline", METHODS.canonical(spec.bench.baseline), {})]
     if spec.method != roles[0][1]:
@@ -78,8 +122,8 @@ def run(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
     eos = lm.eos_ids if r.stop_at_eos else set()
     stopper = Stopper(tok, eos, task.stop_strings(chat))
 
-    if docs and spec.bench.warmup:
-        warm_ids = task.prompt_ids(docs[0], tok, chat, [])
+    if mine and spec.bench.warmup:  # every rank warms up, on its first prompt
+        warm_ids = task.prompt_ids(mine[0][1], tok, chat, [])
         try:
             for _ in range(spec.bench.warmup):  # interleaved, like the timed loop
                 for dec in decoders.values():
@@ -90,8 +134,9 @@ def run(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
         # warm_start pool) must not start the timed run with what they learnt from it
         decoders = fresh_decoders()
 
-    bar = tqdm(docs, desc=f"{spec.method} on {spec.dataset.name}", unit="prompt", dynamic_ncols=True)
-    for i, doc in enumerate(bar):
+    desc = f"{spec.method} on {spec.dataset.name}" + (f" [rank {ranks.rank}/{ranks.world}]" if ranks.multi else "")
+    bar = tqdm(mine, desc=desc, unit="prompt", dynamic_ncols=True, position=ranks.rank if ranks.multi else None)
+    for i, doc in bar:  # i: the document's index in the whole run (sampling seeds depend on it, not on the rank)
         for rep in range(r.repeats):
             sampling = spec.sampling if spec.sampling.greedy else SamplingConfig(
                 **{**asdict(spec.sampling), "seed": spec.sampling.seed + 100_003 * rep + i})
@@ -106,15 +151,40 @@ def run(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
                     rec = {"error": str(e)}
                 if (where := non_finite(rec)) is not None:
                     rec = {**finite(rec), "error": f"non-finite {where} (NaN/inf)"}
-                rec.update(id=doc["id"], method=name, role=role, repeat=rep)
+                rec.update(id=doc["id"], method=name, role=role, repeat=rep, **place)
                 base = results.done(doc["id"], "baseline", rep)
                 if role != "baseline" and base is not None and not is_failed(rec) and not is_failed(base):
                     rec["equal_to_baseline"] = rec["turn_tokens"] == base["turn_tokens"]
                     rec["first_divergence"] = first_divergence(rec["tokens"], base["tokens"])
+                    if not rec["equal_to_baseline"] and spec.sampling.greedy:  # after the timed generation
+                        rec.update(finite(divergence_logits(lm.model, task, doc, tok, chat, rec, base)))
                 results.append(rec)
         bar.set_postfix_str(running_speed(results.records, method_role))
+    bar.close()
 
-    summary = finite(summarize(spec, task, results.records, method_role, lm.model.config, energy=meter.status()))
+    # several ranks: wait for all (each hands over what it ran on), then rank 0 alone merges and reports
+    infos = rk.gather(ranks, {**rk.rank_info(ranks, device), "energy": meter.status()})
+    if ranks.rank != 0:
+        return {}
+    records = results.records
+    energy = meter.status()
+    if ranks.multi:
+        index = {d["id"]: i for i, d in enumerate(docs)}
+        role_pos = {role: k for k, (role, _, _) in enumerate(roles)}
+        records = merge_parts(run_dir, ranks.world, lambda x: (index.get(x["id"], len(index)), x.get("repeat", 0),
+                                                               role_pos.get(x["role"], len(role_pos))))
+        energy = rk.combined_energy([x.pop("energy") for x in infos], [x["host"] for x in infos])
+    summary = summarize(spec, task, records, method_role, lm.model.config, energy=energy)
+    if ranks.multi:
+        counts: dict[int | None, int] = {}
+        for x in records:
+            counts[x.get("rank")] = counts.get(x.get("rank"), 0) + 1
+        summary["world_size"] = ranks.world
+        summary["ranks"] = [{**x, "records": counts.get(x["rank"], 0)} for x in infos]
+        summary["peak_rss_mb"] = max(x["peak_rss_mb"] for x in infos)
+        if any("peak_cuda_mb" in x for x in infos):
+            summary["peak_cuda_mb"] = max(x.get("peak_cuda_mb", 0.0) for x in infos)
+    summary = finite(summary)
     write_json(run_dir / "summary.json", summary)
     print(format_table(summary))
     group = None
@@ -131,8 +201,37 @@ def run(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
                  name=f"{spec.method}-{spec.dataset.name}-{spec.model.name}-{spec.model.dtype}") as tr:
         tr.log_summary(summary)
         tr.log_table("per_prompt", [{k: v for k, v in rec.items() if k not in ("tokens", "turn_tokens", "accepted")}
-                                    for rec in results.records])
+                                    for rec in records])
     return summary
+
+
+def divergence_logits(model, task, doc, tok, chat, rec: dict, base: dict) -> dict[str, Any]:
+    """Where ``rec``'s tokens first differ from the baseline record ``base``: the target ``model``'s two highest
+    next-token logits there, from one teacher-forced forward (no cache, no gradient, in the model's dtype on its
+    input device) -> ``divergence_margin`` (top-1 minus top-2) and ``divergence_top`` ([[id, logit], [id, logit]]).
+
+    The context is what both decoders had seen when they parted: the prompt of the first turn whose tokens differ
+    (multi-turn tasks such as MT-Bench build it from the earlier turns' answers, which are then equal in both
+    records: the baseline's ``text``) plus the baseline's tokens of that turn before the first differing one. A
+    record that stops earlier than the baseline (or later) parts where the shorter one ends."""
+    import inspect
+
+    import torch
+
+    turns, base_turns = rec["turn_tokens"], base["turn_tokens"]
+    t = next(k for k in range(max(len(turns), len(base_turns)))
+             if k >= len(turns) or k >= len(base_turns) or turns[k] != base_turns[k])
+    texts = base["text"] if isinstance(base["text"], list) else [base["text"]]
+    mine, theirs = (turns[t] if t < len(turns) else []), (base_turns[t] if t < len(base_turns) else [])
+    j = first_divergence(mine, theirs)
+    ids = list(task.prompt_ids(doc, tok, chat, texts[:t])) + list(theirs[:j])
+    device = model.get_input_embeddings().weight.device
+    extra = {"logits_to_keep": 1} if "logits_to_keep" in inspect.signature(model.forward).parameters else {}
+    with torch.inference_mode():
+        logits = model(input_ids=torch.tensor([ids], device=device), use_cache=False, **extra).logits[0, -1]
+        values, top = logits.topk(2)
+        v, i = values.float().tolist(), top.tolist()  # one read-back each
+    return {"divergence_margin": v[0] - v[1], "divergence_top": [[i[0], v[0]], [i[1], v[1]]]}
 
 
 def run_document(task, doc, dec, tok, chat, stopper, sampling, max_new, max_len, scorer, completion_nll,
@@ -179,7 +278,7 @@ def run_document(task, doc, dec, tok, chat, stopper, sampling, max_new, max_len,
         "target_forwards": tf, "draft_forwards": df, "accepted": accepted,
         "wall_s": wall, "prefill_s": prefill,
         "draft_s": draft_s, "drafted": drafted, "draft_accepted": draft_acc,
-        "equal_to_baseline": None, "first_divergence": None,
+        "equal_to_baseline": None, "first_divergence": None, "divergence_margin": None, "divergence_top": None,
         "score": task.score(doc, history),
         "nll": nll if scorer is not None else None, "nll_tokens": n_nll,
         "energy_j": sum(energy) if measured else None, "energy_by_device": by_device if measured else {},

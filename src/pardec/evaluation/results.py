@@ -1,14 +1,61 @@
-"""The results log (``results.jsonl``: one record per prompt per role per repeat, appended as produced) and the
-rule that nothing non-finite is ever written: NaN/inf become null, JSON is written with ``allow_nan=False``."""
+"""The results log (``results.jsonl``: one record per prompt per role per repeat, appended as produced), the part
+files of several ranks and their merge, and the rule that nothing non-finite is ever written: NaN/inf become null,
+JSON is written with ``allow_nan=False``."""
 
 from __future__ import annotations
 
 import json
 import math
+import os
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from pardec.jsonl import append_jsonl, read_jsonl
+
+RESULTS = "results.jsonl"
+
+
+def part_path(run_dir: Path, rank: int, world: int) -> Path:
+    """Where rank ``rank`` of ``world`` appends its records: ``results.jsonl`` itself for one process, else
+    ``results.rank{rank}-of-{world}.jsonl`` (merged into ``results.jsonl`` by rank 0 at the end)."""
+    return run_dir / (RESULTS if world == 1 else f"results.rank{rank}-of-{world}.jsonl")
+
+
+def results_files(run_dir: Path) -> list[Path]:
+    """The files of ``run_dir`` that hold records (merged or a rank's part), non-empty ones only."""
+    files = [run_dir / RESULTS, *sorted(run_dir.glob("results.rank*-of-*.jsonl"))]
+    return [p for p in files if p.is_file() and p.stat().st_size]
+
+
+def check_new(run_dir: Path) -> None:
+    """A run without ``resume=true`` starts only in a run dir that holds no records (merged, or any rank's part):
+    else every rank refuses before anything is written."""
+    held = results_files(run_dir)
+    if held:
+        raise FileExistsError(f"{held[0]} already holds results; pass resume=true to continue that run, or use a new "
+                              f"hydra.run.dir")
+
+
+def record_key(rec: dict) -> tuple:
+    return rec["id"], rec["role"], rec.get("repeat", 0)
+
+
+def merge_parts(run_dir: Path, world: int, order: Callable[[dict], Any]) -> list[dict]:
+    """Every part file of a ``world``-rank run into ``results.jsonl``, written atomically (a temporary file renamed
+    over it): one record per (id, role, repeat), the first written, sorted by ``order``; returns them. Idempotent:
+    it reads only the part files, so merging again (a resumed run) writes the same file."""
+    by_key: dict[tuple, dict] = {}
+    for rank in range(world):  # a rank without documents never made its file
+        for rec in read_jsonl(part_path(run_dir, rank, world), missing_ok=True):
+            by_key.setdefault(record_key(rec), rec)
+    records = sorted(by_key.values(), key=order)
+    tmp = run_dir / f"{RESULTS}.tmp"
+    with tmp.open("w", encoding="utf-8") as f:
+        for rec in records:
+            f.write(json.dumps(finite(rec), separators=(",", ":"), allow_nan=False) + "\n")
+    tmp.replace(run_dir / RESULTS)
+    return records
 
 
 class ResultsLog:
@@ -30,7 +77,7 @@ class ResultsLog:
 
     def _load(self) -> None:
         self.records = read_jsonl(self.path, repair=True)
-        self._by_key = {(r["id"], r["role"], r.get("repeat", 0)): r for r in self.records}
+        self._by_key = {record_key(r): r for r in self.records}
 
     def done(self, doc_id: str, role: str, repeat: int) -> dict | None:
         return self._by_key.get((doc_id, role, repeat))
@@ -39,7 +86,7 @@ class ResultsLog:
         rec = finite(rec)
         append_jsonl(self.path, [rec])
         self.records.append(rec)
-        self._by_key[(rec["id"], rec["role"], rec.get("repeat", 0))] = rec
+        self._by_key[record_key(rec)] = rec
 
 
 def is_failed(rec: dict) -> bool:
@@ -77,5 +124,8 @@ def non_finite(obj: Any, where: str = "") -> str | None:
 
 
 def write_json(path: Path, obj: Any) -> None:
-    """Strict JSON (no NaN/Infinity tokens): non-finite floats become null."""
-    path.write_text(json.dumps(finite(obj), indent=2, allow_nan=False))
+    """Strict JSON (no NaN/Infinity tokens): non-finite floats become null. Written to a temporary file renamed
+    over ``path``: a reader (another rank checking ``run.json``) never sees half of it."""
+    tmp = path.with_name(f"{path.name}.tmp{os.getpid()}")
+    tmp.write_text(json.dumps(finite(obj), indent=2, allow_nan=False))
+    tmp.replace(path)

@@ -22,7 +22,7 @@ from pardec.config import (
 )
 
 RUN_KEYS = ("n_samples", "max_new_tokens", "threads", "seed", "resume", "timeout_s", "stop_at_eos", "repeats",
-            "dtype")
+            "dtype", "tf32")
 #: peer roles run when ``bench.include_hf=true``: role -> method (``hf_assisted`` only with a draft)
 PEERS = {"hf": "hf_generate", "hf_pld": "hf_pld", "hf_assisted": "hf_assisted"}
 
@@ -62,7 +62,7 @@ def validate(cfg: DictConfig) -> EvalSpec:
     that runs model output (code, SQL) also gets its sandbox checked here (:func:`check_scorer`)."""
     import pardec.decoding  # noqa: F401
     import pardec.tasks  # noqa: F401
-    from pardec.decoding.base import METHODS
+    from pardec.decoding.base import METHODS, check_attention
     from pardec.tasks.base import TASKS
     from pardec.tracking import LOGGERS
 
@@ -98,6 +98,7 @@ def validate(cfg: DictConfig) -> EvalSpec:
     check_models(model, draft)
     for m_name, m_params in [(name, mcfg)] + [(a[1], a[2]) for a in also]:
         METHODS.get(m_name).check_model(model, m_params)  # what a method needs of the model, before it loads
+        check_attention(m_name, model, draft)
     check_scorer(dataset, run)
     return EvalSpec(name, mcfg, model, draft, dataset, run, sampling, bench, ppl, logger, also, energy)
 
@@ -144,10 +145,12 @@ def check_scorer(dataset: DatasetConfig, run: RunConfig) -> None:
         build_task(dataset, timeout_s=run.timeout_s).check_sandbox()
 
 
-def run_identity(spec: EvalSpec) -> dict[str, Any]:
-    """Everything that changes the records of a run (``run.json``); a resumed run must match it in every key."""
+def run_identity(spec: EvalSpec, world_size: int = 1) -> dict[str, Any]:
+    """Everything that changes the records of a run (``run.json``); a resumed run must match it in every key.
+    ``world_size``: the number of processes (ranks) the documents are shared out over (index % world_size), which
+    fixes which part file holds which document."""
     r = spec.run
-    return {"method": spec.method, "method_params": spec.method_params, "model": spec.model.identity(),
+    return {"world_size": world_size, "method": spec.method, "method_params": spec.method_params, "model": spec.model.identity(),
             "draft": spec.draft.identity() if spec.draft else None, "dataset": asdict(spec.dataset),
             "max_new_tokens": r.max_new_tokens, "stop_at_eos": r.stop_at_eos, "timeout_s": r.timeout_s,
             "repeats": r.repeats, "threads": r.threads, "seed": r.seed, "sampling": asdict(spec.sampling),
@@ -157,13 +160,23 @@ def run_identity(spec: EvalSpec) -> dict[str, Any]:
 
 def check_resume(run_dir: Path, identity: dict) -> None:
     """Refuse, writing nothing, to resume ``run_dir`` unless its records were made as ``identity`` says (every
-    key equal to the one in its ``run.json``); a run dir without records is not checked."""
-    results = run_dir / "results.jsonl"
-    if not (results.is_file() and results.stat().st_size):
+    key equal to the one in its ``run.json``; a ``run.json`` without ``world_size`` was written by one process); a
+    run dir without records (merged or any rank's part) is not checked. Another number of processes is refused
+    too: each rank's part file holds the documents of its index % world_size, so they would be redone or lost."""
+    from pardec.evaluation.results import results_files
+
+    if not results_files(run_dir):
         return  # no records yet: nothing to mix with
     path = run_dir / "run.json"
     old = json.loads(path.read_text()) if path.is_file() else {}
+    if old:
+        old.setdefault("world_size", 1)
     diff = settings_diff(old, json.loads(json.dumps(identity)))  # as it would be written (tuples -> lists)
     if diff:
+        how = "rerun with those settings"
+        if old.get("world_size") != identity.get("world_size"):
+            n = old.get("world_size")
+            how = (f"its documents are shared out over {n} process(es) (index % {n}): resume it with {n} "
+                   f"({'no launcher' if n == 1 else f'torchrun --nproc_per_node {n}'}) and those settings")
         raise ConfigError(f"cannot resume {run_dir}: its records were made with other settings ({'; '.join(diff)}); "
-                          f"rerun with those settings, or start a new run with another hydra.run.dir")
+                          f"{how}, or start a new run with another hydra.run.dir")

@@ -1,8 +1,10 @@
 """The run's summary (``summary.json``): speed, exactness, quality, perplexity, drafting and energy per role,
-pass@k over repeats; what the records do not hold (a skipped or errored prompt) is left out of every aggregate."""
+divergences from the baseline and how many were near-ties, pass@k over repeats; what the records do not hold (a
+skipped or errored prompt) is left out of every aggregate."""
 
 from __future__ import annotations
 
+import math
 import resource
 import statistics
 from dataclasses import asdict
@@ -11,6 +13,51 @@ from typing import Any
 from pardec.evaluation.results import is_failed
 from pardec.evaluation.spec import PEERS, EvalSpec
 from pardec.metrics.sandbox import isolation
+
+#: A divergence from the baseline is a *near-tie* when the target's top-1 and top-2 logits there
+#: (``divergence_margin``, from one teacher-forced forward in the run's dtype) are less than NEAR_TIE_ULPS units in
+#: the last place (ulp) of that dtype apart, the ulp taken at the top-1 logit's magnitude: bf16 keeps 8 significant
+#: bits, so around a logit of 20 one ulp is 0.125 and the bound is 0.5; fp16 (11 bits) 1/8 of that; fp32 (24 bits)
+#: ~1e-5. Why 4: the decoders reach a token through other kernels and shapes (one-token decode, a multi-token
+#: verify forward, a tree mask) whose logits each round to the dtype's grid and accumulate in another order, so the
+#: two candidates' logits can each move by an ulp or so per side between the two runs, and the teacher-forced
+#: forward that measures the margin differs from both by as much again: 2 logits x 2 forwards = 4 ulps. Below it
+#: the flip is rounding; a bug (a wrong mask, a stale cache row, a lossy rule) leaves whole logits between the
+#: two, tens to hundreds of ulps. In fp32 the bound is so small that a divergence is nearly always a bug.
+NEAR_TIE_ULPS = 4
+#: significant bits (mantissa + the implicit one) of each run dtype
+SIGNIFICANT_BITS = {"bf16": 8, "fp16": 11, "fp32": 24, "tf32": 11}
+
+
+def matmul_precision(dtype: str, tf32: bool, device: str) -> str:
+    """The precision the run's matmuls had: an fp32 run on a CUDA GPU with ``tf32`` on multiplies in TF32 (11
+    significant bits), so its near-tie bound is TF32's."""
+    return "tf32" if dtype == "fp32" and tf32 and str(device).startswith("cuda") else dtype
+
+
+def near_tie_bound(top_logit: float, dtype: str) -> float:
+    """NEAR_TIE_ULPS ulps of ``dtype`` at the magnitude of ``top_logit``."""
+    _, exp = math.frexp(abs(top_logit))  # |x| = m * 2**exp, 0.5 <= m < 1: its binade starts at 2**(exp - 1)
+    return NEAR_TIE_ULPS * 2.0 ** (exp - 1 - (SIGNIFICANT_BITS[dtype] - 1))
+
+
+def is_near_tie(rec: dict, dtype: str) -> bool | None:
+    """Whether a divergent record's divergence was a near-tie (None: no margin recorded)."""
+    margin, top = rec.get("divergence_margin"), rec.get("divergence_top")
+    if margin is None or not top or top[0][1] is None:
+        return None
+    return margin < near_tie_bound(top[0][1], dtype)
+
+
+def divergences(rows: list[dict], dtype: str) -> dict[str, int | None]:
+    """``n_divergences`` (records whose tokens differ from the baseline's) and ``n_near_ties`` (those whose target
+    margin was below :func:`near_tie_bound`) of some records; ``n_near_ties`` is None where records diverged but
+    none has a margin (a sampled run, where no margin is read)."""
+    diverged = [x for x in rows if x.get("equal_to_baseline") is False]
+    ties = [is_near_tie(x, dtype) for x in diverged]
+    if diverged and all(t is None for t in ties):
+        return {"n_divergences": len(diverged), "n_near_ties": None}
+    return {"n_divergences": len(diverged), "n_near_ties": sum(bool(t) for t in ties)}
 
 
 def running_speed(records: list[dict], method_role: str) -> str:
@@ -32,8 +79,12 @@ def summarize(spec: EvalSpec, task, records: list[dict], method_role: str, model
     from pardec.metrics.energy import joules_per_token
     from pardec.metrics.perplexity import perplexity
     from pardec.metrics.speed import speed_summary, tokens_per_s
+    from pardec.models.loading import resolve_device
 
     ok = [x for x in records if not is_failed(x)]
+    device = next((str(x["device"]) for x in records if x.get("device")), None) or str(
+        resolve_device(spec.model.device))
+    precision = matmul_precision(spec.model.dtype, spec.run.tf32, device)
     also = {role: name for role, name, _ in spec.also}
     also_params = {role: params for role, _, params in spec.also}
     rows = {role: [x for x in ok if x["role"] == role] for role in ("baseline", "method", *PEERS, *also)}
@@ -89,7 +140,8 @@ def summarize(spec: EvalSpec, task, records: list[dict], method_role: str, model
                            "tokens_per_forward": sp["tokens_per_forward"],
                            "exact_match_rate": exact(rows[role], role_method[role]),
                            "energy_j_per_token": joules_per_token(rows[role]), "perplexity": ppl(rows[role]),
-                           "metric": quality(rows[role]).get(task.metric), **drafting(rows[role])}
+                           "metric": quality(rows[role]).get(task.metric), **drafting(rows[role]),
+                           **divergences(rows[role], precision)}
     summary: dict[str, Any] = {
         "method": spec.method,
         "method_params": spec.method_params,
@@ -99,6 +151,7 @@ def summarize(spec: EvalSpec, task, records: list[dict], method_role: str, model
         "dataset": spec.dataset.name,
         "model": spec.model.name,
         "dtype": spec.model.dtype,
+        "near_tie_precision": precision,  # the grid of the near-tie bound: tf32 for fp32 on a CUDA GPU with tf32
         "n_samples": len({x["id"] for x in method_rows}),
         "skipped": skipped,
         "n_errors": len(errors),
@@ -113,6 +166,8 @@ def summarize(spec: EvalSpec, task, records: list[dict], method_role: str, model
         "hf_tokens_per_s": tokens_per_s(rows["hf"]) if rows["hf"] else None,
         "exact_match_rate": method_exact,
         "first_divergences": [x["first_divergence"] for x in method_rows if x.get("first_divergence") is not None],
+        **divergences(method_rows, precision),
+        "near_tie_ulps": NEAR_TIE_ULPS,
         **drafting(method_rows),
         "peers": peers,
         "metric_name": task.metric,

@@ -52,6 +52,16 @@ def _energy_rows(s: dict) -> list[tuple[str, Any]]:
     return rows + [("energy counters", "; ".join(x for x in (e.get("devices"), e.get("reason")) if x) or None)]
 
 
+def _divergence_row(s: dict) -> tuple[str, str] | None:
+    """Divergences from the baseline and near-ties among them, per role that diverged (None: none did)."""
+    roles = [("method", s)] + list((s.get("peers") or {}).items())
+    hit = [(role, r["n_divergences"], r.get("n_near_ties")) for role, r in roles if r.get("n_divergences")]
+    if not hit:
+        return None
+    return ("divergences (near-ties)", ", ".join(f"{role} {n} ({_fmt(k)})" for role, n, k in hit)
+            + f"; near-tie: target margin < {s.get('near_tie_ulps')} ulps of {s['dtype']}")
+
+
 def format_table(s: dict) -> str:
     """A summary (``summary.json``) as the aligned two-column table evaluate prints, then :func:`format_comparison`."""
     rows = [
@@ -78,6 +88,10 @@ def format_table(s: dict) -> str:
     rows += [(k, _fmt(v)) for k, v in s["extras"].items()]
     if s.get("pass_at_k"):
         rows += [(k, _fmt(v)) for k, v in s["pass_at_k"].items()]
+    if (div := _divergence_row(s)) is not None:
+        rows.append(div)
+    if s.get("ranks"):
+        rows.append(("ranks", "; ".join(f"{x['rank']}: {x['host']} {x['device']}" for x in s["ranks"])))
     if s["skipped"]:
         rows.append(("skipped prompts", len(s["skipped"])))
     if s.get("n_errors"):
