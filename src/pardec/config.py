@@ -252,6 +252,20 @@ def exit_with_error(e: Exception) -> NoReturn:
     sys.exit(2)
 
 
+def shared_launch_id(env=None) -> str | None:
+    """A name every process of one multi-process launch computes alike, for their shared run dir: torchrun's
+    ``torchrun-<run id>`` (``--standalone`` makes it unique), or under the ``deepspeed`` launcher on one node
+    ``deepspeed-<launcher pid>-<port>`` (every rank is a child of the same launch process); None where the launch
+    gives no such id (several nodes under ``deepspeed``: pass the run dir)."""
+    env = os.environ if env is None else env
+    run_id = env.get("TORCHELASTIC_RUN_ID", "none")
+    if run_id not in ("", "none"):
+        return f"torchrun-{run_id[:8]}"
+    if env.get("CROSS_SIZE") == "1" and env.get("MASTER_PORT"):  # the deepspeed launcher, one node
+        return f"deepspeed-{os.getppid()}-{env['MASTER_PORT']}"
+    return None
+
+
 def launcher_argv(argv: list[str]) -> list[str]:
     """``argv`` without the ``--local_rank=N`` (or ``--local_rank N``) that the ``deepspeed`` launcher appends to the
     program's arguments (Hydra would refuse it); the rank goes to ``LOCAL_RANK`` when the launcher did not set it."""

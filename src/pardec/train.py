@@ -28,7 +28,7 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf, open_dict
 
 from pardec import CONF_DIR
-from pardec.config import ConfigError
+from pardec.config import ConfigError, shared_launch_id
 from pardec.training.base import Dist
 from pardec.training.kinds import Spec, experiments, load_kinds
 
@@ -47,13 +47,12 @@ def _run_name() -> str:
     d = Dist.from_env()
     if d.world == 1:
         return datetime.datetime.now().strftime("%Y-%m-%d_%H-%M-%S")
-    import os
-
-    run_id = os.environ.get("TORCHELASTIC_RUN_ID", "none")
-    if run_id in ("", "none"):
+    name = shared_launch_id()
+    if name is None:
         raise ConfigError(f"{d.world} processes need one shared run directory: pass run_name=<name> "
-                          "(or launch with `torchrun --standalone`, which gives every rank the same run id)")
-    return f"torchrun-{run_id[:8]}"
+                          "(or launch with `torchrun --standalone` or `deepspeed` on one node, which give every rank "
+                          "the same launch id)")
+    return name
 
 
 def register_resolvers() -> None:

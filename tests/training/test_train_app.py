@@ -146,6 +146,40 @@ def test_deepspeed_zero2_two_ranks_on_cpu(tmp_path):
 
 
 @pytest.mark.slow
+def test_the_deepspeed_launcher_and_a_plain_python_launch(tmp_path):
+    """The README's launch lines on CPU: `deepspeed --num_gpus 2 --module train ...` (it appends --local_rank=N; both
+    ranks find one run dir, deepspeed-<launcher pid>-<port>) and `python -m train ... trainer.deepspeed=zero2` with
+    no launcher at all (rank 0 of 1, no MPI discovery)."""
+    import shutil
+
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO_ROOT / "src")}
+    common = ["+experiment=cllm_tiny", "threads=1", f"paths.data_dir={tmp_path}/data", "trainer.deepspeed=zero2"]
+    launcher = shutil.which("deepspeed", path=str(Path(sys.executable).parent))
+    assert launcher, "the deepspeed launcher is installed with deepspeed"
+    cmd = [launcher, "--num_gpus", "2", "--module", "train", *common, f"paths.output_dir={tmp_path}/ds"]
+    proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    (run_dir,) = (tmp_path / "ds" / "train" / "runs" / "cllm_tiny").iterdir()
+    assert run_dir.name.startswith("deepspeed-") and (run_dir / "train-rank1.log").is_file()
+    assert (run_dir / "final" / "config.json").is_file()
+
+    cmd = [sys.executable, "-m", "train", *common, "stage=train", f"paths.output_dir={tmp_path}/plain"]
+    proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0 and "mpi4py" not in proc.stderr, proc.stderr[-3000:]
+    (run_dir,) = (tmp_path / "plain" / "train" / "runs" / "cllm_tiny").iterdir()
+    assert (run_dir / "final" / "config.json").is_file()
+
+
+def test_shared_launch_ids():
+    from pardec.config import shared_launch_id
+
+    assert shared_launch_id({"TORCHELASTIC_RUN_ID": "0123456789ab"}) == "torchrun-01234567"
+    assert shared_launch_id({"CROSS_SIZE": "1", "MASTER_PORT": "29500"}) == f"deepspeed-{os.getppid()}-29500"
+    assert shared_launch_id({"CROSS_SIZE": "2", "MASTER_PORT": "29500"}) is None  # several nodes: no shared parent
+    assert shared_launch_id({"TORCHELASTIC_RUN_ID": "none"}) is None and shared_launch_id({}) is None
+
+
+@pytest.mark.slow
 def test_deepspeed_zero3_loads_a_local_model_sharded(tmp_path):
     """ZeRO-3 with a from_pretrained model (zero.Init while loading), LoRA, merged into final/ by rank 0."""
     local = load_model(ModelConfig(name="tiny_random", source="tiny_random", device="cpu"))

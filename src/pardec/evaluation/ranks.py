@@ -26,7 +26,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from pardec.config import ConfigError
+from pardec.config import ConfigError, shared_launch_id
 
 #: how long rank 0 waits for the other ranks at the end (and the group's rendezvous): ranks finish their shares at
 #: different times and rank 0 waits for the slowest; a rank that dies is the launcher's business (torchrun stops the
@@ -70,15 +70,15 @@ def launch_name(stamp: str, env: Mapping[str, str] | None = None) -> str:
     env = os.environ if env is None else env
     if Ranks.from_env(env).world == 1:
         return stamp
-    run_id = env.get("TORCHELASTIC_RUN_ID", "none")
-    if run_id in ("", "none"):
+    name = shared_launch_id(env)
+    if name is None:
         raise ConfigError(launch_error(Ranks.from_env(env).world))
-    return f"torchrun-{run_id[:8]}"
+    return name
 
 
 def launch_error(world: int) -> str:
     return (f"{world} processes need one shared run dir: pass hydra.run.dir=<dir> (or launch with `torchrun "
-            f"--standalone`, which gives every rank the same run id)")
+            f"--standalone` or `deepspeed` on one node, which give every rank the same launch id)")
 
 
 def check_launch(argv: list[str], env: Mapping[str, str] | None = None) -> None:
@@ -86,7 +86,7 @@ def check_launch(argv: list[str], env: Mapping[str, str] | None = None) -> None:
     (else each would make its own), one line instead of an error inside Hydra's config resolution."""
     env = os.environ if env is None else env
     ranks = Ranks.from_env(env)
-    if ranks.multi and env.get("TORCHELASTIC_RUN_ID", "none") in ("", "none") and not any(
+    if ranks.multi and shared_launch_id(env) is None and not any(
             a.lstrip("+").startswith(("hydra.run.dir=", "hydra.sweep.dir=")) for a in argv):
         raise ConfigError(launch_error(ranks.world))
 
