@@ -12,6 +12,7 @@ import re
 import sys
 import types
 import typing
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any, NoReturn, TypeVar
 
@@ -250,6 +251,37 @@ def exit_with_error(e: Exception) -> NoReturn:
     HYDRA_FULL_ERROR=1 for one)."""
     print(f"error: {e}", file=sys.stderr)
     sys.exit(2)
+
+
+@dataclass(frozen=True)
+class Ranks:
+    """This process's place in a launch (torchrun, deepspeed, accelerate) from its environment: ``RANK``,
+    ``WORLD_SIZE``, ``LOCAL_RANK``; none set = one process."""
+
+    rank: int = 0
+    world: int = 1
+    local_rank: int = 0
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] | None = None) -> Ranks:
+        env = os.environ if env is None else env
+        try:
+            rank, world = int(env.get("RANK", 0)), int(env.get("WORLD_SIZE", 1))
+            local = int(env.get("LOCAL_RANK", 0))
+        except ValueError:
+            raise ConfigError(f"RANK={env.get('RANK')!r}, WORLD_SIZE={env.get('WORLD_SIZE')!r}, LOCAL_RANK="
+                              f"{env.get('LOCAL_RANK')!r} from the launcher are not all integers") from None
+        if world < 1 or not 0 <= rank < world:
+            raise ConfigError(f"RANK={rank} and WORLD_SIZE={world} from the launcher do not fit (0 <= RANK < WORLD_SIZE)")
+        return cls(rank, world, local)
+
+    @property
+    def multi(self) -> bool:
+        return self.world > 1
+
+    def share(self, docs: list) -> list[tuple[int, Any]]:
+        """(index, document) of this rank's documents: index % world == rank (index: position in the run's list)."""
+        return [(i, d) for i, d in enumerate(docs) if i % self.world == self.rank]
 
 
 def shared_launch_id(env=None) -> str | None:

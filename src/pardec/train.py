@@ -133,7 +133,7 @@ def run(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
     set_tf32(bool(cfg.get("tf32", True)))
     kind = load_kinds().get(cfg.kind)
     summary: dict[str, Any] = {"experiment": spec.experiment, "kind": kind.name, "stage": spec.stage,
-                               "run_dir": str(run_dir)}
+                               "dtype": cfg.get("dtype"), "run_dir": str(run_dir)}
     summary.update(kind().run(spec, run_dir, d))
     if d.rank == 0:
         run_dir.mkdir(parents=True, exist_ok=True)

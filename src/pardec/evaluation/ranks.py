@@ -23,43 +23,14 @@ import datetime
 import os
 import socket
 from collections.abc import Mapping
-from dataclasses import dataclass
 from typing import Any
 
-from pardec.config import ConfigError, shared_launch_id
+from pardec.config import ConfigError, Ranks, shared_launch_id
 
 #: how long rank 0 waits for the other ranks at the end (and the group's rendezvous): ranks finish their shares at
 #: different times and rank 0 waits for the slowest; a rank that dies is the launcher's business (torchrun stops the
 #: others), not this timeout's
 SYNC_TIMEOUT = datetime.timedelta(hours=48)
-
-
-@dataclass(frozen=True)
-class Ranks:
-    rank: int = 0
-    world: int = 1
-    local_rank: int = 0
-
-    @classmethod
-    def from_env(cls, env: Mapping[str, str] | None = None) -> Ranks:
-        env = os.environ if env is None else env
-        try:
-            rank, world = int(env.get("RANK", 0)), int(env.get("WORLD_SIZE", 1))
-            local = int(env.get("LOCAL_RANK", 0))
-        except ValueError:
-            raise ConfigError(f"RANK={env.get('RANK')!r}, WORLD_SIZE={env.get('WORLD_SIZE')!r}, LOCAL_RANK="
-                              f"{env.get('LOCAL_RANK')!r} from the launcher are not all integers") from None
-        if world < 1 or not 0 <= rank < world:
-            raise ConfigError(f"RANK={rank} and WORLD_SIZE={world} from the launcher do not fit (0 <= RANK < WORLD_SIZE)")
-        return cls(rank, world, local)
-
-    @property
-    def multi(self) -> bool:
-        return self.world > 1
-
-    def share(self, docs: list[dict]) -> list[tuple[int, dict]]:
-        """(index, document) of this rank's documents: index % world == rank (index: position in the run's list)."""
-        return [(i, d) for i, d in enumerate(docs) if i % self.world == self.rank]
 
 
 def launch_name(stamp: str, env: Mapping[str, str] | None = None) -> str:

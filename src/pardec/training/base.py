@@ -28,20 +28,13 @@ from typing import Any
 import torch
 from transformers import Trainer, TrainingArguments
 
-from pardec.config import ConfigError
+from pardec.config import ConfigError, Ranks
 
 
 # ------------------------------------------------------------------------------------------- ranks
 @dataclass(frozen=True)
-class Dist:
-    rank: int = 0
-    world: int = 1
-    local_rank: int = 0
-
-    @classmethod
-    def from_env(cls) -> Dist:
-        env = os.environ
-        return cls(int(env.get("RANK", 0)), int(env.get("WORLD_SIZE", 1)), int(env.get("LOCAL_RANK", 0)))
+class Dist(Ranks):
+    """:class:`~pardec.config.Ranks` with the barrier the training stages wait at."""
 
     def barrier(self) -> Callable[[], None] | None:
         """A barrier over all ranks (the process group is created on first use; on CUDA this picks the rank's
