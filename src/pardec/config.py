@@ -19,7 +19,7 @@ from typing import Any, NoReturn, TypeVar
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-DTYPES = ("fp32", "bf16", "fp16")
+DTYPES = ("fp32", "bf16", "fp16", "int8")  # int8: int8 linears on the CPU (pardec.models.int8), inference only
 MODEL_SOURCES = ("hub", "local", "gguf_package", "gguf", "tiny_random")
 DEVICES = ("auto", "cpu", "cuda")
 #: accelerate's placements for a model larger than one device (``model.device_map``); None = all on ``model.device``
@@ -75,6 +75,10 @@ class ModelConfig:
         _choice("model", "device", self.device, DEVICES)
         _choice("model", "attn_implementation", self.attn_implementation, ATTN_IMPLEMENTATIONS)
         _choice("model", "device_map", self.device_map, DEVICE_MAPS)
+        if self.dtype == "int8" and (self.device == "cuda" or self.device_map):
+            where = "model.device=cuda" if self.device == "cuda" else f"model.device_map={self.device_map}"
+            raise ConfigError(f"model {self.name!r}: dtype=int8 is a CPU mode (fbgemm int8 linears) and cannot run "
+                              f"with {where}; use dtype=bf16 on GPUs, or dtype=int8 with model.device=cpu")
         _at_least("model", "layers", self.layers, 1)
         _at_least("model", "hidden", self.hidden, 8)
 

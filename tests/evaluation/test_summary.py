@@ -32,6 +32,7 @@ def test_near_ties_are_divergences_within_a_few_ulps_of_the_runs_dtype():
     assert near_tie_bound(-20.0, "bf16") == 0.5 and near_tie_bound(16.0, "bf16") == 0.5
     assert near_tie_bound(15.9, "bf16") == 0.25
     assert near_tie_bound(20.0, "fp16") == 0.5 / 8 and near_tie_bound(20.0, "fp32") == 4 * 2.0**-19
+    assert near_tie_bound(20.0, "int8") == 0.5  # int8 activations: 8 bits relative, as bf16
 
     def rec(margin, top=20.0, equal=False):
         return {"equal_to_baseline": equal, "divergence_margin": margin,

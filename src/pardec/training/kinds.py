@@ -126,6 +126,10 @@ def common_fields(cfg: DictConfig, name: str, config_cls: type, *, elsewhere: di
     resume = tcfg.pop("resume_from_checkpoint", None)
     model = to_dataclass(ModelConfig, cfg.model, "model")
     replace(model, dtype=model_dtype)  # range check of trainer.model_dtype
+    for key, value in (("dtype", model.dtype), ("trainer.model_dtype", model_dtype)):
+        if value == "int8":
+            raise ConfigError(f"{key}=int8 is an inference mode (int8 linears have no gradients); train in fp32, "
+                              f"bf16 or fp16 and evaluate with dtype=int8")
     return {"experiment": name, "stage": cfg.stage, "model": model, "deepspeed": deepspeed,
             "model_dtype": model_dtype, "resume": resume, "trainer": tcfg, "lora": lora_cfg,
             "logger": OmegaConf.to_container(cfg.get("logger") or {"name": "none"}, resolve=True),

@@ -1,0 +1,121 @@
+"""dtype=int8: int8 linears on the CPU (pardec.models.int8): loading, the weight cache, refusals, and what it does to
+exactness (fbgemm's per-tensor activation scale is not batch-invariant)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import pardec.models.int8 as int8
+from pardec.config import ConfigError, ModelConfig, SamplingConfig
+from pardec.decoding import Stopper, build_decoder
+from pardec.models.cached import CachedModel
+from pardec.models.loading import load_model
+
+
+def _tiny(dtype: str, seed: int = 0) -> ModelConfig:
+    return ModelConfig(name="tiny_random", source="tiny_random", seed=seed, dtype=dtype, device="cpu")
+
+
+@pytest.fixture
+def local_dir(tmp_path):
+    """A tiny model saved as a local directory (the source a trained drafter has)."""
+    lm = load_model(_tiny("fp32"))
+    d = tmp_path / "model"
+    lm.model.save_pretrained(d)
+    lm.tokenizer.save_pretrained(d)
+    return d
+
+
+def test_int8_replaces_every_linear_and_stays_close_to_fp32():
+    fp = load_model(_tiny("fp32")).model
+    q = load_model(_tiny("int8")).model
+    assert int8.is_int8(q) and not int8.is_int8(fp)
+    assert not any(type(m) is torch.nn.Linear for m in q.modules())  # the LM head too
+    assert q.dtype == torch.float32  # activations, embeddings and norms stay fp32
+    ids = torch.tensor([[1, 5, 9, 13, 2, 7]])
+    with torch.no_grad():
+        a, b = fp(input_ids=ids).logits, q(input_ids=ids).logits
+    rel = ((a - b).norm() / a.norm()).item()
+    assert 0 < rel < 0.05, rel  # quantized (not the same weights), and close
+
+
+def test_int8_weights_are_cached_and_a_retrained_model_gets_a_new_cache(local_dir, tmp_path, monkeypatch):
+    monkeypatch.setattr(int8, "DATA_DIR", tmp_path / "data")
+    cfg = ModelConfig(name="local_tiny", source="local", path=str(local_dir), dtype="int8", device="cpu")
+    calls = []
+    real = int8.quantize
+    monkeypatch.setattr(int8, "quantize", lambda m: calls.append(1) or real(m))
+    first = load_model(cfg).model
+    files = list((tmp_path / "data" / "models" / "int8").glob("*.pt"))
+    assert len(files) == 1 and calls == [1]
+    second = load_model(cfg).model  # from the cache: no quantization
+    assert calls == [1] and int8.is_int8(second)
+    ids = torch.tensor([[3, 1, 4, 1, 5, 9, 2, 6]])
+    with torch.no_grad():
+        assert torch.equal(first(input_ids=ids).logits, second(input_ids=ids).logits)
+    # the drafter is trained again: new weights, new key, quantized afresh
+    lm = load_model(_tiny("fp32", seed=7))
+    lm.model.save_pretrained(local_dir)
+    third = load_model(cfg).model
+    assert calls == [1, 1] and len(list((tmp_path / "data" / "models" / "int8").glob("*.pt"))) == 2
+    with torch.no_grad():
+        assert not torch.equal(first(input_ids=ids).logits, third(input_ids=ids).logits)
+
+
+def test_an_unreadable_cache_is_rebuilt(local_dir, tmp_path, monkeypatch):
+    monkeypatch.setattr(int8, "DATA_DIR", tmp_path / "data")
+    cfg = ModelConfig(name="local_tiny", source="local", path=str(local_dir), dtype="int8", device="cpu")
+    load_model(cfg)
+    (f,) = (tmp_path / "data" / "models" / "int8").glob("*.pt")
+    f.write_bytes(b"truncated")
+    assert int8.is_int8(load_model(cfg).model)
+    assert f.stat().st_size > 1000  # written again
+
+
+def test_int8_is_refused_on_gpus_and_in_training():
+    with pytest.raises(ConfigError, match=r"dtype=int8 is a CPU mode.*model.device=cuda.*bf16"):
+        ModelConfig(dtype="int8", device="cuda")
+    with pytest.raises(ConfigError, match=r"dtype=int8 .*model.device_map=auto"):
+        ModelConfig(dtype="int8", device_map="auto")
+    with pytest.raises(ConfigError, match=r"model.dtype='int4'.*fp32, bf16, fp16, int8"):
+        ModelConfig(dtype="int4")
+
+
+def test_training_refuses_int8():
+    from hydra import compose, initialize_config_dir
+
+    from pardec import CONF_DIR
+    from pardec.training.kinds import common_fields
+    from pardec.training.draft.trainer import DraftConfig
+
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):
+        cfg = compose("train", overrides=["+experiment=draft_tiny", "dtype=int8"])
+    with pytest.raises(ConfigError, match="dtype=int8 is an inference mode"):
+        common_fields(cfg, "draft_tiny", DraftConfig)
+
+
+def test_int8_linears_are_not_batch_invariant():
+    """fbgemm's dynamic quantization scales the whole input of a linear at once (per tensor): a row's output
+    depends on the rows beside it. This is why `tokens` methods match int8 `ar` only up to near-ties (documented
+    in pardec.models.int8); if torch moves to per-token scales this test fails and the documentation must change."""
+    torch.manual_seed(0)
+    lin = int8.quantize(torch.nn.Sequential(torch.nn.Linear(64, 32)))
+    x = torch.randn(5, 64)
+    x[3] *= 20  # one row with a large range sets the shared scale
+    with torch.no_grad():
+        alone, together = lin(x[:1]), lin(x)[:1]
+    assert not torch.equal(alone, together)
+    with torch.no_grad():  # rows of equal range: equal
+        assert torch.equal(lin(x[:1].repeat(4, 1))[:1], lin(x[:1]))
+
+
+def test_decoding_runs_on_an_int8_target_and_draft():
+    target = CachedModel(load_model(_tiny("int8")).model)
+    draft = CachedModel(load_model(_tiny("int8", seed=3)).model, name="draft")
+    tok = load_model(_tiny("int8")).tokenizer
+    ar = build_decoder("ar", target, tok, None).generate([1, 5, 9, 13], 12, Stopper(), SamplingConfig())
+    sps = build_decoder("sps", CachedModel(load_model(_tiny("int8")).model), tok, draft, gamma=3).generate(
+        [1, 5, 9, 13], 12, Stopper(), SamplingConfig())
+    assert len(ar.tokens) == len(sps.tokens) == 12
+    assert sps.drafted > 0
