@@ -13,7 +13,8 @@ first data-dependent step. :class:`VirtualCUDA` keeps the values real and the de
   or a generator on another device than the tensors it samples for;
 * host syncs are counted (``syncs``): ``item``/``tolist``/``bool``/``int``/``float``/``numpy`` of a CUDA tensor,
   copies to the CPU, ``nonzero`` and boolean-mask indexing (whose output size the host must read),
-  ``torch.cuda.synchronize``. A test can assert a decoding step's budget.
+  ``torch.cuda.synchronize``, ``torch.cuda.Event.synchronize``. A test can assert a decoding step's budget.
+  ``torch.cuda.Event`` records the host clock, so event-based timing runs too.
 
 Data-dependent steps run, since the values are real: whole training steps and whole generations run under it.
 What it cannot see: a kernel that exists on CPU but not on CUDA (or the reverse), numerics, memory, and code
@@ -30,6 +31,7 @@ Usage::
 
 from __future__ import annotations
 
+import time
 from collections import Counter
 from typing import Any
 
@@ -151,11 +153,31 @@ class VirtualCUDA(TorchFunctionMode):
             def synchronize(device: Any = None) -> None:
                 mode.syncs["cuda.synchronize"] += 1
 
+            class VirtualEvent:
+                """``torch.cuda.Event``: ``record`` reads the host clock (a CPU run has no queue), ``synchronize`` is a
+                counted host sync, ``elapsed_time`` in milliseconds as CUDA's."""
+
+                def __init__(self, enable_timing: bool = False, **_: Any) -> None:
+                    self.t: float | None = None
+
+                def record(self, stream: Any = None) -> None:
+                    self.t = time.perf_counter()
+
+                def synchronize(self) -> None:
+                    mode.syncs["cuda.Event.synchronize"] += 1
+
+                def elapsed_time(self, end: VirtualEvent) -> float:
+                    if self.t is None or end.t is None:
+                        raise RuntimeError("elapsed_time of an event that was not recorded")
+                    return (end.t - self.t) * 1e3
+
             for owner, name, value in ((torch, "Generator", VirtualGenerator),
                                        (torch.cuda, "is_available", lambda: True),
                                        (torch.cuda, "device_count", lambda: self.devices),
                                        (torch.cuda, "current_device", lambda: 0),
-                                       (torch.cuda, "synchronize", synchronize)):
+                                       (torch.cuda, "synchronize", synchronize),
+                                       (torch.cuda, "Event", VirtualEvent),
+                                       (torch.cuda, "current_stream", lambda device=None: None)):
                 self._saved.append((owner, name, getattr(owner, name)))
                 setattr(owner, name, value)
         return super().__enter__()

@@ -113,6 +113,9 @@ def sync(device: torch.device) -> None:
 
 
 class Timer:
+    """Wall time of a whole generation: the device is synchronized at its start and when it is read (the ends of
+    the timed region), never in between."""
+
     def __init__(self, device: torch.device):
         self.device = device
         sync(device)
@@ -121,6 +124,43 @@ class Timer:
     def elapsed(self) -> float:
         sync(self.device)
         return time.perf_counter() - self.t0
+
+
+class Clock:
+    """Summed time of sub-regions (a draft's proposals, a model's forwards) on ``device`` with no host sync inside
+    the run: CUDA events on a GPU, read (one sync) by :attr:`seconds` once the run is over; ``perf_counter`` on the
+    CPU, where work is synchronous."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.cuda = device.type == "cuda"
+        self._cpu_s = 0.0
+        self._events: list[tuple[Any, Any]] = []
+        self._start: Any = None
+
+    def _mark(self) -> Any:
+        if not self.cuda:
+            return time.perf_counter()
+        e = torch.cuda.Event(enable_timing=True)
+        e.record(torch.cuda.current_stream(self.device))
+        return e
+
+    def start(self) -> None:
+        self._start = self._mark()
+
+    def stop(self) -> None:
+        end = self._mark()
+        if self.cuda:
+            self._events.append((self._start, end))
+        else:
+            self._cpu_s += end - self._start
+        self._start = None
+
+    @property
+    def seconds(self) -> float:
+        if self._events:
+            self._events[-1][1].synchronize()  # every earlier event is done too (one stream)
+        return self._cpu_s + sum(a.elapsed_time(b) for a, b in self._events) / 1e3
 
 
 #: ``tokens``: greedy output equals greedy ``ar`` token for token (fp32), and sampling draws from the target's
@@ -236,20 +276,25 @@ class _Run:
     target_forwards: int = 0
 
 
-@dataclass
 class DraftClock:
     """Wall time and forwards of a draft: ``clock.run(st, propose, *args)`` calls ``propose(*args)``, whose result
-    ends with its number of draft forwards, and adds both up."""
+    ends with its number of draft forwards, and adds both up (timed by a :class:`Clock`: no host sync)."""
 
-    forwards: int = 0
-    seconds: float = 0.0
+    def __init__(self) -> None:
+        self.forwards = 0
+        self._clock: Clock | None = None
 
     def run(self, st: _Run, propose: Callable[..., tuple], *args: Any) -> tuple:
-        t = Timer(st.ids.device)
+        self._clock = self._clock or Clock(st.ids.device)
+        self._clock.start()
         out = propose(*args)
-        self.seconds += t.elapsed()
+        self._clock.stop()
         self.forwards += out[-1]
         return out
+
+    @property
+    def seconds(self) -> float:
+        return self._clock.seconds if self._clock else 0.0
 
 
 METHODS: Registry[type[Decoder]] = Registry("method")

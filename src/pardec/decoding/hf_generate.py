@@ -14,14 +14,13 @@ sees what each target forward committed.
 from __future__ import annotations
 
 import contextlib
-import time
 from collections.abc import Iterator
 
 import torch
 from transformers import GenerationConfig, StoppingCriteria, StoppingCriteriaList
 
 from pardec.config import ConfigError, SamplingConfig
-from pardec.decoding.base import Decoder, GenerationResult, Output, Stopper, Timer, register_method, sync
+from pardec.decoding.base import Clock, Decoder, GenerationResult, Output, Stopper, Timer, register_method
 from pardec.models.cached import CachedModel, NonFiniteLogitsError
 
 
@@ -72,11 +71,20 @@ class HFGenerate(Decoder):
                 draft_hooks = stack.enter_context(_Hooks(assistant.model, f"draft model {assistant.name!r}",
                                                          timed=True))
             timer = Timer(ids.device)
-            target_hooks.t0 = timer.t0
-            seq = model.generate(ids, attention_mask=torch.ones_like(ids), generation_config=gc,
-                                 stopping_criteria=StoppingCriteriaList([chunks]),
-                                 **({"assistant_model": assistant.model} if assistant is not None else {}))
+            target_hooks.start()
+            try:
+                seq = model.generate(ids, attention_mask=torch.ones_like(ids), generation_config=gc,
+                                     stopping_criteria=StoppingCriteriaList([chunks]),
+                                     **({"assistant_model": assistant.model} if assistant is not None else {}))
+            except RuntimeError:  # e.g. sampling from NaN probabilities: name the cause when it is NaN/inf logits
+                for hooks in (target_hooks, draft_hooks):
+                    if hooks is not None:
+                        hooks.check()
+                raise
             total = timer.elapsed()
+        target_hooks.check()
+        if draft_hooks is not None:
+            draft_hooks.check()
         new = seq[0, ids.shape[1] :].tolist()
         # our own stop rule over what each target forward committed, so every method is cut the same way
         out = Output(max_new_tokens, stop)
@@ -168,14 +176,17 @@ def _blank_generation_config(model: torch.nn.Module, gc: GenerationConfig) -> It
 
 class _Hooks:
     """Forward hooks on one HF module for one generate() call: forwards, input tokens per forward, time to the
-    end of the first forward, optionally (device-synced) wall time inside forwards; NaN/inf logits raise
-    :class:`NonFiniteLogitsError` naming the model and the position."""
+    end of the first forward, optionally wall time inside forwards (:class:`Clock`: CUDA events, no host sync);
+    NaN/inf logits raise :class:`NonFiniteLogitsError` naming the model and the position, checked by
+    :meth:`check` after the call (each forward leaves a flag on the device: no sync inside the timed region)."""
 
     def __init__(self, module: torch.nn.Module, name: str, timed: bool = False):
         self.module, self.name, self.timed = module, name, timed
-        self.calls, self.seconds, self.first_s, self.t0 = 0, 0.0, 0.0, time.perf_counter()
+        self.calls = 0
         self.sizes: list[int] = []  # input tokens of each forward
-        self._start = 0.0
+        self.clock = Clock(module.device)  # inside forwards (timed only)
+        self.first = Clock(module.device)  # from start() to the end of the first forward
+        self._finite: list[tuple[torch.Tensor, int]] = []  # per forward: finite rows [T] (device), cache end
         self._handles: list = []
 
     def __enter__(self) -> _Hooks:
@@ -187,28 +198,44 @@ class _Hooks:
         for h in self._handles:
             h.remove()
 
+    def start(self) -> None:
+        self.first.start()
+
+    @property
+    def seconds(self) -> float:
+        return self.clock.seconds
+
+    @property
+    def first_s(self) -> float:
+        return self.first.seconds
+
     def _pre(self, module, args, kwargs) -> None:
         ids = kwargs.get("input_ids", args[0] if args else None)
         self.sizes.append(int(ids.shape[1]) if ids is not None else 0)
         if self.timed:
-            sync(self.module.device)
-            self._start = time.perf_counter()
+            self.clock.start()
 
     def _post(self, module, args, kwargs, output) -> None:
         self.calls += 1
-        if self.timed or self.calls == 1:
-            sync(self.module.device)
-            now = time.perf_counter()
-            self.seconds += now - self._start if self.timed else 0.0
-            self.first_s = self.first_s or now - self.t0
+        if self.timed:
+            self.clock.stop()
+        if self.calls == 1 and self.first._start is not None:
+            self.first.stop()
         logits = output.logits  # [1, T, V]
-        bad = ~torch.isfinite(logits).all(-1)[0]  # [T]
-        if bad.any():
-            cache = kwargs.get("past_key_values")
-            end = cache.get_seq_length() if cache is not None else logits.shape[1]
-            pos = end - logits.shape[1] + int(bad.nonzero()[0])
+        cache = kwargs.get("past_key_values")
+        end = cache.get_seq_length() if cache is not None else logits.shape[1]
+        self._finite.append((torch.isfinite(logits).all(-1)[0], end))
+
+    def check(self) -> None:
+        """Raise :class:`NonFiniteLogitsError` at the first forward whose logits held NaN/inf (one host sync)."""
+        if not self._finite:
+            return
+        flags = torch.stack([f.all() for f, _ in self._finite]).cpu()
+        for i in (~flags).nonzero().flatten().tolist()[:1]:
+            finite, end = self._finite[i]
+            pos = end - finite.shape[0] + int((~finite).nonzero()[0])
             raise NonFiniteLogitsError(f"{self.name} produced NaN/inf logits at sequence position {pos} "
-                                       f"(forward {self.calls})")
+                                       f"(forward {i + 1})")
 
 
 class _Chunks(StoppingCriteria):

@@ -63,7 +63,7 @@ def _skeleton(model: torch.nn.Module) -> torch.nn.Module:
     qlin = _quantized_linear_type()
     with warnings.catch_warnings():
         warnings.filterwarnings(*_DEPRECATION)
-        for name, mod in list(model.named_modules()):
+        for mod in list(model.modules()):
             for child_name, child in list(mod.named_children()):
                 if type(child) is torch.nn.Linear:
                     new = qlin(child.in_features, child.out_features, bias_=child.bias is not None, dtype=torch.qint8)
