@@ -86,8 +86,8 @@ def test_training_refuses_int8():
     from hydra import compose, initialize_config_dir
 
     from pardec import CONF_DIR
-    from pardec.training.kinds import common_fields
     from pardec.training.draft.trainer import DraftConfig
+    from pardec.training.kinds import common_fields
 
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):
         cfg = compose("train", overrides=["+experiment=draft_tiny", "dtype=int8"])

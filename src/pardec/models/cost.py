@@ -1,0 +1,147 @@
+"""What a forward costs on this machine, by the number of new rows: the measured table that decides whether a
+verification forward is padded to a cheaper row count (``CachedModel.forward(..., pad_to=table)``) and that the
+adaptive methods may choose their draft length from.
+
+On small-M GEMMs the BLAS kernel chosen depends on M, so cost is not monotonic in the rows: on an AVX2 EPYC with
+two threads (fp32, SmolLM2-135M) 3 new rows cost 1.84x one row and 5 rows 1.43x. Padding 3 rows to 5 then saves
+time; the padding rows are masked (they see only themselves, nobody sees them), cut from the cache and never read.
+
+Tables live in ``data/forward_cost/<machine key>/<model>-<dtype>.json`` (``scripts/forward_cost.py`` writes them),
+keyed by the CPU model, its vector flags (AVX2 / AVX-512 / AMX), the thread count and torch's version, since a
+table measured on one machine says nothing about another.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import platform
+import statistics
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+
+from pardec import DATA_DIR
+
+#: the CPU flags that change which GEMM kernels run (recorded with every figure)
+VECTOR_FLAGS = ("avx2", "fma", "avx512f", "avx512_bf16", "avx512_vnni", "avx_vnni", "amx_tile", "amx_bf16",
+                "amx_int8")
+
+
+def cpu_model() -> str:
+    """The CPU's model name (``/proc/cpuinfo``), or the platform's processor string."""
+    info = Path("/proc/cpuinfo")
+    if info.is_file():
+        for line in info.read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    return platform.processor() or platform.machine() or "unknown"
+
+
+def cpu_flags() -> list[str]:
+    """Which of :data:`VECTOR_FLAGS` this CPU has."""
+    info = Path("/proc/cpuinfo")
+    have: set[str] = set()
+    if info.is_file():
+        for line in info.read_text().splitlines():
+            if line.startswith("flags"):
+                have = set(line.split(":", 1)[1].split())
+                break
+    return [f for f in VECTOR_FLAGS if f in have]
+
+
+def machine(device: torch.device | str = "cpu") -> dict:
+    """What a figure was measured on: CPU model, vector flags, cores, threads, torch; the GPU's name on CUDA."""
+    out = {"cpu": cpu_model(), "flags": cpu_flags(), "cores": os.cpu_count(), "threads": torch.get_num_threads(),
+           "torch": torch.__version__}
+    if torch.device(device).type == "cuda":
+        out["gpu"] = torch.cuda.get_device_name(torch.device(device))
+    return out
+
+
+def describe(m: dict) -> str:
+    """One line for a table caption: ``AMD EPYC (avx2 fma), 2 cores, 2 threads, torch 2.13.0``."""
+    gpu = f"{m['gpu']}; " if m.get("gpu") else ""
+    return (f"{gpu}{m['cpu']} ({' '.join(m['flags']) or 'no AVX2'}), {m['cores']} cores, {m['threads']} threads, "
+            f"torch {m['torch']}")
+
+
+def machine_key(m: dict | None = None) -> str:
+    m = m or machine()
+    blob = json.dumps({k: m.get(k) for k in ("cpu", "flags", "threads", "torch", "gpu")}, sort_keys=True)
+    return hashlib.sha256(blob.encode()).hexdigest()[:12]
+
+
+@dataclass
+class CostTable:
+    """Median ms of one cached forward of T new rows (T = the keys of ``ms``) after ``context`` cached tokens."""
+
+    model: str
+    dtype: str
+    context: int
+    ms: dict[int, float]
+    machine: dict = field(default_factory=machine)
+
+    def relative(self, rows: int) -> float | None:
+        """Cost of ``rows`` rows relative to one row (None: not measured)."""
+        return self.ms[rows] / self.ms[1] if rows in self.ms and 1 in self.ms else None
+
+    def cheapest_at_least(self, rows: int) -> int:
+        """The row count >= ``rows`` with the lowest measured cost (``rows`` itself when no larger measured count
+        is cheaper, or when ``rows`` was not measured)."""
+        if rows not in self.ms:
+            return rows
+        return min((t for t in self.ms if t >= rows), key=lambda t: (self.ms[t], t))
+
+    # ------------------------------------------------------------------------------------------ storage
+    @staticmethod
+    def path(model: str, dtype: str, m: dict | None = None, root: Path | None = None) -> Path:
+        return (root or DATA_DIR / "forward_cost") / machine_key(m) / f"{model}-{dtype}.json"
+
+    def save(self, root: Path | None = None) -> Path:
+        f = self.path(self.model, self.dtype, self.machine, root)
+        f.parent.mkdir(parents=True, exist_ok=True)
+        data = asdict(self)
+        data["ms"] = {str(k): v for k, v in self.ms.items()}
+        f.write_text(json.dumps(data, indent=1))
+        return f
+
+    @classmethod
+    def load(cls, model: str, dtype: str, root: Path | None = None) -> CostTable | None:
+        """This machine's table for ``model`` in ``dtype``, or None when none was measured here."""
+        f = cls.path(model, dtype, None, root)
+        if not f.is_file():
+            return None
+        data = json.loads(f.read_text())
+        data["ms"] = {int(k): float(v) for k, v in data["ms"].items()}
+        return cls(**data)
+
+
+def measure(model: torch.nn.Module, context: list[int], sizes: list[int], name: str, dtype: str,
+            repeats: int = 15, warmup: int = 3) -> CostTable:
+    """Median time of a cached forward of T rows after ``len(context) - max(sizes)`` cached tokens, per T in
+    ``sizes`` (interleaved over T, so a drift of the machine's speed spreads over all of them)."""
+    from pardec.models.cached import CachedModel
+
+    cm = CachedModel(model)
+    top = max(sizes)
+    ids = torch.tensor([context], device=cm.device)
+    cm.prefill(ids[:, :-top])
+    base = cm.length
+    times: dict[int, list[float]] = {t: [] for t in sizes}
+    cuda = cm.device.type == "cuda"
+    for i in range(warmup + repeats):
+        for t in sizes:
+            if cuda:
+                torch.cuda.synchronize(cm.device)
+            t0 = time.perf_counter()
+            cm.forward(ids[:, base : base + t])
+            if cuda:
+                torch.cuda.synchronize(cm.device)
+            if i >= warmup:
+                times[t].append((time.perf_counter() - t0) * 1e3)
+            cm.truncate(base)
+    return CostTable(name, dtype, base, {t: statistics.median(v) for t, v in times.items()}, machine(cm.device))

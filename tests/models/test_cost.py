@@ -1,0 +1,42 @@
+"""The per-machine forward-cost table (pardec.models.cost): choice of the cheapest row count, storage keyed by the
+machine, and a measurement on a tiny model."""
+
+from __future__ import annotations
+
+import pardec.models.cost as cost
+from pardec.models.cost import CostTable, measure
+from tests.conftest import tiny
+
+
+def test_cheapest_row_count_at_least_n():
+    # the shape measured on an AVX2 EPYC (fp32, 2 threads): 3 rows cost more than 5
+    t = CostTable("m", "fp32", 200, {1: 46.7, 2: 68.6, 3: 85.9, 4: 80.3, 5: 66.8, 8: 71.5, 16: 89.2}, machine={})
+    assert [t.cheapest_at_least(n) for n in (1, 2, 3, 4, 5, 6, 8, 16)] == [1, 5, 5, 5, 5, 6, 8, 16]
+    assert t.cheapest_at_least(7) == 7  # not measured: as asked
+    assert abs(t.relative(3) - 85.9 / 46.7) < 1e-12 and t.relative(7) is None
+    flat = CostTable("m", "int8", 200, {1: 16.0, 2: 16.0, 3: 16.0}, machine={})
+    assert flat.cheapest_at_least(2) == 2  # ties: the fewer rows
+
+
+def test_tables_are_stored_per_machine(tmp_path, monkeypatch):
+    t = CostTable("smollm2_135m", "int8", 200, {1: 16.1, 5: 16.5})
+    f = t.save(tmp_path)
+    assert f.parent.name == cost.machine_key() and f.name == "smollm2_135m-int8.json"
+    back = CostTable.load("smollm2_135m", "int8", tmp_path)
+    assert back.ms == {1: 16.1, 5: 16.5} and back.machine == t.machine
+    assert CostTable.load("smollm2_135m", "fp32", tmp_path) is None
+    monkeypatch.setattr(cost, "cpu_flags", lambda: ["avx2", "avx512f", "amx_tile"])  # another machine
+    assert CostTable.load("smollm2_135m", "int8", tmp_path) is None
+
+
+def test_machine_names_the_cpu_flags_and_threads():
+    m = cost.machine()
+    assert set(m) >= {"cpu", "flags", "cores", "threads", "torch"} and m["threads"] >= 1
+    assert set(m["flags"]) <= set(cost.VECTOR_FLAGS)
+    assert m["cpu"] in cost.describe(m) and f"{m['threads']} threads" in cost.describe(m)
+
+
+def test_measure_times_every_row_count_and_leaves_the_cache_as_it_was():
+    table = measure(tiny(0).model, list(range(3, 40)), [1, 2, 4], "tiny", "fp32", repeats=2, warmup=1)
+    assert sorted(table.ms) == [1, 2, 4] and all(v > 0 for v in table.ms.values())
+    assert table.context == 37 - 4
