@@ -1,5 +1,6 @@
-"""MJSD / MJGD: beam bookkeeping on hand-set logits (each beam's prefix likelihoods follow the beam indices), the
-joint-likelihood acceptance against a hand computation, and both decoders against brute-force references."""
+"""MJSD / MJGD: beam bookkeeping on hand-set logits (each beam's prefix likelihoods and selection probabilities follow
+the beam indices), the joint-likelihood acceptance against a hand computation (the paper's warped ratio and the raw
+one), and both decoders against brute-force references."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import torch
 from pardec.config import ConfigError, SamplingConfig
 from pardec.decoding import build_decoder
 from pardec.decoding.drafting import beam_search
-from pardec.decoding.mjsd import joint_accept
+from pardec.decoding.mjsd import MJSD, joint_accept, log_ratio
 from pardec.decoding.tree import Tree
 from pardec.models.cached import CachedModel
 from tests.conftest import draft_for, tiny
@@ -75,6 +76,43 @@ def test_beam_sampling_carries_each_beams_own_prefix_likelihoods(seed):
         assert b.joint == pytest.approx([_joint(tuple(b.tokens[: i + 1])) for i in range(3)], abs=1e-6)
 
 
+def test_beam_search_records_each_candidates_selection_probability_by_hand():
+    """q of the paper's ratio (App. D; the MJSD code's seq_scores): the probability with which the step's draw of beam
+    sampling picks the prefix, one softmax over every beam's candidates that top-k / top-p keep, not renormalised
+    per beam. Beam search (greedy) records it as beam sampling with ``weights`` would have."""
+    beams = beam_search(_logits(STUB[()]), 2, 2, StubGrow(), SamplingConfig(), None,
+                        weights=SamplingConfig(temperature=1.0, top_p=0.9))
+    # step 1, one beam: top-p 0.9 keeps 1 (0.6) and 2 (0.4, mass before it 0.6 < 0.9): select 0.6 and 0.4.
+    # step 2: beam [1] (0.6) keeps 4 (0.55) and 3 (0.45, before it 0.55); beam [2] (0.4) keeps 5 (0.95) and drops 6
+    # (before it 0.95 >= 0.9). Candidates: [1, 3] 0.27, [1, 4] 0.33, [2, 5] 0.38; sum 0.98.
+    assert [b.tokens for b in beams] == [[2, 5], [1, 4]]  # beam search: the two best joints, 0.38 and 0.33
+    assert beams[0].select == pytest.approx([math.log(0.4), math.log(0.38 / 0.98)], abs=1e-6)
+    assert beams[1].select == pytest.approx([math.log(0.6), math.log(0.33 / 0.98)], abs=1e-6)
+    assert beams[0].joint == pytest.approx([math.log(0.4), math.log(0.38)], abs=1e-6)  # the joint is unchanged
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_beam_sampling_draws_only_kept_candidates_with_their_selection_probability(seed):
+    """Beam sampling with top-p 0.9, 3 beams: step 2 keeps exactly 3 candidates ([2, 6] is cut), so all 3 are drawn,
+    whatever the seed, each recording its own probability of one draw (weights 0.27, 0.33, 0.38 over 0.98)."""
+    beams = beam_search(_logits(STUB[()]), 2, 3, StubGrow(), SamplingConfig(temperature=1.0, top_p=0.9),
+                        torch.Generator().manual_seed(seed))
+    assert [b.tokens for b in beams] == [[2, 5], [1, 4], [1, 3]]  # best joint first
+    assert [b.select[1] for b in beams] == pytest.approx([math.log(w / 0.98) for w in (0.38, 0.33, 0.27)], abs=1e-6)
+    assert [b.select[0] for b in beams] == pytest.approx([math.log(0.4), math.log(0.6), math.log(0.6)], abs=1e-6)
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_beam_sampling_draws_twice_the_beams_and_keeps_the_best_joints(seed):
+    """HF's beam sampling (what the MJSD code runs): 2 x num_beams draws, the num_beams best joints kept. One beam over
+    supports of two tokens: both are drawn at every step, so the kept beam is the best joint whatever the seed."""
+    beams = beam_search(_logits(STUB[()]), 2, 1, StubGrow(), SamplingConfig(temperature=1.0),
+                        torch.Generator().manual_seed(seed))
+    # step 1: 1 (.6) and 2 (.4) drawn, [1] kept; step 2 from [1] alone: 3 (.27) and 4 (.33) drawn, [1, 4] kept
+    assert [b.tokens for b in beams] == [[1, 4]]
+    assert beams[0].select == pytest.approx([math.log(0.6), math.log(0.55)], abs=1e-6)  # .33 / (.27 + .33)
+
+
 def test_joint_accept_by_hand():
     tree = Tree.from_paths([[5, 6, 7], [5, 8]])  # nodes: 1=(5), 2=(5,6), 3=(5,6,7), 4=(5,8)
     logp = torch.full((5, 10), -30.0)
@@ -97,17 +135,69 @@ def _mjsd_on_stub(tau: float):
     # the draft's beam search after 0, with the hand-set STUB tables: [2, 5] (q 0.38) is the best beam of two
     draft.logits[0] = _logits(STUB[()])
     draft.logits[1], draft.logits[2] = _logits(STUB[(1,)]), _logits(STUB[(2,)])
-    dec = build_decoder("mjsd", target, None, draft, gamma=2, num_beams=2, tau=tau)
+    dec = build_decoder("mjsd", target, None, draft, gamma=2, num_beams=2, tau=tau, ratio="raw")
     return dec.generate([7], 4), draft
 
 
 def test_mjsd_accepts_by_the_chosen_beams_own_joint_likelihood():
-    # p(2) = 0.5 over q(2) = 0.4: ratio 1; p(2, 5) = 0.225 over q(2, 5) = 0.38: ratio 0.59
+    # ratio=raw: p(2) = 0.5 over q(2) = 0.4: ratio 1; p(2, 5) = 0.225 over q(2, 5) = 0.38: ratio 0.59
     res, draft = _mjsd_on_stub(0.9)
     assert res.tokens[:3] == [0, 2, 6]  # (2) accepted, (2, 5) not; the target's argmax after 2 is 6
     res, draft = _mjsd_on_stub(0.5)
     assert res.tokens == [0, 2, 5, 7]  # both accepted, then the target's token after 5
     assert draft.tokens[:3] == [7, 0, 2]  # the draft cache kept the accepted beam's fed token only
+
+
+# The warped ratio (App. D) on hand-set tables, greedy decoding, top-k 2, top-p off, gamma 2, 2 beams, width 1.
+# draft after 0: 1 .5, 2 .4, 3 .1; after 1: 4 .6, 5 .4; after 2: 6 .45, 7 .55.
+# target after 0: 1 .45, 3 .35, 2 .2; after 1: 6 .5, 4 .3, 7 .2; after 4: 5.
+WARP_DRAFT = {0: {1: 0.5, 2: 0.4, 3: 0.1}, 1: {4: 0.6, 5: 0.4}, 2: {6: 0.45, 7: 0.55}}
+WARP_TARGET = {7: {0: 1.0}, 0: {1: 0.45, 3: 0.35, 2: 0.2}, 1: {6: 0.5, 4: 0.3, 7: 0.2}, 4: {5: 1.0}}
+
+
+@pytest.mark.parametrize("ratio,tau,tokens,accepted", [
+    # warped: q(1) = .5 / (.5 + .4) = .556 (top-k 2 drops 3); step 2: the candidates [1, 4] .3, [1, 5] .2,
+    # [2, 6] .18, [2, 7] .22 (sum .9): beam search keeps [1, 4] (best) and [2, 7]; q(1, 4) = .3 / .9 = .333.
+    # p: the target's top-2, renormalised: p(1) = .45 / .8 = .5625, p(4 | 1) = .3 / .8 = .375, p(1, 4) = .211.
+    # ratios: (1) min(1, .5625 / .556) = 1, (1, 4) .211 / .333 = .633: both accepted at tau .5, then the target's 5
+    ("warped", 0.5, [0, 1, 4, 5], [1, 3]),
+    ("warped", 0.7, [0, 1, 6, 0], [1, 2, 1]),  # .633 < .7: (1) alone, then the target's argmax after 1 (6)
+    # raw: p(1) = .45, q(1) = .5: .9; p(1, 4) = .45 * .3 = .135, q(1, 4) = .3: .45
+    ("raw", 0.5, [0, 1, 6, 0], [1, 2, 1]),
+    ("raw", 0.4, [0, 1, 4, 5], [1, 3]),
+    ("warped", 0.0, [0, 1, 4, 5], [1, 3]),  # tau 0 accepts every drafted token
+])
+def test_mjsd_ratio_by_hand(ratio, tau, tokens, accepted):
+    target, draft = TableLM(V, WARP_TARGET), TableLM(V, WARP_DRAFT)
+    dec = build_decoder("mjsd", target, None, draft, gamma=2, num_beams=2, tau=tau, top_k=2, top_p=1.0, ratio=ratio)
+    res = dec.generate([7], 4)
+    assert res.tokens == tokens and res.accepted == accepted
+    assert target.calls[1] == [0, 1, 4]  # the best beam [1, 4] is verified in one forward
+
+
+def test_mjsd_warped_ratio_is_the_default():
+    res = build_decoder("mjsd", TableLM(V, WARP_TARGET), None, TableLM(V, WARP_DRAFT), gamma=2, num_beams=2,
+                        tau=0.5, top_k=2).generate([7], 4)
+    assert res.tokens == [0, 1, 4, 5]  # the warped row of the table above (top_p 0.9 keeps what top-k 2 keeps here)
+
+
+def test_a_candidate_outside_top_k_has_q_zero_and_ratio_one():
+    assert log_ratio(math.log(0.2), -math.inf) == 0.0  # p > 0, q = 0: ratio 1
+    assert log_ratio(-math.inf, -math.inf) == -math.inf  # p = 0: ratio 0
+    assert log_ratio(-math.inf, math.log(0.3)) == -math.inf
+    assert log_ratio(math.log(0.2), math.log(0.4)) == pytest.approx(math.log(0.5))
+    assert log_ratio(math.log(0.4), math.log(0.2)) == 0.0  # min(1, 2)
+
+
+def test_bad_mjsd_options_are_refused_before_any_model_loads():
+    from pardec.evaluation.spec import check_method
+
+    with pytest.raises(ConfigError, match=r"method\.tau=1\.0 is out of range: it must be a number in \[0\.0, 1\.0\)"):
+        check_method("mjsd", {"tau": 1.0}, None)
+    with pytest.raises(ConfigError, match="method.ratio='warp' must be one of 'warped', 'raw'"):
+        check_method("mjsd", {"ratio": "warp"}, None)
+    with pytest.raises(ConfigError, match="method.ratio='warp' is not valid; choose one of: warped, raw"):
+        MJSD(None, ratio="warp")  # the decoder's own check
 
 
 def _beam_ref(model, seq: list[int], steps: int, beams: int) -> list[int]:
@@ -143,11 +233,13 @@ def test_mjgd_equals_brute_force_beam_rounds(K, beams):
 
 @pytest.mark.parametrize("gamma,beams", [(3, 1), (2, 3), (4, 2)])
 def test_mjsd_with_the_target_as_draft_equals_brute_force_rounds(gamma, beams):
-    """p == q: every drafted beam is accepted, so a round is the draft's beam search + the target's argmax."""
+    """p == q under the raw ratio: every drafted beam is accepted, so a round is the draft's beam search + the
+    target's argmax. (Under the warped ratio q is a selection probability among all beams' candidates, not the
+    joint likelihood: p == q does not make the ratio 1.)"""
     lm = tiny(1)
     ids = lm.tokenizer("The quick brown fox")["input_ids"]
     res = build_decoder("mjsd", CachedModel(lm.model), None, draft_for("self", 1), gamma=gamma,
-                        num_beams=beams).generate(ids, 11)
+                        num_beams=beams, ratio="raw", tau=0.9).generate(ids, 11)
     seq, out = list(ids), [_argmax(lm.model, ids)]
     while len(out) < 11:
         n = min(gamma, 11 - len(out) - 1)
@@ -172,7 +264,10 @@ def test_mjsd_sampling_reports_its_statistics():
 @pytest.mark.parametrize("method,params,needle", [
     ("mjsd", {"num_beams": 0}, "method.num_beams=0 is out of range: it must be an integer in [1, 64]"),
     ("mjsd", {"num_beams": 2, "width": 3}, "method.width=3 is out of range: it must be an integer in [1, 2]"),
-    ("mjsd", {"tau": -0.1}, "method.tau=-0.1 is out of range: it must be a number in [0.0, 1.0]"),
+    ("mjsd", {"tau": -0.1}, "method.tau=-0.1 is out of range: it must be a number in [0.0, 1.0)"),
+    ("mjsd", {"tau": 1.0}, "method.tau=1.0 is out of range: it must be a number in [0.0, 1.0)"),
+    ("mjsd", {"tau": 1}, "method.tau=1 is out of range: it must be a number in [0.0, 1.0)"),
+    ("mjsd", {"ratio": "joint"}, "method.ratio='joint' must be one of 'warped', 'raw'"),
     ("mjsd", {"gamma": 0}, "method.gamma=0 is out of range"),
     ("mjgd", {"K": 0}, "method.K=0 is out of range: it must be an integer in [1, 64]"),
     ("mjgd", {"num_beams": 0}, "method.num_beams=0 is out of range"),

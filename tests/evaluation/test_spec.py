@@ -47,7 +47,7 @@ from tests.evaluation.helpers import TINY, cfg_of, hashes
         (["+method=mjsd", "draft=tiny_random", "method.num_beams=0"],
          "method.num_beams=0 is out of range: it must be an integer in [1, 64]"),
         (["+method=mjsd", "draft=tiny_random", "method.width=9"], "method.width=9 is out of range: it must be an integer in [1, 8]"),
-        (["+method=mjsd", "draft=tiny_random", "method.tau=1.5"], "method.tau=1.5 is out of range: it must be a number in [0.0, 1.0]"),
+        (["+method=mjsd", "draft=tiny_random", "method.tau=1.5"], "method.tau=1.5 is out of range: it must be a number in [0.0, 1.0)"),
         (["+method=mjsd", "draft=tiny_random", "method.top_p=0"], "method.top_p=0 is out of range: it must be a number in (0.0, 1.0]"),
         (["+method=mjgd", "method.K=0"], "method.K=0 is out of range"),
         (["+method=spectr", "draft=tiny_random", "method.k=0"], "method.k=0 is out of range: it must be an integer in [1, 64]"),

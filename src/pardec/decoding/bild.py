@@ -3,35 +3,54 @@ the draft back.
 
 Each round the draft (the "little" model) generates token by token, the argmax under greedy decoding or a sample
 from its warped distribution, while it is confident: when the largest probability of its next-token
-distribution (softmax at temperature 1) falls below ``fallback_threshold``, or after ``max_draft`` tokens,
-control falls back to the target. The target ("big") runs once over the drafted tokens; the first drafted token
-``x_i`` whose distance to the target, the cross-entropy ``-log p(x_i)`` of the token under the target's
-distribution (softmax at temperature 1), exceeds ``rollback_threshold`` is rolled back with everything after it.
-The target then supplies the token at the first position it did not accept (where the draft stopped, or the
-rolled-back position): its argmax, or a sample from its warped distribution.
+distribution falls below ``fallback_threshold``, or after ``max_draft`` tokens, control falls back to the target.
+The target ("big") runs once over the drafted tokens; the first drafted token ``x_i`` whose distance to the target,
+the cross-entropy ``-log p(x_i)`` of the token under the target's distribution, exceeds ``rollback_threshold`` is
+rolled back with everything after it. The target then supplies the token at the first position it did not accept
+(where the draft stopped, or the rolled-back position): its argmax, or a sample from its warped distribution.
 
-Defaults: fallback 0.9 and rollback 2 (nats), the settings MJSD's comparison used for its chat/summarisation
-tasks (BiLD's README: rollback 2-5 usually works; fallback in (0, 1)); ``max_draft`` 10 as MJSD's BiLD runs.
+``variant``:
+
+* ``bild`` (default, the BiLD paper, Sec. 3 and its code github.com/kssteven418/BigLittleDecoder, T5BiLDModel): the
+  confidence and the cross-entropy use the plain softmax (temperature 1); at a fallback the draft's unsure token is
+  dropped ("the large model will produce the same token") and the target produces that position.
+* ``mjsd`` (BiLD as MJSD's baseline, github.com/ZongyueQin/MJSD @ bb00dc9, BiLD_sampling in
+  sampling/speculative_sampling.py): the draft's distribution and the target's are warped with the run's top-k /
+  top-p at the run's temperature (1 under greedy decoding) before the confidence test and the cross-entropy (a
+  token the target's top-k / top-p removes is rolled back), and the unsure token is drafted (argmax or sample) and
+  kept as the round's last draft token, for the target to verify like the others.
+
+Defaults: fallback 0.9 and rollback 2 (nats), MJSD's settings for the BiLD baseline on its ChatGPT-prompts task
+(evaluation.py lines 201, 205; BiLD's README: rollback 2-5 usually works, fallback in (0, 1); its code's defaults are
+0.6 and 5.0); ``max_draft`` 10 as both BiLD's code (num_small_iters) and MJSD's BiLD runs (gamma = 10).
 Accepted draft tokens need not be the target's choice: ``exactness = "approximate"``.
 """
 
 from __future__ import annotations
 
+from typing import Literal
+
 import torch
 
+from pardec.config import ConfigError, SamplingConfig
 from pardec.decoding.base import Decoder, GenerationResult, Timer, check_range, register_method
 from pardec.decoding.drafting import draft_chain
-from pardec.decoding.sampling import select
+from pardec.decoding.sampling import select, warp
+
+VARIANTS = ("bild", "mjsd")
 
 
-def rollback_point(draft: torch.Tensor, logits: torch.Tensor, threshold: float) -> int:
+def rollback_point(draft: torch.Tensor, logits: torch.Tensor, threshold: float,
+                   warped: SamplingConfig | None = None) -> int:
     """How many of ``draft`` [m] tokens survive: the index of the first whose cross-entropy under the target,
-    ``-log softmax(logits[i])[draft[i]]`` (``logits`` [m+1, V], row i scoring draft[i]), exceeds ``threshold``;
-    ``m`` if none does."""
+    ``-log softmax(logits[i])[draft[i]]`` (``logits`` [m+1, V], row i scoring draft[i]; with ``warped``, of the
+    distribution that config warps: infinite for a token its top-k / top-p removes), exceeds ``threshold``; ``m`` if
+    none does."""
     m = draft.numel()
     if m == 0:
         return 0
-    nll = -torch.log_softmax(logits[:m].float(), -1).gather(-1, draft.to(logits.device)[:, None])[:, 0]
+    logp = torch.log(warp(logits[:m], warped)) if warped is not None else torch.log_softmax(logits[:m].float(), -1)
+    nll = -logp.gather(-1, draft.to(logits.device)[:, None])[:, 0]
     bad = (nll > threshold).nonzero()
     return int(bad[0]) if bad.numel() else m
 
@@ -42,15 +61,26 @@ class BigLittleDecoder(Decoder):
     needs_draft = True
 
     def __init__(self, target, tokenizer=None, draft=None, fallback_threshold: float = 0.9,
-                 rollback_threshold: float = 2.0, max_draft: int = 10):
+                 rollback_threshold: float = 2.0, max_draft: int = 10, variant: Literal["bild", "mjsd"] = "bild"):
         super().__init__(target, tokenizer, draft)
         check_range("fallback_threshold", fallback_threshold, 0.0, 1.0, integer=False)
         check_range("rollback_threshold", rollback_threshold, 0.0, 1e6, integer=False, open_lo=True)
         check_range("max_draft", max_draft, 1, 256)
+        if variant not in VARIANTS:
+            raise ConfigError(f"method.variant={variant!r} is not valid; choose one of: {', '.join(VARIANTS)}")
         self.fallback, self.rollback, self.max_draft = fallback_threshold, rollback_threshold, max_draft
+        self.variant = variant
 
-    def confident(self, logits: torch.Tensor) -> bool:
-        return float(torch.softmax(logits.float(), -1).max()) >= self.fallback
+    def warping(self, s: SamplingConfig) -> SamplingConfig | None:
+        """The distributions the confidence and the cross-entropy are taken from: None (plain softmax) for
+        ``bild``; the run's top-k / top-p at its temperature (1 under greedy decoding) for ``mjsd``."""
+        if self.variant == "bild":
+            return None
+        return SamplingConfig(temperature=1.0 if s.greedy else s.temperature, top_k=s.top_k, top_p=s.top_p)
+
+    def confident(self, logits: torch.Tensor, warped: SamplingConfig | None = None) -> bool:
+        probs = warp(logits, warped) if warped is not None else torch.softmax(logits.float(), -1)
+        return float(probs.max()) >= self.fallback
 
     @torch.inference_mode()
     def generate(self, prompt_ids, max_new_tokens, stop=None, sampling=None) -> GenerationResult:
@@ -59,22 +89,24 @@ class BigLittleDecoder(Decoder):
         prompt = st.ids[0].tolist()
         draft_forwards = drafted = accepted = fallbacks = rollbacks = 0
         draft_s = 0.0
+        warped = self.warping(st.s)
         while not st.out.done:
             k = min(self.max_draft, st.out.room - 1)  # the target adds one token of its own
             toks = torch.zeros(0, dtype=torch.long)
             if k >= 1:
                 t = Timer(st.ids.device)
                 chain = draft_chain(self.draft, prompt + st.out.tokens, k, st.s, st.gen,
-                                    stop=lambda lg: not self.confident(lg))
+                                    stop=lambda lg: not self.confident(lg, warped),
+                                    keep_unsure=self.variant == "mjsd")
                 draft_s += t.elapsed()
                 draft_forwards += chain.forwards
                 toks = chain.tokens
-                fallbacks += toks.numel() < k
+                fallbacks += chain.stopped
             base = self.target.length
             inp = torch.cat([torch.tensor([last]), toks])[None].to(st.ids.device)
             logits = self.target.forward(inp).logits[0]
             st.target_forwards += 1
-            cut = rollback_point(toks, logits, self.rollback)
+            cut = rollback_point(toks, logits, self.rollback, warped)
             rollbacks += cut < toks.numel()
             acc = toks[:cut].tolist() + [int(select(logits[cut], st.s, st.gen))]
             st.out.commit(acc)

@@ -3,14 +3,15 @@
 
 * :func:`catch_up`: the draft's cache resynchronised with the committed sequence, and its next-token logits.
 * :func:`draft_chain`: ``k`` tokens after the committed sequence, one forward each, in the model's own cache
-  (after :func:`catch_up`); an optional ``stop`` test ends the chain early (BiLD's
-  fallback).
+  (after :func:`catch_up`); an optional ``stop`` test ends the chain early (BiLD's fallback: before the unsure
+  token, or after it with ``keep_unsure``, as MJSD's BiLD baseline does).
 * :class:`Branches`: several continuations of one cached prefix grown side by side in one cache (beams,
   i.i.d. draft sequences): every new token sees the prefix and its own branch's earlier tokens only, at
   position ``prefix + depth``; afterwards one branch's path is kept (:meth:`Branches.keep`) and the rest
   dropped, so the cache again holds a single sequence.
 * :func:`beam_search`: beam search (greedy) or beam sampling over :class:`Branches`, each beam carrying the
-  joint log-likelihood of every one of its prefixes, reordered with the beam indices at every step.
+  joint log-likelihood of every one of its prefixes and the probability with which beam sampling selected each of
+  them (MJSD's q), reordered with the beam indices at every step.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ class DraftChain:
     tokens: torch.Tensor  # [m] long, m <= k
     q: torch.Tensor | None  # [m, V] the warped distributions the tokens were sampled from (None under greedy)
     forwards: int  # draft forwards run
+    stopped: bool = False  # the ``stop`` test ended the chain (BiLD's fallback)
 
 
 def catch_up(draft: CachedModel, seq: list[int]) -> torch.Tensor:
@@ -40,16 +42,19 @@ def catch_up(draft: CachedModel, seq: list[int]) -> torch.Tensor:
 
 
 def draft_chain(draft: CachedModel, seq: list[int], k: int, s: SamplingConfig, gen: torch.Generator | None,
-                stop: Callable[[torch.Tensor], bool] | None = None) -> DraftChain:
+                stop: Callable[[torch.Tensor], bool] | None = None, keep_unsure: bool = False) -> DraftChain:
     """Draft up to ``k`` tokens after ``seq`` (prompt + committed): the argmax under greedy decoding, else a
     sample from the draft's warped distribution. ``stop(logits [V])`` is asked before each token is chosen; True
-    ends the chain there (the logits' token is not drafted). The last drafted token is not fed."""
+    ends the chain there: the logits' token is not drafted, or with ``keep_unsure`` it is drafted and is the
+    chain's last. The last drafted token is not fed."""
     logits = catch_up(draft, seq)
     forwards = 1
     toks: list[int] = []
     qs: list[torch.Tensor] = []
+    stopped = False
     for i in range(k):
-        if stop is not None and stop(logits):
+        stopped = stop is not None and stop(logits)
+        if stopped and not keep_unsure:
             break
         if s.greedy:
             x = int(logits.argmax())
@@ -58,10 +63,11 @@ def draft_chain(draft: CachedModel, seq: list[int], k: int, s: SamplingConfig, g
             x = int(torch.multinomial(q, 1, generator=gen))
             qs.append(q)
         toks.append(x)
-        if i < k - 1:
-            logits = draft.forward(torch.tensor([[x]])).logits[0, -1]
-            forwards += 1
-    return DraftChain(torch.tensor(toks, dtype=torch.long), torch.stack(qs) if qs else None, forwards)
+        if stopped or i == k - 1:
+            break
+        logits = draft.forward(torch.tensor([[x]])).logits[0, -1]
+        forwards += 1
+    return DraftChain(torch.tensor(toks, dtype=torch.long), torch.stack(qs) if qs else None, forwards, stopped)
 
 
 class Branches:
@@ -116,6 +122,9 @@ class Branches:
 class Beam:
     tokens: list[int] = field(default_factory=list)
     joint: list[float] = field(default_factory=list)  # joint[i] = log P(tokens[0..i]) under the scoring distribution
+    # select[i] = log of the probability with which step i's draw of beam sampling picked tokens[0..i] among all the
+    # step's candidates (every beam's kept tokens), see :func:`beam_search`
+    select: list[float] = field(default_factory=list)
     nodes: list[int] = field(default_factory=list)  # Branches node of each fed token (all but possibly the last)
 
     @property
@@ -127,37 +136,46 @@ Grow = Callable[[list[int], list[int]], tuple[torch.Tensor, list[int]]]
 
 
 def beam_search(first_logits: torch.Tensor, steps: int, num_beams: int, grow: Grow, propose: SamplingConfig,
-                gen: torch.Generator | None, temperature: float = 1.0, root: int = -1) -> list[Beam]:
+                gen: torch.Generator | None, temperature: float = 1.0, root: int = -1,
+                weights: SamplingConfig | None = None) -> list[Beam]:
     """``steps`` tokens by beam search from ``first_logits`` [V] (the distribution after the prefix).
 
     Each step expands every beam ``b`` with every token ``v``: candidate score ``score_b + log p_b(v)``, where
     ``p_b`` is the softmax of the beam's logits at ``temperature`` (the joint likelihood the beams carry).
-    ``propose.greedy``: the ``num_beams`` best candidates (beam search). Otherwise beam sampling: ``num_beams``
-    candidates drawn without replacement with probability proportional to ``score_b`` times ``propose``'s warped
-    distribution (its temperature, top-k, top-p) of the beam, as HF's beam sampling does with the flattened
-    scores. New beams inherit their parent's tokens, nodes and prefix likelihoods (reordered with the beam
-    indices), and every new token but the last step's is fed through ``grow`` (``root``: the node the beams
-    hang from). Returns the beams, best joint likelihood first."""
+    ``propose.greedy``: the ``num_beams`` best candidates (beam search). Otherwise beam sampling as HF's (and the
+    MJSD code's) beam sampling does it: the top-k / top-p of ``propose`` remove tokens from each beam's candidates,
+    the survivors keep their joint likelihood (not renormalised per beam), ``2 * num_beams`` candidates are drawn
+    without replacement from one softmax over all beams' survivors, i.e. with probability ``w(b, v) / sum w`` where
+    ``w(b, v) = exp(score_b) p_b(v)`` for a kept ``v`` and 0 otherwise, and the ``num_beams`` drawn ones with the best
+    joint likelihood become the new beams. Every new beam records in ``select`` the log of that probability for its
+    candidate (the probability of one draw, as the MJSD code's ``seq_scores``; under greedy decoding computed all the
+    same, with ``weights``' top-k / top-p, None: none). New beams inherit their parent's tokens, nodes, prefix likelihoods
+    and selection probabilities (reordered with the beam indices), and every new token but the last step's is fed
+    through ``grow`` (``root``: the node the beams hang from). Returns the beams, best joint likelihood first."""
     beams = [Beam()]
     logits = first_logits[None]  # [B, V]
     for step in range(steps):
         logp = torch.log_softmax(logits.float() / max(temperature, 1e-8), dim=-1)  # [B, V]
         score = torch.tensor([b.score for b in beams], device=logp.device)[:, None]  # [B, 1]
         vocab = logp.shape[-1]
+        cand = score + logp  # [B, V] joint log-likelihood of every candidate
+        cut = weights if propose.greedy else propose  # the top-k / top-p that remove candidates from the draw
+        kept = cand if cut is None else cand.masked_fill(warp(logits, cut) == 0, float("-inf"))
+        log_sel = torch.log_softmax(kept.reshape(-1), dim=-1)  # [B*V] one draw's probability of each candidate
         if propose.greedy:
-            flat = (score + logp).reshape(-1)
+            flat = cand.reshape(-1)
             n = min(num_beams, int(torch.isfinite(flat).sum()))
             picks = torch.topk(flat, n).indices
-        else:
-            weight = warp(logits, propose) * torch.exp(score - score.max())  # [B, V]
-            flat = weight.reshape(-1)
-            n = min(num_beams, int((flat > 0).sum()))
-            picks = torch.multinomial(flat / flat.sum(), n, replacement=False, generator=gen)
+        else:  # HF's beam sampling: 2 x num_beams draws without replacement, the num_beams best joints kept
+            n = min(2 * num_beams, int(torch.isfinite(log_sel).sum()))
+            drawn = torch.multinomial(log_sel.exp(), n, replacement=False, generator=gen)
+            picks = drawn[torch.topk(cand.reshape(-1)[drawn], min(num_beams, n)).indices]
+        joint, sel = torch.stack([cand.reshape(-1)[picks], log_sel[picks]]).tolist()
         new = []
-        for f in picks.tolist():
+        for f, j, q in zip(picks.tolist(), joint, sel):
             b, v = divmod(f, vocab)
             parent = beams[b]
-            new.append(Beam(parent.tokens + [v], parent.joint + [parent.score + float(logp[b, v])], list(parent.nodes)))
+            new.append(Beam(parent.tokens + [v], parent.joint + [j], parent.select + [q], list(parent.nodes)))
         new.sort(key=lambda beam: -beam.score)
         beams = new
         if step < steps - 1:
