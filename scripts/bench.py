@@ -27,6 +27,11 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 OFFLINE_DATASETS = ("humaneval",)  # the others need dataset.path=<local file> here
+#: the named CPU-sized settings (the methods' defaults are their papers': tests/test_paper_defaults.py). With the
+#: paper's windows (lookahead W 15 / N 5, Ouroboros gamma 12 / W 20 / N 7) one forward runs 60-140 tokens, which on
+#: a 2-core CPU costs several single-token steps (scripts/forward_cost.py)
+CPU_SIZED = {"lookahead": "lookahead:window=4:level=4:guess_set=4",
+             "ouroboros": "ouroboros:gamma=4:window=4:level=4:guess_set=4"}
 
 
 def parse_method(spec: str) -> tuple[str, list[str], str]:
@@ -58,8 +63,8 @@ def main() -> None:
     ap.add_argument("--datasets", default="gsm8k,humaneval,cnn_dm")
     ap.add_argument("--dataset-path", action="append", default=[], metavar="NAME=FILE",
                     help="a local file for a dataset, e.g. gsm8k=data/gsm8k_test.jsonl (repeatable)")
-    ap.add_argument("--methods", default=("sps,pld,sps:adaptive=true,lookahead:window=4:level=4:guess_set=4,lookahead,"
-                                          "ouroboros:window=4:level=4:guess_set=4"))
+    ap.add_argument("--methods", default=f"sps,pld,sps:adaptive=true,{CPU_SIZED['lookahead']},lookahead,"
+                                         f"{CPU_SIZED['ouroboros']}")
     ap.add_argument("--draft", default="smollm2_distilled", help="draft config for draft methods, or none")
     ap.add_argument("--model", default="smollm2_135m")
     ap.add_argument("--threads", type=int, default=2)
