@@ -56,7 +56,7 @@ def pseudo_cosine(model, proj, records: list[dict], n: int) -> dict:
         start = len(r["prompt_ids"]) - 1  # anchors from the last prompt token on
         cm.reset()
         with torch.inference_mode():
-            out = cm.forward_pseudo(torch.tensor([ids]), proj, proj.layers, capture=True)
+            out = cm.forward_pseudo(torch.tensor([ids]), proj, proj.layers, capture=True, attention=proj.attention)
         for layer, (real, pseudo) in enumerate(out.layers):  # real [1, T, H], pseudo [1, T, born, H]
             for i in range(pseudo.shape[2]):
                 anchors = torch.arange(start, len(ids) - i - 1)

@@ -23,19 +23,30 @@ def _random_projections(hidden: int, layers: list[int], seed: int = 0) -> FirpPr
     return proj
 
 
-def _brute(model, seq: list[int], positions: list[int], proj: FirpProjections) -> torch.Tensor:
-    """The pseudo states of the last token of ``seq`` alone: the sequence ``seq`` then its K pseudo states, no
-    cache, plainly causal (each pseudo state sees the sequence, the earlier pseudo states and itself), pseudo
-    state i joining entering layer ``layers[i]``. Returns [K, V] logits."""
+def _brute(model, seq: list[int], positions: list[int], proj: FirpProjections, attention: str = "pseudo",
+           anchor: int | None = None) -> torch.Tensor:
+    """The pseudo states of token ``anchor`` of ``seq`` (default: its last) alone, no cache, plainly causal over
+    ``seq`` (its real tokens up to the pseudo state's position - 1 come first), pseudo state i joining entering layer
+    ``layers[i]`` at position ``positions[anchor] + i + 1``. ``pseudo``: the K states together, each seeing ``seq``,
+    the earlier pseudo states and itself; ``real`` (FIRP §3.3): each state on its own, seeing the real tokens of
+    ``seq`` before its position (``seq[: anchor + i + 1]``) and itself. Returns [K, V] logits."""
+    a = len(seq) - 1 if anchor is None else anchor
+    if attention == "real":
+        return torch.stack([_brute_steps(model, seq[: a + i + 1], positions[: a + i + 1], proj, [i], a)[0]
+                            for i in range(proj.k)])
+    return _brute_steps(model, seq[: a + 1], positions[: a + 1], proj, list(range(proj.k)), a)
+
+
+def _brute_steps(model, seq, positions, proj, steps: list[int], a: int) -> torch.Tensor:
+    """``seq`` then pseudo steps ``steps`` of token ``a``, all plainly causal; [len(steps), V] logits."""
     inner = model.model
     h = inner.embed_tokens(torch.tensor([seq]))
-    k, n = proj.k, len(seq)
-    pos = torch.tensor([positions + [positions[-1] + i for i in range(1, k + 1)]])
-    born = 0
+    n = len(seq)
+    pos = torch.tensor([positions + [positions[a] + i + 1 for i in steps]])
+    todo = list(steps)
     for layer in range(len(inner.layers)):
-        while born < k and proj.layers[born] == layer:
-            h = torch.cat([h, proj(born, h[:, n - 1 : n])], dim=1)
-            born += 1
+        while todo and proj.layers[todo[0]] == layer:
+            h = torch.cat([h, proj(todo.pop(0), h[:, a : a + 1])], dim=1)
         m = h.shape[1]
         causal = torch.full((m, m), torch.finfo(h.dtype).min).triu(1)[None, None]
         rope = inner.rotary_emb(h, position_ids=pos[:, :m])
@@ -43,8 +54,9 @@ def _brute(model, seq: list[int], positions: list[int], proj: FirpProjections) -
     return model.lm_head(inner.norm(h))[0, n:]
 
 
+@pytest.mark.parametrize("attention", ["real", "pseudo"])
 @pytest.mark.parametrize("layers", [[0, 1, 2], [1, 1], [2]])
-def test_pseudo_forward_over_a_tree_equals_brute_force_per_anchor(layers):
+def test_pseudo_forward_over_a_tree_equals_brute_force_per_anchor(layers, attention):
     lm = tiny(1, layers=3)
     model = lm.model
     proj = _random_projections(model.config.hidden_size, layers)
@@ -54,7 +66,8 @@ def test_pseudo_forward_over_a_tree_equals_brute_force_per_anchor(layers):
     tree = Tree.from_parents([-1, 0, 0, 1, 3], [-1, 11, 12, 13, 14])
     toks = tree.tokens(42)
     with torch.no_grad():
-        out = cm.forward_pseudo(toks[None], proj, layers, positions=tree.positions(6), attend=tree.attend)
+        out = cm.forward_pseudo(toks[None], proj, layers, positions=tree.positions(6), attend=tree.attend,
+                                attention=attention)
         assert cm.length == 6 + len(tree)  # the tree is appended, the pseudo states are not
         assert cm.tokens == prompt + toks.tolist()
         plain = CachedModel(model)
@@ -64,13 +77,59 @@ def test_pseudo_forward_over_a_tree_equals_brute_force_per_anchor(layers):
         for node in range(len(tree)):
             path = tree.path_to(node)
             seq = prompt + [int(toks[i]) for i in path]
-            want = _brute(model, seq, list(range(6)) + [6 + int(tree.depth[i]) for i in path], proj)
+            want = _brute(model, seq, list(range(6)) + [6 + int(tree.depth[i]) for i in path], proj, attention)
             got = cm.lm_head(out.pseudo[0, node])
             torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
         # the cache still serves later forwards exactly
         nxt = cm.forward(torch.tensor([[99]]), positions=torch.tensor([6 + len(tree)])).logits[0, -1]
         plain.forward(torch.tensor([[99]]), positions=torch.tensor([6 + len(tree)]))
         assert nxt.shape[-1] == model.config.vocab_size
+
+
+@pytest.mark.parametrize("layers", [[0, 1, 2], [1, 1, 2]])
+def test_teacher_forced_pseudo_states_see_the_real_tokens_before_them(layers):
+    """FIRP §3.3 in training: on a known sequence, the pseudo state of position j + i (anchor j, step i) sees the
+    real tokens up to j + i - 1 and itself, in the one-pass and the split forward alike."""
+    model = tiny(1, layers=3).model
+    proj = _random_projections(model.config.hidden_size, layers, seed=3)
+    seq = list(range(300, 310))
+    anchors = [2, 5, 6, 9]  # 9: the last token, no real token after it (a state past the end sees what exists)
+    with torch.no_grad():
+        for split in (False, True):
+            cm = CachedModel(model)
+            out = cm.forward_pseudo(torch.tensor([seq]), proj, layers, anchors=anchors, split=split,
+                                    teacher_forced=True)
+            for n, a in enumerate(anchors):
+                want = _brute(model, seq, list(range(len(seq))), proj, "real", anchor=a)
+                torch.testing.assert_close(cm.lm_head(out.pseudo[0, n]), want, rtol=1e-4, atol=1e-4)
+            # without teacher forcing (decoding's view) step i >= 1 sees only the anchor's prefix: other logits
+            plain = CachedModel(model).forward_pseudo(torch.tensor([seq]), proj, layers, anchors=[2])
+            torch.testing.assert_close(plain.pseudo[0, 0, 0], out.pseudo[0, 0, 0], rtol=1e-4, atol=1e-5)
+            assert not torch.allclose(plain.pseudo[0, 0, 1], out.pseudo[0, 0, 1], atol=1e-3)
+    cm = CachedModel(model)
+    with pytest.raises(ValueError, match="teacher_forced needs attention='real'"):
+        cm.forward_pseudo(torch.tensor([seq]), proj, layers, attention="pseudo", teacher_forced=True)
+    with pytest.raises(ValueError, match="pseudo attention='all' is not valid; choose one of: real, pseudo"):
+        cm.forward_pseudo(torch.tensor([seq]), proj, layers, attention="all")
+
+
+@pytest.mark.parametrize("attention", ["real", "pseudo"])
+def test_real_attention_trains_each_projection_on_its_own(attention):
+    """With ``real`` the loss of step i reaches projection i alone (the paper trains each projection separately);
+    with ``pseudo`` a later step's loss also reaches the earlier projections through attention."""
+    import copy
+
+    model = copy.deepcopy(tiny(1, layers=3).model).requires_grad_(False)
+    proj = _random_projections(model.config.hidden_size, [0, 1, 2])
+    ids = torch.tensor([list(range(300, 310))])
+    for step in range(3):
+        proj.zero_grad()
+        out = CachedModel(model).forward_pseudo(ids, proj, proj.layers, anchors=[3, 5], split=True,
+                                                attention=attention, teacher_forced=attention == "real")
+        CachedModel(model).lm_head(out.pseudo[:, :, step]).logsumexp(-1).sum().backward()
+        reached = [p.weight.grad is not None and float(p.weight.grad.abs().sum()) > 0 for p in proj.proj]
+        want = [i == step for i in range(3)] if attention == "real" else [i <= step for i in range(3)]
+        assert reached == want
 
 
 @pytest.mark.parametrize("layers", [[1, 2], [0, 0, 2]])
@@ -151,3 +210,21 @@ def test_drafters_round_trip_and_refuse_another_model(tmp_path):
         new_drafter("firp", small.model.config, layers=[0, 2])
     with pytest.raises(ConfigError, match="nondecreasing"):
         new_drafter("firp", other.model.config, layers=[2, 1])
+
+
+def test_firp_projections_record_their_attention(tmp_path):
+    import json
+
+    lm = tiny(0)
+    cfg = lm.model.config
+    assert new_drafter("firp", cfg, layers=[0, 1]).attention == "real"  # FIRP §3.3 by default
+    out = save_drafter(new_drafter("firp", cfg, layers=[0, 1], attention="pseudo"), tmp_path / "p", cfg, "tiny")
+    assert json.loads((out / "drafter.json").read_text())["attention"] == "pseudo"
+    assert load_drafter(out, cfg, "firp")[0].attention == "pseudo"
+    out = save_drafter(new_drafter("firp", cfg, layers=[0, 1]), tmp_path / "old", cfg, "tiny")
+    meta = json.loads((out / "drafter.json").read_text())
+    del meta["attention"]  # saved before the key existed: those were trained with the pseudo pattern
+    (out / "drafter.json").write_text(json.dumps(meta))
+    assert load_drafter(out, cfg, "firp")[0].attention == "pseudo"
+    with pytest.raises(ConfigError, match=r"firp attention='both' is not valid; choose one of: real, pseudo"):
+        new_drafter("firp", cfg, layers=[0], attention="both")

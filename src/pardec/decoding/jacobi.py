@@ -1,11 +1,16 @@
 """`jacobi`: Jacobi decoding with a KV cache (CLLM paper, Algorithm 3).
 
-An n-token block is initialised with random prompt tokens. Each iteration runs one target forward over
-``[last committed token, guess_0 .. guess_{r-2}]`` (r = tokens of the block still open), which yields a new
-guess for all r positions at once. The longest prefix of the old guess that the forward confirms, plus the
-first new token (always correct), is committed ("fast-forwarded"); the cache keeps only the committed
-positions and the rest of the new guess is iterated on. Under greedy decoding the committed tokens are
-exactly greedy AR's; under sampling the guess is verified by rejection sampling (``verify_chain``).
+An n-token block is initialised with tokens drawn uniformly at random, with replacement, from the context: the
+prompt and the output so far (``guess_from="context"``, the default: CLLM Algorithm 3 and the official code,
+hao-ai-lab/Consistency_LLM eval/gsm8k/speedup.py ``jacobi_generate`` and data/generate_trajectory.py, which draw
+from the whole sequence so far); ``guess_from="prompt"`` draws from the prompt only (pardec's earlier choice). The
+guess only changes how fast a block converges, never what it converges to.
+
+Each iteration runs one target forward over ``[last committed token, guess_0 .. guess_{r-2}]`` (r = tokens of the
+block still open), which yields a new guess for all r positions at once. The longest prefix of the old guess that
+the forward confirms, plus the first new token (always correct), is committed ("fast-forwarded"); the cache keeps
+only the committed positions and the rest of the new guess is iterated on. Under greedy decoding the committed
+tokens are exactly greedy AR's; under sampling the guess is verified by rejection sampling (``verify_chain``).
 
 Reported per generation (``extras``):
 
@@ -25,6 +30,24 @@ import torch
 from pardec.config import ConfigError
 from pardec.decoding.base import Decoder, GenerationResult, register_method
 from pardec.decoding.sampling import select
+
+#: where a Jacobi block's initial guess draws its tokens from: the prompt and the output so far (CLLM Alg. 3), or the
+#: prompt alone
+GUESS_FROM = ("context", "prompt")
+
+
+def check_guess_from(value: str, key: str = "method.guess_from") -> None:
+    if value not in GUESS_FROM:
+        raise ConfigError(f"{key}={value!r} is not valid; choose one of: {', '.join(GUESS_FROM)}")
+
+
+def initial_guess(prompt: list[int], output: list[int], n: int, gen: torch.Generator,
+                  guess_from: str = "context") -> list[int]:
+    """``n`` tokens drawn uniformly with replacement from ``prompt + output`` (``guess_from="context"``, CLLM
+    Algorithm 3) or from ``prompt`` alone (``"prompt"``), with ``gen``: one ``torch.randint`` of ``n`` indices into
+    that pool. Shared by the ``jacobi`` decoder and the CLLM trajectory collection."""
+    pool = list(prompt) + list(output) if guess_from == "context" else list(prompt)
+    return [pool[i] for i in torch.randint(len(pool), (n,), generator=gen).tolist()]
 
 
 def stationary_count(states: list[list[int]], committed: list[int], fixed_point: list[int]) -> int:
@@ -56,8 +79,9 @@ class Jacobi(Decoder):
     exactness = "distribution"
 
     def __init__(self, target, tokenizer=None, draft=None, block_size: int = 16, max_iters: int | None = None,
-                 record_trajectories: bool = True):
+                 record_trajectories: bool = True, guess_from: str = "context"):
         super().__init__(target, tokenizer, draft)
+        check_guess_from(guess_from)
         if block_size < 1:
             raise ConfigError(f"method.block_size={block_size} is out of range: it must be >= 1")
         if max_iters is not None and max_iters < 1:
@@ -67,17 +91,18 @@ class Jacobi(Decoder):
         # block early (its open tokens are dropped, a new block starts: still lossless)
         self.max_iters = max_iters or block_size
         self.record_trajectories = record_trajectories
+        self.guess_from = guess_from
 
-    def initial_guess(self, prompt: torch.Tensor, output: list[int], n: int, gen: torch.Generator) -> list[int]:
-        """n random prompt tokens (CLLM's initialisation). Tests override it to steer acceptance."""
-        return prompt[torch.randint(len(prompt), (n,), generator=gen)].tolist()
+    def initial_guess(self, prompt: list[int], output: list[int], n: int, gen: torch.Generator) -> list[int]:
+        """n random tokens of the context (:func:`initial_guess`). Tests override it to steer acceptance."""
+        return initial_guess(prompt, output, n, gen, self.guess_from)
 
     @torch.inference_mode()
     def generate(self, prompt_ids, max_new_tokens, stop=None, sampling=None) -> GenerationResult:
         st, last = self._start(prompt_ids, max_new_tokens, stop, sampling)
         out = st.out
         init_gen = torch.Generator().manual_seed(st.s.seed)  # initial guesses, seeded independently
-        prompt = st.ids[0].cpu()
+        prompt = st.ids[0].tolist()
         ff_counts: list[int] = []
         trajectories: list[dict] = []
         stationary = complete_blocks = 0

@@ -80,7 +80,7 @@ def summarize(spec: EvalSpec, task, records: list[dict], method_role: str, model
     from pardec.decoding.base import lossless_under_greedy
     from pardec.metrics.energy import joules_per_token
     from pardec.metrics.perplexity import perplexity
-    from pardec.metrics.speed import speed_summary, tokens_per_s
+    from pardec.metrics.speed import nonrepetitive_speed, speed_summary, tokens_per_s
     from pardec.models.loading import resolve_device
 
     ok = [x for x in records if not is_failed(x)]
@@ -165,6 +165,9 @@ def summarize(spec: EvalSpec, task, records: list[dict], method_role: str, model
         "sandbox": isolation() if task.sandboxed else None,  # which isolation ran model output, see metrics/sandbox.py
         "exactness": cls.exactness,
         **speed_summary(method_rows, rows["baseline"] or method_rows),
+        # the same without the prompts whose generation repeats a token 10 times in a row (the CLLM authors' speed
+        # script drops them: metrics.speed.nonrepetitive_speed); every method, beside the figures above
+        **nonrepetitive_speed(method_rows, rows["baseline"] or method_rows),
         "hf_tokens_per_s": tokens_per_s(rows["hf"]) if rows["hf"] else None,
         "exact_match_rate": method_exact,
         "first_divergences": [x["first_divergence"] for x in method_rows if x.get("first_divergence") is not None],

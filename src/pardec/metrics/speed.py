@@ -1,4 +1,5 @@
-"""Speed aggregation over per-prompt records: totals, per-repeat mean ± std, per-prompt medians."""
+"""Speed aggregation over per-prompt records: totals, per-repeat mean ± std, per-prompt medians, and the same
+figures without repetitive generations (as the CLLM authors measure speed: :func:`nonrepetitive_speed`)."""
 
 from __future__ import annotations
 
@@ -56,3 +57,40 @@ def speed_summary(method: list[dict], baseline: list[dict]) -> dict:
         "baseline_tokens_per_forward": sum(r["n_tokens"] for r in baseline) / bforwards if bforwards else None,
         "accepted_histogram": dict(sorted(Counter(a for r in method for a in r.get("accepted", [])).items())),
     }
+
+
+#: A generation is *repetitive* when one token comes REPEAT_RUN times in a row: the official CLLM speed script
+#: (hao-ai-lab/Consistency_LLM eval/gsm8k/speedup.py) drops such generations before averaging, with
+#: cllm/utils.py ``detect_repetitive_patterns(..., repeat_ngram_size=10)``, which counts equal consecutive tokens up to
+#: the first EOS (a "run" of one token, despite the name).
+REPEAT_RUN = 10
+
+
+def is_repetitive(tokens: list[int], run: int = REPEAT_RUN) -> bool:
+    """True when some token occurs ``run`` times back to back in ``tokens``."""
+    count = 1
+    for a, b in zip(tokens, tokens[1:]):
+        count = count + 1 if a == b else 1
+        if count >= run:
+            return True
+    return run <= 1 and bool(tokens)
+
+
+def record_is_repetitive(rec: dict, run: int = REPEAT_RUN) -> bool:
+    """A results record is repetitive when any of its turns is (``turn_tokens``, else ``tokens``)."""
+    turns = rec.get("turn_tokens") or [rec.get("tokens") or []]
+    return any(is_repetitive(t, run) for t in turns)
+
+
+def nonrepetitive_speed(method: list[dict], baseline: list[dict], run: int = REPEAT_RUN) -> dict:
+    """The speed figures of :func:`speed_summary` over the prompts whose *method* generation is not repetitive
+    (:func:`record_is_repetitive`), the baseline's records of those prompts dropped with them, as the official CLLM
+    speed script measures (it times AR only on the prompts whose Jacobi output it keeps). Keys end in
+    ``_nonrepetitive``; ``n_repetitive``: the method records dropped."""
+    drop = {(r["id"], r.get("repeat", 0)) for r in method if record_is_repetitive(r, run)}
+    keep = lambda rows: [r for r in rows if (r["id"], r.get("repeat", 0)) not in drop]  # noqa: E731
+    m, b = keep(method), keep(baseline)
+    sp = speed_summary(m, b) if m else {}
+    return {"n_repetitive": len(drop), "repetitive_run": run,
+            **{f"{k}_nonrepetitive": sp.get(k) for k in ("tokens_per_s", "baseline_tokens_per_s", "speedup",
+                                                           "speedup_median", "tokens_per_forward")}}

@@ -9,6 +9,9 @@
   the hidden state of the last real token ``j`` entering layer ``t_i`` into the pseudo hidden state of position
   ``j + i``, which then runs through layers ``t_i..L-1``, the final norm and the target's own LM head
   (:meth:`pardec.models.cached.CachedModel.forward_pseudo`). Initialised as the identity (``W = I, b = 0``).
+  ``attention`` records what the pseudo states saw in training: ``real`` (FIRP §3.3: real states and themselves;
+  the default) or ``pseudo`` (also the anchor's earlier pseudo states; drafters saved before the key existed were
+  trained so, and load as ``pseudo``).
 
 Both save to a directory: ``drafter.json`` (kind, the base model's name and shape, K, layers, training facts) and
 ``drafter.safetensors``. :func:`load_drafter` checks the shape against the target (hidden size, vocabulary,
@@ -26,6 +29,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from pardec.config import ConfigError
+from pardec.models.cached import PSEUDO_ATTENTION
 
 FORMAT = "pardec-drafter"
 VERSION = 1
@@ -77,8 +81,12 @@ class MedusaHeads(nn.Module):
 class FirpProjections(nn.Module):
     kind = "firp"
 
-    def __init__(self, hidden_size: int, vocab_size: int, layers: list[int]):
+    def __init__(self, hidden_size: int, vocab_size: int, layers: list[int], attention: str = "real"):
         super().__init__()
+        if attention not in PSEUDO_ATTENTION:
+            raise ConfigError(f"firp attention={attention!r} is not valid; choose one of: "
+                              f"{', '.join(PSEUDO_ATTENTION)}")
+        self.attention = attention
         if len(layers) < 1:
             raise ConfigError(f"firp layers={layers} is not valid: K = len(layers) must be >= 1")
         if list(layers) != sorted(layers):
@@ -100,14 +108,14 @@ class FirpProjections(nn.Module):
         return p(hidden.to(p.weight.device, p.weight.dtype))  # a split target hands states from any of its devices
 
     def meta(self) -> dict[str, Any]:
-        return {"layers": self.layers}
+        return {"layers": self.layers, "attention": self.attention}
 
 
 Drafter = MedusaHeads | FirpProjections
 
 
 def new_drafter(kind: str, base_config, *, num_heads: int = 3, num_blocks: int = 1,
-                layers: list[int] | None = None, lm_head: nn.Linear | None = None) -> Drafter:
+                layers: list[int] | None = None, lm_head: nn.Linear | None = None, attention: str = "real") -> Drafter:
     """A fresh drafter for a model with config ``base_config`` (layer indices checked against it)."""
     hidden, vocab, n_layers = _shape(base_config)
     if kind == "medusa":
@@ -118,7 +126,7 @@ def new_drafter(kind: str, base_config, *, num_heads: int = 3, num_blocks: int =
         bad = [x for x in layers if not 0 <= x < n_layers]
         if bad:
             raise ConfigError(f"firp layers={layers} is out of range: the model has layers 0..{n_layers - 1}")
-        return FirpProjections(hidden, vocab, layers)
+        return FirpProjections(hidden, vocab, layers, attention)
     raise ConfigError(f"drafter kind={kind!r} is not valid; choose one of: {', '.join(KINDS)}")
 
 
@@ -170,7 +178,8 @@ def load_drafter(path: str | Path, base_config, kind: str, key: str = "method.pa
     if kind == "medusa":
         drafter: Drafter = MedusaHeads(hidden, vocab, int(meta["num_heads"]), int(meta.get("num_blocks", 1)))
     else:
-        drafter = new_drafter("firp", base_config, layers=list(meta["layers"]))
+        drafter = new_drafter("firp", base_config, layers=list(meta["layers"]),
+                              attention=meta.get("attention", "pseudo"))
     state = load_file(str(Path(path) / "drafter.safetensors"))
     drafter.load_state_dict(state)
     return drafter.eval(), meta

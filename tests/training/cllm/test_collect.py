@@ -11,6 +11,7 @@ from pardec.decoding import Stopper, build_decoder
 from pardec.models.cached import CachedModel
 from pardec.training.cllm.collect import (
     CollectConfig,
+    augment_in_place,
     augment_states,
     collect,
     collection_meta,
@@ -59,13 +60,14 @@ def test_fixed_points_are_greedy_ar_in_a_padded_batch(block_size):
     assert out[1]["stop_reason"] == "eos" and len(out[1]["answer_ids"]) <= 10
 
 
-def _plain_jacobi(model, prompt, block_size, max_new, eos, gen) -> dict:
-    """Uncached reference: every iteration recomputes prompt + committed tokens + the whole block."""
+def _plain_jacobi(model, prompt, block_size, max_new, eos, gen, guess_from="context") -> dict:
+    """Uncached reference: every iteration recomputes prompt + committed tokens + the whole block. A block's initial
+    guess: n uniform draws (one randint) from the prompt + the answer so far, or from the prompt alone."""
     seq, produced, blocks, answer = list(prompt), 0, [], []
     while True:
         n = min(block_size, max_new - produced)
-        p = torch.tensor(prompt)
-        guess = p[torch.randint(len(p), (n,), generator=gen)].tolist()
+        pool = seq if guess_from == "context" else list(prompt)
+        guess = [pool[i] for i in torch.randint(len(pool), (n,), generator=gen).tolist()]
         states, forwards = [guess], 0
         while True:
             with torch.no_grad():
@@ -84,15 +86,15 @@ def _plain_jacobi(model, prompt, block_size, max_new, eos, gen) -> dict:
             return {"answer_ids": answer, "blocks": blocks, "stop": "eos" if stop is not None else "length"}
 
 
-@pytest.mark.parametrize("batch_size", [1, 2, 5])
-def test_continuous_batching_records_plain_jacobi_states_with_less_work(batch_size):
+@pytest.mark.parametrize("batch_size,guess_from", [(1, "context"), (2, "context"), (5, "context"), (2, "prompt")])
+def test_continuous_batching_records_plain_jacobi_states_with_less_work(batch_size, guess_from):
     lm = tiny()
     cm = CachedModel(lm.model)
     prompts = [p.ids for p in _prompts(lm.tokenizer)]
     block, max_new = 6, 17
     full = [_greedy(cm, p, max_new, set()) for p in prompts]
     eos = {full[3][4], full[0][13]}  # rows stop at different blocks, so rows leave and others join mid-run
-    ref = [_plain_jacobi(lm.model, p, block, max_new, eos, torch.Generator().manual_seed(i))
+    ref = [_plain_jacobi(lm.model, p, block, max_new, eos, torch.Generator().manual_seed(i), guess_from)
            for i, p in enumerate(prompts)]
     run, tokens = [], [0]
     forward = cm.forward
@@ -103,7 +105,8 @@ def test_continuous_batching_records_plain_jacobi_states_with_less_work(batch_si
         return forward(ids, *a, **kw)
     cm.forward = counting
     gens = [torch.Generator().manual_seed(i) for i in range(len(prompts))]
-    for key, r in jacobi_stream(cm, zip(range(5), prompts, gens), batch_size, block, max_new, eos):
+    for key, r in jacobi_stream(cm, zip(range(5), prompts, gens), batch_size, block, max_new, eos,
+                                guess_from=guess_from):
         run.append(key)
         want = ref[key]
         assert [b["states"] for b in r["blocks"]] == [b["states"] for b in want["blocks"]]
@@ -189,6 +192,70 @@ def test_augmentation_adds_corrected_copies_and_keeps_the_trajectory():
     assert blocks[0]["augmented"] == [[1, 9, 9, 9], [9, 2, 9, 9]]  # [9, 9, 2, 9] has nothing after its first error
     augment_states(blocks, 0.0, random.Random(0))
     assert blocks[0]["augmented"] == []
+
+
+def test_in_place_augmentation_corrects_half_the_wrong_tokens_after_the_first():
+    """CLLM §3.2.1 as the official generate_trajectory.py applies it: every state but the last two, w wrong tokens
+    -> w // 2 draws with replacement from the wrong positions after the first, corrected in place."""
+    import random
+
+    fp = [9, 9, 9, 9, 9]
+    states = [[1, 2, 9, 9, 9],   # w = 2: one draw from {1}: position 1 corrected, position 0 (the first) kept
+              [9, 3, 9, 4, 9],   # w = 2: one draw from {3}
+              [9, 9, 5, 9, 9],   # w = 1: w // 2 = 0 draws, unchanged
+              [9, 9, 7, 9, 6],   # the state before the fixed point: never corrected (the official loop skips it)
+              list(fp)]
+    blocks = [{"states": [list(s) for s in states], "fixed_point": list(fp)}]
+    augment_in_place(blocks, random.Random(0))
+    assert blocks[0]["states"] == [[1, 9, 9, 9, 9], [9, 3, 9, 9, 9], [9, 9, 5, 9, 9], [9, 9, 7, 9, 6], fp]
+    assert "augmented" not in blocks[0]
+    # w = 4: 2 draws with replacement from {1, 2, 3}: both distinct with probability 2/3 (2 corrected), the same
+    # with 1/3 (1 corrected): E = 2 * 2/3 + 1 * 1/3 = 5/3 tokens corrected; position 0 never
+    counts = []
+    for seed in range(3000):
+        b = [{"states": [[1, 2, 3, 4, 9], [8, 8, 8, 8, 8], list(fp)], "fixed_point": list(fp)}]
+        augment_in_place(b, random.Random(seed))
+        s = b[0]["states"][0]
+        assert s[0] == 1 and s[4] == 9 and b[0]["states"][1] == [8] * 5
+        counts.append(sum(a != c for a, c in zip(s, [1, 2, 3, 4, 9])))
+    assert set(counts) == {1, 2}
+    assert abs(sum(counts) / len(counts) - 5 / 3) < 0.04
+
+
+def test_collect_config_refuses_unknown_schemes():
+    from pardec.config import ConfigError
+
+    with pytest.raises(ConfigError, match=r"collect.augment='paper' is not valid; choose one of: in_place, copies, "
+                                          r"none"):
+        CollectConfig(augment="paper")
+    with pytest.raises(ConfigError, match=r"collect.guess_from='output' is not valid; choose one of: context, "
+                                          r"prompt"):
+        CollectConfig(guess_from="output")
+    with pytest.raises(ConfigError, match=r"collect.augment_prob=0.0 is out of range: it must be in \(0, 1\]"):
+        CollectConfig(augment="copies", augment_prob=0.0)
+
+
+def test_collected_in_place_states_keep_their_first_error_and_the_last_two(tmp_path):
+    lm = tiny()
+    cm = CachedModel(lm.model)
+    prompts = _prompts(lm.tokenizer)
+    plain, aug = _cfg(tmp_path / "plain", augment="none"), _cfg(tmp_path / "aug")
+    assert aug.augment == "in_place" and aug.guess_from == "context"  # the paper's defaults
+    for cfg in (plain, aug):
+        collect(cfg, cm, set(), prompts, collection_meta(cfg, {"model": "tiny"}, set()))
+    changed = 0
+    for a, b in zip(load_trajectories(plain.out_dir), load_trajectories(aug.out_dir)):
+        assert a["answer_ids"] == b["answer_ids"]
+        for x, y in zip(a["blocks"], b["blocks"]):
+            fp = x["fixed_point"]
+            assert y["fixed_point"] == fp and y["states"][-2:] == x["states"][-2:]
+            for s, t in zip(x["states"][:-2], y["states"][:-2]):
+                wrong = [j for j in range(len(fp)) if s[j] != fp[j]]
+                fixed = [j for j in range(len(fp)) if s[j] != t[j]]
+                assert all(t[j] == fp[j] for j in fixed) and wrong[0] not in fixed
+                assert len(fixed) <= len(wrong) // 2
+                changed += bool(fixed)
+    assert changed > 0
 
 
 def test_schema_errors_name_the_file_and_fields(tmp_path):

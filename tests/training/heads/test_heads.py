@@ -12,7 +12,6 @@ import torch.nn.functional as F
 
 from pardec.config import ConfigError, check_overrides
 from pardec.decoding.tree_search import resolve_tree
-from pardec.models.cached import CachedModel
 from pardec.models.heads import load_drafter, new_drafter
 from pardec.train import run, validate
 from pardec.training.completions import CompletionDataset
@@ -20,6 +19,7 @@ from pardec.training.heads.trainer import (
     HeadsConfig,
     HeadsTrainer,
     RightPadCollator,
+    _new_drafter,
     future_ranks,
     term_count,
 )
@@ -42,8 +42,27 @@ def _perturbed(kind: str, model, seed: int = 0):
     return drafter
 
 
+def _brute_pseudo(model, drafter, prefix: list[int], anchor: int, i: int) -> torch.Tensor:
+    """FIRP's pseudo state of step ``i`` (0-based) of ``anchor`` as the paper trains it (§3.3): the real tokens
+    ``prefix`` (up to the pseudo state's position - 1) run plainly causal, the state born entering layer
+    ``layers[i]`` from the anchor's hidden state there, at position ``len(prefix)``, seeing all of them and itself.
+    Returns its [V] logits."""
+    inner = model.model
+    h = inner.embed_tokens(torch.tensor([prefix]))
+    pos = torch.arange(len(prefix) + 1)[None]
+    for layer in range(len(inner.layers)):
+        if layer == drafter.layers[i]:
+            h = torch.cat([h, drafter(i, h[:, anchor : anchor + 1])], dim=1)
+        m = h.shape[1]
+        causal = torch.full((m, m), torch.finfo(h.dtype).min).triu(1)[None, None]
+        rope = inner.rotary_emb(h, position_ids=pos[:, :m])
+        h = inner.layers[layer](h, attention_mask=causal, position_embeddings=rope, position_ids=pos[:, :m])
+    return model.lm_head(inner.norm(h))[0, -1]
+
+
 def _hand(kind: str, model, drafter, decay: float) -> tuple[float, list[float], list[int]]:
-    """(weighted KL sum, per-depth KL sums, per-depth term counts), one unpadded sequence at a time."""
+    """(weighted KL sum, per-depth KL sums, per-depth term counts), one unpadded sequence at a time. Medusa:
+    KL(p || q); FIRP: KL(q || p) (Eq. 4), each pseudo state run on its own over the real tokens before it."""
     k = drafter.k
     total, per, counts = 0.0, [0.0] * k, [0] * k
     with torch.no_grad():
@@ -53,16 +72,17 @@ def _hand(kind: str, model, drafter, decay: float) -> tuple[float, list[float], 
             teacher = model(ids).logits[0]  # [T, V]
             if kind == "medusa":
                 student = drafter(model.model(input_ids=ids).last_hidden_state[0])  # [T, K, V]
-            else:
-                cm = CachedModel(model)
-                student = cm.lm_head(cm.forward_pseudo(ids, drafter, drafter.layers).pseudo)[0]
             for t in range(len(seq)):
                 for d in range(k):
                     j = t + d + 1  # the teacher position whose next token head d at t predicts
                     if j >= len(seq) or j < len(r["prompt_ids"]) - 1:  # past the end / predicts a prompt token
                         continue
-                    p = teacher[j].softmax(-1)
-                    kl = float((p * (p.log() - student[t, d].log_softmax(-1))).sum())
+                    logp = teacher[j].log_softmax(-1)
+                    if kind == "medusa":
+                        kl = float((logp.exp() * (logp - student[t, d].log_softmax(-1))).sum())
+                    else:
+                        logq = _brute_pseudo(model, drafter, seq[:j], t, d).log_softmax(-1)
+                        kl = float((logq.exp() * (logq - logp)).sum())
                     w = decay**d if kind == "medusa" else 1.0
                     total += w * kl
                     per[d] += kl
@@ -101,6 +121,28 @@ def test_loss_matches_a_hand_computation(tmp_path, kind):
     assert abs(logs["kl_d2"] - per[1] / counts[1]) < 1e-4  # both training calls summed: the same mean
 
 
+def test_firp_kl_is_from_the_pseudo_distribution_to_the_targets(tmp_path):
+    """Eq. 4: KL(P~ || P), P~ = the pseudo state's distribution, P = the target's. P = (1/2, 1/4, 1/4),
+    P~ = (1/8, 1/8, 3/4):
+    KL(P~ || P) = 1/8 ln(1/4) + 1/8 ln(1/2) + 3/4 ln 3 = 3/4 ln 3 - 3/8 ln 2 = 0.8239592 - 0.2599302 = 0.5640290;
+    KL(P || P~) = 1/2 ln 4 + 1/4 ln 2 + 1/4 ln(1/3) = 5/4 ln 2 - 1/4 ln 3 = 0.8664340 - 0.2746531 = 0.5917809."""
+    import math
+
+    from pardec.training.heads.trainer import depth_terms
+
+    p, q = [1 / 2, 1 / 4, 1 / 4], [1 / 8, 1 / 8, 3 / 4]
+    teacher = torch.tensor([[[0.0, 0.0, 0.0], [math.log(x) for x in p]]])  # [B=1, n=2, V=3]: position 1 is P
+    student = torch.tensor([[[[math.log(x) for x in q]], [[0.0, 0.0, 0.0]]]])  # [1, 2, K=1, 3]: anchor 0 is P~
+    mask = torch.ones(1, 2, dtype=torch.bool)
+    assert float(depth_terms(teacher, student, mask, 0, "rkl")[0]) == pytest.approx(0.5640290, abs=1e-6)
+    assert float(depth_terms(teacher, student, mask, 0, "fkl")[0]) == pytest.approx(0.5917809, abs=1e-6)
+    model = tiny(0).model
+    args = HeadsConfig(output_dir=str(tmp_path), use_cpu=True, report_to="none")
+    for kind, want in (("firp", "rkl"), ("medusa", "fkl")):  # the trainer's default per kind
+        t = HeadsTrainer(model=_perturbed(kind, model), args=args, base=model, data_collator=RightPadCollator(0))
+        assert t.distance == want
+
+
 def test_future_ranks_use_the_recorded_tokens():
     lm = tiny(0)
     model = lm.model
@@ -129,6 +171,8 @@ def test_tiny_end_to_end(tmp_path, name):
     lm = tiny(0, layers=3)
     drafter, meta = load_drafter(run_dir / "final", lm.model.config, name.split("_")[1])
     assert meta["steps"] == 2 and meta["samples"] == 6 and meta["tokens"] > 0 and meta["train_seconds"] >= 0
+    if name == "heads_firp_tiny":
+        assert (meta["attention"], meta["distance"], drafter.attention) == ("real", "rkl", "real")
     ev = json.loads((run_dir / "heads_eval.json").read_text())
     assert ev["positions"] > 0 and ev["parameters"] == meta["parameters"] and ev["k"] == drafter.k == 2
     top = ev["overall"]["topk_accuracy"]
@@ -175,7 +219,11 @@ def test_config_errors(tmp_path):
                                                 r"has layers 0..2"),
         ("heads_firp_tiny", ["heads.layers=[2,1]"], r"heads.layers=\[2, 1\] is not valid: the layers must be nondecreasing"),
         ("heads_firp_tiny", ["heads.layers=[]"], "heads.layers=.* is not valid: give a non-empty list"),
-        ("heads_firp_tiny", ["+heads.num_heads=3"], r"unknown key\(s\) \['num_heads'\] in heads \(type firp\); valid: type, layers"),
+        ("heads_firp_tiny", ["+heads.num_heads=3"],
+         r"unknown key\(s\) \['num_heads'\] in heads \(type firp\); valid: type, layers, attention, distance"),
+        ("heads_firp_tiny", ["heads.attention=causal"],
+         r"heads.attention='causal' is not valid; choose one of: real, pseudo"),
+        ("heads_firp_tiny", ["heads.distance=jsd"], r"heads.distance='jsd' is not valid; choose one of: rkl, fkl"),
         ("heads_firp_tiny", ["eval.topk=0"], "eval.topk=0 is out of range"),
         ("heads_firp_tiny", ["eval.budgets=[0]"], r"eval.budgets=\[0\] is not valid"),
         ("heads_firp_tiny", ["+trainer.head_decay=0.5"], r"unknown key\(s\) \['head_decay'\] in trainer.*heads.head_decay"),
@@ -189,8 +237,13 @@ def test_config_errors(tmp_path):
     with pytest.raises(ConfigError, match="kind='medusa' is not valid; choose one of: cllm, draft, heads, sdsat"):
         check_overrides(_overrides(tmp_path, "heads_firp_tiny", "kind=medusa"), "train")
     spec = validate(_compose(_overrides(tmp_path, "heads_firp_smollm2")))
-    assert spec.heads == {"type": "firp", "layers": [14, 19, 23]} and spec.budgets == [16, 32, 63]
+    assert spec.heads == {"type": "firp", "layers": [14, 19, 23], "attention": "real", "distance": "rkl"}
+    assert spec.budgets == [16, 32, 63]
     assert spec.gen.out_dir.endswith("completions/draft_smollm2/train")
+    bare = validate(_compose(_overrides(tmp_path, "heads_firp_tiny", "~heads.attention", "~heads.distance")))
+    assert bare.heads == {"type": "firp", "layers": [1, 2]}  # trained with the paper's attention and KL when not given
+    lm = tiny(0, layers=3)
+    assert _new_drafter(bare, lm.model).attention == "real"
 
 
 def test_right_padding_never_changes_real_logits():

@@ -1,8 +1,11 @@
 """Jacobi trajectory collection (CLLM paper, Algorithm 1), batched, resumable and shardable.
 
 For each prompt the target model Jacobi-decodes block by block under greedy decoding. A block of n tokens
-starts from random tokens of the prompt (seeded per prompt), and every state is recorded until the fixed
-point; decoding continues from the fixed point until EOS or ``max_new_tokens``.
+starts from tokens drawn at random (seeded per prompt) from the prompt and the answer so far (``guess_from:
+context``, CLLM Algorithm 3 and the official data/generate_trajectory.py, whose guess for every block draws from the
+whole sequence so far; ``prompt``: the prompt only), by the same code as the ``jacobi`` decoder
+(:func:`pardec.decoding.jacobi.initial_guess`). Every state is recorded until the fixed point; decoding continues
+from the fixed point until EOS or ``max_new_tokens``.
 
 Nothing is computed twice or for nothing (continuous batching, :func:`jacobi_stream`):
 
@@ -20,13 +23,25 @@ Nothing is computed twice or for nothing (continuous batching, :func:`jacobi_str
 The recorded states are exactly those of plain Jacobi iteration over the whole block (a test compares them with
 an uncached reference).
 
-Optional, both off by default:
+Augmentation (``augment``; CLLM §3.2.1: the data are augmented by randomly correcting wrongly predicted tokens of
+the intermediate states):
 
-* augmentation (the paper's "augment the dataset" by randomly correcting wrong tokens): for every state but the
-  fixed point, a copy in which each wrong token after the first wrong one is replaced by the fixed-point token
-  with probability ``augment_prob`` (the first wrong token is kept, so the copy stays distinct from the fixed
-  point) is added to the block's ``augmented`` list when it differs from the state; the visited ``states`` stay
-  as they were, so consecutive states remain true Jacobi successors (the local loss's pairs);
+* ``in_place`` (the default; the paper's rule as the official data/generate_trajectory.py applies it with
+  ``--use_aug``, lines 299-304 @ 2277536): every state of a block except the fixed point and the state just before
+  it is corrected in place: with w its wrong tokens (positions where it differs from the fixed point), ``w // 2``
+  positions are drawn uniformly *with replacement* from the wrong positions after the first one, and those
+  positions take the fixed point's tokens (a repeated draw corrects one token, so at most ``w // 2`` are fixed; the
+  first wrong token is never corrected, so the state stays distinct from the fixed point). ``states`` then hold
+  the corrected states (consecutive states are no longer exact Jacobi successors: the local loss's pairs are the
+  corrected ones, as they would be in the official data);
+* ``copies`` (pardec's earlier scheme): for every state but the fixed point, a copy in which each wrong token after
+  the first wrong one is replaced by the fixed-point token with probability ``augment_prob`` is added to the
+  block's ``augmented`` list when it differs from the state; ``states`` stay the visited ones;
+* ``none``: the states as visited (the official script's default: scripts/generate_trajectory.sh passes no
+  ``--use_aug``).
+
+Optional, off by default:
+
 * cleaning: a record is dropped when its answer repeats some g-gram (g <= ``clean_max_ngram``) more than
   ``clean_max_repeats`` times in a row (see :func:`has_degenerate_repetition`). Dropped records stay in
   the part files (so a resumed run skips them) and are left out of ``trajectories.jsonl``.
@@ -47,12 +62,17 @@ from typing import Any
 import torch
 
 from pardec.config import ConfigError, DatasetConfig
+from pardec.decoding.jacobi import check_guess_from, initial_guess
 from pardec.models.cached import CachedModel
 from pardec.training import stages
 from pardec.training.cllm.trajectories import SCHEMA_VERSION, merge
 from pardec.training.stages import Prompt
 
 log = logging.getLogger(__name__)
+
+
+#: augmentation schemes (module docstring)
+AUGMENT = ("in_place", "copies", "none")
 
 
 @dataclass
@@ -63,7 +83,9 @@ class CollectConfig:
     max_prompts: int | None = None  # the first N documents of the dataset (None: all)
     max_iters: int | None = None  # Jacobi forwards per block (None: block_size + 1, always enough)
     seed: int = 0  # initial guesses and augmentation, per prompt
-    augment_prob: float = 0.0
+    guess_from: str = "context"  # initial guesses from the prompt + answer so far (CLLM Alg. 3) | prompt
+    augment: str = "in_place"  # in_place (CLLM §3.2.1, official rule) | copies | none
+    augment_prob: float = 0.5  # copies only: the chance of correcting each wrong token after the first
     clean: bool = False  # drop answers with degenerate repetition
     clean_max_ngram: int = 8
     clean_max_repeats: int = 8
@@ -74,8 +96,11 @@ class CollectConfig:
         for key in ("block_size", "max_new_tokens", "batch_size", "clean_max_ngram", "clean_max_repeats"):
             if getattr(self, key) < 1:
                 raise ConfigError(f"collect.{key}={getattr(self, key)!r} is out of range: it must be >= 1")
-        if not 0.0 <= self.augment_prob <= 1.0:
-            raise ConfigError(f"collect.augment_prob={self.augment_prob!r} is out of range: it must be in [0, 1]")
+        check_guess_from(self.guess_from, "collect.guess_from")
+        if self.augment not in AUGMENT:
+            raise ConfigError(f"collect.augment={self.augment!r} is not valid; choose one of: {', '.join(AUGMENT)}")
+        if not 0.0 < self.augment_prob <= 1.0:
+            raise ConfigError(f"collect.augment_prob={self.augment_prob!r} is out of range: it must be in (0, 1]")
 
 
 # ------------------------------------------------------------------------------------------- algorithm
@@ -101,14 +126,16 @@ def jacobi_stream(
     max_new_tokens: int,
     eos_ids: set[int],
     max_iters: int | None = None,
+    guess_from: str = "context",
 ) -> Iterator[tuple[Any, dict]]:
     """Greedy Jacobi decoding of a stream of ``(key, prompt ids, generator)``, recording every state of every block;
     yields ``(key, result)`` as each prompt finishes (not in input order).
 
     A result is ``{"answer_ids", "stop_reason", "blocks": [{"states", "fixed_point"}], "unconverged"}``; the
-    generator draws the prompt's initial guesses (random tokens of its prompt). Continuous batching: at every
-    block boundary finished rows leave the batch and waiting prompts take their places (prefilled on their own,
-    then joined; left padding masked with ``key_valid``, explicit positions per row), so the batch stays full.
+    generator draws the prompt's initial guesses (:func:`~pardec.decoding.jacobi.initial_guess`, from ``guess_from``).
+    Continuous batching: at every block boundary finished rows leave the batch and waiting prompts take their places
+    (prefilled on their own, then joined; left padding masked with ``key_valid``, explicit positions per row), so
+    the batch stays full.
     """
     queue = iter(prompts)
     rows: list[_Row] = []
@@ -121,7 +148,7 @@ def jacobi_stream(
         if not rows:
             return
         n = [min(block_size, max_new_tokens - r.produced) for r in rows]
-        guess = torch.stack([_initial_guess(r, k, block_size) for r, k in zip(rows, n)])  # [B, block]
+        guess = torch.stack([_initial_guess(r, k, block_size, guess_from) for r, k in zip(rows, n)])  # [B, block]
         order, fixed, states, unconverged = _iterate_block(cm, rows, guess, n, key_valid, max_iters or block_size + 1)
         rows, n = [rows[i] for i in order], [n[i] for i in order]
         key_valid = torch.cat([key_valid[order], torch.ones(len(rows), block_size, dtype=torch.bool)], dim=1)
@@ -155,23 +182,24 @@ def jacobi_trajectories(
     generators: list[torch.Generator],
     max_iters: int | None = None,
     batch_size: int | None = None,
+    guess_from: str = "context",
 ) -> list[dict]:
     """:func:`jacobi_stream` over a list of prompts (all in one batch unless ``batch_size``), results in order."""
     if min((len(p) for p in prompts), default=1) < 1:
         raise ValueError("empty prompt")
     out: list[dict] = [{}] * len(prompts)
     for i, r in jacobi_stream(cm, zip(range(len(prompts)), prompts, generators), batch_size or len(prompts),
-                              block_size, max_new_tokens, eos_ids, max_iters):
+                              block_size, max_new_tokens, eos_ids, max_iters, guess_from):
         out[i] = r
     return out
 
 
-def _initial_guess(row: _Row, n: int, block_size: int) -> torch.Tensor:
-    """``n`` random tokens of the row's prompt (its generator), then ``block_size - n`` copies of its last token:
-    the positions past a short last block are never recorded and cannot change the first ``n`` (causality)."""
-    p = torch.tensor(row.prompt)
-    g = p[torch.randint(len(p), (n,), generator=row.gen)]
-    return torch.cat([g, torch.full((block_size - n,), row.last, dtype=torch.long)])
+def _initial_guess(row: _Row, n: int, block_size: int, guess_from: str) -> torch.Tensor:
+    """``n`` random tokens of the row's context (prompt + answer so far, or the prompt: ``guess_from``; its
+    generator), then ``block_size - n`` copies of its last token: the positions past a short last block are never
+    recorded and cannot change the first ``n`` (causality)."""
+    g = initial_guess(row.prompt, row.out["answer_ids"], n, row.gen, guess_from)
+    return torch.tensor(g + [row.last] * (block_size - n), dtype=torch.long)
 
 
 def _admit(cm: CachedModel, rows: list[_Row], key_valid: torch.Tensor,
@@ -295,10 +323,24 @@ def has_degenerate_repetition(ids: list[int], max_ngram: int = 8, max_repeats: i
     return False
 
 
+def augment_in_place(blocks: list[dict], rng: random.Random) -> None:
+    """CLLM's augmentation (§3.2.1; the official rule): in every block, each state but the fixed point and the one
+    just before it gets ``w // 2`` of its ``w`` wrong positions corrected to the fixed point's tokens, those drawn
+    uniformly with replacement from the wrong positions after the first (repeats correct one token)."""
+    for b in blocks:
+        fp = b["fixed_point"]
+        for s in b["states"][: max(0, len(b["states"]) - 2)]:
+            wrong = [j for j, (t, f) in enumerate(zip(s, fp)) if t != f]
+            if len(wrong) < 2:
+                continue
+            for j in rng.choices(wrong[1:], k=len(wrong) // 2):
+                s[j] = fp[j]
+
+
 def augment_states(blocks: list[dict], prob: float, rng: random.Random) -> None:
-    """Add to every block ``augmented``: for each state but the fixed point, a copy with each wrong token after the
-    first wrong one replaced by the fixed-point token with probability ``prob`` (copies equal to their state left
-    out). The states themselves are not touched."""
+    """pardec's ``copies`` scheme: add to every block ``augmented``: for each state but the fixed point, a copy with
+    each wrong token after the first wrong one replaced by the fixed-point token with probability ``prob`` (copies
+    equal to their state left out). The states themselves are not touched."""
     for b in blocks:
         fp = b["fixed_point"]
         extra = []
@@ -329,10 +371,13 @@ def prepare_out_dir(cfg: CollectConfig, meta: dict, rank: int = 0) -> Path:
 def collection_meta(cfg: CollectConfig, identity: dict, eos_ids: set[int]) -> dict:
     """What identifies a collection (a resumed run must match it): the settings that change the records,
     plus ``identity`` (model, dataset, prompt format)."""
-    keep = ("block_size", "max_new_tokens", "max_prompts", "max_iters", "seed", "augment_prob", "clean",
+    keep = ("block_size", "max_new_tokens", "max_prompts", "max_iters", "seed", "guess_from", "augment", "clean",
             "clean_max_ngram", "clean_max_repeats")
-    return {"schema_version": SCHEMA_VERSION, **identity, "eos_ids": sorted(eos_ids),
+    meta = {"schema_version": SCHEMA_VERSION, **identity, "eos_ids": sorted(eos_ids),
             **{k: v for k, v in asdict(cfg).items() if k in keep}}
+    if cfg.augment == "copies":
+        meta["augment_prob"] = cfg.augment_prob
+    return meta
 
 
 def collect(
@@ -359,7 +404,7 @@ def collect(
                 by_index[p.index] = p
                 yield p.index, p.ids, torch.Generator().manual_seed(cfg.seed * 1_000_003 + p.index)
         for index, r in jacobi_stream(cm, feed(), cfg.batch_size, cfg.block_size, cfg.max_new_tokens, eos_ids,
-                                      cfg.max_iters):
+                                      cfg.max_iters, cfg.guess_from):
             yield _record(cfg, by_index.pop(index), r)
 
     # prompts sorted by length: the rows of a batch pad little
@@ -369,8 +414,11 @@ def collect(
 
 
 def _record(cfg: CollectConfig, p: Prompt, r: dict) -> dict:
-    if cfg.augment_prob > 0:
-        augment_states(r["blocks"], cfg.augment_prob, random.Random(f"{cfg.seed}-{p.index}-augment"))
+    rng = random.Random(f"{cfg.seed}-{p.index}-augment")
+    if cfg.augment == "in_place":
+        augment_in_place(r["blocks"], rng)
+    elif cfg.augment == "copies":
+        augment_states(r["blocks"], cfg.augment_prob, rng)
     drop = None
     if cfg.clean and has_degenerate_repetition(r["answer_ids"], cfg.clean_max_ngram, cfg.clean_max_repeats):
         drop = "repetition"

@@ -12,9 +12,10 @@ One record (``schema_version`` 2)::
     {"schema_version": 2, "id": "<doc id>", "index": 12,           # index: position in the prompt list
      "prompt_ids": [...], "answer_ids": [...],                      # answer: greedy answer up to EOS / limit
      "stop_reason": "eos" | "length",
-     "blocks": [{"states": [[n ids], ...],                          # initial guess ... fixed point
+     "blocks": [{"states": [[n ids], ...],                          # initial guess ... fixed point (augment:
+                                                                    # in_place: all but the last two corrected)
                  "fixed_point": [n ids],                            # == states[-1]
-                 "augmented": [[n ids], ...]}, ...],                # corrected copies (augment_prob > 0 only)
+                 "augmented": [[n ids], ...]}, ...],                # corrected copies (augment: copies only)
      "drop_reason": null | "repetition"}                            # part files only
 
 Concatenated fixed points = greedy AR output (``answer_ids`` is its prefix up to the first EOS). The last
@@ -33,7 +34,8 @@ from pardec.training.stages import StageError
 
 log = logging.getLogger(__name__)
 
-#: 2: augmented states are extra copies in ``augmented``; version 1 wrote them over the visited states
+#: 2: ``augmented`` holds the ``copies`` scheme's extra states; the ``in_place`` scheme (CLLM's, the default) corrects
+#: ``states`` themselves, as version 1 did; meta.json's ``augment`` says which
 SCHEMA_VERSION = 2
 REQUIRED = ("schema_version", "id", "prompt_ids", "blocks", "answer_ids")
 MERGED = "trajectories.jsonl"

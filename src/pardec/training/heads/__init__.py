@@ -26,12 +26,17 @@ from pardec.training.completions import GeneratesCompletions
 from pardec.training.kinds import Kind, Spec, check_layers, common_fields, is_int, known, register_kind
 
 #: keys of the ``heads`` section per type
-HEADS_KEYS = {"medusa": ("type", "num_heads", "num_blocks", "head_decay"), "firp": ("type", "layers")}
+HEADS_KEYS = {"medusa": ("type", "num_heads", "num_blocks", "head_decay"),
+              "firp": ("type", "layers", "attention", "distance")}
+#: FIRP's loss, per (anchor, step): KL(P~ || P) with P~ the pseudo state's distribution and P the target's at the
+#: same future position (paper Eq. 4: ``rkl`` in :func:`pardec.training.losses.token_divergence`'s naming, where the
+#: student is q); ``fkl``: KL(P || P~), pardec's earlier choice (Medusa's self-distillation direction)
+FIRP_DISTANCES = ("rkl", "fkl")
 
 
 @dataclass
 class HeadsSpec(Spec):
-    heads: dict  # type, num_heads, num_blocks (medusa) / layers (firp)
+    heads: dict  # type, num_heads, num_blocks (medusa) / layers, attention, distance (firp)
     head_decay: float
     gen: Any  # pardec.training.completions.GenerateConfig: the training completions
     eval_gen: list  # one GenerateConfig per held-out source, each with its own out_dir
@@ -74,6 +79,15 @@ class HeadsKind(GeneratesCompletions, Kind):
                                   f"indices (one per pseudo step)")
             if layers != sorted(layers):
                 raise ConfigError(f"heads.layers={layers} is not valid: the layers must be nondecreasing")
+            from pardec.models.cached import PSEUDO_ATTENTION
+
+            attention, distance = heads.get("attention", "real"), heads.get("distance", "rkl")  # the paper's
+            if attention not in PSEUDO_ATTENTION:
+                raise ConfigError(f"heads.attention={attention!r} is not valid; choose one of: "
+                                  f"{', '.join(PSEUDO_ATTENTION)}")
+            if distance not in FIRP_DISTANCES:
+                raise ConfigError(f"heads.distance={distance!r} is not valid; choose one of: "
+                                  f"{', '.join(FIRP_DISTANCES)}")
         gen = generate_config(completions, "completions")
         topk, budgets = ev.pop("topk", 10), ev.pop("budgets", [16, 32, 63])
         if not is_int(topk) or topk < 1:

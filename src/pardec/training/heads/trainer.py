@@ -7,19 +7,25 @@ optimizer and the DeepSpeed engine (as DraftTrainer's teacher) and moved to the 
 ``max_length``), right-padded by :class:`RightPadCollator`: pads sit at the end, so no real token and no pseudo
 state ever attends to one and no key mask is needed.
 
-Loss (soft targets, temperature 1): for depth ``k`` (0-based) and position ``t``,
-``KL(p_{t+k+1} || q_{t,k})`` with ``p_j`` = the base's next-token distribution at position ``j`` (detached) and
-``q_{t,k}`` = head ``k`` (Medusa) / pseudo step ``k`` (FIRP) at anchor ``t``: both predict the token at
-``t + k + 2``. A term counts where ``p_{t+k+1}`` predicts a completion token (the loss mask of position
-``t + k + 1``; never a pad). Weights: Medusa ``head_decay ** k`` (Medusa-1's decay), FIRP 1 per step (the paper
-sums the steps). The weighted sum is divided by the number of (position, depth) terms in the whole
-gradient-accumulation window (summed over ranks), so accumulation gives the big-batch gradient.
+Loss (soft targets, temperature 1): for depth ``k`` (0-based) and position ``t``, a KL divergence between
+``p_{t+k+1}``, the base's next-token distribution at position ``t + k + 1`` (detached), and ``q_{t,k}``, head ``k``
+(Medusa) / pseudo step ``k`` (FIRP) at anchor ``t``: both predict the token at ``t + k + 2``. Medusa: ``KL(p || q)``
+(self-distillation). FIRP: ``KL(q || p)`` by default (``heads.distance: rkl``; the paper's Eq. 4, KL(P~ || P) with P~
+the distribution from the pseudo state); ``fkl`` keeps pardec's earlier ``KL(p || q)``. A term counts where
+``p_{t+k+1}`` predicts a completion token (the loss mask of position ``t + k + 1``; never a pad). Weights: Medusa
+``head_decay ** k`` (Medusa-1's decay), FIRP 1 per step (the paper sums the steps). The weighted sum is divided by
+the number of (position, depth) terms in the whole gradient-accumulation window (summed over ranks), so
+accumulation gives the big-batch gradient.
 
-FIRP is trained *jointly*: all K projections in one forward, the loss summed over the steps. Pseudo step ``i``
-attends to steps ``< i`` of its anchor, so the loss of a later step also reaches earlier projections through
-attention; the FIRP paper trains each projection separately.
+FIRP with ``heads.attention: real`` (the default; FIRP §3.3) is trained teacher-forced: pseudo step ``i`` of anchor
+``t`` sees the real tokens up to ``t + i`` (its own position minus one) and itself, never another pseudo state, so
+its loss reaches projection ``i`` alone: the K projections are trained separately, in one forward (what still ties
+them: the global gradient-norm clip and the shared normaliser). ``attention: pseudo`` (pardec's earlier pattern)
+trains them jointly: step ``i`` sees the anchor's prefix and steps ``< i``, so a later step's loss also reaches the
+earlier projections through attention. The held-out evaluation measures ranks under decoding's conditions (no real
+token after the anchor).
 
-Logged beside loss / lr / grad_norm, per depth ``d = k + 1``: ``kl_d<d>`` (mean forward KL) and ``top1_d<d>``
+Logged beside loss / lr / grad_norm, per depth ``d = k + 1``: ``kl_d<d>`` (the mean training KL) and ``top1_d<d>``
 (teacher-forced top-1 agreement: student argmax == teacher argmax), plus their term-weighted means ``kl`` and
 ``top1``.
 """
@@ -92,18 +98,20 @@ def drafter_forward(base, drafter_call, drafter, ids: torch.Tensor, start: int,
         w = next(drafter.parameters())
         return teacher, drafter_call(hidden.to(w.dtype))
     cm = CachedModel(base)
-    out = cm.forward_pseudo(ids, drafter_call, drafter.layers, anchors=window, logits_at=window, split=True)
+    out = cm.forward_pseudo(ids, drafter_call, drafter.layers, anchors=window, logits_at=window, split=True,
+                            attention=drafter.attention, teacher_forced=drafter.attention == "real")
     return out.logits.detach(), cm.lm_head(out.pseudo)
 
 
-def depth_terms(teacher: torch.Tensor, student: torch.Tensor, mask: torch.Tensor, d: int):
+def depth_terms(teacher: torch.Tensor, student: torch.Tensor, mask: torch.Tensor, d: int, distance: str = "fkl"):
     """Depth ``d``: (per-term KL [B, n-d-1], teacher argmax, student argmax, mask), aligned; None if empty.
-    ``mask`` [B, n]: the loss mask of the window's positions."""
+    ``mask`` [B, n]: the loss mask of the window's positions. ``distance``: ``fkl`` = KL(teacher || student),
+    ``rkl`` = KL(student || teacher) (FIRP's Eq. 4)."""
     n = teacher.shape[1]
     if n - d - 1 <= 0:
         return None
     s, p = student[:, : n - d - 1, d], teacher[:, d + 1 :]
-    return token_divergence(s, p, "fkl"), p.argmax(-1), s.argmax(-1), mask[:, d + 1 :]
+    return token_divergence(s, p, distance), p.argmax(-1), s.argmax(-1), mask[:, d + 1 :]
 
 
 # ------------------------------------------------------------------------------------------- trainer
@@ -121,8 +129,11 @@ class HeadsConfig(BaseConfig):
 class HeadsTrainer(BaseTrainer):
     args: HeadsConfig
 
-    def __init__(self, *args, base: torch.nn.Module, **kwargs):
-        self.k = unwrap(kwargs["model"]).k
+    def __init__(self, *args, base: torch.nn.Module, distance: str | None = None, **kwargs):
+        drafter = unwrap(kwargs["model"])
+        self.k = drafter.k
+        # KL(p || q) for Medusa; KL(q || p) for FIRP (Eq. 4) unless heads.distance says fkl
+        self.distance = distance or ("rkl" if drafter.kind == "firp" else "fkl")
         self.log_sums_size = 3 * self.k  # kl sums, agreement sums, counts per depth
         super().__init__(*args, **kwargs)
         self.base = base.to(self.args.device).eval().requires_grad_(False)  # not a submodule of the drafter
@@ -142,7 +153,7 @@ class HeadsTrainer(BaseTrainer):
         count = torch.zeros((), dtype=torch.long, device=student.device)
         stats = torch.zeros(3 * self.k, dtype=torch.float64)
         for d in range(self.k):
-            terms = depth_terms(teacher.to(student.device), student, mask, d)
+            terms = depth_terms(teacher.to(student.device), student, mask, d, self.distance)
             if terms is None:
                 continue
             kl, t_arg, s_arg, m = terms
@@ -198,8 +209,9 @@ def future_ranks(base, drafter, records: list[dict]) -> tuple[torch.Tensor, torc
             target_logits = base.lm_head(hidden)
             logits = drafter(hidden.to(next(drafter.parameters()).dtype))  # [A, K, V]
         else:
-            cm = CachedModel(base)
-            out = cm.forward_pseudo(ids, drafter, drafter.layers, anchors=anchors, logits_at=anchors)
+            cm = CachedModel(base)  # decoding's view: no real token after the anchor (teacher_forced off)
+            out = cm.forward_pseudo(ids, drafter, drafter.layers, anchors=anchors, logits_at=anchors,
+                                    attention=drafter.attention)
             target_logits, logits = out.logits[0], cm.lm_head(out.pseudo)[0]
         pos = anchors[:, None] + torch.arange(k)[None, :] + 2  # [A, K] positions of the true tokens
         valid = pos <= n - 1
@@ -233,7 +245,7 @@ def _new_drafter(spec, base):
     if h["type"] == "medusa":
         return new_drafter("medusa", base.config, num_heads=h["num_heads"], num_blocks=h["num_blocks"],
                            lm_head=base.lm_head)
-    return new_drafter("firp", base.config, layers=h["layers"])
+    return new_drafter("firp", base.config, layers=h["layers"], attention=h.get("attention", "real"))
 
 
 def train_heads(spec, run_dir, d: Dist) -> dict:
@@ -252,14 +264,16 @@ def train_heads(spec, run_dir, d: Dist) -> dict:
     drafter = _new_drafter(spec, base)
     ds = CompletionDataset(records, args.max_length)
     pad = lm.tokenizer.pad_token_id
+    firp = spec.heads["type"] == "firp"
+    distance = spec.heads.get("distance", "rkl") if firp else "fkl"
     trainer = HeadsTrainer(model=drafter, args=args, train_dataset=ds,
-                           data_collator=RightPadCollator(0 if pad is None else pad), base=base)
+                           data_collator=RightPadCollator(0 if pad is None else pad), base=base, distance=distance)
 
     def finish(final, trained: dict) -> dict:  # the training facts go into drafter.json too
         tokens = sum(len(ds[i]["input_ids"]) for i in range(len(ds)))
         facts = {**trained, "samples": len(ds), "tokens": tokens, "epochs": args.num_train_epochs,
                  "experiment": spec.experiment,
-                 **({"head_decay": spec.head_decay} if spec.heads["type"] == "medusa" else {})}
+                 **({"distance": distance} if firp else {"head_decay": spec.head_decay})}
         if d.rank == 0:
             save_drafter(trainer.model, final, base.config, spec.model.name, extra=facts)
         return {**facts, "truncated_samples": ds.n_truncated, "kind": spec.heads["type"],
