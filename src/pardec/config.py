@@ -154,6 +154,7 @@ class RunConfig:
     repeats: int = 1
     dtype: str = "fp32"
     tf32: bool = True  # fp32 matmuls on Ampere+ GPUs in TF32 (no effect on CPU or in bf16/fp16)
+    forward_padding: bool = True  # pad the target's multi-row forwards by this machine's cost table, if measured
 
     def __post_init__(self) -> None:
         _at_least("", "repeats", self.repeats, 1)

@@ -91,6 +91,13 @@ def _run(cfg: DictConfig, run_dir: Path, spec, ranks: rk.Ranks, task, docs: list
     tok = lm.tokenizer
     chat = spec.dataset.use_chat(lm.chat)
     target = CachedModel(lm.model, name=spec.model.name)
+    if r.forward_padding:  # this machine's measured forward costs (scripts/forward_cost.py), when there are some
+        from pardec.models.cost import CostTable
+
+        target.cost = CostTable.load(spec.model.name, spec.model.dtype)
+        if target.cost is not None and ranks.rank == 0:
+            log.info("verification forwards padded by %s's cost table: %s", spec.model.name,
+                     {t: target.cost.cheapest_at_least(t) for t in sorted(target.cost.ms)})
     draft = CachedModel(load_model(spec.draft).model, name=f"draft:{spec.draft.name}") if spec.draft else None
     scorer = lm.model
     if spec.perplexity.get("enabled") and spec.perplexity.get("model"):

@@ -8,7 +8,8 @@ Every decoder talks to the target (and draft) model through :class:`CachedModel`
 * ``run_upper(hidden, layer, positions, attend)`` -> logits of injected hidden states run through layers
   ``layer..L-1``, the final norm and the LM head, seeing the cache; nothing is appended (FIRP's pseudo states)
 * ``forward_pseudo(ids, project, layers, anchors)`` -> ``forward`` plus K pseudo hidden states per anchor, born
-  at intermediate layers by ``project`` and run through the rest of the model; they are not kept (FIRP)
+  at intermediate layers by ``project`` and run through the rest of the model, seeing real states only (FIRP §3.3)
+  or also each other (``attention``); they are not kept (FIRP)
 * ``truncate(length)``                           -> drop cached positions past ``length``
 * ``keep(indices, start)``                       -> keep a subset of the positions from ``start`` on (default: the
   last-appended ones; tree paths, a chosen beam)
@@ -40,6 +41,10 @@ from dataclasses import dataclass
 
 import torch
 from transformers import DynamicCache, PreTrainedModel
+
+#: what a FIRP pseudo state attends to (:meth:`CachedModel.forward_pseudo`): real states only (FIRP §3.3) or also the
+#: anchor's earlier pseudo states
+PSEUDO_ATTENTION = ("real", "pseudo")
 
 
 class FlashAttentionMaskError(ValueError):
@@ -89,6 +94,10 @@ class CachedModel:
         self._last_appended = 0  # positions appended by the most recent forward (for ``keep``)
         #: flash_attention_2 kernels take causal (or padding) masks only: forwards that need a custom one refuse
         self.flash = getattr(model.config, "_attn_implementation", None) == "flash_attention_2"
+        #: this machine's forward-cost table (:mod:`pardec.models.cost`): a forward of T > 1 new rows after a cached
+        #: prefix is padded to the cheapest row count >= T (None: never padded)
+        self.cost = None
+        self.padded_rows = 0  # padding rows run so far (reported by the evaluation)
 
     # ---------------------------------------------------------------- properties
     @property
@@ -169,10 +178,14 @@ class CachedModel:
         bsz, t = ids.shape
         past = self.length
         positions = self._positions(positions, bsz, t, past)
+        pad = self.cost.cheapest_at_least(t) - t if self.cost is not None and t > 1 and past and not last_only else 0
+        if pad:
+            ids, positions, attend, key_valid = self._padded(ids, positions, attend, key_valid, pad, past)
         kwargs = {}
         tail_at = None  # split model: the logits_at positions within the kept tail
+        width = t + pad  # rows this forward runs
         if attend is not None or key_valid is not None:
-            kwargs["attention_mask"] = self._additive_mask(bsz, t, past, attend, key_valid)
+            kwargs["attention_mask"] = self._additive_mask(bsz, width, past, attend, key_valid)
         if last_only:
             kwargs["logits_to_keep"] = 1
         elif logits_at is not None:
@@ -180,8 +193,8 @@ class CachedModel:
             if self.head_device == self.device:
                 kwargs["logits_to_keep"] = at
             else:  # split model: accelerate's hooks move a tensor argument to their device, not the LM head's
-                tail = t - int(at.min()) if at.numel() else 1  # (one sync; split models are the 34B+ case)
-                kwargs["logits_to_keep"], tail_at = tail, at - (t - tail)
+                tail = width - int(at.min()) if at.numel() else 1  # (one sync; split models are the 34B+ case)
+                kwargs["logits_to_keep"], tail_at = tail, at - (width - tail)
         captured: list[torch.Tensor] = []
         hook = None
         if hidden_layer is not None and hidden_layer == self.num_layers:
@@ -196,12 +209,20 @@ class CachedModel:
             if hook is not None:
                 hook.remove()
         self.cache = out.past_key_values
-        self._tokens = torch.cat([self._tokens.expand(bsz, -1), ids.cpu()], dim=1)
-        self._last_appended = t
         logits = out.logits
         if tail_at is not None:
             logits = logits[:, tail_at.to(logits.device)]
-            kwargs["logits_to_keep"] = tail_at + (t - kwargs["logits_to_keep"])
+            kwargs["logits_to_keep"] = tail_at + (width - kwargs["logits_to_keep"])
+        if pad:  # the padding rows leave the cache and their outputs are never read
+            self.cache.crop(-pad)
+            ids = ids[:, :t]
+            if logits_at is None:
+                logits = logits[:, :t]
+            if captured:
+                captured[0] = captured[0][:, :t]
+            self.padded_rows += pad
+        self._tokens = torch.cat([self._tokens.expand(bsz, -1), ids.cpu()], dim=1)
+        self._last_appended = t
         self._check_finite(logits, past, t, last_only, kwargs.get("logits_to_keep"))
         return ForwardOut(logits, captured[0] if captured else None)
 
@@ -251,15 +272,26 @@ class CachedModel:
         logits_at: torch.Tensor | list[int] | None = None,
         capture: bool = False,
         split: bool = False,
+        attention: str = "real",
+        teacher_forced: bool = False,
     ) -> PseudoOut:
         """FIRP's forward: new tokens ``ids`` [B, T] as in :meth:`forward` (appended to the cache), plus K pseudo
         hidden states per anchor that are *not* kept.
 
         Pseudo state ``i`` (0-based) of anchor ``a`` (an index into the new tokens) is born entering layer
         ``layers[i]`` as ``project(i, h)``, ``h`` [B, A, H] = the anchors' hidden states entering that layer, with
-        position ``pos[a] + i + 1``; from there it runs through the remaining layers, seeing what its anchor sees
-        (cached and new tokens, as ``attend`` says), the anchor's earlier pseudo states and itself. The new
-        tokens never see pseudo states, so their logits and cache entries are those of :meth:`forward`. Its
+        position ``pos[a] + i + 1``; from there it runs through the remaining layers and sees (``attention``):
+
+        * ``"real"`` (FIRP §3.3, the default): real states only, and itself. The pseudo state of position j + i
+          sees the real states of positions up to j + i - 1 that exist: what its anchor sees (cached and new
+          tokens, as ``attend`` says) and, with ``teacher_forced`` (training on a known sequence: ``attend`` None,
+          the new tokens after an anchor are its true continuation), the new tokens ``a + 1 .. a + i`` too.
+          Decoding has no real state after the anchor, so there it sees the anchor's view and itself. No pseudo
+          state sees another, so step i depends on projection i alone (each projection trains on its own);
+        * ``"pseudo"`` (pardec's earlier pattern): what its anchor sees, the anchor's earlier pseudo states (stand-ins
+          for the real states in between) and itself.
+
+        The new tokens never see pseudo states, so their logits and cache entries are those of :meth:`forward`. Its
         output after the final norm predicts the token after position ``pos[a] + i + 1``.
 
         Not under ``inference_mode``: training calls it with gradients (the callers of decoding wrap it).
@@ -280,6 +312,12 @@ class CachedModel:
                              f"0..{self.num_layers - 1}")
         if list(layers) != sorted(layers):
             raise ValueError(f"pseudo layers={list(layers)} are not valid: they must be nondecreasing")
+        if attention not in PSEUDO_ATTENTION:
+            raise ValueError(f"pseudo attention={attention!r} is not valid; choose one of: "
+                             f"{', '.join(PSEUDO_ATTENTION)}")
+        if teacher_forced and (attention != "real" or attend is not None):
+            raise ValueError("forward_pseudo: teacher_forced needs attention='real' and a plain causal input "
+                             "(attend=None)")
         anchors = torch.arange(t) if anchors is None else torch.as_tensor(anchors, dtype=torch.long).cpu()
         n_a = anchors.numel()
         if n_a and (int(anchors.min()) < 0 or int(anchors.max()) >= t):
@@ -294,10 +332,16 @@ class CachedModel:
         allowed = torch.zeros(bsz, n, past + n, dtype=torch.bool, device=self.device)
         allowed[:, :t, : past + t] = real
         own = torch.arange(k, device=self.device)
-        sees_pseudo = (own[None, :] <= own[:, None])  # [K, K]: i sees i' <= i
+        # [K, K]: step i sees step i' (of the same anchor): itself only ("real"), or i' <= i ("pseudo")
+        sees_pseudo = own[None, :] == own[:, None] if attention == "real" else own[None, :] <= own[:, None]
         same = torch.eye(n_a, dtype=torch.bool, device=self.device)
         block = (sees_pseudo[:, None, :, None] & same[None, :, None, :]).reshape(k * n_a, k * n_a)
         allowed[:, t:, : past + t] = real[:, anc_dev].repeat(1, k, 1)
+        if teacher_forced:  # step i of anchor a also sees the true tokens a + 1 .. a + i (positions < its own)
+            new_idx = torch.arange(t, device=self.device)
+            ahead = (new_idx[None, None, :] > anc_dev[None, :, None]) & \
+                (new_idx[None, None, :] <= anc_dev[None, :, None] + own[:, None, None])  # [K, A, T]
+            allowed[:, t:, past : past + t] |= ahead.reshape(k * n_a, t)[None]
         allowed[:, t:, past + t :] = block
         mask = self._to_additive(allowed)
         hidden = inner.embed_tokens(ids)
@@ -507,6 +551,28 @@ class CachedModel:
         if positions.dim() == 1:
             positions = positions[None].expand(bsz, t)
         return positions
+
+    def _padded(self, ids, positions, attend, key_valid, pad: int, past: int):
+        """``pad`` padding rows after the ``t`` new ones (copies of the last token, positions after the last): no
+        new row sees them (causal order already ensures it; a custom ``attend`` gets False columns) and they see
+        only themselves under a custom mask. The caller cuts them from the cache and the logits."""
+        bsz, t = ids.shape
+        dev = ids.device
+        ids = torch.cat([ids, ids[:, -1:].expand(bsz, pad)], dim=1)
+        positions = torch.cat([positions, positions[:, -1:] + torch.arange(1, pad + 1, device=dev)], dim=1)
+        if attend is not None:
+            attend = attend.to(dev, torch.bool)
+            lead = attend.shape[:-2]
+            width = attend.shape[-1]  # t (new only) or past + t
+            grown = torch.zeros(*lead, t + pad, width + pad, dtype=torch.bool, device=dev)
+            grown[..., :t, :width] = attend
+            diag = torch.arange(t, t + pad, device=dev)
+            grown[..., diag, width - t + diag] = True
+            attend = grown
+        if key_valid is not None:
+            key_valid = torch.cat([key_valid.to(dev, torch.bool),
+                                   torch.ones(key_valid.shape[0], pad, dtype=torch.bool, device=dev)], dim=1)
+        return ids, positions, attend, key_valid
 
     def _check_finite(self, logits: torch.Tensor, past: int, t: int, last_only: bool, kept) -> None:
         bad = ~torch.isfinite(logits)
