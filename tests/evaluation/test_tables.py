@@ -19,7 +19,8 @@ def test_comparison_rows_put_the_baseline_first():
     rows = comparison_rows(SUMMARY)
     assert [r["role"] for r in rows] == ["baseline", "method"]
     assert rows[0]["speedup"] == 1.0 and rows[1]["speedup"] == 2.0 and rows[1]["method"] == "pld"
-    head, base, method = format_comparison(SUMMARY).splitlines()
+    head, base, method = format_comparison({**SUMMARY, "decode_tokens_per_s": 23.5}).splitlines()
+    assert "decode tokens/s" in head and "23.50" in method.split()
     assert "speedup vs ar" in head and base.split()[:2] == ["baseline", "ar"] and "2.00" in method.split()
 
 

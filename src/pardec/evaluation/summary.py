@@ -139,6 +139,7 @@ def summarize(spec: EvalSpec, task, records: list[dict], method_role: str, model
                            "params": also_params.get(role, {}),
                            "tokens_per_s": sp["tokens_per_s"], "speedup": sp["speedup"],
                            "speedup_median": sp.get("speedup_median"),
+                           "decode_tokens_per_s": sp["decode_tokens_per_s"],
                            "tokens_per_forward": sp["tokens_per_forward"],
                            "exact_match_rate": exact(rows[role], role_method[role]),
                            "energy_j_per_token": joules_per_token(rows[role]), "perplexity": ppl(rows[role]),

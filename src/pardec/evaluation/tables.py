@@ -17,6 +17,7 @@ def comparison_rows(s: dict) -> list[dict[str, Any]]:
     target forward, exact match vs the baseline, draft acceptance, energy per generated token (None: not
     measured)."""
     rows = [{"role": "baseline", "method": s["baseline"], "tokens_per_s": s["baseline_tokens_per_s"],
+             "decode_tokens_per_s": s.get("baseline_decode_tokens_per_s"),
              "speedup": 1.0 if s["baseline_tokens_per_s"] else None,
              "tokens_per_forward": s.get("baseline_tokens_per_forward"), "exact_match_rate": None,
              "draft_acceptance": None, "draft_time_share": None,
@@ -24,16 +25,18 @@ def comparison_rows(s: dict) -> list[dict[str, Any]]:
     rows += [{"role": role, **p} for role, p in (s.get("peers") or {}).items()]
     if s["method"] != s["baseline"]:
         rows.append({"role": "method", "method": s["method"], **{k: s.get(k) for k in (
-            "tokens_per_s", "speedup", "tokens_per_forward", "exact_match_rate", "draft_acceptance",
-            "draft_time_share", "energy_j_per_token")}})
+            "tokens_per_s", "decode_tokens_per_s", "speedup", "tokens_per_forward", "exact_match_rate",
+            "draft_acceptance", "draft_time_share", "energy_j_per_token")}})
     return rows
 
 
 def format_comparison(s: dict) -> str:
     """:func:`comparison_rows` as an aligned text table."""
-    head = ("role", "method", "tokens/s", f"speedup vs {s['baseline']}", "tokens/forward", "exact match",
+    head = ("role", "method", "tokens/s", "decode tokens/s", f"speedup vs {s['baseline']}", "tokens/forward",
+            "exact match",
             "draft acceptance", "draft time share", "energy J/token")
-    body = [(r["role"], r["method"], _fmt(r["tokens_per_s"], ".2f"), _fmt(r["speedup"], ".2f"),
+    body = [(r["role"], r["method"], _fmt(r["tokens_per_s"], ".2f"), _fmt(r.get("decode_tokens_per_s"), ".2f"),
+             _fmt(r["speedup"], ".2f"),
              _fmt(r["tokens_per_forward"], ".2f"), _fmt(r["exact_match_rate"], ".2f"),
              _fmt(r.get("draft_acceptance"), ".2f"), _fmt(r.get("draft_time_share"), ".2f"),
              _fmt(r.get("energy_j_per_token"), ".4g"))
