@@ -10,8 +10,9 @@ import torch
 from pardec.config import ConfigError
 from pardec.decoding import Stopper, build_decoder
 from pardec.decoding.lookahead import Lookahead
-from pardec.decoding.ngram import LookaheadWindow, NGramPool
+from pardec.decoding.ngram import LookaheadWindow, NGramPool, lookahead_forward
 from pardec.decoding.tree import Tree
+from tests.decoding.chainlm import ChainLM
 from tests.decoding.conftest import TracksOutput
 
 
@@ -30,25 +31,77 @@ def test_pool_keeps_at_most_g_per_key_least_recently_used_out():
         NGramPool(n=1, max_per_key=3)
 
 
-def test_window_mask_positions_harvest_and_shift():
+def test_window_layout_is_lades_fill_harvest_and_shift():
+    """LADE's layout, W = 3, N = 4 (3 levels). Column 0 of level 0 is the root (not stored); column j of level l sits
+    at root + l + j. The window starts as W + N - 3 = 4 guesses and fills one level per step, each level losing its
+    first column; then every step harvests one n-gram per column (column 0 keyed by the root) and moves on by one."""
     fills = iter(range(100, 200))
-    win = LookaheadWindow(width=3, n=3, fill=lambda k: [next(fills) for _ in range(k)])
-    assert win.levels == [[100, 101, 102]]
+    win = LookaheadWindow(width=3, n=4, fill=lambda k: [next(fills) for _ in range(k)])
+    assert win.levels == [[100, 101, 102, 103]] and not win.full
     toks, pos, att = win.inputs(root_pos=10)
-    assert toks == [100, 101, 102] and pos == [11, 12, 13] and att.equal(torch.ones(3, 3, dtype=torch.bool).tril())
-    pool = NGramPool(n=3, max_per_key=4)
-    assert win.update([1, 2, 3], pool, advance=1) == 0  # filling: no n-gram yet
-    assert win.levels == [[101, 102, 103], [2, 3, 104]]  # one column behind the root dropped, refilled
+    assert toks == [100, 101, 102, 103] and pos == [11, 12, 13, 14]
+    assert att.equal(torch.ones(4, 4, dtype=torch.bool).tril()) and win.top() == slice(0, 4)
+    pool = NGramPool(n=4, max_per_key=4)
+    assert win.update([1, 2, 3, 4], pool, root=50) == 0  # filling: level 1 = every output, level 0 loses 100
+    assert win.levels == [[101, 102, 103], [1, 2, 3, 4]]
     toks, pos, att = win.inputs(root_pos=11)
-    assert pos == [12, 13, 14, 13, 14, 15]
-    # level 1, column j sees level 0 up to column j and itself
-    assert att[3].tolist() == [True, False, False, True, False, False]
-    assert att[5].tolist() == [True, True, True, False, False, True]
-    assert win.update([7, 8, 9], pool, advance=1) == 3  # full: one n-gram per column, level 0 first
-    assert pool.get(101) == [(2, 7)] and pool.get(103) == [(104, 9)]
-    assert win.levels == [[2, 3, 104], [7, 8, 9]]  # the oldest level dropped, positions still line up
-    win.update([4, 5, 6], pool, advance=3)  # three tokens committed: two more columns fall behind the root
-    assert win.levels[0][0] == 9 and win.levels[1][0] == 6 and len(win.levels[1]) == 3
+    assert pos == [12, 13, 14, 12, 13, 14, 15]  # level 1, column j at root + 1 + j (column 0 sees the root only)
+    assert att[3].tolist() == [False] * 3 + [True, False, False, False]
+    assert att[5].tolist() == [True, True, False] + [False, False, True, False]
+    assert win.top() == slice(3, 7)
+    assert win.update([5, 6, 7, 8], pool, root=51) == 0  # level 2 = outputs but the first; the others lose one
+    assert win.levels == [[102, 103], [2, 3, 4], [6, 7, 8]] and win.full and len(win) == 8
+    toks, pos, att = win.inputs(root_pos=12)
+    assert toks == [102, 103, 2, 3, 4, 6, 7, 8] and pos == [13, 14, 13, 14, 15, 14, 15, 16]
+    # level 2, column 1 (at 15): level 0 up to column 1 (root, 102 at 13), level 1 column 1 (3 at 14), itself
+    assert att[6].tolist() == [True, False, False, True, False, False, True, False]
+    assert win.update([20, 21, 22], pool, root=60) == 3
+    assert pool.get(60) == [(2, 6, 20)] and pool.get(102) == [(3, 7, 21)] and pool.get(103) == [(4, 8, 22)]
+    assert win.levels == [[3, 4], [6, 7, 8], [20, 21, 22]]  # oldest level dropped, moved on by one position
+
+
+def test_window_of_bigrams_reads_the_roots_output():
+    """N = 2: the top level is level 0 itself, the root included: W n-grams, the first keyed by the root."""
+    win = LookaheadWindow(width=3, n=2, fill=lambda k: [100 + i for i in range(k)])
+    assert win.levels == [[100, 101]] and win.full and win.top_has_root
+    pool = NGramPool(n=2, max_per_key=4)
+    assert win.update([7, 8, 9], pool, root=5) == 3
+    assert pool.get(5) == [(7,)] and pool.get(100) == [(8,)] and pool.get(101) == [(9,)]
+    assert win.levels == [[8, 9]]
+    # the forward returns the root's logits first: a table model, 5 -> 6, 8 -> 12, 9 -> 13
+    lm = ChainLM(16, {5: {6: 1.0}, 8: {12: 1.0}, 9: {13: 1.0}})
+    lm.prefill(torch.tensor([[1]]))
+    tree_logits, top = lookahead_forward(lm, [5], Tree.chain([]), win)
+    assert tree_logits.argmax(-1).tolist() == [6] and top.argmax(-1).tolist() == [6, 12, 13]
+
+
+class SeesPool(Lookahead):
+    def candidates(self, pool, last, room):
+        self.pool = pool
+        return super().candidates(pool, last, room)
+
+
+@pytest.mark.parametrize("from_output", [False, True])
+def test_output_ngrams_enter_the_pool_only_when_asked(from_output):
+    """Target t -> t + 1; prompt [1] (so every window guess is 1); N = 3, W = 1. Prefill: 2. Step 1 (root 2): the
+    window (one level, [1]) outputs 2; commits 3; level 1 = [2]. Step 2 (root 3): full; column 0 = (root 3, 2),
+    output 3 -> n-gram (3, 2, 3); commits 4. LADE's default keeps only that. pool_from_output adds the n-grams ending
+    in each committed token: (1, 2, 3) after step 1, (2, 3, 4) after step 2."""
+    dec = SeesPool(ChainLM(16, {t: {t + 1: 1.0} for t in range(15)}), level=3, window=1, guess_set=4,
+                   pool_from_output=from_output)
+    res = dec.generate([1], 3)
+    assert res.tokens == [2, 3, 4] and res.target_forwards == 3
+    want = {3: [(2, 3)]} | ({1: [(2, 3)], 2: [(3, 4)]} if from_output else {})
+    assert {k: dec.pool.get(k) for k in range(16) if k in dec.pool} == want
+    assert res.extras["pool_size"] == len(want)
+
+
+def test_lades_pool_flags_are_off_by_default():
+    import inspect
+
+    params = inspect.signature(Lookahead.__init__).parameters
+    assert {k: params[k].default for k in ("level", "window", "guess_set", "pool_from_prompt", "pool_from_output")} \
+        == {"level": 5, "window": 15, "guess_set": 15, "pool_from_prompt": False, "pool_from_output": False}
 
 
 class OracleLookahead(TracksOutput, Lookahead):

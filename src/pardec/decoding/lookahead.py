@@ -5,15 +5,22 @@ Each step is one target forward over two branches under one mask (:func:`~pardec
 * the **lookahead branch**, a :class:`~pardec.decoding.ngram.LookaheadWindow` of ``level - 1`` levels by
   ``window`` columns iterated Jacobi-style; once full it yields ``window`` n-grams (n = ``level``) per step into
 * the **n-gram pool** (:class:`~pardec.decoding.ngram.NGramPool`), keyed by first token, at most ``guess_set``
-  per key, least recently used evicted; the committed output's n-grams go in too;
+  per key, least recently used evicted; by default only the window's n-grams go in (LADE's default);
 * the **verification branch**: up to ``guess_set`` pool n-grams keyed by the last committed token, as a trie
   (:class:`~pardec.decoding.tree.Tree`), verified by :func:`~pardec.decoding.verify.verify_tree`: greedy commits
   the longest candidate prefix equal to the target's argmax plus one target token (token-exact with ``ar``);
   sampling uses the recursive rejection rule for deterministic candidates (exact in distribution).
 
-Defaults are the paper's 7B setting (W=15, N=5, G=15). The window starts from random prompt tokens (seeded by
-``sampling.seed``). ``pool_from_prompt=true`` also seeds the pool with the prompt's n-grams. Works on any
-causal LM, a CLLM checkpoint (``model=local``) included, as the CLLM paper pairs them.
+Defaults are the paper's 7B setting (W=15, N=5, G=15). The window (LADE's layout, see
+:class:`~pardec.decoding.ngram.LookaheadWindow`) starts from ``W+N-3`` random prompt tokens (seeded by
+``sampling.seed``), as LADE's ``copy_from`` initialisation.
+
+Pool sources beyond the window (both off by default, as LADE's ``POOL_FROM_PROMPT=0``): ``pool_from_prompt`` seeds
+the pool with the prompt's n-grams (LADE's ``fill_pool_with_prompt``), ``pool_from_output`` adds the n-grams that end
+in each newly committed token (LADE's ``append_new_generated_pool``, which its code runs under the same flag); LADE's
+``POOL_FROM_PROMPT=1`` is both on. ``pool_from_output`` makes the pool find repeats of the output itself
+(prompt-lookup-like hits, pardec's behaviour before issue #24). Works on any causal LM, a CLLM checkpoint
+(``model=local``) included, as the CLLM paper pairs them.
 
 Reported per generation (``extras``): ``accepted_per_step`` (tokens per target forward after the prefill),
 ``pool_lookup_rate`` (steps whose last token had candidates), ``pool_hit_rate`` (steps where a candidate
@@ -44,10 +51,11 @@ class Lookahead(Decoder):
     custom_mask = True
 
     def __init__(self, target, tokenizer=None, draft=None, level: int = 5, window: int = 15, guess_set: int = 15,
-                 pool_from_prompt: bool = False):
+                 pool_from_prompt: bool = False, pool_from_output: bool = False):
         super().__init__(target, tokenizer, draft)
         check_ranges(level=level, window=window, guess_set=guess_set)
-        self.level, self.window, self.guess_set, self.pool_from_prompt = level, window, guess_set, pool_from_prompt
+        self.level, self.window, self.guess_set = level, window, guess_set
+        self.pool_from_prompt, self.pool_from_output = pool_from_prompt, pool_from_output
 
     def candidates(self, pool: NGramPool, last: int, room: int) -> Tree:
         """The verification branch: pool continuations of ``last``, cut to ``room`` tokens; tests override it."""
@@ -69,9 +77,10 @@ class Lookahead(Decoder):
             verdict = verify_tree(tree, tree_logits, st.s, st.gen)
             keep_path(self.target, 1, verdict.path)
             kept = st.out.commit(verdict.tokens)
-            window.update(top.argmax(-1).tolist(), pool, advance=len(verdict.tokens))
-            recent = prompt[-self.level:] + st.out.tokens[-(len(kept) + self.level - 1):]
-            pool.add_sequence(recent[-(len(kept) + self.level - 1):])  # the n-grams ending in the new tokens
+            window.update(top.argmax(-1).tolist(), pool, root=last)
+            if self.pool_from_output:
+                recent = prompt[-self.level:] + st.out.tokens[-(len(kept) + self.level - 1):]
+                pool.add_sequence(recent[-(len(kept) + self.level - 1):])  # the n-grams ending in the new tokens
             steps, lookups, hits = steps + 1, lookups + (len(tree) > 1), hits + (len(verdict.path) > 1)
             last = verdict.tokens[-1]
         extras = {"accepted_per_step": (len(st.out.tokens) - 1) / steps if steps else None,

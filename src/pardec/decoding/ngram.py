@@ -4,13 +4,17 @@ forward that runs both branches.
 * :class:`NGramPool`: n-grams keyed by their first token, at most ``max_per_key`` continuations per key,
   least recently used evicted (re-adding one refreshes it). Lookahead's "n-gram pool", Ouroboros's
   "phrase pool".
-* :class:`LookaheadWindow` (Fu et al. 2024, the lookahead branch): ``N-1`` levels of ``W`` guesses,
-  iterated Jacobi-style. Column ``j`` of level ``l`` sits at ``root + 1 + j + l``; it sees the root, level 0
-  up to column ``j`` and the tokens of its own column in levels ``1..l``, so each column is a sequence
-  (level 0's prefix, then up the column). The top level's outputs are the next guesses; once all levels
-  exist every column yields an n-gram (level 0 .. top level, output) for the pool. After each step the
-  oldest level is dropped and the columns move left by the tokens committed minus one, which keeps every
-  token at the position it was guessed for.
+* :class:`LookaheadWindow` (Fu et al. 2024, the lookahead branch), laid out as the official code (LADE,
+  ``lade/decoding.py`` and ``lade/models/modeling_llama.py``): ``N-1`` levels of ``W`` columns, iterated
+  Jacobi-style. Column 0 of level 0 is the last committed token (the forward's root), so level 0 holds ``W-1``
+  guesses of its own; column ``j`` of level ``l`` sits at ``root + l + j``, sees level 0 up to column ``j`` (the
+  root included) and the tokens of its own column in levels ``1..l``, so each column is a sequence (level 0's
+  prefix, then up the column). The top level's outputs are the next guesses; once all levels exist every column
+  yields an n-gram (level 0 .. top level, output) for the pool, column 0's keyed by the root. The window starts as
+  one level of ``W+N-3`` guesses and fills one level per step (each level losing its first column), so it holds
+  ``W`` columns when the ``N-1``-th level arrives. After each step the oldest level is dropped and the window moves
+  on by one position, however many tokens were committed (LADE's ``ALWAYS_FWD_ONE``, the only mode its decoding
+  loop accepts): positions are always counted from the new root.
 * :func:`check_ranges`, :func:`prompt_filler`, :func:`candidate_tree`: the two methods' parameter ranges, the
   window's initial guesses, and the verification branch built from the pool.
 * :func:`lookahead_forward`: one forward of a model over ``[prefix, candidate tree, window]`` -- the
@@ -57,6 +61,17 @@ class NGramPool:
         for i in range(len(tokens) - self.n + 1):
             self.add(tokens[i], tokens[i + 1 : i + self.n])
 
+    def replace(self, key: int, old: Iterable[int], new: Iterable[int]) -> bool:
+        """Put ``new`` where ``old`` is in ``key``'s recency order (Ouroboros's ``update_in_place``); another copy of
+        ``new`` is dropped. Returns whether ``old`` was there (nothing changes otherwise)."""
+        old, new = tuple(int(t) for t in old), tuple(int(t) for t in new)[: self.n - 1]
+        grams = self._grams.get(int(key))
+        if grams is None or old not in grams or not new:
+            return False
+        if new != old:
+            self._grams[int(key)] = OrderedDict((new if g == old else g, None) for g in grams if g != new)
+        return True
+
     def get(self, key: int, k: int | None = None) -> list[tuple[int, ...]]:
         """Up to ``k`` continuations of ``key``, most recently added or refreshed first."""
         grams = list(reversed(self._grams.get(int(key), ())))
@@ -73,51 +88,72 @@ class NGramPool:
 
 
 class LookaheadWindow:
-    """The lookahead branch's 2D window: ``levels`` (up to ``n - 1``) rows of ``width`` guesses."""
+    """The lookahead branch's 2D window (LADE's layout): ``levels[0]`` holds level 0's own guesses (its column 0 is the
+    root, not stored), ``levels[l]`` (``l >= 1``) one guess per column; at most ``n - 1`` levels of ``width`` columns.
+    """
 
     def __init__(self, width: int, n: int, fill: Callable[[int], list[int]]):
         if width < 1 or n < 2:
             raise ValueError(f"LookaheadWindow needs width >= 1 and n >= 2; got width={width}, n={n}")
         self.width, self.n, self.fill = width, n, fill
-        self.levels: list[list[int]] = [list(fill(width))]
+        self.levels: list[list[int]] = [list(fill(width + n - 3))]  # LADE: W + N - 3 initial guesses
 
     def __len__(self) -> int:
-        return self.width * len(self.levels)
+        return sum(len(level) for level in self.levels)
+
+    @property
+    def full(self) -> bool:
+        """All ``n - 1`` levels exist: each step now yields ``width`` n-grams."""
+        return len(self.levels) == self.n - 1
+
+    @property
+    def top_has_root(self) -> bool:
+        """Whether the root's output is one of the top level's (``n == 2``: level 0, root included, is the top)."""
+        return self.n == 2
+
+    def top(self) -> slice:
+        """The top level's tokens among :meth:`inputs`' (level 0's own guesses on the first step)."""
+        return slice(len(self) - len(self.levels[-1]), len(self))
 
     def inputs(self, root_pos: int) -> tuple[list[int], list[int], torch.Tensor]:
         """(tokens, positions, attend [M, M] among the window's tokens), level by level; every one also sees
         the root (the caller's job)."""
-        w, depth = self.width, len(self.levels)
+        own = len(self.levels[0])
         tokens = [t for level in self.levels for t in level]
-        positions = [root_pos + 1 + j + lvl for lvl in range(depth) for j in range(w)]
-        m = w * depth
+        positions = list(range(root_pos + 1, root_pos + 1 + own))  # level 0: columns 1..own
+        m = len(tokens)
         attend = torch.zeros(m, m, dtype=torch.bool)
-        causal = torch.ones(w, w, dtype=torch.bool).tril()
-        eye = torch.eye(w, dtype=torch.bool)
-        for lvl in range(depth):
-            rows = slice(lvl * w, (lvl + 1) * w)
-            attend[rows, :w] = causal
-            for below in range(1, lvl + 1):
-                attend[rows, below * w : (below + 1) * w] = eye
+        attend[:own, :own] = torch.ones(own, own, dtype=torch.bool).tril()
+        start = own
+        for lvl, level in enumerate(self.levels[1:], start=1):
+            w = len(level)
+            positions += [root_pos + lvl + j for j in range(w)]
+            rows = slice(start, start + w)
+            attend[rows, :own] = torch.ones(w, own, dtype=torch.bool).tril(-1)  # level 0 up to column j (root: caller)
+            below = own
+            for b in range(1, lvl + 1):  # its own column in levels 1..lvl
+                attend[rows, below : below + w] = torch.eye(w, dtype=torch.bool)
+                below += len(self.levels[b])
+            start += w
         return tokens, positions, attend
 
-    def update(self, outputs: list[int], pool: NGramPool | None, advance: int) -> int:
-        """Take the top level's next guesses (``outputs``, one per column), harvest n-grams into ``pool`` once the
-        window is full, and move on by ``advance`` committed tokens. Returns the n-grams harvested."""
+    def update(self, outputs: list[int], pool: NGramPool | None, root: int) -> int:
+        """Take the top level's next guesses (``outputs``, one per top-level token; with :attr:`top_has_root` the
+        root's first), harvest one n-gram per column into ``pool`` once the window is full (column 0 keyed by
+        ``root``, the step's last committed token), and move on by one position. Returns the n-grams harvested."""
+        outputs = list(outputs)
+        if not self.full:  # filling: every level loses its first column, the new level its first output but once
+            new = outputs if len(self.levels) == 1 else outputs[1:]
+            self.levels = [level[1:] for level in self.levels] + [new]
+            return 0
         harvested = 0
-        if len(self.levels) == self.n - 1 and pool is not None:
-            for j in range(self.width):
-                pool.add(self.levels[0][j], [lvl[j] for lvl in self.levels[1:]] + [outputs[j]])
+        if pool is not None:
+            keys = [root] + self.levels[0]
+            for j in range(len(outputs)):
+                pool.add(keys[j], [lvl[j] for lvl in self.levels[1:]] + [outputs[j]])
                 harvested += 1
-        levels = self.levels + [list(outputs)]
-        dropped = 0
-        if len(levels) > self.n - 1:
-            levels, dropped = levels[1:], 1
-        shift = max(0, advance - dropped)  # columns now behind the root
-        if shift:
-            levels = [lvl[shift:] + list(self.fill(min(shift, self.width))) for lvl in levels]
-            levels = [lvl[-self.width :] for lvl in levels]
-        self.levels = levels
+        stack = self.levels[1:] + [outputs]  # drop the oldest level; level 1 becomes level 0 behind the new root
+        self.levels = [stack[0][1:]] + stack[1:]
         return harvested
 
 
@@ -125,7 +161,8 @@ def lookahead_forward(model: CachedModel, prefix: list[int], tree: Tree,
                       window: LookaheadWindow | None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """One forward over ``prefix[:-1]`` (causal), the candidate ``tree`` rooted at ``prefix[-1]``, and the
     ``window`` (both branches see the whole prefix, not each other). Returns (logits of the tree's nodes [N, V],
-    logits of the window's top level [W, V] or None). Keep the accepted path with :func:`keep_path`."""
+    logits of the window's top level [T, V] -- the root's first when ``window.top_has_root`` -- or None without a
+    window). Keep the accepted path with :func:`keep_path`."""
     p, n = len(prefix), len(tree)
     base = model.length
     root_pos = base + p - 1
@@ -139,13 +176,17 @@ def lookahead_forward(model: CachedModel, prefix: list[int], tree: Tree,
     attend[p - 1 :, : p - 1] = True  # tree and window see the prefix
     attend[p - 1 : p - 1 + n, p - 1 : p - 1 + n] = tree.attend
     if m:
-        attend[p - 1 + n :, p - 1] = True  # the root
+        attend[p - 1 + n :, p - 1] = True  # the root (column 0 of level 0)
         attend[p - 1 + n :, p - 1 + n :] = w_attend
     ids = torch.tensor([tokens + w_tokens], device=model.device)
     pos = torch.tensor([positions + w_pos], device=model.device)
-    wanted = list(range(p - 1, p - 1 + n)) + (list(range(total - window.width, total)) if m else [])
+    top = window.top() if window is not None else slice(0, 0)
+    wanted = list(range(p - 1, p - 1 + n)) + [p - 1 + n + i for i in range(top.start, top.stop)]
     logits = model.forward(ids, positions=pos, attend=attend, logits_at=wanted).logits[0]
-    return logits[:n], (logits[n:] if m else None)
+    if window is None:
+        return logits[:n], None
+    win = logits[n:]
+    return logits[:n], (torch.cat([logits[:1], win]) if window.top_has_root else win)
 
 
 def keep_path(model: CachedModel, prefix_len: int, path: list[int]) -> None:

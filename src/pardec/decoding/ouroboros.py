@@ -1,29 +1,51 @@
-"""`ouroboros`: Ouroboros (Zhao et al. 2024), a draft model that drafts phrase by phrase, drafts lengthened by
-candidate phrases, and a phrase pool fed by verification and kept across prompts.
+"""`ouroboros`: Ouroboros (Zhao et al. 2024, "Ouroboros: Generating Longer Drafts Phrase by Phrase for Faster
+Speculative Decoding", EMNLP 2024), a draft model that drafts phrase by phrase, drafts lengthened by candidate
+phrases, and a phrase pool fed by verification and kept across prompts.
 
 Each round:
 
-1. **Drafting** (``accelerated_drafting``): the draft model runs lookahead decoding itself -- its own window
-   (:class:`~pardec.decoding.ngram.LookaheadWindow`) fills the shared phrase pool, and each draft forward
-   verifies up to ``guess_set`` pool phrases against the draft's own distribution, so one draft forward can
+1. **Drafting** (``accelerated_drafting``, Sec. 3.1): the draft model runs lookahead decoding itself -- its own window
+   (:class:`~pardec.decoding.ngram.LookaheadWindow`, LADE's layout) fills the shared phrase pool, and each draft
+   forward verifies up to ``guess_set`` pool phrases against the draft's own distribution, so one draft forward can
    add several tokens -- until ``gamma`` tokens are drafted. Off: plain token-by-token drafting.
    Draft tokens are exact samples from the draft's warped distribution ``q`` (greedy: its argmax), with ``q``
    recorded for each, whatever the route.
-2. **Lengthening** (``lengthening``): the ``top_k_phrases`` most recent pool phrases that continue the draft's
-   last token are appended as children of the draft's last node; draft + phrases are verified in one target
+2. **Lengthening** (``lengthening``, Sec. 3.2): the ``top_k_phrases`` most recent pool phrases that continue the
+   draft's last token are appended as children of the draft's last node; draft + phrases are verified in one target
    forward as a :class:`~pardec.decoding.tree.Tree` (the draft causal, each phrase sees the draft and its own
    prefix, phrases do not see each other). If the draft is fully accepted the longest matching phrase extends it.
    Verification is :func:`~pardec.decoding.verify.verify_tree` with ``q`` on the draft chain and deterministic
    phrases: greedy output equals ``ar`` token for token, sampled output follows the target exactly.
-3. **Phrases from verification** (``verified_phrases``): where the draft was rejected, the pieces of its rejected
-   suffix that the target confirms (each token equal to the target's argmax after its predecessor, Sec. 3.3)
-   go into the pool as phrases.
-4. **Warm start** (``warm_start``): the pool persists across the prompts of a run (the paper's context locality).
+3. **Phrases from verification** (Sec. 3.3), from the target's argmax at every node of that forward:
 
-Defaults follow the official implementation (gamma 4, window 20, guess set 20, level 7, top-3 phrases).
-Reported (``extras``): ``block_efficiency`` (tokens per target forward after the prefill; drafting cost
-ignored, the paper's Appendix C), ``draft_forwards_per_token``, ``accepted_from_draft`` /
-``accepted_from_phrases`` (the split of accepted tokens), ``pool_size``.
+   * ``refine_phrases``: each lengthening phrase the target scored is replaced in the pool, in place, by the
+     target's version (its token after the draft, then its token after each of the phrase's prefixes), so a phrase
+     the target partly confirms comes back corrected (official ``CacheEngine.update_in_place``, applied to the
+     top-K phrases after every verification; phrases cut by the token budget are left alone);
+   * ``verified_phrases``: where the draft was rejected, phrases from its rejected suffix go into the pool.
+     ``phrase_harvest="target"`` (default, official ``CacheEngine.add_extra_ngram``): for each rejected-suffix
+     token, the target's next ``level - 1`` tokens after it, kept only when the draft agreed with the target on all
+     but the last of them (the last may be the target's correction) -- full-length phrases of target tokens.
+     ``"confirmed_runs"`` (pardec before issue #24): runs of >= 2 draft tokens each equal to the target's argmax
+     after its predecessor, keyed by the token before the run (variable length, draft tokens only).
+
+   Phrases only change speed, never the output: greedy stays token-exact, sampling exact in distribution (the
+   harvest reads the target's argmax whatever the sampling settings).
+4. **Warm start** (``warm_start``, Sec. 3.4; the paper's full method, the last row of its ablation, Table 4): the pool
+   persists across the prompts of a run. The evaluation loop builds one decoder per role and keeps it for every
+   prompt (rebuilt once after the warm-up, which must leave nothing behind). Consequences: a prompt's speed figures
+   (target forwards, ``block_efficiency``, ``pool_size``) depend on the prompts run before it on the same rank;
+   the greedy tokens never do. A resumed run starts its pool empty at the first prompt it still has to run, and
+   several ranks each keep their own pool: their speed figures are not those of one uninterrupted single-process
+   run (sampled tokens may differ too -- each still an exact sample -- since the random draws follow the tree
+   shapes). ``repeats > 1`` run the same prompt again with the pool its earlier repeats filled.
+
+Defaults: the paper's code-generation setting for the Yi-34B / Yi-6B pair (HumanEval), which is the official
+README's example and ``benchmark/test_human_eval.py``'s argparse defaults (gamma 12, window 20, guess set 20,
+level 7), top-3 phrases (``ouroboros(topk=3)``); per-task values are in the ``conf/recipe/ouroboros_*`` recipes.
+Reported (``extras``): ``block_efficiency`` (the paper's App. C: generated tokens / target forwards, the prefill
+included; drafting cost ignored), ``draft_forwards_per_token``, ``accepted_from_draft`` / ``accepted_from_phrases``
+(the split of accepted tokens), ``phrases_refined`` (pool phrases changed in place), ``pool_size``.
 """
 
 from __future__ import annotations
@@ -52,18 +74,25 @@ class Ouroboros(Decoder):
     custom_mask = True
     needs_draft = True
 
-    def __init__(self, target, tokenizer=None, draft=None, gamma: int = 4, window: int = 20, guess_set: int = 20,
+    #: ``phrase_harvest`` choices: the official ``add_extra_ngram`` rule, and pardec's earlier one
+    HARVESTS = ("target", "confirmed_runs")
+
+    def __init__(self, target, tokenizer=None, draft=None, gamma: int = 12, window: int = 20, guess_set: int = 20,
                  level: int = 7, top_k_phrases: int = 3, accelerated_drafting: bool = True,
-                 lengthening: bool = True, verified_phrases: bool = True, warm_start: bool = False):
+                 lengthening: bool = True, verified_phrases: bool = True, phrase_harvest: str = "target",
+                 refine_phrases: bool = True, warm_start: bool = True):
         super().__init__(target, tokenizer, draft)
         check_ranges(gamma=gamma, window=window, guess_set=guess_set, level=level, top_k_phrases=top_k_phrases)
         if lengthening and top_k_phrases == 0:
             raise ConfigError("method.top_k_phrases=0 with method.lengthening=true: lengthening needs >= 1 phrase "
                               "(or set method.lengthening=false)")
+        if phrase_harvest not in self.HARVESTS:
+            raise ConfigError(f"method.phrase_harvest={phrase_harvest!r} is not one of {', '.join(self.HARVESTS)}")
         self.gamma, self.window, self.guess_set, self.level = gamma, window, guess_set, level
         self.top_k_phrases = top_k_phrases
         self.accelerated_drafting, self.lengthening = accelerated_drafting, lengthening
-        self.verified_phrases, self.warm_start = verified_phrases, warm_start
+        self.verified_phrases, self.phrase_harvest = verified_phrases, phrase_harvest
+        self.refine_phrases, self.warm_start = refine_phrases, warm_start
         self.pool = NGramPool(level, guess_set)
 
     # ------------------------------------------------------------------------------------------- drafting
@@ -84,35 +113,66 @@ class Ouroboros(Decoder):
             verdict = verify_tree(tree, logits, st.s, st.gen)
             keep_path(d, len(feed), verdict.path)
             if window is not None:
-                window.update(top.argmax(-1).tolist(), self.pool, advance=len(verdict.tokens))
+                window.update(top.argmax(-1).tolist(), self.pool, root=feed[-1])
             toks += verdict.tokens
             if not st.s.greedy:  # each token is an exact sample from q at its parent node
                 qs += [warp(logits[n], st.s) for n in verdict.path]
         return toks[:k], qs[:k], forwards
 
     # ------------------------------------------------------------------------------------------- rounds
+    def pool_phrases(self, draft: list[int]) -> list[tuple[int, ...]]:
+        """The ``top_k_phrases`` most recent pool phrases continuing the draft's last token."""
+        return self.pool.get(draft[-1], self.top_k_phrases)
+
     def phrases_for(self, draft: list[int], room: int) -> list[tuple[int, ...]]:
         """Pool phrases continuing the draft's last token, cut to ``room`` tokens; tests override it."""
         if not self.lengthening or room <= 0:
             return []
-        return [p[:room] for p in self.pool.get(draft[-1], self.top_k_phrases)]
+        return [p[:room] for p in self.pool_phrases(draft)]
 
-    def _harvest_rejected(self, draft: list[int], logits: torch.Tensor, accepted: int) -> None:
-        """Sec. 3.3: runs of the rejected draft suffix that the target confirms become pool phrases."""
-        pred = logits.argmax(-1).tolist()
-        run: list[int] = []
-        key = None
-        for j in range(accepted + 1, len(draft)):  # node j holds draft[j-1]; pred[j] is the target's next token
-            if pred[j] == draft[j]:
-                if not run:
-                    key = draft[j - 1]
-                run.append(draft[j])
-                continue
+    def _harvest_rejected(self, draft: list[int], pred: list[int], accepted: int) -> None:
+        """Sec. 3.3: phrases from the rejected draft suffix into the pool. ``pred[j]``: the target's argmax at node j
+        (node j >= 1 holds ``draft[j-1]``; ``pred[len(draft)]`` follows the whole draft); ``draft[accepted]`` is the
+        first rejected token."""
+        k = len(draft)
+        if self.phrase_harvest == "confirmed_runs":
+            run: list[int] = []
+            key = None
+            for j in range(accepted + 1, k):
+                if pred[j] == draft[j]:
+                    if not run:
+                        key = draft[j - 1]
+                    run.append(draft[j])
+                    continue
+                if len(run) >= 2:
+                    self.pool.add(key, run)
+                run = []
             if len(run) >= 2:
                 self.pool.add(key, run)
-            run = []
-        if len(run) >= 2:
-            self.pool.add(key, run)
+            return
+        want = self.level - 1
+        for s in range(accepted, k):  # key: rejected-suffix token draft[s]; the target's tokens after it
+            phrase: list[int] = []
+            for j in range(s + 1, min(s + want, k) + 1):  # node j's argmax is the target's token after draft[j-1]
+                phrase.append(pred[j])
+                if j < k and draft[j] != pred[j]:  # the target corrects the draft here: the phrase ends
+                    break
+            if len(phrase) == want:
+                self.pool.add(draft[s], phrase)
+
+    def _refine(self, tree: Tree, k: int, phrases: list[tuple[int, ...]], key: int, pred: list[int]) -> int:
+        """Sec. 3.3 (official ``update_in_place``): each pool phrase verified whole after the draft (``phrases``)
+        becomes, in place, the target's version of it: its argmax after the draft (node ``k``), then after each of
+        the phrase's prefixes. Returns the phrases changed."""
+        changed = 0
+        for phrase in phrases:
+            node, fixed = k, [pred[k]]
+            for tok in phrase[:-1]:
+                node = next(c for c in tree.children[node] if tree.labels[c] == tok)
+                fixed.append(pred[node])
+            if tuple(fixed) != phrase and self.pool.replace(key, phrase, fixed):
+                changed += 1
+        return changed
 
     @torch.inference_mode()
     def generate(self, prompt_ids, max_new_tokens, stop=None, sampling=None) -> GenerationResult:
@@ -123,7 +183,7 @@ class Ouroboros(Decoder):
         prompt = st.ids[0].tolist()
         window = (LookaheadWindow(self.window, self.level, prompt_filler(prompt, st.s.seed))
                   if self.accelerated_drafting else None)
-        drafted = from_draft = from_phrases = rounds = 0
+        drafted = from_draft = from_phrases = rounds = refined = 0
         clock = DraftClock()
         while not st.out.done:
             room = st.out.room - 1  # the target adds one token of its own
@@ -133,6 +193,8 @@ class Ouroboros(Decoder):
                 continue
             toks, qs, _ = clock.run(st, self.draft_phrases, prompt + st.out.tokens, k, st, window)
             phrases = self.phrases_for(toks, room - len(toks))
+            verified = set(phrases)
+            whole = [p for p in self.pool_phrases(toks) if p in verified] if self.refine_phrases else []
             tree = Tree.from_paths([toks] + [toks + list(p) for p in phrases])  # nodes 1..k: the draft chain
             q = {i: qs[i] for i in range(len(qs))} if qs else None  # node i's child (draft token i+1) came from q
             logits, acc, _ = self._verify_tree(st, last, tree, q)
@@ -140,13 +202,18 @@ class Ouroboros(Decoder):
             drafted += len(toks)
             from_draft += min(n_acc, len(toks))
             from_phrases += max(0, n_acc - len(toks))
-            if self.verified_phrases and n_acc < len(toks):
-                self._harvest_rejected(toks, logits, n_acc)
+            if whole or (self.verified_phrases and n_acc < len(toks)):
+                pred = logits.argmax(-1).tolist()  # the target's token after every node, read back once
+                if whole:  # pool phrases verified uncut (one cut by the budget is left alone)
+                    refined += self._refine(tree, len(toks), whole, toks[-1], pred)
+                if self.verified_phrases and n_acc < len(toks):
+                    self._harvest_rejected(toks, pred, n_acc)
             rounds += 1
             last = acc[-1]
         n_new = len(st.out.tokens)
-        extras = {"block_efficiency": (n_new - 1) / (st.target_forwards - 1) if st.target_forwards > 1 else None,
+        extras = {"block_efficiency": n_new / st.target_forwards,  # App. C: generated tokens / target forwards
                   "draft_forwards_per_token": clock.forwards / n_new if n_new else None,
                   "accepted_from_draft": from_draft, "accepted_from_phrases": from_phrases,
-                  "draft_acceptance": from_draft / drafted if drafted else None, "pool_size": len(self.pool)}
+                  "draft_acceptance": from_draft / drafted if drafted else None, "phrases_refined": refined,
+                  "pool_size": len(self.pool)}
         return self._result(st, extras, clock.forwards, clock.seconds, drafted, from_draft)
