@@ -145,3 +145,31 @@ def test_bad_drafter_inputs_are_one_line_errors(tmp_path):
     other = tiny(1, layers=3)
     with pytest.raises(ConfigError, match=r"trained for another model"):
         build_decoder("firp", CachedModel(other.model), other.tokenizer, projections=str(drafter_dir(lm.model, "firp")))
+
+
+@pytest.mark.parametrize("attention", ["real", "pseudo"])
+def test_firp_attention_patterns_stay_exact_and_differ_in_their_drafts(attention, caplog):
+    """FIRP §3.3 (``real``, the default): a node's pseudo states see its prefix and themselves; ``pseudo`` also lets
+    step i see the node's steps < i. Drafts differ from the second step on; the output never does."""
+    import logging
+
+    lm, cm, ids, ref = _setup()
+    path = str(drafter_dir(lm.model, "firp"))  # saved with attention "real" (the default of new_drafter)
+    with caplog.at_level(logging.WARNING, logger="pardec.decoding.heads"):
+        dec = build_decoder("firp", cm, lm.tokenizer, projections=path, tree="T", attention=attention)
+    assert dec.attention == attention and ("trained with attention=real" in caplog.text) == (attention == "pseudo")
+    res = dec.generate(ids, 40, Stopper(lm.tokenizer))
+    assert res.tokens == ref.tokens
+    other = build_decoder("firp", cm, lm.tokenizer, projections=path, attention="pseudo" if attention == "real"
+                          else "real")
+    cm.prefill(torch.tensor([ids[:-1]]))
+    mine = dec._forward(torch.tensor([ids[-1:]]))[1]  # [1 node, K, H]
+    cm.prefill(torch.tensor([ids[:-1]]))
+    theirs = other._forward(torch.tensor([ids[-1:]]))[1]
+    torch.testing.assert_close(mine[:, 0], theirs[:, 0], rtol=1e-4, atol=1e-5)  # step 0 sees no other step
+    assert not torch.allclose(mine[:, 1:], theirs[:, 1:], atol=1e-4)
+
+
+def test_firp_attention_is_checked_before_any_model():
+    with pytest.raises(ConfigError, match=r"method.attention='causal' is not valid; choose one of: real, pseudo"):
+        Firp(None, projections="/nonexistent", attention="causal")

@@ -27,13 +27,16 @@ PARAMS = {"jacobi": [{"block_size": 16}, {"block_size": 5}, {"block_size": 1}, {
           "sps": [{"gamma": 4}, {"gamma": 1}, {"gamma": 9}, {"gamma": 3, "adaptive": True, "gamma_max": 8}],
           "lookahead": [{}, {"level": 2, "window": 1, "guess_set": 1}, {"level": 4, "window": 3, "guess_set": 2,
                                                                           "pool_from_prompt": True}],
-          "ouroboros": [{}, {"gamma": 1, "level": 2, "window": 1, "guess_set": 1, "top_k_phrases": 1},
+          # the paper's switches (all on, tests/test_paper_defaults.py) at a CPU-sized window: its W 20 / N 7 window
+          # makes every draft forward ~140 tokens, minutes per prompt on two cores
+          "ouroboros": [{"gamma": 4, "window": 4, "level": 4, "guess_set": 4}, {"gamma": 1, "level": 2, "window": 1, "guess_set": 1, "top_k_phrases": 1},
                         {"accelerated_drafting": False, "lengthening": False, "verified_phrases": False},
                         {"gamma": 6, "level": 3, "window": 4, "guess_set": 3, "warm_start": True}],
           "spectr": [{}, {"k": 1, "gamma": 1}, {"k": 2, "gamma": 6}],
           "medusa": [{}, {"tree": "chain"}, {"tree": "chain", "k": 1}],
           "firp": [{}, {"tree": "chain"}, {"k": 2}],
-          "sdsat": [{}, {"variant": "fused"}, {"k": 1}, {"k": 8, "variant": "fused"}]}
+          "sdsat": [{}, {"variant": "fused"}, {"k": 1, "tree": "caterpillar"},
+                    {"k": 8, "variant": "fused", "tree": "caterpillar"}, {"k": 7, "tree": "official"}]}
 
 
 def _ids(tok, prompt):

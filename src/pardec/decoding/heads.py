@@ -11,19 +11,28 @@ and the drafts of the next step, from the node that ends the accepted path:
   hidden state; head k drafts the token k + 1 positions after the one the target commits there.
 * ``firp`` (Wu et al. 2024): K pseudo hidden states per node, born at intermediate layers from the node's own
   hidden states by :class:`~pardec.models.heads.FirpProjections` and run through the upper layers inside the same
-  forward (:meth:`~pardec.models.cached.CachedModel.forward_pseudo`); the LM head runs only on the accepted node's.
+  forward (:meth:`~pardec.models.cached.CachedModel.forward_pseudo`), each seeing the node's prefix and itself
+  (FIRP §3.3; ``attention=pseudo``: also the node's earlier pseudo states); the LM head runs only on the accepted
+  node's.
 
 Exactness: candidates are deterministic (top-k), so the shared tree rule keeps greedy output equal to ``ar`` and
 sampled output distributed exactly as the target's (``distribution``). ``medusa_typical`` replaces it under
-sampling by Medusa's typical acceptance (a candidate passes when its target probability exceeds
-``min(posterior_threshold, posterior_alpha * exp(-entropy))``, the longest passing path wins, the next token is
-sampled from the target at its end): ``approximate``, declared; under greedy it is the exact greedy rule.
+sampling by Medusa's typical acceptance (Cai et al. 2024, Sec. 2.3.1; reference ``medusa/model/utils.py``
+``evaluate_posterior`` with ``fast=True``, the default of ``medusa_generate``): a candidate passes when its target
+probability (at the run's temperature) exceeds ``min(posterior_threshold, posterior_alpha * exp(-entropy))``; the
+longest passing path wins, among paths of that length the most likely one (the sum of its accepted tokens' log
+probabilities); the token after it is the target's argmax there (``next_token=greedy``: the reference's
+``generate_candidates`` with ``fast=True``, the first token of each step decoded greedily and accepted
+unconditionally). ``next_token=sample`` draws it from the target's warped distribution (pardec's earlier rule),
+``next_token=typical`` from the typical-filtered one (the reference with ``fast=False``). ``approximate``,
+declared; under greedy it is the exact greedy rule.
 """
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
-from typing import ClassVar
+from typing import ClassVar, Literal
 
 import torch
 
@@ -33,8 +42,10 @@ from pardec.decoding.sampling import warp
 from pardec.decoding.tree import Tree
 from pardec.decoding.tree_search import resolve_tree, truncate_paths
 from pardec.decoding.verify import TreeVerdict, verify_tree
-from pardec.models.cached import CachedModel
+from pardec.models.cached import PSEUDO_ATTENTION, CachedModel
 from pardec.models.heads import load_drafter, read_meta
+
+log = logging.getLogger(__name__)
 
 
 class TreeDrafter(Decoder):
@@ -142,51 +153,81 @@ class MedusaTypical(Medusa):
 
     def __init__(self, target: CachedModel, tokenizer=None, draft=None, heads: str | None = None,
                  tree: str = "chain", k: int | None = None, posterior_threshold: float = 0.09,
-                 posterior_alpha: float = 0.3):
+                 posterior_alpha: float = 0.3, next_token: Literal["greedy", "sample", "typical"] = "greedy"):
         super().__init__(target, tokenizer, draft, heads, tree, k)
         check_range("posterior_threshold", posterior_threshold, 0.0, 1.0, integer=False)
         check_range("posterior_alpha", posterior_alpha, 0.0, 1.0, integer=False)
-        self.threshold, self.alpha = posterior_threshold, posterior_alpha
+        if next_token not in NEXT_TOKEN:
+            raise ConfigError(f"method.next_token={next_token!r} is not valid; choose one of: {', '.join(NEXT_TOKEN)}")
+        self.threshold, self.alpha, self.next_token = posterior_threshold, posterior_alpha, next_token
 
     def _accept(self, tree, logits, st):
         if st.s.greedy:
             return verify_tree(tree, logits, st.s, st.gen)
-        return typical_accept(tree, logits, st.s, st.gen, self.threshold, self.alpha)
+        return typical_accept(tree, logits, st.s, st.gen, self.threshold, self.alpha, self.next_token)
+
+
+NEXT_TOKEN = ("greedy", "sample", "typical")
 
 
 def typical_accept(tree: Tree, logits: torch.Tensor, s: SamplingConfig, gen: torch.Generator | None,
-                   threshold: float, alpha: float) -> TreeVerdict:
-    """Medusa's typical acceptance: node n passes when its parent's target probability of its token (temperature
-    only) exceeds ``min(threshold, alpha * exp(-H))``, H the entropy there; the deepest node whose whole path
-    passes wins (the first in node order among equals) and one more token is sampled from the target's warped
-    distribution at it."""
-    probs = torch.softmax(logits.float() / s.temperature, dim=-1)
+                   threshold: float, alpha: float, next_token: str = "greedy") -> TreeVerdict:
+    """Medusa's typical acceptance (Sec. 2.3.1): node n passes when its parent's target probability of its token
+    (temperature only) exceeds ``min(threshold, alpha * exp(-H))``, H the entropy there. Among the nodes whose whole
+    path passes, the deepest wins; among equally deep ones the most likely path (the largest sum of its tokens' log
+    probabilities, as the reference's ``evaluate_posterior``), the first in node order among exact ties. One more
+    token follows at the winner: the target's argmax (``greedy``, the paper's), a sample of the target's warped
+    distribution (``sample``) or of its typical-filtered one (``typical``: tokens under the bar there dropped)."""
+    probs = torch.softmax(logits.float() / s.temperature, dim=-1)  # [N, V]
     ent = -(probs * probs.clamp_min(1e-30).log()).sum(-1)
-    bar = torch.minimum(torch.full_like(ent, threshold), alpha * torch.exp(-ent))
-    ok = [True] + [bool(probs[tree.parents[n], tree.labels[n]] > bar[tree.parents[n]]) for n in range(1, len(tree))]
+    bar = torch.minimum(torch.full_like(ent, threshold), alpha * torch.exp(-ent))  # [N]
+    parents = torch.tensor(tree.parents[1:], dtype=torch.long, device=probs.device)
+    labels = torch.tensor(tree.labels[1:], dtype=torch.long, device=probs.device)
+    p = probs[parents, labels]  # [N-1] each node's probability under its parent's row
+    ok, logp = (p > bar[parents]).tolist(), p.clamp_min(1e-30).log().tolist()  # one read back
+    passes, score, depth = [True] + [False] * (len(tree) - 1), [0.0] * len(tree), tree.depth.tolist()
     best = 0
-    for n in range(1, len(tree)):
-        if all(ok[m] for m in tree.path_to(n)) and int(tree.depth[n]) > int(tree.depth[best]):
+    for n in range(1, len(tree)):  # parents come before their children
+        par = tree.parents[n]
+        passes[n] = passes[par] and ok[n - 1]
+        score[n] = score[par] + logp[n - 1]
+        if passes[n] and (depth[n], score[n]) > (depth[best], score[best]):
             best = n
     path = tree.path_to(best)
-    nxt = int(torch.multinomial(warp(logits[best], s), 1, generator=gen))
+    if next_token == "greedy":
+        nxt = int(logits[best].argmax())
+    else:
+        dist = warp(logits[best], s) if next_token == "sample" else probs[best].masked_fill(probs[best] < bar[best], 0)
+        nxt = int(torch.multinomial(dist, 1, generator=gen))
     return TreeVerdict(path, [tree.labels[n] for n in path[1:]] + [nxt])
 
 
 @register_method("firp")
 class Firp(TreeDrafter):
+    """``attention``: what the pseudo states see: ``real`` (FIRP §3.3, the default: the node's prefix, real states
+    only, and itself) or ``pseudo`` (also the node's earlier pseudo states). Use the pattern the projections were
+    trained with (their drafter.json ``attention``; a mismatch is allowed, logged, and stays exact)."""
+
     kind, key = "firp", "projections"
 
     def __init__(self, target: CachedModel, tokenizer=None, draft=None, projections: str | None = None,
-                 tree: str = "chain", k: int | None = None):
+                 tree: str = "chain", k: int | None = None, attention: str = "real"):
+        if attention not in PSEUDO_ATTENTION:
+            raise ConfigError(f"method.attention={attention!r} is not valid; choose one of: "
+                              f"{', '.join(PSEUDO_ATTENTION)}")
         super().__init__(target, tokenizer, draft, projections, tree, k)
+        self.attention = attention
         self.layers = self.drafter.layers[: self.k] if target is not None else None
+        if target is not None and self.drafter.attention != attention:
+            log.warning("method.attention=%s, but the projections in %s were trained with attention=%s: drafts "
+                        "will be worse (output unchanged)", attention, projections, self.drafter.attention)
 
     def _forward(self, ids, positions=None, attend=None, last_only=False):
         n = ids.shape[-1]
         anchors = [n - 1] if last_only else None
         out = self.target.forward_pseudo(ids, self.drafter, self.layers, anchors=anchors, positions=positions,
-                                         attend=attend, logits_at=[n - 1] if last_only else None)
+                                         attend=attend, logits_at=[n - 1] if last_only else None,
+                                         attention=self.attention)
         return out.logits[0], out.pseudo[0]
 
     def _drafts(self, pseudo, node):

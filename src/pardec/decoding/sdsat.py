@@ -19,12 +19,28 @@ after it); otherwise the next forward drafts anew.
 * ``variant=fused``: every forward verifies the previous drafts *and* appends the k adaptive tokens, so a fully
   accepted chain is followed at once by the next one: up to k + 1 tokens per forward.
 
-Candidates: under greedy the main chain alone (the drafts' argmax); under sampling a tree (the paper's nucleus
-sampling): at each depth the ``top_k`` most likely draft tokens inside the ``top_p`` nucleus of the draft's
-distribution (at the run's temperature); the most likely continues the main chain, the others are leaves hanging
-from the main chain's node one level up. The candidates are a deterministic function of the committed tokens, so
-the shared tree rule is exact (``distribution``): the paper's reference code sampled each row on its own, which is
-not. Adaptive ids never become candidates.
+Candidates: under greedy the main chain alone (the drafts' argmax), as the paper's greedy decoder. Under sampling
+(the paper's nucleus sampling) each depth's draft distribution (at the run's temperature) gives a ranked list: its
+``top_k`` most likely tokens inside the ``top_p`` nucleus (the paper's defaults 10 and 0.95). ``tree`` says which
+nodes are built from those lists:
+
+* ``official`` (default): the reference code's static trees (``decoders/model/utils.py``, ``tree_depth_{k}``, run
+  by its ``start_nucleus.sh`` for k = 5, 7, 9, 11, 13, the trees its nucleus-sampling results come from):
+  Medusa-style rank paths, the node ``(r_1..r_d)`` holding the ``r_d``-th token of depth d's list whatever its
+  parent (k = 5: 4 / 8 / 8 / 5 / 3 nodes per depth). Other k have no official tree.
+* ``caterpillar`` (pardec's earlier shape, any k): the main chain, with every other listed token of a depth as a
+  leaf hanging from the main chain's node one level up.
+* a pardec tree file (:mod:`pardec.decoding.tree_search` format: rank paths) no deeper than ``k``.
+
+A node whose rank is past the end of its depth's list (a narrow nucleus) is left out with its subtree. The
+candidates are a deterministic function of the committed tokens, so the shared tree rule is exact
+(``distribution``) with every shape: the paper's reference code sampled the candidates and each row on its own,
+which is not. Adaptive ids never become candidates.
+
+Counts: ``drafted`` is the depth of each verified candidate tree (k, fewer only where fewer tokens remain) and
+``draft_accepted`` the drafted tokens accepted, so the harness's draft acceptance is the paper's accept rate (its
+Fig. 3: accepted tokens / adaptive tokens, per verification, as the reference code's ``a_time / c_time``). The
+per-node figure is the extra ``node_acceptance`` (accepted / candidate nodes verified, ``tree_nodes``).
 
 ``k`` is free at inference for identical adaptive tokens (one id repeated); SDSAT-D's distinct tokens allow
 ``k <= L``. The adaptive ids come from the model's ``config.sdsat`` (written by training) or ``method.adaptive_ids``.
@@ -32,6 +48,7 @@ not. Adaptive ids never become candidates.
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Literal
 
 import torch
@@ -39,9 +56,53 @@ import torch
 from pardec.config import ConfigError, ModelConfig, SamplingConfig
 from pardec.decoding.base import Decoder, GenerationResult, Stopper, check_range, register_method
 from pardec.decoding.tree import Tree
+from pardec.decoding.tree_search import load_tree, truncate_paths
 from pardec.decoding.verify import verify_tree
 from pardec.models.adaptive import adaptive_ids_of
 from pardec.models.cached import CachedModel
+
+# The reference code's nucleus trees (decoders/model/utils.py, tree_depth_{k}), written compactly: depths separated
+# by "/", each node a rank path whose leading zeros are left out ("10" at depth 3 is the path [0, 1, 0]).
+OFFICIAL_TREES = {
+    5: "0 1 2 3 / 0 1 2 10 11 20 21 30 / 0 1 2 10 11 20 21 100 / 0 1 2 10 11 / 0 1 2",
+    7: "0 1 2 3 / 0 1 2 10 11 20 21 30 / 0 1 2 10 11 20 21 100 / 0 1 2 10 11 20 / 0 1 2 10 11 / 0 1 2 / 0 1",
+    9: "0 1 2 3 / 0 1 2 10 11 20 21 30 / 0 1 2 10 11 20 21 100 / 0 1 2 10 11 20 / 0 1 2 10 11 20 / 0 1 2 10 11 / "
+       "0 1 2 10 / 0 1 2 / 0 1",
+    11: "0 1 2 3 / 0 1 2 10 11 20 21 30 / 0 1 2 10 11 20 21 100 / 0 1 2 10 11 20 21 100 / 0 1 2 10 11 20 / "
+        "0 1 2 10 11 20 / 0 1 2 10 11 20 / 0 1 2 10 11 / 0 1 2 10 / 0 1 2 / 0 1",
+    13: "0 1 2 3 / 0 1 2 10 11 20 21 30 / 0 1 2 10 11 20 21 100 / 0 1 2 10 11 20 21 100 / 0 1 2 10 11 20 21 100 / "
+        "0 1 2 10 11 20 21 100 / 0 1 2 10 11 20 / 0 1 2 10 11 20 / 0 1 2 10 11 20 / 0 1 2 10 11 / 0 1 2 10 / "
+        "0 1 2 / 0 1",
+}
+
+
+def official_tree(k: int) -> list[list[int]]:
+    """The reference code's nucleus tree of depth ``k`` as rank paths (depth by depth)."""
+    return [[int(c) for c in node.rjust(d, "0")]
+            for d, level in enumerate(OFFICIAL_TREES[k].split("/"), 1) for node in level.split()]
+
+
+def resolve_shape(tree: str, k: int) -> list[list[int]] | None:
+    """``method.tree`` -> the rank paths of the sampling tree (None: the caterpillar), checked against ``k``."""
+    tree = str(tree)
+    if tree == "caterpillar":
+        return None
+    if tree == "official":
+        if k not in OFFICIAL_TREES:
+            raise ConfigError(f"method.tree=official has no tree for method.k={k}: the reference code's trees have "
+                              f"depth k in {', '.join(map(str, OFFICIAL_TREES))}; use one of those k, "
+                              f"method.tree=caterpillar or a tree file")
+        return official_tree(k)
+    if tree and Path(tree).is_file():
+        paths = load_tree(tree).paths
+        depth = max(len(p) for p in paths)
+        if depth > k:
+            raise ConfigError(f"method.tree={tree!r} has depth {depth}, out of range: a tree's depth must be in "
+                              f"[1, {k}] (method.k={k} adaptive tokens draft {k} depths)")
+        return paths
+    raise ConfigError(f"method.tree={tree!r} is not valid; choose official, caterpillar or a tree JSON file "
+                      f"(rank paths of depth <= method.k)")
+
 
 TRAIN_HINT = ("train one with `python -m train +experiment=sdsat_smollm2` and pass model=local "
               "model.path=<run dir>/final (or give method.adaptive_ids)")
@@ -54,7 +115,7 @@ class SDSAT(Decoder):
 
     def __init__(self, target: CachedModel, tokenizer=None, draft=None, k: int = 5,
                  variant: Literal["two_step", "fused"] = "two_step", top_k: int = 10, top_p: float = 0.95,
-                 adaptive_ids: list | None = None):
+                 tree: str = "official", adaptive_ids: list | None = None):
         super().__init__(target, tokenizer, draft)
         check_range("k", k, 1, 1 << 16)
         if variant not in ("two_step", "fused"):
@@ -79,6 +140,7 @@ class SDSAT(Decoder):
         if self.adaptive is not None and len(self.adaptive) > 1 and k > len(self.adaptive):
             raise ConfigError(f"method.k={k} is out of range: this model's {len(self.adaptive)} distinct adaptive "
                               f"tokens (SDSAT-D, L={len(self.adaptive)}) draft at most k={len(self.adaptive)}")
+        self.tree_name, self.paths = str(tree), resolve_shape(tree, k)  # the sampling tree; greedy drafts a chain
 
     @classmethod
     def check_model(cls, model: ModelConfig, params: dict) -> None:
@@ -106,10 +168,28 @@ class SDSAT(Decoder):
 
     def candidates(self, drafts: torch.Tensor, s: SamplingConfig) -> tuple[Tree, int]:
         """(candidate tree, index of the main chain's last node) from draft logits [d, V]."""
+        if s.greedy:  # the main chain alone
+            return Tree.chain(drafts.argmax(-1).tolist()), len(drafts)
+        if self.paths is None:
+            return self._caterpillar(drafts, s)
+        ranked = [self._nucleus(row, s) for row in drafts]  # depth d's list, most likely first
+        paths = [p for p in truncate_paths(self.paths, len(drafts))
+                 if all(r < len(ranked[d]) for d, r in enumerate(p))]  # ranks past a narrow nucleus: left out
+        tree = Tree.from_paths([[ranked[d][r] for d, r in enumerate(p)] for p in paths])
+        node = 0  # the main chain: every depth's most likely token, as deep as the tree holds it
+        for d in range(len(drafts)):
+            nxt = [c for c in tree.children[node] if tree.labels[c] == ranked[d][0]]
+            if not nxt:
+                break
+            node = nxt[0]
+        return tree, node
+
+    def _caterpillar(self, drafts: torch.Tensor, s: SamplingConfig) -> tuple[Tree, int]:
+        """The main chain with each depth's other listed tokens as leaves under the chain's node one level up."""
         parents, labels = [-1], [-1]
         node = 0  # the main chain's deepest node so far
         for d, tok in enumerate(drafts.argmax(-1).tolist()):
-            alts = [t for t in self._nucleus(drafts[d], s) if t != tok] if not s.greedy and self.top_k > 1 else []
+            alts = [t for t in self._nucleus(drafts[d], s) if t != tok] if self.top_k > 1 else []
             parents += [node] * (1 + len(alts))
             labels += [int(tok)] + alts
             node = len(parents) - 1 - len(alts)
@@ -142,7 +222,7 @@ class SDSAT(Decoder):
 
         st, last = self._start(prompt_ids, max_new_tokens, stop, sampling, prefill)
         drafts = self._draft_logits(box["rows"], st.out.tokens)
-        drafted = accepted = 0
+        drafted = accepted = nodes = 0
         loops = 0
         while not st.out.done:
             depth = min(self.k, st.out.room - 1) if drafts is not None else 0
@@ -164,13 +244,15 @@ class SDSAT(Decoder):
             verdict = verify_tree(tree, logits[: len(tree)], st.s, st.gen)
             st.out.commit(verdict.tokens)
             self.target.keep(verdict.path)
-            drafted += len(tree) - 1
+            drafted += depth  # the paper's accept rate counts adaptive tokens (drafted depths), not tree nodes
+            nodes += len(tree) - 1
             accepted += len(verdict.path) - 1
             last = verdict.tokens[-1]
             drafts = (self._draft_logits(logits[len(tree):], st.out.tokens)
                       if n_adapt and verdict.path[-1] == anchor else None)
-        return self._result(st, {"k": self.k, "variant": self.variant, "verifications": loops},
-                            drafted=drafted, draft_accepted=accepted)
+        extras = {"k": self.k, "variant": self.variant, "tree": self.tree_name, "verifications": loops,
+                  "tree_nodes": nodes, "node_acceptance": accepted / nodes if nodes else None}
+        return self._result(st, extras, drafted=drafted, draft_accepted=accepted)
 
 
 def _with_chain(tree: Tree, anchor: int, labels: list[int]) -> Tree:
