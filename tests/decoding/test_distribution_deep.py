@@ -1,0 +1,325 @@
+"""Distributions past the first draft token (issue #24). ``test_distribution.py`` stops at 3 new tokens: the first
+comes from the prefill and only one token is left to draft, so every draft there is one token deep. Here every
+``distribution`` method generates 5 tokens (sdsat 7), drafting up to 3 deep, and two chi-square tests compare the
+joint distributions of tokens 3-4 (depths 2-3 of the first draft) and of tokens 4-5 (the last draft position and
+the bonus token, or a second round), each marginalised over the other tokens, with the target's, enumerated exactly
+on the 16-token model. Each method runs with parameters that reach its deep paths, and the test asserts that they
+ran:
+
+* every drafting method: some verification accepted >= 2 drafted tokens, some accepted >= 1 and then rejected (a
+  residual sampled at depth >= 2), and tokens 4 and 5 came out of one target forward in some samples;
+* ``spectr``: K-SEQ at a node below the root with >= 2 draws through it, both accepting a draw and falling back
+  to its residual;
+* ``ouroboros``: the draft's own lookahead accepted pool phrases (several draft tokens in one draft forward),
+  draft chain + pool phrases were verified as one tree, and phrase tokens were accepted past the draft;
+* ``sdsat`` (``variant=fused``): drafts read from the adaptive tokens appended to a verification forward were
+  verified by the next forward, and accepted >= 2 deep there;
+* ``jacobi``: re-sampled guesses (a block's later iterations) were accepted;
+* ``lookahead`` / ``pld``: pool / prompt n-grams accepted >= 2 deep.
+
+Set-up. The prompt is the target's own 3-cycle (0 -> 5 -> 9 -> 0, each step with probability 0.45-0.8 at
+temperature 1), so n-gram drafts from the prompt, the pool and the window are often, not always, right. Draft
+models are a noisy copy of the target (Gaussian noise, 0.3 x each tensor's std: the draft/target TV distance is
+~0.3 on these pairs), not the unrelated ``tiny_vocab(1)`` of the 3-token test, which is almost never accepted
+twice in a row. The untrained Medusa heads / FIRP projections of ``tests/decoding/drafters.py`` and the stand-in
+SDSAT adaptive token guess the *next* token at every depth, which a 3-cycle never continues; their candidate trees
+are built instead from an oracle's drafts (the noisy copy's greedy rollout from the committed context, through the
+methods' own seams ``candidates`` / ``_draft_logits``), so medusa and firp draw the same samples and differ only
+in their forwards. Drafts never change what these methods sample, only which paths run: every draft here is a
+deterministic function of the committed tokens (or an exact sample of a recorded ``q``), which is what exactness
+needs.
+
+Sampling setting: the warped one only (temperature 2, top-k 5, top-p 0.9), for the budget. It runs every code path
+the plain one does, and more: temperature scaling of p and q, and zeros in both from top-k / top-p (residuals and
+K-SEQ factors over truncated supports); the plain setting's first position stays covered by the 3-token test.
+
+Power: N = 1500 samples, ~52 cells with expected count >= 5 per pair (the rest pooled), each pair at p > 1e-3.
+Simulated with the exact pair distribution P (200 runs per point), the smallest contamination eps (output
+(1 - eps) P + eps Q) rejected in >= 90% of runs, for either pair: eps = 0.075 for Q = the two tokens independent
+with P's marginals (a bug that breaks the dependence between positions), 0.15 for Q uniform on P's support, 0.25
+for Q = the draft model's own pair distribution (draft tokens leaking through unverified).
+
+Teeth: depth-only bugs planted in a scratch copy (pytest plugins that monkeypatch, never the sources), all
+invisible to the 3-token test, which passed with each of them; this test caught each (the last one in two of the
+three methods it hits):
+sps checking every draft token against the draft's first distribution q_1 (tokens 3-4 p = 3e-47); SpecTr's K-SEQ
+below the root replaced by the naive rule (division factor 1, residual norm(max(p - q, 0))) (p = 5e-5); sdsat's
+candidate tree seeing the adaptive tokens a fused forward appends after it (p = 2e-7); the tree rule below the root
+sampling the fallback token from p instead of p without the rejected candidates: lookahead p = 2e-12, medusa 3e-5,
+but sdsat (fewer deep nodes here) only 1e-3 / 0.12 on its two pairs: not caught.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import tempfile
+from collections import Counter
+from pathlib import Path
+
+import pytest
+import torch
+
+import pardec.decoding.base as base_mod
+import pardec.decoding.heads as heads_mod
+import pardec.decoding.lookahead as lookahead_mod
+import pardec.decoding.ouroboros as ouroboros_mod
+import pardec.decoding.sdsat as sdsat_mod
+import pardec.decoding.spectr as spectr_mod
+import pardec.decoding.verify as verify_mod
+from pardec.config import SamplingConfig
+from pardec.decoding import METHODS, Stopper, build_decoder
+from pardec.decoding.sampling import warp
+from pardec.decoding.tree_search import save_tree
+from pardec.models.cached import CachedModel
+from tests.decoding.drafters import drafter_params
+from tests.decoding.test_distribution import DISTRIBUTION, SETTINGS, V, tiny_vocab
+from tests.stats import chi_square_p
+
+T = 5  # new tokens (sdsat: LENGTH)
+PAIRS = ((3, 4), (4, 5))  # the joints tested: tokens 3-4 (depths 2-3 of the first draft), 4-5 (last draft, bonus)
+PROMPT = [0, 5, 9, 0, 5, 9, 0]  # the target's 3-cycle (see the module doc)
+SETTING = SETTINGS["warped"]
+N = 1500
+PARAMS = {
+    "sps": {"gamma": 3},  # tokens 2-4 drafted in the first round, token 5 its bonus
+    "pld": {"max_ngram": 3, "num_pred": 4},
+    "jacobi": {"block_size": 4},  # one block for tokens 2-5: iterations after the first verify re-sampled guesses
+    "lookahead": {"level": 4, "window": 3, "guess_set": 3, "pool_from_prompt": True},
+    # gamma 2 leaves one position for a pool phrase after the first round's draft; the pool kept across samples
+    "ouroboros": {"gamma": 2, "level": 3, "window": 2, "guess_set": 3, "top_k_phrases": 2, "warm_start": True},
+    "spectr": {"k": 3, "gamma": 3},
+    # k 2 and 7 tokens: the first verification (tokens 2-3, bonus 4) appends the adaptive tokens whose drafts the
+    # second verifies (tokens 5-6, bonus 7); a depth-2 tree file (rank paths), as the official trees are
+    "sdsat": {"k": 2, "variant": "fused", "top_k": 3},  # + tree: depth2_tree()
+}
+LENGTH = {"sdsat": 7}
+NOISE = 0.3  # the draft: the target plus Gaussian noise of 0.3 x each tensor's std
+
+
+@functools.cache
+def near_draft() -> torch.nn.Module:
+    """A noisy copy of the target (``tiny_vocab(0)``): agrees with it often, not always."""
+    model = copy.deepcopy(tiny_vocab(0))
+    g = torch.Generator().manual_seed(7)
+    with torch.no_grad():
+        for w in model.parameters():
+            std = float(w.std()) if w.numel() > 1 else 0.0
+            w.add_(torch.randn(w.shape, generator=g) * std * NOISE)
+    return model
+
+
+@functools.cache
+def _rollout(context: tuple[int, ...], depth: int) -> torch.Tensor:
+    """The near draft's logits [depth, V] along its greedy continuation of ``context``."""
+    seq, rows = list(context), []
+    with torch.no_grad():
+        for _ in range(depth):
+            row = near_draft()(input_ids=torch.tensor([seq])).logits[0, -1]
+            rows.append(row)
+            seq.append(int(row.argmax()))
+    return torch.stack(rows)
+
+
+@functools.cache
+def depth2_tree() -> str:
+    """A tree file of rank paths, 2 deep (sdsat's ``tree``)."""
+    return str(save_tree(Path(tempfile.mkdtemp(prefix="pardec-deep-")) / "D2.json", "D2",
+                         [[0], [1], [0, 0], [0, 1], [1, 0]]))
+
+
+def oracle(committed: list[int], depth: int) -> torch.Tensor:
+    return _rollout(tuple(PROMPT + list(committed)), depth).clone()
+
+
+@functools.cache
+def exact_pairs() -> dict[tuple[int, int], dict[tuple[int, int], float]]:
+    """P(t_i, t_j | PROMPT) under SETTING for each pair of PAIRS (1-based positions): every prefix of T tokens with
+    positive probability enumerated (batched forwards: ~4,700 prefixes under the warped setting), then summed."""
+    model = tiny_vocab(0)
+    with torch.no_grad():
+        joint = torch.ones(1, dtype=torch.float64)
+        pref = torch.zeros(1, 0, dtype=torch.long)
+        for _ in range(T):
+            ids = torch.cat([torch.tensor(PROMPT).expand(len(pref), -1), pref], 1)
+            p = warp(model(input_ids=ids).logits[:, -1], SETTING).double()  # [B, V]
+            joint = (joint[:, None] * p).reshape(-1)
+            pref = torch.cat([pref.repeat_interleave(V, 0), torch.arange(V).repeat(len(pref))[:, None]], 1)
+            keep = joint > 0
+            joint, pref = joint[keep], pref[keep]
+    out = {}
+    for i, j in PAIRS:
+        pair = torch.zeros(V * V, dtype=torch.float64).index_add_(0, pref[:, i - 1] * V + pref[:, j - 1], joint)
+        out[(i, j)] = {(x // V, x % V): float(q) for x, q in enumerate(pair.tolist()) if q > 0}
+    return out
+
+
+# ---------------------------------------------------------------------------------------------- instrumentation
+class Probe:
+    """What the verifications of one generation did, recorded by wrapping the rules the decoders call."""
+
+    def __init__(self):
+        self.checks: list[tuple[int, int, bool]] = []  # target verifications: (depth offered, accepted, rejected)
+        self.draft_multi = 0  # ouroboros: draft forwards whose own verification accepted pool tokens
+        self.kseq: list[list[tuple[int, bool]]] = []  # spectr: per verification, per depth: (draws, one accepted)
+        #: sdsat: drafts read from adaptive rows: (the verification that will use them, the candidate depth of the
+        #: forward that produced them: 0 an adaptive-only forward, -1 the prefill)
+        self.reads: list[tuple[int, int]] = []
+        self.phrases = 0  # ouroboros: rounds whose tree carried pool phrases after the draft
+
+    def reset(self):
+        self.__init__()
+
+
+def _chain(probe: Probe, fn):
+    def wrapped(draft, logits, s, gen, q=None):
+        out = fn(draft, logits, s, gen, q)
+        k = len(draft)
+        probe.checks.append((k, len(out) - 1, len(out) - 1 < k))
+        return out
+
+    return wrapped
+
+
+def _tree(probe: Probe, fn, side: str = "target"):
+    def wrapped(tree, logits, s, gen, *a, **kw):
+        verdict = fn(tree, logits, s, gen, *a, **kw)
+        if side == "draft":
+            probe.draft_multi += len(verdict.path) > 1
+        else:
+            probe.checks.append((tree.max_depth, len(verdict.path) - 1, bool(tree.children[verdict.path[-1]])))
+        return verdict
+
+    return wrapped
+
+
+def instrument(method: str, dec, monkeypatch) -> Probe:
+    probe = Probe()
+    monkeypatch.setattr(base_mod, "verify_chain", _chain(probe, base_mod.verify_chain))
+    for mod in (base_mod, heads_mod, lookahead_mod, sdsat_mod):
+        monkeypatch.setattr(mod, "verify_tree", _tree(probe, mod.verify_tree))
+    monkeypatch.setattr(ouroboros_mod, "verify_tree", _tree(probe, ouroboros_mod.verify_tree, "draft"))
+    monkeypatch.setattr(spectr_mod, "verify_tree_iid", _tree(probe, spectr_mod.verify_tree_iid))
+    kseq = verify_mod.kseq
+
+    def kseq_seen(draws, p, q, gen):
+        i, residual = kseq(draws, p, q, gen)
+        probe.kseq[-1].append((len(draws), i is not None))
+        return i, residual
+
+    iid = spectr_mod.verify_tree_iid
+
+    def iid_seen(*a, **kw):
+        probe.kseq.append([])  # K-SEQ calls below, one per depth of the walk down the tree
+        return iid(*a, **kw)
+
+    monkeypatch.setattr(verify_mod, "kseq", kseq_seen)
+    monkeypatch.setattr(spectr_mod, "verify_tree_iid", iid_seen)
+
+    # the committed output, live, for the oracle drafts
+    start = dec._start
+    box: dict = {}
+
+    def tracked(*a, **kw):
+        st, last = start(*a, **kw)
+        box["out"] = st.out.tokens
+        return st, last
+
+    dec._start = tracked
+    if method in ("medusa", "firp"):
+        cands = dec.candidates
+        dec.candidates = lambda drafts, depth: cands(oracle(box["out"], max(1, depth)), depth)
+    if method == "sdsat":
+        read = dec._draft_logits
+
+        def drafts_seen(rows, committed):
+            probe.reads.append((len(probe.checks), probe.checks[-1][0] if probe.checks else -1))
+            return read(oracle(committed, len(rows)), committed)
+
+        dec._draft_logits = drafts_seen
+    if method == "ouroboros":
+        phrases_for = dec.phrases_for
+
+        def phrases_seen(draft, room):
+            out = phrases_for(draft, room)
+            probe.phrases += bool(out)
+            return out
+
+        dec.phrases_for = phrases_seen
+    return probe
+
+
+def fused_deep(probe: Probe) -> bool:
+    """sdsat: whether a verification accepted >= 2 drafts read from the adaptive tokens that an earlier
+    *verification* forward (one with a candidate tree) appended: the fused variant's own path."""
+    return any(depth > 0 and n < len(probe.checks) and probe.checks[n][1] >= 2 for n, depth in probe.reads)
+
+
+# ---------------------------------------------------------------------------------------------- the test
+@pytest.fixture
+def one_thread():
+    """One torch thread: these 16-token forwards gain nothing from two, and on a busy machine two threads' waits
+    for each other multiply the run time (tens of times for ouroboros' many small forwards)."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def test_the_deep_test_covers_every_distribution_method():
+    assert set(PARAMS) | {"ar", "medusa", "firp"} == set(DISTRIBUTION)
+
+
+@pytest.mark.slow  # N = 1500 samples of 5 tokens per method: the power the module doc states
+@pytest.mark.parametrize("method", DISTRIBUTION)
+def test_later_token_pairs_follow_the_target_distribution(method, monkeypatch, one_thread):
+    target = tiny_vocab(0)
+    draft = CachedModel(near_draft(), name="draft") if METHODS.get(method).needs_draft else None
+    params = {**drafter_params(method, target), **PARAMS.get(method, {})}
+    if method == "sdsat":
+        params["tree"] = depth2_tree()
+    dec = build_decoder(method, CachedModel(target), None, draft, **params)
+    probe = instrument(method, dec, monkeypatch)
+    obs: dict[tuple[int, int], Counter] = {pair: Counter() for pair in PAIRS}
+    seen: Counter = Counter()
+    for i in range(N):
+        s = SamplingConfig(temperature=SETTING.temperature, top_k=SETTING.top_k, top_p=SETTING.top_p, seed=5000 + i)
+        probe.reset()
+        res = dec.generate(PROMPT, LENGTH.get(method, T), Stopper(), s)
+        assert len(res.tokens) == LENGTH.get(method, T)
+        for a, b in PAIRS:
+            obs[(a, b)][res.tokens[a - 1], res.tokens[b - 1]] += 1
+        ends = [sum(res.accepted[: j + 1]) for j in range(len(res.accepted))]  # tokens committed after each forward
+        seen["pair"] += T - 1 not in ends  # no forward ended at token 4: tokens 4 and 5 came from one forward
+        seen["deep_accept"] += any(acc >= 2 for _, acc, _ in probe.checks)  # >= 2 drafted tokens accepted at once
+        seen["deep_reject"] += any(acc >= 1 and rej for _, acc, rej in probe.checks)  # residual at depth >= 2
+        seen["resampled"] += any(acc >= 1 for _, acc, _ in probe.checks[1:])
+        below = [c for walk in probe.kseq for c in walk[1:] if c[0] >= 2]  # K-SEQ below the root, >= 2 draws
+        seen["kseq_accept"] += any(ok for _, ok in below)
+        seen["kseq_residual"] += any(not ok for _, ok in below)
+        seen["draft_multi"] += probe.draft_multi > 0
+        seen["phrases"] += probe.phrases > 0
+        seen["from_phrases"] += bool(res.extras.get("accepted_from_phrases"))
+        seen["fused_deep"] += fused_deep(probe)
+    for pair in PAIRS:
+        p, dof = chi_square_p(obs[pair], exact_pairs()[pair], N)
+        print(method, pair, f"p={p:.4f} dof={dof}", dict(seen))
+        assert dof >= 40, dof
+        assert p > 1e-3, (method, pair, p, dof)
+
+    # the deep paths ran (observed counts are several times these floors)
+    floor = N // 30
+    if method == "ar":
+        assert seen["pair"] == 0 and not probe.checks
+        return
+    assert seen["pair"] >= floor, seen  # tokens 4 and 5 drafted / verified together
+    if method == "jacobi":  # re-sampled guesses (iterations after a block's first) accepted
+        assert seen["resampled"] >= floor // 3, seen
+        return
+    assert seen["deep_accept"] >= floor and seen["deep_reject"] >= floor, seen
+    if method == "spectr":
+        assert seen["kseq_accept"] >= floor and seen["kseq_residual"] >= floor // 3, seen
+    if method == "ouroboros":
+        assert seen["draft_multi"] >= floor and seen["phrases"] >= floor and seen["from_phrases"] >= floor // 3, seen
+    if method == "sdsat":
+        assert seen["fused_deep"] >= floor // 3, seen
