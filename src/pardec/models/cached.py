@@ -97,7 +97,7 @@ class CachedModel:
         #: this machine's forward-cost table (:mod:`pardec.models.cost`): a forward of T > 1 new rows after a cached
         #: prefix is padded to the cheapest row count >= T (None: never padded)
         self.cost = None
-        self.padded_rows = 0  # padding rows run so far (reported by the evaluation)
+        self.padded_rows = 0  # padding rows run so far (a diagnostic: tests read it; summaries do not yet)
 
     # ---------------------------------------------------------------- properties
     @property
