@@ -92,6 +92,10 @@ def test_tiny_end_to_end_with_lora_then_resume(tmp_path):
     summary = run(_tiny(tmp_path, "trainer.lora.enabled=true", "trainer.lora.r=4"), run_dir)
     assert summary["collect"]["complete"] and summary["train"]["samples"] > 0
     assert summary["train"]["records"] == 5 and summary["train"]["proxy_records"] == 1  # one held out
+    # the AR rows: whole answers of 20 tokens, the 8 past the 12 collected from stage generate
+    assert summary["generate"]["complete"] and summary["generate"]["prompts"] == 6
+    answers = summary["train"]["ar_answers"]
+    assert (answers["extended"], answers["mismatched"], answers["ar_tokens"]) == (5, 0, 5 * 20), answers
     history = json.loads((run_dir / "log_history.json").read_text())
     proxy = [h for h in history if "eval_ff_proxy" in h]
     assert [h["step"] for h in proxy] == [1, 2, 2]  # every eval step, and once more after training
@@ -136,12 +140,15 @@ def test_deepspeed_zero2_two_ranks_on_cpu(tmp_path):
     summary = json.loads((run_dir / "train_summary.json").read_text())
     assert summary["collect"]["complete"] and summary["train"]["samples"] > 0
     assert summary["train"]["records"] == 5 and summary["train"]["proxy_records"] == 1  # one held out
+    assert summary["generate"]["complete"] and summary["train"]["ar_answers"]["extended"] == 5
     history = json.loads((run_dir / "log_history.json").read_text())
     proxy = [h for h in history if "eval_ff_proxy" in h]
     assert [h["step"] for h in proxy] == [1, 2, 2]  # every eval step, and once more after training
     assert all(h["eval_ff_proxy_states"] > 0 for h in proxy) and "eval_ff_proxy" in summary["train"]
     traj = tmp_path / "data" / "trajectories" / "cllm_tiny"
     assert [len(read_part(traj / f"part-{r}.jsonl")) for r in (0, 1)] == [3, 3]
+    completions = tmp_path / "data" / "completions" / "cllm_tiny" / "train"
+    assert [len(read_part(completions / f"part-{r}.jsonl")) for r in (0, 1)] == [3, 3]
     assert [r["index"] for r in load_trajectories(traj)] == list(range(6))
 
 

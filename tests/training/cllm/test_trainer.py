@@ -7,9 +7,10 @@ import copy
 import pytest
 import torch
 
+from pardec.decoding import Stopper, build_decoder
 from pardec.models.cached import CachedModel
 from pardec.training.cllm.collect import jacobi_trajectories
-from pardec.training.cllm.data import CLLMCollator, TrajectoryDataset
+from pardec.training.cllm.data import CLLMCollator, TrajectoryDataset, ar_answer
 from pardec.training.cllm.trainer import CLLMConfig, CLLMTrainer, fast_forward_proxy, packed_forward
 from pardec.training.losses import ar_loss, consistency_loss
 from tests.conftest import tiny
@@ -25,6 +26,23 @@ def records() -> list[dict]:
     gens = [torch.Generator().manual_seed(i) for i in range(len(prompts))]
     out = jacobi_trajectories(CachedModel(lm.model), prompts, 4, 10, eos, gens)
     return [{"id": str(i), "prompt_ids": p, **r} for i, (p, r) in enumerate(zip(prompts, out))]
+
+
+@pytest.fixture(scope="module")
+def whole_records(records) -> list[dict]:
+    """The same records with whole answers (``ar_answer_ids``): their greedy answers run on to 16 tokens, past the
+    10 collected, one of them ending with an EOS there."""
+    lm = tiny()
+    ar = build_decoder("ar", CachedModel(lm.model), None)
+    full = ar.generate(records[0]["prompt_ids"], 16, Stopper(eos_ids=set())).tokens
+    eos = {next(t for k, t in enumerate(full) if k >= 12 and t not in full[:k])}  # record 0 ends at 13..16
+    out = []
+    for rec in records:
+        whole = ar.generate(rec["prompt_ids"], 16, Stopper(eos_ids=eos)).tokens
+        assert whole[: len(rec["answer_ids"])] == rec["answer_ids"] and len(whole) > len(rec["answer_ids"])
+        out.append({**rec, "ar_answer_ids": whole})
+    assert out[0]["ar_answer_ids"][-1] in eos
+    return out
 
 
 def _trainer(tmp_path, records, model=None, **kw) -> CLLMTrainer:
@@ -61,15 +79,18 @@ def _by_hand(model, ds: TrajectoryDataset, i: int):
         st = model(torch.tensor([prefix + state[:-1]])).logits[0, -n:]
         tg = model(torch.tensor([prefix + target[:-1]])).logits[0, -n:]
         out += [(st[k], tg[k]) for k in range(d + 1, n_valid)]
-    ar = model(torch.tensor([rec["prompt_ids"] + rec["answer_ids"]])).logits
-    labels = torch.tensor([[-100] * len(rec["prompt_ids"]) + rec["answer_ids"]])
+    ar = model(torch.tensor([rec["prompt_ids"] + ar_answer(rec)])).logits
+    labels = torch.tensor([[-100] * len(rec["prompt_ids"]) + ar_answer(rec)])
     return out, ar, labels
 
 
+@pytest.mark.parametrize("answers", ["collected", "whole"])
 @pytest.mark.parametrize("loss_type", ["global", "local"])
-def test_packed_logits_equal_separate_forwards(tmp_path, records, loss_type):
+def test_packed_logits_equal_separate_forwards(tmp_path, records, whole_records, loss_type, answers):
     """One packed forward (AR row + state segments + local target segments, 4D block-causal mask, right padding)
-    gives, at every counted position, the logits of the separate forwards CLLM runs."""
+    gives, at every counted position, the logits of the separate forwards CLLM runs (with AR rows of the collected
+    answers, and of whole answers running past the collected blocks)."""
+    records = whole_records if answers == "whole" else records
     trainer = _trainer(tmp_path, records, max_steps=1, loss_type=loss_type, state_sampling="all")
     model, ds = trainer.model.eval(), trainer.train_dataset
     assert len(ds) == sum(len(b["states"]) > 1 for r in records for b in r["blocks"])  # one sample per block
@@ -105,9 +126,12 @@ def test_samples_layout_and_truncation(records):
         TrajectoryDataset([rec], max_length=4)
 
 
-def test_compute_loss_matches_separate_forwards(tmp_path, records):
+@pytest.mark.parametrize("answers", ["collected", "whole"])
+def test_compute_loss_matches_separate_forwards(tmp_path, records, whole_records, answers):
     """The packed batch gives the losses computed by hand from separate forwards: target = own logits on the fixed
-    point; gradient-accumulation micro-batches normalised by the window's counts sum to the whole batch."""
+    point, AR loss on the whole AR row's answer; gradient-accumulation micro-batches normalised by the window's
+    counts sum to the whole batch."""
+    records = whole_records if answers == "whole" else records
     trainer = _trainer(tmp_path, records, max_steps=1, states_per_sample=2)
     model = trainer.model.eval()
     ds = trainer.train_dataset
@@ -124,6 +148,7 @@ def test_compute_loss_matches_separate_forwards(tmp_path, records):
             ar_sum += ar_loss(ar_logits, labels).item() * n
             ar_n += n
     assert len(cons) == len(batch["pairs"]) > 0
+    assert ar_n == (batch["ar_targets"] != -100).sum() == sum(len(ar_answer(ds.records[ds.items[i][0]])) for i in idx)
     assert got.item() == pytest.approx(sum(cons) / len(cons) + 10.0 * ar_sum / ar_n, rel=1e-4)
 
     counts = torch.stack([torch.tensor(len(batch["pairs"])), (batch["ar_targets"] != -100).sum()])

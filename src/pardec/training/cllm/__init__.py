@@ -1,13 +1,20 @@
 """Kind ``cllm``: consistency LLMs (Kou et al. 2024), ``python -m train +experiment=cllm_<name>``.
 
-Stages (``stage=collect|train|all``):
+Stages (``stage=collect|generate|train|all``):
 
 * ``collect``: Jacobi trajectories of ``model`` on ``dataset`` into ``collect.out_dir`` (:mod:`.collect`, schema in
   :mod:`.trajectories`; default ``${paths.data_dir}/trajectories/<experiment>``); resumable: rerun the same command
   after a kill; sharded over ranks by prompt index, merged by rank 0;
+* ``generate``: the teacher's whole greedy answers (``completions.sources``: by default the collection's dataset
+  and ``max_prompts``, up to EOS or ``completions.max_new_tokens``) into ``completions.out_dir``, the completions
+  corpus every kind shares (:mod:`pardec.training.completions`, its schema there; resumable, sharded like
+  ``collect``). Only with ``ar_answer: whole`` (the default) and ``completions.max_new_tokens >
+  collect.max_new_tokens``, i.e. when the collection stops before the answers end; otherwise it does nothing;
 * ``train``: :class:`~.trainer.CLLMTrainer` on ``<train_data>/trajectories.jsonl`` (``train_data`` defaults to
-  ``collect.out_dir``; samples and collator in :mod:`.data`); the final model (LoRA merged) and tokenizer go to
-  ``<run dir>/final``, loadable with ``python -m evaluate +method=jacobi model=local model.path=<run dir>/final``.
+  ``collect.out_dir``; samples and collator in :mod:`.data`), the AR rows holding the teacher's whole answers
+  (``ar_answer``, :mod:`.answers`: collected answers extended from the corpus, matched by prompt ids); the final
+  model (LoRA merged) and tokenizer go to ``<run dir>/final``, loadable with ``python -m evaluate +method=jacobi
+  model=local model.path=<run dir>/final``.
 """
 
 from __future__ import annotations
@@ -21,6 +28,7 @@ from typing import Any
 from omegaconf import DictConfig
 
 from pardec.config import ConfigError, DatasetConfig, to_dataclass
+from pardec.training.cllm.answers import check_ar_answer
 from pardec.training.cllm.collect import CollectConfig
 from pardec.training.kinds import Kind, Spec, common_fields, register_kind
 
@@ -32,22 +40,27 @@ class CLLMSpec(Spec):
     dataset: DatasetConfig
     collect: CollectConfig
     train_data: Path
+    ar_answer: str  # whole | collected (pardec.training.cllm.answers)
+    gen: Any  # pardec.training.completions.GenerateConfig: the teacher's whole answers (stage generate)
 
 
 @register_kind("cllm")
 class CLLMKind(Kind):
     name = "cllm"
-    stages = ("collect", "train")
+    stages = ("collect", "generate", "train")
     example = "cllm_tiny"
 
     def validate(self, cfg: DictConfig, name: str) -> CLLMSpec:
         from pardec.training.cllm.trainer import CLLMConfig
+        from pardec.training.completions import generate_config
 
-        self.sections(cfg, "collect")
+        _, completions = self.sections(cfg, "collect", "completions")
         return CLLMSpec(**common_fields(cfg, name, CLLMConfig, lora=True),
                         dataset=to_dataclass(DatasetConfig, cfg.dataset, "dataset"),
                         collect=to_dataclass(CollectConfig, cfg.collect, "collect"),
-                        train_data=Path(cfg.get("train_data") or cfg.collect.out_dir))
+                        train_data=Path(cfg.get("train_data") or cfg.collect.out_dir),
+                        ar_answer=check_ar_answer(cfg.get("ar_answer", "whole")),
+                        gen=generate_config(completions, "completions"))
 
     def stage_collect(self, spec: CLLMSpec, run_dir: Path, d) -> dict | None:
         from pardec.models.cached import CachedModel
@@ -68,13 +81,39 @@ class CLLMKind(Kind):
         log.info("collecting trajectories of %d prompts into %s (rank %d of %d)", len(prompts), spec.collect.out_dir,
                  d.rank, d.world)
         stats = collect(spec.collect, CachedModel(lm.model), eos, prompts, meta, d.rank, d.world, barrier)
+        if barrier:
+            barrier()  # rank 0 has merged: every rank may read trajectories.jsonl now
         if stats is not None:
             log.info("trajectories: %s", json.dumps(stats))
+        return stats
+
+    def stage_generate(self, spec: CLLMSpec, run_dir: Path, d) -> dict | None:
+        from pardec.training import stages
+        from pardec.training.completions import generate_stage, generation_meta
+
+        if spec.ar_answer != "whole":
+            why = f"ar_answer={spec.ar_answer}: the AR rows hold the collected answers"
+        elif spec.gen.max_new_tokens <= spec.collect.max_new_tokens:
+            why = (f"completions.max_new_tokens={spec.gen.max_new_tokens} <= collect.max_new_tokens="
+                   f"{spec.collect.max_new_tokens}: the collected answers already are whole")
+        else:
+            why = None
+        if why:
+            log.info("stage generate: nothing to generate (%s)", why)
+            return {"skipped": why}
+        # a resumed generation must match the settings (checked now, before the model loads; EOS ids after)
+        stages.check_settings(spec.gen.out_dir, generation_meta(spec.gen, spec.model.identity(), set()),
+                              spec.gen.overwrite, "completions", "completions generated", ignore=("eos_ids",))
+        stats = generate_stage(spec.gen, spec.model, d)
+        barrier = d.barrier()
+        if barrier:
+            barrier()  # rank 0 has merged: every rank may read completions.jsonl now
         return stats
 
     def stage_train(self, spec: CLLMSpec, run_dir: Path, d) -> dict[str, Any]:
         from pardec.models.loading import load_model
         from pardec.training.base import apply_lora, fit, save_final, training_args
+        from pardec.training.cllm.answers import whole_answers
         from pardec.training.cllm.data import CLLMCollator, TrajectoryDataset
         from pardec.training.cllm.trainer import CLLMConfig, CLLMTrainer
         from pardec.training.cllm.trajectories import load_trajectories
@@ -90,10 +129,19 @@ class CLLMKind(Kind):
                               f"{spec.train_data} holds {len(records)} records")
         held = records[len(records) - args.proxy_records :] if args.proxy_records else []  # the last ones, by index
         records = records[: len(records) - len(held)]
+        answers: dict[str, Any] = {"ar_answer": spec.ar_answer}
+        if spec.ar_answer == "whole":  # the AR rows: the teacher's whole answers (the proxy needs none)
+            c = spec.collect
+            records, answers = whole_answers(records, spec.train_data, spec.gen.out_dir, spec.gen.max_new_tokens,
+                                             (c.clean_max_ngram, c.clean_max_repeats) if c.clean else None)
+            log.info("AR answers: %s", json.dumps(answers))
+            if not records:
+                raise ConfigError(f"no trajectory record of {spec.train_data} is left to train on: "
+                                  f"{json.dumps(answers)}")
         lm = load_model(replace(spec.model, device="cpu", dtype=spec.model_dtype))  # the Trainer places it
         model = apply_lora(lm.model, spec.lora) if spec.lora else lm.model
         ds = TrajectoryDataset(records, args.loss_type, args.state_sampling, args.max_length, args.seed,
-                               args.states_per_sample)
+                               args.states_per_sample, args.ar_tail)
         proxy = TrajectoryDataset(held, "global", "all", args.max_length) if held else None
         trainer = CLLMTrainer(model=model, args=args, train_dataset=ds, eval_dataset=proxy,
                               data_collator=CLLMCollator(lm.tokenizer.pad_token_id), processing_class=lm.tokenizer)
@@ -102,6 +150,6 @@ class CLLMKind(Kind):
             final_proxy = trainer.evaluate() if proxy is not None else {}  # the proxy after the last step
             save_final(trainer, spec, run_dir, final, d)
             return {**final_proxy, "samples": len(ds), "truncated_samples": ds.n_truncated, "records": len(records),
-                    "proxy_records": len(held), "final_model": str(final)}
+                    "proxy_records": len(held), "ar_answers": answers, "final_model": str(final)}
 
         return fit(trainer, spec, run_dir, d, finish)

@@ -2,10 +2,13 @@
 
 A sample packs, into one sequence run by one forward (no third forward, no prefix computed twice):
 
-* the **AR row**: prompt + the whole teacher answer, causal. Its logits give the AR loss (prompt positions
-  masked) and, detached, the **global consistency target**: the target of block position k is the model's own
-  distribution after ``prefix + fixed_point[:k]``, which is exactly the AR row's logits one position before the
-  block's k-th answer token (the fixed point *is* the answer there);
+* the **AR row**: prompt + the whole teacher answer, causal: the record's ``ar_answer_ids`` where the train stage
+  attached them (:mod:`.answers`: the teacher's whole greedy answer up to its EOS, which may run past the collected
+  blocks; it always starts with the collected answer), else its collected ``answer_ids``. Its logits give the AR
+  loss (prompt positions masked; every answer token counts, the EOS included) and, detached, the **global
+  consistency target**: the target of block position k is the model's own distribution after ``prefix +
+  fixed_point[:k]``, which is exactly the AR row's logits one position before the block's k-th answer token (the
+  fixed point *is* the answer there);
 * one **state segment** per Jacobi state drawn from the block: the state's tokens ``state[:-1]`` at the block's
   positions, seeing the AR row's prefix (prompt + answer before the block) and themselves causally (a
   block-causal 4D mask, explicit positions). Its logits at block position k >= 1 are the student's; position 0
@@ -28,8 +31,10 @@ inflates the normaliser.
 Augmented states (the collection's corrected copies, ``block["augmented"]``) are extra states whose target is
 the fixed point; they have no Jacobi successor, so the ``local`` loss leaves them out.
 
-An AR row longer than ``max_length`` is cut on the left, never past the block's prefix (then on the right); the
-dataset counts such samples in ``n_truncated``.
+An AR row longer than ``max_length`` keeps the block and as much of its prefix as fits: it is cut on the right
+first (the answer after the block: only AR-loss tokens), then on the left, never past the prefix's last token (so
+the consistency targets see the context the collection saw whenever it fits); the dataset counts such samples in
+``n_truncated``.
 """
 
 from __future__ import annotations
@@ -46,11 +51,14 @@ log = logging.getLogger(__name__)
 
 LOSS_TYPES = ("global", "local")
 STATE_SAMPLING = ("random", "all")
+AR_TAILS = ("every_block", "last_block")
 
 
 class TrajectoryDataset(torch.utils.data.Dataset):
     def __init__(self, records: list[dict], loss_type: str = "global", state_sampling: str = "random",
-                 max_length: int = 1024, seed: int = 0, states_per_sample: int = 1):
+                 max_length: int = 1024, seed: int = 0, states_per_sample: int = 1, ar_tail: str = "every_block"):
+        if ar_tail not in AR_TAILS:
+            raise ValueError(f"ar_tail={ar_tail!r} is not valid; choose one of: {', '.join(AR_TAILS)}")
         if loss_type not in LOSS_TYPES:
             raise ValueError(f"loss_type={loss_type!r} is not valid; choose one of: {', '.join(LOSS_TYPES)}")
         if state_sampling not in STATE_SAMPLING:
@@ -58,7 +66,7 @@ class TrajectoryDataset(torch.utils.data.Dataset):
                              f"{', '.join(STATE_SAMPLING)}")
         if states_per_sample < 1:
             raise ValueError(f"states_per_sample={states_per_sample!r} is out of range: it must be >= 1")
-        self.records, self.loss_type, self.max_length = records, loss_type, max_length
+        self.records, self.loss_type, self.max_length, self.ar_tail = records, loss_type, max_length, ar_tail
         self.state_sampling, self.states_per_sample, self.seed, self.epoch = state_sampling, states_per_sample, seed, 0
         self.items: list[tuple[int, int]] = []  # (record, block)
         for r, rec in enumerate(records):
@@ -69,8 +77,12 @@ class TrajectoryDataset(torch.utils.data.Dataset):
                     raise ValueError(f"max_length={max_length} is shorter than a block + 1 "
                                      f"({len(blk['fixed_point']) + 1} tokens)")
                 self.items.append((r, b))
-        self.n_truncated = sum(len(self.records[r]["prompt_ids"]) + len(self.records[r]["answer_ids"]) > max_length
-                               for r, _ in self.items)
+            if ar_answer(rec)[: len(rec["answer_ids"])] != rec["answer_ids"]:
+                raise ValueError(f"record {rec.get('id')!r}: its ar_answer_ids do not start with its collected "
+                                 f"answer_ids (the AR row must hold the fixed points)")
+        self.last_item = {r: i for i, (r, _) in enumerate(self.items)}  # the record's last sample (ar_tail)
+        self.n_truncated = sum(len(self.records[r]["prompt_ids"]) + len(self.answer_of(i)) > max_length
+                               for i, (r, _) in enumerate(self.items))
         if self.n_truncated:
             log.warning("%d of %d samples are longer than max_length=%d and are truncated", self.n_truncated,
                         len(self.items), max_length)
@@ -81,6 +93,17 @@ class TrajectoryDataset(torch.utils.data.Dataset):
     def set_epoch(self, epoch: int) -> None:
         """Draw the states of the given epoch (``random`` sampling)."""
         self.epoch = int(epoch)
+
+    def answer_of(self, i: int) -> list[int]:
+        """The teacher answer in sample ``i``'s AR row: the whole answer (:func:`ar_answer`) in every sample of the
+        record (``ar_tail="every_block"``, the official packing: each block's sample holds it), or only in the
+        record's last sample, the others holding the collected answer (``"last_block"``: the tokens past the
+        collection are trained once per record instead of once per block, for a cheaper epoch)."""
+        r, _ = self.items[i]
+        rec = self.records[r]
+        if self.ar_tail == "last_block" and self.last_item[r] != i:
+            return rec["answer_ids"]
+        return ar_answer(rec)
 
     def states_of(self, i: int) -> list[int]:
         """Which states sample ``i`` packs this epoch: indices into ``states`` (the fixed point excepted);
@@ -100,10 +123,11 @@ class TrajectoryDataset(torch.utils.data.Dataset):
         rec = self.records[r]
         blk = rec["blocks"][b]
         start = sum(len(x["fixed_point"]) for x in rec["blocks"][:b])
-        ar = rec["prompt_ids"] + rec["answer_ids"]
+        ar = rec["prompt_ids"] + self.answer_of(i)
         n_prompt, n_prefix, n = len(rec["prompt_ids"]), len(rec["prompt_ids"]) + start, len(blk["fixed_point"])
-        lo = min(max(0, len(ar) - self.max_length), n_prefix - 1)  # keep the prefix's last token
-        row = ar[lo : lo + self.max_length]
+        hi = min(len(ar), max(self.max_length, n_prefix + n))  # cut after the block first
+        lo = max(0, hi - self.max_length)  # then on the left: lo <= n_prefix - 1 (max_length > n)
+        row = ar[lo:hi]
         ctx = n_prefix - lo  # AR-row tokens a segment sees
         ids, pos, seg = list(row), list(range(len(row))), [0] * len(row)
         ar_targets = [row[t + 1] if t + 1 + lo >= n_prompt else IGNORE_INDEX for t in range(len(row) - 1)]
@@ -169,6 +193,12 @@ class CLLMCollator:
         return {"input_ids": ids, "position_ids": pos, "segment": seg,
                 "context": torch.tensor([s["context"] for s in samples], dtype=torch.long),
                 "ar_targets": tgt, "pairs": pairs}
+
+
+def ar_answer(rec: dict) -> list[int]:
+    """The answer of a record's AR row: its whole teacher answer where the train stage attached one
+    (``ar_answer_ids``, :mod:`.answers`), else its collected answer."""
+    return rec.get("ar_answer_ids") or rec["answer_ids"]
 
 
 def packed_attention(segment: torch.Tensor, context: torch.Tensor) -> torch.Tensor:

@@ -27,7 +27,13 @@ from transformers import TrainerCallback
 from pardec.config import ConfigError
 from pardec.models.cached import additive_mask
 from pardec.training.base import BaseConfig, BaseTrainer, pair_means
-from pardec.training.cllm.data import LOSS_TYPES, STATE_SAMPLING, TrajectoryDataset, packed_attention
+from pardec.training.cllm.data import (
+    AR_TAILS,
+    LOSS_TYPES,
+    STATE_SAMPLING,
+    TrajectoryDataset,
+    packed_attention,
+)
 from pardec.training.losses import DISTANCES, IGNORE_INDEX, ce_sum, token_divergence, total_loss
 
 
@@ -40,6 +46,9 @@ class CLLMConfig(BaseConfig):
     state_sampling: str = field(default="random", metadata={"help": "random (states_per_sample per block, "
                                                                     "drawn anew each epoch) | all"})
     states_per_sample: int = field(default=1, metadata={"help": "Jacobi states packed with a block's AR row"})
+    ar_tail: str = field(default="every_block", metadata={"help": "which samples of a record hold the answer past "
+                                                                  "the collected blocks (ar_answer=whole): "
+                                                                  "every_block (official) | last_block"})
     proxy_records: int = field(default=0, metadata={"help": "trajectory records held out for the fast-forward "
                                                             "proxy (evaluated every eval_steps; 0: none)"})
 
@@ -47,7 +56,8 @@ class CLLMConfig(BaseConfig):
     def check_values(cls, opts: dict) -> None:
         """Range/choice checks of the CLLM keys (``opts`` may hold only some of them); raises ConfigError."""
         super().check_values(opts)
-        for key, choices in (("loss_type", LOSS_TYPES), ("distance", DISTANCES), ("state_sampling", STATE_SAMPLING)):
+        for key, choices in (("loss_type", LOSS_TYPES), ("distance", DISTANCES), ("state_sampling", STATE_SAMPLING),
+                             ("ar_tail", AR_TAILS)):
             if key in opts and opts[key] not in choices:
                 raise ConfigError(f"trainer.{key}={opts[key]!r} is not valid; choose one of: {', '.join(choices)}")
         if not 0.0 <= opts.get("jsd_beta", 0.5) <= 1.0:
