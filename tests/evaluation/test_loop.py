@@ -145,7 +145,8 @@ def test_empty_dataset_is_an_error_before_any_model_loads(tmp_path, monkeypatch)
 def test_the_warm_up_leaves_no_state_in_the_timed_decoders(tmp_path):
     """The warm-up generates on the first timed prompt; Ouroboros's warm_start pool (kept across prompts) must not
     start the timed run with what it harvested there: the records equal those of a run without a warm-up."""
-    args = ("+method=ouroboros", "method.warm_start=true", "draft=tiny_random", *TINY[:2], "max_new_tokens=24",
+    cpu_sized = ("method.gamma=4", "method.window=4", "method.level=4", "method.guess_set=4")  # bench.py's CPU_SIZED
+    args = ("+method=ouroboros", "method.warm_start=true", *cpu_sized, "draft=tiny_random", *TINY[:2], "max_new_tokens=24",
             "bench.warmup_tokens=24", "perplexity.enabled=false")
     run(cfg_of(*args, "bench.warmup=0"), tmp_path / "cold")
     run(cfg_of(*args, "bench.warmup=1"), tmp_path / "warm")
