@@ -128,6 +128,16 @@ def test_bench_also_runs_more_methods_side_by_side(tmp_path):
     assert also["also:jacobi:block_size=4"]["exact_match_rate"] == 1.0
 
 
+def test_kv_cache_dynamic_gives_the_preallocated_caches_tokens(tmp_path):
+    texts = {}
+    for kind in ("preallocated", "dynamic"):
+        run(cfg_of("+method=sps", *TINY, "draft=tiny_random", "n_samples=2", f"kv_cache={kind}"), tmp_path / kind)
+        texts[kind] = {(r["id"], r["role"]): r["tokens"] for r in lines(tmp_path / kind)}
+    assert texts["preallocated"] == texts["dynamic"] and len(texts["dynamic"]) == 4
+    with pytest.raises(ConfigError, match="kv_cache='static' is not valid; choose one of: preallocated, dynamic"):
+        run(cfg_of("+method=ar", *TINY, "kv_cache=static"), tmp_path / "bad")
+
+
 # ------------------------------------------------------------------------------------------ datasets
 def test_empty_dataset_is_an_error_before_any_model_loads(tmp_path, monkeypatch):
     from pardec.models import loading

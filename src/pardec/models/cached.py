@@ -25,7 +25,20 @@ over cached and new positions, so that branches an earlier forward left in the c
 stay invisible to each other.
 
 Every forward checks its logits: NaN or inf raises :class:`NonFiniteLogitsError` naming the model and the
-position, instead of decoding garbage.
+position, instead of decoding garbage. On the CPU the check runs at once (the forward raises). On an accelerator it
+costs no host sync in the forward: a device-side flag per forward is copied to the host asynchronously and read when
+the model is next used (the next forward, ``run_upper``, ``forward_pseudo``, ``prefill``/``reset``, ``tokens``,
+``sync``) or by :meth:`CachedModel.check_finite`; by then the caller has read the logits, so the read waits for
+nothing. The error then comes one call later, before that call computes anything (a token decoded from bad logits
+is never run through the model); call ``check_finite()`` after the last forward to surface one it produced.
+
+The KV cache (``cache=``): ``"preallocated"`` (the default, :mod:`pardec.models.kvcache`) writes new keys in place
+into buffers that grow by doubling, truncates by moving a length, compacts only the kept positions and moves batch
+rows without copying the others where it can; ``"dynamic"`` is transformers' ``DynamicCache`` (a concatenation per
+forward; kept for comparison and for models with non-attention layers). The reasons, and why not transformers'
+``StaticCache``, are in that module's docstring. The token ids the cache holds are kept where they arrived (the
+caller's host tensors, or device tensors): no copy back to the host per forward; :attr:`CachedModel.tokens` gathers
+them on the host when read.
 
 Facts this file relies on (transformers 5.2x): a 4D attention mask must be an *additive* float mask
 (0 where attended, ``finfo.min`` elsewhere) passed with explicit ``position_ids`` (a bool mask is silently
@@ -41,6 +54,11 @@ from dataclasses import dataclass
 
 import torch
 from transformers import DynamicCache, PreTrainedModel
+
+from pardec.config import KV_CACHES as CACHES
+from pardec.models.kvcache import PreallocatedCache
+
+#: CACHES: the KV caches a CachedModel can use (``cache=``; module docstring)
 
 #: what a FIRP pseudo state attends to (:meth:`CachedModel.forward_pseudo`): real states only (FIRP §3.3) or also the
 #: anchor's earlier pseudo states
@@ -82,16 +100,101 @@ def _left_pad(t: torch.Tensor, n: int) -> torch.Tensor:
     return torch.cat([t.new_zeros(*t.shape[:2], n, t.shape[3]), t], dim=2) if n else t
 
 
-class CachedModel:
-    """An HF causal LM plus its KV cache. Batch size is fixed by the first forward after a reset."""
+class _TokenLog:
+    """The token ids of the cached positions, ``[rows, length]``, as chunks left where they arrived (a forward's ids,
+    on the host or on the device: no copy to the host per forward); :meth:`host` gathers them on the host."""
 
-    def __init__(self, model: PreTrainedModel, name: str | None = None):
+    def __init__(self, rows: int = 1, parts: list[torch.Tensor] | None = None):
+        self.rows = rows
+        self.parts = [p for p in parts or [] if p.shape[1]]  # [rows, t_i] each
+
+    @property
+    def length(self) -> int:
+        return sum(p.shape[1] for p in self.parts)
+
+    def append(self, ids: torch.Tensor) -> None:
+        if ids.shape[0] != self.rows:  # the first forward after a reset sets the batch size
+            self.parts = [p.expand(ids.shape[0], -1) for p in self.parts]
+            self.rows = ids.shape[0]
+        self.parts.append(ids)
+        if len(self.parts) > 16:  # merge neighbours on the same device (host and device chunks stay apart)
+            merged: list[torch.Tensor] = []
+            for p in self.parts:
+                if merged and merged[-1].device == p.device:
+                    merged[-1] = torch.cat([merged[-1], p], dim=1)
+                else:
+                    merged.append(p)
+            self.parts = merged
+
+    def dense(self, device: torch.device | None = None) -> torch.Tensor:
+        """All of them as one tensor, on ``device`` (default: the last chunk's)."""
+        if not self.parts:
+            return torch.zeros(self.rows, 0, dtype=torch.long, device=device)
+        dev = device or self.parts[-1].device
+        parts = [p.to(dev) for p in self.parts]
+        return parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
+
+    def host(self) -> torch.Tensor:
+        out = self.dense(torch.device("cpu"))
+        self.parts = [out] if out.shape[1] else []
+        return out
+
+    def _split(self, at: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        head, tail, seen = [], [], 0
+        for p in self.parts:
+            n = p.shape[1]
+            if seen + n <= at:
+                head.append(p)
+            elif seen >= at:
+                tail.append(p)
+            else:
+                head.append(p[:, : at - seen])
+                tail.append(p[:, at - seen :])
+            seen += n
+        return head, tail
+
+    def truncate(self, length: int) -> None:
+        self.parts = self._split(length)[0]
+
+    def keep(self, start: int, idx: torch.Tensor) -> None:
+        """Keep positions ``start + idx`` of those from ``start`` on (``idx`` on the host)."""
+        head, tail = self._split(start)
+        rest = _TokenLog(self.rows, tail).dense()
+        self.parts = [p for p in [*head, rest[:, idx.to(rest.device)]] if p.shape[1]]
+
+    def select(self, rows: list[int]) -> _TokenLog:
+        index = torch.tensor(rows, dtype=torch.long)
+        return _TokenLog(len(rows), [p[index.to(p.device)] for p in self.parts])
+
+    def join(self, other: _TokenLog, pad_self: int, pad_other: int) -> _TokenLog:
+        """These rows then ``other``'s, each side left-padded with token 0."""
+        a = self.dense()
+        b = other.dense(a.device)
+        pad = lambda t, n: torch.cat([t.new_zeros(t.shape[0], n), t], dim=1)  # noqa: E731
+        return _TokenLog(self.rows + other.rows, [torch.cat([pad(a, pad_self), pad(b, pad_other)], dim=0)])
+
+
+class CachedModel:
+    """An HF causal LM plus its KV cache. Batch size is fixed by the first forward after a reset.
+
+    ``cache``: ``"preallocated"`` or ``"dynamic"`` (module docstring); default :attr:`default_cache`."""
+
+    #: the KV cache a CachedModel gets when ``cache`` is not given
+    default_cache = "preallocated"
+
+    def __init__(self, model: PreTrainedModel, name: str | None = None, cache: str | None = None):
         self.model = model.eval()
         self.config = model.config
         self.name = name or getattr(model.config, "_name_or_path", "") or type(model).__name__
-        self.cache = DynamicCache(config=model.config)
-        self._tokens = torch.zeros(1, 0, dtype=torch.long)  # [B, length] token ids held by the cache (CPU)
+        self.cache_kind = cache or self.default_cache
+        if self.cache_kind not in CACHES:
+            raise ValueError(f"cache={self.cache_kind!r} is not valid; choose one of: {', '.join(CACHES)}")
+        self.cache = self._new_cache()
+        self._tokens = _TokenLog()  # the token ids held by the cache, [rows, length]
         self._last_appended = 0  # positions appended by the most recent forward (for ``keep``)
+        #: per forward on an accelerator, not yet read: (finite [B, T'] on the device, all-finite flag, the event
+        #: after its copy to the host (CUDA) or None, (past, t, last_only, kept)) (module docstring)
+        self._unchecked: list[tuple] = []
         #: flash_attention_2 kernels take causal (or padding) masks only: forwards that need a custom one refuse
         self.flash = getattr(model.config, "_attn_implementation", None) == "flash_attention_2"
         #: this machine's forward-cost table (:mod:`pardec.models.cost`): a forward of T > 1 new rows after a cached
@@ -120,13 +223,14 @@ class CachedModel:
 
     @property
     def tokens(self) -> list[int]:
-        """Token ids of the cached positions (row 0), in cache order."""
-        return self._tokens[0].tolist()
+        """Token ids of the cached positions (row 0), in cache order (read back to the host here)."""
+        self.check_finite()
+        return self._tokens.host()[0].tolist()
 
     @property
     def rows(self) -> int:
         """Batch rows the cache holds (0 after :meth:`take_rows` took them all; 1 after a reset)."""
-        return self._tokens.shape[0]
+        return self._tokens.rows
 
     @property
     def max_length(self) -> int:
@@ -138,9 +242,21 @@ class CachedModel:
 
     # ---------------------------------------------------------------- verbs
     def reset(self) -> None:
-        self.cache = DynamicCache(config=self.config)
-        self._tokens = torch.zeros(1, 0, dtype=torch.long)
+        self.check_finite()
+        self.cache = self._new_cache()
+        self._tokens = _TokenLog()
         self._last_appended = 0
+
+    def check_finite(self) -> None:
+        """Raise :class:`NonFiniteLogitsError` if an earlier forward's logits held NaN/inf (on an accelerator the
+        check is deferred to the next use of the model: module docstring). Reads flags the device already copied
+        to the host: no wait once the caller has read that forward's logits."""
+        pending, self._unchecked = self._unchecked, []
+        for finite, ok, done, where in pending:
+            if done is not None:
+                done.synchronize()
+            if not bool(ok):
+                self._raise_non_finite(finite, *where, late=True)
 
     @torch.inference_mode()
     def prefill(self, ids: torch.Tensor) -> torch.Tensor:
@@ -172,9 +288,11 @@ class CachedModel:
         hidden_layer: also return the hidden states entering decoder layer ``hidden_layer`` (0 = embeddings;
                       ``num_layers`` = after the final norm, what the LM head reads: Medusa's heads).
         """
-        ids = ids.to(self.device)
+        self.check_finite()
         if ids.dim() == 1:
             ids = ids[None]
+        given = ids  # the token log keeps the caller's ids where they are (host ids: no copy back)
+        ids = ids.to(self.device)
         bsz, t = ids.shape
         past = self.length
         positions = self._positions(positions, bsz, t, past)
@@ -221,7 +339,7 @@ class CachedModel:
             if captured:
                 captured[0] = captured[0][:, :t]
             self.padded_rows += pad
-        self._tokens = torch.cat([self._tokens.expand(bsz, -1), ids.cpu()], dim=1)
+        self._tokens.append(given.to(torch.long, copy=True))
         self._last_appended = t
         self._check_finite(logits, past, t, last_only, kwargs.get("logits_to_keep"))
         return ForwardOut(logits, captured[0] if captured else None)
@@ -242,6 +360,7 @@ class CachedModel:
         """
         if not 0 <= layer < self.num_layers:
             raise ValueError(f"layer={layer} is out of range: the model has layers 0..{self.num_layers - 1}")
+        self.check_finite()
         inner = self._inner()
         hidden = hidden.to(self.device, self.dtype)
         if hidden.dim() == 2:
@@ -251,11 +370,13 @@ class CachedModel:
         positions = self._positions(positions, bsz, t, past)
         mask = self._additive_mask(bsz, t, past, attend, None)
         rope = inner.rotary_emb(hidden, position_ids=positions)
+        self._transient(past)
         try:
             for block in inner.layers[layer : self.num_layers]:
                 hidden = block(hidden, attention_mask=mask, position_embeddings=rope, position_ids=positions,
                                past_key_values=self.cache, use_cache=True)
         finally:  # the layers appended the injected states' keys/values to their caches: drop them
+            self._transient(None)
             self._drop_keys_after(past)
         logits = self.model.lm_head(inner.norm(hidden))
         self._check_finite(logits, past, t, False, None)
@@ -301,9 +422,11 @@ class CachedModel:
         only the pseudo states need a backward pass; one pass (the default) is one forward when decoding.
         """
         inner = self._inner()
-        ids = ids.to(self.device)
+        self.check_finite()
         if ids.dim() == 1:
             ids = ids[None]
+        given = ids
+        ids = ids.to(self.device)
         bsz, t = ids.shape
         past = self.length
         k = len(layers)
@@ -349,9 +472,10 @@ class CachedModel:
         if split and capture:
             raise ValueError("forward_pseudo: capture needs split=False")
         if split:
-            return self._pseudo_split(ids, hidden, project, layers, anc_dev, all_pos, rope, mask, logits_at)
+            return self._pseudo_split(given, ids, hidden, project, layers, anc_dev, all_pos, rope, mask, logits_at)
         born = 0
         caught: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self._transient(past + t)
         try:
             for layer in range(self.num_layers):
                 while born < k and layers[born] == layer:
@@ -366,13 +490,14 @@ class CachedModel:
                     position_embeddings=tuple(x[:, :m] for x in rope), position_ids=all_pos[:, :m],
                     past_key_values=self.cache, use_cache=True)
         finally:  # drop the pseudo states' keys/values (and everything on an error part-way)
+            self._transient(None)
             self._drop_keys_after(past + t if born == k else past)
         normed = inner.norm(hidden)
         real_h = normed[:, :t]
         if logits_at is not None:
             real_h = real_h[:, torch.as_tensor(logits_at, dtype=torch.long, device=real_h.device)]
         logits = self.model.lm_head(real_h)
-        self._tokens = torch.cat([self._tokens.expand(bsz, -1), ids.cpu()], dim=1)
+        self._tokens.append(given.to(torch.long, copy=True))
         self._last_appended = t
         self._check_finite(logits, past, t, False, None if logits_at is None else torch.as_tensor(logits_at))
         pseudo = normed[:, t:].reshape(bsz, k, n_a, -1).transpose(1, 2)  # [B, A, K, H]
@@ -381,7 +506,7 @@ class CachedModel:
         return PseudoOut(logits, pseudo, [(r, p.reshape(bsz, -1, n_a, p.shape[-1]).transpose(1, 2)) for r, p in caught]
                          if capture else None)
 
-    def _pseudo_split(self, ids, hidden, project, layers, anc, all_pos, rope, mask, logits_at) -> PseudoOut:
+    def _pseudo_split(self, given, ids, hidden, project, layers, anc, all_pos, rope, mask, logits_at) -> PseudoOut:
         """:meth:`forward_pseudo` in two passes: the new tokens (no gradients), then the pseudo states alone."""
         inner = self._inner()
         bsz, t = ids.shape
@@ -389,6 +514,7 @@ class CachedModel:
         births: dict[int, torch.Tensor] = {}
         pseudo = None
         born = 0
+        self._transient(past + t)
         try:
             with torch.no_grad():
                 for layer in range(self.num_layers):
@@ -411,12 +537,13 @@ class CachedModel:
                     position_embeddings=tuple(x[:, t : t + m] for x in rope), position_ids=all_pos[:, t : t + m],
                     past_key_values=self.cache, use_cache=True)
         finally:
+            self._transient(None)
             self._drop_keys_after(past + t if born == k else past)
         if logits_at is not None:
             real = real[:, torch.as_tensor(logits_at, dtype=torch.long, device=real.device)]
         with torch.no_grad():
             logits = self.model.lm_head(real)
-        self._tokens = torch.cat([self._tokens.expand(bsz, -1), ids.cpu()], dim=1)
+        self._tokens.append(given.to(torch.long, copy=True))
         self._last_appended = t
         self._check_finite(logits, past, t, False, None if logits_at is None else torch.as_tensor(logits_at))
         out = inner.norm(pseudo).reshape(bsz, k, n_a, -1).transpose(1, 2)  # [B, A, K, H]
@@ -433,7 +560,7 @@ class CachedModel:
             raise ValueError(f"cannot truncate a cache of {self.length} positions to {length}")
         if n_remove:
             self.cache.crop(-n_remove)
-            self._tokens = self._tokens[:, :length]
+            self._tokens.truncate(length)
         self._last_appended = max(0, self._last_appended - n_remove)
 
     def keep(self, indices: torch.Tensor | list[int], start: int | None = None) -> None:
@@ -443,7 +570,7 @@ class CachedModel:
         Used after a tree verification (the accepted path's positions move to the front, in order) and after
         several forwards of branches (beams, i.i.d. drafts: ``start`` = where the branches began).
         """
-        idx = torch.as_tensor(indices, dtype=torch.long, device=self.device)
+        idx = torch.as_tensor(indices, dtype=torch.long).cpu()  # checked on the host (a device tensor: one read)
         if start is None:
             start = self.length - self._last_appended
         if not 0 <= start <= self.length:
@@ -453,29 +580,39 @@ class CachedModel:
             raise ValueError(f"keep indices {idx.tolist()} out of range for the {n} positions from {start} on")
         if idx.numel() > 1 and bool((idx[1:] <= idx[:-1]).any()):
             raise ValueError(f"keep indices {idx.tolist()} must be strictly increasing")
-        on: dict[torch.device, torch.Tensor] = {}  # layers of a split model (device_map) sit on several devices
-        for layer in self.cache.layers:
-            for name in ("keys", "values"):
-                t = getattr(layer, name)
-                at = on.setdefault(t.device, start + idx.to(t.device))
-                setattr(layer, name, torch.cat([t[..., :start, :], t[..., at, :]], dim=-2))
-        self._tokens = torch.cat([self._tokens[:, :start], self._tokens[:, start + idx.cpu()]], dim=1)
+        if isinstance(self.cache, PreallocatedCache):  # copies only the kept positions not yet in place
+            self.cache.keep(start, idx)
+        else:
+            on: dict[torch.device, torch.Tensor] = {}  # layers of a split model (device_map) sit on several devices
+            for layer in self.cache.layers:
+                for name in ("keys", "values"):
+                    t = getattr(layer, name)
+                    at = on.setdefault(t.device, start + idx.to(t.device))
+                    setattr(layer, name, torch.cat([t[..., :start, :], t[..., at, :]], dim=-2))
+        self._tokens.keep(start, idx)
         self._last_appended = idx.numel()
 
     def take_rows(self, rows: torch.Tensor | list[int]) -> CachedModel:
         """Move batch ``rows`` (their cache and tokens) into a new CachedModel on the same model; this one keeps
-        the other rows, in order. Used to park rows that need no more forwards, or to drop finished ones."""
-        idx = torch.as_tensor(rows, dtype=torch.long)
-        keep = torch.ones(self.rows, dtype=torch.bool)
-        keep[idx] = False
-        rest = keep.nonzero()[:, 0]
-        other = CachedModel(self.model, self.name)
-        for src, dst in zip(self._initialized_layers(), other._layers_for(self)):
-            k, v = src.keys, src.values
-            dst.lazy_initialization(k, v)
-            dst.keys, dst.values = k[idx.to(k.device)], v[idx.to(v.device)]
-            src.keys, src.values = k[rest.to(k.device)], v[rest.to(v.device)]
-        other._tokens, self._tokens = self._tokens[idx], self._tokens[rest]
+        the other rows, in order. Used to park rows that need no more forwards, or to drop finished ones.
+
+        With the preallocated cache the taken rows stay in this cache's buffers (moved in front of the kept ones
+        where needed), so taking and joining back costs little (:mod:`pardec.models.kvcache`)."""
+        taken = torch.arange(self.rows)[torch.as_tensor(rows, dtype=torch.long).cpu()].tolist()
+        if len(set(taken)) != len(taken):
+            raise ValueError(f"take_rows: rows {taken} repeat a row")
+        rest = [i for i in range(self.rows) if i not in set(taken)]
+        other = CachedModel(self.model, self.name, cache=self.cache_kind)
+        if isinstance(self.cache, PreallocatedCache):
+            other.cache = self.cache.take_rows(taken)
+        else:
+            idx, keep = torch.tensor(taken, dtype=torch.long), torch.tensor(rest, dtype=torch.long)
+            for src, dst in zip(self._initialized_layers(), other._layers_for(self)):
+                k, v = src.keys, src.values
+                dst.lazy_initialization(k, v)
+                dst.keys, dst.values = k[idx.to(k.device)], v[idx.to(v.device)]
+                src.keys, src.values = k[keep.to(k.device)], v[keep.to(v.device)]
+        other._tokens, self._tokens = self._tokens.select(taken), self._tokens.select(rest)
         self._last_appended = other._last_appended = 0
         return other
 
@@ -483,18 +620,25 @@ class CachedModel:
         """Append ``other``'s batch rows after this one's (``other`` is consumed). The shorter cache is left-padded
         with zero keys/values to the longer one's length; returns (padding added to this one's rows, to
         ``other``'s rows): positions the caller must mask (``key_valid`` False). An empty or reset cache simply
-        takes ``other``'s rows."""
-        if self.rows == 0 or not self._initialized_layers():
+        takes ``other``'s rows.
+
+        With the preallocated cache, rows that :meth:`take_rows` parked and that come back in the order they left
+        join without a copy; other rows are copied once, this cache's own rows only when its buffer has no room
+        after them (:mod:`pardec.models.kvcache`)."""
+        if self.rows == 0 or not self._holds_keys():
             self.cache, self._tokens, self._last_appended = other.cache, other._tokens, 0
             return 0, 0
         pad_self, pad_other = max(0, other.length - self.length), max(0, self.length - other.length)
-        for a, b in zip(self._initialized_layers(), other._initialized_layers(), strict=True):
-            for name in ("keys", "values"):
-                x, y = _left_pad(getattr(a, name), pad_self), _left_pad(getattr(b, name), pad_other)
-                setattr(a, name, torch.cat([x, y.to(x.device)], dim=0))
-        pad = lambda t, n: torch.cat([torch.zeros(t.shape[0], n, dtype=t.dtype), t], dim=1)  # noqa: E731
-        self._tokens = torch.cat([pad(self._tokens, pad_self), pad(other._tokens, pad_other)], dim=0)
+        if isinstance(self.cache, PreallocatedCache):
+            self.cache.join_rows(other.cache, pad_self, pad_other)
+        else:
+            for a, b in zip(self._initialized_layers(), other._initialized_layers(), strict=True):
+                for name in ("keys", "values"):
+                    x, y = _left_pad(getattr(a, name), pad_self), _left_pad(getattr(b, name), pad_other)
+                    setattr(a, name, torch.cat([x, y.to(x.device)], dim=0))
+        self._tokens = self._tokens.join(other._tokens, pad_self, pad_other)
         self._last_appended = 0
+        other.reset()  # consumed (its rows may now be part of this cache's buffers)
         return pad_self, pad_other
 
     def sync(self, seq: list[int] | torch.Tensor) -> list[int]:
@@ -504,7 +648,8 @@ class CachedModel:
         At least the last token of ``seq`` is always returned (its logits are what the caller wants), so the
         cache is cut to ``len(seq) - 1`` when it already held all of ``seq``."""
         seq = torch.as_tensor(seq, dtype=torch.long).cpu()
-        held = self._tokens[0]
+        self.check_finite()
+        held = self._tokens.host()[0]
         n = min(held.numel(), seq.numel() - 1)
         diff = (held[:n] != seq[:n]).nonzero()
         common = int(diff[0]) if diff.numel() else n
@@ -512,6 +657,21 @@ class CachedModel:
         return seq[common:].tolist()
 
     # ---------------------------------------------------------------- helpers
+    def _new_cache(self):
+        if self.cache_kind == "dynamic":
+            return DynamicCache(config=self.config)
+        return PreallocatedCache(self.config)
+
+    def _holds_keys(self) -> bool:
+        if isinstance(self.cache, PreallocatedCache):
+            return self.cache.initialized
+        return bool(self._initialized_layers())
+
+    def _transient(self, start: int | None) -> None:
+        """Positions from ``start`` on are dropped when the current call ends (None: that call ended)."""
+        if isinstance(self.cache, PreallocatedCache):
+            self.cache.transient_from = start
+
     def _initialized_layers(self) -> list:
         layers = [lc for lc in self.cache.layers if getattr(lc, "keys", None) is not None and lc.keys.dim() == 4]
         if layers and len(layers) != len(self.cache.layers):
@@ -528,6 +688,9 @@ class CachedModel:
 
     def _drop_keys_after(self, n: int) -> None:
         """Cut every layer's keys/values to the first ``n`` positions (states a forward ran but must not keep)."""
+        if isinstance(self.cache, PreallocatedCache):
+            self.cache.drop_after(n)
+            return
         for lc in self.cache.layers:
             if lc.keys is not None and lc.keys.shape[-2] > n:
                 lc.keys, lc.values = lc.keys[..., :n, :], lc.values[..., :n, :]
@@ -575,14 +738,28 @@ class CachedModel:
         return ids, positions, attend, key_valid
 
     def _check_finite(self, logits: torch.Tensor, past: int, t: int, last_only: bool, kept) -> None:
-        bad = ~torch.isfinite(logits)
-        if not bool(bad.any()):
+        """NaN/inf in ``logits`` [B, T', V] raise: at once on the CPU; on an accelerator when the model is next used
+        (a flag copied to the host without a sync; module docstring)."""
+        finite = torch.isfinite(logits).all(-1)  # [B, T']
+        if logits.device.type == "cpu":
+            if not bool(finite.all()):
+                self._raise_non_finite(finite, past, t, last_only, kept)
             return
-        b, j = (int(x) for x in bad.any(-1).nonzero()[0])
+        ok, done = finite.all(), None
+        if ok.device.type == "cuda":
+            ok = ok.to("cpu", non_blocking=True)  # into pinned memory; ``done`` says when it has arrived
+            done = torch.cuda.Event()
+            done.record(torch.cuda.current_stream(finite.device))
+        self._unchecked.append((finite, ok, done, (past, t, last_only, kept)))
+
+    def _raise_non_finite(self, finite: torch.Tensor, past: int, t: int, last_only: bool, kept,
+                          late: bool = False) -> None:
+        b, j = (int(x) for x in (~finite).nonzero()[0])
         new = t - 1 if last_only else int(kept[j]) if isinstance(kept, torch.Tensor) else j
         raise NonFiniteLogitsError(
             f"model {self.name!r} produced non-finite logits (NaN/inf) at position {past + new} "
-            f"(row {b}, new token {new} of {t}, cache length {past})")
+            f"(row {b}, new token {new} of {t}, cache length {past})"
+            + (" in an earlier forward (found when the model was next used)" if late else ""))
 
     def _allowed(
         self,
