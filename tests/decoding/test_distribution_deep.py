@@ -66,7 +66,6 @@ import pardec.decoding.lookahead as lookahead_mod
 import pardec.decoding.ouroboros as ouroboros_mod
 import pardec.decoding.sdsat as sdsat_mod
 import pardec.decoding.spectr as spectr_mod
-import pardec.decoding.verify as verify_mod
 from pardec.config import SamplingConfig
 from pardec.decoding import METHODS, Stopper, build_decoder
 from pardec.decoding.sampling import warp
@@ -200,20 +199,17 @@ def instrument(method: str, dec, monkeypatch) -> Probe:
         monkeypatch.setattr(mod, "verify_tree", _tree(probe, mod.verify_tree))
     monkeypatch.setattr(ouroboros_mod, "verify_tree", _tree(probe, ouroboros_mod.verify_tree, "draft"))
     monkeypatch.setattr(spectr_mod, "verify_tree_iid", _tree(probe, spectr_mod.verify_tree_iid))
-    kseq = verify_mod.kseq
-
-    def kseq_seen(draws, p, q, gen):
-        i, residual = kseq(draws, p, q, gen)
-        probe.kseq[-1].append((len(draws), i is not None))
-        return i, residual
-
     iid = spectr_mod.verify_tree_iid
 
-    def iid_seen(*a, **kw):
-        probe.kseq.append([])  # K-SEQ calls below, one per depth of the walk down the tree
-        return iid(*a, **kw)
+    def iid_seen(tree, *a, **kw):
+        """K-SEQ along the walk down the tree, one entry per depth: (draws there, one of them accepted). (K-SEQ
+        runs at every node at once; the walk's nodes are those of the verdict's path.)"""
+        verdict = iid(tree, *a, **kw)
+        draws = kw["draws"]
+        probe.kseq.append([(len(draws[node]), d + 1 < len(verdict.path)) for d, node in enumerate(verdict.path)
+                           if draws.get(node)])
+        return verdict
 
-    monkeypatch.setattr(verify_mod, "kseq", kseq_seen)
     monkeypatch.setattr(spectr_mod, "verify_tree_iid", iid_seen)
 
     # the committed output, live, for the oracle drafts

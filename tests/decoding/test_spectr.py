@@ -10,10 +10,16 @@ import torch
 
 from pardec.config import ConfigError, SamplingConfig
 from pardec.decoding import Stopper, build_decoder
-from pardec.decoding.verify import _kseq_factor, kseq, kseq_factor, kseq_residual
+from pardec.decoding.verify import kseq, kseq_factor, kseq_residual
 from pardec.models.cached import CachedModel
 from tests.decoding.test_distribution import PROMPT, SETTINGS, N, exact_joint, tiny_vocab
 from tests.stats import chi_square_p
+
+
+def _kseq_factor(p: torch.Tensor, q: torch.Tensor, g: float, m: int) -> tuple[float, float]:
+    """(beta(g), sum_{i<m} (1 - beta)^i) of K-SEQ with division factor ``g`` and ``m`` draws, by the definition."""
+    beta = float(torch.minimum(q.double(), p.double() / g).sum())
+    return beta, sum((1.0 - beta) ** i for i in range(m))
 
 
 def _pq(seed: int, v: int = 6) -> tuple[torch.Tensor, torch.Tensor]:
@@ -35,7 +41,7 @@ def test_kseq_output_distribution_is_the_target_by_its_formula(seed, m):
     accepted = torch.minimum(q, p / g) * total  # P(some draw is accepted and equals x)
     out = accepted + (1 - beta) ** m * kseq_residual(p, q, g, m)
     assert torch.allclose(out, p, atol=1e-5)
-    # a smaller factor would break the condition (the bisection found the smallest, to its tolerance)
+    # a smaller factor would break the condition (the solve found the smallest, to its tolerance)
     if g > 1.0 + 1e-6:
         assert _kseq_factor(p, q, g - 1e-4, m)[1] > g - 1e-4
 

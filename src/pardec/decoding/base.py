@@ -228,7 +228,9 @@ class Decoder:
         only their positions in the cache. ``q`` [k, V]: the draft's distributions (None: a deterministic
         draft). Returns (logits [k+1, V], committed tokens, kept by the output)."""
         base = self.target.length
-        inp = torch.cat([torch.tensor([last]), draft.cpu()])[None].to(st.ids.device)
+        dev = st.ids.device
+        draft = torch.as_tensor(draft, dtype=torch.long).to(dev)  # a draft made on the device stays there
+        inp = torch.cat([torch.full((1,), int(last), dtype=torch.long, device=dev), draft])[None]
         logits = self.target.forward(inp).logits[0]
         st.target_forwards += 1
         acc = verify_chain(draft, logits, st.s, st.gen, q)
@@ -243,9 +245,9 @@ class Decoder:
         + one target token and compact the cache to exactly that path. ``rule(logits)`` replaces the shared
         :func:`verify_tree` (a method's own acceptance rule). Returns (logits [N, V], committed tokens, kept by
         the output)."""
-        base = self.target.length
-        logits = self.target.forward(tree.tokens(last)[None], positions=tree.positions(base),
-                                     attend=tree.attend).logits[0]
+        base, dev = self.target.length, self.target.device
+        logits = self.target.forward(tree.tokens(last, dev)[None], positions=tree.positions(base, dev),
+                                     attend=tree.on(dev).attend).logits[0]
         st.target_forwards += 1
         verdict = rule(logits) if rule is not None else verify_tree(tree, logits, st.s, st.gen, q)
         kept = st.out.commit(verdict.tokens)
@@ -254,7 +256,7 @@ class Decoder:
 
     def _step_alone(self, st: _Run, last: int) -> int:
         """One target forward on ``last`` alone (no room left for a draft): commit its token and return it."""
-        _, acc, _ = self._verify_chain(st, last, torch.zeros(0, dtype=torch.long))
+        _, acc, _ = self._verify_chain(st, last, torch.zeros(0, dtype=torch.long, device=st.ids.device))
         return acc[-1]
 
     def _result(self, st: _Run, extras: dict | None = None, draft_forwards: int = 0, draft_s: float = 0.0,

@@ -92,7 +92,7 @@ class BigLittleDecoder(Decoder):
         warped = self.warping(st.s)
         while not st.out.done:
             k = min(self.max_draft, st.out.room - 1)  # the target adds one token of its own
-            toks = torch.zeros(0, dtype=torch.long)
+            toks = torch.zeros(0, dtype=torch.long, device=st.ids.device)
             if k >= 1:
                 clock.start()
                 chain = draft_chain(self.draft, prompt + st.out.tokens, k, st.s, st.gen,
@@ -103,7 +103,8 @@ class BigLittleDecoder(Decoder):
                 toks = chain.tokens
                 fallbacks += chain.stopped
             base = self.target.length
-            inp = torch.cat([torch.tensor([last]), toks])[None].to(st.ids.device)
+            toks = toks.to(st.ids.device)  # drafted on the draft's device
+            inp = torch.cat([torch.full((1,), last, dtype=torch.long, device=st.ids.device), toks])[None]
             logits = self.target.forward(inp).logits[0]
             st.target_forwards += 1
             cut = rollback_point(toks, logits, self.rollback, warped)

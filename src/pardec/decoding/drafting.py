@@ -22,13 +22,13 @@ from dataclasses import dataclass, field
 import torch
 
 from pardec.config import SamplingConfig
-from pardec.decoding.sampling import warp
+from pardec.decoding.sampling import sample, warp
 from pardec.models.cached import CachedModel
 
 
 @dataclass
 class DraftChain:
-    tokens: torch.Tensor  # [m] long, m <= k
+    tokens: torch.Tensor  # [m] long, m <= k, on the draft's device
     q: torch.Tensor | None  # [m, V] the warped distributions the tokens were sampled from (None under greedy)
     forwards: int  # draft forwards run
     stopped: bool = False  # the ``stop`` test ended the chain (BiLD's fallback)
@@ -49,7 +49,7 @@ def draft_chain(draft: CachedModel, seq: list[int], k: int, s: SamplingConfig, g
     chain's last. The last drafted token is not fed."""
     logits = catch_up(draft, seq)
     forwards = 1
-    toks: list[int] = []
+    toks: list[torch.Tensor] = []  # [1] each, on the draft's device: never read back here
     qs: list[torch.Tensor] = []
     stopped = False
     for i in range(k):
@@ -57,17 +57,18 @@ def draft_chain(draft: CachedModel, seq: list[int], k: int, s: SamplingConfig, g
         if stopped and not keep_unsure:
             break
         if s.greedy:
-            x = int(logits.argmax())
+            x = logits.argmax(-1, keepdim=True)
         else:
             q = warp(logits, s)
-            x = int(torch.multinomial(q, 1, generator=gen))
+            x = sample(q, gen)
             qs.append(q)
         toks.append(x)
         if stopped or i == k - 1:
             break
-        logits = draft.forward(torch.tensor([[x]])).logits[0, -1]
+        logits = draft.forward(x[None]).logits[0, -1]
         forwards += 1
-    return DraftChain(torch.tensor(toks, dtype=torch.long), torch.stack(qs) if qs else None, forwards, stopped)
+    tokens = torch.cat(toks) if toks else torch.zeros(0, dtype=torch.long, device=logits.device)
+    return DraftChain(tokens, torch.stack(qs) if qs else None, forwards, stopped)
 
 
 class Branches:

@@ -38,10 +38,10 @@ import torch
 
 from pardec.config import ConfigError, SamplingConfig
 from pardec.decoding.base import Decoder, GenerationResult, Stopper, _Run, check_range, register_method
-from pardec.decoding.sampling import warp
+from pardec.decoding.sampling import sample, warp
 from pardec.decoding.tree import Tree
 from pardec.decoding.tree_search import resolve_tree, truncate_paths
-from pardec.decoding.verify import TreeVerdict, verify_tree
+from pardec.decoding.verify import TreeVerdict, read_verdict, verify_tree
 from pardec.models.cached import PSEUDO_ATTENTION, CachedModel
 from pardec.models.heads import load_drafter, read_meta
 
@@ -72,6 +72,7 @@ class TreeDrafter(Decoder):
         # a tree deeper than the drafter's K is an error; one deeper than a smaller ``k`` asked for is cut to it
         self.tree_name, paths = resolve_tree(tree, [Path(path) / "trees"], int(meta["k"]))
         self.paths = truncate_paths(paths, self.k)
+        self._rank_trees: dict[tuple[int, torch.device], tuple[Tree, torch.Tensor, int]] = {}
         if target is not None:
             self.drafter, self.meta = load_drafter(path, target.config, self.kind, key=key)
             self.drafter.to(target.head_device, target.dtype)  # it reads what the LM head reads
@@ -88,15 +89,25 @@ class TreeDrafter(Decoder):
         return verify_tree(tree, logits, st.s, st.gen)
 
     # ------------------------------------------------------------------ shared
+    def _ranks(self, depth: int, device: torch.device) -> tuple[Tree, torch.Tensor, int]:
+        """The rank tree cut to ``depth`` (built once per depth: its device buffers too, shared by every step's
+        relabelled tree), the (depth - 1, rank) of each non-root node [2, N-1] on ``device``, the ranks needed."""
+        key = (depth, device)
+        if key not in self._rank_trees:
+            ranks = Tree.from_paths(truncate_paths(self.paths, depth))
+            at = torch.tensor([[int(d) - 1 for d in ranks.depth[1:]], ranks.labels[1:]], dtype=torch.long)
+            self._rank_trees[key] = (ranks, at.to(device), max(ranks.labels[1:], default=-1) + 1)
+        return self._rank_trees[key]
+
     def candidates(self, drafts: torch.Tensor, depth: int) -> Tree:
-        """The tree of top-ranked draft tokens: the rank paths (cut to ``depth``) with ranks replaced by tokens."""
-        ranks = Tree.from_paths(truncate_paths(self.paths, depth))
+        """The tree of top-ranked draft tokens: the rank paths (cut to ``depth``) with ranks replaced by tokens,
+        as a [N] tensor on the drafts' device (nothing read back: siblings hold distinct ranks of one
+        distribution, hence distinct tokens)."""
+        ranks, at, need = self._ranks(depth, drafts.device)
         if len(ranks) == 1:
             return ranks
-        need = int(max(ranks.labels[1:])) + 1
-        top = drafts[: max(1, depth)].topk(min(need, drafts.shape[-1]), dim=-1).indices.cpu()  # [depth, need]
-        labels = [-1] + [int(top[int(ranks.depth[n]) - 1, ranks.labels[n]]) for n in range(1, len(ranks))]
-        return Tree(ranks.parents, labels)
+        top = drafts[: max(1, depth)].topk(min(need, drafts.shape[-1]), dim=-1).indices  # [depth, need]
+        return ranks.relabel(torch.cat([top.new_full((1,), -1), top[at[0], at[1]]]))
 
     @torch.inference_mode()
     def generate(self, prompt_ids, max_new_tokens: int, stop: Stopper | None = None,
@@ -114,8 +125,9 @@ class TreeDrafter(Decoder):
         drafted = accepted = 0
         while not st.out.done:
             tree = self.candidates(drafts, min(self.k, st.out.room - 1))
-            base = self.target.length
-            logits, state = self._forward(tree.tokens(last)[None], tree.positions(base), tree.attend)
+            base, dev = self.target.length, self.target.device
+            logits, state = self._forward(tree.tokens(last, dev)[None], tree.positions(base, dev),
+                                          tree.on(dev).attend)
             st.target_forwards += 1
             verdict = self._accept(tree, logits, st)
             st.out.commit(verdict.tokens)
@@ -177,29 +189,30 @@ def typical_accept(tree: Tree, logits: torch.Tensor, s: SamplingConfig, gen: tor
     path passes, the deepest wins; among equally deep ones the most likely path (the largest sum of its tokens' log
     probabilities, as the reference's ``evaluate_posterior``), the first in node order among exact ties. One more
     token follows at the winner: the target's argmax (``greedy``, the paper's), a sample of the target's warped
-    distribution (``sample``) or of its typical-filtered one (``typical``: tokens under the bar there dropped)."""
+    distribution (``sample``) or of its typical-filtered one (``typical``: tokens under the bar there dropped).
+    Everything is decided on the device; one host read."""
+    dev = logits.device
+    buf, labels = tree.on(dev), tree.label_tensor(dev)
     probs = torch.softmax(logits.float() / s.temperature, dim=-1)  # [N, V]
     ent = -(probs * probs.clamp_min(1e-30).log()).sum(-1)
     bar = torch.minimum(torch.full_like(ent, threshold), alpha * torch.exp(-ent))  # [N]
-    parents = torch.tensor(tree.parents[1:], dtype=torch.long, device=probs.device)
-    labels = torch.tensor(tree.labels[1:], dtype=torch.long, device=probs.device)
-    p = probs[parents, labels]  # [N-1] each node's probability under its parent's row
-    ok, logp = (p > bar[parents]).tolist(), p.clamp_min(1e-30).log().tolist()  # one read back
-    passes, score, depth = [True] + [False] * (len(tree) - 1), [0.0] * len(tree), tree.depth.tolist()
-    best = 0
-    for n in range(1, len(tree)):  # parents come before their children
-        par = tree.parents[n]
-        passes[n] = passes[par] and ok[n - 1]
-        score[n] = score[par] + logp[n - 1]
-        if passes[n] and (depth[n], score[n]) > (depth[best], score[best]):
-            best = n
-    path = tree.path_to(best)
+    p = probs[buf.parent, labels.clamp(min=0)]  # [N] each node's probability under its parent's row (root: unused)
+    ok = p > bar.index_select(0, buf.parent)
+    ok[0] = True
+    logp = p.clamp_min(1e-30).log().double()
+    logp[0] = 0.0
+    passes = ~(buf.attend & ~ok).any(-1)  # [N] the whole path passes
+    score = (buf.attend.double() * logp).sum(-1)  # [N] the path's log likelihood
+    deepest = torch.where(passes, buf.depth, -1)
+    best = torch.where(deepest == deepest.max(), score, float("-inf")).argmax().view(1)  # first among exact ties
     if next_token == "greedy":
-        nxt = int(logits[best].argmax())
+        nxt = logits.index_select(0, best).argmax(-1)
     else:
-        dist = warp(logits[best], s) if next_token == "sample" else probs[best].masked_fill(probs[best] < bar[best], 0)
-        nxt = int(torch.multinomial(dist, 1, generator=gen))
-    return TreeVerdict(path, [tree.labels[n] for n in path[1:]] + [nxt])
+        row = probs.index_select(0, best)
+        dist = warp(logits.index_select(0, best), s) if next_token == "sample" else \
+            row.masked_fill(row < bar.index_select(0, best)[:, None], 0)
+        nxt = sample(dist, gen)[0]
+    return read_verdict(tree, buf.attend.index_select(0, best)[0], nxt, labels)
 
 
 @register_method("firp")

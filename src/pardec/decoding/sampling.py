@@ -32,8 +32,16 @@ def select(logits: torch.Tensor, s: SamplingConfig, gen: torch.Generator | None)
     if s.greedy:
         return logits.argmax(-1)
     probs = warp(logits, s)
-    flat = probs.reshape(-1, probs.shape[-1])
-    return torch.multinomial(flat, 1, generator=gen).reshape(probs.shape[:-1])
+    return sample(probs, gen)[..., 0]
+
+
+def sample(probs: torch.Tensor, gen: torch.Generator | None) -> torch.Tensor:
+    """One draw from each row of ``probs`` [..., V] (non-negative, normalised or not): [..., 1] long, on their device.
+
+    The exponential race ``torch.multinomial(probs, 1)`` itself runs (the same use of the generator, the same draws),
+    without the validity checks with which it reads two values back to the host (two syncs per call on a GPU)."""
+    race = torch.empty_like(probs).exponential_(generator=gen)
+    return (probs / race).argmax(-1, keepdim=True)
 
 
 def make_generator(s: SamplingConfig, device: torch.device) -> torch.Generator | None:

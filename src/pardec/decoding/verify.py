@@ -23,13 +23,21 @@ Exact rules (the output follows the target's warped distribution; greedy = the t
   ``min(1, p(X_i) / (g q(X_i)))``; when all are rejected the token comes from the residual
   ``norm(p - min(q, p / g) * sum_{i<m} (1 - beta)^i)`` with ``beta = sum_x min(q(x), p(x) / g)``, which makes the
   output exactly ``p`` for any ``g`` in ``[1, m]`` with ``g >= sum_{i<m} (1 - beta(g))^i``; the smallest such ``g``
-  (found by bisection) accepts most. ``m = 1`` is speculative sampling. Greedy: as :func:`verify_tree`.
+  (:func:`kseq_factors`) accepts most. ``m = 1`` is speculative sampling. Greedy: as :func:`verify_tree`.
 
 Lossy rules of particular papers (typical acceptance, joint-likelihood thresholds, BiLD rollback) live with
 their methods and declare ``exactness = "approximate"``.
 
 ``p`` is always :func:`~pardec.decoding.sampling.warp` of the target's logits with the run's sampling settings,
 and ``q`` must be the warped draft distribution the draft tokens were actually sampled from.
+
+Host syncs: each rule reads its result back once (one ``tolist`` per call), greedy or sampled, chain or tree.
+Every test of a call is made at once on the device: the uniforms in one draw, the first rejection by a cumulative
+product (chains) or, in trees, the acceptance test of every child of every node (siblings in order, as the rule
+says; the tests of nodes off the accepted path are drawn and thrown away, which leaves the path's law unchanged),
+the accepted path as the deepest node whose ancestors all passed, and the last token sampled on the device from
+the distribution left at the path's end. Tokens are drawn with :func:`~pardec.decoding.sampling.sample`
+(``torch.multinomial``'s own exponential race, without its two host reads).
 """
 
 from __future__ import annotations
@@ -39,30 +47,16 @@ from dataclasses import dataclass
 import torch
 
 from pardec.config import SamplingConfig
-from pardec.decoding.sampling import warp
-from pardec.decoding.tree import Tree
+from pardec.decoding.sampling import sample, warp
+from pardec.decoding.tree import Tree, TreeBuffers
 
 _EPS = 1e-12
 
 
-def _sample(p: torch.Tensor, gen: torch.Generator | None) -> int:
-    return int(torch.multinomial(p / p.sum(), 1, generator=gen))
-
-
-def _uniform(gen: torch.Generator | None, device: torch.device) -> float:
-    return float(torch.rand((), generator=gen, device=device))
-
-
-def _residual(p: torch.Tensor, q: torch.Tensor | None, x: int) -> torch.Tensor:
-    """The target distribution left after rejecting ``x`` proposed from ``q`` (one-hot when ``q`` is None)."""
-    if q is None:
-        r = p.clone()
-        r[x] = 0.0
-    else:
-        r = (p - q).clamp(min=0.0)
-    s = r.sum()
-    # s == 0 needs p <= q everywhere, i.e. p == q, under which a rejection has probability 0
-    return r / s if s > _EPS else p
+def _normalised(r: torch.Tensor, fallback: torch.Tensor) -> torch.Tensor:
+    """``r / sum(r)`` per row, or ``fallback`` where the row's mass is ~0 (a rejection of probability 0 led there)."""
+    s = r.sum(-1, keepdim=True)
+    return torch.where(s > _EPS, r / s.clamp_min(_EPS), fallback)
 
 
 def verify_chain(
@@ -74,42 +68,81 @@ def verify_chain(
 ) -> list[int]:
     """Verify a chain draft against the target's logits; return the committed tokens (1..k+1 of them).
 
-    draft:  [k] drafted tokens d_1..d_k
+    draft:  [k] drafted tokens d_1..d_k (any device; moved to the logits')
     logits: [k+1, V] target logits; row i is the target's distribution for the position of d_{i+1}
             (row k: the bonus position)
     q:      [k, V] the draft's (warped) distributions the tokens were sampled from; None = deterministic draft
+
+    One host read: [accepted count, the draft, the target's token].
     """
-    draft = torch.as_tensor(draft, dtype=torch.long).reshape(-1)
+    dev = logits.device
+    draft = torch.as_tensor(draft, dtype=torch.long).reshape(-1).to(dev)
     k = draft.numel()
     if logits.shape[0] != k + 1:
         raise ValueError(f"verify_chain: {k} draft tokens need {k + 1} logit rows, got {logits.shape[0]}")
     if s.greedy:
-        pred = logits.argmax(-1).cpu()
-        mism = (pred[:k] != draft.cpu()).nonzero()
-        a = int(mism[0]) if mism.numel() else k
-        return pred[: a + 1].tolist()
-    probs = warp(logits, s)
-    out: list[int] = []
-    for i in range(k):
-        d, p = int(draft[i]), probs[i]
-        qi = None if q is None else q[i].to(p.device, p.dtype)
-        if qi is None:
-            ok = _uniform(gen, p.device) < float(p[d])
-        else:
-            ok = _uniform(gen, p.device) * float(qi[d]) < float(p[d])
-        if ok:
-            out.append(d)
-            continue
-        out.append(_sample(_residual(p, qi, d), gen))
-        return out
-    out.append(_sample(probs[k], gen))
-    return out
+        pred = logits.argmax(-1)  # [k+1]
+        n = (pred[:k] == draft).long().cumprod(0).sum().view(1)  # the longest matching prefix
+        got = torch.cat([n, pred]).tolist()
+        return got[1 : got[0] + 2]
+    probs = warp(logits, s)  # [k+1, V]
+    vocab = probs.shape[-1]
+    p_d = probs[torch.arange(k, device=dev), draft]  # [k] p_i(d_i)
+    u = torch.rand(k, generator=gen, device=dev)
+    if q is None:
+        ok = u < p_d
+    else:
+        q = q.to(dev, probs.dtype)
+        ok = u * q[torch.arange(k, device=dev), draft] < p_d
+    n = ok.long().cumprod(0).sum().view(1)  # [1] accepted drafts: the first rejection's index, or k
+    p_n = probs.index_select(0, n)  # [1, V] the target's row there (row k: the bonus position)
+    if q is None:  # p without the rejected token (none at the bonus position)
+        d_n = torch.cat([draft, draft.new_full((1,), -1)]).index_select(0, n)
+        r = p_n.masked_fill(torch.arange(vocab, device=dev) == d_n[:, None], 0.0)
+    else:  # max(0, p - q) (q = 0 at the bonus position: p)
+        r = (p_n - torch.cat([q, q.new_zeros(1, vocab)]).index_select(0, n)).clamp(min=0.0)
+    token = sample(_normalised(r, p_n), gen)[0]  # [1]
+    got = torch.cat([n, draft, token]).tolist()
+    return got[1 : 1 + got[0]] + [got[-1]]
 
 
 @dataclass
 class TreeVerdict:
     path: list[int]  # accepted node indices, root (0) first: what the cache keeps
     tokens: list[int]  # committed tokens: the accepted nodes' labels + one token from the target
+
+
+def _accepted_path(buf: TreeBuffers, ok: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``ok`` [N] bool: the node passed its parent's test (the root True; at most one child of a node passes).
+    Returns (end [1]: the deepest node whose every ancestor passed, the path to it as an [N] bool mask)."""
+    on_path = ~(buf.attend & ~ok).any(-1)  # [N] the node and all its ancestors passed
+    end = torch.where(on_path, buf.depth, -1).argmax().view(1)
+    return end, buf.attend.index_select(0, end)[0]
+
+
+def read_verdict(tree: Tree, mask: torch.Tensor, token: torch.Tensor, labels: torch.Tensor) -> TreeVerdict:
+    """The one host read of a tree verification: the path mask, the token (and the labels when they live on the
+    device only)."""
+    n = len(tree)
+    on_host = not isinstance(tree.labels, torch.Tensor)
+    got = torch.cat([mask.long(), token.reshape(1)] + ([] if on_host else [labels])).tolist()
+    path = [i for i in range(n) if got[i]]
+    labs = tree.labels if on_host else got[n + 1 :]
+    return TreeVerdict(path, [int(labs[i]) for i in path[1:]] + [got[n]])
+
+
+def _check_rows(name: str, tree: Tree, logits: torch.Tensor) -> None:
+    if logits.shape[0] != len(tree):
+        raise ValueError(f"{name}: a tree of {len(tree)} nodes needs {len(tree)} logit rows, got {logits.shape[0]}")
+
+
+def _greedy_tree(tree: Tree, logits: torch.Tensor) -> TreeVerdict:
+    buf, labels = tree.on(logits.device), tree.label_tensor(logits.device)
+    pred = logits.argmax(-1)  # [N]
+    ok = labels == pred.index_select(0, buf.parent)
+    ok[0] = True
+    end, mask = _accepted_path(buf, ok)
+    return read_verdict(tree, mask, pred.index_select(0, end), labels)
 
 
 def verify_tree(
@@ -123,84 +156,170 @@ def verify_tree(
 
     q: node -> the (warped) draft distribution [V] its children were drawn from, without replacement; nodes
        not in ``q`` have deterministic children.
+
+    One host read. Deterministic children are tested in closed form (rejecting ``x_1..x_{j-1}`` leaves ``p``
+    without them, so ``x_j`` passes with ``p(x_j) / (1 - p(x_1) - ... - p(x_{j-1}))``); the children of nodes in
+    ``q`` go through the recursion sibling by sibling, for all such nodes at once.
     """
-    if logits.shape[0] != len(tree):
-        raise ValueError(f"verify_tree: a tree of {len(tree)} nodes needs {len(tree)} logit rows, "
-                         f"got {logits.shape[0]}")
-    path = [0]
+    _check_rows("verify_tree", tree, logits)
     if s.greedy:
-        pred = logits.argmax(-1).tolist()
-        while True:
-            nxt = next((c for c in tree.children[path[-1]] if tree.labels[c] == pred[path[-1]]), None)
-            if nxt is None:
-                return TreeVerdict(path, [tree.labels[n] for n in path[1:]] + [pred[path[-1]]])
-            path.append(nxt)
-    probs = warp(logits, s)
-    while True:
-        node = path[-1]
-        p = probs[node]
-        qn = None if q is None or node not in q else q[node].to(p.device, p.dtype).clone()
-        nxt = None
-        for c in tree.children[node]:
-            x = tree.labels[c]
-            if qn is None:
-                ok = _uniform(gen, p.device) < float(p[x])
-            else:
-                ok = _uniform(gen, p.device) * float(qn[x]) < float(p[x])
-            if ok:
-                nxt = c
-                break
-            p = _residual(p, qn, x)
-            if qn is not None:  # the next sibling was drawn from q without x
-                qn[x] = 0.0
-                qn = qn / qn.sum() if qn.sum() > _EPS else qn
-        if nxt is None:
-            return TreeVerdict(path, [tree.labels[n] for n in path[1:]] + [_sample(p, gen)])
-        path.append(nxt)
+        return _greedy_tree(tree, logits)
+    dev = logits.device
+    buf, labels = tree.on(dev), tree.label_tensor(dev)
+    probs = warp(logits, s)  # [N, V]
+    n_inner, width = buf.kids.shape
+    ok = torch.zeros(len(tree), dtype=torch.bool, device=dev)
+    ok[0] = True
+    q = {i: dist for i, dist in (q or {}).items() if 0 <= i < len(tree) and tree.children[i]}
+    inner = tree._st.inner
+    stoch = [r for r, i in enumerate(inner) if i in q]  # rows (of buf.inner) whose children were drawn from q
+    final_s = None
+    if n_inner:
+        u = torch.rand(n_inner, width, generator=gen, device=dev)
+        x = labels.clamp(min=0)[buf.kids]  # [I, C] the children's tokens (padding: token 0, masked by kid_ok)
+        # deterministic rows, in closed form
+        px = probs[buf.inner[:, None], x] * buf.kid_ok  # [I, C] p(x_j)
+        left = probs.sum(-1).index_select(0, buf.inner)[:, None] - (px.cumsum(1) - px)  # mass not yet rejected
+        acc = buf.kid_ok & (u * left < px)  # [I, C]
+        if stoch:
+            rows = torch.tensor(stoch, device=dev)  # (one small copy; only with q)
+            p = probs.index_select(0, buf.inner.index_select(0, rows))  # [S, V]
+            qs = torch.stack([q[inner[r]] for r in stoch]).to(dev, probs.dtype)
+            xs, valid, us = x.index_select(0, rows), buf.kid_ok.index_select(0, rows), u.index_select(0, rows)
+            cols = []
+            for j in range(max(len(tree.children[inner[r]]) for r in stoch)):
+                xj, vj = xs[:, j : j + 1], valid[:, j : j + 1]
+                cols.append(vj & (us[:, j : j + 1] * qs.gather(1, xj) < p.gather(1, xj)))
+                p = torch.where(vj, _normalised((p - qs).clamp(min=0.0), p), p)  # p_{j+1}
+                qz = qs.scatter(1, xj, 0.0)
+                qs = torch.where(vj, _normalised(qz, qz), qs)  # q_{j+1}: q_j without x_j
+            acc_s = torch.cat(cols, 1)
+            acc[rows, : acc_s.shape[1]] = acc_s
+            acc[rows, acc_s.shape[1] :] = False
+            final_s = p  # [S, V] what is left after every child is rejected
+        first = acc & (acc.long().cumsum(1) == 1)  # [I, C] the first accepted child of each node
+        ok = first[buf.slot[:, 0], buf.slot[:, 1]]
+        ok[0] = True
+    end, mask = _accepted_path(buf, ok)
+    # the distribution left at the end: p there, without its deterministic children (all rejected), or the last
+    # p_j of the recursion for a node in q
+    p_end = probs.index_select(0, end)  # [1, V]
+    if n_inner:
+        r_end = buf.row.index_select(0, end).clamp(min=0)
+        kids_ok = buf.kid_ok.index_select(0, r_end) & (buf.row.index_select(0, end) >= 0)[:, None]  # [1, C]
+        keep = torch.ones_like(p_end).scatter_reduce(1, x.index_select(0, r_end), (~kids_ok).to(p_end.dtype),
+                                                     reduce="amin")
+        dist = _normalised(p_end * keep, p_end)
+    else:
+        dist = p_end
+    if final_s is not None:
+        srow = torch.full((len(tree) + 1,), -1, dtype=torch.long)
+        srow[[inner[r] for r in stoch]] = torch.arange(len(stoch))
+        pick = srow.to(dev).index_select(0, end) + 1  # 0: dist above, 1 + i: the i-th node in q
+        dist = torch.cat([dist, final_s]).index_select(0, pick)
+    return read_verdict(tree, mask, sample(dist, gen)[0], labels)
 
 
-def _kseq_factor(p: torch.Tensor, q: torch.Tensor, g: float, m: int) -> tuple[float, float]:
-    """(beta(g), sum_{i<m} (1 - beta)^i) of K-SEQ with division factor ``g`` and ``m`` draws."""
-    beta = float(torch.minimum(q, p / g).sum())
-    return beta, sum((1.0 - beta) ** i for i in range(m))
+# ------------------------------------------------------------------------------------------------ K-SEQ
+def _geometric(beta: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
+    """``sum_{i<m} (1 - beta)^i`` (float64; ``m`` where ``beta`` is 0)."""
+    b = beta.clamp(0.0, 1.0)
+    safe = torch.where(b > 0, b, torch.ones_like(b))
+    return torch.where(b > 0, -torch.expm1(m * torch.log1p(-safe)) / safe, m.to(b.dtype).expand_as(b))
 
 
-def kseq_factor(p: torch.Tensor, q: torch.Tensor, m: int, iters: int = 40) -> float:
-    """The smallest division factor ``g`` in ``[1, m]`` with ``g >= sum_{i<m} (1 - beta(g))^i`` (K-SEQ stays exact
-    for every such ``g``; the smallest accepts most). ``g - sum`` increases with ``g``: bisection, returning the
-    upper end so the condition holds."""
-    lo, hi = 1.0, float(m)
-    if _kseq_factor(p, q, lo, m)[1] <= lo + 1e-6:  # beta(1) = 1 - (rounding): q == p, every draw is accepted
-        return lo
-    for _ in range(iters):
-        mid = 0.5 * (lo + hi)
-        if _kseq_factor(p, q, mid, m)[1] <= mid:
-            hi = mid
-        else:
-            lo = mid
-    return hi
+def kseq_factors(p: torch.Tensor, q: torch.Tensor, m: torch.Tensor | int, rounds: int = 4, points: int = 1024
+                 ) -> torch.Tensor:
+    """K-SEQ's division factor for each row of ``p``, ``q`` [K, V] and draw count ``m`` [K]: the smallest ``g`` in
+    ``[1, m]`` with ``g >= sum_{i<m} (1 - beta(g))^i``, ``beta(g) = sum_x min(q(x), p(x) / g)`` (exact output for
+    every such ``g``; the smallest accepts most). Returns [K] float64 on the rows' device; no host sync.
+
+    With ``G(g) = g beta(g) = sum_x min(g q(x), p(x))`` the condition reads ``G(g) >= 1 - (1 - beta(g))^m``: the left
+    side grows with ``g`` and the right side falls, so the feasible ``g`` form an interval ``[g*, m]``. ``G`` is
+    linear between consecutive sorted ratios ``p(x) / q(x)`` (``A + B g``: the tokens whose ratio is below ``g``
+    give ``p``, the others ``g q``), so one sort and two cumulative sums evaluate the condition at every ratio
+    at once: the first feasible one bounds the piece that holds ``g*``, where ``G`` is known in closed form.
+    Inside it ``rounds`` multisections of ``points`` each (scalars per row, no vocabulary work) bracket ``g*``
+    to ``points ** -rounds`` of the piece (2^-40 with the defaults) and return the bracket's feasible end.
+    ``g = 1`` (plain speculative sampling) when the condition holds there up to 1e-6, as when ``q == p``."""
+    p, q = p.double(), q.double()
+    rows, vocab = p.shape
+    m = torch.as_tensor(m, device=p.device).to(torch.float64).expand(rows)[:, None]  # [K, 1]
+    ratio = torch.where(q > 0, p / q.clamp_min(1e-300), torch.full_like(p, float("inf")))
+    r, order = ratio.sort(-1)  # ascending
+    zero = p.new_zeros(rows, 1)
+    a = torch.cat([zero, p.gather(-1, order).cumsum(-1)], -1)  # [K, V+1] A_k: p mass of the k smallest ratios
+    b = q.sum(-1, keepdim=True) - torch.cat([zero, q.gather(-1, order).cumsum(-1)], -1)  # B_k: q mass of the rest
+    # candidates c_0 = 1, c_k = clamp(r_k, 1, m), c_{V+1} = m; G is A_k + B_k g on [c_k, c_{k+1}]
+    cand = torch.cat([torch.ones_like(zero), torch.minimum(r.clamp(min=1.0), m), m], -1)  # [K, V+2]
+    a, b = torch.cat([a, a[:, -1:]], -1), torch.cat([b, b[:, -1:]], -1)
+
+    def feasible(g, a_, b_):
+        return g >= _geometric((a_ + b_ * g) / g, m)
+
+    ok = feasible(cand, a, b)
+    ok[:, 1:-1] = (ok[:, 1:-1] & (r > 1.0)) | (r >= m)  # a ratio below 1 stands for g = 1, one above m for g = m
+    ok[:, 0] = _geometric(torch.minimum(p, q).sum(-1, keepdim=True), m)[:, 0] <= 1.0 + 1e-6  # g = 1, tolerance
+    ok[:, -1] = True  # g = m always holds (each term <= 1); rounding must not say otherwise
+    first = ok.long().argmax(-1, keepdim=True)  # [K, 1] the first feasible candidate
+    piece = (first - 1).clamp(min=0)
+    lo, hi = cand.gather(-1, piece), cand.gather(-1, first)
+    a, b = a.gather(-1, piece), b.gather(-1, piece)
+    steps = torch.arange(1, points + 1, device=p.device, dtype=torch.float64) / points  # [P]
+    for _ in range(rounds):
+        grid = lo + (hi - lo) * steps  # [K, P], the last one is hi
+        good = feasible(grid, a, b)
+        good[:, -1] = True
+        f = good.long().argmax(-1, keepdim=True)
+        lo = torch.where(f > 0, grid.gather(-1, (f - 1).clamp(min=0)), lo)
+        hi = grid.gather(-1, f)
+    return torch.where(first == 0, torch.ones_like(hi), hi)[:, 0]
 
 
-def kseq(draws: list[int], p: torch.Tensor, q: torch.Tensor, gen: torch.Generator | None
-         ) -> tuple[int | None, torch.Tensor]:
-    """K-SEQ selection among ``draws`` (i.i.d. samples from ``q``, in draw order) for target ``p``.
+def kseq_residuals(p: torch.Tensor, q: torch.Tensor, g: torch.Tensor, m: torch.Tensor | int) -> torch.Tensor:
+    """K-SEQ's distribution after ``m`` rejected draws, per row of ``p``, ``q`` [K, V] with factors ``g`` [K]:
+    ``norm(p - min(q, p / g) * sum_{i<m} (1 - beta)^i)`` (``p`` where that is ~0: every draw is then accepted)."""
+    pd, qd, g = p.double(), q.double(), g.to(torch.float64)[:, None]
+    m = torch.as_tensor(m, device=p.device).to(torch.float64).expand(p.shape[0])[:, None]
+    low = torch.minimum(qd, pd / g)
+    r = (pd - low * _geometric(low.sum(-1, keepdim=True), m)).clamp(min=0.0)
+    return _normalised(r, pd).to(p.dtype)
 
-    Returns (index of the accepted draw, None) or (None, the residual distribution to sample from)."""
-    m = len(draws)
-    g = kseq_factor(p, q, m)
-    for i, x in enumerate(draws):
-        if _uniform(gen, p.device) * g * float(q[x]) < float(p[x]):
-            return i, None
-    return None, kseq_residual(p, q, g, m)
+
+def kseq_factor(p: torch.Tensor, q: torch.Tensor, m: int) -> float:
+    """:func:`kseq_factors` of one node, read back."""
+    return float(kseq_factors(p[None], q[None], m)[0])
 
 
 def kseq_residual(p: torch.Tensor, q: torch.Tensor, g: float, m: int) -> torch.Tensor:
-    """K-SEQ's distribution after ``m`` rejected draws: ``norm(p - min(q, p / g) * sum_{i<m} (1 - beta)^i)``."""
-    _, total = _kseq_factor(p, q, g, m)
-    r = (p - torch.minimum(q, p / g) * total).clamp(min=0.0)
-    s = r.sum()
-    # s == 0 means every draw is accepted with probability 1: the residual is never used
-    return r / s if s > _EPS else p
+    """:func:`kseq_residuals` of one node."""
+    return kseq_residuals(p[None], q[None], torch.tensor([g], device=p.device), m)[0]
+
+
+def _kseq_first(p: torch.Tensor, q: torch.Tensor, draws: torch.Tensor, valid: torch.Tensor, m: torch.Tensor,
+                gen: torch.Generator | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """K-SEQ's tests for ``K`` nodes at once: ``draws`` [K, M] (``valid`` False on the padding). Returns (the first
+    accepted draw as a [K, M] bool mask, the factors [K])."""
+    g = kseq_factors(p, q, m)
+    u = torch.rand(draws.shape, generator=gen, device=p.device)
+    px, qx = p.gather(1, draws).double(), q.gather(1, draws).double()
+    acc = valid & (u.double() * g[:, None] * qx < px)
+    return acc & (acc.long().cumsum(1) == 1), g
+
+
+def kseq(draws: list[int], p: torch.Tensor, q: torch.Tensor, gen: torch.Generator | None
+         ) -> tuple[int | None, torch.Tensor | None]:
+    """K-SEQ selection among ``draws`` (i.i.d. samples from ``q``, in draw order) for target ``p``, one node (one
+    host read; :func:`verify_tree_iid` runs every node of a tree at once).
+
+    Returns (index of the accepted draw, None) or (None, the residual distribution to sample from)."""
+    m = len(draws)
+    d = torch.tensor([draws], dtype=torch.long, device=p.device)
+    first, g = _kseq_first(p[None], q[None], d, torch.ones_like(d, dtype=torch.bool), torch.tensor([m]), gen)
+    got = torch.cat([first.any(1).long(), first.long().argmax(1)]).tolist()
+    if got[0]:
+        return got[1], None
+    return None, kseq_residuals(p[None], q[None], g, m)[0]
 
 
 def verify_tree_iid(
@@ -213,21 +332,48 @@ def verify_tree_iid(
 ) -> TreeVerdict:
     """Verify a tree of i.i.d. draft sequences (see the module doc): ``q[node]`` is the warped draft distribution
     the sequences through ``node`` drew their next token from and ``draws[node]`` those tokens, one per sequence,
-    in draw order (a leaf has none). Greedy decoding ignores both (:func:`verify_tree`)."""
+    in draw order (a leaf has none). Greedy decoding ignores both (:func:`verify_tree`).
+
+    One host read: K-SEQ runs at every node with draws at once (their factors, their tests, their residuals)."""
     if s.greedy:
         return verify_tree(tree, logits, s, gen)
-    if logits.shape[0] != len(tree):
-        raise ValueError(f"verify_tree_iid: a tree of {len(tree)} nodes needs {len(tree)} logit rows, "
-                         f"got {logits.shape[0]}")
+    _check_rows("verify_tree_iid", tree, logits)
+    dev, n = logits.device, len(tree)
+    buf, labels = tree.on(dev), tree.label_tensor(dev)
     probs = warp(logits, s)
-    path = [0]
-    while True:
-        node = path[-1]
-        p = probs[node]
-        drawn = draws.get(node) or []
-        if not drawn:
-            return TreeVerdict(path, [tree.labels[n] for n in path[1:]] + [_sample(p, gen)])
-        i, residual = kseq(drawn, p, q[node].to(p.device, p.dtype), gen)
-        if i is None:
-            return TreeVerdict(path, [tree.labels[n] for n in path[1:]] + [_sample(residual, gen)])
-        path.append(next(c for c in tree.children[node] if tree.labels[c] == drawn[i]))
+    nodes = [i for i in range(n) if draws.get(i)]  # K-SEQ nodes
+    ok = torch.zeros(n, dtype=torch.bool, device=dev)
+    ok[0] = True
+    if not nodes:
+        end, mask = _accepted_path(buf, ok)
+        return read_verdict(tree, mask, sample(probs.index_select(0, end), gen)[0], labels)
+    width = max(len(draws[i]) for i in nodes)
+    child = {(tree.parents[c], int(tree.labels[c])): c for c in range(1, n)}
+    rows = []  # per node: draws, validity, child node of each draw (n: padding), m; packed for one copy
+    for i in nodes:
+        pad = width - len(draws[i])
+        kids = []
+        for x in draws[i]:
+            if (i, int(x)) not in child:
+                raise ValueError(f"verify_tree_iid: draw {x} at node {i} is not one of its children's labels")
+            kids.append(child[(i, int(x))])
+        rows.append([int(x) for x in draws[i]] + [0] * pad + [1] * len(draws[i]) + [0] * pad + kids + [n] * pad
+                    + [len(draws[i]), i])
+    krow = [-1] * n
+    for r, i in enumerate(nodes):
+        krow[i] = r
+    packed = torch.tensor([v for row in rows for v in row] + krow, dtype=torch.long).to(dev)
+    table = packed[: len(rows) * (3 * width + 2)].reshape(len(rows), 3 * width + 2)
+    d, valid, kid = table[:, :width], table[:, width : 2 * width].bool(), table[:, 2 * width : 3 * width]
+    m, at = table[:, -2], table[:, -1]
+    p = probs.index_select(0, at)  # [K, V]
+    qk = torch.stack([q[i] for i in nodes]).to(dev, probs.dtype)
+    first, g = _kseq_first(p, qk, d, valid, m, gen)
+    hit = torch.zeros(n + 1, dtype=torch.long, device=dev).index_add_(0, kid.reshape(-1), first.reshape(-1).long())
+    ok = hit[:n] > 0
+    ok[0] = True
+    end, mask = _accepted_path(buf, ok)
+    # the distribution left at the end: the K-SEQ residual of a node whose draws were all rejected, p at a leaf
+    pick = packed[len(rows) * (3 * width + 2) :].index_select(0, end) + 1
+    dist = torch.cat([probs.index_select(0, end), kseq_residuals(p, qk, g, m)]).index_select(0, pick)
+    return read_verdict(tree, mask, sample(dist, gen)[0], labels)

@@ -1,0 +1,353 @@
+"""Verification on the device: one host read per call, counted by :class:`pardec.devicecheck.VirtualCUDA`, with the
+same outputs as on the CPU; within whole generations too (sps, medusa, spectr). K-SEQ's factor solved exactly, held
+to hand-computed values and to the 40-step bisection it replaced (kept here as the reference). Tree buffers built
+once per tree shape; drafts that are made on the device stay there."""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+
+import pytest
+import torch
+
+import pardec.decoding.base as base_mod
+import pardec.decoding.heads as heads_mod
+import pardec.decoding.spectr as spectr_mod
+import pardec.decoding.sps as sps_mod
+import pardec.decoding.tree as tree_mod
+from pardec.config import SamplingConfig
+from pardec.decoding import Stopper, build_decoder
+from pardec.decoding.heads import typical_accept
+from pardec.decoding.sampling import sample, warp
+from pardec.decoding.tree import Tree
+from pardec.decoding.verify import kseq_factor, kseq_factors, verify_chain, verify_tree, verify_tree_iid
+from pardec.devicecheck import VirtualCUDA
+from pardec.models.cached import CachedModel
+from tests.conftest import noisy, tiny
+from tests.decoding.drafters import drafter_params
+
+V = 7
+GREEDY = SamplingConfig()
+SAMPLED = SamplingConfig(temperature=0.8, top_k=6, top_p=0.95, seed=1)
+
+
+def _logits(rows: int, seed: int) -> torch.Tensor:
+    return torch.randn(rows, V, generator=torch.Generator().manual_seed(seed)) * 2
+
+
+def _run(fn, seed: int, *tensors):
+    """``fn(gen, *tensors)`` on the CPU and with ``tensors`` on a virtual GPU: (CPU result, GPU result, host syncs
+    of the GPU run). The generators are seeded alike, so the two runs draw the same numbers."""
+    cpu = fn(torch.Generator().manual_seed(seed), *tensors)
+    with VirtualCUDA() as vc:
+        placed = [t.clone() if isinstance(t, torch.Tensor) else t for t in tensors]
+        vc.place([t for t in placed if isinstance(t, torch.Tensor)])
+        out = fn(torch.Generator(device="cuda").manual_seed(seed), *placed)
+    return cpu, out, sum(vc.syncs.values())
+
+
+# ---------------------------------------------------------------------------------------------- chains
+@pytest.mark.parametrize("k", [0, 1, 4])
+@pytest.mark.parametrize("mode", ["greedy", "sampled", "sampled_q"])
+def test_chain_verification_reads_back_once(k, mode):
+    logits = _logits(k + 1, k)
+    draft = logits[:k].argmax(-1)  # the target's own choices: long accepted prefixes
+    if k > 1:
+        draft[-1] = (draft[-1] + 1) % V  # and a rejection at the end
+    q = warp(_logits(k, 10 + k), SAMPLED)
+    s = GREEDY if mode == "greedy" else SAMPLED
+
+    def run(gen, draft, logits, q):
+        return verify_chain(draft, logits, s, gen, q if mode == "sampled_q" else None)
+
+    cpu, gpu, syncs = _run(run, 5, draft, logits, q)
+    assert gpu == cpu and 1 <= len(cpu) <= k + 1
+    assert syncs == 1  # before: greedy 4 (two .cpu(), nonzero, tolist); sampled 3 per drafted token
+
+
+def test_chain_first_rejection_and_its_residual_by_hand():
+    """p(d_1) = 1 accepts d_1 for sure, p(d_2) = 0 rejects d_2 for sure; the token after d_1 then comes from p
+    without d_2 (one-hot draft) or from max(0, p - q) (draft distribution q)."""
+    logits = torch.full((4, V), -30.0)
+    logits[0, 3] = 0.0  # p_1 = one-hot 3
+    logits[1, :3] = 0.0  # p_2: uniform over 0, 1, 2; d_2 = 5 has p 0
+    draft = torch.tensor([3, 5, 1])
+    s = SamplingConfig(temperature=1.0)
+    q = torch.zeros(3, V)
+    q[0, 3], q[1, 5], q[2, 1] = 1.0, 0.5, 1.0
+    q[1, 0] = 0.5  # max(0, p_2 - q_2) keeps 1 and 2 only
+    seen, seen_q = Counter(), Counter()
+    for seed in range(60):
+        out = verify_chain(draft, logits, s, torch.Generator().manual_seed(seed))
+        assert out[0] == 3 and len(out) == 2
+        seen[out[1]] += 1
+        out = verify_chain(draft, logits, s, torch.Generator().manual_seed(seed), q)
+        assert out[0] == 3 and len(out) == 2
+        seen_q[out[1]] += 1
+    assert set(seen) == {0, 1, 2} and set(seen_q) == {1, 2}
+
+
+# ---------------------------------------------------------------------------------------------- trees
+PATHS = [[1, 2, 3], [1, 4], [5, 6], [0]]
+
+
+def _tree_q(tree: Tree) -> dict[int, torch.Tensor]:
+    """Draft distributions for the nodes with children (the root and node 1's children drawn from them)."""
+    return {i: warp(_logits(1, 20 + i)[0], SAMPLED) for i in range(len(tree)) if tree.children[i]}
+
+
+@pytest.mark.parametrize("mode", ["greedy", "sampled", "sampled_q", "device_labels"])
+def test_tree_verification_reads_back_once(mode):
+    tree = Tree.from_paths(PATHS)
+    n = len(tree)
+    s = GREEDY if mode == "greedy" else SAMPLED
+    hits = Counter()
+    q = _tree_q(tree)
+    for seed in range(6):
+        logits = _logits(n, seed)
+        if seed % 2:  # make the target agree with the first path (deep acceptances)
+            for node, tok in ((0, 1), (1, 2), (2, 3)):
+                logits[node, tok] = 8.0
+
+        def run(gen, logits, *qs):
+            t = Tree.from_paths(PATHS)  # a tree's device buffers belong to the run that made them
+            t = t.relabel(torch.tensor(t.labels, device=logits.device)) if mode == "device_labels" else t
+            return verify_tree(t, logits, s, gen, dict(zip(q, qs)) if mode == "sampled_q" else None)
+
+        cpu, gpu, syncs = _run(run, seed, logits, *q.values())
+        assert gpu == cpu and [tree.labels[i] for i in cpu.path[1:]] == cpu.tokens[:-1]
+        assert syncs == 1  # before: greedy 1, sampled 3 per child tried + 1 (the final sample)
+        hits[len(cpu.path)] += 1
+    assert max(hits) >= 3  # deep paths were taken
+
+
+def test_tree_sampling_tries_siblings_in_order_by_hand():
+    """Deterministic children: a child of probability 0 is always rejected, then one of probability 1 (in what is
+    left) always accepted; when every child is rejected the token comes from p without them."""
+    tree = Tree.from_paths([[1], [2, 3], [4]])  # root children 1, 2, 4; node 2 has child 3
+    logits = torch.full((len(tree), V), -30.0)
+    logits[0, 2] = 0.0  # the root: token 2 only (children 1 rejected, 2 accepted)
+    logits[2, [3, 5, 6]] = 0.0  # after 2: 3, 5, 6 equally likely
+    s = SamplingConfig(temperature=1.0)
+    after = Counter()
+    for seed in range(80):
+        v = verify_tree(tree, logits, s, torch.Generator().manual_seed(seed))
+        assert v.path[:2] == [0, 2]
+        after[tuple(v.tokens[1:])] += 1
+    # at node 2: child 3 accepted with p 1/3 (then any token from node 3's flat row), else 5 or 6 (3 removed)
+    assert {(5,), (6,)} <= set(after) and any(t[0] == 3 and len(t) == 2 for t in after)
+    assert all(t in ((5,), (6,)) or (t[0] == 3 and len(t) == 2) for t in after)
+
+
+def test_iid_tree_verification_reads_back_once():
+    seqs = [[1, 2], [1, 3], [4, 2], [1, 2]]  # four i.i.d. sequences: repeats at the root and below
+    tree = Tree.from_paths(seqs)
+    prefix = {i: tree.label_path(i) for i in range(len(tree))}
+    draws_by_prefix = {(): [1, 1, 4, 1], (1,): [2, 3, 2], (4,): [2]}
+    draws = {i: draws_by_prefix[key] for i, key in prefix.items() if key in draws_by_prefix}
+    q = {i: warp(_logits(1, 40 + i)[0], SAMPLED) for i in draws}
+    lengths = Counter()
+    for seed in range(8):
+        logits = _logits(len(tree), 50 + seed)
+
+        def run(gen, logits, *qs):
+            return verify_tree_iid(Tree.from_paths(seqs), logits, SAMPLED, gen, dict(zip(q, qs)), draws)
+
+        cpu, gpu, syncs = _run(run, seed, logits, *q.values())
+        assert gpu == cpu
+        assert syncs == 1  # before: 40 bisection reads + 1 per draw tried, per node on the path, + 1
+        lengths[len(cpu.path)] += 1
+    assert len(lengths) >= 2
+
+
+@pytest.mark.parametrize("next_token", ["greedy", "sample", "typical"])
+def test_typical_acceptance_reads_back_once(next_token):
+    tree = Tree.from_paths(PATHS)
+    logits = _logits(len(tree), 3)
+    logits[0, 1] = logits[1, 2] = 6.0
+
+    def run(gen, logits):
+        return typical_accept(Tree.from_paths(PATHS), logits, SAMPLED, gen, threshold=0.09, alpha=0.3,
+                              next_token=next_token)
+
+    cpu, gpu, syncs = _run(run, 0, logits)
+    assert gpu == cpu and cpu.path[:3] == [0, 1, 2]
+    assert syncs == 1  # before: 2 (the pass/score read, then the next token)
+
+
+# ---------------------------------------------------------------------------------------------- K-SEQ
+def _bisection(p: torch.Tensor, q: torch.Tensor, m: int, iters: int = 40) -> float:
+    """The factor search ``kseq_factor`` ran before (a reference): 40 halvings of [1, m], each evaluating
+    ``beta(g)`` over the whole vocabulary and reading it back."""
+    def total(g: float) -> float:
+        beta = float(torch.minimum(q, p / g).sum())
+        return sum((1.0 - beta) ** i for i in range(m))
+
+    lo, hi = 1.0, float(m)
+    if total(lo) <= lo + 1e-6:
+        return lo
+    for _ in range(iters):
+        mid = 0.5 * (lo + hi)
+        if total(mid) <= mid:
+            hi = mid
+        else:
+            lo = mid
+    return hi
+
+
+def test_kseq_factor_by_hand():
+    # p = (.75, .25), q = (1, 0): beta(g) = .75 / g; m = 2: g >= 2 - .75 / g, i.e. (g - .5)(g - 1.5) >= 0: g = 1.5
+    assert kseq_factor(torch.tensor([0.75, 0.25]), torch.tensor([1.0, 0.0]), 2) == pytest.approx(1.5, abs=1e-11)
+    # p = (.6, .4), q = (.3, .7): on [1, 2] (token 0's ratio is 2) beta = .3 + .4 / g; m = 2: g^2 - 1.7 g + .4 >= 0
+    p, q = torch.tensor([0.6, 0.4], dtype=torch.float64), torch.tensor([0.3, 0.7], dtype=torch.float64)
+    assert kseq_factor(p, q, 2) == pytest.approx((1.7 + math.sqrt(1.29)) / 2, abs=1e-11)
+    # m = 3: g = 1 + y + y^2 with y = .7 - .4 / g, a cubic with its root in the same piece
+    g = kseq_factor(p, q, 3)
+    y = 0.7 - 0.4 / g
+    assert 1.0 < g < 2.0 and g == pytest.approx(1 + y + y * y, abs=1e-10)
+    # one draw, or a draft equal to the target: plain speculative sampling
+    assert kseq_factor(p, q, 1) == 1.0 and kseq_factor(p, p.clone(), 5) == 1.0
+    # disjoint supports: nothing is ever accepted, the condition holds at g = m only
+    assert kseq_factor(torch.tensor([1.0, 0.0]), torch.tensor([0.0, 1.0]), 4) == pytest.approx(4.0)
+
+
+def _slack(p: torch.Tensor, q: torch.Tensor, m: int, g: float) -> float:
+    """``g - sum_{i<m} (1 - beta(g))^i``: >= 0 where ``g`` keeps K-SEQ exact."""
+    beta = float(torch.minimum(q, p / g).sum())
+    return g - sum((1.0 - beta) ** i for i in range(m))
+
+
+@pytest.mark.parametrize("v", [2, 6, 50])
+def test_kseq_factor_equals_the_bisection(v):
+    same = 0
+    for seed in range(12):
+        g = torch.Generator().manual_seed(seed)
+        # float64, so that the reference's own rounding (it sums beta in the inputs' dtype) stays far below the
+        # tolerance
+        p = torch.softmax(torch.randn(v, generator=g, dtype=torch.float64) * (1 + seed % 3), -1)
+        q = torch.softmax(torch.randn(v, generator=g, dtype=torch.float64) * (1 + seed % 3), -1)
+        if seed % 4 == 1:  # zeros: tokens the target or the draft cannot produce
+            p[: v // 2] = 0.0
+            p /= p.sum()
+        if seed % 4 == 2:
+            q[v // 2 :] = 0.0
+            q /= q.sum()
+        ms = [1, 2, 3, 5, 8, 16]
+        batch = kseq_factors(p.expand(len(ms), -1), q.expand(len(ms), -1), torch.tensor(ms))
+        for m, got in zip(ms, batch.tolist()):
+            assert got == kseq_factor(p, q, m)
+            ref = _bisection(p, q, m)
+            assert _slack(p, q, m, got) >= -1e-12  # exact (to rounding)
+            assert got <= ref + 1e-9  # never a larger factor (fewer acceptances) than the bisection's
+            if abs(got - ref) < 1e-9:  # the bisection's last step on [1, 16] is 1.4e-11
+                same += 1
+            else:  # only where the condition is flat at 0 to rounding and the bisection's halvings lost the sign
+                assert abs(_slack(p, q, m, ref)) < 1e-12 and got < ref
+    assert same >= 12 * 6 - 2
+
+
+def test_kseq_factor_needs_no_host_sync():
+    p, q = warp(_logits(3, 0), SAMPLED), warp(_logits(3, 1), SAMPLED)
+    with VirtualCUDA() as vc:
+        vc.place([p, q])
+        m = torch.tensor([2, 3, 4], device="cuda")
+        g = kseq_factors(p, q, m)
+        assert g.device.type == "cuda"
+    assert not vc.syncs
+
+
+# ---------------------------------------------------------------------------------------------- sampling
+def test_sample_draws_what_multinomial_draws():
+    probs = warp(_logits(5, 9), SAMPLED)
+    a, b = torch.Generator().manual_seed(3), torch.Generator().manual_seed(3)
+    for _ in range(50):
+        assert torch.equal(sample(probs, a), torch.multinomial(probs, 1, generator=b))
+        assert torch.equal(sample(probs[2], a), torch.multinomial(probs[2], 1, generator=b))
+
+
+# ---------------------------------------------------------------------------------------------- whole generations
+def _per_call_syncs(vc: VirtualCUDA, fn, record: list):
+    def wrapped(*a, **kw):
+        before = sum(vc.syncs.values())
+        out = fn(*a, **kw)
+        record.append(sum(vc.syncs.values()) - before)
+        return out
+
+    return wrapped
+
+
+def _generate(method: str, s: SamplingConfig, n: int = 16, **params):
+    lm = tiny(0)
+    draft = CachedModel(noisy(0), name="draft:noisy") if method in ("sps", "spectr") else None
+    dec = build_decoder(method, CachedModel(lm.model), lm.tokenizer, draft, **{**drafter_params(method, lm.model),
+                                                                               **params})
+    ids = lm.tokenizer("def fibonacci(n):\n    return")["input_ids"]
+    return dec, lambda: dec.generate(ids, n, Stopper(lm.tokenizer), s)
+
+
+@pytest.mark.parametrize("s", [GREEDY, SAMPLED], ids=["greedy", "sampled"])
+def test_sps_steps_verify_with_one_read_and_keep_drafts_on_the_device(s, monkeypatch):
+    noisy(0)
+    with VirtualCUDA() as vc:
+        vc.place(tiny(0).model)
+        vc.place(noisy(0))
+        dec, run = _generate("sps", s)
+        verify, drafts = [], []
+        monkeypatch.setattr(base_mod, "verify_chain", _per_call_syncs(vc, base_mod.verify_chain, verify))
+        draft_chain = sps_mod.draft_chain
+
+        def seen(*a, **kw):
+            chain = draft_chain(*a, **kw)
+            drafts.append((chain.tokens.device.type, None if chain.q is None else chain.q.device.type))
+            return chain
+
+        monkeypatch.setattr(sps_mod, "draft_chain", seen)
+        res = run()
+    assert len(res.tokens) == 16 and verify and set(verify) == {1}
+    assert set(drafts) == {("cuda", None if s.greedy else "cuda")}
+
+
+@pytest.mark.parametrize("s", [GREEDY, SAMPLED], ids=["greedy", "sampled"])
+@pytest.mark.parametrize("method", ["medusa", "firp"])
+def test_tree_drafters_read_back_once_and_build_tree_buffers_once_per_shape(method, s, monkeypatch):
+    built = []
+    make = tree_mod._buffers
+
+    def counted(parents, st, device):
+        built.append((tuple(parents), device))
+        return make(parents, st, device)
+
+    monkeypatch.setattr(tree_mod, "_buffers", counted)
+    with VirtualCUDA() as vc:
+        vc.place(tiny(0).model)
+        dec, run = _generate(method, s, n=24)
+        verify, candidates, labels = [], [], []
+        monkeypatch.setattr(heads_mod, "verify_tree", _per_call_syncs(vc, heads_mod.verify_tree, verify))
+        cands = _per_call_syncs(vc, dec.candidates, candidates)
+
+        def seen(drafts, depth):
+            tree = cands(drafts, depth)
+            if len(tree) > 1:
+                labels.append(tree.labels.device.type if isinstance(tree.labels, torch.Tensor) else "host")
+            return tree
+
+        dec.candidates = seen
+        res = run()
+    steps = len(res.accepted) - 1
+    assert len(res.tokens) == 24 and len(verify) == steps and set(verify) == {1}
+    assert set(candidates) == {0}  # drafts never read back to build the tree
+    assert set(labels) == {"cuda"}  # the candidate tokens stay on the device
+    assert len(built) == len(set(built)) <= dec.k + 1  # once per (shape, device): a shape per tree depth
+
+
+def test_spectr_steps_verify_with_one_read(monkeypatch):
+    noisy(0)
+    with VirtualCUDA() as vc:
+        vc.place(tiny(0).model)
+        vc.place(noisy(0))
+        dec, run = _generate("spectr", SAMPLED, k=3, gamma=3)
+        verify = []
+        monkeypatch.setattr(spectr_mod, "verify_tree_iid", _per_call_syncs(vc, spectr_mod.verify_tree_iid, verify))
+        res = run()
+    assert len(res.tokens) == 16 and verify and set(verify) == {1}
