@@ -64,3 +64,55 @@ def test_sps_without_a_draft_fails_clearly():
     lm = tiny(0)
     with pytest.raises(ConfigError, match="needs a draft model: pass draft=<name>"):
         build_decoder("sps", CachedModel(lm.model), lm.tokenizer)
+
+
+# ------------------------------------------------------------------------------------------ gamma from measured costs
+def _table(ms: dict[int, float]):
+    from pardec.models.cost import CostTable
+
+    return CostTable("tiny", "fp32", 100, ms, machine={"cpu": "test"})
+
+
+def test_gamma_by_cost_picks_the_most_tokens_per_ms():
+    dec, _ = _sps("self", gamma=3, gamma_by_cost=True, gamma_max=8)
+    # 5 rows are cheaper than 3 or 4 (a padded forward), 6 rows and more dearer, 9+ not measured
+    dec.target.cost = _table({1: 10.0, 2: 17.0, 3: 20.0, 4: 19.0, 5: 12.0, 6: 30.0, 8: 31.0})
+    # almost every draft token accepted, a cheap draft: 4 drafts verified in a (padded) 5-row forward of 12 ms
+    assert dec.gamma_for(accepted=1000, rejections=1, draft_ms=0.1, room=50) == 4
+    # almost none accepted: a longer draft only adds cost
+    assert dec.gamma_for(accepted=0, rejections=200, draft_ms=0.1, room=50) == 1
+    # the acceptance is a ratio with a prior: 3 accepted, 1 rejection -> a = 4/6. By hand (every count of 2-5 rows
+    # padded to the 12 ms 5-row forward): g = 3: (1 - a^4) / (1 - a) = 2.41 tokens in 12 + 3 x 2 ms = 0.134 / ms;
+    # g = 4: 2.60 / 20 = 0.130; g = 2: 2.11 / 16 = 0.132; g = 1: 1.67 / 14 = 0.119
+    assert dec.gamma_for(accepted=3, rejections=1, draft_ms=2.0, room=50) == 3
+    # a dear draft: one token per round
+    assert dec.gamma_for(accepted=1000, rejections=1, draft_ms=50.0, room=50) == 1
+    # room and gamma_max cap it; counts past the table's largest are never chosen
+    assert dec.gamma_for(accepted=1000, rejections=1, draft_ms=0.1, room=2) == 2
+    dec.target.cost = _table({1: 10.0, 2: 11.0, 3: 11.5})
+    assert dec.gamma_for(accepted=1000, rejections=1, draft_ms=0.1, room=50) == 2
+
+
+def test_gamma_by_cost_keeps_the_output_and_follows_the_table():
+    lm = tiny(0)
+    ref = build_decoder("ar", CachedModel(lm.model), lm.tokenizer).generate(PROMPT, 40, Stopper(lm.tokenizer))
+    for draft in ("self", "noisy", "random"):
+        dec = build_decoder("sps", CachedModel(lm.model), lm.tokenizer, draft_for(draft, 0), gamma=2,
+                            gamma_by_cost=True, gamma_max=8)
+        # seconds, not ms: the tiny draft's measured ms per forward must not matter
+        dec.target.cost = _table({1: 1e4, 2: 4e4, 3: 4e4, 4: 4e4, 5: 4e4, 6: 1.1e4, 7: 5e4, 8: 5e4})
+        res = dec.generate(PROMPT, 40, Stopper(lm.tokenizer))
+        assert res.tokens == ref.tokens, draft
+        if draft == "self":  # every draft accepted: after the two rounds at gamma 2, the 6-row forward (gamma 5)
+            assert res.accepted[1:4] == [3, 3, 6]
+
+
+def test_gamma_by_cost_needs_a_cost_table_and_excludes_adaptive():
+    dec, lm = _sps("self", gamma=3, gamma_by_cost=True)
+    with pytest.raises(ConfigError, match="gamma_by_cost=true needs this machine's forward-cost table"):
+        dec.generate(PROMPT, 8, Stopper(lm.tokenizer))
+    with pytest.raises(ConfigError, match="pick one"):
+        _sps("self", gamma=3, gamma_by_cost=True, adaptive=True)
+    with pytest.raises(ConfigError, match=r"method.gamma=9 must lie in \[gamma_min, gamma_max\] = \[1, 8\] when "
+                                          r"method.gamma_by_cost=true"):
+        _sps("self", gamma=9, gamma_by_cost=True, gamma_max=8)

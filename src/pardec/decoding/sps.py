@@ -9,6 +9,15 @@ distribution exactly (``exactness = "distribution"``). The draft samples from it
 
 ``adaptive=true`` changes gamma between rounds: +1 after a fully accepted draft (up to ``gamma_max``), -1 when
 fewer than half of the draft was accepted (down to ``gamma_min``); ``gamma`` is the starting value.
+
+``gamma_by_cost=true`` instead picks each round's gamma from measured costs (Leviathan et al. 2023 §3.5: the
+gamma that maximises the expected tokens per unit of time, ``(1 - a^(g+1)) / (1 - a)`` tokens for a target forward
+of g + 1 rows plus g draft forwards). The target's cost of g + 1 rows comes from this machine's forward-cost table
+(``scripts/forward_cost.py``; padded to the cheapest measured row count >= g + 1, as the verification forward
+is), the draft's cost per forward from its own clock in this run (from the second round on: the first one
+runs the prompt through the draft), and the acceptance rate ``a`` from this
+generation's rounds (accepted / (accepted + rejections), with one of each as a prior). The first two rounds
+use ``gamma``. Exactness is untouched: only the draft's length changes.
 """
 
 from __future__ import annotations
@@ -26,15 +35,34 @@ class SpeculativeSampling(Decoder):
     needs_draft = True
 
     def __init__(self, target, tokenizer=None, draft=None, gamma: int = 4, adaptive: bool = False,
-                 gamma_min: int = 1, gamma_max: int = 12):
+                 gamma_min: int = 1, gamma_max: int = 12, gamma_by_cost: bool = False):
         super().__init__(target, tokenizer, draft)
         for key, v in (("gamma", gamma), ("gamma_min", gamma_min), ("gamma_max", gamma_max)):
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise ConfigError(f"method.{key}={v!r} is out of range: it must be an integer >= 1")
-        if adaptive and not gamma_min <= gamma <= gamma_max:
+        if adaptive and gamma_by_cost:
+            raise ConfigError("method.adaptive=true and method.gamma_by_cost=true both choose gamma: pick one")
+        if (adaptive or gamma_by_cost) and not gamma_min <= gamma <= gamma_max:
+            which = "adaptive" if adaptive else "gamma_by_cost"
             raise ConfigError(f"method.gamma={gamma} must lie in [gamma_min, gamma_max] = [{gamma_min}, {gamma_max}] "
-                              f"when method.adaptive=true")
+                              f"when method.{which}=true")
         self.gamma, self.adaptive, self.gamma_min, self.gamma_max = gamma, adaptive, gamma_min, gamma_max
+        self.gamma_by_cost = gamma_by_cost
+
+    def gamma_for(self, accepted: int, rejections: int, draft_ms: float, room: int) -> int:
+        """The gamma in [gamma_min, min(gamma_max, room)] with the most expected tokens per ms (module doc)."""
+        table = self.target.cost
+        a = (accepted + 1) / (accepted + rejections + 2)
+        best, best_rate = None, -1.0
+        for g in range(self.gamma_min, max(self.gamma_min, min(self.gamma_max, room)) + 1):
+            target_ms = table.ms_at_least(g + 1)
+            if target_ms is None:
+                break  # longer forwards were not measured
+            tokens = (1 - a ** (g + 1)) / (1 - a)
+            rate = tokens / (target_ms + g * draft_ms)
+            if rate > best_rate:
+                best, best_rate = g, rate
+        return best if best is not None else self.gamma_min
 
     def propose(self, seq: list[int], k: int, st) -> tuple[torch.Tensor, torch.Tensor | None, int]:
         """Draft ``k`` tokens after ``seq`` (prompt + committed). Returns (tokens [k], q [k, V] or None under
@@ -44,12 +72,16 @@ class SpeculativeSampling(Decoder):
 
     @torch.inference_mode()
     def generate(self, prompt_ids, max_new_tokens, stop=None, sampling=None) -> GenerationResult:
+        if self.gamma_by_cost and self.target.cost is None:
+            raise ConfigError("method.gamma_by_cost=true needs this machine's forward-cost table for the target, and "
+                              "there is none: run python scripts/forward_cost.py (and keep forward_padding=true)")
         st, last = self._start(prompt_ids, max_new_tokens, stop, sampling)
         self.draft.reset()
         prompt = st.ids[0].tolist()
         gamma = self.gamma
-        drafted = accepted = 0
+        drafted = accepted = rejections = 0
         clock = DraftClock()
+        since: tuple[float, int] | None = None
         gammas: list[int] = []
         while not st.out.done:
             k = min(gamma, st.out.room - 1)  # the target adds one token of its own
@@ -60,8 +92,15 @@ class SpeculativeSampling(Decoder):
             _, acc, _ = self._verify_chain(st, last, toks, q)
             n_acc = len(acc) - 1
             drafted, accepted = drafted + k, accepted + n_acc
+            rejections += n_acc < k
             gammas.append(k)
-            if self.adaptive:
+            if self.gamma_by_cost:  # the draft's ms per forward from the second round on (the first one ran the prompt)
+                if since is None:
+                    since = (clock.seconds, clock.forwards)
+                elif clock.forwards > since[1]:
+                    draft_ms = (clock.seconds - since[0]) * 1e3 / (clock.forwards - since[1])
+                    gamma = self.gamma_for(accepted, rejections, draft_ms, st.out.room - 1)
+            elif self.adaptive:
                 if n_acc == k:
                     gamma = min(self.gamma_max, gamma + 1)
                 elif 2 * n_acc < k:

@@ -96,6 +96,12 @@ class CostTable:
             return rows
         return min((t for t in self.ms if t >= rows), key=lambda t: (self.ms[t], t))
 
+    def ms_at_least(self, rows: int) -> float | None:
+        """What a forward of ``rows`` new rows costs when it may be padded: the lowest measured ms over row counts
+        >= ``rows`` (None: none measured that large)."""
+        costs = [v for t, v in self.ms.items() if t >= rows]
+        return min(costs) if costs else None
+
     # ------------------------------------------------------------------------------------------ storage
     @staticmethod
     def path(model: str, dtype: str, m: dict | None = None, root: Path | None = None) -> Path:
