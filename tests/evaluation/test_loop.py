@@ -165,6 +165,25 @@ def test_the_warm_up_leaves_no_state_in_the_timed_decoders(tmp_path):
     assert warm == cold  # before the fix the warm run's first prompt drafted from phrases of its own warm-up
 
 
+def test_repeats_of_a_prompt_start_from_the_same_carried_state(tmp_path):
+    """Ouroboros's warm_start pool is carried across prompts: every repeat of a prompt starts from the pool before its
+    first repeat (not from one holding the prompt's own phrases), and the next prompt continues from the pool after
+    the first repeat, so the records of each repeat equal those of a run with repeats=1."""
+    cpu_sized = ("method.gamma=4", "method.window=4", "method.level=4", "method.guess_set=4")
+    args = ("+method=ouroboros", "method.warm_start=true", *cpu_sized, "draft=tiny_random", *TINY[:1],
+            "n_samples=2", "max_new_tokens=16", "bench.warmup=0", "perplexity.enabled=false")
+    run(cfg_of(*args, "repeats=1"), tmp_path / "once")
+    run(cfg_of(*args, "repeats=3"), tmp_path / "thrice")
+    keep = ("id", "role", "tokens", "target_forwards", "draft_forwards", "accepted", "extras")
+    once = [{k: r[k] for k in keep} for r in lines(tmp_path / "once")]
+    thrice = [{k: r[k] for k in keep} for r in lines(tmp_path / "thrice")]
+    assert len(thrice) == 3 * len(once) == 3 * 2 * 2  # 2 prompts x (baseline, method) x 3 repeats
+    for rep in range(3):  # records are written prompt by prompt, repeat by repeat, role by role (extras: pool_size)
+        assert [x for j, x in enumerate(thrice) if (j // 2) % 3 == rep] == once, rep
+    sizes = [r["extras"]["pool_size"] for r in once if r["role"] == "method"]
+    assert sizes == sorted(sizes) and sizes[0] < sizes[-1]  # the pool is carried from prompt to prompt
+
+
 # ------------------------------------------------------------------------------------------ divergence margin
 def test_divergence_margin_is_read_where_the_records_part(tmp_path):
     """A stub target with hand-set logits: the margin is computed on the baseline's context at the first differing

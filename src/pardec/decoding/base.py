@@ -189,6 +189,15 @@ class Decoder:
         self.tokenizer = tokenizer
         self.draft = draft
 
+    def carried(self) -> Any:
+        """A copy of what this decoder carries from one generation to the next (Ouroboros's ``warm_start`` pool), or
+        None when nothing. The evaluation restores it between repeats of one prompt (:meth:`restore`), so that a
+        repeat does not profit from the same prompt's earlier run."""
+        return None
+
+    def restore(self, carried: Any) -> None:
+        """Go back to a state :meth:`carried` returned."""
+
     @classmethod
     def check_model(cls, model: ModelConfig, params: dict[str, Any]) -> None:
         """What the method needs of the model (``params``: its ``method.*`` settings), checked before the model

@@ -50,6 +50,8 @@ included; drafting cost ignored), ``draft_forwards_per_token``, ``accepted_from_
 
 from __future__ import annotations
 
+import copy
+
 import torch
 
 from pardec.config import ConfigError
@@ -94,6 +96,13 @@ class Ouroboros(Decoder):
         self.verified_phrases, self.phrase_harvest = verified_phrases, phrase_harvest
         self.refine_phrases, self.warm_start = refine_phrases, warm_start
         self.pool = NGramPool(level, guess_set)
+
+    def carried(self) -> NGramPool | None:
+        return copy.deepcopy(self.pool) if self.warm_start else None
+
+    def restore(self, carried: NGramPool | None) -> None:
+        if carried is not None:
+            self.pool = copy.deepcopy(carried)
 
     # ------------------------------------------------------------------------------------------- drafting
     def draft_phrases(self, seq: list[int], k: int, st, window: LookaheadWindow | None

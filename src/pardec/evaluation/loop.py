@@ -145,18 +145,29 @@ def _run(cfg: DictConfig, run_dir: Path, spec, ranks: rk.Ranks, task, docs: list
     desc = f"{spec.method} on {spec.dataset.name}" + (f" [rank {ranks.rank}/{ranks.world}]" if ranks.multi else "")
     bar = tqdm(mine, desc=desc, unit="prompt", dynamic_ncols=True, position=ranks.rank if ranks.multi else None)
     for i, doc in bar:  # i: the document's index in the whole run (sampling seeds depend on it, not on the rank)
+        # what decoders carry across prompts (Ouroboros's warm_start pool): every repeat of a prompt starts from the
+        # state before its first, and the next prompt continues from the state after the first, as with repeats=1
+        before: dict[str, Any] = {}
+        after: dict[str, Any] = {}
         for rep in range(r.repeats):
             sampling = spec.sampling if spec.sampling.greedy else SamplingConfig(
                 **{**asdict(spec.sampling), "seed": spec.sampling.seed + 100_003 * rep + i})
             for role, name, _ in roles:
                 if results.done(doc["id"], role, rep):
                     continue
+                if r.repeats > 1:
+                    if rep == 0:
+                        before[role] = decoders[role].carried()
+                    elif before.get(role) is not None:
+                        decoders[role].restore(before[role])
                 try:
                     rec = run_document(task, doc, decoders[role], tok, chat, stopper, sampling, r.max_new_tokens,
                                        target.max_length, scorer if spec.perplexity.get("enabled") else None,
                                        completion_nll, meter=meter)
                 except NonFiniteLogitsError as e:  # this prompt stops here, the run goes on
                     rec = {"error": str(e)}
+                if r.repeats > 1 and rep == 0:
+                    after[role] = decoders[role].carried()
                 if (where := non_finite(rec)) is not None:
                     rec = {**finite(rec), "error": f"non-finite {where} (NaN/inf)"}
                 rec.update(id=doc["id"], method=name, role=role, repeat=rep, **place)
@@ -167,6 +178,9 @@ def _run(cfg: DictConfig, run_dir: Path, spec, ranks: rk.Ranks, task, docs: list
                     if not rec["equal_to_baseline"] and spec.sampling.greedy:  # after the timed generation
                         rec.update(finite(divergence_logits(lm.model, task, doc, tok, chat, rec, base)))
                 results.append(rec)
+        for role, state in after.items():
+            if state is not None:
+                decoders[role].restore(state)
         bar.set_postfix_str(running_speed(results.records, method_role))
     bar.close()
 
