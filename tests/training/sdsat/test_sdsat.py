@@ -88,6 +88,29 @@ def test_trainer_loss_is_eq9_over_separate_rows(tmp_path):
     model.eval()
 
 
+def test_trainer_runs_the_lm_head_only_where_a_row_trains(tmp_path):
+    """Positions no row trains (both prompts, the padding tail) get no logits: the loss equals the full-logits one."""
+    from pardec.training.losses import sdsat_loss
+
+    lm, (aid,) = _tiny_with_token()
+    model = lm.model
+    recs = [{**RECORDS[0], "masked_ids": [aid if t == A else t for t in RECORDS[0]["masked_ids"]]},
+            {"ids": [20, 21, 22, 23, 24], "start": 3, "masked_ids": [20, 21, 22, aid, 24], "masked": 1}]
+    ds = SDSATDataset(recs, max_length=64)
+    batch = SDSATCollator(0)([ds[0], ds[1]])
+    args = SDSATConfig(output_dir=str(tmp_path), use_cpu=True, report_to="none")
+    trainer = SDSATTrainer(model=model, args=args, train_dataset=ds, data_collator=SDSATCollator(0))
+    seen = []
+    handle = model.lm_head.register_forward_hook(lambda mod, a, out: seen.append(tuple(out.shape)))
+    with torch.no_grad():
+        loss = trainer.compute_loss(model, batch)
+        full = model(input_ids=batch["input_ids"]).logits
+    handle.remove()
+    want = sdsat_loss(full, batch["targets"], batch["plain_mask"], batch["masked_mask"]).total
+    assert seen[0] == (4, 5, model.config.vocab_size) and seen[1] == (4, 7, model.config.vocab_size)  # t = 2..6 of 7
+    assert float(loss) == pytest.approx(float(want), rel=1e-5)
+
+
 def test_one_forward_evaluation_matches_separate_forwards():
     lm, ids_a = _tiny_with_token()
     model = lm.model

@@ -123,9 +123,13 @@ class SDSATTrainer(BaseTrainer):
         return [sum(int(b["plain_mask"].sum()) for b in batches), sum(int(b["masked_mask"].sum()) for b in batches)]
 
     def compute_loss(self, model, inputs, return_outputs: bool = False, num_items_in_batch=None):
-        out = model(input_ids=inputs["input_ids"], use_cache=False)  # [2B, T, V], one forward for both halves
-        res = sdsat_loss(out.logits, inputs["targets"], inputs["plain_mask"], inputs["masked_mask"],
-                         self.args.mask_weight, num_items_in_batch)
+        plain, masked, targets = inputs["plain_mask"], inputs["masked_mask"], inputs["targets"]
+        # the LM head only at positions some row trains (the prompts and the padding tail never reach the loss):
+        # logits [2B, K, V] instead of [2B, T, V], one forward for both halves
+        keep = (plain.bool() | masked.bool()).any(0).nonzero()[:, 0]
+        out = model(input_ids=inputs["input_ids"], use_cache=False, logits_to_keep=keep.to(inputs["input_ids"].device))
+        res = sdsat_loss(out.logits, targets[:, keep], plain[:, keep], masked[:, keep], self.args.mask_weight,
+                         num_items_in_batch)
         loss = self.for_ranks(res.total)
         if model.training:
             self.add_log_sums(res.sums)
