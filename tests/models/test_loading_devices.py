@@ -38,3 +38,25 @@ def test_each_rank_gets_its_local_gpu(monkeypatch):
         resolve_device("auto", {"WORLD_SIZE": "16", "LOCAL_RANK": "8"})
     _gpus(monkeypatch, 1)  # the launcher shows each process its own GPU (CUDA_VISIBLE_DEVICES per rank)
     assert resolve_device("auto", {"WORLD_SIZE": "8", "LOCAL_RANK": "5"}) == torch.device("cuda", 0)
+
+
+def test_device_map_ranks_split_the_nodes_gpus(monkeypatch):
+    from pardec.config import ConfigError, ModelConfig
+    from pardec.models.loading import placement, rank_gpus
+
+    _gpus(monkeypatch, 8)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda g: (1000 + g, 2000))
+    assert rank_gpus({}) is None and rank_gpus({"WORLD_SIZE": "1"}) is None  # one process: every GPU
+    assert rank_gpus({"WORLD_SIZE": "4", "LOCAL_RANK": "2"}) == [4, 5]
+    assert rank_gpus({"WORLD_SIZE": "16", "LOCAL_WORLD_SIZE": "2", "LOCAL_RANK": "1"}) == [4, 5, 6, 7]  # 2 nodes
+    assert rank_gpus({"WORLD_SIZE": "8", "LOCAL_RANK": "7"}) == [7]
+    with pytest.raises(ConfigError, match="8 visible GPUs do not split evenly among them; launch a number of "
+                                          "processes that divides 8"):
+        rank_gpus({"WORLD_SIZE": "3", "LOCAL_RANK": "0"})
+    cfg = ModelConfig(name="yi_34b", source="hub", path="01-ai/Yi-34B", device_map="auto")
+    assert placement(cfg, {}) == {"device_map": "auto"}
+    assert placement(cfg, {"WORLD_SIZE": "2", "LOCAL_RANK": "1"}) == {
+        "device_map": "auto", "max_memory": {4: 1004, 5: 1005, 6: 1006, 7: 1007}}
+    assert placement(ModelConfig(name="m", source="hub", path="x/y"), {"WORLD_SIZE": "2"}) == {}  # no device_map
+    _gpus(monkeypatch, 2)  # each of 4 processes shown its own 2 GPUs (CUDA_VISIBLE_DEVICES per rank): all of them
+    assert rank_gpus({"WORLD_SIZE": "4", "LOCAL_RANK": "3"}) == [0, 1]

@@ -94,6 +94,40 @@ def rank_gpu(env: Mapping[str, str]) -> int:
     return local
 
 
+def rank_gpus(env: Mapping[str, str] | None = None) -> list[int] | None:
+    """The GPUs this process may spread a model over with ``model.device_map`` when a launcher runs several processes
+    on the node (``LOCAL_WORLD_SIZE``, else ``WORLD_SIZE``, > 1): the node's visible GPUs split into equal contiguous
+    groups, group ``LOCAL_RANK``. None under one process (every visible GPU). Where each process is shown fewer GPUs
+    than there are processes (``CUDA_VISIBLE_DEVICES`` per rank) it keeps all it sees; a split that is not even is an
+    error naming both counts."""
+    env = os.environ if env is None else env
+    local_world = int(env.get("LOCAL_WORLD_SIZE", env.get("WORLD_SIZE", 1)))
+    if local_world <= 1:
+        return None
+    n, local = torch.cuda.device_count(), int(env.get("LOCAL_RANK", 0))
+    if n < local_world:
+        return list(range(n))
+    if n % local_world:
+        raise ConfigError(f"model.device_map under {local_world} processes per node: {n} visible GPUs do not split "
+                          f"evenly among them; launch a number of processes that divides {n}, or show each its own "
+                          f"GPUs with CUDA_VISIBLE_DEVICES")
+    k = n // local_world
+    return list(range(local * k, (local + 1) * k))
+
+
+def placement(cfg: ModelConfig, env: Mapping[str, str] | None = None) -> dict:
+    """``from_pretrained``'s placement arguments for ``model.device_map``: the map, and under several processes per
+    node a ``max_memory`` naming only this rank's GPUs (:func:`rank_gpus`), so that the ranks' models do not all
+    spread over every GPU. Empty without ``device_map``."""
+    if not cfg.device_map:
+        return {}
+    out: dict = {"device_map": cfg.device_map}
+    gpus = rank_gpus(env)
+    if gpus is not None:
+        out["max_memory"] = {g: torch.cuda.mem_get_info(g)[0] for g in gpus}  # free memory, as accelerate's default
+    return out
+
+
 def set_tf32(enabled: bool) -> None:
     """Let fp32 matmuls and convolutions on Ampere+ GPUs run in TF32 (the ``tf32`` config key, default on): ~10-bit
     mantissa products with fp32 accumulation, several times faster. No effect on the CPU or on bf16/fp16 runs."""
@@ -256,9 +290,9 @@ def load_model(cfg: ModelConfig) -> LoadedModel:
             dtype=dtype,
             revision=cfg.revision if cfg.source == "hub" else None,
             attn_implementation=cfg.attn_implementation,
-            # a target larger than one GPU: accelerate places its layers over the visible GPUs and moves the
-            # activations between them (CachedModel follows each layer's device)
-            **({"device_map": cfg.device_map} if cfg.device_map else {}),
+            # a target larger than one GPU: accelerate places its layers over the visible GPUs (this rank's share of
+            # them under several processes) and moves the activations between them (CachedModel follows each layer)
+            **placement(cfg),
         )
     if cfg.adapter:
         from peft import PeftModel
