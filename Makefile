@@ -98,11 +98,11 @@ bench-cllm: setup  ## CLLM: jacobi + lookahead vs ar on the trained CLLM (CLLM=<
 	  model.path=$(CLLM)/final bench.include_hf=false
 	$(BIN)/python scripts/bench.py --draft none --n 50 --max-new-tokens 48 --no-perplexity --methods "$(CLLM_METHODS)" \
 	  --datasets gsm8k --dataset-path gsm8k=$(GSM8K) --out outputs/bench/cllm_base bench.include_hf=false
-	# answer quality past the trained 48 tokens: ar with room for whole answers, 25 problems, 256 tokens
-	$(BIN)/python scripts/bench.py --draft none --n 25 --max-new-tokens 256 --no-perplexity --model local --methods ar \
+	# answer quality past the trained 48 tokens: ar with room for whole answers, 50 problems, 256 tokens (issue #25)
+	$(BIN)/python scripts/bench.py --draft none --n 50 --max-new-tokens 256 --no-perplexity --model local --methods ar \
 	  --datasets gsm8k --dataset-path gsm8k=$(GSM8K) --out outputs/bench/cllm_long_trained model.path=$(CLLM)/final \
 	  bench.include_hf=false
-	$(BIN)/python scripts/bench.py --draft none --n 25 --max-new-tokens 256 --no-perplexity --methods ar \
+	$(BIN)/python scripts/bench.py --draft none --n 50 --max-new-tokens 256 --no-perplexity --methods ar \
 	  --datasets gsm8k --dataset-path gsm8k=$(GSM8K) --out outputs/bench/cllm_long_base bench.include_hf=false
 	$(BIN)/python scripts/cllm_report.py --bench base=outputs/bench/cllm_base --bench cllm=outputs/bench/cllm_trained \
 	  --quality base=outputs/bench/cllm_long_base/runs/gsm8k --quality cllm=outputs/bench/cllm_long_trained/runs/gsm8k \
