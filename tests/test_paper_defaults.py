@@ -98,7 +98,7 @@ PAPER: dict[str, dict[str, tuple[object, str]]] = {
 PARDEC_ONLY: dict[str, set[str]] = {
     "jacobi": {"max_iters", "record_trajectories"},
     "pld": {"min_ngram"},
-    "sps": {"gamma_min", "gamma_max"},
+    "sps": {"gamma_min", "gamma_max", "gamma_by_cost"},
     "medusa": {"heads", "tree", "k"},
     "medusa_typical": {"heads", "tree", "k"},
     "firp": {"projections", "tree", "k"},
