@@ -260,7 +260,19 @@ def test_rows_join_across_cache_kinds():
 
 
 def test_grad_through_pseudo_states_equals_the_dynamic_cache():
-    lm = tiny(0)
+    lm = tiny(0)  # shared (tests/conftest.py caches it): frozen here, as in FIRP training, and restored after, so
+    # that no gradient is left on it for later tests (test_heads asserts the frozen base got none)
+    before = [p.requires_grad for p in lm.model.parameters()]
+    lm.model.requires_grad_(False)
+    try:
+        _grad_through_pseudo_states(lm)
+    finally:
+        for p, r in zip(lm.model.parameters(), before):
+            p.requires_grad_(r)
+            p.grad = None
+
+
+def _grad_through_pseudo_states(lm):
     torch.manual_seed(0)
     drafter = new_drafter("firp", lm.model.config, layers=[0, 1])
     ids = torch.tensor([[1, 504, 1812, 30, 12, 99]])
