@@ -11,6 +11,7 @@ from transformers import AutoModelForCausalLM, DynamicCache
 import pardec.models  # noqa: F401  (registers pardec_draft)
 from pardec.config import ModelConfig
 from pardec.models.cached import CachedModel
+from pardec.models.compat import cache_kw
 from pardec.models.draft import DraftForCausalLM, build_draft, choose_vocab
 from pardec.models.loading import load_model
 from tests.conftest import tiny
@@ -28,8 +29,8 @@ def test_all_layers_full_vocab_reproduce_the_target():
     outs = []
     for m in (t, d):
         cache = DynamicCache(config=m.config)
-        m(IDS[:, :4], past_key_values=cache, use_cache=True)
-        outs.append(m(IDS[:, 4:], past_key_values=cache, use_cache=True, logits_to_keep=2).logits)
+        m(IDS[:, :4], **cache_kw(m, cache), use_cache=True)
+        outs.append(m(IDS[:, 4:], **cache_kw(m, cache), use_cache=True, logits_to_keep=2).logits)
     assert outs[0].shape == (2, 2, t.config.vocab_size)
     torch.testing.assert_close(outs[0], outs[1], rtol=0, atol=1e-6)
 

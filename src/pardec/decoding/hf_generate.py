@@ -222,7 +222,7 @@ class _Hooks:
         if self.calls == 1 and self.first._start is not None:
             self.first.stop()
         logits = output.logits  # [1, T, V]
-        cache = kwargs.get("past_key_values")
+        cache = kwargs.get("cache", kwargs.get("past_key_values"))  # (the name before transformers 5.24)
         end = cache.get_seq_length() if cache is not None else logits.shape[1]
         self._finite.append((torch.isfinite(logits).all(-1)[0], end))
 

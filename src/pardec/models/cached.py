@@ -56,6 +56,7 @@ import torch
 from transformers import DynamicCache, PreTrainedModel
 
 from pardec.config import KV_CACHES as CACHES
+from pardec.models.compat import cache_kw, output_cache
 from pardec.models.kvcache import PreallocatedCache
 
 #: CACHES: the KV caches a CachedModel can use (``cache=``; module docstring)
@@ -321,12 +322,12 @@ class CachedModel:
             hook = self._layer(hidden_layer).register_forward_pre_hook(
                 lambda _m, args, kw: captured.append(args[0] if args else kw["hidden_states"]), with_kwargs=True)
         try:
-            out = self.model(input_ids=ids, position_ids=positions, past_key_values=self.cache, use_cache=True,
-                             **kwargs)
+            out = self.model(input_ids=ids, position_ids=positions, **cache_kw(self.model, self.cache),
+                             use_cache=True, **kwargs)
         finally:
             if hook is not None:
                 hook.remove()
-        self.cache = out.past_key_values
+        self.cache = output_cache(out)
         logits = out.logits
         if tail_at is not None:
             logits = logits[:, tail_at.to(logits.device)]
@@ -374,7 +375,7 @@ class CachedModel:
         try:
             for block in inner.layers[layer : self.num_layers]:
                 hidden = block(hidden, attention_mask=mask, position_embeddings=rope, position_ids=positions,
-                               past_key_values=self.cache, use_cache=True)
+                               **cache_kw(block, self.cache), use_cache=True)
         finally:  # the layers appended the injected states' keys/values to their caches: drop them
             self._transient(None)
             self._drop_keys_after(past)
@@ -488,7 +489,7 @@ class CachedModel:
                 hidden = inner.layers[layer](
                     hidden, attention_mask=mask[:, :, :m, : past + m],
                     position_embeddings=tuple(x[:, :m] for x in rope), position_ids=all_pos[:, :m],
-                    past_key_values=self.cache, use_cache=True)
+                    **cache_kw(inner.layers[layer], self.cache), use_cache=True)
         finally:  # drop the pseudo states' keys/values (and everything on an error part-way)
             self._transient(None)
             self._drop_keys_after(past + t if born == k else past)
@@ -523,7 +524,7 @@ class CachedModel:
                     hidden = inner.layers[layer](
                         hidden, attention_mask=mask[:, :, :t, : past + t],
                         position_embeddings=tuple(x[:, :t] for x in rope), position_ids=all_pos[:, :t],
-                        past_key_values=self.cache, use_cache=True)
+                        **cache_kw(inner.layers[layer], self.cache), use_cache=True)
                 real = inner.norm(hidden)
             for layer in range(layers[0], self.num_layers):
                 while born < k and layers[born] == layer:
@@ -535,7 +536,7 @@ class CachedModel:
                 pseudo = inner.layers[layer](
                     pseudo, attention_mask=mask[:, :, t : t + m, : past + t + m],
                     position_embeddings=tuple(x[:, t : t + m] for x in rope), position_ids=all_pos[:, t : t + m],
-                    past_key_values=self.cache, use_cache=True)
+                    **cache_kw(inner.layers[layer], self.cache), use_cache=True)
         finally:
             self._transient(None)
             self._drop_keys_after(past + t if born == k else past)

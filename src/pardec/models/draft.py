@@ -27,6 +27,8 @@ from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig, LlamaFor
 from transformers.modeling_outputs import CausalLMOutputWithPast
 from transformers.modeling_utils import slice_logits_to_keep
 
+from pardec.models.compat import cache_kw, output_cache, output_cache_field
+
 MODEL_TYPE = "pardec_draft"
 
 
@@ -63,20 +65,25 @@ class DraftForCausalLM(LlamaForCausalLM):
             self._vocab_ids = torch.tensor(self.config.draft_vocab, dtype=torch.long, device=device)
         return self._vocab_ids
 
-    def forward(self, input_ids=None, attention_mask=None, position_ids=None, past_key_values=None,
-                inputs_embeds=None, labels=None, use_cache=None, logits_to_keep: int | torch.Tensor = 0,
-                draft_logits: bool = False, **kwargs) -> CausalLMOutputWithPast:
-        """As ``LlamaForCausalLM.forward``; logits [B, T, V] (``draft_logits``: the head's [B, T, K])."""
+    def forward(self, input_ids=None, attention_mask=None, position_ids=None, cache=None, inputs_embeds=None,
+                labels=None, use_cache=None, logits_to_keep: int | torch.Tensor = 0, draft_logits: bool = False,
+                past_key_values=None, **kwargs) -> CausalLMOutputWithPast:
+        """As ``LlamaForCausalLM.forward``; logits [B, T, V] (``draft_logits``: the head's [B, T, K]). The KV cache
+        comes as ``cache`` (transformers 5.24+) or ``past_key_values`` (earlier releases, and callers that still use
+        it): see :mod:`pardec.models.compat`."""
         if labels is not None:
             raise ValueError("DraftForCausalLM computes no loss: pass labels=None (train with DistillTrainer)")
+        if cache is not None and past_key_values is not None:
+            raise ValueError("DraftForCausalLM.forward: pass the KV cache as `cache` or `past_key_values`, not both")
         out = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                         past_key_values=past_key_values, inputs_embeds=inputs_embeds, use_cache=use_cache, **kwargs)
+                         **cache_kw(self.model, cache if cache is not None else past_key_values),
+                         inputs_embeds=inputs_embeds, use_cache=use_cache, **kwargs)
         h = slice_logits_to_keep(out.last_hidden_state, logits_to_keep)  # [B, T', H]
         logits = self.lm_head(h)  # [B, T', K]
         if not draft_logits:
             logits = self.full_logits(logits)
-        return CausalLMOutputWithPast(logits=logits, past_key_values=out.past_key_values,
-                                      hidden_states=out.hidden_states, attentions=out.attentions)
+        return CausalLMOutputWithPast(logits=logits, hidden_states=out.hidden_states, attentions=out.attentions,
+                                      **{output_cache_field(CausalLMOutputWithPast): output_cache(out)})
 
     def full_logits(self, head_logits: torch.Tensor) -> torch.Tensor:
         """[..., K] head outputs -> [..., V]: kept ids get them, every other id ``finfo(dtype).min``."""
