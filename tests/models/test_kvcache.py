@@ -10,6 +10,7 @@ import pytest
 import torch
 from torch.overrides import TorchFunctionMode
 
+from pardec.config import KV_CACHES
 from pardec.devicecheck import VirtualCUDA
 from pardec.models.cached import CachedModel, NonFiniteLogitsError
 from pardec.models.heads import new_drafter
@@ -328,3 +329,52 @@ def test_non_finite_logits_on_a_gpu_raise_at_the_next_use_without_a_sync_in_the_
         with pytest.raises(NonFiniteLogitsError, match="position 5"):
             cm.check_finite()
         cm.check_finite()  # reported once
+
+
+@pytest.mark.parametrize("kind", KV_CACHES)
+def test_checkpointed_upper_layers_give_the_same_gradients_and_keep_fewer_activations(kind):
+    """forward_pseudo(checkpoint=True): the upper layers over the pseudo states recompute in backward, after the call
+    returned: same pseudo states and drafter gradients as without, the cache untouched by the recompute, and fewer
+    saved activations."""
+    lm = tiny(1)  # shared: frozen here (FIRP trains with a frozen target) and restored after
+    before = [p.requires_grad for p in lm.model.parameters()]
+    lm.model.requires_grad_(False)
+    try:
+        _checkpointed_pseudo(lm, kind)
+    finally:
+        for p, r in zip(lm.model.parameters(), before):
+            p.requires_grad_(r)
+            p.grad = None
+
+
+def _checkpointed_pseudo(lm, kind):
+    torch.manual_seed(0)
+    drafter = new_drafter("firp", lm.model.config, layers=[0, 1])
+    ids = torch.tensor([[1, 504, 1812, 30, 12, 99, 7, 8]])
+    runs = []
+    for ckpt in (False, True):
+        drafter.zero_grad()
+        cm = CachedModel(lm.model, cache=kind)
+        saved = [0]
+
+        def pack(x, saved=saved):
+            saved[0] += x.numel()
+            return x
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda x: x):
+            out = cm.forward_pseudo(ids, drafter, drafter.layers, anchors=[2, 3, 4, 5], logits_at=[2, 3, 4, 5],
+                                    split=True, teacher_forced=True, checkpoint=ckpt)
+            loss = cm.lm_head(out.pseudo).logsumexp(-1).sum()
+        loss.backward()
+        assert cm.length == ids.shape[1]
+        after = cm.forward(torch.tensor([[42]])).logits  # the cache after backward: the real positions only
+        runs.append((out.pseudo.detach(), [p.grad.clone() for p in drafter.parameters()], after, saved[0]))
+    (p0, g0, a0, s0), (p1, g1, a1, s1) = runs
+    _close(p0, p1)
+    _close(a0, a1)
+    for a, b in zip(g0, g1):
+        _close(a, b)
+    assert any(float(g.abs().sum()) > 0 for g in g1)
+    assert s1 < s0, (s1, s0)
+    with pytest.raises(ValueError, match="checkpoint needs split=True"):
+        CachedModel(lm.model, cache=kind).forward_pseudo(ids, drafter, drafter.layers, checkpoint=True)

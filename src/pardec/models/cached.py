@@ -53,6 +53,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+import torch.utils.checkpoint
 from transformers import DynamicCache, PreTrainedModel
 
 from pardec.config import KV_CACHES as CACHES
@@ -396,6 +397,7 @@ class CachedModel:
         split: bool = False,
         attention: str = "real",
         teacher_forced: bool = False,
+        checkpoint: bool = False,
     ) -> PseudoOut:
         """FIRP's forward: new tokens ``ids`` [B, T] as in :meth:`forward` (appended to the cache), plus K pseudo
         hidden states per anchor that are *not* kept.
@@ -421,6 +423,11 @@ class CachedModel:
         ``split``: run the new tokens through every layer first, without gradients, then the pseudo states alone
         over the cache they left (same result, since the new tokens never see pseudo states): training, where
         only the pseudo states need a backward pass; one pass (the default) is one forward when decoding.
+        ``checkpoint`` (with ``split``, under autograd): gradient checkpointing of the upper layers the pseudo
+        states run through: each layer keeps only its input and recomputes the rest in backward (a 7B target's
+        upper layers over ~K x T pseudo states otherwise keep every activation). The recompute runs after this call
+        returned, so a layer's run over the pseudo states leaves nothing in the cache and sees only its first
+        ``length`` positions (the real ones this call kept): the same keys in forward and in backward.
         """
         inner = self._inner()
         self.check_finite()
@@ -472,8 +479,11 @@ class CachedModel:
         rope = inner.rotary_emb(hidden, position_ids=all_pos)
         if split and capture:
             raise ValueError("forward_pseudo: capture needs split=False")
+        if checkpoint and not split:
+            raise ValueError("forward_pseudo: checkpoint needs split=True (training)")
         if split:
-            return self._pseudo_split(given, ids, hidden, project, layers, anc_dev, all_pos, rope, mask, logits_at)
+            return self._pseudo_split(given, ids, hidden, project, layers, anc_dev, all_pos, rope, mask, logits_at,
+                                      checkpoint)
         born = 0
         caught: list[tuple[torch.Tensor, torch.Tensor]] = []
         self._transient(past + t)
@@ -507,7 +517,8 @@ class CachedModel:
         return PseudoOut(logits, pseudo, [(r, p.reshape(bsz, -1, n_a, p.shape[-1]).transpose(1, 2)) for r, p in caught]
                          if capture else None)
 
-    def _pseudo_split(self, given, ids, hidden, project, layers, anc, all_pos, rope, mask, logits_at) -> PseudoOut:
+    def _pseudo_split(self, given, ids, hidden, project, layers, anc, all_pos, rope, mask, logits_at,
+                      checkpoint: bool = False) -> PseudoOut:
         """:meth:`forward_pseudo` in two passes: the new tokens (no gradients), then the pseudo states alone."""
         inner = self._inner()
         bsz, t = ids.shape
@@ -533,10 +544,12 @@ class CachedModel:
                     pseudo = new if pseudo is None else torch.cat([pseudo, new], dim=1)
                     born += 1
                 m = born * n_a
-                pseudo = inner.layers[layer](
-                    pseudo, attention_mask=mask[:, :, t : t + m, : past + t + m],
-                    position_embeddings=tuple(x[:, t : t + m] for x in rope), position_ids=all_pos[:, t : t + m],
-                    **cache_kw(inner.layers[layer], self.cache), use_cache=True)
+                args = (layer, pseudo, mask[:, :, t : t + m, : past + t + m],
+                        tuple(x[:, t : t + m] for x in rope), all_pos[:, t : t + m], past + t)
+                if checkpoint and torch.is_grad_enabled():
+                    pseudo = torch.utils.checkpoint.checkpoint(self._pseudo_layer, *args, use_reentrant=False)
+                else:
+                    pseudo = self._pseudo_layer(*args)
         finally:
             self._transient(None)
             self._drop_keys_after(past + t if born == k else past)
@@ -549,6 +562,23 @@ class CachedModel:
         self._check_finite(logits, past, t, False, None if logits_at is None else torch.as_tensor(logits_at))
         out = inner.norm(pseudo).reshape(bsz, k, n_a, -1).transpose(1, 2)  # [B, A, K, H]
         return PseudoOut(logits, out)
+
+    def _pseudo_layer(self, layer: int, pseudo: torch.Tensor, mask: torch.Tensor, rope: tuple, positions,
+                      keep: int) -> torch.Tensor:
+        """Decoder layer ``layer`` over pseudo states that see the cache's first ``keep`` positions and each other
+        as ``mask`` says; their keys/values are not kept. Safe to run again in backward (gradient checkpointing)."""
+        block = self._inner().layers[layer]
+        before = self.cache.transient_from if isinstance(self.cache, PreallocatedCache) else None
+        self._transient(keep)  # the preallocated cache stores nothing past ``keep``
+        try:
+            return block(pseudo, attention_mask=mask, position_embeddings=rope, position_ids=positions,
+                         **cache_kw(block, self.cache), use_cache=True)
+        finally:
+            self._transient(before)
+            if not isinstance(self.cache, PreallocatedCache):  # a dynamic cache appended them: cut them off, and
+                lc = self.cache.layers[layer]  # keep no view of this forward's graph (a recompute would reach it)
+                if lc.keys is not None and lc.keys.shape[-2] > keep:
+                    lc.keys, lc.values = lc.keys[..., :keep, :].detach(), lc.values[..., :keep, :].detach()
 
     def lm_head(self, normed: torch.Tensor) -> torch.Tensor:
         """The LM head on hidden states that went through the final norm (pseudo states of :meth:`forward_pseudo`)."""

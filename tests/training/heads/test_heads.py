@@ -254,3 +254,31 @@ def test_right_padding_never_changes_real_logits():
         padded = model(b["input_ids"]).logits[1, :5]
         alone = model(torch.tensor([ds[1]["input_ids"]])).logits[0]
     torch.testing.assert_close(F.log_softmax(padded, -1), F.log_softmax(alone, -1), rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.slow  # two training runs
+def test_firp_gradient_checkpointing_recomputes_the_upper_layers_and_trains_the_same(tmp_path, monkeypatch):
+    """trainer.gradient_checkpointing=true: FIRP's upper target layers over the pseudo states are checkpointed
+    (the Trainer itself is not asked to checkpoint the drafter, which it cannot), and training ends where it ends
+    without checkpointing."""
+    import torch.utils.checkpoint as ckpt
+
+    calls = [0]
+    real = ckpt.checkpoint
+
+    def counting(*a, **kw):
+        calls[0] += 1
+        return real(*a, **kw)
+
+    monkeypatch.setattr(ckpt, "checkpoint", counting)
+    run(_compose(_overrides(tmp_path, "heads_firp_tiny", "stage=generate")), tmp_path / "out" / "gen")
+    finals = []
+    for on in (False, True):
+        calls[0] = 0
+        out = tmp_path / "out" / f"ckpt_{on}"
+        run(_compose(_overrides(tmp_path, "heads_firp_tiny", "stage=train", f"trainer.gradient_checkpointing={on}")),
+            out)
+        assert (calls[0] > 0) == on
+        finals.append(load_drafter(out / "final", tiny(0, layers=3).model.config, "firp")[0])
+    for (name, x), y in zip(finals[0].state_dict().items(), finals[1].state_dict().values()):
+        torch.testing.assert_close(x, y, rtol=1e-5, atol=1e-6, msg=name)

@@ -83,10 +83,12 @@ def depth_weights(kind: str, k: int, head_decay: float) -> list[float]:
     return [head_decay**d for d in range(k)] if kind == "medusa" else [1.0] * k
 
 
-def drafter_forward(base, drafter_call, drafter, ids: torch.Tensor, start: int,
+def drafter_forward(base, drafter_call, drafter, ids: torch.Tensor, start: int, checkpoint: bool = False,
                     ) -> tuple[torch.Tensor, torch.Tensor]:
     """(teacher logits [B, n, V] of positions ``start..T-1`` (detached), student logits [B, n, K, V] of anchors
-    ``start..T-1``); ``drafter_call`` is the (possibly wrapped) module to call, ``drafter`` the bare one."""
+    ``start..T-1``); ``drafter_call`` is the (possibly wrapped) module to call, ``drafter`` the bare one.
+    ``checkpoint``: FIRP's upper target layers over the pseudo states recompute in backward (Medusa's heads sit
+    after a no-grad target forward: nothing to checkpoint)."""
     from pardec.models.cached import CachedModel
 
     t = ids.shape[1]
@@ -99,7 +101,8 @@ def drafter_forward(base, drafter_call, drafter, ids: torch.Tensor, start: int,
         return teacher, drafter_call(hidden.to(w.dtype))
     cm = CachedModel(base)
     out = cm.forward_pseudo(ids, drafter_call, drafter.layers, anchors=window, logits_at=window, split=True,
-                            attention=drafter.attention, teacher_forced=drafter.attention == "real")
+                            attention=drafter.attention, teacher_forced=drafter.attention == "real",
+                            checkpoint=checkpoint)
     return out.logits.detach(), cm.lm_head(out.pseudo)
 
 
@@ -136,6 +139,12 @@ class HeadsTrainer(BaseTrainer):
         self.distance = distance or ("rkl" if drafter.kind == "firp" else "fkl")
         self.log_sums_size = 3 * self.k  # kl sums, agreement sums, counts per depth
         super().__init__(*args, **kwargs)
+        # trainer.gradient_checkpointing: the memory is in the frozen target's upper layers over the pseudo states
+        # (forward_pseudo's checkpoint), not in the drafter, which the Trainer would try (and fail) to checkpoint
+        self.checkpoint_upper = bool(self.args.gradient_checkpointing)
+        for name in ("gradient_checkpointing", "activation_checkpointing"):  # (the second: transformers 5.24+)
+            if hasattr(self.args, name):
+                setattr(self.args, name, False)
         self.base = base.to(self.args.device).eval().requires_grad_(False)  # not a submodule of the drafter
 
     def window_counts(self, batches: list[dict]) -> int:
@@ -146,7 +155,8 @@ class HeadsTrainer(BaseTrainer):
         drafter = unwrap(model)
         ids, mask = inputs["input_ids"], inputs["loss_mask"].to(torch.bool)
         start = window_start(mask, self.k)
-        teacher, student = drafter_forward(self.base, model, drafter, ids, start)
+        teacher, student = drafter_forward(self.base, model, drafter, ids, start,
+                                           checkpoint=self.checkpoint_upper and model.training)
         mask = mask[:, start:].to(student.device)
         weights = depth_weights(drafter.kind, self.k, self.args.head_decay)
         total = student.sum() * 0.0  # keeps the graph when no term counts
