@@ -21,6 +21,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 DTYPES = ("fp32", "bf16", "fp16", "int8")  # int8: int8 linears on the CPU (pardec.models.int8), inference only
 KV_CACHES = ("preallocated", "dynamic")  # CachedModel's KV caches (pardec.models.kvcache / transformers' DynamicCache)
+FORWARD_IMPLS = ("hf", "lean")  # CachedModel.forward: transformers' model(...) | pardec.models.lean (Llama family)
 MODEL_SOURCES = ("hub", "local", "gguf_package", "gguf", "tiny_random")
 DEVICES = ("auto", "cpu", "cuda")
 #: accelerate's placements for a model larger than one device (``model.device_map``); None = all on ``model.device``
@@ -157,11 +158,13 @@ class RunConfig:
     tf32: bool = True  # fp32 matmuls on Ampere+ GPUs in TF32 (no effect on CPU or in bf16/fp16)
     forward_padding: bool = True  # pad the target's multi-row forwards by this machine's cost table, if measured
     kv_cache: str = "preallocated"  # CachedModel's KV cache (KV_CACHES)
+    forward_impl: str = "hf"  # CachedModel's forward (FORWARD_IMPLS): lean skips transformers' module stack
 
     def __post_init__(self) -> None:
         _at_least("", "repeats", self.repeats, 1)
         _choice("", "dtype", self.dtype, DTYPES)
         _choice("", "kv_cache", self.kv_cache, KV_CACHES)
+        _choice("", "forward_impl", self.forward_impl, FORWARD_IMPLS)
         if self.n_samples is not None:
             _at_least("", "n_samples", self.n_samples, 1)
         _at_least("", "max_new_tokens", self.max_new_tokens, 1)

@@ -90,7 +90,7 @@ def _run(cfg: DictConfig, run_dir: Path, spec, ranks: rk.Ranks, task, docs: list
     lm = load_model(spec.model)
     tok = lm.tokenizer
     chat = spec.dataset.use_chat(lm.chat)
-    target = CachedModel(lm.model, name=spec.model.name, cache=r.kv_cache)
+    target = CachedModel(lm.model, name=spec.model.name, cache=r.kv_cache, forward_impl=r.forward_impl)
     if r.forward_padding:  # this machine's measured forward costs (scripts/forward_cost.py), when there are some
         from pardec.models.cost import CostTable
 
@@ -98,7 +98,8 @@ def _run(cfg: DictConfig, run_dir: Path, spec, ranks: rk.Ranks, task, docs: list
         if target.cost is not None and ranks.rank == 0:
             log.info("verification forwards padded by %s's cost table: %s", spec.model.name,
                      {t: target.cost.cheapest_at_least(t) for t in sorted(target.cost.ms)})
-    draft = (CachedModel(load_model(spec.draft).model, name=f"draft:{spec.draft.name}", cache=r.kv_cache)
+    draft = (CachedModel(load_model(spec.draft).model, name=f"draft:{spec.draft.name}", cache=r.kv_cache,
+                         forward_impl=r.forward_impl)
              if spec.draft else None)
     scorer = lm.model
     if spec.perplexity.get("enabled") and spec.perplexity.get("model"):

@@ -22,7 +22,7 @@ from pardec.config import (
 )
 
 RUN_KEYS = ("n_samples", "max_new_tokens", "threads", "seed", "resume", "timeout_s", "stop_at_eos", "repeats",
-            "dtype", "tf32", "forward_padding", "kv_cache")
+            "dtype", "tf32", "forward_padding", "kv_cache", "forward_impl")
 #: peer roles run when ``bench.include_hf=true``: role -> method (``hf_assisted`` only with a draft)
 PEERS = {"hf": "hf_generate", "hf_pld": "hf_pld", "hf_assisted": "hf_assisted"}
 

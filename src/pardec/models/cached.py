@@ -56,7 +56,9 @@ import torch
 import torch.utils.checkpoint
 from transformers import DynamicCache, PreTrainedModel
 
+from pardec.config import FORWARD_IMPLS
 from pardec.config import KV_CACHES as CACHES
+from pardec.models import lean
 from pardec.models.compat import cache_kw, output_cache
 from pardec.models.kvcache import PreallocatedCache
 
@@ -179,18 +181,30 @@ class _TokenLog:
 class CachedModel:
     """An HF causal LM plus its KV cache. Batch size is fixed by the first forward after a reset.
 
-    ``cache``: ``"preallocated"`` or ``"dynamic"`` (module docstring); default :attr:`default_cache`."""
+    ``cache``: ``"preallocated"`` or ``"dynamic"`` (module docstring); default :attr:`default_cache`.
+    ``forward_impl``: ``"hf"`` (``model(...)``) or ``"lean"`` (:mod:`pardec.models.lean`, Llama-family models: the
+    same ops without transformers' module stack); default :attr:`default_forward_impl`."""
 
     #: the KV cache a CachedModel gets when ``cache`` is not given
     default_cache = "preallocated"
+    #: the forward a CachedModel gets when ``forward_impl`` is not given ("hf" or "lean": :mod:`pardec.models.lean`)
+    default_forward_impl = "hf"
 
-    def __init__(self, model: PreTrainedModel, name: str | None = None, cache: str | None = None):
+    def __init__(self, model: PreTrainedModel, name: str | None = None, cache: str | None = None,
+                 forward_impl: str | None = None):
         self.model = model.eval()
         self.config = model.config
         self.name = name or getattr(model.config, "_name_or_path", "") or type(model).__name__
         self.cache_kind = cache or self.default_cache
         if self.cache_kind not in CACHES:
             raise ValueError(f"cache={self.cache_kind!r} is not valid; choose one of: {', '.join(CACHES)}")
+        forward_impl = forward_impl or self.default_forward_impl
+        if forward_impl not in FORWARD_IMPLS:
+            raise ValueError(f"forward_impl={forward_impl!r} is not valid; choose one of: {', '.join(FORWARD_IMPLS)}")
+        if forward_impl == "lean" and (why := lean.unsupported(model)) is not None:
+            raise ValueError(f"forward_impl=lean cannot run model {self.name!r}: {why}; use forward_impl=hf")
+        #: "hf": every forward is ``model(...)``; "lean": ``forward``/``prefill`` run :mod:`pardec.models.lean`
+        self.forward_impl = forward_impl
         self.cache = self._new_cache()
         self._tokens = _TokenLog()  # the token ids held by the cache, [rows, length]
         self._last_appended = 0  # positions appended by the most recent forward (for ``keep``)
@@ -322,14 +336,20 @@ class CachedModel:
         elif hidden_layer is not None:
             hook = self._layer(hidden_layer).register_forward_pre_hook(
                 lambda _m, args, kw: captured.append(args[0] if args else kw["hidden_states"]), with_kwargs=True)
-        try:
-            out = self.model(input_ids=ids, position_ids=positions, **cache_kw(self.model, self.cache),
-                             use_cache=True, **kwargs)
-        finally:
-            if hook is not None:
-                hook.remove()
-        self.cache = output_cache(out)
-        logits = out.logits
+        if self.forward_impl == "lean" and hidden_layer is None and tail_at is None:
+            mask = kwargs.get("attention_mask")
+            if mask is None and width > 1 and past:  # causal after a cached prefix: SDPA's flag aligns top-left
+                mask = self._additive_mask(bsz, width, past, None, None)
+            logits = lean.lean_logits(self.model, ids, positions, mask, self.cache, kwargs.get("logits_to_keep"))
+        else:
+            try:
+                out = self.model(input_ids=ids, position_ids=positions, **cache_kw(self.model, self.cache),
+                                 use_cache=True, **kwargs)
+            finally:
+                if hook is not None:
+                    hook.remove()
+            self.cache = output_cache(out)
+            logits = out.logits
         if tail_at is not None:
             logits = logits[:, tail_at.to(logits.device)]
             kwargs["logits_to_keep"] = tail_at + (width - kwargs["logits_to_keep"])

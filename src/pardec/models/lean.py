@@ -1,0 +1,130 @@
+"""``forward_impl=lean``: :class:`~pardec.models.cached.CachedModel`'s forward through a Llama-family decoder
+without transformers' module stack.
+
+Why: a decode step of a small model on a CPU (and of any model at batch 1 on a GPU, where kernel launches are the
+cost) is dominated by per-op overhead, not by the weights' trip from memory alone. transformers' forward wraps
+every step in decorators, keyword processing, output recording, mask construction and ~13 ``nn.Module`` calls per
+layer (``scripts/profile_step.py``: ~14 of SmolLM2's 52 ms per fp32 step are outside the linear layers). This
+path runs the same computation on the same weights, in place of ``model(...)``, as plain tensor ops:
+
+    embed -> rotary tables (the model's own ``rotary_emb``: every rope scaling it knows) -> per layer:
+    RMSNorm -> q/k/v projections -> rotary -> ``cache.update`` -> SDPA -> o projection -> residual ->
+    RMSNorm -> SiLU(gate) * up -> down -> residual -> final RMSNorm on the kept positions -> LM head
+
+with the ops in transformers' order (RMSNorm in fp32 as ``LlamaRMSNorm`` computes it; SDPA with the same mask,
+scale, causal flag and grouped-query handling as its ``sdpa`` attention), so the logits equal the HF path's up to
+the float rounding of a kernel that is chosen differently (tested on both caches and every ``forward`` argument).
+It covers :meth:`CachedModel.forward` and ``prefill``; ``hidden_layer`` captures (which hook the modules),
+``run_upper`` and ``forward_pseudo`` keep transformers' layers.
+
+Supported: ``llama``, ``mistral`` and ``qwen2`` decoders (and pardec's ``pardec_draft``) with full attention in
+every layer, SiLU MLPs, ``sdpa`` or ``eager`` attention, on one device; plain or int8-quantized linears (a module
+that is not an ``nn.Linear`` is called as a module). Anything else is refused in one line by
+:func:`unsupported`, naming what does not fit (``forward_impl=hf`` runs every model).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+#: model types whose decoder layers are Llama's (pre-norm, rotary, GQA attention, SiLU-gated MLP)
+SUPPORTED_TYPES = ("llama", "mistral", "qwen2", "pardec_draft")
+
+
+def unsupported(model: nn.Module) -> str | None:
+    """Why the lean forward cannot run ``model`` (None: it can)."""
+    cfg = model.config
+    if cfg.model_type not in SUPPORTED_TYPES:
+        return f"model_type {cfg.model_type!r} is not one of {', '.join(SUPPORTED_TYPES)}"
+    inner = getattr(model, "model", None)
+    if inner is None or not hasattr(inner, "layers") or not hasattr(model, "lm_head"):
+        return f"{type(model).__name__} has no .model.layers / .lm_head"
+    if any(t != "full_attention" for t in (getattr(cfg, "layer_types", None) or ())):
+        return f"layer types {sorted(set(cfg.layer_types))}: only full_attention layers are supported"
+    if getattr(cfg, "sliding_window", None) and getattr(cfg, "use_sliding_window", True):
+        return f"sliding_window={cfg.sliding_window}: the lean forward applies no window"
+    if getattr(cfg, "hidden_act", "silu") != "silu":
+        return f"hidden_act={cfg.hidden_act!r}: the lean MLP is SiLU-gated"
+    impl = getattr(cfg, "_attn_implementation", None) or "sdpa"
+    if impl not in ("sdpa", "eager"):
+        return f"attn_implementation={impl!r}: the lean forward runs SDPA (use sdpa or eager)"
+    devices = set((getattr(model, "hf_device_map", None) or {}).values())
+    if len(devices) > 1:
+        return "the model is split over several devices (device_map)"
+    for i, layer in enumerate(inner.layers):
+        a = getattr(layer, "self_attn", None)
+        if a is None or not all(hasattr(a, n) for n in ("q_proj", "k_proj", "v_proj", "o_proj", "head_dim")):
+            return f"layer {i} has no Llama-style self_attn"
+        if any(hasattr(a, n) for n in ("q_norm", "k_norm")):
+            return f"layer {i}'s attention normalises q/k (q_norm/k_norm)"
+        mlp = getattr(layer, "mlp", None)
+        if mlp is None or not all(hasattr(mlp, n) for n in ("gate_proj", "up_proj", "down_proj")):
+            return f"layer {i} has no gated MLP (gate_proj/up_proj/down_proj)"
+    return None
+
+
+def _rms(norm: nn.Module, h: torch.Tensor) -> torch.Tensor:
+    """``LlamaRMSNorm.forward``'s ops: the statistics in fp32, the weight applied in the input dtype."""
+    dtype = h.dtype
+    x = h if dtype == torch.float32 else h.to(torch.float32)
+    x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + norm.variance_epsilon)
+    return norm.weight * (x if dtype == torch.float32 else x.to(dtype))
+
+
+def _lin(mod: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    if type(mod) is nn.Linear:
+        return F.linear(x, mod.weight, mod.bias)
+    return mod(x)  # a quantized linear (int8), or any other replacement module
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
+
+
+def _repeat_kv(x: torch.Tensor, n: int) -> torch.Tensor:
+    if n == 1:
+        return x
+    b, h, s, d = x.shape
+    return x[:, :, None].expand(b, h, n, s, d).reshape(b, h * n, s, d)
+
+
+def lean_logits(model: nn.Module, ids: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor | None, cache,
+                keep: int | torch.Tensor | None) -> torch.Tensor:
+    """Logits [B, T', V] of ``ids`` [B, T] at ``positions`` [B, T] after the positions ``cache`` holds (which gets
+    their keys/values), as ``model(input_ids=ids, position_ids=positions, attention_mask=mask, cache=cache,
+    logits_to_keep=keep)`` computes them. ``mask``: an additive [B, 1, T, past+T] mask, or None for causal
+    attention (then ``T == 1`` or an empty cache). ``keep``: None (all positions), an int (the last ones) or a tensor
+    of position indices."""
+    inner = model.model
+    bsz, t = ids.shape
+    h = inner.embed_tokens(ids)
+    cos, sin = inner.rotary_emb(h, position_ids=positions)
+    cos, sin = cos[:, None], sin[:, None]  # [B, 1, T, D]: broadcast over heads
+    causal = mask is None and t > 1
+    for layer in inner.layers:
+        a, mlp = layer.self_attn, layer.mlp
+        x = _rms(layer.input_layernorm, h)
+        q = _lin(a.q_proj, x).view(bsz, t, -1, a.head_dim).transpose(1, 2)
+        k = _lin(a.k_proj, x).view(bsz, t, -1, a.head_dim).transpose(1, 2)
+        v = _lin(a.v_proj, x).view(bsz, t, -1, a.head_dim).transpose(1, 2)
+        q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
+        k, v = cache.update(k, v, a.layer_idx)
+        groups = q.shape[1] // k.shape[1]
+        if mask is None:  # (transformers' sdpa: grouped-query attention inside SDPA when there is no mask)
+            o = F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=a.scaling, enable_gqa=groups > 1)
+        else:
+            o = F.scaled_dot_product_attention(q, _repeat_kv(k, groups), _repeat_kv(v, groups), attn_mask=mask,
+                                               scale=a.scaling)
+        h = h + _lin(a.o_proj, o.transpose(1, 2).reshape(bsz, t, -1))
+        x = _rms(layer.post_attention_layernorm, h)
+        h = h + _lin(mlp.down_proj, F.silu(_lin(mlp.gate_proj, x)) * _lin(mlp.up_proj, x))
+    if isinstance(keep, int) and keep > 0:
+        h = h[:, -keep:]
+    elif isinstance(keep, torch.Tensor):
+        h = h[:, keep]
+    logits = _lin(model.lm_head, _rms(inner.norm, h))
+    full = getattr(model, "full_logits", None)  # pardec's draft: its head's kept ids scattered into the vocabulary
+    return full(logits) if full is not None else logits
