@@ -101,3 +101,19 @@ def test_cpu_inputs_are_moved_onto_the_model(verb):
             cm.keep(torch.tensor([1]))
             assert cm.tokens == [1, 2, 3, 5]
         assert out.logits.device.type == "cuda"
+
+
+def test_lean_forward_on_one_gpu():
+    """forward_impl=lean on a virtual GPU: every forward argument gives what it gives on the CPU, and no CPU tensor
+    meets the model's (the causal mask after a prefix, rotary tables, kept positions are made on its device)."""
+    from tests.models.test_lean import _script
+
+    model = tiny(1).model
+    on_cpu = [t.detach().cpu() for t in _script(CachedModel(model, forward_impl="lean"))]
+    with VirtualCUDA() as vc:
+        vc.place(model)
+        cm = CachedModel(model, forward_impl="lean")
+        on_cuda = [t.detach().cpu() for t in _script(cm)]
+        assert cm.device.type == "cuda"
+    for a, b in zip(on_cuda, on_cpu):
+        torch.testing.assert_close(a, b)
