@@ -69,6 +69,14 @@ class BaseConfig(TrainingArguments):
     def __post_init__(self) -> None:
         self.check_values({k: getattr(self, k) for k in self.own_fields()})
         self.remove_unused_columns = False  # our collators' keys are not (all) model arguments
+        # pardec's key is trainer.gradient_checkpointing on every transformers release it supports; 5.24 renamed the
+        # field activation_checkpointing (the old name warns, and goes in v6): hand the value to the new field
+        if hasattr(self, "activation_checkpointing") and self.activation_checkpointing is None:
+            for old, new in (("gradient_checkpointing", "activation_checkpointing"),
+                             ("gradient_checkpointing_kwargs", "activation_checkpointing_kwargs")):
+                if getattr(self, old, None) is not None and hasattr(self, new):
+                    setattr(self, new, getattr(self, old))
+                    setattr(self, old, None)
         super().__post_init__()
 
     @classmethod
