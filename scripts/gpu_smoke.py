@@ -1,14 +1,16 @@
 """`make gpu-smoke`: does pardec run on this machine's GPU? Offline, in minutes, with the local SmolLM2 and drafters
 made on the spot (untrained: this checks that everything runs and stays exact, not speed-ups):
 
-1. every decoding method in fp32 and bf16: exact-match rate against `ar` in the same dtype (tokens-exact methods
-   must reach 1.0 in fp32; bf16 flips near-ties), tokens per target forward, and wall time against `ar`;
+1. every decoding method in fp32 and bf16, on transformers' forward and on pardec's lean one (``forward_impl``):
+   exact-match rate against `ar` in the same dtype on transformers' forward (tokens-exact methods must reach 1.0
+   in fp32; bf16 flips near-ties), tokens per target forward, and wall time against `ar` on the same forward (and
+   lean `ar` against hf `ar`: the lean forward's own gain, which on a GPU is kernel launches saved);
 2. two optimizer steps of every experiment kind (the `*_tiny` experiments with `trainer.max_steps=2`, placed
    on the GPU);
 3. a 2-process sharded `evaluate` (torchrun) when the machine has two GPUs or more.
 
     python scripts/gpu_smoke.py [--device cuda|cpu] [--model smollm2_135m|tiny_random] [--new-tokens 32]
-                                [--methods ar,sps,...] [--kinds cllm,draft,...] [--out DIR]
+                                [--methods ar,sps,...] [--forward-impls hf,lean] [--kinds cllm,draft,...] [--out DIR]
 
 It writes ``<out>/gpu_smoke.json`` and prints one markdown table per part. On a machine without CUDA it runs with
 ``--device cpu`` (CI runs it so, on the tiny random model, as a test of the script itself).
@@ -96,14 +98,16 @@ def decoding(a, out: dict) -> list[dict]:
         draft_model = draft_model.to(model.device, TORCH_DTYPES[dtype])
         prompts = [tok(p)["input_ids"] for p in PROMPTS]
         stop = Stopper(tok)
-        ref: dict[int, list[int]] = {}
-        ar_s = None
-        for name in (["ar"] + [n for n in names if n != "ar"]):
+        ref: dict[int, list[int]] = {}  # the first forward_impl's `ar` (hf by default): every row's reference
+        ar_hf = None
+        for impl, name in [(i, n) for i in a.forward_impls.split(",") for n in ["ar"] + [n for n in names if n != "ar"]]:
+            if name == "ar":
+                ar_s = None  # speed is against `ar` on the same forward
             cls = METHODS.get(name)
-            row = {"method": name, "dtype": dtype, "exactness": cls.exactness}
+            row = {"method": name, "dtype": dtype, "forward_impl": impl, "exactness": cls.exactness}
             try:
-                dec = build_decoder(name, CachedModel(model), tok,
-                                    CachedModel(draft_model, "draft") if cls.needs_draft else None,
+                dec = build_decoder(name, CachedModel(model, forward_impl=impl), tok,
+                                    CachedModel(draft_model, "draft", forward_impl=impl) if cls.needs_draft else None,
                                     **params.get(name, {}))
                 dec.generate(prompts[0], 4, stop)  # warm-up (kernels, allocator)
                 tokens = forwards = same = 0
@@ -113,20 +117,24 @@ def decoding(a, out: dict) -> list[dict]:
                 sync(a.device)
                 seconds = time.perf_counter() - t0
                 for i, r in enumerate(results):
-                    if name == "ar":
+                    if name == "ar" and i not in ref:
                         ref[i] = r.tokens
                     same += r.tokens == ref[i]
                     tokens += len(r.tokens)
                     forwards += r.target_forwards
                 ar_s = seconds if name == "ar" else ar_s
+                ar_hf = seconds if name == "ar" and impl == "hf" else ar_hf
                 row.update(ok=True, exact_match=same / len(prompts), tokens_per_forward=tokens / max(forwards, 1),
-                           seconds=seconds, speed_vs_ar=ar_s / seconds if ar_s else None)
+                           seconds=seconds, speed_vs_ar=ar_s / seconds if ar_s else None,
+                           # lean `ar` against `ar` on transformers' forward (the lean forward's own gain)
+                           **({"speed_vs_hf_ar": ar_hf / seconds} if name == "ar" and impl != "hf" and ar_hf else {}))
                 if dtype == "fp32" and lossless_under_greedy(cls) and same < len(prompts):
                     row["problem"] = "a tokens-exact method differs from ar in fp32"
             except Exception as e:  # noqa: BLE001  (a smoke test reports every failure and goes on)
                 row.update(ok=False, problem=f"{type(e).__name__}: {str(e)[:300]}")
             rows.append(row)
-            print(f"  {dtype} {name:15s} {'ok' if row['ok'] and 'problem' not in row else 'FAILED'}", flush=True)
+            print(f"  {dtype} {impl:4s} {name:15s} {'ok' if row['ok'] and 'problem' not in row else 'FAILED'}",
+                  flush=True)
         del model, draft_model
         if a.device.startswith("cuda"):
             torch.cuda.empty_cache()
@@ -184,14 +192,16 @@ def sharded(a, out: dict) -> dict:
 def tables(out: dict) -> str:
     lines = [f"GPU smoke test: {out['device']}, torch {out['torch']}, model {out['model']}, "
              f"{out['new_tokens']} new tokens x {len(PROMPTS)} prompts, greedy ({out['date']})", "",
-             "| method | dtype | exactness | exact match vs ar | tokens/forward | speed vs ar | status |",
-             "|---|---|---|---|---|---|---|"]
+             "| method | dtype | forward | exactness | exact match vs ar | tokens/forward | speed vs ar | status |",
+             "|---|---|---|---|---|---|---|---|"]
     for r in out["decoding"]:
+        impl = r.get("forward_impl", "hf")
         if r["ok"]:
-            lines.append(f"| {r['method']} | {r['dtype']} | {r['exactness']} | {r['exact_match']:.2f} | "
-                         f"{r['tokens_per_forward']:.2f} | {r['speed_vs_ar']:.2f}x | {r.get('problem', 'ok')} |")
+            vs_hf = f" ({r['speed_vs_hf_ar']:.2f}x `ar` on hf)" if "speed_vs_hf_ar" in r else ""
+            lines.append(f"| {r['method']} | {r['dtype']} | {impl} | {r['exactness']} | {r['exact_match']:.2f} | "
+                         f"{r['tokens_per_forward']:.2f} | {r['speed_vs_ar']:.2f}x{vs_hf} | {r.get('problem', 'ok')} |")
         else:
-            lines.append(f"| {r['method']} | {r['dtype']} | {r['exactness']} | | | | {r['problem']} |")
+            lines.append(f"| {r['method']} | {r['dtype']} | {impl} | {r['exactness']} | | | | {r['problem']} |")
     lines += ["", "| kind | experiment | dtype | steps | seconds | status |", "|---|---|---|---|---|---|"]
     for r in out.get("training", []):
         lines.append(f"| {r['kind']} | {r['experiment']} | {r.get('dtype', '')} | {r.get('steps', '')} | "
@@ -209,6 +219,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--model", default="smollm2_135m", help="a conf/model name, or tiny_random")
     ap.add_argument("--new-tokens", type=int, default=32)
     ap.add_argument("--methods", default="", help="comma-separated (default: every method)")
+    ap.add_argument("--forward-impls", default="hf,lean",
+                    help="comma-separated CachedModel forwards to run every method on (hf, lean); exact match is "
+                         "against `ar` on the first")
     ap.add_argument("--kinds", default="", help=f"comma-separated, of {', '.join(KINDS)} (default: all)")
     ap.add_argument("--skip-training", action="store_true")
     ap.add_argument("--out", type=Path, default=ROOT / "outputs" / "gpu_smoke" / time.strftime("%Y-%m-%d_%H-%M-%S"))
@@ -218,6 +231,11 @@ def main(argv: list[str] | None = None) -> int:
     unknown = set(filter(None, a.kinds.split(","))) - set(KINDS)
     if unknown:
         ap.error(f"--kinds {sorted(unknown)} not valid; choose from: {', '.join(KINDS)}")
+    from pardec.config import FORWARD_IMPLS
+
+    bad = [i for i in a.forward_impls.split(",") if i not in FORWARD_IMPLS]
+    if bad:
+        ap.error(f"--forward-impls {bad} not valid; choose from: {', '.join(FORWARD_IMPLS)}")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     out = {"device": device_name(a.device), "torch": torch.__version__, "model": a.model, "new_tokens": a.new_tokens,
            "date": time.strftime("%Y-%m-%d")}

@@ -22,12 +22,14 @@ def test_gpu_smoke_runs_on_cpu(tmp_path):
                      "--out", str(tmp_path)])
     out = json.loads((tmp_path / "gpu_smoke.json").read_text())
     assert rc == 0, [r for r in out["decoding"] + out["training"] if "problem" in r]
-    assert {(r["method"], r["dtype"]) for r in out["decoding"]} == {
-        (m, d) for m in METHODS.names() for d in ("fp32", "bf16")}
+    assert {(r["method"], r["dtype"], r["forward_impl"]) for r in out["decoding"]} == {
+        (m, d, i) for m in METHODS.names() for d in ("fp32", "bf16") for i in ("hf", "lean")}
     assert all(r["ok"] for r in out["decoding"])
+    assert all("speed_vs_hf_ar" in r for r in out["decoding"] if (r["method"], r["forward_impl"]) == ("ar", "lean"))
     assert out["training"] == [{**out["training"][0], "kind": "cllm", "ok": True, "steps": 2}]
     assert out["sharded_evaluate"] == {"skipped": "needs 2 CUDA devices"}
-    assert "| sps | fp32 |" in (tmp_path / "gpu_smoke.md").read_text()
+    md = (tmp_path / "gpu_smoke.md").read_text()
+    assert "| sps | fp32 | hf |" in md and "| sps | fp32 | lean |" in md
 
 
 def test_gpu_smoke_refuses_cuda_without_a_gpu_and_unknown_kinds(tmp_path, capsys):
@@ -40,3 +42,6 @@ def test_gpu_smoke_refuses_cuda_without_a_gpu_and_unknown_kinds(tmp_path, capsys
     with pytest.raises(SystemExit):
         smoke.main(["--device", "cpu", "--kinds", "cllm,bogus"])
     assert "--kinds ['bogus'] not valid; choose from: cllm, draft" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        smoke.main(["--device", "cpu", "--forward-impls", "hf,fast"])
+    assert "--forward-impls ['fast'] not valid; choose from: hf, lean" in capsys.readouterr().err
