@@ -39,6 +39,15 @@ def test_end_to_end_run_writes_results_and_summary(tmp_path):
     assert saved["mean_accepted_length"] == pytest.approx(saved["tokens_per_forward"])  # every token counted
     assert saved["perplexity"] == pytest.approx(saved["baseline_perplexity"])
     assert saved["extras"]["fast_forward"] >= 1.0
+    assert (saved["kv_cache"], saved["forward_impl"]) == ("preallocated", "hf")
+
+
+def test_a_run_on_the_lean_forward_equals_generate_and_says_so(tmp_path):
+    summary = run(cfg_of("+method=pld", "bench.include_hf=true", "forward_impl=lean", *TINY), tmp_path)
+    assert summary["forward_impl"] == "lean" and summary["exact_match_rate"] == 1.0
+    assert summary["peers"]["hf"]["exact_match_rate"] == 1.0  # transformers' generate() on its own forward
+    with pytest.raises(ConfigError, match="forward_impl"):
+        run(cfg_of("+method=pld", "forward_impl=fast", *TINY), tmp_path / "bad")
 
 
 def test_resume_after_a_kill_redoes_and_duplicates_nothing(tmp_path):

@@ -163,6 +163,8 @@ def summarize(spec: EvalSpec, task, records: list[dict], method_role: str, model
         "max_new_tokens": spec.run.max_new_tokens,
         "sampling": asdict(spec.sampling),
         "threads": spec.run.threads,
+        "kv_cache": spec.run.kv_cache,  # the decoders' KV cache and forward (the hf peers run transformers' own)
+        "forward_impl": spec.run.forward_impl,
         "sandbox": isolation() if task.sandboxed else None,  # which isolation ran model output, see metrics/sandbox.py
         "exactness": cls.exactness,
         **speed_summary(method_rows, rows["baseline"] or method_rows),
