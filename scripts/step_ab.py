@@ -53,7 +53,7 @@ def main(argv: list[str] | None = None) -> dict:
     a = ap.parse_args(argv)
     impls = a.impls.split(",")
     bad = [i for i in impls if i not in FORWARD_IMPLS]
-    if bad or not impls:
+    if bad:
         ap.error(f"--impls {bad} not valid; choose from: {', '.join(FORWARD_IMPLS)}")
     if a.steps < 1 or a.rounds < 1:
         ap.error(f"--steps {a.steps} / --rounds {a.rounds}: both must be >= 1")

@@ -595,10 +595,7 @@ class CachedModel:
                          **cache_kw(block, self.cache), use_cache=True)
         finally:
             self._transient(before)
-            if not isinstance(self.cache, PreallocatedCache):  # a dynamic cache appended them: cut them off, and
-                lc = self.cache.layers[layer]  # keep no view of this forward's graph (a recompute would reach it)
-                if lc.keys is not None and lc.keys.shape[-2] > keep:
-                    lc.keys, lc.values = lc.keys[..., :keep, :].detach(), lc.values[..., :keep, :].detach()
+            self._drop_keys_after(keep)  # (a dynamic cache appended them)
 
     def lm_head(self, normed: torch.Tensor) -> torch.Tensor:
         """The LM head on hidden states that went through the final norm (pseudo states of :meth:`forward_pseudo`)."""
@@ -738,13 +735,15 @@ class CachedModel:
         return list(self.cache.layers[:n])
 
     def _drop_keys_after(self, n: int) -> None:
-        """Cut every layer's keys/values to the first ``n`` positions (states a forward ran but must not keep)."""
+        """Cut every layer's keys/values to the first ``n`` positions (states a forward ran but must not keep). A
+        dynamic cache keeps detached views: no view of a graph stays in it (a checkpoint's recompute would reach
+        back into the forward's graph through one)."""
         if isinstance(self.cache, PreallocatedCache):
             self.cache.drop_after(n)
             return
         for lc in self.cache.layers:
             if lc.keys is not None and lc.keys.shape[-2] > n:
-                lc.keys, lc.values = lc.keys[..., :n, :], lc.values[..., :n, :]
+                lc.keys, lc.values = lc.keys[..., :n, :].detach(), lc.values[..., :n, :].detach()
 
     def _inner(self):
         inner = getattr(self.model, "model", None)

@@ -33,11 +33,11 @@ def cache_kw(module: torch.nn.Module, cache) -> dict:
     return {cache_kwarg(module): cache}
 
 
-def output_cache(out):
-    """The KV cache a model output carries (its ``cache`` field on 5.24+, ``past_key_values`` before)."""
-    return getattr(out, NEW if NEW in getattr(type(out), "__dataclass_fields__", {}) else OLD)
-
-
 def output_cache_field(output_cls: type) -> str:
-    """The name of ``output_cls``'s cache field, for building an output."""
+    """The name of ``output_cls``'s cache field (``cache`` on 5.24+, ``past_key_values`` before)."""
     return NEW if NEW in getattr(output_cls, "__dataclass_fields__", {}) else OLD
+
+
+def output_cache(out):
+    """The KV cache a model output carries."""
+    return getattr(out, output_cache_field(type(out)))
