@@ -56,6 +56,20 @@ def _draft(tmp_path):
     return trainer, [student, trainer.teacher], CompletionCollator(0)
 
 
+def _draft_cached(tmp_path):
+    """The draft trainer without a teacher model: the teacher's top-k log-probs come with the batch."""
+    lm = tiny()
+    g = torch.Generator().manual_seed(0)
+    records = [{**r, "teacher_ids": [torch.randperm(49152, generator=g)[:6].tolist() for _ in r["completion_ids"]],
+                "teacher_logprobs": [sorted((-3 * torch.rand(6, generator=g)).tolist(), reverse=True)
+                                     for _ in r["completion_ids"]]} for r in COMPLETIONS]
+    ds = CompletionDataset(records, teacher=True)
+    student = build_draft(lm.model, [1], list(range(0, 49152, 7)))
+    trainer = DraftTrainer(model=student, args=_args(DraftConfig, tmp_path, teacher="cached"), train_dataset=ds,
+                           data_collator=CompletionCollator(0), teacher=None)
+    return trainer, [student], CompletionCollator(0)
+
+
 def _heads(kind):
     def make(tmp_path):
         base = copy.deepcopy(tiny().model).requires_grad_(False)
@@ -80,7 +94,7 @@ def _sdsat(tmp_path):
     return trainer, [model], SDSATCollator(0)
 
 
-KINDS = {"cllm": _cllm, "draft": _draft, "heads_medusa": _heads("medusa"), "heads_firp": _heads("firp"),
+KINDS = {"cllm": _cllm, "draft": _draft, "draft_cached": _draft_cached, "heads_medusa": _heads("medusa"), "heads_firp": _heads("firp"),
          "sdsat": _sdsat}
 
 

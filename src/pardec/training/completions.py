@@ -16,6 +16,15 @@ One record (``schema_version`` 1)::
      "prompt_ids": [...], "completion_ids": [...],     # greedy, up to and including EOS (or max_new_tokens)
      "stop_reason": "eos" | "length", "seconds": 0.8}  # seconds: the record's share of its batch's wall time
 
+With ``teacher_topk: k`` > 0 each record also holds the target's own next-token distribution at every completion
+position, read off the logits generation computes anyway (so a draft trained on it needs no teacher forward;
+``trainer.teacher: cached`` of the draft kind)::
+
+     "teacher_ids": [[k ids] per completion token],        # the k most likely ids, most likely first
+     "teacher_logprobs": [[k log-probs] per completion token]  # log-softmax over the full vocabulary, 4 decimals
+
+Row j is the distribution that produced ``completion_ids[j]`` (its first id is that token: greedy).
+
 Prompts are built as the task builds them for evaluation (chat template for chat models). Rank r of w takes the
 prompts with index % w == r (sorted by length within the rank, so batches pad little); rank 0 merges. Greedy
 decoding is HF ``generate`` with left padding; rows that stop early are cut at their first EOS.
@@ -57,11 +66,15 @@ class GenerateConfig:
     out_dir: str = "data/distill"
     overwrite: bool = False  # wipe out_dir when its meta.json is from other settings
     sources: list[Source] = field(default_factory=list)
+    teacher_topk: int = 0  # > 0: also store the target's top-k log-probs at every completion position
 
     def __post_init__(self) -> None:
         for key in ("max_new_tokens", "batch_size"):
             if getattr(self, key) < 1:
                 raise ConfigError(f"{key}={getattr(self, key)!r} is out of range: it must be >= 1")
+        if not isinstance(self.teacher_topk, int) or self.teacher_topk < 0:
+            raise ConfigError(f"teacher_topk={self.teacher_topk!r} is out of range: it must be an integer >= 0 "
+                              "(0: completions only)")
 
 
 def generate_config(section: dict, where: str) -> GenerateConfig:
@@ -96,8 +109,11 @@ def source_prompts(sources: list[Source], tokenizer, model_chat: bool) -> list[P
 def generation_meta(cfg: GenerateConfig, model: dict, eos_ids: set[int]) -> dict:
     """What identifies a generation run (a resumed run must match it)."""
     sources = [{"dataset": asdict(s.dataset), "max_prompts": s.max_prompts} for s in cfg.sources]
-    return {"schema_version": SCHEMA_VERSION, "model": model, "sources": sources, "eos_ids": sorted(eos_ids),
+    meta = {"schema_version": SCHEMA_VERSION, "model": model, "sources": sources, "eos_ids": sorted(eos_ids),
             "max_new_tokens": cfg.max_new_tokens, "decoding": "greedy"}
+    if cfg.teacher_topk:  # absent when off, so corpora generated before the option still resume
+        meta["teacher_topk"] = cfg.teacher_topk
+    return meta
 
 
 def prepare_out_dir(cfg: GenerateConfig, meta: dict, rank: int = 0, key: str = "completions") -> Path:
@@ -108,20 +124,33 @@ def prepare_out_dir(cfg: GenerateConfig, meta: dict, rank: int = 0, key: str = "
 
 # ------------------------------------------------------------------------------------------- decoding
 @torch.inference_mode()
-def greedy_batch(model, prompts: list[list[int]], max_new_tokens: int, eos_ids: set[int],
-                 pad_id: int) -> list[tuple[list[int], str]]:
-    """Greedy completions of a left-padded batch: per prompt (ids up to and including the first EOS, reason)."""
+def greedy_batch(model, prompts: list[list[int]], max_new_tokens: int, eos_ids: set[int], pad_id: int,
+                 topk: int = 0) -> list[tuple]:
+    """Greedy completions of a left-padded batch: per prompt (ids up to and including the first EOS, reason), and
+    with ``topk`` > 0 a third item: (ids [n, k], log-probs [n, k]) of the target's raw next-token distribution at
+    each of the n completion positions (generate's unprocessed logits, log-softmax in fp32)."""
     from transformers import GenerationConfig
 
     ids, att, _ = left_pad(prompts, pad_id)  # [B, P]; att 0 = left padding
     width = ids.shape[1]
     gen = GenerationConfig(max_new_tokens=max_new_tokens, do_sample=False, num_beams=1,
-                           eos_token_id=sorted(eos_ids) or None, pad_token_id=pad_id)
+                           eos_token_id=sorted(eos_ids) or None, pad_token_id=pad_id,
+                           output_logits=topk > 0, return_dict_in_generate=topk > 0)
     out = model.generate(input_ids=ids.to(model.device), attention_mask=att.to(model.device), generation_config=gen)
+    top = None
+    if topk:  # out.logits: one [B, V] per step, raw (before any processor); one step at a time to spare memory
+        steps = [torch.log_softmax(x.float(), -1).topk(min(topk, x.shape[-1]), -1) for x in out.logits]
+        top = (torch.stack([t.indices for t in steps], 1).tolist(),  # [B, S, k]
+               torch.stack([t.values for t in steps], 1).cpu().tolist())
+        out = out.sequences
     results = []
-    for row in out[:, width:].tolist():  # [B, <= max_new_tokens]
+    for b, row in enumerate(out[:, width:].tolist()):  # [B, <= max_new_tokens]
         stop = next((j for j, t in enumerate(row) if t in eos_ids), None)
-        results.append((row[: stop + 1], "eos") if stop is not None else (row[:max_new_tokens], "length"))
+        keep, why = (stop + 1, "eos") if stop is not None else (min(len(row), max_new_tokens), "length")
+        if top is None:
+            results.append((row[:keep], why))
+        else:
+            results.append((row[:keep], why, (top[0][b][:keep], [[round(x, 4) for x in r] for r in top[1][b][:keep]])))
     return results
 
 
@@ -137,11 +166,17 @@ def generate(cfg: GenerateConfig, model, pad_id: int, eos_ids: set[int], prompts
 
     def work(batch: list[Prompt]) -> list[dict]:
         t0 = time.perf_counter()
-        results = greedy_batch(model, [p.ids for p in batch], cfg.max_new_tokens, eos_ids, pad_id)
+        results = greedy_batch(model, [p.ids for p in batch], cfg.max_new_tokens, eos_ids, pad_id,
+                               cfg.teacher_topk)
         share = (time.perf_counter() - t0) / len(batch)
-        return [{"schema_version": SCHEMA_VERSION, "id": p.id, "source": sources[p.id], "index": p.index,
+        records = []
+        for p, (ids, why, *teacher) in zip(batch, results):
+            r = {"schema_version": SCHEMA_VERSION, "id": p.id, "source": sources[p.id], "index": p.index,
                  "prompt_ids": p.ids, "completion_ids": ids, "stop_reason": why, "seconds": round(share, 4)}
-                for p, (ids, why) in zip(batch, results)]
+            if teacher:
+                r["teacher_ids"], r["teacher_logprobs"] = teacher[0]
+            records.append(r)
+        return records
 
     return stages.run_stage(prompts, cfg.out_dir, lambda r: prepare_out_dir(cfg, meta, r, key), rank, world,
                             barrier, cfg.batch_size, work, f"generate[{rank}] {Path(cfg.out_dir).name}", stop_after,
@@ -226,11 +261,14 @@ def eval_sources(section: dict) -> list[GenerateConfig]:
 # ------------------------------------------------------------------------------------------- training samples
 class CompletionDataset(torch.utils.data.Dataset):
     """One sample per record: ``prompt + completion[:-1]`` (the last completion token is only a label) and a mask
-    of the positions that predict a completion token; longer sequences lose their start (counted)."""
+    of the positions that predict a completion token; longer sequences lose their start (counted). ``teacher``:
+    also pass the records' cached teacher (``teacher_ids`` / ``teacher_logprobs``), the rows of the masked positions
+    that are kept."""
 
-    def __init__(self, records: list[dict], max_length: int = 1024):
+    def __init__(self, records: list[dict], max_length: int = 1024, teacher: bool = False):
         self.records = [r for r in records if r["completion_ids"]]
         self.max_length = max_length
+        self.teacher = teacher
         self.n_truncated = sum(len(r["prompt_ids"]) + len(r["completion_ids"]) - 1 > max_length for r in self.records)
 
     def __len__(self) -> int:
@@ -240,12 +278,19 @@ class CompletionDataset(torch.utils.data.Dataset):
         r = self.records[i]
         ids = (r["prompt_ids"] + r["completion_ids"])[:-1]
         mask = [j >= len(r["prompt_ids"]) - 1 for j in range(len(ids))]  # position j predicts token j + 1
-        return {"input_ids": ids[-self.max_length :], "loss_mask": mask[-self.max_length :]}
+        sample = {"input_ids": ids[-self.max_length :], "loss_mask": mask[-self.max_length :]}
+        if self.teacher:  # row j predicts completion token j; truncation keeps the last ones
+            m = sum(sample["loss_mask"])
+            sample["teacher_ids"] = r["teacher_ids"][len(r["teacher_ids"]) - m :]
+            sample["teacher_logprobs"] = r["teacher_logprobs"][len(r["teacher_logprobs"]) - m :]
+        return sample
 
 
 @dataclass
 class CompletionCollator:
-    """Left-pads samples: ``input_ids``, ``attention_mask``, ``position_ids``, ``loss_mask`` (bool), all [B, L]."""
+    """Left-pads samples: ``input_ids``, ``attention_mask``, ``position_ids``, ``loss_mask`` (bool), all [B, L].
+    Samples with a cached teacher add ``teacher_ids`` (long) and ``teacher_logprobs`` (float), [N, k]: one row per
+    True of ``loss_mask``, in row-major order (``x[loss_mask]``'s order)."""
 
     pad_id: int
 
@@ -254,7 +299,16 @@ class CompletionCollator:
         mask = torch.zeros_like(ids, dtype=torch.bool)
         for i, s in enumerate(samples):
             mask[i, ids.shape[1] - len(s["loss_mask"]) :] = torch.tensor(s["loss_mask"])
-        return {"input_ids": ids, "attention_mask": att, "position_ids": pos, "loss_mask": mask}
+        batch = {"input_ids": ids, "attention_mask": att, "position_ids": pos, "loss_mask": mask}
+        cached = ["teacher_ids" in s for s in samples]
+        if any(cached):
+            if not all(cached):
+                raise ValueError("a batch mixes records with and without a cached teacher; generate the whole "
+                                 "corpus with the same completions.teacher_topk")
+            batch["teacher_ids"] = torch.tensor([row for s in samples for row in s["teacher_ids"]], dtype=torch.long)
+            batch["teacher_logprobs"] = torch.tensor([row for s in samples for row in s["teacher_logprobs"]],
+                                                     dtype=torch.float32)
+        return batch
 
 
 def loss_window(mask: torch.Tensor) -> int:

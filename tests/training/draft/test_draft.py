@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from pardec import REPO_ROOT
-from pardec.config import DatasetConfig, ModelConfig
+from pardec.config import ConfigError, DatasetConfig, ModelConfig
 from pardec.models.draft import build_draft
 from pardec.models.loading import load_model
 from pardec.train import run
@@ -56,6 +56,44 @@ def test_greedy_batch_matches_single_prompts():
         assert ids == (ref if stop is None else ref[: stop + 1])
         assert why == ("length" if stop is None else "eos")
     assert batched[1][1] == "eos" and len(batched[1][0]) <= 5
+
+
+def test_greedy_batch_topk_is_the_targets_own_distribution():
+    """The stored top-k of each completion position is the teacher-forced next-token distribution of the target
+    over the whole vocabulary (the row that produced completion token j; greedy: its first id is that token)."""
+    lm = tiny()
+    prompts = [p.ids for p in _prompts(lm.tokenizer)]
+    plain = greedy_batch(lm.model, prompts, 7, set(), 0)
+    eos = {plain[1][0][3]}
+    out = greedy_batch(lm.model, prompts, 7, eos, 0, topk=5)
+    for p, (ids, why, (top_ids, top_lp)), (ref, _) in zip(prompts, out, plain):
+        stop = next((j for j, t in enumerate(ref) if t in eos), None)
+        assert ids == (ref if stop is None else ref[: stop + 1])  # the completions are unchanged
+        assert why == ("length" if stop is None else "eos")
+        assert len(top_ids) == len(top_lp) == len(ids) and all(len(r) == 5 for r in top_ids + top_lp)
+        with torch.no_grad():
+            logp = torch.log_softmax(lm.model(torch.tensor([p + ids])).logits[0, len(p) - 1 : -1].float(), -1)
+        want_lp, want_ids = logp.topk(5, -1)
+        assert [r[0] for r in top_ids] == ids
+        assert torch.allclose(torch.tensor(top_lp), want_lp, atol=2e-4)
+        assert torch.equal(torch.tensor(top_ids)[:, 0], want_ids[:, 0])
+
+
+def test_generate_stores_the_teacher_and_records_it_in_meta(tmp_path):
+    lm = tiny()
+    prompts = _prompts(lm.tokenizer)
+    cfg = _gen(tmp_path, teacher_topk=3)
+    meta = generation_meta(cfg, {"name": "tiny"}, set())
+    assert meta["teacher_topk"] == 3 and "teacher_topk" not in generation_meta(_gen(tmp_path), {}, set())
+    generate(cfg, lm.model, 0, set(), prompts, meta)
+    for r in load_completions(cfg.out_dir):
+        assert len(r["teacher_ids"]) == len(r["teacher_logprobs"]) == len(r["completion_ids"]) == 6
+        assert [t[0] for t in r["teacher_ids"]] == r["completion_ids"]
+        assert all(a >= b for row in r["teacher_logprobs"] for a, b in zip(row, row[1:]))
+    with pytest.raises(FileExistsError, match="other settings"):  # a resumed run must keep k
+        generate(_gen(tmp_path), lm.model, 0, set(), prompts, generation_meta(_gen(tmp_path), {"name": "tiny"}, set()))
+    with pytest.raises(ConfigError, match=r"teacher_topk=-1 is out of range.*>= 0"):
+        _gen(tmp_path, teacher_topk=-1)
 
 
 def _gen(tmp_path, **kw) -> GenerateConfig:
@@ -154,6 +192,79 @@ def test_compute_loss_counts_completion_positions_only(tmp_path):
     assert student.lm_head.weight.grad is not None and not any(p.requires_grad for p in trainer.teacher.parameters())
 
 
+def test_cached_teacher_samples_keep_the_rows_of_the_kept_positions():
+    rec = {"prompt_ids": [1, 2, 3], "completion_ids": [7, 8, 9],
+           "teacher_ids": [[7, 1], [8, 2], [9, 3]], "teacher_logprobs": [[-0.1, -3.0], [-0.2, -2.0], [-0.3, -1.5]]}
+    short = {"prompt_ids": [4], "completion_ids": [5], "teacher_ids": [[5, 6]], "teacher_logprobs": [[-0.5, -1.0]]}
+    ds = CompletionDataset([rec, short], max_length=3, teacher=True)
+    assert ds[0] == {"input_ids": [3, 7, 8], "loss_mask": [True, True, True], "teacher_ids": [[7, 1], [8, 2], [9, 3]],
+                     "teacher_logprobs": [[-0.1, -3.0], [-0.2, -2.0], [-0.3, -1.5]]}
+    cut = CompletionDataset([rec], max_length=2, teacher=True)[0]  # the first completion position is cut away
+    assert cut["loss_mask"] == [True, True] and cut["teacher_ids"] == [[8, 2], [9, 3]]
+    assert "teacher_ids" not in CompletionDataset([rec])[0]  # only when asked
+    b = CompletionCollator(0)([ds[1], ds[0]])
+    assert b["teacher_ids"].tolist() == [[5, 6], [7, 1], [8, 2], [9, 3]]  # x[loss_mask]'s order
+    assert b["input_ids"][b["loss_mask"]].tolist() == [4, 3, 7, 8]
+    with pytest.raises(ValueError, match="mixes records with and without a cached teacher"):
+        CompletionCollator(0)([ds[0], CompletionDataset([rec])[0]])
+
+
+def _teacher_records(lm, k: int) -> list[dict]:
+    """Records whose cached teacher is the target's teacher-forced top-k (k = V: the whole distribution)."""
+    records = []
+    for t in TEXTS[:2]:
+        p, c = lm.tokenizer(t)["input_ids"], [5, 6, 7]
+        with torch.no_grad():
+            logp = torch.log_softmax(lm.model(torch.tensor([p + c[:-1]])).logits[0, -3:].float(), -1)
+        lp, ids = logp.topk(k, -1)
+        records.append({"prompt_ids": p, "completion_ids": c, "teacher_ids": ids.tolist(),
+                        "teacher_logprobs": lp.tolist()})
+    return records
+
+
+def test_cached_teacher_loss_is_the_online_loss_on_its_top_k(tmp_path):
+    """With the whole vocabulary cached, trainer.teacher=cached gives the online loss, logs and gradients; with
+    k ids, the KL to the teacher renormalised on its top k ids that the draft keeps."""
+    lm = tiny()
+    vocab = list(range(0, 49152, 7))
+    records = _teacher_records(lm, 49152)
+
+    def trainer_for(teacher, recs):
+        args = DraftConfig(output_dir=str(tmp_path), use_cpu=True, report_to="none", save_strategy="no",
+                           teacher="online" if teacher is not None else "cached")
+        ds = CompletionDataset(recs, teacher=teacher is None)
+        student = build_draft(lm.model, [1], vocab)
+        return DraftTrainer(model=student, args=args, train_dataset=ds, data_collator=CompletionCollator(0),
+                            teacher=teacher), ds
+
+    results = []
+    for teacher in (copy.deepcopy(lm.model), None):
+        trainer, ds = trainer_for(teacher, records)
+        trainer.model.train()
+        loss = trainer.compute_loss(trainer.model, CompletionCollator(0)([ds[0], ds[1]]))
+        loss.backward()
+        results.append((loss.detach(), trainer.model.lm_head.weight.grad.clone(), trainer._log_sums.clone()))
+    (l_on, g_on, s_on), (l_ca, g_ca, s_ca) = results
+    assert torch.allclose(l_on, l_ca, atol=1e-5) and torch.allclose(g_on, g_ca, atol=1e-6)
+    assert torch.allclose(s_on, s_ca, atol=1e-4)  # kl, agreement, kept mass, count
+
+    k = 40
+    small = _teacher_records(lm, k)
+    trainer, ds = trainer_for(None, small)
+    batch = CompletionCollator(0)([ds[0], ds[1]])
+    loss = trainer.compute_loss(trainer.model, batch)
+    want = []
+    for r in small:  # by hand: KL(p_S || q) with S = the top k ids the draft keeps, p renormalised on S
+        ids = torch.tensor([r["prompt_ids"] + r["completion_ids"][:-1]])
+        logq = torch.log_softmax(trainer.model(ids, draft_logits=True).logits[0, -3:].float(), -1)
+        for row_ids, row_lp, lq in zip(r["teacher_ids"], r["teacher_logprobs"], logq):
+            keep = [(vocab.index(i), lp) for i, lp in zip(row_ids, row_lp) if i in vocab]
+            if keep:
+                cols, lps = torch.tensor([c for c, _ in keep]), torch.log_softmax(torch.tensor([x for _, x in keep]), 0)
+                want.append(float((lps.exp() * (lps - lq[cols].detach())).sum()))
+    assert 0 < len(want) and torch.allclose(loss, torch.tensor(want).sum() / 6, atol=1e-5)  # / all 6 positions, found or not
+
+
 # ------------------------------------------------------------------------------------------- the app
 @pytest.mark.slow  # training runs, one of them through `python -m train`
 def test_draft_tiny_end_to_end_then_resume(tmp_path):
@@ -184,6 +295,24 @@ def test_draft_tiny_end_to_end_then_resume(tmp_path):
     assert [h["step"] for h in state["log_history"] if "loss" in h] == [1, 2, 3]
 
 
+def test_draft_tiny_trains_from_a_cached_teacher_without_the_target(tmp_path):
+    """`trainer.teacher=cached` through the app: refused (naming the fix) on a corpus without top-k log-probs,
+    trained from one with them."""
+    from pardec.config import ConfigError
+
+    base = ["+experiment=draft_tiny", f"paths.output_dir={tmp_path}/out", "trainer.teacher=cached"]
+    run_dir = tmp_path / "out" / "run"
+    run(_compose([*base, f"paths.data_dir={tmp_path}/plain", "stage=generate"]), run_dir)
+    with pytest.raises(ConfigError, match=r"6 of 6 records .* have none.*completions.teacher_topk=<k>"):
+        run(_compose([*base, f"paths.data_dir={tmp_path}/plain", "stage=train"]), run_dir)
+    cached = [*base, f"paths.data_dir={tmp_path}/cached", "completions.teacher_topk=8"]
+    run(_compose([*cached, "stage=generate"]), run_dir)
+    run(_compose([*cached, "stage=train"]), run_dir)
+    history = [h for h in json.loads((run_dir / "log_history.json").read_text()) if "loss" in h]
+    assert (run_dir / "final" / "config.json").is_file()
+    assert len(history) == 2 and all(0.0 < h["teacher_kept_mass"] <= 1.0 and h["loss"] > 0 for h in history)
+
+
 def test_config_errors():
     from pardec.config import ConfigError
     from pardec.train import validate
@@ -193,6 +322,8 @@ def test_config_errors():
                          ["draft.vocab_size=1", "vocab_size=1 is out of range"],
                          ["stage=collect", "stage='collect' is not valid for a draft experiment.*generate, train"],
                          ["trainer.loss=rkl", "trainer.loss='rkl' is not valid"],
+                         ["trainer.teacher=stored", "trainer.teacher='stored' is not valid.*online, cached"],
+                         ["completions.teacher_topk=-2", "teacher_topk=-2 is out of range"],
                          ["completions.sources=[]", "completions.sources is empty"],
                          ["+trainer.bogus=1", r"unknown key\(s\) \['bogus'\] in trainer"]):
         with pytest.raises(ConfigError, match=pattern):

@@ -12,6 +12,15 @@ sequences (teacher forcing), and compares their next-token distributions at the 
   reduce; for speculative sampling this is the best the restricted draft can do up to that mass.
 * ``loss="ce"``: cross-entropy on the teacher's argmax over the draft vocabulary (hard labels).
 
+``teacher="online"`` (default) runs the teacher's forward every step. ``teacher="cached"`` runs none: it reads the
+target's top-k log-probs stored with each completion at generation time (``completions.teacher_topk``), so p is
+the teacher restricted to its top k ids that are in the draft vocabulary, renormalised there (the KL to it is
+0 exactly when q equals that p; ``teacher_kept_mass`` is then the teacher's mass on those ids). With k = the full
+vocabulary the two are the same loss. Positions whose k ids all lie outside the draft vocabulary add 0 to the
+loss and to the logged kl (they still count in the means).
+The teacher forward is most of a step's time when the student is a few layers of the target, and the target need
+not be in memory at all while training.
+
 Temperature 1. Normalisation (:class:`~pardec.training.base.BaseTrainer`): the token sum divided by the number of completion positions in
 the whole gradient-accumulation window (summed over ranks), so accumulation gives the big-batch gradient. Logged
 beside loss / lr / grad_norm: ``kl`` (token mean of the fkl, whatever the loss), ``agreement`` (teacher-forced
@@ -34,6 +43,10 @@ from pardec.training.completions import CompletionCollator, CompletionDataset, l
 from pardec.training.losses import masked_sum, token_divergence
 
 LOSSES = ("fkl", "ce")
+TEACHERS = ("online", "cached")
+#: a logit no kept id of the cached teacher can reach: exp() of it is 0 in fp32, and it is finite, so the KL's
+#: 0 * log 0 terms stay 0 instead of NaN
+_ABSENT = -1.0e4
 
 
 # ------------------------------------------------------------------------------------------- loss
@@ -52,21 +65,31 @@ def distill_token_loss(student: torch.Tensor, teacher: torch.Tensor, loss: str =
 @dataclass
 class DraftConfig(BaseConfig):
     loss: str = field(default="fkl", metadata={"help": "fkl: KL(teacher || student) on the draft vocab | ce"})
+    teacher: str = field(default="online", metadata={
+        "help": "online: the teacher's forward every step | cached: its top-k log-probs stored in the completions"})
 
     @classmethod
     def check_values(cls, values: dict) -> None:
         super().check_values(values)
         if "loss" in values and values["loss"] not in LOSSES:
             raise ConfigError(f"trainer.loss={values['loss']!r} is not valid; choose one of: {', '.join(LOSSES)}")
+        if "teacher" in values and values["teacher"] not in TEACHERS:
+            raise ConfigError(f"trainer.teacher={values['teacher']!r} is not valid; choose one of: "
+                              f"{', '.join(TEACHERS)}")
 
 
 class DraftTrainer(BaseTrainer):
     args: DraftConfig
     log_sums_size = 4  # kl sum, agreement sum, kept mass sum, count
 
-    def __init__(self, *args, teacher: torch.nn.Module, **kwargs):
+    def __init__(self, *args, teacher: torch.nn.Module | None, **kwargs):
         super().__init__(*args, **kwargs)
-        self.teacher = teacher.to(self.args.device).eval().requires_grad_(False)  # not a submodule of the model
+        if (teacher is None) != (self.args.teacher == "cached"):
+            raise ValueError(f"teacher={self.args.teacher!r} needs "
+                             f"{'no teacher model' if teacher is not None else 'a teacher model'}")
+        # not a submodule of the model
+        self.teacher = None if teacher is None else teacher.to(self.args.device).eval().requires_grad_(False)
+        self._slot: torch.Tensor | None = None  # [V]: target id -> its draft-vocabulary column, -1 if not kept
 
     def window_counts(self, batches: list[dict]) -> int:
         """Completion positions in the accumulation window."""
@@ -81,20 +104,50 @@ class DraftTrainer(BaseTrainer):
         student = out.logits  # [B, k, K]
         vocab = unwrap(model).vocab_ids(student.device)  # [K]
         with torch.no_grad():
-            full = self.teacher(**kw, logits_to_keep=k).logits.to(student.device)  # [B, k, V]
-            teacher = full[..., vocab]  # [B, k, K]
+            if self.teacher is None:
+                teacher, top1, kept, found = self.cached_teacher(inputs, mask, vocab, unwrap(model).config.vocab_size)
+            else:
+                full = self.teacher(**kw, logits_to_keep=k).logits.to(student.device)  # [B, k, V]
+                teacher = full[..., vocab]  # [B, k, K]
+                top1 = full.argmax(-1)
+                kept = torch.exp(torch.logsumexp(teacher.float(), -1) - torch.logsumexp(full.float(), -1))
         per_token = distill_token_loss(student, teacher, self.args.loss)
+        if self.teacher is None:  # a position whose top k ids the draft keeps none of: nothing to learn (still counted)
+            per_token = per_token.masked_fill(~found, 0.0)
         l_sum, count = masked_sum(per_token, mask)
         norm = count if num_items_in_batch is None else num_items_in_batch.to(l_sum.device)
         loss = self.for_ranks(l_sum / norm.clamp(min=1))
         if model.training:
             with torch.no_grad():
                 kl = per_token if self.args.loss == "fkl" else token_divergence(student, teacher, "fkl")
-                agree = vocab[student.argmax(-1)] == full.argmax(-1)
-                kept = torch.exp(torch.logsumexp(teacher.float(), -1) - torch.logsumexp(full.float(), -1))
+                agree = vocab[student.argmax(-1)] == top1
                 sums = [masked_sum(x.float(), mask)[0] for x in (kl, agree, kept)]
                 self.add_log_sums(torch.stack([*sums, count.float()]))
         return (loss, out) if return_outputs else loss
+
+    def cached_teacher(self, inputs: dict, mask: torch.Tensor, vocab: torch.Tensor, vocab_size: int):
+        """The teacher from the batch's stored top-k (``teacher_ids`` / ``teacher_logprobs`` [N, k], one row per True
+        of ``mask`` [B, w]) as the online teacher's tensors: logits on the draft vocabulary [B, w, K] (the stored
+        log-probs at the kept ids among the top k, ``_ABSENT`` elsewhere), the full-vocabulary argmax [B, w], the
+        teacher's mass on those ids [B, w], and which positions have any [B, w] (bool)."""
+        ids, lp = inputs["teacher_ids"], inputs["teacher_logprobs"].float()  # [N, k]
+        if self._slot is None or self._slot.device != vocab.device:
+            self._slot = torch.full((vocab_size,), -1, dtype=torch.long, device=vocab.device)
+            self._slot[vocab] = torch.arange(len(vocab), device=vocab.device)
+        col = self._slot[ids]  # [N, k]
+        here = col >= 0
+        rows = lp.new_full((len(ids), len(vocab)), _ABSENT)  # [N, K]
+        rows.scatter_reduce_(1, col.clamp(min=0), torch.where(here, lp, _ABSENT), "amax")  # absent ids: no-ops
+        shape = (*mask.shape, len(vocab))
+        teacher = lp.new_full(shape, _ABSENT)
+        teacher[mask] = rows
+        top1 = ids.new_full(mask.shape, -1)
+        top1[mask] = ids[:, 0]
+        kept = lp.new_zeros(mask.shape)
+        kept[mask] = torch.where(here, lp.exp(), 0.0).sum(-1)
+        found = torch.zeros_like(mask)
+        found[mask] = here.any(-1)
+        return teacher, top1, kept, found
 
     def log_metrics(self, logs: dict[str, float], sums: list[float]) -> None:
         kl, agree, kept, n = sums
@@ -166,12 +219,20 @@ def train_draft(spec, run_dir, d: Dist) -> dict:
     vocab = choose_vocab(counts, spec.vocab_size, sorted(i for i in special if i is not None),
                          target.config.vocab_size)
     student = build_draft(target, spec.layers, vocab)  # copies: the student keeps model_dtype
-    target = target.to(TORCH_DTYPES[spec.model.dtype])  # the frozen teacher runs in the run's dtype (bf16 on GPU)
+    if args.teacher == "cached":
+        missing = sum("teacher_ids" not in r for r in records)
+        if missing:
+            raise ConfigError(f"trainer.teacher=cached needs the target's top-k log-probs in the completions, and "
+                              f"{missing} of {len(records)} records in {spec.gen.out_dir} have none: generate them "
+                              "with completions.teacher_topk=<k> (e.g. 32), or use trainer.teacher=online")
+        target = None  # no teacher forward: the target is not needed past building the student
+    else:
+        target = target.to(TORCH_DTYPES[spec.model.dtype])  # the frozen teacher runs in the run's dtype
     if spec.freeze_embeddings:
         student.model.embed_tokens.weight.requires_grad_(False)
     kept = set(vocab)
     covered = sum(c for t, c in counts.items() if t in kept) / max(1, sum(counts.values()))
-    ds = CompletionDataset(records, args.max_length)
+    ds = CompletionDataset(records, args.max_length, teacher=args.teacher == "cached")
     trainer = DraftTrainer(model=student, args=args, train_dataset=ds, data_collator=CompletionCollator(
         tok.pad_token_id), processing_class=tok, teacher=target)
 
