@@ -265,6 +265,15 @@ def test_cached_teacher_loss_is_the_online_loss_on_its_top_k(tmp_path):
     assert 0 < len(want) and torch.allclose(loss, torch.tensor(want).sum() / 6, atol=1e-5)  # / all 6 positions, found or not
 
 
+def test_corpus_share_keeps_the_first_fraction_of_each_source():
+    from pardec.training.draft.trainer import corpus_share
+
+    records = [{"index": i, "source": "gsm8k" if i < 6 else "code"} for i in (5, 0, 3, 1, 2, 4, 8, 6, 7)]
+    half = corpus_share(records, 0.5)
+    assert sorted(r["index"] for r in half) == [0, 1, 2, 6, 7]  # ceil(3.0) of 6, ceil(1.5) of 3
+    assert corpus_share(records, 1.0) is records and len(corpus_share(records, 0.01)) == 2
+
+
 # ------------------------------------------------------------------------------------------- the app
 @pytest.mark.slow  # training runs, one of them through `python -m train`
 def test_draft_tiny_end_to_end_then_resume(tmp_path):
@@ -324,6 +333,8 @@ def test_config_errors():
                          ["trainer.loss=rkl", "trainer.loss='rkl' is not valid"],
                          ["trainer.teacher=stored", "trainer.teacher='stored' is not valid.*online, cached"],
                          ["completions.teacher_topk=-2", "teacher_topk=-2 is out of range"],
+                         ["draft.corpus_fraction=0", r"draft.corpus_fraction=0 is out of range.*\(0, 1\]"],
+                         ["draft.corpus_fraction=1.5", "corpus_fraction=1.5 is out of range"],
                          ["completions.sources=[]", "completions.sources is empty"],
                          ["+trainer.bogus=1", r"unknown key\(s\) \['bogus'\] in trainer"]):
         with pytest.raises(ConfigError, match=pattern):

@@ -25,7 +25,7 @@ from pardec.training.completions import GeneratesCompletions
 from pardec.training.kinds import Kind, Spec, check_layers, common_fields, known, register_kind
 
 #: keys of the ``draft`` section (the draft's shape)
-DRAFT_KEYS = ("layers", "vocab_size", "freeze_embeddings")
+DRAFT_KEYS = ("layers", "vocab_size", "freeze_embeddings", "corpus_fraction")
 
 
 @dataclass
@@ -33,6 +33,7 @@ class DraftSpec(Spec):
     layers: list[int]
     vocab_size: int
     freeze_embeddings: bool
+    corpus_fraction: float  # train on the first fraction of each source's completions (corpus-size studies)
     gen: Any  # pardec.training.completions.GenerateConfig: the training completions
     eval_gen: list  # one GenerateConfig per held-out source, each with its own out_dir
     eval_context: int
@@ -60,6 +61,10 @@ class DraftKind(GeneratesCompletions, Kind):
         vocab_size = draft.get("vocab_size", 8192)
         if not isinstance(vocab_size, int) or vocab_size < 2:
             raise ConfigError(f"draft.vocab_size={vocab_size!r} is out of range: it must be an integer >= 2")
+        fraction = draft.get("corpus_fraction", 1.0)
+        if isinstance(fraction, bool) or not isinstance(fraction, (int, float)) or not 0.0 < fraction <= 1.0:
+            raise ConfigError(f"draft.corpus_fraction={fraction!r} is out of range: it must be in (0, 1] (1: the "
+                              "whole corpus)")
         gen = generate_config(completions, "completions")
         context, repeats = int(ev.pop("context", 200)), int(ev.pop("repeats", 20))
         if context < 2 or repeats < 1:
@@ -67,7 +72,8 @@ class DraftKind(GeneratesCompletions, Kind):
         common = common_fields(cfg, name, DraftConfig)
         check_layers(layers, common["model"], "draft.layers")
         return DraftSpec(**common, layers=layers, vocab_size=vocab_size,
-                         freeze_embeddings=bool(draft.get("freeze_embeddings", True)), gen=gen,
+                         freeze_embeddings=bool(draft.get("freeze_embeddings", True)),
+                         corpus_fraction=float(fraction), gen=gen,
                          eval_gen=eval_sources(ev), eval_context=context, eval_repeats=repeats)
 
     def stage_train(self, spec: DraftSpec, run_dir: Path, d) -> dict:

@@ -199,6 +199,21 @@ def forward_ms(model, context: list[int], repeats: int = 20, warmup: int = 3, to
 
 
 # ------------------------------------------------------------------------------------------- app stages
+def corpus_share(records: list[dict], fraction: float) -> list[dict]:
+    """The first ``ceil(fraction * n)`` records (by prompt index) of each source's n: a smaller corpus with the same
+    mix, for studies of how a draft scales with its data (the vocabulary is then chosen from it too)."""
+    import math
+    from collections import defaultdict
+
+    if fraction >= 1.0:
+        return records
+    by_source: dict[str, list[dict]] = defaultdict(list)
+    for r in sorted(records, key=lambda r: r["index"]):
+        by_source[r["source"]].append(r)
+    keep = {id(r) for rs in by_source.values() for r in rs[: math.ceil(fraction * len(rs))]}
+    return [r for r in records if id(r) in keep]
+
+
 def train_draft(spec, run_dir, d: Dist) -> dict:
     """The train stage of a ``kind: draft`` experiment (``spec``: :class:`~pardec.training.draft.DraftSpec`):
     student = build_draft(target, layers, vocab chosen from the completions' token counts); final model to
@@ -211,7 +226,7 @@ def train_draft(spec, run_dir, d: Dist) -> dict:
     from pardec.training.completions import load_completions
 
     args = training_args(DraftConfig, spec, run_dir)  # before the model, as ZeRO-3 requires
-    records = load_completions(spec.gen.out_dir)
+    records = corpus_share(load_completions(spec.gen.out_dir), spec.corpus_fraction)
     lm = load_model(replace(spec.model, device="cpu", dtype=spec.model_dtype))  # the Trainer places the student
     tok, target = lm.tokenizer, lm.model
     counts = Counter(t for r in records for t in r["completion_ids"])
@@ -241,7 +256,7 @@ def train_draft(spec, run_dir, d: Dist) -> dict:
         trainer.save_model(str(final))  # also the tokenizer (processing_class)
         if d.rank == 0:
             student.generation_config.save_pretrained(final)
-        return {"samples": len(ds), "truncated_samples": ds.n_truncated, "draft_layers": spec.layers,
+        return {"samples": len(ds), "corpus_fraction": spec.corpus_fraction, "truncated_samples": ds.n_truncated, "draft_layers": spec.layers,
                 "draft_vocab_size": len(vocab), "completion_tokens_covered_by_vocab": covered,
                 "trainable_parameters": sum(p.numel() for p in student.parameters() if p.requires_grad),
                 "final_model": str(final)}
