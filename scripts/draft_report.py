@@ -1,0 +1,99 @@
+"""Distilled drafts side by side (kind ``draft``): training curves and held-out results of one or more runs, e.g.
+the corpus-size study (the same recipe at ``draft.corpus_fraction`` 0.5 and 1):
+
+    python scripts/draft_report.py --run full=outputs/train/runs/draft_smollm2/default \
+        --run half=outputs/train/runs/draft_smollm2/half [--out outputs/draft_report]
+
+Per run: its logged steps (``log_history.json``, else the newest checkpoint's state), its train summary
+(``train_summary.json`` of the train stage: samples, corpus fraction, steps, seconds) when there is one, and its
+``draft_eval.json`` (teacher-forced top-1 agreement per held-out dataset, forward cost vs the target). Writes
+``report.md``, ``report.json`` and ``draft_curves.png`` (KL and top-1 agreement against the optimizer step).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+from pardec.report import log_history, save_figure  # noqa: E402
+
+CURVES = ("kl", "agreement")
+
+
+def read_run(run_dir: Path) -> dict:
+    """What one run left behind; missing parts are None (a run still training has no eval)."""
+    def load(name: str) -> dict | None:
+        f = run_dir / name
+        return json.loads(f.read_text()) if f.is_file() else None
+
+    summary = load("train_summary.json")
+    train = summary.get("train") if summary and isinstance(summary.get("train"), dict) else None
+    steps = [h for h in log_history(run_dir) if "loss" in h and "step" in h]
+    return {"dir": str(run_dir), "history": steps, "train": train, "eval": load("draft_eval.json")}
+
+
+def _fmt(x, digits: int = 3) -> str:
+    return "–" if x is None else f"{x:.{digits}f}" if isinstance(x, float) else str(x)
+
+
+def table(runs: dict[str, dict]) -> str:
+    datasets = sorted({d for r in runs.values() if r["eval"] for d in r["eval"]["agreement"]})
+    head = ["run", "samples", "corpus fraction", "steps", "train min", "last logged kl", "last logged agreement",
+            *[f"held-out agreement {d}" for d in datasets], "draft / target forward"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for label, r in runs.items():
+        t, e, last = r["train"] or {}, r["eval"] or {}, (r["history"] or [{}])[-1]
+        secs = t.get("train_seconds")
+        row = [label, t.get("samples"), t.get("corpus_fraction"), t.get("steps") or last.get("step"),
+               None if secs is None else secs / 60, last.get("kl"), last.get("agreement"),
+               *[e.get("agreement", {}).get(d, {}).get("agreement") for d in datasets],
+               e.get("cost", {}).get("draft_over_target")]
+        lines.append("| " + " | ".join(_fmt(x, 1 if i == 4 else 3) for i, x in enumerate(row)) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def plot(runs: dict[str, dict], path: Path) -> bool:
+    if not any(r["history"] for r in runs.values()):
+        return False
+    fig, axes = plt.subplots(1, len(CURVES), figsize=(5 * len(CURVES), 3.6))
+    for ax, key in zip(axes, CURVES):
+        for label, r in runs.items():
+            pts = [(h["step"], h[key]) for h in r["history"] if key in h]
+            if pts:
+                ax.plot(*zip(*pts), label=label)
+        ax.set_xlabel("optimizer step")
+        ax.set_ylabel({"kl": "KL(target || draft), nats", "agreement": "top-1 agreement (training batches)"}[key])
+    save_figure(fig, path, axes, legend={"fontsize": 8})
+    return True
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--run", action="append", required=True, metavar="LABEL=DIR", help="a draft run dir (repeat)")
+    ap.add_argument("--out", type=Path, default=Path("outputs/draft_report"))
+    a = ap.parse_args(argv)
+    runs = {}
+    for item in a.run:
+        label, sep, path = item.partition("=")
+        if not sep or not label or not Path(path).is_dir():
+            ap.error(f"--run {item!r}: give LABEL=DIR with an existing run directory")
+        runs[label] = read_run(Path(path))
+    a.out.mkdir(parents=True, exist_ok=True)
+    md = table(runs)
+    if plot(runs, a.out / "draft_curves.png"):
+        md += "\n![training curves](draft_curves.png)\n"
+    (a.out / "report.md").write_text(md)
+    (a.out / "report.json").write_text(json.dumps(runs, indent=1) + "\n")
+    print(md)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
