@@ -137,8 +137,25 @@ def run(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
     summary.update(kind().run(spec, run_dir, d))
     if d.rank == 0:
         run_dir.mkdir(parents=True, exist_ok=True)
-        (run_dir / "train_summary.json").write_text(json.dumps(summary, indent=2, default=str) + "\n")
+        path = run_dir / "train_summary.json"
+        summary = merge_stage_summaries(json.loads(path.read_text()) if path.is_file() else {}, summary,
+                                        kind.stages)
+        path.write_text(json.dumps(summary, indent=2, default=str) + "\n")
     return summary
+
+
+def merge_stage_summaries(previous: dict[str, Any], current: dict[str, Any],
+                          stages: tuple[str, ...]) -> dict[str, Any]:
+    """The run dir's summary after a run of some stages: run stage by stage (``stage=generate``, then ``train``,
+    then ``eval``), each stage's section stays beside the next one's. An earlier run's section is kept only for a
+    stage before the first one run now (a retrained draft makes its old ``eval`` stale, so that goes)."""
+    ran = [i for i, s in enumerate(stages) if s in current]
+    if not ran:
+        return current
+    sections = {s: previous[s] for s in stages[:min(ran)] if s in previous}
+    sections.update({s: current[s] for s in stages if s in current})
+    head = {k: v for k, v in current.items() if k not in stages}
+    return {**head, "stages": list(sections), **sections}
 
 
 def main() -> None:

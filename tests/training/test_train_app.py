@@ -177,6 +177,22 @@ def test_the_deepspeed_launcher_and_a_plain_python_launch(tmp_path):
     assert (run_dir / "final" / "config.json").is_file()
 
 
+def test_stage_by_stage_summaries_keep_the_earlier_stages_until_they_go_stale():
+    from pardec.train import merge_stage_summaries
+
+    stages = ("generate", "train", "eval")
+    head = {"experiment": "x", "kind": "draft"}
+    gen = merge_stage_summaries({}, {**head, "stage": "generate", "generate": {"prompts": 3}}, stages)
+    train = merge_stage_summaries(gen, {**head, "stage": "train", "train": {"steps": 5}}, stages)
+    ev = merge_stage_summaries(train, {**head, "stage": "eval", "eval": {"agreement": 0.5}}, stages)
+    assert ev == {**head, "stage": "eval", "stages": list(stages), "generate": {"prompts": 3},
+                  "train": {"steps": 5}, "eval": {"agreement": 0.5}}
+    # retraining makes the old eval stale: it goes, generate stays
+    again = merge_stage_summaries(ev, {**head, "stage": "train", "train": {"steps": 9}}, stages)
+    assert again["stages"] == ["generate", "train"] and again["train"] == {"steps": 9} and "eval" not in again
+    assert merge_stage_summaries(ev, {**head, "stage": "all", **{s: {} for s in stages}}, stages)["eval"] == {}
+
+
 def test_shared_launch_ids():
     from pardec.config import shared_launch_id
 

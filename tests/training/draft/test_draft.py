@@ -320,6 +320,9 @@ def test_draft_tiny_trains_from_a_cached_teacher_without_the_target(tmp_path):
     history = [h for h in json.loads((run_dir / "log_history.json").read_text()) if "loss" in h]
     assert (run_dir / "final" / "config.json").is_file()
     assert len(history) == 2 and all(0.0 < h["teacher_kept_mass"] <= 1.0 and h["loss"] > 0 for h in history)
+    summary = json.loads((run_dir / "train_summary.json").read_text())  # stage by stage: both sections stay
+    assert summary["stages"] == ["generate", "train"] and summary["generate"]["complete"]
+    assert summary["train"]["samples"] == 6
 
 
 def test_config_errors():
