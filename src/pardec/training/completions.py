@@ -5,7 +5,8 @@ source of the masked corpus) read it; on held-out prompts the draft and heads ki
 
 Layout of an output directory (``completions.out_dir``)::
 
-    meta.json           schema_version, model, sources, settings (a resumed run must match it)
+    meta.json           schema_version, model, sources, settings (a resumed run must match it, or only grow it:
+                        raise a source's max_prompts or append a source, and only the new prompts are generated)
     part-{rank}.jsonl   the work log of each rank, one record per prompt, appended and fsynced per batch
     completions.jsonl   the merged records of every rank, sorted by index
     stats.json          prompts, tokens, mean length, stop reasons, per source counts, generation seconds
@@ -116,9 +117,51 @@ def generation_meta(cfg: GenerateConfig, model: dict, eos_ids: set[int]) -> dict
     return meta
 
 
+def grows(old: dict, new: dict) -> bool:
+    """Whether the generation settings ``new`` only extend ``old``: the same model and settings, every old source
+    kept in place with its ``max_prompts`` raised or unchanged (``null``: all documents), new sources appended.
+    A corpus grows in place: its records are kept and only the new prompts are generated (a source's first N
+    documents do not depend on N)."""
+    old, new = json.loads(json.dumps(old)), json.loads(json.dumps(new))
+    a, b = old.pop("sources", []), new.pop("sources", [])
+    if old != new or len(b) < len(a) or a == b:
+        return False
+    for s, t in zip(a, b):
+        if s["dataset"] != t["dataset"]:
+            return False
+        m, n = s.get("max_prompts"), t.get("max_prompts")
+        if m is None and n is not None or m is not None and n is not None and n < m:
+            return False
+    return True
+
+
+def check_settings(cfg: GenerateConfig, meta: dict, ignore: tuple[str, ...] = ()) -> None:
+    """Refuse (before a model loads) an ``out_dir`` generated with other settings, unless ``meta`` only grows it
+    (top-level keys in ``ignore`` left out of both)."""
+    meta_file = Path(cfg.out_dir) / "meta.json"
+    if meta_file.is_file():
+        old = {k: v for k, v in json.loads(meta_file.read_text()).items() if k not in ignore}
+        if grows(old, {k: v for k, v in meta.items() if k not in ignore}):
+            return
+    stages.check_settings(cfg.out_dir, meta, cfg.overwrite, "completions", "completions generated", ignore)
+
+
 def prepare_out_dir(cfg: GenerateConfig, meta: dict, rank: int = 0, key: str = "completions") -> Path:
     """Create ``out_dir`` with ``meta.json``; an existing one from other settings raises (rank 0 with
-    ``overwrite``: the directory is wiped). ``key``: the config section named in the error."""
+    ``overwrite``: the directory is wiped), unless the new settings only grow it (:func:`grows`): then rank 0
+    rewrites ``meta.json`` and drops the merged file and stats (stale until the grown corpus is merged).
+    ``key``: the config section named in the error."""
+    meta_file = Path(cfg.out_dir) / "meta.json"
+    if rank == 0 and meta_file.is_file():
+        old = json.loads(meta_file.read_text())
+        if grows(old, meta):
+            log.info("growing the corpus in %s: sources %s -> %s", cfg.out_dir,
+                     [s.get("max_prompts") for s in old["sources"]], [s.get("max_prompts") for s in meta["sources"]])
+            for stale in (MERGED, "stats.json"):
+                (Path(cfg.out_dir) / stale).unlink(missing_ok=True)
+            tmp = meta_file.with_name("meta.json.tmp")
+            tmp.write_text(json.dumps(meta, indent=2) + "\n")
+            tmp.replace(meta_file)
     return stages.prepare_out_dir(cfg.out_dir, cfg.overwrite, meta, rank, key, "completions generated")
 
 
@@ -180,12 +223,14 @@ def generate(cfg: GenerateConfig, model, pad_id: int, eos_ids: set[int], prompts
 
     return stages.run_stage(prompts, cfg.out_dir, lambda r: prepare_out_dir(cfg, meta, r, key), rank, world,
                             barrier, cfg.batch_size, work, f"generate[{rank}] {Path(cfg.out_dir).name}", stop_after,
-                            lambda out, n: merge(out, expected=n), order=lambda p: len(p.ids))
+                            lambda out, n: merge(out, expected=n, index_of={p.id: p.index for p in prompts}),
+                            order=lambda p: len(p.ids))
 
 
-def merge(out_dir: Path, expected: int) -> dict:
-    """Merge every part file into ``completions.jsonl`` (sorted by index) and write ``stats.json``."""
-    return stages.merge(out_dir, MERGED, expected, completion_stats)
+def merge(out_dir: Path, expected: int, index_of: dict[str, int] | None = None) -> dict:
+    """Merge every part file into ``completions.jsonl`` (sorted by index; ``index_of``: the index of each id in
+    the current prompt list, which a grown corpus renumbers) and write ``stats.json``."""
+    return stages.merge(out_dir, MERGED, expected, completion_stats, index_of=index_of)
 
 
 def completion_stats(records: list[dict], kept: list[dict], expected: int) -> dict:

@@ -76,14 +76,18 @@ def done_ids(out_dir: Path, rank: int) -> set[str]:
 
 
 def merge(out_dir: str | Path, merged: str, expected: int, stats: Callable[[list[dict], list[dict], int], dict],
-          drop_key: str | None = None) -> dict:
+          drop_key: str | None = None, index_of: dict[str, int] | None = None) -> dict:
     """Merge every part file of ``out_dir`` into ``merged`` (one record per id, the first written; sorted by index;
     with ``drop_key``, records where it is set are left out and the key is removed) and write ``stats.json`` =
-    ``stats(all records, kept records, expected)``; returns the stats. ``expected``: the stage's work-list size."""
+    ``stats(all records, kept records, expected)``; returns the stats. ``expected``: the stage's work-list size;
+    ``index_of``: the current index of each id (records written under an older, shorter work list are
+    renumbered)."""
     out = Path(out_dir)
     by_id: dict[str, dict] = {}
     for p in sorted(out.glob("part-*.jsonl")):
         for r in read_part(p):
+            if r["id"] not in by_id and index_of and r["id"] in index_of:
+                r["index"] = index_of[r["id"]]
             by_id.setdefault(r["id"], r)
     records = sorted(by_id.values(), key=lambda r: r.get("index", 0))
     kept = records if drop_key is None else [{k: v for k, v in r.items() if k != drop_key} for r in records

@@ -8,6 +8,7 @@ import json
 import os
 import subprocess
 import sys
+from dataclasses import asdict
 from pathlib import Path
 
 import pytest
@@ -22,9 +23,12 @@ from pardec.training.completions import (
     CompletionCollator,
     CompletionDataset,
     GenerateConfig,
+    Source,
+    check_settings,
     generate,
     generation_meta,
     greedy_batch,
+    grows,
     load_completions,
 )
 from pardec.training.draft.trainer import (
@@ -128,6 +132,52 @@ def test_generate_resumes_after_kill_and_refuses_other_settings(tmp_path):
         generate(other, lm.model, 0, set(), prompts, generation_meta(other, {"name": "tiny"}, set()))
     over = _gen(tmp_path, max_new_tokens=7, overwrite=True)
     assert generate(over, lm.model, 0, set(), prompts, generation_meta(over, {"name": "tiny"}, set()))["tokens"] == 35
+
+
+def test_a_corpus_grows_in_place_and_keeps_its_records(tmp_path):
+    """Raising a source's max_prompts (or appending a source) grows the corpus: only the new prompts are generated,
+    the old records are kept byte for byte, and the merged file is renumbered in the new prompt order (== a fresh
+    generation of the grown list). Lowering max_prompts or changing a dataset is still refused."""
+    lm = tiny()
+    tok = lm.tokenizer
+    a, b = DatasetConfig(name="gsm8k", path="a.jsonl"), DatasetConfig(name="gsm8k", path="b.jsonl")
+
+    def setup(na: int, nb: int, out: str):
+        ids = [f"a/{i}" for i in range(na)] + [f"b/{i}" for i in range(nb)]
+        texts = TEXTS[:na] + TEXTS[3:3 + nb]
+        prompts = [Prompt(i, d, tok(t)["input_ids"]) for i, (d, t) in enumerate(zip(ids, texts))]
+        cfg = _gen(tmp_path, out_dir=str(tmp_path / out), sources=[Source(a, na), Source(b, nb)])
+        return cfg, prompts, generation_meta(cfg, {"name": "tiny"}, set())
+
+    small = setup(2, 1, "gen")
+    generate(small[0], lm.model, 0, set(), small[1], small[2])
+    part = tmp_path / "gen" / "part-0.jsonl"
+    before = part.read_text()
+    assert [r["id"] for r in load_completions(small[0].out_dir)] == ["a/0", "a/1", "b/0"]
+
+    big = setup(3, 2, "gen")
+    assert grows(small[2], big[2]) and not grows(big[2], small[2]) and not grows(small[2], small[2])
+    check_settings(big[0], big[2])  # passes: it only grows
+    stats = generate(*big[:1], lm.model, 0, set(), big[1], big[2])
+    assert stats["complete"] and stats["prompts"] == 5
+    assert part.read_text().startswith(before) and len(read_part(part)) == 5  # 2 new records appended
+    assert json.loads((tmp_path / "gen" / "meta.json").read_text())["sources"][0]["max_prompts"] == 3
+    fresh = setup(3, 2, "fresh")
+    generate(fresh[0], lm.model, 0, set(), fresh[1], fresh[2])
+    drop = ("seconds",)
+    got = [{k: v for k, v in r.items() if k not in drop} for r in load_completions(big[0].out_dir)]
+    assert got == [{k: v for k, v in r.items() if k not in drop} for r in load_completions(fresh[0].out_dir)]
+    assert [r["index"] for r in got] == list(range(5)) and got[3]["id"] == "b/0"  # b/0 was index 2
+
+    shrunk = setup(2, 2, "gen")
+    with pytest.raises(FileExistsError, match=r"sources.*completions.overwrite"):
+        check_settings(shrunk[0], shrunk[2])
+    with pytest.raises(FileExistsError, match="other settings"):
+        generate(shrunk[0], lm.model, 0, set(), shrunk[1], shrunk[2])
+    other = dict(big[2], sources=[dict(big[2]["sources"][0], dataset=asdict(b)), big[2]["sources"][1]])
+    assert not grows(big[2], other)
+    everything = dict(big[2], sources=[dict(s, max_prompts=None) for s in big[2]["sources"]])
+    assert grows(big[2], everything) and not grows(everything, big[2])  # null: all documents
 
 
 def test_python_docstrings_prompts():

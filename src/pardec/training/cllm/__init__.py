@@ -88,8 +88,7 @@ class CLLMKind(Kind):
         return stats
 
     def stage_generate(self, spec: CLLMSpec, run_dir: Path, d) -> dict | None:
-        from pardec.training import stages
-        from pardec.training.completions import generate_stage, generation_meta
+        from pardec.training.completions import check_settings, generate_stage, generation_meta
 
         if spec.ar_answer != "whole":
             why = f"ar_answer={spec.ar_answer}: the AR rows hold the collected answers"
@@ -102,8 +101,7 @@ class CLLMKind(Kind):
             log.info("stage generate: nothing to generate (%s)", why)
             return {"skipped": why}
         # a resumed generation must match the settings (checked now, before the model loads; EOS ids after)
-        stages.check_settings(spec.gen.out_dir, generation_meta(spec.gen, spec.model.identity(), set()),
-                              spec.gen.overwrite, "completions", "completions generated", ignore=("eos_ids",))
+        check_settings(spec.gen, generation_meta(spec.gen, spec.model.identity(), set()), ignore=("eos_ids",))
         stats = generate_stage(spec.gen, spec.model, d)
         barrier = d.barrier()
         if barrier:
