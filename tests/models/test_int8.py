@@ -3,6 +3,8 @@ exactness (fbgemm's per-tensor activation scale is not batch-invariant)."""
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 
@@ -40,17 +42,50 @@ def test_int8_replaces_every_linear_and_stays_close_to_fp32():
     assert 0 < rel < 0.05, rel  # quantized (not the same weights), and close
 
 
+def test_int8_weights_have_one_scale_per_output_row():
+    """``quantize_dynamic``'s default is one scale per matrix: a row of small weights beside a row of large ones
+    then rounds to a few levels. Per-channel scales keep every row's relative error at the int8 level."""
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(64, 8, bias=False)
+    with torch.no_grad():
+        lin.weight.mul_(torch.logspace(0, 3, 8)[:, None])  # rows 1x .. 1000x
+    x = torch.randn(5, 64)
+    want = lin(x)
+    errs = {}
+    for scheme in int8.SCHEMES:
+        q = int8.quantize(torch.nn.Sequential(copy.deepcopy(lin)), scheme)
+        assert int8.weight_scheme(q) == scheme
+        with torch.no_grad():
+            errs[scheme] = ((q(x) - want).norm(dim=0) / want.norm(dim=0)).max().item()  # worst output row
+    assert errs["per_channel"] < 0.03 < 0.3 < errs["per_tensor"], errs
+    assert int8.weight_scheme(load_model(_tiny("int8")).model) == "per_channel"  # the default
+    assert int8.weight_scheme(torch.nn.Linear(2, 2)) is None
+    with pytest.raises(ValueError, match=r"'per_row' is not one of per_channel, per_tensor"):
+        int8.quantize(torch.nn.Linear(2, 2), "per_row")
+    assert int8.cache_key({}, []) != int8.cache_key({}, [], "per_tensor")
+    # the config knob (for comparisons): validated, part of an int8 model's identity only
+    from pardec.config import INT8_WEIGHTS
+
+    assert INT8_WEIGHTS == int8.SCHEMES
+    old = _tiny("int8")
+    old.int8_weights = "per_tensor"
+    assert int8.weight_scheme(load_model(old).model) == "per_tensor"
+    assert old.identity()["int8_weights"] == "per_tensor" and "int8_weights" not in _tiny("fp32").identity()
+    with pytest.raises(ConfigError, match=r"int8_weights.*'per_row'.*per_channel, per_tensor"):
+        ModelConfig(int8_weights="per_row")
+
+
 def test_int8_weights_are_cached_and_a_retrained_model_gets_a_new_cache(local_dir, tmp_path, monkeypatch):
     monkeypatch.setattr(int8, "DATA_DIR", tmp_path / "data")
     cfg = ModelConfig(name="local_tiny", source="local", path=str(local_dir), dtype="int8", device="cpu")
     calls = []
     real = int8.quantize
-    monkeypatch.setattr(int8, "quantize", lambda m: calls.append(1) or real(m))
+    monkeypatch.setattr(int8, "quantize", lambda m, *a: calls.append(1) or real(m, *a))
     first = load_model(cfg).model
     files = list((tmp_path / "data" / "models" / "int8").glob("*.pt"))
     assert len(files) == 1 and calls == [1]
     second = load_model(cfg).model  # from the cache: no quantization
-    assert calls == [1] and int8.is_int8(second)
+    assert calls == [1] and int8.is_int8(second) and int8.weight_scheme(second) == "per_channel"
     ids = torch.tensor([[3, 1, 4, 1, 5, 9, 2, 6]])
     with torch.no_grad():
         assert torch.equal(first(input_ids=ids).logits, second(input_ids=ids).logits)

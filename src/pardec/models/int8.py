@@ -1,5 +1,6 @@
 """The ``dtype=int8`` CPU mode: every ``nn.Linear`` of a loaded model (attention, MLP, LM head) holds int8
-weights (per-output-channel scales) and runs fbgemm's dynamic-quantized GEMM; embeddings, norms and activations
+weights (per-output-channel scales: ``quantize_dynamic``'s default qconfig is per *tensor*, one scale for a whole
+matrix, which costs a 4-layer draft and the 49k-row LM head much accuracy; measured in the README) and runs fbgemm's dynamic-quantized GEMM; embeddings, norms and activations
 stay fp32. On the CPUs pardec is developed on this is ~2.5x faster than fp32 for one new token, and nearly flat
 from 1 to 5 rows (``scripts/forward_cost.py --dtype int8``): the memory-bound regime in which drafting pays.
 
@@ -50,11 +51,32 @@ def is_int8(model: torch.nn.Module) -> bool:
     return any(isinstance(m, qlin) for m in model.modules())
 
 
-def quantize(model: torch.nn.Module) -> torch.nn.Module:
-    """Every ``nn.Linear`` of ``model`` -> int8 weights + fbgemm dynamic GEMM, in place. CPU only."""
+#: how the weights are scaled: ``per_channel`` (one scale per output row; the default) or ``per_tensor`` (one scale
+#: per matrix: what ``quantize_dynamic(model, {nn.Linear})`` gives when no qconfig is named, kept for comparisons)
+SCHEMES = ("per_channel", "per_tensor")
+
+
+def quantize(model: torch.nn.Module, scheme: str = "per_channel") -> torch.nn.Module:
+    """Every ``nn.Linear`` of ``model`` -> int8 weights (``scheme``: :data:`SCHEMES`) + fbgemm dynamic GEMM, in
+    place. CPU only."""
+    from torch.ao.quantization import default_dynamic_qconfig, per_channel_dynamic_qconfig
+
+    if scheme not in SCHEMES:
+        raise ValueError(f"int8 weight scheme {scheme!r} is not one of {', '.join(SCHEMES)}")
+    qconfig = per_channel_dynamic_qconfig if scheme == "per_channel" else default_dynamic_qconfig
     with warnings.catch_warnings():
         warnings.filterwarnings(*_DEPRECATION)
-        return torch.ao.quantization.quantize_dynamic(model, {torch.nn.Linear}, dtype=torch.qint8, inplace=True)
+        return torch.ao.quantization.quantize_dynamic(model, {torch.nn.Linear: qconfig}, dtype=torch.qint8,
+                                                      inplace=True)
+
+
+def weight_scheme(model: torch.nn.Module) -> str | None:
+    """``per_channel`` or ``per_tensor``: how the int8 linears of ``model`` scale their weights (None: no int8)."""
+    qlin = _quantized_linear_type()
+    for m in model.modules():
+        if isinstance(m, qlin):
+            return "per_channel" if m.weight().qscheme() == torch.per_channel_affine else "per_tensor"
+    return None
 
 
 def _skeleton(model: torch.nn.Module) -> torch.nn.Module:
@@ -71,19 +93,22 @@ def _skeleton(model: torch.nn.Module) -> torch.nn.Module:
     return model
 
 
-def cache_key(identity: dict, weight_files: list[Path]) -> str:
-    """A key that changes when the model's identity or any of its weight files (size, mtime) changes."""
+def cache_key(identity: dict, weight_files: list[Path], scheme: str = "per_channel") -> str:
+    """A key that changes when the model's identity, any of its weight files (size, mtime) or the weight
+    ``scheme`` changes."""
     stats = [(str(f), f.stat().st_size, f.stat().st_mtime_ns) for f in sorted(weight_files) if f.is_file()]
-    blob = json.dumps({"identity": identity, "files": stats, "torch": torch.__version__}, sort_keys=True, default=str)
+    blob = json.dumps({"identity": identity, "files": stats, "torch": torch.__version__, "scheme": scheme},
+                      sort_keys=True, default=str)
     return hashlib.sha256(blob.encode()).hexdigest()[:20]
 
 
-def quantize_cached(model: torch.nn.Module, key: str | None, cache_dir: Path | None = None) -> torch.nn.Module:
-    """``quantize(model)``, reading the int8 weights from ``<cache_dir>/<key>.pt`` when written before and writing
+def quantize_cached(model: torch.nn.Module, key: str | None, cache_dir: Path | None = None,
+                    scheme: str = "per_channel") -> torch.nn.Module:
+    """``quantize(model, scheme)``, reading the int8 weights from ``<cache_dir>/<key>.pt`` when written before and writing
     them there otherwise (``key=None``: no cache, e.g. an in-memory tiny model). A cache file that does not read
     (a truncated copy, another torch) is rebuilt, not trusted."""
     if key is None:
-        return quantize(model)
+        return quantize(model, scheme)
     cache_dir = cache_dir or DATA_DIR / "models" / "int8"
     f = cache_dir / f"{key}.pt"
     state = None
@@ -103,7 +128,7 @@ def quantize_cached(model: torch.nn.Module, key: str | None, cache_dir: Path | N
         except RuntimeError as e:
             raise RuntimeError(f"the int8 cache {f} does not fit this model ({str(e)[:200]}); delete it") from e
         return skel
-    model = quantize(model)
+    model = quantize(model, scheme)
     cache_dir.mkdir(parents=True, exist_ok=True)
     tmp = f.with_suffix(".tmp")
     with warnings.catch_warnings():

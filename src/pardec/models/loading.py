@@ -232,7 +232,7 @@ def int8_cache_key(cfg: ModelConfig) -> str | None:
     if cfg.adapter:
         files += [f for f in Path(cfg.adapter).iterdir() if f.suffix in (".safetensors", ".bin", ".json")]
     same = {k: v for k, v in cfg.identity().items() if k not in ("device", "attn_implementation")}
-    return cache_key(same, files)
+    return cache_key(same, files, cfg.int8_weights)
 
 
 def _weights_location(cfg: ModelConfig) -> str | Path:
@@ -305,7 +305,7 @@ def load_model(cfg: ModelConfig) -> LoadedModel:
     if cfg.dtype == "int8":
         from pardec.models.int8 import quantize_cached
 
-        model = quantize_cached(model, int8_cache_key(cfg))
+        model = quantize_cached(model, int8_cache_key(cfg), scheme=cfg.int8_weights)
     if tok.pad_token_id is None:
         tok.pad_token = tok.eos_token
     return LoadedModel(model, tok, cfg)
