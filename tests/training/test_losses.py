@@ -18,14 +18,14 @@ def _kl(a, b) -> float:
 
 
 M = tuple(0.5 * x + 0.5 * y for x, y in zip(P, Q))
-EXPECTED = {"fkl": _kl(P, Q), "rkl": _kl(Q, P), "jsd": 0.5 * _kl(P, M) + 0.5 * _kl(Q, M)}
+EXPECTED = {"fkl": _kl(P, Q), "rkl": _kl(Q, P), "jsd": 0.5 * _kl(P, M) + 0.5 * _kl(Q, M), "tvd": 0.25}
 
 
 def _logits(probs) -> torch.Tensor:
     return torch.tensor(probs).log()[None, None]  # [1, 1, 2]
 
 
-@pytest.mark.parametrize("distance", ["fkl", "rkl", "jsd"])
+@pytest.mark.parametrize("distance", ["fkl", "rkl", "jsd", "tvd"])
 def test_known_values_on_two_token_vocab(distance):
     got = token_divergence(_logits(Q), _logits(P), distance, beta=0.5)
     assert got.shape == (1, 1)
@@ -39,7 +39,7 @@ def test_jsd_endpoints_are_the_kls():
     torch.testing.assert_close(token_divergence(s, t, "jsd", 1.0), token_divergence(s, t, "rkl"))
 
 
-@pytest.mark.parametrize("distance", ["fkl", "rkl", "jsd"])
+@pytest.mark.parametrize("distance", ["fkl", "rkl", "jsd", "tvd"])
 def test_zero_for_identical_logits(distance):
     x = torch.randn(3, 4, 11)
     mask = torch.ones(3, 4, dtype=torch.bool)

@@ -31,7 +31,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-DISTANCES = ("fkl", "rkl", "jsd")
+DISTANCES = ("fkl", "rkl", "jsd", "tvd")  # tvd: total variation 0.5 * sum |p - q| (DistillSpec)
 IGNORE_INDEX = -100
 
 
@@ -49,6 +49,8 @@ def token_divergence(
         distance = "fkl"
     if distance == "jsd" and beta == 1.0:
         distance = "rkl"
+    if distance == "tvd":
+        return 0.5 * (logp.exp() - logq.exp()).abs().sum(-1)
     if distance == "fkl":
         return _kl(logp, logq)
     if distance == "rkl":

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import json
+import math
 import os
 import subprocess
 import sys
@@ -207,6 +208,19 @@ def test_loss_properties():
     ce = distill_token_loss(student, teacher, "ce")
     want = torch.nn.functional.cross_entropy(student.reshape(-1, 11), teacher.argmax(-1).reshape(-1), reduction="none")
     assert torch.allclose(ce, want.view(2, 5))
+    # tvd / jsd (DistillSpec): 0 at the teacher, shift-invariant, bounded, the hand-computed values, gradients flow
+    p, q = teacher.softmax(-1), student.softmax(-1)
+    for loss, bound in (("tvd", 1.0), ("jsd", math.log(2))):
+        assert torch.allclose(distill_token_loss(teacher + 2.0, teacher, loss), torch.zeros(2, 5), atol=1e-6)
+        got = distill_token_loss(student, teacher, loss)
+        assert ((got > 0) & (got <= bound + 1e-6)).all()
+    m = 0.5 * (p + q)
+    want_jsd = 0.5 * (p * (p / m).log()).sum(-1) + 0.5 * (q * (q / m).log()).sum(-1)
+    assert torch.allclose(distill_token_loss(student, teacher, "tvd"), 0.5 * (p - q).abs().sum(-1), atol=1e-6)
+    assert torch.allclose(distill_token_loss(student, teacher, "jsd"), want_jsd, atol=1e-6)
+    student.grad = None
+    distill_token_loss(student, teacher, "tvd").sum().backward()
+    assert student.grad.abs().sum() > 0
 
 
 def test_samples_mask_only_completion_positions():

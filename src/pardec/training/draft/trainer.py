@@ -10,6 +10,9 @@ sequences (teacher forcing), and compares their next-token distributions at the 
   what the student can express, so the loss is 0 exactly when the draft matches the teacher there and the
   teacher's mass outside the vocabulary (logged as ``teacher_kept_mass``) adds no constant the student cannot
   reduce; for speculative sampling this is the best the restricted draft can do up to that mass.
+* ``loss="tvd"`` / ``"jsd"``: total variation 0.5 * sum |p - q| / Jensen-Shannon (beta 0.5) between the same two
+  distributions (DistillSpec, Zhou et al. 2024, Table 1: TVD bounds the acceptance rate of speculative decoding;
+  which divergence is best depends on task and decoding);
 * ``loss="ce"``: cross-entropy on the teacher's argmax over the draft vocabulary (hard labels).
 
 ``teacher="online"`` (default) runs the teacher's forward every step. ``teacher="cached"`` runs none: it reads the
@@ -42,7 +45,7 @@ from pardec.training.base import BaseConfig, BaseTrainer, Dist, fit, training_ar
 from pardec.training.completions import CompletionCollator, CompletionDataset, loss_window
 from pardec.training.losses import masked_sum, token_divergence
 
-LOSSES = ("fkl", "ce")
+LOSSES = ("fkl", "tvd", "jsd", "ce")
 TEACHERS = ("online", "cached")
 #: a logit no kept id of the cached teacher can reach: exp() of it is 0 in fp32, and it is finite, so the KL's
 #: 0 * log 0 terms stay 0 instead of NaN
@@ -53,8 +56,8 @@ _ABSENT = -1.0e4
 def distill_token_loss(student: torch.Tensor, teacher: torch.Tensor, loss: str = "fkl") -> torch.Tensor:
     """Per-position loss [...] between student logits [..., K] (gradient flows) and the teacher's logits on the
     same K kept ids [..., K] (detached; renormalised over K by the log-softmax)."""
-    if loss == "fkl":
-        return token_divergence(student, teacher, "fkl")
+    if loss in ("fkl", "tvd", "jsd"):
+        return token_divergence(student, teacher, loss)
     if loss == "ce":
         return F.cross_entropy(student.float().flatten(0, -2), teacher.detach().argmax(-1).flatten(),
                                reduction="none").view(student.shape[:-1])
@@ -64,7 +67,8 @@ def distill_token_loss(student: torch.Tensor, teacher: torch.Tensor, loss: str =
 # ------------------------------------------------------------------------------------------- trainer
 @dataclass
 class DraftConfig(BaseConfig):
-    loss: str = field(default="fkl", metadata={"help": "fkl: KL(teacher || student) on the draft vocab | ce"})
+    loss: str = field(default="fkl", metadata={
+        "help": "fkl: KL(teacher || student) on the draft vocab | tvd | jsd | ce"})
     teacher: str = field(default="online", metadata={
         "help": "online: the teacher's forward every step | cached: its top-k log-probs stored in the completions"})
 
