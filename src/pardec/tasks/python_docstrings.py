@@ -6,7 +6,10 @@ name). A few hundred prompts, no download: code-prompt training data for distill
 available offline (HumanEval stays held out for evaluation). The set depends on the Python version.
 
 ``dataset.extra``: ``modules`` (list of module names; default :data:`MODULES`), ``min_doc_chars`` (shorter
-docstrings are skipped; default 60), ``max_doc_chars`` (docstrings are cut to this; default 600).
+docstrings are skipped; default 60), ``max_doc_chars`` (docstrings are cut to this; default 600), ``members``
+(``functions``: module-level functions, the default, ~520 prompts on Python 3.12; ``methods``: the public methods
+of the modules' public classes, ~600 more, "write the method ``Class.name(self, ...)``"; a second source of
+the same task with ``members: methods`` grows a code corpus without repeating a prompt).
 """
 
 from __future__ import annotations
@@ -31,8 +34,9 @@ MODULES = ("string", "textwrap", "json", "re", "os.path", "posixpath", "shutil",
            "unittest.mock", "doctest", "timeit", "cProfile", "pstats", "tracemalloc", "xml.dom.minidom",
            "xml.etree.ElementTree", "wsgiref.util", "http.server", "urllib.request", "webbrowser", "filecmp",
            "stat", "tabnanny", "keyword", "token", "symtable", "code", "codeop", "cmd", "optparse", "getopt")
-EXTRA_KEYS = ("modules", "min_doc_chars", "max_doc_chars")
-REQUEST = "Write a Python function `{name}{sig}` that does the following:\n\n{doc}"
+EXTRA_KEYS = ("modules", "min_doc_chars", "max_doc_chars", "members")
+MEMBERS = ("functions", "methods")
+REQUEST = "Write a Python {what} `{name}{sig}` that does the following:\n\n{doc}"
 
 
 @register_task("python_docstrings", aliases=("stdlib_docstrings",))
@@ -48,6 +52,22 @@ class PythonDocstrings(Task):
         self.modules = list(cfg.extra.get("modules") or MODULES)
         self.min_chars = int(cfg.extra.get("min_doc_chars", 60))
         self.max_chars = int(cfg.extra.get("max_doc_chars", 600))
+        self.members = cfg.extra.get("members", "functions")
+        if self.members not in MEMBERS:
+            raise ConfigError(f"dataset.extra.members={self.members!r} is not valid for python_docstrings; choose "
+                              f"one of: {', '.join(MEMBERS)}")
+
+    def _members(self, mod) -> list[tuple[str, str, object]]:
+        """(qualified name, short name, function) of the public functions or methods of ``mod``, sorted."""
+        if self.members == "functions":
+            return [(name, name, fn) for name, fn in sorted(inspect.getmembers(mod, inspect.isfunction))
+                    if fn.__module__ == mod.__name__]
+        out = []
+        for cname, cls in sorted(inspect.getmembers(mod, inspect.isclass)):
+            if cname.startswith("_") or cls.__module__ != mod.__name__:
+                continue
+            out += [(f"{cname}.{name}", name, fn) for name, fn in sorted(vars(cls).items()) if inspect.isfunction(fn)]
+        return out
 
     def docs(self) -> list[dict]:
         """``{"id": "<module>.<function>", "name", "signature", "doc"}`` per documented public function."""
@@ -57,9 +77,9 @@ class PythonDocstrings(Task):
                 mod = importlib.import_module(mod_name)
             except ImportError:  # a module missing from this Python build
                 continue
-            for name, fn in sorted(inspect.getmembers(mod, inspect.isfunction)):
+            for qual, name, fn in self._members(mod):
                 doc = inspect.getdoc(fn) or ""
-                if name.startswith("_") or fn.__module__ != mod.__name__ or len(doc) < self.min_chars:
+                if name.startswith("_") or len(doc) < self.min_chars:
                     continue
                 key = f"{fn.__module__}.{fn.__qualname__}"
                 if key in seen:  # os.path is posixpath
@@ -69,15 +89,23 @@ class PythonDocstrings(Task):
                     sig = str(inspect.signature(fn))
                 except (TypeError, ValueError):
                     continue
-                out.append({"id": key, "name": name, "signature": sig, "doc": doc[: self.max_chars].strip()})
+                out.append({"id": key, "name": name, "qualname": qual, "signature": sig,
+                            "doc": doc[: self.max_chars].strip()})
         return out
 
     def prompt_ids(self, doc: dict, tokenizer, chat: bool, history: list[str] = ()) -> list[int]:
+        qual = doc.get("qualname", doc["name"])
+        method = qual != doc["name"]
         if chat:
-            request = REQUEST.format(name=doc["name"], sig=doc["signature"], doc=doc["doc"])
+            request = REQUEST.format(what="method" if method else "function", name=qual, sig=doc["signature"],
+                                     doc=doc["doc"])
             return chat_ids(tokenizer, [{"role": "user", "content": request}])
-        body = "\n    ".join(doc["doc"].splitlines())
-        return text_ids(tokenizer, f'def {doc["name"]}{doc["signature"]}:\n    """{body}\n    """\n')
+        if not method:
+            body = "\n    ".join(doc["doc"].splitlines())
+            return text_ids(tokenizer, f'def {doc["name"]}{doc["signature"]}:\n    """{body}\n    """\n')
+        body = "\n        ".join(doc["doc"].splitlines())
+        cls = qual.rsplit(".", 1)[0]
+        return text_ids(tokenizer, f'class {cls}:\n    def {doc["name"]}{doc["signature"]}:\n        """{body}\n        """\n')
 
     def stop_strings(self, chat: bool) -> list[str]:
         return [] if chat else ["\ndef ", "\nclass "]

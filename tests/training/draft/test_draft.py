@@ -191,6 +191,17 @@ def test_python_docstrings_prompts():
     tok = tiny().tokenizer
     text = tok.decode(task.prompt_ids(docs[0], tok, chat=True))
     assert "Write a Python function `capwords(s, sep=None)`" in text and "<|im_start|>assistant" in text
+    methods = build_task(DatasetConfig(name="python_docstrings", split="train", extra={"members": "methods"}))
+    mdocs = methods.docs()
+    assert len(mdocs) > 200 and not {d["id"] for d in mdocs} & {d["id"] for d in docs}  # no prompt twice
+    first = mdocs[0]
+    assert first["qualname"].endswith("." + first["name"]) and first["signature"].startswith("(self")
+    text = tok.decode(methods.prompt_ids(first, tok, chat=True))
+    assert f"Write a Python method `{first['qualname']}(self" in text
+    plain = tok.decode(methods.prompt_ids(first, tok, chat=False))
+    assert plain.startswith(f"class {first['qualname'].split('.')[0]}:\n    def {first['name']}(self")
+    with pytest.raises(ConfigError, match=r"members='classes' is not valid.*functions, methods"):
+        build_task(DatasetConfig(name="python_docstrings", extra={"members": "classes"}))
 
 
 # ------------------------------------------------------------------------------------------- loss, trainer
