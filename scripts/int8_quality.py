@@ -1,14 +1,16 @@
-"""What ``dtype=int8`` does to a model's predictions, per weight scheme (``model.int8_weights``): teacher-forced on
+"""What ``dtype=int8`` does to a model's predictions, per int8 recipe (``model.int8_weights`` / ``int8_smooth`` /
+``int8_skip``): teacher-forced on
 a corpus of the fp32 target's own greedy completions (``stage=generate`` / the draft recipe's eval corpora), how
 often the int8 target's argmax is the fp32 target's token, the perplexity of those tokens under it, and, with a
 draft, how often the int8 draft's argmax equals the int8 target's (what speculative decoding at int8 accepts).
 
     python scripts/int8_quality.py --corpus data/completions/draft_smollm2/eval/gsm8k \\
         [--corpus data/completions/draft_smollm2/eval/humaneval] [--model smollm2_135m] \\
-        [--draft outputs/train/runs/draft_smollm2/default/final] [--schemes per_channel,per_tensor] \\
+        [--draft outputs/train/runs/draft_smollm2/default/final] [--recipe per_channel:smooth=0.8:skip=down_proj ...] \\
         [--max-records 40] [--threads 2] [--out outputs/int8_quality.json]
 
-fp32 is the first row (its agreement with its own records is 1 by construction; the draft row is fp32 draft vs fp32
+A recipe is ``<scheme>[:smooth=<alpha>][:skip=<name>+<name>]`` (default: per_tensor, per_channel,
+per_channel:smooth=0.8, per_channel:smooth=0.8:skip=down_proj). fp32 is the first row (its agreement with its own records is 1 by construction; the draft row is fp32 draft vs fp32
 target). Prints the CPU model and vector flags first. No timing: run it beside other jobs if you must.
 """
 
@@ -48,10 +50,30 @@ def record_nll(model, records: list[dict], pad_id: int, batch_size: int = 8) -> 
     return nll, n
 
 
-def _config(base: ModelConfig, dtype: str, scheme: str) -> ModelConfig:
+DEFAULT_RECIPES = ("per_tensor", "per_channel", "per_channel:smooth=0.8", "per_channel:smooth=0.8:skip=down_proj")
+
+
+def parse_recipe(text: str) -> dict:
+    """``per_channel:smooth=0.8:skip=down_proj+o_proj`` -> ModelConfig int8 fields; errors name the bad part."""
+    scheme, *opts = text.split(":")
+    if scheme not in INT8_WEIGHTS:
+        raise ValueError(f"recipe {text!r}: scheme {scheme!r} not valid; choose from: {', '.join(INT8_WEIGHTS)}")
+    out = {"int8_weights": scheme, "int8_smooth": None, "int8_skip": []}
+    for opt in opts:
+        key, _, value = opt.partition("=")
+        if key == "smooth":
+            out["int8_smooth"] = float(value)
+        elif key == "skip":
+            out["int8_skip"] = value.split("+")
+        else:
+            raise ValueError(f"recipe {text!r}: option {key!r} not valid; choose from: smooth, skip")
+    return out
+
+
+def _config(base: ModelConfig, dtype: str, recipe: dict) -> ModelConfig:
     from dataclasses import replace
 
-    return replace(base, dtype=dtype, int8_weights=scheme, device="cpu")
+    return replace(base, dtype=dtype, device="cpu", **recipe)
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -59,15 +81,15 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--corpus", action="append", required=True, help="a completions dir (repeatable)")
     ap.add_argument("--model", default="smollm2_135m", help="a conf/model name, or tiny_random")
     ap.add_argument("--draft", default=None, help="a saved draft dir (optional)")
-    ap.add_argument("--schemes", default=",".join(INT8_WEIGHTS))
+    ap.add_argument("--recipe", action="append", default=None, help="an int8 recipe (repeatable; see above)")
     ap.add_argument("--max-records", type=int, default=40, help="the first N records of each corpus")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--out", default=None, help="also write the results here (JSON)")
     a = ap.parse_args(argv)
-    schemes = a.schemes.split(",")
-    bad = [s for s in schemes if s not in INT8_WEIGHTS]
-    if bad:
-        ap.error(f"--schemes {bad} not valid; choose from: {', '.join(INT8_WEIGHTS)}")
+    try:
+        recipes = {r: parse_recipe(r) for r in (a.recipe or DEFAULT_RECIPES)}
+    except ValueError as e:
+        ap.error(f"--recipe: {e}")
     if a.max_records < 1:
         ap.error(f"--max-records {a.max_records}: it must be >= 1")
     torch.set_num_threads(a.threads)
@@ -77,11 +99,10 @@ def main(argv: list[str] | None = None) -> dict:
             else named_config(a.model, "fp32"))
     draft_base = ModelConfig(name="draft", source="local", path=a.draft) if a.draft else None
     rows = []
-    for dtype, scheme in [("fp32", "per_channel")] + [("int8", s) for s in schemes]:
-        label = "fp32" if dtype == "fp32" else f"int8 {scheme}"
-        lm = load_model(_config(base, dtype, scheme))
+    for label, dtype, recipe in [("fp32", "fp32", {})] + [(f"int8 {r}", "int8", x) for r, x in recipes.items()]:
+        lm = load_model(_config(base, dtype, recipe))
         pad = lm.tokenizer.pad_token_id
-        draft = load_model(_config(draft_base, dtype, scheme)).model if draft_base else None
+        draft = load_model(_config(draft_base, dtype, recipe)).model if draft_base else None
         row = {"label": label, "corpora": {}}
         for name, records in corpora.items():
             nll, n = record_nll(lm.model, records, pad)

@@ -40,7 +40,8 @@ def test_int8_quality_measures_fp32_and_both_schemes(corpus, tmp_path, capsys):
     out = _script().main(["--corpus", str(path), "--model", "tiny_random", "--draft", str(draft_dir),
                           "--threads", "1", "--out", str(tmp_path / "q.json")])
     labels = [r["label"] for r in out["rows"]]
-    assert labels == ["fp32", "int8 per_channel", "int8 per_tensor"]
+    assert labels == ["fp32", "int8 per_tensor", "int8 per_channel", "int8 per_channel:smooth=0.8",
+                      "int8 per_channel:smooth=0.8:skip=down_proj"]
     fp32 = out["rows"][0]["corpora"]["corpus"]
     assert fp32["positions"] == 10 and fp32["top1_vs_fp32_records"] == 1.0  # greedy records of this very model
     assert fp32["draft_agreement"] == 1.0  # the draft is the target
@@ -58,10 +59,14 @@ def test_int8_quality_measures_fp32_and_both_schemes(corpus, tmp_path, capsys):
         assert 0 <= x["draft_agreement"] <= 1
     assert (tmp_path / "q.json").is_file()
     assert "| int8 per_tensor |" in capsys.readouterr().out
+    assert _script().parse_recipe("per_channel:smooth=0.5:skip=down_proj+o_proj") == {
+        "int8_weights": "per_channel", "int8_smooth": 0.5, "int8_skip": ["down_proj", "o_proj"]}
 
 
-@pytest.mark.parametrize("args, msg", [(["--schemes", "per_row"], "--schemes ['per_row'] not valid; choose from: "
+@pytest.mark.parametrize("args, msg", [(["--recipe", "per_row"], "scheme 'per_row' not valid; choose from: "
                                         "per_channel, per_tensor"),
+                                       (["--recipe", "per_channel:clip=3"], "option 'clip' not valid; choose from: "
+                                        "smooth, skip"),
                                        (["--max-records", "0"], "--max-records 0: it must be >= 1")])
 def test_int8_quality_refuses_bad_values(args, msg, capsys, tmp_path):
     with pytest.raises(SystemExit):

@@ -20,6 +20,7 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 INT8_WEIGHTS = ("per_channel", "per_tensor")  # == pardec.models.int8.SCHEMES (checked by a test)
+INT8_FIELDS = ("int8_weights", "int8_smooth", "int8_skip")
 DTYPES = ("fp32", "bf16", "fp16", "int8")  # int8: int8 linears on the CPU (pardec.models.int8), inference only
 KV_CACHES = ("preallocated", "dynamic")  # CachedModel's KV caches (pardec.models.kvcache / transformers' DynamicCache)
 FORWARD_IMPLS = ("hf", "lean")  # CachedModel.forward: transformers' model(...) | pardec.models.lean (Llama family)
@@ -65,6 +66,8 @@ class ModelConfig:
     cache_dir: str | None = None  # where dequantized GGUF weights are cached (default data/models/<name>)
     adapter: str | None = None  # a peft (LoRA) adapter dir applied on top of the base weights
     int8_weights: str = "per_channel"  # dtype=int8: per_channel | per_tensor weight scales (pardec.models.int8)
+    int8_smooth: float | None = None  # dtype=int8: SmoothQuant alpha in (0, 1) (None: off)
+    int8_skip: list[str] = field(default_factory=list)  # dtype=int8: linears (name suffixes) kept fp32
     # tiny_random only
     layers: int = 2
     hidden: int = 64
@@ -80,6 +83,10 @@ class ModelConfig:
         _choice("model", "attn_implementation", self.attn_implementation, ATTN_IMPLEMENTATIONS)
         _choice("model", "device_map", self.device_map, DEVICE_MAPS)
         _choice("model", "int8_weights", self.int8_weights, INT8_WEIGHTS)
+        if self.int8_smooth is not None and not 0.0 < self.int8_smooth < 1.0:
+            raise ConfigError(f"model.int8_smooth={self.int8_smooth!r} is out of range: SmoothQuant's alpha must be in "
+                              "(0, 1), or null for no smoothing")
+        self.int8_skip = list(self.int8_skip or [])
         if self.dtype == "int8" and (self.device == "cuda" or self.device_map):
             where = "model.device=cuda" if self.device == "cuda" else f"model.device_map={self.device_map}"
             raise ConfigError(f"model {self.name!r}: dtype=int8 is a CPU mode (fbgemm int8 linears) and cannot run "
@@ -91,8 +98,8 @@ class ModelConfig:
         """Every field that changes what the model computes (where its weights come from, their dtype, adapter,
         device, the tiny_random shape and seed, the chat template choice): runs that differ in one are not
         resumable into each other. ``cache_dir`` and ``missing_hint`` are left out: they change no output; so is
-        ``int8_weights`` unless ``dtype`` is int8."""
-        drop = ("cache_dir", "missing_hint") + (() if self.dtype == "int8" else ("int8_weights",))
+        the ``int8_*`` fields unless ``dtype`` is int8."""
+        drop = ("cache_dir", "missing_hint") + (() if self.dtype == "int8" else INT8_FIELDS)
         return {k: v for k, v in asdict(self).items() if k not in drop}
 
 

@@ -232,7 +232,12 @@ def int8_cache_key(cfg: ModelConfig) -> str | None:
     if cfg.adapter:
         files += [f for f in Path(cfg.adapter).iterdir() if f.suffix in (".safetensors", ".bin", ".json")]
     same = {k: v for k, v in cfg.identity().items() if k not in ("device", "attn_implementation")}
-    return cache_key(same, files, cfg.int8_weights)
+    return cache_key(same, files, int8_recipe(cfg))
+
+
+def int8_recipe(cfg: ModelConfig) -> dict:
+    """How ``dtype=int8`` builds ``cfg``'s int8 model (pardec.models.int8.prepare's arguments)."""
+    return {"scheme": cfg.int8_weights, "smooth_alpha": cfg.int8_smooth, "skip": tuple(cfg.int8_skip)}
 
 
 def _weights_location(cfg: ModelConfig) -> str | Path:
@@ -303,9 +308,10 @@ def load_model(cfg: ModelConfig) -> LoadedModel:
     model = model.eval()
     model.config._attn_implementation = cfg.attn_implementation
     if cfg.dtype == "int8":
-        from pardec.models.int8 import quantize_cached
+        from pardec.models.int8 import calibration_ids, quantize_cached
 
-        model = quantize_cached(model, int8_cache_key(cfg), scheme=cfg.int8_weights)
+        calib = calibration_ids(tok) if cfg.int8_smooth is not None else None
+        model = quantize_cached(model, int8_cache_key(cfg), **int8_recipe(cfg), calib=calib)
     if tok.pad_token_id is None:
         tok.pad_token = tok.eos_token
     return LoadedModel(model, tok, cfg)
