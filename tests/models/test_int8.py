@@ -75,6 +75,68 @@ def test_int8_weights_have_one_scale_per_output_row():
         ModelConfig(int8_weights="per_row")
 
 
+def test_smoothing_is_exact_in_fp32_and_rescues_int8_from_outlier_channels():
+    """SmoothQuant moves per-channel activation scale from the activations into the weights: the fp32 model computes
+    the same logits after it, and with outlier input channels int8 with smoothing is much closer to fp32 than
+    without. The outliers are made without changing the fp32 function: a few channels of each smoothed input are
+    scaled up upstream (norm weights, ``up_proj`` rows) and the reading weights' columns scaled down by as much."""
+    lm = load_model(_tiny("fp32"))
+    model = lm.model
+    with torch.no_grad():
+        for layer in model.model.layers:
+            att, mlp = layer.self_attn, layer.mlp
+            for norm, readers in ((layer.input_layernorm, (att.q_proj, att.k_proj, att.v_proj)),
+                                  (layer.post_attention_layernorm, (mlp.gate_proj, mlp.up_proj))):
+                norm.weight[:3] *= 100.0
+                for lin in readers:
+                    lin.weight[:, :3] /= 100.0
+            mlp.up_proj.weight[:4] *= 100.0
+            mlp.down_proj.weight[:, :4] /= 100.0
+    ids = torch.tensor([[5, 17, 99, 3, 250, 41, 7, 7, 12, 300]])
+    calib = int8.calibration_ids(lm.tokenizer)
+    assert len(calib) >= 3 and all(len(c) > 10 for c in calib)
+    with torch.no_grad():
+        want = model(input_ids=ids).logits
+        smoothed = copy.deepcopy(model)
+        assert int8.smooth(smoothed, 0.8, calib) == 3 * len(model.model.layers)  # q/k/v, gate/up, down per layer
+        torch.testing.assert_close(smoothed(input_ids=ids).logits, want, rtol=1e-4, atol=1e-4)
+        assert not torch.equal(smoothed.model.layers[0].mlp.down_proj.weight, model.model.layers[0].mlp.down_proj.weight)
+        err = {}
+        for label, alpha in (("plain", None), ("smooth", 0.8)):  # (the LM head, never smoothed, stays fp32 here)
+            q = int8.prepare(copy.deepcopy(model), smooth_alpha=alpha, skip=("lm_head",), calib=calib)
+            err[label] = ((q(input_ids=ids).logits - want).norm() / want.norm()).item()
+    assert err["smooth"] < 0.5 * err["plain"], err
+    # skip: those linears stay fp32 (and are not smoothed); the others are int8
+    q = int8.prepare(copy.deepcopy(model), smooth_alpha=0.8, skip=("down_proj",), calib=calib)
+    kinds = {n.rsplit(".", 1)[-1]: type(m) for n, m in q.named_modules() if n.endswith("_proj")}
+    assert kinds["down_proj"] is torch.nn.Linear and int8.is_int8(q) and kinds["up_proj"] is not torch.nn.Linear
+    assert torch.equal(q.model.layers[0].mlp.down_proj.weight, model.model.layers[0].mlp.down_proj.weight)
+    with pytest.raises(ValueError, match="calibration"):
+        int8.prepare(copy.deepcopy(model), smooth_alpha=0.5)
+    assert int8.smooth(torch.nn.Sequential(torch.nn.Linear(2, 2)), 0.5, calib) == 0  # not Llama-style: no-op
+
+
+def test_int8_recipe_config_and_cache(local_dir, tmp_path, monkeypatch):
+    monkeypatch.setattr(int8, "DATA_DIR", tmp_path / "data")
+    cfg = ModelConfig(name="local_tiny", source="local", path=str(local_dir), dtype="int8", device="cpu",
+                      int8_smooth=0.8, int8_skip=["down_proj"])
+    first = load_model(cfg).model
+    second = load_model(cfg).model  # from the cache: the skeleton keeps down_proj fp32, the norms come smoothed
+    assert type(second.model.layers[0].mlp.down_proj) is torch.nn.Linear and int8.is_int8(second)
+    ids = torch.tensor([[3, 1, 4, 1, 5, 9, 2, 6]])
+    with torch.no_grad():
+        assert torch.equal(first(input_ids=ids).logits, second(input_ids=ids).logits)
+    plain = load_model(ModelConfig(name="local_tiny", source="local", path=str(local_dir), dtype="int8",
+                                   device="cpu")).model
+    assert len(list((tmp_path / "data" / "models" / "int8").glob("*.pt"))) == 2  # another recipe, another key
+    with torch.no_grad():
+        assert not torch.equal(first(input_ids=ids).logits, plain(input_ids=ids).logits)
+    assert cfg.identity()["int8_skip"] == ["down_proj"] and "int8_smooth" not in _tiny("fp32").identity()
+    for bad in (0.0, 1.0, 1.5):
+        with pytest.raises(ConfigError, match=rf"int8_smooth={bad!r} is out of range.*\(0, 1\)"):
+            ModelConfig(int8_smooth=bad)
+
+
 def test_int8_weights_are_cached_and_a_retrained_model_gets_a_new_cache(local_dir, tmp_path, monkeypatch):
     monkeypatch.setattr(int8, "DATA_DIR", tmp_path / "data")
     cfg = ModelConfig(name="local_tiny", source="local", path=str(local_dir), dtype="int8", device="cpu")
