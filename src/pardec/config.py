@@ -66,8 +66,11 @@ class ModelConfig:
     cache_dir: str | None = None  # where dequantized GGUF weights are cached (default data/models/<name>)
     adapter: str | None = None  # a peft (LoRA) adapter dir applied on top of the base weights
     int8_weights: str = "per_channel"  # dtype=int8: per_channel | per_tensor weight scales (pardec.models.int8)
-    int8_smooth: float | None = None  # dtype=int8: SmoothQuant alpha in (0, 1) (None: off)
-    int8_skip: list[str] = field(default_factory=list)  # dtype=int8: linears (name suffixes) kept fp32
+    # dtype=int8 (pardec.models.int8; README "int8 that keeps the model's quality"): SmoothQuant alpha in (0, 1)
+    # (None: off) and the linears (name suffixes) kept fp32. The defaults keep fp32's perplexity within a few %;
+    # int8_smooth=null int8_skip=[] is ~1.3x faster and far from fp32 (top-1 agreement 0.6)
+    int8_smooth: float | None = 0.8
+    int8_skip: list[str] = field(default_factory=lambda: ["down_proj"])
     # tiny_random only
     layers: int = 2
     hidden: int = 64

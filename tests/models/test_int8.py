@@ -33,7 +33,11 @@ def test_int8_replaces_every_linear_and_stays_close_to_fp32():
     fp = load_model(_tiny("fp32")).model
     q = load_model(_tiny("int8")).model
     assert int8.is_int8(q) and not int8.is_int8(fp)
-    assert not any(type(m) is torch.nn.Linear for m in q.modules())  # the LM head too
+    fp32_left = {n for n, m in q.named_modules() if type(m) is torch.nn.Linear}
+    assert fp32_left == {f"model.layers.{i}.mlp.down_proj" for i in range(2)}  # the default skip; the LM head is int8
+    plain = _tiny("int8")
+    plain.int8_skip, plain.int8_smooth = [], None
+    assert not any(type(m) is torch.nn.Linear for m in load_model(plain).model.modules())
     assert q.dtype == torch.float32  # activations, embeddings and norms stay fp32
     ids = torch.tensor([[1, 5, 9, 13, 2, 7]])
     with torch.no_grad():
@@ -118,8 +122,8 @@ def test_smoothing_is_exact_in_fp32_and_rescues_int8_from_outlier_channels():
 
 def test_int8_recipe_config_and_cache(local_dir, tmp_path, monkeypatch):
     monkeypatch.setattr(int8, "DATA_DIR", tmp_path / "data")
-    cfg = ModelConfig(name="local_tiny", source="local", path=str(local_dir), dtype="int8", device="cpu",
-                      int8_smooth=0.8, int8_skip=["down_proj"])
+    cfg = ModelConfig(name="local_tiny", source="local", path=str(local_dir), dtype="int8", device="cpu")
+    assert (cfg.int8_smooth, cfg.int8_skip) == (0.8, ["down_proj"])  # the default recipe
     first = load_model(cfg).model
     second = load_model(cfg).model  # from the cache: the skeleton keeps down_proj fp32, the norms come smoothed
     assert type(second.model.layers[0].mlp.down_proj) is torch.nn.Linear and int8.is_int8(second)
@@ -127,7 +131,7 @@ def test_int8_recipe_config_and_cache(local_dir, tmp_path, monkeypatch):
     with torch.no_grad():
         assert torch.equal(first(input_ids=ids).logits, second(input_ids=ids).logits)
     plain = load_model(ModelConfig(name="local_tiny", source="local", path=str(local_dir), dtype="int8",
-                                   device="cpu")).model
+                                   device="cpu", int8_smooth=None, int8_skip=[])).model
     assert len(list((tmp_path / "data" / "models" / "int8").glob("*.pt"))) == 2  # another recipe, another key
     with torch.no_grad():
         assert not torch.equal(first(input_ids=ids).logits, plain(input_ids=ids).logits)
