@@ -39,7 +39,13 @@ def test_end_to_end_run_writes_results_and_summary(tmp_path):
     assert saved["mean_accepted_length"] == pytest.approx(saved["tokens_per_forward"])  # every token counted
     assert saved["perplexity"] == pytest.approx(saved["baseline_perplexity"])
     assert saved["extras"]["fast_forward"] >= 1.0
-    assert (saved["kv_cache"], saved["forward_impl"]) == ("preallocated", "hf")
+    assert (saved["kv_cache"], saved["forward_impl"]) == ("preallocated", "hf") and saved["int8_recipe"] is None
+
+
+def test_an_int8_run_says_how_its_int8_model_was_built(tmp_path):
+    summary = run(cfg_of("+method=pld", "dtype=int8", "+model.int8_smooth=0.5", *TINY), tmp_path)
+    assert summary["dtype"] == "int8"
+    assert summary["int8_recipe"] == {"scheme": "per_channel", "smooth_alpha": 0.5, "skip": ["down_proj"]}
 
 
 def test_a_run_on_the_lean_forward_equals_generate_and_says_so(tmp_path):

@@ -72,6 +72,12 @@ def running_speed(records: list[dict], method_role: str) -> str:
     return f"{mt:.1f} tok/s, x{mt / bt:.2f}" if mt and bt else ""
 
 
+def _int8_recipe(model_cfg) -> dict | None:
+    from pardec.models.loading import int8_recipe
+
+    return int8_recipe(model_cfg) if model_cfg.dtype == "int8" else None
+
+
 def summarize(spec: EvalSpec, task, records: list[dict], method_role: str, model_config,
               energy: dict | None = None) -> dict[str, Any]:
     """The run's summary. ``energy``: the meter's ``status()`` (``measured``, ``reason``, ``devices``); without it,
@@ -154,6 +160,8 @@ def summarize(spec: EvalSpec, task, records: list[dict], method_role: str, model
         "dataset": spec.dataset.name,
         "model": spec.model.name,
         "dtype": spec.model.dtype,
+        # how the int8 model was built (scheme, SmoothQuant alpha, linears kept fp32); None unless dtype=int8
+        "int8_recipe": _int8_recipe(spec.model),
         "near_tie_precision": precision,  # the grid of the near-tie bound: tf32 for fp32 on a CUDA GPU with tf32
         "n_samples": len({x["id"] for x in method_rows}),
         "skipped": skipped,
