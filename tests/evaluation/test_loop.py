@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
 from pardec.config import ConfigError
 from pardec.evaluation import run
@@ -42,10 +43,23 @@ def test_end_to_end_run_writes_results_and_summary(tmp_path):
     assert (saved["kv_cache"], saved["forward_impl"]) == ("preallocated", "hf") and saved["int8_recipe"] is None
 
 
-def test_an_int8_run_says_how_its_int8_model_was_built(tmp_path):
+def test_an_int8_run_says_how_its_int8_model_was_built_and_fp32_scores_it(tmp_path, monkeypatch):
+    import pardec.metrics.perplexity as ppl_mod
+    from pardec.models.int8 import is_int8
+
+    scorers = []
+    real = ppl_mod.completion_nll
+    monkeypatch.setattr(ppl_mod, "completion_nll", lambda m, *a: scorers.append(m) or real(m, *a))
     summary = run(cfg_of("+method=pld", "dtype=int8", "+model.int8_smooth=0.5", *TINY), tmp_path)
     assert summary["dtype"] == "int8"
     assert summary["int8_recipe"] == {"scheme": "per_channel", "smooth_alpha": 0.5, "skip": ["down_proj"]}
+    # its completions are scored by the fp32 target, so perplexity compares across dtypes and shows int8's cost
+    assert summary["perplexity_scorer"] == "tiny_random fp32" and summary["baseline_perplexity"] > 0
+    assert scorers and not any(is_int8(m) for m in scorers)
+    assert all(next(m.parameters()).dtype == torch.float32 for m in scorers)
+    scorers.clear()
+    plain = run(cfg_of("+method=pld", *TINY), tmp_path / "fp32")
+    assert plain["perplexity_scorer"] == "tiny_random fp32" and scorers  # fp32 runs: the target itself
 
 
 def test_a_run_on_the_lean_forward_equals_generate_and_says_so(tmp_path):

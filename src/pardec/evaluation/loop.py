@@ -102,10 +102,16 @@ def _run(cfg: DictConfig, run_dir: Path, spec, ranks: rk.Ranks, task, docs: list
                          forward_impl=r.forward_impl)
              if spec.draft else None)
     scorer = lm.model
-    if spec.perplexity.get("enabled") and spec.perplexity.get("model"):
+    if spec.perplexity.get("enabled") and (spec.perplexity.get("model") or r.dtype == "int8"):
+        from dataclasses import replace
+
         from pardec.models.loading import named_config
 
-        scorer = load_model(named_config(spec.perplexity["model"], r.dtype)).model
+        # int8 changes the model (README "int8 that keeps the model's quality"): its completions are scored by the
+        # fp32 model, so that perplexity compares across dtypes and shows what int8 costs
+        dtype = "fp32" if r.dtype == "int8" else r.dtype
+        name = spec.perplexity.get("model")
+        scorer = load_model(named_config(name, dtype) if name else replace(spec.model, dtype=dtype)).model
     # the GPUs the models run on (their counters only: an idle GPU's energy is no generation's); RAPL: every package
     gpus = {p.device.index or 0 for m in (lm.model, draft.model if draft else None, scorer) if m is not None
             for p in m.parameters() if p.device.type == "cuda"}

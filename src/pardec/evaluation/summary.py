@@ -72,6 +72,15 @@ def running_speed(records: list[dict], method_role: str) -> str:
     return f"{mt:.1f} tok/s, x{mt / bt:.2f}" if mt and bt else ""
 
 
+def perplexity_scorer(spec: EvalSpec) -> str | None:
+    """Which model scores the perplexity (``<name> <dtype>``): ``perplexity.model`` or the target, in fp32 when the
+    run is int8 (evaluation.loop); None when perplexity is off."""
+    if not spec.perplexity.get("enabled"):
+        return None
+    dtype = "fp32" if spec.model.dtype == "int8" else spec.model.dtype
+    return f"{spec.perplexity.get('model') or spec.model.name} {dtype}"
+
+
 def _int8_recipe(model_cfg) -> dict | None:
     from pardec.models.loading import int8_recipe
 
@@ -191,6 +200,7 @@ def summarize(spec: EvalSpec, task, records: list[dict], method_role: str, model
         "baseline_metric": bq.get(task.metric),
         "metrics": mq,
         "perplexity": ppl(method_rows),
+        "perplexity_scorer": perplexity_scorer(spec),
         "baseline_perplexity": ppl(rows["baseline"]),
         "energy": dict(energy),
         "energy_j_per_token": joules_per_token(method_rows),

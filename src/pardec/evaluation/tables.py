@@ -79,7 +79,8 @@ def format_table(s: dict) -> str:
         ("tokens / target forward", _fmt(s["tokens_per_forward"], ".3f")),
         ("exact match vs baseline", _fmt(s["exact_match_rate"], ".3f")),
         (f"{s['metric_name']} (method / baseline)", f"{_fmt(s['metric'])} / {_fmt(s['baseline_metric'])}"),
-        ("perplexity (method / baseline)", f"{_fmt(s['perplexity'])} / {_fmt(s['baseline_perplexity'])}"),
+        ("perplexity (method / baseline)", f"{_fmt(s['perplexity'])} / {_fmt(s['baseline_perplexity'])}"
+         + (f" (scored by {s['perplexity_scorer']})" if s.get("perplexity_scorer") else "")),
         *_energy_rows(s),
         ("peak RSS MB", _fmt(s["peak_rss_mb"], ".0f")),
     ]
