@@ -25,29 +25,18 @@ from pathlib import Path
 import torch
 
 from pardec.config import INT8_WEIGHTS, ModelConfig
+from pardec.metrics.perplexity import completion_nll
 from pardec.models.cost import describe, machine
 from pardec.models.loading import load_model, named_config
-from pardec.training.completions import CompletionCollator, CompletionDataset, load_completions, loss_window
+from pardec.training.completions import load_completions
 from pardec.training.draft.trainer import agreement
 
 
 @torch.inference_mode()
-def record_nll(model, records: list[dict], pad_id: int, batch_size: int = 8) -> tuple[float, int]:
+def record_nll(model, records: list[dict]) -> tuple[float, int]:
     """(summed negative log-likelihood, positions) of the records' completion tokens under ``model``."""
-    ds = CompletionDataset(records, max_length=1 << 30)
-    collate = CompletionCollator(pad_id)
-    nll, n = 0.0, 0
-    for start in range(0, len(ds), batch_size):
-        b = collate([ds[i] for i in range(start, min(start + batch_size, len(ds)))])
-        k = loss_window(b["loss_mask"])
-        mask = b["loss_mask"][:, -k:]
-        kw = {key: b[key] for key in ("input_ids", "attention_mask", "position_ids")}
-        logp = torch.log_softmax(model(**kw, logits_to_keep=k).logits.float(), -1)
-        for row in range(len(logp)):  # a row's masked positions predict exactly its completion tokens
-            tokens = torch.tensor(ds.records[start + row]["completion_ids"])
-            nll -= float(logp[row][mask[row]].gather(-1, tokens[:, None]).sum())
-            n += len(tokens)
-    return nll, n
+    parts = [completion_nll(model, r["prompt_ids"], r["completion_ids"]) for r in records]
+    return sum(x for x, _ in parts), sum(n for _, n in parts)
 
 
 DEFAULT_RECIPES = ("per_tensor", "per_channel", "per_channel:smooth=0.8", "per_channel:smooth=0.8:skip=down_proj")
@@ -105,7 +94,7 @@ def main(argv: list[str] | None = None) -> dict:
         draft = load_model(_config(draft_base, dtype, recipe)).model if draft_base else None
         row = {"label": label, "corpora": {}}
         for name, records in corpora.items():
-            nll, n = record_nll(lm.model, records, pad)
+            nll, n = record_nll(lm.model, records)
             agree = agreement(draft if draft is not None else lm.model, lm.model, records, pad)
             row["corpora"][name] = {"positions": n, "top1_vs_fp32_records": agree["target_matches_record"],
                                     "perplexity_of_records": math.exp(nll / max(n, 1)),

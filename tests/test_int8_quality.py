@@ -51,7 +51,7 @@ def test_int8_quality_measures_fp32_and_both_schemes(corpus, tmp_path, capsys):
         logp = torch.log_softmax(lm.model(torch.tensor([rec["prompt_ids"] + rec["completion_ids"]])).logits[0], -1)
     p = len(rec["prompt_ids"])
     nll0 = -sum(float(logp[p - 1 + j, t]) for j, t in enumerate(rec["completion_ids"]))
-    nll, n = _script().record_nll(lm.model, [rec], lm.tokenizer.pad_token_id)
+    nll, n = _script().record_nll(lm.model, [rec])
     assert n == 5 and math.isclose(nll, nll0, rel_tol=1e-4)
     for r in out["rows"][1:]:
         x = r["corpora"]["corpus"]
