@@ -138,12 +138,7 @@ def grows(old: dict, new: dict) -> bool:
 def check_settings(cfg: GenerateConfig, meta: dict, ignore: tuple[str, ...] = ()) -> None:
     """Refuse (before a model loads) an ``out_dir`` generated with other settings, unless ``meta`` only grows it
     (top-level keys in ``ignore`` left out of both)."""
-    meta_file = Path(cfg.out_dir) / "meta.json"
-    if meta_file.is_file():
-        old = {k: v for k, v in json.loads(meta_file.read_text()).items() if k not in ignore}
-        if grows(old, {k: v for k, v in meta.items() if k not in ignore}):
-            return
-    stages.check_settings(cfg.out_dir, meta, cfg.overwrite, "completions", "completions generated", ignore)
+    stages.check_settings(cfg.out_dir, meta, cfg.overwrite, "completions", "completions generated", ignore, grows)
 
 
 def prepare_out_dir(cfg: GenerateConfig, meta: dict, rank: int = 0, key: str = "completions") -> Path:
@@ -151,18 +146,8 @@ def prepare_out_dir(cfg: GenerateConfig, meta: dict, rank: int = 0, key: str = "
     ``overwrite``: the directory is wiped), unless the new settings only grow it (:func:`grows`): then rank 0
     rewrites ``meta.json`` and drops the merged file and stats (stale until the grown corpus is merged).
     ``key``: the config section named in the error."""
-    meta_file = Path(cfg.out_dir) / "meta.json"
-    if rank == 0 and meta_file.is_file():
-        old = json.loads(meta_file.read_text())
-        if grows(old, meta):
-            log.info("growing the corpus in %s: sources %s -> %s", cfg.out_dir,
-                     [s.get("max_prompts") for s in old["sources"]], [s.get("max_prompts") for s in meta["sources"]])
-            for stale in (MERGED, "stats.json"):
-                (Path(cfg.out_dir) / stale).unlink(missing_ok=True)
-            tmp = meta_file.with_name("meta.json.tmp")
-            tmp.write_text(json.dumps(meta, indent=2) + "\n")
-            tmp.replace(meta_file)
-    return stages.prepare_out_dir(cfg.out_dir, cfg.overwrite, meta, rank, key, "completions generated")
+    return stages.prepare_out_dir(cfg.out_dir, cfg.overwrite, meta, rank, key, "completions generated", grows,
+                                  stale=(MERGED, "stats.json"))
 
 
 # ------------------------------------------------------------------------------------------- decoding

@@ -99,27 +99,43 @@ def merge(out_dir: str | Path, merged: str, expected: int, stats: Callable[[list
 
 
 def check_settings(out_dir: str | Path, meta: dict, overwrite: bool, key: str, what: str,
-                   ignore: tuple[str, ...] = ()) -> list[str]:
+                   ignore: tuple[str, ...] = (), grows: Callable[[dict, dict], bool] | None = None) -> list[str]:
     """How the settings in ``out_dir/meta.json`` differ from ``meta`` (top-level keys in ``ignore`` left out), as
     ``model.seed was 0, now 1`` items; raises (one line, writing nothing) when they differ and not ``overwrite``.
+    ``grows(old, new)``: settings that only extend the old ones (a stage whose work list may grow) pass as equal.
     ``key`` names the config section in the error, ``what`` the data."""
     meta_file = Path(out_dir) / "meta.json"
     if not meta_file.is_file():
         return []
     old = {k: v for k, v in json.loads(meta_file.read_text()).items() if k not in ignore}
-    diff = settings_diff(old, json.loads(json.dumps({k: v for k, v in meta.items() if k not in ignore})))
+    new = {k: v for k, v in meta.items() if k not in ignore}
+    if grows is not None and grows(old, new):
+        return []
+    diff = settings_diff(old, json.loads(json.dumps(new)))
     if diff and not overwrite:
         raise FileExistsError(f"{out_dir} holds {what} with other settings ({'; '.join(diff)}); pass "
                               f"{key}.overwrite=true to replace them, or use another {key}.out_dir")
     return diff
 
 
-def prepare_out_dir(out_dir: str | Path, overwrite: bool, meta: dict, rank: int, key: str, what: str) -> Path:
+def prepare_out_dir(out_dir: str | Path, overwrite: bool, meta: dict, rank: int, key: str, what: str,
+                    grows: Callable[[dict, dict], bool] | None = None, stale: tuple[str, ...] = ()) -> Path:
     """Create ``out_dir`` with ``meta.json``; an existing one from other settings raises before anything is
-    written (rank 0 with ``overwrite``: the directory is wiped). ``key`` names the config section in the error,
+    written (rank 0 with ``overwrite``: the directory is wiped). Settings that only ``grows(old, new)`` the old
+    ones are accepted: rank 0 rewrites ``meta.json`` and removes the ``stale`` files (merged output, stats) until
+    the grown stage merges again; the part files are kept. ``key`` names the config section in the error,
     ``what`` the data."""
     out = Path(out_dir)
     meta_file = out / "meta.json"
+    if rank == 0 and grows is not None and meta_file.is_file():
+        old = json.loads(meta_file.read_text())
+        if grows(old, meta):
+            log.info("%s in %s grow: %s", what, out, "; ".join(settings_diff(old, json.loads(json.dumps(meta)))))
+            for name in stale:
+                (out / name).unlink(missing_ok=True)
+            tmp = out / "meta.json.tmp"
+            tmp.write_text(json.dumps(meta, indent=2) + "\n")
+            tmp.replace(meta_file)
     diff = check_settings(out, meta, overwrite and rank == 0, key, what)
     if diff:
         log.warning("%s.overwrite=true: removing %s (settings differ: %s)", key, out, "; ".join(diff))
