@@ -105,11 +105,11 @@ def _run(cfg: DictConfig, run_dir: Path, spec, ranks: rk.Ranks, task, docs: list
     if spec.perplexity.get("enabled") and (spec.perplexity.get("model") or r.dtype == "int8"):
         from dataclasses import replace
 
+        from pardec.evaluation.summary import scorer_dtype
         from pardec.models.loading import named_config
 
-        # int8 changes the model (README "int8 that keeps the model's quality"): its completions are scored by the
-        # fp32 model, so that perplexity compares across dtypes and shows what int8 costs
-        dtype = "fp32" if r.dtype == "int8" else r.dtype
+        # an int8 run's completions are scored by the fp32 model: perplexity then compares across dtypes
+        dtype = scorer_dtype(r.dtype)
         name = spec.perplexity.get("model")
         scorer = load_model(named_config(name, dtype) if name else replace(spec.model, dtype=dtype)).model
     # the GPUs the models run on (their counters only: an idle GPU's energy is no generation's); RAPL: every package

@@ -72,13 +72,18 @@ def running_speed(records: list[dict], method_role: str) -> str:
     return f"{mt:.1f} tok/s, x{mt / bt:.2f}" if mt and bt else ""
 
 
+def scorer_dtype(dtype: str) -> str:
+    """The dtype perplexity is scored in: the run's, except that int8 runs are scored in fp32 (int8 changes the
+    model; README "int8 that keeps the model's quality")."""
+    return "fp32" if dtype == "int8" else dtype
+
+
 def perplexity_scorer(spec: EvalSpec) -> str | None:
-    """Which model scores the perplexity (``<name> <dtype>``): ``perplexity.model`` or the target, in fp32 when the
-    run is int8 (evaluation.loop); None when perplexity is off."""
+    """Which model scores the perplexity (``<name> <dtype>``): ``perplexity.model`` or the target, in
+    :func:`scorer_dtype`; None when perplexity is off."""
     if not spec.perplexity.get("enabled"):
         return None
-    dtype = "fp32" if spec.model.dtype == "int8" else spec.model.dtype
-    return f"{spec.perplexity.get('model') or spec.model.name} {dtype}"
+    return f"{spec.perplexity.get('model') or spec.model.name} {scorer_dtype(spec.model.dtype)}"
 
 
 def _int8_recipe(model_cfg) -> dict | None:
