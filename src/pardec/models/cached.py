@@ -58,7 +58,7 @@ from transformers import DynamicCache, PreTrainedModel
 
 from pardec.config import FORWARD_IMPLS
 from pardec.config import KV_CACHES as CACHES
-from pardec.models import lean
+from pardec.models import compiled, lean
 from pardec.models.compat import cache_kw, output_cache
 from pardec.models.kvcache import PreallocatedCache
 
@@ -201,9 +201,16 @@ class CachedModel:
         forward_impl = forward_impl or self.default_forward_impl
         if forward_impl not in FORWARD_IMPLS:
             raise ValueError(f"forward_impl={forward_impl!r} is not valid; choose one of: {', '.join(FORWARD_IMPLS)}")
-        if forward_impl == "lean" and (why := lean.unsupported(model)) is not None:
-            raise ValueError(f"forward_impl=lean cannot run model {self.name!r}: {why}; use forward_impl=hf")
-        #: "hf": every forward is ``model(...)``; "lean": ``forward``/``prefill`` run :mod:`pardec.models.lean`
+        check = {"lean": lean.unsupported, "compiled": compiled.unsupported}.get(forward_impl)
+        if check is not None and (why := check(model)) is not None:
+            raise ValueError(f"forward_impl={forward_impl} cannot run model {self.name!r}: {why}; use forward_impl=hf")
+        if forward_impl == "compiled":
+            if self.cache_kind != "preallocated":
+                raise ValueError(f"forward_impl=compiled needs cache='preallocated' (it writes the preallocated "
+                                 f"buffers in place); got cache={self.cache_kind!r}")
+            compiled.register_int8(model)
+        #: "hf": every forward is ``model(...)``; "lean": ``forward``/``prefill`` run :mod:`pardec.models.lean`;
+        #: "compiled": lean, with one-token steps as one compiled graph (:mod:`pardec.models.compiled`)
         self.forward_impl = forward_impl
         self.cache = self._new_cache()
         self._tokens = _TokenLog()  # the token ids held by the cache, [rows, length]
@@ -336,11 +343,17 @@ class CachedModel:
         elif hidden_layer is not None:
             hook = self._layer(hidden_layer).register_forward_pre_hook(
                 lambda _m, args, kw: captured.append(args[0] if args else kw["hidden_states"]), with_kwargs=True)
-        if self.forward_impl == "lean" and hidden_layer is None and tail_at is None:
+        if self.forward_impl != "hf" and hidden_layer is None and tail_at is None:
             mask = kwargs.get("attention_mask")
-            if mask is None and width > 1 and past:  # causal after a cached prefix: SDPA's flag aligns top-left
-                mask = self._additive_mask(bsz, width, past, None, None)
-            logits = lean.lean_logits(self.model, ids, positions, mask, self.cache, kwargs.get("logits_to_keep"))
+            logits = None
+            keep = kwargs.get("logits_to_keep")
+            one = not isinstance(keep, torch.Tensor) or keep.numel() == 1  # (the step returns the one row's logits)
+            if self.forward_impl == "compiled" and width == 1 and mask is None and one:
+                logits = compiled.decode_step(self.model, ids, positions, self.cache)
+            if logits is None:
+                if mask is None and width > 1 and past:  # causal after a cached prefix: SDPA's flag aligns top-left
+                    mask = self._additive_mask(bsz, width, past, None, None)
+                logits = lean.lean_logits(self.model, ids, positions, mask, self.cache, kwargs.get("logits_to_keep"))
         else:
             try:
                 out = self.model(input_ids=ids, position_ids=positions, **cache_kw(self.model, self.cache),

@@ -1,0 +1,153 @@
+"""``forward_impl=compiled``: the one-token decode step as one ``torch.compile`` graph over the preallocated KV
+cache (gpt-fast's recipe); every other forward runs :mod:`pardec.models.lean`.
+
+Why: after :mod:`~pardec.models.lean` removed transformers' module stack, what remains of a decode step outside the
+linear layers is ~25 small ops per layer (RMSNorm, rotary, the cache write, the attention glue, residual adds),
+each one kernel call reading and writing its operands (``scripts/profile_step.py``: ~14 of SmolLM2's 52 ms per fp32
+step). Compiled as one graph, inductor fuses them into a few loops per layer and the step pays one guard check
+instead of thousands of dispatches. Earlier attempts compiled per layer or per module (``dynamic=True`` over
+growing cache views) and lost what they saved to guards and graph breaks (README, "Where a step's time goes").
+
+How the graph stays one graph with fixed shapes: the step attends over each layer's *whole* key/value buffer
+``[rows, heads, capacity, dim]`` with a mask that admits the cached slots (``begin .. begin + length``), and writes
+the new key/value in place at slot ``begin + length`` (``index_copy_``): the cache length is data (a 2-element
+tensor), not a shape, so the graph does not change from step to step. The buffer's capacity is marked dynamic, so
+a prompt of another length or a grown cache does not recompile either (one compile per model, dtype and batch
+size: ``torch._dynamo`` keys it on the model's parameters). Masked slots get exactly zero weight, so the step
+computes what :func:`~pardec.models.lean.lean_logits` computes up to float rounding (the softmax runs over more,
+zero-weight, entries; tested: the tokens of every ``tokens`` method equal ``ar``'s).
+
+Used for forwards of one new token per row with causal attention (``ar``'s steps, a draft model's steps) when
+every layer's rows fill their buffer (one cache per buffer, the usual case); anything else (prefill, verification,
+Jacobi's blocks, custom masks, batch rows shared with other caches) runs the lean forward.
+int8 linears (``dtype=int8``) run inside the graph as an opaque custom op (:func:`_int8_linear`): dynamo cannot
+trace fbgemm's packed weights, so each quantized linear is registered once and called by its index.
+
+The first step of each model compiles (tens of seconds on 2 CPU cores for SmolLM2; inductor caches its kernels on
+disk, so later processes load them); evaluation's warm-up prompt absorbs it before timing starts. Needs a C++
+compiler on CPU (inductor generates C++), checked when a model is wrapped.
+"""
+
+from __future__ import annotations
+
+import shutil
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pardec.models import lean
+
+#: quantized linears reachable from the compiled graph by index (dynamo cannot trace their packed weights)
+_INT8_LINEARS: list[nn.Module] = []
+_INT8_INDEX: dict[int, int] = {}
+
+
+@torch.library.custom_op("pardec::int8_linear", mutates_args=())
+def _int8_linear(x: torch.Tensor, index: int) -> torch.Tensor:
+    return _INT8_LINEARS[index](x)
+
+
+@_int8_linear.register_fake
+def _(x: torch.Tensor, index: int) -> torch.Tensor:
+    return x.new_empty((*x.shape[:-1], _INT8_LINEARS[index].out_features))
+
+
+def _lin(mod: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    if type(mod) is nn.Linear:
+        return F.linear(x, mod.weight, mod.bias)
+    index = _INT8_INDEX.get(id(mod))
+    return mod(x) if index is None else _int8_linear(x, index)  # (weight-only int8 linears trace as they are)
+
+
+def register_int8(model: nn.Module) -> None:
+    """Give every fbgemm int8 linear of ``model`` an index for :func:`_int8_linear`."""
+    from pardec.models.int8 import _quantized_linear_type
+
+    qlin = _quantized_linear_type()
+    for mod in model.modules():
+        if isinstance(mod, qlin) and id(mod) not in _INT8_INDEX:
+            _INT8_INDEX[id(mod)] = len(_INT8_LINEARS)
+            _INT8_LINEARS.append(mod)
+
+
+def unsupported(model: nn.Module) -> str | None:
+    """Why the compiled step cannot run ``model`` (None: it can)."""
+    why = lean.unsupported(model)
+    if why is not None:
+        return why
+    dev = next(model.parameters()).device
+    if dev.type == "cpu" and not (shutil.which("c++") or shutil.which("g++") or shutil.which("clang++")):
+        return "torch.compile on CPU needs a C++ compiler (c++, g++ or clang++) on PATH"
+    return None
+
+
+def _decode(model: nn.Module, ids: torch.Tensor, positions: torch.Tensor, keys: list[torch.Tensor],
+            values: list[torch.Tensor], slots: torch.Tensor) -> torch.Tensor:
+    """Logits [B, 1, V] of ``ids`` [B, 1]; writes their keys/values at slot ``slots[1]`` of every layer's buffer
+    and attends over slots ``slots[0] .. slots[1]``."""
+    inner = model.model
+    bsz = ids.shape[0]
+    h = inner.embed_tokens(ids)
+    cos, sin = inner.rotary_emb(h, position_ids=positions)
+    cos, sin = cos[:, None], sin[:, None]
+    j = torch.arange(keys[0].shape[2], device=ids.device)
+    mask = torch.where((j >= slots[0]) & (j <= slots[1]), 0.0, float("-inf")).to(h.dtype)[None, None, None]
+    at = slots[1:]
+    for i, layer in enumerate(inner.layers):
+        a, mlp = layer.self_attn, layer.mlp
+        x = lean._rms(layer.input_layernorm, h)
+        q = _lin(a.q_proj, x).view(bsz, 1, -1, a.head_dim).transpose(1, 2)
+        k = _lin(a.k_proj, x).view(bsz, 1, -1, a.head_dim).transpose(1, 2)
+        v = _lin(a.v_proj, x).view(bsz, 1, -1, a.head_dim).transpose(1, 2)
+        q, k = lean._rotate(q, cos, sin), lean._rotate(k, cos, sin)
+        kb, vb = keys[i], values[i]
+        kb.index_copy_(2, at, k)
+        vb.index_copy_(2, at, v)
+        groups = q.shape[1] // kb.shape[1]
+        o = F.scaled_dot_product_attention(q, lean._repeat_kv(kb, groups), lean._repeat_kv(vb, groups),
+                                           attn_mask=mask, scale=a.scaling)
+        h = h + _lin(a.o_proj, o.transpose(1, 2).reshape(bsz, 1, -1))
+        x = lean._rms(layer.post_attention_layernorm, h)
+        h = h + _lin(mlp.down_proj, F.silu(_lin(mlp.gate_proj, x)) * _lin(mlp.up_proj, x))
+    logits = _lin(model.lm_head, lean._rms(inner.norm, h))
+    full = getattr(model, "full_logits", None)
+    return full(logits) if full is not None else logits
+
+
+_compiled = None
+
+
+def _step_fn():
+    global _compiled
+    if _compiled is None:
+        _compiled = torch.compile(_decode, fullgraph=True)
+    return _compiled
+
+
+def decode_step(model: nn.Module, ids: torch.Tensor, positions: torch.Tensor, cache) -> torch.Tensor | None:
+    """The compiled step for ``ids`` [B, 1] after what ``cache`` (a :class:`PreallocatedCache`) holds, appending
+    their keys/values; None (nothing done) when the cache's layout does not allow it (the caller runs the lean
+    forward instead)."""
+    layers = cache.layers
+    first = layers[0]
+    if first.store is None:
+        return None
+    begin, length = first.begin, first.length
+    for layer in layers:
+        s = layer.store
+        if (s is None or layer.r0 != 0 or layer.r1 != s.rows or layer.begin != begin or layer.length != length
+                or s.rows != ids.shape[0]):
+            return None
+    for layer in layers:
+        layer._reserve(length + 1)
+    begin = first.begin  # (a reserve may move the positions to the buffer's start)
+    keys = [layer.store.keys for layer in layers]
+    values = [layer.store.values for layer in layers]
+    for buf in (*keys, *values):
+        torch._dynamo.maybe_mark_dynamic(buf, 2)
+    slots = torch.tensor([begin, begin + length], device=ids.device)
+    logits = _step_fn()(model, ids, positions, keys, values, slots)
+    for layer in layers:
+        layer.length = length + 1
+    return logits

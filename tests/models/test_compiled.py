@@ -1,0 +1,84 @@
+"""forward_impl=compiled: the one-token step compiled as one graph over the preallocated buffers computes what the
+lean forward computes, through every forward argument (the script of test_lean), in fp32 and with int8 linears;
+one compile serves prompts of other lengths and a grown cache; lossless methods keep `ar`'s tokens; clear refusals."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pardec.config import ModelConfig
+from pardec.models import compiled
+from pardec.models.cached import CachedModel
+from tests.conftest import tiny
+from tests.models.test_lean import _close, _script
+
+
+def test_compiled_gives_the_logits_of_the_lean_forward():
+    m = tiny(1).model
+    for a, b in zip(_script(CachedModel(m, forward_impl="lean")), _script(CachedModel(m, forward_impl="compiled"))):
+        _close(a, b)
+
+
+def test_compiled_runs_int8_linears_as_an_opaque_op():
+    from pardec.models.loading import load_model
+
+    m = load_model(ModelConfig(name="tiny_random", source="tiny_random", device="cpu", dtype="int8")).model
+    for a, b in zip(_script(CachedModel(m, forward_impl="lean")), _script(CachedModel(m, forward_impl="compiled"))):
+        _close(a, b)
+
+
+def test_one_compile_serves_other_prompt_lengths_a_grown_cache_and_its_steps_write_in_place():
+    from torch._dynamo.utils import counters
+
+    m = tiny(2).model
+    lean, comp = CachedModel(m, forward_impl="lean"), CachedModel(m, forward_impl="compiled")
+    comp.prefill(torch.tensor([[3, 4, 5]]))
+    comp.forward(torch.tensor([[6]]))  # compiles (or reuses an earlier test's graph)
+    before = counters["stats"]["unique_graphs"]
+    for prompt_len in (7, 70, 300):  # capacities 320, 384, 576: another buffer shape each time
+        prompt = torch.tensor([[(7 * i) % 90 + 1 for i in range(prompt_len)]])
+        want, got = lean.prefill(prompt), comp.prefill(prompt)
+        buffer = comp.cache.layers[0].store.keys
+        for _ in range(300 if prompt_len == 300 else 3):  # the last prompt grows past its capacity
+            _close(got, want)
+            token = torch.tensor([[int(want.argmax()) % 90 + 1]])
+            want, got = lean.forward(token).logits[:, -1], comp.forward(token).logits[:, -1]
+        assert comp.length == lean.length == prompt_len + (300 if prompt_len == 300 else 3)
+        for a, b in zip(lean.cache.layers, comp.cache.layers):
+            _close(a.keys, b.keys)
+        if prompt_len < 300:
+            assert comp.cache.layers[0].store.keys is buffer  # written in place
+    assert comp.cache.layers[0].store.capacity > 576  # it grew
+    assert counters["stats"]["unique_graphs"] - before <= 1  # at most the one dynamic-capacity recompile
+
+
+def test_every_lossless_method_on_the_compiled_step_reproduces_ar():
+    from pardec.decoding import Stopper, build_decoder
+    from tests.decoding.test_lossless import _build
+
+    lm = tiny(0)
+    tok = lm.tokenizer
+    ids = tok("def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n")["input_ids"]
+    stop = Stopper(tok, eos_ids=[])
+    want = build_decoder("ar", CachedModel(lm.model), tok).generate(ids, 24, stop).tokens
+    saved = CachedModel.default_forward_impl
+    CachedModel.default_forward_impl = "compiled"  # the drafts built by the helpers too
+    try:
+        for method in ("ar", "sps", "pld", "ouroboros", "lookahead", "jacobi"):
+            dec = _build(method, CachedModel(lm.model), tok, draft="noisy")
+            assert dec.target.forward_impl == "compiled"
+            assert dec.generate(ids, 24, stop).tokens == want, method
+    finally:
+        CachedModel.default_forward_impl = saved
+
+
+def test_refusals_name_the_value_and_the_choices(monkeypatch):
+    m = tiny(0).model
+    with pytest.raises(ValueError, match="forward_impl=compiled needs cache='preallocated'.*cache='dynamic'"):
+        CachedModel(m, cache="dynamic", forward_impl="compiled")
+    with pytest.raises(ValueError, match="choose one of: hf, lean, compiled"):
+        CachedModel(m, forward_impl="fast")
+    monkeypatch.setattr(compiled.shutil, "which", lambda _name: None)
+    with pytest.raises(ValueError, match="forward_impl=compiled cannot run model .*C\\+\\+ compiler.*forward_impl=hf"):
+        CachedModel(m, forward_impl="compiled")
