@@ -71,7 +71,7 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=ROOT / "outputs" / "bench" / time.strftime("%Y-%m-%d_%H-%M-%S"))
     ap.add_argument("--no-perplexity", action="store_true", help="skip scoring the completions under the target")
     ap.add_argument("extra", nargs="*", help="more Hydra overrides for every job")
-    a = ap.parse_args()
+    a = ap.parse_intermixed_args()  # overrides may come before or after the options
 
     import pardec.decoding  # noqa: F401  (registers the methods)
     from pardec.decoding.base import METHODS

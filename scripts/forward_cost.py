@@ -3,10 +3,13 @@ context. It decides whether drafting can pay here (a verification forward of gam
 single-row steps) and it is what ``CachedModel`` pads verification forwards by (``pardec.models.cost``).
 
     python scripts/forward_cost.py [--draft outputs/train/runs/draft_smollm2/default/final] [--tokens 1,2,3,4,5,6,8,16]
-        [--context 200] [--threads 2] [--dtypes fp32,int8] [--repeats 15] [--no-save]
+        [--context 200] [--threads 2] [--dtypes fp32,int8,int8:weight_only] [--repeats 15] [--no-save]
 
-Prints a markdown table per dtype (median ms and each T relative to T=1) under the machine's CPU model, vector
-flags and thread count, and saves each table to data/forward_cost/<machine key>/<model>-<dtype>.json.
+A dtype ``int8`` is the default int8 recipe; ``int8:<recipe>`` names another (``pardec.models.int8.parse_recipe``:
+``weight_only``, ``per_channel:smooth=0.8:skip=down_proj``): the schemes cost differently by rows. Prints a
+markdown table per dtype (median ms and each T relative to T=1) under the machine's CPU model, vector flags and
+thread count, and saves each table to data/forward_cost/<machine key>/<model>-<precision>.json, the precision
+being ``ModelConfig.precision()`` (the dtype, with the int8 recipe), which is what evaluation looks it up by.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ import torch
 
 from pardec.config import ModelConfig
 from pardec.models.cost import describe, machine, measure
+from pardec.models.int8 import parse_recipe
 from pardec.models.loading import SMOLLM2, load_model
 
 
@@ -34,19 +38,27 @@ def main() -> None:
     torch.set_num_threads(a.threads)
     sizes = sorted({int(x) for x in a.tokens.split(",")} | {1})
     print(describe(machine()))
-    for dtype in a.dtypes.split(","):
-        lm = load_model(ModelConfig(name=SMOLLM2.name, source=SMOLLM2.source, path=SMOLLM2.path,
-                                    gguf_file=SMOLLM2.gguf_file, dtype=dtype, device="cpu"))
+    specs = a.dtypes.split(",")
+    try:
+        recipes = [parse_recipe(s.partition(":")[2]) if ":" in s else {} for s in specs]
+    except ValueError as e:
+        ap.error(f"--dtypes: {e}")
+    for spec, recipe in zip(specs, recipes):
+        dtype = spec.partition(":")[0]
+        cfg = ModelConfig(name=SMOLLM2.name, source=SMOLLM2.source, path=SMOLLM2.path, gguf_file=SMOLLM2.gguf_file,
+                          dtype=dtype, device="cpu", **recipe)
+        lm = load_model(cfg)
         models = {SMOLLM2.name: lm.model}
         if (a.draft / "config.json").is_file():
             models["draft"] = load_model(ModelConfig(name="draft", source="local", path=str(a.draft), dtype=dtype,
-                                                     device="cpu")).model
+                                                     device="cpu", **recipe)).model
         else:
             print(f"note: no draft at {a.draft}; timing the target only")
         text = "The quick brown fox jumps over the lazy dog. " * 60
         context = lm.tokenizer(text)["input_ids"][: a.context + max(sizes)]
-        tables = {name: measure(m, context, sizes, name, dtype, repeats=a.repeats) for name, m in models.items()}
-        print(f"\n{dtype}, context {a.context}")
+        tables = {name: measure(m, context, sizes, name, cfg.precision(), repeats=a.repeats)
+                  for name, m in models.items()}
+        print(f"\n{cfg.precision()}, context {a.context}")
         print("| T | " + " | ".join(f"{n} ms | {n} / its T=1" for n in tables) + " |")
         print("|" + "---|" * (1 + 2 * len(tables)))
         for t in sizes:

@@ -9,8 +9,8 @@ draft, how often the int8 draft's argmax equals the int8 target's (what speculat
         [--draft outputs/train/runs/draft_smollm2/default/final] [--recipe per_channel:smooth=0.8:skip=down_proj ...] \\
         [--max-records 40] [--threads 2] [--out outputs/int8_quality.json]
 
-A recipe is ``<scheme>[:smooth=<alpha>][:skip=<name>+<name>]`` (default: per_tensor, per_channel,
-per_channel:smooth=0.8, per_channel:smooth=0.8:skip=down_proj). fp32 is the first row (its agreement with its own records is 1 by construction; the draft row is fp32 draft vs fp32
+A recipe is ``<scheme>[:smooth=<alpha>][:skip=<name>+<name>]`` (default: weight_only, per_tensor, per_channel,
+per_channel:smooth=0.8, per_channel:smooth=0.8:skip=down_proj; smoothing applies to the dynamic schemes only). fp32 is the first row (its agreement with its own records is 1 by construction; the draft row is fp32 draft vs fp32
 target). Prints the CPU model and vector flags first. No timing: run it beside other jobs if you must.
 """
 
@@ -24,9 +24,10 @@ from pathlib import Path
 
 import torch
 
-from pardec.config import INT8_WEIGHTS, ModelConfig
+from pardec.config import ModelConfig
 from pardec.metrics.perplexity import completion_nll
 from pardec.models.cost import describe, machine
+from pardec.models.int8 import parse_recipe
 from pardec.models.loading import load_model, named_config
 from pardec.training.completions import load_completions
 from pardec.training.draft.trainer import agreement
@@ -39,24 +40,8 @@ def record_nll(model, records: list[dict]) -> tuple[float, int]:
     return sum(x for x, _ in parts), sum(n for _, n in parts)
 
 
-DEFAULT_RECIPES = ("per_tensor", "per_channel", "per_channel:smooth=0.8", "per_channel:smooth=0.8:skip=down_proj")
-
-
-def parse_recipe(text: str) -> dict:
-    """``per_channel:smooth=0.8:skip=down_proj+o_proj`` -> ModelConfig int8 fields; errors name the bad part."""
-    scheme, *opts = text.split(":")
-    if scheme not in INT8_WEIGHTS:
-        raise ValueError(f"recipe {text!r}: scheme {scheme!r} not valid; choose from: {', '.join(INT8_WEIGHTS)}")
-    out = {"int8_weights": scheme, "int8_smooth": None, "int8_skip": []}
-    for opt in opts:
-        key, _, value = opt.partition("=")
-        if key == "smooth":
-            out["int8_smooth"] = float(value)
-        elif key == "skip":
-            out["int8_skip"] = value.split("+")
-        else:
-            raise ValueError(f"recipe {text!r}: option {key!r} not valid; choose from: smooth, skip")
-    return out
+DEFAULT_RECIPES = ("weight_only", "per_tensor", "per_channel", "per_channel:smooth=0.8",
+                   "per_channel:smooth=0.8:skip=down_proj")
 
 
 def _config(base: ModelConfig, dtype: str, recipe: dict) -> ModelConfig:

@@ -40,7 +40,7 @@ def test_int8_quality_measures_fp32_and_both_schemes(corpus, tmp_path, capsys):
     out = _script().main(["--corpus", str(path), "--model", "tiny_random", "--draft", str(draft_dir),
                           "--threads", "1", "--out", str(tmp_path / "q.json")])
     labels = [r["label"] for r in out["rows"]]
-    assert labels == ["fp32", "int8 per_tensor", "int8 per_channel", "int8 per_channel:smooth=0.8",
+    assert labels == ["fp32", "int8 weight_only", "int8 per_tensor", "int8 per_channel", "int8 per_channel:smooth=0.8",
                       "int8 per_channel:smooth=0.8:skip=down_proj"]
     fp32 = out["rows"][0]["corpora"]["corpus"]
     assert fp32["positions"] == 10 and fp32["top1_vs_fp32_records"] == 1.0  # greedy records of this very model
@@ -64,7 +64,7 @@ def test_int8_quality_measures_fp32_and_both_schemes(corpus, tmp_path, capsys):
 
 
 @pytest.mark.parametrize("args, msg", [(["--recipe", "per_row"], "scheme 'per_row' not valid; choose from: "
-                                        "per_channel, per_tensor"),
+                                        "weight_only, per_channel, per_tensor"),
                                        (["--recipe", "per_channel:clip=3"], "option 'clip' not valid; choose from: "
                                         "smooth, skip"),
                                        (["--max-records", "0"], "--max-records 0: it must be >= 1")])

@@ -19,11 +19,12 @@ from typing import Any, NoReturn, TypeVar
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-INT8_WEIGHTS = ("per_channel", "per_tensor")  # == pardec.models.int8.SCHEMES (checked by a test)
+INT8_WEIGHTS = ("weight_only", "per_channel", "per_tensor")  # == pardec.models.int8.SCHEMES (checked by a test)
 INT8_FIELDS = ("int8_weights", "int8_smooth", "int8_skip")
 DTYPES = ("fp32", "bf16", "fp16", "int8")  # int8: int8 linears on the CPU (pardec.models.int8), inference only
 KV_CACHES = ("preallocated", "dynamic")  # CachedModel's KV caches (pardec.models.kvcache / transformers' DynamicCache)
-FORWARD_IMPLS = ("hf", "lean")  # CachedModel.forward: transformers' model(...) | pardec.models.lean (Llama family)
+FORWARD_IMPLS = ("hf", "lean", "compiled")  # CachedModel.forward: transformers' model(...) | pardec.models.lean (Llama
+# family) | pardec.models.compiled (lean + the one-token decode step as one torch.compile graph)
 MODEL_SOURCES = ("hub", "local", "gguf_package", "gguf", "tiny_random")
 DEVICES = ("auto", "cpu", "cuda")
 #: accelerate's placements for a model larger than one device (``model.device_map``); None = all on ``model.device``
@@ -65,10 +66,13 @@ class ModelConfig:
     chat: bool | None = None  # use the chat template; None = when the tokenizer has one
     cache_dir: str | None = None  # where dequantized GGUF weights are cached (default data/models/<name>)
     adapter: str | None = None  # a peft (LoRA) adapter dir applied on top of the base weights
-    int8_weights: str = "per_channel"  # dtype=int8: per_channel | per_tensor weight scales (pardec.models.int8)
-    # dtype=int8 (pardec.models.int8; README "int8 that keeps the model's quality"): SmoothQuant alpha in (0, 1)
-    # (None: off) and the linears (name suffixes) kept fp32. The defaults keep fp32's perplexity within a few %;
-    # int8_smooth=null int8_skip=[] is ~1.3x faster and far from fp32 (top-1 agreement 0.6)
+    # dtype=int8 (pardec.models.int8; README "int8 that keeps the model's quality"). int8_weights: per_channel | per_tensor
+    # (fbgemm's dynamic int8: activations quantized with one scale per forward, weight scales per row | per matrix;
+    # nearly flat cost from 1 to 5 rows, the regime where drafting pays) | weight_only (int8 weights, bf16
+    # activations: closest to fp32 and fastest at one row, but 2-4 rows cost 1.3x one and 5-8 rows 2.2x). For the
+    # dynamic schemes: SmoothQuant alpha in (0, 1) (None: off) and the linears (name suffixes) kept fp32; the default
+    # keeps fp32's perplexity within ~4%; int8_smooth=null int8_skip=[] is ~1.3x faster and far from fp32 (top-1 0.6)
+    int8_weights: str = "per_channel"
     int8_smooth: float | None = 0.8
     int8_skip: list[str] = field(default_factory=lambda: ["down_proj"])
     # tiny_random only
@@ -89,6 +93,10 @@ class ModelConfig:
         if self.int8_smooth is not None and not 0.0 < self.int8_smooth < 1.0:
             raise ConfigError(f"model.int8_smooth={self.int8_smooth!r} is out of range: SmoothQuant's alpha must be in "
                               "(0, 1), or null for no smoothing")
+        if self.int8_smooth is not None and self.int8_weights == "weight_only":
+            raise ConfigError(f"model.int8_smooth={self.int8_smooth} applies to the schemes that quantize activations "
+                              "(int8_weights=per_channel | per_tensor); with int8_weights=weight_only set "
+                              "model.int8_smooth=null")
         self.int8_skip = list(self.int8_skip or [])
         if self.dtype == "int8" and (self.device == "cuda" or self.device_map):
             where = "model.device=cuda" if self.device == "cuda" else f"model.device_map={self.device_map}"
@@ -96,6 +104,18 @@ class ModelConfig:
                               f"with {where}; use dtype=bf16 on GPUs, or dtype=int8 with model.device=cpu")
         _at_least("model", "layers", self.layers, 1)
         _at_least("model", "hidden", self.hidden, 8)
+
+    def precision(self) -> str:
+        """The dtype and, for int8, its recipe: what a forward-cost table is measured under (``fp32``,
+        ``int8-per_channel-smooth0.8-skip_down_proj``, ``int8-weight_only``): int8 schemes cost differently by rows."""
+        if self.dtype != "int8":
+            return self.dtype
+        parts = ["int8", self.int8_weights]
+        if self.int8_smooth is not None:
+            parts.append(f"smooth{self.int8_smooth:g}")
+        if self.int8_skip:
+            parts.append("skip_" + "+".join(self.int8_skip))
+        return "-".join(parts)
 
     def identity(self) -> dict[str, Any]:
         """Every field that changes what the model computes (where its weights come from, their dtype, adapter,

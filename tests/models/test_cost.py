@@ -29,6 +29,20 @@ def test_tables_are_stored_per_machine(tmp_path, monkeypatch):
     assert CostTable.load("smollm2_135m", "int8", tmp_path) is None
 
 
+def test_int8_recipes_have_tables_of_their_own(tmp_path):
+    """fbgemm's dynamic int8 is nearly flat from 1 to 5 rows, weight-only int8 costs 2.2x at 5: a table measured
+    under one recipe must not pad the forwards of another (evaluation looks tables up by ModelConfig.precision())."""
+    from pardec.config import ModelConfig
+
+    default = ModelConfig(dtype="int8")
+    wo = ModelConfig(dtype="int8", int8_weights="weight_only", int8_smooth=None, int8_skip=[])
+    assert default.precision() == "int8-per_channel-smooth0.8-skip_down_proj"
+    assert wo.precision() == "int8-weight_only" and ModelConfig(dtype="bf16").precision() == "bf16"
+    CostTable("smollm2_135m", default.precision(), 200, {1: 16.1, 5: 16.5}).save(tmp_path)
+    assert CostTable.load("smollm2_135m", default.precision(), tmp_path).ms[5] == 16.5
+    assert CostTable.load("smollm2_135m", wo.precision(), tmp_path) is None
+
+
 def test_machine_names_the_cpu_flags_and_threads():
     m = cost.machine()
     assert set(m) >= {"cpu", "flags", "cores", "threads", "torch"} and m["threads"] >= 1

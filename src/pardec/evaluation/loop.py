@@ -94,7 +94,7 @@ def _run(cfg: DictConfig, run_dir: Path, spec, ranks: rk.Ranks, task, docs: list
     if r.forward_padding:  # this machine's measured forward costs (scripts/forward_cost.py), when there are some
         from pardec.models.cost import CostTable
 
-        target.cost = CostTable.load(spec.model.name, spec.model.dtype)
+        target.cost = CostTable.load(spec.model.name, spec.model.precision())
         if target.cost is not None and ranks.rank == 0:
             log.info("verification forwards padded by %s's cost table: %s", spec.model.name,
                      {t: target.cost.cheapest_at_least(t) for t in sorted(target.cost.ms)})

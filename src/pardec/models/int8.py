@@ -1,28 +1,30 @@
 """The ``dtype=int8`` CPU mode: the ``nn.Linear`` layers of a loaded model (attention, MLP, LM head) hold int8
-weights with one scale per output row (``quantize_dynamic``'s default qconfig is one scale per *matrix*) and run
-fbgemm's dynamic-quantized GEMM; embeddings, norms and activations stay fp32.
+weights with one scale per output row; embeddings, norms, attention and the residual stream stay fp32. Three schemes
+(``model.int8_weights``):
 
-Quality (``scripts/int8_quality.py``, README "int8 that keeps the model's quality"): fbgemm quantizes a linear's
-whole input with one dynamic scale, and SmolLM2's MLP activations have outlier channels (``down_proj`` inputs up
-to 500x their median), so plain int8 agreed with fp32's top-1 token on only 0.60 of positions (perplexity of
-fp32's own greedy text 4.8 against 1.48). The default recipe therefore (1) applies SmoothQuant (:func:`smooth`,
-``model.int8_smooth=0.8``), calibrated once on built-in text, and (2) keeps ``down_proj`` in fp32
-(``model.int8_skip=[down_proj]``): top-1 agreement 0.91-0.93, perplexity 1.56 / 1.43 against fp32's 1.48 / 1.35,
-at ~2.3x fp32's decoding speed (plain int8: ~3x). ``model.int8_smooth=null 'model.int8_skip=[]'`` (with ``+``
-on the command line) is the fast, lossy mode. Nearly flat cost from 1 to 5 rows either way
-(``scripts/forward_cost.py --dtype int8``): the memory-bound regime in which drafting pays.
+* ``weight_only`` (the default, :class:`WeightOnlyLinear`): the activations are *not* quantized. A linear rounds
+  its input to bf16 and runs ``torch.ops.aten._weight_int8pack_mm`` (int8 weights widened in registers, fp32
+  accumulation, bf16 output). Against fp32 on the fp32 target's own greedy text (``scripts/int8_quality.py``, 40
+  GSM8K / 24 HumanEval records): top-1 agreement 0.974 / 0.983, perplexity 1.492 / 1.357 against fp32's 1.484 /
+  1.352 (+0.5%), the distilled draft's agreement unchanged. SmolLM2's linears at one row: 10.3 ms against 41 ms
+  fp32 and 9.4 ms for fbgemm's dynamic int8, rising to 13.4 ms at 4 rows (AMD EPYC Zen 4 with avx512_bf16; a CPU
+  without native bf16 instructions was not measured and may be slower). **Batch-invariant**: each row's result is
+  bitwise the same alone or among other rows (tested), so every ``tokens`` method reproduces int8 ``ar`` token for
+  token, as in fp32.
+* ``per_channel`` / ``per_tensor``: fbgemm's dynamic int8 (``torch.ao.quantization.quantize_dynamic``, one weight
+  scale per row / per matrix): the activations are quantized too, with one dynamic scale for a linear's whole
+  input. SmolLM2's MLP activations have outlier channels (``down_proj`` inputs up to 500x their median), so plain
+  ``per_channel`` agrees with fp32's top-1 token on only 0.60 of positions (perplexity 4.8 against 1.48);
+  SmoothQuant (:func:`smooth`, ``model.int8_smooth=0.8``, calibrated once on built-in text) and ``down_proj`` kept
+  in fp32 (``model.int8_skip=[down_proj]``) bring it to 0.91-0.93 (perplexity 1.55 / 1.41): the default before
+  ``weight_only``, slower than it (down_proj in fp32 is ~40% of its step). The per-tensor activation scale makes a
+  row's result depend on the other rows of the forward, so ``tokens`` methods match int8 ``ar`` only up to
+  near-ties. ``quantize_dynamic`` is deprecated (torch says "will be removed"; present in torch 2.13).
 
-Library: ``torch.ao.quantization.quantize_dynamic``. It is deprecated (torch says "will be removed"; still present
-in torch 2.13) in favour of torchao, whose int8 configs in eager mode measured slower than fp32 here (118 ms dynamic
-activation + weight, 29 ms weight-only, against 47 ms fp32 for SmolLM2's linears at one row); torchao needs
-``torch.compile`` to be fast, which pardec's dynamic shapes (cache lengths, tree sizes) would recompile constantly.
-When ``quantize_dynamic`` goes, this module is the one place to change.
-
-Exactness: fbgemm quantizes the *whole input* of a linear with one dynamic scale (per tensor, not per token), so
-a row's result depends on the other rows of the same forward: a multi-token verification forward is not bitwise
-equal to single-token steps (nor, in general, to fp32). ``tokens`` methods therefore match int8 ``ar`` only up to
-near-ties; runs report the exact-match rate beside speed. (Per-token scales would make the integer GEMM
-batch-invariant, but ``torch._int_mm`` on CPU is a reference kernel, ~5x slower than fp32 here: measured.)
+torchao's int8 configs in eager mode measured slower than fp32 here (118 ms dynamic activation + weight, 29 ms
+weight-only, against 47 ms fp32 for SmolLM2's linears at one row); ``weight_only`` calls the aten kernel itself,
+with no tensor subclass in between. Per-token activation scales (batch-invariant integer
+GEMMs) would need ``torch._int_mm``, a reference kernel on CPU, ~5x slower than fp32 here (measured).
 
 The quantized weights are cached (``data/models/int8/<key>.pt``, keyed by the model's identity, its weight
 files' size and mtime, and the recipe), since quantizing a model costs seconds (SmolLM2-135M: 3-6 s) and loading the cache well
@@ -53,30 +55,92 @@ def _quantized_linear_type() -> type:
     return Linear
 
 
+class WeightOnlyLinear(torch.nn.Module):
+    """``nn.Linear`` with int8 weights (one bf16 scale per output row) and unquantized activations: the input is
+    rounded to bf16 and multiplied by the int8 weights in ``torch.ops.aten._weight_int8pack_mm`` (weights converted
+    in registers, bf16 products accumulated in fp32; the output is bf16, returned in the input's dtype). No
+    activation is quantized, so outlier channels cost nothing and each row's result is independent of the other
+    rows of the forward (batch-invariant: tested bitwise); the weights' trip from memory is a quarter of fp32's."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = False):
+        super().__init__()
+        self.in_features, self.out_features = in_features, out_features
+        self.register_buffer("weight", torch.zeros(out_features, in_features, dtype=torch.int8))
+        self.register_buffer("scales", torch.ones(out_features, dtype=torch.bfloat16))
+        self.register_buffer("bias", torch.zeros(out_features) if bias else None)
+
+    @classmethod
+    @torch.no_grad()
+    def of(cls, lin: torch.nn.Linear) -> WeightOnlyLinear:
+        w = lin.weight.float()
+        scales = (w.abs().amax(1) / 127).clamp(min=1e-12).to(torch.bfloat16)
+        new = cls(lin.in_features, lin.out_features, lin.bias is not None)
+        new.weight.copy_((w / scales.float()[:, None]).round().clamp(-127, 127).to(torch.int8))
+        new.scales.copy_(scales)
+        if lin.bias is not None:
+            new.bias.copy_(lin.bias.float())
+        return new
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, self.in_features).to(torch.bfloat16).contiguous()
+        y = torch.ops.aten._weight_int8pack_mm(flat, self.weight, self.scales)
+        y = y.to(x.dtype).view(*x.shape[:-1], self.out_features)
+        return y if self.bias is None else y + self.bias.to(x.dtype)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
+
+
 def is_int8(model: torch.nn.Module) -> bool:
     """Whether ``model`` runs int8 linears (it was loaded with ``dtype=int8``)."""
-    qlin = _quantized_linear_type()
-    return any(isinstance(m, qlin) for m in model.modules())
+    kinds = (_quantized_linear_type(), WeightOnlyLinear)
+    return any(isinstance(m, kinds) for m in model.modules())
 
 
-#: how the weights are scaled: ``per_channel`` (one scale per output row; the default) or ``per_tensor`` (one scale
-#: per matrix: what ``quantize_dynamic(model, {nn.Linear})`` gives when no qconfig is named, kept for comparisons)
-SCHEMES = ("per_channel", "per_tensor")
+#: how the weights are scaled and the activations treated: ``weight_only`` (:class:`WeightOnlyLinear`: one scale per
+#: output row, activations in bf16, not quantized), ``per_channel`` (fbgemm's dynamic int8: one weight scale per
+#: output row, the activations quantized with one dynamic scale per forward), ``per_tensor`` (the same with one
+#: weight scale per matrix: what ``quantize_dynamic(model, {nn.Linear})`` gives when no qconfig is named)
+SCHEMES = ("weight_only", "per_channel", "per_tensor")
+#: the schemes whose activations are quantized (smoothing applies to them only)
+DYNAMIC_SCHEMES = ("per_channel", "per_tensor")
 
 
 def quantize(model: torch.nn.Module, scheme: str = "per_channel", skip: tuple[str, ...] = ()) -> torch.nn.Module:
-    """Every ``nn.Linear`` of ``model`` -> int8 weights (``scheme``: :data:`SCHEMES`) + fbgemm dynamic GEMM, in
-    place, except those whose name ends with one of ``skip`` (e.g. ``down_proj``: they stay fp32). CPU only."""
+    """Every ``nn.Linear`` of ``model`` -> int8 weights (``scheme``: :data:`SCHEMES`), in place, except those
+    whose name ends with one of ``skip`` (e.g. ``down_proj``: they stay fp32). CPU only."""
     from torch.ao.quantization import default_dynamic_qconfig, per_channel_dynamic_qconfig
 
     if scheme not in SCHEMES:
         raise ValueError(f"int8 weight scheme {scheme!r} is not one of {', '.join(SCHEMES)}")
+    if scheme == "weight_only":
+        _replace_linears(model, skip, WeightOnlyLinear.of)
+        return model
     qconfig = per_channel_dynamic_qconfig if scheme == "per_channel" else default_dynamic_qconfig
     spec = {name: qconfig for name, mod in model.named_modules()
             if type(mod) is torch.nn.Linear and not _skipped(name, skip)}
     with warnings.catch_warnings():
         warnings.filterwarnings(*_DEPRECATION)
         return torch.ao.quantization.quantize_dynamic(model, spec, dtype=torch.qint8, inplace=True)
+
+
+def parse_recipe(text: str) -> dict:
+    """An int8 recipe on a command line (``scripts/int8_quality.py``, ``scripts/forward_cost.py``):
+    ``per_channel:smooth=0.8:skip=down_proj+o_proj`` -> ModelConfig's int8 fields (an option left out is off);
+    errors name the bad part."""
+    scheme, *opts = text.split(":")
+    if scheme not in SCHEMES:
+        raise ValueError(f"recipe {text!r}: scheme {scheme!r} not valid; choose from: {', '.join(SCHEMES)}")
+    out = {"int8_weights": scheme, "int8_smooth": None, "int8_skip": []}
+    for opt in opts:
+        key, _, value = opt.partition("=")
+        if key == "smooth":
+            out["int8_smooth"] = float(value)
+        elif key == "skip":
+            out["int8_skip"] = value.split("+")
+        else:
+            raise ValueError(f"recipe {text!r}: option {key!r} not valid; choose from: smooth, skip")
+    return out
 
 
 def _skipped(name: str, skip: tuple[str, ...]) -> bool:
@@ -169,6 +233,9 @@ def smooth(model: torch.nn.Module, alpha: float, calib: list[list[int]], skip: t
 def prepare(model: torch.nn.Module, scheme: str = "per_channel", smooth_alpha: float | None = None,
             skip: tuple[str, ...] = (), calib: list[list[int]] | None = None) -> torch.nn.Module:
     """:func:`smooth` (when ``smooth_alpha`` is set; needs ``calib``) then :func:`quantize`."""
+    if smooth_alpha is not None and scheme not in DYNAMIC_SCHEMES:
+        raise ValueError(f"int8 smoothing (alpha {smooth_alpha}) applies to the schemes that quantize activations "
+                         f"({', '.join(DYNAMIC_SCHEMES)}), not to {scheme!r}")
     if smooth_alpha is not None:
         if not calib:
             raise ValueError("int8 smoothing needs calibration token ids")
@@ -177,26 +244,36 @@ def prepare(model: torch.nn.Module, scheme: str = "per_channel", smooth_alpha: f
 
 
 def weight_scheme(model: torch.nn.Module) -> str | None:
-    """``per_channel`` or ``per_tensor``: how the int8 linears of ``model`` scale their weights (None: no int8)."""
+    """``weight_only``, ``per_channel`` or ``per_tensor``: the scheme of ``model``'s int8 linears (None: no int8)."""
     qlin = _quantized_linear_type()
     for m in model.modules():
+        if isinstance(m, WeightOnlyLinear):
+            return "weight_only"
         if isinstance(m, qlin):
             return "per_channel" if m.weight().qscheme() == torch.per_channel_affine else "per_tensor"
     return None
 
 
-def _skeleton(model: torch.nn.Module, skip: tuple[str, ...] = ()) -> torch.nn.Module:
-    """``model`` with each ``nn.Linear`` not in ``skip`` replaced by an empty int8 linear of the same shape, ready
-    for a cached state dict (no weight is quantized: building it costs milliseconds)."""
+def _replace_linears(model: torch.nn.Module, skip: tuple[str, ...], make) -> None:
+    """Each ``nn.Linear`` of ``model`` not in ``skip`` -> ``make(linear)``, in place."""
+    for mod_name, mod in list(model.named_modules()):
+        for child_name, child in list(mod.named_children()):
+            full = f"{mod_name}.{child_name}" if mod_name else child_name
+            if type(child) is torch.nn.Linear and not _skipped(full, skip):
+                setattr(mod, child_name, make(child))
+
+
+def _skeleton(model: torch.nn.Module, skip: tuple[str, ...] = (), scheme: str = "per_channel") -> torch.nn.Module:
+    """``model`` with each ``nn.Linear`` not in ``skip`` replaced by an empty int8 linear of the same shape (of
+    ``scheme``), ready for a cached state dict (no weight is quantized: building it costs milliseconds)."""
+    if scheme == "weight_only":
+        _replace_linears(model, skip, lambda c: WeightOnlyLinear(c.in_features, c.out_features, c.bias is not None))
+        return model
     qlin = _quantized_linear_type()
     with warnings.catch_warnings():
         warnings.filterwarnings(*_DEPRECATION)
-        for mod_name, mod in list(model.named_modules()):
-            for child_name, child in list(mod.named_children()):
-                full = f"{mod_name}.{child_name}" if mod_name else child_name
-                if type(child) is torch.nn.Linear and not _skipped(full, skip):
-                    new = qlin(child.in_features, child.out_features, bias_=child.bias is not None, dtype=torch.qint8)
-                    setattr(mod, child_name, new)
+        _replace_linears(model, skip, lambda c: qlin(c.in_features, c.out_features, bias_=c.bias is not None,
+                                                    dtype=torch.qint8))
     return model
 
 
@@ -228,7 +305,7 @@ def quantize_cached(model: torch.nn.Module, key: str | None, cache_dir: Path | N
         except Exception as e:  # noqa: BLE001 - rebuilt below
             log.warning("int8 cache %s unreadable (%s); quantizing again", f, e)
     if state is not None:
-        skel = _skeleton(model, skip)
+        skel = _skeleton(model, skip, scheme)
         try:
             with warnings.catch_warnings():
                 warnings.filterwarnings(*_DEPRECATION)
