@@ -57,6 +57,10 @@ def test_an_int8_run_says_how_its_int8_model_was_built_and_fp32_scores_it(tmp_pa
     assert summary["perplexity_scorer"] == "tiny_random fp32" and summary["baseline_perplexity"] > 0
     assert scorers and not any(is_int8(m) for m in scorers)
     assert all(next(m.parameters()).dtype == torch.float32 for m in scorers)
+    assert summary["draft_int8_recipe"] is None  # no draft
+    drafted = run(cfg_of("+method=sps", "draft=tiny_random", "dtype=int8", *TINY), tmp_path / "sps")
+    assert drafted["int8_recipe"]["scheme"] == "per_channel"  # the target's default recipe
+    assert drafted["draft_int8_recipe"] == {"scheme": "weight_only", "smooth_alpha": None, "skip": []}  # drafts'
     scorers.clear()
     plain = run(cfg_of("+method=pld", *TINY), tmp_path / "fp32")
     assert plain["perplexity_scorer"] == "tiny_random fp32" and scorers  # fp32 runs: the target itself

@@ -176,6 +176,7 @@ def summarize(spec: EvalSpec, task, records: list[dict], method_role: str, model
         "dtype": spec.model.dtype,
         # how the int8 model was built (scheme, SmoothQuant alpha, linears kept fp32); None unless dtype=int8
         "int8_recipe": _int8_recipe(spec.model),
+        "draft_int8_recipe": _int8_recipe(spec.draft) if spec.draft else None,  # (drafts default to weight_only)
         "near_tie_precision": precision,  # the grid of the near-tie bound: tf32 for fp32 on a CUDA GPU with tf32
         "n_samples": len({x["id"] for x in method_rows}),
         "skipped": skipped,
