@@ -251,6 +251,20 @@ def test_weight_only_int8_linears_are_batch_invariant():
             assert _build(method, CachedModel(lm.model), tok, draft="noisy").generate(ids, 24, stop).tokens == want, method
 
 
+def test_weight_only_warns_on_a_cpu_without_native_bf16(monkeypatch, caplog):
+    import pardec.models.cost as cost
+
+    monkeypatch.setattr(cost, "cpu_flags", lambda: ["avx2", "fma"])
+    with caplog.at_level("WARNING", logger="pardec.models.int8"):
+        int8.quantize(torch.nn.Sequential(torch.nn.Linear(8, 8)), "weight_only")
+    assert "without avx512_bf16/amx_bf16" in caplog.text and "int8_weights=per_channel" in caplog.text
+    caplog.clear()
+    monkeypatch.setattr(cost, "cpu_flags", lambda: ["avx2", "avx512f", "avx512_bf16"])
+    with caplog.at_level("WARNING", logger="pardec.models.int8"):
+        int8.quantize(torch.nn.Sequential(torch.nn.Linear(8, 8)), "weight_only")
+    assert "avx512_bf16" not in caplog.text
+
+
 def test_decoding_runs_on_an_int8_target_and_draft():
     target = CachedModel(load_model(_tiny("int8")).model)
     draft = CachedModel(load_model(_tiny("int8", seed=3)).model, name="draft")

@@ -2,22 +2,28 @@
 weights with one scale per output row; embeddings, norms, attention and the residual stream stay fp32. Three schemes
 (``model.int8_weights``):
 
-* ``weight_only`` (the default, :class:`WeightOnlyLinear`): the activations are *not* quantized. A linear rounds
+* ``weight_only`` (:class:`WeightOnlyLinear`; the drafts' default, ``conf/draft/*.yaml``): the activations are
+  *not* quantized. A linear rounds
   its input to bf16 and runs ``torch.ops.aten._weight_int8pack_mm`` (int8 weights widened in registers, fp32
   accumulation, bf16 output). Against fp32 on the fp32 target's own greedy text (``scripts/int8_quality.py``, 40
   GSM8K / 24 HumanEval records): top-1 agreement 0.974 / 0.983, perplexity 1.492 / 1.357 against fp32's 1.484 /
   1.352 (+0.5%), the distilled draft's agreement unchanged. SmolLM2's linears at one row: 10.3 ms against 41 ms
   fp32 and 9.4 ms for fbgemm's dynamic int8, rising to 13.4 ms at 4 rows (AMD EPYC Zen 4 with avx512_bf16; a CPU
-  without native bf16 instructions was not measured and may be slower). **Batch-invariant**: each row's result is
-  bitwise the same alone or among other rows (tested), so every ``tokens`` method reproduces int8 ``ar`` token for
-  token, as in fp32.
+  without native bf16 instructions was not measured and may be slower: loading warns there). Its linears are
+  **batch-invariant**: each row's result is
+  bitwise the same alone or among other rows (tested), but attention's small-M GEMMs are not (in fp32 either), and the
+  bf16 rounding of the linears' inputs magnifies their last-bit differences, so on SmolLM2 ``tokens`` methods left
+  int8 ``ar`` at near-ties in 3-4 of 5 prompts. The cost: the kernel works in blocks of 4 rows, so a forward of
+  2-4 new rows costs ~1.3x one row and 5-8 rows ~2.2x (``scripts/forward_cost.py``): drafting loses on a
+  weight-only target, which is why targets default to fbgemm's recipe and drafts (one-row steps) to this one.
 * ``per_channel`` / ``per_tensor``: fbgemm's dynamic int8 (``torch.ao.quantization.quantize_dynamic``, one weight
   scale per row / per matrix): the activations are quantized too, with one dynamic scale for a linear's whole
   input. SmolLM2's MLP activations have outlier channels (``down_proj`` inputs up to 500x their median), so plain
   ``per_channel`` agrees with fp32's top-1 token on only 0.60 of positions (perplexity 4.8 against 1.48);
   SmoothQuant (:func:`smooth`, ``model.int8_smooth=0.8``, calibrated once on built-in text) and ``down_proj`` kept
-  in fp32 (``model.int8_skip=[down_proj]``) bring it to 0.91-0.93 (perplexity 1.55 / 1.41): the default before
-  ``weight_only``, slower than it (down_proj in fp32 is ~40% of its step). The per-tensor activation scale makes a
+  in fp32 (``model.int8_skip=[down_proj]``) bring it to 0.91-0.93 (perplexity 1.55 / 1.41): the targets' default.
+  Nearly flat cost from 1 to 5 rows (the regime in which drafting pays), but slower than ``weight_only`` at one row
+  (``down_proj`` in fp32 is ~40% of its step). The per-tensor activation scale makes a
   row's result depend on the other rows of the forward, so ``tokens`` methods match int8 ``ar`` only up to
   near-ties. ``quantize_dynamic`` is deprecated (torch says "will be removed"; present in torch 2.13).
 
@@ -114,6 +120,7 @@ def quantize(model: torch.nn.Module, scheme: str = "per_channel", skip: tuple[st
     if scheme not in SCHEMES:
         raise ValueError(f"int8 weight scheme {scheme!r} is not one of {', '.join(SCHEMES)}")
     if scheme == "weight_only":
+        _warn_without_bf16()
         _replace_linears(model, skip, WeightOnlyLinear.of)
         return model
     qconfig = per_channel_dynamic_qconfig if scheme == "per_channel" else default_dynamic_qconfig
@@ -254,6 +261,15 @@ def weight_scheme(model: torch.nn.Module) -> str | None:
     return None
 
 
+def _warn_without_bf16() -> None:
+    from pardec.models.cost import cpu_flags
+
+    if not {"avx512_bf16", "amx_bf16"} & set(cpu_flags()):
+        log.warning("int8 weight_only on a CPU without avx512_bf16/amx_bf16: its bf16 GEMM was measured fast only with "
+                    "them (an AVX2 host ran SmolLM2's linears at 64 ms per row against fbgemm's 13); if it is slow here "
+                    "use int8_weights=per_channel (model. or draft.)")
+
+
 def _replace_linears(model: torch.nn.Module, skip: tuple[str, ...], make) -> None:
     """Each ``nn.Linear`` of ``model`` not in ``skip`` -> ``make(linear)``, in place."""
     for mod_name, mod in list(model.named_modules()):
@@ -267,6 +283,7 @@ def _skeleton(model: torch.nn.Module, skip: tuple[str, ...] = (), scheme: str = 
     """``model`` with each ``nn.Linear`` not in ``skip`` replaced by an empty int8 linear of the same shape (of
     ``scheme``), ready for a cached state dict (no weight is quantized: building it costs milliseconds)."""
     if scheme == "weight_only":
+        _warn_without_bf16()
         _replace_linears(model, skip, lambda c: WeightOnlyLinear(c.in_features, c.out_features, c.bias is not None))
         return model
     qlin = _quantized_linear_type()
