@@ -1,7 +1,8 @@
 """`make gpu-smoke`: does pardec run on this machine's GPU? Offline, in minutes, with the local SmolLM2 and drafters
 made on the spot (untrained: this checks that everything runs and stays exact, not speed-ups):
 
-1. every decoding method in fp32 and bf16, on transformers' forward and on pardec's lean one (``forward_impl``):
+1. every decoding method in fp32 and bf16, on transformers' forward, on pardec's lean one and on the compiled
+   one-token step (``forward_impl``):
    exact-match rate against `ar` in the same dtype on transformers' forward (tokens-exact methods must reach 1.0
    in fp32; bf16 flips near-ties), tokens per target forward, and wall time against `ar` on the same forward (and
    lean `ar` against hf `ar`: the lean forward's own gain, which on a GPU is kernel launches saved);
@@ -10,7 +11,7 @@ made on the spot (untrained: this checks that everything runs and stays exact, n
 3. a 2-process sharded `evaluate` (torchrun) when the machine has two GPUs or more.
 
     python scripts/gpu_smoke.py [--device cuda|cpu] [--model smollm2_135m|tiny_random] [--new-tokens 32]
-                                [--methods ar,sps,...] [--forward-impls hf,lean] [--kinds cllm,draft,...] [--out DIR]
+                                [--methods ar,sps,...] [--forward-impls hf,lean,compiled] [--kinds cllm,draft,...] [--out DIR]
 
 It writes ``<out>/gpu_smoke.json`` and prints one markdown table per part. On a machine without CUDA it runs with
 ``--device cpu`` (CI runs it so, on the tiny random model, as a test of the script itself).
@@ -219,9 +220,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--model", default="smollm2_135m", help="a conf/model name, or tiny_random")
     ap.add_argument("--new-tokens", type=int, default=32)
     ap.add_argument("--methods", default="", help="comma-separated (default: every method)")
-    ap.add_argument("--forward-impls", default="hf,lean",
-                    help="comma-separated CachedModel forwards to run every method on (hf, lean); exact match is "
-                         "against `ar` on the first")
+    ap.add_argument("--forward-impls", default="hf,lean,compiled",
+                    help="comma-separated CachedModel forwards to run every method on (hf, lean, compiled: the "
+                         "torch.compile'd one-token step, never run on a GPU before); exact match is against `ar` on "
+                         "the first")
     ap.add_argument("--kinds", default="", help=f"comma-separated, of {', '.join(KINDS)} (default: all)")
     ap.add_argument("--skip-training", action="store_true")
     ap.add_argument("--out", type=Path, default=ROOT / "outputs" / "gpu_smoke" / time.strftime("%Y-%m-%d_%H-%M-%S"))
