@@ -146,7 +146,9 @@ def decode_step(model: nn.Module, ids: torch.Tensor, positions: torch.Tensor, ca
     values = [layer.store.values for layer in layers]
     for buf in (*keys, *values):
         torch._dynamo.maybe_mark_dynamic(buf, 2)
-    slots = torch.tensor([begin, begin + length], device=ids.device)
+    # filled on the device from host ints (no host-to-device copy, so no sync on a GPU)
+    slots = torch.full((2,), begin, dtype=torch.long, device=ids.device)
+    slots[1:] += length
     logits = _step_fn()(model, ids, positions, keys, values, slots)
     for layer in layers:
         layer.length = length + 1
