@@ -86,33 +86,20 @@ def _decode(model: nn.Module, ids: torch.Tensor, positions: torch.Tensor, keys: 
             values: list[torch.Tensor], slots: torch.Tensor) -> torch.Tensor:
     """Logits [B, 1, V] of ``ids`` [B, 1]; writes their keys/values at slot ``slots[1]`` of every layer's buffer
     and attends over slots ``slots[0] .. slots[1]``."""
-    inner = model.model
-    bsz = ids.shape[0]
-    h = inner.embed_tokens(ids)
-    cos, sin = inner.rotary_emb(h, position_ids=positions)
-    cos, sin = cos[:, None], sin[:, None]
+    h, cos, sin = lean.embed(model, ids, positions)
     j = torch.arange(keys[0].shape[2], device=ids.device)
     mask = torch.where((j >= slots[0]) & (j <= slots[1]), 0.0, float("-inf")).to(h.dtype)[None, None, None]
     at = slots[1:]
-    for i, layer in enumerate(inner.layers):
-        a, mlp = layer.self_attn, layer.mlp
-        x = lean._rms(layer.input_layernorm, h)
-        q = _lin(a.q_proj, x).view(bsz, 1, -1, a.head_dim).transpose(1, 2)
-        k = _lin(a.k_proj, x).view(bsz, 1, -1, a.head_dim).transpose(1, 2)
-        v = _lin(a.v_proj, x).view(bsz, 1, -1, a.head_dim).transpose(1, 2)
-        q, k = lean._rotate(q, cos, sin), lean._rotate(k, cos, sin)
-        kb, vb = keys[i], values[i]
+
+    def attend(a, q, k, v):
+        kb, vb = keys[a.layer_idx], values[a.layer_idx]
         kb.index_copy_(2, at, k)
         vb.index_copy_(2, at, v)
         groups = q.shape[1] // kb.shape[1]
-        o = F.scaled_dot_product_attention(q, lean._repeat_kv(kb, groups), lean._repeat_kv(vb, groups),
-                                           attn_mask=mask, scale=a.scaling)
-        h = h + _lin(a.o_proj, o.transpose(1, 2).reshape(bsz, 1, -1))
-        x = lean._rms(layer.post_attention_layernorm, h)
-        h = h + _lin(mlp.down_proj, F.silu(_lin(mlp.gate_proj, x)) * _lin(mlp.up_proj, x))
-    logits = _lin(model.lm_head, lean._rms(inner.norm, h))
-    full = getattr(model, "full_logits", None)
-    return full(logits) if full is not None else logits
+        return F.scaled_dot_product_attention(q, lean._repeat_kv(kb, groups), lean._repeat_kv(vb, groups),
+                                              attn_mask=mask, scale=a.scaling)
+
+    return lean.head(model, lean.decoder_layers(model, h, cos, sin, attend, _lin), _lin)
 
 
 _compiled = None

@@ -91,6 +91,41 @@ def _repeat_kv(x: torch.Tensor, n: int) -> torch.Tensor:
     return x[:, :, None].expand(b, h, n, s, d).reshape(b, h * n, s, d)
 
 
+def embed(model: nn.Module, ids: torch.Tensor, positions: torch.Tensor):
+    """The embeddings of ``ids`` [B, T] and the rotary tables at ``positions``, as [B, 1, T, D] (broadcast over
+    heads): what every decoder layer starts from."""
+    inner = model.model
+    h = inner.embed_tokens(ids)
+    cos, sin = inner.rotary_emb(h, position_ids=positions)  # (the model's own: every rope scaling it knows)
+    return h, cos[:, None], sin[:, None]
+
+
+def decoder_layers(model: nn.Module, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attend, lin=_lin):
+    """Every decoder layer over ``h`` [B, T, hidden]; ``attend(self_attn, q, k, v)`` stores the new keys/values
+    where its cache keeps them and returns the attention output [B, heads, T, head_dim]; ``lin(module, x)`` runs a
+    projection."""
+    bsz, t = h.shape[:2]
+    for layer in model.model.layers:
+        a, mlp = layer.self_attn, layer.mlp
+        x = _rms(layer.input_layernorm, h)
+        q = lin(a.q_proj, x).view(bsz, t, -1, a.head_dim).transpose(1, 2)
+        k = lin(a.k_proj, x).view(bsz, t, -1, a.head_dim).transpose(1, 2)
+        v = lin(a.v_proj, x).view(bsz, t, -1, a.head_dim).transpose(1, 2)
+        o = attend(a, _rotate(q, cos, sin), _rotate(k, cos, sin), v)
+        h = h + lin(a.o_proj, o.transpose(1, 2).reshape(bsz, t, -1))
+        x = _rms(layer.post_attention_layernorm, h)
+        h = h + lin(mlp.down_proj, F.silu(lin(mlp.gate_proj, x)) * lin(mlp.up_proj, x))
+    return h
+
+
+def head(model: nn.Module, h: torch.Tensor, lin=_lin) -> torch.Tensor:
+    """Logits of the final hidden states ``h`` (final norm, LM head; pardec's draft scatters its kept ids into the
+    vocabulary)."""
+    logits = lin(model.lm_head, _rms(model.model.norm, h))
+    full = getattr(model, "full_logits", None)
+    return full(logits) if full is not None else logits
+
+
 def lean_logits(model: nn.Module, ids: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor | None, cache,
                 keep: int | torch.Tensor | None) -> torch.Tensor:
     """Logits [B, T', V] of ``ids`` [B, T] at ``positions`` [B, T] after the positions ``cache`` holds (which gets
@@ -98,33 +133,20 @@ def lean_logits(model: nn.Module, ids: torch.Tensor, positions: torch.Tensor, ma
     logits_to_keep=keep)`` computes them. ``mask``: an additive [B, 1, T, past+T] mask, or None for causal
     attention (then ``T == 1`` or an empty cache). ``keep``: None (all positions), an int (the last ones) or a tensor
     of position indices."""
-    inner = model.model
-    bsz, t = ids.shape
-    h = inner.embed_tokens(ids)
-    cos, sin = inner.rotary_emb(h, position_ids=positions)
-    cos, sin = cos[:, None], sin[:, None]  # [B, 1, T, D]: broadcast over heads
-    causal = mask is None and t > 1
-    for layer in inner.layers:
-        a, mlp = layer.self_attn, layer.mlp
-        x = _rms(layer.input_layernorm, h)
-        q = _lin(a.q_proj, x).view(bsz, t, -1, a.head_dim).transpose(1, 2)
-        k = _lin(a.k_proj, x).view(bsz, t, -1, a.head_dim).transpose(1, 2)
-        v = _lin(a.v_proj, x).view(bsz, t, -1, a.head_dim).transpose(1, 2)
-        q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
+    h, cos, sin = embed(model, ids, positions)
+    causal = mask is None and ids.shape[1] > 1
+
+    def attend(a, q, k, v):
         k, v = cache.update(k, v, a.layer_idx)
         groups = q.shape[1] // k.shape[1]
         if mask is None:  # (transformers' sdpa: grouped-query attention inside SDPA when there is no mask)
-            o = F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=a.scaling, enable_gqa=groups > 1)
-        else:
-            o = F.scaled_dot_product_attention(q, _repeat_kv(k, groups), _repeat_kv(v, groups), attn_mask=mask,
-                                               scale=a.scaling)
-        h = h + _lin(a.o_proj, o.transpose(1, 2).reshape(bsz, t, -1))
-        x = _rms(layer.post_attention_layernorm, h)
-        h = h + _lin(mlp.down_proj, F.silu(_lin(mlp.gate_proj, x)) * _lin(mlp.up_proj, x))
+            return F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=a.scaling, enable_gqa=groups > 1)
+        return F.scaled_dot_product_attention(q, _repeat_kv(k, groups), _repeat_kv(v, groups), attn_mask=mask,
+                                              scale=a.scaling)
+
+    h = decoder_layers(model, h, cos, sin, attend)
     if isinstance(keep, int) and keep > 0:
         h = h[:, -keep:]
     elif isinstance(keep, torch.Tensor):
         h = h[:, keep]
-    logits = _lin(model.lm_head, _rms(inner.norm, h))
-    full = getattr(model, "full_logits", None)  # pardec's draft: its head's kept ids scattered into the vocabulary
-    return full(logits) if full is not None else logits
+    return head(model, h)
