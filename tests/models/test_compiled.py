@@ -11,7 +11,7 @@ from pardec.config import ModelConfig
 from pardec.models import compiled
 from pardec.models.cached import CachedModel
 from tests.conftest import tiny
-from tests.models.test_lean import _close, _script
+from tests.models.test_lean import _close, _script, assert_lossless_under
 
 #: inductor generates C++ on the CPU: without a compiler the feature refuses (tested below) and these cannot run
 needs_compiler = pytest.mark.skipif(not any(compiled.shutil.which(c) for c in ("c++", "g++", "clang++")),
@@ -62,23 +62,7 @@ def test_one_compile_serves_other_prompt_lengths_a_grown_cache_and_its_steps_wri
 
 @needs_compiler
 def test_every_lossless_method_on_the_compiled_step_reproduces_ar():
-    from pardec.decoding import Stopper, build_decoder
-    from tests.decoding.test_lossless import _build
-
-    lm = tiny(0)
-    tok = lm.tokenizer
-    ids = tok("def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n")["input_ids"]
-    stop = Stopper(tok, eos_ids=[])
-    want = build_decoder("ar", CachedModel(lm.model), tok).generate(ids, 24, stop).tokens
-    saved = CachedModel.default_forward_impl
-    CachedModel.default_forward_impl = "compiled"  # the drafts built by the helpers too
-    try:
-        for method in ("ar", "sps", "pld", "ouroboros", "lookahead", "jacobi"):
-            dec = _build(method, CachedModel(lm.model), tok, draft="noisy")
-            assert dec.target.forward_impl == "compiled"
-            assert dec.generate(ids, 24, stop).tokens == want, method
-    finally:
-        CachedModel.default_forward_impl = saved
+    assert_lossless_under("compiled", ("ar", "sps", "pld", "ouroboros", "lookahead", "jacobi"), ("noisy",))
 
 
 def test_refusals_name_the_value_and_the_choices(monkeypatch):

@@ -86,11 +86,11 @@ def test_unsupported_models_and_bad_values_are_refused_in_one_line():
         RunConfig(forward_impl="fast")
 
 
-def test_every_lossless_method_under_lean_reproduces_ar_and_hf_generate():
-    """The decoders on the lean forward (target and draft): every lossless method's tokens equal lean `ar`'s,
-    which equal transformers' own generate() and `ar` on the HF forward."""
+def assert_lossless_under(impl: str, methods, drafts) -> None:
+    """Each of ``methods`` (with each kind of draft in ``drafts``) on forward ``impl`` (the target and the drafts the
+    helpers build) produces the tokens of `ar` on transformers' forward, on the tiny model."""
     from pardec.decoding import Stopper, build_decoder
-    from tests.decoding.test_lossless import LOSSLESS, _build
+    from tests.decoding.test_lossless import _build
 
     lm = tiny(0)
     tok = lm.tokenizer
@@ -98,13 +98,21 @@ def test_every_lossless_method_under_lean_reproduces_ar_and_hf_generate():
     stop = Stopper(tok, eos_ids=[])
     want = build_decoder("ar", CachedModel(lm.model), tok).generate(ids, 24, stop).tokens
     saved = CachedModel.default_forward_impl
-    CachedModel.default_forward_impl = "lean"  # the drafts built by the helpers too
+    CachedModel.default_forward_impl = impl  # the drafts built by the helpers too
     try:
-        for method in LOSSLESS:
-            for draft in ("self", "noisy"):
+        for method in methods:
+            for draft in drafts:
                 dec = _build(method, CachedModel(lm.model), tok, draft=draft)
                 if method != "hf_generate":
-                    assert dec.target.forward_impl == "lean"
+                    assert dec.target.forward_impl == impl
                 assert dec.generate(ids, 24, stop).tokens == want, (method, draft)
     finally:
         CachedModel.default_forward_impl = saved
+
+
+def test_every_lossless_method_under_lean_reproduces_ar_and_hf_generate():
+    """The decoders on the lean forward (target and draft): every lossless method's tokens equal lean `ar`'s,
+    which equal transformers' own generate() and `ar` on the HF forward."""
+    from tests.decoding.test_lossless import LOSSLESS
+
+    assert_lossless_under("lean", LOSSLESS, ("self", "noisy"))
