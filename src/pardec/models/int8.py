@@ -7,8 +7,8 @@ weights with one scale per output row; embeddings, norms, attention and the resi
   its input to bf16 and runs ``torch.ops.aten._weight_int8pack_mm`` (int8 weights widened in registers, fp32
   accumulation, bf16 output). Against fp32 on the fp32 target's own greedy text (``scripts/int8_quality.py``, 40
   GSM8K / 24 HumanEval records): top-1 agreement 0.974 / 0.983, perplexity 1.492 / 1.357 against fp32's 1.484 /
-  1.352 (+0.5%), the distilled draft's agreement unchanged. SmolLM2's linears at one row: 10.3 ms against 41 ms
-  fp32 and 9.4 ms for fbgemm's dynamic int8, rising to 13.4 ms at 4 rows (AMD EPYC Zen 4 with avx512_bf16; a CPU
+  1.352 (+0.5%), the distilled draft's agreement unchanged. SmolLM2's linears at one row (``scripts/linear_cost.py``): 9.2 ms against
+  40 ms fp32 and 9.2 ms for fbgemm's dynamic int8, rising to 12.6 ms at 4 rows (AMD EPYC Zen 4 with avx512_bf16; a CPU
   without native bf16 instructions was not measured and may be slower: loading warns there). Its linears are
   **batch-invariant**: each row's result is
   bitwise the same alone or among other rows (tested), but attention's small-M GEMMs are not (in fp32 either), and the
