@@ -6,7 +6,8 @@ single-row steps) and it is what ``CachedModel`` pads verification forwards by (
         [--context 200] [--threads 2] [--dtypes fp32,int8,int8:weight_only] [--repeats 15] [--no-save]
 
 A dtype ``int8`` is the default int8 recipe; ``int8:<recipe>`` names another (``pardec.models.int8.parse_recipe``:
-``weight_only``, ``per_channel:smooth=0.8:skip=down_proj``): the schemes cost differently by rows. Prints a
+``weight_only``, ``per_channel:smooth=0.8:skip=down_proj``): the schemes cost differently by rows. ``bf16`` packs
+the linears for oneDNN where the CPU has native bf16 (``model.cpu_prepack``); ``bf16:unpacked`` does not. Prints a
 markdown table per dtype (median ms and each T relative to T=1) under the machine's CPU model, vector flags and
 thread count, and saves each table to data/forward_cost/<machine key>/<model>-<precision>.json, the precision
 being ``ModelConfig.precision()`` (the dtype, with the int8 recipe), which is what evaluation looks it up by.
@@ -25,6 +26,18 @@ from pardec.models.int8 import parse_recipe
 from pardec.models.loading import SMOLLM2, load_model
 
 
+def _options(spec: str) -> dict:
+    """``int8:<recipe>`` -> the int8 fields; ``bf16:unpacked`` -> bf16 without prepacked linears; else none."""
+    dtype, _, rest = spec.partition(":")
+    if not rest:
+        return {}
+    if dtype == "int8":
+        return parse_recipe(rest)
+    if dtype == "bf16" and rest == "unpacked":
+        return {"cpu_prepack": False}
+    raise ValueError(f"{spec!r}: only int8:<recipe> and bf16:unpacked take options")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--draft", type=Path, default=Path("outputs/train/runs/draft_smollm2/default/final"))
@@ -40,7 +53,7 @@ def main() -> None:
     print(describe(machine()))
     specs = a.dtypes.split(",")
     try:
-        recipes = [parse_recipe(s.partition(":")[2]) if ":" in s else {} for s in specs]
+        recipes = [_options(s) for s in specs]
     except ValueError as e:
         ap.error(f"--dtypes: {e}")
     for spec, recipe in zip(specs, recipes):

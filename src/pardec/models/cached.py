@@ -208,7 +208,7 @@ class CachedModel:
             if self.cache_kind != "preallocated":
                 raise ValueError(f"forward_impl=compiled needs cache='preallocated' (it writes the preallocated "
                                  f"buffers in place); got cache={self.cache_kind!r}")
-            compiled.register_int8(model)
+            compiled.register_opaque(model)
         #: "hf": every forward is ``model(...)``; "lean": ``forward``/``prefill`` run :mod:`pardec.models.lean`;
         #: "compiled": lean, with one-token steps as one compiled graph (:mod:`pardec.models.compiled`)
         self.forward_impl = forward_impl

@@ -20,8 +20,9 @@ zero-weight, entries; tested: the tokens of every ``tokens`` method equal ``ar``
 Used for forwards of one new token per row with causal attention (``ar``'s steps, a draft model's steps) when
 every layer's rows fill their buffer (one cache per buffer, the usual case); anything else (prefill, verification,
 Jacobi's blocks, custom masks, batch rows shared with other caches) runs the lean forward.
-int8 linears (``dtype=int8``) run inside the graph as an opaque custom op (:func:`_int8_linear`): dynamo cannot
-trace fbgemm's packed weights, so each quantized linear is registered once and called by its index.
+fbgemm's int8 linears (``dtype=int8``) and oneDNN-prepacked bf16 linears (:mod:`pardec.models.packed`) run inside
+the graph as an opaque custom op (:func:`_opaque_linear`): dynamo cannot trace their packed weights, so each such
+linear is registered once and called by its index.
 
 The first step of each model compiles (tens of seconds on 2 CPU cores for SmolLM2; inductor caches its kernels on
 disk, so later processes load them); evaluation's warm-up prompt absorbs it before timing starts. Needs a C++
@@ -38,37 +39,40 @@ from torch import nn
 
 from pardec.models import lean
 
-#: quantized linears reachable from the compiled graph by index (dynamo cannot trace their packed weights)
-_INT8_LINEARS: list[nn.Module] = []
-_INT8_INDEX: dict[int, int] = {}
+#: linears with packed weights (fbgemm int8, oneDNN bf16), reachable from the compiled graph by index (dynamo
+#: cannot trace their packed weights)
+_OPAQUE_LINEARS: list[nn.Module] = []
+_OPAQUE_INDEX: dict[int, int] = {}
 
 
-@torch.library.custom_op("pardec::int8_linear", mutates_args=())
-def _int8_linear(x: torch.Tensor, index: int) -> torch.Tensor:
-    return _INT8_LINEARS[index](x)
+@torch.library.custom_op("pardec::opaque_linear", mutates_args=())
+def _opaque_linear(x: torch.Tensor, index: int) -> torch.Tensor:
+    return _OPAQUE_LINEARS[index](x)
 
 
-@_int8_linear.register_fake
+@_opaque_linear.register_fake
 def _(x: torch.Tensor, index: int) -> torch.Tensor:
-    return x.new_empty((*x.shape[:-1], _INT8_LINEARS[index].out_features))
+    return x.new_empty((*x.shape[:-1], _OPAQUE_LINEARS[index].out_features))
 
 
 def _lin(mod: nn.Module, x: torch.Tensor) -> torch.Tensor:
     if type(mod) is nn.Linear:
         return F.linear(x, mod.weight, mod.bias)
-    index = _INT8_INDEX.get(id(mod))
-    return mod(x) if index is None else _int8_linear(x, index)  # (weight-only int8 linears trace as they are)
+    index = _OPAQUE_INDEX.get(id(mod))
+    return mod(x) if index is None else _opaque_linear(x, index)  # (weight-only int8 linears trace as they are)
 
 
-def register_int8(model: nn.Module) -> None:
-    """Give every fbgemm int8 linear of ``model`` an index for :func:`_int8_linear`."""
+def register_opaque(model: nn.Module) -> None:
+    """Give every fbgemm int8 linear and every prepacked bf16 linear of ``model`` an index for
+    :func:`_opaque_linear`."""
     from pardec.models.int8 import _quantized_linear_type
+    from pardec.models.packed import PackedLinear
 
-    qlin = _quantized_linear_type()
+    kinds = (_quantized_linear_type(), PackedLinear)
     for mod in model.modules():
-        if isinstance(mod, qlin) and id(mod) not in _INT8_INDEX:
-            _INT8_INDEX[id(mod)] = len(_INT8_LINEARS)
-            _INT8_LINEARS.append(mod)
+        if isinstance(mod, kinds) and id(mod) not in _OPAQUE_INDEX:
+            _OPAQUE_INDEX[id(mod)] = len(_OPAQUE_LINEARS)
+            _OPAQUE_LINEARS.append(mod)
 
 
 def unsupported(model: nn.Module) -> str | None:

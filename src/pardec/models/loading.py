@@ -9,7 +9,7 @@ import logging
 import os
 import shutil
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -276,8 +276,16 @@ def tiny_random_model(cfg: ModelConfig, vocab_size: int, bos: int | None, eos: i
     return model
 
 
+def trainable(cfg: ModelConfig, dtype: str) -> ModelConfig:
+    """``cfg`` as a Trainer loads what it trains: on the CPU (the Trainer places it), in ``dtype``, with plain
+    (unpacked) linears."""
+    return replace(cfg, device="cpu", dtype=dtype, cpu_prepack=False)
+
+
 def load_model(cfg: ModelConfig) -> LoadedModel:
-    """Load weights and tokenizer as ``cfg`` says, cast to its dtype and move to its device."""
+    """Load weights and tokenizer as ``cfg`` says, cast to its dtype and move to its device; bf16 CPU linears are
+    prepacked for inference (``cfg.cpu_prepack``, :mod:`pardec.models.packed`) unless loaded through
+    :func:`trainable`."""
     device = resolve_device(cfg.device)
     dtype = TORCH_DTYPES[cfg.dtype]
     if cfg.dtype == "int8" and device.type != "cpu":
@@ -312,6 +320,10 @@ def load_model(cfg: ModelConfig) -> LoadedModel:
 
         calib = calibration_ids(tok) if cfg.int8_smooth is not None else None
         model = quantize_cached(model, int8_cache_key(cfg), **int8_recipe(cfg), calib=calib)
+    if cfg.dtype == "bf16" and cfg.cpu_prepack and not cfg.device_map and device.type == "cpu":
+        from pardec.models.packed import prepack
+
+        prepack(model)
     if tok.pad_token_id is None:
         tok.pad_token = tok.eos_token
     return LoadedModel(model, tok, cfg)

@@ -21,7 +21,7 @@ import json
 import os
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -203,7 +203,7 @@ def save_final(trainer, spec, run_dir: Path, final: Path, d: Dist, prepare=None)
     merges it into a fresh copy of the base weights (works the same under ZeRO-3, where weights are sharded).
     ``prepare(base)``: called on that fresh LoadedModel before the merge, to give it what the training model had
     beyond the base weights (SDSAT: the adaptive tokens in the tokenizer and the embeddings)."""
-    from pardec.models.loading import load_model
+    from pardec.models.loading import load_model, trainable
 
     trainer.model.config.use_cache = True  # the Trainer turned it off for training; decoding wants it
     if not spec.lora:
@@ -216,7 +216,7 @@ def save_final(trainer, spec, run_dir: Path, final: Path, d: Dist, prepare=None)
         from transformers.integrations.deepspeed import unset_hf_deepspeed_config
 
         unset_hf_deepspeed_config()  # training is over: load the base whole, not ZeRO-3 sharded (rank 0 alone)
-        base = load_model(replace(spec.model, device="cpu", dtype=spec.model_dtype))
+        base = load_model(trainable(spec.model, spec.model_dtype))
         if prepare is not None:
             prepare(base)
         merged = PeftModel.from_pretrained(base.model, str(adapter)).merge_and_unload()

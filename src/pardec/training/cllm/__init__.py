@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import json
 import logging
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -109,7 +109,7 @@ class CLLMKind(Kind):
         return stats
 
     def stage_train(self, spec: CLLMSpec, run_dir: Path, d) -> dict[str, Any]:
-        from pardec.models.loading import load_model
+        from pardec.models.loading import load_model, trainable
         from pardec.training.base import apply_lora, fit, save_final, training_args
         from pardec.training.cllm.answers import whole_answers
         from pardec.training.cllm.data import CLLMCollator, TrajectoryDataset
@@ -136,7 +136,7 @@ class CLLMKind(Kind):
             if not records:
                 raise ConfigError(f"no trajectory record of {spec.train_data} is left to train on: "
                                   f"{json.dumps(answers)}")
-        lm = load_model(replace(spec.model, device="cpu", dtype=spec.model_dtype))  # the Trainer places it
+        lm = load_model(trainable(spec.model, spec.model_dtype))  # the Trainer places it
         model = apply_lora(lm.model, spec.lora) if spec.lora else lm.model
         ds = TrajectoryDataset(records, args.loss_type, args.state_sampling, args.max_length, args.seed,
                                args.states_per_sample, args.ar_tail)

@@ -223,15 +223,14 @@ def train_draft(spec, run_dir, d: Dist) -> dict:
     student = build_draft(target, layers, vocab chosen from the completions' token counts); final model to
     ``<run>/final``."""
     from collections import Counter
-    from dataclasses import replace
 
     from pardec.models.draft import build_draft, choose_vocab
-    from pardec.models.loading import TORCH_DTYPES, load_model
+    from pardec.models.loading import TORCH_DTYPES, load_model, trainable
     from pardec.training.completions import load_completions
 
     args = training_args(DraftConfig, spec, run_dir)  # before the model, as ZeRO-3 requires
     records = corpus_share(load_completions(spec.gen.out_dir), spec.corpus_fraction)
-    lm = load_model(replace(spec.model, device="cpu", dtype=spec.model_dtype))  # the Trainer places the student
+    lm = load_model(trainable(spec.model, spec.model_dtype))  # the Trainer places the student
     tok, target = lm.tokenizer, lm.model
     counts = Counter(t for r in records for t in r["completion_ids"])
     special = {*tok.all_special_ids, tok.pad_token_id, *lm.eos_ids}

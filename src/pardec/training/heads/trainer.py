@@ -261,15 +261,13 @@ def _new_drafter(spec, base):
 def train_heads(spec, run_dir, d: Dist) -> dict:
     """The train stage of a ``kind: heads`` experiment (``spec``: :class:`~pardec.training.heads.HeadsSpec`): a
     fresh drafter trained on ``load_completions(spec.gen.out_dir)``; saved with ``save_drafter`` to ``<run>/final``."""
-    from dataclasses import replace
-
     from pardec.models.heads import num_parameters, save_drafter
-    from pardec.models.loading import load_model
+    from pardec.models.loading import load_model, trainable
     from pardec.training.completions import CompletionDataset, load_completions
 
     args = training_args(HeadsConfig, spec, run_dir, head_decay=spec.head_decay)  # before the model (ZeRO-3)
     records = load_completions(spec.gen.out_dir)
-    lm = load_model(replace(spec.model, device="cpu", dtype=spec.model_dtype))  # the Trainer places the drafter
+    lm = load_model(trainable(spec.model, spec.model_dtype))  # the Trainer places the drafter
     base = lm.model.requires_grad_(False)
     drafter = _new_drafter(spec, base)
     ds = CompletionDataset(records, args.max_length)

@@ -253,14 +253,12 @@ def train_sdsat(spec, run_dir, d: Dist) -> dict:
     model with the adaptive tokens attached (ids checked against the masked corpus), fully fine-tuned or with LoRA
     (plus the adaptive tokens' embedding rows), on ``<mask.out_dir>/masked.jsonl``; final model + tokenizer (with
     the adaptive tokens and ``config.sdsat``) into ``<run>/final``."""
-    from dataclasses import replace
-
-    from pardec.models.loading import load_model
+    from pardec.models.loading import load_model, trainable
 
     args = training_args(SDSATConfig, spec, run_dir)  # before the model, as ZeRO-3 requires
     meta, records = mk.load_masked(spec.mask.out_dir)
     tokens = adaptive.adaptive_tokens(spec.max_span, spec.diverse)
-    lm = load_model(replace(spec.model, device="cpu", dtype=spec.model_dtype))  # the Trainer places it
+    lm = load_model(trainable(spec.model, spec.model_dtype))  # the Trainer places it
 
     def attach(base) -> list[int]:
         ids = attach_adaptive_any(base.model, base.tokenizer, tokens, spec.max_span, spec.diverse)
