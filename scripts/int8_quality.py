@@ -10,7 +10,8 @@ draft, how often the int8 draft's argmax equals the int8 target's (what speculat
         [--max-records 40] [--threads 2] [--out outputs/int8_quality.json]
 
 A recipe is ``<scheme>[:smooth=<alpha>][:skip=<name>+<name>]`` (default: weight_only, per_tensor, per_channel,
-per_channel:smooth=0.8, per_channel:smooth=0.8:skip=down_proj; smoothing applies to the dynamic schemes only). fp32 is the first row (its agreement with its own records is 1 by construction; the draft row is fp32 draft vs fp32
+per_channel:smooth=0.8, per_channel:smooth=0.8:skip=down_proj; smoothing applies to the dynamic schemes only), or
+``bf16`` (``dtype=bf16``, the same questions for the bf16 model: the other approximate CPU mode). fp32 is the first row (its agreement with its own records is 1 by construction; the draft row is fp32 draft vs fp32
 target). Prints the CPU model and vector flags first. No timing: run it beside other jobs if you must.
 """
 
@@ -55,13 +56,13 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--corpus", action="append", required=True, help="a completions dir (repeatable)")
     ap.add_argument("--model", default="smollm2_135m", help="a conf/model name, or tiny_random")
     ap.add_argument("--draft", default=None, help="a saved draft dir (optional)")
-    ap.add_argument("--recipe", action="append", default=None, help="an int8 recipe (repeatable; see above)")
+    ap.add_argument("--recipe", action="append", default=None, help="an int8 recipe, or bf16 (repeatable; see above)")
     ap.add_argument("--max-records", type=int, default=40, help="the first N records of each corpus")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--out", default=None, help="also write the results here (JSON)")
     a = ap.parse_args(argv)
     try:
-        recipes = {r: parse_recipe(r) for r in (a.recipe or DEFAULT_RECIPES)}
+        recipes = {r: ("bf16", {}) if r == "bf16" else ("int8", parse_recipe(r)) for r in (a.recipe or DEFAULT_RECIPES)}
     except ValueError as e:
         ap.error(f"--recipe: {e}")
     if a.max_records < 1:
@@ -73,7 +74,8 @@ def main(argv: list[str] | None = None) -> dict:
             else named_config(a.model, "fp32"))
     draft_base = ModelConfig(name="draft", source="local", path=a.draft) if a.draft else None
     rows = []
-    for label, dtype, recipe in [("fp32", "fp32", {})] + [(f"int8 {r}", "int8", x) for r, x in recipes.items()]:
+    for label, dtype, recipe in [("fp32", "fp32", {})] + [(r if d == "bf16" else f"int8 {r}", d, x)
+                                                          for r, (d, x) in recipes.items()]:
         lm = load_model(_config(base, dtype, recipe))
         pad = lm.tokenizer.pad_token_id
         draft = load_model(_config(draft_base, dtype, recipe)).model if draft_base else None

@@ -59,6 +59,10 @@ def test_int8_quality_measures_fp32_and_both_schemes(corpus, tmp_path, capsys):
         assert 0 <= x["draft_agreement"] <= 1
     assert (tmp_path / "q.json").is_file()
     assert "| int8 per_tensor |" in capsys.readouterr().out
+    bf16 = _script().main(["--corpus", str(path), "--model", "tiny_random", "--recipe", "bf16", "--threads", "1"])
+    assert [r["label"] for r in bf16["rows"]] == ["fp32", "bf16"]
+    x = bf16["rows"][1]["corpora"]["corpus"]
+    assert x["positions"] == 10 and 0 <= x["top1_vs_fp32_records"] <= 1 and x["perplexity_of_records"] > 0
     assert _script().parse_recipe("per_channel:smooth=0.5:skip=down_proj+o_proj") == {
         "int8_weights": "per_channel", "int8_smooth": 0.5, "int8_skip": ["down_proj", "o_proj"]}
 
