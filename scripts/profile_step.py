@@ -1,7 +1,7 @@
 """Where one decoding step's time goes: one `ar` step and one `sps` round of SmolLM2 (and its distilled draft),
 split into the model's parts, against the bare-GEMM floor of the same linear layers.
 
-    python scripts/profile_step.py [--dtype fp32|int8] [--methods ar,sps] [--tokens 128] [--prompts 2]
+    python scripts/profile_step.py [--dtype fp32|bf16|int8] [--methods ar,sps] [--tokens 128] [--prompts 2]
         [--draft outputs/train/runs/draft_smollm2/default/final] [--gamma 4] [--threads 2] [--kv-cache preallocated]
         [--repeats 9]
 
@@ -130,7 +130,8 @@ def linear_floor(model: torch.nn.Module, rows: int, repeats: int) -> float:
         xs = []
         for mod in mods:
             weight = mod.weight() if callable(getattr(mod, "weight", None)) else mod.weight
-            xs.append(torch.randn(1, rows, weight.shape[1]))
+            half = weight.dtype in (torch.bfloat16, torch.float16)  # (int8 linears take fp32 inputs)
+            xs.append(torch.randn(1, rows, weight.shape[1], dtype=weight.dtype if half else torch.float32))
         for _ in range(repeats):
             t0 = time.perf_counter()
             for mod, x in zip(mods, xs):
@@ -193,7 +194,7 @@ def profile(method: str, target: torch.nn.Module, draft: torch.nn.Module | None,
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--dtype", default="fp32", choices=["fp32", "int8"])
+    ap.add_argument("--dtype", default="fp32", choices=["fp32", "bf16", "int8"])
     ap.add_argument("--methods", default="ar,sps")
     ap.add_argument("--tokens", type=int, default=128)
     ap.add_argument("--prompts", type=int, default=2)

@@ -36,8 +36,9 @@ def test_parts_sum_to_the_step_and_name_every_group(method):
     assert all(not m._forward_hooks and not m._forward_pre_hooks for m in lm.model.modules())
 
 
-def test_floor_runs_every_linear_in_order():
-    lm = tiny(0)
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_floor_runs_every_linear_in_order(dtype):
+    lm = tiny(0, dtype)  # (bf16: prepacked linears where this CPU runs bf16 natively; inputs in the weights' dtype)
     ran = []
     handles = [m.register_forward_hook(lambda mod, a, o, n=n: ran.append(n)) for n, m in lm.model.named_modules()
                if n.rsplit(".", 1)[-1] in profile_step.LINEAR_GROUPS]
