@@ -302,3 +302,13 @@ def test_a_lossy_method_records_its_divergences_and_the_summary_counts_them(tmp_
         assert m["divergence_margin"] == pytest.approx(l1 - l2) and m["divergence_margin"] >= 0
         assert top1 == b["tokens"][m["first_divergence"]]  # greedy fp32: the target's top-1 is the baseline's token
     assert s["n_divergences"] == 2 and s["n_near_ties"] == 0 and s["near_tie_ulps"] == 4
+
+
+def test_the_summary_says_whether_bf16_linears_ran_prepacked(tmp_path):
+    from pardec.models import packed
+
+    bf16 = run(cfg_of("+method=sps", "draft=tiny_random", "dtype=bf16", *TINY, "n_samples=1"), tmp_path / "bf16")
+    assert bf16["prepacked_linears"] == {"target": packed.supported(), "draft": packed.supported()}
+    off = run(cfg_of("+method=pld", "dtype=bf16", "+model.cpu_prepack=false", *TINY, "n_samples=1"),
+              tmp_path / "off")
+    assert off["prepacked_linears"] == {"target": False, "draft": None}

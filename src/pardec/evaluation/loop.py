@@ -38,6 +38,7 @@ from pardec.evaluation.results import (
 from pardec.evaluation.spec import PEERS, check_resume, run_identity, validate
 from pardec.evaluation.summary import running_speed, summarize
 from pardec.evaluation.tables import format_table
+from pardec.models.packed import is_packed
 
 log = logging.getLogger("pardec.evaluate")  # the name its messages have always carried
 
@@ -204,6 +205,9 @@ def _run(cfg: DictConfig, run_dir: Path, spec, ranks: rk.Ranks, task, docs: list
                                                                role_pos.get(x["role"], len(role_pos))))
         energy = rk.combined_energy([x.pop("energy") for x in infos], [x["host"] for x in infos])
     summary = summarize(spec, task, records, method_role, lm.model.config, energy=energy)
+    # whether bf16 linears ran prepacked for oneDNN (model.cpu_prepack, where the CPU runs bf16 natively)
+    summary["prepacked_linears"] = {"target": is_packed(lm.model),
+                                    "draft": is_packed(draft.model) if draft is not None else None}
     if ranks.multi:
         counts: dict[int | None, int] = {}
         for x in records:
