@@ -61,6 +61,26 @@ def test_one_compile_serves_other_prompt_lengths_a_grown_cache_and_its_steps_wri
 
 
 @needs_compiler
+def test_models_of_the_same_shape_never_share_a_graph():
+    # the guards on a model's modules are skipped (compiled._step_fn): each model must run its own graph, even where
+    # its shapes are another's but its modules differ (int8 linears in place of nn.Linear)
+    from pardec.models.loading import load_model
+
+    a = tiny(3).model
+    b = load_model(ModelConfig(name="tiny_random", source="tiny_random", seed=3, device="cpu", dtype="int8")).model
+    prompt, token = torch.tensor([list(range(20, 40))]), torch.tensor([[7]])
+    got = {}
+    for name, m in (("a", a), ("b", b), ("a again", a)):
+        comp, lean = CachedModel(m, forward_impl="compiled"), CachedModel(m, forward_impl="lean")
+        comp.prefill(prompt)
+        lean.prefill(prompt)
+        got[name] = comp.forward(token).logits
+        _close(got[name], lean.forward(token).logits)
+    assert not torch.allclose(got["a"], got["b"])
+    assert compiled._step_fn(a) is compiled._step_fn(a) and compiled._step_fn(a) is not compiled._step_fn(b)
+
+
+@needs_compiler
 def test_every_lossless_method_on_the_compiled_step_reproduces_ar():
     assert_lossless_under("compiled", ("ar", "sps", "pld", "ouroboros", "lookahead", "jacobi"), ("noisy",))
 
