@@ -7,7 +7,7 @@ single-row steps) and it is what ``CachedModel`` pads verification forwards by (
 
 A dtype ``int8`` is the default int8 recipe; ``int8:<recipe>`` names another (``pardec.models.int8.parse_recipe``:
 ``weight_only``, ``per_channel:smooth=0.8:skip=down_proj``): the schemes cost differently by rows. ``bf16`` packs
-the linears for oneDNN where the CPU has native bf16 (``model.cpu_prepack``); ``bf16:unpacked`` does not. Prints a
+the linears for oneDNN on CPUs with AMX-bf16 (``model.cpu_prepack``); ``bf16:unpacked`` does not. Prints a
 markdown table per dtype (median ms and each T relative to T=1) under the machine's CPU model, vector flags and
 thread count, and saves each table to data/forward_cost/<machine key>/<model>-<precision>.json, the precision
 being ``ModelConfig.precision()`` (the dtype, with the int8 recipe), which is what evaluation looks it up by.

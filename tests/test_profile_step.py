@@ -38,7 +38,7 @@ def test_parts_sum_to_the_step_and_name_every_group(method):
 
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
 def test_floor_runs_every_linear_in_order(dtype):
-    lm = tiny(0, dtype)  # (bf16: prepacked linears where this CPU runs bf16 natively; inputs in the weights' dtype)
+    lm = tiny(0, dtype)  # (bf16: prepacked linears on CPUs with AMX-bf16; inputs in the weights' dtype)
     ran = []
     handles = [m.register_forward_hook(lambda mod, a, o, n=n: ran.append(n)) for n, m in lm.model.named_modules()
                if n.rsplit(".", 1)[-1] in profile_step.LINEAR_GROUPS]

@@ -75,9 +75,9 @@ class ModelConfig:
     int8_weights: str = "per_channel"
     int8_smooth: float | None = 0.8
     int8_skip: list[str] = field(default_factory=lambda: ["down_proj"])
-    # dtype=bf16 on a CPU with native bf16 (AVX-512-bf16 / AMX): the linears' weights prepacked once into oneDNN's
-    # blocked layout (pardec.models.packed): bitwise the same results, no per-call weight reorder (Xeon with AMX:
-    # SmolLM2's linears 20.8 -> 13.7 ms per pass, flat from 1 to 16 rows). Inference only; training loads unpacked
+    # dtype=bf16 on a CPU with AMX-bf16 (elsewhere it does nothing): the linears' weights prepacked once into
+    # oneDNN's blocked layout (pardec.models.packed): bitwise the same results, no per-call weight reorder (Xeon with
+    # AMX: SmolLM2's linears 20.8 -> 13.7 ms per pass, flat from 1 to 16 rows). Inference only; training loads unpacked
     cpu_prepack: bool = True
     # tiny_random only
     layers: int = 2

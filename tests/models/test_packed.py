@@ -1,7 +1,7 @@
 """model.cpu_prepack (pardec.models.packed): bf16 CPU linears prepacked for oneDNN compute bitwise what F.linear
 computes, row by row independently; loading packs bf16 CPU models for inference only (not for training, not when
 switched off, not other dtypes); tied weights stay tied; every forward impl runs them (the compiled step as an opaque
-op); a CPU without native bf16 packs nothing."""
+op); a CPU without AMX-bf16 packs nothing. All but the last need a CPU with AMX-bf16."""
 
 from __future__ import annotations
 
@@ -20,7 +20,8 @@ from tests.models.test_compiled import needs_compiler
 from tests.models.test_lean import _script
 
 needs_bf16 = pytest.mark.skipif(not packed.supported(),
-                                reason="this CPU's oneDNN has no native bf16: nothing is packed here (tested below)")
+                                reason="packing is on only on CPUs with AMX-bf16 (where it was measured); this CPU has "
+                                       "none, so nothing is packed here (tested below)")
 
 TINY = ModelConfig(name="tiny_random", source="tiny_random", device="cpu", dtype="bf16")
 
@@ -87,7 +88,7 @@ def test_a_tied_head_stays_tied_to_the_embeddings():
         assert torch.equal(m.lm_head(h), F.linear(h, m.get_input_embeddings().weight))
 
 
-def test_a_cpu_without_native_bf16_packs_nothing(monkeypatch):
+def test_a_cpu_without_amx_bf16_packs_nothing(monkeypatch):
     monkeypatch.setattr(packed, "supported", lambda: False)
     m = load_model(TINY).model
     assert not packed.is_packed(m)

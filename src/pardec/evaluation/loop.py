@@ -205,7 +205,7 @@ def _run(cfg: DictConfig, run_dir: Path, spec, ranks: rk.Ranks, task, docs: list
                                                                role_pos.get(x["role"], len(role_pos))))
         energy = rk.combined_energy([x.pop("energy") for x in infos], [x["host"] for x in infos])
     summary = summarize(spec, task, records, method_role, lm.model.config, energy=energy)
-    # whether bf16 linears ran prepacked for oneDNN (model.cpu_prepack, where the CPU runs bf16 natively)
+    # whether bf16 linears ran prepacked for oneDNN (model.cpu_prepack, on CPUs with AMX-bf16)
     summary["prepacked_linears"] = {"target": is_packed(lm.model),
                                     "draft": is_packed(draft.model) if draft is not None else None}
     if ranks.multi:

@@ -1,5 +1,5 @@
 """bf16 linears with their weights prepacked once into oneDNN's blocked layout (``model.cpu_prepack``, on by default
-for ``dtype=bf16`` on a CPU whose oneDNN runs bf16 natively).
+for ``dtype=bf16`` on a CPU with AMX-bf16).
 
 Why: ``F.linear`` on a bf16 CPU tensor calls oneDNN, which reorders the plain ``[out, in]`` weight into the blocked
 layout its AMX / AVX-512-bf16 kernel reads *on every call*. For SmolLM2's 210 decoder linears that reorder costs
@@ -10,10 +10,11 @@ nothing on that CPU, so only bf16 is packed. Inductor does the same packing insi
 (``torch._inductor.config.freezing``); doing it at load time gives it to every forward (hf, lean and the compiled
 step).
 
-Results: bitwise the same as ``F.linear`` on the same bf16 weights on oneDNN's bf16 path (tested), and each row's
-result is independent of the other rows of the call (tested): the packing changes where the weights lie, not the
-arithmetic. On a CPU without native bf16 (``torch.ops.mkldnn._is_mkldnn_bf16_supported()`` false: AVX2 only)
-nothing is packed, since ``F.linear`` then takes another kernel.
+Results: bitwise the same as ``F.linear`` on the same bf16 weights (tested on the AMX host), and each row's result
+is independent of the other rows of the call (tested): the packing changes where the weights lie, not the
+arithmetic. Only CPUs with AMX-bf16 pack (:func:`supported`): on AVX-512-bf16 without AMX (e.g. AMD Zen 4) neither
+the gain nor the bitwise equality was measured, and without native bf16 (AVX2 only) ``F.linear`` takes another
+kernel altogether; there nothing is packed.
 
 Inference only: a packed weight is an opaque ``torch._mkldnn`` tensor, with no autograd and no ``.to(device)``;
 the plain weight stays the module's parameter (tied weights stay tied; ``.weight`` reads work), so the packed copy
@@ -27,8 +28,12 @@ from torch import nn
 
 
 def supported() -> bool:
-    """Whether this CPU's oneDNN runs bf16 natively (what packing needs and what makes it pay)."""
-    return torch.backends.mkldnn.is_available() and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    """Whether loading packs bf16 linears here: a CPU with AMX-bf16 (the only kind on which packing was measured, to
+    pay and to give bitwise ``F.linear``'s results) whose oneDNN runs bf16."""
+    from pardec.models.cost import cpu_flags
+
+    return ("amx_bf16" in cpu_flags() and torch.backends.mkldnn.is_available()
+            and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported()))
 
 
 class PackedLinear(nn.Module):
