@@ -3,13 +3,12 @@ long `ar` runs, the training plot."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
 
-_SPEC = importlib.util.spec_from_file_location("cllm_report", Path(__file__).parents[1] / "scripts/cllm_report.py")
-cllm_report = importlib.util.module_from_spec(_SPEC)
-_SPEC.loader.exec_module(cllm_report)
+from tests.conftest import load_script
+
+cllm_report = load_script("cllm_report")
 
 
 def _bench(path: Path, ff: float) -> None:

@@ -2,15 +2,14 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
 
 import pytest
 
-_SPEC = importlib.util.spec_from_file_location("draft_report", Path(__file__).parents[1] / "scripts/draft_report.py")
-draft_report = importlib.util.module_from_spec(_SPEC)
-_SPEC.loader.exec_module(draft_report)
+from tests.conftest import load_script
+
+draft_report = load_script("draft_report")
 
 
 def _run(root: Path, frac: float, agree: float, eval_: bool = True) -> Path:

@@ -3,21 +3,18 @@ tokens-exact methods equal to `ar` in fp32, and two training steps of an experim
 
 from __future__ import annotations
 
-import importlib.util
 import json
 
 import pytest
 
-from pardec import REPO_ROOT
+from tests.conftest import load_script
 
 
 @pytest.mark.slow
 def test_gpu_smoke_runs_on_cpu(tmp_path):
     from pardec.decoding import METHODS
 
-    spec = importlib.util.spec_from_file_location("gpu_smoke", REPO_ROOT / "scripts" / "gpu_smoke.py")
-    smoke = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(smoke)
+    smoke = load_script("gpu_smoke")
     rc = smoke.main(["--device", "cpu", "--model", "tiny_random", "--new-tokens", "8", "--kinds", "cllm",
                      "--forward-impls", "hf,lean", "--out", str(tmp_path)])  # (compiled: tests/models/test_compiled.py)
     out = json.loads((tmp_path / "gpu_smoke.json").read_text())
@@ -33,9 +30,7 @@ def test_gpu_smoke_runs_on_cpu(tmp_path):
 
 
 def test_gpu_smoke_refuses_cuda_without_a_gpu_and_unknown_kinds(tmp_path, capsys):
-    spec = importlib.util.spec_from_file_location("gpu_smoke", REPO_ROOT / "scripts" / "gpu_smoke.py")
-    smoke = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(smoke)
+    smoke = load_script("gpu_smoke")
     with pytest.raises(SystemExit):
         smoke.main(["--device", "cuda"])
     assert "no CUDA device is available here; use --device cpu" in capsys.readouterr().err

@@ -2,18 +2,14 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
-from pathlib import Path
 
 import torch
 
 from pardec.models.heads import FirpProjections
-from tests.conftest import tiny
+from tests.conftest import load_script, tiny
 
-_SPEC = importlib.util.spec_from_file_location("heads_report", Path(__file__).parents[1] / "scripts/heads_report.py")
-heads_report = importlib.util.module_from_spec(_SPEC)
-_SPEC.loader.exec_module(heads_report)
+heads_report = load_script("heads_report")
 
 
 def test_cosine_at_birth_is_the_anchor_against_the_real_future_state():

@@ -3,24 +3,18 @@ weight schemes (with a draft), and bad values are refused."""
 
 from __future__ import annotations
 
-import importlib.util
 import math
 
 import pytest
 import torch
 
-from pardec import REPO_ROOT
 from pardec.config import ModelConfig
 from pardec.models.loading import load_model
 from pardec.training.completions import GenerateConfig, generate, generation_meta
 from pardec.training.stages import Prompt
+from tests.conftest import load_script
 
-
-def _script():
-    spec = importlib.util.spec_from_file_location("int8_quality", REPO_ROOT / "scripts" / "int8_quality.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+int8_quality = load_script("int8_quality")
 
 
 @pytest.fixture
@@ -37,8 +31,8 @@ def corpus(tmp_path):
 
 def test_int8_quality_measures_fp32_and_both_schemes(corpus, tmp_path, capsys):
     path, draft_dir, lm = corpus
-    out = _script().main(["--corpus", str(path), "--model", "tiny_random", "--draft", str(draft_dir),
-                          "--threads", "1", "--out", str(tmp_path / "q.json")])
+    out = int8_quality.main(["--corpus", str(path), "--model", "tiny_random", "--draft", str(draft_dir),
+                             "--threads", "1", "--out", str(tmp_path / "q.json")])
     labels = [r["label"] for r in out["rows"]]
     assert labels == ["fp32", "int8 weight_only", "int8 per_tensor", "int8 per_channel", "int8 per_channel:smooth=0.8",
                       "int8 per_channel:smooth=0.8:skip=down_proj"]
@@ -46,12 +40,12 @@ def test_int8_quality_measures_fp32_and_both_schemes(corpus, tmp_path, capsys):
     assert fp32["positions"] == 10 and fp32["top1_vs_fp32_records"] == 1.0  # greedy records of this very model
     assert fp32["draft_agreement"] == 1.0  # the draft is the target
     # the perplexity is the records' own: recompute it by hand for the first record
-    rec = _script().load_completions(path)[0]
+    rec = int8_quality.load_completions(path)[0]
     with torch.no_grad():
         logp = torch.log_softmax(lm.model(torch.tensor([rec["prompt_ids"] + rec["completion_ids"]])).logits[0], -1)
     p = len(rec["prompt_ids"])
     nll0 = -sum(float(logp[p - 1 + j, t]) for j, t in enumerate(rec["completion_ids"]))
-    nll, n = _script().record_nll(lm.model, [rec])
+    nll, n = int8_quality.record_nll(lm.model, [rec])
     assert n == 5 and math.isclose(nll, nll0, rel_tol=1e-4)
     for r in out["rows"][1:]:
         x = r["corpora"]["corpus"]
@@ -59,11 +53,11 @@ def test_int8_quality_measures_fp32_and_both_schemes(corpus, tmp_path, capsys):
         assert 0 <= x["draft_agreement"] <= 1
     assert (tmp_path / "q.json").is_file()
     assert "| int8 per_tensor |" in capsys.readouterr().out
-    bf16 = _script().main(["--corpus", str(path), "--model", "tiny_random", "--recipe", "bf16", "--threads", "1"])
+    bf16 = int8_quality.main(["--corpus", str(path), "--model", "tiny_random", "--recipe", "bf16", "--threads", "1"])
     assert [r["label"] for r in bf16["rows"]] == ["fp32", "bf16"]
     x = bf16["rows"][1]["corpora"]["corpus"]
     assert x["positions"] == 10 and 0 <= x["top1_vs_fp32_records"] <= 1 and x["perplexity_of_records"] > 0
-    assert _script().parse_recipe("per_channel:smooth=0.5:skip=down_proj+o_proj") == {
+    assert int8_quality.parse_recipe("per_channel:smooth=0.5:skip=down_proj+o_proj") == {
         "int8_weights": "per_channel", "int8_smooth": 0.5, "int8_skip": ["down_proj", "o_proj"]}
 
 
@@ -74,5 +68,5 @@ def test_int8_quality_measures_fp32_and_both_schemes(corpus, tmp_path, capsys):
                                        (["--max-records", "0"], "--max-records 0: it must be >= 1")])
 def test_int8_quality_refuses_bad_values(args, msg, capsys, tmp_path):
     with pytest.raises(SystemExit):
-        _script().main(["--corpus", str(tmp_path), "--model", "tiny_random", *args])
+        int8_quality.main(["--corpus", str(tmp_path), "--model", "tiny_random", *args])
     assert msg in capsys.readouterr().err

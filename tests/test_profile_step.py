@@ -2,18 +2,11 @@
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-
 import pytest
 
-from tests.conftest import noisy, tiny
+from tests.conftest import load_script, noisy, tiny
 
-_SPEC = importlib.util.spec_from_file_location("profile_step", Path(__file__).parents[1] / "scripts/profile_step.py")
-profile_step = importlib.util.module_from_spec(_SPEC)
-sys.modules["profile_step"] = profile_step  # (its dataclass looks itself up there)
-_SPEC.loader.exec_module(profile_step)
+profile_step = load_script("profile_step")
 
 
 @pytest.mark.parametrize("method", ["ar", "sps"])

@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
 
-_SPEC = importlib.util.spec_from_file_location("sdsat_report", Path(__file__).parents[1] / "scripts/sdsat_report.py")
-sdsat_report = importlib.util.module_from_spec(_SPEC)
-_SPEC.loader.exec_module(sdsat_report)
+from tests.conftest import load_script
+
+sdsat_report = load_script("sdsat_report")
 
 
 def _run(path: Path, summary: dict) -> None:

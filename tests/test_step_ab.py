@@ -2,22 +2,15 @@
 
 from __future__ import annotations
 
-import importlib.util
-
 import pytest
 
-from pardec import REPO_ROOT
+from tests.conftest import load_script
 
-
-def _script():
-    spec = importlib.util.spec_from_file_location("step_ab", REPO_ROOT / "scripts" / "step_ab.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+step_ab = load_script("step_ab")
 
 
 def test_step_ab_times_both_forwards_and_they_agree(capsys):
-    out = _script().main(["--model", "tiny_random", "--steps", "3", "--rounds", "2", "--threads", "1"])
+    out = step_ab.main(["--model", "tiny_random", "--steps", "3", "--rounds", "2", "--threads", "1"])
     assert out["same_tokens"] is True and list(out["impls"]) == ["hf", "lean"]
     for r in out["impls"].values():
         assert len(r["ms_per_step"]) == 2 and all(x > 0 for x in r["ms_per_step"]) and r["median"] > 0
@@ -30,5 +23,5 @@ def test_step_ab_times_both_forwards_and_they_agree(capsys):
                                        (["--steps", "0"], "--steps 0 / --rounds 5: both must be >= 1")])
 def test_step_ab_refuses_bad_values(args, msg, capsys):
     with pytest.raises(SystemExit):
-        _script().main(["--model", "tiny_random", *args])
+        step_ab.main(["--model", "tiny_random", *args])
     assert msg in capsys.readouterr().err
