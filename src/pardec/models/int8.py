@@ -121,7 +121,7 @@ def quantize(model: torch.nn.Module, scheme: str = "per_channel", skip: tuple[st
         raise ValueError(f"int8 weight scheme {scheme!r} is not one of {', '.join(SCHEMES)}")
     if scheme == "weight_only":
         _warn_without_bf16()
-        _replace_linears(model, skip, WeightOnlyLinear.of)
+        replace_linears(model, skip, WeightOnlyLinear.of)
         return model
     qconfig = per_channel_dynamic_qconfig if scheme == "per_channel" else default_dynamic_qconfig
     spec = {name: qconfig for name, mod in model.named_modules()
@@ -270,8 +270,8 @@ def _warn_without_bf16() -> None:
                     "use int8_weights=per_channel (model. or draft.)")
 
 
-def _replace_linears(model: torch.nn.Module, skip: tuple[str, ...], make) -> None:
-    """Each ``nn.Linear`` of ``model`` not in ``skip`` -> ``make(linear)``, in place."""
+def replace_linears(model: torch.nn.Module, skip: tuple[str, ...], make) -> None:
+    """Each ``nn.Linear`` of ``model`` not in ``skip`` -> ``make(linear)``, in place (also :mod:`pardec.models.packed`)."""
     for mod_name, mod in list(model.named_modules()):
         for child_name, child in list(mod.named_children()):
             full = f"{mod_name}.{child_name}" if mod_name else child_name
@@ -284,12 +284,12 @@ def _skeleton(model: torch.nn.Module, skip: tuple[str, ...] = (), scheme: str = 
     ``scheme``), ready for a cached state dict (no weight is quantized: building it costs milliseconds)."""
     if scheme == "weight_only":
         _warn_without_bf16()
-        _replace_linears(model, skip, lambda c: WeightOnlyLinear(c.in_features, c.out_features, c.bias is not None))
+        replace_linears(model, skip, lambda c: WeightOnlyLinear(c.in_features, c.out_features, c.bias is not None))
         return model
     qlin = _quantized_linear_type()
     with warnings.catch_warnings():
         warnings.filterwarnings(*_DEPRECATION)
-        _replace_linears(model, skip, lambda c: qlin(c.in_features, c.out_features, bias_=c.bias is not None,
+        replace_linears(model, skip, lambda c: qlin(c.in_features, c.out_features, bias_=c.bias is not None,
                                                     dtype=torch.qint8))
     return model
 

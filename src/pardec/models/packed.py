@@ -46,31 +46,27 @@ class PackedLinear(nn.Module):
         self.in_features, self.out_features = lin.in_features, lin.out_features
         self.weight = lin.weight  # the same Parameter (a tied weight stays tied)
         self.bias = lin.bias
-        with torch.no_grad():
-            # (the batch-size hint picks a layout; measured flat from 1 to 16 rows with the hint 1)
-            self.packed = torch.ops.mkldnn._reorder_linear_weight(lin.weight.detach(), 1)
+        # (the batch-size hint picks a layout; measured flat from 1 to 16 rows with the hint 1)
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(lin.weight.detach(), 1)
+        self._bias = None if lin.bias is None else lin.bias.detach()  # (what the op reads: no autograd here)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        bias = None if self.bias is None else self.bias.detach()
-        return torch.ops.mkldnn._linear_pointwise(x, self.packed, bias, "none", [], "")
+        return torch.ops.mkldnn._linear_pointwise(x, self.packed, self._bias, "none", [], "")
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
 
 
 def prepack(model: nn.Module) -> int:
-    """Replace every bf16 CPU ``nn.Linear`` of ``model`` by a :class:`PackedLinear`, in place; the number replaced
-    (0 where :func:`supported` is false)."""
+    """Replace every bf16 CPU ``nn.Linear`` of ``model`` by a :class:`PackedLinear`, in place; the number of packed
+    linears ``model`` then has (0 where :func:`supported` is false)."""
+    from pardec.models.int8 import replace_linears
+
     if not supported():
         return 0
-    n = 0
-    for parent in list(model.modules()):
-        for name, child in parent.named_children():
-            if (type(child) is nn.Linear and child.weight.dtype == torch.bfloat16
-                    and child.weight.device.type == "cpu"):
-                setattr(parent, name, PackedLinear(child))
-                n += 1
-    return n
+    replace_linears(model, (), lambda c: PackedLinear(c) if c.weight.dtype == torch.bfloat16
+                    and c.weight.device.type == "cpu" else c)
+    return sum(isinstance(m, PackedLinear) for m in model.modules())
 
 
 def is_packed(model: nn.Module) -> bool:
