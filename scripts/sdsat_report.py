@@ -33,17 +33,18 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def sdsat_rows(bench_dirs: list[Path]) -> list[dict]:
-    """One row per sdsat run or role: dataset, sampling, variant, k, speed, acceptance, exact match, metric."""
+    """One row per sdsat run or role: dataset, dtype, sampling, variant, k, speed, acceptance, exact match, metric."""
     rows = []
     for s, _, params, e in method_entries(bench_dirs, ("sdsat",)):
-        rows.append({"dataset": s["dataset"], "sampling": _sampling(s), "variant": params.get("variant", "two_step"),
+        rows.append({"dataset": s["dataset"], "dtype": s.get("dtype") or "fp32", "sampling": _sampling(s),
+                     "variant": params.get("variant", "two_step"),
                      "k": int(params.get("k", 5)), "top_k": params.get("top_k"), "tokens_per_s": e.get("tokens_per_s"),
                      "ar_tokens_per_s": s.get("baseline_tokens_per_s"), "speedup": e.get("speedup"),
                      "speedup_median": e.get("speedup_median"), "tokens_per_forward": e.get("tokens_per_forward"),
                      "acceptance": e.get("draft_acceptance"), "exact_match_rate": e.get("exact_match_rate"),
                      "metric": e.get("metric"), "ar_metric": s.get("baseline_metric"), "metric_name": s.get("metric_name"),
                      "perplexity": e.get("perplexity"), "run": s["_dir"]})
-    return sorted(rows, key=lambda r: (r["dataset"], r["sampling"], r["variant"], r["k"]))
+    return sorted(rows, key=lambda r: (r["dataset"], r["dtype"], r["sampling"], r["variant"], r["k"]))
 
 
 def base_rows(base_dirs: list[Path]) -> list[dict]:
@@ -68,16 +69,16 @@ def plot(rows: list[dict], path: Path) -> None:
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
     groups: dict[tuple, list[dict]] = {}
     for r in rows:
-        groups.setdefault((r["dataset"], r["sampling"], r["variant"]), []).append(r)
-    for (ds, samp, variant), rs in sorted(groups.items()):
+        groups.setdefault((r["dataset"], r["dtype"], r["sampling"], r["variant"]), []).append(r)
+    for (ds, dtype, samp, variant), rs in sorted(groups.items()):
         ks = [r["k"] for r in rs]
-        label = f"{ds} {samp} {variant}"
+        label = f"{ds} {dtype} {samp} {variant}"
         ax1.plot(ks, [r["acceptance"] or 0 for r in rs], marker="o", label=label)
         ax2.plot(ks, [r["tokens_per_s"] or 0 for r in rs], marker="o", label=label)
-    ars = {(r["dataset"], r["sampling"]): r["ar_tokens_per_s"] for r in rows if r["ar_tokens_per_s"]}
-    for (ds, samp), v in sorted(ars.items()):
+    ars = {(r["dataset"], r["dtype"], r["sampling"]): r["ar_tokens_per_s"] for r in rows if r["ar_tokens_per_s"]}
+    for (ds, dtype, samp), v in sorted(ars.items()):
         ax2.axhline(v, linestyle="--", linewidth=1, color="grey")
-        ax2.annotate(f"ar {ds} {samp}", (ax2.get_xlim()[0], v), fontsize=7, va="bottom")
+        ax2.annotate(f"ar {ds} {dtype} {samp}", (ax2.get_xlim()[0], v), fontsize=7, va="bottom")
     ax1.set(xlabel="k (adaptive tokens)", ylabel="draft acceptance (accepted / drafted)", title="Acceptance vs k")
     ax2.set(xlabel="k (adaptive tokens)", ylabel="tokens / s", title="Speed vs k")
     ax1.legend(fontsize=7)
@@ -99,10 +100,11 @@ def plot_losses(history: list[dict], path: Path) -> bool:
 
 def render(rows: list[dict], base: list[dict], ev: dict | None, ar: list[dict] = ()) -> str:
     md = ["## sdsat against k (bench runs on the SDSAT model; speedup vs ar of the same model)", "",
-          "| dataset | sampling | variant | k | tokens/s | speedup (median) | tokens/forward | acceptance | exact match |",
-          "|---|---|---|---|---|---|---|---|---|"]
+          "| dataset | dtype | sampling | variant | k | tokens/s | speedup (median) | tokens/forward | acceptance | "
+          "exact match |", "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
-        md.append(f"| {r['dataset']} | {r['sampling']} | {r['variant']} | {r['k']} | {_f(r['tokens_per_s'], 1)} | "
+        md.append(f"| {r['dataset']} | {r['dtype']} | {r['sampling']} | {r['variant']} | {r['k']} | "
+                  f"{_f(r['tokens_per_s'], 1)} | "
                   f"{_f(r['speedup'])} ({_f(r['speedup_median'])}) | {_f(r['tokens_per_forward'])} | "
                   f"{_f(r['acceptance'])} | {_f(r['exact_match_rate'])} |")
     md += ["", "## Quality parity: ar on the base model vs ar on the SDSAT model (same prompts)", "",

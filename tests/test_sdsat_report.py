@@ -37,8 +37,15 @@ def test_rows_plot_and_markdown(tmp_path):
     sdsat_report.plot(rows, tmp_path / "k.png")
     assert (tmp_path / "k.png").stat().st_size > 1000
     md = sdsat_report.render(rows, base, {"perplexity": {"ratio": 1.01}})
-    assert "| humaneval | greedy | two_step | 5 | 20.0 | 1.25 (–) | 2.00 | 0.40 | 1.00 |" in md
+    assert "| humaneval | fp32 | greedy | two_step | 5 | 20.0 | 1.25 (–) | 2.00 | 0.40 | 1.00 |" in md  # no dtype: fp32
     assert "| humaneval (5 prompts, greedy) | pass@1 | 0.25 | 0.20 |" in md  # the sdsat run's baseline
+    _run(tmp_path / "sd" / "humaneval_bf16", {  # another dtype of the same settings: its own rows, not merged
+        "dataset": "humaneval", "dtype": "bf16", "method": "sdsat", "method_params": {"k": 5},
+        "sampling": {"temperature": 0.0}, "tokens_per_s": 30.0, "speedup": 1.5, "peers": {}})
+    rows2 = sdsat_report.sdsat_rows([tmp_path / "sd"])
+    assert [(r["dtype"], r["k"], r["tokens_per_s"]) for r in rows2] == [("bf16", 5, 30.0), ("fp32", 3, 13.0),
+                                                                       ("fp32", 8, 18.0), ("fp32", 5, 20.0)]
+    assert "| humaneval | bf16 | greedy | two_step | 5 | 30.0 | 1.50 (–) |" in sdsat_report.render(rows2, base, None)
     ar = [{**base[0], "metric": 0.3}]
     assert "| humaneval (5 prompts, greedy) | pass@1 | 0.25 | 0.30 |" in sdsat_report.render(rows, base, None, ar)
 
