@@ -6,7 +6,8 @@ the corpus-size study (the same recipe at ``draft.corpus_fraction`` 0.5 and 1):
 
 Per run: its logged steps (``log_history.json``, else the newest checkpoint's state), its train summary
 (``train_summary.json`` of the train stage: samples, corpus fraction, steps, seconds) when there is one, and its
-``draft_eval.json`` (teacher-forced top-1 agreement per held-out dataset, forward cost vs the target). Writes
+``draft_eval.json`` (teacher-forced top-1 agreement and expected acceptance at temperature 1, 1 - TVD, per held-out
+dataset; forward cost vs the target). Writes
 ``report.md``, ``report.json`` and ``draft_curves.png`` (KL and top-1 agreement against the optimizer step).
 """
 
@@ -46,7 +47,8 @@ def _fmt(x, digits: int = 3) -> str:
 def table(runs: dict[str, dict]) -> str:
     datasets = sorted({d for r in runs.values() if r["eval"] for d in r["eval"]["agreement"]})
     head = ["run", "samples", "corpus fraction", "steps", "train min", "last logged kl", "last logged agreement",
-            *[f"held-out agreement {d}" for d in datasets], "draft / target forward"]
+            *[f"held-out agreement {d}" for d in datasets],
+            *[f"held-out expected acceptance at T=1 {d}" for d in datasets], "draft / target forward"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for label, r in runs.items():
         t, e, last = r["train"] or {}, r["eval"] or {}, (r["history"] or [{}])[-1]
@@ -54,6 +56,7 @@ def table(runs: dict[str, dict]) -> str:
         row = [label, t.get("samples"), t.get("corpus_fraction"), t.get("steps") or last.get("step"),
                None if secs is None else secs / 60, last.get("kl"), last.get("agreement"),
                *[e.get("agreement", {}).get(d, {}).get("agreement") for d in datasets],
+               *[e.get("agreement", {}).get(d, {}).get("expected_acceptance_t1") for d in datasets],  # older evals: –
                e.get("cost", {}).get("draft_over_target")]
         lines.append("| " + " | ".join(_fmt(x, 1 if i == 4 else 3) for i, x in enumerate(row)) + " |")
     return "\n".join(lines) + "\n"

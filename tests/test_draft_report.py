@@ -21,7 +21,8 @@ def _run(root: Path, frac: float, agree: float, eval_: bool = True) -> Path:
         "samples": int(1000 * frac), "corpus_fraction": frac, "steps": 4, "train_seconds": 600.0}}))
     if eval_:
         (root / "draft_eval.json").write_text(json.dumps({
-            "agreement": {"gsm8k": {"agreement": agree, "positions": 10}, "humaneval": {"agreement": agree / 2}},
+            "agreement": {"gsm8k": {"agreement": agree, "positions": 10, "expected_acceptance_t1": agree - 0.1},
+                          "humaneval": {"agreement": agree / 2}},  # an eval from before the acceptance field
             "cost": {"draft_over_target": 0.14}}))
     return root
 
@@ -32,8 +33,9 @@ def test_report_puts_runs_side_by_side(tmp_path, capsys):
     md = (tmp_path / "r" / "report.md").read_text()
     rows = {line.split(" | ")[0].strip("| "): line for line in md.splitlines() if line.startswith("| full") or
             line.startswith("| half")}
-    assert "| 1000 | 1.000 | 4 | 10.0 | 0.500 | 0.600 | 0.600 | 0.300 | 0.140 |" in rows["full"]
-    assert rows["half"].endswith("| 500 | 0.500 | 4 | 10.0 | 0.500 | 0.500 | – | – | – |")  # no eval yet
+    assert "| 1000 | 1.000 | 4 | 10.0 | 0.500 | 0.600 | 0.600 | 0.300 | 0.500 | – | 0.140 |" in rows["full"]
+    assert rows["half"].endswith("| 500 | 0.500 | 4 | 10.0 | 0.500 | 0.500 | – | – | – | – | – |")  # no eval yet
+    assert "held-out expected acceptance at T=1 gsm8k" in md
     assert "held-out agreement gsm8k" in md and (tmp_path / "r" / "draft_curves.png").stat().st_size > 1000
     assert json.loads((tmp_path / "r" / "report.json").read_text())["half"]["eval"] is None
 

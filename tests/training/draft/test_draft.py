@@ -418,3 +418,30 @@ def test_config_errors():
         with pytest.raises(ConfigError, match=pattern):
             validate(_compose(["+experiment=draft_tiny", *ov]))
     assert Path(validate(_compose(["+experiment=draft_tiny"])).gen.out_dir).name == "train"
+
+
+def test_agreement_reports_top1_and_the_expected_sampled_acceptance():
+    """agreement(): top-1 agreement and the mean of sum_v min(p_v, q_v) (1 - TVD) over the completion positions,
+    checked against a hand computation from each model's own full forward; a draft that is the target gives 1 and 1."""
+    from pardec.training.draft.trainer import agreement
+
+    target, other = tiny(0).model, tiny(1).model
+    records = [{"prompt_ids": [1, 5, 9], "completion_ids": [4, 7, 3]},
+               {"prompt_ids": [1, 6], "completion_ids": [8, 2, 11, 12]}]
+    same = agreement(target, target, records, pad_id=0, batch_size=2)
+    assert same["positions"] == 7 and same["agreement"] == 1.0
+    assert same["expected_acceptance_t1"] == pytest.approx(1.0, abs=1e-5)
+    got = agreement(other, target, records, pad_id=0, batch_size=1)
+    agree, overlap = [], []
+    with torch.inference_mode():
+        for r in records:
+            ids = torch.tensor([r["prompt_ids"] + r["completion_ids"][:-1]])
+            lo = len(r["prompt_ids"]) - 1  # the positions that predict completion tokens
+            p = target(ids).logits[0, lo:].softmax(-1)
+            q = other(ids).logits[0, lo:].softmax(-1)
+            agree += (p.argmax(-1) == q.argmax(-1)).tolist()
+            overlap += torch.minimum(p, q).sum(-1).tolist()
+    assert got["positions"] == 7
+    assert got["agreement"] == pytest.approx(sum(agree) / 7)
+    assert got["expected_acceptance_t1"] == pytest.approx(sum(overlap) / 7, abs=1e-5)
+    assert 0.0 < got["expected_acceptance_t1"] < 1.0

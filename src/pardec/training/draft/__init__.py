@@ -5,10 +5,11 @@ Stages (``stage=generate|train|eval|all``):
 
 * ``generate``: the target's greedy completions of ``completions.sources`` into ``completions.out_dir``
   (:mod:`pardec.training.completions`);
-* ``train``: :class:`~.trainer.DraftTrainer` (forward KL or CE on the draft vocabulary); the draft goes to
-  ``<run dir>/final``;
+* ``train``: :class:`~.trainer.DraftTrainer` (forward KL, TVD, JSD or CE on the draft vocabulary); the draft goes
+  to ``<run dir>/final``;
 * ``eval`` (rank 0): completions of the held-out ``eval.sources`` (``<eval.out_dir>/<dataset>``), top-1 agreement
-  of draft vs target on them and the forward cost ratio, into ``<run dir>/draft_eval.json``.
+  of draft vs target on them and the expected acceptance of a drafted token at temperature 1 (1 - TVD), and the
+  forward cost ratio, into ``<run dir>/draft_eval.json``.
 """
 
 from __future__ import annotations

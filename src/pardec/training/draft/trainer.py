@@ -161,23 +161,32 @@ class DraftTrainer(BaseTrainer):
 # ------------------------------------------------------------------------------------------- evaluation
 @torch.inference_mode()
 def agreement(draft, target, records: list[dict], pad_id: int, batch_size: int = 8) -> dict:
-    """Teacher-forced top-1 agreement on ``records`` (prompt + target completion): the fraction of completion
-    positions where argmax draft == argmax target; also how often the target's argmax is the recorded token."""
+    """Teacher-forced draft quality on ``records`` (prompt + target completion), over the completion positions:
+    ``agreement``, how often argmax draft == argmax target (what greedy speculative decoding accepts);
+    ``expected_acceptance_t1``, the mean of sum_v min(p_v, q_v) = 1 - TVD(p, q) with p, q the target's and the
+    draft's unwarped softmax (the probability that speculative sampling at temperature 1 accepts a drafted token:
+    Leviathan et al. 2023, §3.4; what a TVD-trained draft optimises, DistillSpec); and how often the target's argmax
+    is the recorded token."""
     ds = CompletionDataset(records, max_length=1 << 30)
     collate = CompletionCollator(pad_id)
     agree = same = n = 0
+    accept = 0.0
     for start in range(0, len(ds), batch_size):
         b = collate([ds[i] for i in range(start, min(start + batch_size, len(ds)))])
         k = loss_window(b["loss_mask"])
         mask = b["loss_mask"][:, -k:]
         kw = {key: b[key].to(target.device) for key in ("input_ids", "attention_mask", "position_ids")}
-        t = target(**kw, logits_to_keep=k).logits.argmax(-1).cpu()  # [B, k]
-        d = draft(**{x: v.to(draft.device) for x, v in kw.items()}, logits_to_keep=k).logits.argmax(-1).cpu()
+        tl = target(**kw, logits_to_keep=k).logits.float()  # [B, k, V]
+        dl = draft(**{x: v.to(draft.device) for x, v in kw.items()}, logits_to_keep=k).logits.float().to(tl.device)
+        t, d = tl.argmax(-1).cpu(), dl.argmax(-1).cpu()  # [B, k]
+        overlap = torch.minimum(tl.softmax(-1), dl.softmax(-1)).sum(-1).cpu()  # [B, k]
         agree += int((t == d)[mask].sum())
+        accept += float(overlap[mask].sum())
         n += int(mask.sum())
         for row in range(len(t)):  # row's masked positions predict exactly its completion tokens
             same += int((t[row][mask[row]] == torch.tensor(ds.records[start + row]["completion_ids"])).sum())
-    return {"positions": n, "agreement": agree / max(n, 1), "target_matches_record": same / max(n, 1)}
+    return {"positions": n, "agreement": agree / max(n, 1), "expected_acceptance_t1": accept / max(n, 1),
+            "target_matches_record": same / max(n, 1)}
 
 
 @torch.inference_mode()
