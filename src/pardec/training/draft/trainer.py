@@ -176,10 +176,10 @@ def agreement(draft, target, records: list[dict], pad_id: int, batch_size: int =
         k = loss_window(b["loss_mask"])
         mask = b["loss_mask"][:, -k:]
         kw = {key: b[key].to(target.device) for key in ("input_ids", "attention_mask", "position_ids")}
-        tl = target(**kw, logits_to_keep=k).logits.float()  # [B, k, V]
-        dl = draft(**{x: v.to(draft.device) for x, v in kw.items()}, logits_to_keep=k).logits.float().to(tl.device)
+        tl = target(**kw, logits_to_keep=k).logits  # [B, k, V]
+        dl = draft(**{x: v.to(draft.device) for x, v in kw.items()}, logits_to_keep=k).logits.to(tl.device)
         t, d = tl.argmax(-1).cpu(), dl.argmax(-1).cpu()  # [B, k]
-        overlap = torch.minimum(tl.softmax(-1), dl.softmax(-1)).sum(-1).cpu()  # [B, k]
+        overlap = (1.0 - token_divergence(dl, tl, "tvd")).cpu()  # [B, k]: sum_v min(p_v, q_v) = 1 - TVD
         agree += int((t == d)[mask].sum())
         accept += float(overlap[mask].sum())
         n += int(mask.sum())
