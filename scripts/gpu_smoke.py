@@ -11,7 +11,7 @@ made on the spot (untrained: this checks that everything runs and stays exact, n
 3. a 2-process sharded `evaluate` (torchrun) when the machine has two GPUs or more.
 
     python scripts/gpu_smoke.py [--device cuda|cpu] [--model smollm2_135m|tiny_random] [--new-tokens 32]
-                                [--methods ar,sps,...] [--forward-impls hf,lean,compiled] [--kinds cllm,draft,...] [--out DIR]
+                                [--methods ar,sps,...] [--forward-impls hf,lean,compiled,cudagraph] [--kinds cllm,draft,...] [--out DIR]
 
 It writes ``<out>/gpu_smoke.json`` and prints one markdown table per part. On a machine without CUDA it runs with
 ``--device cpu`` (CI runs it so, on the tiny random model, as a test of the script itself).
@@ -27,6 +27,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from functools import partial
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -81,6 +82,7 @@ def decoding(a, out: dict) -> list[dict]:
     from pardec.config import ModelConfig
     from pardec.decoding import METHODS, Stopper, build_decoder
     from pardec.decoding.base import lossless_under_greedy
+    from pardec.devicecheck import count_cuda_syncs
     from pardec.models.cached import CachedModel
     from pardec.models.loading import TORCH_DTYPES, load_model, named_config, set_tf32
 
@@ -123,6 +125,10 @@ def decoding(a, out: dict) -> list[dict]:
                     same += r.tokens == ref[i]
                     tokens += len(r.tokens)
                     forwards += r.target_forwards
+                # host syncs per target forward, in a separate untimed run of the first prompt (real CUDA only)
+                if a.device.startswith("cuda"):
+                    r, syncs = count_cuda_syncs(partial(dec.generate, prompts[0], a.new_tokens, stop), a.device)
+                    row["syncs_per_forward"] = syncs / max(r.target_forwards, 1)
                 ar_s = seconds if name == "ar" else ar_s
                 ar_hf = seconds if name == "ar" and impl == "hf" else ar_hf
                 row.update(ok=True, exact_match=same / len(prompts), tokens_per_forward=tokens / max(forwards, 1),
@@ -134,8 +140,8 @@ def decoding(a, out: dict) -> list[dict]:
             except Exception as e:  # noqa: BLE001  (a smoke test reports every failure and goes on)
                 row.update(ok=False, problem=f"{type(e).__name__}: {str(e)[:300]}")
             rows.append(row)
-            print(f"  {dtype} {impl:4s} {name:15s} {'ok' if row['ok'] and 'problem' not in row else 'FAILED'}",
-                  flush=True)
+            print(f"  {dtype} {impl:4s} {name:15s} {'ok' if row['ok'] and 'problem' not in row else 'FAILED'} "
+                  f"{row.get('problem', '')}", flush=True)
         del model, draft_model
         if a.device.startswith("cuda"):
             torch.cuda.empty_cache()
@@ -145,7 +151,9 @@ def decoding(a, out: dict) -> list[dict]:
 
 def training(a, out: dict) -> list[dict]:
     rows = []
-    env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
+    # pardec's src first, then whatever the caller's PYTHONPATH holds (a machine with packages beside the venv)
+    path = os.pathsep.join(filter(None, [str(ROOT / "src"), os.environ.get("PYTHONPATH")]))
+    env = {**os.environ, "PYTHONPATH": path}
     for kind in (a.kinds.split(",") if a.kinds else list(KINDS)):
         exp = KINDS[kind]
         work = Path(tempfile.mkdtemp(prefix=f"pardec-smoke-{kind}-"))
@@ -164,7 +172,8 @@ def training(a, out: dict) -> list[dict]:
             if steps != 2:
                 row["problem"] = f"trained {steps} steps, expected 2"
         rows.append(row)
-        print(f"  train {kind:13s} {'ok' if row['ok'] and 'problem' not in row else 'FAILED'}", flush=True)
+        print(f"  train {kind:13s} {'ok' if row['ok'] and 'problem' not in row else 'FAILED'} "
+              f"{row.get('problem', '')}", flush=True)
     out["training"] = rows
     return rows
 
@@ -193,16 +202,17 @@ def sharded(a, out: dict) -> dict:
 def tables(out: dict) -> str:
     lines = [f"GPU smoke test: {out['device']}, torch {out['torch']}, model {out['model']}, "
              f"{out['new_tokens']} new tokens x {len(PROMPTS)} prompts, greedy ({out['date']})", "",
-             "| method | dtype | forward | exactness | exact match vs ar | tokens/forward | speed vs ar | status |",
-             "|---|---|---|---|---|---|---|---|"]
+             "| method | dtype | forward | exactness | exact match vs ar | tokens/forward | speed vs ar | host syncs/forward "
+             "| status |", "|---|---|---|---|---|---|---|---|---|"]
     for r in out["decoding"]:
         impl = r.get("forward_impl", "hf")
         if r["ok"]:
             vs_hf = f" ({r['speed_vs_hf_ar']:.2f}x `ar` on hf)" if "speed_vs_hf_ar" in r else ""
+            syncs = f"{r['syncs_per_forward']:.2f}" if "syncs_per_forward" in r else ""
             lines.append(f"| {r['method']} | {r['dtype']} | {impl} | {r['exactness']} | {r['exact_match']:.2f} | "
-                         f"{r['tokens_per_forward']:.2f} | {r['speed_vs_ar']:.2f}x{vs_hf} | {r.get('problem', 'ok')} |")
+                         f"{r['tokens_per_forward']:.2f} | {r['speed_vs_ar']:.2f}x{vs_hf} | {syncs} | {r.get('problem', 'ok')} |")
         else:
-            lines.append(f"| {r['method']} | {r['dtype']} | {impl} | {r['exactness']} | | | | {r['problem']} |")
+            lines.append(f"| {r['method']} | {r['dtype']} | {impl} | {r['exactness']} | | | | | {r['problem']} |")
     lines += ["", "| kind | experiment | dtype | steps | seconds | status |", "|---|---|---|---|---|---|"]
     for r in out.get("training", []):
         lines.append(f"| {r['kind']} | {r['experiment']} | {r.get('dtype', '')} | {r.get('steps', '')} | "
@@ -220,10 +230,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--model", default="smollm2_135m", help="a conf/model name, or tiny_random")
     ap.add_argument("--new-tokens", type=int, default=32)
     ap.add_argument("--methods", default="", help="comma-separated (default: every method)")
-    ap.add_argument("--forward-impls", default="hf,lean,compiled",
+    ap.add_argument("--forward-impls", default="",
                     help="comma-separated CachedModel forwards to run every method on (hf, lean, compiled: the "
-                         "torch.compile'd one-token step, never run on a GPU before); exact match is against `ar` on "
-                         "the first")
+                         "torch.compile'd one-token step; cudagraph: that step replayed as a CUDA graph, CUDA only); "
+                         "exact match is against `ar` on the first (default: hf,lean,compiled, and cudagraph on CUDA)")
     ap.add_argument("--kinds", default="", help=f"comma-separated, of {', '.join(KINDS)} (default: all)")
     ap.add_argument("--skip-training", action="store_true")
     ap.add_argument("--out", type=Path, default=ROOT / "outputs" / "gpu_smoke" / time.strftime("%Y-%m-%d_%H-%M-%S"))
@@ -234,6 +244,8 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         ap.error(f"--kinds {sorted(unknown)} not valid; choose from: {', '.join(KINDS)}")
     from pardec.config import FORWARD_IMPLS
+
+    a.forward_impls = a.forward_impls or ("hf,lean,compiled,cudagraph" if a.device == "cuda" else "hf,lean,compiled")
 
     bad = [i for i in a.forward_impls.split(",") if i not in FORWARD_IMPLS]
     if bad:

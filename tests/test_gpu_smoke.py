@@ -40,3 +40,36 @@ def test_gpu_smoke_refuses_cuda_without_a_gpu_and_unknown_kinds(tmp_path, capsys
     with pytest.raises(SystemExit):
         smoke.main(["--device", "cpu", "--forward-impls", "hf,fast"])
     assert "--forward-impls ['fast'] not valid; choose from: hf, lean" in capsys.readouterr().err
+
+
+def test_gpu_speed_runs_on_cpu_as_a_test_of_itself(tmp_path):
+    """scripts/gpu_speed.py on the CPU with its tiny shape: the cost table, `generate()` and `ar` on each forward,
+    the same tokens (fp32), no sync counts off CUDA, and both files written."""
+    speed = load_script("gpu_speed")
+    rc = speed.main(["--device", "cpu", "--shapes", "tiny", "--dtype", "fp32", "--new-tokens", "12", "--context", "40",
+                     "--sizes", "1,2,4", "--repeats", "2", "--impls", "hf,lean", "--out", str(tmp_path)])
+    assert rc == 0
+    out = json.loads((tmp_path / "gpu_speed.json").read_text())
+    (shape,) = out["shapes"]
+    assert shape["shape"] == "tiny" and set(shape["cost_ms"]) == {"1", "2", "4"}
+    rows = shape["decoding"]
+    assert [(r["method"], r["forward_impl"]) for r in rows] == [("hf_generate", "hf"), ("ar", "hf"), ("ar", "lean")]
+    assert all(r["ok"] and r["tokens"] == 12 and r["same_as_generate"] and r["syncs"] is None for r in rows)
+    md = (tmp_path / "gpu_speed.md").read_text()
+    assert "| ar | lean |" in md and "forward of T new rows" in md
+
+
+def test_gpu_speed_refuses_unknown_shapes_and_cuda_without_a_gpu(capsys):
+    speed = load_script("gpu_speed")
+    with pytest.raises(SystemExit):
+        speed.main(["--device", "cpu", "--shapes", "7b,13b"])
+    assert "--shapes ['13b'] not valid; choose from: tiny, smollm2, 1b, 7b" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        speed.main(["--device", "cuda"])
+    assert "no CUDA device is available here; --device cpu runs it as a test" in capsys.readouterr().err
+
+
+def test_count_cuda_syncs_runs_the_function_and_counts_nothing_off_cuda():
+    from pardec.devicecheck import count_cuda_syncs
+
+    assert count_cuda_syncs(lambda: 7, "cpu") == (7, None)

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import time
 from collections import Counter
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -319,3 +320,21 @@ class VirtualCUDA(TorchFunctionMode):
             self._tag(out, target)
         return out
 
+
+
+def count_cuda_syncs(fn: Callable[[], Any], device: torch.device | str) -> tuple[Any, int | None]:
+    """(``fn()``, the host syncs it made on a real CUDA device): the ops that ``torch.cuda.set_sync_debug_mode``
+    flags (``item``, copies to the CPU, ``nonzero``, ...), counted from its warnings; None on any other device (where
+    :class:`VirtualCUDA` counts them instead). Slows ``fn``: never call it inside a timed region."""
+    if torch.device(device).type != "cuda":
+        return fn(), None
+    import warnings
+
+    torch.cuda.set_sync_debug_mode("warn")
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            result = fn()
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    return result, sum("synchroniz" in str(w.message) for w in caught)

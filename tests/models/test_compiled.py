@@ -94,3 +94,14 @@ def test_refusals_name_the_value_and_the_choices(monkeypatch):
     monkeypatch.setattr(compiled.shutil, "which", lambda _name: None)
     with pytest.raises(ValueError, match="forward_impl=compiled cannot run model .*C\\+\\+ compiler.*forward_impl=hf"):
         CachedModel(m, forward_impl="compiled")
+
+
+def test_cudagraph_refuses_a_model_off_cuda_and_names_compiled():
+    """``forward_impl=cudagraph`` replays CUDA graphs: on the CPU it says so and points at ``compiled`` (the graph
+    capture itself runs only on a GPU: ``scripts/gpu_smoke.py`` and ``scripts/gpu_speed.py`` check it there)."""
+    m = tiny(0).model
+    with pytest.raises(ValueError, match="forward_impl=cudagraph .*needs a model on a CUDA device.*is on cpu.*"
+                                         "forward_impl=compiled"):
+        CachedModel(m, forward_impl="cudagraph")
+    with pytest.raises(ValueError, match="choose one of: hf, lean, compiled, cudagraph"):
+        CachedModel(m, forward_impl="graphs")

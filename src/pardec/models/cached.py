@@ -182,8 +182,9 @@ class CachedModel:
     """An HF causal LM plus its KV cache. Batch size is fixed by the first forward after a reset.
 
     ``cache``: ``"preallocated"`` or ``"dynamic"`` (module docstring); default :attr:`default_cache`.
-    ``forward_impl``: ``"hf"`` (``model(...)``) or ``"lean"`` (:mod:`pardec.models.lean`, Llama-family models: the
-    same ops without transformers' module stack); default :attr:`default_forward_impl`."""
+    ``forward_impl``: ``"hf"`` (``model(...)``), ``"lean"`` (:mod:`pardec.models.lean`, Llama-family models: the
+    same ops without transformers' module stack), ``"compiled"`` or ``"cudagraph"`` (:mod:`pardec.models.compiled`);
+    default :attr:`default_forward_impl`."""
 
     #: the KV cache a CachedModel gets when ``cache`` is not given
     default_cache = "preallocated"
@@ -201,16 +202,21 @@ class CachedModel:
         forward_impl = forward_impl or self.default_forward_impl
         if forward_impl not in FORWARD_IMPLS:
             raise ValueError(f"forward_impl={forward_impl!r} is not valid; choose one of: {', '.join(FORWARD_IMPLS)}")
-        check = {"lean": lean.unsupported, "compiled": compiled.unsupported}.get(forward_impl)
+        check = {"lean": lean.unsupported, "compiled": compiled.unsupported,
+                 "cudagraph": compiled.unsupported}.get(forward_impl)
         if check is not None and (why := check(model)) is not None:
             raise ValueError(f"forward_impl={forward_impl} cannot run model {self.name!r}: {why}; use forward_impl=hf")
-        if forward_impl == "compiled":
+        if forward_impl == "cudagraph" and (dev := next(model.parameters()).device).type != "cuda":
+            raise ValueError(f"forward_impl=cudagraph replays CUDA graphs and needs a model on a CUDA device; model "
+                             f"{self.name!r} is on {dev}: use forward_impl=compiled there")
+        if forward_impl in ("compiled", "cudagraph"):
             if self.cache_kind != "preallocated":
-                raise ValueError(f"forward_impl=compiled needs cache='preallocated' (it writes the preallocated "
+                raise ValueError(f"forward_impl={forward_impl} needs cache='preallocated' (it writes the preallocated "
                                  f"buffers in place); got cache={self.cache_kind!r}")
             compiled.register_opaque(model)
         #: "hf": every forward is ``model(...)``; "lean": ``forward``/``prefill`` run :mod:`pardec.models.lean`;
-        #: "compiled": lean, with one-token steps as one compiled graph (:mod:`pardec.models.compiled`)
+        #: "compiled": lean, with one-token steps as one compiled graph (:mod:`pardec.models.compiled`);
+        #: "cudagraph": compiled, each one-token step a replay of a captured CUDA graph (CUDA only)
         self.forward_impl = forward_impl
         self.cache = self._new_cache()
         self._tokens = _TokenLog()  # the token ids held by the cache, [rows, length]
@@ -348,8 +354,9 @@ class CachedModel:
             logits = None
             keep = kwargs.get("logits_to_keep")
             one = not isinstance(keep, torch.Tensor) or keep.numel() == 1  # (the step returns the one row's logits)
-            if self.forward_impl == "compiled" and width == 1 and mask is None and one:
-                logits = compiled.decode_step(self.model, ids, positions, self.cache)
+            if self.forward_impl in ("compiled", "cudagraph") and width == 1 and mask is None and one:
+                logits = compiled.decode_step(self.model, ids, positions, self.cache,
+                                              graphs=self.forward_impl == "cudagraph")
             if logits is None:
                 if mask is None and width > 1 and past:  # causal after a cached prefix: SDPA's flag aligns top-left
                     mask = self._additive_mask(bsz, width, past, None, None)

@@ -24,6 +24,12 @@ fbgemm's int8 linears (``dtype=int8``) and oneDNN-prepacked bf16 linears (:mod:`
 the graph as an opaque custom op (:func:`_opaque_linear`): dynamo cannot trace their packed weights, so each such
 linear is registered once and called by its index.
 
+``forward_impl=cudagraph`` (CUDA only) goes one step further, as gpt-fast's ``reduce-overhead`` mode does: the
+compiled step is captured once per model, batch size and cache buffer as a CUDA graph (:class:`_Graph`) and
+replayed, so a step costs one launch instead of one per kernel. On a GPU a decode step of a 7B model in eager mode
+is bound by the host's kernel launches, not by the weights' bytes (README, "On a GPU"). Only the one-token step is
+graphed; prefill and multi-row (verification) forwards run the lean forward, as under ``compiled``.
+
 The first step of each model compiles (tens of seconds on 2 CPU cores for SmolLM2; inductor caches its kernels on
 disk, so later processes load them); evaluation's warm-up prompt absorbs it before timing starts. Needs a C++
 compiler on CPU (inductor generates C++), checked when a model is wrapped.
@@ -133,7 +139,57 @@ def _step_fn(model: nn.Module):
 _serial = itertools.count()
 
 
-def decode_step(model: nn.Module, ids: torch.Tensor, positions: torch.Tensor, cache) -> torch.Tensor | None:
+class _Graph:
+    """One captured CUDA graph of a model's compiled step, for one set of cache buffers and one batch size: the
+    step's inputs live in static buffers, :meth:`__call__` copies the new ones in and replays the graph (one launch
+    instead of one per kernel: on a GPU a decode step is otherwise bound by the host's kernel launches).
+
+    Capture runs the step for real (warm-up on a side stream, as CUDA graphs require) with the first call's inputs:
+    those writes put the first call's keys/values at its own slot, which the replay then writes again, identically."""
+
+    def __init__(self, fn, model: nn.Module, ids: torch.Tensor, positions: torch.Tensor, keys: list[torch.Tensor],
+                 values: list[torch.Tensor], slots: torch.Tensor, pool):
+        self.ids, self.positions, self.slots = ids.clone(), positions.clone(), slots.clone()
+        side = torch.cuda.Stream(ids.device)
+        side.wait_stream(torch.cuda.current_stream(ids.device))
+        with torch.cuda.stream(side):
+            for _ in range(2):  # compiles (first model step) and settles the allocator
+                fn(model, self.ids, self.positions, keys, values, self.slots)
+        torch.cuda.current_stream(ids.device).wait_stream(side)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph, pool=pool):
+            self.out = fn(model, self.ids, self.positions, keys, values, self.slots)
+
+    def __call__(self, ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+        self.ids.copy_(ids)
+        self.positions.copy_(positions)
+        self.slots.copy_(slots)
+        self.graph.replay()
+        return self.out.clone()  # the next replay overwrites ``out``; callers keep logits across steps (drafts)
+
+
+#: each model's captured steps by (batch size, cache buffers' addresses), newest last; and its graphs' memory pool
+_graphs: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+#: captured graphs kept per model: a cache that grows gets new buffers (a new graph); the old ones are dropped
+MAX_GRAPHS = 4
+
+
+def _graphed(model: nn.Module, ids: torch.Tensor, positions: torch.Tensor, keys: list[torch.Tensor],
+             values: list[torch.Tensor], slots: torch.Tensor) -> torch.Tensor:
+    pool, graphs = _graphs.setdefault(model, (torch.cuda.graph_pool_handle(), {}))
+    key = (tuple(ids.shape), tuple(positions.shape), ids.dtype, positions.dtype,
+           tuple(t.data_ptr() for t in (*keys, *values)), keys[0].dtype, tuple(keys[0].shape), keys[0].stride(),
+           tuple(t.shape[2] for t in keys))
+    g = graphs.get(key)
+    if g is None:
+        while len(graphs) >= MAX_GRAPHS:
+            graphs.pop(next(iter(graphs)))
+        g = graphs[key] = _Graph(_step_fn(model), model, ids, positions, keys, values, slots, pool)
+    return g(ids, positions, slots)
+
+
+def decode_step(model: nn.Module, ids: torch.Tensor, positions: torch.Tensor, cache,
+                graphs: bool = False) -> torch.Tensor | None:
     """The compiled step for ``ids`` [B, 1] after what ``cache`` (a :class:`PreallocatedCache`) holds, appending
     their keys/values; None (nothing done) when the cache's layout does not allow it (the caller runs the lean
     forward instead)."""
@@ -157,7 +213,10 @@ def decode_step(model: nn.Module, ids: torch.Tensor, positions: torch.Tensor, ca
     # filled on the device from host ints (no host-to-device copy, so no sync on a GPU)
     slots = torch.full((2,), begin, dtype=torch.long, device=ids.device)
     slots[1:] += length
-    logits = _step_fn(model)(model, ids, positions, keys, values, slots)
+    if graphs:
+        logits = _graphed(model, ids, positions, keys, values, slots)
+    else:
+        logits = _step_fn(model)(model, ids, positions, keys, values, slots)
     for layer in layers:
         layer.length = length + 1
     return logits
