@@ -12,7 +12,8 @@ first data-dependent step. :class:`VirtualCUDA` keeps the values real and the de
   by a CUDA one (0-dim CPU tensors are scalars and allowed, as in PyTorch; CPU indices into a CUDA tensor too),
   or a generator on another device than the tensors it samples for;
 * host syncs are counted (``syncs``): ``item``/``tolist``/``bool``/``int``/``float``/``numpy`` of a CUDA tensor,
-  copies to the CPU, ``nonzero`` and boolean-mask indexing (whose output size the host must read),
+  blocking copies to the CPU (``non_blocking=True`` ones go to ``async_copies``), ``nonzero`` and boolean-mask
+  indexing (whose output size the host must read),
   ``torch.cuda.synchronize``, ``torch.cuda.Event.synchronize``. A test can assert a decoding step's budget.
   ``torch.cuda.Event`` records the host clock, so event-based timing runs too.
 
@@ -91,6 +92,8 @@ class VirtualCUDA(TorchFunctionMode):
         self.devices = devices
         self.patch_cuda = patch_cuda
         self.syncs: Counter[str] = Counter()
+        #: copies to the host with ``non_blocking=True`` (into pinned memory): no host sync, so not in ``syncs``
+        self.async_copies: Counter[str] = Counter()
         self._tags = WeakTensorKeyDictionary()
         self._by_storage: dict[int, torch.device] = {}
         self._saved: list[tuple[Any, str, Any]] = []
@@ -311,7 +314,10 @@ class VirtualCUDA(TorchFunctionMode):
         if target.type == "cuda" and target.index is not None and target.index >= self.devices:
             raise DeviceMismatchError(f"{name}: {target} does not exist ({self.devices} virtual CUDA devices)")
         if here.type == "cuda" and target == CPU:
-            self.syncs["to cpu"] += 1
+            if kwargs.get("non_blocking"):  # PyTorch pins the destination: the host does not wait (it must not
+                self.async_copies["to cpu"] += 1  # read the values before an event says they arrived)
+            else:
+                self.syncs["to cpu"] += 1
         out = func(src, *rest, **kwargs) if name != "cpu" else src
         if target != here:
             out = out.clone() if out.untyped_storage().data_ptr() == src.untyped_storage().data_ptr() else out

@@ -66,6 +66,9 @@ class TableLM:
         self._tokens = self._tokens[:start] + [tail[i] for i in torch.as_tensor(indices).tolist()]
         self._last = len(torch.as_tensor(indices).reshape(-1))
 
+    def confirm(self, accepted) -> None:
+        """Its tokens are host values already: nothing to settle (:meth:`CachedModel.confirm`)."""
+
     def sync(self, seq) -> list[int]:
         seq = torch.as_tensor(seq).tolist()
         n = min(len(self._tokens), len(seq) - 1)

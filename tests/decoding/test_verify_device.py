@@ -351,3 +351,38 @@ def test_spectr_steps_verify_with_one_read(monkeypatch):
         monkeypatch.setattr(spectr_mod, "verify_tree_iid", _per_call_syncs(vc, spectr_mod.verify_tree_iid, verify))
         res = run()
     assert len(res.tokens) == 16 and verify and set(verify) == {1}
+
+
+@pytest.mark.parametrize("s", [GREEDY, SAMPLED], ids=["greedy", "sampled"])
+def test_sps_whole_rounds_read_the_host_once(s):
+    """A whole `sps` round, drafting included, reads the device once: the verification's read. The draft's own
+    proposals are fed back as device tensors and confirmed from that read (``CachedModel.confirm``), so the next
+    round's catch-up compares on the host (before: ~2.6 blocking copies of proposal chunks per round, found by
+    ``scripts/gpu_smoke.py`` on an H200: 4.6 host syncs per target forward). Not counted: the waits on the
+    finiteness flags' events (``check_finite``), which the round's read has already passed."""
+    noisy(0)
+    with VirtualCUDA() as vc:
+        vc.place(tiny(0).model)
+        vc.place(noisy(0))
+        _, run = _generate("sps", s, n=24)
+        res = run()
+    reads = sum(n for name, n in vc.syncs.items() if name not in ("cuda.Event.synchronize", "cuda.synchronize"))
+    # per round one read; the prefill's first token and the prompt's tolist once
+    assert reads <= res.target_forwards + 1, dict(vc.syncs)
+    assert vc.async_copies["to cpu"] >= res.target_forwards  # the finiteness flags, without a wait
+
+
+def test_confirm_keeps_accepted_proposals_as_host_values_and_drops_the_rest():
+    lm = tiny(0)
+    cm = CachedModel(lm.model)
+    cm.prefill(torch.tensor([[5, 6, 7]]))
+    for t in (11, 12, 13):  # a draft's proposals, fed back as device (here: CPU) tensors
+        cm.forward(torch.tensor([[t]]))
+    assert cm.length == 6
+    cm._tokens.parts[1:] = [p.to("meta") for p in cm._tokens.parts[1:]]  # as if they lived on an accelerator
+    cm.confirm([11, 12])  # two accepted; 13 rejected
+    assert cm.length == 5
+    assert cm._tokens.host()[0].tolist() == [5, 6, 7, 11, 12]
+    assert cm.sync([5, 6, 7, 11, 12, 20]) == [20]  # the catch-up needs no read of the proposals
+    cm.confirm([1, 2])  # fed only host tokens since: nothing to confirm
+    assert cm.length == 5

@@ -112,6 +112,7 @@ class BigLittleDecoder(Decoder):
             acc = toks[:cut].tolist() + [int(select(logits[cut], st.s, st.gen))]
             st.out.commit(acc)
             self.target.truncate(base + 1 + cut)  # `last` + the surviving draft tokens
+            self.draft.confirm(acc[:cut])  # the draft's log keeps them as host values: no read-back next round
             drafted, accepted = drafted + toks.numel(), accepted + cut
             last = acc[-1]
         rounds = len(st.out.accepted) - 1  # the prefill committed the first token

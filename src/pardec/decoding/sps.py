@@ -91,6 +91,7 @@ class SpeculativeSampling(Decoder):
             toks, q, _ = clock.run(st, self.propose, prompt + st.out.tokens, k, st)
             _, acc, _ = self._verify_chain(st, last, toks, q)
             n_acc = len(acc) - 1
+            self.draft.confirm(acc[:n_acc])  # the draft's log keeps them as host values: no read-back next round
             drafted, accepted = drafted + k, accepted + n_acc
             rejections += n_acc < k
             gammas.append(k)

@@ -160,6 +160,20 @@ class _TokenLog:
     def truncate(self, length: int) -> None:
         self.parts = self._split(length)[0]
 
+    def host_prefix(self) -> int:
+        """How many leading positions sit in chunks on the host (the rest arrived as device tensors)."""
+        n = 0
+        for p in self.parts:
+            if p.device.type != "cpu":
+                break
+            n += p.shape[1]
+        return n
+
+    def settle(self, start: int, values: list[int]) -> None:
+        """Positions ``start`` .. are ``values`` (batch 1; known on the host): keep them as a host chunk."""
+        head = self._split(start)[0]
+        self.parts = [*head, torch.tensor([values], dtype=torch.long)] if values else head
+
     def keep(self, start: int, idx: torch.Tensor) -> None:
         """Keep positions ``start + idx`` of those from ``start`` on (``idx`` on the host)."""
         head, tail = self._split(start)
@@ -708,6 +722,19 @@ class CachedModel:
         self._last_appended = 0
         other.reset()  # consumed (its rows may now be part of this cache's buffers)
         return pad_self, pad_other
+
+    def confirm(self, accepted: list[int]) -> None:
+        """A draft's proposals were verified: of the tokens this model was last fed as device tensors (batch 1: its
+        own proposals, fed back without a host read), the first ``len(accepted)`` were accepted and equal
+        ``accepted``, and the next one (if fed) was rejected. Keep the accepted ones as host values and drop the
+        rest, so the next :meth:`sync` compares on the host without reading the proposals back (one host sync per
+        decoding step: the verification's read). A model fed only host tokens since is left alone."""
+        start = self._tokens.host_prefix()
+        keep = min(len(accepted), self.length - start)
+        if self.length == start:
+            return
+        self.truncate(start + keep)
+        self._tokens.settle(start, [int(t) for t in accepted[:keep]])
 
     def sync(self, seq: list[int] | torch.Tensor) -> list[int]:
         """Make the cache a prefix of ``seq`` (the committed sequence, batch 1): truncate it to the longest
