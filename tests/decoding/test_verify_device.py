@@ -354,17 +354,19 @@ def test_spectr_steps_verify_with_one_read(monkeypatch):
 
 
 @pytest.mark.parametrize("s", [GREEDY, SAMPLED], ids=["greedy", "sampled"])
-def test_sps_whole_rounds_read_the_host_once(s):
-    """A whole `sps` round, drafting included, reads the device once: the verification's read. The draft's own
-    proposals are fed back as device tensors and confirmed from that read (``CachedModel.confirm``), so the next
-    round's catch-up compares on the host (before: ~2.6 blocking copies of proposal chunks per round, found by
-    ``scripts/gpu_smoke.py`` on an H200: 4.6 host syncs per target forward). Not counted: the waits on the
-    finiteness flags' events (``check_finite``), which the round's read has already passed."""
+@pytest.mark.parametrize("method", ["sps", "lookahead"])
+def test_whole_rounds_read_the_host_once(method, s):
+    """A whole round reads the device once: the verification's read. `sps`: the draft's own proposals are fed back
+    as device tensors and confirmed from that read (``CachedModel.confirm``), so the next round's catch-up compares
+    on the host (before: ~2.6 blocking copies of proposal chunks per round, found by ``scripts/gpu_smoke.py`` on an
+    H200: 4.6 host syncs per target forward). `lookahead`: the window's next guesses ride on the verification's
+    read (``verify_tree(extra=...)``; before: a second read per step). Not counted: the waits on the finiteness
+    flags' events (``check_finite``), which the round's read has already passed."""
     noisy(0)
     with VirtualCUDA() as vc:
         vc.place(tiny(0).model)
         vc.place(noisy(0))
-        _, run = _generate("sps", s, n=24)
+        _, run = _generate(method, s, n=24)
         res = run()
     reads = sum(n for name, n in vc.syncs.items() if name not in ("cuda.Event.synchronize", "cuda.synchronize"))
     # per round one read; the prefill's first token and the prompt's tolist once

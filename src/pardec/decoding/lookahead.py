@@ -74,10 +74,11 @@ class Lookahead(Decoder):
             tree = self.candidates(pool, last, st.out.room - 1)  # the target adds one token
             tree_logits, top = lookahead_forward(self.target, [last], tree, window)
             st.target_forwards += 1
-            verdict = verify_tree(tree, tree_logits, st.s, st.gen)
+            # the window's next guesses come back in the verification's one host read
+            verdict = verify_tree(tree, tree_logits, st.s, st.gen, extra=top.argmax(-1))
             keep_path(self.target, 1, verdict.path)
             kept = st.out.commit(verdict.tokens)
-            window.update(top.argmax(-1).tolist(), pool, root=last)
+            window.update(verdict.extra, pool, root=last)
             if self.pool_from_output:
                 recent = prompt[-self.level:] + st.out.tokens[-(len(kept) + self.level - 1):]
                 pool.add_sequence(recent[-(len(kept) + self.level - 1):])  # the n-grams ending in the new tokens

@@ -42,7 +42,7 @@ the distribution left at the path's end. Tokens are drawn with :func:`~pardec.de
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -110,6 +110,7 @@ def verify_chain(
 class TreeVerdict:
     path: list[int]  # accepted node indices, root (0) first: what the cache keeps
     tokens: list[int]  # committed tokens: the accepted nodes' labels + one token from the target
+    extra: list[int] = field(default_factory=list)  # the caller's ``extra`` ids, read in the same host read
 
 
 def _accepted_path(buf: TreeBuffers, ok: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -120,15 +121,18 @@ def _accepted_path(buf: TreeBuffers, ok: torch.Tensor) -> tuple[torch.Tensor, to
     return end, buf.attend.index_select(0, end)[0]
 
 
-def read_verdict(tree: Tree, mask: torch.Tensor, token: torch.Tensor, labels: torch.Tensor) -> TreeVerdict:
+def read_verdict(tree: Tree, mask: torch.Tensor, token: torch.Tensor, labels: torch.Tensor,
+                 extra: torch.Tensor | None = None) -> TreeVerdict:
     """The one host read of a tree verification: the path mask, the token (and the labels when they live on the
-    device only)."""
+    device only), and ``extra`` (1-D ids the caller needs on the host too, e.g. lookahead's next window guesses)."""
     n = len(tree)
     on_host = not isinstance(tree.labels, torch.Tensor)
-    got = torch.cat([mask.long(), token.reshape(1)] + ([] if on_host else [labels])).tolist()
+    m = 0 if extra is None else extra.numel()
+    got = torch.cat([mask.long(), token.reshape(1)] + ([] if extra is None else [extra.reshape(-1).to(mask.device)])
+                    + ([] if on_host else [labels])).tolist()
     path = [i for i in range(n) if got[i]]
-    labs = tree.labels if on_host else got[n + 1 :]
-    return TreeVerdict(path, [int(labs[i]) for i in path[1:]] + [got[n]])
+    labs = tree.labels if on_host else got[n + 1 + m :]
+    return TreeVerdict(path, [int(labs[i]) for i in path[1:]] + [got[n]], got[n + 1 : n + 1 + m])
 
 
 def _check_rows(name: str, tree: Tree, logits: torch.Tensor) -> None:
@@ -136,13 +140,13 @@ def _check_rows(name: str, tree: Tree, logits: torch.Tensor) -> None:
         raise ValueError(f"{name}: a tree of {len(tree)} nodes needs {len(tree)} logit rows, got {logits.shape[0]}")
 
 
-def _greedy_tree(tree: Tree, logits: torch.Tensor) -> TreeVerdict:
+def _greedy_tree(tree: Tree, logits: torch.Tensor, extra: torch.Tensor | None = None) -> TreeVerdict:
     buf, labels = tree.on(logits.device), tree.label_tensor(logits.device)
     pred = logits.argmax(-1)  # [N]
     ok = labels == pred.index_select(0, buf.parent)
     ok[0] = True
     end, mask = _accepted_path(buf, ok)
-    return read_verdict(tree, mask, pred.index_select(0, end), labels)
+    return read_verdict(tree, mask, pred.index_select(0, end), labels, extra)
 
 
 def verify_tree(
@@ -151,11 +155,13 @@ def verify_tree(
     s: SamplingConfig,
     gen: torch.Generator | None,
     q: dict[int, torch.Tensor] | None = None,
+    extra: torch.Tensor | None = None,
 ) -> TreeVerdict:
     """Verify a tree of drafted tokens against the target's logits [N, V] (row i: after node i).
 
     q: node -> the (warped) draft distribution [V] its children were drawn from, without replacement; nodes
        not in ``q`` have deterministic children.
+    extra: 1-D ids read back in the same host read (``TreeVerdict.extra``).
 
     One host read. Deterministic children are tested in closed form (rejecting ``x_1..x_{j-1}`` leaves ``p``
     without them, so ``x_j`` passes with ``p(x_j) / (1 - p(x_1) - ... - p(x_{j-1}))``); the children of nodes in
@@ -163,7 +169,7 @@ def verify_tree(
     """
     _check_rows("verify_tree", tree, logits)
     if s.greedy:
-        return _greedy_tree(tree, logits)
+        return _greedy_tree(tree, logits, extra)
     dev = logits.device
     buf, labels = tree.on(dev), tree.label_tensor(dev)
     probs = warp(logits, s)  # [N, V]
@@ -217,7 +223,7 @@ def verify_tree(
         srow[[inner[r] for r in stoch]] = torch.arange(len(stoch))
         pick = srow.to(dev).index_select(0, end) + 1  # 0: dist above, 1 + i: the i-th node in q
         dist = torch.cat([dist, final_s]).index_select(0, pick)
-    return read_verdict(tree, mask, sample(dist, gen)[0], labels)
+    return read_verdict(tree, mask, sample(dist, gen)[0], labels, extra)
 
 
 # ------------------------------------------------------------------------------------------------ K-SEQ
