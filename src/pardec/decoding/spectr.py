@@ -53,15 +53,17 @@ class SpecTr(Decoder):
         q: dict[tuple[int, ...], torch.Tensor] = {}
         draws: dict[tuple[int, ...], list[int]] = {}
         for step in range(length):
-            for j, s_j in enumerate(seqs):
-                key = tuple(s_j)
-                logits = logits_of[key]
-                if greedy and j == 0:
-                    x = int(logits.argmax())
-                else:
-                    if key not in q:
-                        q[key] = torch.softmax(logits.float(), -1) if greedy else warp(logits, st.s)
-                    x = int(torch.multinomial(q[key], 1, generator=gen))
+            # the k draws of this step in one batch, read back together (one host read per draft step, not k)
+            keys = [tuple(s_j) for s_j in seqs]
+            sampled = keys[1:] if greedy else keys
+            for key in sampled:
+                if key not in q:
+                    q[key] = torch.softmax(logits_of[key].float(), -1) if greedy else warp(logits_of[key], st.s)
+            picks = [logits_of[keys[0]].argmax().view(1)] if greedy else []
+            if sampled:
+                picks.append(torch.multinomial(torch.stack([q[key] for key in sampled]), 1, generator=gen).view(-1))
+            xs = torch.cat(picks).tolist()
+            for key, s_j, x in zip(keys, seqs, xs, strict=True):
                 draws.setdefault(key, []).append(x)
                 s_j.append(x)
             if step < length - 1:
