@@ -94,6 +94,10 @@ class VirtualCUDA(TorchFunctionMode):
         self.syncs: Counter[str] = Counter()
         #: copies to the host with ``non_blocking=True`` (into pinned memory): no host sync, so not in ``syncs``
         self.async_copies: Counter[str] = Counter()
+        #: blocking copies host -> device (``torch.tensor(data, device="cuda")``, ``.to("cuda")`` of a CPU tensor):
+        #: from pageable memory CUDA waits for the stream there, which ``torch.cuda.set_sync_debug_mode`` reports as
+        #: a sync; kept apart from ``syncs`` (reads) so tests can budget each
+        self.uploads: Counter[str] = Counter()
         self._tags = WeakTensorKeyDictionary()
         self._by_storage: dict[int, torch.device] = {}
         self._saved: list[tuple[Any, str, Any]] = []
@@ -213,6 +217,10 @@ class VirtualCUDA(TorchFunctionMode):
             out = func(*args, **kwargs)
             self._tag(out, self.device_of(args[0]))
             return out
+        if name == "pin_memory":  # page-locked host memory: a host tensor still (no CUDA runtime to lock it with)
+            out = args[0].clone()
+            self._tag(out, CPU)
+            return out
         if name == "get_device":
             d = self.device_of(args[0])
             return d.index if d.type == "cuda" else -1
@@ -234,6 +242,8 @@ class VirtualCUDA(TorchFunctionMode):
         if "device" in kwargs and kwargs["device"] is not None:
             target = _as_device(kwargs["device"])
             kwargs["device"] = "cpu"
+            if target.type == "cuda" and name in ("tensor", "as_tensor"):
+                self.uploads[name] += 1
         self._check(name, devs, args)
         common = next((d for t, d in devs if d.type != "cpu"), CPU)
         out_dev = target or common
@@ -313,6 +323,8 @@ class VirtualCUDA(TorchFunctionMode):
                 kwargs["device"] = "cpu"
         if target.type == "cuda" and target.index is not None and target.index >= self.devices:
             raise DeviceMismatchError(f"{name}: {target} does not exist ({self.devices} virtual CUDA devices)")
+        if here.type == "cpu" and target.type == "cuda" and not kwargs.get("non_blocking"):
+            self.uploads["to cuda"] += 1
         if here.type == "cuda" and target == CPU:
             if kwargs.get("non_blocking"):  # PyTorch pins the destination: the host does not wait (it must not
                 self.async_copies["to cpu"] += 1  # read the values before an event says they arrived)

@@ -388,3 +388,22 @@ def test_confirm_keeps_accepted_proposals_as_host_values_and_drops_the_rest():
     assert cm.sync([5, 6, 7, 11, 12, 20]) == [20]  # the catch-up needs no read of the proposals
     cm.confirm([1, 2])  # fed only host tokens since: nothing to confirm
     assert cm.length == 5
+
+
+@pytest.mark.parametrize("method", ["ar", "pld", "sps", "lookahead", "jacobi", "medusa"])
+def test_no_blocking_upload_per_step(method):
+    """Host tensors reach the device through pinned memory without blocking (``pardec.models.cached.to_device``):
+    a plain upload from pageable memory makes the host wait for the stream, which the H200 smoke counted as one to
+    two syncs per step (ids, positions, masks, tree labels, drafts made on the host). Left: the prompt's upload,
+    the cache's rare growth and, for tree drafters, a rank tree per depth (built once), a handful per generation
+    whatever its length."""
+    noisy(0)
+    with VirtualCUDA() as vc:
+        vc.place(tiny(0).model)
+        vc.place(noisy(0))
+        dec, run = _generate(method, GREEDY, n=24)
+        before = sum(vc.uploads.values())  # (loading a drafter's weights onto the device is not a step)
+        res = run()
+    assert len(res.tokens) == 24
+    per_shape = dec.k + 1 if method == "medusa" else 0
+    assert sum(vc.uploads.values()) - before <= 4 + per_shape, dict(vc.uploads)

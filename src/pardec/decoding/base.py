@@ -17,7 +17,7 @@ from pardec.config import ConfigError, ModelConfig, SamplingConfig, fits_type, t
 from pardec.decoding.sampling import make_generator, select
 from pardec.decoding.tree import Tree
 from pardec.decoding.verify import TreeVerdict, verify_chain, verify_tree
-from pardec.models.cached import CachedModel
+from pardec.models.cached import CachedModel, to_device
 from pardec.registry import Registry
 
 
@@ -238,7 +238,7 @@ class Decoder:
         draft). Returns (logits [k+1, V], committed tokens, kept by the output)."""
         base = self.target.length
         dev = st.ids.device
-        draft = torch.as_tensor(draft, dtype=torch.long).to(dev)  # a draft made on the device stays there
+        draft = to_device(torch.as_tensor(draft, dtype=torch.long), dev)  # a draft made on the device stays there
         inp = torch.cat([torch.full((1,), int(last), dtype=torch.long, device=dev), draft])[None]
         logits = self.target.forward(inp).logits[0]
         st.target_forwards += 1

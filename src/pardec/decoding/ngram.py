@@ -32,7 +32,7 @@ import torch
 
 from pardec.decoding.base import check_range
 from pardec.decoding.tree import Tree
-from pardec.models.cached import CachedModel
+from pardec.models.cached import CachedModel, to_device
 
 
 class NGramPool:
@@ -178,8 +178,8 @@ def lookahead_forward(model: CachedModel, prefix: list[int], tree: Tree,
     if m:
         attend[p - 1 + n :, p - 1] = True  # the root (column 0 of level 0)
         attend[p - 1 + n :, p - 1 + n :] = w_attend
-    ids = torch.tensor([tokens + w_tokens], device=model.device)
-    pos = torch.tensor([positions + w_pos], device=model.device)
+    ids = to_device(torch.tensor([tokens + w_tokens]), model.device)
+    pos = to_device(torch.tensor([positions + w_pos]), model.device)
     top = window.top() if window is not None else slice(0, 0)
     wanted = list(range(p - 1, p - 1 + n)) + [p - 1 + n + i for i in range(top.start, top.stop)]
     logits = model.forward(ids, positions=pos, attend=attend, logits_at=wanted).logits[0]

@@ -35,6 +35,8 @@ from dataclasses import dataclass
 
 import torch
 
+from pardec.models.cached import to_device
+
 
 @dataclass(frozen=True)
 class _Structure:
@@ -95,7 +97,7 @@ def _buffers(parents: list[int], st: _Structure, device: torch.device) -> TreeBu
     parts = [st.attend.long().reshape(-1), st.depth, torch.tensor([max(p, 0) for p in parents]),
              torch.tensor(inner, dtype=torch.long), torch.tensor(kids, dtype=torch.long).reshape(-1),
              torch.tensor(ok, dtype=torch.long).reshape(-1), torch.tensor(row), torch.tensor(slot).reshape(-1)]
-    flat = torch.cat([p.to(torch.long) for p in parts]).to(device)
+    flat = to_device(torch.cat([p.to(torch.long) for p in parts]), device)
     sizes = [p.numel() for p in parts]
     a, d, par, inn, k, o, r, s = torch.split(flat, sizes)
     i = len(inner)
@@ -184,7 +186,7 @@ class Tree:
         device = torch.device(device)
         if device not in self._labels_on:
             labels = self.labels if isinstance(self.labels, torch.Tensor) else torch.tensor(self.labels)
-            self._labels_on[device] = labels.to(device=device, dtype=torch.long)
+            self._labels_on[device] = to_device(labels.to(torch.long), device)
         return self._labels_on[device]
 
     def positions(self, base: int, device: torch.device | str | None = None) -> torch.Tensor:

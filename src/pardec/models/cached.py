@@ -104,6 +104,17 @@ def _left_pad(t: torch.Tensor, n: int) -> torch.Tensor:
     return torch.cat([t.new_zeros(*t.shape[:2], n, t.shape[3]), t], dim=2) if n else t
 
 
+def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``t`` on ``device``. A host tensor goes to a CUDA device through pinned memory without blocking: a plain copy
+    from pageable memory makes the host wait for everything queued on the stream (``set_sync_debug_mode`` counts
+    it as a sync; the H200 smoke found one to two per decoding step). PyTorch's pinned allocator keeps the source
+    alive until the copy is done."""
+    device = torch.device(device)
+    if device.type != "cuda" or t.device.type != "cpu":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)
+
+
 class _TokenLog:
     """The token ids of the cached positions, ``[rows, length]``, as chunks left where they arrived (a forward's ids,
     on the host or on the device: no copy to the host per forward); :meth:`host` gathers them on the host."""
@@ -178,7 +189,7 @@ class _TokenLog:
         """Keep positions ``start + idx`` of those from ``start`` on (``idx`` on the host)."""
         head, tail = self._split(start)
         rest = _TokenLog(self.rows, tail).dense()
-        self.parts = [p for p in [*head, rest[:, idx.to(rest.device)]] if p.shape[1]]
+        self.parts = [p for p in [*head, rest[:, to_device(idx, rest.device)]] if p.shape[1]]
 
     def select(self, rows: list[int]) -> _TokenLog:
         index = torch.tensor(rows, dtype=torch.long)
@@ -335,7 +346,7 @@ class CachedModel:
         if ids.dim() == 1:
             ids = ids[None]
         given = ids  # the token log keeps the caller's ids where they are (host ids: no copy back)
-        ids = ids.to(self.device)
+        ids = to_device(ids, self.device)
         bsz, t = ids.shape
         past = self.length
         positions = self._positions(positions, bsz, t, past)
@@ -350,7 +361,7 @@ class CachedModel:
         if last_only:
             kwargs["logits_to_keep"] = 1
         elif logits_at is not None:
-            at = torch.as_tensor(logits_at, dtype=torch.long, device=self.device)
+            at = to_device(torch.as_tensor(logits_at, dtype=torch.long), self.device)
             if self.head_device == self.device:
                 kwargs["logits_to_keep"] = at
             else:  # split model: accelerate's hooks move a tensor argument to their device, not the LM head's
@@ -488,7 +499,7 @@ class CachedModel:
         if ids.dim() == 1:
             ids = ids[None]
         given = ids
-        ids = ids.to(self.device)
+        ids = to_device(ids, self.device)
         bsz, t = ids.shape
         past = self.length
         k = len(layers)
@@ -807,7 +818,7 @@ class CachedModel:
     def _positions(self, positions, bsz: int, t: int, past: int) -> torch.Tensor:
         if positions is None:
             positions = torch.arange(past, past + t, device=self.device)
-        positions = torch.as_tensor(positions, dtype=torch.long).to(self.device)
+        positions = to_device(torch.as_tensor(positions, dtype=torch.long), self.device)
         if positions.dim() == 1:
             positions = positions[None].expand(bsz, t)
         return positions
@@ -870,7 +881,7 @@ class CachedModel:
         dev = self.device
         if attend is None:
             attend = torch.ones(t, t, dtype=torch.bool, device=dev).tril()
-        attend = attend.to(dev, torch.bool)
+        attend = to_device(attend, dev).to(torch.bool)
         if attend.dim() == 2:
             attend = attend[None].expand(bsz, *attend.shape)
         if attend.shape[-2:] == (t, t):
