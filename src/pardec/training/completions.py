@@ -117,6 +117,19 @@ def generation_meta(cfg: GenerateConfig, model: dict, eos_ids: set[int]) -> dict
     return meta
 
 
+def with_corpus_topk(cfg: GenerateConfig) -> GenerateConfig:
+    """``cfg``, taking the teacher top-k of the corpus already in ``cfg.out_dir`` when it asks for none (and does not
+    overwrite): a corpus that cached the target's top-k serves a kind that never reads them (one corpus for every
+    drafter: a heads run on the draft's corpus), and a resumed generation keeps recording them."""
+    from dataclasses import replace
+
+    f = Path(cfg.out_dir) / "meta.json"
+    if cfg.teacher_topk or cfg.overwrite or not f.is_file():
+        return cfg
+    k = json.loads(f.read_text()).get("teacher_topk")
+    return replace(cfg, teacher_topk=k) if k else cfg
+
+
 def grows(old: dict, new: dict) -> bool:
     """Whether the generation settings ``new`` only extend ``old``: the same model and settings, every old source
     kept in place with its ``max_prompts`` raised or unchanged (``null``: all documents), new sources appended.
@@ -248,6 +261,7 @@ def run_generation(cfg: GenerateConfig, lm, rank: int, world: int, barrier, key:
                    stop_after: int | None = None) -> dict | None:
     """Prompts of ``cfg.sources`` -> greedy completions of ``lm`` (a LoadedModel) in ``cfg.out_dir``; a resumed
     generation must match the model's whole identity (``ModelConfig.identity``: weights, revision, dtype, ...)."""
+    cfg = with_corpus_topk(cfg)
     prompts = source_prompts(cfg.sources, lm.tokenizer, lm.chat)
     eos = lm.eos_ids
     meta = generation_meta(cfg, lm.cfg.identity(), eos)

@@ -445,3 +445,23 @@ def test_agreement_reports_top1_and_the_expected_sampled_acceptance():
     assert got["agreement"] == pytest.approx(sum(agree) / 7)
     assert got["expected_acceptance_t1"] == pytest.approx(sum(overlap) / 7, abs=1e-5)
     assert 0.0 < got["expected_acceptance_t1"] < 1.0
+
+
+def test_a_corpus_with_the_teacher_serves_a_kind_that_needs_none(tmp_path):
+    """One corpus for every drafter: a heads (or CLLM) run asks for no teacher top-k and reuses the draft's corpus,
+    which cached it; it takes the corpus's k (a resumed generation keeps recording it) instead of refusing. An
+    explicit k, a fresh directory and ``overwrite`` stay as they are."""
+    from pardec.training.completions import with_corpus_topk
+
+    lm = tiny()
+    prompts = _prompts(lm.tokenizer)
+    cached = _gen(tmp_path, teacher_topk=3)
+    generate(cached, lm.model, 0, set(), prompts, generation_meta(cached, {"name": "tiny"}, set()))
+    plain = with_corpus_topk(_gen(tmp_path))
+    assert plain.teacher_topk == 3
+    meta = generation_meta(plain, {"name": "tiny"}, set())
+    generate(plain, lm.model, 0, set(), prompts, meta)  # accepted: every prompt done, nothing generated again
+    assert len(load_completions(plain.out_dir)) == len(prompts)
+    assert with_corpus_topk(_gen(tmp_path, teacher_topk=5)).teacher_topk == 5
+    assert not with_corpus_topk(_gen(tmp_path, overwrite=True)).teacher_topk
+    assert not with_corpus_topk(_gen(tmp_path / "fresh")).teacher_topk

@@ -88,7 +88,12 @@ class CLLMKind(Kind):
         return stats
 
     def stage_generate(self, spec: CLLMSpec, run_dir: Path, d) -> dict | None:
-        from pardec.training.completions import check_settings, generate_stage, generation_meta
+        from pardec.training.completions import (
+            check_settings,
+            generate_stage,
+            generation_meta,
+            with_corpus_topk,
+        )
 
         if spec.ar_answer != "whole":
             why = f"ar_answer={spec.ar_answer}: the AR rows hold the collected answers"
@@ -101,7 +106,8 @@ class CLLMKind(Kind):
             log.info("stage generate: nothing to generate (%s)", why)
             return {"skipped": why}
         # a resumed generation must match the settings (checked now, before the model loads; EOS ids after)
-        check_settings(spec.gen, generation_meta(spec.gen, spec.model.identity(), set()), ignore=("eos_ids",))
+        gen = with_corpus_topk(spec.gen)
+        check_settings(gen, generation_meta(gen, spec.model.identity(), set()), ignore=("eos_ids",))
         stats = generate_stage(spec.gen, spec.model, d)
         barrier = d.barrier()
         if barrier:
