@@ -176,7 +176,10 @@ MAX_GRAPHS = 4
 
 def _graphed(model: nn.Module, ids: torch.Tensor, positions: torch.Tensor, keys: list[torch.Tensor],
              values: list[torch.Tensor], slots: torch.Tensor) -> torch.Tensor:
-    pool, graphs = _graphs.setdefault(model, (torch.cuda.graph_pool_handle(), {}))
+    entry = _graphs.get(model)
+    if entry is None:
+        entry = _graphs[model] = (torch.cuda.graph_pool_handle(), {})
+    pool, graphs = entry
     key = (tuple(ids.shape), tuple(positions.shape), ids.dtype, positions.dtype,
            tuple(t.data_ptr() for t in (*keys, *values)), keys[0].dtype, tuple(keys[0].shape), keys[0].stride(),
            tuple(t.shape[2] for t in keys))
