@@ -10,7 +10,8 @@ Per shape it reports
    decode step, the quantity that decides whether drafting can pay on this GPU;
 2. greedy decoding of ``--new-tokens`` tokens (no EOS: every run makes the same number) by transformers'
    ``generate()`` (the ``hf_generate`` method) and by pardec's ``ar`` on each ``forward_impl``: decode-only
-   tokens/s, ms per token against the bare one-row forward of table 1 (the loop's own overhead), host syncs per
+   tokens/s, ms per token against table 1's one-row forward (``CachedModel`` on transformers' forward,
+   ``forward_impl=hf``: what the loop adds, or saves with another forward), host syncs per
    step (``torch.cuda.set_sync_debug_mode``, counted in a separate untimed run), and whether the tokens equal
    ``generate()``'s.
 
@@ -117,7 +118,7 @@ def tables(res: dict) -> str:
                   "", "| T | " + " | ".join(str(t) for t in ms) + " |", "|---" * (len(ms) + 1) + "|",
                   "| ms | " + " | ".join(f"{v:.2f}" for v in ms.values()) + " |",
                   "| × T=1 | " + " | ".join(f"{v / base:.2f}" for v in ms.values()) + " |", "",
-                  "| method | forward | decode tok/s | ms/token | × bare forward | host syncs/token | same tokens as "
+                  "| method | forward | decode tok/s | ms/token | × table's hf T=1 | host syncs/token | same tokens as "
                   "generate() | status |", "|---|---|---|---|---|---|---|---|"]
         for r in s["decoding"]:
             if r["ok"]:

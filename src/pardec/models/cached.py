@@ -741,9 +741,9 @@ class CachedModel:
         rest, so the next :meth:`sync` compares on the host without reading the proposals back (one host sync per
         decoding step: the verification's read). A model fed only host tokens since is left alone."""
         start = self._tokens.host_prefix()
-        keep = min(len(accepted), self.length - start)
         if self.length == start:
             return
+        keep = min(len(accepted), self.length - start)
         self.truncate(start + keep)
         self._tokens.settle(start, [int(t) for t in accepted[:keep]])
 
