@@ -87,11 +87,15 @@ class VirtualCUDA(TorchFunctionMode):
     """See the module's docstring. ``patch_cuda`` also makes ``torch.cuda.is_available()`` true (one device per
     ``devices``), ``torch.cuda.synchronize`` a counted no-op and ``torch.Generator`` accept virtual devices."""
 
-    def __init__(self, devices: int = 1, patch_cuda: bool = True) -> None:
+    def __init__(self, devices: int = 1, patch_cuda: bool = True, trace: bool = False) -> None:
         super().__init__()
         self.devices = devices
         self.patch_cuda = patch_cuda
         self.syncs: Counter[str] = Counter()
+        #: with ``trace=True``: host syncs by (call name, ``file:line`` of the innermost pardec frame that made it),
+        #: to find where a step's reads come from
+        self.sync_sites: Counter[tuple[str, str]] = Counter()
+        self.trace = trace
         #: copies to the host with ``non_blocking=True`` (into pinned memory): no host sync, so not in ``syncs``
         self.async_copies: Counter[str] = Counter()
         #: blocking copies host -> device (``torch.tensor(data, device="cuda")``, ``.to("cuda")`` of a CPU tensor):
@@ -254,10 +258,10 @@ class VirtualCUDA(TorchFunctionMode):
         if name == "numpy" and common.type == "cuda":
             raise DeviceMismatchError("numpy: a CUDA tensor has no numpy view; move it with .cpu() first")
         if name in _HOST_READS and common.type == "cuda":
-            self.syncs[name] += 1
+            self._sync(name)
         if name == "__getitem__" and common.type == "cuda" and any(
                 isinstance(t, torch.Tensor) and t.dtype == torch.bool for t in tree_flatten(args[1:])[0]):
-            self.syncs["boolean mask index"] += 1
+            self._sync("boolean mask index")
         out = func(*args, **kwargs)
         if name.endswith("_") and not name.startswith("__") or name == "__setitem__":
             return out  # in place: the tensor keeps its device
@@ -269,6 +273,16 @@ class VirtualCUDA(TorchFunctionMode):
             if isinstance(t, torch.Tensor) and id(t) not in inputs:
                 self._tag(t, out_dev)
         return out
+
+    def _sync(self, name: str) -> None:
+        self.syncs[name] += 1
+        if self.trace:
+            import traceback
+
+            frames = [f for f in traceback.extract_stack()[:-2] if "/pardec/" in f.filename and
+                      not f.filename.endswith("devicecheck.py")]
+            where = f"{frames[-1].filename.rsplit('/pardec/', 1)[-1]}:{frames[-1].lineno}" if frames else "?"
+            self.sync_sites[(name, where)] += 1
 
     def _check(self, name: str, devs: list, args: tuple) -> None:
         cuda = {d for t, d in devs if d.type == "cuda"}
@@ -329,7 +343,7 @@ class VirtualCUDA(TorchFunctionMode):
             if kwargs.get("non_blocking"):  # PyTorch pins the destination: the host does not wait (it must not
                 self.async_copies["to cpu"] += 1  # read the values before an event says they arrived)
             else:
-                self.syncs["to cpu"] += 1
+                self._sync("to cpu")
         out = func(src, *rest, **kwargs) if name != "cpu" else src
         if target != here:
             out = out.clone() if out.untyped_storage().data_ptr() == src.untyped_storage().data_ptr() else out

@@ -69,6 +69,12 @@ class TableLM:
     def confirm(self, accepted) -> None:
         """Its tokens are host values already: nothing to settle (:meth:`CachedModel.confirm`)."""
 
+    def settle(self, values) -> None:
+        """Its tokens are host values already; checks that the caller's claim about the last ones is true
+        (:meth:`CachedModel.settle`)."""
+        values = [int(v) for v in values]
+        assert self._tokens[len(self._tokens) - len(values):] == values, (self._tokens, values)
+
     def sync(self, seq) -> list[int]:
         seq = torch.as_tensor(seq).tolist()
         n = min(len(self._tokens), len(seq) - 1)

@@ -279,7 +279,8 @@ def _per_call_syncs(vc: VirtualCUDA, fn, record: list):
 
 def _generate(method: str, s: SamplingConfig, n: int = 16, **params):
     lm = tiny(0)
-    draft = CachedModel(noisy(0), name="draft:noisy") if method in ("sps", "spectr") else None
+    draft = CachedModel(noisy(0), name="draft:noisy") if method in ("sps", "spectr", "ouroboros", "mjsd", "bild") \
+        else None
     dec = build_decoder(method, CachedModel(lm.model), lm.tokenizer, draft, **{**drafter_params(method, lm.model),
                                                                                **params})
     ids = lm.tokenizer("def fibonacci(n):\n    return")["input_ids"]
@@ -372,6 +373,37 @@ def test_whole_rounds_read_the_host_once(method, s):
     # per round one read; the prefill's first token and the prompt's tolist once
     assert reads <= res.target_forwards + 1, dict(vc.syncs)
     assert vc.async_copies["to cpu"] >= res.target_forwards  # the finiteness flags, without a wait
+
+
+@pytest.mark.parametrize("s", [GREEDY, SAMPLED], ids=["greedy", "sampled"])
+def test_ouroboros_reads_the_host_once_per_forward_of_either_model(s):
+    """Ouroboros drafts with the draft's own lookahead window and pool, a verification per draft forward, then one
+    target verification per round: one host read per forward of either model. The window's next guesses and the
+    target's tokens after every node (pool refinement and harvest) ride on the verifications' reads, and the draft's
+    kept tokens are settled as host values (``CachedModel.settle``) so its next ``sync`` reads nothing back
+    (before: ~25 reads per target forward on this tiny pair, three per draft forward)."""
+    noisy(0)
+    with VirtualCUDA() as vc:
+        vc.place(tiny(0).model)
+        vc.place(noisy(0))
+        _, run = _generate("ouroboros", s, n=24)
+        res = run()
+    assert len(res.tokens) == 24 and res.draft_forwards > res.target_forwards
+    reads = sum(n for name, n in vc.syncs.items() if name not in ("cuda.Event.synchronize", "cuda.synchronize"))
+    assert reads <= res.target_forwards + res.draft_forwards + 2, dict(vc.syncs)
+
+
+def test_settle_keeps_known_tokens_as_host_values():
+    lm = tiny(0)
+    cm = CachedModel(lm.model)
+    cm.prefill(torch.tensor([[5, 6, 7]]))
+    cm.forward(torch.tensor([[11, 12]]))
+    cm._tokens.parts[1:] = [p.to("meta") for p in cm._tokens.parts[1:]]  # as if they lived on an accelerator
+    cm.settle([7, 11, 12])
+    assert cm.length == 5 and cm._tokens.host()[0].tolist() == [5, 6, 7, 11, 12]
+    assert cm.sync([5, 6, 7, 11, 13]) == [13]
+    with pytest.raises(ValueError, match="settle: 5 values for a cache of 4 positions"):
+        cm.settle([1, 2, 3, 4, 5])
 
 
 def test_confirm_keeps_accepted_proposals_as_host_values_and_drops_the_rest():

@@ -249,19 +249,24 @@ class Decoder:
 
     def _verify_tree(self, st: _Run, last: int, tree: Tree, q: dict[int, torch.Tensor] | None = None,
                      rule: Callable[[torch.Tensor], TreeVerdict] | None = None,
-                     ) -> tuple[torch.Tensor, list[int], list[int]]:
+                     extra: Callable[[torch.Tensor], torch.Tensor] | None = None,
+                     ) -> tuple[torch.Tensor, TreeVerdict, list[int]]:
         """One target forward over the tree (root = ``last``) under its ancestor mask; commit the accepted path
         + one target token and compact the cache to exactly that path. ``rule(logits)`` replaces the shared
-        :func:`verify_tree` (a method's own acceptance rule). Returns (logits [N, V], committed tokens, kept by
-        the output)."""
+        :func:`verify_tree` (a method's own acceptance rule). ``extra(logits)``: 1-D ids read back in the
+        verification's one host read (``TreeVerdict.extra``; shared rule only). Returns (logits [N, V], the
+        verdict (``tokens``: the committed tokens), kept by the output)."""
         base, dev = self.target.length, self.target.device
         logits = self.target.forward(tree.tokens(last, dev)[None], positions=tree.positions(base, dev),
                                      attend=tree.on(dev).attend).logits[0]
         st.target_forwards += 1
-        verdict = rule(logits) if rule is not None else verify_tree(tree, logits, st.s, st.gen, q)
+        if rule is not None and extra is not None:
+            raise ValueError("_verify_tree: extra ids ride on the shared verify_tree only, not on a method's rule")
+        verdict = rule(logits) if rule is not None else verify_tree(
+            tree, logits, st.s, st.gen, q, extra=None if extra is None else extra(logits))
         kept = st.out.commit(verdict.tokens)
         self.target.keep(verdict.path)
-        return logits, verdict.tokens, kept
+        return logits, verdict, kept
 
     def _step_alone(self, st: _Run, last: int) -> int:
         """One target forward on ``last`` alone (no room left for a draft): commit its token and return it."""

@@ -167,7 +167,7 @@ class MJSD(Decoder):
                         node_of[tuple(b.tokens[: i + 1])] = b.nodes[i]
             rule = functools.partial(joint_verdict, tree, log_tau=log_tau, scoring=scoring, warped=warped, s=st.s,
                                      gen=st.gen, draft_logq={i: logq[tree.label_path(i)] for i in range(1, len(tree))})
-            _, acc, _ = self._verify_tree(st, last, tree, rule=rule)
+            acc = self._verify_tree(st, last, tree, rule=rule)[1].tokens
             n_acc = len(acc) - 1
             br.keep(node_of.get(tuple(acc[: min(n_acc, n - 1)]), -1))
             drafted, accepted, full = drafted + n, accepted + n_acc, full + (n_acc == n)

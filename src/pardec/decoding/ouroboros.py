@@ -119,10 +119,12 @@ class Ouroboros(Decoder):
             tree = candidate_tree(self.pool, feed[-1], self.guess_set, room) if window is not None else Tree.chain([])
             logits, top = lookahead_forward(d, feed, tree, window)
             forwards += 1
-            verdict = verify_tree(tree, logits, st.s, st.gen)
-            keep_path(d, len(feed), verdict.path)
+            # one host read per draft forward: the window's next guesses ride on the verification's read, and the
+            # kept tokens are settled as host values (the next sync reads nothing back)
+            verdict = verify_tree(tree, logits, st.s, st.gen, extra=None if window is None else top.argmax(-1))
+            keep_path(d, len(feed), verdict.path, known=feed + verdict.tokens[:-1])
             if window is not None:
-                window.update(top.argmax(-1).tolist(), self.pool, root=feed[-1])
+                window.update(verdict.extra, self.pool, root=feed[-1])
             toks += verdict.tokens
             if not st.s.greedy:  # each token is an exact sample from q at its parent node
                 qs += [warp(logits[n], st.s) for n in verdict.path]
@@ -206,13 +208,16 @@ class Ouroboros(Decoder):
             whole = [p for p in self.pool_phrases(toks) if p in verified] if self.refine_phrases else []
             tree = Tree.from_paths([toks] + [toks + list(p) for p in phrases])  # nodes 1..k: the draft chain
             q = {i: qs[i] for i in range(len(qs))} if qs else None  # node i's child (draft token i+1) came from q
-            logits, acc, _ = self._verify_tree(st, last, tree, q)
+            # the target's token after every node, when the pool may need it: read with the verdict, one host read
+            want_pred = bool(whole) or self.verified_phrases
+            _, verdict, _ = self._verify_tree(st, last, tree, q,
+                                              extra=(lambda lg: lg.argmax(-1)) if want_pred else None)
+            acc, pred = verdict.tokens, verdict.extra
             n_acc = len(acc) - 1
             drafted += len(toks)
             from_draft += min(n_acc, len(toks))
             from_phrases += max(0, n_acc - len(toks))
             if whole or (self.verified_phrases and n_acc < len(toks)):
-                pred = logits.argmax(-1).tolist()  # the target's token after every node, read back once
                 if whole:  # pool phrases verified uncut (one cut by the budget is left alone)
                     refined += self._refine(tree, len(toks), whole, toks[-1], pred)
                 if self.verified_phrases and n_acc < len(toks):

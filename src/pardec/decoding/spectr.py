@@ -92,7 +92,7 @@ class SpecTr(Decoder):
             rule = functools.partial(verify_tree_iid, tree, s=st.s, gen=st.gen,
                                      q={i: q[key] for i, key in enumerate(prefix) if key in q},
                                      draws={i: draws[key] for i, key in enumerate(prefix) if key in draws})
-            _, acc, _ = self._verify_tree(st, last, tree, rule=rule)
+            acc = self._verify_tree(st, last, tree, rule=rule)[1].tokens
             n_acc = len(acc) - 1
             br.keep(node_of[tuple(acc[: min(n_acc, n - 1)])])  # the draft keeps the accepted tokens it has fed
             drafted, accepted = drafted + n, accepted + n_acc

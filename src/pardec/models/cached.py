@@ -747,6 +747,15 @@ class CachedModel:
         self.truncate(start + keep)
         self._tokens.settle(start, [int(t) for t in accepted[:keep]])
 
+    def settle(self, values: list[int]) -> None:
+        """The last ``len(values)`` cached positions hold ``values`` (batch 1; known on the host, e.g. the tokens of a
+        tree path the verification read back): keep them as host values, so a later :meth:`sync` compares without
+        reading back what was fed as device tensors."""
+        if len(values) > self.length:
+            raise ValueError(f"settle: {len(values)} values for a cache of {self.length} positions")
+        if values:
+            self._tokens.settle(self.length - len(values), [int(t) for t in values])
+
     def sync(self, seq: list[int] | torch.Tensor) -> list[int]:
         """Make the cache a prefix of ``seq`` (the committed sequence, batch 1): truncate it to the longest
         common prefix and return the tokens of ``seq`` it still lacks (to be fed next).
