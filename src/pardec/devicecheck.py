@@ -32,9 +32,11 @@ Usage::
 
 from __future__ import annotations
 
+import os
 import time
 from collections import Counter
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -43,6 +45,7 @@ from torch.utils._pytree import tree_flatten
 from torch.utils.weak import WeakTensorKeyDictionary
 
 CPU = torch.device("cpu")
+_PACKAGE = str(Path(__file__).resolve().parent) + os.sep  # sync sites are named relative to pardec's source
 
 
 class DeviceMismatchError(RuntimeError):
@@ -279,9 +282,9 @@ class VirtualCUDA(TorchFunctionMode):
         if self.trace:
             import traceback
 
-            frames = [f for f in traceback.extract_stack()[:-2] if "/pardec/" in f.filename and
+            frames = [f for f in traceback.extract_stack()[:-2] if f.filename.startswith(_PACKAGE) and
                       not f.filename.endswith("devicecheck.py")]
-            where = f"{frames[-1].filename.rsplit('/pardec/', 1)[-1]}:{frames[-1].lineno}" if frames else "?"
+            where = f"{frames[-1].filename[len(_PACKAGE):]}:{frames[-1].lineno}" if frames else "?"
             self.sync_sites[(name, where)] += 1
 
     def _check(self, name: str, devs: list, args: tuple) -> None:

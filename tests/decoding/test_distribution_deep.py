@@ -180,6 +180,16 @@ def _chain(probe: Probe, fn):
     return wrapped
 
 
+def _chain_reading(probe: Probe, fn):
+    def wrapped(draft, logits, s, gen, q=None, extra=None):
+        out, more = fn(draft, logits, s, gen, q, extra)
+        k = len(draft)
+        probe.checks.append((k, len(out) - 1, len(out) - 1 < k))
+        return out, more
+
+    return wrapped
+
+
 def _tree(probe: Probe, fn, side: str = "target"):
     def wrapped(tree, logits, s, gen, *a, **kw):
         verdict = fn(tree, logits, s, gen, *a, **kw)
@@ -195,6 +205,7 @@ def _tree(probe: Probe, fn, side: str = "target"):
 def instrument(method: str, dec, monkeypatch) -> Probe:
     probe = Probe()
     monkeypatch.setattr(base_mod, "verify_chain", _chain(probe, base_mod.verify_chain))
+    monkeypatch.setattr(base_mod, "verify_chain_reading", _chain_reading(probe, base_mod.verify_chain_reading))
     for mod in (base_mod, heads_mod, lookahead_mod, sdsat_mod):
         monkeypatch.setattr(mod, "verify_tree", _tree(probe, mod.verify_tree))
     monkeypatch.setattr(ouroboros_mod, "verify_tree", _tree(probe, ouroboros_mod.verify_tree, "draft"))

@@ -393,6 +393,41 @@ def test_ouroboros_reads_the_host_once_per_forward_of_either_model(s):
     assert reads <= res.target_forwards + res.draft_forwards + 2, dict(vc.syncs)
 
 
+@pytest.mark.parametrize("s", [GREEDY, SAMPLED], ids=["greedy", "sampled"])
+@pytest.mark.parametrize("method,per_target,per_draft", [
+    ("jacobi", 1, 0),  # the next guesses ride on the verification's read (before: 1.94 per forward)
+    ("mjgd", 1, 0),  # one read per beam step (before: 2.94)
+    ("mjsd", 1, 1),  # one per beam step, one per verification: log p and the next token together (before: 12.3)
+    ("bild", 1, 1),  # the draft's confidence per draft step; the rollback, draft and next token in one (before: 2.9)
+    ("sdsat", 2, 0),  # the verification + the next tree's candidates (sampled before: 67.6, a read per list item)
+])
+def test_reads_per_forward(method, per_target, per_draft, s):
+    """Host reads of whole generations on a virtual GPU, against each method's budget per forward of the target
+    and of the draft (+2: the prompt and the prefill's first token). Found with ``VirtualCUDA(trace=True)``."""
+    noisy(0)
+    with VirtualCUDA(trace=True) as vc:
+        vc.place(tiny(0).model)
+        vc.place(noisy(0))
+        _, run = _generate(method, s, n=24)
+        res = run()
+    assert len(res.tokens) == 24
+    reads = sum(n for name, n in vc.syncs.items() if name not in ("cuda.Event.synchronize", "cuda.synchronize"))
+    budget = per_target * res.target_forwards + per_draft * res.draft_forwards + 2
+    assert reads <= budget, (reads, budget, vc.sync_sites.most_common(6))
+
+
+def test_trace_names_where_reads_happen():
+    with VirtualCUDA(trace=True) as vc:
+        t = torch.ones(3, device="cuda")
+        t.tolist()
+        from pardec.decoding.verify import verify_chain
+        verify_chain([1], torch.zeros(2, 4, device="cuda"), GREEDY, None)
+    assert vc.syncs["tolist"] == 2
+    sites = {w for (name, w) in vc.sync_sites}
+    assert len(vc.sync_sites) == 2 and "?" in sites  # a read outside pardec (this test)
+    assert any(w.startswith("decoding/verify.py:") for w in sites)
+
+
 def test_settle_keeps_known_tokens_as_host_values():
     lm = tiny(0)
     cm = CachedModel(lm.model)

@@ -16,7 +16,7 @@ import torch
 from pardec.config import ConfigError, ModelConfig, SamplingConfig, fits_type, type_name
 from pardec.decoding.sampling import make_generator, select
 from pardec.decoding.tree import Tree
-from pardec.decoding.verify import TreeVerdict, verify_chain, verify_tree
+from pardec.decoding.verify import TreeVerdict, verify_chain, verify_chain_reading, verify_tree
 from pardec.models.cached import CachedModel, to_device
 from pardec.registry import Registry
 
@@ -231,18 +231,23 @@ class Decoder:
         st.target_forwards = 1
         return st, last
 
-    def _verify_chain(self, st: _Run, last: int, draft: torch.Tensor,
-                      q: torch.Tensor | None = None) -> tuple[torch.Tensor, list[int], list[int]]:
+    def _verify_chain(self, st: _Run, last: int, draft: torch.Tensor, q: torch.Tensor | None = None,
+                      extra: Callable[[torch.Tensor], torch.Tensor] | None = None,
+                      ) -> tuple[torch.Tensor, list[int], list[int]]:
         """One target forward over ``[last, *draft]``; commit the accepted prefix + one target token and keep
         only their positions in the cache. ``q`` [k, V]: the draft's distributions (None: a deterministic
-        draft). Returns (logits [k+1, V], committed tokens, kept by the output)."""
+        draft). ``extra(logits)``: 1-D ids read back in the verification's one host read, left in
+        ``st.extra``. Returns (logits [k+1, V], committed tokens, kept by the output)."""
         base = self.target.length
         dev = st.ids.device
         draft = to_device(torch.as_tensor(draft, dtype=torch.long), dev)  # a draft made on the device stays there
         inp = torch.cat([torch.full((1,), int(last), dtype=torch.long, device=dev), draft])[None]
         logits = self.target.forward(inp).logits[0]
         st.target_forwards += 1
-        acc = verify_chain(draft, logits, st.s, st.gen, q)
+        if extra is None:
+            acc = verify_chain(draft, logits, st.s, st.gen, q)
+        else:
+            acc, st.extra = verify_chain_reading(draft, logits, st.s, st.gen, q, extra(logits))
         kept = st.out.commit(acc)
         self.target.truncate(base + len(acc))  # `last` + the accepted draft tokens
         return logits, acc, kept
@@ -290,6 +295,7 @@ class _Run:
     timer: Timer
     prefill_s: float = 0.0
     target_forwards: int = 0
+    extra: list[int] = field(default_factory=list)  # the last verification's extra ids (``_verify_chain(extra=)``)
 
 
 class DraftClock:

@@ -46,13 +46,18 @@ def rollback_point(draft: torch.Tensor, logits: torch.Tensor, threshold: float,
     ``-log softmax(logits[i])[draft[i]]`` (``logits`` [m+1, V], row i scoring draft[i]; with ``warped``, of the
     distribution that config warps: infinite for a token its top-k / top-p removes), exceeds ``threshold``; ``m`` if
     none does."""
+    return int(rollback_count(draft, logits, threshold, warped))
+
+
+def rollback_count(draft: torch.Tensor, logits: torch.Tensor, threshold: float,
+                   warped: SamplingConfig | None = None) -> torch.Tensor:
+    """:func:`rollback_point` as a [1] long tensor on the logits' device (no host read)."""
     m = draft.numel()
     if m == 0:
-        return 0
+        return torch.zeros(1, dtype=torch.long, device=logits.device)
     logp = torch.log(warp(logits[:m], warped)) if warped is not None else torch.log_softmax(logits[:m].float(), -1)
     nll = -logp.gather(-1, draft.to(logits.device)[:, None])[:, 0]
-    bad = (nll > threshold).nonzero()
-    return int(bad[0]) if bad.numel() else m
+    return (nll <= threshold).long().cumprod(0).sum().view(1)  # the surviving prefix
 
 
 @register_method("bild")
@@ -107,9 +112,13 @@ class BigLittleDecoder(Decoder):
             inp = torch.cat([torch.full((1,), last, dtype=torch.long, device=st.ids.device), toks])[None]
             logits = self.target.forward(inp).logits[0]
             st.target_forwards += 1
-            cut = rollback_point(toks, logits, self.rollback, warped)
-            rollbacks += cut < toks.numel()
-            acc = toks[:cut].tolist() + [int(select(logits[cut], st.s, st.gen))]
+            # one host read: the surviving count, the draft and the target's token after every position
+            m = toks.numel()
+            got = torch.cat([rollback_count(toks, logits, self.rollback, warped), toks,
+                             select(logits, st.s, st.gen)]).tolist()
+            cut = got[0]
+            rollbacks += cut < m
+            acc = got[1: 1 + cut] + [got[1 + m + cut]]
             st.out.commit(acc)
             self.target.truncate(base + 1 + cut)  # `last` + the surviving draft tokens
             self.draft.confirm(acc[:cut])  # the draft's log keeps them as host values: no read-back next round

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 import torch
 
 from pardec.config import SamplingConfig
-from pardec.decoding.sampling import sample, warp
+from pardec.decoding.sampling import sample, sample_without_replacement, warp
 from pardec.models.cached import CachedModel
 
 
@@ -163,18 +163,22 @@ def beam_search(first_logits: torch.Tensor, steps: int, num_beams: int, grow: Gr
         cut = weights if propose.greedy else propose  # the top-k / top-p that remove candidates from the draw
         kept = cand if cut is None else cand.masked_fill(warp(logits, cut) == 0, float("-inf"))
         log_sel = torch.log_softmax(kept.reshape(-1), dim=-1)  # [B*V] one draw's probability of each candidate
-        if propose.greedy:
-            flat = cand.reshape(-1)
-            n = min(num_beams, int(torch.isfinite(flat).sum()))
-            picks = torch.topk(flat, n).indices
+        flat = cand.reshape(-1)
+        if propose.greedy:  # the best candidates (the infinite ones, past the finite ones, dropped after the read)
+            picks = torch.topk(flat, min(num_beams, flat.numel())).indices
+            real = torch.isfinite(flat[picks])
         else:  # HF's beam sampling: 2 x num_beams draws without replacement, the num_beams best joints kept
-            n = min(2 * num_beams, int(torch.isfinite(log_sel).sum()))
-            drawn = torch.multinomial(log_sel.exp(), n, replacement=False, generator=gen)
-            picks = drawn[torch.topk(cand.reshape(-1)[drawn], min(num_beams, n)).indices]
-        joint, sel = torch.stack([cand.reshape(-1)[picks], log_sel[picks]]).tolist()
+            drawn, real = sample_without_replacement(log_sel.exp(), 2 * num_beams, gen)
+            best = torch.topk(flat[drawn].masked_fill(~real, float("-inf")), min(num_beams, drawn.numel())).indices
+            picks, real = drawn[best], real[best]
+        # one host read per step: the picks with their joint and selection log-probabilities (float64 keeps the
+        # float32 values and the indices exact)
+        rows = torch.stack([flat[picks].double(), log_sel[picks].double(), picks.double(), real.double()]).tolist()
         new = []
-        for f, j, q in zip(picks.tolist(), joint, sel):
-            b, v = divmod(f, vocab)
+        for j, q, f, ok in zip(*rows):
+            if not ok:
+                continue
+            b, v = divmod(int(f), vocab)
             parent = beams[b]
             new.append(Beam(parent.tokens + [v], parent.joint + [j], parent.select + [q], list(parent.nodes)))
         new.sort(key=lambda beam: -beam.score)

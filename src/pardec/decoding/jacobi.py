@@ -113,11 +113,14 @@ class Jacobi(Decoder):
             states, committed = [list(guess)], [0]
             while len(block) < n and not out.done and len(states) <= self.max_iters:  # iterations = len - 1
                 # the guess's last token has no successor in the block: it is only predicted, not verified
-                logits, acc, kept = self._verify_chain(st, last, torch.tensor(guess[:-1], dtype=torch.long))
+                # the next guesses (the target's token after every position; those past the accepted ones are
+                # kept) come back in the verification's one host read
+                _, acc, kept = self._verify_chain(st, last, torch.tensor(guess[:-1], dtype=torch.long),
+                                                  extra=lambda lg: select(lg, st.s, st.gen))
                 block += kept
                 ff_counts.append(len(kept))
                 last = acc[-1]
-                guess = select(logits[len(acc) :], st.s, st.gen).tolist() if len(block) < n else []
+                guess = st.extra[len(acc):] if len(block) < n else []
                 states.append(block + guess)
                 committed.append(len(block))
             complete = len(block) == n

@@ -68,21 +68,28 @@ def log_ratio(logp: float, logq: float) -> float:
     return min(0.0, logp - logq)
 
 
-def joint_accept(tree: Tree, target_logp: torch.Tensor, draft_logq: dict[int, float], log_tau: float) -> int:
+def joint_accept(tree: Tree, target_logp: torch.Tensor, draft_logq: dict[int, float], log_tau: float,
+                 next_tokens: torch.Tensor | None = None) -> int | tuple[int, int]:
     """The node MJSD accepts: the deepest node whose ``log min(1, p(path) / q(path)) >= log_tau`` (ties: higher
     ``p``), the root (0) if none. ``target_logp`` [N, V]: the target's log-probabilities after each node (-inf where
-    its distribution is 0); ``draft_logq``: node -> ``log q`` of the node's path."""
+    its distribution is 0); ``draft_logq``: node -> ``log q`` of the node's path. With ``next_tokens`` [N] (the
+    target's token after every node, on the device), returns (node, the token after it), both from one host read."""
     logp = [0.0] * len(tree)
     best, best_key = 0, (0, -math.inf)
     nodes = range(1, len(tree))
-    step = target_logp[[tree.parents[i] for i in nodes], [tree.labels[i] for i in nodes]].float().tolist()  # one sync
-    for i, lp in zip(nodes, step):
+    step = target_logp[[tree.parents[i] for i in nodes], [tree.labels[i] for i in nodes]].double()
+    if next_tokens is not None:  # float64 keeps the token ids exact beside the log-probabilities
+        step = torch.cat([step, next_tokens.double()])
+    read = step.tolist()  # the one host read
+    for i, lp in zip(nodes, read):
         logp[i] = logp[tree.parents[i]] + lp
         ok = log_ratio(logp[i], draft_logq[i]) >= log_tau
         key = (int(tree.depth[i]), logp[i])
         if ok and key > best_key:
             best, best_key = i, key
-    return best
+    if next_tokens is None:
+        return best
+    return best, int(read[len(tree) - 1 + best])
 
 
 def target_logp(logits: torch.Tensor, scoring: SamplingConfig, warped: bool) -> torch.Tensor:
@@ -98,9 +105,11 @@ def joint_verdict(tree: Tree, logits: torch.Tensor, draft_logq: dict[int, float]
     """MJSD's verification of ``tree`` from the target's ``logits`` [N, V] (``p`` from :func:`target_logp`): the
     :func:`joint_accept` node's path, then the target's own next token (argmax, or a sample from its distribution
     warped by the run's ``s``)."""
-    node = joint_accept(tree, target_logp(logits, scoring, warped), draft_logq, log_tau)
+    # the target's token after every node (drawn independently per node, so the accepted node's is an exact draw),
+    # read back with the ratios' log-probabilities: one host read per verification
+    node, nxt = joint_accept(tree, target_logp(logits, scoring, warped), draft_logq, log_tau, select(logits, s, gen))
     path = tree.path_to(node)
-    return TreeVerdict(path, [tree.labels[j] for j in path[1:]] + [int(select(logits[node], s, gen))])
+    return TreeVerdict(path, [tree.labels[j] for j in path[1:]] + [nxt])
 
 
 @register_method("mjsd")

@@ -172,7 +172,7 @@ class SDSAT(Decoder):
             return Tree.chain(drafts.argmax(-1).tolist()), len(drafts)
         if self.paths is None:
             return self._caterpillar(drafts, s)
-        ranked = [self._nucleus(row, s) for row in drafts]  # depth d's list, most likely first
+        ranked = self._nucleus(drafts, s)  # depth d's list, most likely first
         paths = [p for p in truncate_paths(self.paths, len(drafts))
                  if all(r < len(ranked[d]) for d, r in enumerate(p))]  # ranks past a narrow nucleus: left out
         tree = Tree.from_paths([[ranked[d][r] for d, r in enumerate(p)] for p in paths])
@@ -188,21 +188,32 @@ class SDSAT(Decoder):
         """The main chain with each depth's other listed tokens as leaves under the chain's node one level up."""
         parents, labels = [-1], [-1]
         node = 0  # the main chain's deepest node so far
-        for d, tok in enumerate(drafts.argmax(-1).tolist()):
-            alts = [t for t in self._nucleus(drafts[d], s) if t != tok] if self.top_k > 1 else []
+        if self.top_k > 1:
+            lists, main = self._nucleus(drafts, s, with_argmax=True)
+        else:
+            lists, main = None, drafts.argmax(-1).tolist()
+        for d, tok in enumerate(main):
+            alts = [t for t in lists[d] if t != tok] if lists is not None else []
             parents += [node] * (1 + len(alts))
             labels += [int(tok)] + alts
             node = len(parents) - 1 - len(alts)
         return Tree(parents, labels), node
 
-    def _nucleus(self, logits: torch.Tensor, s: SamplingConfig) -> list[int]:
-        """The ``top_k`` most likely tokens inside the ``top_p`` nucleus at the run's temperature, most likely
-        first (never empty)."""
-        probs = torch.softmax(logits / s.temperature, dim=-1)
-        top = probs.topk(min(self.top_k, probs.shape[-1]))
-        before = top.values.cumsum(0) - top.values  # mass of the more likely ones
-        keep = [int(t) for t, b, p in zip(top.indices, before, top.values) if b < self.top_p and p > 0]
-        return keep or [int(top.indices[0])]
+    def _nucleus(self, logits: torch.Tensor, s: SamplingConfig, with_argmax: bool = False):
+        """Per row of ``logits`` [d, V]: the ``top_k`` most likely tokens inside the ``top_p`` nucleus at the run's
+        temperature, most likely first (never empty). All rows in one host read; ``with_argmax``: (the lists, each
+        row's argmax of ``logits``) from that read."""
+        probs = torch.softmax(logits.float() / s.temperature, dim=-1)
+        top = probs.topk(min(self.top_k, probs.shape[-1]), dim=-1)
+        before = top.values.cumsum(-1) - top.values  # mass of the more likely ones
+        keep = (before < self.top_p) & (top.values > 0)
+        keep[:, 0] = True  # never empty: the most likely token stays
+        parts = [top.indices, keep.long()]
+        if with_argmax:
+            parts.append(logits.argmax(-1, keepdim=True).expand_as(top.indices))
+        ids, kept, *arg = torch.stack(parts).tolist()
+        lists = [[t for t, k in zip(row, flags) if k] for row, flags in zip(ids, kept)]
+        return (lists, [row[0] for row in arg[0]]) if with_argmax else lists
 
     # ------------------------------------------------------------------ loop
     @torch.inference_mode()

@@ -75,16 +75,26 @@ def verify_chain(
 
     One host read: [accepted count, the draft, the target's token].
     """
+    return verify_chain_reading(draft, logits, s, gen, q)[0]
+
+
+def verify_chain_reading(draft: torch.Tensor | list[int], logits: torch.Tensor, s: SamplingConfig,
+                         gen: torch.Generator | None, q: torch.Tensor | None = None,
+                         extra: torch.Tensor | None = None) -> tuple[list[int], list[int]]:
+    """:func:`verify_chain`, and ``extra`` (1-D ids the caller needs on the host too, e.g. Jacobi's next guesses)
+    read back in the same host read: (committed tokens, ``extra``'s values)."""
     dev = logits.device
     draft = torch.as_tensor(draft, dtype=torch.long).reshape(-1).to(dev)
     k = draft.numel()
     if logits.shape[0] != k + 1:
         raise ValueError(f"verify_chain: {k} draft tokens need {k + 1} logit rows, got {logits.shape[0]}")
+    more = [] if extra is None else [extra.reshape(-1).to(dev, torch.long)]
+    m = 0 if extra is None else more[0].numel()
     if s.greedy:
         pred = logits.argmax(-1)  # [k+1]
         n = (pred[:k] == draft).long().cumprod(0).sum().view(1)  # the longest matching prefix
-        got = torch.cat([n, pred]).tolist()
-        return got[1 : got[0] + 2]
+        got = torch.cat([n, pred, *more]).tolist()
+        return got[1 : got[0] + 2], got[len(got) - m:]
     probs = warp(logits, s)  # [k+1, V]
     vocab = probs.shape[-1]
     p_d = probs[torch.arange(k, device=dev), draft]  # [k] p_i(d_i)
@@ -102,8 +112,8 @@ def verify_chain(
     else:  # max(0, p - q) (q = 0 at the bonus position: p)
         r = (p_n - torch.cat([q, q.new_zeros(1, vocab)]).index_select(0, n)).clamp(min=0.0)
     token = sample(_normalised(r, p_n), gen)[0]  # [1]
-    got = torch.cat([n, draft, token]).tolist()
-    return got[1 : 1 + got[0]] + [got[-1]]
+    got = torch.cat([n, draft, token, *more]).tolist()
+    return got[1 : 1 + got[0]] + [got[1 + k]], got[len(got) - m:]
 
 
 @dataclass
