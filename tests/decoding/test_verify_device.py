@@ -295,7 +295,7 @@ def test_sps_steps_verify_with_one_read_and_keep_drafts_on_the_device(s, monkeyp
         vc.place(noisy(0))
         dec, run = _generate("sps", s)
         verify, drafts = [], []
-        monkeypatch.setattr(base_mod, "verify_chain", _per_call_syncs(vc, base_mod.verify_chain, verify))
+        monkeypatch.setattr(base_mod, "verify_chain_reading", _per_call_syncs(vc, base_mod.verify_chain_reading, verify))
         draft_chain = sps_mod.draft_chain
 
         def seen(*a, **kw):
@@ -320,6 +320,7 @@ def test_tree_drafters_read_back_once_and_build_tree_buffers_once_per_shape(meth
         return make(parents, st, device)
 
     monkeypatch.setattr(tree_mod, "_buffers", counted)
+    tiny(0)  # loaded (and cached) outside the mode: its seeded init forks the RNG of every visible CUDA device
     with VirtualCUDA() as vc:
         vc.place(tiny(0).model)
         dec, run = _generate(method, s, n=24)

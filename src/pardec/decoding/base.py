@@ -16,7 +16,7 @@ import torch
 from pardec.config import ConfigError, ModelConfig, SamplingConfig, fits_type, type_name
 from pardec.decoding.sampling import make_generator, select
 from pardec.decoding.tree import Tree
-from pardec.decoding.verify import TreeVerdict, verify_chain, verify_chain_reading, verify_tree
+from pardec.decoding.verify import TreeVerdict, verify_chain_reading, verify_tree
 from pardec.models.cached import CachedModel, to_device
 from pardec.registry import Registry
 
@@ -244,10 +244,7 @@ class Decoder:
         inp = torch.cat([torch.full((1,), int(last), dtype=torch.long, device=dev), draft])[None]
         logits = self.target.forward(inp).logits[0]
         st.target_forwards += 1
-        if extra is None:
-            acc = verify_chain(draft, logits, st.s, st.gen, q)
-        else:
-            acc, st.extra = verify_chain_reading(draft, logits, st.s, st.gen, q, extra(logits))
+        acc, st.extra = verify_chain_reading(draft, logits, st.s, st.gen, q, None if extra is None else extra(logits))
         kept = st.out.commit(acc)
         self.target.truncate(base + len(acc))  # `last` + the accepted draft tokens
         return logits, acc, kept
