@@ -40,8 +40,9 @@ def parse_method(spec: str) -> tuple[str, list[str], str]:
     return name, [f"method.{p}" for p in params], "_".join([name, *params]).replace("=", "-")
 
 
-def draft_available(draft: str) -> tuple[bool, str]:
-    """(whether ``draft=<draft>`` can be loaded, where it points)."""
+def draft_available(draft: str, extra: list[str] = ()) -> tuple[bool, str]:
+    """(whether ``draft=<draft>`` can be loaded, where it points), with the run's ``draft.*`` overrides applied
+    (e.g. ``draft.path=<run>/final``)."""
     if draft == "none":
         return False, "draft=none"
     from hydra import compose, initialize_config_dir
@@ -49,7 +50,7 @@ def draft_available(draft: str) -> tuple[bool, str]:
     from pardec import CONF_DIR
 
     with initialize_config_dir(str(CONF_DIR), version_base="1.3"):
-        d = compose("evaluate", overrides=[f"draft={draft}"]).draft
+        d = compose("evaluate", overrides=[f"draft={draft}", *(o for o in extra if o.startswith("draft."))]).draft
     if d.source != "local":
         return True, str(d.get("path") or d.source)
     return (Path(d.path) / "config.json").is_file(), str(d.path)
@@ -77,7 +78,7 @@ def main() -> None:
     from pardec.decoding.base import METHODS
 
     paths = dict(p.split("=", 1) for p in a.dataset_path)
-    has_draft, where = draft_available(a.draft)
+    has_draft, where = draft_available(a.draft, a.extra)
     if not has_draft:
         print(f"note: no draft ({where}); skipping draft methods and hf_assisted "
               f"(train one: python -m train +experiment=draft_smollm2)")
