@@ -1,14 +1,18 @@
-"""Distilled drafts side by side (kind ``draft``): training curves and held-out results of one or more runs, e.g.
-the corpus-size study (the same recipe at ``draft.corpus_fraction`` 0.5 and 1):
+"""Trained drafters side by side: distilled drafts (kind ``draft``) or Medusa heads / FIRP projections (kind
+``heads``); training curves and held-out results of one or more runs, e.g. a corpus-size study (the same recipe at
+``draft.corpus_fraction`` / ``heads.corpus_fraction`` 0.5 and 1):
 
     python scripts/draft_report.py --run full=outputs/train/runs/draft_smollm2/default \
         --run half=outputs/train/runs/draft_smollm2/half [--out outputs/draft_report]
+    python scripts/draft_report.py --run c1000=outputs/train/runs/heads_medusa_smollm2/c1000 --run q250=... --out ...
 
 Per run: its logged steps (``log_history.json``, else the newest checkpoint's state), its train summary
 (``train_summary.json`` of the train stage: samples, corpus fraction, steps, seconds) when there is one, and its
-``draft_eval.json`` (teacher-forced top-1 agreement and expected acceptance at temperature 1, 1 - TVD, per held-out
-dataset; forward cost vs the target). Writes
-``report.md``, ``report.json`` and ``draft_curves.png`` (KL and top-1 agreement against the optimizer step).
+held-out evaluation: a draft's ``draft_eval.json`` (teacher-forced top-1 agreement and expected acceptance at
+temperature 1, 1 - TVD, per held-out dataset; forward cost vs the target), or a drafter's ``heads_eval.json``
+(top-1 / top-5 per depth, expected tokens per step of the chain and the searched trees). Writes ``report.md``,
+``report.json`` and ``draft_curves.png`` (KL and top-1 agreement on the training batches against the optimizer
+step; a heads run logs the mean over its depths).
 """
 
 from __future__ import annotations
@@ -37,7 +41,8 @@ def read_run(run_dir: Path) -> dict:
     summary = load("train_summary.json")
     train = summary.get("train") if summary and isinstance(summary.get("train"), dict) else None
     steps = [h for h in log_history(run_dir) if "loss" in h and "step" in h]
-    return {"dir": str(run_dir), "history": steps, "train": train, "eval": load("draft_eval.json")}
+    return {"dir": str(run_dir), "history": steps, "train": train, "eval": load("draft_eval.json"),
+            "heads_eval": load("heads_eval.json")}
 
 
 def _fmt(x, digits: int = 3) -> str:
@@ -62,13 +67,37 @@ def table(runs: dict[str, dict]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def heads_table(runs: dict[str, dict]) -> str:
+    """The heads runs (those with a ``heads_eval.json``): held-out top-1 / top-5 per depth, expected tokens per
+    step of the chain and of each searched tree."""
+    runs = {k: r for k, r in runs.items() if r.get("heads_eval")}
+    depth = max(len(r["heads_eval"]["overall"]["topk_accuracy"]) for r in runs.values())
+    trees = sorted({t for r in runs.values() for t in r["heads_eval"]["trees"]}, key=lambda t: (t != "chain", len(t), t))
+    head = ["run", "samples", "corpus fraction", "steps", "train min", "last logged kl", "last logged top-1",
+            *[f"held-out top-1 step {d + 1}" for d in range(depth)],
+            *[f"held-out top-5 step {d + 1}" for d in range(depth)], *[f"expected tokens/step {t}" for t in trees]]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for label, r in runs.items():
+        t, e, last = r["train"] or {}, r["heads_eval"], (r["history"] or [{}])[-1]
+        acc = e["overall"]["topk_accuracy"]
+        secs = t.get("train_seconds")
+        row = [label, t.get("samples"), t.get("corpus_fraction"), t.get("steps") or last.get("step"),
+               None if secs is None else secs / 60, last.get("kl"), last.get("top1"),
+               *[acc[d][0] if d < len(acc) else None for d in range(depth)],
+               *[acc[d][4] if d < len(acc) and len(acc[d]) > 4 else None for d in range(depth)],
+               *[e["trees"].get(k, {}).get("expected_accept_length") for k in trees]]
+        lines.append("| " + " | ".join(_fmt(x, 1 if i == 4 else 3) for i, x in enumerate(row)) + " |")
+    return "\n".join(lines) + "\n"
+
+
 def plot(runs: dict[str, dict], path: Path) -> bool:
     if not any(r["history"] for r in runs.values()):
         return False
     fig, axes = plt.subplots(1, len(CURVES), figsize=(5 * len(CURVES), 3.6))
     for ax, key in zip(axes, CURVES):
         for label, r in runs.items():
-            pts = [(h["step"], h[key]) for h in r["history"] if key in h]
+            name = "top1" if key == "agreement" and r.get("heads_eval") else key  # a heads run's mean top-1
+            pts = [(h["step"], float(h[name])) for h in r["history"] if name in h]
             if pts:
                 ax.plot(*zip(*pts), label=label)
         ax.set_xlabel("optimizer step")
@@ -79,7 +108,7 @@ def plot(runs: dict[str, dict], path: Path) -> bool:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--run", action="append", required=True, metavar="LABEL=DIR", help="a draft run dir (repeat)")
+    ap.add_argument("--run", action="append", required=True, metavar="LABEL=DIR", help="a draft or heads run dir (repeat)")
     ap.add_argument("--out", type=Path, default=Path("outputs/draft_report"))
     a = ap.parse_args(argv)
     runs = {}
@@ -89,7 +118,9 @@ def main(argv: list[str] | None = None) -> int:
             ap.error(f"--run {item!r}: give LABEL=DIR with an existing run directory")
         runs[label] = read_run(Path(path))
     a.out.mkdir(parents=True, exist_ok=True)
-    md = table(runs)
+    heads = {k: r for k, r in runs.items() if r["heads_eval"]}
+    md = "" if len(heads) == len(runs) else table({k: r for k, r in runs.items() if k not in heads})
+    md += ("\n" if md and heads else "") + (heads_table(heads) if heads else "")
     if plot(runs, a.out / "draft_curves.png"):
         md += "\n![training curves](draft_curves.png)\n"
     (a.out / "report.md").write_text(md)

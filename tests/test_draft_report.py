@@ -43,3 +43,40 @@ def test_report_puts_runs_side_by_side(tmp_path, capsys):
 def test_report_refuses_a_missing_run(tmp_path):
     with pytest.raises(SystemExit):
         draft_report.main(["--run", f"x={tmp_path / 'nope'}", "--out", str(tmp_path / "r")])
+
+
+def _heads_run(root: Path, frac: float, top1: float) -> Path:
+    root.mkdir(parents=True)
+    hist = [{"step": s, "loss": 3.0 / s, "kl": 3.0 / s, "top1": top1 * s / 4, "kl_d1": 1.0} for s in (2, 4)]
+    (root / "log_history.json").write_text(json.dumps(hist + [{"step": 4, "train_runtime": 12.0}]))
+    (root / "train_summary.json").write_text(json.dumps({"stage": "train", "train": {
+        "samples": int(1000 * frac), "corpus_fraction": frac, "steps": 4, "train_seconds": 120.0}}))
+    acc = [[top1 / (d + 1) + 0.1 * r for r in range(10)] for d in range(3)]  # cumulative top-k per depth
+    (root / "heads_eval.json").write_text(json.dumps({
+        "overall": {"topk_accuracy": acc}, "positions": 50,
+        "trees": {"T16": {"expected_accept_length": 1.9}, "chain": {"expected_accept_length": 1.4},
+                  "T63": {"expected_accept_length": 2.1 + frac}}}))
+    return root
+
+
+def test_report_puts_heads_runs_side_by_side(tmp_path):
+    full, quarter = _heads_run(tmp_path / "full", 1.0, 0.4), _heads_run(tmp_path / "q", 0.25, 0.3)
+    assert draft_report.main(["--run", f"full={full}", "--run", f"q={quarter}", "--out", str(tmp_path / "r")]) == 0
+    md = (tmp_path / "r" / "report.md").read_text()
+    assert "held-out agreement" not in md  # no draft run: the draft table is left out
+    assert ("| run | samples | corpus fraction | steps | train min | last logged kl | last logged top-1 | held-out top-1 "
+            "step 1 | held-out top-1 step 2 | held-out top-1 step 3 | held-out top-5 step 1") in md
+    assert "expected tokens/step chain | expected tokens/step T16 | expected tokens/step T63 |" in md
+    row = next(line for line in md.splitlines() if line.startswith("| q |"))
+    assert row == ("| q | 250 | 0.250 | 4 | 2.0 | 0.750 | 0.300 | 0.300 | 0.150 | 0.100 | 0.700 | 0.550 | 0.500 | "
+                   "1.400 | 1.900 | 2.350 |")
+    assert (tmp_path / "r" / "draft_curves.png").stat().st_size > 1000
+
+
+def test_report_mixes_draft_and_heads_runs(tmp_path):
+    d, h = _run(tmp_path / "draft", 1.0, 0.6), _heads_run(tmp_path / "heads", 1.0, 0.4)
+    assert draft_report.main(["--run", f"d={d}", "--run", f"h={h}", "--out", str(tmp_path / "r")]) == 0
+    md = (tmp_path / "r" / "report.md").read_text()
+    assert "held-out agreement gsm8k" in md and "held-out top-1 step 1" in md
+    assert sum(line.startswith("| d |") for line in md.splitlines()) == 1
+    assert sum(line.startswith("| h |") for line in md.splitlines()) == 1

@@ -228,9 +228,13 @@ def instrument(method: str, dec, monkeypatch) -> Probe:
     if method == "sdsat":
         read = dec._draft_logits
 
-        def drafts_seen(rows, committed):
-            probe.reads.append((len(probe.checks), probe.checks[-1][0] if probe.checks else -1))
-            return read(oracle(committed, len(rows)), committed)
+        def drafts_seen(rows, before, token):
+            # made inside the producing forward's verification, before it is recorded (the next one may use them);
+            # the depth of the main chain they follow (before = the committed tokens + that chain); -1: the prefill
+            producing = len(before) - len(box["out"]) if before else -1
+            probe.reads.append((len(probe.checks) + (producing >= 0), producing))
+            committed = [*before, int(token)]  # the oracle reads the token on the host (test code only)
+            return read(oracle(committed, len(rows)), before, token)
 
         dec._draft_logits = drafts_seen
     if method == "ouroboros":

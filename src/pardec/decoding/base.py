@@ -214,9 +214,12 @@ class Decoder:
 
     # shared steps ----------------------------------------------------------------------------
     def _start(self, prompt_ids, max_new_tokens: int, stop: Stopper | None, sampling: SamplingConfig | None,
-               prefill: Callable[[torch.Tensor], torch.Tensor] | None = None):
+               prefill: Callable[[torch.Tensor], torch.Tensor] | None = None,
+               extra: Callable[[torch.Tensor], torch.Tensor] | None = None):
         """Prefill the target with the prompt and commit its first token. ``prefill(ids) -> [1, V]`` replaces
-        ``target.prefill`` (a method that wants more than the last logits from that forward).
+        ``target.prefill`` (a method that wants more than the last logits from that forward). ``extra(token)``:
+        1-D ids made from the first token [1], still on the device, and read back with it in the one host read
+        (left in ``state.extra``).
 
         Returns (state, last committed token); ``state.prefill_s`` is set, the clock keeps running."""
         s = sampling or SamplingConfig()
@@ -225,7 +228,11 @@ class Decoder:
             raise ValueError("empty prompt")
         ids = ids.to(self.target.device)
         st = _Run(s, Output(max_new_tokens, stop or Stopper()), ids, make_generator(s, ids.device), Timer(ids.device))
-        last = int(select((prefill or self.target.prefill)(ids), s, st.gen))
+        first = select((prefill or self.target.prefill)(ids), s, st.gen).reshape(1)
+        if extra is None:
+            last = int(first)
+        else:
+            last, *st.extra = torch.cat([first, extra(first).reshape(-1).to(first.device, torch.long)]).tolist()
         st.out.commit([last])
         st.prefill_s = st.timer.elapsed()
         st.target_forwards = 1

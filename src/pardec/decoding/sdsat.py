@@ -159,39 +159,73 @@ class SDSAT(Decoder):
         """The ids of ``n`` appended adaptive tokens: one id repeated, or SDSAT-D's a_1..a_n."""
         return [self.adaptive[0]] * n if len(self.adaptive) == 1 else self.adaptive[:n]
 
-    def _draft_logits(self, rows: torch.Tensor, committed: list[int]) -> torch.Tensor:
-        """[k, V] draft logits from the adaptive rows (adaptive ids excluded); ``committed``: the new tokens so far
-        (the drafts continue them). A seam for tests (oracle drafts)."""
+    def _draft_logits(self, rows: torch.Tensor, before: list[int], token: torch.Tensor) -> torch.Tensor:
+        """[k, V] draft logits from the adaptive rows (adaptive ids excluded). The rows follow ``token`` [1], on the
+        device and not yet read back (the prefill's first token, or a verification's bonus token), which follows
+        the new tokens ``before``: the drafts continue ``before + [token]``. A seam for tests (oracle drafts)."""
         rows = rows.float().clone()
         rows[:, self.adaptive] = float("-inf")
         return rows
 
-    def candidates(self, drafts: torch.Tensor, s: SamplingConfig) -> tuple[Tree, int]:
-        """(candidate tree, index of the main chain's last node) from draft logits [d, V]."""
-        if s.greedy:  # the main chain alone
-            return Tree.chain(drafts.argmax(-1).tolist()), len(drafts)
+    def _lists(self, drafts: torch.Tensor, s: SamplingConfig) -> torch.Tensor:
+        """What building the candidates needs on the host, on the drafts' device: [P, d, K] ids, row-wise in the
+        drafts [d, V] (so the first rows serve a shallower tree). Greedy (or a caterpillar with ``top_k`` 1): each
+        depth's argmax [1, d, 1]. Else each depth's ``top_k`` most likely tokens at the run's temperature and
+        whether each is inside the ``top_p`` nucleus (the most likely always is) [2, d, K]; the caterpillar adds each
+        depth's argmax of the raw drafts [3, d, K]."""
+        if s.greedy or (self.paths is None and self.top_k <= 1):
+            return drafts.argmax(-1).reshape(1, -1, 1)
+        probs = torch.softmax(drafts.float() / s.temperature, dim=-1)
+        top = probs.topk(min(self.top_k, probs.shape[-1]), dim=-1)
+        before = top.values.cumsum(-1) - top.values  # mass of the more likely ones
+        keep = (before < self.top_p) & (top.values > 0)
+        keep[:, 0] = True  # never empty: the most likely token stays
+        parts = [top.indices, keep.long()]
         if self.paths is None:
-            return self._caterpillar(drafts, s)
-        ranked = self._nucleus(drafts, s)  # depth d's list, most likely first
-        paths = [p for p in truncate_paths(self.paths, len(drafts))
+            parts.append(drafts.argmax(-1, keepdim=True).expand_as(top.indices))
+        return torch.stack(parts)
+
+    def _lists_maker(self, rows: torch.Tensor, before: list[int], s: SamplingConfig, box: dict):
+        """``make(token)``: the flat :meth:`_lists` of the drafts that the adaptive ``rows`` make after ``before +
+        [token]`` (``token`` still on the device); the [P, d, K] tensor is left in ``box["lists"]``."""
+
+        def make(token: torch.Tensor) -> torch.Tensor:
+            box["lists"] = self._lists(self._draft_logits(rows, before, token), s)
+            return box["lists"].reshape(-1)
+
+        return make
+
+    def candidates(self, drafts: torch.Tensor, s: SamplingConfig) -> tuple[Tree, int]:
+        """(candidate tree, index of the main chain's last node) from draft logits [d, V] (one host read)."""
+        return self._tree(self._lists(drafts, s).tolist(), s)
+
+    def _tree(self, got: list, s: SamplingConfig) -> tuple[Tree, int]:
+        """(candidate tree, index of the main chain's last node) from :meth:`_lists`' values [P][d][K]."""
+        if s.greedy:  # the main chain alone
+            return Tree.chain([row[0] for row in got[0]]), len(got[0])
+        if self.paths is None:
+            return self._caterpillar(got)
+        ranked = [[t for t, k in zip(row, flags) if k] for row, flags in zip(got[0], got[1])]
+        paths = [p for p in truncate_paths(self.paths, len(ranked))
                  if all(r < len(ranked[d]) for d, r in enumerate(p))]  # ranks past a narrow nucleus: left out
         tree = Tree.from_paths([[ranked[d][r] for d, r in enumerate(p)] for p in paths])
         node = 0  # the main chain: every depth's most likely token, as deep as the tree holds it
-        for d in range(len(drafts)):
+        for d in range(len(ranked)):
             nxt = [c for c in tree.children[node] if tree.labels[c] == ranked[d][0]]
             if not nxt:
                 break
             node = nxt[0]
         return tree, node
 
-    def _caterpillar(self, drafts: torch.Tensor, s: SamplingConfig) -> tuple[Tree, int]:
+    def _caterpillar(self, got: list) -> tuple[Tree, int]:
         """The main chain with each depth's other listed tokens as leaves under the chain's node one level up."""
         parents, labels = [-1], [-1]
         node = 0  # the main chain's deepest node so far
-        if self.top_k > 1:
-            lists, main = self._nucleus(drafts, s, with_argmax=True)
+        if len(got) == 1:  # top_k 1: the argmax chain
+            lists, main = None, [row[0] for row in got[0]]
         else:
-            lists, main = None, drafts.argmax(-1).tolist()
+            lists = [[t for t, k in zip(row, flags) if k] for row, flags in zip(got[0], got[1])]
+            main = [row[0] for row in got[2]]
         for d, tok in enumerate(main):
             alts = [t for t in lists[d] if t != tok] if lists is not None else []
             parents += [node] * (1 + len(alts))
@@ -199,27 +233,13 @@ class SDSAT(Decoder):
             node = len(parents) - 1 - len(alts)
         return Tree(parents, labels), node
 
-    def _nucleus(self, logits: torch.Tensor, s: SamplingConfig, with_argmax: bool = False):
-        """Per row of ``logits`` [d, V]: the ``top_k`` most likely tokens inside the ``top_p`` nucleus at the run's
-        temperature, most likely first (never empty). All rows in one host read; ``with_argmax``: (the lists, each
-        row's argmax of ``logits``) from that read."""
-        probs = torch.softmax(logits.float() / s.temperature, dim=-1)
-        top = probs.topk(min(self.top_k, probs.shape[-1]), dim=-1)
-        before = top.values.cumsum(-1) - top.values  # mass of the more likely ones
-        keep = (before < self.top_p) & (top.values > 0)
-        keep[:, 0] = True  # never empty: the most likely token stays
-        parts = [top.indices, keep.long()]
-        if with_argmax:
-            parts.append(logits.argmax(-1, keepdim=True).expand_as(top.indices))
-        ids, kept, *arg = torch.stack(parts).tolist()
-        lists = [[t for t, k in zip(row, flags) if k] for row, flags in zip(ids, kept)]
-        return (lists, [row[0] for row in arg[0]]) if with_argmax else lists
-
     # ------------------------------------------------------------------ loop
     @torch.inference_mode()
     def generate(self, prompt_ids, max_new_tokens: int, stop: Stopper | None = None,
                  sampling: SamplingConfig | None = None) -> GenerationResult:
-        box: dict[str, torch.Tensor] = {}
+        """One host read per target forward: the next candidates' values (:meth:`_lists` of the adaptive rows)
+        ride on the read of the forward that produced them (the prefill's first token, or the verification)."""
+        box: dict = {}
 
         def prefill(ids: torch.Tensor) -> torch.Tensor:
             self.target.reset()
@@ -231,14 +251,17 @@ class SDSAT(Decoder):
             box["rows"] = logits[1:]
             return logits[:1]
 
-        st, last = self._start(prompt_ids, max_new_tokens, stop, sampling, prefill)
-        drafts = self._draft_logits(box["rows"], st.out.tokens)
+        def first_lists(token: torch.Tensor) -> torch.Tensor:
+            return self._lists_maker(box["rows"], [], sampling or SamplingConfig(), box)(token)
+
+        st, last = self._start(prompt_ids, max_new_tokens, stop, sampling, prefill, extra=first_lists)
+        lists = _unflatten(st.extra, box["lists"].shape)  # the next candidates' values, or None (no drafts)
         drafted = accepted = nodes = 0
         loops = 0
         while not st.out.done:
-            depth = min(self.k, st.out.room - 1) if drafts is not None else 0
+            depth = min(self.k, st.out.room - 1) if lists is not None else 0
             if depth > 0:
-                tree, anchor = self.candidates(drafts[:depth], st.s)
+                tree, anchor = self._tree([part[:depth] for part in lists], st.s)
             else:
                 tree, anchor = Tree.chain([]), 0
             # adaptive tokens after the main chain: always when there are no drafts (two-step's first forward),
@@ -252,18 +275,28 @@ class SDSAT(Decoder):
                                              attend=full.attend).logits[0]
             st.target_forwards += 1
             loops += depth > 0
-            verdict = verify_tree(tree, logits[: len(tree)], st.s, st.gen)
+            nxt = None  # the next candidates: used only if the whole main chain is accepted (read all the same)
+            if n_adapt:
+                nxt = self._lists_maker(logits[len(tree):], st.out.tokens + list(tree.label_path(anchor)), st.s,
+                                        box)
+            verdict = verify_tree(tree, logits[: len(tree)], st.s, st.gen, extra=nxt)
             st.out.commit(verdict.tokens)
             self.target.keep(verdict.path)
             drafted += depth  # the paper's accept rate counts adaptive tokens (drafted depths), not tree nodes
             nodes += len(tree) - 1
             accepted += len(verdict.path) - 1
             last = verdict.tokens[-1]
-            drafts = (self._draft_logits(logits[len(tree):], st.out.tokens)
-                      if n_adapt and verdict.path[-1] == anchor else None)
+            lists = (_unflatten(verdict.extra, box["lists"].shape) if nxt is not None and verdict.path[-1] == anchor
+                     else None)
         extras = {"k": self.k, "variant": self.variant, "tree": self.tree_name, "verifications": loops,
                   "tree_nodes": nodes, "node_acceptance": accepted / nodes if nodes else None}
         return self._result(st, extras, drafted=drafted, draft_accepted=accepted)
+
+
+def _unflatten(values: list[int], shape: torch.Size) -> list:
+    """Flat host values back into nested lists of ``shape`` [P, d, K]."""
+    p, d, k = shape
+    return [[values[(i * d + j) * k:(i * d + j + 1) * k] for j in range(d)] for i in range(p)]
 
 
 def _with_chain(tree: Tree, anchor: int, labels: list[int]) -> Tree:

@@ -42,6 +42,7 @@ the distribution left at the path's end. Tokens are drawn with :func:`~pardec.de
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -131,10 +132,16 @@ def _accepted_path(buf: TreeBuffers, ok: torch.Tensor) -> tuple[torch.Tensor, to
     return end, buf.attend.index_select(0, end)[0]
 
 
+Extra = torch.Tensor | Callable[[torch.Tensor], torch.Tensor] | None
+
+
 def read_verdict(tree: Tree, mask: torch.Tensor, token: torch.Tensor, labels: torch.Tensor,
-                 extra: torch.Tensor | None = None) -> TreeVerdict:
+                 extra: Extra = None) -> TreeVerdict:
     """The one host read of a tree verification: the path mask, the token (and the labels when they live on the
-    device only), and ``extra`` (1-D ids the caller needs on the host too, e.g. lookahead's next window guesses)."""
+    device only), and ``extra`` (1-D ids the caller needs on the host too, e.g. lookahead's next window guesses; or
+    a callable that makes them from the committed token, still on the device: ``extra(token)``)."""
+    if callable(extra):
+        extra = extra(token.reshape(1))
     n = len(tree)
     on_host = not isinstance(tree.labels, torch.Tensor)
     m = 0 if extra is None else extra.numel()
@@ -150,7 +157,7 @@ def _check_rows(name: str, tree: Tree, logits: torch.Tensor) -> None:
         raise ValueError(f"{name}: a tree of {len(tree)} nodes needs {len(tree)} logit rows, got {logits.shape[0]}")
 
 
-def _greedy_tree(tree: Tree, logits: torch.Tensor, extra: torch.Tensor | None = None) -> TreeVerdict:
+def _greedy_tree(tree: Tree, logits: torch.Tensor, extra: Extra = None) -> TreeVerdict:
     buf, labels = tree.on(logits.device), tree.label_tensor(logits.device)
     pred = logits.argmax(-1)  # [N]
     ok = labels == pred.index_select(0, buf.parent)
@@ -165,13 +172,14 @@ def verify_tree(
     s: SamplingConfig,
     gen: torch.Generator | None,
     q: dict[int, torch.Tensor] | None = None,
-    extra: torch.Tensor | None = None,
+    extra: Extra = None,
 ) -> TreeVerdict:
     """Verify a tree of drafted tokens against the target's logits [N, V] (row i: after node i).
 
     q: node -> the (warped) draft distribution [V] its children were drawn from, without replacement; nodes
        not in ``q`` have deterministic children.
-    extra: 1-D ids read back in the same host read (``TreeVerdict.extra``).
+    extra: 1-D ids read back in the same host read (``TreeVerdict.extra``), or ``extra(token)`` making them from
+       the committed token [1] on the device (:func:`read_verdict`).
 
     One host read. Deterministic children are tested in closed form (rejecting ``x_1..x_{j-1}`` leaves ``p``
     without them, so ``x_j`` passes with ``p(x_j) / (1 - p(x_1) - ... - p(x_{j-1}))``); the children of nodes in

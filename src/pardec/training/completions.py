@@ -242,6 +242,28 @@ def completion_stats(records: list[dict], kept: list[dict], expected: int) -> di
             "generation_seconds": round(sum(r.get("seconds", 0.0) for r in records), 1)}
 
 
+def corpus_share(records: list[dict], fraction: float) -> list[dict]:
+    """The first ``ceil(fraction * n)`` records (by prompt index) of each source's n: a smaller corpus with the same
+    mix, for studies of how a drafter scales with its data (``draft.corpus_fraction``, ``heads.corpus_fraction``)."""
+    import math
+    from collections import defaultdict
+
+    if fraction >= 1.0:
+        return records
+    by_source: dict[str, list[dict]] = defaultdict(list)
+    for r in sorted(records, key=lambda r: r["index"]):
+        by_source[r["source"]].append(r)
+    keep = {id(r) for rs in by_source.values() for r in rs[: math.ceil(fraction * len(rs))]}
+    return [r for r in records if id(r) in keep]
+
+
+def check_fraction(value, key: str) -> float:
+    """A corpus fraction from the config (``<kind>.corpus_fraction``), checked: in (0, 1]."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 < value <= 1.0:
+        raise ConfigError(f"{key}={value!r} is out of range: it must be in (0, 1] (1: the whole corpus)")
+    return float(value)
+
+
 def load_completions(out_dir: str | Path, stage: str = "stage=generate") -> list[dict]:
     """The merged records of ``out_dir``, validated; a missing or unfinished generation names ``stage``."""
     from pardec.jsonl import read_jsonl

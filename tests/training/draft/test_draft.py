@@ -341,7 +341,7 @@ def test_cached_teacher_loss_is_the_online_loss_on_its_top_k(tmp_path):
 
 
 def test_corpus_share_keeps_the_first_fraction_of_each_source():
-    from pardec.training.draft.trainer import corpus_share
+    from pardec.training.completions import corpus_share
 
     records = [{"index": i, "source": "gsm8k" if i < 6 else "code"} for i in (5, 0, 3, 1, 2, 4, 8, 6, 7)]
     half = corpus_share(records, 0.5)

@@ -185,6 +185,14 @@ def test_tiny_end_to_end(tmp_path, name):
     assert json.loads((run_dir / "train_summary.json").read_text())["eval"]["positions"] == ev["positions"]
 
 
+def test_corpus_fraction_trains_on_the_first_share_of_the_corpus(tmp_path):
+    run_dir = tmp_path / "out" / "run"
+    summary = run(_compose(_overrides(tmp_path, "heads_medusa_tiny", "heads.corpus_fraction=0.5")), run_dir)
+    assert summary["generate"]["complete"] and summary["train"]["samples"] == 3  # of the 6 completions
+    _, meta = load_drafter(run_dir / "final", tiny(0, layers=3).model.config, "medusa")
+    assert meta["corpus_fraction"] == 0.5 and meta["samples"] == 3
+
+
 @pytest.mark.slow  # two training runs
 def test_resume_continues_from_the_checkpoint(tmp_path):
     """Three steps straight equal two steps, a stop, and a resumed third step (constant lr, same data order)."""
@@ -213,6 +221,7 @@ def test_config_errors(tmp_path):
         ("heads_medusa_tiny", ["heads.num_heads=0"], "heads.num_heads=0 is out of range: it must be an integer >= 1"),
         ("heads_medusa_tiny", ["heads.num_blocks=0"], "heads.num_blocks=0 is out of range"),
         ("heads_medusa_tiny", ["heads.head_decay=0"], r"heads.head_decay=0 is out of range: it must be a number in \(0, 1\]"),
+        ("heads_firp_tiny", ["heads.corpus_fraction=1.5"], r"heads.corpus_fraction=1.5 is out of range: it must be in \(0, 1\]"),
         ("heads_medusa_tiny", ["+heads.layers=[1]"],
          r"unknown key\(s\) \['layers'\] in heads \(type medusa\); valid: type, num_heads, num_blocks, head_decay"),
         ("heads_firp_tiny", ["heads.layers=[0,3]"], r"heads.layers=\[0, 3\] is out of range: the target tiny_random "

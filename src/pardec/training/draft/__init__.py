@@ -22,7 +22,7 @@ from typing import Any
 from omegaconf import DictConfig
 
 from pardec.config import ConfigError
-from pardec.training.completions import GeneratesCompletions
+from pardec.training.completions import GeneratesCompletions, check_fraction
 from pardec.training.kinds import Kind, Spec, check_layers, common_fields, known, register_kind
 
 #: keys of the ``draft`` section (the draft's shape)
@@ -62,10 +62,7 @@ class DraftKind(GeneratesCompletions, Kind):
         vocab_size = draft.get("vocab_size", 8192)
         if not isinstance(vocab_size, int) or vocab_size < 2:
             raise ConfigError(f"draft.vocab_size={vocab_size!r} is out of range: it must be an integer >= 2")
-        fraction = draft.get("corpus_fraction", 1.0)
-        if isinstance(fraction, bool) or not isinstance(fraction, (int, float)) or not 0.0 < fraction <= 1.0:
-            raise ConfigError(f"draft.corpus_fraction={fraction!r} is out of range: it must be in (0, 1] (1: the "
-                              "whole corpus)")
+        fraction = check_fraction(draft.get("corpus_fraction", 1.0), "draft.corpus_fraction")
         gen = generate_config(completions, "completions")
         context, repeats = int(ev.pop("context", 200)), int(ev.pop("repeats", 20))
         if context < 2 or repeats < 1:
@@ -74,7 +71,7 @@ class DraftKind(GeneratesCompletions, Kind):
         check_layers(layers, common["model"], "draft.layers")
         return DraftSpec(**common, layers=layers, vocab_size=vocab_size,
                          freeze_embeddings=bool(draft.get("freeze_embeddings", True)),
-                         corpus_fraction=float(fraction), gen=gen,
+                         corpus_fraction=fraction, gen=gen,
                          eval_gen=eval_sources(ev), eval_context=context, eval_repeats=repeats)
 
     def stage_train(self, spec: DraftSpec, run_dir: Path, d) -> dict:

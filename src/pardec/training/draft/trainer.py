@@ -212,21 +212,6 @@ def forward_ms(model, context: list[int], repeats: int = 20, warmup: int = 3, to
 
 
 # ------------------------------------------------------------------------------------------- app stages
-def corpus_share(records: list[dict], fraction: float) -> list[dict]:
-    """The first ``ceil(fraction * n)`` records (by prompt index) of each source's n: a smaller corpus with the same
-    mix, for studies of how a draft scales with its data (the vocabulary is then chosen from it too)."""
-    import math
-    from collections import defaultdict
-
-    if fraction >= 1.0:
-        return records
-    by_source: dict[str, list[dict]] = defaultdict(list)
-    for r in sorted(records, key=lambda r: r["index"]):
-        by_source[r["source"]].append(r)
-    keep = {id(r) for rs in by_source.values() for r in rs[: math.ceil(fraction * len(rs))]}
-    return [r for r in records if id(r) in keep]
-
-
 def train_draft(spec, run_dir, d: Dist) -> dict:
     """The train stage of a ``kind: draft`` experiment (``spec``: :class:`~pardec.training.draft.DraftSpec`):
     student = build_draft(target, layers, vocab chosen from the completions' token counts); final model to
@@ -235,7 +220,7 @@ def train_draft(spec, run_dir, d: Dist) -> dict:
 
     from pardec.models.draft import build_draft, choose_vocab
     from pardec.models.loading import TORCH_DTYPES, load_model, trainable
-    from pardec.training.completions import load_completions
+    from pardec.training.completions import corpus_share, load_completions
 
     args = training_args(DraftConfig, spec, run_dir)  # before the model, as ZeRO-3 requires
     records = corpus_share(load_completions(spec.gen.out_dir), spec.corpus_fraction)

@@ -22,12 +22,12 @@ from typing import Any
 from omegaconf import DictConfig
 
 from pardec.config import ConfigError
-from pardec.training.completions import GeneratesCompletions
+from pardec.training.completions import GeneratesCompletions, check_fraction
 from pardec.training.kinds import Kind, Spec, check_layers, common_fields, is_int, known, register_kind
 
 #: keys of the ``heads`` section per type
-HEADS_KEYS = {"medusa": ("type", "num_heads", "num_blocks", "head_decay"),
-              "firp": ("type", "layers", "attention", "distance")}
+HEADS_KEYS = {"medusa": ("type", "num_heads", "num_blocks", "head_decay", "corpus_fraction"),
+              "firp": ("type", "layers", "attention", "distance", "corpus_fraction")}
 #: FIRP's loss, per (anchor, step): KL(P~ || P) with P~ the pseudo state's distribution and P the target's at the
 #: same future position (paper Eq. 4: ``rkl`` in :func:`pardec.training.losses.token_divergence`'s naming, where the
 #: student is q); ``fkl``: KL(P || P~), pardec's earlier choice (Medusa's self-distillation direction)
@@ -38,6 +38,7 @@ FIRP_DISTANCES = ("rkl", "fkl")
 class HeadsSpec(Spec):
     heads: dict  # type, num_heads, num_blocks (medusa) / layers, attention, distance (firp)
     head_decay: float
+    corpus_fraction: float  # train on the first fraction of each source's completions (corpus-size studies)
     gen: Any  # pardec.training.completions.GenerateConfig: the training completions
     eval_gen: list  # one GenerateConfig per held-out source, each with its own out_dir
     topk: int
@@ -62,6 +63,7 @@ class HeadsKind(GeneratesCompletions, Kind):
         if kind not in HEADS_KEYS:
             raise ConfigError(f"heads.type={kind!r} is not valid; choose one of: {', '.join(HEADS_KEYS)}")
         known(heads, HEADS_KEYS[kind], f"heads (type {kind})")
+        fraction = check_fraction(heads.pop("corpus_fraction", 1.0), "heads.corpus_fraction")
         head_decay = 1.0
         if kind == "medusa":
             for key in ("num_heads", "num_blocks"):
@@ -99,7 +101,8 @@ class HeadsKind(GeneratesCompletions, Kind):
                                elsewhere={"head_decay": "Medusa's head_decay is heads.head_decay"})
         if kind == "firp":
             check_layers(heads["layers"], common["model"], "heads.layers")
-        return HeadsSpec(**common, heads=heads, head_decay=head_decay, gen=gen, eval_gen=eval_sources(ev),
+        return HeadsSpec(**common, heads=heads, head_decay=head_decay, corpus_fraction=fraction, gen=gen,
+                         eval_gen=eval_sources(ev),
                          topk=topk, budgets=budgets)
 
     def stage_train(self, spec: HeadsSpec, run_dir: Path, d) -> dict:

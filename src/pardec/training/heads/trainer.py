@@ -260,13 +260,14 @@ def _new_drafter(spec, base):
 
 def train_heads(spec, run_dir, d: Dist) -> dict:
     """The train stage of a ``kind: heads`` experiment (``spec``: :class:`~pardec.training.heads.HeadsSpec`): a
-    fresh drafter trained on ``load_completions(spec.gen.out_dir)``; saved with ``save_drafter`` to ``<run>/final``."""
+    fresh drafter trained on ``load_completions(spec.gen.out_dir)`` (its first ``spec.corpus_fraction`` per source);
+    saved with ``save_drafter`` to ``<run>/final``."""
     from pardec.models.heads import num_parameters, save_drafter
     from pardec.models.loading import load_model, trainable
-    from pardec.training.completions import CompletionDataset, load_completions
+    from pardec.training.completions import CompletionDataset, corpus_share, load_completions
 
     args = training_args(HeadsConfig, spec, run_dir, head_decay=spec.head_decay)  # before the model (ZeRO-3)
-    records = load_completions(spec.gen.out_dir)
+    records = corpus_share(load_completions(spec.gen.out_dir), spec.corpus_fraction)
     lm = load_model(trainable(spec.model, spec.model_dtype))  # the Trainer places the drafter
     base = lm.model.requires_grad_(False)
     drafter = _new_drafter(spec, base)
@@ -280,6 +281,7 @@ def train_heads(spec, run_dir, d: Dist) -> dict:
     def finish(final, trained: dict) -> dict:  # the training facts go into drafter.json too
         tokens = sum(len(ds[i]["input_ids"]) for i in range(len(ds)))
         facts = {**trained, "samples": len(ds), "tokens": tokens, "epochs": args.num_train_epochs,
+                 "corpus_fraction": spec.corpus_fraction,
                  "experiment": spec.experiment,
                  **({"distance": distance} if firp else {"head_decay": spec.head_decay})}
         if d.rank == 0:
