@@ -49,12 +49,19 @@ def _fmt(x, digits: int = 3) -> str:
     return "–" if x is None else f"{x:.{digits}f}" if isinstance(x, float) else str(x)
 
 
+def _markdown(head: list[str], rows: list[list]) -> str:
+    """A markdown table; column 4 (train minutes) with one decimal, other floats with three."""
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    lines += ["| " + " | ".join(_fmt(x, 1 if i == 4 else 3) for i, x in enumerate(row)) + " |" for row in rows]
+    return "\n".join(lines) + "\n"
+
+
 def table(runs: dict[str, dict]) -> str:
     datasets = sorted({d for r in runs.values() if r["eval"] for d in r["eval"]["agreement"]})
     head = ["run", "samples", "corpus fraction", "steps", "train min", "last logged kl", "last logged agreement",
             *[f"held-out agreement {d}" for d in datasets],
             *[f"held-out expected acceptance at T=1 {d}" for d in datasets], "draft / target forward"]
-    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    rows = []
     for label, r in runs.items():
         t, e, last = r["train"] or {}, r["eval"] or {}, (r["history"] or [{}])[-1]
         secs = t.get("train_seconds")
@@ -63,20 +70,19 @@ def table(runs: dict[str, dict]) -> str:
                *[e.get("agreement", {}).get(d, {}).get("agreement") for d in datasets],
                *[e.get("agreement", {}).get(d, {}).get("expected_acceptance_t1") for d in datasets],  # older evals: –
                e.get("cost", {}).get("draft_over_target")]
-        lines.append("| " + " | ".join(_fmt(x, 1 if i == 4 else 3) for i, x in enumerate(row)) + " |")
-    return "\n".join(lines) + "\n"
+        rows.append(row)
+    return _markdown(head, rows)
 
 
 def heads_table(runs: dict[str, dict]) -> str:
-    """The heads runs (those with a ``heads_eval.json``): held-out top-1 / top-5 per depth, expected tokens per
-    step of the chain and of each searched tree."""
-    runs = {k: r for k, r in runs.items() if r.get("heads_eval")}
+    """Heads runs (each with a ``heads_eval.json``): held-out top-1 / top-5 per depth, expected tokens per step of
+    the chain and of each searched tree."""
     depth = max(len(r["heads_eval"]["overall"]["topk_accuracy"]) for r in runs.values())
     trees = sorted({t for r in runs.values() for t in r["heads_eval"]["trees"]}, key=lambda t: (t != "chain", len(t), t))
     head = ["run", "samples", "corpus fraction", "steps", "train min", "last logged kl", "last logged top-1",
             *[f"held-out top-1 step {d + 1}" for d in range(depth)],
             *[f"held-out top-5 step {d + 1}" for d in range(depth)], *[f"expected tokens/step {t}" for t in trees]]
-    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    rows = []
     for label, r in runs.items():
         t, e, last = r["train"] or {}, r["heads_eval"], (r["history"] or [{}])[-1]
         acc = e["overall"]["topk_accuracy"]
@@ -86,8 +92,8 @@ def heads_table(runs: dict[str, dict]) -> str:
                *[acc[d][0] if d < len(acc) else None for d in range(depth)],
                *[acc[d][4] if d < len(acc) and len(acc[d]) > 4 else None for d in range(depth)],
                *[e["trees"].get(k, {}).get("expected_accept_length") for k in trees]]
-        lines.append("| " + " | ".join(_fmt(x, 1 if i == 4 else 3) for i, x in enumerate(row)) + " |")
-    return "\n".join(lines) + "\n"
+        rows.append(row)
+    return _markdown(head, rows)
 
 
 def plot(runs: dict[str, dict], path: Path) -> bool:
