@@ -244,7 +244,8 @@ def completion_stats(records: list[dict], kept: list[dict], expected: int) -> di
 
 def corpus_share(records: list[dict], fraction: float) -> list[dict]:
     """The first ``ceil(fraction * n)`` records (by prompt index) of each source's n: a smaller corpus with the same
-    mix, for studies of how a drafter scales with its data (``draft.corpus_fraction``, ``heads.corpus_fraction``)."""
+    mix, for studies of how a drafter scales with its data (``draft.corpus_fraction``, ``heads.corpus_fraction``, the
+    sdsat kind's ``{completions: <dir>, fraction: f}`` source)."""
     import math
     from collections import defaultdict
 

@@ -31,6 +31,7 @@ from pardec.training.sdsat.masked import (
     load_masked,
     mask_windows,
     merge,
+    parse_sources,
     run_masking,
 )
 from pardec.training.stages import read_part
@@ -321,6 +322,20 @@ def test_run_masking_completions_and_file(tmp_path):
     assert [r["id"] for r in records[4:]] == ["file:corpus/1", "file:corpus/2"]
 
 
+def test_completions_fraction(tmp_path):
+    """``fraction`` keeps the first share of each source's completions (by prompt index), like the draft and heads
+    kinds' ``corpus_fraction``; the whole corpus keeps the normal form older meta.json files recorded."""
+    d = _distill_dir(tmp_path)
+    assert parse_sources([{"completions": str(d), "fraction": 1.0}]) == [{"completions": str(d)}]
+    half = parse_sources([{"completions": str(d), "fraction": 0.5}])
+    assert half == [{"completions": str(d), "fraction": 0.5}] and parse_sources(half) == half
+    stats = run_masking(_cfg(tmp_path, sources=half), tokenizer(), ID)
+    _, records = load_masked(tmp_path / "masked")
+    assert stats["records"] == 2 and [r["id"] for r in records] == ["gsm8k/gsm8k/test/0", "gsm8k/gsm8k/test/1"]
+    assert [r.id for r in corpus_records([{"completions": str(d), "fraction": 0.6}], tokenizer(), True)] == [
+        f"gsm8k/gsm8k/test/{i}" for i in range(3)]  # ceil(0.6 * 4)
+
+
 @pytest.mark.parametrize("chat", [True, False])
 def test_corpus_records_from_datasets(chat):
     from pardec.tasks.base import build_task
@@ -356,9 +371,11 @@ def test_dataset_without_reference_answers():
     ({"ratio": 1.5}, "mask.ratio=1.5 is out of range: it must be in (0, 1]"),
     ({"max_length": 1}, "mask.max_length=1 is out of range: it must be an integer >= 2"),
     ({"batch_size": 0}, "mask.batch_size=0 is out of range: it must be an integer >= 1"),
-    ({"sources": [{"file": "a.jsonl"}, {"text": "a"}]}, "mask.sources[1] must be one of {completions: <dir>}"),
+    ({"sources": [{"file": "a.jsonl"}, {"text": "a"}]}, "mask.sources[1] must be one of {completions: <dir>, fraction: f}"),
     ({"sources": [{"file": "a.jsonl", "completions": "d"}]}, "mask.sources[0] must be one of"),
     ({"sources": [{"completions": "d", "max_docs": 3}]}, "mask.sources[0] must be one of"),
+    ({"sources": [{"completions": "d", "fraction": 0}]}, "mask.sources[0].fraction=0 is out of range: it must be in (0, 1]"),
+    ({"sources": [{"completions": "d", "fraction": 1.5}]}, "mask.sources[0].fraction=1.5 is out of range"),
     ({"sources": [{"file": "a.jsonl", "max_docs": 0}]}, "mask.sources[0].max_docs=0 is out of range"),
     ({"sources": [{"dataset": {"name": "gsm8k", "bogus": 1}}]}, "unknown key(s) ['bogus'] in mask.sources[0].dataset"),
 ])

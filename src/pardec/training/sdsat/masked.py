@@ -25,10 +25,12 @@ merge. Identical tokens: every masked position gets adaptive_ids[0]; diverse: po
 for the latest-starting window covering t. Each record has its own RNG, ``random.Random(f"{seed}/{id}")``, so
 the corpus does not depend on sharding or resumption.
 
-Sources (``mask.sources``), in order: ``{completions: <dir>}`` (a :mod:`pardec.training.completions` output: prompt +
-the target's completion, labels from the completion), ``{file: <path.jsonl>, max_docs: N}`` (one JSON object per
-line, ``{"text": ...}`` or ``{"ids": [...], "start": k}``; ids ``file:<stem>/<line>``) and ``{dataset: {name: ...},
-max_docs: N}`` (a task's prompt + its reference answer: gsm8k, humaneval; ids ``ref:<task>/<doc id>``).
+Sources (``mask.sources``), in order: ``{completions: <dir>, fraction: f}`` (a :mod:`pardec.training.completions`
+output: prompt + the target's completion, labels from the completion; ``fraction`` < 1 keeps the first fraction of
+each of its prompt sources' records, :func:`~pardec.training.completions.corpus_share`, for corpus-size studies),
+``{file: <path.jsonl>, max_docs: N}`` (one JSON object per line, ``{"text": ...}`` or ``{"ids": [...], "start":
+k}``; ids ``file:<stem>/<line>``) and ``{dataset: {name: ...}, max_docs: N}`` (a task's prompt + its reference
+answer: gsm8k, humaneval; ids ``ref:<task>/<doc id>``).
 """
 
 from __future__ import annotations
@@ -44,6 +46,7 @@ from pathlib import Path
 from pardec.config import ConfigError, DatasetConfig, to_dataclass
 from pardec.models.adaptive import adaptive_tokens, add_adaptive_tokens
 from pardec.training import stages
+from pardec.training.completions import check_fraction, corpus_share, load_completions
 
 log = logging.getLogger(__name__)
 
@@ -51,7 +54,8 @@ MASK_SCHEMA_VERSION = 1  # of meta.json, the records and stats.json
 MERGED = "masked.jsonl"
 REQUIRED = ("schema_version", "id", "source", "index", "ids", "start", "masked_ids", "windows", "masked")
 STAGE = "python -m train +experiment=<name> stage=mask"
-SOURCE_FORMS = "{completions: <dir>}, {file: <path.jsonl>, max_docs: N} or {dataset: {name: ...}, max_docs: N}"
+SOURCE_FORMS = ("{completions: <dir>, fraction: f}, {file: <path.jsonl>, max_docs: N} or {dataset: {name: ...}, "
+                "max_docs: N}")
 
 
 # ------------------------------------------------------------------------------------------- config
@@ -79,21 +83,24 @@ class MaskConfig:
 
 
 def parse_sources(raw: list, where: str = "mask.sources") -> list[dict]:
-    """Validated sources in their normal form (idempotent): ``{"completions": dir}``, ``{"file": path,
+    """Validated sources in their normal form (idempotent): ``{"completions": dir}`` (with ``"fraction": f`` when
+    f < 1, so the whole corpus keeps the form older ``meta.json`` files recorded), ``{"file": path,
     "max_docs": N | None}`` or ``{"dataset": {every DatasetConfig field}, "max_docs": N | None}``."""
     return [_source(s, f"{where}[{i}]") for i, s in enumerate(raw or [])]
 
 
 def _source(s, where: str) -> dict:
     kinds = [k for k in ("completions", "file", "dataset") if isinstance(s, dict) and k in s]
-    allowed = {"completions": {"completions"}, "file": {"file", "max_docs"}, "dataset": {"dataset", "max_docs"}}
+    allowed = {"completions": {"completions", "fraction"}, "file": {"file", "max_docs"},
+               "dataset": {"dataset", "max_docs"}}
     if len(kinds) != 1 or set(s) - allowed[kinds[0]]:
         raise ConfigError(f"{where} must be one of {SOURCE_FORMS}; got {s!r}")
     kind = kinds[0]
     if kind == "completions":
         if not isinstance(s["completions"], str):
             raise ConfigError(f"{where}.completions={s['completions']!r} must be a directory path")
-        return {"completions": s["completions"]}
+        fraction = check_fraction(s.get("fraction", 1.0), f"{where}.fraction")
+        return {"completions": s["completions"]} | ({"fraction": fraction} if fraction < 1.0 else {})
     n = s.get("max_docs")
     if n is not None and (not isinstance(n, int) or isinstance(n, bool) or n < 1):
         raise ConfigError(f"{where}.max_docs={n!r} is out of range: it must be an integer >= 1 or null")
@@ -122,7 +129,7 @@ def corpus_records(sources: list, tokenizer, chat: bool, max_length: int | None 
     for i, src in enumerate(parse_sources(sources)):
         where = f"mask.sources[{i}]"
         if "completions" in src:
-            docs = _completion_docs(src["completions"])
+            docs = _completion_docs(src["completions"], src.get("fraction", 1.0))
         elif "file" in src:
             docs = _file_docs(src["file"], src["max_docs"], tokenizer)
         else:
@@ -145,11 +152,9 @@ def cut(ids: list[int], start: int, max_length: int | None) -> tuple[list[int], 
 Doc = tuple[str, str, list[int], int]  # (id, source, ids, start)
 
 
-def _completion_docs(out_dir: str) -> list[Doc]:
-    from pardec.training.completions import load_completions
-
+def _completion_docs(out_dir: str, fraction: float = 1.0) -> list[Doc]:
     return [(r["id"], r["source"], r["prompt_ids"] + r["completion_ids"], len(r["prompt_ids"]))
-            for r in load_completions(out_dir)]
+            for r in corpus_share(load_completions(out_dir), fraction)]
 
 
 def _file_docs(path: str, max_docs: int | None, tokenizer) -> list[Doc]:
