@@ -3,7 +3,7 @@ side by side, plus the training curves.
 
     python scripts/cllm_report.py --bench base=outputs/bench/cllm_base --bench cllm=outputs/bench/cllm_trained \
         [--quality base=<evaluate run dir> --quality cllm=<evaluate run dir>] \
-        [--run outputs/train/runs/cllm_gsm8k_smollm2/<run>] [--out outputs/bench/cllm]
+        [--run outputs/train/runs/cllm_gsm8k_smollm2/<run>] [--base base] [--out outputs/bench/cllm]
 
 * ``--bench LABEL=DIR``: a ``scripts/bench.py`` output (``--methods jacobi,lookahead``) on one model; ``ar`` of the
   same model is each run's baseline. One table row per (model, method): tokens/s, speedup over ``ar`` (total and
@@ -13,6 +13,10 @@ side by side, plus the training curves.
   accuracy, mean answer length, how many answers ended with EOS, how many fall into a loop (some <= 8-gram
   repeated 9+ times in a row, the collection's cleaning rule) and the distinct-4-gram ratio. A CLLM trained on
   the first ``max_new_tokens`` of each answer is only constrained there; this shows what happens past it.
+* Trade-off plot: every label with both a ``--bench`` Jacobi row and a ``--quality`` row becomes a point of
+  fast-forward (test prompts) against loops and distinct 4-grams, beside the bounds issue #25 sets from the
+  ``--base`` label's quality (loops within +-3, distinct 4-grams within 10%) and its fast-forward goal of 1.8
+  (``<out>/cllm_tradeoff.png``).
 * ``--run``: the training run dir; plots the consistency and AR losses and the fast-forward proxy on held-out
   trajectories against the optimizer step (``<out>/cllm_training.png``).
 
@@ -150,12 +154,55 @@ def plot_training(history: list[dict], path: Path) -> bool:
     return True
 
 
+FF_GOAL, LOOP_SLACK, DISTINCT_SLACK = 1.8, 3, 0.10  # issue #25, item 1
+
+
+def tradeoff_points(rows: list[dict], quality: list[dict], base: str) -> list[dict]:
+    """Labels other than ``base`` with a Jacobi fast-forward and a quality row: {label, fast_forward, loops, n,
+    distinct_4, eos_stops} (the first Jacobi row of a label when it has several)."""
+    ff = {}
+    for r in rows:
+        if r["method"].startswith("jacobi") and r["fast_forward"] is not None:
+            ff.setdefault(r["model"], r["fast_forward"])
+    return [{"label": q["model"], "fast_forward": ff[q["model"]], "loops": q["loops"], "n": q["n"],
+             "distinct_4": q["distinct_4"], "eos_stops": q["eos_stops"]}
+            for q in quality if q["model"] != base and q["model"] in ff]
+
+
+def plot_tradeoff(points: list[dict], base: dict, path: Path) -> bool:
+    """Fast-forward against loops and distinct 4-grams, with the goals' region shaded; False without points."""
+    if not points:
+        return False
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    lo_x = min(1.0, *(p["fast_forward"] for p in points)) - 0.05
+    hi_x = max(FF_GOAL, *(p["fast_forward"] for p in points)) + 0.1
+    bounds = ((max(0, base["loops"] - LOOP_SLACK), base["loops"] + LOOP_SLACK),
+              ((1 - DISTINCT_SLACK) * base["distinct_4"], 1.0))
+    for ax, key, ylabel, (lo, hi) in zip(axes, ("loops", "distinct_4"),
+                                         (f"answers in a loop (of {base['n']})", "distinct 4-grams"), bounds):
+        ax.axvspan(FF_GOAL, hi_x, ymin=0, ymax=1, color="tab:green", alpha=0.08)
+        ax.axhspan(lo, hi, color="tab:green", alpha=0.12, label=f"goal: within the bound of {base['model']}")
+        ax.axhline(base[key], color="grey", linestyle="--", linewidth=1, label=f"{base['model']} model")
+        ax.axvline(FF_GOAL, color="tab:green", linestyle=":", linewidth=1, label=f"goal: fast-forward >= {FF_GOAL}")
+        for p in points:
+            ax.plot(p["fast_forward"], p[key], "o", color="tab:blue")
+            ax.annotate(p["label"], (p["fast_forward"], p[key]), textcoords="offset points", xytext=(5, 4), fontsize=8)
+        ax.set(xlabel="fast-forward on the test prompts (tokens per Jacobi step)", ylabel=ylabel, xlim=(lo_x, hi_x))
+    ys = [p["distinct_4"] for p in points if p["distinct_4"] is not None] + [base["distinct_4"], bounds[1][0]]
+    axes[1].set_ylim(min(ys) - 0.03, max(ys) + 0.05)  # the band's top (1.0) would squeeze the points together
+    axes[0].set_title("Speed against looping answers")
+    axes[1].set_title("Speed against distinct 4-grams")
+    save_figure(fig, path, tuple(axes), legend={"fontsize": 7})
+    return True
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--bench", action="append", default=[], metavar="LABEL=DIR", help="a bench dir on one model")
     ap.add_argument("--quality", action="append", default=[], metavar="LABEL=DIR",
                     help="an evaluate run of ar with long answers on one model (answer quality)")
     ap.add_argument("--run", type=Path, default=None, help="the training run dir (loss and proxy curves)")
+    ap.add_argument("--base", default="base", help="the --quality label of the base model (the trade-off's bounds)")
     ap.add_argument("--out", type=Path, default=ROOT / "outputs/bench/cllm")
     a = ap.parse_args()
     rows, quality = [], []
@@ -174,6 +221,10 @@ def main() -> None:
     md = render(rows) if rows else ""
     if quality:
         md += ("\n" if md else "") + render_quality(quality)
+    base = next((q for q in quality if q["model"] == a.base), None)
+    points = tradeoff_points(rows, quality, a.base)
+    if base and plot_tradeoff(points, base, a.out / "cllm_tradeoff.png"):
+        md += f"\nTrade-off plot: {a.out / 'cllm_tradeoff.png'}\n"
     history = log_history(a.run) if a.run else []
     if history and plot_training(history, a.out / "cllm_training.png"):
         md += f"\nTraining curves: {a.out / 'cllm_training.png'}\n"

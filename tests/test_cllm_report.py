@@ -66,3 +66,16 @@ def test_quality(tmp_path):
     (run / "summary.json").write_text(json.dumps({"method": "ar", "baseline": "ar", "max_new_tokens": 40}))
     (run / "results.jsonl").write_text(json.dumps(recs[-1]) + "\n")
     assert cllm_report.quality_row("base", run)["loops"] == 1
+
+
+def test_tradeoff_points_and_plot(tmp_path):
+    _bench(tmp_path / "a", 1.6)
+    _bench(tmp_path / "b", 1.9)
+    rows = cllm_report.bench_rows("aug", tmp_path / "a") + cllm_report.bench_rows("noaug", tmp_path / "b")
+    q = {"n": 50, "eos_stops": 28, "model": "base", "loops": 3, "distinct_4": 0.61}
+    quality = [q, {**q, "model": "aug", "loops": 1, "distinct_4": 0.58},
+               {**q, "model": "noaug", "loops": 12, "distinct_4": 0.52}, {**q, "model": "no_bench", "loops": 0}]
+    points = cllm_report.tradeoff_points(rows, quality, "base")
+    assert [(p["label"], p["fast_forward"], p["loops"]) for p in points] == [("aug", 1.6, 1), ("noaug", 1.9, 12)]
+    assert cllm_report.plot_tradeoff(points, q, tmp_path / "t.png") and (tmp_path / "t.png").stat().st_size > 1000
+    assert not cllm_report.plot_tradeoff([], q, tmp_path / "none.png") and not (tmp_path / "none.png").exists()
