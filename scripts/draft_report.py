@@ -1,6 +1,7 @@
-"""Trained drafters side by side: distilled drafts (kind ``draft``) or Medusa heads / FIRP projections (kind
-``heads``); training curves and held-out results of one or more runs, e.g. a corpus-size study (the same recipe at
-``draft.corpus_fraction`` / ``heads.corpus_fraction`` 0.5 and 1):
+"""Trained drafters side by side: distilled drafts (kind ``draft``), Medusa heads / FIRP projections (kind
+``heads``) or SDSAT models (kind ``sdsat``); training curves and held-out results of one or more runs, e.g. a
+corpus-size study (the same recipe at ``draft.corpus_fraction`` / ``heads.corpus_fraction`` / an sdsat completions
+source's ``fraction`` 0.5 and 1):
 
     python scripts/draft_report.py --run full=outputs/train/runs/draft_smollm2/default \
         --run half=outputs/train/runs/draft_smollm2/half [--out outputs/draft_report]
@@ -10,9 +11,11 @@ Per run: its logged steps (``log_history.json``, else the newest checkpoint's st
 (``train_summary.json`` of the train stage: samples, corpus fraction, steps, seconds) when there is one, and its
 held-out evaluation: a draft's ``draft_eval.json`` (teacher-forced top-1 agreement and expected acceptance at
 temperature 1, 1 - TVD, per held-out dataset; forward cost vs the target), or a drafter's ``heads_eval.json``
-(top-1 / top-5 per depth, expected tokens per step of the chain and the searched trees). Writes ``report.md``,
-``report.json`` and ``draft_curves.png`` (KL and top-1 agreement on the training batches against the optimizer
-step; a heads run logs the mean over its depths).
+(top-1 / top-5 per depth, expected tokens per step of the chain and the searched trees), or an SDSAT model's
+``sdsat_eval.json`` (held-out perplexity against the base per source, the adaptive token's top-1 against the
+model's own greedy token per depth, expected tokens per two-step loop). Writes ``report.md``, ``report.json``,
+``draft_curves.png`` (KL and top-1 agreement on the training batches against the optimizer step; a heads run logs
+the mean over its depths) and, for SDSAT runs, ``sdsat_curves.png`` (plain and masked losses).
 """
 
 from __future__ import annotations
@@ -29,7 +32,9 @@ import matplotlib.pyplot as plt  # noqa: E402
 
 from pardec.report import log_history, save_figure  # noqa: E402
 
-CURVES = ("kl", "agreement")
+CURVES = {"kl": "KL(target || draft), nats", "agreement": "top-1 agreement (training batches)"}
+SDSAT_CURVES = {"plain_loss": "plain loss (ordinary tokens), nats", "masked_loss": "masked loss (adaptive tokens), nats"}
+SDSAT_DEPTHS = 3  # adaptive-token depths in the table
 
 
 def read_run(run_dir: Path) -> dict:
@@ -42,7 +47,7 @@ def read_run(run_dir: Path) -> dict:
     train = summary.get("train") if summary and isinstance(summary.get("train"), dict) else None
     steps = [h for h in log_history(run_dir) if "loss" in h and "step" in h]
     return {"dir": str(run_dir), "history": steps, "train": train, "eval": load("draft_eval.json"),
-            "heads_eval": load("heads_eval.json")}
+            "heads_eval": load("heads_eval.json"), "sdsat_eval": load("sdsat_eval.json")}
 
 
 def _fmt(x, digits: int = 3) -> str:
@@ -96,18 +101,41 @@ def heads_table(runs: dict[str, dict]) -> str:
     return _markdown(head, rows)
 
 
-def plot(runs: dict[str, dict], path: Path) -> bool:
-    if not any(r["history"] for r in runs.values()):
+def sdsat_table(runs: dict[str, dict]) -> str:
+    """SDSAT runs (each with an ``sdsat_eval.json``): held-out perplexity ratio (trained / base) per source and
+    overall, the adaptive token's top-1 against the model's greedy token at the first depths, expected tokens per
+    two-step loop (all sources)."""
+    sources = sorted({k for r in runs.values() for k in r["sdsat_eval"]["per_source"]})
+    head = ["run", "records", "masked positions", "steps", "train min", "last plain loss", "last masked loss",
+            *[f"perplexity ratio {k}" for k in sources], "perplexity ratio all",
+            *[f"held-out top-1 depth {d + 1}" for d in range(SDSAT_DEPTHS)], "expected tokens per loop"]
+    rows = []
+    for label, r in runs.items():
+        t, e, last = r["train"] or {}, r["sdsat_eval"], (r["history"] or [{}])[-1]
+        acc = e["overall"]["adaptive"]["accuracy_vs_model"]
+        secs = t.get("train_seconds")
+        rows.append([label, t.get("records"), t.get("masked_positions"), t.get("steps") or last.get("step"),
+                     None if secs is None else secs / 60, last.get("plain_loss"), last.get("masked_loss"),
+                     *[e["per_source"].get(k, {}).get("ppl_ratio") for k in sources], e["overall"]["ppl_ratio"],
+                     *[acc[d] if d < len(acc) else None for d in range(SDSAT_DEPTHS)],
+                     e["overall"]["adaptive"]["expected_tokens_per_loop_vs_model"]])
+    return _markdown(head, rows)
+
+
+def plot(runs: dict[str, dict], path: Path, curves: dict[str, str] = CURVES) -> bool:
+    """``curves`` (logged key -> axis label) against the optimizer step, one panel each; False when no run logged
+    any of them."""
+    if not any(k in h for r in runs.values() for h in r["history"] for k in ({"top1"} | set(curves))):
         return False
-    fig, axes = plt.subplots(1, len(CURVES), figsize=(5 * len(CURVES), 3.6))
-    for ax, key in zip(axes, CURVES):
+    fig, axes = plt.subplots(1, len(curves), figsize=(5 * len(curves), 3.6))
+    for ax, (key, ylabel) in zip(axes, curves.items()):
         for label, r in runs.items():
             name = "top1" if key == "agreement" and r.get("heads_eval") else key  # a heads run's mean top-1
             pts = [(h["step"], float(h[name])) for h in r["history"] if name in h]
             if pts:
                 ax.plot(*zip(*pts), label=label)
         ax.set_xlabel("optimizer step")
-        ax.set_ylabel({"kl": "KL(target || draft), nats", "agreement": "top-1 agreement (training batches)"}[key])
+        ax.set_ylabel(ylabel)
     save_figure(fig, path, axes, legend={"fontsize": 8})
     return True
 
@@ -125,10 +153,14 @@ def main(argv: list[str] | None = None) -> int:
         runs[label] = read_run(Path(path))
     a.out.mkdir(parents=True, exist_ok=True)
     heads = {k: r for k, r in runs.items() if r["heads_eval"]}
-    md = "" if len(heads) == len(runs) else table({k: r for k, r in runs.items() if k not in heads})
-    md += ("\n" if md and heads else "") + (heads_table(heads) if heads else "")
-    if plot(runs, a.out / "draft_curves.png"):
+    sdsat = {k: r for k, r in runs.items() if r["sdsat_eval"] and k not in heads}
+    drafts = {k: r for k, r in runs.items() if k not in heads and k not in sdsat}
+    tables = [f(group) for f, group in ((table, drafts), (heads_table, heads), (sdsat_table, sdsat)) if group]
+    md = "\n".join(tables)
+    if plot({k: r for k, r in runs.items() if k not in sdsat}, a.out / "draft_curves.png"):
         md += "\n![training curves](draft_curves.png)\n"
+    if sdsat and plot(sdsat, a.out / "sdsat_curves.png", SDSAT_CURVES):
+        md += "\n![SDSAT training curves](sdsat_curves.png)\n"
     (a.out / "report.md").write_text(md)
     (a.out / "report.json").write_text(json.dumps(runs, indent=1) + "\n")
     print(md)

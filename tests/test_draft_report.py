@@ -80,3 +80,32 @@ def test_report_mixes_draft_and_heads_runs(tmp_path):
     assert "held-out agreement gsm8k" in md and "held-out top-1 step 1" in md
     assert sum(line.startswith("| d |") for line in md.splitlines()) == 1
     assert sum(line.startswith("| h |") for line in md.splitlines()) == 1
+
+
+def _sdsat_run(root: Path, records: int, top1: float) -> Path:
+    root.mkdir(parents=True)
+    hist = [{"step": s, "loss": 2.0, "plain_loss": 0.5 / s, "masked_loss": 8.0 / s} for s in (1, 2)]
+    (root / "log_history.json").write_text(json.dumps(hist + [{"step": 2, "train_runtime": 60.0}]))
+    (root / "train_summary.json").write_text(json.dumps({"stage": "eval", "train": {
+        "records": records, "masked_positions": 30 * records, "steps": 2, "train_seconds": 300.0}}))
+    adaptive = {"accuracy_vs_model": [top1, top1 / 2, top1 / 4, 0.01], "expected_tokens_per_loop_vs_model": 1 + top1}
+    (root / "sdsat_eval.json").write_text(json.dumps({
+        "per_source": {"gsm8k": {"ppl_ratio": 0.9}, "ref:gsm8k": {"ppl_ratio": 1.02 + top1 / 10}},
+        "overall": {"ppl_ratio": 0.95, "adaptive": adaptive}}))
+    return root
+
+
+def test_report_puts_sdsat_runs_side_by_side(tmp_path):
+    full, quarter = _sdsat_run(tmp_path / "full", 1300, 0.4), _sdsat_run(tmp_path / "q", 325, 0.2)
+    h = _heads_run(tmp_path / "heads", 1.0, 0.4)
+    argv = ["--run", f"full={full}", "--run", f"q={quarter}", "--run", f"h={h}", "--out", str(tmp_path / "r")]
+    assert draft_report.main(argv) == 0
+    md = (tmp_path / "r" / "report.md").read_text()
+    assert ("| run | records | masked positions | steps | train min | last plain loss | last masked loss | perplexity "
+            "ratio gsm8k | perplexity ratio ref:gsm8k | perplexity ratio all | held-out top-1 depth 1 | held-out top-1 "
+            "depth 2 | held-out top-1 depth 3 | expected tokens per loop |") in md
+    assert ("| q | 325 | 9750 | 2 | 5.0 | 0.250 | 4.000 | 0.900 | 1.040 | 0.950 | 0.200 | 0.100 | 0.050 | 1.200 |"
+            in md.splitlines())
+    assert sum(line.startswith("| h |") for line in md.splitlines()) == 1 and "held-out agreement" not in md
+    assert (tmp_path / "r" / "sdsat_curves.png").stat().st_size > 1000
+    assert (tmp_path / "r" / "draft_curves.png").stat().st_size > 1000  # the heads run's curves
