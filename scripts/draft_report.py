@@ -125,7 +125,8 @@ def sdsat_table(runs: dict[str, dict]) -> str:
 def plot(runs: dict[str, dict], path: Path, curves: dict[str, str] = CURVES) -> bool:
     """``curves`` (logged key -> axis label) against the optimizer step, one panel each; False when no run logged
     any of them."""
-    if not any(k in h for r in runs.values() for h in r["history"] for k in ({"top1"} | set(curves))):
+    keys = set(curves) | ({"top1"} if "agreement" in curves else set())  # a heads run logs top1 for agreement
+    if not any(k in h for r in runs.values() for h in r["history"] for k in keys):
         return False
     fig, axes = plt.subplots(1, len(curves), figsize=(5 * len(curves), 3.6))
     for ax, (key, ylabel) in zip(axes, curves.items()):
