@@ -401,6 +401,7 @@ def test_ouroboros_reads_the_host_once_per_forward_of_either_model(s):
     ("mjsd", 1, 1),  # one per beam step, one per verification: log p and the next token together (before: 12.3)
     ("bild", 1, 1),  # the draft's confidence per draft step; the rollback, draft and next token in one (before: 2.9)
     ("sdsat", 1, 0),  # the next tree's candidates ride on the verification's read (before: 2; sampled 67.6)
+    ("spectr", 2, 0),  # the k sequences grown on the device, read once per round, + the verification (before: 4.7)
 ])
 def test_reads_per_forward(method, per_target, per_draft, s):
     """Host reads of whole generations on a virtual GPU, against each method's budget per forward of the target

@@ -92,10 +92,10 @@ class Branches:
             node = self.parents[node]
         return out[::-1]
 
-    def grow(self, tokens: list[int], parents: list[int]) -> tuple[torch.Tensor, list[int]]:
-        """Feed ``tokens`` [n], token ``i`` continuing node ``parents[i]``, in one forward.
-        Returns (logits [n, V] after each token, their node ids)."""
-        if len(tokens) != len(parents) or not tokens:
+    def grow(self, tokens: list[int] | torch.Tensor, parents: list[int]) -> tuple[torch.Tensor, list[int]]:
+        """Feed ``tokens`` [n] (host values, or a tensor left on its device), token ``i`` continuing node
+        ``parents[i]``, in one forward. Returns (logits [n, V] after each token, their node ids)."""
+        if len(tokens) != len(parents) or len(tokens) == 0:
             raise ValueError(f"grow needs one parent per token, got {len(tokens)} tokens and {len(parents)} parents")
         old, n, base = len(self.parents), len(tokens), self.base
         attend = torch.zeros(n, base + old + n, dtype=torch.bool)
@@ -110,7 +110,8 @@ class Branches:
             positions.append(base + depth)
             self.parents.append(p)
             self.depths.append(depth)
-        logits = self.model.forward(torch.tensor([tokens]), positions=torch.tensor(positions), attend=attend).logits[0]
+        ids = tokens.view(1, -1) if isinstance(tokens, torch.Tensor) else torch.tensor([tokens])
+        logits = self.model.forward(ids, positions=torch.tensor(positions), attend=attend).logits[0]
         self.forwards += 1
         return logits, list(range(old, old + n))
 

@@ -1,9 +1,9 @@
 """`spectr`: SpecTr (Sun et al. 2023), speculative decoding with ``k`` i.i.d. draft sequences.
 
 Each round the draft samples ``k`` sequences of ``gamma`` tokens independently from its warped distribution
-(the run's temperature / top-k / top-p); they are grown side by side in the draft's cache
-(:class:`~pardec.decoding.drafting.Branches`; sequences that share a prefix share its forward work) and merged
-into a trie (:class:`~pardec.decoding.tree.Tree`), which one target forward verifies under the tree mask.
+(the run's temperature / top-k / top-p); they are grown side by side in the draft's cache as the rows of one
+batch (:class:`~pardec.decoding.drafting.Branches`), on the device, read back once, and merged into a trie
+(:class:`~pardec.decoding.tree.Tree`), which one target forward verifies under the tree mask.
 Verification is the paper's k-sequential draft selection, applied node by node
 (:func:`~pardec.decoding.verify.verify_tree_iid`): the output follows the target's distribution exactly
 (``exactness = "distribution"``).
@@ -41,37 +41,52 @@ class SpecTr(Decoder):
     def propose(self, seq: list[int], length: int, st) -> tuple[list[list[int]], dict, dict, Branches, dict, int]:
         """``k`` sequences of ``length`` tokens after ``seq``. Returns (sequences, q and draws per prefix
         (tuple of tokens -> the distribution its continuations were drawn from / those tokens in draw order),
-        the branches, the branch node of every fed prefix, draft forwards)."""
+        the branches, the branch node of every fed prefix, draft forwards).
+
+        The ``k`` sequences are the rows of one batch, grown on the device and read back once, after the last
+        draw (the paper's batch of sequences; no read per draft step). Rows with the same prefix draw from one
+        distribution, that of the first of them (the canonical row), so the draws through a prefix are i.i.d. from
+        the ``q`` verification is told even where a batched forward is not bitwise batch-invariant."""
         first = catch_up(self.draft, seq)
         br = Branches(self.draft)
-        greedy = st.s.greedy
+        greedy, k = st.s.greedy, self.k
+        dev = first.device
         # greedy still draws sequences 2..k: a generator of its own, on the device of the draft's probabilities
-        gen = st.gen if not greedy else torch.Generator(device=first.device).manual_seed(st.s.seed)
-        logits_of: dict[tuple[int, ...], torch.Tensor] = {(): first}
-        node_of: dict[tuple[int, ...], int] = {(): -1}
-        seqs: list[list[int]] = [[] for _ in range(self.k)]
-        q: dict[tuple[int, ...], torch.Tensor] = {}
-        draws: dict[tuple[int, ...], list[int]] = {}
+        gen = st.gen if not greedy else torch.Generator(device=dev).manual_seed(st.s.seed)
+        toks = torch.zeros(k, length, dtype=torch.long, device=dev)
+        logits = first.expand(k, -1)  # [k, V]: every row continues the committed sequence
+        qs: list[torch.Tensor] = []  # per step: [k, V] the distribution each row drew from
+        parents, nodes = [-1] * k, []  # per fed step: the k rows' branch nodes (host values: the shape is fixed)
         for step in range(length):
-            # the k draws of this step in one batch, read back together (one host read per draft step, not k)
-            keys = [tuple(s_j) for s_j in seqs]
-            sampled = keys[1:] if greedy else keys
-            for key in sampled:
-                if key not in q:
-                    q[key] = torch.softmax(logits_of[key].float(), -1) if greedy else warp(logits_of[key], st.s)
-            picks = [logits_of[keys[0]].argmax().view(1)] if greedy else []
-            if sampled:
-                picks.append(torch.multinomial(torch.stack([q[key] for key in sampled]), 1, generator=gen).view(-1))
-            xs = torch.cat(picks).tolist()
-            for key, s_j, x in zip(keys, seqs, xs, strict=True):
-                draws.setdefault(key, []).append(x)
-                s_j.append(x)
+            if step:  # the first row sharing each row's prefix stands for it
+                same = (toks[:, None, :step] == toks[None, :, :step]).all(-1)  # [k, k], the diagonal true
+                logits = logits.index_select(0, same.int().argmax(1))
+            if greedy:
+                q = torch.softmax(logits.float(), -1)  # rows 2..k at temperature 1; row 1 is the greedy chain
+                x = logits[:1].argmax(-1)
+                if k > 1:
+                    x = torch.cat([x, torch.multinomial(q[1:], 1, generator=gen).view(-1)])
+            else:
+                q = warp(logits, st.s)
+                x = torch.multinomial(q, 1, generator=gen).view(-1)
+            toks[:, step] = x
+            qs.append(q)
             if step < length - 1:
-                new = list(dict.fromkeys(tuple(s_j) for s_j in seqs))  # distinct prefixes, in first-seen order
-                out, nodes = br.grow([p[-1] for p in new], [node_of[p[:-1]] for p in new])
-                for p, row, node in zip(new, out, nodes):
-                    logits_of[p], node_of[p] = row, node
-        return seqs, q, draws, br, node_of, 1 + br.forwards
+                logits, parents = br.grow(x, parents)
+                nodes.append(parents)
+        seqs = toks.tolist()  # the round's one draft read
+        q_of: dict[tuple[int, ...], torch.Tensor] = {}
+        draws: dict[tuple[int, ...], list[int]] = {}
+        node_of: dict[tuple[int, ...], int] = {(): -1}
+        for step in range(length):
+            for j, s_j in enumerate(seqs):
+                key = tuple(s_j[:step])
+                if key not in q_of and not (greedy and j == 0):
+                    q_of[key] = qs[step][j]
+                draws.setdefault(key, []).append(s_j[step])
+                if step < length - 1:
+                    node_of.setdefault(key + (s_j[step],), nodes[step][j])
+        return seqs, q_of, draws, br, node_of, 1 + br.forwards
 
     @torch.inference_mode()
     def generate(self, prompt_ids, max_new_tokens, stop=None, sampling=None) -> GenerationResult:
@@ -94,7 +109,9 @@ class SpecTr(Decoder):
                                      draws={i: draws[key] for i, key in enumerate(prefix) if key in draws})
             acc = self._verify_tree(st, last, tree, rule=rule)[1].tokens
             n_acc = len(acc) - 1
-            br.keep(node_of[tuple(acc[: min(n_acc, n - 1)])])  # the draft keeps the accepted tokens it has fed
+            kept = acc[: min(n_acc, n - 1)]
+            br.keep(node_of[tuple(kept)])  # the draft keeps the accepted tokens it has fed,
+            self.draft.settle(kept)  # as host values (fed as device tensors: its next catch-up reads nothing back)
             drafted, accepted = drafted + n, accepted + n_acc
             tree_sizes.append(len(tree) - 1)
             last = acc[-1]

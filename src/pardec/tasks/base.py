@@ -174,5 +174,20 @@ def chat_ids(tokenizer, messages: list[dict], assistant_prefix: str = "") -> lis
     return tokenizer(text + assistant_prefix, add_special_tokens=False)["input_ids"]
 
 
+def end_of_turn_id(tokenizer) -> int | None:
+    """The id with which the chat template ends an assistant turn (what a chat model emits to stop, e.g. SmolLM2's
+    ``<|im_end|>``, Llama 3's ``<|eot_id|>``): the first special token the template renders after an assistant
+    message; the tokenizer's EOS when it renders none."""
+    mark = "\u2063PARDEC\u2063"
+    text = tokenizer.apply_chat_template([{"role": "user", "content": "q"}, {"role": "assistant", "content": mark}],
+                                         tokenize=False)
+    after = text[text.rindex(mark) + len(mark):] if mark in text else ""
+    special = set(tokenizer.all_special_ids)
+    for i in tokenizer(after, add_special_tokens=False)["input_ids"] if after else []:
+        if i in special:
+            return i
+    return tokenizer.eos_token_id
+
+
 def text_ids(tokenizer, text: str) -> list[int]:
     return tokenizer(text)["input_ids"]

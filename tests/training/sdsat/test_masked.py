@@ -22,8 +22,9 @@ from pardec.models.adaptive import (
     attach_adaptive,
 )
 from pardec.models.loading import load_tokenizer
-from pardec.tasks.base import DataError
+from pardec.tasks.base import DataError, end_of_turn_id
 from pardec.training.sdsat.masked import (
+    MASK_SCHEMA_VERSION,
     MaskConfig,
     apply_mask,
     check_masked_dir,
@@ -354,8 +355,20 @@ def test_corpus_records_from_datasets(chat):
         assert r.ids[: r.start] == task.prompt_ids(doc, tok, chat)
     answer = tok.decode(records[0].ids[records[0].start :])
     assert "#### 8" in answer and "<<" not in answer  # calculator annotations removed
-    code = tok.decode(records[2].ids[records[2].start :])
+    end = tok.convert_tokens_to_ids("<|im_end|>")
+    assert end_of_turn_id(tok) == end
+    assert all((r.ids[-1] == end) == chat for r in records)  # a chat answer ends its turn, as the model's do
+    code = tok.decode(records[2].ids[records[2].start :], skip_special_tokens=True)
     assert "return" in code and code.endswith("```") == chat and code.startswith("from typing") == chat
+
+
+def test_end_of_turn_id_falls_back_to_eos():
+    """A template that renders no special token after an assistant message: the tokenizer's EOS."""
+    tok = tokenizer()
+    tok.chat_template = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+    assert end_of_turn_id(tok) == tok.eos_token_id
+    tok.chat_template = "{% for m in messages %}{{ m['content'] }} <|im_start|><|im_end|>{% endfor %}"
+    assert end_of_turn_id(tok) == tok.convert_tokens_to_ids("<|im_start|>")  # the first special token after it
 
 
 def test_dataset_without_reference_answers():
@@ -412,7 +425,7 @@ def test_load_errors(tmp_path):
     out = Path(cfg.out_dir)
     lines = _text(out).splitlines()
     good = json.loads(lines[0])
-    old = (r"masked\.jsonl, record 1: schema_version 0, this pardec reads 1; regenerate it with stage=mask "
+    old = (rf"masked\.jsonl, record 1: schema_version 0, this pardec reads {MASK_SCHEMA_VERSION}; regenerate it with stage=mask "
            r"\(mask\.overwrite=true\)")
     no_windows = {k: v for k, v in good.items() if k != "windows"}
     missing = r"record 1: missing field\(s\) \['windows'\]"
@@ -423,6 +436,6 @@ def test_load_errors(tmp_path):
         _one_line(e)
     meta = json.loads((out / "meta.json").read_text())
     (out / "meta.json").write_text(json.dumps({**meta, "schema_version": 0}))
-    with pytest.raises(ValueError, match=r"meta\.json: schema_version 0, this pardec reads 1; regenerate") as e:
+    with pytest.raises(ValueError, match=rf"meta\.json: schema_version 0, this pardec reads {MASK_SCHEMA_VERSION}; regenerate") as e:
         check_masked_dir(out)
     _one_line(e)

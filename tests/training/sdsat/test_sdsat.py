@@ -15,6 +15,7 @@ from pardec.metrics.perplexity import completion_nll
 from pardec.models import adaptive
 from pardec.models.loading import load_model
 from pardec.train import run, validate
+from pardec.training.sdsat.masked import MASK_SCHEMA_VERSION
 from pardec.training.sdsat.trainer import (
     SDSATCollator,
     SDSATConfig,
@@ -221,17 +222,18 @@ def test_bad_input_is_refused_before_any_model_loads(tmp_path, monkeypatch):
     out.mkdir(parents=True)
     (out / "meta.json").write_text(json.dumps({"schema_version": 0}))
     (out / "stats.json").write_text(json.dumps({"schema_version": 0, "complete": True}))
-    with pytest.raises(ValueError, match=r"meta.json: schema_version 0, this pardec reads 1") as e:
+    with pytest.raises(ValueError, match=rf"meta.json: schema_version 0, this pardec reads {MASK_SCHEMA_VERSION}") as e:
         run(_compose(_overrides(tmp_path, "stage=train")), tmp_path / "out" / "bad")
     assert "\n" not in str(e.value)
     monkeypatch.undo()  # stage=all: the mask stage reads the tokenizer (no weights), then refuses the directory
     monkeypatch.setattr(loading, "load_model", no_load)
-    with pytest.raises(FileExistsError, match=r"other settings \(.*schema_version was 0, now 1.*mask.overwrite=true"):
+    now = MASK_SCHEMA_VERSION
+    with pytest.raises(FileExistsError, match=rf"other settings \(.*schema_version was 0, now {now}.*mask.overwrite=true"):
         run(_compose(_overrides(tmp_path, "stage=all")), tmp_path / "out" / "bad")
-    meta = {"schema_version": 1, "model": {}, "adaptive_tokens": [adaptive.ADAPTIVE_TOKEN], "adaptive_ids": [49152],
+    meta = {"schema_version": now, "model": {}, "adaptive_tokens": [adaptive.ADAPTIVE_TOKEN], "adaptive_ids": [49152],
             "ratio": 0.5, "max_span": 3, "diverse": False, "seed": 0, "max_length": 256, "sources": []}
     (out / "meta.json").write_text(json.dumps(meta))
-    (out / "stats.json").write_text(json.dumps({"schema_version": 1, "complete": True}))
+    (out / "stats.json").write_text(json.dumps({"schema_version": now, "complete": True}))
     with pytest.raises(ConfigError, match=r"built with other settings \(ratio was 0.5, now 0.3; sources was") as e:
         validate(_compose(_overrides(tmp_path, "stage=train")))
     assert "\n" not in str(e.value)

@@ -9,9 +9,9 @@ Layout of an output directory (``mask.out_dir``)::
     masked.jsonl        the merged records of every rank, sorted by index
     stats.json          records, tokens, eligible and masked positions, windows and their lengths, per source counts
 
-One record (``schema_version`` 1)::
+One record (``schema_version`` 2)::
 
-    {"schema_version": 1, "id": "<source>/<doc id>", "source": str, "index": 12,  # index: in the corpus list
+    {"schema_version": 2, "id": "<source>/<doc id>", "source": str, "index": 12,  # index: in the corpus list
      "ids": [...],              # the plain sequence (prompt + completion, or text), cut from the left to max_length
      "start": int,              # first position whose token is a label (completion start; 0 for plain text)
      "masked_ids": [...],       # ids with every masked position replaced by an adaptive id
@@ -30,7 +30,7 @@ output: prompt + the target's completion, labels from the completion; ``fraction
 each of its prompt sources' records, :func:`~pardec.training.completions.corpus_share`, for corpus-size studies),
 ``{file: <path.jsonl>, max_docs: N}`` (one JSON object per line, ``{"text": ...}`` or ``{"ids": [...], "start":
 k}``; ids ``file:<stem>/<line>``) and ``{dataset: {name: ...}, max_docs: N}`` (a task's prompt + its reference
-answer: gsm8k, humaneval; ids ``ref:<task>/<doc id>``).
+answer, and after a chat prompt the template's end-of-turn token: gsm8k, humaneval; ids ``ref:<task>/<doc id>``).
 """
 
 from __future__ import annotations
@@ -50,7 +50,7 @@ from pardec.training.completions import check_fraction, corpus_share, load_compl
 
 log = logging.getLogger(__name__)
 
-MASK_SCHEMA_VERSION = 1  # of meta.json, the records and stats.json
+MASK_SCHEMA_VERSION = 2  # of meta.json, the records and stats.json; 2: chat reference answers end their turn
 MERGED = "masked.jsonl"
 REQUIRED = ("schema_version", "id", "source", "index", "ids", "start", "masked_ids", "windows", "masked")
 STAGE = "python -m train +experiment=<name> stage=mask"
@@ -178,9 +178,11 @@ def _file_docs(path: str, max_docs: int | None, tokenizer) -> list[Doc]:
 
 
 def _dataset_docs(dataset: dict, max_docs: int | None, tokenizer, chat: bool, where: str) -> list[Doc]:
-    """A task's documents as its prompt (as built for evaluation) + its reference answer."""
+    """A task's documents as its prompt (as built for evaluation) + its reference answer; a chat prompt's answer
+    ends with the template's end-of-turn token, as the model's own completions do when it stops (schema 2: schema 1
+    left it out, so the human answers never trained an ending and the model learnt to go on after one)."""
     import pardec.tasks  # noqa: F401  (registers the tasks)
-    from pardec.tasks.base import TASKS, Task, build_task, select_docs
+    from pardec.tasks.base import TASKS, Task, build_task, end_of_turn_id, select_docs
 
     cfg = DatasetConfig(**dataset)
     task = build_task(cfg)
@@ -190,10 +192,11 @@ def _dataset_docs(dataset: dict, max_docs: int | None, tokenizer, chat: bool, wh
                           f"{', '.join(with_refs)} (or a {{completions: <dir>}} or {{file: <path.jsonl>}} source)")
     chat = cfg.use_chat(chat)
     source = f"ref:{task.name}"
+    end = [end_of_turn_id(tokenizer)] if chat else []
     docs = []
     for d in select_docs(task, max_docs):
         prompt = list(task.prompt_ids(d, tokenizer, chat))
-        ids = tokenizer(task.reference_answer(d, chat), add_special_tokens=False)["input_ids"]
+        ids = tokenizer(task.reference_answer(d, chat), add_special_tokens=False)["input_ids"] + end
         docs.append((f"{source}/{d['id']}", source, prompt + ids, len(prompt)))
     return docs
 
