@@ -192,7 +192,8 @@ def _dataset_docs(dataset: dict, max_docs: int | None, tokenizer, chat: bool, wh
                           f"{', '.join(with_refs)} (or a {{completions: <dir>}} or {{file: <path.jsonl>}} source)")
     chat = cfg.use_chat(chat)
     source = f"ref:{task.name}"
-    end = [i for i in [end_of_turn_id(tokenizer) if chat else None] if i is not None]
+    eot = end_of_turn_id(tokenizer) if chat else None
+    end = [] if eot is None else [eot]
     docs = []
     for d in select_docs(task, max_docs):
         prompt = list(task.prompt_ids(d, tokenizer, chat))
