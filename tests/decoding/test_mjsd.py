@@ -32,20 +32,28 @@ def _logits(probs: dict[int, float]) -> torch.Tensor:
     return out
 
 
-class StubGrow:
-    """``grow`` for :func:`beam_search` with hand-set logits keyed by the branch's tokens."""
+class StubBranches:
+    """:class:`~pardec.decoding.drafting.Branches` for :func:`beam_search` with hand-set logits keyed by the
+    branch's tokens (a candidate that cannot be a beam may be fed too: it gets a flat distribution)."""
 
     def __init__(self):
         self.seq_of: list[tuple[int, ...]] = []
+        self._layer: list[tuple[int, ...]] = []
+        self._firsts: list[int] = []
 
-    def __call__(self, tokens, parents):
-        nodes, rows = [], []
-        for t, p in zip(tokens, parents):
-            seq = (self.seq_of[p] if p >= 0 else ()) + (t,)
-            self.seq_of.append(seq)
-            nodes.append(len(self.seq_of) - 1)
-            rows.append(_logits(STUB[seq]))
-        return torch.stack(rows), nodes
+    def grow_layer(self, tokens, rows, root=-1):
+        if rows is None:
+            parents, self._firsts = [self.seq_of[root] if root >= 0 else ()] * len(tokens), []
+        else:
+            parents = [self._layer[r] for r in rows.tolist()]
+        self._firsts.append(len(self.seq_of))
+        self._layer = [p + (t,) for p, t in zip(parents, tokens.tolist())]
+        self.seq_of.extend(self._layer)
+        return torch.stack([_logits(STUB.get(seq, {})) for seq in self._layer])
+
+    def settle_layers(self, rows):
+        assert len(rows) == len(self._firsts) - 1
+        return self._firsts
 
 
 def _joint(seq: tuple[int, ...]) -> float:
@@ -53,7 +61,7 @@ def _joint(seq: tuple[int, ...]) -> float:
 
 
 def test_beam_search_carries_each_beams_own_prefix_likelihoods():
-    grow = StubGrow()
+    grow = StubBranches()
     beams = beam_search(_logits(STUB[()]), 3, 2, grow, SamplingConfig(), None)
     # step 2: [2, 5] = 0.38 > [1, 4] = 0.33 > [1, 3] = 0.27: beam order swapped; step 3 keeps [2, 5, 7], [1, 4, *]
     assert [b.tokens for b in beams][0] == [2, 5, 7]
@@ -67,7 +75,7 @@ def test_beam_search_carries_each_beams_own_prefix_likelihoods():
 
 @pytest.mark.parametrize("seed", range(5))
 def test_beam_sampling_carries_each_beams_own_prefix_likelihoods(seed):
-    grow = StubGrow()
+    grow = StubBranches()
     beams = beam_search(_logits(STUB[()]), 3, 2, grow, SamplingConfig(temperature=1.0),
                         torch.Generator().manual_seed(seed))
     assert len({tuple(b.tokens) for b in beams}) == len(beams) == 2
@@ -80,7 +88,7 @@ def test_beam_search_records_each_candidates_selection_probability_by_hand():
     """q of the paper's ratio (App. D; the MJSD code's seq_scores): the probability with which the step's draw of beam
     sampling picks the prefix, one softmax over every beam's candidates that top-k / top-p keep, not renormalised
     per beam. Beam search (greedy) records it as beam sampling with ``weights`` would have."""
-    beams = beam_search(_logits(STUB[()]), 2, 2, StubGrow(), SamplingConfig(), None,
+    beams = beam_search(_logits(STUB[()]), 2, 2, StubBranches(), SamplingConfig(), None,
                         weights=SamplingConfig(temperature=1.0, top_p=0.9))
     # step 1, one beam: top-p 0.9 keeps 1 (0.6) and 2 (0.4, mass before it 0.6 < 0.9): select 0.6 and 0.4.
     # step 2: beam [1] (0.6) keeps 4 (0.55) and 3 (0.45, before it 0.55); beam [2] (0.4) keeps 5 (0.95) and drops 6
@@ -95,7 +103,7 @@ def test_beam_search_records_each_candidates_selection_probability_by_hand():
 def test_beam_sampling_draws_only_kept_candidates_with_their_selection_probability(seed):
     """Beam sampling with top-p 0.9, 3 beams: step 2 keeps exactly 3 candidates ([2, 6] is cut), so all 3 are drawn,
     whatever the seed, each recording its own probability of one draw (weights 0.27, 0.33, 0.38 over 0.98)."""
-    beams = beam_search(_logits(STUB[()]), 2, 3, StubGrow(), SamplingConfig(temperature=1.0, top_p=0.9),
+    beams = beam_search(_logits(STUB[()]), 2, 3, StubBranches(), SamplingConfig(temperature=1.0, top_p=0.9),
                         torch.Generator().manual_seed(seed))
     assert [b.tokens for b in beams] == [[2, 5], [1, 4], [1, 3]]  # best joint first
     assert [b.select[1] for b in beams] == pytest.approx([math.log(w / 0.98) for w in (0.38, 0.33, 0.27)], abs=1e-6)
@@ -106,7 +114,7 @@ def test_beam_sampling_draws_only_kept_candidates_with_their_selection_probabili
 def test_beam_sampling_draws_twice_the_beams_and_keeps_the_best_joints(seed):
     """HF's beam sampling (what the MJSD code runs): 2 x num_beams draws, the num_beams best joints kept. One beam over
     supports of two tokens: both are drawn at every step, so the kept beam is the best joint whatever the seed."""
-    beams = beam_search(_logits(STUB[()]), 2, 1, StubGrow(), SamplingConfig(temperature=1.0),
+    beams = beam_search(_logits(STUB[()]), 2, 1, StubBranches(), SamplingConfig(temperature=1.0),
                         torch.Generator().manual_seed(seed))
     # step 1: 1 (.6) and 2 (.4) drawn, [1] kept; step 2 from [1] alone: 3 (.27) and 4 (.33) drawn, [1, 4] kept
     assert [b.tokens for b in beams] == [[1, 4]]
@@ -276,3 +284,37 @@ def test_bad_parameters_are_named(method, params, needle):
     with pytest.raises(ConfigError) as e:
         build_decoder(method, TableLM(V, {}), None, TableLM(V, {}), **params)
     assert needle in str(e.value)
+
+
+def test_layers_grown_on_the_device_match_branches_grown_from_host_parents():
+    """:meth:`Branches.grow_layer` (parents as device row indices, no host read) feeds what :meth:`Branches.grow`
+    feeds with the same parents as host values: the same logits, and after :meth:`Branches.settle_layers` the same
+    paths, the same kept cache and the same next logits."""
+    from pardec.decoding.drafting import Branches
+
+    model = tiny(0).model
+    prompt = torch.tensor([[5, 9, 14, 3]])
+    host, dev = CachedModel(model), CachedModel(model)
+    for cm in (host, dev):
+        cm.prefill(prompt)
+    hb, db = Branches(host), Branches(dev)
+    h0, _ = hb.grow([3, 4], [-1, -1])
+    h1, _ = hb.grow([5, 6, 7], [1, 0, 1])
+    d0 = db.grow_layer(torch.tensor([3, 4]), None)
+    d1 = db.grow_layer(torch.tensor([5, 6, 7]), torch.tensor([1, 0, 1]))
+    torch.testing.assert_close(d0, h0)
+    torch.testing.assert_close(d1, h1)
+    with pytest.raises(ValueError, match="not settled"):
+        db.path(3)
+    with pytest.raises(ValueError, match="parent rows of 1 layers, got 2"):
+        db.settle_layers([[1, 0, 1], [0]])
+    assert db.settle_layers([[1, 0, 1]]) == [0, 2]
+    assert db.parents == hb.parents == [-1, -1, 1, 0, 1]
+    assert db.depths == hb.depths and db.path(4) == hb.path(4) == [1, 4]
+    for br, cm in ((hb, host), (db, dev)):
+        br.keep(4)
+        assert cm.length == 6
+    nxt = [cm.forward(torch.tensor([[8]])).logits[0, -1] for cm in (host, dev)]
+    torch.testing.assert_close(nxt[1], nxt[0])
+    with pytest.raises(ValueError, match="needs a layer grown before it"):
+        Branches(dev).grow_layer(torch.tensor([1]), torch.tensor([0]))

@@ -397,8 +397,8 @@ def test_ouroboros_reads_the_host_once_per_forward_of_either_model(s):
 @pytest.mark.parametrize("s", [GREEDY, SAMPLED], ids=["greedy", "sampled"])
 @pytest.mark.parametrize("method,per_target,per_draft", [
     ("jacobi", 1, 0),  # the next guesses ride on the verification's read (before: 1.94 per forward)
-    ("mjgd", 1, 0),  # one read per beam step (before: 2.94)
-    ("mjsd", 1, 1),  # one per beam step, one per verification: log p and the next token together (before: 12.3)
+    ("mjgd", 0.5, 0),  # one read per beam search of K target forwards (before: 2.94, then 1 per beam step)
+    ("mjsd", 2, 0),  # one per beam search, one per verification: log p and the next token together (12.3, then 4.3)
     ("bild", 1, 1),  # the draft's confidence per draft step; the rollback, draft and next token in one (before: 2.9)
     ("sdsat", 1, 0),  # the next tree's candidates ride on the verification's read (before: 2; sampled 67.6)
     ("spectr", 2, 0),  # the k sequences grown on the device, read once per round, + the verification (before: 4.7)

@@ -11,7 +11,8 @@
   dropped, so the cache again holds a single sequence.
 * :func:`beam_search`: beam search (greedy) or beam sampling over :class:`Branches`, each beam carrying the
   joint log-likelihood of every one of its prefixes and the probability with which beam sampling selected each of
-  them (MJSD's q), reordered with the beam indices at every step.
+  them (MJSD's q), reordered with the beam indices at every step. It runs on the device (each step one layer of
+  :meth:`Branches.grow_layer`) and reads the host once, at its end.
 """
 
 from __future__ import annotations
@@ -71,6 +72,9 @@ def draft_chain(draft: CachedModel, seq: list[int], k: int, s: SamplingConfig, g
     return DraftChain(tokens, torch.stack(qs) if qs else None, forwards, stopped)
 
 
+UNSETTLED = -2  # a Branches parent not known on the host yet (grow_layer before settle_layers)
+
+
 class Branches:
     """Branches grown from the prefix cached in ``model`` (its length now is the branches' base).
 
@@ -83,11 +87,16 @@ class Branches:
         self.parents: list[int] = []
         self.depths: list[int] = []
         self.forwards = 0
+        self._layers: list[int] = []  # first node of each layer grown by grow_layer since its root, until settled
+        self._root = -1  # the node the first of them hangs from
+        self._layer: torch.Tensor | None = None  # the last layer's attention rows, on the device
 
     def path(self, node: int) -> list[int]:
         """Nodes from the branch's first token down to ``node`` (empty for -1, the prefix)."""
         out = []
         while node != -1:
+            if self.parents[node] == UNSETTLED:
+                raise ValueError(f"node {node} was grown by grow_layer and not settled (settle_layers)")
             out.append(node)
             node = self.parents[node]
         return out[::-1]
@@ -115,6 +124,50 @@ class Branches:
         self.forwards += 1
         return logits, list(range(old, old + n))
 
+    def grow_layer(self, tokens: torch.Tensor, rows: torch.Tensor | None, root: int = -1) -> torch.Tensor:
+        """Feed a layer of ``tokens`` [n] (on the device) one deeper than their parents, in one forward and without a
+        host read: token ``i`` continues node ``rows[i]`` of the layer grown last (a device tensor of indices into
+        it), or with ``rows`` None node ``root`` (a settled node or -1, the prefix). Returns the logits [n, V]. The new
+        nodes get the next ids in order; their parents are unknown on the host until :meth:`settle_layers`."""
+        n, old, base = tokens.numel(), len(self.parents), self.base
+        dev = tokens.device
+        attend = torch.zeros(n, base + old + n, dtype=torch.bool, device=dev)
+        if rows is None:
+            attend[:, :base] = True
+            path = self.path(root)
+            if path:
+                attend[:, torch.tensor([base + j for j in path], device=dev)] = True
+            depth = self.depths[root] + 1 if root >= 0 else 0
+            self._layers, self._root = [], root
+        else:
+            if not self._layers:
+                raise ValueError("grow_layer with rows needs a layer grown before it (rows=None starts one)")
+            attend[:, :self._layer.shape[1]] = self._layer[rows]
+            depth = self.depths[-1] + 1
+        attend[:, base + old:] = torch.eye(n, dtype=torch.bool, device=dev)
+        self._layer = attend
+        self._layers.append(old)
+        self.parents.extend([UNSETTLED] * n)
+        self.depths.extend([depth] * n)
+        positions = torch.full((n,), base + depth, dtype=torch.long, device=dev)
+        logits = self.model.forward(tokens.view(1, -1), positions=positions, attend=attend).logits[0]
+        self.forwards += 1
+        return logits
+
+    def settle_layers(self, rows: list[list[int]]) -> list[int]:
+        """The parents of the layers grown by :meth:`grow_layer` since ``rows=None``, as host values: ``rows[k]`` the
+        parent rows of layer ``k + 1`` (the first layer hangs from its root). Returns every such layer's first node
+        id (node ``first + i`` is the layer's token ``i``)."""
+        firsts = self._layers
+        if len(rows) != max(len(firsts) - 1, 0):
+            raise ValueError(f"settle_layers needs the parent rows of {max(len(firsts) - 1, 0)} layers, got {len(rows)}")
+        for k, first in enumerate(firsts):
+            end = firsts[k + 1] if k + 1 < len(firsts) else len(self.parents)
+            for i, node in enumerate(range(first, end)):
+                self.parents[node] = self._root if k == 0 else firsts[k - 1] + rows[k - 1][i]
+        self._layers, self._layer = [], None
+        return firsts
+
     def keep(self, node: int) -> None:
         """Keep the path from the prefix to ``node`` (-1: the prefix alone) and drop every other branch."""
         self.model.keep(self.path(node), start=self.base)
@@ -134,10 +187,7 @@ class Beam:
         return self.joint[-1] if self.joint else 0.0
 
 
-Grow = Callable[[list[int], list[int]], tuple[torch.Tensor, list[int]]]
-
-
-def beam_search(first_logits: torch.Tensor, steps: int, num_beams: int, grow: Grow, propose: SamplingConfig,
+def beam_search(first_logits: torch.Tensor, steps: int, num_beams: int, branches: Branches, propose: SamplingConfig,
                 gen: torch.Generator | None, temperature: float = 1.0, root: int = -1,
                 weights: SamplingConfig | None = None) -> list[Beam]:
     """``steps`` tokens by beam search from ``first_logits`` [V] (the distribution after the prefix).
@@ -151,16 +201,22 @@ def beam_search(first_logits: torch.Tensor, steps: int, num_beams: int, grow: Gr
     ``w(b, v) = exp(score_b) p_b(v)`` for a kept ``v`` and 0 otherwise, and the ``num_beams`` drawn ones with the best
     joint likelihood become the new beams. Every new beam records in ``select`` the log of that probability for its
     candidate (the probability of one draw, as the MJSD code's ``seq_scores``; under greedy decoding computed all the
-    same, with ``weights``' top-k / top-p, None: none). New beams inherit their parent's tokens, nodes, prefix likelihoods
-    and selection probabilities (reordered with the beam indices), and every new token but the last step's is fed
-    through ``grow`` (``root``: the node the beams hang from). Returns the beams, best joint likelihood first."""
-    beams = [Beam()]
+    same, with ``weights``' top-k / top-p, None: none). New beams inherit their parent's tokens, nodes, prefix
+    likelihoods and selection probabilities (reordered with the beam indices), and every new token but the last
+    step's is fed as one layer of ``branches`` (:meth:`Branches.grow_layer`; ``root``: the node the beams hang from).
+    Returns the beams, best joint likelihood first.
+
+    The search runs on the device with one host read at its end (the beam indices, tokens and scores of every step;
+    :meth:`Branches.settle_layers` then learns the fed nodes' parents). A candidate that cannot be a beam (an
+    infinite joint likelihood under beam search, a weight of 0 under beam sampling: fewer candidates than beams) stays
+    a row with score -inf, fed like the others and never picked again, and is dropped after the read."""
     logits = first_logits[None]  # [B, V]
+    score = torch.zeros(1, device=first_logits.device)  # [B] joint log-likelihood of each beam
+    steps_read = []  # per step: [5, B] joint, selection, parent row, token, real
     for step in range(steps):
         logp = torch.log_softmax(logits.float() / max(temperature, 1e-8), dim=-1)  # [B, V]
-        score = torch.tensor([b.score for b in beams], device=logp.device)[:, None]  # [B, 1]
         vocab = logp.shape[-1]
-        cand = score + logp  # [B, V] joint log-likelihood of every candidate
+        cand = score[:, None] + logp  # [B, V] joint log-likelihood of every candidate
         cut = weights if propose.greedy else propose  # the top-k / top-p that remove candidates from the draw
         kept = cand if cut is None else cand.masked_fill(warp(logits, cut) == 0, float("-inf"))
         log_sel = torch.log_softmax(kept.reshape(-1), dim=-1)  # [B*V] one draw's probability of each candidate
@@ -172,20 +228,34 @@ def beam_search(first_logits: torch.Tensor, steps: int, num_beams: int, grow: Gr
             drawn, real = sample_without_replacement(log_sel.exp(), 2 * num_beams, gen)
             best = torch.topk(flat[drawn].masked_fill(~real, float("-inf")), min(num_beams, drawn.numel())).indices
             picks, real = drawn[best], real[best]
-        # one host read per step: the picks with their joint and selection log-probabilities (float64 keeps the
-        # float32 values and the indices exact)
-        rows = torch.stack([flat[picks].double(), log_sel[picks].double(), picks.double(), real.double()]).tolist()
-        new = []
-        for j, q, f, ok in zip(*rows):
-            if not ok:
-                continue
-            b, v = divmod(int(f), vocab)
-            parent = beams[b]
-            new.append(Beam(parent.tokens + [v], parent.joint + [j], parent.select + [q], list(parent.nodes)))
-        new.sort(key=lambda beam: -beam.score)
-        beams = new
+        score = flat[picks].masked_fill(~real, float("-inf"))  # best first (topk's order)
+        rows, tokens = picks // vocab, picks % vocab
+        # float64 keeps the float32 values and the indices exact in the one read below
+        steps_read.append(torch.stack([score.double(), log_sel[picks].double(), rows.double(), tokens.double(),
+                                       real.double()]))
         if step < steps - 1:
-            logits, nodes = grow([b.tokens[-1] for b in beams], [b.nodes[-1] if b.nodes else root for b in beams])
-            for b, node in zip(beams, nodes):
-                b.nodes.append(node)
+            logits = branches.grow_layer(tokens, rows if step else None, root)
+    flat_read = torch.cat([t.flatten() for t in steps_read]).tolist()  # the one host read
+    table, at = [], 0
+    for t in steps_read:  # [steps][5][B]
+        b = t.shape[1]
+        table.append([flat_read[at + k * b: at + (k + 1) * b] for k in range(5)])
+        at += 5 * b
+    firsts = branches.settle_layers([[int(r) for r in t[2]] for t in table[1:-1]])
+    beams = []
+    for i, ok in enumerate(table[-1][4]):
+        if not ok:
+            continue
+        beam, row = Beam(), i
+        for step in range(steps - 1, -1, -1):  # back from the last step along the parent rows
+            joint, sel, parent, token, _ = (t[row] for t in table[step])
+            beam.tokens.append(int(token))
+            beam.joint.append(joint)
+            beam.select.append(sel)
+            if step < steps - 1:
+                beam.nodes.append(firsts[step] + row)
+            row = int(parent)
+        for seq in (beam.tokens, beam.joint, beam.select, beam.nodes):
+            seq.reverse()
+        beams.append(beam)
     return beams

@@ -141,7 +141,7 @@ class MJSD(Decoder):
         br = Branches(self.draft)
         scoring = self.scoring(st.s)
         propose = st.s if st.s.greedy else scoring
-        beams = beam_search(first, steps, self.num_beams, br.grow, propose, st.gen, scoring.temperature,
+        beams = beam_search(first, steps, self.num_beams, br, propose, st.gen, scoring.temperature,
                             weights=scoring)
         return beams, br, 1 + br.forwards
 
@@ -178,7 +178,12 @@ class MJSD(Decoder):
                                      gen=st.gen, draft_logq={i: logq[tree.label_path(i)] for i in range(1, len(tree))})
             acc = self._verify_tree(st, last, tree, rule=rule)[1].tokens
             n_acc = len(acc) - 1
-            br.keep(node_of.get(tuple(acc[: min(n_acc, n - 1)]), -1))
+            kept = acc[: min(n_acc, n - 1)]
+            if tuple(kept) in node_of:
+                br.keep(node_of[tuple(kept)])
+                self.draft.settle(kept)  # as host values (fed as device tensors: the next catch-up reads nothing)
+            else:
+                br.keep(-1)
             drafted, accepted, full = drafted + n, accepted + n_acc, full + (n_acc == n)
             n_beams.append(len(beams))
             if n_acc:
@@ -212,7 +217,7 @@ class MJGD(Decoder):
             k = min(self.K, st.out.room)
             br = Branches(self.target)
             logits, (root,) = br.grow([last], [-1])
-            beams = beam_search(logits[0], k, self.num_beams, br.grow, st.s, st.gen, temp, root=root)
+            beams = beam_search(logits[0], k, self.num_beams, br, st.s, st.gen, temp, root=root)
             best = beams[0]
             st.target_forwards += br.forwards
             st.out.commit(best.tokens)
