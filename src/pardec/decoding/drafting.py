@@ -78,8 +78,8 @@ UNSETTLED = -2  # a Branches parent not known on the host yet (grow_layer before
 class Branches:
     """Branches grown from the prefix cached in ``model`` (its length now is the branches' base).
 
-    Node ``i`` is the ``i``-th token fed through :meth:`grow`; its parent is another node or ``-1`` (the prefix).
-    The cache holds the nodes in feeding order after the prefix."""
+    Node ``i`` is the ``i``-th token fed through :meth:`grow` or :meth:`grow_layer`; its parent is another node or
+    ``-1`` (the prefix). The cache holds the nodes in feeding order after the prefix."""
 
     def __init__(self, model: CachedModel):
         self.model = model
