@@ -88,7 +88,6 @@ class Branches:
         self.depths: list[int] = []
         self.forwards = 0
         self._layers: list[int] = []  # first node of each layer grown by grow_layer since its root, until settled
-        self._root = -1  # the node the first of them hangs from
         self._layer: torch.Tensor | None = None  # the last layer's attention rows, on the device
 
     def path(self, node: int) -> list[int]:
@@ -138,7 +137,7 @@ class Branches:
             if path:
                 attend[:, torch.tensor([base + j for j in path], device=dev)] = True
             depth = self.depths[root] + 1 if root >= 0 else 0
-            self._layers, self._root = [], root
+            self._layers = []
         else:
             if not self._layers:
                 raise ValueError("grow_layer with rows needs a layer grown before it (rows=None starts one)")
@@ -147,7 +146,7 @@ class Branches:
         attend[:, base + old:] = torch.eye(n, dtype=torch.bool, device=dev)
         self._layer = attend
         self._layers.append(old)
-        self.parents.extend([UNSETTLED] * n)
+        self.parents.extend([root if rows is None else UNSETTLED] * n)
         self.depths.extend([depth] * n)
         positions = torch.full((n,), base + depth, dtype=torch.long, device=dev)
         logits = self.model.forward(tokens.view(1, -1), positions=positions, attend=attend).logits[0]
@@ -161,16 +160,23 @@ class Branches:
         firsts = self._layers
         if len(rows) != max(len(firsts) - 1, 0):
             raise ValueError(f"settle_layers needs the parent rows of {max(len(firsts) - 1, 0)} layers, got {len(rows)}")
-        for k, first in enumerate(firsts):
+        for k in range(1, len(firsts)):  # the first layer's parent, its root, is known
             end = firsts[k + 1] if k + 1 < len(firsts) else len(self.parents)
-            for i, node in enumerate(range(first, end)):
-                self.parents[node] = self._root if k == 0 else firsts[k - 1] + rows[k - 1][i]
+            for i, node in enumerate(range(firsts[k], end)):
+                self.parents[node] = firsts[k - 1] + rows[k - 1][i]
         self._layers, self._layer = [], None
         return firsts
 
-    def keep(self, node: int) -> None:
-        """Keep the path from the prefix to ``node`` (-1: the prefix alone) and drop every other branch."""
-        self.model.keep(self.path(node), start=self.base)
+    def keep(self, node: int, tokens: list[int] | None = None) -> None:
+        """Keep the path from the prefix to ``node`` (-1: the prefix alone) and drop every other branch. ``tokens``:
+        the path's tokens as host values (e.g. from the verification's read), settled in the cache
+        (:meth:`CachedModel.settle`) so that the next catch-up reads back nothing that was fed as device tensors."""
+        path = self.path(node)
+        if tokens is not None and len(tokens) != len(path):
+            raise ValueError(f"keep: {len(tokens)} tokens for a path of {len(path)} nodes")
+        self.model.keep(path, start=self.base)
+        if tokens:
+            self.model.settle(tokens)
 
 
 @dataclass

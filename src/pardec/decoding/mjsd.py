@@ -179,11 +179,8 @@ class MJSD(Decoder):
             acc = self._verify_tree(st, last, tree, rule=rule)[1].tokens
             n_acc = len(acc) - 1
             kept = acc[: min(n_acc, n - 1)]
-            if tuple(kept) in node_of:
-                br.keep(node_of[tuple(kept)])
-                self.draft.settle(kept)  # as host values (fed as device tensors: the next catch-up reads nothing)
-            else:
-                br.keep(-1)
+            node = node_of.get(tuple(kept), -1)
+            br.keep(node, kept if node >= 0 else [])  # the kept tokens as host values: the catch-up reads nothing
             drafted, accepted, full = drafted + n, accepted + n_acc, full + (n_acc == n)
             n_beams.append(len(beams))
             if n_acc:

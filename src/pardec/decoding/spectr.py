@@ -110,8 +110,9 @@ class SpecTr(Decoder):
             acc = self._verify_tree(st, last, tree, rule=rule)[1].tokens
             n_acc = len(acc) - 1
             kept = acc[: min(n_acc, n - 1)]
-            br.keep(node_of[tuple(kept)])  # the draft keeps the accepted tokens it has fed,
-            self.draft.settle(kept)  # as host values (fed as device tensors: its next catch-up reads nothing back)
+            # the draft keeps the accepted tokens it has fed, as host values (fed as device tensors: its next
+            # catch-up reads nothing back)
+            br.keep(node_of[tuple(kept)], kept)
             drafted, accepted = drafted + n, accepted + n_acc
             tree_sizes.append(len(tree) - 1)
             last = acc[-1]
