@@ -89,10 +89,12 @@ bench-sdsat: setup  ## SDSAT (two-step / fused, k = 3..13, nucleus T 0.2 / 1.0) 
 	  --bench outputs/bench/sdsat_t1.0 --base outputs/bench/sdsat_base \
 	  --eval $(dir $(SDSAT:/=))sdsat_eval.json --run $(dir $(SDSAT:/=)) --out outputs/sdsat_report
 
-CLLM ?= outputs/train/runs/cllm_gsm8k_smollm2/session6_2ep
+# the newest trained CLLM run (python -m train +experiment=cllm_gsm8k_smollm2 names its dir by time unless run_name=)
+CLLM ?= $(shell ls -1td outputs/train/runs/cllm_gsm8k_smollm2/*/final 2>/dev/null | head -n 1 | xargs -r dirname)
 CLLM_METHODS := jacobi:block_size=16,lookahead:window=4:level=4:guess_set=4
 bench-cllm: setup  ## CLLM: jacobi + lookahead vs ar on the trained CLLM (CLLM=<run dir>) and the base, GSM8K test x50, 48 tokens; ar answer quality at 256 tokens (GSM8K=)
 	@test -n "$(GSM8K)" || { echo "error: GSM8K=<gsm8k test.jsonl> is required (no offline copy)"; exit 1; }
+	@test -d "$(CLLM)/final" || { echo "error: CLLM='$(CLLM)' has no final/ model: train one (python -m train +experiment=cllm_gsm8k_smollm2 ...) or pass CLLM=<run dir>"; exit 1; }
 	$(BIN)/python scripts/bench.py --draft none --n 50 --max-new-tokens 48 --no-perplexity --model local \
 	  --methods "$(CLLM_METHODS)" --datasets gsm8k --dataset-path gsm8k=$(GSM8K) --out outputs/bench/cllm_trained \
 	  model.path=$(CLLM)/final bench.include_hf=false
