@@ -44,6 +44,7 @@ def test_rows_and_markdown(tmp_path):
 def test_training_plot(tmp_path):
     hist = [{"step": i, "loss": 3.0, "consistency_loss": 4.0 - i / 10, "ar_loss": 0.5} for i in range(1, 6)]
     hist += [{"step": i, "eval_ff_proxy": 1.0 + i / 10, "eval_ff_proxy_init": 1.0} for i in (0, 5)]
+    hist[-1]["eval_ff_decode"] = 1.2  # runs since 2026-11-26 log the decoded proxy too
     assert cllm_report.plot_training(hist, tmp_path / "t.png") and (tmp_path / "t.png").stat().st_size > 1000
     assert not cllm_report.plot_training([{"step": 1, "loss": 1.0}], tmp_path / "none.png")
 

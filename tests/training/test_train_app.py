@@ -65,6 +65,12 @@ def test_every_experiment_validates(name):
         assert spec.mask.out_dir.endswith(f"sdsat/{name}") and spec.eval_sources and spec.max_span >= 1
         return
     assert spec.collect.out_dir.endswith(f"trajectories/{name}") and spec.train_data == Path(spec.collect.out_dir)
+    if name == "cllm_gsm8k_smollm2_copies":  # the SmolLM2 recipe with its named collection overrides, nothing else
+        base = validate(_compose(["+experiment=cllm_gsm8k_smollm2"]))
+        assert (spec.collect.augment, spec.collect.guess_from, spec.collect.max_prompts) == ("copies", "prompt", 480)
+        assert (base.collect.augment, base.collect.guess_from) == ("in_place", "context")  # the paper's collection
+        assert spec.gen.out_dir.endswith(f"completions/{name}/train") and spec.model == base.model
+        assert (spec.collect.block_size, spec.collect.max_new_tokens) == (base.collect.block_size, 48)
 
 
 def test_errors_name_the_choices():
@@ -100,6 +106,8 @@ def test_tiny_end_to_end_with_lora_then_resume(tmp_path):
     proxy = [h for h in history if "eval_ff_proxy" in h]
     assert [h["step"] for h in proxy] == [1, 2, 2]  # every eval step, and once more after training
     assert all(h["eval_ff_proxy_states"] > 0 for h in proxy) and "eval_ff_proxy" in summary["train"]
+    # the decoded proxy beside it: the held-out prompt decoded by jacobi (LoRA model), 12 collected tokens at most
+    assert all(h["eval_ff_decode"] >= 1.0 and 0 < h["eval_ff_decode_tokens"] <= 12 for h in proxy)
     assert json.loads((run_dir / "train_summary.json").read_text())["experiment"] == "cllm_tiny"
     records = load_trajectories(tmp_path / "data" / "trajectories" / "cllm_tiny")
     assert len(records) == 6

@@ -11,7 +11,13 @@ from pardec.decoding import Stopper, build_decoder
 from pardec.models.cached import CachedModel
 from pardec.training.cllm.collect import jacobi_trajectories
 from pardec.training.cllm.data import CLLMCollator, TrajectoryDataset, ar_answer
-from pardec.training.cllm.trainer import CLLMConfig, CLLMTrainer, fast_forward_proxy, packed_forward
+from pardec.training.cllm.trainer import (
+    CLLMConfig,
+    CLLMTrainer,
+    DecodingProxy,
+    fast_forward_proxy,
+    packed_forward,
+)
 from pardec.training.losses import ar_loss, consistency_loss
 from tests.conftest import tiny
 
@@ -210,6 +216,24 @@ def test_proxy_equals_the_trajectory_advance_for_the_collecting_model(records):
     moved = fast_forward_proxy(other, ds, CLLMCollator(lm.tokenizer.pad_token_id))
     assert moved["ff_proxy_agree"] < 1.0 and moved["ff_proxy"] >= 1.0 and moved["ff_proxy_states"] == len(gains)
     assert min(gains) >= 1  # greedy Jacobi: every step fixes at least one more token
+
+
+def test_decoding_proxy_is_the_benchmarks_jacobi_fast_forward_and_keeps_training_mode(records):
+    """The decoded proxy: each held-out prompt decoded by the ``jacobi`` decoder the benchmark runs (block size,
+    token budget and EOS as collected, default guesses), the mean of the per-prompt fast-forwards; the model being
+    trained is left in training mode."""
+    lm = tiny()
+    model = copy.deepcopy(lm.model).train()
+    prompts = [r["prompt_ids"] for r in records]
+    eos = {records[0]["answer_ids"][5]}  # ends some answers early
+    got = DecodingProxy(prompts, 4, 10, eos)(model)
+    assert model.training
+    jacobi = build_decoder("jacobi", CachedModel(lm.model), None, block_size=4)
+    runs = [jacobi.generate(p, 10, Stopper(eos_ids=eos)) for p in prompts]
+    assert any(r.stop_reason == "eos" for r in runs)
+    assert got["ff_decode"] == pytest.approx(sum(r.extras["fast_forward"] for r in runs) / len(runs))
+    assert got["ff_decode_tokens"] == sum(len(r.tokens) for r in runs)
+    assert DecodingProxy([], 4, 10, eos)(model)["ff_decode_tokens"] == 0.0
 
 
 @pytest.mark.parametrize("distance", ["fkl", "rkl", "jsd"])

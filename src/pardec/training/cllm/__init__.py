@@ -119,7 +119,7 @@ class CLLMKind(Kind):
         from pardec.training.base import apply_lora, fit, save_final, training_args
         from pardec.training.cllm.answers import whole_answers
         from pardec.training.cllm.data import CLLMCollator, TrajectoryDataset
-        from pardec.training.cllm.trainer import CLLMConfig, CLLMTrainer
+        from pardec.training.cllm.trainer import CLLMConfig, CLLMTrainer, DecodingProxy
         from pardec.training.cllm.trajectories import load_trajectories
 
         stats_file = spec.train_data / "stats.json"
@@ -147,7 +147,9 @@ class CLLMKind(Kind):
         ds = TrajectoryDataset(records, args.loss_type, args.state_sampling, args.max_length, args.seed,
                                args.states_per_sample, args.ar_tail)
         proxy = TrajectoryDataset(held, "global", "all", args.max_length) if held else None
-        trainer = CLLMTrainer(model=model, args=args, train_dataset=ds, eval_dataset=proxy,
+        decode = DecodingProxy([r["prompt_ids"] for r in held], spec.collect.block_size, spec.collect.max_new_tokens,
+                               lm.eos_ids) if held and args.proxy_decode else None
+        trainer = CLLMTrainer(model=model, args=args, train_dataset=ds, eval_dataset=proxy, decoding_proxy=decode,
                               data_collator=CLLMCollator(lm.tokenizer.pad_token_id), processing_class=lm.tokenizer)
 
         def finish(final: Path, trained: dict) -> dict[str, Any]:
