@@ -64,7 +64,8 @@ def bench_rows(label: str, bench_dir: Path) -> list[dict]:
     rows = []
     for s, method, params, e in method_entries([bench_dir], ("jacobi", "lookahead")):
         extras = role_extras(Path(s["_dir"]))
-        role = "method" if e is s else next((r for r in extras if r.startswith("also:") and method in r), None)
+        # a bench.also peer's role is its key in the summary's peers (two variants of one method: two roles)
+        role = "method" if e is s else next((r for r, p in (s.get("peers") or {}).items() if p is e), None)
         if e is s:  # the run's baseline, once per run
             rows.append({"model": label, "method": "ar", "tokens_per_s": s.get("baseline_tokens_per_s"),
                          "speedup": 1.0, "speedup_median": 1.0,

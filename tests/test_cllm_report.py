@@ -41,6 +41,24 @@ def test_rows_and_markdown(tmp_path):
     assert "2 prompts per model, fp32, max_new_tokens=48" in md
 
 
+def test_two_variants_of_one_method_keep_their_own_extras(tmp_path):
+    """``bench.also`` with jacobi at two block sizes beside the run's jacobi: each row's extras come from its own
+    role (the summary's peers key), not from the first role whose name holds the method."""
+    run = tmp_path / "v" / "runs" / "gsm8k"
+    run.mkdir(parents=True)
+    peer = {"method": "jacobi", "tokens_per_s": 11.0, "speedup": 1.0, "speedup_median": 1.0, "metric": 0.0}
+    peers = {f"also:jacobi:block_size={n}": {**peer, "params": {"block_size": n}, "tokens_per_forward": n / 5}
+             for n in (8, 4)}
+    (run / "summary.json").write_text(json.dumps({
+        "dataset": "gsm8k", "method": "jacobi", "method_params": {"block_size": 16}, "n_samples": 1,
+        "tokens_per_forward": 1.8, "baseline_tokens_per_s": 10.0, "peers": peers}))
+    recs = [{"role": "baseline", "extras": {}}, {"role": "method", "extras": {"fast_forward": 1.9}}]
+    recs += [{"role": f"also:jacobi:block_size={n}", "extras": {"fast_forward": ff}} for n, ff in ((8, 1.7), (4, 1.4))]
+    (run / "results.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
+    got = {r["method"]: r["fast_forward"] for r in cllm_report.bench_rows("m", tmp_path / "v")}
+    assert got == {"ar": None, "jacobi": 1.9, "jacobi (block_size=8)": 1.7, "jacobi (block_size=4)": 1.4}
+
+
 def test_training_plot(tmp_path):
     hist = [{"step": i, "loss": 3.0, "consistency_loss": 4.0 - i / 10, "ar_loss": 0.5} for i in range(1, 6)]
     hist += [{"step": i, "eval_ff_proxy": 1.0 + i / 10, "eval_ff_proxy_init": 1.0} for i in (0, 5)]
