@@ -89,8 +89,8 @@ bench-sdsat: setup  ## SDSAT (two-step / fused, k = 3..13, nucleus T 0.2 / 1.0) 
 	  --bench outputs/bench/sdsat_t1.0 --base outputs/bench/sdsat_base \
 	  --eval $(dir $(SDSAT:/=))sdsat_eval.json --run $(dir $(SDSAT:/=)) --out outputs/sdsat_report
 
-# the newest trained CLLM run (python -m train +experiment=cllm_gsm8k_smollm2 names its dir by time unless run_name=)
-CLLM ?= $(shell ls -1td outputs/train/runs/cllm_gsm8k_smollm2/*/final 2>/dev/null | head -n 1 | xargs -r dirname)
+# the newest trained SmolLM2 CLLM run (+experiment=cllm_gsm8k_smollm2 or its _copies variant; dirs named by time unless run_name=)
+CLLM ?= $(shell ls -1td outputs/train/runs/cllm_gsm8k_smollm2*/*/final 2>/dev/null | head -n 1 | xargs -r dirname)
 CLLM_METHODS := jacobi:block_size=16,lookahead:window=4:level=4:guess_set=4
 bench-cllm: setup  ## CLLM: jacobi + lookahead vs ar on the trained CLLM (CLLM=<run dir>) and the base, GSM8K test x50, 48 tokens; ar answer quality at 256 tokens (GSM8K=)
 	@test -n "$(GSM8K)" || { echo "error: GSM8K=<gsm8k test.jsonl> is required (no offline copy)"; exit 1; }
