@@ -153,6 +153,7 @@ def test_deepspeed_zero2_two_ranks_on_cpu(tmp_path):
     proxy = [h for h in history if "eval_ff_proxy" in h]
     assert [h["step"] for h in proxy] == [1, 2, 2]  # every eval step, and once more after training
     assert all(h["eval_ff_proxy_states"] > 0 for h in proxy) and "eval_ff_proxy" in summary["train"]
+    assert all(h["eval_ff_decode"] >= 1.0 for h in proxy)  # both ranks decoded the held-out prompt in step
     traj = tmp_path / "data" / "trajectories" / "cllm_tiny"
     assert [len(read_part(traj / f"part-{r}.jsonl")) for r in (0, 1)] == [3, 3]
     completions = tmp_path / "data" / "completions" / "cllm_tiny" / "train"
@@ -222,3 +223,5 @@ def test_deepspeed_zero3_loads_a_local_model_sharded(tmp_path):
     final = load_model(ModelConfig(name="local", source="local", path=str(run_dir / "final"), device="cpu"))
     changed = [k for k, v in local.model.state_dict().items() if not torch.equal(v, final.model.state_dict()[k])]
     assert changed and all("proj" in k for k in changed)  # LoRA targets only
+    history = json.loads((run_dir / "log_history.json").read_text())  # the decoded proxy ran on sharded weights
+    assert [h["eval_ff_decode"] >= 1.0 for h in history if "eval_ff_proxy" in h] == [True] * 3
