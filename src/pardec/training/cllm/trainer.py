@@ -202,8 +202,7 @@ def fast_forward_proxy(model, dataset: TrajectoryDataset, collator, batch_size: 
                         first.append(gains[-1])
     finally:
         model.train(was_training)
-    mean = lambda xs: sum(xs) / len(xs) if xs else float("nan")  # noqa: E731
-    return {"ff_proxy": mean(gains), "ff_proxy_init": mean(first), "ff_proxy_agree": agree / max(1, len(gains)),
+    return {"ff_proxy": _mean(gains), "ff_proxy_init": _mean(first), "ff_proxy_agree": agree / max(1, len(gains)),
             "ff_proxy_states": float(len(gains))}
 
 
@@ -231,8 +230,13 @@ class DecodingProxy:
         finally:
             model.train(was_training)
         ff = [r.extras["fast_forward"] for r in runs]
-        return {"ff_decode": sum(ff) / len(ff) if ff else float("nan"),
+        return {"ff_decode": _mean(ff),
                 "ff_decode_tokens": float(sum(len(r.tokens) for r in runs))}
+
+
+def _mean(xs: list[float]) -> float:
+    """The mean of ``xs``; NaN for none (a proxy with nothing to score)."""
+    return sum(xs) / len(xs) if xs else float("nan")
 
 
 def _leading(x: list[int], ref: list[int], n: int) -> int:
