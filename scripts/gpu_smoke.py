@@ -11,7 +11,8 @@ made on the spot (untrained: this checks that everything runs and stays exact, n
 3. a 2-process sharded `evaluate` (torchrun) when the machine has two GPUs or more.
 
     python scripts/gpu_smoke.py [--device cuda|cpu] [--model smollm2_135m|tiny_random] [--new-tokens 32]
-                                [--methods ar,sps,...] [--forward-impls hf,lean,compiled,cudagraph] [--kinds cllm,draft,...] [--out DIR]
+                                [--methods ar,sps,...] [--forward-impls hf,lean,compiled,cudagraph] [--dtypes fp32,bf16]
+                                [--kinds cllm,draft,...] [--out DIR]
 
 It writes ``<out>/gpu_smoke.json`` and prints one markdown table per part. On a machine without CUDA it runs with
 ``--device cpu`` (CI runs it so, on the tiny random model, as a test of the script itself).
@@ -90,7 +91,7 @@ def decoding(a, out: dict) -> list[dict]:
     names = a.methods.split(",") if a.methods else METHODS.names()
     rows = []
     work = Path(tempfile.mkdtemp(prefix="pardec-smoke-"))
-    for dtype in ("fp32", "bf16"):
+    for dtype in a.dtypes.split(","):
         cfg = (ModelConfig(name="tiny_random", source="tiny_random", layers=3, dtype=dtype,
                            device=a.device) if a.model == "tiny_random" else named_config(a.model, dtype))
         if a.model != "tiny_random":
@@ -140,8 +141,11 @@ def decoding(a, out: dict) -> list[dict]:
             except Exception as e:  # noqa: BLE001  (a smoke test reports every failure and goes on)
                 row.update(ok=False, problem=f"{type(e).__name__}: {str(e)[:300]}")
             rows.append(row)
+            # (the figures too: a run cut by its time limit keeps them in its log)
+            figures = " ".join(f"{k}={row[k]:.2f}" for k in ("exact_match", "tokens_per_forward", "speed_vs_ar",
+                                                              "syncs_per_forward") if row.get(k) is not None)
             print(f"  {dtype} {impl:4s} {name:15s} {'ok' if row['ok'] and 'problem' not in row else 'FAILED'} "
-                  f"{row.get('problem', '')}", flush=True)
+                  f"{figures} {row.get('problem', '')}", flush=True)
         del model, draft_model
         if a.device.startswith("cuda"):
             torch.cuda.empty_cache()
@@ -234,6 +238,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="comma-separated CachedModel forwards to run every method on (hf, lean, compiled: the "
                          "torch.compile'd one-token step; cudagraph: that step replayed as a CUDA graph, CUDA only); "
                          "exact match is against `ar` on the first (default: hf,lean,compiled, and cudagraph on CUDA)")
+    ap.add_argument("--dtypes", default="fp32,bf16", help="comma-separated, of fp32, bf16")
     ap.add_argument("--kinds", default="", help=f"comma-separated, of {', '.join(KINDS)} (default: all)")
     ap.add_argument("--skip-training", action="store_true")
     ap.add_argument("--out", type=Path, default=ROOT / "outputs" / "gpu_smoke" / time.strftime("%Y-%m-%d_%H-%M-%S"))
@@ -243,6 +248,9 @@ def main(argv: list[str] | None = None) -> int:
     unknown = set(filter(None, a.kinds.split(","))) - set(KINDS)
     if unknown:
         ap.error(f"--kinds {sorted(unknown)} not valid; choose from: {', '.join(KINDS)}")
+    bad = [d for d in a.dtypes.split(",") if d not in ("fp32", "bf16")]
+    if bad:
+        ap.error(f"--dtypes {bad} not valid; choose from: fp32, bf16")
     from pardec.config import FORWARD_IMPLS
 
     a.forward_impls = a.forward_impls or ("hf,lean,compiled,cudagraph" if a.device == "cuda" else "hf,lean,compiled")

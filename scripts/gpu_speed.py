@@ -2,7 +2,8 @@
 Llama of a named shape (initialised on the device, in bf16 by default) with SmolLM2's tokenizer.
 
     python scripts/gpu_speed.py [--shapes 7b,1b,smollm2] [--dtype bf16] [--new-tokens 128] [--context 512]
-                                [--sizes 1,2,4,8,16,32,64] [--impls hf,lean,compiled,cudagraph] [--out DIR]
+                                [--sizes 1,2,4,8,16,32,64] [--impls hf,lean,compiled,cudagraph]
+                                [--cost-impls hf,cudagraph] [--methods ar,pld,jacobi,lookahead] [--out DIR]
 
 Per shape it reports
 1. the forward-cost table (``pardec.models.cost.measure``: one cached forward of T new rows after ``--context``
@@ -15,9 +16,12 @@ Per shape it reports
    step (``torch.cuda.set_sync_debug_mode``, counted in a separate untimed run), and whether the tokens equal
    ``generate()``'s.
 
-Random weights make acceptance rates meaningless, so no drafting method is timed here: their speed-ups need trained
-drafters (``make gpu-smoke`` checks that they run and stay exact). Writes ``<out>/gpu_speed.json`` and
-``<out>/gpu_speed.md``.
+Table 1 is measured on each of ``--cost-impls`` (``cudagraph``: the one-row step and the multi-row forwards padded
+to a power of two rows, each a replayed CUDA graph). ``--methods`` adds draft-free drafting methods (``pld``,
+``jacobi``, ``lookahead``) to table 2, each on every ``--impls`` forward, with their tokens per target forward:
+random weights make acceptance rates meaningless (a random model's greedy text repeats itself, which prompt lookup
+feeds on), so those rows measure the loop's cost per forward and its host syncs, never a speed-up to expect from a
+trained model. Writes ``<out>/gpu_speed.json`` and ``<out>/gpu_speed.md``.
 """
 
 from __future__ import annotations
@@ -34,6 +38,8 @@ ROOT = Path(__file__).resolve().parents[1]
 #: (hidden, layers, heads, kv heads, intermediate): a tiny one (the script's own test, on the CPU), SmolLM2-135M,
 #: TinyLlama-1.1B and Llama-2-7B's shapes
 SHAPES = {"tiny": (64, 2, 4, 2, 128), "smollm2": (576, 30, 9, 3, 1536), "1b": (2048, 22, 32, 4, 5632), "7b": (4096, 32, 32, 32, 11008)}
+#: the methods this script times: those that need no draft model, heads or trained tokens
+DRAFT_FREE = ("ar", "pld", "jacobi", "lookahead")
 PROMPT = "Question: Tom has 3 apples and buys 5 more. How many apples does he have? Think step by step.\nAnswer:"
 
 
@@ -69,14 +75,25 @@ def run_shape(shape: str, a, tok) -> dict:
     g = torch.Generator().manual_seed(1)
     context = torch.randint(0, len(tok), (a.context,), generator=g).tolist()
     sizes = [int(s) for s in a.sizes.split(",")]
-    table = measure(model, context, sizes, shape, a.dtype, repeats=a.repeats)
-    out["cost_ms"] = table.ms
-    one_row = table.ms[min(sizes)]
+    out["cost_ms_by_impl"] = {}
+    for impl in a.cost_impls.split(","):
+        try:
+            out["cost_ms_by_impl"][impl] = measure(model, context, sizes, shape, a.dtype, repeats=a.repeats,
+                                                   forward_impl=impl).ms
+        except Exception as e:  # noqa: BLE001  (report every failure and go on)
+            out["cost_ms_by_impl"][impl] = {"problem": f"{type(e).__name__}: {str(e)[:300]}"}
+        print(f"  {shape} cost {impl}: {out['cost_ms_by_impl'][impl]}", flush=True)
+    hf_table = out["cost_ms_by_impl"].get("hf")
+    if hf_table is None or "problem" in hf_table:
+        hf_table = measure(model, context, sizes, shape, a.dtype, repeats=a.repeats, forward_impl="hf").ms
+    out["cost_ms"] = hf_table  # (transformers' forward: the reference of table 2's overhead column)
+    one_row = hf_table[min(sizes)]
     prompt = tok(PROMPT)["input_ids"]
     stop = Stopper()  # no EOS: every run makes --new-tokens tokens
     runs = []
     ref = None
-    for name, impl in [("hf_generate", "hf")] + [("ar", i) for i in a.impls.split(",")]:
+    methods = ["ar"] + [m for m in a.methods.split(",") if m and m != "ar"]
+    for name, impl in [("hf_generate", "hf")] + [(m, i) for m in methods for i in a.impls.split(",")]:
         row = {"method": name, "forward_impl": impl}
         try:
             dec = build_decoder(name, CachedModel(model, forward_impl=impl), tok, None)
@@ -89,9 +106,11 @@ def run_shape(shape: str, a, tok) -> dict:
             decode_s = max(r.total_s - r.prefill_s, 1e-9)
             ref = r.tokens if ref is None else ref
             row.update(ok=True, tokens=len(r.tokens), wall_s=wall, decode_tok_s=(len(r.tokens) - 1) / decode_s,
+                       tokens_per_forward=r.tokens_per_forward, target_forwards=r.target_forwards,
                        ms_per_token=1e3 * decode_s / max(len(r.tokens) - 1, 1), same_as_generate=r.tokens == ref,
                        syncs=count_cuda_syncs(partial(dec.generate, prompt, 32, stop), a.device)[1])
             row["syncs_per_token"] = None if row["syncs"] is None else row["syncs"] / 32
+            row["ms_per_forward"] = 1e3 * decode_s / max(r.target_forwards - 1, 1)  # (the prefill's forward out)
             row["overhead_vs_forward"] = row["ms_per_token"] / one_row
         except Exception as e:  # noqa: BLE001  (report every failure and go on)
             row.update(ok=False, problem=f"{type(e).__name__}: {str(e)[:300]}")
@@ -113,20 +132,25 @@ def tables(res: dict) -> str:
              f"{res['context']}, {res['new_tokens']} new tokens ({res['date']})", ""]
     for s in res["shapes"]:
         ms = s["cost_ms"]
-        base = ms[min(ms)]
-        lines += [f"**{s['shape']}** ({s['params'] / 1e9:.2f} B parameters): forward of T new rows",
-                  "", "| T | " + " | ".join(str(t) for t in ms) + " |", "|---" * (len(ms) + 1) + "|",
-                  "| ms | " + " | ".join(f"{v:.2f}" for v in ms.values()) + " |",
-                  "| × T=1 | " + " | ".join(f"{v / base:.2f}" for v in ms.values()) + " |", "",
-                  "| method | forward | decode tok/s | ms/token | × table's hf T=1 | host syncs/token | same tokens as "
-                  "generate() | status |", "|---|---|---|---|---|---|---|---|"]
+        lines += [f"**{s['shape']}** ({s['params'] / 1e9:.2f} B parameters): forward of T new rows (ms, and × T=1 "
+                  f"on the same forward)", "", "| forward | " + " | ".join(f"T={t}" for t in ms) + " |",
+                  "|---" * (len(ms) + 1) + "|"]
+        for impl, table in s.get("cost_ms_by_impl", {"hf": ms}).items():
+            if "problem" in table:
+                lines.append(f"| {impl} | {table['problem']} |")
+                continue
+            base = table[min(table, key=int)]
+            lines.append(f"| {impl} | " + " | ".join(f"{v:.2f} ({v / base:.2f}×)" for v in table.values()) + " |")
+        lines += ["", "| method | forward | decode tok/s | ms/token | tokens/forward | ms/forward | × table's hf T=1 "
+                  "| host syncs/token | same tokens as generate() | status |", "|---|---|---|---|---|---|---|---|---|---|"]
         for r in s["decoding"]:
             if r["ok"]:
                 lines.append(f"| {r['method']} | {r['forward_impl']} | {r['decode_tok_s']:.1f} | {r['ms_per_token']:.2f} "
+                             f"| {r['tokens_per_forward']:.2f} | {r['ms_per_forward']:.2f} "
                              f"| {r['overhead_vs_forward']:.2f} | {_num(r['syncs_per_token'])} | {r['same_as_generate']} "
                              f"| ok |")
             else:
-                lines.append(f"| {r['method']} | {r['forward_impl']} | | | | | | {r['problem']} |")
+                lines.append(f"| {r['method']} | {r['forward_impl']} | | | | | | | | {r['problem']} |")
         lines.append("")
     return "\n".join(lines)
 
@@ -140,12 +164,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--context", type=int, default=512)
     ap.add_argument("--sizes", default="1,2,4,8,16,32,64")
     ap.add_argument("--repeats", type=int, default=10)
-    ap.add_argument("--impls", default="hf,lean,compiled,cudagraph", help="forward_impls to run `ar` on")
+    ap.add_argument("--impls", default="hf,lean,compiled,cudagraph", help="forward_impls to run the methods on")
+    ap.add_argument("--cost-impls", default="hf,cudagraph", help="forward_impls to measure table 1 on")
+    ap.add_argument("--methods", default="ar", help="`ar` and draft-free drafting methods: pld, jacobi, lookahead")
     ap.add_argument("--out", type=Path, default=ROOT / "outputs" / "gpu_speed" / time.strftime("%Y-%m-%d_%H-%M-%S"))
     a = ap.parse_args(argv)
     bad = [s for s in a.shapes.split(",") if s not in SHAPES]
     if bad:
         ap.error(f"--shapes {bad} not valid; choose from: {', '.join(SHAPES)}")
+    bad = [m for m in a.methods.split(",") if m not in DRAFT_FREE]
+    if bad:
+        ap.error(f"--methods {bad} not valid; choose from: {', '.join(DRAFT_FREE)} (methods that need no drafter)")
     if a.device.startswith("cuda") and not torch.cuda.is_available():
         ap.error(f"--device {a.device!r}: no CUDA device is available here; --device cpu runs it as a test")
     from pardec.config import ModelConfig

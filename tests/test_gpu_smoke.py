@@ -40,6 +40,9 @@ def test_gpu_smoke_refuses_cuda_without_a_gpu_and_unknown_kinds(tmp_path, capsys
     with pytest.raises(SystemExit):
         smoke.main(["--device", "cpu", "--forward-impls", "hf,fast"])
     assert "--forward-impls ['fast'] not valid; choose from: hf, lean" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        smoke.main(["--device", "cpu", "--dtypes", "fp32,fp16"])
+    assert "--dtypes ['fp16'] not valid; choose from: fp32, bf16" in capsys.readouterr().err
 
 
 def test_gpu_speed_runs_on_cpu_as_a_test_of_itself(tmp_path):
@@ -47,16 +50,23 @@ def test_gpu_speed_runs_on_cpu_as_a_test_of_itself(tmp_path):
     the same tokens (fp32), no sync counts off CUDA, and both files written."""
     speed = load_script("gpu_speed")
     rc = speed.main(["--device", "cpu", "--shapes", "tiny", "--dtype", "fp32", "--new-tokens", "12", "--context", "40",
-                     "--sizes", "1,2,4", "--repeats", "2", "--impls", "hf,lean", "--out", str(tmp_path)])
+                     "--sizes", "1,2,4", "--repeats", "2", "--impls", "hf,lean", "--cost-impls", "lean,cudagraph",
+                     "--methods", "ar,pld,jacobi", "--out", str(tmp_path)])
     assert rc == 0
     out = json.loads((tmp_path / "gpu_speed.json").read_text())
     (shape,) = out["shapes"]
-    assert shape["shape"] == "tiny" and set(shape["cost_ms"]) == {"1", "2", "4"}
+    assert shape["shape"] == "tiny" and set(shape["cost_ms"]) == {"1", "2", "4"}  # (hf: measured as the reference)
+    assert set(shape["cost_ms_by_impl"]["lean"]) == {"1", "2", "4"}
+    assert "needs a model on a CUDA device" in shape["cost_ms_by_impl"]["cudagraph"]["problem"]
     rows = shape["decoding"]
-    assert [(r["method"], r["forward_impl"]) for r in rows] == [("hf_generate", "hf"), ("ar", "hf"), ("ar", "lean")]
+    assert [(r["method"], r["forward_impl"]) for r in rows] == [
+        ("hf_generate", "hf"), ("ar", "hf"), ("ar", "lean"), ("pld", "hf"), ("pld", "lean"), ("jacobi", "hf"),
+        ("jacobi", "lean")]
     assert all(r["ok"] and r["tokens"] == 12 and r["same_as_generate"] and r["syncs"] is None for r in rows)
+    assert all(r["tokens_per_forward"] >= 1 and r["ms_per_forward"] > 0 for r in rows)
     md = (tmp_path / "gpu_speed.md").read_text()
-    assert "| ar | lean |" in md and "forward of T new rows" in md
+    assert "| ar | lean |" in md and "| jacobi | lean |" in md and "forward of T new rows" in md
+    assert "| lean | " in md and "| cudagraph | ValueError: forward_impl=cudagraph" in md
 
 
 def test_gpu_speed_refuses_unknown_shapes_and_cuda_without_a_gpu(capsys):
@@ -64,6 +74,9 @@ def test_gpu_speed_refuses_unknown_shapes_and_cuda_without_a_gpu(capsys):
     with pytest.raises(SystemExit):
         speed.main(["--device", "cpu", "--shapes", "7b,13b"])
     assert "--shapes ['13b'] not valid; choose from: tiny, smollm2, 1b, 7b" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        speed.main(["--device", "cpu", "--shapes", "tiny", "--methods", "ar,sps"])
+    assert "--methods ['sps'] not valid; choose from: ar, pld, jacobi, lookahead" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         speed.main(["--device", "cuda"])
     assert "no CUDA device is available here; --device cpu runs it as a test" in capsys.readouterr().err

@@ -350,7 +350,12 @@ class CachedModel:
         bsz, t = ids.shape
         past = self.length
         positions = self._positions(positions, bsz, t, past)
-        pad = self.cost.cheapest_at_least(t) - t if self.cost is not None and t > 1 and past and not last_only else 0
+        # cudagraph: a verification (several new rows after a cached prefix) replays a graph captured per row count
+        graphed = self.forward_impl == "cudagraph" and t > 1 and past and not last_only
+        if graphed:
+            pad = compiled.graph_rows(t) - t
+        else:
+            pad = self.cost.cheapest_at_least(t) - t if self.cost is not None and t > 1 and past and not last_only else 0
         if pad:
             ids, positions, attend, key_valid = self._padded(ids, positions, attend, key_valid, pad, past)
         kwargs = {}
@@ -368,33 +373,11 @@ class CachedModel:
                 tail = width - int(at.min()) if at.numel() else 1  # (one sync; split models are the 34B+ case)
                 kwargs["logits_to_keep"], tail_at = tail, at - (width - tail)
         captured: list[torch.Tensor] = []
-        hook = None
-        if hidden_layer is not None and hidden_layer == self.num_layers:
-            hook = self._inner().norm.register_forward_hook(lambda _m, _args, out: captured.append(out))
-        elif hidden_layer is not None:
-            hook = self._layer(hidden_layer).register_forward_pre_hook(
-                lambda _m, args, kw: captured.append(args[0] if args else kw["hidden_states"]), with_kwargs=True)
-        if self.forward_impl != "hf" and hidden_layer is None and tail_at is None:
-            mask = kwargs.get("attention_mask")
-            logits = None
-            keep = kwargs.get("logits_to_keep")
-            one = not isinstance(keep, torch.Tensor) or keep.numel() == 1  # (the step returns the one row's logits)
-            if self.forward_impl in ("compiled", "cudagraph") and width == 1 and mask is None and one:
-                logits = compiled.decode_step(self.model, ids, positions, self.cache,
-                                              graphs=self.forward_impl == "cudagraph")
-            if logits is None:
-                if mask is None and width > 1 and past:  # causal after a cached prefix: SDPA's flag aligns top-left
-                    mask = self._additive_mask(bsz, width, past, None, None)
-                logits = lean.lean_logits(self.model, ids, positions, mask, self.cache, kwargs.get("logits_to_keep"))
-        else:
-            try:
-                out = self.model(input_ids=ids, position_ids=positions, **cache_kw(self.model, self.cache),
-                                 use_cache=True, **kwargs)
-            finally:
-                if hook is not None:
-                    hook.remove()
-            self.cache = output_cache(out)
-            logits = out.logits
+        logits = None
+        if graphed and tail_at is None and (hidden_layer is None or 0 <= hidden_layer <= self.num_layers):
+            logits = self._graphed_rows(ids, positions, kwargs, past, hidden_layer, captured)
+        if logits is None:
+            logits = self._run(ids, positions, kwargs, past, hidden_layer, tail_at, captured)
         if tail_at is not None:
             logits = logits[:, tail_at.to(logits.device)]
             kwargs["logits_to_keep"] = tail_at + (width - kwargs["logits_to_keep"])
@@ -410,6 +393,55 @@ class CachedModel:
         self._last_appended = t
         self._check_finite(logits, past, t, last_only, kwargs.get("logits_to_keep"))
         return ForwardOut(logits, captured[0] if captured else None)
+
+    def _graphed_rows(self, ids, positions, kwargs, past: int, hidden_layer: int | None,
+                      captured: list[torch.Tensor]) -> torch.Tensor | None:
+        """``forward_impl=cudagraph``'s multi-row forward (:func:`pardec.models.compiled.rows_step`); None when the
+        cache's layout does not allow it."""
+        mask = kwargs.get("attention_mask")
+        if mask is None:  # causal after the cached prefix
+            mask = self._additive_mask(ids.shape[0], ids.shape[1], past, None, None)
+        out = compiled.rows_step(self.model, ids, positions, mask, self.cache, hidden_layer)
+        if out is None:
+            return None
+        if hidden_layer is not None:
+            out, hidden = out
+            captured.append(hidden)
+        keep = kwargs.get("logits_to_keep")
+        return out if keep is None else out[:, keep]
+
+    def _run(self, ids, positions, kwargs, past: int, hidden_layer: int | None, tail_at,
+             captured: list[torch.Tensor]) -> torch.Tensor:
+        """The forward's logits through the lean / compiled forward or transformers' (which also fills ``captured``
+        with the hidden states ``hidden_layer`` asks for)."""
+        bsz, width = ids.shape
+        if self.forward_impl != "hf" and hidden_layer is None and tail_at is None:
+            mask = kwargs.get("attention_mask")
+            keep = kwargs.get("logits_to_keep")
+            one = not isinstance(keep, torch.Tensor) or keep.numel() == 1  # (the step returns the one row's logits)
+            logits = None
+            if self.forward_impl in ("compiled", "cudagraph") and width == 1 and mask is None and one:
+                logits = compiled.decode_step(self.model, ids, positions, self.cache,
+                                              graphs=self.forward_impl == "cudagraph")
+            if logits is None:
+                if mask is None and width > 1 and past:  # causal after a cached prefix: SDPA's flag aligns top-left
+                    mask = self._additive_mask(bsz, width, past, None, None)
+                logits = lean.lean_logits(self.model, ids, positions, mask, self.cache, keep)
+            return logits
+        hook = None
+        if hidden_layer is not None and hidden_layer == self.num_layers:
+            hook = self._inner().norm.register_forward_hook(lambda _m, _args, out: captured.append(out))
+        elif hidden_layer is not None:
+            hook = self._layer(hidden_layer).register_forward_pre_hook(
+                lambda _m, args, kw: captured.append(args[0] if args else kw["hidden_states"]), with_kwargs=True)
+        try:
+            out = self.model(input_ids=ids, position_ids=positions, **cache_kw(self.model, self.cache),
+                             use_cache=True, **kwargs)
+        finally:
+            if hook is not None:
+                hook.remove()
+        self.cache = output_cache(out)
+        return out.logits
 
     @torch.inference_mode()
     def run_upper(

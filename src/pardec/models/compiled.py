@@ -140,55 +140,82 @@ _serial = itertools.count()
 
 
 class _Graph:
-    """One captured CUDA graph of a model's compiled step, for one set of cache buffers and one batch size: the
-    step's inputs live in static buffers, :meth:`__call__` copies the new ones in and replays the graph (one launch
-    instead of one per kernel: on a GPU a decode step is otherwise bound by the host's kernel launches).
+    """One captured CUDA graph of ``fn(*inputs)``: the inputs live in static buffers, :meth:`__call__` copies the new
+    ones in and replays the graph (one launch instead of one per kernel: on a GPU a decode step is otherwise bound
+    by the host's kernel launches). ``fn`` closes over the model and the cache buffers it writes in place.
 
-    Capture runs the step for real (warm-up on a side stream, as CUDA graphs require) with the first call's inputs:
-    those writes put the first call's keys/values at its own slot, which the replay then writes again, identically."""
+    Capture runs ``fn`` for real (warm-up on a side stream, as CUDA graphs require) with the first call's inputs:
+    those writes put the first call's keys/values at its own slots, which the replay then writes again,
+    identically."""
 
-    def __init__(self, fn, model: nn.Module, ids: torch.Tensor, positions: torch.Tensor, keys: list[torch.Tensor],
-                 values: list[torch.Tensor], slots: torch.Tensor, pool):
-        self.ids, self.positions, self.slots = ids.clone(), positions.clone(), slots.clone()
-        side = torch.cuda.Stream(ids.device)
-        side.wait_stream(torch.cuda.current_stream(ids.device))
+    def __init__(self, fn, inputs: tuple[torch.Tensor, ...], pool):
+        self.inputs = tuple(t.clone() for t in inputs)  # (outside the capture: never in the graphs' pool)
+        dev = inputs[0].device
+        side = torch.cuda.Stream(dev)
+        side.wait_stream(torch.cuda.current_stream(dev))
         with torch.cuda.stream(side):
-            for _ in range(2):  # compiles (first model step) and settles the allocator
-                fn(model, self.ids, self.positions, keys, values, self.slots)
-        torch.cuda.current_stream(ids.device).wait_stream(side)
+            for _ in range(2):  # compiles (a compiled step's first call) and settles the allocator
+                fn(*self.inputs)
+        torch.cuda.current_stream(dev).wait_stream(side)
         self.graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(self.graph, pool=pool):
-            self.out = fn(model, self.ids, self.positions, keys, values, self.slots)
+            self.out = fn(*self.inputs)
 
-    def __call__(self, ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
-        self.ids.copy_(ids)
-        self.positions.copy_(positions)
-        self.slots.copy_(slots)
+    def __call__(self, *inputs: torch.Tensor):
+        for static, new in zip(self.inputs, inputs):
+            static.copy_(new)
         self.graph.replay()
-        return self.out.clone()  # the next replay overwrites ``out``; callers keep logits across steps (drafts)
+        # the next replay overwrites ``out`` (and, through the shared pool, may overwrite another graph's): callers
+        # keep logits across steps (drafts)
+        if isinstance(self.out, tuple):
+            return tuple(o.clone() for o in self.out)
+        return self.out.clone()
 
 
-#: each model's captured steps by (batch size, cache buffers' addresses), newest last; and its graphs' memory pool
+#: each model's graphs' memory pool and its captured graphs, by cache buffers (newest last), then by kind and shape
 _graphs: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-#: captured graphs kept per model: a cache that grows gets new buffers (a new graph); the old ones are dropped
-MAX_GRAPHS = 4
+#: cache buffer sets kept per model: a cache that grows gets new buffers (new graphs); the graphs of older ones are
+#: dropped with the references they hold to those buffers. Two: a target and a draft copy of the same model, or the
+#: collection's two caches, alternate without recapturing.
+MAX_BUFFER_SETS = 2
 
 
-def _graphed(model: nn.Module, ids: torch.Tensor, positions: torch.Tensor, keys: list[torch.Tensor],
-             values: list[torch.Tensor], slots: torch.Tensor) -> torch.Tensor:
+def _graphed(model: nn.Module, what: tuple, keys: list[torch.Tensor], values: list[torch.Tensor], make_fn,
+             inputs: tuple[torch.Tensor, ...]):
+    """Replay (capturing it first if new) ``model``'s graph ``what`` (a kind and the inputs' shapes) over the cache
+    buffers ``keys``/``values``; ``make_fn()`` gives the function to capture."""
     entry = _graphs.get(model)
     if entry is None:
         entry = _graphs[model] = (torch.cuda.graph_pool_handle(), {})
-    pool, graphs = entry
-    key = (tuple(ids.shape), tuple(positions.shape), ids.dtype, positions.dtype,
-           tuple(t.data_ptr() for t in (*keys, *values)), keys[0].dtype, tuple(keys[0].shape), keys[0].stride(),
-           tuple(t.shape[2] for t in keys))
+    pool, by_buffers = entry
+    buffers = (tuple(t.data_ptr() for t in (*keys, *values)), keys[0].dtype, tuple(keys[0].shape), keys[0].stride(),
+               tuple(t.shape[2] for t in keys))
+    graphs = by_buffers.pop(buffers, None)
+    if graphs is None:
+        graphs = {}
+        while len(by_buffers) >= MAX_BUFFER_SETS:
+            by_buffers.pop(next(iter(by_buffers)))
+    by_buffers[buffers] = graphs  # (newest last)
+    key = (what, *((tuple(t.shape), t.dtype) for t in inputs))
     g = graphs.get(key)
     if g is None:
-        while len(graphs) >= MAX_GRAPHS:
-            graphs.pop(next(iter(graphs)))
-        g = graphs[key] = _Graph(_step_fn(model), model, ids, positions, keys, values, slots, pool)
-    return g(ids, positions, slots)
+        g = graphs[key] = _Graph(make_fn(), inputs, pool)
+    return g(*inputs)
+
+
+def _uniform(cache, rows: int) -> tuple[int, int] | None:
+    """(begin, length) when every layer of ``cache`` holds all ``rows`` rows of its own buffer at the same slots (the
+    layout the graphs need: one cache per buffer, the usual case), else None."""
+    first = cache.layers[0]
+    if first.store is None:
+        return None
+    begin, length = first.begin, first.length
+    for layer in cache.layers:
+        s = layer.store
+        if (s is None or layer.r0 != 0 or layer.r1 != s.rows or layer.begin != begin or layer.length != length
+                or s.rows != rows):
+            return None
+    return begin, length
 
 
 def decode_step(model: nn.Module, ids: torch.Tensor, positions: torch.Tensor, cache,
@@ -196,19 +223,13 @@ def decode_step(model: nn.Module, ids: torch.Tensor, positions: torch.Tensor, ca
     """The compiled step for ``ids`` [B, 1] after what ``cache`` (a :class:`PreallocatedCache`) holds, appending
     their keys/values; None (nothing done) when the cache's layout does not allow it (the caller runs the lean
     forward instead)."""
-    layers = cache.layers
-    first = layers[0]
-    if first.store is None:
+    if _uniform(cache, ids.shape[0]) is None:
         return None
-    begin, length = first.begin, first.length
-    for layer in layers:
-        s = layer.store
-        if (s is None or layer.r0 != 0 or layer.r1 != s.rows or layer.begin != begin or layer.length != length
-                or s.rows != ids.shape[0]):
-            return None
+    layers = cache.layers
+    length = layers[0].length
     for layer in layers:
         layer._reserve(length + 1)
-    begin = first.begin  # (a reserve may move the positions to the buffer's start)
+    begin = layers[0].begin  # (a reserve may move the positions to the buffer's start)
     keys = [layer.store.keys for layer in layers]
     values = [layer.store.values for layer in layers]
     for buf in (*keys, *values):
@@ -216,10 +237,81 @@ def decode_step(model: nn.Module, ids: torch.Tensor, positions: torch.Tensor, ca
     # filled on the device from host ints (no host-to-device copy, so no sync on a GPU)
     slots = torch.full((2,), begin, dtype=torch.long, device=ids.device)
     slots[1:] += length
+    step = _step_fn(model)
     if graphs:
-        logits = _graphed(model, ids, positions, keys, values, slots)
+        logits = _graphed(model, ("step",), keys, values,
+                          lambda: lambda i, p, s: step(model, i, p, keys, values, s), (ids, positions, slots))
     else:
-        logits = _step_fn(model)(model, ids, positions, keys, values, slots)
+        logits = step(model, ids, positions, keys, values, slots)
     for layer in layers:
         layer.length = length + 1
     return logits
+
+
+def _rows(model: nn.Module, ids: torch.Tensor, positions: torch.Tensor, keys: list[torch.Tensor],
+          values: list[torch.Tensor], at: torch.Tensor, mask: torch.Tensor, capture: int | None):
+    """Logits [B, W, V] of ``ids`` [B, W] (and, with ``capture``, the hidden states entering decoder layer
+    ``capture``, ``num_layers`` = after the final norm); writes their keys/values at slots ``at`` [W] of every
+    layer's buffer and attends over the whole buffer through the additive ``mask`` [B, 1, W, capacity]."""
+    h, cos, sin = lean.embed(model, ids, positions)
+    seen: list[torch.Tensor] = []
+
+    def attend(a, q, k, v):
+        kb, vb = keys[a.layer_idx], values[a.layer_idx]
+        kb.index_copy_(2, at, k)
+        vb.index_copy_(2, at, v)
+        groups = q.shape[1] // kb.shape[1]
+        return F.scaled_dot_product_attention(q, lean._repeat_kv(kb, groups), lean._repeat_kv(vb, groups),
+                                              attn_mask=mask, scale=a.scaling)
+
+    def entering(i, x):
+        if i == capture:
+            seen.append(x)
+
+    h = lean.decoder_layers(model, h, cos, sin, attend, on_layer=entering if capture is not None else None)
+    normed, logits = lean.norm_head(model, h)
+    if capture is None:
+        return logits
+    return logits, (normed if capture == len(model.model.layers) else seen[0])
+
+
+#: the most new rows a graphed multi-row forward takes (:func:`graph_rows`); wider forwards run the lean forward
+MAX_GRAPHED_ROWS = 128
+
+
+def graph_rows(t: int) -> int:
+    """The row count a forward of ``t`` new rows is padded to under ``forward_impl=cudagraph``: the next power of
+    two (one captured graph per count; on a GPU a verification of up to 64 rows costs about one row: README "On a
+    GPU"), or ``t`` itself past :data:`MAX_GRAPHED_ROWS`."""
+    return t if t > MAX_GRAPHED_ROWS else 1 << (t - 1).bit_length()
+
+
+def rows_step(model: nn.Module, ids: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor, cache,
+              capture: int | None = None):
+    """A forward of ``ids`` [B, W] (W > 1 new rows, padding included) after what ``cache`` (a
+    :class:`PreallocatedCache`) holds, as a replay of a CUDA graph captured once per model, row count and cache
+    buffers (eager ops, uncompiled: the graph removes the launches, which is what bounds a step on a GPU; one
+    ``torch.compile`` per row count would cost more than it saves). ``mask``: the forward's additive [B, 1, W,
+    length+W] mask. Appends the W positions to the cache and returns the logits [B, W, V] (with ``capture``, also
+    the hidden states asked for, [B, W, H]); None (nothing done) when the cache's layout does not allow it."""
+    bsz, width = ids.shape
+    if _uniform(cache, bsz) is None:
+        return None
+    layers = cache.layers
+    length = layers[0].length
+    for layer in layers:
+        layer._reserve(length + width)
+    begin = layers[0].begin
+    keys = [layer.store.keys for layer in layers]
+    values = [layer.store.values for layer in layers]
+    capacity = keys[0].shape[2]
+    # the mask over the whole buffer: the cached and new slots as the forward's mask says, every other slot masked
+    full = torch.full((bsz, 1, width, capacity), torch.finfo(mask.dtype).min, dtype=mask.dtype, device=ids.device)
+    full[..., begin : begin + length + width] = mask
+    at = torch.arange(begin + length, begin + length + width, device=ids.device)
+    out = _graphed(model, ("rows", capture), keys, values,
+                   lambda: lambda i, p, a, m: _rows(model, i, p, keys, values, a, m, capture),
+                   (ids, positions, at, full))
+    for layer in layers:
+        layer.length = length + width
+    return out

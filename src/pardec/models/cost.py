@@ -127,12 +127,13 @@ class CostTable:
 
 
 def measure(model: torch.nn.Module, context: list[int], sizes: list[int], name: str, dtype: str,
-            repeats: int = 15, warmup: int = 3) -> CostTable:
+            repeats: int = 15, warmup: int = 3, forward_impl: str | None = None) -> CostTable:
     """Median time of a cached forward of T rows after ``len(context) - max(sizes)`` cached tokens, per T in
-    ``sizes`` (interleaved over T, so a drift of the machine's speed spreads over all of them)."""
+    ``sizes`` (interleaved over T, so a drift of the machine's speed spreads over all of them), through
+    ``CachedModel.forward`` on ``forward_impl`` (default: CachedModel's)."""
     from pardec.models.cached import CachedModel
 
-    cm = CachedModel(model)
+    cm = CachedModel(model, forward_impl=forward_impl)
     top = max(sizes)
     ids = torch.tensor([context], device=cm.device)
     cm.prefill(ids[:, :-top])

@@ -100,12 +100,15 @@ def embed(model: nn.Module, ids: torch.Tensor, positions: torch.Tensor):
     return h, cos[:, None], sin[:, None]
 
 
-def decoder_layers(model: nn.Module, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attend, lin=_lin):
+def decoder_layers(model: nn.Module, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attend, lin=_lin,
+                   on_layer=None):
     """Every decoder layer over ``h`` [B, T, hidden]; ``attend(self_attn, q, k, v)`` stores the new keys/values
     where its cache keeps them and returns the attention output [B, heads, T, head_dim]; ``lin(module, x)`` runs a
-    projection."""
+    projection; ``on_layer(i, h)``, if given, sees the hidden states entering layer ``i``."""
     bsz, t = h.shape[:2]
-    for layer in model.model.layers:
+    for i, layer in enumerate(model.model.layers):
+        if on_layer is not None:
+            on_layer(i, h)
         a, mlp = layer.self_attn, layer.mlp
         x = _rms(layer.input_layernorm, h)
         q = lin(a.q_proj, x).view(bsz, t, -1, a.head_dim).transpose(1, 2)
@@ -121,9 +124,15 @@ def decoder_layers(model: nn.Module, h: torch.Tensor, cos: torch.Tensor, sin: to
 def head(model: nn.Module, h: torch.Tensor, lin=_lin) -> torch.Tensor:
     """Logits of the final hidden states ``h`` (final norm, LM head; pardec's draft scatters its kept ids into the
     vocabulary)."""
-    logits = lin(model.lm_head, _rms(model.model.norm, h))
+    return norm_head(model, h, lin)[1]
+
+
+def norm_head(model: nn.Module, h: torch.Tensor, lin=_lin) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the final norm's output, what the LM head reads; the logits) of the final hidden states ``h``."""
+    normed = _rms(model.model.norm, h)
+    logits = lin(model.lm_head, normed)
     full = getattr(model, "full_logits", None)
-    return full(logits) if full is not None else logits
+    return normed, (full(logits) if full is not None else logits)
 
 
 def lean_logits(model: nn.Module, ids: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor | None, cache,

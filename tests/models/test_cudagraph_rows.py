@@ -1,0 +1,129 @@
+"""forward_impl=cudagraph's graphed forwards, run on the CPU with the graph capture replaced by an eager stand-in
+that keeps the graph's contract (inputs copied into buffers fixed at capture, the captured function replayed over
+them, one capture per model, kind, shapes and cache buffers). What this checks here: the multi-row (verification)
+forward padded to a power of two rows, its mask over the whole buffer, its hidden-state capture and the graph
+bookkeeping, against the lean and transformers' forwards, and every lossless method's tokens against `ar`'s. The
+capture itself needs a GPU (``scripts/gpu_smoke.py --forward-impls cudagraph``)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pardec.models import compiled
+from pardec.models.cached import CachedModel
+from tests.conftest import tiny
+from tests.models.test_lean import _close, _script, assert_lossless_under
+
+
+class _EagerGraph:
+    """compiled._Graph's contract without CUDA: static inputs cloned at capture; a call copies the new inputs into
+    them and runs the captured function over the static ones (so the function may read nothing else that changes)."""
+
+    captures = 0
+
+    def __init__(self, fn, inputs, pool):
+        type(self).captures += 1
+        self.fn, self.inputs = fn, tuple(t.clone() for t in inputs)
+
+    def __call__(self, *inputs):
+        for static, new in zip(self.inputs, inputs):
+            static.copy_(new)
+        out = self.fn(*self.inputs)
+        return tuple(o.clone() for o in out) if isinstance(out, tuple) else out.clone()
+
+
+@pytest.fixture
+def cpu_graphs(monkeypatch):
+    """forward_impl=cudagraph on the CPU: eager graphs, the one-token step uncompiled (its compiled form is
+    test_compiled's), models built as lean and switched (the constructor refuses cudagraph off CUDA)."""
+    monkeypatch.setattr(compiled, "_Graph", _EagerGraph)
+    monkeypatch.setattr(compiled, "_step_fn", lambda model: compiled._decode)
+    monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: None)
+    monkeypatch.setattr(compiled, "_graphs", compiled.weakref.WeakKeyDictionary())
+    init = CachedModel.__init__
+
+    def lean_then_graphs(self, model, name=None, cache=None, forward_impl=None):
+        impl = forward_impl or CachedModel.default_forward_impl
+        init(self, model, name, cache, "lean" if impl == "cudagraph" else impl)
+        if impl == "cudagraph":
+            self.forward_impl = "cudagraph"
+
+    monkeypatch.setattr(CachedModel, "__init__", lean_then_graphs)
+    _EagerGraph.captures = 0
+    return _EagerGraph
+
+
+def test_graph_rows_are_powers_of_two_up_to_the_limit():
+    assert [compiled.graph_rows(t) for t in (2, 3, 4, 5, 8, 9, 64, 65, 128)] == [2, 4, 4, 8, 8, 16, 64, 128, 128]
+    assert compiled.graph_rows(compiled.MAX_GRAPHED_ROWS + 1) == compiled.MAX_GRAPHED_ROWS + 1  # (lean, unpadded)
+
+
+def test_graphed_forwards_give_the_logits_of_the_lean_forward(cpu_graphs):
+    m = tiny(1).model
+    graphed = CachedModel(m, forward_impl="cudagraph")
+    for a, b in zip(_script(CachedModel(m, forward_impl="lean")), _script(graphed)):
+        _close(a, b)
+    # the script's 3-row forwards ran padded to 4 rows; its tree (4 rows) unpadded; prefill and last_only unpadded
+    assert graphed.padded_rows == 2
+    assert cpu_graphs.captures >= 2  # one-token steps and 4-row forwards
+
+
+def test_graphed_rows_capture_once_per_row_count_and_write_the_cache_in_place(cpu_graphs):
+    m = tiny(2).model
+    lean, graphed = CachedModel(m, forward_impl="lean"), CachedModel(m, forward_impl="cudagraph")
+    prompt = torch.tensor([list(range(10, 50))])
+    lean.prefill(prompt)
+    graphed.prefill(prompt)
+    buffer = graphed.cache.layers[0].store.keys
+    captures = None
+    for step, block in enumerate(([1, 2, 3], [4, 5], [6, 7, 8, 9, 10], [11, 12, 13], [14, 15, 16, 17, 18, 19])):
+        ids = torch.tensor([block])
+        _close(graphed.forward(ids).logits, lean.forward(ids).logits)
+        graphed.truncate(graphed.length - 1)  # a rejected tail, as after a verification
+        lean.truncate(lean.length - 1)
+        if step == 2:
+            captures = cpu_graphs.captures  # row counts 4, 2 and 8 captured
+    assert cpu_graphs.captures == captures  # 3 rows -> 4 and 6 rows -> 8 replayed the graphs already captured
+    assert graphed.length == lean.length and graphed.tokens == lean.tokens
+    for a, b in zip(lean.cache.layers, graphed.cache.layers):
+        _close(a.keys, b.keys)
+        _close(a.values, b.values)
+    assert graphed.cache.layers[0].store.keys is buffer  # written in place
+
+
+def test_a_cache_that_grows_gets_new_graphs_and_drops_the_old_buffers_ones(cpu_graphs):
+    m = tiny(2).model
+    lean, graphed = CachedModel(m, forward_impl="lean"), CachedModel(m, forward_impl="cudagraph")
+    prompt = torch.tensor([[(7 * i) % 90 + 1 for i in range(300)]])
+    lean.prefill(prompt)
+    graphed.prefill(prompt)
+    first = graphed.cache.layers[0].store
+    for i in range(110):  # past the first buffer's capacity (300 + 256, rounded up)
+        ids = torch.tensor([[i % 90 + 1, (i + 3) % 90 + 1, (i + 5) % 90 + 1]])
+        _close(graphed.forward(ids).logits, lean.forward(ids).logits)
+    assert graphed.cache.layers[0].store is not first
+    assert graphed.tokens == lean.tokens
+    assert len(compiled._graphs[m][1]) <= compiled.MAX_BUFFER_SETS
+
+
+@pytest.mark.parametrize("layer", [0, 1, "last"])
+def test_graphed_rows_capture_the_hidden_states_transformers_forward_gives(cpu_graphs, layer):
+    m = tiny(3).model
+    hf, graphed = CachedModel(m), CachedModel(m, forward_impl="cudagraph")
+    layer = hf.num_layers if layer == "last" else layer
+    for cm in (hf, graphed):
+        cm.prefill(torch.tensor([list(range(20, 45))]))
+    ids = torch.tensor([[5, 6, 7]])
+    want, got = hf.forward(ids, hidden_layer=layer), graphed.forward(ids, hidden_layer=layer, logits_at=[0, 2])
+    assert got.hidden.shape == want.hidden.shape == (1, 3, m.config.hidden_size)
+    _close(got.hidden, want.hidden)
+    _close(got.logits, want.logits[:, [0, 2]])
+    assert graphed.padded_rows == 1
+
+
+def test_every_lossless_method_on_graphed_forwards_reproduces_ar(cpu_graphs):
+    from tests.decoding.test_lossless import LOSSLESS
+
+    assert_lossless_under("cudagraph", LOSSLESS, ("noisy",))
+    assert cpu_graphs.captures > 0
