@@ -28,6 +28,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections import Counter
 from functools import partial
 from pathlib import Path
 
@@ -128,8 +129,11 @@ def decoding(a, out: dict) -> list[dict]:
                     forwards += r.target_forwards
                 # host syncs per target forward, in a separate untimed run of the first prompt (real CUDA only)
                 if a.device.startswith("cuda"):
-                    r, syncs = count_cuda_syncs(partial(dec.generate, prompts[0], a.new_tokens, stop), a.device)
+                    sites = Counter()
+                    r, syncs = count_cuda_syncs(partial(dec.generate, prompts[0], a.new_tokens, stop), a.device,
+                                                sites)
                     row["syncs_per_forward"] = syncs / max(r.target_forwards, 1)
+                    row["sync_sites"] = sites.most_common(8)  # (the Python lines that made them, most first)
                 ar_s = seconds if name == "ar" else ar_s
                 ar_hf = seconds if name == "ar" and impl == "hf" else ar_hf
                 row.update(ok=True, exact_match=same / len(prompts), tokens_per_forward=tokens / max(forwards, 1),
@@ -146,6 +150,8 @@ def decoding(a, out: dict) -> list[dict]:
                                                               "syncs_per_forward") if row.get(k) is not None)
             print(f"  {dtype} {impl:4s} {name:15s} {'ok' if row['ok'] and 'problem' not in row else 'FAILED'} "
                   f"{figures} {row.get('problem', '')}", flush=True)
+            if row.get("sync_sites"):
+                print("      syncs at " + ", ".join(f"{site} x{n}" for site, n in row["sync_sites"]), flush=True)
         del model, draft_model
         if a.device.startswith("cuda"):
             torch.cuda.empty_cache()

@@ -29,6 +29,7 @@ from __future__ import annotations
 import argparse
 import json
 import time
+from collections import Counter
 from functools import partial
 from pathlib import Path
 
@@ -108,7 +109,10 @@ def run_shape(shape: str, a, tok) -> dict:
             row.update(ok=True, tokens=len(r.tokens), wall_s=wall, decode_tok_s=(len(r.tokens) - 1) / decode_s,
                        tokens_per_forward=r.tokens_per_forward, target_forwards=r.target_forwards,
                        ms_per_token=1e3 * decode_s / max(len(r.tokens) - 1, 1), same_as_generate=r.tokens == ref,
-                       syncs=count_cuda_syncs(partial(dec.generate, prompt, 32, stop), a.device)[1])
+                       graphed_forwards=dec.target.graphed_forwards)
+            sites = Counter()
+            row["syncs"] = count_cuda_syncs(partial(dec.generate, prompt, 32, stop), a.device, sites)[1]
+            row["sync_sites"] = sites.most_common(6)  # (the Python lines that made them, most first)
             row["syncs_per_token"] = None if row["syncs"] is None else row["syncs"] / 32
             row["ms_per_forward"] = 1e3 * decode_s / max(r.target_forwards - 1, 1)  # (the prefill's forward out)
             row["overhead_vs_forward"] = row["ms_per_token"] / one_row

@@ -63,7 +63,7 @@ def test_gpu_speed_runs_on_cpu_as_a_test_of_itself(tmp_path):
         ("hf_generate", "hf"), ("ar", "hf"), ("ar", "lean"), ("pld", "hf"), ("pld", "lean"), ("jacobi", "hf"),
         ("jacobi", "lean")]
     assert all(r["ok"] and r["tokens"] == 12 and r["same_as_generate"] and r["syncs"] is None for r in rows)
-    assert all(r["tokens_per_forward"] >= 1 and r["ms_per_forward"] > 0 for r in rows)
+    assert all(r["tokens_per_forward"] >= 1 and r["ms_per_forward"] > 0 and r["graphed_forwards"] == 0 for r in rows)
     md = (tmp_path / "gpu_speed.md").read_text()
     assert "| ar | lean |" in md and "| jacobi | lean |" in md and "forward of T new rows" in md
     assert "| lean | " in md and "| cudagraph | ValueError: forward_impl=cudagraph" in md

@@ -357,10 +357,12 @@ class VirtualCUDA(TorchFunctionMode):
 
 
 
-def count_cuda_syncs(fn: Callable[[], Any], device: torch.device | str) -> tuple[Any, int | None]:
+def count_cuda_syncs(fn: Callable[[], Any], device: torch.device | str, sites: Counter | None = None
+                     ) -> tuple[Any, int | None]:
     """(``fn()``, the host syncs it made on a real CUDA device): the ops that ``torch.cuda.set_sync_debug_mode``
     flags (``item``, copies to the CPU, ``nonzero``, ...), counted from its warnings; None on any other device (where
-    :class:`VirtualCUDA` counts them instead). Slows ``fn``: never call it inside a timed region."""
+    :class:`VirtualCUDA` counts them instead). ``sites``, if given, counts them by the Python line that made them
+    (``file.py:line``). Slows ``fn``: never call it inside a timed region."""
     if torch.device(device).type != "cuda":
         return fn(), None
     import warnings
@@ -372,4 +374,7 @@ def count_cuda_syncs(fn: Callable[[], Any], device: torch.device | str) -> tuple
             result = fn()
     finally:
         torch.cuda.set_sync_debug_mode(0)
-    return result, sum("synchroniz" in str(w.message) for w in caught)
+    syncs = [w for w in caught if "synchroniz" in str(w.message)]
+    if sites is not None:
+        sites.update(f"{Path(w.filename).name}:{w.lineno}" for w in syncs)
+    return result, len(syncs)

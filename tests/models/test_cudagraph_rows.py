@@ -65,7 +65,7 @@ def test_graphed_forwards_give_the_logits_of_the_lean_forward(cpu_graphs):
     for a, b in zip(_script(CachedModel(m, forward_impl="lean")), _script(graphed)):
         _close(a, b)
     # the script's 3-row forwards ran padded to 4 rows; its tree (4 rows) unpadded; prefill and last_only unpadded
-    assert graphed.padded_rows == 2
+    assert graphed.padded_rows == 2 and graphed.graphed_forwards == 3  # (3-row, tree and logits_at forwards)
     assert cpu_graphs.captures >= 2  # one-token steps and 4-row forwards
 
 
@@ -127,3 +127,30 @@ def test_every_lossless_method_on_graphed_forwards_reproduces_ar(cpu_graphs):
 
     assert_lossless_under("cudagraph", LOSSLESS, ("noisy",))
     assert cpu_graphs.captures > 0
+
+
+def test_the_buffers_and_their_graphs_serve_the_next_prompt(cpu_graphs):
+    m = tiny(2).model
+    lean, graphed = CachedModel(m, forward_impl="lean"), CachedModel(m, forward_impl="cudagraph")
+
+    def run(prompt_len):
+        prompt = torch.tensor([[(5 * i) % 90 + 1 for i in range(prompt_len)]])
+        _close(graphed.prefill(prompt), lean.prefill(prompt))
+        for block in ([1], [2, 3, 4], [5], [6, 7]):
+            ids = torch.tensor([block])
+            _close(graphed.forward(ids).logits, lean.forward(ids).logits)
+        assert graphed.tokens == lean.tokens
+        return graphed.cache.layers[0].store
+
+    first = run(30)
+    captures = cpu_graphs.captures  # one-token step, 4 and 2 rows
+    assert run(20) is first and run(30) is first  # shorter or as long: the same buffers, no new capture
+    assert cpu_graphs.captures == captures
+    assert run(400) is not first  # too long for them: new buffers (and graphs)
+    assert cpu_graphs.captures > captures
+    # other forwards take fresh buffers on every prompt, as before
+    plain = CachedModel(m, forward_impl="lean")
+    plain.prefill(torch.tensor([[1, 2, 3]]))
+    store = plain.cache.layers[0].store
+    plain.prefill(torch.tensor([[1, 2, 3]]))
+    assert plain.cache.layers[0].store is not store

@@ -255,6 +255,7 @@ class CachedModel:
         #: prefix is padded to the cheapest row count >= T (None: never padded)
         self.cost = None
         self.padded_rows = 0  # padding rows run so far (a diagnostic: tests read it; summaries do not yet)
+        self.graphed_forwards = 0  # multi-row forwards replayed as CUDA graphs (cudagraph; a diagnostic)
 
     # ---------------------------------------------------------------- properties
     @property
@@ -297,7 +298,9 @@ class CachedModel:
     # ---------------------------------------------------------------- verbs
     def reset(self) -> None:
         self.check_finite()
-        self.cache = self._new_cache()
+        old, self.cache = self.cache, self._new_cache()
+        if self.forward_impl == "cudagraph" and isinstance(old, PreallocatedCache):
+            self.cache.reuse(old)  # (the graphs are keyed by the cache's buffers: keep them from prompt to prompt)
         self._tokens = _TokenLog()
         self._last_appended = 0
 
@@ -404,6 +407,7 @@ class CachedModel:
         out = compiled.rows_step(self.model, ids, positions, mask, self.cache, hidden_layer)
         if out is None:
             return None
+        self.graphed_forwards += 1
         if hidden_layer is not None:
             out, hidden = out
             captured.append(hidden)

@@ -92,6 +92,8 @@ class PreallocatedLayer(CacheLayerMixin):
         self.r0 = self.r1 = 0  # rows of the store
         self.begin = 0  # the buffer slot of cached position 0
         self.length = 0
+        #: a store the first update takes if it fits, instead of allocating one (:meth:`PreallocatedCache.reuse`)
+        self.spare: _Store | None = None
 
     def __repr__(self) -> str:
         return f"PreallocatedLayer(rows={self.rows}, length={self.length})"
@@ -122,8 +124,15 @@ class PreallocatedLayer(CacheLayerMixin):
     # ---------------------------------------------------------------- transformers' layer API
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         b, h, t, _ = key_states.shape
-        self._hold(_Store(b, h, _round_up(t + self.headroom), key_states.shape[3], value_states.shape[3],
-                          key_states.dtype, key_states.device), 0, b)
+        spare, self.spare = self.spare, None
+        k, v = key_states, value_states
+        if (spare is not None and spare.rows == b and spare.capacity >= t + self.headroom and spare.free(0, b, self)
+                and spare.keys.shape[1] == h and spare.keys.shape[3] == k.shape[3]
+                and spare.values.shape[3] == v.shape[3] and spare.keys.dtype == k.dtype
+                and spare.keys.device == k.device):
+            self._hold(spare, 0, b)  # (its stale slots are never read: attention covers begin..begin+length only)
+            return
+        self._hold(_Store(b, h, _round_up(t + self.headroom), k.shape[3], v.shape[3], k.dtype, k.device), 0, b)
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, transient_from: int | None = None,
                **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
@@ -307,6 +316,14 @@ class PreallocatedCache(Cache):
     @property
     def initialized(self) -> bool:
         return any(layer.store is not None for layer in self.layers)
+
+    def reuse(self, old: PreallocatedCache) -> None:
+        """Let this (new, empty) cache take ``old``'s buffers, which ``old`` gives up, where they fit its first
+        forward: the buffers keep their addresses from one prompt to the next, so the CUDA graphs captured over them
+        (``forward_impl=cudagraph``, keyed by the buffers) are replayed rather than captured again per prompt."""
+        for new, layer in zip(self.layers, old.layers):
+            new.spare = layer.store
+            layer.reset()
 
     def keep(self, start: int, idx: torch.Tensor) -> None:
         """Keep positions ``start + idx`` (``idx``: increasing, on the host) of those from ``start`` on, moved to
