@@ -459,7 +459,9 @@ def test_confirm_keeps_accepted_proposals_as_host_values_and_drops_the_rest():
     assert cm.length == 5
 
 
-@pytest.mark.parametrize("method", ["ar", "pld", "sps", "lookahead", "jacobi", "medusa"])
+# (firp is left out: 11 blocking uploads per 24 tokens here, in its pseudo-state forward: not yet found)
+@pytest.mark.parametrize("method", ["ar", "pld", "sps", "lookahead", "jacobi", "medusa", "sdsat", "mjsd", "mjgd",
+                                    "spectr", "bild", "ouroboros"])
 def test_no_blocking_upload_per_step(method):
     """Host tensors reach the device through pinned memory without blocking (``pardec.models.cached.to_device``):
     a plain upload from pageable memory makes the host wait for the stream, which the H200 smoke counted as one to

@@ -24,7 +24,7 @@ import torch
 
 from pardec.config import SamplingConfig
 from pardec.decoding.sampling import sample, sample_without_replacement, warp
-from pardec.models.cached import CachedModel
+from pardec.models.cached import CachedModel, to_device
 
 
 @dataclass
@@ -135,7 +135,7 @@ class Branches:
             attend[:, :base] = True
             path = self.path(root)
             if path:
-                attend[:, torch.tensor([base + j for j in path], device=dev)] = True
+                attend.index_fill_(1, to_device(torch.tensor([base + j for j in path]), dev), True)  # (no sync)
             depth = self.depths[root] + 1 if root >= 0 else 0
             self._layers = []
         else:

@@ -198,7 +198,7 @@ def typical_accept(tree: Tree, logits: torch.Tensor, s: SamplingConfig, gen: tor
     bar = torch.minimum(torch.full_like(ent, threshold), alpha * torch.exp(-ent))  # [N]
     p = probs[buf.parent, labels.clamp(min=0)]  # [N] each node's probability under its parent's row (root: unused)
     ok = p > bar.index_select(0, buf.parent)
-    ok[0] = True
+    ok[0].fill_(True)  # (a fill kernel: `ok[0] = True` uploads a host scalar, a sync on CUDA)
     logp = p.clamp_min(1e-30).log().double()
     logp[0] = 0.0
     passes = ~(buf.attend & ~ok).any(-1)  # [N] the whole path passes

@@ -57,6 +57,7 @@ from pardec.decoding.drafting import Beam, Branches, beam_search, catch_up
 from pardec.decoding.sampling import select, warp
 from pardec.decoding.tree import Tree
 from pardec.decoding.verify import TreeVerdict
+from pardec.models.cached import to_device
 
 RATIOS = ("warped", "raw")
 
@@ -77,7 +78,9 @@ def joint_accept(tree: Tree, target_logp: torch.Tensor, draft_logq: dict[int, fl
     logp = [0.0] * len(tree)
     best, best_key = 0, (0, -math.inf)
     nodes = range(1, len(tree))
-    step = target_logp[[tree.parents[i] for i in nodes], [tree.labels[i] for i in nodes]].double()
+    index = to_device(torch.tensor([[tree.parents[i] for i in nodes], [tree.labels[i] for i in nodes]],
+                                   dtype=torch.long), target_logp.device)  # (a list index would upload, blocking)
+    step = target_logp[index[0], index[1]].double()
     if next_tokens is not None:  # float64 keeps the token ids exact beside the log-probabilities
         step = torch.cat([step, next_tokens.double()])
     read = step.tolist()  # the one host read

@@ -59,7 +59,7 @@ from pardec.decoding.tree import Tree
 from pardec.decoding.tree_search import load_tree, truncate_paths
 from pardec.decoding.verify import verify_tree
 from pardec.models.adaptive import adaptive_ids_of
-from pardec.models.cached import CachedModel
+from pardec.models.cached import CachedModel, to_device
 
 # The reference code's nucleus trees (decoders/model/utils.py, tree_depth_{k}), written compactly: depths separated
 # by "/", each node a rank path whose leading zeros are left out ("10" at depth 3 is the path [0, 1, 0]).
@@ -163,9 +163,15 @@ class SDSAT(Decoder):
         """[k, V] draft logits from the adaptive rows (adaptive ids excluded). The rows follow ``token`` [1], on the
         device and not yet read back (the prefill's first token, or a verification's bonus token), which follows
         the new tokens ``before``: the drafts continue ``before + [token]``. A seam for tests (oracle drafts)."""
-        rows = rows.float().clone()
-        rows[:, self.adaptive] = float("-inf")
-        return rows
+        return rows.float().index_fill(1, self._adaptive_index(rows.device), float("-inf"))
+
+    def _adaptive_index(self, device: torch.device) -> torch.Tensor:
+        """The adaptive ids as an index on ``device``, uploaded once (a list index is uploaded on every call,
+        blocking: one sync per step on CUDA, seen on the H200)."""
+        cached = getattr(self, "_adaptive_on", None)
+        if cached is None or cached.device != device:
+            cached = self._adaptive_on = to_device(torch.tensor(self.adaptive, dtype=torch.long), device)
+        return cached
 
     def _lists(self, drafts: torch.Tensor, s: SamplingConfig) -> torch.Tensor:
         """What building the candidates needs on the host, on the drafts' device: [P, d, K] ids, row-wise in the
@@ -179,7 +185,7 @@ class SDSAT(Decoder):
         top = probs.topk(min(self.top_k, probs.shape[-1]), dim=-1)
         before = top.values.cumsum(-1) - top.values  # mass of the more likely ones
         keep = (before < self.top_p) & (top.values > 0)
-        keep[:, 0] = True  # never empty: the most likely token stays
+        keep[:, 0].fill_(True)  # never empty: the most likely token stays
         parts = [top.indices, keep.long()]
         if self.paths is None:
             parts.append(drafts.argmax(-1, keepdim=True).expand_as(top.indices))

@@ -161,7 +161,7 @@ def _greedy_tree(tree: Tree, logits: torch.Tensor, extra: Extra = None) -> TreeV
     buf, labels = tree.on(logits.device), tree.label_tensor(logits.device)
     pred = logits.argmax(-1)  # [N]
     ok = labels == pred.index_select(0, buf.parent)
-    ok[0] = True
+    ok[0].fill_(True)  # (a fill kernel: `ok[0] = True` uploads a host scalar, a sync on CUDA)
     end, mask = _accepted_path(buf, ok)
     return read_verdict(tree, mask, pred.index_select(0, end), labels, extra)
 
@@ -193,7 +193,7 @@ def verify_tree(
     probs = warp(logits, s)  # [N, V]
     n_inner, width = buf.kids.shape
     ok = torch.zeros(len(tree), dtype=torch.bool, device=dev)
-    ok[0] = True
+    ok[0].fill_(True)  # (a fill kernel: `ok[0] = True` uploads a host scalar, a sync on CUDA)
     q = {i: dist for i, dist in (q or {}).items() if 0 <= i < len(tree) and tree.children[i]}
     inner = tree._st.inner
     stoch = [r for r, i in enumerate(inner) if i in q]  # rows (of buf.inner) whose children were drawn from q
@@ -219,11 +219,11 @@ def verify_tree(
                 qs = torch.where(vj, _normalised(qz, qz), qs)  # q_{j+1}: q_j without x_j
             acc_s = torch.cat(cols, 1)
             acc[rows, : acc_s.shape[1]] = acc_s
-            acc[rows, acc_s.shape[1] :] = False
+            acc[rows, acc_s.shape[1] :] = torch.zeros((), dtype=torch.bool, device=acc.device)
             final_s = p  # [S, V] what is left after every child is rejected
         first = acc & (acc.long().cumsum(1) == 1)  # [I, C] the first accepted child of each node
         ok = first[buf.slot[:, 0], buf.slot[:, 1]]
-        ok[0] = True
+        ok[0].fill_(True)  # (a fill kernel: `ok[0] = True` uploads a host scalar, a sync on CUDA)
     end, mask = _accepted_path(buf, ok)
     # the distribution left at the end: p there, without its deterministic children (all rejected), or the last
     # p_j of the recursion for a node in q
@@ -284,7 +284,7 @@ def kseq_factors(p: torch.Tensor, q: torch.Tensor, m: torch.Tensor | int, rounds
     ok = feasible(cand, a, b)
     ok[:, 1:-1] = (ok[:, 1:-1] & (r > 1.0)) | (r >= m)  # a ratio below 1 stands for g = 1, one above m for g = m
     ok[:, 0] = _geometric(torch.minimum(p, q).sum(-1, keepdim=True), m)[:, 0] <= 1.0 + 1e-6  # g = 1, tolerance
-    ok[:, -1] = True  # g = m always holds (each term <= 1); rounding must not say otherwise
+    ok[:, -1].fill_(True)  # g = m always holds (each term <= 1); rounding must not say otherwise
     first = ok.long().argmax(-1, keepdim=True)  # [K, 1] the first feasible candidate
     piece = (first - 1).clamp(min=0)
     lo, hi = cand.gather(-1, piece), cand.gather(-1, first)
@@ -293,7 +293,7 @@ def kseq_factors(p: torch.Tensor, q: torch.Tensor, m: torch.Tensor | int, rounds
     for _ in range(rounds):
         grid = lo + (hi - lo) * steps  # [K, P], the last one is hi
         good = feasible(grid, a, b)
-        good[:, -1] = True
+        good[:, -1].fill_(True)
         f = good.long().argmax(-1, keepdim=True)
         lo = torch.where(f > 0, grid.gather(-1, (f - 1).clamp(min=0)), lo)
         hi = grid.gather(-1, f)
@@ -367,7 +367,7 @@ def verify_tree_iid(
     probs = warp(logits, s)
     nodes = [i for i in range(n) if draws.get(i)]  # K-SEQ nodes
     ok = torch.zeros(n, dtype=torch.bool, device=dev)
-    ok[0] = True
+    ok[0].fill_(True)  # (a fill kernel: `ok[0] = True` uploads a host scalar, a sync on CUDA)
     if not nodes:
         end, mask = _accepted_path(buf, ok)
         return read_verdict(tree, mask, sample(probs.index_select(0, end), gen)[0], labels)
@@ -395,7 +395,7 @@ def verify_tree_iid(
     first, g = _kseq_first(p, qk, d, valid, m, gen)
     hit = torch.zeros(n + 1, dtype=torch.long, device=dev).index_add_(0, kid.reshape(-1), first.reshape(-1).long())
     ok = hit[:n] > 0
-    ok[0] = True
+    ok[0].fill_(True)  # (a fill kernel: `ok[0] = True` uploads a host scalar, a sync on CUDA)
     end, mask = _accepted_path(buf, ok)
     # the distribution left at the end: the K-SEQ residual of a node whose draws were all rejected, p at a leaf
     pick = packed[len(rows) * (3 * width + 2) :].index_select(0, end) + 1

@@ -60,7 +60,7 @@ from pardec.config import FORWARD_IMPLS
 from pardec.config import KV_CACHES as CACHES
 from pardec.models import compiled, lean
 from pardec.models.compat import cache_kw, output_cache
-from pardec.models.kvcache import PreallocatedCache
+from pardec.models.kvcache import PreallocatedCache, to_device
 
 #: CACHES: the KV caches a CachedModel can use (``cache=``; module docstring)
 
@@ -104,17 +104,6 @@ def _left_pad(t: torch.Tensor, n: int) -> torch.Tensor:
     return torch.cat([t.new_zeros(*t.shape[:2], n, t.shape[3]), t], dim=2) if n else t
 
 
-def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """``t`` on ``device``. A host tensor goes to a CUDA device through pinned memory without blocking: a plain copy
-    from pageable memory makes the host wait for everything queued on the stream (``set_sync_debug_mode`` counts
-    it as a sync; the H200 smoke found one to two per decoding step). PyTorch's pinned allocator keeps the source
-    alive until the copy is done."""
-    device = torch.device(device)
-    if device.type != "cuda" or t.device.type != "cpu":
-        return t.to(device)
-    return t.pin_memory().to(device, non_blocking=True)
-
-
 class _TokenLog:
     """The token ids of the cached positions, ``[rows, length]``, as chunks left where they arrived (a forward's ids,
     on the host or on the device: no copy to the host per forward); :meth:`host` gathers them on the host."""
@@ -146,7 +135,7 @@ class _TokenLog:
         if not self.parts:
             return torch.zeros(self.rows, 0, dtype=torch.long, device=device)
         dev = device or self.parts[-1].device
-        parts = [p.to(dev) for p in self.parts]
+        parts = [to_device(p, dev) for p in self.parts]
         return parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
 
     def host(self) -> torch.Tensor:
@@ -555,7 +544,7 @@ class CachedModel:
         if n_a and (int(anchors.min()) < 0 or int(anchors.max()) >= t):
             raise ValueError(f"anchors {anchors.tolist()} out of range for {t} new tokens")
         positions = self._positions(positions, bsz, t, past)
-        anc_dev = anchors.to(self.device)
+        anc_dev = to_device(anchors, self.device)
         pseudo_pos = (positions[:, anc_dev, None] + torch.arange(1, k + 1, device=self.device)).transpose(1, 2)
         all_pos = torch.cat([positions, pseudo_pos.reshape(bsz, k * n_a)], dim=1)  # rows: new, then (i, a)
         # visibility over [cached, new, pseudo (i, a) in row order]
@@ -607,7 +596,7 @@ class CachedModel:
         normed = inner.norm(hidden)
         real_h = normed[:, :t]
         if logits_at is not None:
-            real_h = real_h[:, torch.as_tensor(logits_at, dtype=torch.long, device=real_h.device)]
+            real_h = real_h[:, to_device(torch.as_tensor(logits_at, dtype=torch.long), real_h.device)]
         logits = self.model.lm_head(real_h)
         self._tokens.append(given.to(torch.long, copy=True))
         self._last_appended = t
@@ -877,13 +866,12 @@ class CachedModel:
         ids = torch.cat([ids, ids[:, -1:].expand(bsz, pad)], dim=1)
         positions = torch.cat([positions, positions[:, -1:] + torch.arange(1, pad + 1, device=dev)], dim=1)
         if attend is not None:
-            attend = attend.to(dev, torch.bool)
+            attend = to_device(attend, dev).to(torch.bool)
             lead = attend.shape[:-2]
             width = attend.shape[-1]  # t (new only) or past + t
             grown = torch.zeros(*lead, t + pad, width + pad, dtype=torch.bool, device=dev)
             grown[..., :t, :width] = attend
-            diag = torch.arange(t, t + pad, device=dev)
-            grown[..., diag, width - t + diag] = True
+            grown[..., t:, width:] = torch.eye(pad, dtype=torch.bool, device=dev)  # (no host value: no sync)
             attend = grown
         if key_valid is not None:
             key_valid = torch.cat([key_valid.to(dev, torch.bool),

@@ -49,6 +49,17 @@ def _round_up(n: int) -> int:
     return -(-n // _ROUND) * _ROUND
 
 
+def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``t`` on ``device``. A host tensor goes to a CUDA device through pinned memory without blocking: a plain copy
+    from pageable memory makes the host wait for everything queued on the stream (``set_sync_debug_mode`` counts
+    it as a sync; the H200 smoke found one to two per decoding step). PyTorch's pinned allocator keeps the source
+    alive until the copy is done."""
+    device = torch.device(device)
+    if device.type != "cuda" or t.device.type != "cpu":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)
+
+
 class _Store:
     """One layer's key/value buffers ``[rows, heads, capacity, dim]``, whose row ranges one or more caches hold."""
 
@@ -338,7 +349,7 @@ class PreallocatedCache(Cache):
         on: dict[torch.device, torch.Tensor] = {}  # layers of a split model sit on several devices
         for layer in self.layers:
             dev = None if layer.store is None or src is None else layer.store.keys.device
-            layer.keep(start, None if dev is None else on.setdefault(dev, src.to(dev)), start + first, start + m,
+            layer.keep(start, None if dev is None else on.setdefault(dev, to_device(src, dev)), start + first, start + m,
                        shift)
 
     def drop_after(self, length: int) -> None:
