@@ -13,6 +13,7 @@ import torch
 from pardec.models import compiled
 from pardec.models.cached import CachedModel
 from tests.conftest import tiny
+from tests.models.test_compiled import needs_compiler
 from tests.models.test_lean import _close, _script, assert_lossless_under
 
 
@@ -35,10 +36,12 @@ class _EagerGraph:
 
 @pytest.fixture
 def cpu_graphs(monkeypatch):
-    """forward_impl=cudagraph on the CPU: eager graphs, the one-token step uncompiled (its compiled form is
-    test_compiled's), models built as lean and switched (the constructor refuses cudagraph off CUDA)."""
+    """forward_impl=cudagraph on the CPU: eager graphs, the one-token step and the rows uncompiled (their compiled
+    forms: test_compiled and the test below), models built as lean and switched (the constructor refuses cudagraph
+    off CUDA)."""
     monkeypatch.setattr(compiled, "_Graph", _EagerGraph)
     monkeypatch.setattr(compiled, "_step_fn", lambda model: compiled._decode)
+    monkeypatch.setattr(compiled, "_rows_fn", lambda model: compiled._rows)
     monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: None)
     monkeypatch.setattr(compiled, "_graphs", compiled.weakref.WeakKeyDictionary())
     init = CachedModel.__init__
@@ -154,3 +157,30 @@ def test_the_buffers_and_their_graphs_serve_the_next_prompt(cpu_graphs):
     store = plain.cache.layers[0].store
     plain.prefill(torch.tensor([[1, 2, 3]]))
     assert plain.cache.layers[0].store is not store
+
+
+@needs_compiler
+def test_the_compiled_rows_compute_what_the_eager_rows_compute_at_every_row_count():
+    """One compile of :func:`compiled._rows` (row count and capacity dynamic) serves 2, 4 and 8 rows and a capture
+    layer; its logits, hidden states and cache writes equal the eager function's."""
+    m = tiny(1).model
+    fn = compiled._rows_fn(m)
+    g = torch.Generator().manual_seed(0)
+    for width, capacity, capture in ((2, 64, None), (4, 64, None), (8, 96, None), (4, 64, 2)):
+        keys = [torch.randn(1, 2, capacity, 16, generator=g) for _ in m.model.layers]
+        values = [torch.randn(1, 2, capacity, 16, generator=g) for _ in m.model.layers]
+        ids = torch.randint(0, 100, (1, width), generator=g)
+        positions = torch.arange(30, 30 + width)[None]
+        at = torch.arange(30, 30 + width)
+        allowed = torch.ones(width, capacity, dtype=torch.bool).tril(30)
+        mask = torch.zeros(1, 1, width, capacity).masked_fill(~allowed, torch.finfo(torch.float32).min)
+        for t, dims in ((ids, (1,)), (positions, (1,)), (at, (0,)), (mask, (2, 3)), *((b, (2,)) for b in keys + values)):
+            for d in dims:
+                torch._dynamo.maybe_mark_dynamic(t, d)
+        k2, v2 = [k.clone() for k in keys], [v.clone() for v in values]
+        want = compiled._rows(m, ids, positions, keys, values, at, mask, capture)
+        got = fn(m, ids, positions, k2, v2, at, mask, capture)
+        for a, b in zip(want if capture is not None else (want,), got if capture is not None else (got,)):
+            _close(b, a)
+        for a, b in zip(keys + values, k2 + v2):
+            _close(b, a)

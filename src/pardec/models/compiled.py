@@ -27,8 +27,12 @@ linear is registered once and called by its index.
 ``forward_impl=cudagraph`` (CUDA only) goes one step further, as gpt-fast's ``reduce-overhead`` mode does: the
 compiled step is captured once per model, batch size and cache buffer as a CUDA graph (:class:`_Graph`) and
 replayed, so a step costs one launch instead of one per kernel. On a GPU a decode step of a 7B model in eager mode
-is bound by the host's kernel launches, not by the weights' bytes (README, "On a GPU"). Only the one-token step is
-graphed; prefill and multi-row (verification) forwards run the lean forward, as under ``compiled``.
+is bound by the host's kernel launches, not by the weights' bytes (README, "On a GPU"). Multi-row forwards after a
+cached prefix (verifications, Jacobi blocks, trees) are padded to a power of two rows (:func:`graph_rows`) and
+replayed the same way from a second compiled function (:func:`rows_step`), hidden-state captures included; prefill
+and forwards whose cache shares its buffers with other caches run the lean forward. The graphs are keyed by the
+cache's buffers, which a reset cache keeps when they fit the next prompt
+(:meth:`~pardec.models.kvcache.PreallocatedCache.reuse`).
 
 The first step of each model compiles (tens of seconds on 2 CPU cores for SmolLM2; inductor caches its kernels on
 disk, so later processes load them); evaluation's warm-up prompt absorbs it before timing starts. Needs a C++
@@ -119,6 +123,17 @@ def _decode(model: nn.Module, ids: torch.Tensor, positions: torch.Tensor, keys: 
 _compiled: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
+def _own_compiled(fn, store: weakref.WeakKeyDictionary, model: nn.Module):
+    """``fn`` compiled for ``model`` alone (:func:`_step_fn` says why a code object of its own)."""
+    compiled_fn = store.get(model)
+    if compiled_fn is None:
+        code = fn.__code__.replace(co_name=f"{fn.__name__}_{next(_serial)}")
+        own = types.FunctionType(code, fn.__globals__, code.co_name, fn.__defaults__, fn.__closure__)
+        compiled_fn = store[model] = torch.compile(
+            own, fullgraph=True, options={"guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe})
+    return compiled_fn
+
+
 def _step_fn(model: nn.Module):
     """``model``'s compiled :func:`_decode`. Dynamo guards a graph on every module and parameter it reads; checking
     those guards cost ~8% of an fp32 SmolLM2 step (32.8 -> 30.1 ms without them, Xeon with AMX), so they are
@@ -126,14 +141,17 @@ def _step_fn(model: nn.Module):
     own (dynamo keeps its graphs per code object): no model can run another's graph, even one of the same shape.
     What the skipped guards would have caught, and the caller must not do: replace a model's modules or change its
     dtype after its first compiled step (pardec quantizes and packs at load, before any step)."""
-    fn = _compiled.get(model)
-    if fn is None:
-        code = _decode.__code__.replace(co_name=f"_decode_{next(_serial)}")
-        own = types.FunctionType(code, _decode.__globals__, code.co_name, _decode.__defaults__, _decode.__closure__)
-        fn = torch.compile(own, fullgraph=True,
-                           options={"guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe})
-        _compiled[model] = fn
-    return fn
+    return _own_compiled(_decode, _compiled, model)
+
+
+#: each model's compiled :func:`_rows`
+_compiled_rows: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _rows_fn(model: nn.Module):
+    """``model``'s compiled :func:`_rows` (one compile for every row count and buffer capacity: both are marked
+    dynamic; a new ``capture`` layer compiles again)."""
+    return _own_compiled(_rows, _compiled_rows, model)
 
 
 _serial = itertools.count()
@@ -268,8 +286,8 @@ def _rows(model: nn.Module, ids: torch.Tensor, positions: torch.Tensor, keys: li
         if i == capture:
             seen.append(x)
 
-    h = lean.decoder_layers(model, h, cos, sin, attend, on_layer=entering if capture is not None else None)
-    normed, logits = lean.norm_head(model, h)
+    h = lean.decoder_layers(model, h, cos, sin, attend, _lin, on_layer=entering if capture is not None else None)
+    normed, logits = lean.norm_head(model, h, _lin)
     if capture is None:
         return logits
     return logits, (normed if capture == len(model.model.layers) else seen[0])
@@ -289,11 +307,12 @@ def graph_rows(t: int) -> int:
 def rows_step(model: nn.Module, ids: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor, cache,
               capture: int | None = None):
     """A forward of ``ids`` [B, W] (W > 1 new rows, padding included) after what ``cache`` (a
-    :class:`PreallocatedCache`) holds, as a replay of a CUDA graph captured once per model, row count and cache
-    buffers (eager ops, uncompiled: the graph removes the launches, which is what bounds a step on a GPU; one
-    ``torch.compile`` per row count would cost more than it saves). ``mask``: the forward's additive [B, 1, W,
-    length+W] mask. Appends the W positions to the cache and returns the logits [B, W, V] (with ``capture``, also
-    the hidden states asked for, [B, W, H]); None (nothing done) when the cache's layout does not allow it."""
+    :class:`PreallocatedCache`) holds, as a replay of a CUDA graph of the compiled :func:`_rows`, captured once per
+    model, row count and cache buffers (one compile serves every row count. On the H200 a graph of the eager ops
+    cost 1.5x a graphed compiled one-token step at every row count from 2 to 64: the gap was the fusion, not the
+    rows). ``mask``: the forward's additive [B, 1, W, length+W] mask. Appends the W positions to the cache and
+    returns the logits [B, W, V] (with ``capture``, also the hidden states asked for, [B, W, H]); None (nothing
+    done) when the cache's layout does not allow it."""
     bsz, width = ids.shape
     if _uniform(cache, bsz) is None:
         return None
@@ -309,9 +328,15 @@ def rows_step(model: nn.Module, ids: torch.Tensor, positions: torch.Tensor, mask
     full = torch.full((bsz, 1, width, capacity), torch.finfo(mask.dtype).min, dtype=mask.dtype, device=ids.device)
     full[..., begin : begin + length + width] = mask
     at = torch.arange(begin + length, begin + length + width, device=ids.device)
-    out = _graphed(model, ("rows", capture), keys, values,
-                   lambda: lambda i, p, a, m: _rows(model, i, p, keys, values, a, m, capture),
-                   (ids, positions, at, full))
+    fn = _rows_fn(model)
+
+    def run(i, p, a, m):
+        for t, dims in ((i, (1,)), (p, (1,)), (a, (0,)), (m, (2, 3)), *((b, (2,)) for b in (*keys, *values))):
+            for d in dims:
+                torch._dynamo.maybe_mark_dynamic(t, d)
+        return fn(model, i, p, keys, values, a, m, capture)
+
+    out = _graphed(model, ("rows", capture), keys, values, lambda: run, (ids, positions, at, full))
     for layer in layers:
         layer.length = length + width
     return out
