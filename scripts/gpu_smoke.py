@@ -242,7 +242,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--methods", default="", help="comma-separated (default: every method)")
     ap.add_argument("--forward-impls", default="",
                     help="comma-separated CachedModel forwards to run every method on (hf, lean, compiled: the "
-                         "torch.compile'd one-token step; cudagraph: that step replayed as a CUDA graph, CUDA only); "
+                         "torch.compile'd one-token step; cudagraph: that step and the multi-row forwards replayed as CUDA graphs, CUDA only); "
                          "exact match is against `ar` on the first (default: hf,lean,compiled, and cudagraph on CUDA)")
     ap.add_argument("--dtypes", default="fp32,bf16", help="comma-separated, of fp32, bf16")
     ap.add_argument("--kinds", default="", help=f"comma-separated, of {', '.join(KINDS)} (default: all)")
