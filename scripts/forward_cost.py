@@ -4,6 +4,7 @@ single-row steps) and it is what ``CachedModel`` pads verification forwards by (
 
     python scripts/forward_cost.py [--draft outputs/train/runs/draft_smollm2/default/final] [--tokens 1,2,3,4,5,6,8,16]
         [--context 200] [--threads 2] [--dtypes fp32,int8,int8:weight_only] [--repeats 15] [--no-save]
+        [--forward-impl hf|lean|compiled]
 
 A dtype ``int8`` is the default int8 recipe; ``int8:<recipe>`` names another (``pardec.models.int8.parse_recipe``:
 ``weight_only``, ``per_channel:smooth=0.8:skip=down_proj``): the schemes cost differently by rows. ``bf16`` packs
@@ -47,7 +48,12 @@ def main() -> None:
     ap.add_argument("--dtypes", default="fp32,int8")
     ap.add_argument("--repeats", type=int, default=15)
     ap.add_argument("--no-save", action="store_true", help="print only")
+    ap.add_argument("--forward-impl", default="hf", choices=["hf", "lean", "compiled"],
+                    help="CachedModel's forward to time (tables are saved for hf only: what padding looks up)")
     a = ap.parse_args()
+    if a.forward_impl != "hf" and not a.no_save:
+        print(f"note: --forward-impl {a.forward_impl}: printed, not saved (the saved tables are transformers' forward)")
+        a.no_save = True
     torch.set_num_threads(a.threads)
     sizes = sorted({int(x) for x in a.tokens.split(",")} | {1})
     print(describe(machine()))
@@ -69,9 +75,9 @@ def main() -> None:
             print(f"note: no draft at {a.draft}; timing the target only")
         text = "The quick brown fox jumps over the lazy dog. " * 60
         context = lm.tokenizer(text)["input_ids"][: a.context + max(sizes)]
-        tables = {name: measure(m, context, sizes, name, cfg.precision(), repeats=a.repeats)
-                  for name, m in models.items()}
-        print(f"\n{cfg.precision()}, context {a.context}")
+        tables = {name: measure(m, context, sizes, name, cfg.precision(), repeats=a.repeats,
+                                forward_impl=a.forward_impl) for name, m in models.items()}
+        print(f"\n{cfg.precision()}, context {a.context}, forward_impl={a.forward_impl}")
         print("| T | " + " | ".join(f"{n} ms | {n} / its T=1" for n in tables) + " |")
         print("|" + "---|" * (1 + 2 * len(tables)))
         for t in sizes:

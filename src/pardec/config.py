@@ -24,9 +24,9 @@ INT8_FIELDS = ("int8_weights", "int8_smooth", "int8_skip")
 DTYPES = ("fp32", "bf16", "fp16", "int8")  # int8: int8 linears on the CPU (pardec.models.int8), inference only
 KV_CACHES = ("preallocated", "dynamic")  # CachedModel's KV caches (pardec.models.kvcache / transformers' DynamicCache)
 FORWARD_IMPLS = ("hf", "lean", "compiled", "cudagraph")  # CachedModel.forward: transformers' model(...) |
-# pardec.models.lean (Llama family) | pardec.models.compiled (lean + the one-token decode step as one torch.compile
-# graph) | cudagraph: compiled, its one-token step and its multi-row forwards (padded to a power of two rows) captured
-# once and replayed as CUDA graphs (CUDA devices only)
+# pardec.models.lean (Llama family) | pardec.models.compiled (lean + the one-token decode step and the multi-row
+# forwards as torch.compile graphs) | cudagraph: compiled, its one-token step and its multi-row forwards (padded to a
+# power of two rows) captured once and replayed as CUDA graphs (CUDA devices only)
 MODEL_SOURCES = ("hub", "local", "gguf_package", "gguf", "tiny_random")
 DEVICES = ("auto", "cpu", "cuda")
 #: accelerate's placements for a model larger than one device (``model.device_map``); None = all on ``model.device``

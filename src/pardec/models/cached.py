@@ -342,9 +342,10 @@ class CachedModel:
         bsz, t = ids.shape
         past = self.length
         positions = self._positions(positions, bsz, t, past)
-        # cudagraph: a verification (several new rows after a cached prefix) replays a graph captured per row count
-        graphed = self.forward_impl == "cudagraph" and t > 1 and past and not last_only
-        if graphed:
+        # a verification (several new rows after a cached prefix): compiled: one compiled function for every row
+        # count; cudagraph: that function replayed as a graph captured per row count (a power of two)
+        rows = self.forward_impl in ("compiled", "cudagraph") and t > 1 and past and not last_only
+        if rows and self.forward_impl == "cudagraph":
             pad = compiled.graph_rows(t) - t
         else:
             pad = self.cost.cheapest_at_least(t) - t if self.cost is not None and t > 1 and past and not last_only else 0
@@ -366,8 +367,8 @@ class CachedModel:
                 kwargs["logits_to_keep"], tail_at = tail, at - (width - tail)
         captured: list[torch.Tensor] = []
         logits = None
-        if graphed and tail_at is None and (hidden_layer is None or 0 <= hidden_layer <= self.num_layers):
-            logits = self._graphed_rows(ids, positions, kwargs, past, hidden_layer, captured)
+        if rows and tail_at is None and (hidden_layer is None or 0 <= hidden_layer <= self.num_layers):
+            logits = self._compiled_rows(ids, positions, kwargs, past, hidden_layer, captured)
         if logits is None:
             logits = self._run(ids, positions, kwargs, past, hidden_layer, tail_at, captured)
         if tail_at is not None:
@@ -386,22 +387,24 @@ class CachedModel:
         self._check_finite(logits, past, t, last_only, kwargs.get("logits_to_keep"))
         return ForwardOut(logits, captured[0] if captured else None)
 
-    def _graphed_rows(self, ids, positions, kwargs, past: int, hidden_layer: int | None,
-                      captured: list[torch.Tensor]) -> torch.Tensor | None:
-        """``forward_impl=cudagraph``'s multi-row forward (:func:`pardec.models.compiled.rows_step`); None when the
-        cache's layout does not allow it."""
+    def _compiled_rows(self, ids, positions, kwargs, past: int, hidden_layer: int | None,
+                       captured: list[torch.Tensor]) -> torch.Tensor | None:
+        """``forward_impl=compiled``'s and ``cudagraph``'s multi-row forward (:func:`pardec.models.compiled.rows_step`,
+        graphed under cudagraph); None when the cache's layout does not allow it."""
         mask = kwargs.get("attention_mask")
         if mask is None:  # causal after the cached prefix
             mask = self._additive_mask(ids.shape[0], ids.shape[1], past, None, None)
-        out = compiled.rows_step(self.model, ids, positions, mask, self.cache, hidden_layer)
+        graphs = self.forward_impl == "cudagraph"
+        keep = kwargs.get("logits_to_keep")  # (None or position indices: last_only forwards do not come here)
+        out = compiled.rows_step(self.model, ids, positions, mask, self.cache, hidden_layer, graphs=graphs,
+                                 keep=None if graphs else keep)
         if out is None:
             return None
-        self.graphed_forwards += 1
+        self.graphed_forwards += graphs
         if hidden_layer is not None:
             out, hidden = out
             captured.append(hidden)
-        keep = kwargs.get("logits_to_keep")
-        return out if keep is None else out[:, keep]
+        return out[:, keep] if graphs and keep is not None else out
 
     def _run(self, ids, positions, kwargs, past: int, hidden_layer: int | None, tail_at,
              captured: list[torch.Tensor]) -> torch.Tensor:

@@ -18,8 +18,10 @@ computes what :func:`~pardec.models.lean.lean_logits` computes up to float round
 zero-weight, entries; tested: the tokens of every ``tokens`` method equal ``ar``'s).
 
 Used for forwards of one new token per row with causal attention (``ar``'s steps, a draft model's steps) when
-every layer's rows fill their buffer (one cache per buffer, the usual case); anything else (prefill, verification,
-Jacobi's blocks, custom masks, batch rows shared with other caches) runs the lean forward.
+every layer's rows fill their buffer (one cache per buffer, the usual case). Forwards of several new rows after a
+cached prefix (verification, Jacobi's blocks, trees, custom masks, hidden-state captures) run a second compiled
+function, :func:`rows_step` (the same buffers, a mask over the whole buffer, the row count and capacity dynamic: one
+compile); prefill and batch rows shared with other caches run the lean forward.
 fbgemm's int8 linears (``dtype=int8``) and oneDNN-prepacked bf16 linears (:mod:`pardec.models.packed`) run inside
 the graph as an opaque custom op (:func:`_opaque_linear`): dynamo cannot trace their packed weights, so each such
 linear is registered once and called by its index.
@@ -267,10 +269,12 @@ def decode_step(model: nn.Module, ids: torch.Tensor, positions: torch.Tensor, ca
 
 
 def _rows(model: nn.Module, ids: torch.Tensor, positions: torch.Tensor, keys: list[torch.Tensor],
-          values: list[torch.Tensor], at: torch.Tensor, mask: torch.Tensor, capture: int | None):
+          values: list[torch.Tensor], at: torch.Tensor, mask: torch.Tensor, capture: int | None,
+          keep: torch.Tensor | None = None):
     """Logits [B, W, V] of ``ids`` [B, W] (and, with ``capture``, the hidden states entering decoder layer
     ``capture``, ``num_layers`` = after the final norm); writes their keys/values at slots ``at`` [W] of every
-    layer's buffer and attends over the whole buffer through the additive ``mask`` [B, 1, W, capacity]."""
+    layer's buffer and attends over the whole buffer through the additive ``mask`` [B, 1, W, capacity]; ``keep``:
+    the positions whose logits are wanted (None: all)."""
     h, cos, sin = lean.embed(model, ids, positions)
     seen: list[torch.Tensor] = []
 
@@ -287,7 +291,7 @@ def _rows(model: nn.Module, ids: torch.Tensor, positions: torch.Tensor, keys: li
             seen.append(x)
 
     h = lean.decoder_layers(model, h, cos, sin, attend, _lin, on_layer=entering if capture is not None else None)
-    normed, logits = lean.norm_head(model, h, _lin)
+    normed, logits = lean.norm_head(model, h, _lin, keep)
     if capture is None:
         return logits
     return logits, (normed if capture == len(model.model.layers) else seen[0])
@@ -305,14 +309,17 @@ def graph_rows(t: int) -> int:
 
 
 def rows_step(model: nn.Module, ids: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor, cache,
-              capture: int | None = None):
+              capture: int | None = None, graphs: bool = True, keep: torch.Tensor | None = None):
     """A forward of ``ids`` [B, W] (W > 1 new rows, padding included) after what ``cache`` (a
     :class:`PreallocatedCache`) holds, as a replay of a CUDA graph of the compiled :func:`_rows`, captured once per
     model, row count and cache buffers (one compile serves every row count. On the H200 a graph of the eager ops
     cost 1.5x a graphed compiled one-token step at every row count from 2 to 64: the gap was the fusion, not the
-    rows). ``mask``: the forward's additive [B, 1, W, length+W] mask. Appends the W positions to the cache and
-    returns the logits [B, W, V] (with ``capture``, also the hidden states asked for, [B, W, H]); None (nothing
-    done) when the cache's layout does not allow it."""
+    rows). Without ``graphs`` (``forward_impl=compiled``) the compiled function runs as it is: on a 2-core Zen 4 it
+    cut a fp32 SmolLM2 forward of 4 or 8 new rows by 8-40% against the lean forward (README). ``mask``: the
+    forward's additive [B, 1, W, length+W] mask. Appends the W positions to the cache and returns the logits
+    [B, W, V] (with ``capture``, also the hidden states asked for, [B, W, H]); None (nothing done) when the cache's
+    layout does not allow it. ``keep`` (without ``graphs`` only: a graph's shapes are fixed, so it computes every
+    row's logits and the caller picks): the positions whose logits are returned, the LM head run on those only."""
     bsz, width = ids.shape
     if _uniform(cache, bsz) is None:
         return None
@@ -330,13 +337,19 @@ def rows_step(model: nn.Module, ids: torch.Tensor, positions: torch.Tensor, mask
     at = torch.arange(begin + length, begin + length + width, device=ids.device)
     fn = _rows_fn(model)
 
-    def run(i, p, a, m):
-        for t, dims in ((i, (1,)), (p, (1,)), (a, (0,)), (m, (2, 3)), *((b, (2,)) for b in (*keys, *values))):
-            for d in dims:
+    def run(i, p, a, m, k=None):  # (a graph's static inputs: their row count and the capacity are not baked in)
+        for t, dims in ((i, (1,)), (p, (1,)), (a, (0,)), (m, (2, 3)), (k, (0,)),
+                        *((b, (2,)) for b in (*keys, *values))):
+            for d in dims if t is not None else ():
                 torch._dynamo.maybe_mark_dynamic(t, d)
-        return fn(model, i, p, keys, values, a, m, capture)
+        return fn(model, i, p, keys, values, a, m, capture, k)
 
-    out = _graphed(model, ("rows", capture), keys, values, lambda: run, (ids, positions, at, full))
+    if graphs and keep is not None:
+        raise ValueError("rows_step: keep is for the compiled function without graphs (a graph's shapes are fixed)")
+    if graphs:
+        out = _graphed(model, ("rows", capture), keys, values, lambda: run, (ids, positions, at, full))
+    else:
+        out = run(ids, positions, at, full, keep)
     for layer in layers:
         layer.length = length + width
     return out

@@ -127,10 +127,13 @@ def head(model: nn.Module, h: torch.Tensor, lin=_lin) -> torch.Tensor:
     return norm_head(model, h, lin)[1]
 
 
-def norm_head(model: nn.Module, h: torch.Tensor, lin=_lin) -> tuple[torch.Tensor, torch.Tensor]:
-    """(the final norm's output, what the LM head reads; the logits) of the final hidden states ``h``."""
+def norm_head(model: nn.Module, h: torch.Tensor, lin=_lin, keep: torch.Tensor | None = None
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the final norm's output, what the LM head reads; the logits) of the final hidden states ``h``; with
+    ``keep`` (position indices), the logits of those positions only (the LM head sees only their rows, as
+    ``logits_to_keep`` does: an int8 head scales its whole input at once)."""
     normed = _rms(model.model.norm, h)
-    logits = lin(model.lm_head, normed)
+    logits = lin(model.lm_head, normed if keep is None else normed[:, keep])
     full = getattr(model, "full_logits", None)
     return normed, (full(logits) if full is not None else logits)
 
