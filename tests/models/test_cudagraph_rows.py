@@ -62,6 +62,17 @@ def test_graph_rows_are_powers_of_two_up_to_the_limit():
     assert compiled.graph_rows(compiled.MAX_GRAPHED_ROWS + 1) == compiled.MAX_GRAPHED_ROWS + 1  # (lean, unpadded)
 
 
+def test_forwards_wider_than_the_graphed_limit_run_the_lean_forward(cpu_graphs, monkeypatch):
+    monkeypatch.setattr(compiled, "MAX_GRAPHED_ROWS", 4)
+    m = tiny(1).model
+    lean, graphed = CachedModel(m, forward_impl="lean"), CachedModel(m, forward_impl="cudagraph")
+    for cm in (lean, graphed):
+        cm.prefill(torch.tensor([list(range(100, 130))]))
+    ids = torch.tensor([[5, 6, 7, 8, 9]])
+    _close(graphed.forward(ids).logits, lean.forward(ids).logits)
+    assert graphed.graphed_forwards == 0 and graphed.padded_rows == 0 and cpu_graphs.captures == 0
+
+
 def test_graphed_forwards_give_the_logits_of_the_lean_forward(cpu_graphs):
     m = tiny(1).model
     graphed = CachedModel(m, forward_impl="cudagraph")

@@ -345,6 +345,8 @@ class CachedModel:
         # a verification (several new rows after a cached prefix): compiled: one compiled function for every row
         # count; cudagraph: that function replayed as a graph captured per row count (a power of two)
         rows = self.forward_impl in ("compiled", "cudagraph") and t > 1 and past and not last_only
+        if rows and self.forward_impl == "cudagraph" and t > compiled.MAX_GRAPHED_ROWS:
+            rows = False  # (a graph per such width would pile up: these run the lean forward)
         if rows and self.forward_impl == "cudagraph":
             pad = compiled.graph_rows(t) - t
         else:
