@@ -12,6 +12,7 @@ from pardec.models.cached import CachedModel
 from pardec.models.cost import CostTable
 from tests.conftest import tiny
 from tests.decoding.test_lossless import _ar, _build
+from tests.models.test_compiled import needs_compiler
 
 #: every row count from 2 to 7 is padded to 8 (what a machine whose 8-row GEMM is cheapest would measure)
 PAD_TO_8 = CostTable("tiny", "fp32", 0, {1: 1.0, **{t: 9.0 for t in range(2, 8)}, 8: 2.0}, machine={})
@@ -20,8 +21,9 @@ PAD_TO_128 = CostTable("tiny", "fp32", 0, {1: 1.0, **{t: 9.0 for t in range(2, 1
 PROMPT = [5, 17, 300, 41, 8, 999, 23, 7, 61]
 
 
-def _pair():
-    plain, padded = CachedModel(tiny(0).model), CachedModel(tiny(0).model)
+def _pair(impl: str = "hf"):
+    """(unpadded, padded) on forward ``impl``: under ``compiled`` the padded rows run the compiled rows function."""
+    plain, padded = CachedModel(tiny(0).model, forward_impl=impl), CachedModel(tiny(0).model, forward_impl=impl)
     padded.cost = PAD_TO_8
     for cm in (plain, padded):
         cm.prefill(torch.tensor([PROMPT]))
@@ -32,8 +34,13 @@ def _same(a, b):
     assert torch.allclose(a, b, atol=1e-5, rtol=1e-5), (a - b).abs().max()
 
 
-def test_a_padded_chain_forward_is_invisible():
-    plain, padded = _pair()
+#: transformers' forward, and the compiled rows (pardec.models.compiled.rows_step) the padded rows run through
+IMPLS = ["hf", pytest.param("compiled", marks=needs_compiler)]
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_a_padded_chain_forward_is_invisible(impl):
+    plain, padded = _pair(impl)
     new = torch.tensor([[11, 12, 13]])
     a, b = plain.forward(new, hidden_layer=1), padded.forward(new, hidden_layer=1)
     assert b.logits.shape == a.logits.shape == (1, 3, a.logits.shape[-1])
@@ -46,9 +53,10 @@ def test_a_padded_chain_forward_is_invisible():
     _same(plain.forward(torch.tensor([[14, 15]])).logits, padded.forward(torch.tensor([[14, 15]])).logits)
 
 
+@pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("full", [False, True])
-def test_a_padded_tree_forward_with_chosen_logits_is_invisible(full):
-    plain, padded = _pair()
+def test_a_padded_tree_forward_with_chosen_logits_is_invisible(full, impl):
+    plain, padded = _pair(impl)
     # a tree: root 0; 1 and 2 children of 0; 3 child of 1
     attend = torch.tensor([[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 1, 0, 1]], dtype=torch.bool)
     if full:  # the [T, past + T] form
