@@ -265,7 +265,7 @@ class VirtualCUDA(TorchFunctionMode):
         if name == "__getitem__" and common.type == "cuda" and any(
                 isinstance(t, torch.Tensor) and t.dtype == torch.bool for t in tree_flatten(args[1:])[0]):
             self._sync("boolean mask index")
-        if name == "__setitem__" and common.type == "cuda" and _uploads_index(name, args):
+        if name == "__setitem__" and common.type == "cuda" and _uploads_index(args):
             self.uploads["__setitem__ host scalar"] += 1
         out = func(*args, **kwargs)
         if name.endswith("_") and not name.startswith("__") or name == "__setitem__":
@@ -359,12 +359,12 @@ class VirtualCUDA(TorchFunctionMode):
 
 
 
-def _uploads_index(name: str, args: tuple) -> bool:
+def _uploads_index(args: tuple) -> bool:
     """Whether writing into a CUDA tensor, ``t[args[1]] = args[2]``, copies a host value to the device on the way,
     blocking: a Python scalar written through an integer, list or tensor index (``ok[0] = True``,
     ``rows[:, ids] = -inf``: each counted as a sync by the H200 smoke). A scalar written into basic slices
     (``t[:, :3] = True``) is a fill kernel, and was not counted there."""
-    if name != "__setitem__" or isinstance(args[2], torch.Tensor):
+    if isinstance(args[2], torch.Tensor):
         return False
     index = args[1] if isinstance(args[1], tuple) else (args[1],)
     return any(isinstance(i, (int, list, torch.Tensor)) and not isinstance(i, bool) for i in index)

@@ -344,13 +344,15 @@ class CachedModel:
         positions = self._positions(positions, bsz, t, past)
         # a verification (several new rows after a cached prefix): compiled: one compiled function for every row
         # count; cudagraph: that function replayed as a graph captured per row count (a power of two)
-        rows = self.forward_impl in ("compiled", "cudagraph") and t > 1 and past and not last_only
-        if rows and self.forward_impl == "cudagraph" and t > compiled.MAX_GRAPHED_ROWS:
-            rows = False  # (a graph per such width would pile up: these run the lean forward)
-        if rows and self.forward_impl == "cudagraph":
+        several = t > 1 and past and not last_only
+        graphs = self.forward_impl == "cudagraph"
+        # (under cudagraph a graph per width past the limit would pile up: those run the lean forward)
+        rows = several and self.forward_impl in ("compiled", "cudagraph") and not (
+            graphs and t > compiled.MAX_GRAPHED_ROWS)
+        if rows and graphs:
             pad = compiled.graph_rows(t) - t
         else:
-            pad = self.cost.cheapest_at_least(t) - t if self.cost is not None and t > 1 and past and not last_only else 0
+            pad = self.cost.cheapest_at_least(t) - t if self.cost is not None and several else 0
         if pad:
             ids, positions, attend, key_valid = self._padded(ids, positions, attend, key_valid, pad, past)
         kwargs = {}

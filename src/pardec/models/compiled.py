@@ -101,14 +101,9 @@ def unsupported(model: nn.Module) -> str | None:
     return None
 
 
-def _decode(model: nn.Module, ids: torch.Tensor, positions: torch.Tensor, keys: list[torch.Tensor],
-            values: list[torch.Tensor], slots: torch.Tensor) -> torch.Tensor:
-    """Logits [B, 1, V] of ``ids`` [B, 1]; writes their keys/values at slot ``slots[1]`` of every layer's buffer
-    and attends over slots ``slots[0] .. slots[1]``."""
-    h, cos, sin = lean.embed(model, ids, positions)
-    j = torch.arange(keys[0].shape[2], device=ids.device)
-    mask = torch.where((j >= slots[0]) & (j <= slots[1]), 0.0, float("-inf")).to(h.dtype)[None, None, None]
-    at = slots[1:]
+def _buffer_attend(keys: list[torch.Tensor], values: list[torch.Tensor], at: torch.Tensor, mask: torch.Tensor):
+    """``lean.decoder_layers``' ``attend`` over whole preallocated buffers: writes the new keys/values at slots
+    ``at`` of each layer's buffer in place and attends over the buffer through the additive ``mask``."""
 
     def attend(a, q, k, v):
         kb, vb = keys[a.layer_idx], values[a.layer_idx]
@@ -118,6 +113,19 @@ def _decode(model: nn.Module, ids: torch.Tensor, positions: torch.Tensor, keys: 
         return F.scaled_dot_product_attention(q, lean._repeat_kv(kb, groups), lean._repeat_kv(vb, groups),
                                               attn_mask=mask, scale=a.scaling)
 
+    return attend
+
+
+def _decode(model: nn.Module, ids: torch.Tensor, positions: torch.Tensor, keys: list[torch.Tensor],
+            values: list[torch.Tensor], slots: torch.Tensor) -> torch.Tensor:
+    """Logits [B, 1, V] of ``ids`` [B, 1]; writes their keys/values at slot ``slots[1]`` of every layer's buffer
+    and attends over slots ``slots[0] .. slots[1]``."""
+    h, cos, sin = lean.embed(model, ids, positions)
+    j = torch.arange(keys[0].shape[2], device=ids.device)
+    mask = torch.where((j >= slots[0]) & (j <= slots[1]), 0.0, float("-inf")).to(h.dtype)[None, None, None]
+    at = slots[1:]
+
+    attend = _buffer_attend(keys, values, at, mask)
     return lean.head(model, lean.decoder_layers(model, h, cos, sin, attend, _lin), _lin)
 
 
@@ -278,14 +286,7 @@ def _rows(model: nn.Module, ids: torch.Tensor, positions: torch.Tensor, keys: li
     h, cos, sin = lean.embed(model, ids, positions)
     seen: list[torch.Tensor] = []
 
-    def attend(a, q, k, v):
-        kb, vb = keys[a.layer_idx], values[a.layer_idx]
-        kb.index_copy_(2, at, k)
-        vb.index_copy_(2, at, v)
-        groups = q.shape[1] // kb.shape[1]
-        return F.scaled_dot_product_attention(q, lean._repeat_kv(kb, groups), lean._repeat_kv(vb, groups),
-                                              attn_mask=mask, scale=a.scaling)
-
+    attend = _buffer_attend(keys, values, at, mask)
     def entering(i, x):
         if i == capture:
             seen.append(x)
