@@ -10,7 +10,8 @@ draft, how often the int8 draft's argmax equals the int8 target's (what speculat
         [--max-records 40] [--threads 2] [--out outputs/int8_quality.json]
 
 A recipe is ``<scheme>[:smooth=<alpha>][:skip=<name>+<name>]`` (default: weight_only, per_tensor, per_channel,
-per_channel:smooth=0.8, per_channel:smooth=0.8:skip=down_proj; smoothing applies to the dynamic schemes only), or
+per_channel:smooth=0.8, per_channel:smooth=0.8:skip=down_proj, per_token:smooth=0.5; smoothing applies to the
+schemes that quantize activations), or
 ``bf16`` (``dtype=bf16``, the same questions for the bf16 model: the other approximate CPU mode). fp32 is the first row (its agreement with its own records is 1 by construction; the draft row is fp32 draft vs fp32
 target). Prints the CPU model and vector flags first. No timing: run it beside other jobs if you must.
 """
@@ -42,7 +43,7 @@ def record_nll(model, records: list[dict]) -> tuple[float, int]:
 
 
 DEFAULT_RECIPES = ("weight_only", "per_tensor", "per_channel", "per_channel:smooth=0.8",
-                   "per_channel:smooth=0.8:skip=down_proj")
+                   "per_channel:smooth=0.8:skip=down_proj", "per_token:smooth=0.5")
 
 
 def _config(base: ModelConfig, dtype: str, recipe: dict) -> ModelConfig:

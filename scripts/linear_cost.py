@@ -6,7 +6,8 @@ gate, up, down; no LM head), the mean of ``--reps`` calls after 3 warm-ups, ms p
 
 Kinds: fp32 ``F.linear``; bf16 weights and activations; int8 weight-only (``aten._weight_int8pack_mm``, the
 ``weight_only`` scheme of pardec.models.int8) with bf16 activations and with fp32 activations; fbgemm's dynamic
-int8 (``quantize_dynamic``, per-row weight scales: the ``per_channel`` scheme). Prints the CPU model and flags first.
+int8 (``quantize_dynamic``, per-row weight scales: the ``per_channel`` scheme); fbgemm's integer GEMM with one
+activation scale per token (the ``per_token`` scheme, its scaling included). Prints the CPU model and flags first.
 """
 
 from __future__ import annotations
@@ -22,7 +23,8 @@ from pardec.models.cost import describe, machine
 
 #: (out, in) of one SmolLM2-135M decoder layer's linears: q, k, v, o, gate, up, down
 SHAPES = ((576, 576), (192, 576), (192, 576), (576, 576), (1536, 576), (1536, 576), (576, 1536))
-KINDS = ("fp32", "bf16", "int8 weight-only, bf16 act", "int8 weight-only, fp32 act", "fbgemm dynamic int8")
+KINDS = ("fp32", "bf16", "int8 weight-only, bf16 act", "int8 weight-only, fp32 act", "fbgemm dynamic int8",
+         "fbgemm per-token int8")
 
 
 def _time(fn, reps: int) -> float:
@@ -37,13 +39,14 @@ def _time(fn, reps: int) -> float:
 @torch.inference_mode()
 def measure(rows: list[int], reps: int, layers: int = 30) -> dict[str, dict[int, float]]:
     """ms per pass over ``layers`` x :data:`SHAPES` linears, per kind of :data:`KINDS` and row count."""
-    from pardec.models.int8 import WeightOnlyLinear, quantize
+    from pardec.models.int8 import PerTokenLinear, WeightOnlyLinear, quantize
 
     torch.manual_seed(0)
     lins = [torch.nn.Linear(i, o, bias=False) for _ in range(layers) for o, i in SHAPES]
     w32 = [lin.weight.detach() for lin in lins]
     w16 = [w.to(torch.bfloat16) for w in w32]
     wo = [WeightOnlyLinear.of(lin) for lin in lins]
+    pt = [PerTokenLinear.of(lin) for lin in lins]
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         dyn = list(quantize(torch.nn.Sequential(*lins), "per_channel"))
@@ -59,6 +62,7 @@ def measure(rows: list[int], reps: int, layers: int = 30) -> dict[str, dict[int,
             "int8 weight-only, fp32 act": lambda x=x: [torch.ops.aten._weight_int8pack_mm(x[q.in_features], q.weight,
                                                                                       q.scales.float()) for q in wo],
             "fbgemm dynamic int8": lambda x=x: [q(x[q.in_features]) for q in dyn],
+            "fbgemm per-token int8": lambda x=x: [q(x[q.in_features]) for q in pt],
         }
         for kind, fn in fns.items():
             out[kind][m] = _time(fn, reps)

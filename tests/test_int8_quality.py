@@ -35,7 +35,7 @@ def test_int8_quality_measures_fp32_and_both_schemes(corpus, tmp_path, capsys):
                              "--threads", "1", "--out", str(tmp_path / "q.json")])
     labels = [r["label"] for r in out["rows"]]
     assert labels == ["fp32", "int8 weight_only", "int8 per_tensor", "int8 per_channel", "int8 per_channel:smooth=0.8",
-                      "int8 per_channel:smooth=0.8:skip=down_proj"]
+                      "int8 per_channel:smooth=0.8:skip=down_proj", "int8 per_token:smooth=0.5"]
     fp32 = out["rows"][0]["corpora"]["corpus"]
     assert fp32["positions"] == 10 and fp32["top1_vs_fp32_records"] == 1.0  # greedy records of this very model
     assert fp32["draft_agreement"] == 1.0  # the draft is the target

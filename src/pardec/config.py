@@ -19,7 +19,7 @@ from typing import Any, NoReturn, TypeVar
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-INT8_WEIGHTS = ("weight_only", "per_channel", "per_tensor")  # == pardec.models.int8.SCHEMES (checked by a test)
+INT8_WEIGHTS = ("weight_only", "per_channel", "per_tensor", "per_token")  # == pardec.models.int8.SCHEMES (checked by a test)
 INT8_FIELDS = ("int8_weights", "int8_smooth", "int8_skip")
 DTYPES = ("fp32", "bf16", "fp16", "int8")  # int8: int8 linears on the CPU (pardec.models.int8), inference only
 KV_CACHES = ("preallocated", "dynamic")  # CachedModel's KV caches (pardec.models.kvcache / transformers' DynamicCache)
@@ -70,13 +70,16 @@ class ModelConfig:
     adapter: str | None = None  # a peft (LoRA) adapter dir applied on top of the base weights
     # dtype=int8 (pardec.models.int8; README "int8 that keeps the model's quality"). int8_weights: per_channel | per_tensor
     # (fbgemm's dynamic int8: activations quantized with one scale per forward, weight scales per row | per matrix;
-    # nearly flat cost from 1 to 5 rows, the regime where drafting pays) | weight_only (int8 weights, bf16
-    # activations: closest to fp32 and fastest at one row, but 2-4 rows cost 1.3x one and 5-8 rows 2.2x). For the
-    # dynamic schemes: SmoothQuant alpha in (0, 1) (None: off) and the linears (name suffixes) kept fp32; the default
-    # keeps fp32's perplexity within ~4%; int8_smooth=null int8_skip=[] is ~1.3x faster and far from fp32 (top-1 0.6)
-    int8_weights: str = "per_channel"
-    int8_smooth: float | None = 0.8
-    int8_skip: list[str] = field(default_factory=lambda: ["down_proj"])
+    # nearly flat cost from 1 to 5 rows, the regime where drafting pays) | per_token (fbgemm's integer GEMM with one
+    # activation scale per token: batch-invariant) | weight_only (int8 weights, bf16 activations: closest to fp32
+    # and fastest at one row, but 2-4 rows cost 1.3x one and 5-8 rows 2.2x). For the schemes that quantize
+    # activations: SmoothQuant alpha in (0, 1) (None: off) and the linears (name suffixes) kept fp32. The default,
+    # per_token with alpha 0.5 and every linear int8, keeps fp32's perplexity within ~2% (top-1 0.96) and is the
+    # fastest with flat rows (README "Per-token int8"); fbgemm's per_channel needs alpha 0.8 and down_proj in fp32 for
+    # +4% (top-1 0.91-0.93), and without them is far from fp32 (top-1 0.6)
+    int8_weights: str = "per_token"
+    int8_smooth: float | None = 0.5
+    int8_skip: list[str] = field(default_factory=list)
     # dtype=bf16 on a CPU with AMX-bf16 (elsewhere it does nothing): the linears' weights prepacked once into
     # oneDNN's blocked layout (pardec.models.packed): bitwise the same results, no per-call weight reorder (Xeon with
     # AMX: SmolLM2's linears 20.8 -> 13.7 ms per pass, flat from 1 to 16 rows). Inference only; training loads unpacked
@@ -101,7 +104,7 @@ class ModelConfig:
                               "(0, 1), or null for no smoothing")
         if self.int8_smooth is not None and self.int8_weights == "weight_only":
             raise ConfigError(f"model.int8_smooth={self.int8_smooth} applies to the schemes that quantize activations "
-                              "(int8_weights=per_channel | per_tensor); with int8_weights=weight_only set "
+                              "(int8_weights=per_channel | per_tensor | per_token); with int8_weights=weight_only set "
                               "model.int8_smooth=null")
         self.int8_skip = list(self.int8_skip or [])
         if self.dtype == "int8" and (self.device == "cuda" or self.device_map):

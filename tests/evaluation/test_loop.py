@@ -50,16 +50,16 @@ def test_an_int8_run_says_how_its_int8_model_was_built_and_fp32_scores_it(tmp_pa
     scorers = []
     real = ppl_mod.completion_nll
     monkeypatch.setattr(ppl_mod, "completion_nll", lambda m, *a: scorers.append(m) or real(m, *a))
-    summary = run(cfg_of("+method=pld", "dtype=int8", "+model.int8_smooth=0.5", *TINY), tmp_path)
+    summary = run(cfg_of("+method=pld", "dtype=int8", "+model.int8_smooth=0.4", *TINY), tmp_path)
     assert summary["dtype"] == "int8"
-    assert summary["int8_recipe"] == {"scheme": "per_channel", "smooth_alpha": 0.5, "skip": ["down_proj"]}
+    assert summary["int8_recipe"] == {"scheme": "per_token", "smooth_alpha": 0.4, "skip": []}
     # its completions are scored by the fp32 target, so perplexity compares across dtypes and shows int8's cost
     assert summary["perplexity_scorer"] == "tiny_random fp32" and summary["baseline_perplexity"] > 0
     assert scorers and not any(is_int8(m) for m in scorers)
     assert all(next(m.parameters()).dtype == torch.float32 for m in scorers)
     assert summary["draft_int8_recipe"] is None  # no draft
     drafted = run(cfg_of("+method=sps", "draft=tiny_random", "dtype=int8", *TINY), tmp_path / "sps")
-    assert drafted["int8_recipe"]["scheme"] == "per_channel"  # the target's default recipe
+    assert drafted["int8_recipe"]["scheme"] == "per_token"  # the target's default recipe
     assert drafted["draft_int8_recipe"] == {"scheme": "weight_only", "smooth_alpha": None, "skip": []}  # drafts'
     scorers.clear()
     plain = run(cfg_of("+method=pld", *TINY), tmp_path / "fp32")

@@ -26,12 +26,18 @@ def test_compiled_gives_the_logits_of_the_lean_forward():
 
 
 @needs_compiler
-def test_compiled_runs_int8_linears_as_an_opaque_op():
+@pytest.mark.parametrize("scheme", ["per_channel", "per_token"])
+def test_compiled_runs_int8_linears_as_an_opaque_op(scheme):
+    """fbgemm's dynamic linears run whole as an opaque op; a per-token linear's GEMM alone (its scaling traced)."""
+    from pardec.models.compiled import _OPAQUE_INDEX, _OPAQUE_LINEARS, _Gemm
     from pardec.models.loading import load_model
 
-    m = load_model(ModelConfig(name="tiny_random", source="tiny_random", device="cpu", dtype="int8")).model
+    m = load_model(ModelConfig(name="tiny_random", source="tiny_random", device="cpu", dtype="int8",
+                               int8_weights=scheme, int8_smooth=None, int8_skip=[])).model
     for a, b in zip(_script(CachedModel(m, forward_impl="lean")), _script(CachedModel(m, forward_impl="compiled"))):
         _close(a, b)
+    opaque = _OPAQUE_LINEARS[_OPAQUE_INDEX[id(m.lm_head)]]
+    assert isinstance(opaque, _Gemm) == (scheme == "per_token")
 
 
 @needs_compiler

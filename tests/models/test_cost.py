@@ -36,7 +36,7 @@ def test_int8_recipes_have_tables_of_their_own(tmp_path):
 
     default = ModelConfig(dtype="int8")
     wo = ModelConfig(dtype="int8", int8_weights="weight_only", int8_smooth=None, int8_skip=[])
-    assert default.precision() == "int8-per_channel-smooth0.8-skip_down_proj"
+    assert default.precision() == "int8-per_token-smooth0.5"
     assert wo.precision() == "int8-weight_only" and ModelConfig(dtype="bf16").precision() == "bf16"
     CostTable("smollm2_135m", default.precision(), 200, {1: 16.1, 5: 16.5}).save(tmp_path)
     assert CostTable.load("smollm2_135m", default.precision(), tmp_path).ms[5] == 16.5

@@ -34,10 +34,14 @@ def test_int8_replaces_every_linear_and_stays_close_to_fp32():
     fp = load_model(_tiny("fp32")).model
     q = load_model(_tiny("int8")).model
     assert int8.is_int8(q) and not int8.is_int8(fp)
-    fp32_left = {n for n, m in q.named_modules() if type(m) is torch.nn.Linear}
-    assert fp32_left == {f"model.layers.{i}.mlp.down_proj" for i in range(2)}  # the default skip; the LM head is int8
+    assert not any(type(m) is torch.nn.Linear for m in q.modules())  # the default: every linear, the LM head too
+    assert isinstance(q.lm_head, int8.PerTokenLinear)
+    skipping = _tiny("int8")
+    skipping.int8_weights, skipping.int8_skip = "per_channel", ["down_proj"]
+    fp32_left = {n for n, m in load_model(skipping).model.named_modules() if type(m) is torch.nn.Linear}
+    assert fp32_left == {f"model.layers.{i}.mlp.down_proj" for i in range(2)}  # skipped: left fp32
     plain = _tiny("int8")
-    plain.int8_skip, plain.int8_smooth = [], None
+    plain.int8_weights, plain.int8_skip, plain.int8_smooth = "per_channel", [], None
     assert not any(type(m) is torch.nn.Linear for m in load_model(plain).model.modules())
     plain.int8_weights = "weight_only"
     wo = load_model(plain).model
@@ -65,8 +69,8 @@ def test_int8_weights_have_one_scale_per_output_row():
         assert int8.weight_scheme(q) == scheme
         with torch.no_grad():
             errs[scheme] = ((q(x) - want).norm(dim=0) / want.norm(dim=0)).max().item()  # worst output row
-    assert max(errs["per_channel"], errs["weight_only"]) < 0.03 < 0.3 < errs["per_tensor"], errs
-    assert int8.weight_scheme(load_model(_tiny("int8")).model) == "per_channel"  # the default
+    assert max(errs["per_channel"], errs["weight_only"], errs["per_token"]) < 0.03 < 0.3 < errs["per_tensor"], errs
+    assert int8.weight_scheme(load_model(_tiny("int8")).model) == "per_token"  # the default
     assert int8.weight_scheme(torch.nn.Linear(2, 2)) is None
     with pytest.raises(ValueError, match=r"'per_row' is not one of weight_only, per_channel, per_tensor"):
         int8.quantize(torch.nn.Linear(2, 2), "per_row")
@@ -81,7 +85,7 @@ def test_int8_weights_have_one_scale_per_output_row():
     assert old.identity()["int8_weights"] == "per_tensor" and "int8_weights" not in _tiny("fp32").identity()
     with pytest.raises(ConfigError, match=r"int8_weights.*'per_row'.*weight_only, per_channel, per_tensor"):
         ModelConfig(int8_weights="per_row")
-    with pytest.raises(ConfigError, match=r"int8_smooth=0.8 applies to .*per_channel.*int8_smooth=null"):
+    with pytest.raises(ConfigError, match=r"int8_smooth=0.5 applies to .*per_channel.*per_token.*int8_smooth=null"):
         ModelConfig(int8_weights="weight_only")  # it quantizes no activation: nothing to smooth
     with pytest.raises(ValueError, match="smoothing .* not to 'weight_only'"):
         int8.prepare(torch.nn.Linear(2, 2), "weight_only", smooth_alpha=0.5, calib=[[1, 2]])
@@ -130,8 +134,10 @@ def test_smoothing_is_exact_in_fp32_and_rescues_int8_from_outlier_channels():
 
 def test_int8_recipe_config_and_cache(local_dir, tmp_path, monkeypatch):
     monkeypatch.setattr(int8, "DATA_DIR", tmp_path / "data")
-    cfg = ModelConfig(name="local_tiny", source="local", path=str(local_dir), dtype="int8", device="cpu")
-    assert (cfg.int8_weights, cfg.int8_smooth, cfg.int8_skip) == ("per_channel", 0.8, ["down_proj"])  # the default
+    default = ModelConfig(name="local_tiny", source="local", path=str(local_dir), dtype="int8", device="cpu")
+    assert (default.int8_weights, default.int8_smooth, default.int8_skip) == ("per_token", 0.5, [])  # the default
+    cfg = ModelConfig(name="local_tiny", source="local", path=str(local_dir), dtype="int8", device="cpu",
+                      int8_weights="per_channel", int8_smooth=0.8, int8_skip=["down_proj"])  # fbgemm's recipe
     first = load_model(cfg).model
     second = load_model(cfg).model  # from the cache: the skeleton keeps down_proj fp32, the norms come smoothed
     assert type(second.model.layers[0].mlp.down_proj) is torch.nn.Linear and int8.is_int8(second)
@@ -142,6 +148,10 @@ def test_int8_recipe_config_and_cache(local_dir, tmp_path, monkeypatch):
                      int8_weights="weight_only", int8_smooth=None, int8_skip=[])
     plain, cached = load_model(wo).model, load_model(wo).model  # the second from the cache
     assert len(list((tmp_path / "data" / "models" / "int8").glob("*.pt"))) == 2  # another recipe, another key
+    pt, pt_cached = load_model(default).model, load_model(default).model  # per-token: packed again from the cache
+    assert int8.weight_scheme(pt_cached) == "per_token" and len(list((tmp_path / "data" / "models" / "int8").glob("*.pt"))) == 3
+    with torch.no_grad():
+        assert torch.equal(pt(input_ids=ids).logits, pt_cached(input_ids=ids).logits)
     assert int8.weight_scheme(cached) == "weight_only"
     with torch.no_grad():
         assert not torch.equal(first(input_ids=ids).logits, plain(input_ids=ids).logits)
@@ -162,7 +172,7 @@ def test_int8_weights_are_cached_and_a_retrained_model_gets_a_new_cache(local_di
     files = list((tmp_path / "data" / "models" / "int8").glob("*.pt"))
     assert len(files) == 1 and calls == [1]
     second = load_model(cfg).model  # from the cache: no quantization
-    assert calls == [1] and int8.is_int8(second) and int8.weight_scheme(second) == "per_channel"
+    assert calls == [1] and int8.is_int8(second) and int8.weight_scheme(second) == "per_token"
     ids = torch.tensor([[3, 1, 4, 1, 5, 9, 2, 6]])
     with torch.no_grad():
         assert torch.equal(first(input_ids=ids).logits, second(input_ids=ids).logits)
@@ -222,16 +232,17 @@ def test_int8_linears_are_not_batch_invariant():
         assert torch.equal(lin(x[:1].repeat(4, 1))[:1], lin(x[:1]))
 
 
-def test_weight_only_int8_linears_are_batch_invariant():
-    """No activation is quantized: a linear's row is bitwise the same alone or among others, whatever their range.
-    On the tiny model every lossless method then reproduces int8 `ar` token for token. (Not guaranteed on a real
-    model: attention's small-M GEMMs are not batch-invariant in fp32 either, and the bf16 rounding of the linears'
-    inputs magnifies their last-bit differences: SmolLM2's `pld`/`sps` left int8 `ar` at near-ties in 4 of 5
-    GSM8K prompts, README.)"""
+@pytest.mark.parametrize("scheme", ["weight_only", "per_token"])
+def test_weight_only_and_per_token_int8_linears_are_batch_invariant(scheme):
+    """weight_only quantizes no activation, per_token quantizes each row with its own scale: either way a linear's
+    row is bitwise the same alone or among others, whatever their range. On the tiny model every lossless method
+    then reproduces int8 `ar` token for token. (Not guaranteed on a real model: attention's small-M GEMMs are not
+    batch-invariant in fp32 either, and rounding the linears' inputs (bf16, int8) magnifies their last-bit
+    differences: SmolLM2's weight-only `pld`/`sps` left int8 `ar` at near-ties in 4 of 5 GSM8K prompts, README.)"""
     from tests.decoding.test_lossless import LOSSLESS, _build
 
     torch.manual_seed(0)
-    lin = int8.quantize(torch.nn.Sequential(torch.nn.Linear(64, 48)), "weight_only")
+    lin = int8.quantize(torch.nn.Sequential(torch.nn.Linear(64, 48)), scheme)
     x = torch.randn(6, 64)
     x[3] *= 50
     with torch.no_grad():
@@ -239,9 +250,9 @@ def test_weight_only_int8_linears_are_batch_invariant():
         assert all(torch.equal(lin(x[i : i + 1]), together[i : i + 1]) for i in range(6))
         assert torch.equal(lin(x[None])[0], together)  # [B, T, in] as [B*T, in]
     cfg = _tiny("int8")
-    cfg.int8_weights, cfg.int8_smooth, cfg.int8_skip = "weight_only", None, []
+    cfg.int8_weights, cfg.int8_smooth, cfg.int8_skip = scheme, None, []
     lm = load_model(cfg)
-    assert int8.weight_scheme(lm.model) == "weight_only"
+    assert int8.weight_scheme(lm.model) == scheme
     tok = lm.tokenizer
     ids = tok("def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n")["input_ids"]
     stop = Stopper(tok, eos_ids=[])
@@ -249,6 +260,39 @@ def test_weight_only_int8_linears_are_batch_invariant():
     for method in LOSSLESS:
         if method != "hf_generate":
             assert _build(method, CachedModel(lm.model), tok, draft="noisy").generate(ids, 24, stop).tokens == want, method
+
+
+@pytest.mark.parametrize("flags", [["avx2", "fma"], ["avx2", "avx512f", "avx512_vnni"]])
+def test_per_token_int8_is_the_integer_product_of_per_row_scales(monkeypatch, flags):
+    """A per_token linear computes, for each row, (its int8 activations) x (the int8 weights) in integers, scaled by
+    the row's magnitude and the weight row's scale: checked against that product done here in int64, with inputs
+    at the ends of the range (where fbgemm's AVX2 int16 pair sums would saturate with 8-bit activations: 7-bit
+    without VNNI, 8-bit with it). A 1000x outlier row leaves the others' error at the int8 level (the per-tensor
+    scale's failure), and the per-row scales survive the int8 cache's state-dict round trip."""
+    import pardec.models.cost as cost
+
+    monkeypatch.setattr(cost, "cpu_flags", lambda: flags)
+    torch.manual_seed(0)
+    src = torch.nn.Linear(96, 40, bias=True)
+    q = int8.PerTokenLinear.of(src)
+    levels = 127 if "avx512_vnni" in flags else 63
+    assert q.levels == levels and q.scales.dtype == torch.float32
+    x = torch.randn(7, 96)
+    x[2] *= 1000
+    x[5] = x[5].abs().sign() * 3.0  # every activation at the top of the range
+    with torch.no_grad():
+        got = q(x)
+        mag = x.abs().amax(1, keepdim=True)
+        xq = torch.round(x / mag * levels).clamp(-levels, levels).long()
+        want = (xq @ q.weight.long().T).double() * (mag.double() / levels) * q.scales.double() + src.bias.double()
+    assert torch.allclose(got.double(), want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
+    ref = src(x).detach()
+    err = ((got - ref).norm(dim=1) / ref.norm(dim=1))
+    assert err.max() < 0.03, err
+    back = int8.PerTokenLinear(96, 40, bias=True)
+    back.load_state_dict(q.state_dict())
+    with torch.no_grad():
+        assert torch.equal(back(x), got)
 
 
 def test_weight_only_warns_on_a_cpu_without_native_bf16(monkeypatch, caplog):

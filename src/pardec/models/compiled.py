@@ -70,24 +70,40 @@ def _(x: torch.Tensor, index: int) -> torch.Tensor:
     return x.new_empty((*x.shape[:-1], _OPAQUE_LINEARS[index].out_features))
 
 
+class _Gemm(nn.Module):
+    """A per-token int8 linear's integer GEMM alone (:meth:`~pardec.models.int8.PerTokenLinear.gemm`), as an
+    opaque linear: the compiled graph traces the per-token scaling around it."""
+
+    def __init__(self, lin: nn.Module):
+        super().__init__()
+        self.out_features, self.gemm = lin.out_features, lin.gemm
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.gemm(x)
+
+
 def _lin(mod: nn.Module, x: torch.Tensor) -> torch.Tensor:
     if type(mod) is nn.Linear:
         return F.linear(x, mod.weight, mod.bias)
     index = _OPAQUE_INDEX.get(id(mod))
-    return mod(x) if index is None else _opaque_linear(x, index)  # (weight-only int8 linears trace as they are)
+    if index is None:
+        return mod(x)  # (weight-only int8 linears trace as they are)
+    if isinstance(_OPAQUE_LINEARS[index], _Gemm):
+        return mod(x, gemm=lambda unit: _opaque_linear(unit, index))
+    return _opaque_linear(x, index)
 
 
 def register_opaque(model: nn.Module) -> None:
     """Give every fbgemm int8 linear and every prepacked bf16 linear of ``model`` an index for
-    :func:`_opaque_linear`."""
-    from pardec.models.int8 import _quantized_linear_type
+    :func:`_opaque_linear` (per-token int8 linears: their GEMM only)."""
+    from pardec.models.int8 import PerTokenLinear, _quantized_linear_type
     from pardec.models.packed import PackedLinear
 
-    kinds = (_quantized_linear_type(), PackedLinear)
+    kinds = (_quantized_linear_type(), PackedLinear, PerTokenLinear)
     for mod in model.modules():
         if isinstance(mod, kinds) and id(mod) not in _OPAQUE_INDEX:
             _OPAQUE_INDEX[id(mod)] = len(_OPAQUE_LINEARS)
-            _OPAQUE_LINEARS.append(mod)
+            _OPAQUE_LINEARS.append(_Gemm(mod) if isinstance(mod, PerTokenLinear) else mod)
 
 
 def unsupported(model: nn.Module) -> str | None:
