@@ -4,7 +4,7 @@ single-row steps) and it is what ``CachedModel`` pads verification forwards by (
 
     python scripts/forward_cost.py [--draft outputs/train/runs/draft_smollm2/default/final] [--tokens 1,2,3,4,5,6,8,16]
         [--context 200] [--threads 2] [--dtypes fp32,int8,int8:weight_only] [--repeats 15] [--no-save]
-        [--forward-impl hf|lean|compiled]
+        [--forward-impl hf|lean|compiled] [--attn-implementation sdpa|eager|invariant]
 
 A dtype ``int8`` is the default int8 recipe; ``int8:<recipe>`` names another (``pardec.models.int8.parse_recipe``:
 ``weight_only``, ``per_channel:smooth=0.8:skip=down_proj``): the schemes cost differently by rows. ``bf16`` packs
@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from pardec.config import ModelConfig
+from pardec.config import ATTN_IMPLEMENTATIONS, ModelConfig
 from pardec.models.cost import describe, machine, measure
 from pardec.models.int8 import parse_recipe
 from pardec.models.loading import SMOLLM2, load_model
@@ -50,9 +50,14 @@ def main() -> None:
     ap.add_argument("--no-save", action="store_true", help="print only")
     ap.add_argument("--forward-impl", default="hf", choices=["hf", "lean", "compiled"],
                     help="CachedModel's forward to time (tables are saved for hf only: what padding looks up)")
+    ap.add_argument("--attn-implementation", default="sdpa", choices=list(ATTN_IMPLEMENTATIONS),
+                    help="the target's attention (tables are saved for sdpa only)")
     a = ap.parse_args()
     if a.forward_impl != "hf" and not a.no_save:
         print(f"note: --forward-impl {a.forward_impl}: printed, not saved (the saved tables are transformers' forward)")
+        a.no_save = True
+    if a.attn_implementation != "sdpa" and not a.no_save:
+        print(f"note: --attn-implementation {a.attn_implementation}: printed, not saved (the saved tables are SDPA's)")
         a.no_save = True
     torch.set_num_threads(a.threads)
     sizes = sorted({int(x) for x in a.tokens.split(",")} | {1})
@@ -65,7 +70,7 @@ def main() -> None:
     for spec, recipe in zip(specs, recipes):
         dtype = spec.partition(":")[0]
         cfg = ModelConfig(name=SMOLLM2.name, source=SMOLLM2.source, path=SMOLLM2.path, gguf_file=SMOLLM2.gguf_file,
-                          dtype=dtype, device="cpu", **recipe)
+                          dtype=dtype, device="cpu", attn_implementation=a.attn_implementation, **recipe)
         lm = load_model(cfg)
         models = {SMOLLM2.name: lm.model}
         if (a.draft / "config.json").is_file():
@@ -77,7 +82,7 @@ def main() -> None:
         context = lm.tokenizer(text)["input_ids"][: a.context + max(sizes)]
         tables = {name: measure(m, context, sizes, name, cfg.precision(), repeats=a.repeats,
                                 forward_impl=a.forward_impl) for name, m in models.items()}
-        print(f"\n{cfg.precision()}, context {a.context}, forward_impl={a.forward_impl}")
+        print(f"\n{cfg.precision()}, context {a.context}, forward_impl={a.forward_impl}, attention {a.attn_implementation}")
         print("| T | " + " | ".join(f"{n} ms | {n} / its T=1" for n in tables) + " |")
         print("|" + "---|" * (1 + 2 * len(tables)))
         for t in sizes:

@@ -32,7 +32,7 @@ DEVICES = ("auto", "cpu", "cuda")
 #: accelerate's placements for a model larger than one device (``model.device_map``); None = all on ``model.device``
 DEVICE_MAPS = (None, "auto", "balanced", "balanced_low_0", "sequential")
 #: attention kernels: flash_attention_2 only where no custom (tree / Jacobi) mask is needed, see decoding.METHODS
-ATTN_IMPLEMENTATIONS = ("sdpa", "eager", "flash_attention_2")
+ATTN_IMPLEMENTATIONS = ("sdpa", "eager", "flash_attention_2", "invariant")  # invariant: pardec.models.invariant
 PROMPT_STYLES = ("auto", "chat", "base")
 
 

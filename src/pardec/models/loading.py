@@ -24,6 +24,7 @@ from transformers import (
 from pardec import DATA_DIR
 from pardec.config import ConfigError, ModelConfig
 from pardec.hub import MODEL_OFFLINE_VARS, hub_reachable, offline_var
+from pardec.models import invariant as _invariant  # noqa: F401  registers attn_implementation=invariant
 
 log = logging.getLogger(__name__)
 

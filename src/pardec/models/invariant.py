@@ -1,0 +1,100 @@
+"""``model.attn_implementation=invariant``: batch-invariant attention for transformers' forward.
+
+A forward of T new rows (a verification, a Jacobi block, a tree) and T one-row steps compute the same rows, but
+not with the same kernels: attention's scores and weighted sums are small-M GEMMs over the keys whose summation
+order depends on how many query rows share the call, so a row's result differs in its last bits from the step's.
+In fp32 that stays below the argmax almost always; with int8 activations (``dtype=int8``) a last-bit difference
+moves a value across a quantization step, and a few layers later the rows differ by whole steps: int8 ``tokens``
+methods left int8 ``ar`` within 8-52 tokens on every GSM8K prompt (README "Per-token int8"), although the per-token
+int8 linears themselves are batch-invariant.
+
+This attention runs **one query row at a time over exactly the keys that row may see**, in their cache order (a
+prefix of the cache is sliced, any other set, e.g. a tree node's ancestors, gathered), through the same
+``scaled_dot_product_attention`` call with no mask, which is the call a one-row step at that position makes. The
+other ops of a Llama-style layer work row by row (norms, RoPE, activations), and so do per-token int8 linears
+(``model.int8_weights=per_token``, the int8 default), so with them a row's logits are bitwise the ones the one-row
+step computes and ``tokens`` methods equal ``ar`` by construction rather than up to near-ties (tested bitwise on the
+tiny model, measured on SmolLM2 in the README). fp32 and bf16 linears are small-M GEMMs, not batch-invariant: there
+this attention removes one source of last-bit differences, not all.
+
+The cost: T calls per layer instead of one, and one host read of each row's allowed keys per layer (the mask's
+nonzeros): a CPU exactness mode. On a GPU it works but every layer syncs; use ``sdpa`` there. The lean and
+compiled forwards run their own attention and refuse it. Registered with transformers' attention and mask
+interfaces on import (:func:`register`).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+NAME = "invariant"
+
+
+def _allowed(mask: torch.Tensor | None, batch: int, rows: int, keys: int, device) -> torch.Tensor:
+    """[batch, rows, keys] bool: which keys each row may see. ``mask``: None (causal, the rows being the last ones of
+    the keys), a bool mask (True: attend) or an additive float mask (0: attend, very negative: not), [batch, 1 or
+    heads, rows, keys]; a float mask with other values (a position bias) is refused."""
+    if mask is None:
+        pos = torch.arange(keys, device=device)
+        last = torch.arange(keys - rows, keys, device=device)
+        return (pos[None, :] <= last[:, None]).expand(batch, rows, keys)
+    if mask.dim() != 4:
+        raise ValueError(f"attn_implementation={NAME!r} takes a 4D attention mask, got shape {tuple(mask.shape)}")
+    if mask.shape[1] != 1 and not bool((mask == mask[:, :1]).all()):
+        raise ValueError(f"attn_implementation={NAME!r}: a mask that differs between heads is not supported")
+    m = mask[:, 0].expand(batch, rows, keys)
+    if m.dtype == torch.bool:
+        return m
+    allowed = m > torch.finfo(m.dtype).min / 2
+    if bool((m[allowed] != 0).any()):
+        raise ValueError(f"attn_implementation={NAME!r}: the mask carries a bias (values other than 0 and -inf); "
+                         "only masks that allow or forbid keys are supported")
+    return allowed
+
+
+def attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+              attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
+              **kwargs) -> tuple[torch.Tensor, None]:
+    """transformers' attention-function signature (query [B, H, T, D], key/value [B, H_kv, S, D]) -> ([B, T, H, D],
+    None), one query row per ``scaled_dot_product_attention`` call over the keys it may see."""
+    if dropout:
+        raise ValueError(f"attn_implementation={NAME!r} is for inference: dropout {dropout} given")
+    if kwargs.get("softcap") is not None or kwargs.get("position_bias") is not None or kwargs.get("sinks") is not None:
+        raise ValueError(f"attn_implementation={NAME!r} supports plain masked attention only (no softcap, bias, sinks)")
+    groups = getattr(module, "num_key_value_groups", 1)
+    if groups > 1:
+        key = key.repeat_interleave(groups, dim=1)
+        value = value.repeat_interleave(groups, dim=1)
+    batch, heads, rows, _ = query.shape
+    keys = key.shape[2]
+    allowed = _allowed(attention_mask, batch, rows, keys, query.device).cpu()  # one read per layer
+    out = query.new_empty(batch, rows, heads, value.shape[-1])
+    for b in range(batch):
+        for i in range(rows):
+            idx = allowed[b, i].nonzero().squeeze(1)
+            n = idx.numel()
+            if n == 0:
+                out[b, i] = 0  # a padding row that sees nothing (never read)
+                continue
+            if int(idx[-1]) == n - 1:  # a prefix of the cache: the slice a one-row step attends over
+                k, v = key[b : b + 1, :, :n], value[b : b + 1, :, :n]
+            else:  # e.g. a tree node: the prefix and its ancestors, in cache order
+                at = idx.to(key.device)
+                k, v = key[b : b + 1].index_select(2, at), value[b : b + 1].index_select(2, at)
+            o = F.scaled_dot_product_attention(query[b : b + 1, :, i : i + 1], k, v, scale=scaling)
+            out[b, i] = o[0, :, 0]
+    return out, None
+
+
+def register() -> None:
+    """Make ``attn_implementation="invariant"`` known to transformers (attention and mask interfaces; the masks are
+    SDPA's: None when causal, else a 4D bool mask)."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+    AttentionInterface.register(NAME, attention)
+    AttentionMaskInterface.register(NAME, sdpa_mask)
+
+
+register()

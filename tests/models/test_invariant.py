@@ -1,0 +1,82 @@
+"""attn_implementation=invariant (pardec.models.invariant): with per-token int8 linears a forward of several new
+rows gives bitwise the logits of one-row steps, so `tokens` methods equal `ar` by construction; it is SDPA's
+attention up to rounding; bad masks and the forwards that run their own attention are refused."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pardec.config import ModelConfig
+from pardec.decoding import Stopper, build_decoder
+from pardec.models import invariant
+from pardec.models.cached import CachedModel
+from pardec.models.loading import load_model
+
+
+def _cfg(attn: str, dtype: str = "fp32", layers: int = 2, hidden: int = 128) -> ModelConfig:
+    extra = {"int8_weights": "per_token", "int8_smooth": None, "int8_skip": []} if dtype == "int8" else {}
+    return ModelConfig(name="tiny_random", source="tiny_random", seed=1, dtype=dtype, device="cpu", layers=layers,
+                       hidden=hidden, attn_implementation=attn, **extra)
+
+
+def _rows_and_steps(lm, prompt: list[int], new: list[int]):
+    rows, steps = CachedModel(lm.model), CachedModel(lm.model)
+    rows.prefill(torch.tensor([prompt]))
+    steps.prefill(torch.tensor([prompt]))
+    together = rows.forward(torch.tensor([new])).logits[0]
+    alone = torch.cat([steps.forward(torch.tensor([[t]])).logits[0] for t in new])
+    return together, alone
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "int8"])
+def test_rows_equal_one_row_steps_bitwise_with_per_token_int8_and_equal_sdpa_up_to_rounding(dtype):
+    """With per-token int8 linears every op of a layer is row by row: bitwise. fp32's linears are small-M GEMMs
+    (not batch-invariant), so there only the closeness to SDPA is checked."""
+    lm = load_model(_cfg("invariant", dtype))
+    prompt, new = [(7 * i) % 90 + 3 for i in range(37)], [5, 17, 29, 41, 53, 8]
+    together, alone = _rows_and_steps(lm, prompt, new)
+    if dtype == "int8":
+        assert torch.equal(together, alone)
+    ref, _ = _rows_and_steps(load_model(_cfg("sdpa", dtype)), prompt, new)  # same seed: the same weights
+    assert torch.allclose(together, ref, atol=1e-3 if dtype == "int8" else 1e-5, rtol=0)
+
+
+def test_every_lossless_method_equals_int8_ar_bitwise():
+    """Trees included (Medusa, lookahead, FIRP: a node attends to the prefix and its ancestors, gathered in cache
+    order, the keys its one-row step would see)."""
+    from tests.decoding.test_lossless import LOSSLESS, _build
+
+    lm = load_model(_cfg("invariant", "int8"))
+    tok = lm.tokenizer
+    ids = tok("def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n")["input_ids"]
+    stop = Stopper(tok, eos_ids=[])
+    want = build_decoder("ar", CachedModel(lm.model), tok).generate(ids, 24, stop).tokens
+    for method in LOSSLESS:
+        got = _build(method, CachedModel(lm.model), tok, draft="noisy").generate(ids, 24, stop).tokens
+        assert got == want, method
+
+
+def test_the_allowed_keys_of_each_mask_form():
+    causal = invariant._allowed(None, 1, 2, 4, "cpu")
+    assert causal[0].tolist() == [[True, True, True, False], [True, True, True, True]]
+    ninf = torch.finfo(torch.float32).min
+    additive = torch.tensor([[[[0.0, ninf, 0.0], [ninf, 0.0, 0.0]]]])
+    assert invariant._allowed(additive, 1, 2, 3, "cpu")[0].tolist() == [[True, False, True], [False, True, True]]
+    assert invariant._allowed(additive == 0, 1, 2, 3, "cpu").equal(invariant._allowed(additive, 1, 2, 3, "cpu"))
+    with pytest.raises(ValueError, match="carries a bias"):
+        invariant._allowed(additive + 0.5, 1, 2, 3, "cpu")
+    with pytest.raises(ValueError, match="differs between heads"):
+        invariant._allowed(torch.cat([additive, additive.flip(-1)], 1), 1, 2, 3, "cpu")
+    with pytest.raises(ValueError, match="4D attention mask"):
+        invariant._allowed(torch.zeros(2, 3), 1, 2, 3, "cpu")
+    q = torch.zeros(1, 2, 1, 4)
+    with pytest.raises(ValueError, match="dropout 0.1"):
+        invariant.attention(torch.nn.Module(), q, q, q, None, dropout=0.1)
+
+
+def test_forwards_with_their_own_attention_refuse_it():
+    m = load_model(_cfg("invariant")).model
+    for impl in ("lean", "compiled"):
+        with pytest.raises(Exception, match="attn_implementation='invariant'"):
+            CachedModel(m, forward_impl=impl)
