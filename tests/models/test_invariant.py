@@ -80,3 +80,17 @@ def test_forwards_with_their_own_attention_refuse_it():
     for impl in ("lean", "compiled"):
         with pytest.raises(Exception, match="attn_implementation='invariant'"):
             CachedModel(m, forward_impl=impl)
+
+
+def test_a_forward_reads_its_mask_once_and_a_new_forward_reads_it_again(monkeypatch):
+    lm = load_model(_cfg("invariant", "int8", layers=3))
+    reads = []
+    real = invariant._allowed
+    monkeypatch.setattr(invariant, "_allowed", lambda *a: reads.append(1) or real(*a))
+    cm = CachedModel(lm.model)
+    cm.prefill(torch.tensor([[3, 4, 5, 6, 7]]))
+    reads.clear()
+    cm.forward(torch.tensor([[8, 9, 10]]))
+    assert reads == [1]  # three layers, one read
+    cm.forward(torch.tensor([[11]]))
+    assert reads == [1, 1]  # the next forward: read anew

@@ -17,13 +17,15 @@ step computes and ``tokens`` methods equal ``ar`` by construction rather than up
 tiny model, measured on SmolLM2 in the README). fp32 and bf16 linears are small-M GEMMs, not batch-invariant: there
 this attention removes one source of last-bit differences, not all.
 
-The cost: T calls per layer instead of one, and one host read of each row's allowed keys per layer (the mask's
-nonzeros): a CPU exactness mode. On a GPU it works but every layer syncs; use ``sdpa`` there. The lean and
+The cost: T calls per layer instead of one, and one host read of the mask per forward (each row's allowed keys,
+kept for the forward's other layers, :func:`_plan`): a CPU exactness mode. On a GPU it works but every layer syncs; use ``sdpa`` there. The lean and
 compiled forwards run their own attention and refuse it. Registered with transformers' attention and mask
 interfaces on import (:func:`register`).
 """
 
 from __future__ import annotations
+
+import weakref
 
 import torch
 import torch.nn.functional as F
@@ -53,6 +55,35 @@ def _allowed(mask: torch.Tensor | None, batch: int, rows: int, keys: int, device
     return allowed
 
 
+#: the last forward's plan: every layer of a forward gets the same mask, so it is read once per forward, not per layer
+_LAST: dict = {"mask": None, "key": None, "plan": None}
+
+
+def _plan(mask: torch.Tensor | None, batch: int, rows: int, keys: int, device, first: bool) -> list[list[tuple]]:
+    """Per batch row, per query row: ``(n, None)``: attend over the first ``n`` keys (a slice); ``(n, indices)``:
+    over the ``n`` keys at ``indices`` (on ``device``, in cache order); ``(0, None)``: none. Read from the mask at
+    a forward's ``first`` layer, and by any layer given another mask object (a weak reference: a freed mask is
+    never mistaken for a new one) or other shapes; the forward's other layers reuse it. (Masks are made anew for
+    every forward and are inference tensors, which have no version counter to check.)"""
+    key = (batch, rows, keys, str(device), None if mask is None else tuple(mask.shape))
+    held = _LAST["mask"]
+    same = (held is None) if mask is None else (held is not None and held() is mask)
+    if not first and same and _LAST["key"] == key:
+        return _LAST["plan"]
+    allowed = _allowed(mask, batch, rows, keys, device).cpu()  # the one host read
+    plan = []
+    for b in range(batch):
+        row_plans = []
+        for i in range(rows):
+            idx = allowed[b, i].nonzero().squeeze(1)
+            n = idx.numel()
+            prefix = n == 0 or int(idx[-1]) == n - 1
+            row_plans.append((n, None if prefix else idx.to(device)))
+        plan.append(row_plans)
+    _LAST.update(mask=None if mask is None else weakref.ref(mask), key=key, plan=plan)
+    return plan
+
+
 def attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
               attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
               **kwargs) -> tuple[torch.Tensor, None]:
@@ -67,20 +98,16 @@ def attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, v
         key = key.repeat_interleave(groups, dim=1)
         value = value.repeat_interleave(groups, dim=1)
     batch, heads, rows, _ = query.shape
-    keys = key.shape[2]
-    allowed = _allowed(attention_mask, batch, rows, keys, query.device).cpu()  # one read per layer
     out = query.new_empty(batch, rows, heads, value.shape[-1])
-    for b in range(batch):
-        for i in range(rows):
-            idx = allowed[b, i].nonzero().squeeze(1)
-            n = idx.numel()
+    first = getattr(module, "layer_idx", 0) == 0
+    for b, plan in enumerate(_plan(attention_mask, batch, rows, key.shape[2], key.device, first)):
+        for i, (n, at) in enumerate(plan):
             if n == 0:
                 out[b, i] = 0  # a padding row that sees nothing (never read)
                 continue
-            if int(idx[-1]) == n - 1:  # a prefix of the cache: the slice a one-row step attends over
+            if at is None:  # a prefix of the cache: the slice a one-row step attends over
                 k, v = key[b : b + 1, :, :n], value[b : b + 1, :, :n]
             else:  # e.g. a tree node: the prefix and its ancestors, in cache order
-                at = idx.to(key.device)
                 k, v = key[b : b + 1].index_select(2, at), value[b : b + 1].index_select(2, at)
             o = F.scaled_dot_product_attention(query[b : b + 1, :, i : i + 1], k, v, scale=scaling)
             out[b, i] = o[0, :, 0]
