@@ -192,7 +192,7 @@ def lookahead_forward(model: CachedModel, prefix: list[int], tree: Tree,
 def keep_path(model: CachedModel, prefix_len: int, path: list[int], known: list[int] | None = None) -> None:
     """After :func:`lookahead_forward`: keep the prefix and the accepted tree ``path`` (root first) in the cache.
     ``known``: the kept positions' tokens as host values (the prefix, then the path's labels after the root), for a
-    model that later :meth:`~pardec.models.cached.CachedModel.sync`\ s (no read of the ids fed as device tensors)."""
+    model that later calls :meth:`~pardec.models.cached.CachedModel.sync` (no read of the ids fed as device tensors)."""
     model.keep(list(range(prefix_len - 1)) + [prefix_len - 1 + i for i in path])
     if known is not None:
         model.settle(known)
