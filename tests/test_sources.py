@@ -5,8 +5,6 @@ import on 3.12 (the GPU image's Python), and an error in a later Python."""
 import warnings
 from pathlib import Path
 
-import pytest
-
 ROOT = Path(__file__).resolve().parents[1]
 SOURCES = sorted(p for d in ("src", "scripts", "tests") for p in (ROOT / d).rglob("*.py"))
 
