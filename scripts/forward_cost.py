@@ -10,8 +10,10 @@ A dtype ``int8`` is the default int8 recipe; ``int8:<recipe>`` names another (``
 ``weight_only``, ``per_channel:smooth=0.8:skip=down_proj``): the schemes cost differently by rows. ``bf16`` packs
 the linears for oneDNN on CPUs with AMX-bf16 (``model.cpu_prepack``); ``bf16:unpacked`` does not. Prints a
 markdown table per dtype (median ms and each T relative to T=1) under the machine's CPU model, vector flags and
-thread count, and saves each table to data/forward_cost/<machine key>/<model>-<precision>.json, the precision
-being ``ModelConfig.precision()`` (the dtype, with the int8 recipe), which is what evaluation looks it up by.
+thread count, and saves each table to data/forward_cost/<machine key>/<model>-<key>.json, the key being
+``ModelConfig.precision()`` (the dtype, with the int8 recipe) and the forward timed when it is not transformers'
+with SDPA (``pardec.models.cost.table_key``: ``-compiled``, ``-invariant``), which is what evaluation looks it up
+by (its own forward's table first, else transformers' at the same precision).
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from pathlib import Path
 import torch
 
 from pardec.config import ATTN_IMPLEMENTATIONS, ModelConfig
-from pardec.models.cost import describe, machine, measure
+from pardec.models.cost import describe, machine, measure, table_key
 from pardec.models.int8 import parse_recipe
 from pardec.models.loading import SMOLLM2, load_model
 
@@ -49,16 +51,10 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=15)
     ap.add_argument("--no-save", action="store_true", help="print only")
     ap.add_argument("--forward-impl", default="hf", choices=["hf", "lean", "compiled"],
-                    help="CachedModel's forward to time (tables are saved for hf only: what padding looks up)")
+                    help="CachedModel's forward to time (saved under its own key: a run with that forward uses it)")
     ap.add_argument("--attn-implementation", default="sdpa", choices=list(ATTN_IMPLEMENTATIONS),
-                    help="the target's attention (tables are saved for sdpa only)")
+                    help="the target's attention (saved under its own key, as --forward-impl)")
     a = ap.parse_args()
-    if a.forward_impl != "hf" and not a.no_save:
-        print(f"note: --forward-impl {a.forward_impl}: printed, not saved (the saved tables are transformers' forward)")
-        a.no_save = True
-    if a.attn_implementation != "sdpa" and not a.no_save:
-        print(f"note: --attn-implementation {a.attn_implementation}: printed, not saved (the saved tables are SDPA's)")
-        a.no_save = True
     torch.set_num_threads(a.threads)
     sizes = sorted({int(x) for x in a.tokens.split(",")} | {1})
     print(describe(machine()))
@@ -80,7 +76,8 @@ def main() -> None:
             print(f"note: no draft at {a.draft}; timing the target only")
         text = "The quick brown fox jumps over the lazy dog. " * 60
         context = lm.tokenizer(text)["input_ids"][: a.context + max(sizes)]
-        tables = {name: measure(m, context, sizes, name, cfg.precision(), repeats=a.repeats,
+        key = table_key(cfg.precision(), a.forward_impl, a.attn_implementation)
+        tables = {name: measure(m, context, sizes, name, key, repeats=a.repeats,
                                 forward_impl=a.forward_impl) for name, m in models.items()}
         print(f"\n{cfg.precision()}, context {a.context}, forward_impl={a.forward_impl}, attention {a.attn_implementation}")
         print("| T | " + " | ".join(f"{n} ms | {n} / its T=1" for n in tables) + " |")

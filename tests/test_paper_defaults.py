@@ -97,7 +97,7 @@ PAPER: dict[str, dict[str, tuple[object, str]]] = {
 #: keys with no paper value: pardec's own (paths, switches for pardec's variants, CPU conveniences)
 PARDEC_ONLY: dict[str, set[str]] = {
     "jacobi": {"max_iters", "record_trajectories"},
-    "pld": {"min_ngram"},
+    "pld": {"min_ngram", "num_pred_by_cost"},
     "sps": {"gamma_min", "gamma_max", "gamma_by_cost"},
     "medusa": {"heads", "tree", "k"},
     "medusa_typical": {"heads", "tree", "k"},

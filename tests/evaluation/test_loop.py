@@ -312,3 +312,21 @@ def test_the_summary_says_whether_bf16_linears_ran_prepacked(tmp_path):
     off = run(cfg_of("+method=pld", "dtype=bf16", "+model.cpu_prepack=false", *TINY, "n_samples=1"),
               tmp_path / "off")
     assert off["prepacked_linears"] == {"target": False, "draft": None}
+
+
+def test_a_run_uses_its_own_forwards_cost_table_and_says_which(tmp_path, monkeypatch):
+    """A lean forward's table pads a lean run and feeds ``pld``'s cost-aware draft length; transformers' table at
+    the same precision when the forward's own was never measured; the summary names the table."""
+    import pardec.models.cost as cost
+    from pardec.models.cost import CostTable
+
+    monkeypatch.setattr(cost, "DATA_DIR", tmp_path / "data")
+    args = ("+method=pld", "method.num_pred_by_cost=true", "forward_impl=lean", *TINY)
+    with pytest.raises(ConfigError, match="num_pred_by_cost=true needs this machine's forward-cost table"):
+        run(cfg_of(*args), tmp_path / "none")
+    CostTable("tiny_random", "fp32", 100, {1: 1.0, 2: 1.2, 4: 1.3, 8: 1.5}).save()
+    assert run(cfg_of(*args), tmp_path / "hf_table")["cost_table"] == "fp32"
+    CostTable("tiny_random", "fp32-lean", 100, {1: 1.0, 2: 1.1, 4: 1.1}).save()
+    summary = run(cfg_of(*args), tmp_path / "lean_table")
+    assert summary["cost_table"] == "fp32-lean" and summary["exact_match_rate"] == 1.0
+    assert run(cfg_of("+method=pld", *TINY), tmp_path / "hf")["cost_table"] == "fp32"

@@ -43,6 +43,38 @@ def test_int8_recipes_have_tables_of_their_own(tmp_path):
     assert CostTable.load("smollm2_135m", wo.precision(), tmp_path) is None
 
 
+def test_each_forward_has_a_table_of_its_own_and_falls_back_to_transformers(tmp_path):
+    """A compiled forward's rows cost differently from an eager one's: a run looks up its own forward's table
+    (``table_key``), and uses transformers' SDPA one at the same precision only when its own was never measured."""
+    from pardec.models.cost import table_key
+
+    p = "int8-per_token-smooth0.5"
+    assert table_key(p) == p and table_key(p, "compiled") == f"{p}-compiled"
+    assert table_key("fp32", "hf", "invariant") == "fp32-invariant"
+    assert table_key("fp32", "lean", "eager") == "fp32-lean-eager"
+    assert CostTable.find("smollm2_135m", p, "compiled", root=tmp_path) is None
+    CostTable("smollm2_135m", p, 200, {1: 26.7, 16: 42.1}).save(tmp_path)
+    assert CostTable.find("smollm2_135m", p, "compiled", root=tmp_path).dtype == p  # the fallback
+    CostTable("smollm2_135m", table_key(p, "compiled"), 200, {1: 25.2, 16: 30.0}).save(tmp_path)
+    assert CostTable.find("smollm2_135m", p, "compiled", root=tmp_path).ms[16] == 30.0
+    assert CostTable.find("smollm2_135m", p, root=tmp_path).ms[16] == 42.1
+    assert CostTable.find("smollm2_135m", "fp32", "compiled", root=tmp_path) is None
+
+
+def test_best_draft_length_trades_expected_tokens_for_measured_ms():
+    from pardec.models.cost import best_draft_length
+
+    t = CostTable("m", "int8", 200, {1: 26.7, 2: 30.2, 4: 32.0, 5: 31.6, 8: 32.8, 16: 42.1}, machine={})
+    # prompt lookup (no draft cost), accepting most tokens: up to 7 drafted tokens ride in an 8-row forward; 10
+    # would need the 16-row one, 1.28x dearer for at most 3 more tokens
+    assert best_draft_length(t, accepted=900, rejections=100, draft_ms=0.0, lo=1, hi=10) == 7
+    # accepting few: one drafted token (a 2-row forward) beats a padded 5-row one
+    assert best_draft_length(t, accepted=10, rejections=100, draft_ms=0.0, lo=1, hi=10) == 1
+    assert best_draft_length(t, accepted=900, rejections=100, draft_ms=0.0, lo=1, hi=3) == 3  # hi caps it
+    assert best_draft_length(t, accepted=900, rejections=100, draft_ms=0.0, lo=2, hi=1) == 2  # lo wins
+    assert best_draft_length(t, accepted=900, rejections=1, draft_ms=0.0, lo=1, hi=40) == 15  # 16 rows, no more
+
+
 def test_machine_names_the_cpu_flags_and_threads():
     m = cost.machine()
     assert set(m) >= {"cpu", "flags", "cores", "threads", "torch"} and m["threads"] >= 1

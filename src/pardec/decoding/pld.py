@@ -1,5 +1,12 @@
 """`pld`: prompt lookup decoding. The last n-gram of prompt + output is looked up in the same sequence
-(longest n first, most recent match); the tokens that followed it are the draft, verified in one forward."""
+(longest n first, most recent match); the tokens that followed it are the draft, verified in one forward.
+
+``num_pred_by_cost=true`` (pardec's, off by default: the paper drafts ``num_pred`` = 10) cuts each round's draft to
+the length with the most expected tokens per ms, as ``sps``'s ``gamma_by_cost`` does
+(:func:`pardec.models.cost.best_draft_length`, the draft costing nothing): the verification's cost of g + 1 rows
+comes from this machine's forward-cost table, the acceptance rate from this generation's rounds. On a CPU, where a
+forward of 11 rows costs 1.3-1.6x one row and prompt lookup accepts ~1.4 of its drafted tokens per round, a shorter
+draft can buy more tokens per second. Exactness is untouched: only the draft's length changes."""
 
 from __future__ import annotations
 
@@ -7,6 +14,7 @@ import torch
 
 from pardec.config import ConfigError
 from pardec.decoding.base import Decoder, GenerationResult, register_method
+from pardec.models.cost import best_draft_length
 
 
 def lookup(seq: torch.Tensor, max_ngram: int, min_ngram: int, num_pred: int) -> torch.Tensor:
@@ -28,13 +36,14 @@ class PromptLookup(Decoder):
     exactness = "distribution"
 
     def __init__(self, target, tokenizer=None, draft=None, max_ngram: int = 3, min_ngram: int = 1,
-                 num_pred: int = 10):
+                 num_pred: int = 10, num_pred_by_cost: bool = False):
         super().__init__(target, tokenizer, draft)
         if not 1 <= min_ngram <= max_ngram:
             raise ConfigError(f"method.min_ngram={min_ngram}, max_ngram={max_ngram}: need 1 <= min <= max")
         if num_pred < 1:
             raise ConfigError(f"method.num_pred={num_pred} is out of range: it must be >= 1")
         self.max_ngram, self.min_ngram, self.num_pred = max_ngram, min_ngram, num_pred
+        self.num_pred_by_cost = num_pred_by_cost
 
     def propose(self, seq: torch.Tensor) -> torch.Tensor:
         """Draft tokens for the sequence so far (prompt + output) [L]; tests override it."""
@@ -42,14 +51,20 @@ class PromptLookup(Decoder):
 
     @torch.inference_mode()
     def generate(self, prompt_ids, max_new_tokens, stop=None, sampling=None) -> GenerationResult:
+        if self.num_pred_by_cost and self.target.cost is None:
+            raise ConfigError("method.num_pred_by_cost=true needs this machine's forward-cost table for the target, "
+                              "and there is none: run python scripts/forward_cost.py (and keep forward_padding=true)")
         st, last = self._start(prompt_ids, max_new_tokens, stop, sampling)
         seq = torch.cat([st.ids[0].cpu(), torch.tensor([last])])
-        drafted = accepted = 0
+        drafted = accepted = rejections = 0
         while not st.out.done:
             draft = self.propose(seq)[: st.out.room - 1]
+            if self.num_pred_by_cost and draft.numel() > 1:
+                draft = draft[: best_draft_length(self.target.cost, accepted, rejections, 0.0, 1, draft.numel())]
             _, acc, kept = self._verify_chain(st, last, draft)
             drafted += draft.numel()
             accepted += len(acc) - 1
+            rejections += len(acc) - 1 < draft.numel()
             last = acc[-1]
             seq = torch.cat([seq, torch.tensor(kept, dtype=torch.long)])
         extras = {"drafted_tokens": drafted, "accepted_draft_tokens": accepted,

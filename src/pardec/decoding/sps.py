@@ -27,6 +27,7 @@ import torch
 from pardec.config import ConfigError
 from pardec.decoding.base import Decoder, DraftClock, GenerationResult, register_method
 from pardec.decoding.drafting import draft_chain
+from pardec.models.cost import best_draft_length
 
 
 @register_method("sps", aliases=("speculative", "speculative_sampling"))
@@ -51,18 +52,8 @@ class SpeculativeSampling(Decoder):
 
     def gamma_for(self, accepted: int, rejections: int, draft_ms: float, room: int) -> int:
         """The gamma in [gamma_min, min(gamma_max, room)] with the most expected tokens per ms (module doc)."""
-        table = self.target.cost
-        a = (accepted + 1) / (accepted + rejections + 2)
-        best, best_rate = None, -1.0
-        for g in range(self.gamma_min, max(self.gamma_min, min(self.gamma_max, room)) + 1):
-            target_ms = table.ms_at_least(g + 1)
-            if target_ms is None:
-                break  # longer forwards were not measured
-            tokens = (1 - a ** (g + 1)) / (1 - a)
-            rate = tokens / (target_ms + g * draft_ms)
-            if rate > best_rate:
-                best, best_rate = g, rate
-        return best if best is not None else self.gamma_min
+        return best_draft_length(self.target.cost, accepted, rejections, draft_ms, self.gamma_min,
+                                 min(self.gamma_max, room))
 
     def propose(self, seq: list[int], k: int, st) -> tuple[torch.Tensor, torch.Tensor | None, int]:
         """Draft ``k`` tokens after ``seq`` (prompt + committed). Returns (tokens [k], q [k, V] or None under

@@ -95,9 +95,10 @@ def _run(cfg: DictConfig, run_dir: Path, spec, ranks: rk.Ranks, task, docs: list
     if r.forward_padding:  # this machine's measured forward costs (scripts/forward_cost.py), when there are some
         from pardec.models.cost import CostTable
 
-        target.cost = CostTable.load(spec.model.name, spec.model.precision())
+        target.cost = CostTable.find(spec.model.name, spec.model.precision(), r.forward_impl,
+                                     spec.model.attn_implementation)
         if target.cost is not None and ranks.rank == 0:
-            log.info("verification forwards padded by %s's cost table: %s", spec.model.name,
+            log.info("verification forwards padded by %s's cost table (%s): %s", spec.model.name, target.cost.dtype,
                      {t: target.cost.cheapest_at_least(t) for t in sorted(target.cost.ms)})
     draft = (CachedModel(load_model(spec.draft).model, name=f"draft:{spec.draft.name}", cache=r.kv_cache,
                          forward_impl=r.forward_impl)
@@ -208,6 +209,9 @@ def _run(cfg: DictConfig, run_dir: Path, spec, ranks: rk.Ranks, task, docs: list
     # whether bf16 linears ran prepacked for oneDNN (model.cpu_prepack, on CPUs with AMX-bf16)
     summary["prepacked_linears"] = {"target": is_packed(lm.model),
                                     "draft": is_packed(draft.model) if draft is not None else None}
+    # the forward-cost table that padded the target's forwards and fed the cost-aware methods (its key names the
+    # forward it was measured on: pardec.models.cost.table_key), None without one
+    summary["cost_table"] = target.cost.dtype if target.cost is not None else None
     if ranks.multi:
         counts: dict[int | None, int] = {}
         for x in records:

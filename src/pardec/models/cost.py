@@ -6,9 +6,12 @@ On small-M GEMMs the BLAS kernel chosen depends on M, so cost is not monotonic i
 two threads (fp32, SmolLM2-135M) 3 new rows cost 1.84x one row and 5 rows 1.43x. Padding 3 rows to 5 then saves
 time; the padding rows are masked (they see only themselves, nobody sees them), cut from the cache and never read.
 
-Tables live in ``data/forward_cost/<machine key>/<model>-<dtype>.json`` (``scripts/forward_cost.py`` writes them),
-keyed by the CPU model, its vector flags (AVX2 / AVX-512 / AMX), the thread count and torch's version, since a
-table measured on one machine says nothing about another.
+Tables live in ``data/forward_cost/<machine key>/<model>-<precision>[-<forward>].json`` (``scripts/forward_cost.py``
+writes them), keyed by the CPU model, its vector flags (AVX2 / AVX-512 / AMX), the thread count and torch's version,
+since a table measured on one machine says nothing about another; and by the forward that was timed
+(:func:`table_key`: nothing for transformers' forward with SDPA, ``-compiled``, ``-lean``, ``-invariant``, ...), since
+a compiled forward's rows cost differently from an eager one's. A run looks up its own forward's table first and
+falls back to the transformers/SDPA one (:meth:`CostTable.find`).
 """
 
 from __future__ import annotations
@@ -75,6 +78,35 @@ def machine_key(m: dict | None = None) -> str:
     return hashlib.sha256(blob.encode()).hexdigest()[:12]
 
 
+def table_key(precision: str, forward_impl: str = "hf", attn_implementation: str = "sdpa") -> str:
+    """The ``dtype`` key of a cost table: the model's precision (``ModelConfig.precision()``), then the forward
+    and the attention when they are not transformers' forward with SDPA (``int8-per_token-smooth0.5-compiled``)."""
+    parts = [precision]
+    if forward_impl != "hf":
+        parts.append(forward_impl)
+    if attn_implementation != "sdpa":
+        parts.append(attn_implementation)
+    return "-".join(parts)
+
+
+def best_draft_length(table: CostTable, accepted: int, rejections: int, draft_ms: float, lo: int, hi: int) -> int:
+    """The draft length g in [lo, max(lo, hi)] with the most expected tokens per ms (Leviathan et al. 2023 §3.5):
+    ``(1 - a^(g+1)) / (1 - a)`` tokens for a verification of g + 1 rows (its cost from ``table``, padded to the
+    cheapest measured count >= g + 1) plus g draft forwards of ``draft_ms`` each. The acceptance rate ``a`` is
+    (accepted + 1) / (accepted + rejections + 2): the ratio with one of each as a prior. Lengths whose forward the
+    table does not cover are never chosen; ``lo`` when none is."""
+    a = (accepted + 1) / (accepted + rejections + 2)
+    best, best_rate = None, -1.0
+    for g in range(lo, max(lo, hi) + 1):
+        target_ms = table.ms_at_least(g + 1)
+        if target_ms is None:
+            break  # longer forwards were not measured
+        rate = (1 - a ** (g + 1)) / (1 - a) / (target_ms + g * draft_ms)
+        if rate > best_rate:
+            best, best_rate = g, rate
+    return best if best is not None else lo
+
+
 @dataclass
 class CostTable:
     """Median ms of one cached forward of T new rows (T = the keys of ``ms``) after ``context`` cached tokens."""
@@ -114,6 +146,14 @@ class CostTable:
         data["ms"] = {str(k): v for k, v in self.ms.items()}
         f.write_text(json.dumps(data, indent=1))
         return f
+
+    @classmethod
+    def find(cls, model: str, precision: str, forward_impl: str = "hf", attn_implementation: str = "sdpa",
+             root: Path | None = None) -> CostTable | None:
+        """The table of this forward (:func:`table_key`), else the one of transformers' forward with SDPA at the
+        same precision (what every run used before tables were kept per forward), else None."""
+        key = table_key(precision, forward_impl, attn_implementation)
+        return cls.load(model, key, root) or (cls.load(model, precision, root) if key != precision else None)
 
     @classmethod
     def load(cls, model: str, dtype: str, root: Path | None = None) -> CostTable | None:
