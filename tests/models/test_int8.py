@@ -91,6 +91,33 @@ def test_int8_weights_have_one_scale_per_output_row():
         int8.prepare(torch.nn.Linear(2, 2), "weight_only", smooth_alpha=0.5, calib=[[1, 2]])
 
 
+def test_smoothing_calibrates_through_sdpa_whatever_the_runs_attention(monkeypatch, tmp_path):
+    """The int8 cache key leaves the attention out, so the calibration must not depend on it: under
+    ``attn_implementation=invariant`` (or eager) the calibration forwards run through SDPA, and the model's own
+    attention is restored afterwards; the same smoothed weights either way."""
+    seen = []
+    smoothed = {}
+    for attn in ("sdpa", "invariant", "eager"):
+        lm = load_model(ModelConfig(name="tiny_random", source="tiny_random", seed=0, dtype="fp32", device="cpu",
+                                    attn_implementation=attn))
+        model = lm.model
+        hook = model.register_forward_pre_hook(lambda m, a, kw: seen.append(m.config._attn_implementation),
+                                               with_kwargs=True)
+        with torch.no_grad():
+            int8.smooth(model, 0.5, int8.calibration_ids(lm.tokenizer))
+        hook.remove()
+        assert model.config._attn_implementation == attn
+        smoothed[attn] = model.state_dict()
+    assert seen and set(seen) == {"sdpa"}
+    for attn in ("invariant", "eager"):
+        assert all(torch.equal(v, smoothed[attn][k]) for k, v in smoothed["sdpa"].items()), attn
+    f = tmp_path / "w.safetensors"
+    f.write_bytes(b"x")
+    before = int8.cache_key({"name": "m"}, [f])
+    monkeypatch.setattr(int8, "CALIBRATION_ATTENTION", "eager")  # caches calibrated another way are not reused
+    assert int8.cache_key({"name": "m"}, [f]) != before
+
+
 def test_smoothing_is_exact_in_fp32_and_rescues_int8_from_outlier_channels():
     """SmoothQuant moves per-channel activation scale from the activations into the weights: the fp32 model computes
     the same logits after it, and with outlier input channels int8 with smoothing is much closer to fp32 than

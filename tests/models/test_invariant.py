@@ -57,6 +57,32 @@ def test_every_lossless_method_equals_int8_ar_bitwise():
         assert got == want, method
 
 
+def test_tree_rows_share_a_scratch_buffer_and_see_exactly_their_keys():
+    """Gathered rows (tree nodes) reuse one buffer per forward and layer: each copies only what it lacks of its
+    leading run of the cache and its tail keys. Rows with longer and shorter runs, a slice row and an empty row in
+    one mask: every row's output is bitwise that of SDPA over exactly its keys, gathered anew."""
+    import torch.nn.functional as F
+
+    g = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(1, 4, s, 8, generator=g) for s in (6, 10, 10))
+    keys = [[0, 1, 2, 3, 4, 7], [0, 1, 2, 3, 4, 6, 8], [0, 1, 2, 6], [0, 1, 2, 3, 4, 5, 6, 7], [], [0, 1, 2, 3, 4, 5, 9]]
+    mask = torch.zeros(1, 1, 6, 10, dtype=torch.bool)
+    for i, row in enumerate(keys):
+        mask[0, 0, i, row] = True
+    invariant._LAST.update(mask=None, key=None, plan=None)
+    plan = invariant._plan(mask, 1, 6, 10, "cpu", first=True)[0]
+    assert [(n, None if at is None else (at[0], at[1].tolist())) for n, at in plan] == [
+        (6, (5, [7])), (7, (5, [6, 8])), (4, (3, [6])), (8, None), (0, None), (7, (6, [9]))]
+    out, _ = invariant.attention(torch.nn.Module(), q, k, v, mask)
+    for i, row in enumerate(keys):
+        if not row:
+            assert not out[0, i].any()
+            continue
+        at = torch.tensor(row)
+        ref = F.scaled_dot_product_attention(q[:, :, i : i + 1], k.index_select(2, at), v.index_select(2, at))
+        assert torch.equal(out[0, i], ref[0, :, 0]), i
+
+
 def test_the_allowed_keys_of_each_mask_form():
     causal = invariant._allowed(None, 1, 2, 4, "cpu")
     assert causal[0].tolist() == [[True, True, True, False], [True, True, True, True]]

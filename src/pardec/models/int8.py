@@ -246,6 +246,10 @@ CALIBRATION = (
 )
 
 
+#: the attention the calibration forwards of :func:`smooth` run through, whatever the model's (part of the cache key)
+CALIBRATION_ATTENTION = "sdpa"
+
+
 def calibration_ids(tokenizer) -> list[list[int]]:
     """:data:`CALIBRATION` as token ids: as plain text and, when the tokenizer has one, in its chat template (the
     special tokens of a chat turn carry activations of their own)."""
@@ -281,13 +285,23 @@ def smooth(model: torch.nn.Module, alpha: float, calib: list[list[int]], skip: t
                 x = inp[0].detach().abs().flatten(0, -2).amax(0).float()
                 amax[id(m)] = torch.maximum(amax[id(m)], x) if id(m) in amax else x
             hooks.append(mod.register_forward_hook(record))
+    # the calibration runs through SDPA whatever attention the run asked for: the int8 weights are cached by a key
+    # that leaves the attention out, and pardec's invariant attention (or eager) differs from SDPA in the last bits,
+    # which moved some smoothing scales and int8 weights by one step (seen 2026-11-27: a cache calibrated under
+    # attn_implementation=invariant gave other int8 `ar` text than the one calibrated under SDPA)
+    config = getattr(model, "config", None)
+    attn = getattr(config, "_attn_implementation", None)
     try:
+        if attn is not None and attn != CALIBRATION_ATTENTION:
+            config._attn_implementation = CALIBRATION_ATTENTION
         dev = next(model.parameters()).device
         for ids in calib:
             model(input_ids=torch.tensor([ids], device=dev))
     finally:
         for h in hooks:
             h.remove()
+        if attn is not None and attn != CALIBRATION_ATTENTION:
+            config._attn_implementation = attn
 
     def scale(x_max: torch.Tensor, linears: list[torch.nn.Linear]) -> torch.Tensor:
         w_max = torch.stack([lin.weight.abs().amax(0).float() for lin in linears]).amax(0)
@@ -381,7 +395,8 @@ def cache_key(identity: dict, weight_files: list[Path], recipe: dict | None = No
     (scheme, smoothing, skipped linears, calibration) changes."""
     stats = [(str(f), f.stat().st_size, f.stat().st_mtime_ns) for f in sorted(weight_files) if f.is_file()]
     blob = json.dumps({"identity": identity, "files": stats, "torch": torch.__version__, "recipe": recipe or {},
-                       "calibration": CALIBRATION}, sort_keys=True, default=str)
+                       "calibration": CALIBRATION, "calibration_attention": CALIBRATION_ATTENTION},
+                      sort_keys=True, default=str)
     return hashlib.sha256(blob.encode()).hexdigest()[:20]
 
 

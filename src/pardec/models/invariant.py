@@ -18,7 +18,9 @@ tiny model, measured on SmolLM2 in the README). fp32 and bf16 linears are small-
 this attention removes one source of last-bit differences, not all.
 
 The cost: T calls per layer instead of one, and one host read of the mask per forward (each row's allowed keys,
-kept for the forward's other layers, :func:`_plan`): a CPU exactness mode. On a GPU it works but every layer syncs; use ``sdpa`` there. The lean and
+kept for the forward's other layers, :func:`_plan`): a CPU exactness mode. Tree rows share one scratch buffer per
+layer: it keeps the cache's leading keys, so each row copies only its few ancestors after them (before, every row
+gathered its whole prefix anew: a copy of the cache per row and layer). On a GPU it works but every layer syncs; use ``sdpa`` there. The lean and
 compiled forwards run their own attention and refuse it. Registered with transformers' attention and mask
 interfaces on import (:func:`register`).
 """
@@ -60,8 +62,9 @@ _LAST: dict = {"mask": None, "key": None, "plan": None}
 
 
 def _plan(mask: torch.Tensor | None, batch: int, rows: int, keys: int, device, first: bool) -> list[list[tuple]]:
-    """Per batch row, per query row: ``(n, None)``: attend over the first ``n`` keys (a slice); ``(n, indices)``:
-    over the ``n`` keys at ``indices`` (on ``device``, in cache order); ``(0, None)``: none. Read from the mask at
+    """Per batch row, per query row: ``(n, None)``: attend over the first ``n`` keys (a slice); ``(n, (p, tail))``:
+    over the first ``p`` keys and then the keys at ``tail`` (on ``device``, in cache order; ``n`` = p + len(tail):
+    a tree node's prefix and its ancestors); ``(0, None)``: none. Read from the mask at
     a forward's ``first`` layer, and by any layer given another mask object (a weak reference: a freed mask is
     never mistaken for a new one) or other shapes; the forward's other layers reuse it. (Masks are made anew for
     every forward and are inference tensors, which have no version counter to check.)"""
@@ -77,8 +80,11 @@ def _plan(mask: torch.Tensor | None, batch: int, rows: int, keys: int, device, f
         for i in range(rows):
             idx = allowed[b, i].nonzero().squeeze(1)
             n = idx.numel()
-            prefix = n == 0 or int(idx[-1]) == n - 1
-            row_plans.append((n, None if prefix else idx.to(device)))
+            if n == 0 or int(idx[-1]) == n - 1:
+                row_plans.append((n, None))
+                continue
+            run = int((idx == torch.arange(n)).cumprod(0).sum())  # the leading keys 0, 1, ..., p - 1
+            row_plans.append((n, (run, idx[run:].to(device))))
         plan.append(row_plans)
     _LAST.update(mask=None if mask is None else weakref.ref(mask), key=key, plan=plan)
     return plan
@@ -101,14 +107,27 @@ def attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, v
     out = query.new_empty(batch, rows, heads, value.shape[-1])
     first = getattr(module, "layer_idx", 0) == 0
     for b, plan in enumerate(_plan(attention_mask, batch, rows, key.shape[2], key.device, first)):
+        # gathered rows (tree nodes) share one scratch buffer: its first ``valid`` slots hold the cache's first keys,
+        # so each row copies only what it lacks of its leading run and then its few tail keys, not its whole prefix
+        width = max((n for n, at in plan if at is not None), default=0)
+        if width:
+            sk, sv = key.new_empty(1, heads, width, key.shape[-1]), value.new_empty(1, heads, width, value.shape[-1])
+        valid = 0
         for i, (n, at) in enumerate(plan):
             if n == 0:
                 out[b, i] = 0  # a padding row that sees nothing (never read)
                 continue
             if at is None:  # a prefix of the cache: the slice a one-row step attends over
                 k, v = key[b : b + 1, :, :n], value[b : b + 1, :, :n]
-            else:  # e.g. a tree node: the prefix and its ancestors, in cache order
-                k, v = key[b : b + 1].index_select(2, at), value[b : b + 1].index_select(2, at)
+            else:  # e.g. a tree node: its leading run of the cache, then its ancestors, in cache order
+                run, tail = at
+                if valid < run:
+                    sk[:, :, valid:run] = key[b : b + 1, :, valid:run]
+                    sv[:, :, valid:run] = value[b : b + 1, :, valid:run]
+                sk[:, :, run:n] = key[b : b + 1].index_select(2, tail)
+                sv[:, :, run:n] = value[b : b + 1].index_select(2, tail)
+                valid = run  # the slots from ``run`` on now hold this row's tail
+                k, v = sk[:, :, :n], sv[:, :, :n]
             o = F.scaled_dot_product_attention(query[b : b + 1, :, i : i + 1], k, v, scale=scaling)
             out[b, i] = o[0, :, 0]
     return out, None
