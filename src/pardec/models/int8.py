@@ -185,6 +185,8 @@ def is_int8(model: torch.nn.Module) -> bool:
 SCHEMES = ("weight_only", "per_channel", "per_tensor", "per_token")
 #: the schemes whose activations are quantized (smoothing applies to them only)
 DYNAMIC_SCHEMES = ("per_channel", "per_tensor", "per_token")
+#: the schemes whose linears are pardec's own modules (the others are fbgemm's dynamic linears)
+OWN_LINEARS = {"weight_only": WeightOnlyLinear, "per_token": PerTokenLinear}
 
 
 def quantize(model: torch.nn.Module, scheme: str = "per_channel", skip: tuple[str, ...] = ()) -> torch.nn.Module:
@@ -194,12 +196,10 @@ def quantize(model: torch.nn.Module, scheme: str = "per_channel", skip: tuple[st
 
     if scheme not in SCHEMES:
         raise ValueError(f"int8 weight scheme {scheme!r} is not one of {', '.join(SCHEMES)}")
-    if scheme == "weight_only":
-        _warn_without_bf16()
-        replace_linears(model, skip, WeightOnlyLinear.of)
-        return model
-    if scheme == "per_token":
-        replace_linears(model, skip, PerTokenLinear.of)
+    if scheme in OWN_LINEARS:
+        if scheme == "weight_only":
+            _warn_without_bf16()
+        replace_linears(model, skip, OWN_LINEARS[scheme].of)
         return model
     qconfig = per_channel_dynamic_qconfig if scheme == "per_channel" else default_dynamic_qconfig
     spec = {name: qconfig for name, mod in model.named_modules()
@@ -292,7 +292,7 @@ def smooth(model: torch.nn.Module, alpha: float, calib: list[list[int]], skip: t
     config = getattr(model, "config", None)
     attn = getattr(config, "_attn_implementation", None)
     try:
-        if attn is not None and attn != CALIBRATION_ATTENTION:
+        if attn is not None:
             config._attn_implementation = CALIBRATION_ATTENTION
         dev = next(model.parameters()).device
         for ids in calib:
@@ -300,7 +300,7 @@ def smooth(model: torch.nn.Module, alpha: float, calib: list[list[int]], skip: t
     finally:
         for h in hooks:
             h.remove()
-        if attn is not None and attn != CALIBRATION_ATTENTION:
+        if attn is not None:
             config._attn_implementation = attn
 
     def scale(x_max: torch.Tensor, linears: list[torch.nn.Linear]) -> torch.Tensor:
@@ -376,10 +376,10 @@ def replace_linears(model: torch.nn.Module, skip: tuple[str, ...], make) -> None
 def _skeleton(model: torch.nn.Module, skip: tuple[str, ...] = (), scheme: str = "per_channel") -> torch.nn.Module:
     """``model`` with each ``nn.Linear`` not in ``skip`` replaced by an empty int8 linear of the same shape (of
     ``scheme``), ready for a cached state dict (no weight is quantized: building it costs milliseconds)."""
-    if scheme in ("weight_only", "per_token"):
-        cls = WeightOnlyLinear if scheme == "weight_only" else PerTokenLinear
+    if scheme in OWN_LINEARS:
         if scheme == "weight_only":
             _warn_without_bf16()
+        cls = OWN_LINEARS[scheme]
         replace_linears(model, skip, lambda c: cls(c.in_features, c.out_features, c.bias is not None))
         return model
     qlin = _quantized_linear_type()
