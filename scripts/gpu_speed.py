@@ -1,7 +1,7 @@
 """Per-step cost of pardec's decoding loop on a GPU at the sizes researchers run, without their weights: a random
 Llama of a named shape (initialised on the device, in bf16 by default) with SmolLM2's tokenizer.
 
-    python scripts/gpu_speed.py [--shapes 7b,1b,smollm2] [--dtype bf16] [--new-tokens 128] [--context 512]
+    python scripts/gpu_speed.py [--shapes 7b,1b,smollm2] [--dtype bf16] [--tf32 on] [--new-tokens 128] [--context 512]
                                 [--sizes 1,2,4,8,16,32,64] [--impls hf,lean,compiled,cudagraph]
                                 [--cost-impls hf,cudagraph] [--methods ar,pld,jacobi,lookahead] [--out DIR]
 
@@ -132,7 +132,8 @@ def _num(v: float | None) -> str:
 
 
 def tables(res: dict) -> str:
-    lines = [f"GPU speed: {res['device']}, torch {res['torch']}, {res['dtype']}, random weights, context "
+    tf32 = f" (TF32 {res['tf32']})" if res["dtype"] == "fp32" and "tf32" in res else ""
+    lines = [f"GPU speed: {res['device']}, torch {res['torch']}, {res['dtype']}{tf32}, random weights, context "
              f"{res['context']}, {res['new_tokens']} new tokens ({res['date']})", ""]
     for s in res["shapes"]:
         ms = s["cost_ms"]
@@ -163,6 +164,8 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shapes", default="7b,1b,smollm2", help=f"comma-separated, of {', '.join(SHAPES)}")
     ap.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp32"])
+    ap.add_argument("--tf32", default="on", choices=["on", "off"],
+                    help="fp32 matmuls in TF32 on Ampere+ GPUs (pardec's `tf32` key; no effect in bf16/fp16)")
     ap.add_argument("--device", default="cuda", help="cuda (what it is for) or cpu (a test of the script itself)")
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--context", type=int, default=512)
@@ -184,10 +187,10 @@ def main(argv: list[str] | None = None) -> int:
     from pardec.config import ModelConfig
     from pardec.models.loading import load_tokenizer, set_tf32
 
-    set_tf32(True)
+    set_tf32(a.tf32 == "on")
     tok = load_tokenizer(ModelConfig(name="tiny_random", source="tiny_random"))
     res = {"device": torch.cuda.get_device_name(0) if a.device.startswith("cuda") else "cpu",
-           "torch": torch.__version__, "dtype": a.dtype,
+           "torch": torch.__version__, "dtype": a.dtype, "tf32": a.tf32,
            "context": a.context, "new_tokens": a.new_tokens, "date": time.strftime("%Y-%m-%d"), "shapes": []}
     a.out.mkdir(parents=True, exist_ok=True)
     for shape in a.shapes.split(","):

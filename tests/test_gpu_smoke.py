@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
 from tests.conftest import load_script
 
@@ -49,11 +50,17 @@ def test_gpu_speed_runs_on_cpu_as_a_test_of_itself(tmp_path):
     """scripts/gpu_speed.py on the CPU with its tiny shape: the cost table, `generate()` and `ar` on each forward,
     the same tokens (fp32), no sync counts off CUDA, and both files written."""
     speed = load_script("gpu_speed")
-    rc = speed.main(["--device", "cpu", "--shapes", "tiny", "--dtype", "fp32", "--new-tokens", "12", "--context", "40",
-                     "--sizes", "1,2,4", "--repeats", "2", "--impls", "hf,lean", "--cost-impls", "lean,cudagraph",
-                     "--methods", "ar,pld,jacobi", "--out", str(tmp_path)])
+    before = torch.backends.cuda.matmul.allow_tf32
+    try:
+        rc = speed.main(["--device", "cpu", "--shapes", "tiny", "--dtype", "fp32", "--tf32", "off", "--new-tokens", "12",
+                         "--context", "40", "--sizes", "1,2,4", "--repeats", "2", "--impls", "hf,lean",
+                         "--cost-impls", "lean,cudagraph", "--methods", "ar,pld,jacobi", "--out", str(tmp_path)])
+        assert torch.backends.cuda.matmul.allow_tf32 is False  # --tf32 off reached pardec's switch
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = before
     assert rc == 0
     out = json.loads((tmp_path / "gpu_speed.json").read_text())
+    assert out["tf32"] == "off"
     (shape,) = out["shapes"]
     assert shape["shape"] == "tiny" and set(shape["cost_ms"]) == {"1", "2", "4"}  # (hf: measured as the reference)
     assert set(shape["cost_ms_by_impl"]["lean"]) == {"1", "2", "4"}
@@ -66,6 +73,7 @@ def test_gpu_speed_runs_on_cpu_as_a_test_of_itself(tmp_path):
     assert all(r["tokens_per_forward"] >= 1 and r["ms_per_forward"] > 0 and r["graphed_forwards"] == 0 for r in rows)
     md = (tmp_path / "gpu_speed.md").read_text()
     assert "| ar | lean |" in md and "| jacobi | lean |" in md and "forward of T new rows" in md
+    assert "fp32 (TF32 off), random weights" in md
     assert "| lean | " in md and "| cudagraph | ValueError: forward_impl=cudagraph" in md
 
 
