@@ -12,7 +12,9 @@ side by side, plus the training curves.
 * ``--quality LABEL=DIR``: an ``evaluate`` run of ``ar`` with room for whole answers (e.g. 256 tokens) on one model:
   accuracy, mean answer length, how many answers ended with EOS, how many fall into a loop (some <= 8-gram
   repeated 9+ times in a row, the collection's cleaning rule) and the distinct-4-gram ratio. A CLLM trained on
-  the first ``max_new_tokens`` of each answer is only constrained there; this shows what happens past it.
+  the first ``max_new_tokens`` of each answer is only constrained there; this shows what happens past it. Each
+  label's EOS-ended and looping answers are also compared with the ``--base`` label's prompt by prompt (how many
+  it gained and lost, and an exact McNemar p-value): on 50 prompts a count differs by a few between runs by chance.
 * Trade-off plot: every label with both a ``--bench`` Jacobi row and a ``--quality`` row becomes a point of
   fast-forward (test prompts) against loops and distinct 4-grams, beside the bounds issue #25 sets from the
   ``--base`` label's quality (loops within +-3, distinct 4-grams within 10%) and its fast-forward goal of 1.8
@@ -27,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import statistics
 import sys
 from pathlib import Path
@@ -98,23 +101,63 @@ def quality_row(label: str, run_dir: Path) -> dict:
         raise SystemExit(f"error: --quality {label}={run_dir}: no successful {role} records in results.jsonl")
     cap = s["max_new_tokens"]
     d4 = [v for r in recs if (v := distinct_ngrams(r["tokens"])) is not None]
+    flags = {str(r.get("id", i)): {"eos": r["n_tokens"] < cap, "loop": has_degenerate_repetition(r["tokens"])}
+             for i, r in enumerate(recs)}
     return {"model": label, "method": s["method"], "n": len(recs), "max_new_tokens": cap, "dtype": s.get("dtype"),
             "metric_name": s.get("metric_name"), "metric": s.get("metric"),
             "mean_tokens": statistics.mean(r["n_tokens"] for r in recs),
-            "eos_stops": sum(r["n_tokens"] < cap for r in recs),
-            "loops": sum(has_degenerate_repetition(r["tokens"]) for r in recs),
-            "distinct_4": statistics.mean(d4) if d4 else None}
+            "eos_stops": sum(f["eos"] for f in flags.values()),
+            "loops": sum(f["loop"] for f in flags.values()),
+            "distinct_4": statistics.mean(d4) if d4 else None, "per_prompt": flags}
 
 
-def render_quality(rows: list[dict]) -> str:
-    md = ["| model | method | accuracy | mean tokens | ended with EOS | in a loop | distinct 4-grams |",
-          "|---|---|---|---|---|---|---|"]
+def mcnemar_exact(b: int, c: int) -> float:
+    """Two-sided exact McNemar p-value of ``b`` pairs changed one way and ``c`` the other (a binomial test of
+    min(b, c) among b + c at 1/2): how often two models equally likely to end (or loop) on a prompt would split
+    their discordant prompts at least this unevenly."""
+    n = b + c
+    if n == 0:
+        return 1.0
+    tail = sum(math.comb(n, k) for k in range(min(b, c) + 1)) / 2 ** n
+    return min(1.0, 2 * tail)
+
+
+def paired_vs_base(base: dict, row: dict) -> dict:
+    """Per flag (``eos``, ``loop``), over the prompts both rows answered: how many the model has where the base has
+    not (``gained``), the reverse (``lost``), and the exact McNemar p-value of that split."""
+    ids = sorted(set(base["per_prompt"]) & set(row["per_prompt"]))
+    out: dict = {"n": len(ids)}
+    for key in ("eos", "loop"):
+        gained = sum(row["per_prompt"][i][key] and not base["per_prompt"][i][key] for i in ids)
+        lost = sum(base["per_prompt"][i][key] and not row["per_prompt"][i][key] for i in ids)
+        out[key] = {"gained": gained, "lost": lost, "p": mcnemar_exact(gained, lost)}
+    return out
+
+
+def render_quality(rows: list[dict], base: str | None = None) -> str:
+    """The quality table; with ``base`` (a row's label), each other row's EOS-ended and looping answers compared
+    with the base's prompt by prompt (gained / lost, exact McNemar p): is a difference in counts more than the
+    noise of 50 prompts?"""
+    ref = next((r for r in rows if r["model"] == base), None)
+    paired = ref is not None and len(rows) > 1
+    md = ["| model | method | accuracy | mean tokens | ended with EOS | in a loop | distinct 4-grams |"
+          + (" EOS vs base: +gained / -lost (p) | loops vs base (p) |" if paired else ""),
+          "|---|---|---|---|---|---|---|" + ("---|---|" if paired else "")]
     for r in rows:
+        cells = ""
+        if paired:
+            if r is ref:
+                cells = " – | – |"
+            else:
+                d = paired_vs_base(ref, r)
+                cells = "".join(f" +{d[k]['gained']} / -{d[k]['lost']} (p {d[k]['p']:.3f}) |" for k in ("eos", "loop"))
         md.append(f"| {r['model']} | {r['method']} | {_f(r['metric'])} | {_f(r['mean_tokens'], 1)} | "
-                  f"{r['eos_stops']}/{r['n']} | {r['loops']}/{r['n']} | {_f(r['distinct_4'])} |")
+                  f"{r['eos_stops']}/{r['n']} | {r['loops']}/{r['n']} | {_f(r['distinct_4'])} |" + cells)
     r = rows[0]
     md.append(f"\n{r['n']} prompts per model, {r['dtype']}, max_new_tokens={r['max_new_tokens']}, greedy; "
-              f"accuracy = {r['metric_name']}; in a loop = some <= 8-gram repeated 9+ times in a row.")
+              f"accuracy = {r['metric_name']}; in a loop = some <= 8-gram repeated 9+ times in a row."
+              + (f" vs base: prompt by prompt against `{base}` (+ the model ends / loops where the base does not, - "
+                 "the reverse), p: exact two-sided McNemar test." if paired else ""))
     return "\n".join(md) + "\n"
 
 
@@ -228,8 +271,11 @@ def main() -> None:
     a.out.mkdir(parents=True, exist_ok=True)
     md = render(rows) if rows else ""
     if quality:
-        md += ("\n" if md else "") + render_quality(quality)
+        md += ("\n" if md else "") + render_quality(quality, a.base)
     base = next((q for q in quality if q["model"] == a.base), None)
+    for q in quality:
+        if base is not None and q is not base:
+            q["vs_base"] = paired_vs_base(base, q)
     points = tradeoff_points(rows, quality, a.base)
     if base and plot_tradeoff(points, base, a.out / "cllm_tradeoff.png"):
         md += f"\nTrade-off plot: {a.out / 'cllm_tradeoff.png'}\n"

@@ -87,6 +87,32 @@ def test_quality(tmp_path):
     assert cllm_report.quality_row("base", run)["loops"] == 1
 
 
+def test_mcnemar_exact_and_paired_comparison_with_the_base():
+    # two-sided exact binomial test of the discordant pairs at 1/2 (values from the binomial distribution)
+    assert cllm_report.mcnemar_exact(0, 0) == 1.0 and cllm_report.mcnemar_exact(3, 3) == 1.0
+    assert cllm_report.mcnemar_exact(0, 5) == cllm_report.mcnemar_exact(5, 0) == 2 / 32
+    assert abs(cllm_report.mcnemar_exact(2, 10) - 2 * (1 + 12 + 66) / 4096) < 1e-12  # 0.0386
+    assert cllm_report.mcnemar_exact(1, 20) < 1e-4
+
+    def row(label, eos, loop):
+        flags = {f"p{i}": {"eos": e, "loop": lp} for i, (e, lp) in enumerate(zip(eos, loop))}
+        return {"model": label, "method": "ar", "metric": None, "mean_tokens": 1.0, "n": len(flags), "dtype": "fp32",
+                "max_new_tokens": 8, "metric_name": "correct", "eos_stops": sum(eos), "loops": sum(loop),
+                "distinct_4": None, "per_prompt": flags}
+
+    base = row("base", [1, 1, 0, 0, 0, 1], [0, 0, 0, 1, 0, 0])
+    cllm = row("cllm", [1, 0, 1, 1, 1, 1], [0, 0, 0, 0, 0, 0])
+    d = cllm_report.paired_vs_base(base, cllm)
+    assert d["n"] == 6 and d["eos"] == {"gained": 3, "lost": 1, "p": cllm_report.mcnemar_exact(3, 1)}
+    assert d["loop"]["gained"] == 0 and d["loop"]["lost"] == 1
+    cllm["per_prompt"]["extra"] = {"eos": True, "loop": True}  # a prompt the base did not answer is left out
+    assert cllm_report.paired_vs_base(base, cllm)["n"] == 6
+    md = cllm_report.render_quality([base, cllm], "base")
+    assert "| base | ar | – | 1.0 | 3/6 | 1/6 | – | – | – |" in md
+    assert f"+3 / -1 (p {cllm_report.mcnemar_exact(3, 1):.3f}) | +0 / -1 (p 1.000) |" in md
+    assert "EOS vs base" not in cllm_report.render_quality([cllm], "base")  # no base row: no paired columns
+
+
 def test_tradeoff_points_and_plot(tmp_path):
     _bench(tmp_path / "a", 1.6)
     _bench(tmp_path / "b", 1.9)
