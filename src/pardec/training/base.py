@@ -162,8 +162,12 @@ def training_args(config_cls: type, spec, run_dir: Path, **extra):
     defaults = {"output_dir": str(run_dir), "report_to": spec.logger.get("name", "none"), "run_name": run_dir.name}
     if spec.deepspeed:
         single_process_env()
-    args = config_cls(**{**defaults, **spec.trainer, **extra},
-                      deepspeed=str(spec.deepspeed) if spec.deepspeed else None)
+    opts = {**defaults, **spec.trainer, **extra}
+    if opts.get("bf16") and not torch.cuda.is_available():
+        # bf16 mixed precision on the CPU (autocast; ~1.5x faster CLLM steps on a Zen 4 with avx512_bf16):
+        # transformers refuses it unless the run is declared a CPU run
+        opts["use_cpu"] = True
+    args = config_cls(**opts, deepspeed=str(spec.deepspeed) if spec.deepspeed else None)
     if spec.deepspeed:
         import deepspeed
 
