@@ -212,6 +212,40 @@ def test_generate_stage_resumes_skips_and_feeds_the_train_stage(tmp_path, monkey
     assert not loaded
 
 
+def test_ar_clean_defaults_to_collect_clean_and_sets_the_train_stages_rule(tmp_path, monkeypatch):
+    """``ar_clean`` (default: ``collect.clean``) decides alone whether the train stage drops records whose whole
+    answer loops; ``collect.clean`` keeps cleaning the collection."""
+    from pardec.train import validate
+    from pardec.training import base
+    from pardec.training.cllm import CLLMKind, answers, trajectories
+    from tests.training.test_train_app import _tiny
+
+    class Stop(Exception):
+        pass
+
+    seen: list = []
+
+    def fake(records, traj, corpus, cap, repeats=None):
+        seen.append(repeats)
+        raise Stop
+
+    monkeypatch.setattr(answers, "whole_answers", fake)
+    monkeypatch.setattr(base, "training_args", lambda cls, spec, run_dir: cls(output_dir=str(run_dir)))
+    monkeypatch.setattr(trajectories, "load_trajectories", lambda path: [{"id": "d0"}, {"id": "d1"}])
+    kind = CLLMKind()
+    for overrides, clean, expect in [((), False, None),
+                                     (("collect.clean=true",), True, (8, 8)),
+                                     (("collect.clean=true", "ar_clean=false"), True, None),
+                                     (("ar_clean=true", "collect.clean_max_repeats=5"), False, (8, 5))]:
+        spec = validate(_tiny(tmp_path, *overrides))
+        assert (spec.collect.clean, spec.ar_clean) == (clean, expect is not None)
+        with pytest.raises(Stop):
+            kind.stage_train(spec, tmp_path / "run", None)
+        assert seen.pop() == expect
+    with pytest.raises(ConfigError, match="ar_clean='yes' is not valid; choose one of: true, false"):
+        validate(_tiny(tmp_path, "ar_clean=yes"))
+
+
 def test_last_block_tail_puts_the_rest_of_the_answer_in_one_sample_per_record(setup):
     """``ar_tail="last_block"`` (the CPU recipe): the record's last sample holds the whole answer, its other samples
     the collected one; the consistency pairs are those of the collected rows in every sample."""

@@ -29,8 +29,11 @@ Matching rules (:func:`extend_answers`), so that nothing is corrupted silently:
 * corpus and collection must come from the same teacher: their ``meta.json`` ``model`` identities (all but
   ``device``, ``device_map`` and ``attn_implementation``, which change only numerics, which the prefix rule
   handles) and EOS ids must agree;
-* with ``collect.clean`` the collection's repetition rule is applied to the whole answer too: a record whose whole
-  answer loops is left out of training (counted as ``dropped_repetition``).
+* with ``ar_clean`` (an experiment key; default ``collect.clean``) the collection's repetition rule
+  (``collect.clean_max_ngram``, ``collect.clean_max_repeats``) is applied to the whole answer too: a record whose
+  whole answer loops is left out of training (counted as ``dropped_repetition``). ``ar_clean: false`` with
+  ``collect.clean: true`` keeps those records (their collected blocks passed the rule) with their looping whole
+  answers, without changing the collection's settings.
 
 The whole answer goes into each record as ``ar_answer_ids`` (in memory only: neither file changes), read by
 :class:`~pardec.training.cllm.data.TrajectoryDataset` (the AR row; ``answer_ids`` still bounds the consistency
@@ -57,6 +60,12 @@ def check_ar_answer(value: object, key: str = "ar_answer") -> str:
     if value not in AR_ANSWERS:
         raise ConfigError(f"{key}={value!r} is not valid; choose one of: {', '.join(AR_ANSWERS)}")
     return value  # type: ignore[return-value]
+
+
+def check_ar_clean(value: object, key: str = "ar_clean") -> bool:
+    if not isinstance(value, bool):
+        raise ConfigError(f"{key}={value!r} is not valid; choose one of: true, false")
+    return value
 
 
 def stops_short(rec: dict, cap: int) -> bool:
