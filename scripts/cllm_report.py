@@ -136,8 +136,8 @@ def paired_vs_base(base: dict, row: dict) -> dict:
 
 def render_quality(rows: list[dict], base: str | None = None) -> str:
     """The quality table; with ``base`` (a row's label), each other row's EOS-ended and looping answers compared
-    with the base's prompt by prompt (gained / lost, exact McNemar p): is a difference in counts more than the
-    noise of 50 prompts?"""
+    with the base's prompt by prompt (gained / lost, exact McNemar p; stored in the row as ``vs_base``): is a
+    difference in counts more than the noise of 50 prompts?"""
     ref = next((r for r in rows if r["model"] == base), None)
     paired = ref is not None and len(rows) > 1
     md = ["| model | method | accuracy | mean tokens | ended with EOS | in a loop | distinct 4-grams |"
@@ -149,7 +149,7 @@ def render_quality(rows: list[dict], base: str | None = None) -> str:
             if r is ref:
                 cells = " – | – |"
             else:
-                d = paired_vs_base(ref, r)
+                d = r["vs_base"] = paired_vs_base(ref, r)  # kept in the row: the JSON output has it
                 cells = "".join(f" +{d[k]['gained']} / -{d[k]['lost']} (p {d[k]['p']:.3f}) |" for k in ("eos", "loop"))
         md.append(f"| {r['model']} | {r['method']} | {_f(r['metric'])} | {_f(r['mean_tokens'], 1)} | "
                   f"{r['eos_stops']}/{r['n']} | {r['loops']}/{r['n']} | {_f(r['distinct_4'])} |" + cells)
@@ -272,10 +272,7 @@ def main() -> None:
     md = render(rows) if rows else ""
     if quality:
         md += ("\n" if md else "") + render_quality(quality, a.base)
-    base = next((q for q in quality if q["model"] == a.base), None)
-    for q in quality:
-        if base is not None and q is not base:
-            q["vs_base"] = paired_vs_base(base, q)
+    base = next((q for q in quality if q["model"] == a.base), None)  # render_quality set each other row's vs_base
     points = tradeoff_points(rows, quality, a.base)
     if base and plot_tradeoff(points, base, a.out / "cllm_tradeoff.png"):
         md += f"\nTrade-off plot: {a.out / 'cllm_tradeoff.png'}\n"

@@ -110,6 +110,7 @@ def test_mcnemar_exact_and_paired_comparison_with_the_base():
     md = cllm_report.render_quality([base, cllm], "base")
     assert "| base | ar | – | 1.0 | 3/6 | 1/6 | – | – | – |" in md
     assert f"+3 / -1 (p {cllm_report.mcnemar_exact(3, 1):.3f}) | +0 / -1 (p 1.000) |" in md
+    assert cllm["vs_base"] == cllm_report.paired_vs_base(base, cllm) and "vs_base" not in base  # for the JSON
     assert "EOS vs base" not in cllm_report.render_quality([cllm], "base")  # no base row: no paired columns
 
 
