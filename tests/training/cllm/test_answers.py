@@ -242,7 +242,7 @@ def test_ar_clean_defaults_to_collect_clean_and_sets_the_train_stages_rule(tmp_p
         with pytest.raises(Stop):
             kind.stage_train(spec, tmp_path / "run", None)
         assert seen.pop() == expect
-    with pytest.raises(ConfigError, match="ar_clean='yes' is not valid; choose one of: true, false"):
+    with pytest.raises(ConfigError, match="ar_clean='yes' must be bool"):
         validate(_tiny(tmp_path, "ar_clean=yes"))
 
 

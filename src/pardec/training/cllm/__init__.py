@@ -27,8 +27,8 @@ from typing import Any
 
 from omegaconf import DictConfig
 
-from pardec.config import ConfigError, DatasetConfig, to_dataclass
-from pardec.training.cllm.answers import check_ar_answer, check_ar_clean
+from pardec.config import ConfigError, DatasetConfig, check_types, to_dataclass
+from pardec.training.cllm.answers import check_ar_answer
 from pardec.training.cllm.collect import CollectConfig
 from pardec.training.kinds import Kind, Spec, common_fields, register_kind
 
@@ -69,12 +69,14 @@ class CLLMKind(Kind):
         from pardec.training.completions import generate_config
 
         _, completions = self.sections(cfg, "collect", "completions")
+        ar_clean = cfg.get("ar_clean", cfg.collect.get("clean", False))
+        check_types(CLLMSpec, {"ar_clean": ar_clean}, "")
         return CLLMSpec(**common_fields(cfg, name, CLLMConfig, lora=True),
                         dataset=to_dataclass(DatasetConfig, cfg.dataset, "dataset"),
                         collect=to_dataclass(CollectConfig, cfg.collect, "collect"),
                         train_data=Path(cfg.get("train_data") or cfg.collect.out_dir),
                         ar_answer=check_ar_answer(cfg.get("ar_answer", "whole")),
-                        ar_clean=check_ar_clean(cfg.get("ar_clean", cfg.collect.get("clean", False))),
+                        ar_clean=ar_clean,
                         gen=generate_config(completions, "completions"))
 
     def stage_collect(self, spec: CLLMSpec, run_dir: Path, d) -> dict | None:

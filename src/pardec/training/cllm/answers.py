@@ -62,12 +62,6 @@ def check_ar_answer(value: object, key: str = "ar_answer") -> str:
     return value  # type: ignore[return-value]
 
 
-def check_ar_clean(value: object, key: str = "ar_clean") -> bool:
-    if not isinstance(value, bool):
-        raise ConfigError(f"{key}={value!r} is not valid; choose one of: true, false")
-    return value
-
-
 def stops_short(rec: dict, cap: int) -> bool:
     """Whether the record's collected answer ends before the teacher's whole answer can (no EOS, under ``cap``)."""
     return rec.get("stop_reason") != "eos" and len(rec["answer_ids"]) < cap
