@@ -12,7 +12,8 @@ target's own completions, the SDSAT masked corpus): a directory with ``meta.json
   batches (or as a stream that refills its batch as prompts finish) and appends each record (fsynced) as soon as
   it exists: a kill loses only the prompts in flight.
 * :func:`write_merged`: the merged JSONL, written to a temporary file and renamed;
-* :func:`run_stage`: the three together under several ranks (prepare, barrier, this rank's share, barrier, merge);
+* :func:`run_stage`: the three together under several ranks (prepare, barrier, this rank's share, barrier, merge,
+  barrier): when it returns on any rank, the merged file is complete, so every rank may read it;
 * :func:`merge`: every part file into the merged file (one record per id, sorted by index) and ``stats.json``.
 """
 
@@ -189,7 +190,9 @@ def run_stage(items: Sequence[Any], out_dir: str | Path, prepare: Callable[[int]
               stream: Callable[[Iterator[Any]], Iterator[dict]] | None = None) -> dict | None:
     """One data-generation stage over ranks: rank 0 runs ``prepare(rank)`` (create or wipe ``out_dir``, write
     meta.json) before the others check it, every rank runs its share (:func:`run_shard`), and once all are done
-    rank 0 returns ``merge(out_dir, len(items))``; other ranks, and a run stopped by ``stop_after``, return None."""
+    rank 0 returns ``merge(out_dir, len(items))``; other ranks, and a run stopped by ``stop_after``, return None.
+    Every rank returns only after rank 0's merge, so each may read the merged file at once (the one barrier for
+    this, for every kind)."""
     if rank == 0:
         prepare(rank)
     if barrier:
@@ -198,8 +201,12 @@ def run_stage(items: Sequence[Any], out_dir: str | Path, prepare: Callable[[int]
     if not run_shard(items, out, rank, world, batch_size, work, desc, stop_after, order, stream):
         return None
     if barrier:
-        barrier()
-    return merge(out, len(items)) if rank == 0 else None
+        barrier()  # every rank's share is in its part file
+    try:
+        return merge(out, len(items)) if rank == 0 else None
+    finally:
+        if barrier:
+            barrier()  # rank 0 has merged (or failed to: the others then find no merged file and say so)
 
 
 def check_records(records: list[dict], path: Path, required: tuple[str, ...], version: int, hint: str) -> None:

@@ -97,9 +97,8 @@ class CLLMKind(Kind):
         meta = collection_meta(spec.collect, identity, eos)
         log.info("collecting trajectories of %d prompts into %s (rank %d of %d)", len(prompts), spec.collect.out_dir,
                  d.rank, d.world)
+        # returns on every rank once rank 0 has merged: every rank may read trajectories.jsonl then
         stats = collect(spec.collect, CachedModel(lm.model), eos, prompts, meta, d.rank, d.world, barrier)
-        if barrier:
-            barrier()  # rank 0 has merged: every rank may read trajectories.jsonl now
         if stats is not None:
             log.info("trajectories: %s", json.dumps(stats))
         return stats
@@ -125,11 +124,7 @@ class CLLMKind(Kind):
         # a resumed generation must match the settings (checked now, before the model loads; EOS ids after)
         gen = with_corpus_topk(spec.gen)
         check_settings(gen, generation_meta(gen, spec.model.identity(), set()), ignore=("eos_ids",))
-        stats = generate_stage(spec.gen, spec.model, d)
-        barrier = d.barrier()
-        if barrier:
-            barrier()  # rank 0 has merged: every rank may read completions.jsonl now
-        return stats
+        return generate_stage(spec.gen, spec.model, d)  # returns once rank 0 has merged, on every rank
 
     def stage_train(self, spec: CLLMSpec, run_dir: Path, d) -> dict[str, Any]:
         from pardec.models.loading import load_model, trainable

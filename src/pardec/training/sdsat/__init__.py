@@ -92,10 +92,9 @@ class SDSATKind(Kind):
 
         barrier = d.barrier()
         tok = load_tokenizer_only(spec.model)
+        # returns on every rank once rank 0 has merged: every rank may read masked.jsonl then
         stats = run_masking(spec.mask, tok, spec.model.identity(), d.rank, d.world, barrier,
                             chat=model_chat(spec.model, tok))
-        if barrier:
-            barrier()  # rank 0 has merged: every rank may read masked.jsonl now
         if stats:
             log.info("masked corpus: %s", json.dumps(stats))
         return stats
