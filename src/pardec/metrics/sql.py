@@ -5,10 +5,11 @@ Every query runs in a child process (:mod:`pardec.metrics.sql_child`, started by
 kill at ``timeout_s`` plus the interpreter's start-up), so a query that allocates a gigabyte or spins
 inside one SQLite call costs this process nothing. Inside, three layers keep a database unchanged
 whatever a model writes: the statement must start with SELECT / WITH / VALUES; the file is opened
-read-only (``file:...?mode=ro``); and an authorizer allows only reads (SELECT, column reads, functions,
-recursive CTEs), so INSERT/UPDATE/DELETE/DROP/CREATE/ATTACH/DETACH/PRAGMA/transactions are denied before
-they run. A progress handler interrupts a query at its time limit between VM steps, and at most
-``max_rows`` rows are returned.
+read-only (``file:...?mode=ro``); and an authorizer allows only reads (SELECT, column reads, functions of a
+read-only allow-list, recursive CTEs), so INSERT/UPDATE/DELETE/DROP/CREATE/ATTACH/DETACH/PRAGMA/transactions,
+and functions such as ``fts3_tokenizer`` (a heap address) or ``load_extension``, are denied before they
+run. A progress handler interrupts a query at its time limit between VM steps, and at most ``max_rows``
+rows are returned.
 
 :func:`check_sandbox` is the scorer's canary: a known-good query must return its rows and a known-bad one must fail
 in the child, through :func:`execute` itself, before anything is scored (see :func:`pardec.metrics.sandbox.canary`).

@@ -13,19 +13,39 @@ import sys
 import time
 from pathlib import Path
 
-_ALLOWED = {sqlite3.SQLITE_SELECT, sqlite3.SQLITE_READ, sqlite3.SQLITE_FUNCTION, sqlite3.SQLITE_RECURSIVE}
+_ALLOWED = {sqlite3.SQLITE_SELECT, sqlite3.SQLITE_READ, sqlite3.SQLITE_RECURSIVE}
+# SQL functions a query may call (SQLITE_FUNCTION is allowed only for these; the operators LIKE and GLOB call
+# like() and glob()): SQLite's core scalar, aggregate, window, date/time and math functions, none of which touches
+# the engine, the file system or memory addresses. Left out on purpose: fts3_tokenizer (returns a heap pointer; its
+# two-argument form registers one), load_extension, readfile/writefile, the sqlite_* introspection functions,
+# changes/last_insert_rowid/total_changes, zeroblob, subtype, the JSON, FTS and R-tree functions (and -> / ->>).
+ALLOWED_FUNCTIONS = frozenset("""
+    abs char coalesce concat concat_ws format glob hex ifnull iif instr length like likelihood likely lower ltrim
+    max min nullif octet_length printf quote random randomblob replace round rtrim sign soundex substr substring
+    trim typeof unhex unicode unlikely upper
+    avg count group_concat string_agg sum total
+    row_number rank dense_rank percent_rank cume_dist ntile lag lead first_value last_value nth_value
+    date time datetime julianday unixepoch strftime timediff current_date current_time current_timestamp
+    acos acosh asin asinh atan atan2 atanh ceil ceiling cos cosh degrees exp floor ln log log10 log2 mod pi pow
+    power radians sin sinh sqrt tan tanh trunc
+""".split())
 
 
 class SQLError(RuntimeError):
     """A query was refused, failed, ran out of time or memory, or returned too many rows; the message says which."""
 
 
-def _authorize(action: int, *_args) -> int:
-    return sqlite3.SQLITE_OK if action in _ALLOWED else sqlite3.SQLITE_DENY
+def _authorize(action: int, _arg1: str | None = None, arg2: str | None = None, *_args) -> int:
+    if action == sqlite3.SQLITE_FUNCTION:  # arg2 is the function's name
+        allowed = arg2 is not None and arg2.lower() in ALLOWED_FUNCTIONS
+    else:
+        allowed = action in _ALLOWED
+    return sqlite3.SQLITE_OK if allowed else sqlite3.SQLITE_DENY
 
 
 def connect_readonly(db_path: str | Path) -> sqlite3.Connection:
-    """A read-only connection (``mode=ro``) with an authorizer that allows only reads."""
+    """A read-only connection (``mode=ro``) with an authorizer that allows only reads and the functions of
+    :data:`ALLOWED_FUNCTIONS` (another function fails the query: "not authorized to use function: NAME")."""
     p = Path(db_path).resolve()
     if not p.is_file():
         raise FileNotFoundError(f"database {p} does not exist")
