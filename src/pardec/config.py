@@ -6,6 +6,7 @@ Hydra composes YAML; :func:`to_dataclass` turns a section into one of these (Ome
 
 from __future__ import annotations
 
+import datetime
 import enum
 import os
 import re
@@ -27,6 +28,9 @@ FORWARD_IMPLS = ("hf", "lean", "compiled", "cudagraph")  # CachedModel.forward: 
 # pardec.models.lean (Llama family) | pardec.models.compiled (lean + the one-token decode step and the multi-row
 # forwards as torch.compile graphs) | cudagraph: compiled, its one-token step and its multi-row forwards (padded to a
 # power of two rows) captured once and replayed as CUDA graphs (CUDA devices only)
+#: what the ``forward_impl`` keys take: a forward, or ``auto``: the fastest exact one for the model where it runs
+#: (:func:`pardec.models.cached.auto_forward_impl`)
+FORWARD_CHOICES = ("auto", *FORWARD_IMPLS)
 MODEL_SOURCES = ("hub", "local", "gguf_package", "gguf", "tiny_random")
 DEVICES = ("auto", "cpu", "cuda")
 #: accelerate's placements for a model larger than one device (``model.device_map``); None = all on ``model.device``
@@ -205,13 +209,15 @@ class RunConfig:
     tf32: bool = True  # fp32 matmuls on Ampere+ GPUs in TF32 (no effect on CPU or in bf16/fp16)
     forward_padding: bool = True  # pad the target's multi-row forwards by this machine's cost table, if measured
     kv_cache: str = "preallocated"  # CachedModel's KV cache (KV_CACHES)
-    forward_impl: str = "hf"  # CachedModel's forward (FORWARD_IMPLS): lean skips transformers' module stack
+    forward_impl: str = "auto"  # the target's CachedModel forward (FORWARD_CHOICES); auto: the fastest exact one
+    draft_forward_impl: str | None = None  # the draft's (FORWARD_CHOICES); None: as forward_impl
 
     def __post_init__(self) -> None:
         _at_least("", "repeats", self.repeats, 1)
         _choice("", "dtype", self.dtype, DTYPES)
         _choice("", "kv_cache", self.kv_cache, KV_CACHES)
-        _choice("", "forward_impl", self.forward_impl, FORWARD_IMPLS)
+        _choice("", "forward_impl", self.forward_impl, FORWARD_CHOICES)
+        _choice("", "draft_forward_impl", self.draft_forward_impl, (None, *FORWARD_CHOICES))
         if self.n_samples is not None:
             _at_least("", "n_samples", self.n_samples, 1)
         _at_least("", "max_new_tokens", self.max_new_tokens, 1)
@@ -309,6 +315,12 @@ def exit_with_error(e: Exception) -> NoReturn:
     HYDRA_FULL_ERROR=1 for one)."""
     print(f"error: {e}", file=sys.stderr)
     sys.exit(2)
+
+
+#: how long a rank waits for the others at a wait that lasts as long as the slowest rank's share of some work (the
+#: end of an evaluation, a data stage's merge): ranks finish their shares hours apart; a rank that dies is the
+#: launcher's business (torchrun stops the others), not this timeout's
+SYNC_TIMEOUT = datetime.timedelta(hours=48)
 
 
 @dataclass(frozen=True)

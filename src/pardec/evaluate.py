@@ -4,8 +4,8 @@ broken sandbox, ...) is one ``error: ...`` line on stderr and exit status 2.
 
 Under ``torchrun --nproc_per_node N -m evaluate ...`` (:mod:`pardec.evaluation.ranks`) every rank must write into
 one run dir: its last component is ``torchrun-<run id>`` instead of a timestamp (``--standalone`` gives each launch
-its own id; else pass ``hydra.run.dir=<dir>``); only rank 0 writes ``.hydra/``; rank r > 0 logs to
-``evaluate-rank<r>.log``."""
+its own id; else pass ``hydra.run.dir=<dir>``), so a killed launch resumes with ``resume=true
+hydra.run.dir=<its run dir>``; only rank 0 writes ``.hydra/``; rank r > 0 logs to ``evaluate-rank<r>.log``."""
 
 from __future__ import annotations
 

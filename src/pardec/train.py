@@ -7,13 +7,14 @@ composes, validates, picks the kind and runs it; the summary goes to ``<run dir>
 
 Several processes (``torchrun --nproc_per_node N -m train ...``): data generation is sharded by prompt index and
 merged by rank 0; training is data parallel (``trainer.deepspeed=zero2|zero3`` for DeepSpeed). All ranks must agree
-on the run directory, so ``run_name`` (the last component of ``hydra.run.dir``) is not a timestamp there but
-``torchrun-<first 8 chars of TORCHELASTIC_RUN_ID>``, which torchrun gives every worker of one launch
-(``--standalone`` makes it unique per launch); otherwise pass ``run_name=<name>`` yourself. Only rank 0 writes
+on the run directory: every experiment fixes ``run_name: default`` (the last component of ``hydra.run.dir``), so
+they do, and so does a relaunch; where ``run_name`` is left to ``conf/train.yaml`` it is a timestamp, or under a
+launcher ``torchrun-<first 8 chars of TORCHELASTIC_RUN_ID>``, which a relaunch does not share. Only rank 0 writes
 ``.hydra/`` and the summary and creates the W&B run; every rank logs to ``train.log`` / ``train-rank<r>.log``.
 
 Resume a killed run: rerun the same command (data generation skips what its part files hold) with the same
-``run_name`` and ``trainer.resume_from_checkpoint=true`` (the latest ``checkpoint-*``) or ``=<checkpoint dir>``.
+``run_name`` and ``trainer.resume_from_checkpoint=true`` (the newest complete ``checkpoint-*``, see
+:mod:`pardec.training.checkpoints`) or ``=<checkpoint dir>``.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import datetime
 import json
 import logging
 import sys
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -29,7 +31,8 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 
 from pardec import CONF_DIR
 from pardec.config import ConfigError, shared_launch_id
-from pardec.training.base import Dist
+from pardec.training.base import Dist, dist_for
+from pardec.training.checkpoints import resume_checkpoint
 from pardec.training.kinds import Spec, experiments, load_kinds
 
 log = logging.getLogger("pardec.train")
@@ -128,10 +131,12 @@ def run(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
     from pardec.models.loading import set_tf32
 
     spec = validate(cfg)
-    d = Dist.from_env()
+    d = dist_for(spec.trainer)
     torch.set_num_threads(spec.threads)
     set_tf32(bool(cfg.get("tf32", True)))
     kind = load_kinds().get(cfg.kind)
+    if "train" in (kind.stages if spec.stage == "all" else (spec.stage,)):  # before any stage runs or model loads
+        spec = replace(spec, resume=resume_checkpoint(spec.resume, run_dir, warn=d.rank == 0))
     summary: dict[str, Any] = {"experiment": spec.experiment, "kind": kind.name, "stage": spec.stage,
                                "dtype": cfg.get("dtype"), "run_dir": str(run_dir)}
     summary.update(kind().run(spec, run_dir, d))

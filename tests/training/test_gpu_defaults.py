@@ -37,8 +37,8 @@ def test_evaluation_defaults_follow_the_device(monkeypatch, cuda):
 
 
 def test_draft_teacher_runs_in_the_run_dtype_and_tf32_is_set(tmp_path, monkeypatch):
-    """With dtype=bf16 the frozen teacher is bf16 while the student trains in fp32 (model_dtype); ``tf32`` reaches
-    torch's backend flags."""
+    """With dtype=bf16 the frozen teacher is bf16 (and loaded so) while the student trains in fp32 (model_dtype);
+    ``tf32`` reaches torch's backend flags."""
     import pardec.training.draft.trainer as draft_trainer
     from pardec.train import run
 
@@ -49,6 +49,11 @@ def test_draft_teacher_runs_in_the_run_dtype_and_tf32_is_set(tmp_path, monkeypat
         return {}
 
     monkeypatch.setattr(draft_trainer, "fit", fake_fit)
+    import pardec.models.loading as loading
+
+    loads = []
+    real_load = loading.load_model
+    monkeypatch.setattr(loading, "load_model", lambda cfg, *a: loads.append(cfg.dtype) or real_load(cfg, *a))
     base = ["+experiment=draft_tiny", f"paths.data_dir={tmp_path}/data", f"paths.output_dir={tmp_path}/out",
             "dtype=bf16", "threads=1"]
     run_dir = tmp_path / "run"
@@ -62,6 +67,8 @@ def test_draft_teacher_runs_in_the_run_dtype_and_tf32_is_set(tmp_path, monkeypat
     finally:
         torch.backends.cuda.matmul.allow_tf32 = old
     assert seen == {"teacher": torch.bfloat16, "student": torch.float32}
+    assert loads[-2:] == ["bf16", "bf16"]  # the target is loaded once per train stage, in the teacher's dtype: at 7B
+    # a bf16 copy on each rank's host, not an fp32 one (27 GB x 8 ranks)
 
 
 @pytest.mark.parametrize("experiment", ["cllm_gsm8k", "cllm_spider", "cllm_code", "sdsat_codellama7b"])

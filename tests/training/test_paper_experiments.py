@@ -26,7 +26,7 @@ TARGETS = {
 @pytest.mark.parametrize("name", sorted(TARGETS))
 def test_cllm_paper_experiments_use_the_papers_targets_and_settings(name):
     config, path, dataset = TARGETS[name]
-    cfg = _compose([f"+experiment={name}"])
+    cfg = _compose([f"+experiment={name}", "device=cpu"])  # a GPU recipe (device: cuda), validated on this CPU
     spec = validate(cfg)
     assert (spec.model.name, spec.model.path, spec.model.source) == (config, path, "hub")
     assert spec.model.dtype == "bf16" and spec.dataset.name == dataset and spec.dataset.split == "train"

@@ -51,8 +51,14 @@ def _available(name: str) -> bool:
 def test_every_experiment_validates(name):
     if not _available(name):
         pytest.skip(f"experiment {name} names a model/dataset config that does not exist yet")
-    spec = validate(_compose([f"+experiment={name}"]))
-    assert spec.experiment == name
+    gpu_recipe = _compose([f"+experiment={name}"]).get("device") == "cuda"
+    if gpu_recipe:  # a GPU recipe on this CPU: one line, before anything loads; device=cpu rehearses it here
+        with pytest.raises(ConfigError, match=f"experiment '{name}' runs on CUDA GPUs .*pass device=cpu"):
+            validate(_compose([f"+experiment={name}"]))
+    spec = validate(_compose([f"+experiment={name}"] + (["device=cpu"] if gpu_recipe else [])))
+    assert spec.experiment == name and spec.device == ("cpu" if gpu_recipe else "auto")
+    if gpu_recipe:
+        assert spec.model.device == "cpu" and spec.model.name not in ("smollm2_135m", "tiny_random")
     assert name.split("_")[0] == _compose([f"+experiment={name}"]).kind  # one name: the prefix is the kind
     if name.startswith("draft_"):  # kind: draft (tests/training/draft/ covers it)
         assert spec.gen.out_dir.endswith(f"completions/{name}/train")
@@ -98,6 +104,15 @@ def test_errors_name_the_choices():
         validate(_compose(["+experiment=cllm_tiny", "trainer.states_per_sample=0"]))
     with pytest.raises(ConfigError, match="trainer.proxy_records=-1 is out of range: it must be >= 0"):
         validate(_compose(["+experiment=cllm_tiny", "trainer.proxy_records=-1"]))
+
+
+@pytest.mark.parametrize("name", ["draft_tiny", "heads_medusa_tiny", "draft_llama2_7b", "heads_firp_llama2_7b"])
+def test_zero3_is_refused_where_the_frozen_model_would_be_partitioned(name):
+    """draft / heads: the frozen teacher or target loads outside the engine, the drafter is saved from rank 0 whole:
+    ZeRO-3 is refused at validation, before anything loads; ZeRO-2 is accepted."""
+    with pytest.raises(ConfigError, match=r"trainer.deepspeed=zero3 is not supported by the (draft|heads) kind.*zero2"):
+        validate(_compose([f"+experiment={name}", "trainer.deepspeed=zero3", "device=cpu"]))
+    assert validate(_compose([f"+experiment={name}", "trainer.deepspeed=zero2", "device=cpu"])).deepspeed.stem == "zero2"
 
 
 @pytest.mark.slow  # two training runs
@@ -149,9 +164,12 @@ def _torchrun(tmp_path: Path, *overrides: str) -> None:
 def test_deepspeed_zero2_two_ranks_on_cpu(tmp_path):
     """torchrun, 2 CPU ranks, gloo: sharded collection merged by rank 0, then ZeRO-2 training; both ranks agree
     on the run dir; rank 0 alone writes .hydra and final/."""
-    _torchrun(tmp_path, "stage=all", "trainer.deepspeed=zero2")
+    _torchrun(tmp_path, "stage=all", "trainer.deepspeed=zero2", "trainer.save_strategy=steps", "trainer.save_steps=2")
     (run_dir,) = (tmp_path / "out" / "train" / "runs" / "cllm_tiny").iterdir()
-    assert run_dir.name.startswith("torchrun-")
+    assert run_dir.name == "default"  # the experiment's run_name: a relaunch finds the same dir
+    # marked complete by rank 0 once both ranks had saved (rank 1's optimizer shard and RNG state included)
+    files = json.loads((run_dir / "checkpoint-2" / "pardec-complete.json").read_text())["files"]
+    assert {"global_step2/zero_pp_rank_1_mp_rank_00_optim_states.pt", "rng_state_1.pth"} <= set(files)
     assert (run_dir / ".hydra").is_dir() and (run_dir / "train-rank1.log").is_file()
     assert (run_dir / "final" / "config.json").is_file()
     summary = json.loads((run_dir / "train_summary.json").read_text())
@@ -173,7 +191,7 @@ def test_deepspeed_zero2_two_ranks_on_cpu(tmp_path):
 @pytest.mark.slow
 def test_the_deepspeed_launcher_and_a_plain_python_launch(tmp_path):
     """The README's launch lines on CPU: `deepspeed --num_gpus 2 --module train ...` (it appends --local_rank=N; both
-    ranks find one run dir, deepspeed-<launcher pid>-<port>) and `python -m train ... trainer.deepspeed=zero2` with
+    ranks find one run dir, the experiment's `default`) and `python -m train ... trainer.deepspeed=zero2` with
     no launcher at all (rank 0 of 1, no MPI discovery)."""
     import shutil
 
@@ -185,7 +203,7 @@ def test_the_deepspeed_launcher_and_a_plain_python_launch(tmp_path):
     proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     (run_dir,) = (tmp_path / "ds" / "train" / "runs" / "cllm_tiny").iterdir()
-    assert run_dir.name.startswith("deepspeed-") and (run_dir / "train-rank1.log").is_file()
+    assert run_dir.name == "default" and (run_dir / "train-rank1.log").is_file()
     assert (run_dir / "final" / "config.json").is_file()
 
     cmd = [sys.executable, "-m", "train", *common, "stage=train", f"paths.output_dir={tmp_path}/plain"]

@@ -4,8 +4,9 @@
   ``WORLD_SIZE``, ``LOCAL_RANK``); none set = one process, which runs exactly as without a launcher;
 * rank r takes the documents with index % world == r (:meth:`Ranks.share`, the rule of the training stages) and
   appends its records to its own part file ``results.rank{r}-of-{w}.jsonl`` (:func:`~pardec.evaluation.results
-  .part_path`), resumed on its own; its model sits on its own device (``model.device=auto`` -> ``cuda:LOCAL_RANK``,
-  :func:`pardec.models.loading.resolve_device`);
+  .part_path`), resumed on its own; its model sits on its own device (``model.device=auto`` ->
+  ``cuda:LOCAL_RANK``; with ``model.device_map`` the rank's own group of GPUs, its draft on the group's first:
+  :func:`pardec.models.loading.rank_devices`);
 * :func:`start` / :func:`gather` / :func:`finish`: the process group (only when ``WORLD_SIZE`` > 1). It carries no
   tensors, only the final wait: every rank hands rank 0 what it ran on (:func:`rank_info`), which returns when all
   ranks are done; rank 0 then merges the part files and writes the summary;
@@ -19,18 +20,12 @@ a GPU machine) and no NCCL watchdog over a wait that lasts as long as the slowes
 
 from __future__ import annotations
 
-import datetime
 import os
 import socket
 from collections.abc import Mapping
 from typing import Any
 
-from pardec.config import ConfigError, Ranks, shared_launch_id
-
-#: how long rank 0 waits for the other ranks at the end (and the group's rendezvous): ranks finish their shares at
-#: different times and rank 0 waits for the slowest; a rank that dies is the launcher's business (torchrun stops the
-#: others), not this timeout's
-SYNC_TIMEOUT = datetime.timedelta(hours=48)
+from pardec.config import SYNC_TIMEOUT, ConfigError, Ranks, shared_launch_id
 
 
 def launch_name(stamp: str, env: Mapping[str, str] | None = None) -> str:
@@ -62,7 +57,7 @@ def check_launch(argv: list[str], env: Mapping[str, str] | None = None) -> None:
         raise ConfigError(launch_error(ranks.world))
 
 
-def start(ranks: Ranks, device: str = "auto") -> bool:
+def start(ranks: Ranks, device="auto") -> bool:
     """Join the process group (gloo, see the module's docstring) when there are several ranks and none exists yet;
     returns whether this call created it (then :func:`finish` ends it). Before anything touches CUDA, the rank's GPU
     (``model.device`` resolved, :func:`pardec.models.loading.resolve_device`) becomes its current device, so that
@@ -74,7 +69,7 @@ def start(ranks: Ranks, device: str = "auto") -> bool:
 
     from pardec.models.loading import resolve_device
 
-    gpu = resolve_device(device)
+    gpu = resolve_device(str(device))  # (the spec's resolved device: pardec.models.loading.rank_devices)
     if gpu.type == "cuda" and gpu.index is not None:
         torch.cuda.set_device(gpu)
 

@@ -17,6 +17,8 @@
 
 from __future__ import annotations
 
+import datetime
+import functools
 import json
 import os
 import time
@@ -29,26 +31,51 @@ import torch
 from transformers import Trainer, TrainingArguments
 
 from pardec import on_cuda
-from pardec.config import ConfigError, Ranks
-
+from pardec.config import SYNC_TIMEOUT, ConfigError, Ranks
 
 # ------------------------------------------------------------------------------------------- ranks
+#: TrainingArguments' own default of ``ddp_timeout`` (seconds)
+DDP_TIMEOUT = next(f.default for f in fields(TrainingArguments) if f.name == "ddp_timeout")
+
+#: the gloo group the data stages wait in (created once per process, by every rank in the same order)
+_WAIT_GROUP: list = []
+
+
 @dataclass(frozen=True)
 class Dist(Ranks):
-    """:class:`~pardec.config.Ranks` with the barrier the training stages wait at."""
+    """:class:`~pardec.config.Ranks` with the barrier the training stages wait at. ``timeout_s``: the process
+    group's timeout, the trainer's ``ddp_timeout`` (:func:`dist_for`): the group this creates also carries
+    training, whose collectives the timeout guards."""
+
+    timeout_s: float = DDP_TIMEOUT
 
     def barrier(self) -> Callable[[], None] | None:
-        """A barrier over all ranks (the process group is created on first use; on CUDA this picks the rank's
-        GPU), or None for one process."""
+        """A barrier over all ranks, or None for one process. The first call creates the process group (NCCL on
+        CUDA, after picking the rank's GPU; else gloo) with ``timeout_s``, and a gloo group that only waits, with
+        pardec's long :data:`~pardec.config.SYNC_TIMEOUT`: a data stage's ranks finish their shares hours apart,
+        and rank 0 then merges the whole corpus, while the others wait."""
         if self.world == 1:
             return None
         import torch.distributed as dist
 
         if not dist.is_initialized():
-            if torch.cuda.is_available():
+            cuda = torch.cuda.is_available()
+            if cuda:
                 torch.cuda.set_device(self.local_rank)
-            dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
-        return dist.barrier
+            dist.init_process_group("nccl" if cuda else "gloo", timeout=datetime.timedelta(seconds=self.timeout_s))
+        if not _WAIT_GROUP:
+            _WAIT_GROUP.append(dist.new_group(backend="gloo", timeout=SYNC_TIMEOUT))
+        return functools.partial(dist.barrier, group=_WAIT_GROUP[0])
+
+
+def dist_for(trainer: dict[str, Any]) -> Dist:
+    """This process's :class:`Dist` (from the launcher's environment) with the ``trainer`` section's
+    ``ddp_timeout`` (TrainingArguments' default where it sets none)."""
+    timeout = trainer.get("ddp_timeout", DDP_TIMEOUT)
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout <= 0:
+        raise ConfigError(f"trainer.ddp_timeout={timeout!r} must be a positive number of seconds")
+    d = Dist.from_env()
+    return Dist(d.rank, d.world, d.local_rank, float(timeout))
 
 
 # ------------------------------------------------------------------------------------------- config
@@ -141,6 +168,14 @@ class BaseTrainer(Trainer):
             self.log_metrics(logs, self.log_sums())
         super().log(logs, start_time)
 
+    def _save_checkpoint(self, model, trial) -> None:
+        """transformers' save, then (every rank done) rank 0 marks the checkpoint complete (:mod:`.checkpoints`)."""
+        from pardec.training import checkpoints
+
+        checkpoints.begin_save(self, trial)
+        super()._save_checkpoint(model, trial)
+        checkpoints.end_save(self, trial)
+
 
 def pair_means(logs: dict[str, float], sums: list[float], names: tuple[str, ...]) -> None:
     """``logs[names[i]]`` = sum / count of the i-th (sum, count) pair of ``sums``."""
@@ -164,7 +199,9 @@ def training_args(config_cls: type, spec, run_dir: Path, **extra):
     if spec.deepspeed:
         single_process_env()
     opts = {**defaults, **spec.trainer, **extra}
-    if opts.get("bf16") and not on_cuda():  # the test that sets trainer.bf16's default
+    if spec.device == "cpu":  # a GPU recipe run (or rehearsed) on the CPU, as asked: device=cpu
+        opts["use_cpu"] = True
+    elif opts.get("bf16") and not on_cuda():  # the test that sets trainer.bf16's default
         # bf16 mixed precision on the CPU (autocast; ~1.5x faster CLLM steps on a Zen 4 with avx512_bf16):
         # transformers refuses it unless the run is declared a CPU run
         opts["use_cpu"] = True
@@ -236,11 +273,13 @@ def fit(trainer: Trainer, spec, run_dir: Path, d: Dist,
     what the kind evaluates after training: its extra summary fields); rank 0 writes ``log_history.json`` (the loss curves the report scripts plot). Returns the
     summary: the Trainer's metrics, ``train_seconds``, ``steps`` and ``finish``'s fields."""
     from pardec.tracking import Tracker
+    from pardec.training.checkpoints import resume_checkpoint
 
     logger = spec.logger if d.rank == 0 else {"name": "none"}  # one W&B run: rank 0's
     with Tracker(logger, run_dir, spec.config, "train", name=run_dir.name) as tracker:
         t0 = time.perf_counter()
-        result = trainer.train(resume_from_checkpoint=spec.resume)
+        # the newest complete checkpoint (pardec.train.run has checked it before the model loaded)
+        result = trainer.train(resume_from_checkpoint=resume_checkpoint(spec.resume, run_dir, warn=d.rank == 0))
         trained = {"train_seconds": round(time.perf_counter() - t0, 1), "steps": trainer.state.global_step}
         extra = finish(run_dir / "final", trained)
         if d.rank == 0:

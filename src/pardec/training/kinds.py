@@ -15,7 +15,7 @@ from typing import Any, ClassVar
 
 from omegaconf import DictConfig, OmegaConf
 
-from pardec import CONF_DIR
+from pardec import CONF_DIR, on_cuda
 from pardec.config import ConfigError, ModelConfig, check_types, to_dataclass
 from pardec.registry import Registry
 
@@ -54,6 +54,7 @@ class Spec:
     config: dict  # the whole resolved config (for W&B)
     trainer: dict  # the kind's config keyword arguments (a BaseConfig subclass)
     lora: dict | None  # LoRA settings when enabled (kinds that support it)
+    device: str  # the top-level ``device`` key: auto | cuda (checked usable) | cpu (a GPU recipe rehearsed)
 
 
 class Kind:
@@ -103,11 +104,12 @@ def experiments() -> list[str]:
 
 
 def common_fields(cfg: DictConfig, name: str, config_cls: type, *, elsewhere: dict[str, str] | None = None,
-                  lora: bool = False) -> dict[str, Any]:
+                  lora: bool = False, no_zero3: str | None = None) -> dict[str, Any]:
     """The :class:`Spec` fields every kind reads the same way: the ``trainer`` section (names and types of the
     ``config_cls`` fields checked; the app's keys popped: model_dtype, deepspeed, resume_from_checkpoint and, where
     ``lora``, lora), the model, the logger, the thread count and the whole config. ``elsewhere``: fields of
-    ``config_cls`` that an experiment sets in another section, with the hint the error gives."""
+    ``config_cls`` that an experiment sets in another section, with the hint the error gives. ``no_zero3``: why
+    the kind refuses ``trainer.deepspeed=zero3`` (None: it supports it)."""
     elsewhere = elsewhere or {}
     tcfg = OmegaConf.to_container(cfg.trainer, resolve=True)
     app = [k for k in APP_KEYS if lora or k != "lora"]
@@ -122,9 +124,15 @@ def common_fields(cfg: DictConfig, name: str, config_cls: type, *, elsewhere: di
     config_cls.check_values({k: v for k, v in tcfg.items() if k in own})
     lora_cfg = lora_section(tcfg) if lora else None
     model_dtype = tcfg.pop("model_dtype", "fp32")
+    if no_zero3 and tcfg.get("deepspeed") == "zero3":
+        raise ConfigError(f"trainer.deepspeed=zero3 is not supported by the {cfg.get('kind')} kind: {no_zero3}; use "
+                          f"trainer.deepspeed=zero2 (or null)")
     deepspeed = deepspeed_config(tcfg.pop("deepspeed", None))
     resume = tcfg.pop("resume_from_checkpoint", None)
     model = to_dataclass(ModelConfig, cfg.model, "model")
+    device = check_device(cfg.get("device", "auto"), name)
+    if device == "cpu":
+        model = replace(model, device="cpu")
     replace(model, dtype=model_dtype)  # range check of trainer.model_dtype
     for key, value in (("dtype", model.dtype), ("trainer.model_dtype", model_dtype)):
         if value == "int8":
@@ -132,8 +140,19 @@ def common_fields(cfg: DictConfig, name: str, config_cls: type, *, elsewhere: di
                               f"bf16 or fp16 and evaluate with dtype=int8")
     return {"experiment": name, "stage": cfg.stage, "model": model, "deepspeed": deepspeed,
             "model_dtype": model_dtype, "resume": resume, "trainer": tcfg, "lora": lora_cfg,
-            "logger": OmegaConf.to_container(cfg.get("logger") or {"name": "none"}, resolve=True),
+            "device": device, "logger": OmegaConf.to_container(cfg.get("logger") or {"name": "none"}, resolve=True),
             "threads": int(cfg.get("threads", 2)), "config": OmegaConf.to_container(cfg, resolve=True)}
+
+
+def check_device(device: Any, name: str) -> str:
+    """The top-level ``device`` key: one of auto | cuda | cpu; ``cuda`` (a GPU recipe) where no CUDA device is usable
+    stops here, before anything loads, instead of training on the CPU for days."""
+    if device not in ("auto", "cuda", "cpu"):
+        raise ConfigError(f"device={device!r} is not valid; choose one of: auto, cuda, cpu")
+    if device == "cuda" and not on_cuda():
+        raise ConfigError(f"experiment {name!r} runs on CUDA GPUs (device=cuda) but no CUDA device is usable here "
+                          f"(torch.cuda.is_available() is false); pass device=cpu to run (or rehearse) it on the CPU")
+    return device
 
 
 def lora_section(tcfg: dict) -> dict | None:

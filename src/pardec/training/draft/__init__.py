@@ -26,6 +26,10 @@ from pardec.training.completions import GeneratesCompletions, check_fraction
 from pardec.training.kinds import Kind, Spec, check_layers, common_fields, known, register_kind
 
 #: keys of the ``draft`` section (the draft's shape)
+#: why ZeRO-3 is refused: its zero.Init would partition the frozen teacher, which loads inside the Trainer's
+#: DeepSpeed context but is never handed to the engine, and the draft is saved from rank 0 alone (whole weights); a
+#: draft of a few layers trains under ZeRO-2, which shards its optimizer states and gradients
+NO_ZERO3 = "the frozen teacher would be partitioned outside the engine and the draft is saved whole from rank 0"
 DRAFT_KEYS = ("layers", "vocab_size", "freeze_embeddings", "corpus_fraction")
 
 
@@ -67,7 +71,7 @@ class DraftKind(GeneratesCompletions, Kind):
         context, repeats = int(ev.pop("context", 200)), int(ev.pop("repeats", 20))
         if context < 2 or repeats < 1:
             raise ConfigError(f"eval.context={context} / eval.repeats={repeats} out of range: need >= 2 / >= 1")
-        common = common_fields(cfg, name, DraftConfig)
+        common = common_fields(cfg, name, DraftConfig, no_zero3=NO_ZERO3)
         check_layers(layers, common["model"], "draft.layers")
         return DraftSpec(**common, layers=layers, vocab_size=vocab_size,
                          freeze_embeddings=bool(draft.get("freeze_embeddings", True)),

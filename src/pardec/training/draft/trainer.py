@@ -224,13 +224,15 @@ def train_draft(spec, run_dir, d: Dist) -> dict:
 
     args = training_args(DraftConfig, spec, run_dir)  # before the model, as ZeRO-3 requires
     records = corpus_share(load_completions(spec.gen.out_dir), spec.corpus_fraction)
-    lm = load_model(trainable(spec.model, spec.model_dtype))  # the Trainer places the student
+    # the target once, in the run's dtype (the teacher's): at 7B a bf16 copy per rank on the host, not fp32's 27 GB;
+    # the student starts as a copy of its layers, cast to model_dtype (the Trainer places it)
+    lm = load_model(trainable(spec.model, spec.model.dtype))
     tok, target = lm.tokenizer, lm.model
     counts = Counter(t for r in records for t in r["completion_ids"])
     special = {*tok.all_special_ids, tok.pad_token_id, *lm.eos_ids}
     vocab = choose_vocab(counts, spec.vocab_size, sorted(i for i in special if i is not None),
                          target.config.vocab_size)
-    student = build_draft(target, spec.layers, vocab)  # copies: the student keeps model_dtype
+    student = build_draft(target, spec.layers, vocab).to(TORCH_DTYPES[spec.model_dtype])  # copies
     if args.teacher == "cached":
         missing = sum("teacher_ids" not in r for r in records)
         if missing:
@@ -238,8 +240,6 @@ def train_draft(spec, run_dir, d: Dist) -> dict:
                               f"{missing} of {len(records)} records in {spec.gen.out_dir} have none: generate them "
                               "with completions.teacher_topk=<k> (e.g. 32), or use trainer.teacher=online")
         target = None  # no teacher forward: the target is not needed past building the student
-    else:
-        target = target.to(TORCH_DTYPES[spec.model.dtype])  # the frozen teacher runs in the run's dtype
     if spec.freeze_embeddings:
         student.model.embed_tokens.weight.requires_grad_(False)
     kept = set(vocab)

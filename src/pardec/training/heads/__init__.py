@@ -26,6 +26,10 @@ from pardec.training.completions import GeneratesCompletions, check_fraction
 from pardec.training.kinds import Kind, Spec, check_layers, common_fields, is_int, known, register_kind
 
 #: keys of the ``heads`` section per type
+#: why ZeRO-3 is refused: its zero.Init would partition the frozen target, which loads inside the Trainer's
+#: DeepSpeed context but is never handed to the engine, and the drafter is saved from rank 0 alone (whole weights);
+#: heads of a few million parameters train under ZeRO-2
+NO_ZERO3 = "the frozen target would be partitioned outside the engine and the heads are saved whole from rank 0"
 HEADS_KEYS = {"medusa": ("type", "num_heads", "num_blocks", "head_decay", "corpus_fraction"),
               "firp": ("type", "layers", "attention", "distance", "corpus_fraction")}
 #: FIRP's loss, per (anchor, step): KL(P~ || P) with P~ the pseudo state's distribution and P the target's at the
@@ -97,7 +101,7 @@ class HeadsKind(GeneratesCompletions, Kind):
         if not isinstance(budgets, list) or not budgets or not all(is_int(b) and b >= 1 for b in budgets):
             raise ConfigError(f"eval.budgets={budgets!r} is not valid: give a non-empty list of integers >= 1 "
                               f"(tree sizes)")
-        common = common_fields(cfg, name, HeadsConfig,
+        common = common_fields(cfg, name, HeadsConfig, no_zero3=NO_ZERO3,
                                elsewhere={"head_decay": "Medusa's head_decay is heads.head_decay"})
         if kind == "firp":
             check_layers(heads["layers"], common["model"], "heads.layers")

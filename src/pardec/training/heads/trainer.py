@@ -262,6 +262,8 @@ def train_heads(spec, run_dir, d: Dist) -> dict:
     """The train stage of a ``kind: heads`` experiment (``spec``: :class:`~pardec.training.heads.HeadsSpec`): a
     fresh drafter trained on ``load_completions(spec.gen.out_dir)`` (its first ``spec.corpus_fraction`` per source);
     saved with ``save_drafter`` to ``<run>/final``."""
+    from transformers import PretrainedConfig
+
     from pardec.models.heads import num_parameters, save_drafter
     from pardec.models.loading import load_model, trainable
     from pardec.training.completions import CompletionDataset, corpus_share, load_completions
@@ -271,6 +273,9 @@ def train_heads(spec, run_dir, d: Dist) -> dict:
     lm = load_model(trainable(spec.model, spec.model_dtype))  # the Trainer places the drafter
     base = lm.model.requires_grad_(False)
     drafter = _new_drafter(spec, base)
+    # DeepSpeed's "auto" bucket sizes (conf/deepspeed/*.json: reduce_bucket_size) are filled from model.config's
+    # hidden_size (transformers' HfTrainerDeepSpeedConfig); the drafter is a plain module: it gets the target's
+    drafter.config = PretrainedConfig(hidden_size=base.config.hidden_size)
     ds = CompletionDataset(records, args.max_length)
     pad = lm.tokenizer.pad_token_id
     firp = spec.heads["type"] == "firp"
