@@ -48,6 +48,15 @@ def test_cli_refused_resume_leaves_the_run_dir_byte_for_byte(tmp_path):
     assert "model.seed was 0, now 3" in p.stderr
 
 
+def test_cli_resume_of_a_new_run_dir_is_one_error_line(tmp_path):
+    out = tmp_path / "new"
+    p = run_cli("+method=pld", *TINY, "n_samples=1", "resume=true", f"hydra.run.dir={out}", cwd=tmp_path)
+    assert p.returncode == 2 and "Traceback" not in p.stderr, p.stderr[-2000:]
+    errors = [x for x in p.stderr.splitlines() if x.startswith("error:")]
+    assert len(errors) == 1 and errors[0].startswith(f"error: resume=true but {out} holds no run"), p.stderr[-2000:]
+    assert not (out / "run.json").exists() and not (out / "results.jsonl").exists()
+
+
 def test_cli_broken_sandbox_is_one_error_line_and_exit_2(tmp_path):
     out = tmp_path / "run"
     p = run_cli("+method=ar", "model=tiny_random", f"hydra.run.dir={out}", cwd=tmp_path,

@@ -40,7 +40,8 @@ def test_end_to_end_run_writes_results_and_summary(tmp_path):
     assert saved["mean_accepted_length"] == pytest.approx(saved["tokens_per_forward"])  # every token counted
     assert saved["perplexity"] == pytest.approx(saved["baseline_perplexity"])
     assert saved["extras"]["fast_forward"] >= 1.0
-    assert (saved["kv_cache"], saved["forward_impl"]) == ("preallocated", "hf") and saved["int8_recipe"] is None
+    # forward_impl=auto (the default) named as it resolved: lean for a Llama on the CPU
+    assert (saved["kv_cache"], saved["forward_impl"]) == ("preallocated", "lean") and saved["int8_recipe"] is None
 
 
 def test_an_int8_run_says_how_its_int8_model_was_built_and_fp32_scores_it(tmp_path, monkeypatch):
@@ -329,4 +330,6 @@ def test_a_run_uses_its_own_forwards_cost_table_and_says_which(tmp_path, monkeyp
     CostTable("tiny_random", "fp32-lean", 100, {1: 1.0, 2: 1.1, 4: 1.1}).save()
     summary = run(cfg_of(*args), tmp_path / "lean_table")
     assert summary["cost_table"] == "fp32-lean" and summary["exact_match_rate"] == 1.0
-    assert run(cfg_of("+method=pld", *TINY), tmp_path / "hf")["cost_table"] == "fp32"
+    assert run(cfg_of("+method=pld", "forward_impl=hf", *TINY), tmp_path / "hf")["cost_table"] == "fp32"
+    # forward_impl=auto (the default) resolves before the table is looked up: lean's table on this CPU
+    assert run(cfg_of("+method=pld", *TINY), tmp_path / "auto")["cost_table"] == "fp32-lean"

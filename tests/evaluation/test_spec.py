@@ -177,6 +177,29 @@ def test_a_refused_resume_changes_nothing_and_stays_refused(tmp_path_factory, ov
         assert hashes(run_dir) == before
 
 
+def test_resume_of_a_dir_without_a_run_is_an_error_naming_it(tmp_path, monkeypatch):
+    """resume=true on a new or empty run dir (no run.json, no records) used to start afresh silently."""
+    from pardec.evaluation.spec import check_has_run
+    from pardec.models import loading
+
+    monkeypatch.setattr(loading, "load_model", lambda *a, **k: pytest.fail("a model loaded"))
+    for run_dir in (tmp_path / "new", tmp_path / "empty"):
+        if run_dir.name == "empty":
+            (run_dir / ".hydra").mkdir(parents=True)  # what Hydra writes before the app runs
+        with pytest.raises(ConfigError) as e:
+            run(cfg_of("+method=pld", *TINY, "resume=true"), run_dir)
+        msg = str(e.value)
+        assert msg.startswith(f"resume=true but {run_dir} holds no run to resume") and "\n" not in msg, msg
+        assert "hydra.run.dir=" in msg and not (run_dir / "run.json").exists()
+    # a torchrun --standalone relaunch makes a new torchrun-<id> dir: the error says to name the old one
+    with pytest.raises(ConfigError, match=re.escape("a relaunch gets a new launch id: pass hydra.run.dir=<the old "
+                                                    "run dir>")):
+        check_has_run(tmp_path / "torchrun-0123abcd")
+    (tmp_path / "killed").mkdir()
+    (tmp_path / "killed" / "run.json").write_text("{}")  # killed before its first record: resumable
+    check_has_run(tmp_path / "killed")
+
+
 @functools.cache
 def _resumable_dir(root: str) -> Path:
     run_dir = Path(root) / "run"

@@ -99,7 +99,7 @@ def test_refusals_name_the_value_and_the_choices(monkeypatch):
     m = tiny(0).model
     with pytest.raises(ValueError, match="forward_impl=compiled needs cache='preallocated'.*cache='dynamic'"):
         CachedModel(m, cache="dynamic", forward_impl="compiled")
-    with pytest.raises(ValueError, match="choose one of: hf, lean, compiled"):
+    with pytest.raises(ValueError, match="choose one of: auto, hf, lean, compiled"):
         CachedModel(m, forward_impl="fast")
     monkeypatch.setattr(compiled.shutil, "which", lambda _name: None)
     with pytest.raises(ValueError, match="forward_impl=compiled cannot run model .*C\\+\\+ compiler.*forward_impl=hf"):
@@ -113,5 +113,5 @@ def test_cudagraph_refuses_a_model_off_cuda_and_names_compiled():
     with pytest.raises(ValueError, match="forward_impl=cudagraph .*needs a model on a CUDA device.*is on cpu.*"
                                          "forward_impl=compiled"):
         CachedModel(m, forward_impl="cudagraph")
-    with pytest.raises(ValueError, match="choose one of: hf, lean, compiled, cudagraph"):
+    with pytest.raises(ValueError, match="choose one of: auto, hf, lean, compiled, cudagraph"):
         CachedModel(m, forward_impl="graphs")

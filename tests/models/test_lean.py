@@ -80,7 +80,7 @@ def test_unsupported_models_and_bad_values_are_refused_in_one_line():
             CachedModel(m, forward_impl="lean")
     finally:
         cfg.hidden_act = saved
-    with pytest.raises(ValueError, match="forward_impl='fast' is not valid; choose one of: hf, lean"):
+    with pytest.raises(ValueError, match="forward_impl='fast' is not valid; choose one of: auto, hf, lean"):
         CachedModel(m, forward_impl="fast")
     with pytest.raises(ConfigError, match="forward_impl"):
         RunConfig(forward_impl="fast")
@@ -116,3 +116,21 @@ def test_every_lossless_method_under_lean_reproduces_ar_and_hf_generate():
     from tests.decoding.test_lossless import LOSSLESS
 
     assert_lossless_under("lean", LOSSLESS, ("self", "noisy"))
+
+
+def test_auto_picks_the_fastest_exact_forward_where_the_model_runs():
+    """``forward_impl=auto`` (evaluate's default): lean on the CPU, the graphed step on CUDA, hf where the others
+    cannot run the model (split over devices, another MLP) or on transformers' DynamicCache."""
+    from pardec.devicecheck import VirtualCUDA
+
+    m = tiny(0).model
+    assert CachedModel(m, forward_impl="auto").forward_impl == "lean"
+    assert CachedModel(m, cache="dynamic", forward_impl="auto").forward_impl == "hf"
+    m.hf_device_map = {"model.layers.0": 0, "model.layers.1": 1}  # what accelerate sets on a split model
+    assert CachedModel(m, forward_impl="auto").forward_impl == "hf"
+    del m.hf_device_map
+    m.config.hidden_act = "gelu"
+    assert CachedModel(m, forward_impl="auto").forward_impl == "hf"
+    m.config.hidden_act = "silu"
+    with VirtualCUDA() as vc:
+        assert CachedModel(vc.place(tiny(0).model), forward_impl="auto").forward_impl == "cudagraph"

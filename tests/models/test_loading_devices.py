@@ -17,7 +17,7 @@ def test_one_process_resolves_as_it_always_did(monkeypatch):
     _gpus(monkeypatch, 0)
     assert resolve_device("auto", {}) == torch.device("cpu")
     assert resolve_device("auto", {"WORLD_SIZE": "4", "LOCAL_RANK": "3"}) == torch.device("cpu")  # no CUDA: CPU ranks
-    with pytest.raises(RuntimeError, match="no CUDA device"):
+    with pytest.raises(ValueError, match="model.device=cuda but no CUDA device is usable here"):  # a ConfigError
         resolve_device("cuda", {})
     _gpus(monkeypatch, 8)
     assert resolve_device("auto", {}) == torch.device("cuda")
@@ -60,3 +60,28 @@ def test_device_map_ranks_split_the_nodes_gpus(monkeypatch):
     assert placement(ModelConfig(name="m", source="hub", path="x/y"), {"WORLD_SIZE": "2"}) == {}  # no device_map
     _gpus(monkeypatch, 2)  # each of 4 processes shown its own 2 GPUs (CUDA_VISIBLE_DEVICES per rank): all of them
     assert rank_gpus({"WORLD_SIZE": "4", "LOCAL_RANK": "3"}) == [0, 1]
+
+
+@pytest.mark.parametrize("world", [1, 2, 4])
+def test_a_split_targets_rank_owns_a_disjoint_group_with_its_draft_in_it(world):
+    """torchrun with ``model.device_map`` on an 8-GPU node (VirtualCUDA): rank r's target spreads over its own
+    group of 8 / world GPUs and its draft sits on the group's first, never inside another rank's group (before:
+    on cuda:LOCAL_RANK, inside rank 0's group for rank 1 of 4)."""
+    from pardec.config import ModelConfig
+    from pardec.devicecheck import VirtualCUDA
+    from pardec.models.loading import rank_devices, rank_gpus
+
+    target = ModelConfig(name="yi_34b", source="hub", path="01-ai/Yi-34B", device_map="auto")
+    draft = ModelConfig(name="yi_6b", source="hub", path="01-ai/Yi-6B")
+    with VirtualCUDA(devices=8):
+        owned: list[set[int]] = []
+        for local in range(world):
+            env = {"WORLD_SIZE": str(world), "RANK": str(local), "LOCAL_RANK": str(local)}
+            group = rank_gpus(env) or list(range(8))
+            t, d = rank_devices(target, draft, env)
+            assert t.type == d.type == "cuda" and (d.index or 0) == group[0] == (t.index or 0)
+            owned.append(set(group))
+        assert sum(len(g) for g in owned) == 8 and set().union(*owned) == set(range(8))  # disjoint, all used
+        # without device_map each rank keeps its LOCAL_RANK's GPU, as before
+        plain = ModelConfig(name="m", source="hub", path="x/y")
+        assert rank_devices(plain, draft, {"WORLD_SIZE": "4", "LOCAL_RANK": "3"}) == (torch.device("cuda", 3),) * 2

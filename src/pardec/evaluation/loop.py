@@ -35,7 +35,7 @@ from pardec.evaluation.results import (
     part_path,
     write_json,
 )
-from pardec.evaluation.spec import PEERS, check_resume, run_identity, validate
+from pardec.evaluation.spec import PEERS, check_has_run, check_resume, run_identity, validate
 from pardec.evaluation.summary import running_speed, summarize
 from pardec.evaluation.tables import format_table
 from pardec.models.packed import is_packed
@@ -47,6 +47,8 @@ def run(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
     """Evaluate as ``cfg`` says, writing into ``run_dir``; returns the summary (on rank 0; other ranks: {})."""
     from pardec.tasks.base import build_task, select_docs
 
+    if cfg.get("resume") is True:
+        check_has_run(run_dir)  # before validation reads any model or tokenizer
     spec = validate(cfg)
     r = spec.run
     ranks = rk.Ranks.from_env()
@@ -63,7 +65,7 @@ def run(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
     if ranks.rank == 0:
         write_json(run_dir / "run.json", identity)
     # joining waits for every rank: none appends a record before all have checked the run dir (check_new)
-    created = rk.start(ranks, spec.model.device)
+    created = rk.start(ranks, spec.devices[0])
     try:
         return _run(cfg, run_dir, spec, ranks, task, docs, results)
     finally:
@@ -88,20 +90,20 @@ def _run(cfg: DictConfig, run_dir: Path, spec, ranks: rk.Ranks, task, docs: list
     set_tf32(r.tf32)
     torch.set_num_threads(r.threads)
     torch.manual_seed(r.seed)
-    lm = load_model(spec.model)
+    lm = load_model(spec.model, spec.devices[0])
     tok = lm.tokenizer
     chat = spec.dataset.use_chat(lm.chat)
     target = CachedModel(lm.model, name=spec.model.name, cache=r.kv_cache, forward_impl=r.forward_impl)
     if r.forward_padding:  # this machine's measured forward costs (scripts/forward_cost.py), when there are some
         from pardec.models.cost import CostTable
 
-        target.cost = CostTable.find(spec.model.name, spec.model.precision(), r.forward_impl,
+        target.cost = CostTable.find(spec.model.name, spec.model.precision(), target.forward_impl,
                                      spec.model.attn_implementation)
         if target.cost is not None and ranks.rank == 0:
             log.info("verification forwards padded by %s's cost table (%s): %s", spec.model.name, target.cost.dtype,
                      {t: target.cost.cheapest_at_least(t) for t in sorted(target.cost.ms)})
-    draft = (CachedModel(load_model(spec.draft).model, name=f"draft:{spec.draft.name}", cache=r.kv_cache,
-                         forward_impl=r.forward_impl)
+    draft = (CachedModel(load_model(spec.draft, spec.devices[1]).model, name=f"draft:{spec.draft.name}", cache=r.kv_cache,
+                         forward_impl=r.draft_forward_impl or r.forward_impl)
              if spec.draft else None)
     scorer = lm.model
     if spec.perplexity.get("enabled") and (spec.perplexity.get("model") or r.dtype == "int8"):
@@ -212,6 +214,9 @@ def _run(cfg: DictConfig, run_dir: Path, spec, ranks: rk.Ranks, task, docs: list
     # the forward-cost table that padded the target's forwards and fed the cost-aware methods (its key names the
     # forward it was measured on: pardec.models.cost.table_key), None without one
     summary["cost_table"] = target.cost.dtype if target.cost is not None else None
+    # the forwards that ran (``auto`` resolved for each model where its weights are: CachedModel)
+    summary["forward_impl"] = target.forward_impl
+    summary["draft_forward_impl"] = draft.forward_impl if draft is not None else None
     if ranks.multi:
         counts: dict[int | None, int] = {}
         for x in records:

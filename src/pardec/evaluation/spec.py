@@ -22,7 +22,7 @@ from pardec.config import (
 )
 
 RUN_KEYS = ("n_samples", "max_new_tokens", "threads", "seed", "resume", "timeout_s", "stop_at_eos", "repeats",
-            "dtype", "tf32", "forward_padding", "kv_cache", "forward_impl")
+            "dtype", "tf32", "forward_padding", "kv_cache", "forward_impl", "draft_forward_impl")
 #: peer roles run when ``bench.include_hf=true``: role -> method (``hf_assisted`` only with a draft)
 PEERS = {"hf": "hf_generate", "hf_pld": "hf_pld", "hf_assisted": "hf_assisted"}
 
@@ -55,6 +55,9 @@ class EvalSpec:
     logger: dict
     also: list[tuple[str, str, dict]] = field(default_factory=list)  # (role, method, params) of bench.also
     energy: dict = field(default_factory=lambda: {"enabled": True})  # not in run_identity: it changes no token
+    # where this rank's target (its first GPU when split) and draft go (pardec.models.loading.rank_devices); not in
+    # run_identity: ranks differ in it, and it changes no token
+    devices: tuple = ("cpu", None)
 
 
 def validate(cfg: DictConfig) -> EvalSpec:
@@ -96,11 +99,35 @@ def validate(cfg: DictConfig) -> EvalSpec:
     if not isinstance(energy.get("enabled", True), bool):
         raise ConfigError(f"energy.enabled={energy['enabled']!r} must be bool (true or false)")
     check_models(model, draft)
+    devices = check_placement(model, draft, run)
     for m_name, m_params in [(name, mcfg)] + [(a[1], a[2]) for a in also]:
         METHODS.get(m_name).check_model(model, m_params)  # what a method needs of the model, before it loads
         check_attention(m_name, model, draft)
     check_scorer(dataset, run)
-    return EvalSpec(name, mcfg, model, draft, dataset, run, sampling, bench, ppl, logger, also, energy)
+    return EvalSpec(name, mcfg, model, draft, dataset, run, sampling, bench, ppl, logger, also, energy, devices)
+
+
+def check_placement(model: ModelConfig, draft: ModelConfig | None, run: RunConfig) -> tuple:
+    """Before any weights load: where this rank's models go (:func:`~pardec.models.loading.rank_devices`: under
+    several processes a split target's rank owns a disjoint group of GPUs and its draft lives in it), and that each
+    model's forward can run there: a target split with ``model.device_map`` runs ``hf`` only (``auto`` picks it),
+    ``cudagraph`` needs CUDA."""
+    from pardec.models.loading import rank_devices
+
+    devices = rank_devices(model, draft)
+    for key, cfg, impl, dev in (("forward_impl", model, run.forward_impl, devices[0]),
+                                ("draft_forward_impl", draft, run.draft_forward_impl or run.forward_impl, devices[1])):
+        if cfg is None:
+            continue
+        if cfg.device_map and impl in ("lean", "compiled", "cudagraph"):
+            other = "; the draft's is draft_forward_impl" if key == "forward_impl" else ""
+            raise ConfigError(f"{key}={impl} cannot run {cfg.name!r}: it is split over several GPUs "
+                              f"({'draft' if key != 'forward_impl' else 'model'}.device_map={cfg.device_map}), which "
+                              f"only the hf forward follows; use {key}=auto or hf{other}")
+        if impl == "cudagraph" and dev.type != "cuda":
+            raise ConfigError(f"{key}=cudagraph replays CUDA graphs but {cfg.name!r} runs on {dev}; use {key}=auto "
+                              f"or compiled")
+    return devices
 
 
 def check_method(name: str, params: dict, draft: ModelConfig | None, where: str = "") -> type:
@@ -158,13 +185,29 @@ def run_identity(spec: EvalSpec, world_size: int = 1) -> dict[str, Any]:
             "perplexity": spec.perplexity}
 
 
+def check_has_run(run_dir: Path) -> None:
+    """``resume=true`` needs a run to resume: ``run_dir`` holds a ``run.json`` or records (merged or any rank's
+    part), else one line naming the dir (a new dir would silently start afresh). A dir named by a launch id
+    (``torchrun-``/``deepspeed-``) is one a relaunch made anew: the error says to pass the old one."""
+    from pardec.evaluation.results import results_files
+
+    if (run_dir / "run.json").is_file() or results_files(run_dir):
+        return
+    hint = "pass hydra.run.dir=<the killed run's dir>, or drop resume=true to start a new run"
+    if run_dir.name.startswith(("torchrun-", "deepspeed-")):
+        hint = "a relaunch gets a new launch id: pass hydra.run.dir=<the old run dir>, or drop resume=true"
+    raise ConfigError(f"resume=true but {run_dir} holds no run to resume (no run.json, no results): {hint}")
+
+
 def check_resume(run_dir: Path, identity: dict) -> None:
     """Refuse, writing nothing, to resume ``run_dir`` unless its records were made as ``identity`` says (every
     key equal to the one in its ``run.json``; a ``run.json`` without ``world_size`` was written by one process); a
-    run dir without records (merged or any rank's part) is not checked. Another number of processes is refused
-    too: each rank's part file holds the documents of its index % world_size, so they would be redone or lost."""
+    run dir without records (merged or any rank's part) is not checked, and one without a run is refused
+    (:func:`check_has_run`). Another number of processes is refused too: each rank's part file holds the documents
+    of its index % world_size, so they would be redone or lost."""
     from pardec.evaluation.results import results_files
 
+    check_has_run(run_dir)
     if not results_files(run_dir):
         return  # no records yet: nothing to mix with
     path = run_dir / "run.json"

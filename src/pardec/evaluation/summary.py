@@ -101,11 +101,9 @@ def summarize(spec: EvalSpec, task, records: list[dict], method_role: str, model
     from pardec.metrics.energy import joules_per_token
     from pardec.metrics.perplexity import perplexity
     from pardec.metrics.speed import nonrepetitive_speed, speed_summary, tokens_per_s
-    from pardec.models.loading import resolve_device
 
     ok = [x for x in records if not is_failed(x)]
-    device = next((str(x["device"]) for x in records if x.get("device")), None) or str(
-        resolve_device(spec.model.device))
+    device = next((str(x["device"]) for x in records if x.get("device")), None) or str(spec.devices[0])
     precision = matmul_precision(spec.model.dtype, spec.run.tf32, device)
     also = {role: name for role, name, _ in spec.also}
     also_params = {role: params for role, _, params in spec.also}
@@ -187,7 +185,6 @@ def summarize(spec: EvalSpec, task, records: list[dict], method_role: str, model
         "sampling": asdict(spec.sampling),
         "threads": spec.run.threads,
         "kv_cache": spec.run.kv_cache,  # the decoders' KV cache and forward (the hf peers run transformers' own)
-        "forward_impl": spec.run.forward_impl,
         "sandbox": isolation() if task.sandboxed else None,  # which isolation ran model output, see metrics/sandbox.py
         "exactness": cls.exactness,
         **speed_summary(method_rows, rows["baseline"] or method_rows),

@@ -66,21 +66,36 @@ def eos_ids(model, tokenizer) -> set[int]:
     return {int(i) for i in ids if i is not None}
 
 
-def resolve_device(device: str, env: Mapping[str, str] | None = None) -> torch.device:
+def resolve_device(device: str, env: Mapping[str, str] | None = None, split: bool = False,
+                   key: str = "model.device") -> torch.device:
     """``model.device`` as a torch device: ``auto`` is CUDA when available, else the CPU. Under a launcher of several
     processes (``WORLD_SIZE`` > 1 in ``env``, default the environment: torchrun, accelerate launch, deepspeed)
-    ``auto`` and ``cuda`` mean this process's GPU, :func:`rank_gpu`, so that the ranks do not all load onto GPU 0;
-    ``cuda:<i>`` and ``cpu`` are kept as written. (With ``model.device_map`` the weights are placed by accelerate,
-    not moved to this one device.)"""
+    ``auto`` and ``cuda`` mean this process's GPU: :func:`rank_gpu`, or with ``split`` (this run's target is spread
+    over the rank's group of GPUs with ``model.device_map``) the first GPU of that group, :func:`rank_gpus`, so that
+    the ranks do not all load onto GPU 0 nor into each other's groups; ``cuda:<i>`` and ``cpu`` are kept as
+    written. (With ``model.device_map`` the weights are placed by accelerate, not moved to this one device.)"""
     env = os.environ if env is None else env
     cuda = torch.cuda.is_available()
     if device == "cuda" and not cuda:
-        raise RuntimeError("model.device=cuda but no CUDA device is available; use model.device=auto or cpu")
+        raise ConfigError(f"{key}=cuda but no CUDA device is usable here (torch.cuda.is_available() is false); "
+                          f"use {key}=auto or cpu")
     if device in ("auto", "cuda") and cuda and int(env.get("WORLD_SIZE", 1)) > 1:
-        return torch.device("cuda", rank_gpu(env))
+        group = rank_gpus(env) if split else None
+        return torch.device("cuda", group[0] if group else rank_gpu(env))
     if device == "auto":
         return torch.device("cuda" if cuda else "cpu")
     return torch.device(device)
+
+
+def rank_devices(target: ModelConfig, draft: ModelConfig | None,
+                 env: Mapping[str, str] | None = None) -> tuple[torch.device, torch.device | None]:
+    """Where this rank's target (its first GPU when ``model.device_map`` splits it) and draft go, resolved before
+    any weights load. Under several processes a split target's rank owns a disjoint group of the node's GPUs
+    (:func:`rank_gpus`; an uneven split is an error) and its draft lives on that group's first GPU, not on
+    ``cuda:LOCAL_RANK``, which may be inside another rank's group."""
+    split = bool(target.device_map)
+    return (resolve_device(target.device, env, split),
+            resolve_device(draft.device, env, split, "draft.device") if draft is not None else None)
 
 
 def rank_gpu(env: Mapping[str, str]) -> int:
@@ -283,11 +298,11 @@ def trainable(cfg: ModelConfig, dtype: str) -> ModelConfig:
     return replace(cfg, device="cpu", dtype=dtype, cpu_prepack=False)
 
 
-def load_model(cfg: ModelConfig) -> LoadedModel:
-    """Load weights and tokenizer as ``cfg`` says, cast to its dtype and move to its device; bf16 CPU linears are
-    prepacked for inference (``cfg.cpu_prepack``, :mod:`pardec.models.packed`) unless loaded through
-    :func:`trainable`."""
-    device = resolve_device(cfg.device)
+def load_model(cfg: ModelConfig, device: torch.device | None = None) -> LoadedModel:
+    """Load weights and tokenizer as ``cfg`` says, cast to its dtype and move to its device (``device``: where the
+    caller placed it, :func:`rank_devices`; default ``cfg.device`` resolved); bf16 CPU linears are prepacked for
+    inference (``cfg.cpu_prepack``, :mod:`pardec.models.packed`) unless loaded through :func:`trainable`."""
+    device = device if device is not None else resolve_device(cfg.device)
     dtype = TORCH_DTYPES[cfg.dtype]
     if cfg.dtype == "int8" and device.type != "cpu":
         raise ConfigError(f"model {cfg.name!r}: dtype=int8 is a CPU mode (fbgemm int8 linears) but the model would "
