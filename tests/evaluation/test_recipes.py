@@ -6,6 +6,7 @@ shown to fail in one line offline, as it would on a machine without the weights.
 from __future__ import annotations
 
 import pytest
+import torch
 import yaml
 
 from pardec import CONF_DIR
@@ -38,6 +39,19 @@ MJSD = {  # recipe: (models, dataset, max_new_tokens, method params)
                                {"gamma": 4, "width": 1, "num_beams": 8, "tau": 0.1, "top_k": 20, "top_p": 0.9}),
 }
 
+#: the trained systems decoded on their papers' targets and benchmarks: recipe: (the experiment that trains what it
+#: decodes, model path or hub id, dataset, method, the method's paper parameters)
+TRAINED = {
+    "cllm_abel7b_gsm8k": ("cllm_gsm8k", "train/runs/cllm_gsm8k/default/final", "gsm8k", "jacobi",
+                          {"block_size": 16}),
+    "cllm_vicuna7b_mt_bench": ("cllm_sharegpt", "train/runs/cllm_sharegpt/default/final", "mt_bench", "jacobi",
+                               {"block_size": 32}),
+    "firp_llama2_7b_mt_bench": ("heads_firp_llama2_7b", "meta-llama/Llama-2-7b-chat-hf", "mt_bench", "firp",
+                                {"tree": "T63"}),
+    "sdsat_codellama7b_humaneval": ("sdsat_codellama7b", "train/runs/sdsat_codellama7b/default/final", "humaneval",
+                                    "sdsat", {"k": 5, "variant": "two_step"}),
+}
+
 
 @pytest.fixture
 def checked_models(monkeypatch) -> list:
@@ -45,6 +59,7 @@ def checked_models(monkeypatch) -> list:
     which load tokenizers from the hub): ``[(model, draft), ...]``."""
     calls: list = []
     monkeypatch.setattr(spec_module, "check_models", lambda model, draft: calls.append((model, draft)))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # the recipes run on CUDA (model.device: cuda)
     return calls
 
 
@@ -55,7 +70,29 @@ def _validated(name: str, checked_models: list):
 
 
 def test_every_recipe_has_its_paper_values_here():
-    assert RECIPES == sorted({**OUROBOROS, **MJSD})  # a new recipe: add the paper's values to this file
+    assert RECIPES == sorted({**OUROBOROS, **MJSD, **TRAINED})  # a new recipe: add the paper's values to this file
+
+
+@pytest.mark.parametrize("name", sorted(TRAINED))
+def test_trained_systems_recipes_decode_what_their_experiment_trains(name, checked_models):
+    """CLLM, FIRP and SDSAT on their papers' targets: the recipe reads the run dir its training experiment writes
+    (``run_name: default``), greedy, bf16, and names the training command in its header."""
+    experiment, model, dataset, method, params = TRAINED[name]
+    if method == "firp":  # the trained projections' directory must hold a drafter.json (read at validation)
+        composed = cfg_of(f"+recipe={name}")
+        assert composed.method.projections.endswith(f"train/runs/{experiment}/default/final")
+        assert (composed.method.name, composed.method.tree, composed.dataset.name, composed.model.path) == (
+            method, params["tree"], dataset, model) and composed.dtype == "bf16"
+        with pytest.raises(ConfigError, match=r"method.projections=.*holds no trained drafter.*heads_firp_smollm2"):
+            validate(composed)
+        checked_models.clear()
+        return
+    spec = _validated(name, checked_models)
+    assert spec.method == method and {k: spec.method_params[k] for k in params} == params
+    assert spec.model.path.endswith(model) and spec.dataset.name == dataset
+    assert spec.sampling.greedy and spec.run.dtype == spec.model.dtype == "bf16" and spec.draft is None
+    assert f"+experiment={experiment}" in (CONF_DIR / "recipe" / f"{name}.yaml").read_text()
+    assert "run_name: default" in (CONF_DIR / "experiment" / f"{experiment}.yaml").read_text()
 
 
 @pytest.mark.parametrize("name", sorted(OUROBOROS))
@@ -111,6 +148,23 @@ def test_the_model_check_is_what_fails_offline(monkeypatch):
                                           r"Face cache and the hub is off \(HF_HUB_OFFLINE\)") as e:
         validate(cfg_of("+recipe=ouroboros_yi34b_humaneval"))
     assert "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("name", RECIPES)
+def test_a_gpu_recipe_where_cuda_is_not_usable_stops_in_one_line(name, monkeypatch):
+    """Every paper recipe asks for CUDA (``model.device: cuda``): without it, validation stops before any weights
+    load, instead of decoding a 7B-34B model on the CPU; ``model.device=cpu`` (and the draft's) runs it anyway."""
+    monkeypatch.setattr(spec_module, "check_models", lambda model, draft: None)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    cfg = cfg_of(f"+recipe={name}")
+    assert cfg.model.device == "cuda" and (cfg.draft.get("name") is None or cfg.draft.device == "cuda")
+    if name.startswith("firp_"):
+        return  # (its validation needs the trained projections first: test above)
+    with pytest.raises(ConfigError, match="model.device=cuda but no CUDA device is usable here") as e:
+        validate(cfg)
+    assert "\n" not in str(e.value)
+    cpu = ["model.device=cpu"] + (["draft.device=cpu"] if cfg.draft.get("name") else [])
+    assert validate(cfg_of(f"+recipe={name}", *cpu)).devices[0] == torch.device("cpu")
 
 
 def test_an_unknown_recipe_is_one_line_listing_them():

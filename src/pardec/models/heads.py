@@ -153,7 +153,7 @@ def read_meta(path: str | Path, key: str = "method.path") -> dict[str, Any]:
     f = Path(path) / "drafter.json"
     if not f.is_file():
         raise ConfigError(f"{key}={str(path)!r} holds no trained drafter (no drafter.json); train one with "
-                          f"python -m train +experiment=medusa_smollm2 (or firp_smollm2)")
+                          f"python -m train +experiment=heads_medusa_smollm2 (or heads_firp_smollm2)")
     try:
         meta = json.loads(f.read_text())
     except json.JSONDecodeError as e:

@@ -1,0 +1,160 @@
+"""`python -m pardec.plan`: per-GPU memory of the paper recipes from their real architectures on the meta device
+(conf/model_configs/*/config.json; no weights, no network)."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+
+from pardec import CONF_DIR
+from pardec import plan as P
+from pardec.config import ConfigError
+
+BIG = P.matching(["*7b*", "*13b*", "*33b*", "*34b*"])
+TRAIN = sorted(set(BIG) | {n for n in P.paper_recipes() if P.recipes()[n] == "train"})
+YI = sorted(n for n in P.recipes() if n.startswith("ouroboros_yi34b_"))
+
+
+def test_the_size_patterns_find_the_gpu_recipes():
+    assert {"draft_llama2_7b", "heads_firp_llama2_7b", "heads_medusa_vicuna7b", "sdsat_codellama7b"} <= set(BIG)
+    assert {"cllm_gsm8k", "cllm_code", "cllm_spider", "cllm_sharegpt"} <= set(TRAIN)  # 7B targets, unsized names
+    assert len(YI) == 4
+
+
+@pytest.mark.parametrize("name", TRAIN)
+def test_every_gpu_training_recipe_fits_80gb_at_its_world(name):
+    p = P.plan(name)
+    assert p.world == P.launch_world(name) == 8  # the documented `torchrun --nproc_per_node 8` launch line
+    assert p.zero in (2, 3) and p.params > 6e9
+    assert p.fits(80), P.table([p])
+
+
+@pytest.mark.parametrize("name", YI)
+def test_ouroboros_yi_recipes_fit_the_gpus_their_header_states(name):
+    header = (CONF_DIR / "recipe" / f"{name}.yaml").read_text()
+    header = " ".join(line.lstrip("# ") for line in header.splitlines() if line.startswith("#"))
+    assert "Two 80 GB GPUs" in header and "one 141 GB GPU" in header  # what the recipe promises
+    one, two = P.plan(name), P.plan(name, gpus=2)
+    assert one.fits(141) and two.fits(80)
+    assert not one.fits(80) and one.gpus_needed[80] == 2  # one 80 GB GPU is not enough, as the header says
+    assert P._fit_cell(one, 80) == "2 GPUs" and P._fit_cell(one, 141) == "yes"
+
+
+@pytest.mark.parametrize(("hub_id", "published"), [("meta-llama/Llama-2-7b-chat-hf", 6.74e9), ("01-ai/Yi-34B", 34.4e9),
+                                                    ("meta-llama/Llama-2-13b-hf", 13.0e9),
+                                                    ("deepseek-ai/deepseek-coder-33b-instruct", 33.3e9)])
+def test_parameter_counts_match_the_published_sizes(hub_id, published):
+    assert abs(P.arch(hub_id).params - published) / published < 0.01
+
+
+def test_every_hub_model_a_recipe_can_pick_has_a_shipped_config():
+    for group in ("model", "draft"):
+        for path in (CONF_DIR / group).glob("*.yaml"):
+            hub = P._hub_path(path.stem, group)
+            if hub and hub != "???":
+                assert P._config_file(hub).is_file(), f"{group}/{path.name}: ship {P._config_file(hub)}"
+
+
+def test_a_bad_recipe_name_is_one_line_naming_it_and_the_valid_ones(capsys):
+    with pytest.raises(SystemExit) as e:
+        P.main(["draft_llama2_7bb"])
+    assert e.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and err.startswith("error: unknown recipe 'draft_llama2_7bb'")
+    assert "Did you mean 'draft_llama2_7b'?" in err and "Valid recipes:" in err
+    assert "sdsat_codellama7b" in err and "ouroboros_yi34b_gsm8k" in err
+
+
+def test_a_cpu_recipe_is_refused_naming_its_model():
+    with pytest.raises(ConfigError, match=r"'cllm_tiny' runs model 'tiny_random' \(source tiny_random\).*sdsat_codellama7b"):
+        P.plan("cllm_tiny")
+
+
+@pytest.mark.parametrize("name", ["sdsat_codellama7b", "cllm_gsm8k"])
+def test_zero3_needs_less_per_gpu_than_zero2(name):
+    z2, z3 = (P.plan(name, overrides=[f"trainer.deepspeed={z}"]) for z in ("zero2", "zero3"))
+    assert (z2.zero, z3.zero) == (2, 3)
+    assert z3.total < z2.total
+    assert z3.components["weights"] == pytest.approx(z2.components["weights"] / 8)
+    assert z3.components["gathered"] == 2e9 and z2.components["gathered"] == 0  # stage3_max_live_parameters x 2 B
+
+
+def test_zero2_shards_grads_and_adam_states_over_the_world():
+    p8, p4 = P.plan("sdsat_codellama7b"), P.plan("sdsat_codellama7b", world=4)
+    n = p8.trainable
+    assert p8.components["optimizer"] == pytest.approx(12 * n / 8) and p4.components["optimizer"] == pytest.approx(12 * n / 4)
+    assert p8.components["grads"] == pytest.approx(2 * n / 8)
+    assert p8.components["weights"] == p4.components["weights"] == pytest.approx(2 * n)  # replicated in bf16
+    ddp = P.plan("sdsat_codellama7b", overrides=["trainer.deepspeed=null", "trainer.model_dtype=fp32"])
+    assert ddp.zero == 0 and ddp.components["optimizer"] == pytest.approx(8 * n)  # m + v, the fp32 params are the master
+
+
+def test_frozen_models_and_trainable_drafters():
+    draft = P.plan("draft_llama2_7b")
+    assert draft.components["frozen"] == pytest.approx(2 * draft.params)  # the bf16 teacher on every rank
+    assert 0.5e9 < draft.trainable < 1.5e9  # 4 layers + a 32000-row head; the embeddings frozen
+    medusa = P.plan("heads_medusa_vicuna7b")
+    assert medusa.trainable == 5 * (4096 * 4096 + 4096 + 4096 * 32000)  # 5 x (ResBlock + LM-head copy)
+    firp = P.plan("heads_firp_llama2_7b")
+    assert firp.trainable == 3 * (4096 * 4096 + 4096) and firp.components["kv"] > 0
+    lora = P.plan("sdsat_codellama7b", overrides=["trainer.lora.enabled=true"])
+    assert lora.trainable == 32 * 16 * (4 * (4096 + 4096) + 2 * (4096 + 11008) + (11008 + 4096))
+    assert lora.total < P.plan("sdsat_codellama7b").total
+
+
+def test_activation_formula_follows_korthikanti():
+    a = P.arch("meta-llama/Llama-2-7b-chat-hf")
+    assert P.layer_activations(2048, 2048, a, 2, eager=False) == 34 * 2048 * 4096
+    assert P.layer_activations(2048, 2048, a, 2, eager=True) == 2048 * 4096 * (34 + 5 * 32 * 2048 / 4096)
+    full = P.stack_activations(32, 2048, 2048, a, 2, False, checkpointing=False)
+    ckpt = P.stack_activations(32, 2048, 2048, a, 2, False, checkpointing=True)
+    assert full == 32 * 34 * 2048 * 4096 and ckpt == 32 * 2048 * 4096 * 2 + 34 * 2048 * 4096
+
+
+def test_eval_kv_cache_and_weights():
+    p = P.plan("mjsd_llama2_13b_cnn_dm", prompt_tokens=500)
+    context = 500 + 128 + P.CONTEXT_MARGIN
+    draft_kv = context * 2 * 2 * 12 * 64 * 2 * 8  # llama-68m x 8 beams
+    assert p.components["kv"] == pytest.approx(context * 2 * 40 * 40 * 128 * 2 + draft_kv)
+    assert p.components["weights"] == pytest.approx(2 * (p.params + P.arch("JackFram/llama-68m").params))
+    assert p.fits(40) and not p.gpus_needed  # no device_map: no split
+
+
+def test_cli_prints_the_table_and_writes_json(tmp_path, capsys):
+    out = tmp_path / "plan.json"
+    P.main(["draft_llama2_7b", "ouroboros_dscoder33b_humaneval", "--json", str(out)])
+    text = capsys.readouterr().out
+    assert re.search(r"^recipe\s+kind\s+world\s+ZeRO\s+params\s+weights", text, re.M)
+    assert re.search(r"^draft_llama2_7b\s+draft\s+8\s+2\s+6\.74B", text, re.M)
+    assert "GB = 1e9 bytes" in text
+    rows = json.loads(out.read_text())
+    assert [r["recipe"] for r in rows] == ["draft_llama2_7b", "ouroboros_dscoder33b_humaneval"]
+    assert set(rows[0]["components_gb"]) == set(P.COMPONENTS) and rows[0]["fits"]["80"] is True
+    assert rows[0]["total_gb"] == pytest.approx(sum(rows[0]["components_gb"].values()), abs=0.01)
+    assert rows[1]["gpus_needed"]["80"] == 1 and rows[1]["world"] == 1
+
+
+def test_help_works(capsys):
+    with pytest.raises(SystemExit) as e:
+        P.main(["--help"])
+    assert e.value.code == 0 and "--all" in capsys.readouterr().out
+
+
+def test_configs_resolve_with_the_gpu_defaults_on_any_machine():
+    import torch
+
+    before = torch.cuda.is_available()
+    _, cfg = P.compose("draft_smollm2")  # sets neither dtype nor trainer.bf16
+    assert cfg["dtype"] == "bf16" and cfg["trainer"]["bf16"] is True and cfg["model"]["dtype"] == "bf16"
+    assert torch.cuda.is_available() == before
+
+
+@pytest.mark.parametrize("name", ["cllm_abel7b_gsm8k", "cllm_vicuna7b_mt_bench", "sdsat_codellama7b_humaneval"])
+def test_a_recipe_of_a_trained_model_is_planned_on_its_experiments_architecture(name):
+    """An evaluation recipe that reads a run dir (``.../train/runs/<experiment>/default/final``) is planned on the
+    architecture of the model that experiment trains (its weights are not at hand before training)."""
+    assert name in P.paper_recipes()
+    p = P.plan(name)
+    assert 6.7e9 < p.params < 6.8e9 and p.fits(40)
