@@ -121,6 +121,20 @@ def test_beam_sampling_draws_twice_the_beams_and_keeps_the_best_joints(seed):
     assert beams[0].select == pytest.approx([math.log(0.6), math.log(0.55)], abs=1e-6)  # .33 / (.27 + .33)
 
 
+def test_tau_0_never_accepts_a_token_the_target_cannot_produce():
+    """Alg. 1 line 10 accepts while tau < min(1, p/q), strictly: at tau = 0 a drafted token of (warped) target
+    probability 0 has ratio 0 and is rejected (with >= it was accepted)."""
+    tree = Tree.from_paths([[5, 6]])  # nodes: 1=(5), 2=(5,6)
+    logp = torch.full((3, 10), -math.inf)
+    logp[0, 5] = math.log(0.7)  # (5) the target can produce; 6 after it is outside its top-k: probability 0
+    logp[1, 2] = 0.0
+    q = {1: math.log(0.6), 2: math.log(0.3)}
+    assert joint_accept(tree, logp, q, -math.inf) == 1
+    assert joint_accept(tree, logp, q, math.log(0.99)) == 1  # (5): ratio 1 > 0.99
+    logp[0, 5] = -math.inf
+    assert joint_accept(tree, logp, q, -math.inf) == 0  # nothing: the target's own token comes next
+
+
 def test_joint_accept_by_hand():
     tree = Tree.from_paths([[5, 6, 7], [5, 8]])  # nodes: 1=(5), 2=(5,6), 3=(5,6,7), 4=(5,8)
     logp = torch.full((5, 10), -30.0)
@@ -133,7 +147,7 @@ def test_joint_accept_by_hand():
     assert joint_accept(tree, logp, q, math.log(0.89)) == 4
     assert joint_accept(tree, logp, q, -math.inf) == 3
     q_low = {k: v - 5 for k, v in q.items()}  # every ratio 1: depth first, then the higher target joint
-    assert joint_accept(Tree.from_paths([[5, 6], [5, 8]]), logp, {1: q_low[1], 2: q_low[2], 3: q_low[4]}, 0.0) == 2
+    assert joint_accept(Tree.from_paths([[5, 6], [5, 8]]), logp, {1: q_low[1], 2: q_low[2], 3: q_low[4]}, math.log(0.999)) == 2
     assert joint_accept(tree, logp, {k: 0.0 for k in q}, math.log(0.99)) == 0  # nothing: the root
 
 
@@ -173,7 +187,7 @@ WARP_TARGET = {7: {0: 1.0}, 0: {1: 0.45, 3: 0.35, 2: 0.2}, 1: {6: 0.5, 4: 0.3, 7
     # raw: p(1) = .45, q(1) = .5: .9; p(1, 4) = .45 * .3 = .135, q(1, 4) = .3: .45
     ("raw", 0.5, [0, 1, 6, 0], [1, 2, 1]),
     ("raw", 0.4, [0, 1, 4, 5], [1, 3]),
-    ("warped", 0.0, [0, 1, 4, 5], [1, 3]),  # tau 0 accepts every drafted token
+    ("warped", 0.0, [0, 1, 4, 5], [1, 3]),  # tau 0 accepts every drafted token the warped target can produce
 ])
 def test_mjsd_ratio_by_hand(ratio, tau, tokens, accepted):
     target, draft = TableLM(V, WARP_TARGET), TableLM(V, WARP_DRAFT)

@@ -10,8 +10,9 @@ top-p; it has no acceptance ratio, so ``mjsd``'s ``ratio`` choice does not conce
 (``num_beams`` beams, ``gamma`` tokens, the paper's top-k 20 / top-p 0.9 on the draft's proposals; beam
 *search* under greedy decoding, pardec's greedy variant), the ``width`` best beams are verified by one target
 forward (one beam: a chain; several: a trie under the tree mask), and the longest drafted prefix
-``x_1..x_i`` whose ratio ``min(1, p(x_1..x_i) / q(x_1..x_i))`` reaches ``tau`` is accepted (the deepest such node,
-ties by higher ``p``; the paper's ``r <= min(1, p/q)`` with the fixed ``r = tau``, App. D Table 5: tau = 0.1); then
+``x_1..x_i`` whose ratio ``min(1, p(x_1..x_i) / q(x_1..x_i))`` exceeds ``tau`` is accepted (the deepest such node,
+ties by higher ``p``; the paper's Alg. 1 line 10 accepts while ``tau < min(1, p/q)``, strictly, App. D Table 5:
+tau = 0.1); then
 the next token comes from the target (argmax, or a sample from its warped distribution, the run's ``sampling``).
 
 ``p`` and ``q`` of the ratio (``ratio``):
@@ -31,7 +32,8 @@ that top-k / top-p would never draw has ``q = 0``: ratio 1 where ``p > 0``).
 
 ``tau`` is in ``[0, 1)``: the reference code treats a threshold ``>= 1`` as "reject every draft" (speculative_sampling.py
 line 698), which leaves the target decoding alone while the draft still runs; ``tau = 0`` accepts every drafted
-token.
+token of ratio above 0, i.e. every one the target (warped, for ``warped``) can produce: a token of target
+probability 0 is never accepted.
 
 Beam bookkeeping: every beam carries the joint log-likelihood and the selection probability of each of its own
 prefixes, copied from the beam it was expanded from at every step (the reference code appends step scores without
@@ -71,7 +73,7 @@ def log_ratio(logp: float, logq: float) -> float:
 
 def joint_accept(tree: Tree, target_logp: torch.Tensor, draft_logq: dict[int, float], log_tau: float,
                  next_tokens: torch.Tensor | None = None) -> int | tuple[int, int]:
-    """The node MJSD accepts: the deepest node whose ``log min(1, p(path) / q(path)) >= log_tau`` (ties: higher
+    """The node MJSD accepts: the deepest node whose ``log min(1, p(path) / q(path)) > log_tau`` (ties: higher
     ``p``), the root (0) if none. ``target_logp`` [N, V]: the target's log-probabilities after each node (-inf where
     its distribution is 0); ``draft_logq``: node -> ``log q`` of the node's path. With ``next_tokens`` [N] (the
     target's token after every node, on the device), returns (node, the token after it), both from one host read."""
@@ -86,7 +88,7 @@ def joint_accept(tree: Tree, target_logp: torch.Tensor, draft_logq: dict[int, fl
     read = step.tolist()  # the one host read
     for i, lp in zip(nodes, read):
         logp[i] = logp[tree.parents[i]] + lp
-        ok = log_ratio(logp[i], draft_logq[i]) >= log_tau
+        ok = log_ratio(logp[i], draft_logq[i]) > log_tau  # strict: the paper's tau < min(1, p/q)
         key = (int(tree.depth[i]), logp[i])
         if ok and key > best_key:
             best, best_key = i, key
