@@ -103,7 +103,7 @@ def test_ouroboros_recipes_compose_validate_and_hold_the_papers_values(name, che
     p = spec.method_params
     assert (p["gamma"], p["window"], p["guess_set"], p["level"], p["top_k_phrases"]) == (gamma, window, guess_set,
                                                                                         level, top_k)
-    assert p["accelerated_drafting"] and p["lengthening"] and p["verified_phrases"] and not p["warm_start"]
+    assert p["accelerated_drafting"] and p["lengthening"] and p["verified_phrases"] and p["warm_start"]  # full method
     assert (spec.model.path, spec.draft.path) == (target, draft)
     assert spec.model.device_map == "auto" and spec.draft.device_map is None  # the 33B/34B target splits over GPUs
     assert spec.model.dtype == spec.draft.dtype == spec.run.dtype == "fp16"  # the official scripts' torch.float16
