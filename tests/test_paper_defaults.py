@@ -70,7 +70,7 @@ PAPER: dict[str, dict[str, tuple[object, str]]] = {
         "next_token": ("greedy", "Medusa §2.3.1: the first token is decoded greedily and accepted unconditionally"),
     },
     "firp": {
-        "attention": ("real", "FIRP §3.3: a pseudo state sees the real states before it and itself"),
+        "attention": ("pseudo", "FIRP §4.3 / Fig. 7: inference is No masked (a pseudo state sees the earlier ones)"),
     },
     "sdsat": {
         "k": (5, "SDSAT official main.py --k_list default (0, 5)"),

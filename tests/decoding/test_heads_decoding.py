@@ -149,15 +149,19 @@ def test_bad_drafter_inputs_are_one_line_errors(tmp_path):
 
 @pytest.mark.parametrize("attention", ["real", "pseudo"])
 def test_firp_attention_patterns_stay_exact_and_differ_in_their_drafts(attention, caplog):
-    """FIRP §3.3 (``real``, the default): a node's pseudo states see its prefix and themselves; ``pseudo`` also lets
-    step i see the node's steps < i. Drafts differ from the second step on; the output never does."""
+    """``pseudo`` (the default, FIRP's No masked inference, §4.3): step i of a node sees the node's steps < i;
+    ``real`` (Masked, Fig. 7's ablation): its prefix and itself only. Drafts differ from the second step on; the
+    output never does; the combination with the projections' training is logged."""
     import logging
 
     lm, cm, ids, ref = _setup()
-    path = str(drafter_dir(lm.model, "firp"))  # saved with attention "real" (the default of new_drafter)
-    with caplog.at_level(logging.WARNING, logger="pardec.decoding.heads"):
+    path = str(drafter_dir(lm.model, "firp"))  # saved with attention "real" (§3.3: trained teacher-forced)
+    assert build_decoder("firp", cm, lm.tokenizer, projections=path).attention == "pseudo"  # the default
+    with caplog.at_level(logging.INFO, logger="pardec.decoding.heads"):
         dec = build_decoder("firp", cm, lm.tokenizer, projections=path, tree="T", attention=attention)
-    assert dec.attention == attention and ("trained with attention=real" in caplog.text) == (attention == "pseudo")
+    assert dec.attention == attention
+    assert f"trained with attention=real, decoded with attention={attention}" in caplog.text
+    assert ("Masked ablation" in caplog.text) == (attention == "real")
     res = dec.generate(ids, 40, Stopper(lm.tokenizer))
     assert res.tokens == ref.tokens
     other = build_decoder("firp", cm, lm.tokenizer, projections=path, attention="pseudo" if attention == "real"

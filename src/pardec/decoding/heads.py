@@ -11,9 +11,9 @@ and the drafts of the next step, from the node that ends the accepted path:
   hidden state; head k drafts the token k + 1 positions after the one the target commits there.
 * ``firp`` (Wu et al. 2024): K pseudo hidden states per node, born at intermediate layers from the node's own
   hidden states by :class:`~pardec.models.heads.FirpProjections` and run through the upper layers inside the same
-  forward (:meth:`~pardec.models.cached.CachedModel.forward_pseudo`), each seeing the node's prefix and itself
-  (FIRP §3.3; ``attention=pseudo``: also the node's earlier pseudo states); the LM head runs only on the accepted
-  node's.
+  forward (:meth:`~pardec.models.cached.CachedModel.forward_pseudo`), each seeing the node's prefix, the node's
+  earlier pseudo states and itself (``attention=pseudo``: the paper's inference, "No masked", §4.3 / Fig. 7;
+  ``attention=real``: "Masked", the ablation the paper finds worse); the LM head runs only on the accepted node's.
 
 Exactness: candidates are deterministic (top-k), so the shared tree rule keeps greedy output equal to ``ar`` and
 sampled output distributed exactly as the target's (``distribution``). ``medusa_typical`` replaces it under
@@ -217,23 +217,26 @@ def typical_accept(tree: Tree, logits: torch.Tensor, s: SamplingConfig, gen: tor
 
 @register_method("firp")
 class Firp(TreeDrafter):
-    """``attention``: what the pseudo states see: ``real`` (FIRP §3.3, the default: the node's prefix, real states
-    only, and itself) or ``pseudo`` (also the node's earlier pseudo states). Use the pattern the projections were
-    trained with (their drafter.json ``attention``; a mismatch is allowed, logged, and stays exact)."""
+    """``attention``: what a pseudo state sees at decoding: ``pseudo`` (the default, the paper's inference: the
+    node's prefix, its earlier pseudo states and itself, "No masked", §4.3 / Fig. 7) or ``real`` (the prefix and
+    itself only: "Masked", the ablation Fig. 7 finds worse). The projections are trained teacher-forced on real
+    states (§3.3, their drafter.json ``attention: real``): trained ``real`` and decoded ``pseudo`` is the paper's
+    combination. Every combination stays exact; the one that runs is logged."""
 
     kind, key = "firp", "projections"
 
     def __init__(self, target: CachedModel, tokenizer=None, draft=None, projections: str | None = None,
-                 tree: str = "chain", k: int | None = None, attention: str = "real"):
+                 tree: str = "chain", k: int | None = None, attention: str = "pseudo"):
         if attention not in PSEUDO_ATTENTION:
             raise ConfigError(f"method.attention={attention!r} is not valid; choose one of: "
                               f"{', '.join(PSEUDO_ATTENTION)}")
         super().__init__(target, tokenizer, draft, projections, tree, k)
         self.attention = attention
         self.layers = self.drafter.layers[: self.k] if target is not None else None
-        if target is not None and self.drafter.attention != attention:
-            log.warning("method.attention=%s, but the projections in %s were trained with attention=%s: drafts "
-                        "will be worse (output unchanged)", attention, projections, self.drafter.attention)
+        if target is not None:
+            what = {"pseudo": "the paper's No masked decoding", "real": "the Masked ablation (FIRP Fig. 7)"}
+            log.info("FIRP: projections trained with attention=%s, decoded with attention=%s, %s",
+                     self.drafter.attention, attention, what[attention])
 
     def _forward(self, ids, positions=None, attend=None, last_only=False):
         n = ids.shape[-1]
