@@ -6,7 +6,7 @@ STAMP  := $(VENV)/.pardec-installed
 TORCH_VERSION ?= 2.13.0
 PYTEST_ARGS ?=
 
-.PHONY: help setup demo test test-fast gpu-smoke bench bench-mjsd bench-heads bench-sdsat bench-cllm lint clean
+.PHONY: help setup demo test test-fast gpu-smoke rehearse bench bench-mjsd bench-heads bench-sdsat bench-cllm lint clean
 
 help:  ## list targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-10s %s\n", $$1, $$2}'
@@ -45,6 +45,9 @@ test-fast: setup  ## the fast tier for iteration: every test not marked slow (~3
 
 gpu-smoke: setup  ## on a CUDA machine: every method fp32/bf16 (exactness, tokens/forward, speed vs ar), 2 steps of every kind, 2-GPU sharded evaluate
 	$(BIN)/python scripts/gpu_smoke.py $(SMOKE_ARGS)
+
+rehearse: setup  ## every paper recipe end to end on 2 gloo CPU ranks, tiny models of its family (docs/rehearsal.md; ~7 min on 2 cores)
+	$(BIN)/python -m pardec.rehearse --all --json outputs/rehearse/rehearsal.json $(REHEARSE_ARGS)
 
 bench: setup  ## the README's speed table: SmolLM2 fp32, 20 GSM8K (GSM8K=<test.jsonl>), HumanEval, CNN/DM (CNNDM=<test.jsonl>)
 	$(BIN)/python scripts/bench.py $(if $(GSM8K),--dataset-path gsm8k=$(GSM8K)) $(if $(CNNDM),--dataset-path cnn_dm=$(CNNDM))

@@ -58,6 +58,8 @@ def test_device_map_ranks_split_the_nodes_gpus(monkeypatch):
     assert placement(cfg, {"WORLD_SIZE": "2", "LOCAL_RANK": "1"}) == {
         "device_map": "auto", "max_memory": {4: 1004, 5: 1005, 6: 1006, 7: 1007}}
     assert placement(ModelConfig(name="m", source="hub", path="x/y"), {"WORLD_SIZE": "2"}) == {}  # no device_map
+    _gpus(monkeypatch, 0)  # CPU ranks (a rehearsal): accelerate places the model itself, nothing goes to disk
+    assert placement(cfg, {"WORLD_SIZE": "2", "LOCAL_RANK": "1"}) == {"device_map": "auto"}
     _gpus(monkeypatch, 2)  # each of 4 processes shown its own 2 GPUs (CUDA_VISIBLE_DEVICES per rank): all of them
     assert rank_gpus({"WORLD_SIZE": "4", "LOCAL_RANK": "3"}) == [0, 1]
 

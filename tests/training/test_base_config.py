@@ -29,7 +29,27 @@ def test_gradient_checkpointing_reaches_the_current_field_without_a_warning(tmp_
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU runs bf16 on itself")
 @pytest.mark.parametrize("bf16", [True, False])
 def test_bf16_without_a_gpu_trains_on_the_cpu_in_autocast(tmp_path, bf16):
-    spec = SimpleNamespace(trainer={"bf16": bf16}, deepspeed=None, logger={})
+    spec = SimpleNamespace(trainer={"bf16": bf16}, deepspeed=None, logger={}, device="auto")
     args = training_args(BaseConfig, spec, tmp_path / "run")
     assert args.bf16 is bf16 and args.device.type == "cpu"
     assert args.use_cpu is bf16  # declared a CPU run only where transformers needs it (bf16); fp32 runs keep its default
+
+
+def test_min_lr_reaches_a_deepspeed_run_as_the_same_rate():
+    """Under DeepSpeed, ``lr_scheduler_kwargs.min_lr`` becomes ``min_lr_rate`` (transformers would read
+    ``optimizer.defaults``, which the ZeRO optimizer lacks): 5e-5 -> 1e-5 is a rate of 0.2."""
+    from pardec.training.base import with_min_lr_rate
+
+    out = with_min_lr_rate({"learning_rate": 5e-5, "lr_scheduler_type": "cosine_with_min_lr",
+                            "lr_scheduler_kwargs": {"min_lr": 1e-5}})
+    assert out["lr_scheduler_kwargs"] == {"min_lr_rate": pytest.approx(0.2)}
+    plain = {"learning_rate": 1e-4, "lr_scheduler_kwargs": {"min_lr_rate": 0.1}}
+    assert with_min_lr_rate(plain) is plain and with_min_lr_rate({}) == {}
+
+
+def test_a_gpu_recipe_rehearsed_on_the_cpu_is_declared_a_cpu_run(tmp_path):
+    """``device=cpu`` (a GPU recipe run here): the Trainer is told so (``use_cpu``), bf16 or not."""
+    for bf16 in (True, False):
+        spec = SimpleNamespace(trainer={"bf16": bf16}, deepspeed=None, logger={}, device="cpu")
+        args = training_args(BaseConfig, spec, tmp_path / "run")
+        assert args.use_cpu is True and args.device.type == "cpu"

@@ -139,7 +139,7 @@ def placement(cfg: ModelConfig, env: Mapping[str, str] | None = None) -> dict:
         return {}
     out: dict = {"device_map": cfg.device_map}
     gpus = rank_gpus(env)
-    if gpus is not None:
+    if gpus:  # (none visible, e.g. CPU ranks: no max_memory, which would send every weight to disk)
         out["max_memory"] = {g: torch.cuda.mem_get_info(g)[0] for g in gpus}  # free memory, as accelerate's default
     return out
 

@@ -199,6 +199,8 @@ def training_args(config_cls: type, spec, run_dir: Path, **extra):
     if spec.deepspeed:
         single_process_env()
     opts = {**defaults, **spec.trainer, **extra}
+    if spec.deepspeed:
+        opts = with_min_lr_rate(opts)
     if spec.device == "cpu":  # a GPU recipe run (or rehearsed) on the CPU, as asked: device=cpu
         opts["use_cpu"] = True
     elif opts.get("bf16") and not on_cuda():  # the test that sets trainer.bf16's default
@@ -212,6 +214,18 @@ def training_args(config_cls: type, spec, run_dir: Path, **extra):
         _ = args.device  # torch.distributed, as the Trainer sets it up
         deepspeed.init_distributed()
     return args
+
+
+def with_min_lr_rate(opts: dict[str, Any]) -> dict[str, Any]:
+    """``opts`` with ``lr_scheduler_kwargs.min_lr`` given as ``min_lr_rate`` (``min_lr / learning_rate``), the same
+    schedule: transformers computes the rate from ``optimizer.defaults["lr"]``, which DeepSpeed's ZeRO optimizer lacks
+    (``AttributeError: 'DeepSpeedZeroOptimizer' object has no attribute 'defaults'``, found by the rehearsal)."""
+    kwargs = dict(opts.get("lr_scheduler_kwargs") or {})
+    if kwargs.get("min_lr") is None:
+        return opts
+    lr = opts.get("learning_rate", next(f.default for f in fields(TrainingArguments) if f.name == "learning_rate"))
+    kwargs["min_lr_rate"] = kwargs.pop("min_lr") / lr
+    return {**opts, "lr_scheduler_kwargs": kwargs}
 
 
 def single_process_env() -> None:
