@@ -33,9 +33,15 @@ from transformers import Trainer, TrainingArguments
 from pardec import on_cuda
 from pardec.config import SYNC_TIMEOUT, ConfigError, Ranks
 
+
 # ------------------------------------------------------------------------------------------- ranks
+def arg_default(name: str) -> Any:
+    """TrainingArguments' own default of field ``name``."""
+    return next(f.default for f in fields(TrainingArguments) if f.name == name)
+
+
 #: TrainingArguments' own default of ``ddp_timeout`` (seconds)
-DDP_TIMEOUT = next(f.default for f in fields(TrainingArguments) if f.name == "ddp_timeout")
+DDP_TIMEOUT = arg_default("ddp_timeout")
 
 #: the gloo group the data stages wait in (created once per process, by every rank in the same order)
 _WAIT_GROUP: list = []
@@ -223,7 +229,7 @@ def with_min_lr_rate(opts: dict[str, Any]) -> dict[str, Any]:
     kwargs = dict(opts.get("lr_scheduler_kwargs") or {})
     if kwargs.get("min_lr") is None:
         return opts
-    lr = opts.get("learning_rate", next(f.default for f in fields(TrainingArguments) if f.name == "learning_rate"))
+    lr = opts.get("learning_rate", arg_default("learning_rate"))
     kwargs["min_lr_rate"] = kwargs.pop("min_lr") / lr
     return {**opts, "lr_scheduler_kwargs": kwargs}
 
