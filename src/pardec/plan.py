@@ -53,6 +53,7 @@ from typing import Any
 
 from pardec import CONF_DIR
 from pardec.config import ConfigError
+from pardec.recipes import TRAINED_PATH, option, recipes, trained_experiment
 from pardec.registry import Registry, UnknownNameError
 
 GB = 1e9
@@ -120,26 +121,6 @@ class Plan:
 
 
 # ------------------------------------------------------------------------------------------- recipes
-def _stems(group: str) -> list[str]:
-    return sorted(p.stem for p in (CONF_DIR / group).glob("*.yaml"))
-
-
-def recipes() -> dict[str, str]:
-    """Every recipe name -> ``train`` (conf/experiment/) or ``evaluate`` (conf/recipe/)."""
-    return {**{n: "train" for n in _stems("experiment")}, **{n: "evaluate" for n in _stems("recipe")}}
-
-
-def _model_choice(name: str, group: str) -> str:
-    """The ``model`` (or ``draft``) option a recipe file picks (``- override /model: x``), without composing."""
-    text = (CONF_DIR / ("experiment" if recipes()[name] == "train" else "recipe") / f"{name}.yaml").read_text()
-    m = re.search(rf"^\s*-\s*override\s+/{group}:\s*(\S+)", text, re.M)
-    if m:
-        return m.group(1)
-    top = "train.yaml" if recipes()[name] == "train" else "evaluate.yaml"
-    m = re.search(rf"^\s*-\s*{group}:\s*(\S+)", (CONF_DIR / top).read_text(), re.M)
-    return m.group(1) if m else "none"
-
-
 def _hub_path(option: str, group: str = "model") -> str | None:
     path = CONF_DIR / group / f"{option}.yaml"
     if not path.is_file():
@@ -150,23 +131,20 @@ def _hub_path(option: str, group: str = "model") -> str | None:
     return hub.group(1) if source and source.group(1) == "hub" and hub else None
 
 
-#: a local model that a training experiment writes: ``.../train/runs/<experiment>/<run name>/final``
-TRAINED_PATH = re.compile(r"train/runs/([\w.-]+)/")
-
-
 def _trained_hub(path: str | None) -> str | None:
-    """The hub id of the model a training experiment (named in ``path``, :data:`TRAINED_PATH`) starts from: a model
-    it trains keeps that architecture (CLLM, SDSAT), so the plan reads that model's config.json."""
+    """The hub id of the model a training experiment (named in ``path``, :data:`~pardec.recipes.TRAINED_PATH`)
+    starts from: a model it trains keeps that architecture (CLLM, SDSAT), so the plan reads that model's
+    config.json."""
     m = TRAINED_PATH.search(path or "")
-    return _hub_path(_model_choice(m.group(1), "model")) if m and recipes().get(m.group(1)) == "train" else None
+    return _hub_path(option(m.group(1), "model")) if m and recipes().get(m.group(1)) == "train" else None
 
 
 def _recipe_hub(name: str) -> str | None:
     """The hub id of a recipe's model, without composing: its model config's, or the architecture of the run dir it
     reads (an evaluation recipe of a trained model)."""
-    hub = _hub_path(_model_choice(name, "model"))
-    if hub is None and recipes()[name] == "evaluate":
-        hub = _trained_hub((CONF_DIR / "recipe" / f"{name}.yaml").read_text())
+    hub = _hub_path(option(name, "model"))
+    if hub is None and recipes()[name] == "evaluate" and (exp := trained_experiment(name)):
+        hub = _hub_path(option(exp, "model"))
     return hub
 
 

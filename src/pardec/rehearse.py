@@ -44,6 +44,7 @@ from typing import Any
 import yaml
 
 from pardec import CONF_DIR, REPO_ROOT
+from pardec.recipes import defaults, option, recipes, trained_experiment
 
 #: targets that are already small: recipes on them are tests / CPU experiments, not paper recipes
 SMALL_MODELS = ("tiny_random", "smollm2_135m", "local")
@@ -81,34 +82,17 @@ class Recipe:
     needs: str | None = None  # evaluation: the training experiment whose run's artifacts it reads (method keys)
 
 
-def _defaults(path: Path) -> dict[str, str]:
-    """``{group: option}`` of a config file's defaults list (``override /model: x``, ``/kind: y``)."""
-    out = {}
-    for item in (yaml.safe_load(path.read_text()) or {}).get("defaults", []):
-        if isinstance(item, dict):
-            for k, v in item.items():
-                out[k.replace("override ", "").strip().lstrip("/")] = v
-    return out
-
-
-def _needs(path: Path) -> str | None:
-    """The training experiment whose run a recipe reads (``.../train/runs/<experiment>/...`` in any value)."""
-    body = {k: v for k, v in (yaml.safe_load(path.read_text()) or {}).items() if k != "defaults"}
-    m = re.search(r"/train/runs/(\w+)/", json.dumps(body))
-    return m.group(1) if m else None
-
-
 def discover() -> list[Recipe]:
     """Every paper recipe: training experiments whose target is not a small model, and evaluation recipes whose
     target is not one or is what such an experiment trains (``model.path`` or a method key reading its run)."""
     found: list[Recipe] = []
     for group, app in (("experiment", "train"), ("recipe", "evaluate")):
-        for path in sorted((CONF_DIR / group).glob("*.yaml")):
-            d = _defaults(path)
-            model, needs = d.get("model", "smollm2_135m"), _needs(path) if app == "evaluate" else None
+        for name in [n for n, a in recipes().items() if a == app]:
+            d = defaults(name)
+            model, needs = option(name, "model"), trained_experiment(name) if app == "evaluate" else None
             if model in SMALL_MODELS and needs not in {r.name for r in found}:
                 continue
-            found.append(Recipe(path.stem, app, group, model, d.get("draft"), d.get("dataset"), d.get("kind"), needs))
+            found.append(Recipe(name, app, group, model, d.get("draft"), d.get("dataset"), d.get("kind"), needs))
     return found
 
 
