@@ -11,6 +11,7 @@ import pytest
 from pardec import CONF_DIR
 from pardec import plan as P
 from pardec.config import ConfigError
+from pardec.recipes import hub_id, shipped_config
 
 BIG = P.matching(["*7b*", "*13b*", "*33b*", "*34b*"])
 TRAIN = sorted(set(BIG) | {n for n in P.paper_recipes() if P.recipes()[n] == "train"})
@@ -52,9 +53,9 @@ def test_parameter_counts_match_the_published_sizes(hub_id, published):
 def test_every_hub_model_a_recipe_can_pick_has_a_shipped_config():
     for group in ("model", "draft"):
         for path in (CONF_DIR / group).glob("*.yaml"):
-            hub = P._hub_path(path.stem, group)
+            hub = hub_id(path.stem, group)
             if hub and hub != "???":
-                assert P._config_file(hub).is_file(), f"{group}/{path.name}: ship {P._config_file(hub)}"
+                assert shipped_config(hub).is_file(), f"{group}/{path.name}: ship {shipped_config(hub)}"
 
 
 def test_a_bad_recipe_name_is_one_line_naming_it_and_the_valid_ones(capsys):

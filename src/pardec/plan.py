@@ -53,7 +53,15 @@ from typing import Any
 
 from pardec import CONF_DIR
 from pardec.config import ConfigError
-from pardec.recipes import TRAINED_PATH, option, recipes, trained_experiment
+from pardec.recipes import (
+    MODEL_CONFIGS,
+    TRAINED_PATH,
+    hub_id,
+    option,
+    recipes,
+    shipped_config,
+    trained_experiment,
+)
 from pardec.registry import Registry, UnknownNameError
 
 GB = 1e9
@@ -61,7 +69,6 @@ CAPACITIES_GB = (40, 80, 141)
 OVERHEAD = 0.10
 DEFAULT_WORLD = 8  # training ranks when a recipe documents no `--nproc_per_node N`
 MAX_GPUS = 8  # the most GPUs a device_map split is tried over for the fits columns
-MODEL_CONFIGS = CONF_DIR / "model_configs"
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "int8": 1}
 CONTEXT_MARGIN = 64  # tokens of draft window / verification rows on top of prompt + max_new_tokens
 #: longest prompt of each task in tokens (an estimate from the task's prompt, conservative; --prompt-tokens overrides)
@@ -121,37 +128,27 @@ class Plan:
 
 
 # ------------------------------------------------------------------------------------------- recipes
-def _hub_path(option: str, group: str = "model") -> str | None:
-    path = CONF_DIR / group / f"{option}.yaml"
-    if not path.is_file():
-        return None
-    text = path.read_text()
-    source = re.search(r"^source:\s*(\S+)", text, re.M)
-    hub = re.search(r"^path:\s*(\S+)", text, re.M)
-    return hub.group(1) if source and source.group(1) == "hub" and hub else None
-
-
 def _trained_hub(path: str | None) -> str | None:
     """The hub id of the model a training experiment (named in ``path``, :data:`~pardec.recipes.TRAINED_PATH`)
     starts from: a model it trains keeps that architecture (CLLM, SDSAT), so the plan reads that model's
     config.json."""
     m = TRAINED_PATH.search(path or "")
-    return _hub_path(option(m.group(1), "model")) if m and recipes().get(m.group(1)) == "train" else None
+    return hub_id(option(m.group(1), "model")) if m and recipes().get(m.group(1)) == "train" else None
 
 
 def _recipe_hub(name: str) -> str | None:
     """The hub id of a recipe's model, without composing: its model config's, or the architecture of the run dir it
     reads (an evaluation recipe of a trained model)."""
-    hub = _hub_path(option(name, "model"))
+    hub = hub_id(option(name, "model"))
     if hub is None and recipes()[name] == "evaluate" and (exp := trained_experiment(name)):
-        hub = _hub_path(option(exp, "model"))
+        hub = hub_id(option(exp, "model"))
     return hub
 
 
 def paper_recipes() -> list[str]:
     """The recipes whose model has a shipped config.json: every evaluation recipe and the GPU-scale experiments
     (the CPU-sized ones train tiny_random / SmolLM2 and are not planned)."""
-    return [n for n in recipes() if (h := _recipe_hub(n)) and _config_file(h).is_file()]
+    return [n for n in recipes() if (h := _recipe_hub(n)) and shipped_config(h).is_file()]
 
 
 def matching(patterns: Sequence[str]) -> list[str]:
@@ -223,16 +220,12 @@ def _plain(cfg, key: str) -> Any:
 
 
 # ------------------------------------------------------------------------------------------- architectures
-def _config_file(hub_id: str) -> Path:
-    return MODEL_CONFIGS / hub_id.replace("/", "__") / "config.json"
-
-
 @functools.cache
 def _meta_model(hub_id: str):
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    path = _config_file(hub_id)
+    path = shipped_config(hub_id)
     if not path.is_file():
         raise ConfigError(f"no config.json for {hub_id!r}: add the hub's config.json as {path}")
     cfg = AutoConfig.from_pretrained(str(path.parent))
@@ -330,8 +323,8 @@ def plan(name: str, *, world: int | None = None, gpus: int | None = None, overri
     app, cfg = compose(name, overrides)
     model = cfg["model"]
     hub = model.get("path") if model.get("source") == "hub" else _trained_hub(model.get("path"))
-    if hub is None or not _config_file(hub).is_file():
-        where = _config_file(hub).relative_to(CONF_DIR.parent) if hub else f"source {model.get('source')}"
+    if hub is None or not shipped_config(hub).is_file():
+        where = shipped_config(hub).relative_to(CONF_DIR.parent) if hub else f"source {model.get('source')}"
         raise ConfigError(f"recipe {name!r} runs model {model.get('name')!r} ({where}), which has no shipped "
                           f"config.json; the plan covers the paper recipes: {', '.join(paper_recipes())}")
     if app == "train":

@@ -15,6 +15,8 @@ import yaml
 
 from pardec import CONF_DIR
 
+#: the shipped config.json of each hub model the paper recipes name: ``<dir>/<hub id with / as __>/config.json``
+MODEL_CONFIGS = CONF_DIR / "model_configs"
 #: a path inside a training experiment's run dir, ``.../train/runs/<experiment>/<run name>/...``
 TRAINED_PATH = re.compile(r"train/runs/([\w.-]+)/")
 
@@ -56,3 +58,18 @@ def trained_experiment(name: str) -> str | None:
     body = {k: v for k, v in (yaml.safe_load(recipe_file(name).read_text()) or {}).items() if k != "defaults"}
     m = TRAINED_PATH.search(json.dumps(body))
     return m.group(1) if m and recipes().get(m.group(1)) == "train" else None
+
+
+def hub_id(option: str, group: str = "model") -> str | None:
+    """The hub id of config option ``group/option`` (``model/llama2_7b_chat`` -> ``meta-llama/Llama-2-7b-chat-hf``);
+    None for a config that is no hub model (tiny_random, local, GGUF) or does not exist."""
+    path = CONF_DIR / group / f"{option}.yaml"
+    if not path.is_file():
+        return None
+    cfg = yaml.safe_load(path.read_text()) or {}
+    return cfg.get("path") if cfg.get("source") == "hub" and cfg.get("path") else None
+
+
+def shipped_config(hub: str) -> Path:
+    """Where the config.json of hub model ``hub`` is shipped (:data:`MODEL_CONFIGS`; it may not be)."""
+    return MODEL_CONFIGS / hub.replace("/", "__") / "config.json"

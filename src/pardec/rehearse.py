@@ -44,7 +44,7 @@ from typing import Any
 import yaml
 
 from pardec import CONF_DIR, REPO_ROOT
-from pardec.recipes import defaults, option, recipes, trained_experiment
+from pardec.recipes import defaults, hub_id, option, recipes, shipped_config, trained_experiment
 
 #: targets that are already small: recipes on them are tests / CPU experiments, not paper recipes
 SMALL_MODELS = ("tiny_random", "smollm2_135m", "local")
@@ -178,9 +178,9 @@ def _model_yaml(group: str, name: str) -> dict:
 def real_layers(group: str, name: str) -> int:
     """The number of layers of a model config's real model (``conf/model_configs/<hub id with __>/config.json``);
     2 where that file is not in the repository."""
-    path = _model_yaml(group, name).get("path") or ""
-    cfg = CONF_DIR / "model_configs" / path.replace("/", "__") / "config.json"
-    return int(json.loads(cfg.read_text())["num_hidden_layers"]) if path and cfg.is_file() else 2
+    hub = hub_id(name, group)
+    cfg = shipped_config(hub) if hub else None
+    return int(json.loads(cfg.read_text())["num_hidden_layers"]) if cfg and cfg.is_file() else 2
 
 
 # ------------------------------------------------------------------------------------------- tiny data
