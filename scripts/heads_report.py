@@ -6,13 +6,17 @@
    runs' ``summary.json``: every ``medusa`` / ``firp`` run or ``bench.also`` role found under --bench),
 3. cosine similarity between FIRP's pseudo hidden states and the real hidden states of the same positions, layer by
    layer from the layer each is born at (the paper's "progressively refined" figure), on held-out completions,
-4. draft size in parameters (and as a share of the target's).
+4. draft size in parameters (and as a share of the target's),
+5. FIRP's Fig. 7: per-step accuracy of the same projections when a pseudo state also sees the earlier pseudo states
+   ("No masked", the paper's inference and decoding's default) and when it sees only the real states and itself
+   ("Masked"), from ``heads_eval.json``'s ``attention_views``.
 
     python scripts/heads_report.py --medusa outputs/train/runs/heads_medusa_smollm2/default/final \
         --firp outputs/train/runs/heads_firp_smollm2/default/final [--bench outputs/bench/heads] \
         [--records data/completions/draft_smollm2/eval/gsm8k/completions.jsonl] [--n 16] [--out outputs/heads_report]
 
-Writes ``report.md`` (tables), ``report.json`` and the plots ``cosine.png`` and ``accuracy.png`` to --out.
+Writes ``report.md`` (tables), ``report.json`` and the plots ``cosine.png``, ``accuracy.png`` and ``fig7.png`` to
+--out.
 """
 
 from __future__ import annotations
@@ -139,6 +143,14 @@ def main() -> None:
     for k, e in acc.items():
         for d, row in enumerate(e["topk_accuracy"]):
             md.append(f"| {k} | {d + 1} | {_fmt(row[0], 3)} | {_fmt(row[min(4, len(row) - 1)], 3)} |")
+    views = evals["firp"].get("attention_views")  # FIRP Fig. 7 (an eval stage older than it has none)
+    if views:
+        md += ["", "## FIRP Fig. 7: the same projections, pseudo states masked or not (held-out)", "",
+               "| view | attention | step | top-1 | top-5 |", "|---|---|---:|---:|---:|"]
+        for v, e in views.items():
+            for d, row in enumerate(e["topk_accuracy"]):
+                md.append(f"| {e['fig7_name']} | {v} | {d + 1} | {_fmt(row[0], 3)} | "
+                          f"{_fmt(row[min(4, len(row) - 1)], 3)} |")
     md += ["", "## Accepted tokens per target forward (bench runs)", "",
            "| dataset | method | tree | tokens/forward | speedup vs ar | exact match |", "|---|---|---|---:|---:|---:|"]
     for r in sorted(rows, key=lambda r: (r["dataset"], r["method"], r["tree"])):
@@ -171,8 +183,20 @@ def main() -> None:
     ax.set_xlabel("step ahead")
     ax.set_ylabel("held-out accuracy")
     save_figure(fig, a.out / "accuracy.png", (ax,), legend={})
+    if views:
+        fig, ax = plt.subplots(figsize=(6, 4))
+        k = len(next(iter(views.values()))["topk_accuracy"])
+        width = 0.8 / len(views)
+        for j, (v, e) in enumerate(views.items()):
+            ax.bar([d + 1 + (j - (len(views) - 1) / 2) * width for d in range(k)],
+                   [r[0] for r in e["topk_accuracy"]], width, label=f"{e['fig7_name']} ({v})")
+        ax.set_xticks(range(1, k + 1))
+        ax.set_xlabel("pseudo step")
+        ax.set_ylabel("held-out top-1 accuracy")
+        ax.set_title("FIRP Fig. 7: Masked vs No masked (same projections)")
+        save_figure(fig, a.out / "fig7.png", (ax,), legend={})
     print("\n".join(md))
-    print(f"\nwritten: {a.out}/report.md, report.json, cosine.png, accuracy.png")
+    print(f"\nwritten: {a.out}/report.md, report.json, cosine.png, accuracy.png" + (", fig7.png" if views else ""))
 
 
 if __name__ == "__main__":

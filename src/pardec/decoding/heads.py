@@ -42,7 +42,7 @@ from pardec.decoding.sampling import sample, warp
 from pardec.decoding.tree import Tree
 from pardec.decoding.tree_search import resolve_tree, truncate_paths
 from pardec.decoding.verify import TreeVerdict, read_verdict, verify_tree
-from pardec.models.cached import PSEUDO_ATTENTION, CachedModel
+from pardec.models.cached import DECODING_ATTENTION, PSEUDO_ATTENTION, CachedModel
 from pardec.models.heads import load_drafter, read_meta
 
 log = logging.getLogger(__name__)
@@ -226,7 +226,7 @@ class Firp(TreeDrafter):
     kind, key = "firp", "projections"
 
     def __init__(self, target: CachedModel, tokenizer=None, draft=None, projections: str | None = None,
-                 tree: str = "chain", k: int | None = None, attention: str = "pseudo"):
+                 tree: str = "chain", k: int | None = None, attention: str = DECODING_ATTENTION):
         if attention not in PSEUDO_ATTENTION:
             raise ConfigError(f"method.attention={attention!r} is not valid; choose one of: "
                               f"{', '.join(PSEUDO_ATTENTION)}")

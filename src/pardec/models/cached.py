@@ -67,6 +67,9 @@ from pardec.models.kvcache import PreallocatedCache, to_device
 #: what a FIRP pseudo state attends to (:meth:`CachedModel.forward_pseudo`): real states only (FIRP §3.3) or also the
 #: anchor's earlier pseudo states
 PSEUDO_ATTENTION = ("real", "pseudo")
+#: what a pseudo state sees when FIRP decodes, by default: the anchor's earlier pseudo states too (FIRP §4.3 / Fig. 7,
+#: "No masked", the paper's inference); ``real`` is its "Masked" ablation
+DECODING_ATTENTION = "pseudo"
 
 
 class FlashAttentionMaskError(ValueError):

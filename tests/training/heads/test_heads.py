@@ -159,6 +159,19 @@ def test_future_ranks_use_the_recorded_tokens():
     assert int(ranks[t - 4, d]) == int((logits[t, d] > logits[t, d, true]).sum())
 
 
+def test_firp_future_ranks_in_figure_7s_two_views():
+    """No masked (pseudo) and Masked (real) give step 1 the same ranks; a later step sees the earlier pseudo state
+    only in the No masked view, so its ranks move."""
+    model = tiny(0).model
+    drafter = _perturbed("firp", model)
+    pseudo, valid, _ = future_ranks(model, drafter, RECORDS, attention="pseudo")
+    real, valid_real, _ = future_ranks(model, drafter, RECORDS, attention="real")
+    default, _, _ = future_ranks(model, drafter, RECORDS)
+    assert torch.equal(valid, valid_real) and torch.equal(default, pseudo)  # decoding's view is the default
+    assert torch.equal(pseudo[:, 0], real[:, 0])
+    assert not torch.equal(pseudo[:, 1:][valid[:, 1:]], real[:, 1:][valid[:, 1:]])
+
+
 def _overrides(tmp_path, name: str, *extra: str) -> list[str]:
     return [f"+experiment={name}", f"paths.data_dir={tmp_path}/data", f"paths.output_dir={tmp_path}/out", *extra]
 
@@ -171,9 +184,18 @@ def test_tiny_end_to_end(tmp_path, name):
     lm = tiny(0, layers=3)
     drafter, meta = load_drafter(run_dir / "final", lm.model.config, name.split("_")[1])
     assert meta["steps"] == 2 and meta["samples"] == 6 and meta["tokens"] > 0 and meta["train_seconds"] >= 0
+    ev = json.loads((run_dir / "heads_eval.json").read_text())
     if name == "heads_firp_tiny":
         assert (meta["attention"], meta["distance"], drafter.attention) == ("real", "rkl", "real")
-    ev = json.loads((run_dir / "heads_eval.json").read_text())
+        # trained on real states (§3.3), measured in both of Fig. 7's views; the main figures are decoding's view
+        views = ev["attention_views"]
+        assert ev["decoded_attention"] == "pseudo" and list(views) == ["pseudo", "real"]
+        assert (views["pseudo"]["fig7_name"], views["real"]["fig7_name"]) == ("No masked", "Masked")
+        assert views["pseudo"]["rank_accuracy"] == ev["overall"]["rank_accuracy"]
+        # step 1 sees no earlier pseudo state in either view: identical; later steps are free to differ
+        assert views["pseudo"]["rank_accuracy"][0] == views["real"]["rank_accuracy"][0]
+    else:
+        assert "attention_views" not in ev
     assert ev["positions"] > 0 and ev["parameters"] == meta["parameters"] and ev["k"] == drafter.k == 2
     top = ev["overall"]["topk_accuracy"]
     assert len(top) == 2 and len(top[0]) == 4 and all(a <= b + 1e-12 for row in top for a, b in zip(row, row[1:]))

@@ -23,7 +23,9 @@ its loss reaches projection ``i`` alone: the K projections are trained separatel
 them: the global gradient-norm clip and the shared normaliser). ``attention: pseudo`` (pardec's earlier pattern)
 trains them jointly: step ``i`` sees the anchor's prefix and steps ``< i``, so a later step's loss also reaches the
 earlier projections through attention. The held-out evaluation measures ranks under decoding's conditions (no real
-token after the anchor).
+token after the anchor); for FIRP in both views a pseudo state can have at decoding (FIRP §4.3 / Fig. 7): "No masked"
+(``pseudo``: it also sees the anchor's earlier pseudo states; decoding's default, the view the trees are searched on)
+and "Masked" (``real``: the real states and itself).
 
 Logged beside loss / lr / grad_norm, per depth ``d = k + 1``: ``kl_d<d>`` (the mean training KL) and ``top1_d<d>``
 (teacher-forced top-1 agreement: student argmax == teacher argmax), plus their term-weighted means ``kl`` and
@@ -193,15 +195,17 @@ class HeadsTrainer(BaseTrainer):
 
 # ------------------------------------------------------------------------------------------- evaluation
 @torch.inference_mode()
-def future_ranks(base, drafter, records: list[dict]) -> tuple[torch.Tensor, torch.Tensor, dict]:
+def future_ranks(base, drafter, records: list[dict], attention: str | None = None
+                 ) -> tuple[torch.Tensor, torch.Tensor, dict]:
     """Teacher-forced ranks of the true future tokens on ``records`` (prompt + the target's greedy completion).
+    FIRP's pseudo states see what ``attention`` says (default: decoding's, ``DECODING_ATTENTION``).
 
     Anchors are the positions ``t`` from the prompt's last token to the completion's third-to-last token; at
     depth ``k`` (0-based) the true token is the record's token ``t + k + 2`` (valid while it is a completion
     token). Its rank is the number of the drafter's logits at that depth strictly above its logit.
     Returns (ranks [N, K], valid [N, K], {"anchors", "target_matches_record"}).
     """
-    from pardec.models.cached import CachedModel
+    from pardec.models.cached import DECODING_ATTENTION, CachedModel
 
     k = drafter.k
     all_ranks, all_valid = [], []
@@ -221,7 +225,7 @@ def future_ranks(base, drafter, records: list[dict]) -> tuple[torch.Tensor, torc
         else:
             cm = CachedModel(base)  # decoding's view: no real token after the anchor (teacher_forced off)
             out = cm.forward_pseudo(ids, drafter, drafter.layers, anchors=anchors, logits_at=anchors,
-                                    attention=drafter.attention)
+                                    attention=attention or DECODING_ATTENTION)
             target_logits, logits = out.logits[0], cm.lm_head(out.pseudo)[0]
         pos = anchors[:, None] + torch.arange(k)[None, :] + 2  # [A, K] positions of the true tokens
         valid = pos <= n - 1
@@ -300,9 +304,12 @@ def train_heads(spec, run_dir, d: Dist) -> dict:
 def evaluate_heads(spec, run_dir) -> dict:
     """The eval stage: greedy target completions of each held-out source (resumable, own out dir), the ranks of the
     true future tokens under ``<run>/final`` at each depth, per-rank accuracies, and trees searched for
-    ``spec.budgets`` (``<run>/final/trees/T<budget>.json``); all into ``<run>/heads_eval.json``."""
+    ``spec.budgets`` (``<run>/final/trees/T<budget>.json``); all into ``<run>/heads_eval.json``. FIRP is measured in
+    both attention views (``attention_views``: FIRP Fig. 7's No masked vs Masked); its main figures and trees are
+    decoding's default view."""
 
     from pardec.decoding.tree_search import chain_paths, expected_accept_length, save_tree, search_tree
+    from pardec.models.cached import DECODING_ATTENTION, PSEUDO_ATTENTION
     from pardec.models.heads import load_drafter, num_parameters
     from pardec.models.loading import load_model
     from pardec.training.completions import load_completions, run_generation
@@ -316,15 +323,26 @@ def evaluate_heads(spec, run_dir) -> dict:
     drafter = drafter.to(lm.model.device)
     result: dict = {"drafter": str(final), "kind": kind, "target": spec.model.name, "k": drafter.k,
                     "parameters": num_parameters(drafter), "topk": spec.topk, "per_dataset": {}}
-    ranks_all, valid_all = [], []
+    # FIRP: decoding's view first (the main figures and the trees), then the other (Fig. 7's comparison)
+    views = [DECODING_ATTENTION] + [a for a in PSEUDO_ATTENTION if a != DECODING_ATTENTION] if kind == "firp" else [None]
+    ranks_all, valid_all = {v: [] for v in views}, {v: [] for v in views}
     for g in spec.eval_gen:
         run_generation(g, lm, 0, 1, None, "eval")
         records = load_completions(g.out_dir, "stage=eval")
-        ranks, valid, extra = future_ranks(lm.model, drafter, records)
-        result["per_dataset"][g.sources[0].dataset.name] = {**accuracy_report(ranks, valid, spec.topk), **extra}
-        ranks_all.append(ranks)
-        valid_all.append(valid)
-    ranks, valid = torch.cat(ranks_all), torch.cat(valid_all)
+        for v in views:
+            ranks, valid, extra = future_ranks(lm.model, drafter, records, attention=v)
+            if v == views[0]:
+                result["per_dataset"][g.sources[0].dataset.name] = {**accuracy_report(ranks, valid, spec.topk),
+                                                                    **extra}
+            ranks_all[v].append(ranks)
+            valid_all[v].append(valid)
+    if kind == "firp":
+        names = {"pseudo": "No masked", "real": "Masked"}
+        result["decoded_attention"] = views[0]
+        result["attention_views"] = {
+            v: {"fig7_name": names[v], **accuracy_report(torch.cat(ranks_all[v]), torch.cat(valid_all[v]), spec.topk)}
+            for v in views}
+    ranks, valid = torch.cat(ranks_all[views[0]]), torch.cat(valid_all[views[0]])
     overall = accuracy_report(ranks, valid, spec.topk)
     result["overall"] = overall
     result["positions"] = overall["positions"]
