@@ -1,10 +1,16 @@
-"""Distributions past the first draft token (issue #24). ``test_distribution.py`` stops at 3 new tokens: the first
-comes from the prefill and only one token is left to draft, so every draft there is one token deep. Here every
-``distribution`` method generates 5 tokens (sdsat 7), drafting up to 3 deep, and two chi-square tests compare the
-joint distributions of tokens 3-4 (depths 2-3 of the first draft) and of tokens 4-5 (the last draft position and
-the bonus token, or a second round), each marginalised over the other tokens, with the target's, enumerated exactly
-on the 16-token model. Each method runs with parameters that reach its deep paths, and the test asserts that they
-ran:
+"""Distributions past the first draft token (issues #24, #54). ``test_distribution.py`` stops at 3 new tokens: the
+first comes from the prefill and only one token is left to draft, so every draft there is one token deep. Here every
+``distribution`` method generates 5 tokens (sdsat 7), drafting 3 deep (sdsat's official k = 5 tree: 5 deep), and
+chi-square tests compare the **joint of three consecutive tokens** with the target's, enumerated exactly on the
+16-token model, at both sampling settings (temperature 1, and temperature 2 with top-k 5 / top-p 0.9):
+
+* every drafting method (``ar`` drafts nothing; ``test_distribution.py`` covers its sampling): tokens 2-3-4 (depths 1-3 of the first draft, jointly) and tokens 3-4-5 (depths 2-3 and the last
+  draft position or the bonus token, or a second round);
+* ``sdsat`` (k = 2, fused, 7 tokens): tokens 2-3-4 and 4-5-6 (the second round's drafts read from the adaptive
+  tokens a verification forward appended);
+* ``sdsat_k5`` (the official k = 5 tree, two-step, 7 tokens): tokens 2-3-4 and 4-5-6 (depths 3-5 of one draft).
+
+Each case runs with parameters that reach its deep paths, and the test asserts that they ran:
 
 * every drafting method: some verification accepted >= 2 drafted tokens, some accepted >= 1 and then rejected (a
   residual sampled at depth >= 2), and tokens 4 and 5 came out of one target forward in some samples;
@@ -13,7 +19,8 @@ ran:
 * ``ouroboros``: the draft's own lookahead accepted pool phrases (several draft tokens in one draft forward),
   draft chain + pool phrases were verified as one tree, and phrase tokens were accepted past the draft;
 * ``sdsat`` (``variant=fused``): drafts read from the adaptive tokens appended to a verification forward were
-  verified by the next forward, and accepted >= 2 deep there;
+  verified by the next forward, and accepted >= 2 deep there; ``sdsat_k5``: verifications reached depth 5 of the
+  official tree (>= 4 drafted tokens accepted) and accepted all 5;
 * ``jacobi``: re-sampled guesses (a block's later iterations) were accepted;
 * ``lookahead`` / ``pld``: pool / prompt n-grams accepted >= 2 deep.
 
@@ -29,19 +36,17 @@ in their forwards. Drafts never change what these methods sample, only which pat
 deterministic function of the committed tokens (or an exact sample of a recorded ``q``), which is what exactness
 needs.
 
-Sampling setting: the warped one only (temperature 2, top-k 5, top-p 0.9), for the budget. It runs every code path
-the plain one does, and more: temperature scaling of p and q, and zeros in both from top-k / top-p (residuals and
-K-SEQ factors over truncated supports); the plain setting's first position stays covered by the 3-token test.
-
-Power: N = 1500 samples, ~52 cells with expected count >= 5 per pair (the rest pooled), each pair at p > 1e-3.
-Simulated with the exact pair distribution P (200 runs per point), the smallest contamination eps (output
-(1 - eps) P + eps Q) rejected in >= 90% of runs, for either pair: eps = 0.075 for Q = the two tokens independent
-with P's marginals (a bug that breaks the dependence between positions), 0.15 for Q uniform on P's support, 0.25
-for Q = the draft model's own pair distribution (draft tokens leaking through unverified).
+Power (``test_the_triples_detect_a_ten_percent_contamination``, run on every commit): N = 2000 samples at temperature
+1 and 2400 warped, cells with expected count < 5 pooled, each triple at p > 1e-3. Simulated with the exact triple
+distribution P (200 runs), output (1 - eps) P + eps Q with eps = 0.10 and Q = the three tokens independent with P's
+marginals (a bug that breaks the dependence between positions) is rejected in >= 94% of runs for every triple
+tested (1500 samples, the pair test's N, caught it in 14-80%). A contamination uniform on P's support is caught
+at temperature 1 (>= 77% at 1500), not warped: there most of the support is in the pooled tail. The exact joints
+at temperature 1 drop the prefixes of probability < 1e-9 (mass <= 1.2e-4 over 6 tokens).
 
 Teeth: depth-only bugs planted in a scratch copy (pytest plugins that monkeypatch, never the sources), all
-invisible to the 3-token test, which passed with each of them; this test caught each (the last one in two of the
-three methods it hits):
+invisible to the 3-token test, which passed with each of them; the pair test that preceded this one (tokens 3-4 and
+4-5, warped, N = 1500) caught each (the last one in two of the three methods it hits):
 sps checking every draft token against the draft's first distribution q_1 (tokens 3-4 p = 3e-47); SpecTr's K-SEQ
 below the root replaced by the naive rule (division factor 1, residual norm(max(p - q, 0))) (p = 5e-5); sdsat's
 candidate tree seeing the adaptive tokens a fused forward appends after it (p = 2e-7); the tree rule below the root
@@ -75,11 +80,13 @@ from tests.decoding.drafters import drafter_params
 from tests.decoding.test_distribution import DISTRIBUTION, SETTINGS, V, tiny_vocab
 from tests.stats import chi_square_p
 
-T = 5  # new tokens (sdsat: LENGTH)
-PAIRS = ((3, 4), (4, 5))  # the joints tested: tokens 3-4 (depths 2-3 of the first draft), 4-5 (last draft, bonus)
+T = 5  # new tokens (LENGTH: per case)
+GROUPS = ((2, 3, 4), (3, 4, 5))  # the joints tested (1-based positions; GROUPS_OF: per case)
 PROMPT = [0, 5, 9, 0, 5, 9, 0]  # the target's 3-cycle (see the module doc)
-SETTING = SETTINGS["warped"]
-N = 1500
+N = {"t1": 2000, "warped": 2400}  # the power the module doc states
+FLOOR = 1e-9  # prefixes below this probability are left out of the exact joints
+#: case -> the method it runs
+METHOD_OF = {"sdsat_k5": "sdsat"}
 PARAMS = {
     "sps": {"gamma": 3},  # tokens 2-4 drafted in the first round, token 5 its bonus
     "pld": {"max_ngram": 3, "num_pred": 4},
@@ -91,8 +98,14 @@ PARAMS = {
     # k 2 and 7 tokens: the first verification (tokens 2-3, bonus 4) appends the adaptive tokens whose drafts the
     # second verifies (tokens 5-6, bonus 7); a depth-2 tree file (rank paths), as the official trees are
     "sdsat": {"k": 2, "variant": "fused", "top_k": 3},  # + tree: depth2_tree()
+    # the official k = 5 tree (tree=official, the default) with its default variant: 5 drafts after the prefill (7
+    # tokens: room for all 5 and the bonus token, so the tree is not cut)
+    "sdsat_k5": {"k": 5},
 }
-LENGTH = {"sdsat": 7}
+LENGTH = {"sdsat": 7, "sdsat_k5": 7}
+GROUPS_OF = {"sdsat": ((2, 3, 4), (4, 5, 6)), "sdsat_k5": ((2, 3, 4), (4, 5, 6))}
+#: every drafting method (``ar`` drafts nothing: the 3-token test covers its sampling), sdsat twice
+CASES = [c for m in DISTRIBUTION if m != "ar" for c in (m, *(k for k, v in METHOD_OF.items() if v == m))]
 NOISE = 0.3  # the draft: the target plus Gaussian noise of 0.3 x each tensor's std
 
 
@@ -132,25 +145,37 @@ def oracle(committed: list[int], depth: int) -> torch.Tensor:
 
 
 @functools.cache
-def exact_pairs() -> dict[tuple[int, int], dict[tuple[int, int], float]]:
-    """P(t_i, t_j | PROMPT) under SETTING for each pair of PAIRS (1-based positions): every prefix of T tokens with
-    positive probability enumerated (batched forwards: ~4,700 prefixes under the warped setting), then summed."""
-    model = tiny_vocab(0)
+def exact_joints(setting: str, length: int, groups: tuple[tuple[int, ...], ...]) -> dict[tuple, torch.Tensor]:
+    """P(t_i, t_j, t_k | PROMPT) under ``SETTINGS[setting]`` for each group (1-based positions), as a flat
+    [V ** len(group)] tensor: every prefix of ``length`` tokens with probability >= FLOOR enumerated (batched
+    forwards), then summed."""
+    model, s = tiny_vocab(0), SETTINGS[setting]
     with torch.no_grad():
         joint = torch.ones(1, dtype=torch.float64)
         pref = torch.zeros(1, 0, dtype=torch.long)
-        for _ in range(T):
+        for _ in range(length):
             ids = torch.cat([torch.tensor(PROMPT).expand(len(pref), -1), pref], 1)
-            p = warp(model(input_ids=ids).logits[:, -1], SETTING).double()  # [B, V]
+            p = torch.cat([warp(model(input_ids=ids[i:i + 8192]).logits[:, -1], s).double()
+                           for i in range(0, len(ids), 8192)])  # [B, V]
             joint = (joint[:, None] * p).reshape(-1)
             pref = torch.cat([pref.repeat_interleave(V, 0), torch.arange(V).repeat(len(pref))[:, None]], 1)
-            keep = joint > 0
+            keep = joint >= FLOOR
             joint, pref = joint[keep], pref[keep]
     out = {}
-    for i, j in PAIRS:
-        pair = torch.zeros(V * V, dtype=torch.float64).index_add_(0, pref[:, i - 1] * V + pref[:, j - 1], joint)
-        out[(i, j)] = {(x // V, x % V): float(q) for x, q in enumerate(pair.tolist()) if q > 0}
+    for g in groups:
+        key = sum(pref[:, i - 1] * V ** (len(g) - 1 - j) for j, i in enumerate(g))
+        out[g] = torch.zeros(V ** len(g), dtype=torch.float64).index_add_(0, key, joint)
     return out
+
+
+def as_key(x: int, width: int) -> tuple[int, ...]:
+    """A flat index over ``width`` tokens as the tokens (t_1, ..., t_width)."""
+    return tuple((x // V ** (width - 1 - j)) % V for j in range(width))
+
+
+def as_cells(flat: torch.Tensor, width: int) -> dict[tuple[int, ...], float]:
+    """A flat joint over ``width`` tokens as {(t_1, ..., t_width): probability} (its support only)."""
+    return {as_key(x, width): float(q) for x, q in enumerate(flat.tolist()) if q > 0}
 
 
 # ---------------------------------------------------------------------------------------------- instrumentation
@@ -267,32 +292,70 @@ def one_thread():
 
 
 def test_the_deep_test_covers_every_distribution_method():
-    assert set(PARAMS) | {"ar", "medusa", "firp"} == set(DISTRIBUTION)
+    assert {METHOD_OF.get(c, c) for c in PARAMS} | {"ar", "medusa", "firp"} == set(DISTRIBUTION)
+    assert set(CASES) == set(DISTRIBUTION) - {"ar"} | set(METHOD_OF)
 
 
-@pytest.mark.slow  # N = 1500 samples of 5 tokens per method: the power the module doc states
-@pytest.mark.parametrize("method", DISTRIBUTION)
-def test_later_token_pairs_follow_the_target_distribution(method, monkeypatch, one_thread):
+def _independent(flat: torch.Tensor, width: int) -> torch.Tensor:
+    """The product of a joint's marginals: the same tokens, their dependence broken."""
+    joint = flat.reshape([V] * width)
+    out = torch.ones(())
+    for i in range(width):
+        out = out[..., None] * joint.sum(dim=[d for d in range(width) if d != i])
+    return out.reshape(-1)
+
+
+@pytest.mark.slow  # exact joints at temperature 1 (~300k prefixes) and 200 simulated tests per triple
+@pytest.mark.parametrize("setting", ["t1", "warped"])
+@pytest.mark.parametrize("length,groups", [(5, GROUPS), (6, GROUPS_OF["sdsat_k5"])])
+def test_the_triples_detect_a_ten_percent_contamination(setting, length, groups):
+    """Power: with N samples from (1 - 0.1) P + 0.1 Q, Q = P's marginals made independent, the test rejects (p <=
+    1e-3) in >= 90% of 200 simulated runs, for every triple tested; and it accepts P itself in >= 98%."""
+    g = torch.Generator().manual_seed(0)
+    for group, flat in exact_joints(setting, length, groups).items():
+        cells = as_cells(flat, len(group))
+        for q, eps, want in ((_independent(flat, len(group)), 0.10, 0.90), (flat, 0.0, 0.02)):
+            mix = ((1 - eps) * flat + eps * q).float()
+            rejected = 0
+            for _ in range(200):
+                counts = torch.bincount(torch.multinomial(mix, N[setting], replacement=True, generator=g),
+                                        minlength=len(mix))
+                obs = Counter({as_key(int(x), len(group)): int(counts[x]) for x in counts.nonzero().flatten()})
+                rejected += chi_square_p(obs, cells, N[setting])[0] <= 1e-3
+            if eps:
+                assert rejected / 200 >= want, (setting, group, rejected)
+            else:
+                assert rejected / 200 <= want, (setting, group, rejected)
+
+
+@pytest.mark.slow  # N = 2000-2400 samples of 5-7 tokens per case and setting: the power the module doc states
+@pytest.mark.parametrize("setting", ["t1", "warped"])
+@pytest.mark.parametrize("case", CASES)
+def test_later_token_triples_follow_the_target_distribution(case, setting, monkeypatch, one_thread):
+    method, s0, n = METHOD_OF.get(case, case), SETTINGS[setting], N[setting]
+    length, groups = LENGTH.get(case, T), GROUPS_OF.get(case, GROUPS)
     target = tiny_vocab(0)
     draft = CachedModel(near_draft(), name="draft") if METHODS.get(method).needs_draft else None
-    params = {**drafter_params(method, target), **PARAMS.get(method, {})}
-    if method == "sdsat":
+    params = {**drafter_params(method, target), **PARAMS.get(case, {})}
+    if case == "sdsat":
         params["tree"] = depth2_tree()
     dec = build_decoder(method, CachedModel(target), None, draft, **params)
     probe = instrument(method, dec, monkeypatch)
-    obs: dict[tuple[int, int], Counter] = {pair: Counter() for pair in PAIRS}
+    obs: dict[tuple[int, ...], Counter] = {g: Counter() for g in groups}
     seen: Counter = Counter()
-    for i in range(N):
-        s = SamplingConfig(temperature=SETTING.temperature, top_k=SETTING.top_k, top_p=SETTING.top_p, seed=5000 + i)
+    for i in range(n):
+        s = SamplingConfig(temperature=s0.temperature, top_k=s0.top_k, top_p=s0.top_p, seed=5000 + i)
         probe.reset()
-        res = dec.generate(PROMPT, LENGTH.get(method, T), Stopper(), s)
-        assert len(res.tokens) == LENGTH.get(method, T)
-        for a, b in PAIRS:
-            obs[(a, b)][res.tokens[a - 1], res.tokens[b - 1]] += 1
+        res = dec.generate(PROMPT, length, Stopper(), s)
+        assert len(res.tokens) == length
+        for g in groups:
+            obs[g][tuple(res.tokens[j - 1] for j in g)] += 1
         ends = [sum(res.accepted[: j + 1]) for j in range(len(res.accepted))]  # tokens committed after each forward
         seen["pair"] += T - 1 not in ends  # no forward ended at token 4: tokens 4 and 5 came from one forward
         seen["deep_accept"] += any(acc >= 2 for _, acc, _ in probe.checks)  # >= 2 drafted tokens accepted at once
         seen["deep_reject"] += any(acc >= 1 and rej for _, acc, rej in probe.checks)  # residual at depth >= 2
+        seen["depth5"] += any(acc >= 4 for _, acc, _ in probe.checks)  # the depth-5 node verified
+        seen["all5"] += any(acc >= 5 for _, acc, _ in probe.checks)
         seen["resampled"] += any(acc >= 1 for _, acc, _ in probe.checks[1:])
         below = [c for walk in probe.kseq for c in walk[1:] if c[0] >= 2]  # K-SEQ below the root, >= 2 draws
         seen["kseq_accept"] += any(ok for _, ok in below)
@@ -301,17 +364,15 @@ def test_later_token_pairs_follow_the_target_distribution(method, monkeypatch, o
         seen["phrases"] += probe.phrases > 0
         seen["from_phrases"] += bool(res.extras.get("accepted_from_phrases"))
         seen["fused_deep"] += fused_deep(probe)
-    for pair in PAIRS:
-        p, dof = chi_square_p(obs[pair], exact_pairs()[pair], N)
-        print(method, pair, f"p={p:.4f} dof={dof}", dict(seen))
-        assert dof >= 40, dof
-        assert p > 1e-3, (method, pair, p, dof)
+    exact = exact_joints(setting, max(max(g) for g in groups), groups)
+    for g in groups:
+        p, dof = chi_square_p(obs[g], as_cells(exact[g], len(g)), n)
+        print(case, setting, g, f"p={p:.4f} dof={dof}", dict(seen))
+        assert dof >= 35, dof
+        assert p > 1e-3, (case, setting, g, p, dof)
 
     # the deep paths ran (observed counts are several times these floors)
-    floor = N // 30
-    if method == "ar":
-        assert seen["pair"] == 0 and not probe.checks
-        return
+    floor = n // 30
     assert seen["pair"] >= floor, seen  # tokens 4 and 5 drafted / verified together
     if method == "jacobi":  # re-sampled guesses (iterations after a block's first) accepted
         assert seen["resampled"] >= floor // 3, seen
@@ -321,5 +382,7 @@ def test_later_token_pairs_follow_the_target_distribution(method, monkeypatch, o
         assert seen["kseq_accept"] >= floor and seen["kseq_residual"] >= floor // 3, seen
     if method == "ouroboros":
         assert seen["draft_multi"] >= floor and seen["phrases"] >= floor and seen["from_phrases"] >= floor // 3, seen
-    if method == "sdsat":
+    if case == "sdsat":
         assert seen["fused_deep"] >= floor // 3, seen
+    if case == "sdsat_k5":
+        assert seen["depth5"] >= floor and seen["all5"] >= floor // 3, seen
