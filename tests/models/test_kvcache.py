@@ -378,3 +378,13 @@ def _checkpointed_pseudo(lm, kind):
     assert s1 < s0, (s1, s0)
     with pytest.raises(ValueError, match="checkpoint needs split=True"):
         CachedModel(lm.model, cache=kind).forward_pseudo(ids, drafter, drafter.layers, checkpoint=True)
+
+
+def test_taken_rows_keep_the_forward_and_its_cost_table():
+    """Rows taken out run as the batch's rows did: a lean model's parked rows stay lean (not the hf forward), with
+    the same forward-cost table."""
+    cm = CachedModel(tiny(0).model, forward_impl="lean")
+    cm.cost = object()  # any table: it is handed on, not read here
+    _batch(cm, [[5, 6, 7], [8, 9]])
+    taken = cm.take_rows([1])
+    assert (taken.forward_impl, taken.cost, taken.cache_kind) == ("lean", cm.cost, cm.cache_kind)

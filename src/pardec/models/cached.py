@@ -746,7 +746,9 @@ class CachedModel:
         if len(set(taken)) != len(taken):
             raise ValueError(f"take_rows: rows {taken} repeat a row")
         rest = [i for i in range(self.rows) if i not in set(taken)]
-        other = CachedModel(self.model, self.name, cache=self.cache_kind)
+        # the taken rows run as this model's rows do: same forward implementation, same forward-cost table
+        other = CachedModel(self.model, self.name, cache=self.cache_kind, forward_impl=self.forward_impl)
+        other.cost = self.cost
         if isinstance(self.cache, PreallocatedCache):
             other.cache = self.cache.take_rows(taken)
         else:
