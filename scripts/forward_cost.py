@@ -24,7 +24,9 @@ from pathlib import Path
 import torch
 
 from pardec.config import ATTN_IMPLEMENTATIONS, ModelConfig
-from pardec.models.cost import describe, machine, measure, table_key
+from pardec.bench.cost import measure
+from pardec.models.cost import table_key
+from pardec.models.host import describe, machine
 from pardec.models.int8 import parse_recipe
 from pardec.models.loading import SMOLLM2, load_model
 

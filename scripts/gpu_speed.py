@@ -67,7 +67,7 @@ def run_shape(shape: str, a, tok) -> dict:
     from pardec.decoding.base import sync
     from pardec.devicecheck import count_cuda_syncs
     from pardec.models.cached import CachedModel
-    from pardec.models.cost import measure
+    from pardec.bench.cost import measure
 
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[a.dtype]
     model = random_llama(shape, len(tok), dtype, a.device)

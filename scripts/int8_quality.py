@@ -28,7 +28,7 @@ import torch
 
 from pardec.config import ModelConfig
 from pardec.metrics.perplexity import completion_nll
-from pardec.models.cost import describe, machine
+from pardec.models.host import describe, machine
 from pardec.models.int8 import parse_recipe
 from pardec.models.loading import load_model, named_config
 from pardec.training.completions import load_completions

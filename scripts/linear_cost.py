@@ -19,7 +19,7 @@ import warnings
 import torch
 import torch.nn.functional as F
 
-from pardec.models.cost import describe, machine
+from pardec.models.host import describe, machine
 
 #: (out, in) of one SmolLM2-135M decoder layer's linears: q, k, v, o, gate, up, down
 SHAPES = ((576, 576), (192, 576), (192, 576), (576, 576), (1536, 576), (1536, 576), (576, 1536))

@@ -36,7 +36,7 @@ import torch
 from pardec.config import KV_CACHES, ModelConfig
 from pardec.decoding import Stopper, build_decoder
 from pardec.models.cached import CachedModel
-from pardec.models.cost import describe, machine
+from pardec.models.host import describe, machine
 from pardec.models.loading import SMOLLM2, load_model
 
 PROMPTS = [

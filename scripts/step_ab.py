@@ -21,7 +21,7 @@ import torch
 
 from pardec.config import FORWARD_IMPLS, ModelConfig
 from pardec.models.cached import CachedModel
-from pardec.models.cost import describe, machine
+from pardec.models.host import describe, machine
 from pardec.models.loading import load_model, named_config
 
 PROMPT = ("Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May. How many "

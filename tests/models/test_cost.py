@@ -3,8 +3,9 @@ machine, and a measurement on a tiny model."""
 
 from __future__ import annotations
 
-import pardec.models.cost as cost
-from pardec.models.cost import CostTable, measure
+import pardec.models.host as host
+from pardec.bench.cost import measure
+from pardec.models.cost import CostTable
 from tests.conftest import tiny
 
 
@@ -21,11 +22,11 @@ def test_cheapest_row_count_at_least_n():
 def test_tables_are_stored_per_machine(tmp_path, monkeypatch):
     t = CostTable("smollm2_135m", "int8", 200, {1: 16.1, 5: 16.5})
     f = t.save(tmp_path)
-    assert f.parent.name == cost.machine_key() and f.name == "smollm2_135m-int8.json"
+    assert f.parent.name == host.machine_key() and f.name == "smollm2_135m-int8.json"
     back = CostTable.load("smollm2_135m", "int8", tmp_path)
     assert back.ms == {1: 16.1, 5: 16.5} and back.machine == t.machine
     assert CostTable.load("smollm2_135m", "fp32", tmp_path) is None
-    monkeypatch.setattr(cost, "cpu_flags", lambda: ["avx2", "avx512f", "amx_tile"])  # another machine
+    monkeypatch.setattr(host, "cpu_flags", lambda: ["avx2", "avx512f", "amx_tile"])  # another machine
     assert CostTable.load("smollm2_135m", "int8", tmp_path) is None
 
 
@@ -43,9 +44,9 @@ def test_int8_recipes_have_tables_of_their_own(tmp_path):
     assert CostTable.load("smollm2_135m", wo.precision(), tmp_path) is None
 
 
-def test_each_forward_has_a_table_of_its_own_and_falls_back_to_transformers(tmp_path):
+def test_each_forward_has_a_table_of_its_own(tmp_path):
     """A compiled forward's rows cost differently from an eager one's: a run looks up its own forward's table
-    (``table_key``), and uses transformers' SDPA one at the same precision only when its own was never measured."""
+    (``table_key``) and no other: one measured on transformers' SDPA forward does not pad a compiled forward."""
     from pardec.models.cost import table_key
 
     p = "int8-per_token-smooth0.5"
@@ -54,7 +55,7 @@ def test_each_forward_has_a_table_of_its_own_and_falls_back_to_transformers(tmp_
     assert table_key("fp32", "lean", "eager") == "fp32-lean-eager"
     assert CostTable.find("smollm2_135m", p, "compiled", root=tmp_path) is None
     CostTable("smollm2_135m", p, 200, {1: 26.7, 16: 42.1}).save(tmp_path)
-    assert CostTable.find("smollm2_135m", p, "compiled", root=tmp_path).dtype == p  # the fallback
+    assert CostTable.find("smollm2_135m", p, "compiled", root=tmp_path) is None  # no fallback to another forward's
     CostTable("smollm2_135m", table_key(p, "compiled"), 200, {1: 25.2, 16: 30.0}).save(tmp_path)
     assert CostTable.find("smollm2_135m", p, "compiled", root=tmp_path).ms[16] == 30.0
     assert CostTable.find("smollm2_135m", p, root=tmp_path).ms[16] == 42.1
@@ -76,10 +77,10 @@ def test_best_draft_length_trades_expected_tokens_for_measured_ms():
 
 
 def test_machine_names_the_cpu_flags_and_threads():
-    m = cost.machine()
+    m = host.machine()
     assert set(m) >= {"cpu", "flags", "cores", "threads", "torch"} and m["threads"] >= 1
-    assert set(m["flags"]) <= set(cost.VECTOR_FLAGS)
-    assert m["cpu"] in cost.describe(m) and f"{m['threads']} threads" in cost.describe(m)
+    assert set(m["flags"]) <= set(host.VECTOR_FLAGS)
+    assert m["cpu"] in host.describe(m) and f"{m['threads']} threads" in host.describe(m)
 
 
 def test_measure_times_every_row_count_and_leaves_the_cache_as_it_was():

@@ -296,12 +296,12 @@ def test_per_token_int8_is_the_integer_product_of_per_row_scales(monkeypatch, fl
     at the ends of the range (where fbgemm's AVX2 int16 pair sums would saturate with 8-bit activations: 7-bit
     without VNNI, 8-bit with it). A 1000x outlier row leaves the others' error at the int8 level (the per-tensor
     scale's failure), and the per-row scales survive the int8 cache's state-dict round trip."""
-    import pardec.models.cost as cost
+    import pardec.models.host as host
 
     if "avx512_vnni" in flags and not int8._vnni():
         pytest.skip("8-bit activations are what pardec runs on CPUs with VNNI/AMX only (fbgemm's AVX2 kernels "
                     "saturate their int16 pair sums); this CPU has neither")
-    monkeypatch.setattr(cost, "cpu_flags", lambda: flags)
+    monkeypatch.setattr(host, "cpu_flags", lambda: flags)
     torch.manual_seed(0)
     src = torch.nn.Linear(96, 40, bias=True)
     q = int8.PerTokenLinear.of(src)
@@ -326,14 +326,14 @@ def test_per_token_int8_is_the_integer_product_of_per_row_scales(monkeypatch, fl
 
 
 def test_weight_only_warns_on_a_cpu_without_native_bf16(monkeypatch, caplog):
-    import pardec.models.cost as cost
+    import pardec.models.host as host
 
-    monkeypatch.setattr(cost, "cpu_flags", lambda: ["avx2", "fma"])
+    monkeypatch.setattr(host, "cpu_flags", lambda: ["avx2", "fma"])
     with caplog.at_level("WARNING", logger="pardec.models.int8"):
         int8.quantize(torch.nn.Sequential(torch.nn.Linear(8, 8)), "weight_only")
     assert "without avx512_bf16/amx_bf16" in caplog.text and "int8_weights=per_channel" in caplog.text
     caplog.clear()
-    monkeypatch.setattr(cost, "cpu_flags", lambda: ["avx2", "avx512f", "avx512_bf16"])
+    monkeypatch.setattr(host, "cpu_flags", lambda: ["avx2", "avx512f", "avx512_bf16"])
     with caplog.at_level("WARNING", logger="pardec.models.int8"):
         int8.quantize(torch.nn.Sequential(torch.nn.Linear(8, 8)), "weight_only")
     assert "avx512_bf16" not in caplog.text

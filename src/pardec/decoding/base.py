@@ -403,9 +403,8 @@ def build_decoder(
     name: str, target: CachedModel, tokenizer=None, draft: CachedModel | None = None, **params: Any
 ) -> Decoder:
     """Instantiate a registered method; unknown parameters and values of the wrong type raise naming the valid
-    ones."""
-    import pardec.decoding  # noqa: F401  (registers the built-in methods)
-
+    ones. (Importing any module of :mod:`pardec.decoding` runs the package first, which registers the built-in
+    methods.)"""
     cls = METHODS.get(name)
     check_params(cls, params)
     if cls.needs_draft and draft is None:

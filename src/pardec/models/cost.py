@@ -6,77 +6,22 @@ On small-M GEMMs the BLAS kernel chosen depends on M, so cost is not monotonic i
 two threads (fp32, SmolLM2-135M) 3 new rows cost 1.84x one row and 5 rows 1.43x. Padding 3 rows to 5 then saves
 time; the padding rows are masked (they see only themselves, nobody sees them), cut from the cache and never read.
 
-Tables live in ``data/forward_cost/<machine key>/<model>-<precision>[-<forward>].json`` (``scripts/forward_cost.py``
-writes them), keyed by the CPU model, its vector flags (AVX2 / AVX-512 / AMX), the thread count and torch's version,
+Tables live in ``data/forward_cost/<machine key>/<model>-<precision>[-<forward>].json`` (``python -m pardec.bench cost``
+writes them: :mod:`pardec.bench.cost`), keyed by the CPU model, its vector flags (AVX2 / AVX-512 / AMX), the thread count and torch's version,
 since a table measured on one machine says nothing about another; and by the forward that was timed
 (:func:`table_key`: nothing for transformers' forward with SDPA, ``-compiled``, ``-lean``, ``-invariant``, ...), since
-a compiled forward's rows cost differently from an eager one's. A run looks up its own forward's table first and
-falls back to the transformers/SDPA one (:meth:`CostTable.find`).
+a compiled forward's rows cost differently from an eager one's. A run uses its own forward's table only
+(:meth:`CostTable.find`): one measured on another forward says nothing about this one's rows.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
-import os
-import platform
-import statistics
-import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-import torch
-
 from pardec import DATA_DIR
-
-#: the CPU flags that change which GEMM kernels run (recorded with every figure)
-VECTOR_FLAGS = ("avx2", "fma", "avx512f", "avx512_bf16", "avx512_vnni", "avx_vnni", "amx_tile", "amx_bf16",
-                "amx_int8")
-
-
-def cpu_model() -> str:
-    """The CPU's model name (``/proc/cpuinfo``), or the platform's processor string."""
-    info = Path("/proc/cpuinfo")
-    if info.is_file():
-        for line in info.read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    return platform.processor() or platform.machine() or "unknown"
-
-
-def cpu_flags() -> list[str]:
-    """Which of :data:`VECTOR_FLAGS` this CPU has."""
-    info = Path("/proc/cpuinfo")
-    have: set[str] = set()
-    if info.is_file():
-        for line in info.read_text().splitlines():
-            if line.startswith("flags"):
-                have = set(line.split(":", 1)[1].split())
-                break
-    return [f for f in VECTOR_FLAGS if f in have]
-
-
-def machine(device: torch.device | str = "cpu") -> dict:
-    """What a figure was measured on: CPU model, vector flags, cores, threads, torch; the GPU's name on CUDA."""
-    out = {"cpu": cpu_model(), "flags": cpu_flags(), "cores": os.cpu_count(), "threads": torch.get_num_threads(),
-           "torch": torch.__version__}
-    if torch.device(device).type == "cuda":
-        out["gpu"] = torch.cuda.get_device_name(torch.device(device))
-    return out
-
-
-def describe(m: dict) -> str:
-    """One line for a table caption: ``AMD EPYC (avx2 fma), 2 cores, 2 threads, torch 2.13.0``."""
-    gpu = f"{m['gpu']}; " if m.get("gpu") else ""
-    return (f"{gpu}{m['cpu']} ({' '.join(m['flags']) or 'no AVX2'}), {m['cores']} cores, {m['threads']} threads, "
-            f"torch {m['torch']}")
-
-
-def machine_key(m: dict | None = None) -> str:
-    m = m or machine()
-    blob = json.dumps({k: m.get(k) for k in ("cpu", "flags", "threads", "torch", "gpu")}, sort_keys=True)
-    return hashlib.sha256(blob.encode()).hexdigest()[:12]
-
+from pardec.models.host import machine, machine_key
 
 def table_key(precision: str, forward_impl: str = "hf", attn_implementation: str = "sdpa") -> str:
     """The ``dtype`` key of a cost table: the model's precision (``ModelConfig.precision()``), then the forward
@@ -150,10 +95,8 @@ class CostTable:
     @classmethod
     def find(cls, model: str, precision: str, forward_impl: str = "hf", attn_implementation: str = "sdpa",
              root: Path | None = None) -> CostTable | None:
-        """The table of this forward (:func:`table_key`), else the one of transformers' forward with SDPA at the
-        same precision (what every run used before tables were kept per forward), else None."""
-        key = table_key(precision, forward_impl, attn_implementation)
-        return cls.load(model, key, root) or (cls.load(model, precision, root) if key != precision else None)
+        """The table measured here for this forward (:func:`table_key`), or None."""
+        return cls.load(model, table_key(precision, forward_impl, attn_implementation), root)
 
     @classmethod
     def load(cls, model: str, dtype: str, root: Path | None = None) -> CostTable | None:
@@ -164,31 +107,3 @@ class CostTable:
         data = json.loads(f.read_text())
         data["ms"] = {int(k): float(v) for k, v in data["ms"].items()}
         return cls(**data)
-
-
-def measure(model: torch.nn.Module, context: list[int], sizes: list[int], name: str, dtype: str,
-            repeats: int = 15, warmup: int = 3, forward_impl: str | None = None) -> CostTable:
-    """Median time of a cached forward of T rows after ``len(context) - max(sizes)`` cached tokens, per T in
-    ``sizes`` (interleaved over T, so a drift of the machine's speed spreads over all of them), through
-    ``CachedModel.forward`` on ``forward_impl`` (default: CachedModel's)."""
-    from pardec.models.cached import CachedModel
-
-    cm = CachedModel(model, forward_impl=forward_impl)
-    top = max(sizes)
-    ids = torch.tensor([context], device=cm.device)
-    cm.prefill(ids[:, :-top])
-    base = cm.length
-    times: dict[int, list[float]] = {t: [] for t in sizes}
-    cuda = cm.device.type == "cuda"
-    for i in range(warmup + repeats):
-        for t in sizes:
-            if cuda:
-                torch.cuda.synchronize(cm.device)
-            t0 = time.perf_counter()
-            cm.forward(ids[:, base : base + t])
-            if cuda:
-                torch.cuda.synchronize(cm.device)
-            if i >= warmup:
-                times[t].append((time.perf_counter() - t0) * 1e3)
-            cm.truncate(base)
-    return CostTable(name, dtype, base, {t: statistics.median(v) for t, v in times.items()}, machine(cm.device))

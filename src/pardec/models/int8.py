@@ -57,6 +57,7 @@ from pathlib import Path
 import torch
 
 from pardec import DATA_DIR
+from pardec.models import host
 
 log = logging.getLogger(__name__)
 
@@ -113,9 +114,7 @@ def _vnni() -> bool:
     """Whether fbgemm's int8 kernels accumulate u8 x s8 products straight into int32 on this CPU (VNNI / AMX). Without
     it (plain AVX2) they add pairs of products in int16 with saturation, which is why fbgemm's dynamic linears
     quantize activations to 7 bits there (``reduce_range``)."""
-    from pardec.models.cost import cpu_flags
-
-    return bool({"avx512_vnni", "avx_vnni", "amx_int8"} & set(cpu_flags()))
+    return bool({"avx512_vnni", "avx_vnni", "amx_int8"} & set(host.cpu_flags()))
 
 
 class PerTokenLinear(WeightOnlyLinear):
@@ -356,9 +355,7 @@ def weight_scheme(model: torch.nn.Module) -> str | None:
 
 
 def _warn_without_bf16() -> None:
-    from pardec.models.cost import cpu_flags
-
-    if not {"avx512_bf16", "amx_bf16"} & set(cpu_flags()):
+    if not {"avx512_bf16", "amx_bf16"} & set(host.cpu_flags()):
         log.warning("int8 weight_only on a CPU without avx512_bf16/amx_bf16: its bf16 GEMM was measured fast only with "
                     "them (an AVX2 host ran SmolLM2's linears at 64 ms per row against fbgemm's 13); if it is slow here "
                     "use int8_weights=per_channel (model. or draft.)")

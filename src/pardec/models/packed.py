@@ -26,13 +26,13 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from pardec.models import host
+
 
 def supported() -> bool:
     """Whether loading packs bf16 linears here: a CPU with AMX-bf16 (the only kind on which packing was measured, to
     pay and to give bitwise ``F.linear``'s results) whose oneDNN runs bf16."""
-    from pardec.models.cost import cpu_flags
-
-    return ("amx_bf16" in cpu_flags() and torch.backends.mkldnn.is_available()
+    return ("amx_bf16" in host.cpu_flags() and torch.backends.mkldnn.is_available()
             and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported()))
 
 

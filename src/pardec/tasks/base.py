@@ -96,8 +96,8 @@ def register_task(name: str, *, aliases: tuple[str, ...] = ()):
 
 
 def build_task(cfg: DatasetConfig, timeout_s: float = 10.0) -> Task:
-    import pardec.tasks  # noqa: F401  (registers the built-in tasks)
-
+    """The registered task ``cfg.name`` (importing this module ran :mod:`pardec.tasks`, which registers the built-in
+    tasks)."""
     return TASKS.get(cfg.name)(cfg, timeout_s=timeout_s)
 
 
