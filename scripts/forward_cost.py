@@ -6,7 +6,7 @@ single-row steps) and it is what ``CachedModel`` pads verification forwards by (
         [--context 200] [--threads 2] [--dtypes fp32,int8,int8:weight_only] [--repeats 15] [--no-save]
         [--forward-impl hf|lean|compiled] [--attn-implementation sdpa|eager|invariant]
 
-A dtype ``int8`` is the default int8 recipe; ``int8:<recipe>`` names another (``pardec.models.int8.parse_recipe``:
+A dtype ``int8`` is the default int8 recipe; ``int8:<recipe>`` names another (``pardec.models.quant.int8.parse_recipe``:
 ``weight_only``, ``per_channel:smooth=0.8:skip=down_proj``): the schemes cost differently by rows. ``bf16`` packs
 the linears for oneDNN on CPUs with AMX-bf16 (``model.cpu_prepack``); ``bf16:unpacked`` does not. Prints a
 markdown table per dtype (median ms and each T relative to T=1) under the machine's CPU model, vector flags and
@@ -23,12 +23,12 @@ from pathlib import Path
 
 import torch
 
-from pardec.config import ATTN_IMPLEMENTATIONS, ModelConfig
 from pardec.bench.cost import measure
+from pardec.config import ATTN_IMPLEMENTATIONS, ModelConfig
 from pardec.models.cost import table_key
 from pardec.models.host import describe, machine
-from pardec.models.int8 import parse_recipe
 from pardec.models.loading import SMOLLM2, load_model
+from pardec.models.quant.int8 import parse_recipe
 
 
 def _options(spec: str) -> dict:

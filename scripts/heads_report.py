@@ -33,6 +33,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import torch  # noqa: E402
 
+from pardec.models.pseudo import forward_pseudo
 from pardec.report import method_entries, save_figure  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -60,7 +61,7 @@ def pseudo_cosine(model, proj, records: list[dict], n: int) -> dict:
         start = len(r["prompt_ids"]) - 1  # anchors from the last prompt token on
         cm.reset()
         with torch.inference_mode():
-            out = cm.forward_pseudo(torch.tensor([ids]), proj, proj.layers, capture=True, attention=proj.attention)
+            out = forward_pseudo(cm, torch.tensor([ids]), proj, proj.layers, capture=True, attention=proj.attention)
         for layer, (real, pseudo) in enumerate(out.layers):  # real [1, T, H], pseudo [1, T, born, H]
             for i in range(pseudo.shape[2]):
                 anchors = torch.arange(start, len(ids) - i - 1)

@@ -29,8 +29,8 @@ import torch
 from pardec.config import ModelConfig
 from pardec.metrics.perplexity import completion_nll
 from pardec.models.host import describe, machine
-from pardec.models.int8 import parse_recipe
 from pardec.models.loading import load_model, named_config
+from pardec.models.quant.int8 import parse_recipe
 from pardec.training.completions import load_completions
 from pardec.training.draft.trainer import agreement
 

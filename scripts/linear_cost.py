@@ -5,7 +5,7 @@ gate, up, down; no LM head), the mean of ``--reps`` calls after 3 warm-ups, ms p
     python scripts/linear_cost.py [--rows 1,2,4,5,8] [--reps 30] [--threads 2] [--layers 30]
 
 Kinds: fp32 ``F.linear``; bf16 weights and activations; int8 weight-only (``aten._weight_int8pack_mm``, the
-``weight_only`` scheme of pardec.models.int8) with bf16 activations and with fp32 activations; fbgemm's dynamic
+``weight_only`` scheme of pardec.models.quant.int8) with bf16 activations and with fp32 activations; fbgemm's dynamic
 int8 (``quantize_dynamic``, per-row weight scales: the ``per_channel`` scheme); fbgemm's integer GEMM with one
 activation scale per token (the ``per_token`` scheme, its scaling included). Prints the CPU model and flags first.
 """
@@ -39,7 +39,7 @@ def _time(fn, reps: int) -> float:
 @torch.inference_mode()
 def measure(rows: list[int], reps: int, layers: int = 30) -> dict[str, dict[int, float]]:
     """ms per pass over ``layers`` x :data:`SHAPES` linears, per kind of :data:`KINDS` and row count."""
-    from pardec.models.int8 import PerTokenLinear, WeightOnlyLinear, quantize
+    from pardec.models.quant.int8 import PerTokenLinear, WeightOnlyLinear, quantize
 
     torch.manual_seed(0)
     lins = [torch.nn.Linear(i, o, bias=False) for _ in range(layers) for o, i in SHAPES]

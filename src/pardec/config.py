@@ -20,23 +20,23 @@ from typing import Any, NoReturn, TypeVar
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-INT8_WEIGHTS = ("weight_only", "per_channel", "per_tensor", "per_token")  # == pardec.models.int8.SCHEMES (checked by a test)
+INT8_WEIGHTS = ("weight_only", "per_channel", "per_tensor", "per_token")  # == pardec.models.quant.int8.SCHEMES (checked by a test)
 INT8_FIELDS = ("int8_weights", "int8_smooth", "int8_skip")
-DTYPES = ("fp32", "bf16", "fp16", "int8")  # int8: int8 linears on the CPU (pardec.models.int8), inference only
-KV_CACHES = ("preallocated", "dynamic")  # CachedModel's KV caches (pardec.models.kvcache / transformers' DynamicCache)
+DTYPES = ("fp32", "bf16", "fp16", "int8")  # int8: int8 linears on the CPU (pardec.models.quant.int8), inference only
+KV_CACHES = ("preallocated", "dynamic")  # CachedModel's KV caches (pardec.models.cache.preallocated / transformers' DynamicCache)
 FORWARD_IMPLS = ("hf", "lean", "compiled", "cudagraph")  # CachedModel.forward: transformers' model(...) |
-# pardec.models.lean (Llama family) | pardec.models.compiled (lean + the one-token decode step and the multi-row
+# pardec.models.forward.lean (Llama family) | pardec.models.forward.compiled (lean + the one-token decode step and the multi-row
 # forwards as torch.compile graphs) | cudagraph: compiled, its one-token step and its multi-row forwards (padded to a
 # power of two rows) captured once and replayed as CUDA graphs (CUDA devices only)
 #: what the ``forward_impl`` keys take: a forward, or ``auto``: the fastest exact one for the model where it runs
-#: (:func:`pardec.models.cached.auto_forward_impl`)
+#: (:func:`pardec.models.forward.auto`)
 FORWARD_CHOICES = ("auto", *FORWARD_IMPLS)
 MODEL_SOURCES = ("hub", "local", "gguf_package", "gguf", "tiny_random")
 DEVICES = ("auto", "cpu", "cuda")
 #: accelerate's placements for a model larger than one device (``model.device_map``); None = all on ``model.device``
 DEVICE_MAPS = (None, "auto", "balanced", "balanced_low_0", "sequential")
 #: attention kernels: flash_attention_2 only where no custom (tree / Jacobi) mask is needed, see decoding.METHODS
-ATTN_IMPLEMENTATIONS = ("sdpa", "eager", "flash_attention_2", "invariant")  # invariant: pardec.models.invariant
+ATTN_IMPLEMENTATIONS = ("sdpa", "eager", "flash_attention_2", "invariant")  # invariant: pardec.models.forward.invariant
 PROMPT_STYLES = ("auto", "chat", "base")
 
 
@@ -72,7 +72,7 @@ class ModelConfig:
     chat: bool | None = None  # use the chat template; None = when the tokenizer has one
     cache_dir: str | None = None  # where dequantized GGUF weights are cached (default data/models/<name>)
     adapter: str | None = None  # a peft (LoRA) adapter dir applied on top of the base weights
-    # dtype=int8 (pardec.models.int8; README "int8 that keeps the model's quality"). int8_weights: per_channel | per_tensor
+    # dtype=int8 (pardec.models.quant.int8; README "int8 that keeps the model's quality"). int8_weights: per_channel | per_tensor
     # (fbgemm's dynamic int8: activations quantized with one scale per forward, weight scales per row | per matrix;
     # nearly flat cost from 1 to 5 rows, the regime where drafting pays) | per_token (fbgemm's integer GEMM with one
     # activation scale per token: batch-invariant) | weight_only (int8 weights, bf16 activations: closest to fp32
@@ -85,7 +85,7 @@ class ModelConfig:
     int8_smooth: float | None = 0.5
     int8_skip: list[str] = field(default_factory=list)
     # dtype=bf16 on a CPU with AMX-bf16 (elsewhere it does nothing): the linears' weights prepacked once into
-    # oneDNN's blocked layout (pardec.models.packed): bitwise the same results, no per-call weight reorder (Xeon with
+    # oneDNN's blocked layout (pardec.models.quant.packed): bitwise the same results, no per-call weight reorder (Xeon with
     # AMX: SmolLM2's linears 20.8 -> 13.7 ms per pass, flat from 1 to 16 rows). Inference only; training loads unpacked
     cpu_prepack: bool = True
     # tiny_random only
@@ -123,7 +123,7 @@ class ModelConfig:
         ``int8-per_channel-smooth0.8-skip_down_proj``, ``int8-weight_only``; ``bf16-unpacked`` without
         ``cpu_prepack``): int8 schemes cost differently by rows."""
         if self.dtype == "bf16" and not self.cpu_prepack:
-            return "bf16-unpacked"  # (on a CPU, unpacked bf16 linears cost ~1.5x packed ones: pardec.models.packed)
+            return "bf16-unpacked"  # (on a CPU, unpacked bf16 linears cost ~1.5x packed ones: pardec.models.quant.packed)
         if self.dtype != "int8":
             return self.dtype
         parts = ["int8", self.int8_weights]

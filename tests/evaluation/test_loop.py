@@ -46,7 +46,7 @@ def test_end_to_end_run_writes_results_and_summary(tmp_path):
 
 def test_an_int8_run_says_how_its_int8_model_was_built_and_fp32_scores_it(tmp_path, monkeypatch):
     import pardec.metrics.perplexity as ppl_mod
-    from pardec.models.int8 import is_int8
+    from pardec.models.quant.int8 import is_int8
 
     scorers = []
     real = ppl_mod.completion_nll
@@ -306,7 +306,7 @@ def test_a_lossy_method_records_its_divergences_and_the_summary_counts_them(tmp_
 
 
 def test_the_summary_says_whether_bf16_linears_ran_prepacked(tmp_path):
-    from pardec.models import packed
+    from pardec.models.quant import packed
 
     bf16 = run(cfg_of("+method=sps", "draft=tiny_random", "dtype=bf16", *TINY, "n_samples=1"), tmp_path / "bf16")
     assert bf16["prepacked_linears"] == {"target": packed.supported(), "draft": packed.supported()}

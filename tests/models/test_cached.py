@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from pardec.models.cached import CachedModel
+from pardec.models.pseudo import run_upper
 from tests.conftest import tiny
 
 
@@ -126,7 +127,7 @@ def test_hidden_states_of_a_chosen_layer_and_run_upper_from_them():
         torch.testing.assert_close(out.hidden[0], ref_hidden[layer][0, 6:], rtol=1e-4, atol=1e-5)
         # inject those states entering `layer` again, over the cache of the first 6 tokens only
         cm.truncate(6)
-        up = cm.run_upper(out.hidden, layer, positions=torch.arange(6, 12))
+        up = run_upper(cm, out.hidden, layer, positions=torch.arange(6, 12))
         torch.testing.assert_close(up[0], full[6:], rtol=1e-4, atol=1e-5)
         assert cm.length == 6  # nothing appended by run_upper
     # a pseudo state that sees only part of the cache (positions 0..3) and itself equals the same state
@@ -137,11 +138,11 @@ def test_hidden_states_of_a_chosen_layer_and_run_upper_from_them():
     see = torch.zeros(1, 7, dtype=torch.bool)
     see[0, :4] = True
     see[0, -1] = True
-    up = cm.run_upper(h, 1, positions=torch.tensor([4]), attend=see)
+    up = run_upper(cm, h, 1, positions=torch.tensor([4]), attend=see)
     cm.truncate(4)
-    torch.testing.assert_close(up[0, 0], cm.run_upper(h, 1, positions=torch.tensor([4]))[0, 0], rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(up[0, 0], run_upper(cm, h, 1, positions=torch.tensor([4]))[0, 0], rtol=1e-4, atol=1e-5)
     with pytest.raises(ValueError, match="out of range"):
-        cm.run_upper(h, 3, positions=torch.tensor([6]))
+        run_upper(cm, h, 3, positions=torch.tensor([6]))
 
 
 def test_cache_knows_its_tokens_and_syncs_with_a_committed_sequence():

@@ -13,6 +13,7 @@ from pardec.models.cached import CachedModel
 from pardec.models.compat import NEW, OLD, cache_kwarg, output_cache
 from pardec.models.draft import build_draft
 from pardec.models.heads import new_drafter
+from pardec.models.pseudo import forward_pseudo, run_upper
 from tests.conftest import tiny
 
 
@@ -43,10 +44,10 @@ def test_every_verb_passes_the_cache_under_the_declared_name():
             cm = CachedModel(lm.model, cache=kind)
             cm.prefill(torch.tensor([list(range(100, 120))]))
             f = cm.forward(torch.tensor([[5, 6, 7]]), hidden_layer=1)
-            cm.run_upper(f.hidden[:, :2], 1, positions=torch.tensor([cm.length, cm.length + 1]))
+            run_upper(cm, f.hidden[:, :2], 1, positions=torch.tensor([cm.length, cm.length + 1]))
             with torch.no_grad():
-                cm.forward_pseudo(torch.tensor([[12, 13]]), drafter, drafter.layers, anchors=[0, 1])
-                cm.forward_pseudo(torch.tensor([[14, 15]]), drafter, drafter.layers, anchors=[0, 1], split=True)
+                forward_pseudo(cm, torch.tensor([[12, 13]]), drafter, drafter.layers, anchors=[0, 1])
+                forward_pseudo(cm, torch.tensor([[14, 15]]), drafter, drafter.layers, anchors=[0, 1], split=True)
             assert cm.length == 27
     finally:
         for h in handles:

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from pardec.config import ModelConfig
-from pardec.models import compiled
 from pardec.models.cached import CachedModel
+from pardec.models.forward import compiled
 from tests.conftest import tiny
 from tests.models.test_lean import _close, _script, assert_lossless_under
 
@@ -29,7 +29,7 @@ def test_compiled_gives_the_logits_of_the_lean_forward():
 @pytest.mark.parametrize("scheme", ["per_channel", "per_token"])
 def test_compiled_runs_int8_linears_as_an_opaque_op(scheme):
     """fbgemm's dynamic linears run whole as an opaque op; a per-token linear's GEMM alone (its scaling traced)."""
-    from pardec.models.compiled import _OPAQUE_INDEX, _OPAQUE_LINEARS, _Gemm
+    from pardec.models.forward.compiled import _OPAQUE_INDEX, _OPAQUE_LINEARS, _Gemm
     from pardec.models.loading import load_model
 
     m = load_model(ModelConfig(name="tiny_random", source="tiny_random", device="cpu", dtype="int8",

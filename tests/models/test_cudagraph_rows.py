@@ -10,8 +10,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pardec.models import compiled
 from pardec.models.cached import CachedModel
+from pardec.models.forward import CudaGraph, compiled
 from tests.conftest import tiny
 from tests.models.test_compiled import needs_compiler
 from tests.models.test_lean import _close, _script, assert_lossless_under
@@ -34,27 +34,18 @@ class _EagerGraph:
         return tuple(o.clone() for o in out) if isinstance(out, tuple) else out.clone()
 
 
+def _cpu_graphs(max_rows: int = compiled.MAX_GRAPHED_ROWS) -> CudaGraph:
+    """forward_impl=cudagraph on the CPU, injected as ``CachedModel(..., forward_impl=...)``: graphs of its own whose
+    capture is the eager stand-in, over the uncompiled one-token step and rows (their compiled forms: test_compiled
+    and the test below), on any device."""
+    return CudaGraph(compiled.Graphs(capture=_EagerGraph, pool=lambda: None, compile=False), device_type=None,
+                     max_rows=max_rows)
+
+
 @pytest.fixture
-def cpu_graphs(monkeypatch):
-    """forward_impl=cudagraph on the CPU: eager graphs, the one-token step and the rows uncompiled (their compiled
-    forms: test_compiled and the test below), models built as lean and switched (the constructor refuses cudagraph
-    off CUDA)."""
-    monkeypatch.setattr(compiled, "_Graph", _EagerGraph)
-    monkeypatch.setattr(compiled, "_step_fn", lambda model: compiled._decode)
-    monkeypatch.setattr(compiled, "_rows_fn", lambda model: compiled._rows)
-    monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: None)
-    monkeypatch.setattr(compiled, "_graphs", compiled.weakref.WeakKeyDictionary())
-    init = CachedModel.__init__
-
-    def lean_then_graphs(self, model, name=None, cache=None, forward_impl=None):
-        impl = forward_impl or CachedModel.default_forward_impl
-        init(self, model, name, cache, "lean" if impl == "cudagraph" else impl)
-        if impl == "cudagraph":
-            self.forward_impl = "cudagraph"
-
-    monkeypatch.setattr(CachedModel, "__init__", lean_then_graphs)
+def cpu_graphs():
     _EagerGraph.captures = 0
-    return _EagerGraph
+    return _cpu_graphs()
 
 
 def test_graph_rows_are_powers_of_two_up_to_the_limit():
@@ -62,30 +53,29 @@ def test_graph_rows_are_powers_of_two_up_to_the_limit():
     assert compiled.graph_rows(compiled.MAX_GRAPHED_ROWS + 1) == compiled.MAX_GRAPHED_ROWS + 1  # (lean, unpadded)
 
 
-def test_forwards_wider_than_the_graphed_limit_run_the_lean_forward(cpu_graphs, monkeypatch):
-    monkeypatch.setattr(compiled, "MAX_GRAPHED_ROWS", 4)
+def test_forwards_wider_than_the_graphed_limit_run_the_lean_forward(cpu_graphs):
     m = tiny(1).model
-    lean, graphed = CachedModel(m, forward_impl="lean"), CachedModel(m, forward_impl="cudagraph")
+    lean, graphed = CachedModel(m, forward_impl="lean"), CachedModel(m, forward_impl=_cpu_graphs(max_rows=4))
     for cm in (lean, graphed):
         cm.prefill(torch.tensor([list(range(100, 130))]))
     ids = torch.tensor([[5, 6, 7, 8, 9]])
     _close(graphed.forward(ids).logits, lean.forward(ids).logits)
-    assert graphed.graphed_forwards == 0 and graphed.padded_rows == 0 and cpu_graphs.captures == 0
+    assert graphed.graphed_forwards == 0 and graphed.padded_rows == 0 and _EagerGraph.captures == 0
 
 
 def test_graphed_forwards_give_the_logits_of_the_lean_forward(cpu_graphs):
     m = tiny(1).model
-    graphed = CachedModel(m, forward_impl="cudagraph")
+    graphed = CachedModel(m, forward_impl=cpu_graphs)
     for a, b in zip(_script(CachedModel(m, forward_impl="lean")), _script(graphed)):
         _close(a, b)
     # the script's 3-row forwards ran padded to 4 rows; its tree (4 rows) unpadded; prefill and last_only unpadded
     assert graphed.padded_rows == 2 and graphed.graphed_forwards == 3  # (3-row, tree and logits_at forwards)
-    assert cpu_graphs.captures >= 2  # one-token steps and 4-row forwards
+    assert _EagerGraph.captures >= 2  # one-token steps and 4-row forwards
 
 
 def test_graphed_rows_capture_once_per_row_count_and_write_the_cache_in_place(cpu_graphs):
     m = tiny(2).model
-    lean, graphed = CachedModel(m, forward_impl="lean"), CachedModel(m, forward_impl="cudagraph")
+    lean, graphed = CachedModel(m, forward_impl="lean"), CachedModel(m, forward_impl=cpu_graphs)
     prompt = torch.tensor([list(range(10, 50))])
     lean.prefill(prompt)
     graphed.prefill(prompt)
@@ -97,8 +87,8 @@ def test_graphed_rows_capture_once_per_row_count_and_write_the_cache_in_place(cp
         graphed.truncate(graphed.length - 1)  # a rejected tail, as after a verification
         lean.truncate(lean.length - 1)
         if step == 2:
-            captures = cpu_graphs.captures  # row counts 4, 2 and 8 captured
-    assert cpu_graphs.captures == captures  # 3 rows -> 4 and 6 rows -> 8 replayed the graphs already captured
+            captures = _EagerGraph.captures  # row counts 4, 2 and 8 captured
+    assert _EagerGraph.captures == captures  # 3 rows -> 4 and 6 rows -> 8 replayed the graphs already captured
     assert graphed.length == lean.length and graphed.tokens == lean.tokens
     for a, b in zip(lean.cache.layers, graphed.cache.layers):
         _close(a.keys, b.keys)
@@ -108,7 +98,7 @@ def test_graphed_rows_capture_once_per_row_count_and_write_the_cache_in_place(cp
 
 def test_a_cache_that_grows_gets_new_graphs_and_drops_the_old_buffers_ones(cpu_graphs):
     m = tiny(2).model
-    lean, graphed = CachedModel(m, forward_impl="lean"), CachedModel(m, forward_impl="cudagraph")
+    lean, graphed = CachedModel(m, forward_impl="lean"), CachedModel(m, forward_impl=cpu_graphs)
     prompt = torch.tensor([[(7 * i) % 90 + 1 for i in range(300)]])
     lean.prefill(prompt)
     graphed.prefill(prompt)
@@ -118,13 +108,13 @@ def test_a_cache_that_grows_gets_new_graphs_and_drops_the_old_buffers_ones(cpu_g
         _close(graphed.forward(ids).logits, lean.forward(ids).logits)
     assert graphed.cache.layers[0].store is not first
     assert graphed.tokens == lean.tokens
-    assert len(compiled._graphs[m][1]) <= compiled.MAX_BUFFER_SETS
+    assert len(cpu_graphs.graphs.by_model[m][1]) <= compiled.MAX_BUFFER_SETS
 
 
 @pytest.mark.parametrize("layer", [0, 1, "last"])
 def test_graphed_rows_capture_the_hidden_states_transformers_forward_gives(cpu_graphs, layer):
     m = tiny(3).model
-    hf, graphed = CachedModel(m), CachedModel(m, forward_impl="cudagraph")
+    hf, graphed = CachedModel(m), CachedModel(m, forward_impl=cpu_graphs)
     layer = hf.num_layers if layer == "last" else layer
     for cm in (hf, graphed):
         cm.prefill(torch.tensor([list(range(20, 45))]))
@@ -139,13 +129,13 @@ def test_graphed_rows_capture_the_hidden_states_transformers_forward_gives(cpu_g
 def test_every_lossless_method_on_graphed_forwards_reproduces_ar(cpu_graphs):
     from tests.decoding.test_lossless import LOSSLESS
 
-    assert_lossless_under("cudagraph", LOSSLESS, ("noisy",))
-    assert cpu_graphs.captures > 0
+    assert_lossless_under(cpu_graphs, LOSSLESS, ("noisy",))
+    assert _EagerGraph.captures > 0
 
 
 def test_the_buffers_and_their_graphs_serve_the_next_prompt(cpu_graphs):
     m = tiny(2).model
-    lean, graphed = CachedModel(m, forward_impl="lean"), CachedModel(m, forward_impl="cudagraph")
+    lean, graphed = CachedModel(m, forward_impl="lean"), CachedModel(m, forward_impl=cpu_graphs)
 
     def run(prompt_len):
         prompt = torch.tensor([[(5 * i) % 90 + 1 for i in range(prompt_len)]])
@@ -157,11 +147,11 @@ def test_the_buffers_and_their_graphs_serve_the_next_prompt(cpu_graphs):
         return graphed.cache.layers[0].store
 
     first = run(30)
-    captures = cpu_graphs.captures  # one-token step, 4 and 2 rows
+    captures = _EagerGraph.captures  # one-token step, 4 and 2 rows
     assert run(20) is first and run(30) is first  # shorter or as long: the same buffers, no new capture
-    assert cpu_graphs.captures == captures
+    assert _EagerGraph.captures == captures
     assert run(400) is not first  # too long for them: new buffers (and graphs)
-    assert cpu_graphs.captures > captures
+    assert _EagerGraph.captures > captures
     # other forwards take fresh buffers on every prompt, as before
     plain = CachedModel(m, forward_impl="lean")
     plain.prefill(torch.tensor([[1, 2, 3]]))
@@ -172,10 +162,10 @@ def test_the_buffers_and_their_graphs_serve_the_next_prompt(cpu_graphs):
 
 @needs_compiler
 def test_the_compiled_rows_compute_what_the_eager_rows_compute_at_every_row_count():
-    """One compile of :func:`compiled._rows` (row count and capacity dynamic) serves 2, 4 and 8 rows and a capture
+    """One compile of the rows function (row count and capacity dynamic) serves 2, 4 and 8 rows and a capture
     layer; its logits, hidden states and cache writes equal the eager function's."""
     m = tiny(1).model
-    fn = compiled._rows_fn(m)
+    fn, eager = compiled.Graphs(compile=True).rows_fn(m), compiled.Graphs(compile=False).rows_fn(m)
     g = torch.Generator().manual_seed(0)
     for width, capacity, capture in ((2, 64, None), (4, 64, None), (8, 96, None), (4, 64, 2)):
         keys = [torch.randn(1, 2, capacity, 16, generator=g) for _ in m.model.layers]
@@ -189,7 +179,7 @@ def test_the_compiled_rows_compute_what_the_eager_rows_compute_at_every_row_coun
             for d in dims:
                 torch._dynamo.maybe_mark_dynamic(t, d)
         k2, v2 = [k.clone() for k in keys], [v.clone() for v in values]
-        want = compiled._rows(m, ids, positions, keys, values, at, mask, capture)
+        want = eager(m, ids, positions, keys, values, at, mask, capture)
         got = fn(m, ids, positions, k2, v2, at, mask, capture)
         for a, b in zip(want if capture is not None else (want,), got if capture is not None else (got,)):
             _close(b, a)

@@ -10,6 +10,7 @@ from pardec.config import ConfigError
 from pardec.decoding.tree import Tree
 from pardec.models.cached import CachedModel
 from pardec.models.heads import FirpProjections, MedusaHeads, load_drafter, new_drafter, save_drafter
+from pardec.models.pseudo import forward_pseudo
 from tests.conftest import tiny
 
 
@@ -66,7 +67,7 @@ def test_pseudo_forward_over_a_tree_equals_brute_force_per_anchor(layers, attent
     tree = Tree.from_parents([-1, 0, 0, 1, 3], [-1, 11, 12, 13, 14])
     toks = tree.tokens(42)
     with torch.no_grad():
-        out = cm.forward_pseudo(toks[None], proj, layers, positions=tree.positions(6), attend=tree.attend,
+        out = forward_pseudo(cm, toks[None], proj, layers, positions=tree.positions(6), attend=tree.attend,
                                 attention=attention)
         assert cm.length == 6 + len(tree)  # the tree is appended, the pseudo states are not
         assert cm.tokens == prompt + toks.tolist()
@@ -97,20 +98,20 @@ def test_teacher_forced_pseudo_states_see_the_real_tokens_before_them(layers):
     with torch.no_grad():
         for split in (False, True):
             cm = CachedModel(model)
-            out = cm.forward_pseudo(torch.tensor([seq]), proj, layers, anchors=anchors, split=split,
+            out = forward_pseudo(cm, torch.tensor([seq]), proj, layers, anchors=anchors, split=split,
                                     teacher_forced=True)
             for n, a in enumerate(anchors):
                 want = _brute(model, seq, list(range(len(seq))), proj, "real", anchor=a)
                 torch.testing.assert_close(cm.lm_head(out.pseudo[0, n]), want, rtol=1e-4, atol=1e-4)
             # without teacher forcing (decoding's view) step i >= 1 sees only the anchor's prefix: other logits
-            plain = CachedModel(model).forward_pseudo(torch.tensor([seq]), proj, layers, anchors=[2])
+            plain = forward_pseudo(CachedModel(model), torch.tensor([seq]), proj, layers, anchors=[2])
             torch.testing.assert_close(plain.pseudo[0, 0, 0], out.pseudo[0, 0, 0], rtol=1e-4, atol=1e-5)
             assert not torch.allclose(plain.pseudo[0, 0, 1], out.pseudo[0, 0, 1], atol=1e-3)
     cm = CachedModel(model)
     with pytest.raises(ValueError, match="teacher_forced needs attention='real'"):
-        cm.forward_pseudo(torch.tensor([seq]), proj, layers, attention="pseudo", teacher_forced=True)
+        forward_pseudo(cm, torch.tensor([seq]), proj, layers, attention="pseudo", teacher_forced=True)
     with pytest.raises(ValueError, match="pseudo attention='all' is not valid; choose one of: real, pseudo"):
-        cm.forward_pseudo(torch.tensor([seq]), proj, layers, attention="all")
+        forward_pseudo(cm, torch.tensor([seq]), proj, layers, attention="all")
 
 
 @pytest.mark.parametrize("attention", ["real", "pseudo"])
@@ -124,7 +125,7 @@ def test_real_attention_trains_each_projection_on_its_own(attention):
     ids = torch.tensor([list(range(300, 310))])
     for step in range(3):
         proj.zero_grad()
-        out = CachedModel(model).forward_pseudo(ids, proj, proj.layers, anchors=[3, 5], split=True,
+        out = forward_pseudo(CachedModel(model), ids, proj, proj.layers, anchors=[3, 5], split=True,
                                                 attention=attention, teacher_forced=attention == "real")
         CachedModel(model).lm_head(out.pseudo[:, :, step]).logsumexp(-1).sum().backward()
         reached = [p.weight.grad is not None and float(p.weight.grad.abs().sum()) > 0 for p in proj.proj]
@@ -144,7 +145,7 @@ def test_pseudo_forward_trains_only_the_projections_and_split_gives_the_same(lay
     for split in (False, True):
         cm.reset()
         proj.zero_grad()
-        out = cm.forward_pseudo(ids, proj, proj.layers, anchors=[3, 5, 9], split=split, logits_at=[2, 3])
+        out = forward_pseudo(cm, ids, proj, proj.layers, anchors=[3, 5, 9], split=split, logits_at=[2, 3])
         assert cm.length == 10
         loss = cm.lm_head(out.pseudo).logsumexp(-1).mean()
         loss.backward()
@@ -161,11 +162,11 @@ def test_pseudo_layers_and_anchors_are_checked():
     cm = CachedModel(tiny(1, layers=3).model)
     ident = FirpProjections(64, 0, [0])
     with pytest.raises(ValueError, match="out of range"):
-        cm.forward_pseudo(torch.tensor([[1, 2]]), ident, [3])
+        forward_pseudo(cm, torch.tensor([[1, 2]]), ident, [3])
     with pytest.raises(ValueError, match="nondecreasing"):
-        cm.forward_pseudo(torch.tensor([[1, 2]]), ident, [2, 1])
+        forward_pseudo(cm, torch.tensor([[1, 2]]), ident, [2, 1])
     with pytest.raises(ValueError, match="anchors"):
-        cm.forward_pseudo(torch.tensor([[1, 2]]), ident, [1], anchors=[5])
+        forward_pseudo(cm, torch.tensor([[1, 2]]), ident, [1], anchors=[5])
     assert cm.length == 0
 
 

@@ -1,4 +1,4 @@
-"""dtype=int8: int8 linears on the CPU (pardec.models.int8): loading, the weight cache, refusals, and what it does to
+"""dtype=int8: int8 linears on the CPU (pardec.models.quant.int8): loading, the weight cache, refusals, and what it does to
 exactness (weight-only int8 is batch-invariant, so lossless methods keep int8 `ar`'s tokens; fbgemm's per-tensor
 activation scale is not)."""
 
@@ -9,7 +9,7 @@ import copy
 import pytest
 import torch
 
-import pardec.models.int8 as int8
+import pardec.models.quant.int8 as int8
 from pardec.config import ConfigError, ModelConfig, SamplingConfig
 from pardec.decoding import Stopper, build_decoder
 from pardec.models.cached import CachedModel
@@ -247,7 +247,7 @@ def test_training_refuses_int8():
 def test_int8_linears_are_not_batch_invariant():
     """fbgemm's dynamic quantization scales the whole input of a linear at once (per tensor): a row's output
     depends on the rows beside it. This is why `tokens` methods match int8 `ar` only up to near-ties (documented
-    in pardec.models.int8); if torch moves to per-token scales this test fails and the documentation must change."""
+    in pardec.models.quant.int8); if torch moves to per-token scales this test fails and the documentation must change."""
     torch.manual_seed(0)
     lin = int8.quantize(torch.nn.Sequential(torch.nn.Linear(64, 32)), "per_channel")
     x = torch.randn(5, 64)
@@ -329,12 +329,12 @@ def test_weight_only_warns_on_a_cpu_without_native_bf16(monkeypatch, caplog):
     import pardec.models.host as host
 
     monkeypatch.setattr(host, "cpu_flags", lambda: ["avx2", "fma"])
-    with caplog.at_level("WARNING", logger="pardec.models.int8"):
+    with caplog.at_level("WARNING", logger="pardec.models.quant.int8"):
         int8.quantize(torch.nn.Sequential(torch.nn.Linear(8, 8)), "weight_only")
     assert "without avx512_bf16/amx_bf16" in caplog.text and "int8_weights=per_channel" in caplog.text
     caplog.clear()
     monkeypatch.setattr(host, "cpu_flags", lambda: ["avx2", "avx512f", "avx512_bf16"])
-    with caplog.at_level("WARNING", logger="pardec.models.int8"):
+    with caplog.at_level("WARNING", logger="pardec.models.quant.int8"):
         int8.quantize(torch.nn.Sequential(torch.nn.Linear(8, 8)), "weight_only")
     assert "avx512_bf16" not in caplog.text
 

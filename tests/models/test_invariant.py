@@ -1,4 +1,4 @@
-"""attn_implementation=invariant (pardec.models.invariant): with per-token int8 linears a forward of several new
+"""attn_implementation=invariant (pardec.models.forward.invariant): with per-token int8 linears a forward of several new
 rows gives bitwise the logits of one-row steps, so `tokens` methods equal `ar` by construction; it is SDPA's
 attention up to rounding; bad masks and the forwards that run their own attention are refused."""
 
@@ -9,8 +9,8 @@ import torch
 
 from pardec.config import ModelConfig
 from pardec.decoding import Stopper, build_decoder
-from pardec.models import invariant
 from pardec.models.cached import CachedModel
+from pardec.models.forward import invariant
 from pardec.models.loading import load_model
 
 

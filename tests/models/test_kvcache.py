@@ -1,4 +1,4 @@
-"""The preallocated KV cache (pardec.models.kvcache) against transformers' DynamicCache: same logits through every
+"""The preallocated KV cache (pardec.models.cache.preallocated) against transformers' DynamicCache: same logits through every
 verb of the model seam, compaction that copies only the kept positions, rows leaving and joining a batch, growth,
 and placement on (virtual) GPUs."""
 
@@ -9,12 +9,14 @@ import copy
 import pytest
 import torch
 from torch.overrides import TorchFunctionMode
+from transformers import DynamicCache
 
 from pardec.config import KV_CACHES
 from pardec.devicecheck import VirtualCUDA
+from pardec.models.cache.preallocated import PreallocatedCache, PreallocatedLayer
 from pardec.models.cached import CachedModel, NonFiniteLogitsError
 from pardec.models.heads import new_drafter
-from pardec.models.kvcache import PreallocatedCache, PreallocatedLayer
+from pardec.models.pseudo import forward_pseudo, run_upper
 from tests.conftest import tiny
 
 
@@ -56,7 +58,7 @@ def _per_position(cm) -> int:
 def test_it_is_the_default_and_dynamic_can_be_chosen():
     lm = tiny(0)
     assert isinstance(CachedModel(lm.model).cache, PreallocatedCache)
-    assert type(CachedModel(lm.model, cache="dynamic").cache).__name__ == "DynamicCache"
+    assert isinstance(CachedModel(lm.model, cache="dynamic").cache, DynamicCache)  # (transformers', with the verbs)
     with pytest.raises(ValueError, match="cache='static' is not valid; choose one of: preallocated, dynamic"):
         CachedModel(lm.model, cache="static")
 
@@ -75,9 +77,9 @@ def test_every_verb_gives_the_logits_of_the_dynamic_cache():
         cm.keep([0, 2, 3])
         o.append(cm.forward(torch.tensor([[9, 10, 11]]), logits_at=[0, 2]).logits)
         cm.truncate(cm.length - 2)
-        o.append(cm.run_upper(f.hidden[:, :2], 1, positions=torch.tensor([cm.length, cm.length + 1])))
+        o.append(run_upper(cm, f.hidden[:, :2], 1, positions=torch.tensor([cm.length, cm.length + 1])))
         with torch.no_grad():
-            p = cm.forward_pseudo(torch.tensor([[12, 13]]), drafter, drafter.layers, anchors=[0, 1])
+            p = forward_pseudo(cm, torch.tensor([[12, 13]]), drafter, drafter.layers, anchors=[0, 1])
         o += [p.logits, p.pseudo]
         o.append(cm.forward(torch.tensor([[14]])).logits)
         o.append(torch.tensor(cm.tokens + [cm.length]))
@@ -280,7 +282,7 @@ def _grad_through_pseudo_states(lm):
     grads, outs = [], []
     for cm in _pair(lm.model):
         drafter.zero_grad()
-        out = cm.forward_pseudo(ids, drafter, drafter.layers, anchors=[2, 3, 4], logits_at=[2, 3, 4], split=True,
+        out = forward_pseudo(cm, ids, drafter, drafter.layers, anchors=[2, 3, 4], logits_at=[2, 3, 4], split=True,
                                 teacher_forced=True)
         cm.lm_head(out.pseudo).logsumexp(-1).sum().backward()
         outs.append(out.pseudo.detach())
@@ -290,7 +292,7 @@ def _grad_through_pseudo_states(lm):
     for a, b in zip(*grads):
         _close(a, b)
     pre = CachedModel(lm.model)
-    pre.forward_pseudo(ids, drafter, drafter.layers, split=True)
+    forward_pseudo(pre, ids, drafter, drafter.layers, split=True)
     assert not any(b.requires_grad for b in _buffers(pre))
 
 
@@ -362,7 +364,7 @@ def _checkpointed_pseudo(lm, kind):
             return x
 
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda x: x):
-            out = cm.forward_pseudo(ids, drafter, drafter.layers, anchors=[2, 3, 4, 5], logits_at=[2, 3, 4, 5],
+            out = forward_pseudo(cm, ids, drafter, drafter.layers, anchors=[2, 3, 4, 5], logits_at=[2, 3, 4, 5],
                                     split=True, teacher_forced=True, checkpoint=ckpt)
             loss = cm.lm_head(out.pseudo).logsumexp(-1).sum()
         loss.backward()
@@ -377,7 +379,7 @@ def _checkpointed_pseudo(lm, kind):
     assert any(float(g.abs().sum()) > 0 for g in g1)
     assert s1 < s0, (s1, s0)
     with pytest.raises(ValueError, match="checkpoint needs split=True"):
-        CachedModel(lm.model, cache=kind).forward_pseudo(ids, drafter, drafter.layers, checkpoint=True)
+        forward_pseudo(CachedModel(lm.model, cache=kind), ids, drafter, drafter.layers, checkpoint=True)
 
 
 def test_taken_rows_keep_the_forward_and_its_cost_table():

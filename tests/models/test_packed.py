@@ -1,4 +1,4 @@
-"""model.cpu_prepack (pardec.models.packed): bf16 CPU linears prepacked for oneDNN compute bitwise what F.linear
+"""model.cpu_prepack (pardec.models.quant.packed): bf16 CPU linears prepacked for oneDNN compute bitwise what F.linear
 computes, row by row independently; loading packs bf16 CPU models for inference only (not for training, not when
 switched off, not other dtypes); tied weights stay tied; every forward impl runs them (the compiled step as an opaque
 op); a CPU without AMX-bf16 packs nothing. All but the last need a CPU with AMX-bf16."""
@@ -13,9 +13,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from pardec.config import ModelConfig
-from pardec.models import packed
 from pardec.models.cached import CachedModel
 from pardec.models.loading import load_model, trainable
+from pardec.models.quant import packed
 from tests.models.test_compiled import needs_compiler
 from tests.models.test_lean import _script
 

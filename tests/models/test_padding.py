@@ -34,7 +34,7 @@ def _same(a, b):
     assert torch.allclose(a, b, atol=1e-5, rtol=1e-5), (a - b).abs().max()
 
 
-#: transformers' forward, and the compiled rows (pardec.models.compiled.rows_step) the padded rows run through
+#: transformers' forward, and the compiled rows (pardec.models.forward.compiled.rows_step) the padded rows run through
 IMPLS = ["hf", pytest.param("compiled", marks=needs_compiler)]
 
 

@@ -10,6 +10,7 @@ import torch
 from pardec.devicecheck import VirtualCUDA
 from pardec.models.cached import CachedModel
 from pardec.models.heads import new_drafter
+from pardec.models.pseudo import forward_pseudo, run_upper
 from tests.conftest import tiny
 
 
@@ -25,11 +26,11 @@ def _verbs(model, drafter) -> dict[str, list]:
     cm.keep([0, 2])  # the accepted path: root and second child
     out["keep"] = torch.tensor(cm.tokens)
     out["logits_at"] = cm.forward(torch.tensor([[5, 6, 7]]), logits_at=[0, 2]).logits
-    out["run_upper"] = cm.run_upper(f.hidden[:, :1], 1, positions=torch.tensor([cm.length]))
+    out["run_upper"] = run_upper(cm, f.hidden[:, :1], 1, positions=torch.tensor([cm.length]))
     cm.truncate(cm.length - 2)
     out["sync"] = torch.tensor(cm.sync(cm.tokens + [11, 12]))
     with torch.no_grad():
-        p = cm.forward_pseudo(torch.tensor([[11, 12]]), drafter, drafter.layers, anchors=[1])
+        p = forward_pseudo(cm, torch.tensor([[11, 12]]), drafter, drafter.layers, anchors=[1])
     out["pseudo"], out["pseudo_head"] = p.logits, cm.lm_head(p.pseudo)
     batch = CachedModel(model)
     batch.prefill(torch.tensor([[1, 2, 3], [4, 5, 6]]))

@@ -42,8 +42,9 @@ from pardec.decoding.sampling import sample, warp
 from pardec.decoding.tree import Tree
 from pardec.decoding.tree_search import resolve_tree, truncate_paths
 from pardec.decoding.verify import TreeVerdict, read_verdict, verify_tree
-from pardec.models.cached import DECODING_ATTENTION, PSEUDO_ATTENTION, CachedModel
+from pardec.models.cached import CachedModel
 from pardec.models.heads import load_drafter, read_meta
+from pardec.models.pseudo import DECODING_ATTENTION, PSEUDO_ATTENTION, forward_pseudo
 
 log = logging.getLogger(__name__)
 
@@ -241,7 +242,7 @@ class Firp(TreeDrafter):
     def _forward(self, ids, positions=None, attend=None, last_only=False):
         n = ids.shape[-1]
         anchors = [n - 1] if last_only else None
-        out = self.target.forward_pseudo(ids, self.drafter, self.layers, anchors=anchors, positions=positions,
+        out = forward_pseudo(self.target, ids, self.drafter, self.layers, anchors=anchors, positions=positions,
                                          attend=attend, logits_at=[n - 1] if last_only else None,
                                          attention=self.attention)
         return out.logits[0], out.pseudo[0]

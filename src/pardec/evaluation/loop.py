@@ -38,7 +38,7 @@ from pardec.evaluation.results import (
 from pardec.evaluation.spec import PEERS, check_has_run, check_resume, run_identity, validate
 from pardec.evaluation.summary import running_speed, summarize
 from pardec.evaluation.tables import format_table
-from pardec.models.packed import is_packed
+from pardec.models.quant.packed import is_packed
 
 log = logging.getLogger("pardec.evaluate")  # the name its messages have always carried
 

@@ -26,7 +26,7 @@ from pardec.metrics.sandbox import isolation
 #: two, tens to hundreds of ulps. In fp32 the bound is so small that a divergence is nearly always a bug.
 NEAR_TIE_ULPS = 4
 #: significant bits (mantissa + the implicit one) of each run dtype
-#: int8 (fbgemm, pardec.models.int8): activations are rounded to 256 levels of their range, so a logit is known to
+#: int8 (fbgemm, pardec.models.quant.int8): activations are rounded to 256 levels of their range, so a logit is known to
 #: about 8 bits relative to its magnitude, as in bf16
 SIGNIFICANT_BITS = {"bf16": 8, "fp16": 11, "fp32": 24, "tf32": 11, "int8": 8}
 

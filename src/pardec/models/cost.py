@@ -23,6 +23,7 @@ from pathlib import Path
 from pardec import DATA_DIR
 from pardec.models.host import machine, machine_key
 
+
 def table_key(precision: str, forward_impl: str = "hf", attn_implementation: str = "sdpa") -> str:
     """The ``dtype`` key of a cost table: the model's precision (``ModelConfig.precision()``), then the forward
     and the attention when they are not transformers' forward with SDPA (``int8-per_token-smooth0.5-compiled``)."""

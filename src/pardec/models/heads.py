@@ -29,7 +29,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from pardec.config import ConfigError
-from pardec.models.cached import PSEUDO_ATTENTION
+from pardec.models.pseudo import PSEUDO_ATTENTION
 
 FORMAT = "pardec-drafter"
 VERSION = 1

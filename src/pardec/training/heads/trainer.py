@@ -41,6 +41,7 @@ from dataclasses import dataclass, field
 import torch
 
 from pardec.config import ConfigError
+from pardec.models.pseudo import DECODING_ATTENTION, PSEUDO_ATTENTION, forward_pseudo
 from pardec.training.base import BaseConfig, BaseTrainer, Dist, fit, training_args, unwrap
 from pardec.training.losses import masked_sum, token_divergence
 
@@ -102,7 +103,7 @@ def drafter_forward(base, drafter_call, drafter, ids: torch.Tensor, start: int, 
         w = next(drafter.parameters())
         return teacher, drafter_call(hidden.to(w.dtype))
     cm = CachedModel(base)
-    out = cm.forward_pseudo(ids, drafter_call, drafter.layers, anchors=window, logits_at=window, split=True,
+    out = forward_pseudo(cm, ids, drafter_call, drafter.layers, anchors=window, logits_at=window, split=True,
                             attention=drafter.attention, teacher_forced=drafter.attention == "real",
                             checkpoint=checkpoint)
     return out.logits.detach(), cm.lm_head(out.pseudo)
@@ -205,7 +206,7 @@ def future_ranks(base, drafter, records: list[dict], attention: str | None = Non
     token). Its rank is the number of the drafter's logits at that depth strictly above its logit.
     Returns (ranks [N, K], valid [N, K], {"anchors", "target_matches_record"}).
     """
-    from pardec.models.cached import DECODING_ATTENTION, CachedModel
+    from pardec.models.cached import CachedModel
 
     k = drafter.k
     all_ranks, all_valid = [], []
@@ -224,7 +225,7 @@ def future_ranks(base, drafter, records: list[dict], attention: str | None = Non
             logits = drafter(hidden.to(next(drafter.parameters()).dtype))  # [A, K, V]
         else:
             cm = CachedModel(base)  # decoding's view: no real token after the anchor (teacher_forced off)
-            out = cm.forward_pseudo(ids, drafter, drafter.layers, anchors=anchors, logits_at=anchors,
+            out = forward_pseudo(cm, ids, drafter, drafter.layers, anchors=anchors, logits_at=anchors,
                                     attention=attention or DECODING_ATTENTION)
             target_logits, logits = out.logits[0], cm.lm_head(out.pseudo)[0]
         pos = anchors[:, None] + torch.arange(k)[None, :] + 2  # [A, K] positions of the true tokens
@@ -309,7 +310,6 @@ def evaluate_heads(spec, run_dir) -> dict:
     decoding's default view."""
 
     from pardec.decoding.tree_search import chain_paths, expected_accept_length, save_tree, search_tree
-    from pardec.models.cached import DECODING_ATTENTION, PSEUDO_ATTENTION
     from pardec.models.heads import load_drafter, num_parameters
     from pardec.models.loading import load_model
     from pardec.training.completions import load_completions, run_generation

@@ -60,7 +60,7 @@ class PackedLinear(nn.Module):
 def prepack(model: nn.Module) -> int:
     """Replace every bf16 CPU ``nn.Linear`` of ``model`` by a :class:`PackedLinear`, in place; the number of packed
     linears ``model`` then has (0 where :func:`supported` is false)."""
-    from pardec.models.int8 import replace_linears
+    from pardec.models.quant.int8 import replace_linears
 
     if not supported():
         return 0

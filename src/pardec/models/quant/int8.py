@@ -362,7 +362,7 @@ def _warn_without_bf16() -> None:
 
 
 def replace_linears(model: torch.nn.Module, skip: tuple[str, ...], make) -> None:
-    """Each ``nn.Linear`` of ``model`` not in ``skip`` -> ``make(linear)``, in place (also :mod:`pardec.models.packed`)."""
+    """Each ``nn.Linear`` of ``model`` not in ``skip`` -> ``make(linear)``, in place (also :mod:`pardec.models.quant.packed`)."""
     for mod_name, mod in list(model.named_modules()):
         for child_name, child in list(mod.named_children()):
             full = f"{mod_name}.{child_name}" if mod_name else child_name

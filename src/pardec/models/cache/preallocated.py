@@ -352,13 +352,39 @@ class PreallocatedCache(Cache):
             layer.keep(start, None if dev is None else on.setdefault(dev, to_device(src, dev)), start + first, start + m,
                        shift)
 
+    def buffers_for(self, rows: int, width: int) -> tuple[list[torch.Tensor], list[torch.Tensor], int, int] | None:
+        """For a forward that writes ``width`` new positions straight into the buffers (the compiled forwards):
+        every layer's whole key and value buffer, the slot of cached position 0 and the cached length, with room
+        reserved for the new positions (a reserve may move the positions to the buffer's start); None when the
+        layers do not each hold all ``rows`` rows of a buffer of their own at the same slots (the layout a graph
+        needs: one cache per buffer, the usual case). :meth:`advance` then records the new positions."""
+        first = self.layers[0]
+        if first.store is None:
+            return None
+        for layer in self.layers:
+            s = layer.store
+            if (s is None or layer.r0 != 0 or layer.r1 != s.rows or layer.begin != first.begin
+                    or layer.length != first.length or s.rows != rows):
+                return None
+        length = first.length
+        for layer in self.layers:
+            layer._reserve(length + width)
+        return ([layer.store.keys for layer in self.layers], [layer.store.values for layer in self.layers],
+                self.layers[0].begin, length)
+
+    def advance(self, width: int) -> None:
+        """``width`` new positions were written into the buffers after the cached ones (:meth:`buffers_for`)."""
+        for layer in self.layers:
+            layer.length += width
+
     def drop_after(self, length: int) -> None:
         """Every layer keeps at most its first ``length`` positions (states a call ran but must not keep)."""
         for layer in self.layers:
             layer.length = min(layer.length, length)
 
-    def take_rows(self, rows: list[int]) -> PreallocatedCache:
-        """Batch ``rows`` (increasing) leave into a new cache sharing these buffers; this one keeps the others."""
+    def take_rows(self, rows: list[int], config=None) -> PreallocatedCache:
+        """Batch ``rows`` (increasing) leave into a new cache sharing these buffers; this one keeps the others
+        (``config``: unused here, the dynamic cache's signature)."""
         return PreallocatedCache(layers=[layer.take(rows) for layer in self.layers])
 
     def join_rows(self, other: Cache, pad_self: int, pad_other: int) -> None:

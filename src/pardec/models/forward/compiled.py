@@ -1,7 +1,7 @@
 """``forward_impl=compiled``: the one-token decode step as one ``torch.compile`` graph over the preallocated KV
-cache (gpt-fast's recipe); every other forward runs :mod:`pardec.models.lean`.
+cache (gpt-fast's recipe); every other forward runs :mod:`pardec.models.forward.lean`.
 
-Why: after :mod:`~pardec.models.lean` removed transformers' module stack, what remains of a decode step outside the
+Why: after :mod:`~pardec.models.forward.lean` removed transformers' module stack, what remains of a decode step outside the
 linear layers is ~25 small ops per layer (RMSNorm, rotary, the cache write, the attention glue, residual adds),
 each one kernel call reading and writing its operands (``scripts/profile_step.py``: ~14 of SmolLM2's 52 ms per fp32
 step). Compiled as one graph, inductor fuses them into a few loops per layer and the step pays one guard check
@@ -14,7 +14,7 @@ the new key/value in place at slot ``begin + length`` (``index_copy_``): the cac
 tensor), not a shape, so the graph does not change from step to step. The buffer's capacity is marked dynamic, so
 a prompt of another length or a grown cache does not recompile either (one compile per model, dtype and batch
 size: each model has a compiled function of its own, see :func:`_step_fn`). Masked slots get exactly zero weight, so the step
-computes what :func:`~pardec.models.lean.lean_logits` computes up to float rounding (the softmax runs over more,
+computes what :func:`~pardec.models.forward.lean.lean_logits` computes up to float rounding (the softmax runs over more,
 zero-weight, entries; tested: the tokens of every ``tokens`` method equal ``ar``'s).
 
 Used for forwards of one new token per row with causal attention (``ar``'s steps, a draft model's steps) when
@@ -22,7 +22,7 @@ every layer's rows fill their buffer (one cache per buffer, the usual case). For
 cached prefix (verification, Jacobi's blocks, trees, custom masks, hidden-state captures) run a second compiled
 function, :func:`rows_step` (the same buffers, a mask over the whole buffer, the row count and capacity dynamic: one
 compile); prefill and batch rows shared with other caches run the lean forward.
-fbgemm's int8 linears (``dtype=int8``) and oneDNN-prepacked bf16 linears (:mod:`pardec.models.packed`) run inside
+fbgemm's int8 linears (``dtype=int8``) and oneDNN-prepacked bf16 linears (:mod:`pardec.models.quant.packed`) run inside
 the graph as an opaque custom op (:func:`_opaque_linear`): dynamo cannot trace their packed weights, so each such
 linear is registered once and called by its index.
 
@@ -34,7 +34,7 @@ cached prefix (verifications, Jacobi blocks, trees) are padded to a power of two
 replayed the same way from a second compiled function (:func:`rows_step`), hidden-state captures included; prefill
 and forwards whose cache shares its buffers with other caches run the lean forward. The graphs are keyed by the
 cache's buffers, which a reset cache keeps when they fit the next prompt
-(:meth:`~pardec.models.kvcache.PreallocatedCache.reuse`).
+(:meth:`~pardec.models.cache.preallocated.PreallocatedCache.reuse`).
 
 The first step of each model compiles (tens of seconds on 2 CPU cores for SmolLM2; inductor caches its kernels on
 disk, so later processes load them); evaluation's warm-up prompt absorbs it before timing starts. Needs a C++
@@ -52,7 +52,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pardec.models import lean
+from pardec.models.forward import lean
 
 #: linears with packed weights (fbgemm int8, oneDNN bf16), reachable from the compiled graph by index (dynamo
 #: cannot trace their packed weights)
@@ -71,7 +71,7 @@ def _(x: torch.Tensor, index: int) -> torch.Tensor:
 
 
 class _Gemm(nn.Module):
-    """A per-token int8 linear's integer GEMM alone (:meth:`~pardec.models.int8.PerTokenLinear.gemm`), as an
+    """A per-token int8 linear's integer GEMM alone (:meth:`~pardec.models.quant.int8.PerTokenLinear.gemm`), as an
     opaque linear: the compiled graph traces the per-token scaling around it."""
 
     def __init__(self, lin: nn.Module):
@@ -96,8 +96,8 @@ def _lin(mod: nn.Module, x: torch.Tensor) -> torch.Tensor:
 def register_opaque(model: nn.Module) -> None:
     """Give every fbgemm int8 linear and every prepacked bf16 linear of ``model`` an index for
     :func:`_opaque_linear` (per-token int8 linears: their GEMM only)."""
-    from pardec.models.int8 import PerTokenLinear, _quantized_linear_type
-    from pardec.models.packed import PackedLinear
+    from pardec.models.quant.int8 import PerTokenLinear, _quantized_linear_type
+    from pardec.models.quant.packed import PackedLinear
 
     kinds = (_quantized_linear_type(), PackedLinear, PerTokenLinear)
     for mod in model.modules():
@@ -216,79 +216,78 @@ class _Graph:
         return self.out.clone()
 
 
-#: each model's graphs' memory pool and its captured graphs, by cache buffers (newest last), then by kind and shape
-_graphs: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 #: cache buffer sets kept per model: a cache that grows gets new buffers (new graphs); the graphs of older ones are
 #: dropped with the references they hold to those buffers. Two: a target and a draft copy of the same model, or the
 #: collection's two caches, alternate without recapturing.
 MAX_BUFFER_SETS = 2
 
 
-def _graphed(model: nn.Module, what: tuple, keys: list[torch.Tensor], values: list[torch.Tensor], make_fn,
-             inputs: tuple[torch.Tensor, ...]):
-    """Replay (capturing it first if new) ``model``'s graph ``what`` (a kind and the inputs' shapes) over the cache
-    buffers ``keys``/``values``; ``make_fn()`` gives the function to capture."""
-    entry = _graphs.get(model)
-    if entry is None:
-        entry = _graphs[model] = (torch.cuda.graph_pool_handle(), {})
-    pool, by_buffers = entry
-    buffers = (tuple(t.data_ptr() for t in (*keys, *values)), keys[0].dtype, tuple(keys[0].shape), keys[0].stride(),
-               tuple(t.shape[2] for t in keys))
-    graphs = by_buffers.pop(buffers, None)
-    if graphs is None:
-        graphs = {}
-        while len(by_buffers) >= MAX_BUFFER_SETS:
-            by_buffers.pop(next(iter(by_buffers)))
-    by_buffers[buffers] = graphs  # (newest last)
-    key = (what, *((tuple(t.shape), t.dtype) for t in inputs))
-    g = graphs.get(key)
-    if g is None:
-        g = graphs[key] = _Graph(make_fn(), inputs, pool)
-    return g(*inputs)
+class Graphs:
+    """The captured graphs of ``forward_impl=cudagraph``: per model, a memory pool and its graphs by cache buffers
+    (newest last), then by kind and shape. ``capture``: what captures one graph of ``fn(*inputs)`` and replays it
+    (:class:`_Graph`; a stand-in with its contract runs the bookkeeping on the CPU in tests); ``pool``: makes a
+    model's memory pool; ``compile``: whether the captured functions are the compiled ones."""
+
+    def __init__(self, capture=None, pool=None, compile: bool = True):
+        self.capture = capture or _Graph
+        self.pool = pool or torch.cuda.graph_pool_handle
+        self.compile = compile
+        self.by_model: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+    def step_fn(self, model: nn.Module):
+        return _step_fn(model) if self.compile else _decode
+
+    def rows_fn(self, model: nn.Module):
+        return _rows_fn(model) if self.compile else _rows
+
+    def __call__(self, model: nn.Module, what: tuple, keys: list[torch.Tensor], values: list[torch.Tensor], make_fn,
+                 inputs: tuple[torch.Tensor, ...]):
+        """Replay (capturing it first if new) ``model``'s graph ``what`` (a kind and the inputs' shapes) over the
+        cache buffers ``keys``/``values``; ``make_fn()`` gives the function to capture."""
+        entry = self.by_model.get(model)
+        if entry is None:
+            entry = self.by_model[model] = (self.pool(), {})
+        pool, by_buffers = entry
+        buffers = (tuple(t.data_ptr() for t in (*keys, *values)), keys[0].dtype, tuple(keys[0].shape),
+                   keys[0].stride(), tuple(t.shape[2] for t in keys))
+        graphs = by_buffers.pop(buffers, None)
+        if graphs is None:
+            graphs = {}
+            while len(by_buffers) >= MAX_BUFFER_SETS:
+                by_buffers.pop(next(iter(by_buffers)))
+        by_buffers[buffers] = graphs  # (newest last)
+        key = (what, *((tuple(t.shape), t.dtype) for t in inputs))
+        g = graphs.get(key)
+        if g is None:
+            g = graphs[key] = self.capture(make_fn(), inputs, pool)
+        return g(*inputs)
 
 
-def _uniform(cache, rows: int) -> tuple[int, int] | None:
-    """(begin, length) when every layer of ``cache`` holds all ``rows`` rows of its own buffer at the same slots (the
-    layout the graphs need: one cache per buffer, the usual case), else None."""
-    first = cache.layers[0]
-    if first.store is None:
-        return None
-    begin, length = first.begin, first.length
-    for layer in cache.layers:
-        s = layer.store
-        if (s is None or layer.r0 != 0 or layer.r1 != s.rows or layer.begin != begin or layer.length != length
-                or s.rows != rows):
-            return None
-    return begin, length
+#: the graphs every ``forward_impl=cudagraph`` model replays
+CUDA_GRAPHS = Graphs()
 
 
 def decode_step(model: nn.Module, ids: torch.Tensor, positions: torch.Tensor, cache,
-                graphs: bool = False) -> torch.Tensor | None:
+                graphs: Graphs | None = None) -> torch.Tensor | None:
     """The compiled step for ``ids`` [B, 1] after what ``cache`` (a :class:`PreallocatedCache`) holds, appending
     their keys/values; None (nothing done) when the cache's layout does not allow it (the caller runs the lean
     forward instead)."""
-    if _uniform(cache, ids.shape[0]) is None:
+    got = cache.buffers_for(ids.shape[0], 1)
+    if got is None:
         return None
-    layers = cache.layers
-    length = layers[0].length
-    for layer in layers:
-        layer._reserve(length + 1)
-    begin = layers[0].begin  # (a reserve may move the positions to the buffer's start)
-    keys = [layer.store.keys for layer in layers]
-    values = [layer.store.values for layer in layers]
+    keys, values, begin, length = got
     for buf in (*keys, *values):
         torch._dynamo.maybe_mark_dynamic(buf, 2)
     # filled on the device from host ints (no host-to-device copy, so no sync on a GPU)
     slots = torch.full((2,), begin, dtype=torch.long, device=ids.device)
     slots[1:] += length
-    step = _step_fn(model)
-    if graphs:
-        logits = _graphed(model, ("step",), keys, values,
-                          lambda: lambda i, p, s: step(model, i, p, keys, values, s), (ids, positions, slots))
+    step = _step_fn(model) if graphs is None else graphs.step_fn(model)
+    if graphs is not None:
+        logits = graphs(model, ("step",), keys, values,
+                        lambda: lambda i, p, s: step(model, i, p, keys, values, s), (ids, positions, slots))
     else:
         logits = step(model, ids, positions, keys, values, slots)
-    for layer in layers:
-        layer.length = length + 1
+    cache.advance(1)
     return logits
 
 
@@ -318,15 +317,15 @@ def _rows(model: nn.Module, ids: torch.Tensor, positions: torch.Tensor, keys: li
 MAX_GRAPHED_ROWS = 128
 
 
-def graph_rows(t: int) -> int:
+def graph_rows(t: int, limit: int = MAX_GRAPHED_ROWS) -> int:
     """The row count a forward of ``t`` new rows is padded to under ``forward_impl=cudagraph``: the next power of
     two (one captured graph per count; on a GPU a verification of up to 64 rows costs about one row: README "On a
     GPU"), or ``t`` itself past :data:`MAX_GRAPHED_ROWS`."""
-    return t if t > MAX_GRAPHED_ROWS else 1 << (t - 1).bit_length()
+    return t if t > limit else 1 << (t - 1).bit_length()
 
 
 def rows_step(model: nn.Module, ids: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor, cache,
-              capture: int | None = None, graphs: bool = True, keep: torch.Tensor | None = None):
+              capture: int | None = None, graphs: Graphs | None = None, keep: torch.Tensor | None = None):
     """A forward of ``ids`` [B, W] (W > 1 new rows, padding included) after what ``cache`` (a
     :class:`PreallocatedCache`) holds, as a replay of a CUDA graph of the compiled :func:`_rows`, captured once per
     model, row count and cache buffers (one compile serves every row count. On the H200 a graph of the eager ops
@@ -338,21 +337,16 @@ def rows_step(model: nn.Module, ids: torch.Tensor, positions: torch.Tensor, mask
     layout does not allow it. ``keep`` (without ``graphs`` only: a graph's shapes are fixed, so it computes every
     row's logits and the caller picks): the positions whose logits are returned, the LM head run on those only."""
     bsz, width = ids.shape
-    if _uniform(cache, bsz) is None:
+    got = cache.buffers_for(bsz, width)
+    if got is None:
         return None
-    layers = cache.layers
-    length = layers[0].length
-    for layer in layers:
-        layer._reserve(length + width)
-    begin = layers[0].begin
-    keys = [layer.store.keys for layer in layers]
-    values = [layer.store.values for layer in layers]
+    keys, values, begin, length = got
     capacity = keys[0].shape[2]
     # the mask over the whole buffer: the cached and new slots as the forward's mask says, every other slot masked
     full = torch.full((bsz, 1, width, capacity), torch.finfo(mask.dtype).min, dtype=mask.dtype, device=ids.device)
     full[..., begin : begin + length + width] = mask
     at = torch.arange(begin + length, begin + length + width, device=ids.device)
-    fn = _rows_fn(model)
+    fn = _rows_fn(model) if graphs is None else graphs.rows_fn(model)
 
     def run(i, p, a, m, k=None):  # (a graph's static inputs: their row count and the capacity are not baked in)
         for t, dims in ((i, (1,)), (p, (1,)), (a, (0,)), (m, (2, 3)), (k, (0,)),
@@ -361,12 +355,11 @@ def rows_step(model: nn.Module, ids: torch.Tensor, positions: torch.Tensor, mask
                 torch._dynamo.maybe_mark_dynamic(t, d)
         return fn(model, i, p, keys, values, a, m, capture, k)
 
-    if graphs and keep is not None:
+    if graphs is not None and keep is not None:
         raise ValueError("rows_step: keep is for the compiled function without graphs (a graph's shapes are fixed)")
-    if graphs:
-        out = _graphed(model, ("rows", capture), keys, values, lambda: run, (ids, positions, at, full))
+    if graphs is not None:
+        out = graphs(model, ("rows", capture), keys, values, lambda: run, (ids, positions, at, full))
     else:
         out = run(ids, positions, at, full, keep)
-    for layer in layers:
-        layer.length = length + width
+    cache.advance(width)
     return out
