@@ -79,6 +79,14 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> None:
     import pardec.decoding  # noqa: F401  (registers the methods)
     from pardec.decoding.base import METHODS
 
+    for spec in a.methods.split(","):
+        try:
+            METHODS.get(spec.split(":")[0])
+        except KeyError as e:  # the registry's message names the valid methods
+            ap.error(f"--methods {spec!r}: {e.args[0]}")
+    bad = [p for p in a.dataset_path if "=" not in p]
+    if bad:
+        ap.error(f"--dataset-path {bad[0]!r}: expected NAME=FILE, e.g. gsm8k=data/gsm8k_test.jsonl")
     paths = dict(p.split("=", 1) for p in a.dataset_path)
     has_draft, where = draft_available(a.draft, a.extra)
     if not has_draft:

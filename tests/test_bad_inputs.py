@@ -1,27 +1,23 @@
-"""Bad inputs to `python -m evaluate`: does each get one clear line, before any model loads?
-
-    python scripts/bad_inputs.py [--jobs 2] [--only SUBSTRING] [--show]
+"""Bad inputs to `python -m evaluate` (formerly ``scripts/bad_inputs.py``): each gets one clear ``error:`` line that
+names the bad key or value, with no traceback, before any model loads.
 
 Every case runs the real CLI in a subprocess on a tiny offline configuration (``model=tiny_random``, HumanEval,
 one prompt, 4 new tokens), with :func:`pardec.models.loading.load_model` wrapped so that a model load prints a
-marker on stderr. A case passes when the run fails (exit code != 0) with no Python traceback, its error is one
-line (``error: ...``) that names the bad value (the case's needle), no model loaded before it, and it came in
-under ``--slow`` seconds. Prints a table and ``N/M answered with one clear line before loading``.
+marker first: an error after the marker came too late. ``pytest -m slow tests/test_bad_inputs.py -n 2`` runs them
+all (a subprocess each, several seconds apiece); ``-k`` picks some.
 """
 
 from __future__ import annotations
 
-import argparse
 import os
 import subprocess
 import sys
 import tempfile
-import time
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+import pytest
+
 MARKER = "@@pardec: a model is loading@@"
 BASE = ("model=tiny_random", "n_samples=1", "max_new_tokens=4", "bench.warmup=0", "perplexity.enabled=false",
         "dataset=humaneval")
@@ -152,68 +148,40 @@ CASES = [
 ]
 
 
-@dataclass
-class Outcome:
-    case: Case
-    ok: bool
-    why: str
-    seconds: float
-    line: str
 
 
-def run_case(case: Case, slow: float) -> Outcome:
+def run_case(case: Case) -> tuple[str, str]:
+    """(what is wrong with the CLI's answer, or "" when nothing is; its error line)."""
     with tempfile.TemporaryDirectory(prefix="pardec-bad-") as tmp:
         for name, content in case.files.items():
             Path(tmp, name).write_text(content)
         args = [a.replace("{tmp}", tmp) for a in (*BASE, *case.args)]
         # a later key=value wins, so the case's own dataset= / draft= override BASE's
         env = {**os.environ, "PYTHONWARNINGS": "ignore", "TOKENIZERS_PARALLELISM": "false", **case.env}
-        t0 = time.perf_counter()
-        try:
-            p = subprocess.run([sys.executable, "-c", WRAPPER, *args, f"hydra.run.dir={tmp}/run"], cwd=tmp,
-                               env=env, capture_output=True, text=True, timeout=300)
-        except subprocess.TimeoutExpired:
-            return Outcome(case, False, "timed out", time.perf_counter() - t0, "")
-        seconds = time.perf_counter() - t0
+        p = subprocess.run([sys.executable, "-c", WRAPPER, *args, f"hydra.run.dir={tmp}/run"], cwd=tmp,
+                           env=env, capture_output=True, text=True, timeout=300)
     err = p.stderr
     errors = [x for x in err.splitlines() if x.startswith("error: ")]
     line = errors[0] if errors else next((x for x in reversed(err.splitlines()) if x.strip()), "")
     if p.returncode == 0:
-        why = "accepted (exit 0)"
-    elif "Traceback (most recent call last)" in err:
-        why = "traceback"
-    elif MARKER in (err.split(line)[0] if line else err):
-        why = "error after a model loaded"
-    elif len(errors) != 1:
-        why = "not one 'error:' line"
-    elif case.needle not in line:
-        why = f"does not name {case.needle!r}"
-    elif seconds > slow:
-        why = f"slow ({seconds:.0f} s)"
-    else:
-        why = ""
-    return Outcome(case, not why, why or "ok", seconds, line)
+        return "accepted (exit 0)", line
+    if "Traceback (most recent call last)" in err:
+        return "traceback", line
+    if MARKER in (err.split(line)[0] if line else err):
+        return "error after a model loaded", line
+    if len(errors) != 1:
+        return "not one 'error:' line", line
+    if case.needle not in line:
+        return f"does not name {case.needle!r}", line
+    return "", line
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--jobs", type=int, default=max(2, os.cpu_count() or 1), help="cases run at once")
-    ap.add_argument("--only", default="", help="run the cases whose name contains this")
-    ap.add_argument("--slow", type=float, default=20.0, help="seconds after which an answer counts as too slow")
-    ap.add_argument("--show", action="store_true", help="print each case's error line")
-    a = ap.parse_args()
-    cases = [c for c in CASES if a.only in c.name]
-    with ThreadPoolExecutor(a.jobs) as pool:
-        outcomes = list(pool.map(lambda c: run_case(c, a.slow), cases))
-    w = max(len(c.name) for c in cases)
-    for o in outcomes:
-        print(f"{'ok ' if o.ok else 'BAD'}  {o.case.name:<{w}}  {o.seconds:5.1f}s  {o.why}")
-        if a.show or not o.ok:
-            print(f"{'':5}{'':<{w}}  {o.line[:220]}")
-    n = sum(o.ok for o in outcomes)
-    print(f"\n{n}/{len(outcomes)} answered with one clear line before loading")
-    sys.exit(0 if n == len(outcomes) else 1)
+def test_case_names_are_unique():
+    assert len({c.name for c in CASES}) == len(CASES)
 
 
-if __name__ == "__main__":
-    main()
+@pytest.mark.slow
+@pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
+def test_bad_input_gets_one_clear_line_before_any_model_loads(case):
+    problem, line = run_case(case)
+    assert not problem, f"{problem}: {line[:300]}"
