@@ -47,6 +47,10 @@ PROMPT = "Question: Tom has 3 apples and buys 5 more. How many apples does he ha
 
 
 def random_llama(shape: str, vocab: int, dtype: torch.dtype, device: str):
+    """A random Llama of one of :data:`SHAPES`, built in ``dtype`` on ``device``. Not
+    :func:`pardec.models.loading.tiny_random_model`: that one fixes intermediate = 2 x hidden, kv heads = heads / 2
+    and untied embeddings, which are not Llama-2-7B's, TinyLlama's or SmolLM2's shapes (it would need those three as
+    parameters, and to build in a dtype on a device, to serve both)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     hidden, layers, heads, kv, inter = SHAPES[shape]
