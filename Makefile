@@ -32,7 +32,7 @@ $(STAMP): pyproject.toml Makefile
 	touch $(STAMP)
 
 demo: setup  ## pld (+ sps with the distilled draft if trained) vs ar and HF generate/PLD/assisted, SmolLM2 / HumanEval x5
-	$(BIN)/python scripts/demo.py
+	$(BIN)/python -m pardec.demo
 
 # two pytest-xdist workers, one torch thread each (tests/conftest.py): tiny models are overhead-bound, so two
 # processes finish ~1.8x sooner than one process with two threads
@@ -44,20 +44,20 @@ test-fast: setup  ## the fast tier for iteration: every test not marked slow (~3
 	$(PYTEST) -m "not slow" $(PYTEST_ARGS)
 
 gpu-smoke: setup  ## on a CUDA machine: every method fp32/bf16 (exactness, tokens/forward, speed vs ar), 2 steps of every kind, 2-GPU sharded evaluate
-	$(BIN)/python scripts/gpu_smoke.py $(SMOKE_ARGS)
+	$(BIN)/python -m pardec.bench gpu-smoke $(SMOKE_ARGS)
 
 rehearse: setup  ## every paper recipe end to end on 2 gloo CPU ranks, tiny models of its family (docs/rehearsal.md; ~7 min on 2 cores)
 	$(BIN)/python -m pardec.rehearse --all --json outputs/rehearse/rehearsal.json $(REHEARSE_ARGS)
 
 bench: setup  ## the README's speed table: SmolLM2 fp32, 20 GSM8K (GSM8K=<test.jsonl>), HumanEval, CNN/DM (CNNDM=<test.jsonl>)
-	$(BIN)/python scripts/bench.py $(if $(GSM8K),--dataset-path gsm8k=$(GSM8K)) $(if $(CNNDM),--dataset-path cnn_dm=$(CNNDM))
+	$(BIN)/python -m pardec.bench speed $(if $(GSM8K),--dataset-path gsm8k=$(GSM8K)) $(if $(CNNDM),--dataset-path cnn_dm=$(CNNDM))
 
 MJSD_N ?= 20
 bench-mjsd: setup  ## the MJSD/BiLD/SpecTr table: GSM8K (GSM8K=) and CNN/DM (CNNDM=), greedy, then sampling T=1 k=20 p=0.9
-	$(BIN)/python scripts/bench.py $(if $(GSM8K),--dataset-path gsm8k=$(GSM8K)) $(if $(CNNDM),--dataset-path cnn_dm=$(CNNDM)) \
+	$(BIN)/python -m pardec.bench speed $(if $(GSM8K),--dataset-path gsm8k=$(GSM8K)) $(if $(CNNDM),--dataset-path cnn_dm=$(CNNDM)) \
 	  --datasets gsm8k,cnn_dm --n $(MJSD_N) --out outputs/bench/mjsd_greedy \
 	  --methods "mjsd,mjsd:num_beams=2,mjsd:num_beams=4,mjgd:K=2,mjgd:K=4,bild,spectr:k=2,spectr:k=4,sps"
-	$(BIN)/python scripts/bench.py $(if $(GSM8K),--dataset-path gsm8k=$(GSM8K)) $(if $(CNNDM),--dataset-path cnn_dm=$(CNNDM)) \
+	$(BIN)/python -m pardec.bench speed $(if $(GSM8K),--dataset-path gsm8k=$(GSM8K)) $(if $(CNNDM),--dataset-path cnn_dm=$(CNNDM)) \
 	  --datasets gsm8k,cnn_dm --n $(MJSD_N) --out outputs/bench/mjsd_sampling --methods "mjsd,sps,spectr:k=2,spectr:k=4,bild" \
 	  bench.include_hf=false sampling.temperature=1.0 sampling.top_k=20 sampling.top_p=0.9
 
@@ -67,13 +67,13 @@ FIRP ?= outputs/train/runs/heads_firp_smollm2/default/final
 HEADS_METHODS := firp:projections=$(FIRP):tree=T16,firp:projections=$(FIRP):tree=T32,firp:projections=$(FIRP):tree=T63,$\
   medusa:heads=$(MEDUSA):tree=T16,medusa:heads=$(MEDUSA):tree=T32,medusa:heads=$(MEDUSA):tree=T63,pld
 bench-heads: setup  ## FIRP vs Medusa (T16/T32/T63) + pld/hf vs ar: GSM8K 0/1-shot (GSM8K=, GSM8K_TRAIN=), MT-Bench (MTBENCH=), CNN/DM (CNNDM=)
-	$(BIN)/python scripts/bench.py --draft none --n $(HEADS_N) --methods "$(HEADS_METHODS)" --out outputs/bench/heads \
+	$(BIN)/python -m pardec.bench speed --draft none --n $(HEADS_N) --methods "$(HEADS_METHODS)" --out outputs/bench/heads \
 	  --datasets gsm8k,mt_bench,cnn_dm $(if $(GSM8K),--dataset-path gsm8k=$(GSM8K)) \
 	  $(if $(MTBENCH),--dataset-path mt_bench=$(MTBENCH)) $(if $(CNNDM),--dataset-path cnn_dm=$(CNNDM))
-	$(BIN)/python scripts/bench.py --draft none --n $(HEADS_N) --methods "$(HEADS_METHODS)" --out outputs/bench/heads_1shot \
+	$(BIN)/python -m pardec.bench speed --draft none --n $(HEADS_N) --methods "$(HEADS_METHODS)" --out outputs/bench/heads_1shot \
 	  --datasets gsm8k $(if $(GSM8K),--dataset-path gsm8k=$(GSM8K)) dataset.extra.num_fewshot=1 \
 	  $(if $(GSM8K_TRAIN),dataset.extra.train_path=$(GSM8K_TRAIN))
-	$(BIN)/python scripts/heads_report.py --medusa $(MEDUSA) --firp $(FIRP) --bench outputs/bench/heads \
+	$(BIN)/python -m pardec.report heads --medusa $(MEDUSA) --firp $(FIRP) --bench outputs/bench/heads \
 	  --bench outputs/bench/heads_1shot --out outputs/heads_report
 
 SDSAT_N ?= 20
@@ -81,14 +81,14 @@ SDSAT ?= outputs/train/runs/sdsat_smollm2/default/final
 SDSAT_METHODS := sdsat:k=3,sdsat:k=5,sdsat:k=8,sdsat:k=13,sdsat:k=3:variant=fused,sdsat:k=5:variant=fused,$\
   sdsat:k=8:variant=fused,sdsat:k=13:variant=fused,pld
 bench-sdsat: setup  ## SDSAT (two-step / fused, k = 3..13, nucleus T 0.2 / 1.0) + pld/hf vs ar of the SDSAT model, ar on the base: HumanEval, GSM8K (GSM8K=)
-	$(BIN)/python scripts/bench.py --draft none --n $(SDSAT_N) --model local --methods "$(SDSAT_METHODS)" \
+	$(BIN)/python -m pardec.bench speed --draft none --n $(SDSAT_N) --model local --methods "$(SDSAT_METHODS)" \
 	  --out outputs/bench/sdsat --datasets humaneval,gsm8k $(if $(GSM8K),--dataset-path gsm8k=$(GSM8K)) model.path=$(SDSAT)
-	for T in 0.2 1.0; do $(BIN)/python scripts/bench.py --draft none --n $(SDSAT_N) --model local \
+	for T in 0.2 1.0; do $(BIN)/python -m pardec.bench speed --draft none --n $(SDSAT_N) --model local \
 	  --methods "sdsat:k=5,sdsat:k=5:variant=fused" --out outputs/bench/sdsat_t$$T --datasets humaneval \
 	  model.path=$(SDSAT) sampling.temperature=$$T sampling.top_p=0.95 bench.include_hf=false || exit 1; done
-	$(BIN)/python scripts/bench.py --draft none --n $(SDSAT_N) --methods ar --out outputs/bench/sdsat_base \
+	$(BIN)/python -m pardec.bench speed --draft none --n $(SDSAT_N) --methods ar --out outputs/bench/sdsat_base \
 	  --datasets humaneval,gsm8k $(if $(GSM8K),--dataset-path gsm8k=$(GSM8K)) bench.include_hf=false
-	$(BIN)/python scripts/sdsat_report.py --bench outputs/bench/sdsat --bench outputs/bench/sdsat_t0.2 \
+	$(BIN)/python -m pardec.report sdsat --bench outputs/bench/sdsat --bench outputs/bench/sdsat_t0.2 \
 	  --bench outputs/bench/sdsat_t1.0 --base outputs/bench/sdsat_base \
 	  --eval $(dir $(SDSAT:/=))sdsat_eval.json --run $(dir $(SDSAT:/=)) --out outputs/sdsat_report
 
@@ -98,23 +98,23 @@ CLLM_METHODS := jacobi:block_size=16,lookahead:window=4:level=4:guess_set=4
 bench-cllm: setup  ## CLLM: jacobi + lookahead vs ar on the trained CLLM (CLLM=<run dir>) and the base, GSM8K test x50, 48 tokens; ar answer quality at 256 tokens (GSM8K=)
 	@test -n "$(GSM8K)" || { echo "error: GSM8K=<gsm8k test.jsonl> is required (no offline copy)"; exit 1; }
 	@test -d "$(CLLM)/final" || { echo "error: CLLM='$(CLLM)' has no final/ model: train one (python -m train +experiment=cllm_gsm8k_smollm2 ...) or pass CLLM=<run dir>"; exit 1; }
-	$(BIN)/python scripts/bench.py --draft none --n 50 --max-new-tokens 48 --no-perplexity --model local \
+	$(BIN)/python -m pardec.bench speed --draft none --n 50 --max-new-tokens 48 --no-perplexity --model local \
 	  --methods "$(CLLM_METHODS)" --datasets gsm8k --dataset-path gsm8k=$(GSM8K) --out outputs/bench/cllm_trained \
 	  model.path=$(CLLM)/final bench.include_hf=false
-	$(BIN)/python scripts/bench.py --draft none --n 50 --max-new-tokens 48 --no-perplexity --methods "$(CLLM_METHODS)" \
+	$(BIN)/python -m pardec.bench speed --draft none --n 50 --max-new-tokens 48 --no-perplexity --methods "$(CLLM_METHODS)" \
 	  --datasets gsm8k --dataset-path gsm8k=$(GSM8K) --out outputs/bench/cllm_base bench.include_hf=false
 	# answer quality past the trained 48 tokens: ar with room for whole answers, 50 problems, 256 tokens (issue #25)
-	$(BIN)/python scripts/bench.py --draft none --n 50 --max-new-tokens 256 --no-perplexity --model local --methods ar \
+	$(BIN)/python -m pardec.bench speed --draft none --n 50 --max-new-tokens 256 --no-perplexity --model local --methods ar \
 	  --datasets gsm8k --dataset-path gsm8k=$(GSM8K) --out outputs/bench/cllm_long_trained model.path=$(CLLM)/final \
 	  bench.include_hf=false
-	$(BIN)/python scripts/bench.py --draft none --n 50 --max-new-tokens 256 --no-perplexity --methods ar \
+	$(BIN)/python -m pardec.bench speed --draft none --n 50 --max-new-tokens 256 --no-perplexity --methods ar \
 	  --datasets gsm8k --dataset-path gsm8k=$(GSM8K) --out outputs/bench/cllm_long_base bench.include_hf=false
-	$(BIN)/python scripts/cllm_report.py --bench base=outputs/bench/cllm_base --bench cllm=outputs/bench/cllm_trained \
+	$(BIN)/python -m pardec.report cllm --bench base=outputs/bench/cllm_base --bench cllm=outputs/bench/cllm_trained \
 	  --quality base=outputs/bench/cllm_long_base/runs/gsm8k --quality cllm=outputs/bench/cllm_long_trained/runs/gsm8k \
 	  --run $(CLLM) --out outputs/bench/cllm
 
 lint: setup  ## ruff
-	$(BIN)/ruff check src tests scripts
+	$(BIN)/ruff check src tests tools
 
 clean:  ## remove caches and outputs (keeps .venv and data/)
 	rm -rf .pytest_cache .ruff_cache outputs/* multirun

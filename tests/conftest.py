@@ -3,26 +3,13 @@
 from __future__ import annotations
 
 import functools
-import importlib.util
 import os
-import sys
 
 import pytest
 import torch
 
-from pardec import REPO_ROOT
 from pardec.config import ModelConfig
 from pardec.models.loading import LoadedModel, load_model
-
-
-def load_script(name: str):
-    """``scripts/<name>.py`` loaded as a module of that name (registered in ``sys.modules``, where a dataclass of
-    the script looks itself up)."""
-    spec = importlib.util.spec_from_file_location(name, REPO_ROOT / "scripts" / f"{name}.py")
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[name] = mod
-    spec.loader.exec_module(mod)
-    return mod
 
 
 @functools.cache

@@ -360,7 +360,7 @@ def test_spectr_steps_verify_with_one_read(monkeypatch):
 def test_whole_rounds_read_the_host_once(method, s):
     """A whole round reads the device once: the verification's read. `sps`: the draft's own proposals are fed back
     as device tensors and confirmed from that read (``CachedModel.confirm``), so the next round's catch-up compares
-    on the host (before: ~2.6 blocking copies of proposal chunks per round, found by ``scripts/gpu_smoke.py`` on an
+    on the host (before: ~2.6 blocking copies of proposal chunks per round, found by ``python -m pardec.bench gpu-smoke`` on an
     H200: 4.6 host syncs per target forward). `lookahead`: the window's next guesses ride on the verification's
     read (``verify_tree(extra=...)``; before: a second read per step). Not counted: the waits on the finiteness
     flags' events (``check_finite``), which the round's read has already passed."""

@@ -108,7 +108,7 @@ def test_refusals_name_the_value_and_the_choices(monkeypatch):
 
 def test_cudagraph_refuses_a_model_off_cuda_and_names_compiled():
     """``forward_impl=cudagraph`` replays CUDA graphs: on the CPU it says so and points at ``compiled`` (the graph
-    capture itself runs only on a GPU: ``scripts/gpu_smoke.py`` and ``scripts/gpu_speed.py`` check it there)."""
+    capture itself runs only on a GPU: ``python -m pardec.bench gpu-smoke`` and ``python -m pardec.bench gpu-speed`` check it there)."""
     m = tiny(0).model
     with pytest.raises(ValueError, match="forward_impl=cudagraph .*needs a model on a CUDA device.*is on cpu.*"
                                          "forward_impl=compiled"):

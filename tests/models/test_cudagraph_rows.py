@@ -3,7 +3,7 @@ that keeps the graph's contract (inputs copied into buffers fixed at capture, th
 them, one capture per model, kind, shapes and cache buffers). What this checks here: the multi-row (verification)
 forward padded to a power of two rows, its mask over the whole buffer, its hidden-state capture and the graph
 bookkeeping, against the lean and transformers' forwards, and every lossless method's tokens against `ar`'s. The
-capture itself needs a GPU (``scripts/gpu_smoke.py --forward-impls cudagraph``)."""
+capture itself needs a GPU (``python -m pardec.bench gpu-smoke --forward-impls cudagraph``)."""
 
 from __future__ import annotations
 

@@ -13,7 +13,7 @@ fewer than half of the draft was accepted (down to ``gamma_min``); ``gamma`` is 
 ``gamma_by_cost=true`` instead picks each round's gamma from measured costs (Leviathan et al. 2023 §3.5: the
 gamma that maximises the expected tokens per unit of time, ``(1 - a^(g+1)) / (1 - a)`` tokens for a target forward
 of g + 1 rows plus g draft forwards). The target's cost of g + 1 rows comes from this machine's forward-cost table
-(``scripts/forward_cost.py``; padded to the cheapest measured row count >= g + 1, as the verification forward
+(``python -m pardec.bench cost``; padded to the cheapest measured row count >= g + 1, as the verification forward
 is), the draft's cost per forward from its own clock in this run (from the second round on: the first one
 runs the prompt through the draft), and the acceptance rate ``a`` from this
 generation's rounds (accepted / (accepted + rejections), with one of each as a prior). The first two rounds
@@ -65,7 +65,7 @@ class SpeculativeSampling(Decoder):
     def generate(self, prompt_ids, max_new_tokens, stop=None, sampling=None) -> GenerationResult:
         if self.gamma_by_cost and self.target.cost is None:
             raise ConfigError("method.gamma_by_cost=true needs this machine's forward-cost table for the target, and "
-                              "there is none: run python scripts/forward_cost.py (and keep forward_padding=true)")
+                              "there is none: run python -m pardec.bench cost (and keep forward_padding=true)")
         st, last = self._start(prompt_ids, max_new_tokens, stop, sampling)
         self.draft.reset()
         prompt = st.ids[0].tolist()

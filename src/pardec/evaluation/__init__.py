@@ -74,12 +74,12 @@ from pardec.evaluation.summary import (
     running_speed,
     summarize,
 )
-from pardec.evaluation.tables import comparison_rows, format_comparison, format_table
+from pardec.evaluation.tables import comparison_rows, format_comparison, format_table, method_label
 
 __all__ = [
     "NEAR_TIE_ULPS", "PEERS", "RUN_KEYS", "EvalSpec", "Ranks", "ResultsLog", "check_method", "check_models",
     "check_resume", "check_scorer", "comparison_rows", "divergence_logits", "divergences", "finite",
-    "first_divergence", "format_comparison", "format_table", "is_failed", "is_near_tie", "merge_parts",
+    "first_divergence", "format_comparison", "format_table", "is_failed", "is_near_tie", "merge_parts", "method_label",
     "near_tie_bound", "non_finite", "parse_also", "part_path", "pass_at_k_summary", "run", "run_document",
     "run_identity", "running_speed", "summarize", "validate", "write_json",
 ]

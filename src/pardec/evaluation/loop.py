@@ -94,7 +94,7 @@ def _run(cfg: DictConfig, run_dir: Path, spec, ranks: rk.Ranks, task, docs: list
     tok = lm.tokenizer
     chat = spec.dataset.use_chat(lm.chat)
     target = CachedModel(lm.model, name=spec.model.name, cache=r.kv_cache, forward_impl=r.forward_impl)
-    if r.forward_padding:  # this machine's measured forward costs (scripts/forward_cost.py), when there are some
+    if r.forward_padding:  # this machine's measured forward costs (python -m pardec.bench cost), when there are some
         from pardec.models.cost import CostTable
 
         target.cost = CostTable.find(spec.model.name, spec.model.precision(), target.forward_impl,

@@ -1,5 +1,6 @@
-"""The printed tables of a run: :func:`format_table` (the summary, then the side-by-side comparison) and
-:func:`format_comparison` (baseline, peers and method in one aligned table, from :func:`comparison_rows`)."""
+"""A run summary's rows and its printed tables: :func:`comparison_rows` (baseline, peers and method, each with
+its :func:`method_label`: the one renderer of a ``summary.json`` that every table builds on), :func:`format_table`
+(the summary, then the side-by-side comparison) and :func:`format_comparison` (the roles in one aligned table)."""
 
 from __future__ import annotations
 
@@ -12,21 +13,54 @@ def _fmt(v: Any, spec: str = ".3g") -> str:
     return format(v, spec) if isinstance(v, (int, float)) and not isinstance(v, bool) else str(v)
 
 
+def method_label(method: str, params: dict | None = None) -> str:
+    """``method (key=value, ...)`` with the parameters that differ from the method's defaults (a long path, e.g.
+    trained heads, by its last three parts): how every table names a run's method or a ``bench.also`` role."""
+    from pathlib import Path
+
+    import pardec.decoding  # noqa: F401  (registers the methods)
+    from pardec.decoding.base import METHODS, method_params
+
+    if not params:
+        return method
+    defaults = {k: p.default for k, p in method_params(METHODS.get(method)).items()} if method in METHODS else {}
+
+    def short(v):
+        parts = Path(v).parts if isinstance(v, str) and "/" in v else ()
+        return "…/" + "/".join(parts[-3:]) if len(parts) > 3 else v
+
+    shown = ", ".join(f"{k}={short(v)}" for k, v in sorted(params.items()) if defaults.get(k, object()) != v)
+    return f"{method} ({shown})" if shown else method
+
+
+#: the numbers of a role in a summary: the run's method has them at the top level, the baseline with a
+#: ``baseline_`` prefix (where it has them), each peer in its entry of ``peers``
+ROLE_KEYS = ("exactness", "tokens_per_s", "decode_tokens_per_s", "speedup", "speedup_std", "speedup_median",
+             "tokens_per_forward", "exact_match_rate", "draft_acceptance", "draft_time_share", "draft_forwards",
+             "perplexity", "metric", "energy_j_per_token")
+BASELINE_KEYS = ("tokens_per_s", "decode_tokens_per_s", "tokens_per_forward", "perplexity", "metric",
+                 "energy_j_per_token")
+
+
 def comparison_rows(s: dict) -> list[dict[str, Any]]:
-    """Baseline, peers and method side by side: role, method, tokens/s, speedup vs the baseline, tokens per
-    target forward, exact match vs the baseline, draft acceptance, energy per generated token (None: not
-    measured)."""
-    rows = [{"role": "baseline", "method": s["baseline"], "tokens_per_s": s["baseline_tokens_per_s"],
-             "decode_tokens_per_s": s.get("baseline_decode_tokens_per_s"),
-             "speedup": 1.0 if s["baseline_tokens_per_s"] else None,
-             "tokens_per_forward": s.get("baseline_tokens_per_forward"), "exact_match_rate": None,
-             "draft_acceptance": None, "draft_time_share": None,
-             "energy_j_per_token": s.get("baseline_energy_j_per_token")}]
-    rows += [{"role": role, **p} for role, p in (s.get("peers") or {}).items()]
-    if s["method"] != s["baseline"]:
-        rows.append({"role": "method", "method": s["method"], **{k: s.get(k) for k in (
-            "tokens_per_s", "decode_tokens_per_s", "speedup", "tokens_per_forward", "exact_match_rate",
-            "draft_acceptance", "draft_time_share", "energy_j_per_token")}})
+    """A run summary (``summary.json``) as one row per role, the one reading of a summary that every table uses
+    (evaluate's printed table, ``python -m pardec.report runs``, ``pardec.bench speed``'s table, the reports):
+    the baseline first (speedup 1.0), the peers (transformers' decoders, ``bench.also`` roles), then the run's
+    method when it is not the baseline. Each row: ``role``, ``method``, ``params``, ``label``
+    (:func:`method_label`) and the :data:`ROLE_KEYS` numbers (None: not measured)."""
+    rows = []
+    if s.get("baseline"):
+        base = {k: s.get(f"baseline_{k}") if k in BASELINE_KEYS else None for k in ROLE_KEYS}
+        base["speedup"] = 1.0 if s.get("baseline_tokens_per_s") else None
+        rows.append({"role": "baseline", "method": s["baseline"], "params": {}, "label": s["baseline"], **base})
+    for role, p in (s.get("peers") or {}).items():
+        params = p.get("params") or {}
+        rows.append({"role": role, "params": params, "label": method_label(p["method"], params),
+                     **{k: p.get(k) for k in ROLE_KEYS}, **{k: v for k, v in p.items() if k not in ("params",)}})
+    if s["method"] != s.get("baseline"):
+        params = s.get("method_params") or {}
+        rows.append({"role": "method", "method": s["method"], "params": params,
+                     "label": method_label(s["method"], params), **{k: s.get(k) for k in ROLE_KEYS}})
     return rows
 
 

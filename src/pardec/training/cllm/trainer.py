@@ -221,7 +221,7 @@ class DecodingProxy:
     @torch.no_grad()
     def __call__(self, model) -> dict[str, float]:
         """``ff_decode``: the mean over prompts of each one's fast-forward (tokens committed per Jacobi iteration,
-        as ``scripts/cllm_report.py`` averages the benchmark's); ``ff_decode_tokens``: tokens decoded."""
+        as ``python -m pardec.report cllm`` averages the benchmark's); ``ff_decode_tokens``: tokens decoded."""
         was_training = model.training
         try:
             decoder = Jacobi(CachedModel(model, cache="dynamic", forward_impl="hf"), block_size=self.block_size,

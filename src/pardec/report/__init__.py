@@ -1,0 +1,41 @@
+"""Reports on evaluation and training runs: ``python -m pardec.report <subcommand>`` (``--help`` lists them).
+
+* ``runs`` (:mod:`pardec.report.runs`): evaluation run dirs into one Spec-Bench-style report (tables, CSV, plots);
+* ``cllm`` (:mod:`pardec.report.cllm`): Jacobi and lookahead on a base model and its CLLM, plus training curves;
+* ``drafters`` (:mod:`pardec.report.drafters`): trained drafters side by side (curves, held-out results);
+* ``heads`` (:mod:`pardec.report.heads`): the FIRP paper's analyses, Medusa vs FIRP;
+* ``sdsat`` (:mod:`pardec.report.sdsat`): SDSAT against k and the quality-parity table;
+* ``extras`` (:mod:`pardec.report.extras`): method extras per role (block efficiency, pool hits, ...).
+
+Every report reads a run's ``summary.json`` through :func:`pardec.evaluation.tables.comparison_rows`.
+"""
+
+from pardec.report.runs import (
+    MISSING,
+    Cell,
+    ReportWarning,
+    Row,
+    bench_table,
+    build_table,
+    load_runs,
+    log_history,
+    main,
+    method_entries,
+    read_results,
+    render_markdown,
+    save_figure,
+    write_report,
+)
+
+COMMANDS = {
+    "runs": ("runs", "evaluation run dirs -> report.md, report.csv and plots (Spec-Bench style)"),
+    "cllm": ("cllm", "the CLLM report: jacobi/lookahead on base vs CLLM, answer quality, training curves"),
+    "drafters": ("drafters", "trained drafters side by side: training curves and held-out results"),
+    "heads": ("heads", "FIRP vs Medusa: per-step accuracy, accepted tokens per forward by tree, cosines"),
+    "sdsat": ("sdsat", "SDSAT: acceptance and tokens/s against k, the quality-parity table"),
+    "extras": ("extras", "method extras per (dataset, role), averaged over prompts, from results.jsonl"),
+}
+
+__all__ = ["COMMANDS", "MISSING", "Cell", "ReportWarning", "Row", "bench_table", "build_table", "load_runs",
+           "log_history", "main", "method_entries", "read_results", "render_markdown", "save_figure",
+           "write_report"]

@@ -1,0 +1,168 @@
+"""Trained drafters side by side: distilled drafts (kind ``draft``), Medusa heads / FIRP projections (kind
+``heads``) or SDSAT models (kind ``sdsat``); training curves and held-out results of one or more runs, e.g. a
+corpus-size study (the same recipe at ``draft.corpus_fraction`` / ``heads.corpus_fraction`` / an sdsat completions
+source's ``fraction`` 0.5 and 1):
+
+    python -m pardec.report drafters --run full=outputs/train/runs/draft_smollm2/default \
+        --run half=outputs/train/runs/draft_smollm2/half [--out outputs/draft_report]
+    python -m pardec.report drafters --run c1000=outputs/train/runs/heads_medusa_smollm2/c1000 --run q250=... --out ...
+
+Per run: its logged steps (``log_history.json``, else the newest checkpoint's state), its train summary
+(``train_summary.json`` of the train stage: samples, corpus fraction, steps, seconds) when there is one, and its
+held-out evaluation: a draft's ``draft_eval.json`` (teacher-forced top-1 agreement and expected acceptance at
+temperature 1, 1 - TVD, per held-out dataset; forward cost vs the target), or a drafter's ``heads_eval.json``
+(top-1 / top-5 per depth, expected tokens per step of the chain and the searched trees), or an SDSAT model's
+``sdsat_eval.json`` (held-out perplexity against the base per source, the adaptive token's top-1 against the
+model's own greedy token per depth, expected tokens per two-step loop). Writes ``report.md``, ``report.json``,
+``draft_curves.png`` (KL and top-1 agreement on the training batches against the optimizer step; a heads run logs
+the mean over its depths) and, for SDSAT runs, ``sdsat_curves.png`` (plain and masked losses).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+from pardec.report.runs import log_history, save_figure  # noqa: E402
+
+CURVES = {"kl": "KL(target || draft), nats", "agreement": "top-1 agreement (training batches)"}
+SDSAT_CURVES = {"plain_loss": "plain loss (ordinary tokens), nats", "masked_loss": "masked loss (adaptive tokens), nats"}
+SDSAT_DEPTHS = 3  # adaptive-token depths in the table
+
+
+def read_run(run_dir: Path) -> dict:
+    """What one run left behind; missing parts are None (a run still training has no eval)."""
+    def load(name: str) -> dict | None:
+        f = run_dir / name
+        return json.loads(f.read_text()) if f.is_file() else None
+
+    summary = load("train_summary.json")
+    train = summary.get("train") if summary and isinstance(summary.get("train"), dict) else None
+    steps = [h for h in log_history(run_dir) if "loss" in h and "step" in h]
+    return {"dir": str(run_dir), "history": steps, "train": train, "eval": load("draft_eval.json"),
+            "heads_eval": load("heads_eval.json"), "sdsat_eval": load("sdsat_eval.json")}
+
+
+def _fmt(x, digits: int = 3) -> str:
+    return "–" if x is None else f"{x:.{digits}f}" if isinstance(x, float) else str(x)
+
+
+def _markdown(head: list[str], rows: list[list]) -> str:
+    """A markdown table; column 4 (train minutes) with one decimal, other floats with three."""
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    lines += ["| " + " | ".join(_fmt(x, 1 if i == 4 else 3) for i, x in enumerate(row)) + " |" for row in rows]
+    return "\n".join(lines) + "\n"
+
+
+def table(runs: dict[str, dict]) -> str:
+    datasets = sorted({d for r in runs.values() if r["eval"] for d in r["eval"]["agreement"]})
+    head = ["run", "samples", "corpus fraction", "steps", "train min", "last logged kl", "last logged agreement",
+            *[f"held-out agreement {d}" for d in datasets],
+            *[f"held-out expected acceptance at T=1 {d}" for d in datasets], "draft / target forward"]
+    rows = []
+    for label, r in runs.items():
+        t, e, last = r["train"] or {}, r["eval"] or {}, (r["history"] or [{}])[-1]
+        secs = t.get("train_seconds")
+        row = [label, t.get("samples"), t.get("corpus_fraction"), t.get("steps") or last.get("step"),
+               None if secs is None else secs / 60, last.get("kl"), last.get("agreement"),
+               *[e.get("agreement", {}).get(d, {}).get("agreement") for d in datasets],
+               *[e.get("agreement", {}).get(d, {}).get("expected_acceptance_t1") for d in datasets],  # older evals: –
+               e.get("cost", {}).get("draft_over_target")]
+        rows.append(row)
+    return _markdown(head, rows)
+
+
+def heads_table(runs: dict[str, dict]) -> str:
+    """Heads runs (each with a ``heads_eval.json``): held-out top-1 / top-5 per depth, expected tokens per step of
+    the chain and of each searched tree."""
+    depth = max(len(r["heads_eval"]["overall"]["topk_accuracy"]) for r in runs.values())
+    trees = sorted({t for r in runs.values() for t in r["heads_eval"]["trees"]}, key=lambda t: (t != "chain", len(t), t))
+    head = ["run", "samples", "corpus fraction", "steps", "train min", "last logged kl", "last logged top-1",
+            *[f"held-out top-1 step {d + 1}" for d in range(depth)],
+            *[f"held-out top-5 step {d + 1}" for d in range(depth)], *[f"expected tokens/step {t}" for t in trees]]
+    rows = []
+    for label, r in runs.items():
+        t, e, last = r["train"] or {}, r["heads_eval"], (r["history"] or [{}])[-1]
+        acc = e["overall"]["topk_accuracy"]
+        secs = t.get("train_seconds")
+        row = [label, t.get("samples"), t.get("corpus_fraction"), t.get("steps") or last.get("step"),
+               None if secs is None else secs / 60, last.get("kl"), last.get("top1"),
+               *[acc[d][0] if d < len(acc) else None for d in range(depth)],
+               *[acc[d][4] if d < len(acc) and len(acc[d]) > 4 else None for d in range(depth)],
+               *[e["trees"].get(k, {}).get("expected_accept_length") for k in trees]]
+        rows.append(row)
+    return _markdown(head, rows)
+
+
+def sdsat_table(runs: dict[str, dict]) -> str:
+    """SDSAT runs (each with an ``sdsat_eval.json``): held-out perplexity ratio (trained / base) per source and
+    overall, the adaptive token's top-1 against the model's greedy token at the first depths, expected tokens per
+    two-step loop (all sources)."""
+    sources = sorted({k for r in runs.values() for k in r["sdsat_eval"]["per_source"]})
+    head = ["run", "records", "masked positions", "steps", "train min", "last plain loss", "last masked loss",
+            *[f"perplexity ratio {k}" for k in sources], "perplexity ratio all",
+            *[f"held-out top-1 depth {d + 1}" for d in range(SDSAT_DEPTHS)], "expected tokens per loop"]
+    rows = []
+    for label, r in runs.items():
+        t, e, last = r["train"] or {}, r["sdsat_eval"], (r["history"] or [{}])[-1]
+        acc = e["overall"]["adaptive"]["accuracy_vs_model"]
+        secs = t.get("train_seconds")
+        rows.append([label, t.get("records"), t.get("masked_positions"), t.get("steps") or last.get("step"),
+                     None if secs is None else secs / 60, last.get("plain_loss"), last.get("masked_loss"),
+                     *[e["per_source"].get(k, {}).get("ppl_ratio") for k in sources], e["overall"]["ppl_ratio"],
+                     *[acc[d] if d < len(acc) else None for d in range(SDSAT_DEPTHS)],
+                     e["overall"]["adaptive"]["expected_tokens_per_loop_vs_model"]])
+    return _markdown(head, rows)
+
+
+def plot(runs: dict[str, dict], path: Path, curves: dict[str, str] = CURVES) -> bool:
+    """``curves`` (logged key -> axis label) against the optimizer step, one panel each; False when no run logged
+    any of them."""
+    keys = set(curves) | ({"top1"} if "agreement" in curves else set())  # a heads run logs top1 for agreement
+    if not any(k in h for r in runs.values() for h in r["history"] for k in keys):
+        return False
+    fig, axes = plt.subplots(1, len(curves), figsize=(5 * len(curves), 3.6))
+    for ax, (key, ylabel) in zip(axes, curves.items()):
+        for label, r in runs.items():
+            name = "top1" if key == "agreement" and r.get("heads_eval") else key  # a heads run's mean top-1
+            pts = [(h["step"], float(h[name])) for h in r["history"] if name in h]
+            if pts:
+                ax.plot(*zip(*pts), label=label)
+        ax.set_xlabel("optimizer step")
+        ax.set_ylabel(ylabel)
+    save_figure(fig, path, axes, legend={"fontsize": 8})
+    return True
+
+
+def main(argv: list[str] | None = None, prog: str | None = None) -> int:
+    ap = argparse.ArgumentParser(prog=prog, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--run", action="append", required=True, metavar="LABEL=DIR", help="a draft or heads run dir (repeat)")
+    ap.add_argument("--out", type=Path, default=Path("outputs/draft_report"))
+    a = ap.parse_args(argv)
+    runs = {}
+    for item in a.run:
+        label, sep, path = item.partition("=")
+        if not sep or not label or not Path(path).is_dir():
+            ap.error(f"--run {item!r}: give LABEL=DIR with an existing run directory")
+        runs[label] = read_run(Path(path))
+    a.out.mkdir(parents=True, exist_ok=True)
+    heads = {k: r for k, r in runs.items() if r["heads_eval"]}
+    sdsat = {k: r for k, r in runs.items() if r["sdsat_eval"] and k not in heads}
+    drafts = {k: r for k, r in runs.items() if k not in heads and k not in sdsat}
+    tables = [f(group) for f, group in ((table, drafts), (heads_table, heads), (sdsat_table, sdsat)) if group]
+    md = "\n".join(tables)
+    if plot({k: r for k, r in runs.items() if k not in sdsat}, a.out / "draft_curves.png"):
+        md += "\n![training curves](draft_curves.png)\n"
+    if sdsat and plot(sdsat, a.out / "sdsat_curves.png", SDSAT_CURVES):
+        md += "\n![SDSAT training curves](sdsat_curves.png)\n"
+    (a.out / "report.md").write_text(md)
+    (a.out / "report.json").write_text(json.dumps(runs, indent=1) + "\n")
+    print(md)
+    return 0
+

@@ -1,0 +1,636 @@
+"""Collect evaluation run dirs into one Spec-Bench-style report: markdown tables, a CSV and plots.
+
+    python -m pardec.report runs outputs/multirun/2026-*/* --out reports/x
+
+Every run dir written by ``python -m evaluate`` holds a ``summary.json`` (one method on one dataset,
+against its baseline) and a ``results.jsonl`` (one line per prompt per role). Runs are grouped into
+table rows by (method, params and draft, model, dtype, setting: max_new_tokens and sampling), so runs that differ
+in any of them are never averaged together; the baseline (``ar``) gets its own row at 1.00× per setting, and
+transformers' decoders run beside it (``peers`` in the summary: ``hf_generate``, ``hf_pld``, ``hf_assisted``)
+get theirs. Prompts whose generation failed (``error`` in results.jsonl) are counted, never measured. Energy per
+generated token (``energy_j_per_token``) gets its own table where some run measured it, else one line saying
+why not ("not measured: <reason>" from the summaries' ``energy``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import glob
+import json
+import statistics
+import warnings
+from collections import Counter, defaultdict
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402  (the backend must be chosen first)
+
+from pardec.evaluation.tables import comparison_rows  # noqa: E402
+
+MISSING = "–"
+SUMMARY = "summary.json"
+RESULTS = "results.jsonl"
+
+
+class ReportWarning(UserWarning):
+    """A run or a results line that was skipped while building the report."""
+
+
+# ----------------------------------------------------------------------------------------- loading
+
+
+def _run_dirs(path_or_glob: str) -> list[Path]:
+    """Run dirs named by one argument: a glob, a run dir, a dir of run dirs, or a summary.json."""
+    if glob.has_magic(path_or_glob):
+        matches = sorted(glob.glob(path_or_glob))
+        if not matches:
+            raise FileNotFoundError(f"no paths match {path_or_glob!r}")
+        paths = [Path(m) for m in matches]
+    else:
+        paths = [Path(path_or_glob)]
+    dirs: list[Path] = []
+    for path in paths:
+        if not path.exists():
+            raise FileNotFoundError(f"{path} does not exist")
+        if path.is_file():
+            if path.name != SUMMARY:
+                warnings.warn(f"ignoring {path}: not a run dir or {SUMMARY}", ReportWarning, stacklevel=3)
+                continue
+            dirs.append(path.parent)
+        elif (path / SUMMARY).is_file():
+            dirs.append(path)
+        else:
+            found = sorted(p.parent for p in path.rglob(SUMMARY))
+            if not found:
+                raise FileNotFoundError(f"{path} holds no {SUMMARY} (not a finished evaluation run dir)")
+            dirs.extend(found)
+    return dirs
+
+
+def read_results(path: Path) -> list[dict[str, Any]]:
+    """Lines of a results.jsonl; an unparsable line (e.g. a run killed mid-write) is skipped with a warning."""
+    lines = path.read_text(encoding="utf-8").splitlines()
+    records = []
+    for i, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError:
+            where = "truncated last line" if i == len(lines) else f"malformed line {i}"
+            warnings.warn(f"{path}: skipping {where}", ReportWarning, stacklevel=2)
+    return records
+
+
+def _histogram_from_results(records: Iterable[dict[str, Any]]) -> dict[int, int]:
+    """Tokens committed per target forward -> count, over the method role's lines."""
+    counts: Counter[int] = Counter()
+    for rec in records:
+        if rec.get("role") == "method" and "skipped" not in rec and "error" not in rec:
+            counts.update(int(a) for a in rec.get("accepted") or [])
+    return dict(counts)
+
+
+def _load_run(run_dir: Path) -> dict[str, Any] | None:
+    """One run: the summary's fields plus ``run_dir``, ``n_results``, ``n_skipped``; None if corrupt."""
+    try:
+        summary = json.loads((run_dir / SUMMARY).read_text(encoding="utf-8"))
+    except json.JSONDecodeError as err:
+        warnings.warn(f"skipping {run_dir}: corrupt {SUMMARY} ({err})", ReportWarning, stacklevel=2)
+        return None
+    if not isinstance(summary, dict) or not {"method", "dataset"} <= summary.keys():
+        warnings.warn(f"skipping {run_dir}: {SUMMARY} lacks 'method'/'dataset'", ReportWarning, stacklevel=2)
+        return None
+    results = read_results(run_dir / RESULTS) if (run_dir / RESULTS).is_file() else []
+    run = dict(summary, run_dir=str(run_dir))
+    run["n_results"] = sum("skipped" not in r and "error" not in r for r in results)
+    run["n_skipped"] = sum("skipped" in r for r in results)
+    run["n_errors"] = sum("error" in r for r in results)
+    hist = summary.get("accepted_histogram") or _histogram_from_results(results)
+    run["accepted_histogram"] = {int(k): int(v) for k, v in hist.items()}
+    return run
+
+
+def load_runs(paths_or_globs: Sequence[str]) -> list[dict[str, Any]]:
+    """Load every run under the given dirs/globs (deduplicated, in order).
+
+    Raises FileNotFoundError for a path or glob that names no run; a corrupt summary.json is skipped
+    with a :class:`ReportWarning`.
+    """
+    seen: dict[Path, None] = {}
+    for arg in paths_or_globs:
+        for d in _run_dirs(str(arg)):
+            seen.setdefault(d.resolve(), None)
+    runs = [run for d in seen if (run := _load_run(d)) is not None]
+    if not runs:
+        raise ValueError("no valid runs to report on")
+    return runs
+
+
+# ------------------------------------------------------------------------------------------- table
+
+
+@dataclass
+class Cell:
+    """One (row, dataset) entry: means over the runs that fell in it."""
+
+    speedup: float | None
+    speedup_std: float | None
+    tokens_per_s: float | None
+    baseline_tokens_per_s: float | None
+    hf_tokens_per_s: float | None
+    tokens_per_forward: float | None
+    exact_match: float | None
+    draft_acceptance: float | None
+    exactness: str | None
+    metric_name: str | None
+    metric: float | None
+    perplexity: float | None
+    energy_j_per_token: float | None = None
+    energy_reason: str | None = None  # why a run of this cell has no energy_j_per_token
+
+
+@dataclass
+class Row:
+    """A table row: one method (or the baseline) for one (model, dtype, setting), across datasets."""
+
+    method: str
+    params: str
+    model: str
+    dtype: str
+    is_baseline: bool
+    is_peer: bool = False  # transformers' decoders run beside the baseline (``peers`` of the summaries)
+    label: str = ""
+    cells: dict[str, Cell] = field(default_factory=dict)
+    setting: str = ""  # max_new_tokens and sampling, as :func:`_setting` writes them
+
+    @property
+    def key(self) -> tuple[str, str, str, str, str]:
+        """(method, params, model, dtype, setting), as :func:`_group` gives it for a run."""
+        return self.method, self.params, self.model, self.dtype, self.setting
+
+    def overall(self, attr: str) -> float | None:
+        """Mean of a cell attribute over the datasets that have it."""
+        return _mean(getattr(c, attr) for c in self.cells.values())
+
+    def exactness(self) -> str:
+        """What the method guarantees (``tokens`` / ``distribution`` / ``approximate``), as its runs say."""
+        return next((c.exactness for c in self.cells.values() if c.exactness), MISSING)
+
+    def quality(self) -> str:
+        """Task metric(s) averaged over datasets, each with its name, e.g. ``correct 0.120``."""
+        by_name: dict[str, list[float]] = defaultdict(list)
+        for c in self.cells.values():
+            if c.metric is not None:
+                by_name[c.metric_name or "metric"].append(c.metric)
+        return " · ".join(f"{name} {statistics.fmean(v):.3f}" for name, v in by_name.items()) or MISSING
+
+
+def log_history(run_dir: Path) -> list[dict]:
+    """A training run's logged steps: ``<run>/log_history.json``, else the newest checkpoint's trainer state."""
+    f = Path(run_dir) / "log_history.json"
+    if f.is_file():
+        return json.loads(f.read_text())
+    states = sorted(Path(run_dir).glob("checkpoint-*/trainer_state.json"),
+                    key=lambda p: int(p.parent.name.split("-")[1]))
+    return json.loads(states[-1].read_text())["log_history"] if states else []
+
+
+def method_entries(bench_dirs: Sequence[Path], methods: Iterable[str]) -> list[tuple[dict, str, dict, dict]]:
+    """Every run (``summary.json`` under ``bench_dirs``) or ``bench.also`` role of one of ``methods``, as
+    (the run's summary, method, its parameters, its entry: the summary itself or the role's peer entry)."""
+    wanted = set(methods)
+    out = []
+    for d in bench_dirs:
+        for f in sorted(Path(d).glob("**/summary.json")):
+            s = json.loads(f.read_text())
+            s["_dir"] = str(f.parent)
+            entries = [(s["method"], s.get("method_params") or {}, s)]
+            entries += [(p["method"], p.get("params") or {}, p) for p in (s.get("peers") or {}).values()]
+            out += [(s, m, params, e) for m, params, e in entries if m in wanted]
+    return out
+
+
+def _setting(run: dict[str, Any]) -> str:
+    """What a run generated under besides its method: ``max_new_tokens=256, greedy`` or ``max_new_tokens=256,
+    temperature=0.7, top_k=0, top_p=0.9``. The sampling seed is left out: runs differing only in it are repeats of
+    one setting (averaged, with a warning)."""
+    s = run.get("sampling") or {}
+    parts = [f"max_new_tokens={run['max_new_tokens']}"] if run.get("max_new_tokens") is not None else []
+    if s.get("temperature"):
+        parts += [f"{k}={s.get(k)}" for k in ("temperature", "top_k", "top_p")]
+    elif s:
+        parts.append("greedy")
+    return ", ".join(parts)
+
+
+def _draft(run: dict[str, Any]) -> list[tuple[str, str]]:
+    """``[("draft", "<name>")]`` (``<name> <path>`` when the summary gives a path), or [] without a draft."""
+    if not run.get("draft"):
+        return []
+    return [("draft", f"{run['draft']} {run['draft_path']}" if run.get("draft_path") else str(run["draft"]))]
+
+
+def _group(run: dict[str, Any]) -> tuple[str, str, str, str, str]:
+    """(method, method params (and draft) as ``k=v, ...``, model, dtype, setting) of a run: its row in the table."""
+    params = sorted((run.get("method_params") or {}).items()) + _draft(run)
+    return (str(run["method"]), ", ".join(f"{k}={v}" for k, v in params), str(run.get("model", "?")),
+            str(run.get("dtype", "?")), _setting(run))
+
+
+def _mean(values: Iterable[float | None]) -> float | None:
+    present = [float(v) for v in values if v is not None]
+    return statistics.fmean(present) if present else None
+
+
+def _energy_reason(run: dict[str, Any]) -> str:
+    """Why a run's summary may hold no energy per token (its ``energy.reason``)."""
+    energy = run.get("energy")
+    if not energy:
+        return "the run recorded no energy"
+    return energy.get("reason") or "some generations were not measured"
+
+
+def _entry(run: dict[str, Any], row: dict[str, Any]) -> dict[str, Any]:
+    """The numbers one role of a run (a row of :func:`~pardec.evaluation.tables.comparison_rows`) contributes to
+    its table row: the baseline's speedup is 1.0 and its own exact match, acceptance and exactness are left empty
+    (it is the reference); a peer names the run's metric only where it has a metric of its own."""
+    role = row["role"]
+    repeated = (run.get("repeats") or 1) > 1
+    return {
+        "speedup": 1.0 if role == "baseline" else row.get("speedup"),
+        "speedup_std": row.get("speedup_std") if repeated and role == "method" else None,
+        "tokens_per_s": row.get("tokens_per_s"),
+        "baseline_tokens_per_s": run.get("baseline_tokens_per_s"),
+        "hf_tokens_per_s": run.get("hf_tokens_per_s"),
+        "tokens_per_forward": row.get("tokens_per_forward"),
+        "exact_match": row.get("exact_match_rate"),
+        "draft_acceptance": row.get("draft_acceptance"),
+        "exactness": row.get("exactness"),
+        "metric_name": run.get("metric_name") if role in ("baseline", "method") or row.get("metric") is not None
+        else None,
+        "metric": row.get("metric"),
+        "perplexity": row.get("perplexity"),  # absent in peers of summaries before 2026-11-21
+        "energy_j_per_token": row.get("energy_j_per_token"),
+        "energy_reason": _energy_reason(run),
+    }
+
+
+def _cell(entries: list[dict[str, Any]]) -> Cell:
+    """Average entries; several runs of one cell get the std of their speedups, one run keeps its own."""
+    speedups = [e["speedup"] for e in entries if e["speedup"] is not None]
+    std = entries[0]["speedup_std"] if len(entries) == 1 else None
+    if len(speedups) > 1 and len(set(speedups)) > 1:
+        std = statistics.stdev(speedups)
+    names = {e["metric_name"] for e in entries if e["metric_name"]}
+    return Cell(
+        speedup=_mean(speedups),
+        speedup_std=std,
+        metric_name=" / ".join(sorted(names)) or None,
+        exactness=next((e["exactness"] for e in entries if e["exactness"]), None),
+        energy_reason=next((e["energy_reason"] for e in entries if e["energy_j_per_token"] is None), None),
+        **{k: _mean(e[k] for e in entries) for k in (
+            "tokens_per_s", "baseline_tokens_per_s", "hf_tokens_per_s",
+            "tokens_per_forward", "exact_match", "draft_acceptance", "metric", "perplexity",
+            "energy_j_per_token")},
+    )  # fmt: skip
+
+
+def build_table(runs: Sequence[dict[str, Any]]) -> list[Row]:
+    """Rows grouped by (method, method params and draft, model, dtype, setting), the baseline's row first in each
+    (model, dtype, setting), then the peers (transformers' decoders, from each run's ``peers``), then the methods.
+
+    Labels name the params, model, dtype and setting only where they vary. Several runs of one (row, dataset) cell
+    are averaged, with a :class:`ReportWarning` (not for the baseline and peers, which every job reruns).
+    """
+    entries: dict[tuple[str, str, str, str, str, bool], dict[str, list[dict[str, Any]]]] = defaultdict(
+        lambda: defaultdict(list)
+    )
+    peer_keys: set[tuple[str, str, str, str, str, bool]] = set()
+    for run in runs:
+        method, params, model, dtype, setting = _group(run)
+        dataset = str(run["dataset"])
+        for row in comparison_rows(run):
+            if row["role"] == "baseline":
+                key = (str(row["method"]), "", model, dtype, setting, True)
+            elif row["role"] == "method":
+                key = (method, params, model, dtype, setting, False)
+            else:  # a peer: tagged by a bench.also role's own parameters, and the draft where it drafted
+                tag = sorted(row["params"].items()) + (_draft(run) if row.get("draft_forwards") else [])
+                key = (str(row["method"]), ", ".join(f"{k}={v}" for k, v in tag), model, dtype, setting, False)
+                peer_keys.add(key)
+            entries[key][dataset].append(_entry(run, row))
+
+    params_of: dict[str, set[str]] = defaultdict(set)
+    for method, params, *_ in entries:
+        params_of[method].add(params)
+    models, dtypes, settings = {k[2] for k in entries}, {k[3] for k in entries}, {k[4] for k in entries}
+    rows = []
+    for key in sorted(entries, key=lambda k: (k[2], k[3], k[4], not k[5], k not in peer_keys, k[0], k[1])):
+        method, params, model, dtype, setting, is_base = key
+        varying = ((params, len(params_of[method]) > 1), (model, len(models) > 1), (dtype, len(dtypes) > 1),
+                   (setting, len(settings) > 1))
+        tags = [tag for tag, varies in varying if varies and tag]
+        label = f"{method} ({', '.join(tags)})" if tags else method
+        cells = {ds: _cell(es) for ds, es in sorted(entries[key].items())}
+        for ds, es in entries[key].items():
+            if len(es) > 1 and not is_base and key not in peer_keys:
+                where = f"{method} [{params}] {model} {dtype} [{setting}] on {ds}"
+                warnings.warn(f"{len(es)} runs of {where}: averaged", ReportWarning, stacklevel=2)
+        rows.append(Row(method, params, model, dtype, is_base, key in peer_keys, label, cells, setting))
+    return rows
+
+
+def datasets_of(rows: Sequence[Row]) -> list[str]:
+    """Sorted datasets appearing in any row."""
+    return sorted({ds for row in rows for ds in row.cells})
+
+
+# ------------------------------------------------------------------------------------------ format
+
+
+def _num(value: float | None, fmt: str = ".2f") -> str:
+    return MISSING if value is None else f"{value:{fmt}}"
+
+
+def format_speedup(mean: float | None, std: float | None = None) -> str:
+    """``1.37×``, or ``1.37× ± 0.05`` when a std is known."""
+    if mean is None:
+        return MISSING
+    return f"{mean:.2f}×" + (f" ± {std:.2f}" if std is not None else "")
+
+
+def _md_table(header: list[str], body: list[list[str]]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "|".join(["---"] + [":-:"] * (len(header) - 1)) + "|"]
+    lines += ["| " + " | ".join(r) + " |" for r in body]
+    return "\n".join(lines)
+
+
+def render_markdown(rows: Sequence[Row]) -> str:
+    """The speedup table (Spec-Bench style) and the tokens/s table, as markdown."""
+    datasets = datasets_of(rows)
+    speed = _md_table(
+        ["Method", *datasets, "Mean speedup", "Tokens/forward", "Exactness", "Exact match", "Draft acceptance",
+         "Quality", "Perplexity"],
+        [
+            [
+                row.label,
+                *(format_speedup(c.speedup, c.speedup_std) if (c := row.cells.get(ds)) else MISSING
+                  for ds in datasets),
+                format_speedup(row.overall("speedup")),
+                _num(row.overall("tokens_per_forward")),
+                "reference" if row.is_baseline else row.exactness(),
+                _num(row.overall("exact_match"), ".1%"),
+                _num(row.overall("draft_acceptance"), ".1%"),
+                row.quality(),
+                _num(row.overall("perplexity")),
+            ]
+            for row in rows
+        ],
+    )  # fmt: skip
+
+    def tps(c: Cell | None) -> str:
+        if c is None:
+            return MISSING
+        return " / ".join(
+            _num(v, ".1f") for v in (c.tokens_per_s, c.baseline_tokens_per_s, c.hf_tokens_per_s)
+        )
+
+    throughput = _md_table(
+        ["Method", *datasets], [[row.label, *(tps(row.cells.get(ds)) for ds in datasets)] for row in rows]
+    )
+    return (
+        "## Speedup over the baseline\n\n" + speed + "\n\n"
+        "## Tokens/s (method / baseline / HF generate)\n\n" + throughput + "\n\n"
+        "## Energy per generated token (J)\n\n" + _energy(rows, datasets) + "\n"
+    )
+
+
+def _energy(rows: Sequence[Row], datasets: list[str]) -> str:
+    """J per generated token per row and dataset (– where not measured, the reasons below), or, where no run
+    measured energy, "not measured: <reasons>"."""
+    reasons = sorted({c.energy_reason for row in rows for c in row.cells.values()
+                      if c.energy_j_per_token is None and c.energy_reason})  # fmt: skip
+    if all(c.energy_j_per_token is None for row in rows for c in row.cells.values()):
+        return "not measured: " + ("; ".join(reasons) or "no run recorded energy")
+    table = _md_table(
+        ["Method", *datasets, "Mean"],
+        [[row.label, *(_num(c.energy_j_per_token, ".4g") if (c := row.cells.get(ds)) else MISSING for ds in datasets),
+          _num(row.overall("energy_j_per_token"), ".4g")] for row in rows],
+    )  # fmt: skip
+    return table + ("\n\n– not measured: " + "; ".join(reasons) if reasons else "")
+
+
+def bench_table(summaries: Sequence[dict[str, Any]]) -> str:
+    """One row per (dataset, dtype, sampling, role) of :func:`~pardec.evaluation.tables.comparison_rows`, the
+    runs unaveraged (``pardec.bench speed``'s table.md): the baseline, the peers (transformers' decoders, the
+    ``bench.also`` methods) and the run's method, with the completions' perplexity under the target, the task
+    metric and the energy per token (– where not measured)."""
+    rows = ["| dataset | dtype | sampling | method | exactness | tokens/s | speedup vs ar (median) | "
+            "tokens / target forward | exact match vs ar | draft acceptance | draft time share | perplexity | "
+            "metric | J/token |", "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for s in sorted(summaries, key=lambda s: (s["dataset"], s["dtype"], s["sampling"]["temperature"])):
+        sp = s["sampling"]
+        how = "greedy" if not sp["temperature"] else f"T={sp['temperature']:g} k={sp['top_k']} p={sp['top_p']:g}"
+        where = f"| {s['dataset']} | {s['dtype']} | {how} |"
+        metric = f"{s['metric_name']}=" if s.get("metric_name") else ""
+        for r in comparison_rows(s):
+            base = r["role"] == "baseline"
+            speedup = "1.00" if base else f"{_num(r['speedup'])} ({_num(r.get('speedup_median'))})"
+            rows.append(f"{where} {r['label']} | {'distribution' if base else r.get('exactness') or MISSING} | "
+                        f"{_num(r['tokens_per_s'], '.1f')} | {speedup} | {_num(r['tokens_per_forward'])} | "
+                        f"{_num(r['exact_match_rate'])} | {_num(r.get('draft_acceptance'))} | "
+                        f"{_num(r.get('draft_time_share'))} | {_num(r.get('perplexity'), '.3f')} | "
+                        f"{metric}{_num(r.get('metric'))} | {_num(r.get('energy_j_per_token'), '.3g')} |")
+    energy = {s["energy"]["reason"] for s in summaries if s.get("energy") and not s["energy"].get("measured")}
+    if energy:
+        rows.append(f"\nEnergy not measured: {'; '.join(sorted(energy))}.")
+    return "\n".join(rows)
+
+
+# ----------------------------------------------------------------------------------------- writers
+
+
+def write_markdown(rows: Sequence[Row], path: Path) -> str:
+    """Write report.md; returns its text."""
+    text = "# pardec report\n\n" + render_markdown(rows)
+    path.write_text(text, encoding="utf-8")
+    return text
+
+
+def _scalar(value: Any) -> bool:
+    return value is None or isinstance(value, str | int | float | bool)
+
+
+def _flatten(prefix: str, value: dict[str, Any]) -> dict[str, Any]:
+    """Scalars of nested dicts as ``<prefix>.<key>[.<key>...]`` (lists left out)."""
+    out: dict[str, Any] = {}
+    for k, v in value.items():
+        if _scalar(v):
+            out[f"{prefix}.{k}"] = v
+        elif isinstance(v, dict):
+            out.update(_flatten(f"{prefix}.{k}", v))
+    return out
+
+
+def write_csv(runs: Sequence[dict[str, Any]], path: Path) -> None:
+    """One row per run: every scalar summary field; dicts (``extras``, ``method_params``, ``sampling``, ``peers``
+    ...) flattened to ``<field>.<key>`` (``peers.hf_pld.tokens_per_s``); lists and the accepted histogram left
+    out."""
+    flat = []
+    for run in runs:
+        row = {}
+        for key, value in run.items():
+            if _scalar(value):
+                row[key] = value
+            elif isinstance(value, dict) and key != "accepted_histogram":
+                row.update(_flatten(key, value))
+        flat.append(row)
+    columns = list(dict.fromkeys(k for row in flat for k in row))
+    with path.open("w", newline="", encoding="utf-8") as fh:
+        writer = csv.DictWriter(fh, fieldnames=columns)
+        writer.writeheader()
+        writer.writerows(flat)
+
+
+def _color(i: int, n: int) -> Any:
+    """Distinct colours for up to 20 series (tab10, or tab20 beyond 10)."""
+    return plt.get_cmap("tab10" if n <= 10 else "tab20")(i % (10 if n <= 10 else 20))
+
+
+def save_figure(fig: Any, path: Path, axes: Sequence[Any] = (), legend: dict | None = None) -> None:
+    """The one way a report saves a figure: a light grid and (``legend``: its keyword arguments) a legend on each of
+    ``axes``, a tight layout, PNG at 120 dpi, the figure closed."""
+    import matplotlib.pyplot as plt
+
+    for ax in axes:
+        ax.grid(alpha=0.3)
+        if legend is not None:
+            ax.legend(**legend)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def _finish(fig: Any, ax: Any, path: Path, has_data: bool) -> None:
+    """Legend outside the axes (or a "no data" note), then save and close."""
+    if not has_data:
+        ax.text(0.5, 0.5, "no data", ha="center", va="center", transform=ax.transAxes)
+    else:
+        ax.legend(fontsize="small", loc="upper left", bbox_to_anchor=(1.01, 1.0))
+    fig.savefig(path, dpi=120, bbox_inches="tight")
+    plt.close(fig)
+
+
+def _grouped_bars(ax: Any, series: dict[str, dict[Any, tuple[float, float | None]]], xs: list[Any]) -> None:
+    """One bar per series at each x (an x a series lacks leaves a gap), with error bars where given."""
+    width = 0.8 / max(1, len(series))
+    for i, (label, values) in enumerate(series.items()):
+        at = [j for j, x in enumerate(xs) if x in values]
+        errs = [values[xs[j]][1] or 0.0 for j in at]
+        offsets = [j - 0.4 + width * (i + 0.5) for j in at]
+        heights = [values[xs[j]][0] for j in at]
+        color = _color(i, len(series))
+        ax.bar(offsets, heights, width, yerr=errs if any(errs) else None, capsize=2, label=label, color=color)
+    ax.set_xticks(range(len(xs)), [str(x) for x in xs])
+
+
+def plot_speedup(rows: Sequence[Row], path: Path) -> None:
+    """Grouped bars: speedup per method per dataset (baseline as a line at 1×), std as error bars."""
+    series = {
+        r.label: {ds: (c.speedup, c.speedup_std) for ds, c in r.cells.items() if c.speedup is not None}
+        for r in rows
+        if not r.is_baseline
+    }
+    datasets = sorted({ds for values in series.values() for ds in values})
+    fig, ax = plt.subplots(figsize=(min(16.0, 4.0 + 0.25 * len(datasets) * len(series)), 4.5))
+    _grouped_bars(ax, series, datasets)
+    if datasets:
+        ax.axhline(1.0, color="gray", linestyle="--", linewidth=1)
+    ax.set_ylabel("speedup over baseline (×)")
+    ax.set_title("Speedup per dataset")
+    _finish(fig, ax, path, has_data=bool(datasets))
+
+
+def plot_accepted_hist(runs: Sequence[dict[str, Any]], rows: Sequence[Row], path: Path) -> None:
+    """Fraction of target forwards committing k tokens, one series per method row (summed over datasets)."""
+    labels = {r.key: r.label for r in rows if not r.is_baseline}
+    hists: dict[str, Counter[int]] = defaultdict(Counter)
+    for run in runs:
+        key = _group(run)
+        if key in labels and run["accepted_histogram"] and run["method"] != run.get("baseline"):
+            hists[labels[key]].update(run["accepted_histogram"])
+    series = {
+        label: {k: (n / total, None) for k, n in hist.items()}
+        for label, hist in hists.items()
+        if (total := sum(hist.values())) > 0
+    }
+    ks = sorted({k for values in series.values() for k in values})
+    fig, ax = plt.subplots(figsize=(min(16.0, 4.0 + 0.2 * len(ks) * len(series)), 4.5))
+    _grouped_bars(ax, series, ks)
+    ax.set_xlabel("tokens committed per target forward")
+    ax.set_ylabel("fraction of forwards")
+    ax.set_title("Accepted tokens per target forward")
+    _finish(fig, ax, path, has_data=bool(series))
+
+
+def plot_speedup_vs_tpf(runs: Sequence[dict[str, Any]], path: Path) -> None:
+    """Scatter of speedup against tokens per target forward, one labelled point per run."""
+    points = [
+        (r["tokens_per_forward"], r["speedup"], str(r["method"]), str(r["dataset"]))
+        for r in runs
+        if r.get("tokens_per_forward") is not None and r.get("speedup") is not None
+    ]
+    methods = list(dict.fromkeys(m for _, _, m, _ in points))
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for i, method in enumerate(methods):
+        xs, ys, datasets = zip(*[(x, y, ds) for x, y, m, ds in points if m == method])
+        ax.scatter(xs, ys, color=_color(i, len(methods)), label=method)
+        for x, y, ds in zip(xs, ys, datasets):
+            ax.annotate(
+                f"{method}/{ds}", (x, y), xytext=(4, 4), textcoords="offset points", fontsize="x-small"
+            )
+    if points:
+        ax.axhline(1.0, color="gray", linestyle="--", linewidth=1)
+    ax.set_xlabel("tokens per target forward")
+    ax.set_ylabel("speedup over baseline (×)")
+    ax.set_title("Speedup vs tokens per forward")
+    _finish(fig, ax, path, has_data=bool(points))
+
+
+def write_report(runs: Sequence[dict[str, Any]], out: Path) -> str:
+    """Write report.md, report.csv and the three PNGs into ``out``; returns the markdown."""
+    out.mkdir(parents=True, exist_ok=True)
+    rows = build_table(runs)
+    text = write_markdown(rows, out / "report.md")
+    write_csv(runs, out / "report.csv")
+    plot_speedup(rows, out / "speedup.png")
+    plot_accepted_hist(runs, rows, out / "accepted_hist.png")
+    plot_speedup_vs_tpf(runs, out / "speedup_vs_tpf.png")
+    return text
+
+
+def main(argv: Sequence[str] | None = None, prog: str | None = "python -m pardec.report runs") -> None:
+    """CLI: ``python -m pardec.report runs RUN_DIR_OR_GLOB ... --out DIR``."""
+    parser = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0])
+    parser.add_argument("runs", nargs="+", help="run dirs, dirs holding run dirs, or globs (quote them)")
+    parser.add_argument("--out", required=True, type=Path, help="directory for report.md/.csv and plots")
+    args = parser.parse_args(argv)
+    format_warning = warnings.formatwarning
+    warnings.formatwarning = lambda message, category, *_args, **_kw: f"{category.__name__}: {message}\n"
+    try:
+        try:
+            runs = load_runs(args.runs)
+        except (FileNotFoundError, ValueError) as err:  # a bad argument: usage and message, no traceback
+            parser.error(str(err))
+        print(write_report(runs, args.out))
+    finally:
+        warnings.formatwarning = format_warning
+    print(f"wrote {len(runs)} runs to {args.out}")
+

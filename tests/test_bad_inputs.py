@@ -1,0 +1,187 @@
+"""Bad inputs to `python -m evaluate` (formerly ``scripts/bad_inputs.py``): each gets one clear ``error:`` line that
+names the bad key or value, with no traceback, before any model loads.
+
+Every case runs the real CLI in a subprocess on a tiny offline configuration (``model=tiny_random``, HumanEval,
+one prompt, 4 new tokens), with :func:`pardec.models.loading.load_model` wrapped so that a model load prints a
+marker first: an error after the marker came too late. ``pytest -m slow tests/test_bad_inputs.py -n 2`` runs them
+all (a subprocess each, several seconds apiece); ``-k`` picks some.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+
+MARKER = "@@pardec: a model is loading@@"
+BASE = ("model=tiny_random", "n_samples=1", "max_new_tokens=4", "bench.warmup=0", "perplexity.enabled=false",
+        "dataset=humaneval")
+#: the CLI with load_model wrapped to announce itself; argv after "--" goes to `python -m evaluate`
+WRAPPER = f"""
+import runpy, sys
+import pardec.models.loading as loading
+_load = loading.load_model
+def load_model(cfg):
+    print({MARKER!r}, file=sys.stderr, flush=True)
+    return _load(cfg)
+loading.load_model = load_model
+sys.argv = ["evaluate", *sys.argv[1:]]
+runpy.run_module("evaluate", run_name="__main__", alter_sys=True)
+"""
+
+
+@dataclass
+class Case:
+    name: str
+    args: tuple[str, ...]
+    needle: str  # the error line must contain this (the bad key or value)
+    env: dict = field(default_factory=dict)
+    files: dict = field(default_factory=dict)  # name -> content, written into the case's temp dir ({tmp} in args)
+
+
+MEDUSA_META = ('{"format": "pardec-drafter", "version": 1, "kind": "medusa", "base_model": "tiny_random", '
+               '"hidden_size": 64, "vocab_size": 49152, "num_hidden_layers": 2, "k": 3, "num_heads": 3}')
+
+CASES = [
+    # method parameters
+    Case("param type: str for int", ("+method=jacobi", "method.block_size=abc"), "method.block_size='abc'"),
+    Case("param type: float for int", ("+method=jacobi", "method.block_size=2.5"), "method.block_size=2.5"),
+    Case("param type: int for bool", ("+method=jacobi", "method.record_trajectories=1"), "method.record_trajectories"),
+    Case("param type: str for bool", ("+method=sps", "draft=tiny_random", "method.adaptive=maybe"), "method.adaptive"),
+    Case("param type: list for int", ("+method=pld", "method.num_pred=[1,2]"), "method.num_pred"),
+    Case("param type: str for float", ("+method=hf_assisted", "draft=tiny_random",
+                                       "method.assistant_confidence_threshold=high"), "assistant_confidence_threshold"),
+    Case("param unknown name", ("+method=jacobi", "+method.blocksize=4"), "blocksize"),
+    Case("param out of range", ("+method=jacobi", "method.block_size=0"), "method.block_size=0"),
+    Case("param bad choice", ("+method=hf_assisted", "draft=tiny_random", "method.num_assistant_tokens_schedule=x"),
+         "num_assistant_tokens_schedule"),
+    Case("method: unknown name", ("+method=jacobi", "method.name=jacobo"), "jacobo"),
+    Case("method: no such group option", ("+method=nope",), "nope"),
+    Case("method: missing", (), "+method"),
+    Case("method: needs a draft", ("+method=sps",), "draft"),
+    Case("mjsd: needs a draft", ("+method=mjsd",), "draft=<name>"),
+    Case("bild: needs a draft", ("+method=bild",), "draft=<name>"),
+    Case("spectr: needs a draft", ("+method=spectr",), "draft=<name>"),
+    Case("mjsd: num_beams < 1", ("+method=mjsd", "draft=tiny_random", "method.num_beams=0"), "method.num_beams=0"),
+    Case("mjsd: width > num_beams", ("+method=mjsd", "draft=tiny_random", "method.width=9"), "method.width=9"),
+    Case("mjsd: tau > 1", ("+method=mjsd", "draft=tiny_random", "method.tau=1.5"), "method.tau=1.5"),
+    Case("mjgd: K < 1", ("+method=mjgd", "method.K=0"), "method.K=0"),
+    Case("spectr: k < 1", ("+method=spectr", "draft=tiny_random", "method.k=0"), "method.k=0"),
+    Case("bild: fallback > 1", ("+method=bild", "draft=tiny_random", "method.fallback_threshold=2"),
+         "method.fallback_threshold=2"),
+    Case("bild: rollback <= 0", ("+method=bild", "draft=tiny_random", "method.rollback_threshold=0"),
+         "method.rollback_threshold=0"),
+    # trained drafters (medusa / firp): checked from drafter.json and the tree file, before the target loads
+    Case("medusa: no heads", ("+method=medusa",), "method.heads=<dir>"),
+    Case("medusa: heads dir missing", ("+method=medusa", "method.heads=/no/such/heads"), "/no/such/heads"),
+    Case("firp: medusa weights", ("+method=firp", "method.projections={tmp}"), "holds 'medusa' weights",
+         files={"drafter.json": MEDUSA_META}),
+    Case("medusa: K < 1 (k=0)", ("+method=medusa", "method.heads={tmp}", "method.k=0"), "method.k=0",
+         files={"drafter.json": MEDUSA_META}),
+    Case("medusa: tree not a tree", ("+method=medusa", "method.heads={tmp}", "method.tree={tmp}/t.json"), "t.json",
+         files={"drafter.json": MEDUSA_META, "t.json": '{"format": "pardec-tree", "version": 1, "paths": [[0, 1]]}'}),
+    Case("medusa: tree not JSON", ("+method=medusa", "method.heads={tmp}", "method.tree={tmp}/t.json"), "t.json",
+         files={"drafter.json": MEDUSA_META, "t.json": "[[0], [1"}),
+    Case("medusa: tree deeper than K", ("+method=medusa", "method.heads={tmp}", "method.tree={tmp}/t.json"),
+         "exceeds", files={"drafter.json": MEDUSA_META,
+                           "t.json": '{"format": "pardec-tree", "version": 1, "paths": [[0], [0, 0], [0, 0, 0], '
+                                     '[0, 0, 0, 0]]}'}),
+    Case("medusa: unknown tree name", ("+method=medusa", "method.heads={tmp}", "method.tree=T99"), "T99",
+         files={"drafter.json": MEDUSA_META}),
+    # sdsat: the adaptive tokens come from the model's config.json (read before the weights load)
+    Case("sdsat: k < 1", ("+method=sdsat", "method.k=0", "method.adaptive_ids=[5]"), "method.k=0"),
+    Case("sdsat: bad variant", ("+method=sdsat", "method.variant=tree"), "method.variant='tree'"),
+    Case("sdsat: k > L (SDSAT-D)", ("+method=sdsat", "method.adaptive_ids=[5,6,7]", "method.k=5"), "method.k=5"),
+    Case("sdsat: model without adaptive token", ("+method=sdsat", "model=local", "model.path={tmp}"),
+         "+experiment=sdsat_smollm2", files={"config.json": '{"model_type": "llama", "vocab_size": 64}'}),
+    # datasets
+    Case("dataset: no such group option", ("+method=ar", "dataset=nope"), "nope"),
+    Case("dataset: unknown task name", ("+method=ar", "dataset.name=gsm9k"), "gsm9k"),
+    Case("dataset: missing file", ("+method=ar", "dataset.path=/no/such/file.jsonl"), "/no/such/file.jsonl"),
+    Case("dataset: empty file", ("+method=ar", "dataset.path={tmp}/empty.jsonl"), "empty.jsonl",
+         files={"empty.jsonl": ""}),
+    Case("dataset: malformed line", ("+method=ar", "dataset.path={tmp}/bad.jsonl"), "bad.jsonl",
+         files={"bad.jsonl": '{"task_id": "x"\n'}),
+    Case("dataset: bad prompt_style", ("+method=ar", "dataset.prompt_style=fancy"), "dataset.prompt_style"),
+    Case("dataset: offline hub", ("+method=ar", "dataset=mt_bench", "dataset.hub_id=pardec-tests/not-cached"),
+         "HF_DATASETS_OFFLINE", env={"HF_DATASETS_OFFLINE": "1"}),
+    Case("dataset: hub unreachable", ("+method=ar", "dataset=mt_bench", "dataset.hub_id=pardec-tests/not-cached"),
+         "pardec-tests/not-cached"),
+    # sampling
+    Case("sampling.temperature=-1", ("+method=ar", "sampling.temperature=-1"), "sampling.temperature=-1"),
+    Case("sampling.top_p=2", ("+method=ar", "sampling.top_p=2"), "sampling.top_p=2"),
+    Case("sampling.temperature=hot", ("+method=ar", "sampling.temperature=hot"), "sampling.temperature"),
+    # run keys
+    Case("max_new_tokens=0", ("+method=ar", "max_new_tokens=0"), "max_new_tokens=0"),
+    Case("max_new_tokens=-3", ("+method=ar", "max_new_tokens=-3"), "max_new_tokens=-3"),
+    Case("max_new_tokens=abc", ("+method=ar", "max_new_tokens=abc"), "max_new_tokens"),
+    Case("n_samples=0", ("+method=ar", "n_samples=0"), "n_samples=0"),
+    Case("timeout_s=0", ("+method=ar", "timeout_s=0"), "timeout_s=0"),
+    Case("dtype=fp8", ("+method=ar", "dtype=fp8"), "fp8"),
+    Case("unknown model key", ("+method=ar", "+model.layerz=3"), "layerz"),
+    Case("unknown model key without +", ("+method=ar", "model.layerz=3"), "model.layerz"),
+    Case("malformed override", ("+method=ar", "max_new_tokens=[1"), "max_new_tokens=[1"),
+    Case("a sweep without -m", ("+method=ar,pld",), "+method=ar,pld"),
+    Case("n_samples=abc", ("+method=ar", "n_samples=abc"), "n_samples='abc'"),
+    Case("sampling.seed=abc", ("+method=ar", "sampling.seed=abc"), "sampling.seed='abc'"),
+    # models and drafts
+    Case("model: no such group option", ("+method=ar", "model=nope"), "nope"),
+    Case("model: missing local dir", ("+method=ar", "model=local", "model.path=/no/such/dir"), "/no/such/dir"),
+    Case("draft: no such group option", ("+method=sps", "draft=nope"), "nope"),
+    Case("draft: missing local dir", ("+method=sps", "draft=local", "draft.path=/no/such/draft"), "/no/such/draft"),
+    Case("draft: hub offline", ("+method=sps", "draft=hub", "draft.path=pardec-tests/no-such-draft"),
+         "pardec-tests/no-such-draft", env={"HF_HUB_OFFLINE": "1"}),
+    # bench
+    Case("bench.baseline unknown", ("+method=ar", "bench.baseline=nope"), "bench.baseline='nope'"),
+    Case("bench.also unknown method", ("+method=ar", "bench.also=[nope]"), "nope"),
+    Case("bench.also bad pair", ("+method=ar", "bench.also=['pld:num_pred']"), "num_pred"),
+    Case("bench.also unknown param", ("+method=ar", "bench.also=['pld:numpred=3']"), "numpred"),
+    Case("bench.also param type", ("+method=ar", "bench.also=['pld:num_pred=abc']"), "num_pred='abc'"),
+    Case("bench.also needs a draft", ("+method=ar", "bench.also=[sps]"), "draft"),
+    Case("bench.warmup=-1", ("+method=ar", "bench.warmup=-1"), "bench.warmup=-1"),
+    Case("logger unknown", ("+method=ar", "logger.name=nope"), "nope"),
+]
+
+
+
+
+def run_case(case: Case) -> tuple[str, str]:
+    """(what is wrong with the CLI's answer, or "" when nothing is; its error line)."""
+    with tempfile.TemporaryDirectory(prefix="pardec-bad-") as tmp:
+        for name, content in case.files.items():
+            Path(tmp, name).write_text(content)
+        args = [a.replace("{tmp}", tmp) for a in (*BASE, *case.args)]
+        # a later key=value wins, so the case's own dataset= / draft= override BASE's
+        env = {**os.environ, "PYTHONWARNINGS": "ignore", "TOKENIZERS_PARALLELISM": "false", **case.env}
+        p = subprocess.run([sys.executable, "-c", WRAPPER, *args, f"hydra.run.dir={tmp}/run"], cwd=tmp,
+                           env=env, capture_output=True, text=True, timeout=300)
+    err = p.stderr
+    errors = [x for x in err.splitlines() if x.startswith("error: ")]
+    line = errors[0] if errors else next((x for x in reversed(err.splitlines()) if x.strip()), "")
+    if p.returncode == 0:
+        return "accepted (exit 0)", line
+    if "Traceback (most recent call last)" in err:
+        return "traceback", line
+    if MARKER in (err.split(line)[0] if line else err):
+        return "error after a model loaded", line
+    if len(errors) != 1:
+        return "not one 'error:' line", line
+    if case.needle not in line:
+        return f"does not name {case.needle!r}", line
+    return "", line
+
+
+def test_case_names_are_unique():
+    assert len({c.name for c in CASES}) == len(CASES)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
+def test_bad_input_gets_one_clear_line_before_any_model_loads(case):
+    problem, line = run_case(case)
+    assert not problem, f"{problem}: {line[:300]}"
