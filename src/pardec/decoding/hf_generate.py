@@ -24,7 +24,7 @@ from pardec.decoding.base import Clock, Decoder, GenerationResult, Output, Stopp
 from pardec.models.cached import CachedModel, NonFiniteLogitsError
 
 
-@register_method("hf_generate", aliases=("hf",))
+@register_method("hf_generate")
 class HFGenerate(Decoder):
     exactness = "tokens"
 

@@ -296,7 +296,7 @@ def run_generation(cfg: GenerateConfig, lm, rank: int, world: int, barrier, key:
 
 def generate_stage(gen: GenerateConfig, model_cfg, d) -> dict | None:
     """The ``generate`` stage of the draft and heads kinds: the target's greedy completions of ``gen.sources``
-    (``d``: this process's :class:`~pardec.training.base.Dist`)."""
+    (``d``: this process's :class:`~pardec.config.Ranks`)."""
     from pardec.models.loading import load_model
 
     barrier = d.barrier()  # first: it picks this rank's GPU

@@ -40,8 +40,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from pardec.config import ConfigError
-from pardec.training.base import BaseConfig, BaseTrainer, Dist, fit, training_args, unwrap
+from pardec.config import ConfigError, Ranks
+from pardec.training.base import BaseConfig, BaseTrainer, fit, training_args, unwrap
 from pardec.training.completions import CompletionCollator, CompletionDataset, loss_window
 from pardec.training.losses import masked_sum, token_divergence
 
@@ -212,7 +212,7 @@ def forward_ms(model, context: list[int], repeats: int = 20, warmup: int = 3, to
 
 
 # ------------------------------------------------------------------------------------------- app stages
-def train_draft(spec, run_dir, d: Dist) -> dict:
+def train_draft(spec, run_dir, d: Ranks) -> dict:
     """The train stage of a ``kind: draft`` experiment (``spec``: :class:`~pardec.training.draft.DraftSpec`):
     student = build_draft(target, layers, vocab chosen from the completions' token counts); final model to
     ``<run>/final``."""
