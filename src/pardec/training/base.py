@@ -30,7 +30,7 @@ import torch
 from transformers import Trainer, TrainingArguments
 
 from pardec import on_cuda
-from pardec.config import ConfigError, Ranks
+from pardec.config import ConfigError, Ranks, check_at_least
 
 
 # ------------------------------------------------------------------------------------------- ranks
@@ -66,8 +66,7 @@ class BaseConfig(TrainingArguments):
         """Range / choice checks of the kind's own fields that ``values`` holds (validation checks the config's
         section with it before anything loads); raise ConfigError naming ``trainer.<key>``."""
         n = values.get("max_length", 2)
-        if isinstance(n, bool) or not isinstance(n, int) or n < 2:
-            raise ConfigError(f"trainer.max_length={n!r} is out of range: it must be an integer >= 2")
+        check_at_least("trainer.max_length", n, 2, integer=True)
 
     def __post_init__(self) -> None:
         self.check_values({k: getattr(self, k) for k in self.own_fields()})

@@ -64,7 +64,7 @@ class Source:
 class GenerateConfig:
     max_new_tokens: int = 128
     batch_size: int = 8  # prompts per generate() call
-    out_dir: str = "data/distill"
+    out_dir: str = "data/completions"
     overwrite: bool = False  # wipe out_dir when its meta.json is from other settings
     sources: list[Source] = field(default_factory=list)
     teacher_topk: int = 0  # > 0: also store the target's top-k log-probs at every completion position

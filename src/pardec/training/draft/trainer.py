@@ -40,7 +40,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from pardec.config import ConfigError, Ranks
+from pardec.config import ConfigError, Ranks, check_choice
 from pardec.training.base import BaseConfig, BaseTrainer, fit, training_args, unwrap
 from pardec.training.completions import CompletionCollator, CompletionDataset, loss_window
 from pardec.training.losses import masked_sum, token_divergence
@@ -75,8 +75,8 @@ class DraftConfig(BaseConfig):
     @classmethod
     def check_values(cls, values: dict) -> None:
         super().check_values(values)
-        if "loss" in values and values["loss"] not in LOSSES:
-            raise ConfigError(f"trainer.loss={values['loss']!r} is not valid; choose one of: {', '.join(LOSSES)}")
+        if "loss" in values:
+            check_choice("trainer.loss", values["loss"], LOSSES)
         if "teacher" in values and values["teacher"] not in TEACHERS:
             raise ConfigError(f"trainer.teacher={values['teacher']!r} is not valid; choose one of: "
                               f"{', '.join(TEACHERS)}")
