@@ -71,3 +71,26 @@ def test_the_deepspeed_launchers_local_rank_argument_is_taken_out(monkeypatch):
     monkeypatch.setenv("LOCAL_RANK", "3")  # the launcher's own environment wins
     assert launcher_argv(["--local_rank", "0", "+method=ar"]) == ["+method=ar"] and os.environ["LOCAL_RANK"] == "3"
     assert launcher_argv(["+method=ar", "-m"]) == ["+method=ar", "-m"]
+
+
+def test_one_check_style_names_key_value_and_what_is_valid():
+    from pardec.config import check_at_least, check_choice, check_range, check_types
+
+    with pytest.raises(ConfigError, match=r"^heads.type='eagle' is not valid; choose one of: medusa, firp$"):
+        check_choice("heads.type", "eagle", ("medusa", "firp"))
+    with pytest.raises(ConfigError, match=r"choose one of: zero2, zero3 or null$"):
+        check_choice("trainer.deepspeed", "zero9", ("zero2", "zero3"), or_null=True)
+    check_choice("trainer.deepspeed", None, ("zero2",), or_null=True)
+    with pytest.raises(ConfigError, match=r"^eval.k_max=True is out of range: it must be an integer >= 1$"):
+        check_at_least("eval.k_max", True, 1, integer=True)
+    check_at_least("eval.max_docs", None, 1, integer=True, or_null=True)
+    with pytest.raises(ConfigError, match=r"^method.top_p=0.0 is out of range: it must be a number in \(0, 1\]$"):
+        check_range("method.top_p", 0.0, 0, 1, integer=False, open_lo=True)
+    with pytest.raises(ConfigError, match=r"^sampling.top_k='x' must be int$"):
+        check_types(SamplingConfig, {"top_k": "x", "unknown": 1}, "sampling")
+
+    def f(n: int = 3, m: Undefined = None):  # noqa: F821 (an annotation that cannot be evaluated goes unchecked)
+        pass
+
+    with pytest.raises(ConfigError, match=r"^method.n=1.5 must be int \(f\(n\)\)$"):
+        check_types(f, {"n": 1.5, "m": "anything"}, "method", explain=lambda key, tp: f"f({key})")

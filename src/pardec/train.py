@@ -27,27 +27,26 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from omegaconf import DictConfig, OmegaConf, open_dict
+from omegaconf import DictConfig, OmegaConf
 
 from pardec import CONF_DIR
-from pardec.config import ConfigError, shared_launch_id
-from pardec.training.base import Dist, dist_for
+from pardec.config import ConfigError, Ranks, shared_launch_id
+from pardec.training.base import ranks_for
 from pardec.training.checkpoints import resume_checkpoint
 from pardec.training.kinds import Spec, experiments, load_kinds
 
 log = logging.getLogger("pardec.train")
 
-#: spellings renamed in this release; the old ones still work (with a one-line notice) until the next
-RENAMED_OPTIONS = {("trainer", "distill"): "draft",
-                   **{("experiment", old): f"heads_{old}" for old in (
-                       "medusa_tiny", "medusa_smollm2", "medusa_vicuna7b", "firp_tiny", "firp_smollm2",
-                       "firp_llama2_7b")}}
-RENAMED_KEYS = {"distill.loss": "trainer.loss", "distill": "completions", "drafter.kind": "heads.type",
-                "drafter": "heads"}
+#: spellings of the previous release, refused with the new one named (:func:`check_old_spellings`): group options
+OLD_OPTIONS = {("trainer", "distill"): "draft",
+               **{("experiment", old): f"heads_{old}" for old in (
+                   "medusa_tiny", "medusa_smollm2", "medusa_vicuna7b", "firp_tiny", "firp_smollm2", "firp_llama2_7b")}}
+#: ... and keys / sections (the longest matching prefix names the new spelling)
+OLD_KEYS = {"distill.loss": "trainer.loss", "distill": "completions", "drafter.kind": "heads.type", "drafter": "heads"}
 
 
 def _run_name() -> str:
-    d = Dist.from_env()
+    d = Ranks.from_env()
     if d.world == 1:
         return datetime.datetime.now().strftime("%Y-%m-%d_%H-%M-%S")
     name = shared_launch_id()
@@ -61,8 +60,8 @@ def _run_name() -> str:
 def register_resolvers() -> None:
     resolvers = {
         "pardec_run_name": _run_name,
-        "pardec_rank0": lambda value: value if Dist.from_env().rank == 0 else None,
-        "pardec_rank_suffix": lambda: "" if Dist.from_env().rank == 0 else f"-rank{Dist.from_env().rank}",
+        "pardec_rank0": lambda value: value if Ranks.from_env().rank == 0 else None,
+        "pardec_rank_suffix": lambda: "" if Ranks.from_env().rank == 0 else f"-rank{Ranks.from_env().rank}",
     }
     for name, fn in resolvers.items():
         if not OmegaConf.has_resolver(name):
@@ -72,40 +71,31 @@ def register_resolvers() -> None:
 register_resolvers()
 
 
-def renamed(argv: list[str]) -> tuple[list[str], list[str]]:
-    """``argv`` with renamed spellings replaced by the new ones, and one notice per replacement."""
-    out, notices = [], []
+def check_old_spellings(argv: list[str]) -> None:
+    """Refuse a command-line override written with a spelling of the previous release, naming the new one
+    (``trainer=distill`` -> ``trainer=draft``, ``distill.loss=...`` -> ``trainer.loss=...``)."""
     for arg in argv:
         prefix = arg[: len(arg) - len(arg.lstrip("+~"))]
         key, eq, value = arg[len(prefix):].partition("=")
         new_key, new_value = key, value
-        if (key, value) in RENAMED_OPTIONS:
-            new_value = RENAMED_OPTIONS[(key, value)]
-        for old in sorted(RENAMED_KEYS, key=len, reverse=True):
+        if (key, value) in OLD_OPTIONS:
+            new_value = OLD_OPTIONS[(key, value)]
+        for old in sorted(OLD_KEYS, key=len, reverse=True):
             if key == old or key.startswith(old + "."):
-                new_key = RENAMED_KEYS[old] + key[len(old):]
+                new_key = OLD_KEYS[old] + key[len(old):]
                 break
         new = f"{prefix}{new_key}{eq}{new_value}"
         if new != arg:
-            notices.append(f"notice: `{arg}` is now spelled `{new}`; the old spelling works until the next release")
-        out.append(new)
-    return out, notices
+            raise ConfigError(f"`{arg}` is an old spelling: write `{new}`")
 
 
-def _renamed_sections(cfg: DictConfig) -> None:
-    """Sections of an experiment written with the old names (its own YAML file), moved to the new ones."""
-    for old, new in (("distill", "completions"), ("drafter", "heads")):
+def check_old_sections(cfg: DictConfig) -> None:
+    """Refuse an experiment (its own YAML file) with a section of the previous release's name, naming the new one."""
+    for old in ("distill", "drafter"):
         if isinstance(cfg.get(old), DictConfig):
-            section = OmegaConf.to_container(cfg[old])
-            with open_dict(cfg):
-                if old == "distill" and "loss" in section:
-                    cfg.trainer.loss = section.pop("loss")
-                if old == "drafter" and "kind" in section:
-                    section["type"] = section.pop("kind")
-                cfg[new] = OmegaConf.merge(cfg.get(new) or {}, section)
-                del cfg[old]
-            print(f"notice: the `{old}:` section is now `{new}:`; the old name works until the next release",
-                  file=sys.stderr)
+            moved = ", ".join(f"`{k}` -> `{v}`" for k, v in OLD_KEYS.items() if k.split(".")[0] == old)
+            raise ConfigError(f"experiment {cfg.get('experiment_name')!r} has a `{old}:` section, an old spelling: "
+                              f"rename it ({moved})")
 
 
 def validate(cfg: DictConfig) -> Spec:
@@ -113,6 +103,7 @@ def validate(cfg: DictConfig) -> Spec:
     name = cfg.get("experiment_name")
     if not name:
         raise ConfigError(f"no experiment given: pass +experiment=<name>; valid experiments: {', '.join(experiments())}")
+    check_old_sections(cfg)
     if cfg.get("kind") is None:
         raise ConfigError(f"experiment {name!r} names no kind: add `- /kind: <kind>` to its defaults; valid kinds: "
                           f"{', '.join(load_kinds().names())}")
@@ -120,7 +111,6 @@ def validate(cfg: DictConfig) -> Spec:
     if cfg.stage not in kind.stage_choices():
         raise ConfigError(f"stage={cfg.stage!r} is not valid for a {kind.name} experiment; choose one of: "
                           f"{', '.join(kind.stage_choices())}")
-    _renamed_sections(cfg)
     return kind().validate(cfg, name)
 
 
@@ -131,7 +121,7 @@ def run(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
     from pardec.models.loading import set_tf32
 
     spec = validate(cfg)
-    d = dist_for(spec.trainer)
+    d = ranks_for(spec.trainer)
     torch.set_num_threads(spec.threads)
     set_tf32(bool(cfg.get("tf32", True)))
     kind = load_kinds().get(cfg.kind)
@@ -169,11 +159,10 @@ def main() -> None:
 
     from pardec.config import check_overrides, exit_with_error, launcher_argv
 
-    argv, notices = renamed(launcher_argv(sys.argv[1:]))
-    for line in notices:
-        print(line, file=sys.stderr)
+    argv = launcher_argv(sys.argv[1:])
     sys.argv[1:] = argv
     try:
+        check_old_spellings(argv)
         check_overrides(argv, "train")
     except ConfigError as e:
         exit_with_error(e)

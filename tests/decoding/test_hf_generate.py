@@ -136,3 +136,14 @@ def test_parameters_are_checked_and_assisted_needs_a_draft():
         HFAssisted(None, assistant_confidence_threshold=1.5)
     with pytest.raises(ConfigError, match="needs a draft model"):
         build_decoder("hf_assisted", CachedModel(tiny(0).model), tiny(0).tokenizer)
+
+
+def test_hf_names_a_forward_not_a_method():
+    """"hf" is the forward (``forward_impl=hf``); the method is ``hf_generate``, and the old alias is refused naming
+    the valid methods."""
+    from pardec.decoding.base import METHODS
+    from pardec.registry import UnknownNameError
+
+    assert METHODS.get("hf_generate").name == "hf_generate"
+    with pytest.raises(UnknownNameError, match=r"unknown method 'hf'\..*Valid methods: .*\bhf_generate\b"):
+        METHODS.get("hf")

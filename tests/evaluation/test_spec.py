@@ -117,11 +117,12 @@ def test_method_parameter_types_accept_what_fits():
 
 def test_every_method_parameter_has_a_checkable_type():
     import pardec.decoding  # noqa: F401
-    from pardec.decoding.base import METHODS, _hints, method_params
+    from pardec.config import type_hints
+    from pardec.decoding.base import METHODS, method_params
 
     for name in METHODS.names():
         cls = METHODS.get(name)
-        untyped = sorted(set(method_params(cls)) - set(_hints(cls)))
+        untyped = sorted(set(method_params(cls)) - set(type_hints(cls.__init__)))
         assert not untyped, f"{name}: annotate {untyped} in __init__ so method.* values are type-checked"
 
 

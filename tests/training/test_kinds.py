@@ -1,8 +1,9 @@
-"""The experiment kinds' registry, the spellings renamed in this release, and the trainer section's type checks:
+"""The experiment kinds' registry, the old spellings refused naming the new ones, and the trainer section's type checks:
 all before anything loads."""
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 
@@ -12,7 +13,7 @@ from omegaconf import open_dict
 from pardec import REPO_ROOT
 from pardec.config import ConfigError
 from pardec.registry import UnknownNameError
-from pardec.train import renamed, validate
+from pardec.train import check_old_spellings, validate
 from pardec.training.kinds import load_kinds
 from tests.training.test_train_app import _compose
 
@@ -29,24 +30,30 @@ def test_kinds_registry_names_every_kind_and_suggests():
         validate(cfg)
 
 
-def test_old_spellings_are_rewritten_with_a_notice():
-    argv, notices = renamed(["+experiment=medusa_tiny", "trainer=distill", "distill.loss=ce", "drafter.kind=firp",
-                             "+drafter.layers=[1]", "distill.sources.0.max_prompts=3", "stage=train", "seed=1"])
-    assert argv == ["+experiment=heads_medusa_tiny", "trainer=draft", "trainer.loss=ce", "heads.type=firp",
-                    "+heads.layers=[1]", "completions.sources.0.max_prompts=3", "stage=train", "seed=1"]
-    assert len(notices) == 6 and all(n.startswith("notice: `") and "\n" not in n for n in notices)
-    assert renamed(["+experiment=heads_firp_tiny"]) == (["+experiment=heads_firp_tiny"], [])
+@pytest.mark.parametrize("arg, new", [
+    ("+experiment=medusa_tiny", "+experiment=heads_medusa_tiny"),
+    ("trainer=distill", "trainer=draft"),
+    ("distill.loss=ce", "trainer.loss=ce"),
+    ("drafter.kind=firp", "heads.type=firp"),
+    ("+drafter.layers=[1]", "+heads.layers=[1]"),
+    ("distill.sources.0.max_prompts=3", "completions.sources.0.max_prompts=3"),
+])
+def test_old_spellings_are_refused_naming_the_new_one(arg, new):
+    with pytest.raises(ConfigError, match=re.escape(f"`{arg}` is an old spelling: write `{new}`")) as e:
+        check_old_spellings(["stage=train", arg, "seed=1"])
+    assert "\n" not in str(e.value)
+    check_old_spellings(["+experiment=heads_firp_tiny", "trainer=draft", "heads.type=firp", "stage=train"])
 
 
-def test_old_sections_in_an_experiment_file_still_work(capsys):
+@pytest.mark.parametrize("old, moved", [("drafter", "`drafter.kind` -> `heads.type`, `drafter` -> `heads`"),
+                                        ("distill", "`distill.loss` -> `trainer.loss`, `distill` -> `completions`")])
+def test_old_sections_in_an_experiment_file_are_refused(old, moved):
     cfg = _compose(["+experiment=heads_firp_tiny"])
-    with open_dict(cfg):  # an experiment written before the rename: drafter / distill sections
-        cfg.drafter = {"kind": "firp", "layers": [1, 2]}
-        cfg.distill = dict(cfg.completions)
-        del cfg["heads"], cfg["completions"]
-    spec = validate(cfg)
-    assert spec.heads == {"type": "firp", "layers": [1, 2]} and spec.gen.sources
-    assert capsys.readouterr().err.count("notice:") == 2
+    with open_dict(cfg):  # an experiment written before the rename: a drafter / distill section
+        cfg[old] = {"kind": "firp", "layers": [1, 2]} if old == "drafter" else dict(cfg.completions)
+    with pytest.raises(ConfigError, match=re.escape(f"experiment 'heads_firp_tiny' has a `{old}:` section, an old "
+                                                    f"spelling: rename it ({moved})")):
+        validate(cfg)
 
 
 @pytest.mark.parametrize("override, pattern", [
@@ -64,17 +71,19 @@ def test_trainer_values_are_type_checked(override, pattern):
 
 @pytest.mark.slow
 def test_cli_old_name_and_bad_trainer_value_end_in_one_line(tmp_path):
-    """The defect: `trainer.learning_rate=abc` ended in a TypeError traceback. Now: the notice for the old experiment
-    name, then one error line, exit 2, before any model loads (the deepspeed launcher's `--local_rank` ignored)."""
-    p = subprocess.run([sys.executable, "-m", "train", "+experiment=medusa_tiny", "trainer.learning_rate=abc",
-                        f"paths.output_dir={tmp_path}/out", f"paths.data_dir={tmp_path}/data",
-                        "--local_rank=0"],  # as the deepspeed launcher appends it
-                       capture_output=True, text=True, cwd=REPO_ROOT, timeout=300)
-    assert p.returncode == 2, p.stderr
-    lines = [x for x in p.stderr.splitlines() if x.strip()]
-    assert lines[0].startswith("notice: `+experiment=medusa_tiny` is now spelled `+experiment=heads_medusa_tiny`")
-    assert lines[-1] == "error: trainer.learning_rate='abc' must be float" and "Traceback" not in p.stderr
-    assert not (tmp_path / "data").exists()
+    """The defect: `trainer.learning_rate=abc` ended in a TypeError traceback. Now: one error line, exit 2, before any
+    model loads (the deepspeed launcher's `--local_rank` ignored); an old experiment name likewise, naming the new."""
+    for experiment, error in (
+            ("heads_medusa_tiny", "error: trainer.learning_rate='abc' must be float"),
+            ("medusa_tiny", "error: `+experiment=medusa_tiny` is an old spelling: write `+experiment=heads_medusa_tiny`")):
+        p = subprocess.run([sys.executable, "-m", "train", f"+experiment={experiment}", "trainer.learning_rate=abc",
+                            f"paths.output_dir={tmp_path}/out", f"paths.data_dir={tmp_path}/data",
+                            "--local_rank=0"],  # as the deepspeed launcher appends it
+                           capture_output=True, text=True, cwd=REPO_ROOT, timeout=300)
+        assert p.returncode == 2, p.stderr
+        lines = [x for x in p.stderr.splitlines() if x.strip()]
+        assert lines == [error] and "Traceback" not in p.stderr
+        assert not (tmp_path / "data").exists()
 
 
 def test_one_process_without_a_launcher_gets_a_launchers_environment(monkeypatch):

@@ -66,7 +66,7 @@ def test_the_data_stage_group_waits_long_and_training_gets_ddp_timeout(monkeypat
 
     import torch.distributed as dist
 
-    from pardec.config import SYNC_TIMEOUT, ConfigError
+    from pardec.config import SYNC_TIMEOUT, ConfigError, launch
     from pardec.training import base
 
     calls: list = []
@@ -74,16 +74,16 @@ def test_the_data_stage_group_waits_long_and_training_gets_ddp_timeout(monkeypat
     monkeypatch.setattr(dist, "init_process_group", lambda backend, timeout: calls.append(("init", backend, timeout)))
     monkeypatch.setattr(dist, "new_group", lambda backend, timeout: calls.append(("group", backend, timeout)) or "g")
     monkeypatch.setattr(dist, "barrier", lambda group=None: calls.append(("barrier", group)))
-    monkeypatch.setattr(base, "_WAIT_GROUP", [])
+    monkeypatch.setattr(launch, "_WAIT_GROUP", [])
     monkeypatch.setenv("WORLD_SIZE", "2")
     monkeypatch.setenv("RANK", "1")
     monkeypatch.setenv("LOCAL_RANK", "1")
-    d = base.dist_for({"ddp_timeout": 7200})
+    d = base.ranks_for({"ddp_timeout": 7200})
     assert (d.rank, d.world, d.timeout_s) == (1, 2, 7200.0)
     d.barrier()()
     d.barrier()()  # the wait group is made once
     assert calls == [("init", "gloo", datetime.timedelta(seconds=7200)), ("group", "gloo", SYNC_TIMEOUT),
                      ("barrier", "g"), ("barrier", "g")]
-    assert base.dist_for({}).timeout_s == base.DDP_TIMEOUT == 1800
+    assert base.ranks_for({}).timeout_s == base.DDP_TIMEOUT == 1800
     with pytest.raises(ConfigError, match="ddp_timeout=0"):
-        base.dist_for({"ddp_timeout": 0})
+        base.ranks_for({"ddp_timeout": 0})

@@ -13,7 +13,8 @@ from typing import Any, ClassVar
 
 import torch
 
-from pardec.config import ConfigError, ModelConfig, SamplingConfig, fits_type, type_name
+from pardec.config import ConfigError, ModelConfig, SamplingConfig, check_types, type_name
+from pardec.config import check_range as config_check_range
 from pardec.decoding.sampling import make_generator, select
 from pardec.decoding.tree import Tree
 from pardec.decoding.verify import TreeVerdict, verify_chain_reading, verify_tree
@@ -339,23 +340,6 @@ def method_params(cls: type[Decoder]) -> dict[str, inspect.Parameter]:
     return {k: p for k, p in sig.parameters.items() if k not in ("self", "target", "tokenizer", "draft")}
 
 
-def _hints(cls: type[Decoder]) -> dict[str, Any]:
-    """Annotations of ``cls.__init__``'s parameters, string ones evaluated in its module (one that cannot be, e.g.
-    a name imported only for type checkers, is left out: that parameter goes unchecked)."""
-    fn = cls.__init__
-    out = {}
-    for key, p in inspect.signature(fn).parameters.items():
-        tp = p.annotation
-        if isinstance(tp, str):
-            try:
-                tp = eval(tp, fn.__globals__)  # what typing.get_type_hints does, one parameter at a time
-            except Exception:  # noqa: BLE001
-                continue
-        if tp is not inspect.Parameter.empty:
-            out[key] = tp
-    return out
-
-
 def check_params(cls: type[Decoder], params: dict[str, Any]) -> None:
     """Names and types of ``method.*`` parameters against ``cls.__init__``'s signature, before any model loads:
     an unknown name or a value of the wrong type raises one line (``method.block_size='abc' must be int
@@ -364,26 +348,18 @@ def check_params(cls: type[Decoder], params: dict[str, Any]) -> None:
     bad = sorted(set(params) - set(valid))
     if bad:
         raise ConfigError(f"method {cls.name!r} has no parameter(s) {bad}; valid: {', '.join(valid) or 'none'}")
-    hints = _hints(cls)
-    for key, value in params.items():
-        tp = hints.get(key)
-        if tp is not None and not fits_type(value, tp):
-            p = valid[key]
-            decl = f"{key}: {p.annotation if isinstance(p.annotation, str) else type_name(tp)}"
-            decl += "" if p.default is inspect.Parameter.empty else f" = {p.default!r}"
-            raise ConfigError(f"method.{key}={value!r} must be {type_name(tp)} ({cls.name}({decl}))")
+
+    def declared(key: str, tp: Any) -> str:  # jacobi(block_size: int = 16)
+        p = valid[key]
+        decl = f"{key}: {p.annotation if isinstance(p.annotation, str) else type_name(tp)}"
+        return f"{cls.name}({decl}{'' if p.default is inspect.Parameter.empty else f' = {p.default!r}'})"
+
+    check_types(cls.__init__, params, "method", explain=declared)
 
 
 def check_range(key: str, value: Any, lo: float, hi: float, integer: bool = True, open_lo: bool = False) -> None:
-    """One line naming ``method.<key>``, its value and the valid range when ``value`` is outside ``[lo, hi]``
-    (``(lo, hi]`` with ``open_lo``) or not an integer / a number as ``integer`` says."""
-    kind = int if integer else (int, float)
-    ok = isinstance(value, kind) and not isinstance(value, bool) and (lo < value if open_lo else lo <= value) \
-        and value <= hi
-    if not ok:
-        what = "an integer" if integer else "a number"
-        raise ConfigError(f"method.{key}={value!r} is out of range: it must be {what} in "
-                          f"{'(' if open_lo else '['}{lo}, {hi}]")
+    """:func:`pardec.config.check_range` of ``method.<key>`` (a method's ``__init__`` checking its parameters)."""
+    config_check_range(f"method.{key}", value, lo, hi, integer=integer, open_lo=open_lo)
 
 
 def check_attention(name: str, model: ModelConfig, draft: ModelConfig | None = None) -> None:

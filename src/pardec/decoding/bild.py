@@ -32,7 +32,7 @@ from typing import Literal
 
 import torch
 
-from pardec.config import ConfigError, SamplingConfig
+from pardec.config import SamplingConfig, check_choice
 from pardec.decoding.base import Clock, Decoder, GenerationResult, check_range, register_method
 from pardec.decoding.drafting import draft_chain
 from pardec.decoding.sampling import select, warp
@@ -71,8 +71,7 @@ class BigLittleDecoder(Decoder):
         check_range("fallback_threshold", fallback_threshold, 0.0, 1.0, integer=False)
         check_range("rollback_threshold", rollback_threshold, 0.0, 1e6, integer=False, open_lo=True)
         check_range("max_draft", max_draft, 1, 256)
-        if variant not in VARIANTS:
-            raise ConfigError(f"method.variant={variant!r} is not valid; choose one of: {', '.join(VARIANTS)}")
+        check_choice("method.variant", variant, VARIANTS)
         self.fallback, self.rollback, self.max_draft = fallback_threshold, rollback_threshold, max_draft
         self.variant = variant
 

@@ -36,7 +36,7 @@ from typing import ClassVar, Literal
 
 import torch
 
-from pardec.config import ConfigError, SamplingConfig
+from pardec.config import ConfigError, SamplingConfig, check_choice
 from pardec.decoding.base import Decoder, GenerationResult, Stopper, _Run, check_range, register_method
 from pardec.decoding.sampling import sample, warp
 from pardec.decoding.tree import Tree
@@ -170,8 +170,7 @@ class MedusaTypical(Medusa):
         super().__init__(target, tokenizer, draft, heads, tree, k)
         check_range("posterior_threshold", posterior_threshold, 0.0, 1.0, integer=False)
         check_range("posterior_alpha", posterior_alpha, 0.0, 1.0, integer=False)
-        if next_token not in NEXT_TOKEN:
-            raise ConfigError(f"method.next_token={next_token!r} is not valid; choose one of: {', '.join(NEXT_TOKEN)}")
+        check_choice("method.next_token", next_token, NEXT_TOKEN)
         self.threshold, self.alpha, self.next_token = posterior_threshold, posterior_alpha, next_token
 
     def _accept(self, tree, logits, st):
@@ -228,9 +227,7 @@ class Firp(TreeDrafter):
 
     def __init__(self, target: CachedModel, tokenizer=None, draft=None, projections: str | None = None,
                  tree: str = "chain", k: int | None = None, attention: str = DECODING_ATTENTION):
-        if attention not in PSEUDO_ATTENTION:
-            raise ConfigError(f"method.attention={attention!r} is not valid; choose one of: "
-                              f"{', '.join(PSEUDO_ATTENTION)}")
+        check_choice("method.attention", attention, PSEUDO_ATTENTION)
         super().__init__(target, tokenizer, draft, projections, tree, k)
         self.attention = attention
         self.layers = self.drafter.layers[: self.k] if target is not None else None

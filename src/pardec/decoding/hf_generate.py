@@ -19,12 +19,12 @@ from collections.abc import Iterator
 import torch
 from transformers import GenerationConfig, StoppingCriteria, StoppingCriteriaList
 
-from pardec.config import ConfigError, SamplingConfig
+from pardec.config import ConfigError, SamplingConfig, check_at_least
 from pardec.decoding.base import Clock, Decoder, GenerationResult, Output, Stopper, Timer, register_method
 from pardec.models.cached import CachedModel, NonFiniteLogitsError
 
 
-@register_method("hf_generate", aliases=("hf",))
+@register_method("hf_generate")
 class HFGenerate(Decoder):
     exactness = "tokens"
 
@@ -116,8 +116,7 @@ class HFPromptLookup(HFGenerate):
         super().__init__(target, tokenizer, draft)
         for key, v in (("prompt_lookup_num_tokens", prompt_lookup_num_tokens),
                        ("max_matching_ngram_size", max_matching_ngram_size)):
-            if v < 1:
-                raise ConfigError(f"method.{key}={v!r} is out of range: it must be >= 1")
+            check_at_least(f"method.{key}", v, 1)
         self.num_tokens, self.ngram = prompt_lookup_num_tokens, max_matching_ngram_size
 
     def _extra_config(self) -> dict:
@@ -144,8 +143,7 @@ class HFAssisted(HFGenerate):
     def __init__(self, target, tokenizer=None, draft=None, num_assistant_tokens: int = 20,
                  num_assistant_tokens_schedule: str = "constant", assistant_confidence_threshold: float = 0.4):
         super().__init__(target, tokenizer, draft)
-        if num_assistant_tokens < 1:
-            raise ConfigError(f"method.num_assistant_tokens={num_assistant_tokens!r} is out of range: it must be >= 1")
+        check_at_least("method.num_assistant_tokens", num_assistant_tokens, 1)
         if num_assistant_tokens_schedule not in SCHEDULES:
             raise ConfigError(f"method.num_assistant_tokens_schedule={num_assistant_tokens_schedule!r} is not valid; "
                               f"choose one of: {', '.join(SCHEDULES)}")

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import torch
 
-from pardec.config import ConfigError
+from pardec.config import ConfigError, check_at_least, check_choice
 from pardec.decoding.base import Decoder, GenerationResult, register_method
 from pardec.decoding.sampling import select
 
@@ -37,8 +37,7 @@ GUESS_FROM = ("context", "prompt")
 
 
 def check_guess_from(value: str, key: str = "method.guess_from") -> None:
-    if value not in GUESS_FROM:
-        raise ConfigError(f"{key}={value!r} is not valid; choose one of: {', '.join(GUESS_FROM)}")
+    check_choice(key, value, GUESS_FROM)
 
 
 def initial_guess(prompt: list[int], output: list[int], n: int, gen: torch.Generator,
@@ -82,8 +81,7 @@ class Jacobi(Decoder):
                  record_trajectories: bool = True, guess_from: str = "context"):
         super().__init__(target, tokenizer, draft)
         check_guess_from(guess_from)
-        if block_size < 1:
-            raise ConfigError(f"method.block_size={block_size} is out of range: it must be >= 1")
+        check_at_least("method.block_size", block_size, 1)
         if max_iters is not None and max_iters < 1:
             raise ConfigError(f"method.max_iters={max_iters} is out of range: it must be >= 1 (or null)")
         self.block_size = block_size

@@ -53,7 +53,7 @@ from typing import Literal
 
 import torch
 
-from pardec.config import ConfigError, SamplingConfig
+from pardec.config import ConfigError, SamplingConfig, check_choice
 from pardec.decoding.base import Decoder, DraftClock, GenerationResult, check_range, register_method
 from pardec.decoding.drafting import Beam, Branches, beam_search, catch_up
 from pardec.decoding.sampling import select, warp
@@ -134,8 +134,7 @@ class MJSD(Decoder):
                               f"on min(1, p/q); the paper's code rejects every draft at tau >= 1)")
         check_range("top_k", top_k, 0, 1 << 20)
         check_range("top_p", top_p, 0.0, 1.0, integer=False, open_lo=True)
-        if ratio not in RATIOS:
-            raise ConfigError(f"method.ratio={ratio!r} is not valid; choose one of: {', '.join(RATIOS)}")
+        check_choice("method.ratio", ratio, RATIOS)
         self.gamma, self.num_beams, self.width, self.tau = gamma, num_beams, width, tau
         self.top_k, self.top_p, self.ratio = top_k, top_p, ratio
 

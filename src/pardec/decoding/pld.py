@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from pardec.config import ConfigError
+from pardec.config import ConfigError, check_at_least
 from pardec.decoding.base import Decoder, GenerationResult, register_method
 from pardec.models.cost import best_draft_length
 
@@ -42,8 +42,7 @@ class PromptLookup(Decoder):
         super().__init__(target, tokenizer, draft)
         if not 1 <= min_ngram <= max_ngram:
             raise ConfigError(f"method.min_ngram={min_ngram}, max_ngram={max_ngram}: need 1 <= min <= max")
-        if num_pred < 1:
-            raise ConfigError(f"method.num_pred={num_pred} is out of range: it must be >= 1")
+        check_at_least("method.num_pred", num_pred, 1)
         self.max_ngram, self.min_ngram, self.num_pred = max_ngram, min_ngram, num_pred
         self.num_pred_by_cost = num_pred_by_cost
 

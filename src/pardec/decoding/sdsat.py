@@ -53,7 +53,7 @@ from typing import Literal
 
 import torch
 
-from pardec.config import ConfigError, ModelConfig, SamplingConfig
+from pardec.config import ConfigError, ModelConfig, SamplingConfig, check_choice
 from pardec.decoding.base import Decoder, GenerationResult, Stopper, check_range, register_method
 from pardec.decoding.tree import Tree
 from pardec.decoding.tree_search import load_tree, truncate_paths
@@ -118,8 +118,7 @@ class SDSAT(Decoder):
                  tree: str = "official", adaptive_ids: list | None = None):
         super().__init__(target, tokenizer, draft)
         check_range("k", k, 1, 1 << 16)
-        if variant not in ("two_step", "fused"):
-            raise ConfigError(f"method.variant={variant!r} is not valid; choose one of: two_step, fused")
+        check_choice("method.variant", variant, ("two_step", "fused"))
         check_range("top_k", top_k, 1, 1 << 20)
         check_range("top_p", top_p, 0.0, 1.0, integer=False, open_lo=True)
         if adaptive_ids is not None and (not adaptive_ids or not all(isinstance(i, int) and i >= 0

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import torch
 
-from pardec.config import ConfigError
+from pardec.config import ConfigError, check_at_least
 from pardec.decoding.base import Decoder, DraftClock, GenerationResult, register_method
 from pardec.decoding.drafting import draft_chain
 from pardec.models.cost import best_draft_length
@@ -39,8 +39,7 @@ class SpeculativeSampling(Decoder):
                  gamma_min: int = 1, gamma_max: int = 12, gamma_by_cost: bool = False):
         super().__init__(target, tokenizer, draft)
         for key, v in (("gamma", gamma), ("gamma_min", gamma_min), ("gamma_max", gamma_max)):
-            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
-                raise ConfigError(f"method.{key}={v!r} is out of range: it must be an integer >= 1")
+            check_at_least(f"method.{key}", v, 1, integer=True)
         if adaptive and gamma_by_cost:
             raise ConfigError("method.adaptive=true and method.gamma_by_cost=true both choose gamma: pick one")
         if (adaptive or gamma_by_cost) and not gamma_min <= gamma <= gamma_max:

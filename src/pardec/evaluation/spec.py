@@ -17,6 +17,7 @@ from pardec.config import (
     ModelConfig,
     RunConfig,
     SamplingConfig,
+    check_choice,
     settings_diff,
     to_dataclass,
 )
@@ -90,8 +91,7 @@ def validate(cfg: DictConfig) -> EvalSpec:
         a_cls = check_method(a_name, a_params, draft, f"bench.also entry {entry!r}")
         also.append((f"also:{entry}", a_cls.name, a_params))
     logger = OmegaConf.to_container(cfg.logger, resolve=True) if cfg.get("logger") else {"name": "none"}
-    if logger.get("name") not in LOGGERS:
-        raise ConfigError(f"logger={logger.get('name')!r} is not valid; choose one of: {', '.join(LOGGERS)}")
+    check_choice("logger", logger.get("name"), LOGGERS)
     ppl = OmegaConf.to_container(cfg.perplexity, resolve=True) if cfg.get("perplexity") else {"enabled": False}
     energy = OmegaConf.to_container(cfg.energy, resolve=True) if cfg.get("energy") else {"enabled": True}
     if set(energy) - {"enabled"}:

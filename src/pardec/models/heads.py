@@ -33,7 +33,7 @@ from pardec.models.pseudo import PSEUDO_ATTENTION
 
 FORMAT = "pardec-drafter"
 VERSION = 1
-KINDS = ("medusa", "firp")
+HEAD_TYPES = ("medusa", "firp")  # the config key heads.type
 
 
 class ResBlock(nn.Module):
@@ -127,7 +127,7 @@ def new_drafter(kind: str, base_config, *, num_heads: int = 3, num_blocks: int =
         if bad:
             raise ConfigError(f"firp layers={layers} is out of range: the model has layers 0..{n_layers - 1}")
         return FirpProjections(hidden, vocab, layers, attention)
-    raise ConfigError(f"drafter kind={kind!r} is not valid; choose one of: {', '.join(KINDS)}")
+    raise ConfigError(f"heads.type={kind!r} is not valid; choose one of: {', '.join(HEAD_TYPES)}")
 
 
 def num_parameters(module: nn.Module) -> int:

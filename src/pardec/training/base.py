@@ -1,6 +1,7 @@
 """What every experiment kind's training needs, written once (trl's ``_BaseConfig`` / ``_BaseTrainer`` pattern).
 
-* :class:`Dist`: this process's rank, world size and local rank (from torchrun's environment) and a barrier;
+* :func:`ranks_for`: this process's :class:`~pardec.config.Ranks` (rank, world size, local rank from the launcher's
+  environment, and the barrier) with the trainer's ``ddp_timeout``;
 * :class:`BaseConfig`: a ``transformers.TrainingArguments`` subclass; a kind's config adds its own fields and range
   checks (:meth:`BaseConfig.check_values`). Our collators' keys are not model arguments, so ``remove_unused_columns`` is
   always off;
@@ -17,8 +18,6 @@
 
 from __future__ import annotations
 
-import datetime
-import functools
 import json
 import os
 import time
@@ -31,7 +30,7 @@ import torch
 from transformers import Trainer, TrainingArguments
 
 from pardec import on_cuda
-from pardec.config import SYNC_TIMEOUT, ConfigError, Ranks
+from pardec.config import ConfigError, Ranks, check_at_least
 
 
 # ------------------------------------------------------------------------------------------- ranks
@@ -43,45 +42,15 @@ def arg_default(name: str) -> Any:
 #: TrainingArguments' own default of ``ddp_timeout`` (seconds)
 DDP_TIMEOUT = arg_default("ddp_timeout")
 
-#: the gloo group the data stages wait in (created once per process, by every rank in the same order)
-_WAIT_GROUP: list = []
 
-
-@dataclass(frozen=True)
-class Dist(Ranks):
-    """:class:`~pardec.config.Ranks` with the barrier the training stages wait at. ``timeout_s``: the process
-    group's timeout, the trainer's ``ddp_timeout`` (:func:`dist_for`): the group this creates also carries
-    training, whose collectives the timeout guards."""
-
-    timeout_s: float = DDP_TIMEOUT
-
-    def barrier(self) -> Callable[[], None] | None:
-        """A barrier over all ranks, or None for one process. The first call creates the process group (NCCL on
-        CUDA, after picking the rank's GPU; else gloo) with ``timeout_s``, and a gloo group that only waits, with
-        pardec's long :data:`~pardec.config.SYNC_TIMEOUT`: a data stage's ranks finish their shares hours apart,
-        and rank 0 then merges the whole corpus, while the others wait."""
-        if self.world == 1:
-            return None
-        import torch.distributed as dist
-
-        if not dist.is_initialized():
-            cuda = torch.cuda.is_available()
-            if cuda:
-                torch.cuda.set_device(self.local_rank)
-            dist.init_process_group("nccl" if cuda else "gloo", timeout=datetime.timedelta(seconds=self.timeout_s))
-        if not _WAIT_GROUP:
-            _WAIT_GROUP.append(dist.new_group(backend="gloo", timeout=SYNC_TIMEOUT))
-        return functools.partial(dist.barrier, group=_WAIT_GROUP[0])
-
-
-def dist_for(trainer: dict[str, Any]) -> Dist:
-    """This process's :class:`Dist` (from the launcher's environment) with the ``trainer`` section's
-    ``ddp_timeout`` (TrainingArguments' default where it sets none)."""
+def ranks_for(trainer: dict[str, Any]) -> Ranks:
+    """This process's :class:`~pardec.config.Ranks` (from the launcher's environment) with the ``trainer``
+    section's ``ddp_timeout`` (TrainingArguments' default where it sets none) as the timeout of the process group
+    its barrier creates, which also carries training."""
     timeout = trainer.get("ddp_timeout", DDP_TIMEOUT)
     if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout <= 0:
         raise ConfigError(f"trainer.ddp_timeout={timeout!r} must be a positive number of seconds")
-    d = Dist.from_env()
-    return Dist(d.rank, d.world, d.local_rank, float(timeout))
+    return Ranks.from_env(timeout_s=float(timeout))
 
 
 # ------------------------------------------------------------------------------------------- config
@@ -97,8 +66,7 @@ class BaseConfig(TrainingArguments):
         """Range / choice checks of the kind's own fields that ``values`` holds (validation checks the config's
         section with it before anything loads); raise ConfigError naming ``trainer.<key>``."""
         n = values.get("max_length", 2)
-        if isinstance(n, bool) or not isinstance(n, int) or n < 2:
-            raise ConfigError(f"trainer.max_length={n!r} is out of range: it must be an integer >= 2")
+        check_at_least("trainer.max_length", n, 2, integer=True)
 
     def __post_init__(self) -> None:
         self.check_values({k: getattr(self, k) for k in self.own_fields()})
@@ -260,7 +228,7 @@ def apply_lora(model, lora: dict, **extra):
                                             target_modules=lora.get("target_modules"), **extra))
 
 
-def save_final(trainer, spec, run_dir: Path, final: Path, d: Dist, prepare=None) -> None:
+def save_final(trainer, spec, run_dir: Path, final: Path, d: Ranks, prepare=None) -> None:
     """Full weights + tokenizer into ``final``; with LoRA the adapter goes to ``<run dir>/adapter`` and rank 0
     merges it into a fresh copy of the base weights (works the same under ZeRO-3, where weights are sharded).
     ``prepare(base)``: called on that fresh LoadedModel before the merge, to give it what the training model had
@@ -286,7 +254,7 @@ def save_final(trainer, spec, run_dir: Path, final: Path, d: Dist, prepare=None)
         base.tokenizer.save_pretrained(str(final))
 
 
-def fit(trainer: Trainer, spec, run_dir: Path, d: Dist,
+def fit(trainer: Trainer, spec, run_dir: Path, d: Ranks,
         finish: Callable[[Path, dict[str, Any]], dict[str, Any]]) -> dict[str, Any]:
     """Train (resuming from ``spec.resume``) under the experiment's tracker (rank 0 logs to W&B), then
     ``finish(<run dir>/final, trained)`` (``trained``: ``train_seconds`` and ``steps``; save the artifact, evaluate

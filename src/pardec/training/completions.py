@@ -64,7 +64,7 @@ class Source:
 class GenerateConfig:
     max_new_tokens: int = 128
     batch_size: int = 8  # prompts per generate() call
-    out_dir: str = "data/distill"
+    out_dir: str = "data/completions"
     overwrite: bool = False  # wipe out_dir when its meta.json is from other settings
     sources: list[Source] = field(default_factory=list)
     teacher_topk: int = 0  # > 0: also store the target's top-k log-probs at every completion position
@@ -296,7 +296,7 @@ def run_generation(cfg: GenerateConfig, lm, rank: int, world: int, barrier, key:
 
 def generate_stage(gen: GenerateConfig, model_cfg, d) -> dict | None:
     """The ``generate`` stage of the draft and heads kinds: the target's greedy completions of ``gen.sources``
-    (``d``: this process's :class:`~pardec.training.base.Dist`)."""
+    (``d``: this process's :class:`~pardec.config.Ranks`)."""
     from pardec.models.loading import load_model
 
     barrier = d.barrier()  # first: it picks this rank's GPU

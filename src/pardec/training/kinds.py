@@ -16,7 +16,7 @@ from typing import Any, ClassVar
 from omegaconf import DictConfig, OmegaConf
 
 from pardec import CONF_DIR, on_cuda
-from pardec.config import ConfigError, ModelConfig, check_types, to_dataclass
+from pardec.config import ConfigError, ModelConfig, check_choice, check_types, to_dataclass
 from pardec.registry import Registry
 
 #: the built-in kinds, one package each (imported by :func:`load_kinds`)
@@ -147,8 +147,7 @@ def common_fields(cfg: DictConfig, name: str, config_cls: type, *, elsewhere: di
 def check_device(device: Any, name: str) -> str:
     """The top-level ``device`` key: one of auto | cuda | cpu; ``cuda`` (a GPU recipe) where no CUDA device is usable
     stops here, before anything loads, instead of training on the CPU for days."""
-    if device not in ("auto", "cuda", "cpu"):
-        raise ConfigError(f"device={device!r} is not valid; choose one of: auto, cuda, cpu")
+    check_choice("device", device, ("auto", "cuda", "cpu"))
     if device == "cuda" and not on_cuda():
         raise ConfigError(f"experiment {name!r} runs on CUDA GPUs (device=cuda) but no CUDA device is usable here "
                           f"(torch.cuda.is_available() is false); pass device=cpu to run (or rehearse) it on the CPU")
@@ -168,8 +167,7 @@ def deepspeed_config(name: str | None) -> Path | None:
     if not name:
         return None
     choices = sorted(p.stem for p in (CONF_DIR / "deepspeed").glob("*.json"))
-    if name not in choices:
-        raise ConfigError(f"trainer.deepspeed={name!r} is not valid; choose one of: {', '.join(choices)} or null")
+    check_choice("trainer.deepspeed", name, choices, or_null=True)
     return CONF_DIR / "deepspeed" / f"{name}.json"
 
 
@@ -177,18 +175,6 @@ def known(section: dict, keys: tuple[str, ...], where: str) -> None:
     unknown = sorted(set(section) - set(keys))
     if unknown:
         raise ConfigError(f"unknown key(s) {unknown} in {where}; valid: {', '.join(keys)}")
-
-
-def is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def int_at_least(value: Any, low: int, key: str, or_null: bool = False) -> None:
-    if or_null and value is None:
-        return
-    if not is_int(value) or value < low:
-        raise ConfigError(f"{key}={value!r} is out of range: it must be an integer >= {low}"
-                          + (" or null" if or_null else ""))
 
 
 def target_layers(model: ModelConfig) -> int | None:

@@ -165,9 +165,9 @@ def test_the_corpus_must_be_the_collections_teacher(tmp_path, setup):
 
 # ------------------------------------------------------------------------------------------- the kind's stages
 def test_generate_stage_resumes_skips_and_feeds_the_train_stage(tmp_path, monkeypatch):
+    from pardec.config import Ranks
     from pardec.models import loading
     from pardec.train import validate
-    from pardec.training.base import Dist
     from pardec.training.cllm import CLLMKind
     from pardec.training.cllm.trajectories import load_trajectories
     from pardec.training.completions import run_generation
@@ -178,18 +178,18 @@ def test_generate_stage_resumes_skips_and_feeds_the_train_stage(tmp_path, monkey
     assert kind.stages == ("collect", "generate", "train") and spec.ar_answer == "whole"
     assert (spec.collect.max_new_tokens, spec.gen.max_new_tokens) == (12, 20)
     assert [s.max_prompts for s in spec.gen.sources] == [None] and spec.gen.sources[0].dataset == spec.dataset
-    kind.stage_collect(spec, tmp_path, Dist())
+    kind.stage_collect(spec, tmp_path, Ranks())
     lm = loading.load_model(spec.model)
     assert run_generation(spec.gen, lm, 0, 1, None, stop_after=2) is None  # "killed" after 2 of 6 prompts
     loaded = []
     real = loading.load_model
     monkeypatch.setattr(loading, "load_model", lambda cfg: loaded.append(cfg) or real(cfg))
-    stats = kind.stage_generate(spec, tmp_path, Dist())  # resumed
+    stats = kind.stage_generate(spec, tmp_path, Ranks())  # resumed
     assert stats["complete"] and stats["prompts"] == 6 and loaded
     resumed = load_completions(spec.gen.out_dir)
 
     fresh = validate(_tiny(tmp_path, f"completions.out_dir={tmp_path}/fresh"))
-    kind.stage_generate(fresh, tmp_path, Dist())
+    kind.stage_generate(fresh, tmp_path, Ranks())
     drop = lambda rs: [{k: v for k, v in r.items() if k != "seconds"} for r in rs]  # noqa: E731
     assert drop(load_completions(fresh.gen.out_dir)) == drop(resumed)
 
@@ -202,13 +202,13 @@ def test_generate_stage_resumes_skips_and_feeds_the_train_stage(tmp_path, monkey
     loaded.clear()
     for override, why in [("ar_answer=collected", "ar_answer=collected"),
                           ("completions.max_new_tokens=12", "completions.max_new_tokens=12 <= collect.max_new_tokens")]:
-        assert why in kind.stage_generate(validate(_tiny(tmp_path, override)), tmp_path, Dist())["skipped"]
+        assert why in kind.stage_generate(validate(_tiny(tmp_path, override)), tmp_path, Ranks())["skipped"]
     assert not loaded  # skipped before loading anything
     with pytest.raises(ConfigError, match="ar_answer='full' is not valid; choose one of: whole, collected"):
         validate(_tiny(tmp_path, "ar_answer=full"))
     other = validate(_tiny(tmp_path, "completions.max_new_tokens=24"))
     with pytest.raises(FileExistsError, match=r"max_new_tokens was 20, now 24\); pass completions.overwrite=true"):
-        kind.stage_generate(other, tmp_path, Dist())  # refused before the model loads
+        kind.stage_generate(other, tmp_path, Ranks())  # refused before the model loads
     assert not loaded
 
 

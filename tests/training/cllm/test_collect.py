@@ -315,9 +315,9 @@ def test_a_refused_collection_changes_nothing_and_stays_refused(tmp_path):
 def test_train_collect_refuses_other_settings_before_the_model_loads(tmp_path, monkeypatch):
     from dataclasses import asdict, replace
 
+    from pardec.config import Ranks
     from pardec.models import loading
     from pardec.train import validate
-    from pardec.training.base import Dist
     from pardec.training.cllm import CLLMKind
     from tests.training.test_train_app import _tiny
 
@@ -336,9 +336,9 @@ def test_train_collect_refuses_other_settings_before_the_model_loads(tmp_path, m
 
     monkeypatch.setattr(loading, "load_model", load_model)
     with pytest.raises(FileExistsError, match=r"model.seed was 5, now 0\); pass collect.overwrite=true"):
-        CLLMKind().stage_collect(spec, tmp_path, Dist())
+        CLLMKind().stage_collect(spec, tmp_path, Ranks())
     assert _hashes(out) == before
     same = {"model": spec.model.identity(), "dataset": asdict(spec.dataset)}
     (out / "meta.json").write_text(json.dumps(collection_meta(spec.collect, same, {2})))
     with pytest.raises(Loaded):  # the same settings pass the early check (EOS ids are checked after loading)
-        CLLMKind().stage_collect(spec, tmp_path, Dist())
+        CLLMKind().stage_collect(spec, tmp_path, Ranks())

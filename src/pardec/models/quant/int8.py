@@ -57,6 +57,7 @@ from pathlib import Path
 import torch
 
 from pardec import DATA_DIR
+from pardec.config import INT8_WEIGHTS
 from pardec.models import host
 
 log = logging.getLogger(__name__)
@@ -181,7 +182,6 @@ def is_int8(model: torch.nn.Module) -> bool:
 #: weight scale per matrix: what ``quantize_dynamic(model, {nn.Linear})`` gives when no qconfig is named),
 #: ``per_token`` (:class:`PerTokenLinear`: one weight scale per output row, one activation scale per token;
 #: batch-invariant)
-SCHEMES = ("weight_only", "per_channel", "per_tensor", "per_token")
 #: the schemes whose activations are quantized (smoothing applies to them only)
 DYNAMIC_SCHEMES = ("per_channel", "per_tensor", "per_token")
 #: the schemes whose linears are pardec's own modules (the others are fbgemm's dynamic linears)
@@ -189,12 +189,12 @@ OWN_LINEARS = {"weight_only": WeightOnlyLinear, "per_token": PerTokenLinear}
 
 
 def quantize(model: torch.nn.Module, scheme: str = "per_channel", skip: tuple[str, ...] = ()) -> torch.nn.Module:
-    """Every ``nn.Linear`` of ``model`` -> int8 weights (``scheme``: :data:`SCHEMES`), in place, except those
+    """Every ``nn.Linear`` of ``model`` -> int8 weights (``scheme``: :data:`INT8_WEIGHTS`), in place, except those
     whose name ends with one of ``skip`` (e.g. ``down_proj``: they stay fp32). CPU only."""
     from torch.ao.quantization import default_dynamic_qconfig, per_channel_dynamic_qconfig
 
-    if scheme not in SCHEMES:
-        raise ValueError(f"int8 weight scheme {scheme!r} is not one of {', '.join(SCHEMES)}")
+    if scheme not in INT8_WEIGHTS:
+        raise ValueError(f"int8 weight scheme {scheme!r} is not one of {', '.join(INT8_WEIGHTS)}")
     if scheme in OWN_LINEARS:
         if scheme == "weight_only":
             _warn_without_bf16()
@@ -213,8 +213,8 @@ def parse_recipe(text: str) -> dict:
     ``per_channel:smooth=0.8:skip=down_proj+o_proj`` -> ModelConfig's int8 fields (an option left out is off);
     errors name the bad part."""
     scheme, *opts = text.split(":")
-    if scheme not in SCHEMES:
-        raise ValueError(f"recipe {text!r}: scheme {scheme!r} not valid; choose from: {', '.join(SCHEMES)}")
+    if scheme not in INT8_WEIGHTS:
+        raise ValueError(f"recipe {text!r}: scheme {scheme!r} not valid; choose from: {', '.join(INT8_WEIGHTS)}")
     out = {"int8_weights": scheme, "int8_smooth": None, "int8_skip": []}
     for opt in opts:
         key, _, value = opt.partition("=")

@@ -46,7 +46,7 @@ import json
 import logging
 from pathlib import Path
 
-from pardec.config import ConfigError, settings_diff
+from pardec.config import ConfigError, check_choice, settings_diff
 
 log = logging.getLogger(__name__)
 
@@ -57,8 +57,7 @@ _NUMERICS_ONLY = ("device", "device_map", "attn_implementation")
 
 
 def check_ar_answer(value: object, key: str = "ar_answer") -> str:
-    if value not in AR_ANSWERS:
-        raise ConfigError(f"{key}={value!r} is not valid; choose one of: {', '.join(AR_ANSWERS)}")
+    check_choice(key, value, AR_ANSWERS)
     return value  # type: ignore[return-value]
 
 

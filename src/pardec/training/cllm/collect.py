@@ -61,7 +61,7 @@ from typing import Any
 
 import torch
 
-from pardec.config import ConfigError, DatasetConfig
+from pardec.config import ConfigError, DatasetConfig, check_choice
 from pardec.decoding.jacobi import check_guess_from, initial_guess
 from pardec.models.cached import CachedModel
 from pardec.training import stages
@@ -97,8 +97,7 @@ class CollectConfig:
             if getattr(self, key) < 1:
                 raise ConfigError(f"collect.{key}={getattr(self, key)!r} is out of range: it must be >= 1")
         check_guess_from(self.guess_from, "collect.guess_from")
-        if self.augment not in AUGMENT:
-            raise ConfigError(f"collect.augment={self.augment!r} is not valid; choose one of: {', '.join(AUGMENT)}")
+        check_choice("collect.augment", self.augment, AUGMENT)
         if not 0.0 < self.augment_prob <= 1.0:
             raise ConfigError(f"collect.augment_prob={self.augment_prob!r} is out of range: it must be in (0, 1]")
 

@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 import torch
 from transformers import TrainerCallback
 
-from pardec.config import ConfigError
+from pardec.config import ConfigError, check_choice
 from pardec.decoding.base import Stopper
 from pardec.decoding.jacobi import Jacobi
 from pardec.models.cached import CachedModel
@@ -67,8 +67,8 @@ class CLLMConfig(BaseConfig):
         super().check_values(opts)
         for key, choices in (("loss_type", LOSS_TYPES), ("distance", DISTANCES), ("state_sampling", STATE_SAMPLING),
                              ("ar_tail", AR_TAILS)):
-            if key in opts and opts[key] not in choices:
-                raise ConfigError(f"trainer.{key}={opts[key]!r} is not valid; choose one of: {', '.join(choices)}")
+            if key in opts:
+                check_choice(f"trainer.{key}", opts[key], choices)
         if not 0.0 <= opts.get("jsd_beta", 0.5) <= 1.0:
             raise ConfigError(f"trainer.jsd_beta={opts['jsd_beta']!r} is out of range: it must be in [0, 1]")
         if opts.get("ar_weight", 0.0) < 0:

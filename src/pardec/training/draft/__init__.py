@@ -21,7 +21,7 @@ from typing import Any
 
 from omegaconf import DictConfig
 
-from pardec.config import ConfigError
+from pardec.config import ConfigError, check_at_least
 from pardec.training.completions import GeneratesCompletions, check_fraction
 from pardec.training.kinds import Kind, Spec, check_layers, common_fields, known, register_kind
 
@@ -64,8 +64,7 @@ class DraftKind(GeneratesCompletions, Kind):
         if not isinstance(layers, list) or not layers or not all(isinstance(i, int) for i in layers):
             raise ConfigError(f"draft.layers={layers!r} is not valid: give a non-empty list of target layer indices")
         vocab_size = draft.get("vocab_size", 8192)
-        if not isinstance(vocab_size, int) or vocab_size < 2:
-            raise ConfigError(f"draft.vocab_size={vocab_size!r} is out of range: it must be an integer >= 2")
+        check_at_least("draft.vocab_size", vocab_size, 2, integer=True)
         fraction = check_fraction(draft.get("corpus_fraction", 1.0), "draft.corpus_fraction")
         gen = generate_config(completions, "completions")
         context, repeats = int(ev.pop("context", 200)), int(ev.pop("repeats", 20))

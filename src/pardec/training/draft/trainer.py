@@ -40,8 +40,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from pardec.config import ConfigError
-from pardec.training.base import BaseConfig, BaseTrainer, Dist, fit, training_args, unwrap
+from pardec.config import ConfigError, Ranks, check_choice
+from pardec.training.base import BaseConfig, BaseTrainer, fit, training_args, unwrap
 from pardec.training.completions import CompletionCollator, CompletionDataset, loss_window
 from pardec.training.losses import masked_sum, token_divergence
 
@@ -75,8 +75,8 @@ class DraftConfig(BaseConfig):
     @classmethod
     def check_values(cls, values: dict) -> None:
         super().check_values(values)
-        if "loss" in values and values["loss"] not in LOSSES:
-            raise ConfigError(f"trainer.loss={values['loss']!r} is not valid; choose one of: {', '.join(LOSSES)}")
+        if "loss" in values:
+            check_choice("trainer.loss", values["loss"], LOSSES)
         if "teacher" in values and values["teacher"] not in TEACHERS:
             raise ConfigError(f"trainer.teacher={values['teacher']!r} is not valid; choose one of: "
                               f"{', '.join(TEACHERS)}")
@@ -212,7 +212,7 @@ def forward_ms(model, context: list[int], repeats: int = 20, warmup: int = 3, to
 
 
 # ------------------------------------------------------------------------------------------- app stages
-def train_draft(spec, run_dir, d: Dist) -> dict:
+def train_draft(spec, run_dir, d: Ranks) -> dict:
     """The train stage of a ``kind: draft`` experiment (``spec``: :class:`~pardec.training.draft.DraftSpec`):
     student = build_draft(target, layers, vocab chosen from the completions' token counts); final model to
     ``<run>/final``."""

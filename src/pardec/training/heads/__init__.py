@@ -21,9 +21,9 @@ from typing import Any
 
 from omegaconf import DictConfig
 
-from pardec.config import ConfigError
+from pardec.config import ConfigError, check_at_least, check_choice, check_range, is_int
 from pardec.training.completions import GeneratesCompletions, check_fraction
-from pardec.training.kinds import Kind, Spec, check_layers, common_fields, is_int, known, register_kind
+from pardec.training.kinds import Kind, Spec, check_layers, common_fields, known, register_kind
 
 #: keys of the ``heads`` section per type
 #: why ZeRO-3 is refused: its zero.Init would partition the frozen target, which loads inside the Trainer's
@@ -64,19 +64,16 @@ class HeadsKind(GeneratesCompletions, Kind):
 
         heads, completions, ev = self.sections(cfg, "heads", "completions", "eval")
         kind = heads.get("type")
-        if kind not in HEADS_KEYS:
-            raise ConfigError(f"heads.type={kind!r} is not valid; choose one of: {', '.join(HEADS_KEYS)}")
+        check_choice("heads.type", kind, tuple(HEADS_KEYS))
         known(heads, HEADS_KEYS[kind], f"heads (type {kind})")
         fraction = check_fraction(heads.pop("corpus_fraction", 1.0), "heads.corpus_fraction")
         head_decay = 1.0
         if kind == "medusa":
             for key in ("num_heads", "num_blocks"):
                 v = heads.setdefault(key, 3 if key == "num_heads" else 1)
-                if not is_int(v) or v < 1:
-                    raise ConfigError(f"heads.{key}={v!r} is out of range: it must be an integer >= 1")
+                check_at_least(f"heads.{key}", v, 1, integer=True)
             head_decay = heads.pop("head_decay", 0.8)
-            if isinstance(head_decay, bool) or not isinstance(head_decay, (int, float)) or not 0 < head_decay <= 1:
-                raise ConfigError(f"heads.head_decay={head_decay!r} is out of range: it must be a number in (0, 1]")
+            check_range("heads.head_decay", head_decay, 0, 1, integer=False, open_lo=True)
             head_decay = float(head_decay)
         else:
             layers = heads.get("layers")
@@ -88,16 +85,11 @@ class HeadsKind(GeneratesCompletions, Kind):
             from pardec.models.pseudo import PSEUDO_ATTENTION
 
             attention, distance = heads.get("attention", "real"), heads.get("distance", "rkl")  # the paper's
-            if attention not in PSEUDO_ATTENTION:
-                raise ConfigError(f"heads.attention={attention!r} is not valid; choose one of: "
-                                  f"{', '.join(PSEUDO_ATTENTION)}")
-            if distance not in FIRP_DISTANCES:
-                raise ConfigError(f"heads.distance={distance!r} is not valid; choose one of: "
-                                  f"{', '.join(FIRP_DISTANCES)}")
+            check_choice("heads.attention", attention, PSEUDO_ATTENTION)
+            check_choice("heads.distance", distance, FIRP_DISTANCES)
         gen = generate_config(completions, "completions")
         topk, budgets = ev.pop("topk", 10), ev.pop("budgets", [16, 32, 63])
-        if not is_int(topk) or topk < 1:
-            raise ConfigError(f"eval.topk={topk!r} is out of range: it must be an integer >= 1")
+        check_at_least("eval.topk", topk, 1, integer=True)
         if not isinstance(budgets, list) or not budgets or not all(is_int(b) and b >= 1 for b in budgets):
             raise ConfigError(f"eval.budgets={budgets!r} is not valid: give a non-empty list of integers >= 1 "
                               f"(tree sizes)")

@@ -40,9 +40,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from pardec.config import ConfigError
+from pardec.config import ConfigError, Ranks
 from pardec.models.pseudo import DECODING_ATTENTION, PSEUDO_ATTENTION, forward_pseudo
-from pardec.training.base import BaseConfig, BaseTrainer, Dist, fit, training_args, unwrap
+from pardec.training.base import BaseConfig, BaseTrainer, fit, training_args, unwrap
 from pardec.training.losses import masked_sum, token_divergence
 
 log = logging.getLogger(__name__)
@@ -263,7 +263,7 @@ def _new_drafter(spec, base):
     return new_drafter("firp", base.config, layers=h["layers"], attention=h.get("attention", "real"))
 
 
-def train_heads(spec, run_dir, d: Dist) -> dict:
+def train_heads(spec, run_dir, d: Ranks) -> dict:
     """The train stage of a ``kind: heads`` experiment (``spec``: :class:`~pardec.training.heads.HeadsSpec`): a
     fresh drafter trained on ``load_completions(spec.gen.out_dir)`` (its first ``spec.corpus_fraction`` per source);
     saved with ``save_drafter`` to ``<run>/final``."""

@@ -22,8 +22,8 @@ from typing import Any
 
 from omegaconf import DictConfig
 
-from pardec.config import ConfigError, to_dataclass
-from pardec.training.kinds import Kind, Spec, common_fields, int_at_least, known, register_kind
+from pardec.config import ConfigError, check_at_least, to_dataclass
+from pardec.training.kinds import Kind, Spec, common_fields, known, register_kind
 
 log = logging.getLogger(__name__)
 
@@ -59,7 +59,7 @@ class SDSATKind(Kind):
         adaptive, mask, ev = self.sections(cfg, "adaptive", "mask", "eval")
         known(adaptive, ADAPTIVE_KEYS, "adaptive")
         max_span, diverse = adaptive.get("max_span", 5), adaptive.get("diverse", False)
-        int_at_least(max_span, 1, "adaptive.max_span")
+        check_at_least("adaptive.max_span", max_span, 1, integer=True)
         if not isinstance(diverse, bool):
             raise ConfigError(f"adaptive.diverse={diverse!r} is not valid: it must be true or false")
         moved = sorted(set(mask) & set(ADAPTIVE_KEYS))
@@ -74,9 +74,9 @@ class SDSATKind(Kind):
         if not eval_sources:
             raise ConfigError(f"eval.sources is empty: list at least one of {mk.SOURCE_FORMS}")
         max_docs, stride, k_max = ev.get("max_docs"), ev.get("stride", 8), ev.get("k_max", max_span)
-        int_at_least(max_docs, 1, "eval.max_docs", or_null=True)
-        int_at_least(stride, 1, "eval.stride")
-        int_at_least(k_max, 1, "eval.k_max")
+        check_at_least("eval.max_docs", max_docs, 1, integer=True, or_null=True)
+        check_at_least("eval.stride", stride, 1, integer=True)
+        check_at_least("eval.k_max", k_max, 1, integer=True)
         if diverse and k_max > max_span:
             raise ConfigError(f"eval.k_max={k_max} is out of range: diverse adaptive tokens exist for depths "
                               f"1..adaptive.max_span={max_span} only")

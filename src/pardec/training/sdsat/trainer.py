@@ -37,12 +37,11 @@ from pathlib import Path
 import torch
 
 import pardec.training.sdsat.masked as mk
-from pardec.config import ConfigError
+from pardec.config import ConfigError, Ranks
 from pardec.models import adaptive
 from pardec.training.base import (
     BaseConfig,
     BaseTrainer,
-    Dist,
     apply_lora,
     fit,
     pair_means,
@@ -248,7 +247,7 @@ def attach_adaptive_any(model, tokenizer, tokens: list[str], max_span: int, dive
         return adaptive.attach_adaptive(model, tokenizer, tokens, max_span, diverse)
 
 
-def train_sdsat(spec, run_dir, d: Dist) -> dict:
+def train_sdsat(spec, run_dir, d: Ranks) -> dict:
     """The train stage of a ``kind: sdsat`` experiment (``spec``: :class:`~pardec.training.sdsat.SDSATSpec`): the base
     model with the adaptive tokens attached (ids checked against the masked corpus), fully fine-tuned or with LoRA
     (plus the adaptive tokens' embedding rows), on ``<mask.out_dir>/masked.jsonl``; final model + tokenizer (with
