@@ -17,7 +17,7 @@ def test_gpu_smoke_runs_on_cpu(tmp_path):
     from pardec.decoding import METHODS
 
     rc = smoke.main(["--device", "cpu", "--model", "tiny_random", "--new-tokens", "8", "--kinds", "cllm",
-                     "--forward-impls", "hf,lean", "--out", str(tmp_path)])  # (compiled: tests/models/test_compiled.py)
+                     "--forward-impls", "hf,lean", "--out", str(tmp_path)])  # (compiled: tests/models/forward/test_compiled.py)
     out = json.loads((tmp_path / "gpu_smoke.json").read_text())
     assert rc == 0, [r for r in out["decoding"] + out["training"] if "problem" in r]
     assert {(r["method"], r["dtype"], r["forward_impl"]) for r in out["decoding"]} == {

@@ -12,7 +12,7 @@ from pardec.models.cached import CachedModel
 from pardec.models.cost import CostTable
 from tests.conftest import tiny
 from tests.decoding.test_lossless import _ar, _build
-from tests.models.test_compiled import needs_compiler
+from tests.models.forward.test_compiled import needs_compiler
 
 #: every row count from 2 to 7 is padded to 8 (what a machine whose 8-row GEMM is cheapest would measure)
 PAD_TO_8 = CostTable("tiny", "fp32", 0, {1: 1.0, **{t: 9.0 for t in range(2, 8)}, 8: 2.0}, machine={})

@@ -107,7 +107,7 @@ def test_cpu_inputs_are_moved_onto_the_model(verb):
 def test_lean_forward_on_one_gpu():
     """forward_impl=lean on a virtual GPU: every forward argument gives what it gives on the CPU, and no CPU tensor
     meets the model's (the causal mask after a prefix, rotary tables, kept positions are made on its device)."""
-    from tests.models.test_lean import _script
+    from tests.models.forward.test_lean import _script
 
     model = tiny(1).model
     on_cpu = [t.detach().cpu() for t in _script(CachedModel(model, forward_impl="lean"))]

@@ -11,7 +11,7 @@ from pardec.config import ModelConfig
 from pardec.models.cached import CachedModel
 from pardec.models.forward import compiled
 from tests.conftest import tiny
-from tests.models.test_lean import _close, _script, assert_lossless_under
+from tests.models.forward.test_lean import _close, _script, assert_lossless_under
 
 #: inductor generates C++ on the CPU: without a compiler the feature refuses (tested below) and these cannot run
 needs_compiler = pytest.mark.skipif(not any(compiled.shutil.which(c) for c in ("c++", "g++", "clang++")),

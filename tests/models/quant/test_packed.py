@@ -16,8 +16,8 @@ from pardec.config import ModelConfig
 from pardec.models.cached import CachedModel
 from pardec.models.loading import load_model, trainable
 from pardec.models.quant import packed
-from tests.models.test_compiled import needs_compiler
-from tests.models.test_lean import _script
+from tests.models.forward.test_compiled import needs_compiler
+from tests.models.forward.test_lean import _script
 
 needs_bf16 = pytest.mark.skipif(not packed.supported(),
                                 reason="packing is on only on CPUs with AMX-bf16 (where it was measured); this CPU has "

@@ -13,8 +13,8 @@ import torch
 from pardec.models.cached import CachedModel
 from pardec.models.forward import CudaGraph, compiled
 from tests.conftest import tiny
-from tests.models.test_compiled import needs_compiler
-from tests.models.test_lean import _close, _script, assert_lossless_under
+from tests.models.forward.test_compiled import needs_compiler
+from tests.models.forward.test_lean import _close, _script, assert_lossless_under
 
 
 class _EagerGraph:
