@@ -1,7 +1,7 @@
 """Host reads per forward of every decoding method, counted on a virtual GPU (no GPU needed).
 
 Each method generates from the same prompts with the model and its drafter placed on a virtual CUDA device
-(:class:`pardec.devicecheck.VirtualCUDA`): every value the host reads back from the device (``tolist``, ``item``,
+(:class:`pardec.testing.VirtualCUDA`): every value the host reads back from the device (``tolist``, ``item``,
 ``int()``, blocking copies to the CPU, ``nonzero``, boolean-mask indexing) is counted, and with ``--trace`` named by
 the pardec source line that made it. On a real GPU each such read waits for the device's queue to drain: it is what
 ``python -m pardec.bench gpu-smoke`` counts on CUDA with ``torch.cuda.set_sync_debug_mode``. The timing syncs and the waits on
@@ -26,24 +26,18 @@ PROMPT = "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n
 NOT_READS = ("cuda.Event.synchronize", "cuda.synchronize")
 
 
-def _gpu_smoke():
-    from pardec.bench import gpu_smoke
-
-    return gpu_smoke
-
-
 def count(methods: list[str], new_tokens: int, sampled: bool, trace: bool) -> list[dict]:
     import torch
 
     from pardec.config import ModelConfig, SamplingConfig
     from pardec.decoding import METHODS, Stopper, build_decoder
-    from pardec.devicecheck import VirtualCUDA
     from pardec.models.cached import CachedModel
     from pardec.models.loading import load_model
+    from pardec.testing import VirtualCUDA, untrained_drafters
 
     torch.manual_seed(0)
     lm = load_model(ModelConfig(name="tiny_random", source="tiny_random", layers=3, dtype="fp32", device="cpu"))
-    draft, params = _gpu_smoke().drafters(lm.model, lm.tokenizer, Path(tempfile.mkdtemp(prefix="pardec-reads-")))
+    draft, params = untrained_drafters(lm.model, Path(tempfile.mkdtemp(prefix="pardec-reads-")))
     ids = lm.tokenizer(PROMPT)["input_ids"]
     s = SamplingConfig(temperature=0.8, top_k=20, top_p=0.95, seed=1) if sampled else SamplingConfig()
     rows = []

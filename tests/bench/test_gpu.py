@@ -88,6 +88,6 @@ def test_gpu_speed_refuses_unknown_shapes_and_cuda_without_a_gpu(capsys):
 
 
 def test_count_cuda_syncs_runs_the_function_and_counts_nothing_off_cuda():
-    from pardec.devicecheck import count_cuda_syncs
+    from pardec.testing import count_cuda_syncs
 
     assert count_cuda_syncs(lambda: 7, "cpu") == (7, None)

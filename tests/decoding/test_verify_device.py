@@ -1,4 +1,4 @@
-"""Verification on the device: one host read per call, counted by :class:`pardec.devicecheck.VirtualCUDA`, with the
+"""Verification on the device: one host read per call, counted by :class:`pardec.testing.VirtualCUDA`, with the
 same outputs as on the CPU; within whole generations too (sps, medusa, spectr). K-SEQ's factor solved exactly, held
 to hand-computed values and to the 40-step bisection it replaced (kept here as the reference). Tree buffers built
 once per tree shape; drafts that are made on the device stay there."""
@@ -22,8 +22,8 @@ from pardec.decoding.heads import typical_accept
 from pardec.decoding.sampling import sample, warp
 from pardec.decoding.tree import Tree
 from pardec.decoding.verify import kseq_factor, kseq_factors, verify_chain, verify_tree, verify_tree_iid
-from pardec.devicecheck import VirtualCUDA
 from pardec.models.cached import CachedModel
+from pardec.testing import VirtualCUDA
 from tests.conftest import noisy, tiny
 from tests.decoding.drafters import drafter_params
 

@@ -1,4 +1,4 @@
-"""Every decoder, whole generations, on a virtual CUDA device (pardec.devicecheck): a tensor created on the CPU
+"""Every decoder, whole generations, on a virtual CUDA device (pardec.testing): a tensor created on the CPU
 that meets the model's CUDA tensors, or a CPU generator sampling for them, fails here as it would on a GPU; and
 the tokens equal those of the same run on the CPU (the values are real, so greedy and seeded sampling agree)."""
 
@@ -8,8 +8,8 @@ import pytest
 
 from pardec.config import SamplingConfig
 from pardec.decoding import METHODS, Stopper, build_decoder
-from pardec.devicecheck import VirtualCUDA
 from pardec.models.cached import CachedModel
+from pardec.testing import VirtualCUDA
 from tests.conftest import noisy, tiny
 from tests.decoding.drafters import drafter_params
 

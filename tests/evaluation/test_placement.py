@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 
 from pardec.config import ConfigError, ModelConfig, RunConfig
-from pardec.devicecheck import VirtualCUDA
 from pardec.evaluation.spec import check_placement
+from pardec.testing import VirtualCUDA
 
 SPLIT = ModelConfig(name="yi_34b", source="hub", path="01-ai/Yi-34B", device_map="auto")
 DRAFT = ModelConfig(name="yi_6b", source="hub", path="01-ai/Yi-6B")

@@ -70,8 +70,8 @@ def test_a_split_targets_rank_owns_a_disjoint_group_with_its_draft_in_it(world):
     group of 8 / world GPUs and its draft sits on the group's first, never inside another rank's group (before:
     on cuda:LOCAL_RANK, inside rank 0's group for rank 1 of 4)."""
     from pardec.config import ModelConfig
-    from pardec.devicecheck import VirtualCUDA
     from pardec.models.loading import rank_devices, rank_gpus
+    from pardec.testing import VirtualCUDA
 
     target = ModelConfig(name="yi_34b", source="hub", path="01-ai/Yi-34B", device_map="auto")
     draft = ModelConfig(name="yi_6b", source="hub", path="01-ai/Yi-6B")

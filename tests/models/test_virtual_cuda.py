@@ -1,4 +1,4 @@
-"""The model seam's verbs on a virtual CUDA device (pardec.devicecheck), with the model on one GPU and split over
+"""The model seam's verbs on a virtual CUDA device (pardec.testing), with the model on one GPU and split over
 two (as ``model.device_map=auto`` splits a big target): each verb gives what it gives on the CPU, and no CPU
 tensor meets the model's CUDA ones."""
 
@@ -7,10 +7,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pardec.devicecheck import VirtualCUDA
 from pardec.models.cached import CachedModel
 from pardec.models.heads import new_drafter
 from pardec.models.pseudo import forward_pseudo, run_upper
+from pardec.testing import VirtualCUDA
 from tests.conftest import tiny
 
 

@@ -1,4 +1,4 @@
-"""Every trainer's training step on a virtual CUDA device (pardec.devicecheck): the accumulation window's counts
+"""Every trainer's training step on a virtual CUDA device (pardec.testing): the accumulation window's counts
 (``get_batch_samples`` on the device), ``compute_loss``, backward and the logged sums, with the model, its
 frozen teacher/base and the batch on ``cuda:0``. A CPU tensor meeting them fails as it would on a GPU; the loss
 equals the CPU one, and every gradient lands on the device."""
@@ -10,11 +10,11 @@ import copy
 import pytest
 import torch
 
-from pardec.devicecheck import VirtualCUDA
 from pardec.models import adaptive
 from pardec.models.cached import CachedModel
 from pardec.models.draft import build_draft
 from pardec.models.heads import new_drafter
+from pardec.testing import VirtualCUDA
 from pardec.training.cllm.collect import jacobi_trajectories
 from pardec.training.cllm.data import CLLMCollator, TrajectoryDataset
 from pardec.training.cllm.trainer import CLLMConfig, CLLMTrainer

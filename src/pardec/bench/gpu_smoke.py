@@ -33,6 +33,7 @@ from functools import partial
 from pathlib import Path
 
 from pardec import REPO_ROOT
+from pardec.testing import untrained_drafters
 
 ROOT = REPO_ROOT
 PROMPTS = ["def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n",
@@ -59,36 +60,15 @@ def sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def drafters(model, tok, work: Path) -> tuple[object, dict[str, dict]]:
-    """(a draft model: the target's first and last layers over its whole vocabulary, method parameters per
-    method): untrained Medusa heads and FIRP projections saved with a chain tree; SDSAT's adaptive token
-    stands in as the last vocabulary id."""
-    from pardec.decoding.tree_search import save_tree
-    from pardec.models.draft import build_draft
-    from pardec.models.heads import new_drafter, save_drafter
-
-    n = model.config.num_hidden_layers
-    draft = build_draft(model, sorted({0, n - 1}), list(range(model.config.vocab_size)))
-    params: dict[str, dict] = {"sdsat": {"adaptive_ids": [int(model.config.vocab_size) - 1]}}
-    for kind, key, methods in (("medusa", "heads", ("medusa", "medusa_typical")), ("firp", "projections", ("firp",))):
-        d = (new_drafter("medusa", model.config, num_heads=3, lm_head=model.lm_head) if kind == "medusa"
-             else new_drafter("firp", model.config, layers=[n // 2, n // 2, n - 1]))
-        out = save_drafter(d, work / kind, model.config, "smoke")
-        save_tree(out / "trees" / "chain.json", "chain", [[0], [0, 0], [0, 0, 0]])
-        for m in methods:
-            params[m] = {key: str(out), "tree": "chain"}
-    return draft, params
-
-
 def decoding(a, out: dict) -> list[dict]:
     import torch
 
     from pardec.config import ModelConfig
     from pardec.decoding import METHODS, Stopper, build_decoder
     from pardec.decoding.base import lossless_under_greedy
-    from pardec.devicecheck import count_cuda_syncs
     from pardec.models.cached import CachedModel
     from pardec.models.loading import TORCH_DTYPES, load_model, named_config, set_tf32
+    from pardec.testing import count_cuda_syncs
 
     set_tf32(True)
     names = a.methods.split(",") if a.methods else METHODS.names()
@@ -101,7 +81,7 @@ def decoding(a, out: dict) -> list[dict]:
             cfg.device = a.device
         lm = load_model(cfg)
         tok, model = lm.tokenizer, lm.model
-        draft_model, params = drafters(model, tok, work / dtype)
+        draft_model, params = untrained_drafters(model, work / dtype)
         draft_model = draft_model.to(model.device, TORCH_DTYPES[dtype])
         prompts = [tok(p)["input_ids"] for p in PROMPTS]
         stop = Stopper(tok)

@@ -72,8 +72,8 @@ def run_shape(shape: str, a, tok) -> dict:
     from pardec.bench.cost import measure
     from pardec.decoding import Stopper, build_decoder
     from pardec.decoding.base import sync
-    from pardec.devicecheck import count_cuda_syncs
     from pardec.models.cached import CachedModel
+    from pardec.testing import count_cuda_syncs
 
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[a.dtype]
     model = random_llama(shape, len(tok), dtype, a.device)

@@ -121,7 +121,7 @@ def test_every_lossless_method_under_lean_reproduces_ar_and_hf_generate():
 def test_auto_picks_the_fastest_exact_forward_where_the_model_runs():
     """``forward_impl=auto`` (evaluate's default): lean on the CPU, the graphed step on CUDA, hf where the others
     cannot run the model (split over devices, another MLP) or on transformers' DynamicCache."""
-    from pardec.devicecheck import VirtualCUDA
+    from pardec.testing import VirtualCUDA
 
     m = tiny(0).model
     assert CachedModel(m, forward_impl="auto").forward_impl == "lean"

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pardec.devicecheck import DeviceMismatchError, VirtualCUDA
+from pardec.testing.devices import DeviceMismatchError, VirtualCUDA
 
 
 def test_tensors_report_and_keep_their_virtual_device():

@@ -45,7 +45,7 @@ from torch.utils._pytree import tree_flatten
 from torch.utils.weak import WeakTensorKeyDictionary
 
 CPU = torch.device("cpu")
-_PACKAGE = str(Path(__file__).resolve().parent) + os.sep  # sync sites are named relative to pardec's source
+_PACKAGE = str(Path(__file__).resolve().parents[1]) + os.sep  # sync sites are named relative to pardec's source
 
 
 class DeviceMismatchError(RuntimeError):
@@ -285,7 +285,7 @@ class VirtualCUDA(TorchFunctionMode):
             import traceback
 
             frames = [f for f in traceback.extract_stack()[:-2] if f.filename.startswith(_PACKAGE) and
-                      not f.filename.endswith("devicecheck.py")]
+                      not f.filename.endswith("testing/devices.py")]
             where = f"{frames[-1].filename[len(_PACKAGE):]}:{frames[-1].lineno}" if frames else "?"
             self.sync_sites[(name, where)] += 1
 
