@@ -1,37 +1,58 @@
 """Bad inputs to `python -m evaluate` (formerly ``scripts/bad_inputs.py``): each gets one clear ``error:`` line that
 names the bad key or value, with no traceback, before any model loads.
 
-Every case runs the real CLI in a subprocess on a tiny offline configuration (``model=tiny_random``, HumanEval,
-one prompt, 4 new tokens), with :func:`pardec.models.loading.load_model` wrapped so that a model load prints a
-marker first: an error after the marker came too late. ``pytest -m slow tests/test_bad_inputs.py -n 2`` runs them
-all (a subprocess each, several seconds apiece); ``-k`` picks some.
+Every case runs the real CLI (:func:`pardec.evaluate.main`, Hydra and all) on a tiny offline configuration
+(``model=tiny_random``, HumanEval, one prompt, 4 new tokens), with :func:`pardec.models.loading.load_model` wrapped
+so that a model load prints a marker first: an error after the marker came too late. The cases run one after
+another in one child process per environment (a fresh process each would cost ~5 s of imports per case), each in a
+temporary directory of its own with Hydra's global state cleared in between.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
-import tempfile
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import pytest
 
 MARKER = "@@pardec: a model is loading@@"
 BASE = ("model=tiny_random", "n_samples=1", "max_new_tokens=4", "bench.warmup=0", "perplexity.enabled=false",
         "dataset=humaneval")
-#: the CLI with load_model wrapped to announce itself; argv after "--" goes to `python -m evaluate`
-WRAPPER = f"""
-import runpy, sys
+#: runs the cases read from stdin (JSON: args, files) through the CLI, one after another, with load_model wrapped
+#: to announce itself; prints a JSON list of {"code", "stderr"}
+RUNNER = f"""
+import contextlib, io, json, os, sys, tempfile, traceback
+from pathlib import Path
 import pardec.models.loading as loading
 _load = loading.load_model
-def load_model(cfg):
+def load_model(cfg, *a, **k):
     print({MARKER!r}, file=sys.stderr, flush=True)
-    return _load(cfg)
+    return _load(cfg, *a, **k)
 loading.load_model = load_model
-sys.argv = ["evaluate", *sys.argv[1:]]
-runpy.run_module("evaluate", run_name="__main__", alter_sys=True)
+from hydra.core.global_hydra import GlobalHydra
+from pardec.evaluate import main
+out = []
+for case in json.load(sys.stdin):
+    with tempfile.TemporaryDirectory(prefix="pardec-bad-") as tmp:
+        for name, content in case["files"].items():
+            Path(tmp, name).write_text(content)
+        os.chdir(tmp)
+        sys.argv = ["evaluate", *(a.replace("{{tmp}}", tmp) for a in case["args"]), "hydra.run.dir=" + tmp + "/run"]
+        GlobalHydra.instance().clear()
+        err, code = io.StringIO(), 0
+        with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+            try:
+                main()
+            except SystemExit as e:
+                code = e.code if isinstance(e.code, int) else int(e.code is not None)
+            except BaseException:
+                traceback.print_exc()
+                code = 1
+        out.append({{"code": code, "stderr": err.getvalue()}})
+print(json.dumps(out))
 """
 
 
@@ -150,20 +171,29 @@ CASES = [
 
 
 
-def run_case(case: Case) -> tuple[str, str]:
-    """(what is wrong with the CLI's answer, or "" when nothing is; its error line)."""
-    with tempfile.TemporaryDirectory(prefix="pardec-bad-") as tmp:
-        for name, content in case.files.items():
-            Path(tmp, name).write_text(content)
-        args = [a.replace("{tmp}", tmp) for a in (*BASE, *case.args)]
+def run_cases(cases: list[Case]) -> list[tuple[int, str]]:
+    """(exit code, stderr) of the CLI on each case: one child process per distinct environment."""
+    results: dict[str, tuple[int, str]] = {}
+    groups: dict[str, list[Case]] = {}
+    for case in cases:
+        groups.setdefault(json.dumps(case.env, sort_keys=True), []).append(case)
+    for env_key, group in groups.items():
+        env = {**os.environ, "PYTHONWARNINGS": "ignore", "TOKENIZERS_PARALLELISM": "false", **json.loads(env_key)}
         # a later key=value wins, so the case's own dataset= / draft= override BASE's
-        env = {**os.environ, "PYTHONWARNINGS": "ignore", "TOKENIZERS_PARALLELISM": "false", **case.env}
-        p = subprocess.run([sys.executable, "-c", WRAPPER, *args, f"hydra.run.dir={tmp}/run"], cwd=tmp,
-                           env=env, capture_output=True, text=True, timeout=300)
-    err = p.stderr
+        todo = [{"args": [*BASE, *c.args], "files": c.files} for c in group]
+        p = subprocess.run([sys.executable, "-c", RUNNER], input=json.dumps(todo), env=env, capture_output=True,
+                           text=True, timeout=1200)
+        assert p.returncode == 0, p.stderr[-3000:]
+        for case, r in zip(group, json.loads(p.stdout.splitlines()[-1]), strict=True):
+            results[case.name] = (r["code"], r["stderr"])
+    return [results[c.name] for c in cases]
+
+
+def judge(case: Case, code: int, err: str) -> tuple[str, str]:
+    """(what is wrong with the CLI's answer, or "" when nothing is; its error line)."""
     errors = [x for x in err.splitlines() if x.startswith("error: ")]
     line = errors[0] if errors else next((x for x in reversed(err.splitlines()) if x.strip()), "")
-    if p.returncode == 0:
+    if code == 0:
         return "accepted (exit 0)", line
     if "Traceback (most recent call last)" in err:
         return "traceback", line
@@ -181,7 +211,19 @@ def test_case_names_are_unique():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
-def test_bad_input_gets_one_clear_line_before_any_model_loads(case):
-    problem, line = run_case(case)
-    assert not problem, f"{problem}: {line[:300]}"
+def test_every_bad_input_gets_one_clear_line_before_any_model_loads():
+    problems = []
+    for case, (code, err) in zip(CASES, run_cases(CASES), strict=True):
+        problem, line = judge(case, code, err)
+        if problem:
+            problems.append(f"{case.name}: {problem}: {line[:300]}")
+    assert not problems, "\n".join(problems)
+
+
+def test_a_case_the_cli_accepts_is_reported():
+    """The judge's teeth: a valid run (exit 0) and an error naming something else are both reported."""
+    ok = Case("valid", ("+method=ar",), "anything")
+    assert judge(ok, 0, "")[0] == "accepted (exit 0)"
+    assert judge(ok, 2, "error: max_new_tokens=0 is out of range\n")[0] == "does not name 'anything'"
+    assert judge(ok, 2, f"{MARKER}\nerror: anything went wrong\n")[0] == "error after a model loaded"
+    assert judge(ok, 2, "error: anything\n")[0] == ""

@@ -112,20 +112,22 @@ def check_placement(model: ModelConfig, draft: ModelConfig | None, run: RunConfi
     several processes a split target's rank owns a disjoint group of GPUs and its draft lives in it), and that each
     model's forward can run there: a target split with ``model.device_map`` runs ``hf`` only (``auto`` picks it),
     ``cudagraph`` needs CUDA."""
+    from pardec.models.forward import FORWARDS
     from pardec.models.loading import rank_devices
 
     devices = rank_devices(model, draft)
     for key, cfg, impl, dev in (("forward_impl", model, run.forward_impl, devices[0]),
                                 ("draft_forward_impl", draft, run.draft_forward_impl or run.forward_impl, devices[1])):
-        if cfg is None:
+        if cfg is None or impl == "auto":
             continue
-        if cfg.device_map and impl in ("lean", "compiled", "cudagraph"):
+        fwd = FORWARDS.get(impl)
+        if cfg.device_map and fwd.own:  # (its own forwards run on one device)
             other = "; the draft's is draft_forward_impl" if key == "forward_impl" else ""
             raise ConfigError(f"{key}={impl} cannot run {cfg.name!r}: it is split over several GPUs "
                               f"({'draft' if key != 'forward_impl' else 'model'}.device_map={cfg.device_map}), which "
                               f"only the hf forward follows; use {key}=auto or hf{other}")
-        if impl == "cudagraph" and dev.type != "cuda":
-            raise ConfigError(f"{key}=cudagraph replays CUDA graphs but {cfg.name!r} runs on {dev}; use {key}=auto "
+        if fwd.device_type is not None and dev.type != fwd.device_type:
+            raise ConfigError(f"{key}={impl} replays CUDA graphs but {cfg.name!r} runs on {dev}; use {key}=auto "
                               f"or compiled")
     return devices
 
