@@ -36,7 +36,7 @@ demo: setup  ## pld (+ sps with the distilled draft if trained) vs ar and HF gen
 
 # two pytest-xdist workers, one torch thread each (tests/conftest.py): tiny models are overhead-bound, so two
 # processes finish ~1.8x sooner than one process with two threads
-PYTEST := $(BIN)/python -m pytest -q -n 2 --durations=15
+PYTEST := $(BIN)/python -m pytest -q -n 2 --dist worksteal --durations=15
 test: setup  ## every test (CPU, offline, 10-17 min on 2 cores)
 	$(PYTEST) $(PYTEST_ARGS)
 
