@@ -114,7 +114,7 @@ def test_nucleus_tree_caterpillar():
 @pytest.mark.slow  # a chi-square test over many decodes
 def test_fused_sampling_follows_the_target_distribution():
     target = tiny_vocab(0)
-    dec = build_decoder("sdsat", CachedModel(target), None, k=2, variant="fused", top_k=3, tree="caterpillar",
+    dec = build_decoder("sdsat", CachedModel(target, forward_impl="lean"), None, k=2, variant="fused", top_k=3, tree="caterpillar",
                         adaptive_ids=[15])
     s0 = SamplingConfig(temperature=1.0)
     obs: Counter = Counter()
@@ -236,7 +236,7 @@ def test_both_shapes_are_greedy_exact(tree):
 def test_sampling_follows_the_target_distribution_with_each_shape(tree, variant):
     """The first three tokens of 7-token samples (so the first verification's tree is 5 deep) follow the target."""
     target = tiny_vocab(0)
-    dec = build_decoder("sdsat", CachedModel(target), None, k=5, variant=variant, top_k=4, tree=tree,
+    dec = build_decoder("sdsat", CachedModel(target, forward_impl="lean"), None, k=5, variant=variant, top_k=4, tree=tree,
                         adaptive_ids=[15])
     s0 = SamplingConfig(temperature=1.0)
     obs: Counter = Counter()

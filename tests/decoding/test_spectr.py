@@ -71,7 +71,8 @@ def test_kseq_samples_the_target(m):
 def test_spectr_k4_samples_the_target_distribution(setting):
     s0 = SETTINGS[setting]
     target = tiny_vocab(0)
-    dec = build_decoder("spectr", CachedModel(target), None, CachedModel(tiny_vocab(1), name="draft"), k=4, gamma=2)
+    dec = build_decoder("spectr", CachedModel(target, forward_impl="lean"), None,
+                        CachedModel(tiny_vocab(1), name="draft", forward_impl="lean"), k=4, gamma=2)
     obs: Counter = Counter()
     drafted = accepted = 0
     for i in range(N):
@@ -87,10 +88,11 @@ def test_spectr_k4_samples_the_target_distribution(setting):
 @pytest.mark.slow  # many decodes per k
 def test_more_draft_sequences_accept_more():
     """k i.i.d. drafts accept at least as much as one on average (SpecTr's point), on the tiny-vocabulary pair."""
-    target = CachedModel(tiny_vocab(0))
+    target = CachedModel(tiny_vocab(0), forward_impl="lean")
     rates = {}
     for k in (1, 4):
-        dec = build_decoder("spectr", target, None, CachedModel(tiny_vocab(1), name="draft"), k=k, gamma=3)
+        dec = build_decoder("spectr", target, None, CachedModel(tiny_vocab(1), name="draft", forward_impl="lean"), k=k,
+                            gamma=3)
         acc = drafted = 0
         for i in range(150):
             res = dec.generate(PROMPT, 8, Stopper(), SamplingConfig(temperature=1.0, seed=i))
