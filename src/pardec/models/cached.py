@@ -237,8 +237,11 @@ class CachedModel:
             out = self.impl.rows(self.model, ids, positions, mask, self.cache, hidden_layer, keep)
             if out is not None:
                 self.graphed_forwards += self.impl.graphs is not None
-                logits = out if hidden_layer is None else out[0]
-                captured.extend(() if hidden_layer is None else (out[1],))
+                if hidden_layer is None:
+                    logits = out
+                else:
+                    logits, hidden = out
+                    captured.append(hidden)
         if logits is None and hidden_layer is None and tail_at is None:
             logits = self.impl.logits(self.model, ids, positions, mask, self.cache, keep)
         if logits is None:
