@@ -55,6 +55,7 @@ from transformers import PreTrainedModel
 from pardec.models import forward as forwards
 from pardec.models.cache import new_cache, to_device
 from pardec.models.compat import cache_kw, output_cache
+from pardec.models.forward.lean import captured
 from pardec.models.masks import additive_mask, allowed, padded
 from pardec.models.tokens import TokenLog
 
@@ -70,7 +71,7 @@ class NonFiniteLogitsError(RuntimeError):
 @dataclass
 class ForwardOut:
     logits: torch.Tensor  # [B, T', V]: every new position, the last one, or the ``logits_at`` ones
-    hidden: torch.Tensor | None = None  # [B, T, H] entering the layer asked for (``hidden_layer``)
+    hidden: torch.Tensor | None = None  # [B, T, H] entering the layer asked for (``hidden_layer``; several: [B, T, n * H])
 
 
 class CachedModel:
@@ -185,7 +186,7 @@ class CachedModel:
         key_valid: torch.Tensor | None = None,
         last_only: bool = False,
         logits_at: torch.Tensor | list[int] | None = None,
-        hidden_layer: int | None = None,
+        hidden_layer: int | tuple[int, ...] | None = None,
     ) -> ForwardOut:
         """Run new tokens ``ids`` [B, T] after the cached ones and append them to the cache.
 
@@ -196,10 +197,13 @@ class CachedModel:
         last_only:    logits of the last new position only ([B, 1, V]).
         logits_at:    indices of the new positions whose logits are wanted ([B, len, V]); saves the LM head's
                       work on the others.
-        hidden_layer: also return the hidden states entering decoder layer ``hidden_layer`` (0 = embeddings;
-                      ``num_layers`` = after the final norm, what the LM head reads: Medusa's heads).
+        hidden_layer: also return the hidden states of every new position entering decoder layer ``hidden_layer``
+                      (0 = embeddings; ``num_layers`` = after the final norm, what the LM head reads: Medusa's
+                      heads), or of several layers, concatenated on the last dimension in the order given
+                      (EAGLE-3's low/mid/high features): [B, T, len * H]. Every forward implementation captures.
         """
         self.check_finite()
+        capture = self.capture_layers(hidden_layer)
         if ids.dim() == 1:
             ids = ids[None]
         given = ids  # the token log keeps the caller's ids where they are (host ids: no copy back)
@@ -228,24 +232,21 @@ class CachedModel:
             else:  # split model: accelerate's hooks move a tensor argument to their device, not the LM head's
                 tail = width - int(at.min()) if at.numel() else 1  # (one sync; split models are the 34B+ case)
                 kwargs["logits_to_keep"], tail_at = tail, at - (width - tail)
-        captured: list[torch.Tensor] = []
-        logits = None
+        logits = hidden = None
         mask, keep = kwargs.get("attention_mask"), kwargs.get("logits_to_keep")
         if mask is None and width > 1 and past and self.impl.own:  # causal after a cached prefix
             mask = self._additive_mask(bsz, width, past, None, None)
-        if several and tail_at is None and (hidden_layer is None or 0 <= hidden_layer <= self.num_layers):
-            out = self.impl.rows(self.model, ids, positions, mask, self.cache, hidden_layer, keep)
+        if several and tail_at is None:
+            out = self.impl.rows(self.model, ids, positions, mask, self.cache, capture, keep)
             if out is not None:
                 self.graphed_forwards += self.impl.graphs is not None
-                if hidden_layer is None:
-                    logits = out
-                else:
-                    logits, hidden = out
-                    captured.append(hidden)
-        if logits is None and hidden_layer is None and tail_at is None:
-            logits = self.impl.logits(self.model, ids, positions, mask, self.cache, keep)
+                logits, hidden = out if capture is not None else (out, None)
+        if logits is None and tail_at is None:
+            out = self.impl.logits(self.model, ids, positions, mask, self.cache, keep, capture)
+            if out is not None:
+                logits, hidden = out if capture is not None else (out, None)
         if logits is None:
-            logits = self._transformers(ids, positions, kwargs, hidden_layer, captured)
+            logits, hidden = self._transformers(ids, positions, kwargs, capture)
         if tail_at is not None:
             logits = logits[:, tail_at.to(logits.device)]
             kwargs["logits_to_keep"] = tail_at + (width - kwargs["logits_to_keep"])
@@ -254,31 +255,51 @@ class CachedModel:
             ids = ids[:, :t]
             if logits_at is None:
                 logits = logits[:, :t]
-            if captured:
-                captured[0] = captured[0][:, :t]
+            if hidden is not None:
+                hidden = hidden[:, :t]
             self.padded_rows += pad
         self.appended(given, t)
         self.check_logits(logits, past, t, last_only, kwargs.get("logits_to_keep"))
-        return ForwardOut(logits, captured[0] if captured else None)
+        return ForwardOut(logits, hidden)
 
-    def _transformers(self, ids, positions, kwargs, hidden_layer: int | None,
-                      captured: list[torch.Tensor]) -> torch.Tensor:
-        """The forward's logits through transformers' ``model(...)``, filling ``captured`` with the hidden states
-        ``hidden_layer`` asks for (hooks)."""
-        hook = None
-        if hidden_layer is not None and hidden_layer == self.num_layers:
-            hook = self.inner().norm.register_forward_hook(lambda _m, _args, out: captured.append(out))
-        elif hidden_layer is not None:
-            hook = self._layer(hidden_layer).register_forward_pre_hook(
-                lambda _m, args, kw: captured.append(args[0] if args else kw["hidden_states"]), with_kwargs=True)
+    def _transformers(self, ids, positions, kwargs, capture: tuple[int, ...] | None
+                      ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The forward's logits through transformers' ``model(...)``, and the hidden states ``capture`` asks for
+        (hooks; :func:`~pardec.models.forward.lean.captured`'s layout)."""
+        seen: dict[int, torch.Tensor] = {}
+        hooks = []
+        for i in capture or ():
+            if i == self.num_layers:
+                hooks.append(self.inner().norm.register_forward_hook(
+                    lambda _m, _args, out, i=i: seen.__setitem__(i, out)))
+            else:
+                hooks.append(self._layer(i).register_forward_pre_hook(
+                    lambda _m, args, kw, i=i: seen.__setitem__(i, args[0] if args else kw["hidden_states"]),
+                    with_kwargs=True))
         try:
             out = self.model(input_ids=ids, position_ids=positions, **cache_kw(self.model, self.cache),
                              use_cache=True, **kwargs)
         finally:
-            if hook is not None:
+            for hook in hooks:
                 hook.remove()
         self.cache = output_cache(out)
-        return out.logits
+        if capture is None:
+            return out.logits, None
+        return out.logits, captured(seen, seen.get(self.num_layers), capture, self.num_layers)
+
+    def capture_layers(self, hidden_layer: int | tuple[int, ...] | list[int] | None) -> tuple[int, ...] | None:
+        """``hidden_layer`` as the tuple of layers a forward captures (None: none), each checked: 0 (the
+        embeddings) .. ``num_layers`` (after the final norm)."""
+        if hidden_layer is None:
+            return None
+        layers = (hidden_layer,) if isinstance(hidden_layer, int) else tuple(int(i) for i in hidden_layer)
+        for i in layers:
+            if not 0 <= i <= self.num_layers:
+                raise ValueError(f"hidden_layer={i} is out of range: choose 0 (the embeddings) .. {self.num_layers} "
+                                 f"(after the final norm) for {self.name}'s {self.num_layers} layers")
+        if not layers:
+            raise ValueError("hidden_layer=(): name at least one layer to capture")
+        return layers
 
     def lm_head(self, normed: torch.Tensor) -> torch.Tensor:
         """The LM head on hidden states that went through the final norm (pseudo states of :meth:`forward_pseudo`)."""

@@ -167,7 +167,7 @@ def test_the_compiled_rows_compute_what_the_eager_rows_compute_at_every_row_coun
     m = tiny(1).model
     fn, eager = compiled.Graphs(compile=True).rows_fn(m), compiled.Graphs(compile=False).rows_fn(m)
     g = torch.Generator().manual_seed(0)
-    for width, capacity, capture in ((2, 64, None), (4, 64, None), (8, 96, None), (4, 64, 2)):
+    for width, capacity, capture in ((2, 64, None), (4, 64, None), (8, 96, None), (4, 64, (2,)), (4, 64, (1, 0, 2))):
         keys = [torch.randn(1, 2, capacity, 16, generator=g) for _ in m.model.layers]
         values = [torch.randn(1, 2, capacity, 16, generator=g) for _ in m.model.layers]
         ids = torch.randint(0, 100, (1, width), generator=g)

@@ -55,14 +55,16 @@ class Forward:
         return None
 
     def rows(self, model: nn.Module, ids: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor, cache,
-             hidden_layer: int | None, keep: torch.Tensor | None):
+             capture: tuple[int, ...] | None, keep: torch.Tensor | None):
         """A verification: ``ids`` [B, W] (W > 1) after a cached prefix under the additive ``mask``; logits (and,
-        with ``hidden_layer``, the hidden states entering it, as ``(logits, hidden)``); None: not handled here."""
+        with ``capture``, the hidden states entering those layers, concatenated, as ``(logits, hidden)``); None: not
+        handled here."""
         return None
 
     def logits(self, model: nn.Module, ids: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor | None,
-               cache, keep) -> torch.Tensor | None:
-        """Any other forward without hidden-state capture: logits, or None (transformers' forward runs it)."""
+               cache, keep, capture: tuple[int, ...] | None = None):
+        """Any other forward: logits (with ``capture``, ``(logits, hidden)`` as :meth:`rows`), or None
+        (transformers' forward runs it)."""
         return None
 
 
@@ -73,8 +75,8 @@ class Lean(Forward):
     def unsupported(self, model: nn.Module) -> str | None:
         return lean.unsupported(model)
 
-    def logits(self, model, ids, positions, mask, cache, keep):
-        return lean.lean_logits(model, ids, positions, mask, cache, keep)
+    def logits(self, model, ids, positions, mask, cache, keep, capture=None):
+        return lean.lean_logits(model, ids, positions, mask, cache, keep, capture)
 
 
 class Compiled(Lean):
@@ -87,17 +89,17 @@ class Compiled(Lean):
     def prepare(self, model: nn.Module) -> None:
         compiled.register_opaque(model)
 
-    def rows(self, model, ids, positions, mask, cache, hidden_layer, keep):
-        return compiled.rows_step(model, ids, positions, mask, cache, hidden_layer, graphs=self.graphs,
+    def rows(self, model, ids, positions, mask, cache, capture, keep):
+        return compiled.rows_step(model, ids, positions, mask, cache, capture, graphs=self.graphs,
                                   keep=None if self.graphs else keep)
 
-    def logits(self, model, ids, positions, mask, cache, keep):
+    def logits(self, model, ids, positions, mask, cache, keep, capture=None):
         one = not isinstance(keep, torch.Tensor) or keep.numel() == 1  # (the step returns the one row's logits)
-        if ids.shape[1] == 1 and mask is None and one:
+        if ids.shape[1] == 1 and mask is None and one and capture is None:
             out = compiled.decode_step(model, ids, positions, cache, graphs=self.graphs)
             if out is not None:
                 return out
-        return super().logits(model, ids, positions, mask, cache, keep)
+        return super().logits(model, ids, positions, mask, cache, keep, capture)
 
 
 class CudaGraph(Compiled):
@@ -116,13 +118,13 @@ class CudaGraph(Compiled):
     def pad_to(self, rows: int) -> int | None:
         return compiled.graph_rows(rows, self.max_rows)
 
-    def rows(self, model, ids, positions, mask, cache, hidden_layer, keep):
+    def rows(self, model, ids, positions, mask, cache, capture, keep):
         if ids.shape[1] > self.max_rows:  # (a graph per width past the limit would pile up)
             return None
-        out = super().rows(model, ids, positions, mask, cache, hidden_layer, keep)
+        out = super().rows(model, ids, positions, mask, cache, capture, keep)
         if out is None or keep is None:
             return out
-        if hidden_layer is not None:
+        if capture is not None:
             return out[0][:, keep], out[1]
         return out[:, keep]  # (a graph computes every row's logits: its shapes are fixed)
 

@@ -292,25 +292,21 @@ def decode_step(model: nn.Module, ids: torch.Tensor, positions: torch.Tensor, ca
 
 
 def _rows(model: nn.Module, ids: torch.Tensor, positions: torch.Tensor, keys: list[torch.Tensor],
-          values: list[torch.Tensor], at: torch.Tensor, mask: torch.Tensor, capture: int | None,
+          values: list[torch.Tensor], at: torch.Tensor, mask: torch.Tensor, capture: tuple[int, ...] | None,
           keep: torch.Tensor | None = None):
-    """Logits [B, W, V] of ``ids`` [B, W] (and, with ``capture``, the hidden states entering decoder layer
-    ``capture``, ``num_layers`` = after the final norm); writes their keys/values at slots ``at`` [W] of every
-    layer's buffer and attends over the whole buffer through the additive ``mask`` [B, 1, W, capacity]; ``keep``:
-    the positions whose logits are wanted (None: all)."""
+    """Logits [B, W, V] of ``ids`` [B, W] (and, with ``capture``, the hidden states entering those decoder layers
+    (``num_layers`` = after the final norm), concatenated in that order: :func:`lean.captured`); writes their
+    keys/values at slots ``at`` [W] of every layer's buffer and attends over the whole buffer through the additive
+    ``mask`` [B, 1, W, capacity]; ``keep``: the positions whose logits are wanted (None: all)."""
     h, cos, sin = lean.embed(model, ids, positions)
-    seen: list[torch.Tensor] = []
-
+    seen: dict[int, torch.Tensor] = {}
     attend = _buffer_attend(keys, values, at, mask)
-    def entering(i, x):
-        if i == capture:
-            seen.append(x)
-
-    h = lean.decoder_layers(model, h, cos, sin, attend, _lin, on_layer=entering if capture is not None else None)
+    h = lean.decoder_layers(model, h, cos, sin, attend, _lin,
+                            on_layer=seen.__setitem__ if capture is not None else None)
     normed, logits = lean.norm_head(model, h, _lin, keep)
     if capture is None:
         return logits
-    return logits, (normed if capture == len(model.model.layers) else seen[0])
+    return logits, lean.captured(seen, normed, capture, len(model.model.layers))
 
 
 #: the most new rows a graphed multi-row forward takes (:func:`graph_rows`); wider forwards run the lean forward
@@ -325,7 +321,7 @@ def graph_rows(t: int, limit: int = MAX_GRAPHED_ROWS) -> int:
 
 
 def rows_step(model: nn.Module, ids: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor, cache,
-              capture: int | None = None, graphs: Graphs | None = None, keep: torch.Tensor | None = None):
+              capture: tuple[int, ...] | None = None, graphs: Graphs | None = None, keep: torch.Tensor | None = None):
     """A forward of ``ids`` [B, W] (W > 1 new rows, padding included) after what ``cache`` (a
     :class:`PreallocatedCache`) holds, as a replay of a CUDA graph of the compiled :func:`_rows`, captured once per
     model, row count and cache buffers (one compile serves every row count. On the H200 a graph of the eager ops

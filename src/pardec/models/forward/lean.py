@@ -14,8 +14,8 @@ path runs the same computation on the same weights, in place of ``model(...)``, 
 with the ops in transformers' order (RMSNorm in fp32 as ``LlamaRMSNorm`` computes it; SDPA with the same mask,
 scale, causal flag and grouped-query handling as its ``sdpa`` attention), so the logits equal the HF path's up to
 the float rounding of a kernel that is chosen differently (tested on both caches and every ``forward`` argument).
-It covers :meth:`CachedModel.forward` and ``prefill``; ``hidden_layer`` captures (which hook the modules),
-``run_upper`` and ``forward_pseudo`` keep transformers' layers.
+It covers :meth:`CachedModel.forward` and ``prefill``, ``hidden_layer`` captures included; ``run_upper`` and
+``forward_pseudo`` keep transformers' layers.
 
 Supported: ``llama``, ``mistral`` and ``qwen2`` decoders (and pardec's ``pardec_draft``) with full attention in
 every layer, SiLU MLPs, ``sdpa`` or ``eager`` attention, on one device; plain or int8-quantized linears (a module
@@ -138,13 +138,23 @@ def norm_head(model: nn.Module, h: torch.Tensor, lin=_lin, keep: torch.Tensor | 
     return normed, (full(logits) if full is not None else logits)
 
 
+def captured(seen: dict[int, torch.Tensor], normed: torch.Tensor, capture: tuple[int, ...], n_layers: int
+             ) -> torch.Tensor:
+    """The hidden states a forward captured, [B, T, len(capture) * H]: for each layer of ``capture`` in order, those
+    entering it (``seen[i]``), or ``normed`` (after the final norm) for ``n_layers``; concatenated on the last
+    dimension (EAGLE-3's low/mid/high features; one layer: that layer's states)."""
+    parts = [normed if i == n_layers else seen[i] for i in capture]
+    return parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)
+
+
 def lean_logits(model: nn.Module, ids: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor | None, cache,
-                keep: int | torch.Tensor | None) -> torch.Tensor:
+                keep: int | torch.Tensor | None, capture: tuple[int, ...] | None = None):
     """Logits [B, T', V] of ``ids`` [B, T] at ``positions`` [B, T] after the positions ``cache`` holds (which gets
     their keys/values), as ``model(input_ids=ids, position_ids=positions, attention_mask=mask, cache=cache,
     logits_to_keep=keep)`` computes them. ``mask``: an additive [B, 1, T, past+T] mask, or None for causal
     attention (then ``T == 1`` or an empty cache). ``keep``: None (all positions), an int (the last ones) or a tensor
-    of position indices."""
+    of position indices. With ``capture`` (layer indices), ``(logits, the hidden states of every position entering
+    those layers)`` (:func:`captured`)."""
     h, cos, sin = embed(model, ids, positions)
     causal = mask is None and ids.shape[1] > 1
 
@@ -156,9 +166,15 @@ def lean_logits(model: nn.Module, ids: torch.Tensor, positions: torch.Tensor, ma
         return F.scaled_dot_product_attention(q, _repeat_kv(k, groups), _repeat_kv(v, groups), attn_mask=mask,
                                               scale=a.scaling)
 
-    h = decoder_layers(model, h, cos, sin, attend)
+    seen: dict[int, torch.Tensor] = {}
+    h = decoder_layers(model, h, cos, sin, attend, on_layer=seen.__setitem__ if capture is not None else None)
+    full = h
     if isinstance(keep, int) and keep > 0:
         h = h[:, -keep:]
     elif isinstance(keep, torch.Tensor):
         h = h[:, keep]
-    return head(model, h)
+    logits = head(model, h)
+    if capture is None:
+        return logits
+    n = len(model.model.layers)
+    return logits, captured(seen, _rms(model.model.norm, full) if n in capture else full, capture, n)
