@@ -12,8 +12,9 @@ import pardec.models  # noqa: F401  (registers pardec_draft)
 from pardec.config import ModelConfig
 from pardec.models.cached import CachedModel
 from pardec.models.compat import cache_kw
-from pardec.models.draft import DraftForCausalLM, build_draft, choose_vocab
+from pardec.models.draft import DraftForCausalLM, build_draft
 from pardec.models.loading import load_model
+from pardec.models.vocab import choose_vocab
 from tests.conftest import tiny
 
 IDS = torch.tensor([[5, 17, 923, 44, 8, 301, 12], [7, 7, 1000, 2, 90, 4, 11]])  # [2, 7]

@@ -12,13 +12,11 @@ Importing :mod:`pardec.models` registers the class with ``AutoConfig`` / ``AutoM
 ``pardec_draft``), so ``AutoModelForCausalLM.from_pretrained(dir)`` and ``model=local`` load a saved draft.
 
 :func:`build_draft` copies the target's embeddings, chosen layers (re-indexed 0..k-1 for the KV cache), final
-norm and the head rows of the kept ids; :func:`choose_vocab` picks the kept ids from token counts.
+norm and the head rows of the kept ids; :func:`pardec.models.vocab.choose_vocab` picks the kept ids from token
+counts.
 """
 
 from __future__ import annotations
-
-from collections import Counter
-from collections.abc import Iterable
 
 import torch
 from huggingface_hub.dataclasses import strict
@@ -28,6 +26,7 @@ from transformers.modeling_outputs import CausalLMOutputWithPast
 from transformers.modeling_utils import slice_logits_to_keep
 
 from pardec.models.compat import cache_kw, output_cache, output_cache_field
+from pardec.models.vocab import scatter_logits
 
 MODEL_TYPE = "pardec_draft"
 
@@ -87,10 +86,7 @@ class DraftForCausalLM(LlamaForCausalLM):
 
     def full_logits(self, head_logits: torch.Tensor) -> torch.Tensor:
         """[..., K] head outputs -> [..., V]: kept ids get them, every other id ``finfo(dtype).min``."""
-        full = head_logits.new_full((*head_logits.shape[:-1], self.config.vocab_size),
-                                    torch.finfo(head_logits.dtype).min)
-        index = self.vocab_ids(head_logits.device).expand_as(head_logits)
-        return full.scatter(-1, index, head_logits)
+        return scatter_logits(head_logits, self.vocab_ids(head_logits.device), self.config.vocab_size)
 
 
 def _register() -> None:
@@ -105,26 +101,6 @@ _register()
 
 
 # ------------------------------------------------------------------------------------------- building
-def choose_vocab(token_counts: Counter | dict[int, int], size: int, always: Iterable[int], vocab_size: int) -> list[int]:
-    """``size`` ids: ``always`` (EOS, specials), then the most counted ids (ties: lower id first), then the lowest
-    unused ids (BPE ids roughly follow merge frequency); sorted. ``vocab_size``: the target's V."""
-    if not 2 <= size <= vocab_size:
-        raise ValueError(f"draft vocab size {size} is out of range: it must be in [2, {vocab_size}]")
-    keep = list(dict.fromkeys(int(i) for i in always if 0 <= int(i) < vocab_size))
-    if len(keep) > size:
-        raise ValueError(f"draft vocab size {size} is smaller than the {len(keep)} ids that must be kept")
-    chosen = set(keep)
-    for tok, _ in sorted(token_counts.items(), key=lambda kv: (-kv[1], kv[0])):
-        if len(chosen) >= size:
-            break
-        if 0 <= tok < vocab_size:
-            chosen.add(int(tok))
-    fill = (i for i in range(vocab_size) if i not in chosen)
-    while len(chosen) < size:
-        chosen.add(next(fill))
-    return sorted(chosen)
-
-
 @torch.no_grad()
 def build_draft(target: LlamaForCausalLM, layers: list[int], vocab_ids: list[int]) -> DraftForCausalLM:
     """A :class:`DraftForCausalLM` holding copies of the target's embeddings, ``layers`` (in this order, re-indexed

@@ -13,7 +13,10 @@
   the default) or ``pseudo`` (also the anchor's earlier pseudo states; drafters saved before the key existed were
   trained so, and load as ``pseudo``).
 
-Both save to a directory: ``drafter.json`` (kind, the base model's name and shape, K, layers, training facts) and
+* :class:`~pardec.models.eagle.Eagle3Draft` (EAGLE-3, Li et al. 2025): one decoder layer over the fused
+  low/mid/high target features and the token embedding, with a reduced draft vocabulary (``heads.type: eagle3``).
+
+All save to a directory: ``drafter.json`` (kind, the base model's name and shape, K, layers, training facts) and
 ``drafter.safetensors``. :func:`load_drafter` checks the shape against the target (hidden size, vocabulary,
 layer count) and raises one line naming both when they differ.
 """
@@ -29,11 +32,13 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from pardec.config import ConfigError
+from pardec.models.eagle import Eagle3Config, Eagle3Draft, new_eagle3
 from pardec.models.pseudo import PSEUDO_ATTENTION
+from pardec.models.vocab import DraftVocab
 
 FORMAT = "pardec-drafter"
 VERSION = 1
-HEAD_TYPES = ("medusa", "firp")  # the config key heads.type
+HEAD_TYPES = ("medusa", "firp", "eagle3")  # the config key heads.type
 
 
 class ResBlock(nn.Module):
@@ -111,22 +116,26 @@ class FirpProjections(nn.Module):
         return {"layers": self.layers, "attention": self.attention}
 
 
-Drafter = MedusaHeads | FirpProjections
+Drafter = MedusaHeads | FirpProjections | Eagle3Draft
 
 
 def new_drafter(kind: str, base_config, *, num_heads: int = 3, num_blocks: int = 1,
-                layers: list[int] | None = None, lm_head: nn.Linear | None = None, attention: str = "real") -> Drafter:
-    """A fresh drafter for a model with config ``base_config`` (layer indices checked against it)."""
-    hidden, vocab, n_layers = _shape(base_config)
+                layers: list[int] | None = None, lm_head: nn.Linear | None = None, attention: str = "real",
+                vocab: DraftVocab | None = None) -> Drafter:
+    """A fresh drafter for a model with config ``base_config`` (layer indices checked against it); ``vocab``: an
+    EAGLE-3 draft's reduced vocabulary (None: the target's)."""
+    hidden, vocab_size, n_layers = _shape(base_config)
+    if kind == "eagle3":
+        return new_eagle3(base_config, vocab, layers, None if lm_head is None else lm_head.weight)
     if kind == "medusa":
-        heads = MedusaHeads(hidden, vocab, num_heads, num_blocks)
+        heads = MedusaHeads(hidden, vocab_size, num_heads, num_blocks)
         return heads.init_from(lm_head) if lm_head is not None else heads
     if kind == "firp":
         layers = list(layers or [])
         bad = [x for x in layers if not 0 <= x < n_layers]
         if bad:
             raise ConfigError(f"firp layers={layers} is out of range: the model has layers 0..{n_layers - 1}")
-        return FirpProjections(hidden, vocab, layers, attention)
+        return FirpProjections(hidden, vocab_size, layers, attention)
     raise ConfigError(f"heads.type={kind!r} is not valid; choose one of: {', '.join(HEAD_TYPES)}")
 
 
@@ -175,12 +184,15 @@ def load_drafter(path: str | Path, base_config, kind: str, key: str = "method.pa
             raise ConfigError(
                 f"{key}={str(path)!r} was trained for another model ({meta.get('base_model')!r}: {name} "
                 f"{meta.get(name)}); the target has {name} {want}")
+    state = load_file(str(Path(path) / "drafter.safetensors"))
     if kind == "medusa":
         drafter: Drafter = MedusaHeads(hidden, vocab, int(meta["num_heads"]), int(meta.get("num_blocks", 1)))
+    elif kind == "eagle3":
+        drafter = Eagle3Draft(Eagle3Config.from_dict(meta["eagle3"]),
+                              DraftVocab.from_maps(state["d2t"], state["t2d"], vocab))
     else:
         drafter = new_drafter("firp", base_config, layers=list(meta["layers"]),
                               attention=meta.get("attention", "pseudo"))
-    state = load_file(str(Path(path) / "drafter.safetensors"))
     drafter.load_state_dict(state)
     return drafter.eval(), meta
 

@@ -218,7 +218,8 @@ def train_draft(spec, run_dir, d: Ranks) -> dict:
     ``<run>/final``."""
     from collections import Counter
 
-    from pardec.models.draft import build_draft, choose_vocab
+    from pardec.models.draft import build_draft
+    from pardec.models.vocab import choose_vocab
     from pardec.models.loading import TORCH_DTYPES, load_model, trainable
     from pardec.training.completions import corpus_share, load_completions
 
