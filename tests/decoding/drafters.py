@@ -1,5 +1,7 @@
-"""Saved drafters (Medusa heads, FIRP projections) for tiny test models: randomly perturbed around their
-initialisation (so their drafts are sometimes, not always, right) plus a branching tree file ``T``."""
+"""Saved drafters for tiny test models: Medusa heads and FIRP projections randomly perturbed around their
+initialisation (so their drafts are sometimes, not always, right) plus a branching tree file ``T``; an EAGLE-3
+drafter fitted in seconds to the target's own greedy continuations (:func:`fit_eagle3`), so that its drafts are
+often right on those contexts and rarely elsewhere."""
 
 from __future__ import annotations
 
@@ -12,14 +14,82 @@ from pardec.decoding.tree_search import save_tree
 from pardec.models.heads import new_drafter, save_drafter
 
 TREE_T = [[0], [1], [0, 0], [0, 1], [1, 0], [0, 0, 0]]
-KEYS = {"medusa": "heads", "medusa_typical": "heads", "firp": "projections"}
+KEYS = {"medusa": "heads", "medusa_typical": "heads", "firp": "projections", "eagle": "path"}
 _ROOT = Path(tempfile.mkdtemp(prefix="pardec-drafters-"))
 _MADE: dict[tuple[int, str], Path] = {}
 
 
+def fit_eagle3(model, sequences: list[list[int]], steps: int = 80, unroll: int = 3, lr: float = 3e-3,
+               seed: int = 0):
+    """An EAGLE-3 drafter for ``model`` over the tokens of ``sequences`` (its draft vocabulary), fitted with Adam in
+    seconds to the target's argmax after each position, unrolled ``unroll`` steps on its own outputs (a plain
+    training-time test: step ``i`` reads step ``i - 1``'s output, the true token ``i`` later, and sees the step-0
+    entries up to its anchor plus its own chain). Enough for drafts that are often right on those contexts and
+    rarely elsewhere."""
+    from pardec.models.eagle import new_eagle3
+    from pardec.models.vocab import DraftVocab
+
+    vocab = DraftVocab(sorted({t for s in sequences for t in s}), int(model.config.vocab_size))
+    with torch.random.fork_rng():
+        torch.manual_seed(seed)
+        d = new_eagle3(model.config, vocab, lm_head=model.lm_head.weight)
+    layers = list(d.config.layer_ids)
+    width = max(len(s) for s in sequences)
+    ids = torch.tensor([s + [s[-1]] * (width - len(s)) for s in sequences])
+    valid = torch.tensor([[1] * len(s) + [0] * (width - len(s)) for s in sequences], dtype=torch.bool)
+    with torch.no_grad():
+        out = model(input_ids=ids, output_hidden_states=True)
+        feats = torch.cat([out.hidden_states[i] for i in layers], -1)[:, :-1]  # entry j: features at j
+        target = out.logits.argmax(-1)  # position j's argmax: the token after j
+        emb = model.model.embed_tokens(ids)
+    index = torch.full((int(model.config.vocab_size),), -1, dtype=torch.long)
+    index[vocab.ids] = torch.arange(len(vocab))
+    t = width - 1  # entries per row
+    eye, causal = torch.eye(t, dtype=torch.bool), torch.ones(t, t, dtype=torch.bool).tril()
+    opt = torch.optim.Adam(d.parameters(), lr=lr)
+    pos = torch.arange(t)
+    for _ in range(steps):
+        hidden, keys, values, loss = d.fuse(feats), [], [], 0.0
+        for i in range(unroll):
+            # step i at anchor j reads token j + 1 + i and predicts the target's argmax after it
+            tok = torch.cat([emb[:, 1 + i :], emb[:, -1:].expand(-1, i, -1)], 1)
+            label = index[torch.cat([target[:, 1 + i :], target[:, -1:].expand(-1, i)], 1)]
+            ok = valid[:, 1:].clone()
+            ok[:, t - i :] = False
+            label[~(ok & (label >= 0))] = -100
+            past = None if not keys else (torch.cat(keys, 2), torch.cat(values, 2))
+            mask = torch.cat([causal] + [eye] * i, 1)
+            o, (k, v) = d(tok, hidden, pos + i, past=past, mask=mask)
+            keys.append(k)
+            values.append(v)
+            loss = loss + 0.8**i * torch.nn.functional.cross_entropy(d.logits(o).reshape(-1, len(vocab)),
+                                                                     label.reshape(-1))
+            hidden = o
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    return d.eval()
+
+
+def _eagle_sequences(model) -> list[list[int]]:
+    """The target's greedy continuations of the exactness sweep's short prompt and of a few random ones."""
+    from pardec.decoding import build_decoder
+    from pardec.models.cached import CachedModel
+
+    g = torch.Generator().manual_seed(0)
+    vocab = int(model.config.vocab_size)
+    short = [[1, 504, 1812]] if vocab > 1812 else []
+    prompts = short + [torch.randint(0, vocab, (5,), generator=g).tolist() for _ in range(3 - len(short))]
+    ar = build_decoder("ar", CachedModel(model, forward_impl="lean"))
+    return [p + ar.generate(p, 30).tokens for p in prompts]
+
+
 def drafter_dir(model, kind: str, k: int = 3, seed: int = 0) -> Path:
-    """A drafter of ``kind`` (medusa | firp) for ``model``, saved once per model."""
+    """A drafter of ``kind`` (medusa | firp | eagle3) for ``model``, saved once per model."""
     key = (id(model), kind)
+    if key not in _MADE and kind == "eagle3":
+        _MADE[key] = save_drafter(fit_eagle3(model, _eagle_sequences(model), seed=seed),
+                                  _ROOT / f"{kind}-{len(_MADE)}", model.config, "tiny")
     if key not in _MADE:
         cfg = model.config
         n = cfg.num_hidden_layers
@@ -45,4 +115,6 @@ def drafter_params(method: str, model, tree: str = "T") -> dict:
         return {"adaptive_ids": [int(model.config.vocab_size) - 1]}
     if method not in KEYS:
         return {}
+    if method == "eagle":
+        return {"path": str(drafter_dir(model, "eagle3"))}
     return {KEYS[method]: str(drafter_dir(model, "firp" if method == "firp" else "medusa")), "tree": tree}

@@ -22,6 +22,8 @@ Each case runs with parameters that reach its deep paths, and the test asserts t
   verified by the next forward, and accepted >= 2 deep there; ``sdsat_k5``: verifications reached depth 5 of the
   official tree (>= 4 drafted tokens accepted) and accepted all 5;
 * ``jacobi``: re-sampled guesses (a block's later iterations) were accepted;
+* ``eagle`` (a small dynamic tree) and ``eagle_chain`` (drafts sampled from the drafter's recorded q): a fitted
+  EAGLE-3 drafter (:func:`eagle_deep`) accepted >= 2 deep and rejected below the root;
 * ``lookahead`` / ``pld``: pool / prompt n-grams accepted >= 2 deep.
 
 Set-up. The prompt is the target's own 3-cycle (0 -> 5 -> 9 -> 0, each step with probability 0.45-0.8 at
@@ -66,6 +68,7 @@ import pytest
 import torch
 
 import pardec.decoding.base as base_mod
+import pardec.decoding.eagle as eagle_mod
 import pardec.decoding.heads as heads_mod
 import pardec.decoding.lookahead as lookahead_mod
 import pardec.decoding.ouroboros as ouroboros_mod
@@ -76,7 +79,8 @@ from pardec.decoding import METHODS, Stopper, build_decoder
 from pardec.decoding.sampling import warp
 from pardec.decoding.tree_search import save_tree
 from pardec.models.cached import CachedModel
-from tests.decoding.drafters import drafter_params
+from pardec.models.heads import save_drafter
+from tests.decoding.drafters import drafter_params, fit_eagle3
 from tests.decoding.test_distribution import DISTRIBUTION, SETTINGS, V, tiny_vocab
 from tests.stats import chi_square_p
 
@@ -86,7 +90,7 @@ PROMPT = [0, 5, 9, 0, 5, 9, 0]  # the target's 3-cycle (see the module doc)
 N = {"t1": 2000, "warped": 2400}  # the power the module doc states
 FLOOR = 1e-9  # prefixes below this probability are left out of the exact joints
 #: case -> the method it runs
-METHOD_OF = {"sdsat_k5": "sdsat"}
+METHOD_OF = {"sdsat_k5": "sdsat", "eagle_chain": "eagle"}
 PARAMS = {
     "sps": {"gamma": 3},  # tokens 2-4 drafted in the first round, token 5 its bonus
     "pld": {"max_ngram": 3, "num_pred": 4},
@@ -101,6 +105,9 @@ PARAMS = {
     # the official k = 5 tree (tree=official, the default) with its default variant: 5 drafts after the prefill (7
     # tokens: room for all 5 and the bonus token, so the tree is not cut)
     "sdsat_k5": {"k": 5},
+    # a fitted EAGLE-3 drafter (eagle_deep): a small dynamic tree 3 deep, and the chain (drafts sampled from q)
+    "eagle": {"total_tokens": 12, "depth": 3, "top_k": 3},
+    "eagle_chain": {"mode": "chain", "num_speculative_tokens": 3},
 }
 LENGTH = {"sdsat": 7, "sdsat_k5": 7}
 GROUPS_OF = {"sdsat": ((2, 3, 4), (4, 5, 6)), "sdsat_k5": ((2, 3, 4), (4, 5, 6))}
@@ -131,6 +138,22 @@ def _rollout(context: tuple[int, ...], depth: int) -> torch.Tensor:
             rows.append(row)
             seq.append(int(row.argmax()))
     return torch.stack(rows)
+
+
+@functools.cache
+def eagle_deep() -> str:
+    """An EAGLE-3 drafter fitted to 48 of the target's own samples of 8 tokens after PROMPT (temperature 1):
+    its drafts are often, not always, right there. Drafts depend only on the committed tokens (tree: the top-k of
+    deterministic draft distributions; chain: samples of the recorded q), as exactness needs."""
+    model = tiny_vocab(0)
+    g = torch.Generator().manual_seed(11)
+    ids = torch.tensor([PROMPT] * 48)
+    with torch.no_grad():
+        for _ in range(8):
+            ids = torch.cat([ids, torch.multinomial(torch.softmax(model(input_ids=ids).logits[:, -1], -1), 1,
+                                                    generator=g)], 1)
+    drafter = fit_eagle3(model, ids.tolist(), steps=150)
+    return str(save_drafter(drafter, Path(tempfile.mkdtemp(prefix="pardec-deep-")) / "eagle3", model.config, "v16"))
 
 
 @functools.cache
@@ -205,6 +228,16 @@ def _chain_reading(probe: Probe, fn):
     return wrapped
 
 
+def _chain(probe: Probe, fn):
+    def wrapped(draft, logits, s, gen, q=None):
+        out = fn(draft, logits, s, gen, q)
+        k = len(draft)
+        probe.checks.append((k, len(out) - 1, len(out) - 1 < k))
+        return out
+
+    return wrapped
+
+
 def _tree(probe: Probe, fn, side: str = "target"):
     def wrapped(tree, logits, s, gen, *a, **kw):
         verdict = fn(tree, logits, s, gen, *a, **kw)
@@ -220,8 +253,9 @@ def _tree(probe: Probe, fn, side: str = "target"):
 def instrument(method: str, dec, monkeypatch) -> Probe:
     probe = Probe()
     monkeypatch.setattr(base_mod, "verify_chain_reading", _chain_reading(probe, base_mod.verify_chain_reading))
-    for mod in (base_mod, heads_mod, lookahead_mod, sdsat_mod):
+    for mod in (base_mod, heads_mod, lookahead_mod, sdsat_mod, eagle_mod):
         monkeypatch.setattr(mod, "verify_tree", _tree(probe, mod.verify_tree))
+    monkeypatch.setattr(eagle_mod, "verify_chain", _chain(probe, eagle_mod.verify_chain))
     monkeypatch.setattr(ouroboros_mod, "verify_tree", _tree(probe, ouroboros_mod.verify_tree, "draft"))
     monkeypatch.setattr(spectr_mod, "verify_tree_iid", _tree(probe, spectr_mod.verify_tree_iid))
     iid = spectr_mod.verify_tree_iid
@@ -337,7 +371,8 @@ def test_later_token_triples_follow_the_target_distribution(case, setting, monke
     target = tiny_vocab(0)
     # (lean forwards: the logits of transformers' up to rounding, at ~60% of the time per sample)
     draft = CachedModel(near_draft(), name="draft", forward_impl="lean") if METHODS.get(method).needs_draft else None
-    params = {**drafter_params(method, target), **PARAMS.get(case, {})}
+    params = {**({"path": eagle_deep()} if method == "eagle" else drafter_params(method, target)),
+              **PARAMS.get(case, {})}
     if case == "sdsat":
         params["tree"] = depth2_tree()
     dec = build_decoder(method, CachedModel(target, forward_impl="lean"), None, draft, **params)

@@ -224,5 +224,69 @@ class Tree:
         return tuple(int(self.labels[n]) for n in self.path_to(node)[1:])
 
     @property
+    def inner(self) -> list[int]:
+        """Nodes with children, in node order (the rows of :attr:`TreeBuffers.inner`)."""
+        return self._st.inner
+
+    @property
     def max_depth(self) -> int:
         return int(self.depth.max())
+
+
+class DeviceTree:
+    """A tree whose structure exists only on the device: made each step from device tensors (EAGLE-2's dynamic
+    tree: which candidates survive is decided on the device), so building it reads nothing back. It offers what
+    drafting and verification use of a :class:`Tree` (``len``, ``labels``, :meth:`on`, :meth:`label_tensor`,
+    :meth:`positions`, :meth:`tokens`) with every buffer made on the device at once; its children are deterministic
+    candidates (no draft distribution ``q`` for :func:`~pardec.decoding.verify.verify_tree`).
+
+    ``parent`` [N] long (node indices, parents before children; the root's given as 0), ``depth`` [N] long,
+    ``rank`` [N] long (a node's index among its parent's children slots, ``< width``; siblings distinct, gaps
+    allowed), ``labels`` [N] long (siblings distinct; the root's unused). ``max_depth``: a bound on the depth
+    (the ancestor mask takes that many gathers)."""
+
+    def __init__(self, parent: torch.Tensor, depth: torch.Tensor, rank: torch.Tensor, labels: torch.Tensor,
+                 width: int, max_depth: int):
+        n, dev = parent.numel(), parent.device
+        self.labels, self._n = labels, n
+        eye = torch.eye(n, dtype=torch.bool, device=dev)
+        attend = eye
+        for _ in range(max_depth):  # a node sees what its parent sees, and itself
+            attend = eye | attend.index_select(0, parent)
+        nodes = torch.arange(n, device=dev)
+        kids = torch.zeros(n, width, dtype=torch.long, device=dev)
+        ok = torch.zeros(n, width, dtype=torch.bool, device=dev)
+        kids[parent[1:], rank[1:]] = nodes[1:]
+        ok[parent[1:], rank[1:]] = True
+        # every node is a row of ``inner`` (a leaf's row has no valid child): the shapes need no host count
+        slot = torch.stack([parent, rank], 1)
+        slot[0].zero_()
+        self._buf = TreeBuffers(attend, depth, parent, nodes, kids, ok, nodes, slot)
+        self.max_depth = max_depth  # (a bound: the tree may be shallower)
+
+    def __len__(self) -> int:
+        return self._n
+
+    @property
+    def children(self) -> list[list[int]]:
+        """Child node indices per node, read back from the device (for instrumentation and tests: it costs a host
+        read, which no decoding path makes)."""
+        parent = self._buf.parent.tolist()
+        kids: list[list[int]] = [[] for _ in parent]
+        for i in range(1, len(parent)):
+            kids[parent[i]].append(i)
+        return kids
+
+    def on(self, device: torch.device | str) -> TreeBuffers:
+        if torch.device(device) != self._buf.parent.device:
+            raise ValueError(f"a tree built on {self._buf.parent.device} is used on {device}")
+        return self._buf
+
+    def label_tensor(self, device: torch.device | str) -> torch.Tensor:
+        return self.labels
+
+    def positions(self, base: int, device: torch.device | str | None = None) -> torch.Tensor:
+        return self._buf.depth + base
+
+    def tokens(self, root_token: int, device: torch.device | str | None = None) -> torch.Tensor:
+        return torch.cat([self.labels.new_full((1,), int(root_token)), self.labels[1:]])

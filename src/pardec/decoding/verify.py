@@ -194,8 +194,8 @@ def verify_tree(
     n_inner, width = buf.kids.shape
     ok = torch.zeros(len(tree), dtype=torch.bool, device=dev)
     ok[0].fill_(True)  # (a fill kernel: `ok[0] = True` uploads a host scalar, a sync on CUDA)
-    q = {i: dist for i, dist in (q or {}).items() if 0 <= i < len(tree) and tree.children[i]}
-    inner = tree._st.inner
+    q = {i: dist for i, dist in q.items() if 0 <= i < len(tree) and tree.children[i]} if q else {}
+    inner = tree.inner if q else []  # (a tree built on the device has deterministic children: no q, no host lists)
     stoch = [r for r, i in enumerate(inner) if i in q]  # rows (of buf.inner) whose children were drawn from q
     final_s = None
     if n_inner:
