@@ -31,6 +31,7 @@ from pardec.models.eagle import Eagle3Config, Eagle3Draft
 from pardec.models.eagle_formats import (
     eagle3_config_json,
     external_state,
+    read_json,
     speculators_config_json,
     target_embedding,
 )
@@ -116,6 +117,9 @@ def export(drafter: str | Path, fmt: str, out: str | Path, *, verifier: str | No
     if len(config.layer_ids) != 3:
         notes.append(f"the drafter fuses {len(config.layer_ids)} target layers; vLLM's and SGLang's EAGLE-3 drafts "
                      f"fuse exactly 3")
+    if config.norm_before_residual and fmt == "eagle3":
+        notes.append("the drafter uses norm_before_residual, which vLLM reads but SGLang's and the original "
+                     "release's EAGLE-3 layers ignore: serve it with vLLM")
     arch: list[str] = []
     if verifier is not None:
         arch = _verifier_architectures(verifier, meta, notes)
@@ -183,7 +187,7 @@ def _verifier_architectures(verifier: str, meta: dict, notes: list[str]) -> list
         if not f.is_file():
             raise ConfigError(f"--verifier={verifier!r} is a local path without a config.json; give the target's "
                               f"model directory or its Hub id")
-        cfg = json.loads(f.read_text())
+        cfg = read_json(f, "--verifier")
     else:
         try:
             from huggingface_hub import hf_hub_download

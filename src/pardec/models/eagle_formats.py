@@ -65,7 +65,7 @@ def detect(path: str | Path, key: str = "draft.path") -> str:
     files = sorted(f.name for f in p.iterdir())
     if "drafter.json" in files:
         return "pardec"
-    cfg = _read_json(p / "config.json", key) if "config.json" in files else None
+    cfg = read_json(p / "config.json", key) if "config.json" in files else None
     if cfg is not None and "speculators_model_type" in cfg:
         kind = cfg.get("speculators_model_type")
         if kind != "eagle3":
@@ -119,7 +119,7 @@ def load_eagle3(path_or_hub_id: str | Path, target_config, key: str = "draft.pat
 
         drafter, meta = load_drafter(path, target_config, "eagle3", key)
         return drafter, {**meta, "source_format": fmt, "path": str(path), "layer_ids": list(drafter.config.layer_ids)}
-    cfg = _read_json(path / "config.json", key)
+    cfg = read_json(path / "config.json", key)
     where = f"{key}={str(path_or_hub_id)!r}"
     if fmt == "speculators":
         layer, extra = _speculators_layer(cfg, where)
@@ -278,7 +278,7 @@ def _check_state(drafter: Eagle3Draft, state: dict, where: str, weights_name: st
 
 
 # ---------------------------------------------------------------------------------------------- files
-def _read_json(f: Path, key: str) -> dict:
+def read_json(f: Path, key: str) -> dict:
     try:
         data = json.loads(f.read_text())
     except json.JSONDecodeError as e:
@@ -306,7 +306,7 @@ def _read_weights(path: Path, fmt: str, where: str) -> tuple[dict[str, torch.Ten
         if f.name == "model.safetensors":
             return load_file(str(f)), f.name
         if f.name.endswith(".index.json"):
-            shards = sorted(set(_read_json(f, where)["weight_map"].values()))
+            shards = sorted(set(read_json(f, where)["weight_map"].values()))
             state: dict[str, torch.Tensor] = {}
             for s in shards:
                 state.update(load_file(str(path / s)))
@@ -328,7 +328,7 @@ def target_embedding(target_dir: str | Path, key: str = "--with-embeddings") -> 
     p = Path(target_dir)
     index = p / "model.safetensors.index.json"
     if index.is_file():
-        names = {k: p / v for k, v in _read_json(index, key)["weight_map"].items()}
+        names = {k: p / v for k, v in read_json(index, key)["weight_map"].items()}
     elif (p / "model.safetensors").is_file():
         with safe_open(str(p / "model.safetensors"), framework="pt") as f:
             names = {k: p / "model.safetensors" for k in f.keys()}  # noqa: SIM118 (safe_open has no __iter__)
