@@ -19,7 +19,7 @@ from tests.evaluation.helpers import TINY, cfg_of, hashes
 @pytest.mark.parametrize(
     "overrides,needle",
     [
-        ([], "no method given: pass +method=<name>; valid methods: ar, bild, firp, hf_assisted, hf_generate, hf_pld, "
+        ([], "no method given: pass +method=<name>; valid methods: ar, bild, eagle, firp, hf_assisted, hf_generate, hf_pld, "
                 "jacobi, lookahead, medusa, medusa_typical, mjgd, mjsd, ouroboros, pld, sdsat, spectr, sps"),
         (["+method=medusa"], "method 'medusa' needs trained medusa weights: method.heads=<dir>"),
         (["+method=firp", "method.projections=/nonexistent"], "method.projections='/nonexistent' holds no trained "
@@ -238,3 +238,12 @@ def test_broken_sandbox_is_an_error_before_any_model_loads(monkeypatch, tmp_path
     finally:
         monkeypatch.undo()
         sandbox.clear_canaries()
+
+
+def test_draft_eagle_hands_its_path_to_method_eagle():
+    spec = validate(cfg_of("+method=eagle", "draft=eagle", "draft.path=/some/eagle3/dir"))
+    assert spec.draft is None and spec.method_params["path"] == "/some/eagle3/dir"
+    with pytest.raises(ConfigError, match="draft=eagle is an EAGLE-3 drafter for method eagle; method 'sps' needs"):
+        validate(cfg_of("+method=sps", "draft=eagle", "draft.path=/x"))
+    with pytest.raises(ConfigError, match="method.path='/a' and draft.path='/b' both name"):
+        validate(cfg_of("+method=eagle", "method.path=/a", "draft=eagle", "draft.path=/b"))

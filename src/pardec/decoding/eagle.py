@@ -47,6 +47,7 @@ from pardec.decoding.tree import DeviceTree
 from pardec.decoding.verify import verify_chain, verify_tree
 from pardec.models.cached import CachedModel, to_device
 from pardec.models.eagle import Eagle3Draft
+from pardec.models.eagle_formats import load_eagle3
 
 MODES = ("tree", "chain")
 
@@ -74,7 +75,9 @@ class _DraftCache:
 
 @register_method("eagle")
 class Eagle(Decoder):
-    """``path``: the drafter (a pardec ``heads.type: eagle3`` run's ``final`` dir); ``mode``: ``tree`` | ``chain``;
+    """``path``: the drafter: a pardec ``heads.type: eagle3`` run's ``final`` dir, or a published EAGLE-3 checkpoint
+    (the original release's or vLLM ``speculators``' layout; a dir or a Hub id: :mod:`pardec.models.eagle_formats`);
+    ``mode``: ``tree`` | ``chain``;
     ``total_tokens``, ``depth``, ``top_k``: the dynamic tree's size (nodes including the root), expansion steps and
     branching; ``num_speculative_tokens``: the chain's length."""
 
@@ -98,10 +101,8 @@ class Eagle(Decoder):
         self.chain_k = num_speculative_tokens
         if target is None:
             return
-        if drafter is None:
-            from pardec.models.heads import load_drafter
-
-            drafter, _ = load_drafter(path, target.config, "eagle3", key="method.path")
+        if drafter is None:  # pardec's, the original release's or speculators' layout, a dir or a Hub id
+            drafter, _ = load_eagle3(path, target.config, key="method.path")
         c = drafter.config
         if c.target_hidden_size != int(target.config.hidden_size) or c.vocab_size != int(target.config.vocab_size):
             raise ConfigError(f"the EAGLE-3 drafter reads features of width {c.target_hidden_size} and vocabulary "

@@ -87,7 +87,7 @@ class Eagle3Config:
                    draft_vocab_size=size, target_hidden_size=int(c.hidden_size), layer_ids=[int(i) for i in layers],
                    rms_norm_eps=float(getattr(c, "rms_norm_eps", 1e-6)),
                    rope_theta=float(rope.get("rope_theta", getattr(c, "rope_theta", 10000.0))),
-                   rope_scaling=_scaling(rope) or getattr(c, "rope_scaling", None),
+                   rope_scaling=_scaling(rope or getattr(c, "rope_scaling", None) or {}),
                    max_position_embeddings=int(getattr(c, "max_position_embeddings", 4096)))
 
     def llama(self) -> LlamaConfig:
