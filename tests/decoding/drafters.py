@@ -30,7 +30,7 @@ def fit_eagle3(model, sequences: list[list[int]], steps: int = 80, unroll: int =
     from pardec.models.vocab import DraftVocab
 
     vocab = DraftVocab(sorted({t for s in sequences for t in s}), int(model.config.vocab_size))
-    with torch.random.fork_rng():
+    with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         d = new_eagle3(model.config, vocab, lm_head=model.lm_head.weight)
     layers = list(d.config.layer_ids)

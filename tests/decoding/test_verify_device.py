@@ -402,11 +402,13 @@ def test_ouroboros_reads_the_host_once_per_forward_of_either_model(s):
     ("bild", 1, 1),  # the draft's confidence per draft step; the rollback, draft and next token in one (before: 2.9)
     ("sdsat", 1, 0),  # the next tree's candidates ride on the verification's read (before: 2; sampled 67.6)
     ("spectr", 2, 0),  # the k sequences grown on the device, read once per round, + the verification (before: 4.7)
+    ("eagle", 1, 0),  # the dynamic tree built on the device (DeviceTree): the verification's read only
 ])
 def test_reads_per_forward(method, per_target, per_draft, s):
     """Host reads of whole generations on a virtual GPU, against each method's budget per forward of the target
     and of the draft (+2: the prompt and the prefill's first token). Found with ``VirtualCUDA(trace=True)``."""
     noisy(0)
+    drafter_params(method, tiny(0).model)  # (a drafter fitted on the CPU, before the model is placed)
     with VirtualCUDA(trace=True) as vc:
         vc.place(tiny(0).model)
         vc.place(noisy(0))
@@ -460,7 +462,7 @@ def test_confirm_keeps_accepted_proposals_as_host_values_and_drops_the_rest():
 
 
 @pytest.mark.parametrize("method", ["ar", "pld", "sps", "lookahead", "jacobi", "medusa", "firp", "sdsat", "mjsd",
-                                    "mjgd", "spectr", "bild", "ouroboros"])
+                                    "mjgd", "spectr", "bild", "ouroboros", "eagle"])
 def test_no_blocking_upload_per_step(method):
     """Host tensors reach the device through pinned memory without blocking (``pardec.models.cached.to_device``):
     a plain upload from pageable memory makes the host wait for the stream, which the H200 smoke counted as one to
@@ -468,6 +470,7 @@ def test_no_blocking_upload_per_step(method):
     the cache's rare growth and, for tree drafters, a rank tree per depth (built once), a handful per generation
     whatever its length."""
     noisy(0)
+    drafter_params(method, tiny(0).model)  # (a drafter fitted on the CPU, before the model is placed)
     with VirtualCUDA() as vc:
         vc.place(tiny(0).model)
         vc.place(noisy(0))

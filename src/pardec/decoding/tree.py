@@ -256,8 +256,8 @@ class DeviceTree:
         nodes = torch.arange(n, device=dev)
         kids = torch.zeros(n, width, dtype=torch.long, device=dev)
         ok = torch.zeros(n, width, dtype=torch.bool, device=dev)
-        kids[parent[1:], rank[1:]] = nodes[1:]
-        ok[parent[1:], rank[1:]] = True
+        kids.index_put_((parent[1:], rank[1:]), nodes[1:])
+        ok.index_put_((parent[1:], rank[1:]), torch.ones(n - 1, dtype=torch.bool, device=dev))  # (no host scalar)
         # every node is a row of ``inner`` (a leaf's row has no valid child): the shapes need no host count
         slot = torch.stack([parent, rank], 1)
         slot[0].zero_()

@@ -9,8 +9,8 @@ from pathlib import Path
 def untrained_drafters(model, work: Path) -> tuple[object, dict[str, dict]]:
     """Drafters for every method that needs one, untrained, for ``model`` (a Llama-style target): (a draft model:
     the target's first and last layers over its whole vocabulary, method parameters per method): Medusa heads and
-    FIRP projections saved under ``work`` with a chain tree; SDSAT's adaptive token stands in as the last
-    vocabulary id. They exercise the decoders (exactness, devices, host reads), not their speed."""
+    FIRP projections saved under ``work`` with a chain tree, an EAGLE-3 drafter over the whole vocabulary; SDSAT's
+    adaptive token stands in as the last vocabulary id. They exercise the decoders (exactness, devices, host reads), not their speed."""
     from pardec.decoding.tree_search import save_tree
     from pardec.models.draft import build_draft
     from pardec.models.heads import new_drafter, save_drafter
@@ -18,6 +18,8 @@ def untrained_drafters(model, work: Path) -> tuple[object, dict[str, dict]]:
     n = model.config.num_hidden_layers
     draft = build_draft(model, sorted({0, n - 1}), list(range(model.config.vocab_size)))
     params: dict[str, dict] = {"sdsat": {"adaptive_ids": [int(model.config.vocab_size) - 1]}}
+    params["eagle"] = {"path": str(save_drafter(new_drafter("eagle3", model.config, lm_head=model.lm_head),
+                                                work / "eagle3", model.config, "smoke"))}
     for kind, key, methods in (("medusa", "heads", ("medusa", "medusa_typical")), ("firp", "projections", ("firp",))):
         d = (new_drafter("medusa", model.config, num_heads=3, lm_head=model.lm_head) if kind == "medusa"
              else new_drafter("firp", model.config, layers=[n // 2, n // 2, n - 1]))
