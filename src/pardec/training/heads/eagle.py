@@ -38,7 +38,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 
 @dataclass
@@ -112,20 +111,20 @@ def ttt_terms(drafter, target: TargetPass, loss_mask: torch.Tensor, steps: int, 
     """The TTT loss terms of one batch (module docstring); ``loss_mask`` [B, T] bool."""
     w = drafter.fc.weight
     outs = ttt_unroll(drafter, drafter.fuse(target.features), target.emb.to(w.dtype), steps, call)
-    ids = drafter.vocab.ids.to(target.logits.device) if drafter.config.draft_vocab_size < drafter.config.vocab_size \
-        else None
-    t2d = drafter.t2d.to(target.logits.device)
     total = outs[0].sum() * 0.0  # keeps the graph when nothing counts
     stats = torch.zeros(5, steps, dtype=torch.float64)
-    loss_mask = loss_mask.to(torch.bool).to(w.device)
+    with torch.no_grad():  # the target's side once, at every position; step i reads it shifted by i + 1
+        logits = target.logits
+        keep_all = drafter.t2d.to(logits.device)[logits.argmax(-1)].to(w.device)  # argmax in the draft vocabulary
+        if drafter.config.draft_vocab_size < drafter.config.vocab_size:
+            logits = logits[..., drafter.vocab.ids.to(logits.device)]
+        logp_all = logits.float().log_softmax(-1).to(w.device)  # [B, T, K]: restricted to the draft vocabulary
+        loss_mask = loss_mask.to(torch.bool).to(w.device)
     for i, out in enumerate(outs):
         with torch.no_grad():
-            tl = shift_left(target.logits, i + 1)  # [B, T, V]: the target at t + 1 + i
-            keep = t2d[tl.argmax(-1)].to(w.device)
+            logp = shift_left(logp_all, i + 1)  # the target at t + 1 + i
             completion = shift_left(loss_mask, i + 1)
-            m = keep & completion
-            p_logits = (tl if ids is None else tl[..., ids]).float()
-            logp = p_logits.log_softmax(-1).to(w.device)
+            m = shift_left(keep_all, i + 1) & completion
             p = logp.exp()
         logq = drafter.logits(out).float().log_softmax(-1)
         ce = -(p * logq).sum(-1)  # [B, T]
@@ -135,7 +134,7 @@ def ttt_terms(drafter, target: TargetPass, loss_mask: torch.Tensor, steps: int, 
             ent = -(p * logp).sum(-1)
             stats[0, i] = float(term)
             stats[1, i] = float(((ce - ent) * m).sum())
-            stats[2, i] = float(((logq.argmax(-1) == p_logits.argmax(-1).to(w.device)) & m).sum())
+            stats[2, i] = float(((logq.argmax(-1) == logp.argmax(-1)) & m).sum())
             stats[3, i] = float(m.sum())
             stats[4, i] = float(completion.sum())
     return StepTerms(total, *stats)

@@ -302,7 +302,9 @@ def train_heads(spec, run_dir, d: Ranks) -> dict:
     base = lm.model.requires_grad_(False)
     eagle3 = spec.heads["type"] == "eagle3"
     vocab, vocab_facts = eagle3_vocab(spec, records, lm) if eagle3 else (None, {})
-    drafter = _new_drafter(spec, base, vocab)
+    with torch.random.fork_rng(devices=[]):  # EAGLE-3's random layers: the same init on every rank and every rerun
+        torch.manual_seed(args.seed)
+        drafter = _new_drafter(spec, base, vocab)
     # DeepSpeed's "auto" bucket sizes (conf/deepspeed/*.json: reduce_bucket_size) are filled from model.config's
     # hidden_size (transformers' HfTrainerDeepSpeedConfig); the drafter is a plain module: it gets the target's
     # (EAGLE-3's draft keeps its own Eagle3Config, whose hidden_size is the target's)
