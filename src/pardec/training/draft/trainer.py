@@ -219,8 +219,8 @@ def train_draft(spec, run_dir, d: Ranks) -> dict:
     from collections import Counter
 
     from pardec.models.draft import build_draft
-    from pardec.models.vocab import choose_vocab
     from pardec.models.loading import TORCH_DTYPES, load_model, trainable
+    from pardec.models.vocab import choose_vocab
     from pardec.training.completions import corpus_share, load_completions
 
     args = training_args(DraftConfig, spec, run_dir)  # before the model, as ZeRO-3 requires
