@@ -27,6 +27,10 @@ token after the anchor); for FIRP in both views a pseudo state can have at decod
 (``pseudo``: it also sees the anchor's earlier pseudo states; decoding's default, the view the trees are searched on)
 and "Masked" (``real``: the real states and itself).
 
+EAGLE-3 (``heads.type: eagle3``): the training-time-test loss of :mod:`pardec.training.heads.eagle` (K = the TTT
+steps, weights ``step_decay ** k``, the same window normaliser), its vocabulary from the corpus (:func:`eagle3_vocab`)
+and its own eval stage (:func:`evaluate_eagle3`: held-out chain acceptance by depth, no trees).
+
 Logged beside loss / lr / grad_norm, per depth ``d = k + 1``: ``kl_d<d>`` (the mean training KL) and ``top1_d<d>``
 (teacher-forced top-1 agreement: student argmax == teacher argmax), plus their term-weighted means ``kl`` and
 ``top1``.
