@@ -59,9 +59,15 @@ def test_every_experiment_validates(name):
     assert spec.experiment == name and spec.device == ("cpu" if gpu_recipe else "auto")
     if gpu_recipe:
         assert spec.model.device == "cpu" and spec.model.name not in ("smollm2_135m", "tiny_random")
-    assert name.split("_")[0] == _compose([f"+experiment={name}"]).kind  # one name: the prefix is the kind
+    prefix = name.split("_")[0]
+    # one name: the prefix is the kind (EAGLE-3's drafters, heads.type eagle3, are named by the method)
+    assert {"eagle3": "heads"}.get(prefix, prefix) == _compose([f"+experiment={name}"]).kind
     if name.startswith("draft_"):  # kind: draft (tests/training/draft/ covers it)
         assert spec.gen.out_dir.endswith(f"completions/{name}/train")
+        return
+    if name.startswith("eagle3_"):  # kind heads, heads.type eagle3 (tests/training/heads/test_eagle3.py covers it)
+        assert spec.heads["type"] == "eagle3"
+        assert spec.gen.out_dir.endswith((f"completions/{name}/train", "completions/draft_smollm2/train"))
         return
     if name.startswith("heads_"):  # kind: heads (tests/training/heads/ covers it)
         shared = "draft_" + name.split("_", 2)[2]  # the SmolLM2 ones reuse draft's data

@@ -1,5 +1,6 @@
 """Kind ``heads``: drafters trained on the target itself, which draft several tokens from one target forward:
-Medusa heads (``heads.type: medusa``) or FIRP projections (``heads.type: firp``), self-distilled on the target's own
+Medusa heads (``heads.type: medusa``), FIRP projections (``heads.type: firp``) or an EAGLE-3 draft layer trained
+with training-time test (``heads.type: eagle3``, :mod:`pardec.training.heads.eagle`), self-distilled on the target's own
 completions (``python -m train +experiment=heads_<type>_<name>``; the artifacts: :mod:`pardec.models.heads`).
 
 Stages (``stage=generate|train|eval|all``):
@@ -9,7 +10,7 @@ Stages (``stage=generate|train|eval|all``):
 * ``train``: :class:`~.trainer.HeadsTrainer`; the drafter goes to ``<run dir>/final``;
 * ``eval`` (rank 0): completions of the held-out ``eval.sources`` (``<eval.out_dir>/<dataset>``), per-depth rank
   accuracies of the drafter's candidates, trees for ``eval.budgets`` in ``<run dir>/final/trees``, all summarised
-  in ``<run dir>/heads_eval.json``.
+  in ``<run dir>/heads_eval.json``; for eagle3 the chain's held-out acceptance by depth instead of ranks and trees.
 """
 
 from __future__ import annotations
@@ -31,7 +32,11 @@ from pardec.training.kinds import Kind, Spec, check_layers, common_fields, known
 #: heads of a few million parameters train under ZeRO-2
 NO_ZERO3 = "the frozen target would be partitioned outside the engine and the heads are saved whole from rank 0"
 HEADS_KEYS = {"medusa": ("type", "num_heads", "num_blocks", "head_decay", "corpus_fraction"),
-              "firp": ("type", "layers", "attention", "distance", "corpus_fraction")}
+              "firp": ("type", "layers", "attention", "distance", "corpus_fraction"),
+              "eagle3": ("type", "draft_vocab_size", "ttt_steps", "step_decay", "layers", "corpus_fraction")}
+#: EAGLE-3's defaults (Li et al. 2025; reference eagle/traineagle3: cnets.py ``self.length = 7``, main.py
+#: ``ploss_weight = [0.8 ** i ...]``, the 32000-id draft vocabulary of its configs)
+EAGLE3_DEFAULTS = {"draft_vocab_size": 32000, "ttt_steps": 7, "step_decay": 0.8}
 #: FIRP's loss, per (anchor, step): KL(P~ || P) with P~ the pseudo state's distribution and P the target's at the
 #: same future position (paper Eq. 4: ``rkl`` in :func:`pardec.training.losses.token_divergence`'s naming, where the
 #: student is q); ``fkl``: KL(P || P~), pardec's earlier choice (Medusa's self-distillation direction)
@@ -40,13 +45,24 @@ FIRP_DISTANCES = ("rkl", "fkl")
 
 @dataclass
 class HeadsSpec(Spec):
-    heads: dict  # type, num_heads, num_blocks (medusa) / layers, attention, distance (firp)
+    heads: dict  # type, num_heads, num_blocks (medusa) / layers, attention, distance (firp) /
+    #              draft_vocab_size, ttt_steps, step_decay, layers (eagle3)
     head_decay: float
     corpus_fraction: float  # train on the first fraction of each source's completions (corpus-size studies)
     gen: Any  # pardec.training.completions.GenerateConfig: the training completions
     eval_gen: list  # one GenerateConfig per held-out source, each with its own out_dir
     topk: int
     budgets: list[int]
+
+
+def check_vocab_size(size: int, model) -> None:
+    """``heads.draft_vocab_size`` against the target's vocabulary when its config is at hand without loading it."""
+    from pardec.models.loading import read_config_json
+
+    vocab = None if model.source == "tiny_random" else (read_config_json(model) or {}).get("vocab_size")
+    if vocab is not None and size > vocab:
+        raise ConfigError(f"heads.draft_vocab_size={size} is out of range: it must be in [2, {vocab}] (the target "
+                          f"{model.name}'s vocabulary)")
 
 
 @register_kind("heads")
@@ -75,6 +91,18 @@ class HeadsKind(GeneratesCompletions, Kind):
             head_decay = heads.pop("head_decay", 0.8)
             check_range("heads.head_decay", head_decay, 0, 1, integer=False, open_lo=True)
             head_decay = float(head_decay)
+        elif kind == "eagle3":
+            for key, v in EAGLE3_DEFAULTS.items():
+                heads.setdefault(key, v)
+            check_at_least("heads.draft_vocab_size", heads["draft_vocab_size"], 2, integer=True)
+            check_at_least("heads.ttt_steps", heads["ttt_steps"], 1, integer=True)
+            check_range("heads.step_decay", heads["step_decay"], 0, 1, integer=False, open_lo=True)
+            heads["step_decay"] = float(heads["step_decay"])
+            layers = heads.get("layers")
+            if layers is not None and (not isinstance(layers, list) or not layers
+                                       or not all(is_int(i) for i in layers)):
+                raise ConfigError(f"heads.layers={layers!r} is not valid: give a non-empty list of target layer "
+                                  f"indices (the fused features; null: EAGLE-3's low/mid/high default)")
         else:
             layers = heads.get("layers")
             if not isinstance(layers, list) or not layers or not all(is_int(i) for i in layers):
@@ -95,8 +123,10 @@ class HeadsKind(GeneratesCompletions, Kind):
                               f"(tree sizes)")
         common = common_fields(cfg, name, HeadsConfig, no_zero3=NO_ZERO3,
                                elsewhere={"head_decay": "Medusa's head_decay is heads.head_decay"})
-        if kind == "firp":
+        if kind == "firp" or (kind == "eagle3" and heads.get("layers") is not None):
             check_layers(heads["layers"], common["model"], "heads.layers")
+        if kind == "eagle3":
+            check_vocab_size(heads["draft_vocab_size"], common["model"])
         return HeadsSpec(**common, heads=heads, head_decay=head_decay, corpus_fraction=fraction, gen=gen,
                          eval_gen=eval_sources(ev),
                          topk=topk, budgets=budgets)
@@ -110,6 +140,12 @@ class HeadsKind(GeneratesCompletions, Kind):
         from pardec.training.heads.trainer import evaluate_heads
 
         result = evaluate_heads(spec, run_dir)
+        if result["kind"] == "eagle3":
+            o = result["overall"]
+            out = {"positions": result["positions"], "parameters": result["parameters"],
+                   **{k: o[k] for k in ("expected_tokens_per_forward", "conditional_acceptance", "topk_containment")}}
+            print(json.dumps(out, indent=2))
+            return out
         out = {k: result[k] for k in ("positions", "parameters", "trees")}
         out["topk_accuracy"] = result["overall"]["topk_accuracy"]
         print(json.dumps(out, indent=2))

@@ -27,6 +27,10 @@ token after the anchor); for FIRP in both views a pseudo state can have at decod
 (``pseudo``: it also sees the anchor's earlier pseudo states; decoding's default, the view the trees are searched on)
 and "Masked" (``real``: the real states and itself).
 
+EAGLE-3 (``heads.type: eagle3``): the training-time-test loss of :mod:`pardec.training.heads.eagle` (K = the TTT
+steps, weights ``step_decay ** k``, the same window normaliser), its vocabulary from the corpus (:func:`eagle3_vocab`)
+and its own eval stage (:func:`evaluate_eagle3`: held-out chain acceptance by depth, no trees).
+
 Logged beside loss / lr / grad_norm, per depth ``d = k + 1``: ``kl_d<d>`` (the mean training KL) and ``top1_d<d>``
 (teacher-forced top-1 agreement: student argmax == teacher argmax), plus their term-weighted means ``kl`` and
 ``top1``.
@@ -135,9 +139,13 @@ class HeadsConfig(BaseConfig):
 class HeadsTrainer(BaseTrainer):
     args: HeadsConfig
 
-    def __init__(self, *args, base: torch.nn.Module, distance: str | None = None, **kwargs):
+    def __init__(self, *args, base: torch.nn.Module, distance: str | None = None, ttt_steps: int = 7,
+                 step_decay: float = 0.8, **kwargs):
         drafter = unwrap(kwargs["model"])
-        self.k = drafter.k
+        # EAGLE-3: k = the training-time-test steps (pardec.training.heads.eagle), weighted step_decay ** i
+        self.eagle3 = drafter.kind == "eagle3"
+        self.k = ttt_steps if self.eagle3 else drafter.k
+        self.step_decay = step_decay
         # KL(p || q) for Medusa; KL(q || p) for FIRP (Eq. 4) unless heads.distance says fkl
         self.distance = distance or ("rkl" if drafter.kind == "firp" else "fkl")
         self.log_sums_size = 3 * self.k  # kl sums, agreement sums, counts per depth
@@ -156,6 +164,8 @@ class HeadsTrainer(BaseTrainer):
 
     def compute_loss(self, model, inputs, return_outputs: bool = False, num_items_in_batch=None):
         drafter = unwrap(model)
+        if self.eagle3:
+            return self.eagle3_loss(model, drafter, inputs, return_outputs, num_items_in_batch)
         ids, mask = inputs["input_ids"], inputs["loss_mask"].to(torch.bool)
         start = window_start(mask, self.k)
         teacher, student = drafter_forward(self.base, model, drafter, ids, start,
@@ -183,6 +193,21 @@ class HeadsTrainer(BaseTrainer):
         if model.training:
             self.add_log_sums(stats)
         return (loss, student) if return_outputs else loss
+
+    def eagle3_loss(self, model, drafter, inputs, return_outputs: bool, num_items_in_batch):
+        """EAGLE-3's TTT loss (:func:`pardec.training.heads.eagle.ttt_terms`): logged ``kl_d<d>`` is the KL of step
+        ``d - 1`` (its soft cross-entropy minus the restricted target's entropy), ``top1_d<d>`` its agreement with
+        the target's argmax, both over the counted terms (target argmax in the draft vocabulary)."""
+        from pardec.training.heads.eagle import target_pass, ttt_terms
+
+        ids, mask = inputs["input_ids"], inputs["loss_mask"].to(torch.bool)
+        target = target_pass(self.base, ids.to(self.args.device), drafter.config.layer_ids)
+        terms = ttt_terms(drafter, target, mask, self.k, self.step_decay, call=model)
+        norm = (torch.tensor(term_count(mask, self.k)) if num_items_in_batch is None else num_items_in_batch)
+        loss = self.for_ranks(terms.total / norm.to(terms.total.device).clamp(min=1))
+        if model.training:
+            self.add_log_sums(torch.cat([terms.kl, terms.agree, terms.count]))
+        return (loss, terms.total) if return_outputs else loss
 
     def log_metrics(self, logs: dict[str, float], sums: list[float]) -> None:
         k = self.k
@@ -253,10 +278,12 @@ def accuracy_report(ranks: torch.Tensor, valid: torch.Tensor, topk: int) -> dict
 
 
 # ------------------------------------------------------------------------------------------- app stages
-def _new_drafter(spec, base):
+def _new_drafter(spec, base, vocab=None):
     from pardec.models.heads import new_drafter
 
     h = spec.heads
+    if h["type"] == "eagle3":  # the head starts from the target's rows of the kept ids
+        return new_drafter("eagle3", base.config, layers=h.get("layers"), lm_head=base.lm_head, vocab=vocab)
     if h["type"] == "medusa":
         return new_drafter("medusa", base.config, num_heads=h["num_heads"], num_blocks=h["num_blocks"],
                            lm_head=base.lm_head)
@@ -277,29 +304,92 @@ def train_heads(spec, run_dir, d: Ranks) -> dict:
     records = corpus_share(load_completions(spec.gen.out_dir), spec.corpus_fraction)
     lm = load_model(trainable(spec.model, spec.model_dtype))  # the Trainer places the drafter
     base = lm.model.requires_grad_(False)
-    drafter = _new_drafter(spec, base)
+    eagle3 = spec.heads["type"] == "eagle3"
+    vocab, vocab_facts = eagle3_vocab(spec, records, lm) if eagle3 else (None, {})
+    with torch.random.fork_rng(devices=[]):  # EAGLE-3's random layers: the same init on every rank and every rerun
+        torch.manual_seed(args.seed)
+        drafter = _new_drafter(spec, base, vocab)
     # DeepSpeed's "auto" bucket sizes (conf/deepspeed/*.json: reduce_bucket_size) are filled from model.config's
     # hidden_size (transformers' HfTrainerDeepSpeedConfig); the drafter is a plain module: it gets the target's
-    drafter.config = PretrainedConfig(hidden_size=base.config.hidden_size)
+    # (EAGLE-3's draft keeps its own Eagle3Config, whose hidden_size is the target's)
+    if not eagle3:
+        drafter.config = PretrainedConfig(hidden_size=base.config.hidden_size)
     ds = CompletionDataset(records, args.max_length)
     pad = lm.tokenizer.pad_token_id
     firp = spec.heads["type"] == "firp"
     distance = spec.heads.get("distance", "rkl") if firp else "fkl"
+    steps = {"ttt_steps": spec.heads["ttt_steps"], "step_decay": spec.heads["step_decay"]} if eagle3 else {}
     trainer = HeadsTrainer(model=drafter, args=args, train_dataset=ds,
-                           data_collator=RightPadCollator(0 if pad is None else pad), base=base, distance=distance)
+                           data_collator=RightPadCollator(0 if pad is None else pad), base=base, distance=distance,
+                           **steps)
 
     def finish(final, trained: dict) -> dict:  # the training facts go into drafter.json too
         tokens = sum(len(ds[i]["input_ids"]) for i in range(len(ds)))
         facts = {**trained, "samples": len(ds), "tokens": tokens, "epochs": args.num_train_epochs,
                  "corpus_fraction": spec.corpus_fraction,
                  "experiment": spec.experiment,
-                 **({"distance": distance} if firp else {"head_decay": spec.head_decay})}
+                 **({"distance": distance} if firp else {} if eagle3 else {"head_decay": spec.head_decay}),
+                 **steps, **vocab_facts}
         if d.rank == 0:
             save_drafter(trainer.model, final, base.config, spec.model.name, extra=facts)
         return {**facts, "truncated_samples": ds.n_truncated, "kind": spec.heads["type"],
                 "trainable_parameters": num_parameters(drafter), "final_drafter": str(final)}
 
     return fit(trainer, spec, run_dir, d, finish)
+
+
+def eagle3_vocab(spec, records: list[dict], lm):
+    """EAGLE-3's draft vocabulary: ``heads.draft_vocab_size`` ids from the completion tokens' counts (specials, pad
+    and EOS always kept; reference cnets.py ``process_data`` l. 457-469 and ``scandata`` l. 666-674:
+    the corpus's most common tokens, counted over the assistant tokens). Every rank reads the same merged records and counts them the same way (a Counter's
+    totals do not depend on order, ``choose_vocab`` breaks ties by id), so all ranks build the same vocabulary
+    without a broadcast. Returns (DraftVocab, facts: the size and the share of completion tokens it covers, the
+    reference's "top N token frequency ratio")."""
+    from collections import Counter
+
+    from pardec.models.vocab import DraftVocab, choose_vocab
+
+    tok, target = lm.tokenizer, lm.model
+    counts = Counter(t for r in records for t in r["completion_ids"])
+    special = {*tok.all_special_ids, tok.pad_token_id, *lm.eos_ids}
+    size = spec.heads["draft_vocab_size"]
+    vocab_size = int(target.config.vocab_size)
+    if size > vocab_size:
+        raise ConfigError(f"heads.draft_vocab_size={size} is out of range: it must be in [2, {vocab_size}] "
+                          f"(the target's vocabulary)")
+    ids = choose_vocab(counts, size, sorted(i for i in special if i is not None), vocab_size)
+    kept = set(ids)
+    total = sum(counts.values())
+    covered = sum(c for t, c in counts.items() if t in kept) / max(1, total)
+    log.info("eagle3 draft vocabulary: top %d token frequency ratio %.2f%% (%d distinct of %d completion tokens)",
+             size, 100 * covered, len(counts), total)
+    return DraftVocab(ids, vocab_size), {"draft_vocab_size": size, "draft_vocab_coverage": covered,
+                                         "corpus_distinct_tokens": len(counts), "corpus_completion_tokens": total}
+
+
+def evaluate_eagle3(spec, run_dir, lm, drafter, meta, final) -> dict:
+    """EAGLE-3's eval stage: held-out chain acceptance by depth (:func:`pardec.training.heads.eagle.acceptance`)
+    per source and pooled, into ``<run>/heads_eval.json`` (no tree search: EAGLE-3 drafts its tree dynamically)."""
+    from pardec.models.heads import num_parameters
+    from pardec.training.completions import load_completions, run_generation
+    from pardec.training.heads.eagle import acceptance, merge_acceptance
+
+    steps = int(spec.heads["ttt_steps"])
+    result: dict = {"drafter": str(final), "kind": "eagle3", "target": spec.model.name, "steps": steps,
+                    "draft_vocab_size": drafter.config.draft_vocab_size, "layer_ids": drafter.config.layer_ids,
+                    "parameters": num_parameters(drafter), "topk": spec.topk, "per_dataset": {}}
+    parts = []
+    for g in spec.eval_gen:
+        run_generation(g, lm, 0, 1, None, "eval")
+        records = load_completions(g.out_dir, "stage=eval")
+        part = acceptance(lm.model, drafter, records, steps, spec.topk)
+        result["per_dataset"][g.sources[0].dataset.name] = part
+        parts.append(part)
+    result["overall"] = merge_acceptance(parts)
+    result["positions"] = result["overall"]["anchors"]
+    result["expected_tokens_per_forward"] = result["overall"]["expected_tokens_per_forward"]
+    (run_dir / "heads_eval.json").write_text(json.dumps(result, indent=2) + "\n")
+    return result
 
 
 def evaluate_heads(spec, run_dir) -> dict:
@@ -321,6 +411,8 @@ def evaluate_heads(spec, run_dir) -> dict:
     kind = spec.heads["type"]
     drafter, meta = load_drafter(final, lm.model.config, kind, key="final")
     drafter = drafter.to(lm.model.device)
+    if kind == "eagle3":
+        return evaluate_eagle3(spec, run_dir, lm, drafter.to(lm.model.dtype), meta, final)
     result: dict = {"drafter": str(final), "kind": kind, "target": spec.model.name, "k": drafter.k,
                     "parameters": num_parameters(drafter), "topk": spec.topk, "per_dataset": {}}
     # FIRP: decoding's view first (the main figures and the trees), then the other (Fig. 7's comparison)
