@@ -111,3 +111,18 @@ def test_bad_settings_are_refused(fitted, tmp_path):
     other = CachedModel(tiny(2, layers=3).model)
     with pytest.raises(ConfigError, match="was trained for another model"):
         build_decoder("eagle", other, None, None, path=str(path))
+
+
+@pytest.mark.parametrize("fmt", ["eagle3", "speculators"])
+def test_an_exported_drafter_decodes_as_the_trained_one(fitted, fmt, tmp_path):
+    """The export (python -m pardec.export) loaded back through method.path: the same drafts, so the same
+    verifications, accepted counts and tokens as the pardec drafter it came from."""
+    from pardec.export import export
+
+    lm, path, seqs = fitted
+    export(path, fmt, tmp_path / fmt)
+    cm = CachedModel(lm.model, forward_impl="lean")
+    runs = [build_decoder("eagle", cm, lm.tokenizer, None, path=str(p), total_tokens=8, depth=3, top_k=3)
+            .generate(seqs[0][:3], 20) for p in (path, tmp_path / fmt)]
+    assert runs[0].tokens == runs[1].tokens and runs[0].accepted == runs[1].accepted
+    assert runs[0].draft_accepted == runs[1].draft_accepted > 0
