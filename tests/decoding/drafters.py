@@ -22,49 +22,32 @@ _MADE: dict[tuple[int, str], Path] = {}
 def fit_eagle3(model, sequences: list[list[int]], steps: int = 80, unroll: int = 3, lr: float = 3e-3,
                seed: int = 0):
     """An EAGLE-3 drafter for ``model`` over the tokens of ``sequences`` (its draft vocabulary), fitted with Adam in
-    seconds to the target's argmax after each position, unrolled ``unroll`` steps on its own outputs (a plain
-    training-time test: step ``i`` reads step ``i - 1``'s output, the true token ``i`` later, and sees the step-0
-    entries up to its anchor plus its own chain). Enough for drafts that are often right on those contexts and
-    rarely elsewhere."""
+    seconds to the target's argmax after each position (hard labels), unrolled ``unroll`` steps on its own outputs
+    by the training-time test of :mod:`pardec.training.heads.eagle`. Enough for drafts that are often right on those
+    contexts and rarely elsewhere."""
     from pardec.models.eagle import new_eagle3
     from pardec.models.vocab import DraftVocab
+    from pardec.training.heads.eagle import shift_left, target_pass, ttt_unroll
 
     vocab = DraftVocab(sorted({t for s in sequences for t in s}), int(model.config.vocab_size))
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         d = new_eagle3(model.config, vocab, lm_head=model.lm_head.weight)
-    layers = list(d.config.layer_ids)
     width = max(len(s) for s in sequences)
     ids = torch.tensor([s + [s[-1]] * (width - len(s)) for s in sequences])
     valid = torch.tensor([[1] * len(s) + [0] * (width - len(s)) for s in sequences], dtype=torch.bool)
-    with torch.no_grad():
-        out = model(input_ids=ids, output_hidden_states=True)
-        feats = torch.cat([out.hidden_states[i] for i in layers], -1)[:, :-1]  # entry j: features at j
-        target = out.logits.argmax(-1)  # position j's argmax: the token after j
-        emb = model.model.embed_tokens(ids)
+    target = target_pass(model, ids, d.config.layer_ids)
     index = torch.full((int(model.config.vocab_size),), -1, dtype=torch.long)
     index[vocab.ids] = torch.arange(len(vocab))
-    t = width - 1  # entries per row
-    eye, causal = torch.eye(t, dtype=torch.bool), torch.ones(t, t, dtype=torch.bool).tril()
+    argmax = index[target.logits.argmax(-1)]  # [B, T]: the target's argmax after each position, as a draft id
     opt = torch.optim.Adam(d.parameters(), lr=lr)
-    pos = torch.arange(t)
     for _ in range(steps):
-        hidden, keys, values, loss = d.fuse(feats), [], [], 0.0
-        for i in range(unroll):
-            # step i at anchor j reads token j + 1 + i and predicts the target's argmax after it
-            tok = torch.cat([emb[:, 1 + i :], emb[:, -1:].expand(-1, i, -1)], 1)
-            label = index[torch.cat([target[:, 1 + i :], target[:, -1:].expand(-1, i)], 1)]
-            ok = valid[:, 1:].clone()
-            ok[:, t - i :] = False
-            label[~(ok & (label >= 0))] = -100
-            past = None if not keys else (torch.cat(keys, 2), torch.cat(values, 2))
-            mask = torch.cat([causal] + [eye] * i, 1)
-            o, (k, v) = d(tok, hidden, pos + i, past=past, mask=mask)
-            keys.append(k)
-            values.append(v)
-            loss = loss + 0.8**i * torch.nn.functional.cross_entropy(d.logits(o).reshape(-1, len(vocab)),
+        loss = 0.0
+        for i, out in enumerate(ttt_unroll(d, d.fuse(target.features), target.emb, unroll)):
+            label = shift_left(argmax, i + 1)  # step i at anchor t: the target's argmax at t + 1 + i
+            label = label.masked_fill(~(shift_left(valid, i + 1) & (label >= 0)), -100)
+            loss = loss + 0.8**i * torch.nn.functional.cross_entropy(d.logits(out).reshape(-1, len(vocab)),
                                                                      label.reshape(-1))
-            hidden = o
         opt.zero_grad()
         loss.backward()
         opt.step()
