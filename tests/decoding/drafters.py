@@ -32,7 +32,8 @@ def fit_eagle3(model, sequences: list[list[int]], steps: int = 80, unroll: int =
     vocab = DraftVocab(sorted({t for s in sequences for t in s}), int(model.config.vocab_size))
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        d = new_eagle3(model.config, vocab, lm_head=model.lm_head.weight)
+        head = getattr(model.lm_head, "weight", None)  # (an int8 head has no float weight: a random start)
+        d = new_eagle3(model.config, vocab, lm_head=head if head is not None and head.is_floating_point() else None)
     width = max(len(s) for s in sequences)
     ids = torch.tensor([s + [s[-1]] * (width - len(s)) for s in sequences])
     valid = torch.tensor([[1] * len(s) + [0] * (width - len(s)) for s in sequences], dtype=torch.bool)
@@ -63,7 +64,7 @@ def _eagle_sequences(model) -> list[list[int]]:
     vocab = int(model.config.vocab_size)
     short = [[1, 504, 1812]] if vocab > 1812 else []
     prompts = short + [torch.randint(0, vocab, (5,), generator=g).tolist() for _ in range(3 - len(short))]
-    ar = build_decoder("ar", CachedModel(model, forward_impl="lean"))
+    ar = build_decoder("ar", CachedModel(model))  # (the forward the model runs: auto)
     return [p + ar.generate(p, 30).tokens for p in prompts]
 
 

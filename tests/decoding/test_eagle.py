@@ -106,7 +106,7 @@ def test_bad_settings_are_refused(fitted, tmp_path):
         Eagle(cm)
     with pytest.raises(ConfigError, match="method.top_k=0 is out of range"):
         build_decoder("eagle", cm, None, None, path=str(path), top_k=0)
-    with pytest.raises(ConfigError, match="holds no trained drafter"):
+    with pytest.raises(ConfigError, match="is not an EAGLE-3 checkpoint: found no files"):
         build_decoder("eagle", cm, None, None, path=str(tmp_path))
     other = CachedModel(tiny(2, layers=3).model)
     with pytest.raises(ConfigError, match="was trained for another model"):
