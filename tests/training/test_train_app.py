@@ -26,6 +26,13 @@ from pardec.training.stages import read_part
 
 
 def _compose(overrides: list[str]) -> DictConfig:
+    """``conf/train.yaml`` composed with ``overrides``; ``threads`` (torch threads, 2 by default) is the test's own
+    (tests/conftest.py: 1 per pytest-xdist worker) unless given: a run sets it for its whole process, and two
+    workers' runs of 2 threads each on 2 cores wait on each other's threads (many times slower on a busy machine)."""
+    from tests.conftest import THREADS
+
+    if not any(o.split("=")[0].lstrip("+~") == "threads" for o in overrides):
+        overrides = [*overrides, f"threads={THREADS}"]
     with initialize_config_dir(str(CONF_DIR), version_base="1.3"):
         cfg = compose("train", overrides=overrides, return_hydra_config=True)
     HydraConfig.instance().set_config(cfg)  # for ${hydra:runtime.choices.experiment}
