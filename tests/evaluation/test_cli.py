@@ -1,5 +1,10 @@
 """pardec.evaluate, the `python -m evaluate` entry: runs from another directory, one-line errors with exit status 2,
-multirun, a refused resume that leaves the run dir byte for byte."""
+multirun, a refused resume that leaves the run dir byte for byte.
+
+A run from another directory and a multirun start real `python -m evaluate` processes; the error paths (but a
+broken sandbox: the canary's verdict is kept per process) run their command lines through the same entry (:func:`pardec.evaluate.main`, Hydra and all) one after another in one child
+process (:func:`tests.evaluation.helpers.run_cli_in_one_process`), each with its own working directory and
+environment, and check the exit status the command would have."""
 
 from __future__ import annotations
 
@@ -7,21 +12,16 @@ import json
 
 import pytest
 
-from tests.evaluation.helpers import TINY, hashes, run_cli
+from tests.evaluation.helpers import TINY, run_cli, run_cli_in_one_process
 
 pytestmark = pytest.mark.slow  # each test starts `python -m evaluate` processes
 
 
-def test_cli_from_another_directory_and_clear_errors(tmp_path):
+def test_cli_from_another_directory(tmp_path):
     out = tmp_path / "run"
     p = run_cli("+method=jacobi", *TINY, f"hydra.run.dir={out}", cwd=tmp_path)
     assert p.returncode == 0, p.stderr[-2000:]
     assert "speedup (total time)" in p.stdout and (out / "summary.json").is_file()
-    bad = run_cli("+method=jacobi", "model=tiny_random", "dtype=fp8", f"hydra.run.dir={tmp_path / 'bad'}", cwd=tmp_path)
-    assert bad.returncode == 2 and "dtype='fp8' is not valid" in bad.stderr
-    nomodel = run_cli("+method=ar", "model=local", "model.path=/no/such/dir", f"hydra.run.dir={tmp_path / 'bad3'}",
-                   cwd=tmp_path)
-    assert nomodel.returncode == 2 and "/no/such/dir" in nomodel.stderr
 
 
 def test_multirun_gives_one_dir_per_job_and_wandb_offline(tmp_path):
@@ -35,29 +35,47 @@ def test_multirun_gives_one_dir_per_job_and_wandb_offline(tmp_path):
     assert list(jobs[0].glob("wandb/offline-run-*")), "W&B wrote an offline run in the job dir"
 
 
-def test_cli_refused_resume_leaves_the_run_dir_byte_for_byte(tmp_path):
-    out = tmp_path / "run"
-    args = ("+method=pld", *TINY, "n_samples=1", f"hydra.run.dir={out}")
-    assert run_cli(*args, cwd=tmp_path).returncode == 0
-    before = hashes(out)
+def test_cli_errors_are_one_line_and_exit_2(tmp_path):
+    """Clear errors (a bad value, a missing model dir), a refused resume that leaves the run dir byte for byte, the
+    resume of a new run dir: each one line, exit status 2, no traceback."""
+    run, new = tmp_path / "run", tmp_path / "new"
+    resume = ("+method=pld", *TINY, "n_samples=1", f"hydra.run.dir={run}")
+    cases = {
+        "bad dtype": {"args": ["+method=jacobi", "model=tiny_random", "dtype=fp8", f"hydra.run.dir={tmp_path / 'bad'}"]},
+        "no model": {"args": ["+method=ar", "model=local", "model.path=/no/such/dir",
+                              f"hydra.run.dir={tmp_path / 'bad3'}"]},
+        "first run": {"args": resume, "hash": run},
+        # stays refused: test_spec, in process
+        "other seed": {"args": [*resume, "model.seed=3"], "hash": run},
+        "other seed, resume": {"args": [*resume, "model.seed=3", "resume=true"], "hash": run},
+        "resume new": {"args": ["+method=pld", *TINY, "n_samples=1", "resume=true", f"hydra.run.dir={new}"]},
+    }
+    got = dict(zip(cases, run_cli_in_one_process([{"cwd": tmp_path, **c} for c in cases.values()]), strict=True))
+
+    def errors(name: str) -> list[str]:
+        p = got[name]
+        assert p["returncode"] == 2 and "Traceback" not in p["stderr"], (name, p["stderr"][-2000:])
+        return [x for x in p["stderr"].splitlines() if x.startswith("error:")]
+
+    assert "dtype='fp8' is not valid" in got["bad dtype"]["stderr"] and errors("bad dtype")
+    assert "/no/such/dir" in got["no model"]["stderr"] and errors("no model")
+
+    assert got["first run"]["returncode"] == 0, got["first run"]["stderr"][-2000:]
+    before = got["first run"]["hashes"]
     assert ".hydra/config.yaml" in before and "run.json" in before
-    for extra in (("model.seed=3",), ("model.seed=3", "resume=true")):  # stays refused: test_spec, in process
-        p = run_cli(*args, *extra, cwd=tmp_path)
-        assert p.returncode == 2 and "Traceback" not in p.stderr, p.stderr[-2000:]
-        assert hashes(out) == before, extra
-    assert "model.seed was 0, now 3" in p.stderr
+    for name in ("other seed", "other seed, resume"):
+        errors(name)
+        assert got[name]["hashes"] == before, name
+    assert "model.seed was 0, now 3" in got["other seed, resume"]["stderr"]
 
+    lines = errors("resume new")
+    assert len(lines) == 1 and lines[0].startswith(f"error: resume=true but {new} holds no run"), lines
+    assert not (new / "run.json").exists() and not (new / "results.jsonl").exists()
 
-def test_cli_resume_of_a_new_run_dir_is_one_error_line(tmp_path):
-    out = tmp_path / "new"
-    p = run_cli("+method=pld", *TINY, "n_samples=1", "resume=true", f"hydra.run.dir={out}", cwd=tmp_path)
-    assert p.returncode == 2 and "Traceback" not in p.stderr, p.stderr[-2000:]
-    errors = [x for x in p.stderr.splitlines() if x.startswith("error:")]
-    assert len(errors) == 1 and errors[0].startswith(f"error: resume=true but {out} holds no run"), p.stderr[-2000:]
-    assert not (out / "run.json").exists() and not (out / "results.jsonl").exists()
 
 
 def test_cli_broken_sandbox_is_one_error_line_and_exit_2(tmp_path):
+    """A process of its own: the sandbox canary's verdict is kept per process."""
     out = tmp_path / "run"
     p = run_cli("+method=ar", "model=tiny_random", f"hydra.run.dir={out}", cwd=tmp_path,
                 env={"PARDEC_SANDBOX": "bwrap", "PATH": "/nonexistent"})  # bwrap required, and not found

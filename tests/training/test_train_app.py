@@ -1,5 +1,5 @@
 """`python -m train`: config composition and validation, the cllm_tiny experiment end to end, resume, and a
-2-rank DeepSpeed ZeRO-2 run through torchrun (CPU, gloo)."""
+2-rank DeepSpeed ZeRO-2 run through the deepspeed launcher and a ZeRO-3 one through torchrun (CPU, gloo)."""
 
 from __future__ import annotations
 
@@ -26,6 +26,13 @@ from pardec.training.stages import read_part
 
 
 def _compose(overrides: list[str]) -> DictConfig:
+    """``conf/train.yaml`` composed with ``overrides``; ``threads`` (torch threads, 2 by default) is the test's own
+    (tests/conftest.py: 1 per pytest-xdist worker) unless given: a run sets it for its whole process, and two
+    workers' runs of 2 threads each on 2 cores wait on each other's threads (many times slower on a busy machine)."""
+    from tests.conftest import THREADS
+
+    if not any(o.split("=")[0].lstrip("+~") == "threads" for o in overrides):
+        overrides = [*overrides, f"threads={THREADS}"]
     with initialize_config_dir(str(CONF_DIR), version_base="1.3"):
         cfg = compose("train", overrides=overrides, return_hydra_config=True)
     HydraConfig.instance().set_config(cfg)  # for ${hydra:runtime.choices.experiment}
@@ -166,12 +173,35 @@ def _torchrun(tmp_path: Path, *overrides: str) -> None:
     assert proc.returncode == 0, proc.stderr[-4000:]
 
 
+def _sharded_stages(tmp_path: Path) -> None:
+    """Two ranks' collection and generation: each rank wrote its half, rank 0 merged them in order."""
+    traj = tmp_path / "data" / "trajectories" / "cllm_tiny"
+    assert [len(read_part(traj / f"part-{r}.jsonl")) for r in (0, 1)] == [3, 3]
+    completions = tmp_path / "data" / "completions" / "cllm_tiny" / "train"
+    assert [len(read_part(completions / f"part-{r}.jsonl")) for r in (0, 1)] == [3, 3]
+    assert [r["index"] for r in load_trajectories(traj)] == list(range(6))
+
+
 @pytest.mark.slow
-def test_deepspeed_zero2_two_ranks_on_cpu(tmp_path):
-    """torchrun, 2 CPU ranks, gloo: sharded collection merged by rank 0, then ZeRO-2 training; both ranks agree
-    on the run dir; rank 0 alone writes .hydra and final/."""
-    _torchrun(tmp_path, "stage=all", "trainer.deepspeed=zero2", "trainer.save_strategy=steps", "trainer.save_steps=2")
-    (run_dir,) = (tmp_path / "out" / "train" / "runs" / "cllm_tiny").iterdir()
+def test_the_deepspeed_launcher_zero2_and_a_plain_python_launch(tmp_path):
+    """The README's launch lines on CPU: `deepspeed --num_gpus 2 --module train ...` (it appends --local_rank=N; both
+    ranks find one run dir, the experiment's `default`) and `python -m train ... trainer.deepspeed=zero2` with
+    no launcher at all (rank 0 of 1, no MPI discovery).
+
+    The 2-rank launch (gloo) is also the ZeRO-2 run: sharded collection merged by rank 0, then ZeRO-2 training with
+    checkpoints; both ranks agree on the run dir; rank 0 alone writes .hydra and final/. (torchrun: the ZeRO-3 runs
+    below and tests/training/sdsat/test_sdsat.py, with the same sharded-collection checks.)"""
+    import shutil
+
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO_ROOT / "src")}
+    common = ["+experiment=cllm_tiny", "threads=1", f"paths.data_dir={tmp_path}/data", "trainer.deepspeed=zero2"]
+    launcher = shutil.which("deepspeed", path=str(Path(sys.executable).parent))
+    assert launcher, "the deepspeed launcher is installed with deepspeed"
+    cmd = [launcher, "--num_gpus", "2", "--module", "train", *common, "stage=all", "trainer.save_strategy=steps",
+           "trainer.save_steps=2", f"paths.output_dir={tmp_path}/ds"]
+    proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    (run_dir,) = (tmp_path / "ds" / "train" / "runs" / "cllm_tiny").iterdir()
     assert run_dir.name == "default"  # the experiment's run_name: a relaunch finds the same dir
     # marked complete by rank 0 once both ranks had saved (rank 1's optimizer shard and RNG state included)
     files = json.loads((run_dir / "checkpoint-2" / "pardec-complete.json").read_text())["files"]
@@ -187,30 +217,7 @@ def test_deepspeed_zero2_two_ranks_on_cpu(tmp_path):
     assert [h["step"] for h in proxy] == [1, 2]  # every eval step; the last one is the summary's, not redone
     assert all(h["eval_ff_proxy_states"] > 0 for h in proxy) and "eval_ff_proxy" in summary["train"]
     assert all(h["eval_ff_decode"] >= 1.0 for h in proxy)  # both ranks decoded the held-out prompt in step
-    traj = tmp_path / "data" / "trajectories" / "cllm_tiny"
-    assert [len(read_part(traj / f"part-{r}.jsonl")) for r in (0, 1)] == [3, 3]
-    completions = tmp_path / "data" / "completions" / "cllm_tiny" / "train"
-    assert [len(read_part(completions / f"part-{r}.jsonl")) for r in (0, 1)] == [3, 3]
-    assert [r["index"] for r in load_trajectories(traj)] == list(range(6))
-
-
-@pytest.mark.slow
-def test_the_deepspeed_launcher_and_a_plain_python_launch(tmp_path):
-    """The README's launch lines on CPU: `deepspeed --num_gpus 2 --module train ...` (it appends --local_rank=N; both
-    ranks find one run dir, the experiment's `default`) and `python -m train ... trainer.deepspeed=zero2` with
-    no launcher at all (rank 0 of 1, no MPI discovery)."""
-    import shutil
-
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO_ROOT / "src")}
-    common = ["+experiment=cllm_tiny", "threads=1", f"paths.data_dir={tmp_path}/data", "trainer.deepspeed=zero2"]
-    launcher = shutil.which("deepspeed", path=str(Path(sys.executable).parent))
-    assert launcher, "the deepspeed launcher is installed with deepspeed"
-    cmd = [launcher, "--num_gpus", "2", "--module", "train", *common, f"paths.output_dir={tmp_path}/ds"]
-    proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    (run_dir,) = (tmp_path / "ds" / "train" / "runs" / "cllm_tiny").iterdir()
-    assert run_dir.name == "default" and (run_dir / "train-rank1.log").is_file()
-    assert (run_dir / "final" / "config.json").is_file()
+    _sharded_stages(tmp_path)
 
     cmd = [sys.executable, "-m", "train", *common, "stage=train", f"paths.output_dir={tmp_path}/plain"]
     proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
@@ -258,3 +265,4 @@ def test_deepspeed_zero3_loads_a_local_model_sharded(tmp_path):
     assert changed and all("proj" in k for k in changed)  # LoRA targets only
     history = json.loads((run_dir / "log_history.json").read_text())  # the decoded proxy ran on sharded weights
     assert [h["eval_ff_decode"] >= 1.0 for h in history if "eval_ff_proxy" in h] == [True] * 2
+    _sharded_stages(tmp_path)  # torchrun's ranks: collection sharded and merged as under the deepspeed launcher
