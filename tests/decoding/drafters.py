@@ -25,9 +25,10 @@ def fit_eagle3(model, sequences: list[list[int]], steps: int = 80, unroll: int =
     seconds to the target's argmax after each position (hard labels), unrolled ``unroll`` steps on its own outputs
     by the training-time test of :mod:`pardec.training.heads.eagle`. Enough for drafts that are often right on those
     contexts and rarely elsewhere."""
+    from pardec.models.cached import CachedModel
     from pardec.models.eagle import new_eagle3
     from pardec.models.vocab import DraftVocab
-    from pardec.training.heads.eagle import shift_left, target_pass, ttt_unroll
+    from pardec.training.heads.eagle import TargetPass, shift_left, ttt_unroll
 
     vocab = DraftVocab(sorted({t for s in sequences for t in s}), int(model.config.vocab_size))
     with torch.random.fork_rng(devices=[]):
@@ -37,7 +38,12 @@ def fit_eagle3(model, sequences: list[list[int]], steps: int = 80, unroll: int =
     width = max(len(s) for s in sequences)
     ids = torch.tensor([s + [s[-1]] * (width - len(s)) for s in sequences])
     valid = torch.tensor([[1] * len(s) + [0] * (width - len(s)) for s in sequences], dtype=torch.bool)
-    target = target_pass(model, ids, d.config.layer_ids)
+    # the features through pardec's capture (transformers' output_hidden_states would leave its recording hooks on
+    # the shared test model), cloned out of inference mode for the draft's backward
+    cm = CachedModel(model)
+    out = cm.forward(ids, hidden_layer=tuple(d.config.layer_ids))
+    with torch.no_grad():
+        target = TargetPass(out.hidden.clone(), out.logits.clone(), model.model.embed_tokens(ids))
     index = torch.full((int(model.config.vocab_size),), -1, dtype=torch.long)
     index[vocab.ids] = torch.arange(len(vocab))
     argmax = index[target.logits.argmax(-1)]  # [B, T]: the target's argmax after each position, as a draft id
