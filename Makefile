@@ -37,7 +37,7 @@ demo: setup  ## pld (+ sps with the distilled draft if trained) vs ar and HF gen
 # two pytest-xdist workers, one torch thread each (tests/conftest.py): tiny models are overhead-bound, so two
 # processes finish ~1.8x sooner than one process with two threads
 PYTEST := $(BIN)/python -m pytest -q -n 2 --dist worksteal --durations=15
-test: setup  ## every test (CPU, offline, ~16 min on 2 cores)
+test: setup  ## every test (CPU, offline, 16-20 min on 2 cores)
 	$(PYTEST) $(PYTEST_ARGS)
 
 test-fast: setup  ## the fast tier for iteration: every test not marked slow (~7 min on 2 cores)
