@@ -249,27 +249,6 @@ def test_tiny_end_to_end(tmp_path):
     assert json.loads((run_dir / "train_summary.json").read_text())["eval"]["positions"] == ev["positions"]
 
 
-@pytest.mark.slow  # two training runs
-def test_resume_continues_from_the_checkpoint(tmp_path):
-    """Three steps straight equal two steps, a stop, and a resumed third step (constant lr, same data order)."""
-    run(_compose(_overrides(tmp_path, "stage=generate")), tmp_path / "out" / "gen")
-    base = _overrides(tmp_path, "stage=train", "trainer.save_strategy=steps", "trainer.save_steps=1",
-                      "trainer.lr_scheduler_type=constant", "trainer.warmup_steps=0")
-    straight, split = tmp_path / "out" / "straight", tmp_path / "out" / "split"
-    run(_compose([*base, "trainer.max_steps=3"]), straight)
-    run(_compose([*base, "trainer.max_steps=2"]), split)
-    assert (split / "checkpoint-2").is_dir() and not (split / "checkpoint-3").exists()
-    run(_compose([*base, "trainer.max_steps=3", "trainer.resume_from_checkpoint=true"]), split)
-    state = json.loads((split / "checkpoint-3" / "trainer_state.json").read_text())
-    assert [h["step"] for h in state["log_history"] if "loss" in h] == [1, 2, 3]
-    cfg = tiny(0, layers=4).model.config
-    a, _ = load_drafter(straight / "final", cfg, "eagle3")
-    b, meta = load_drafter(split / "final", cfg, "eagle3")
-    assert meta["steps"] == 3
-    for (name, x), y in zip(a.state_dict().items(), b.state_dict().values()):
-        torch.testing.assert_close(x, y, rtol=1e-5, atol=1e-6, msg=name)
-
-
 def test_config_errors(tmp_path):
     cases = [
         (["heads.draft_vocab_size=1"], "heads.draft_vocab_size=1 is out of range: it must be an integer >= 2"),

@@ -216,11 +216,12 @@ def test_corpus_fraction_trains_on_the_first_share_of_the_corpus(tmp_path):
 
 
 @pytest.mark.slow  # two training runs
-def test_resume_continues_from_the_checkpoint(tmp_path):
+@pytest.mark.parametrize("name,kind,layers", [("heads_medusa_tiny", "medusa", 3), ("eagle3_tiny", "eagle3", 4)])
+def test_resume_continues_from_the_checkpoint(tmp_path, name, kind, layers):
     """Three steps straight equal two steps, a stop, and a resumed third step (constant lr, same data order)."""
-    gen = _overrides(tmp_path, "heads_medusa_tiny", "stage=generate")
+    gen = _overrides(tmp_path, name, "stage=generate")
     run(_compose(gen), tmp_path / "out" / "gen")
-    base = _overrides(tmp_path, "heads_medusa_tiny", "stage=train", "trainer.save_strategy=steps", "trainer.save_steps=1",
+    base = _overrides(tmp_path, name, "stage=train", "trainer.save_strategy=steps", "trainer.save_steps=1",
                       "trainer.lr_scheduler_type=constant", "trainer.warmup_steps=0")
     straight, split = tmp_path / "out" / "straight", tmp_path / "out" / "split"
     run(_compose([*base, "trainer.max_steps=3"]), straight)
@@ -229,9 +230,9 @@ def test_resume_continues_from_the_checkpoint(tmp_path):
     run(_compose([*base, "trainer.max_steps=3", "trainer.resume_from_checkpoint=true"]), split)
     state = json.loads((split / "checkpoint-3" / "trainer_state.json").read_text())
     assert [h["step"] for h in state["log_history"] if "loss" in h] == [1, 2, 3]
-    cfg = tiny(0, layers=3).model.config
-    a, _ = load_drafter(straight / "final", cfg, "medusa")
-    b, meta = load_drafter(split / "final", cfg, "medusa")
+    cfg = tiny(0, layers=layers).model.config
+    a, _ = load_drafter(straight / "final", cfg, kind)
+    b, meta = load_drafter(split / "final", cfg, kind)
     assert meta["steps"] == 3
     for (name, x), y in zip(a.state_dict().items(), b.state_dict().values()):
         torch.testing.assert_close(x, y, rtol=1e-5, atol=1e-6, msg=name)

@@ -160,16 +160,13 @@ def acceptance(base, drafter, records: list[dict], steps: int, topk: int = 10) -
     layer_ids = drafter.config.layer_ids
     acc_rows, valid_rows, top_rows, top1_rows = [], [], [], []
     same = anchors_n = 0
-    for r in records:
-        full = list(r["prompt_ids"]) + list(r["completion_ids"])
-        p, n = len(r["prompt_ids"]), len(full)
-        if n - 3 < p - 1:
-            continue
-        ids = torch.tensor([full[:-1]], device=device)
+    from pardec.training.heads.trainer import held_out_windows
+
+    for full, ids, anchors in held_out_windows(records, device):
+        n = len(full)
         tp = target_pass(base, ids, layer_ids)
         w = drafter.fc.weight
         outs = ttt_unroll(drafter, drafter.fuse(tp.features), tp.emb.to(w.dtype), steps)
-        anchors = torch.arange(p - 1, n - 2)
         pos = anchors[:, None] + torch.arange(steps)[None, :] + 2  # [A, S]: the true tokens' positions
         valid = pos <= n - 1
         true = torch.tensor(full)[pos.clamp(max=n - 1)]

@@ -220,6 +220,18 @@ class HeadsTrainer(BaseTrainer):
 
 
 # ------------------------------------------------------------------------------------------- evaluation
+def held_out_windows(records: list[dict], device):
+    """Per held-out record (prompt + the target's greedy completion) long enough for one anchor: (its tokens, the
+    ids ``[1, n - 1]`` a teacher-forced forward reads, on ``device``, the anchors ``t`` from the prompt's last token
+    to the completion's third-to-last, so that ``t + 2 <= n - 1``)."""
+    for r in records:
+        full = list(r["prompt_ids"]) + list(r["completion_ids"])
+        p, n = len(r["prompt_ids"]), len(full)
+        if n - 3 < p - 1:
+            continue
+        yield full, torch.tensor([full[:-1]], device=device), torch.arange(p - 1, n - 2)
+
+
 @torch.inference_mode()
 def future_ranks(base, drafter, records: list[dict], attention: str | None = None
                  ) -> tuple[torch.Tensor, torch.Tensor, dict]:
@@ -237,13 +249,8 @@ def future_ranks(base, drafter, records: list[dict], attention: str | None = Non
     all_ranks, all_valid = [], []
     same = anchors_n = 0
     device = next(base.parameters()).device
-    for r in records:
-        full = list(r["prompt_ids"]) + list(r["completion_ids"])
-        p, n = len(r["prompt_ids"]), len(full)
-        if n - 3 < p - 1:
-            continue
-        ids = torch.tensor([full[:-1]], device=device)
-        anchors = torch.arange(p - 1, n - 2)  # t + 2 <= n - 1
+    for full, ids, anchors in held_out_windows(records, device):
+        n = len(full)
         if drafter.kind == "medusa":
             hidden = base.model(input_ids=ids).last_hidden_state[0, anchors.to(device)]
             target_logits = base.lm_head(hidden)
