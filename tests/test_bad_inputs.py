@@ -11,48 +11,26 @@ temporary directory of its own with Hydra's global state cleared in between.
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
+import tempfile
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import pytest
+
+from tests.evaluation.helpers import run_cli_in_one_process
 
 MARKER = "@@pardec: a model is loading@@"
 BASE = ("model=tiny_random", "n_samples=1", "max_new_tokens=4", "bench.warmup=0", "perplexity.enabled=false",
         "dataset=humaneval")
-#: runs the cases read from stdin (JSON: args, files) through the CLI, one after another, with load_model wrapped
-#: to announce itself; prints a JSON list of {"code", "stderr"}
-RUNNER = f"""
-import contextlib, io, json, os, sys, tempfile, traceback
-from pathlib import Path
+#: the children's first lines: load_model announces itself, so an error after the marker came too late
+PRELUDE = f"""
+import sys
 import pardec.models.loading as loading
 _load = loading.load_model
 def load_model(cfg, *a, **k):
     print({MARKER!r}, file=sys.stderr, flush=True)
     return _load(cfg, *a, **k)
 loading.load_model = load_model
-from hydra.core.global_hydra import GlobalHydra
-from pardec.evaluate import main
-out = []
-for case in json.load(sys.stdin):
-    with tempfile.TemporaryDirectory(prefix="pardec-bad-") as tmp:
-        for name, content in case["files"].items():
-            Path(tmp, name).write_text(content)
-        os.chdir(tmp)
-        sys.argv = ["evaluate", *(a.replace("{{tmp}}", tmp) for a in case["args"]), "hydra.run.dir=" + tmp + "/run"]
-        GlobalHydra.instance().clear()
-        err, code = io.StringIO(), 0
-        with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
-            try:
-                main()
-            except SystemExit as e:
-                code = e.code if isinstance(e.code, int) else int(e.code is not None)
-            except BaseException:
-                traceback.print_exc()
-                code = 1
-        out.append({{"code": code, "stderr": err.getvalue()}})
-print(json.dumps(out))
 """
 
 
@@ -172,20 +150,26 @@ CASES = [
 
 
 def run_cases(cases: list[Case]) -> list[tuple[int, str]]:
-    """(exit code, stderr) of the CLI on each case: one child process per distinct environment."""
+    """(exit code, stderr) of the CLI on each case, each in a temporary directory of its own (its ``files`` written
+    there, ``{tmp}`` in its arguments naming it): one child process per distinct environment (the variables are
+    read at import), through :func:`tests.evaluation.helpers.run_cli_in_one_process`."""
     results: dict[str, tuple[int, str]] = {}
     groups: dict[str, list[Case]] = {}
     for case in cases:
         groups.setdefault(json.dumps(case.env, sort_keys=True), []).append(case)
-    for env_key, group in groups.items():
-        env = {**os.environ, "PYTHONWARNINGS": "ignore", "TOKENIZERS_PARALLELISM": "false", **json.loads(env_key)}
-        # a later key=value wins, so the case's own dataset= / draft= override BASE's
-        todo = [{"args": [*BASE, *c.args], "files": c.files} for c in group]
-        p = subprocess.run([sys.executable, "-c", RUNNER], input=json.dumps(todo), env=env, capture_output=True,
-                           text=True, timeout=1200)
-        assert p.returncode == 0, p.stderr[-3000:]
-        for case, r in zip(group, json.loads(p.stdout.splitlines()[-1]), strict=True):
-            results[case.name] = (r["code"], r["stderr"])
+    with tempfile.TemporaryDirectory(prefix="pardec-bad-") as root:
+        for env_key, group in groups.items():
+            todo = []
+            for c in group:
+                tmp = tempfile.mkdtemp(dir=root)
+                for name, content in c.files.items():
+                    Path(tmp, name).write_text(content)
+                # a later key=value wins, so the case's own dataset= / draft= override BASE's
+                args = [*BASE, *(a.replace("{tmp}", tmp) for a in c.args), f"hydra.run.dir={tmp}/run"]
+                todo.append({"args": args, "cwd": tmp})
+            env = {"PYTHONWARNINGS": "ignore", "TOKENIZERS_PARALLELISM": "false", **json.loads(env_key)}
+            for case, r in zip(group, run_cli_in_one_process(todo, PRELUDE, env), strict=True):
+                results[case.name] = (r["returncode"], r["stderr"])
     return [results[c.name] for c in cases]
 
 

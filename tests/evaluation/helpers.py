@@ -72,18 +72,20 @@ print(json.dumps(out))
 """
 
 
-def run_cli_in_one_process(cases: list[dict]) -> list[dict]:
+def run_cli_in_one_process(cases: list[dict], prelude: str = "", env: dict | None = None) -> list[dict]:
     """Several `python -m evaluate` command lines run in turn in one child process (a fresh process each costs
     ~5-10 s of imports): each case is {"args": [...], "cwd": dir, "env": {...} (added to this environment for that
     case only), "hash": dir (optional)}; returns {returncode (the exit status the command would have), stdout,
-    stderr, hashes (of the ``hash`` dir right after the case ran)} per case."""
+    stderr, hashes (of the ``hash`` dir right after the case ran)} per case. ``prelude``: code the child runs first
+    (e.g. wrapping a function); ``env``: added to the child's environment from its start (variables that libraries
+    read at import, which a case's own ``env`` comes too late for)."""
     from pardec import REPO_ROOT
 
     todo = [{"args": list(c["args"]), "cwd": str(c["cwd"]), "env": c.get("env", {}),
              "hash": str(c["hash"]) if c.get("hash") else None} for c in cases]
     path = os.pathsep.join(filter(None, [str(REPO_ROOT / "src"), str(REPO_ROOT), os.environ.get("PYTHONPATH")]))
-    p = subprocess.run([sys.executable, "-c", _CLI_RUNNER], input=json.dumps(todo), capture_output=True, text=True,
-                       env={**os.environ, "PYTHONPATH": path}, timeout=1200)
+    p = subprocess.run([sys.executable, "-c", prelude + _CLI_RUNNER], input=json.dumps(todo), capture_output=True,
+                       text=True, env={**os.environ, **(env or {}), "PYTHONPATH": path}, timeout=1200)
     assert p.returncode == 0, p.stderr[-3000:]
     return json.loads(p.stdout.splitlines()[-1])
 
