@@ -237,12 +237,15 @@ class Eagle3Draft(nn.Module):
         """Target ids of draft-vocabulary ids."""
         return draft_ids + self.d2t[draft_ids]
 
+    def target_ids(self) -> torch.Tensor:
+        """[K] the target id of every draft-vocabulary id, on the drafter's device (no host read)."""
+        return self.to_target(torch.arange(self.config.draft_vocab_size, device=self.d2t.device))
+
     def full_logits(self, draft_logits: torch.Tensor) -> torch.Tensor:
         """[.., K] -> [.., V] (ids outside the draft vocabulary ``finfo.min``)."""
         if self.config.draft_vocab_size == self.config.vocab_size:
             return draft_logits
-        ids = self.to_target(torch.arange(self.config.draft_vocab_size, device=draft_logits.device))
-        return scatter_logits(draft_logits, ids, self.config.vocab_size)
+        return scatter_logits(draft_logits, self.target_ids().to(draft_logits.device), self.config.vocab_size)
 
 
 def new_eagle3(target_config, vocab: DraftVocab | None = None, layer_ids=None, lm_head: torch.Tensor | None = None,

@@ -117,7 +117,7 @@ def ttt_terms(drafter, target: TargetPass, loss_mask: torch.Tensor, steps: int, 
         logits = target.logits
         keep_all = drafter.t2d.to(logits.device)[logits.argmax(-1)].to(w.device)  # argmax in the draft vocabulary
         if drafter.config.draft_vocab_size < drafter.config.vocab_size:
-            logits = logits[..., drafter.vocab.ids.to(logits.device)]
+            logits = logits[..., drafter.target_ids().to(logits.device)]
         logp_all = logits.float().log_softmax(-1).to(w.device)  # [B, T, K]: restricted to the draft vocabulary
         loss_mask = loss_mask.to(torch.bool).to(w.device)
     for i, out in enumerate(outs):
@@ -171,7 +171,7 @@ def acceptance(base, drafter, records: list[dict], steps: int, topk: int = 10) -
         valid = pos <= n - 1
         true = torch.tensor(full)[pos.clamp(max=n - 1)]
         logits = torch.stack([drafter.logits(o)[0, anchors.to(o.device)] for o in outs], 1).float().cpu()  # [A,S,K]
-        top = drafter.vocab.to_target(logits.topk(min(topk, logits.shape[-1]), -1).indices)  # [A, S, k]
+        top = drafter.to_target(logits.topk(min(topk, logits.shape[-1]), -1).indices.to(w.device)).cpu()  # [A,S,k]
         hit = top[..., 0] == true
         acc_rows.append(hit.long().cumprod(1).bool())
         valid_rows.append(valid)
