@@ -95,6 +95,10 @@ PAPER: dict[str, dict[str, tuple[object, str]]] = {
         "top_k": (10, "EAGLE official ea_model.py EaModel.from_pretrained top_k=10"),
         "num_speculative_tokens": (3, "speculators convert/eagle/eagle3_converter.py greedy proposal speculative_tokens=3"),
     },
+    "dflash": {
+        "block_size": (None, "the drafter's trained block: the paper's 16 (z-lab's released -b16 drafters)"),
+        "num_speculative_tokens": (None, "block_size - 1: z-lab dflash_generate verifies the whole block"),
+    },
     "spectr": {},
     "mjgd": {},
     "ar": {},
@@ -111,6 +115,7 @@ PARDEC_ONLY: dict[str, set[str]] = {
     "firp": {"projections", "tree", "k"},
     "sdsat": {"adaptive_ids"},
     "eagle": {"path"},
+    "dflash": {"path"},
     "spectr": {"k", "gamma"},  # SpecTr §5 sweeps the number of drafts and their length: no single paper value
     "mjgd": {"K", "num_beams"},  # the MJSD code has no MJGD run
 }

@@ -1,7 +1,7 @@
 """Saved drafters for tiny test models: Medusa heads and FIRP projections randomly perturbed around their
 initialisation (so their drafts are sometimes, not always, right) plus a branching tree file ``T``; an EAGLE-3
 drafter fitted in seconds to the target's own greedy continuations (:func:`fit_eagle3`), so that its drafts are
-often right on those contexts and rarely elsewhere."""
+often right on those contexts and rarely elsewhere; likewise a DFlash drafter (:func:`fit_dflash`)."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from pardec.decoding.tree_search import save_tree
 from pardec.models.heads import new_drafter, save_drafter
 
 TREE_T = [[0], [1], [0, 0], [0, 1], [1, 0], [0, 0, 0]]
-KEYS = {"medusa": "heads", "medusa_typical": "heads", "firp": "projections", "eagle": "path"}
+KEYS = {"medusa": "heads", "medusa_typical": "heads", "firp": "projections", "eagle": "path", "dflash": "path"}
 _ROOT = Path(tempfile.mkdtemp(prefix="pardec-drafters-"))
 _MADE: dict[tuple[int, str], Path] = {}
 
@@ -61,6 +61,46 @@ def fit_eagle3(model, sequences: list[list[int]], steps: int = 80, unroll: int =
     return d.eval()
 
 
+def fit_dflash(model, sequences: list[list[int]], steps: int = 120, lr: float = 3e-3, seed: int = 0,
+               prompt_len: int = 1, **options):
+    """A DFlash drafter for ``model`` (2 layers, blocks of 4 unless ``options`` say otherwise) fitted with Adam in
+    seconds by :func:`pardec.training.heads.dflash.block_terms` (CE, the paper's decay) on the tokens of
+    ``sequences`` after their first ``prompt_len`` (every position an anchor), which are the target's own
+    continuations: its drafts are often right on those contexts and rarely elsewhere."""
+    from pardec.models.cached import CachedModel
+    from pardec.models.heads import new_drafter
+    from pardec.training.heads.dflash import anchor_candidates, block_terms
+    from pardec.training.heads.eagle import TargetPass
+
+    options = {"num_layers": 2, "block_size": 4, **options}
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        d = new_drafter("dflash", model.config, embed=model.model.embed_tokens, lm_head=model.lm_head,
+                        dflash=options)
+    width = max(len(s) for s in sequences)
+    ids = torch.tensor([s + [s[-1]] * (width - len(s)) for s in sequences])
+    mask = torch.zeros(ids.shape, dtype=torch.bool)
+    for i, s in enumerate(sequences):
+        mask[i, prompt_len - 1 : len(s) - 1] = True  # x_{j+1} is a continuation token
+    rows = [anchor_candidates(m) for m in mask]
+    anchors = torch.zeros(len(rows), max(len(r) for r in rows), dtype=torch.long)
+    valid = torch.zeros(anchors.shape, dtype=torch.bool)
+    for i, r in enumerate(rows):
+        anchors[i, : len(r)], valid[i, : len(r)] = r, True
+    cm = CachedModel(model)  # pardec's capture (module doc of fit_eagle3), cloned out of inference mode
+    out = cm.forward(ids, hidden_layer=tuple(d.config.layer_ids))
+    target = TargetPass(out.hidden.clone(), out.logits.clone(), None)
+    with torch.no_grad():
+        embed = model.model.embed_tokens
+    opt = torch.optim.Adam(d.parameters(), lr=lr)
+    for _ in range(steps):
+        terms = block_terms(d, target, embed, model.lm_head, ids, mask, anchors, valid, d.config.block_size, 7.0)
+        opt.zero_grad()
+        (terms.total / terms.count.sum().clamp(min=1)).backward()
+        opt.step()
+    return d.eval()
+
+
 def _eagle_sequences(model) -> list[list[int]]:
     """The target's greedy continuations of the exactness sweep's short prompt and of a few random ones."""
     from pardec.decoding import build_decoder
@@ -75,10 +115,11 @@ def _eagle_sequences(model) -> list[list[int]]:
 
 
 def drafter_dir(model, kind: str, k: int = 3, seed: int = 0) -> Path:
-    """A drafter of ``kind`` (medusa | firp | eagle3) for ``model``, saved once per model."""
+    """A drafter of ``kind`` (medusa | firp | eagle3 | dflash) for ``model``, saved once per model."""
     key = (id(model), kind)
-    if key not in _MADE and kind == "eagle3":
-        _MADE[key] = save_drafter(fit_eagle3(model, _eagle_sequences(model), seed=seed),
+    if key not in _MADE and kind in ("eagle3", "dflash"):
+        fit = fit_eagle3 if kind == "eagle3" else fit_dflash
+        _MADE[key] = save_drafter(fit(model, _eagle_sequences(model), seed=seed),
                                   _ROOT / f"{kind}-{len(_MADE)}", model.config, "tiny")
     if key not in _MADE:
         cfg = model.config
@@ -105,6 +146,6 @@ def drafter_params(method: str, model, tree: str = "T") -> dict:
         return {"adaptive_ids": [int(model.config.vocab_size) - 1]}
     if method not in KEYS:
         return {}
-    if method == "eagle":
-        return {"path": str(drafter_dir(model, "eagle3"))}
+    if method in ("eagle", "dflash"):
+        return {"path": str(drafter_dir(model, "eagle3" if method == "eagle" else "dflash"))}
     return {KEYS[method]: str(drafter_dir(model, "firp" if method == "firp" else "medusa")), "tree": tree}

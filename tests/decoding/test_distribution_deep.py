@@ -24,6 +24,8 @@ Each case runs with parameters that reach its deep paths, and the test asserts t
 * ``jacobi``: re-sampled guesses (a block's later iterations) were accepted;
 * ``eagle`` (a small dynamic tree) and ``eagle_chain`` (drafts sampled from the drafter's recorded q): a fitted
   EAGLE-3 drafter (:func:`eagle_deep`) accepted >= 2 deep and rejected below the root;
+* ``dflash`` (a block of 4, each slot's draft sampled from its recorded q): a fitted DFlash drafter
+  (:func:`dflash_deep`) accepted >= 2 deep and rejected below the root;
 * ``lookahead`` / ``pld``: pool / prompt n-grams accepted >= 2 deep.
 
 Set-up. The prompt is the target's own 3-cycle (0 -> 5 -> 9 -> 0, each step with probability 0.45-0.8 at
@@ -68,6 +70,7 @@ import pytest
 import torch
 
 import pardec.decoding.base as base_mod
+import pardec.decoding.dflash as dflash_mod
 import pardec.decoding.eagle as eagle_mod
 import pardec.decoding.heads as heads_mod
 import pardec.decoding.lookahead as lookahead_mod
@@ -80,7 +83,7 @@ from pardec.decoding.sampling import warp
 from pardec.decoding.tree_search import save_tree
 from pardec.models.cached import CachedModel
 from pardec.models.heads import save_drafter
-from tests.decoding.drafters import drafter_params, fit_eagle3
+from tests.decoding.drafters import drafter_params, fit_dflash, fit_eagle3
 from tests.decoding.test_distribution import DISTRIBUTION, SETTINGS, V, tiny_vocab
 from tests.stats import chi_square_p
 
@@ -108,6 +111,7 @@ PARAMS = {
     # a fitted EAGLE-3 drafter (eagle_deep): a small dynamic tree 3 deep, and the chain (drafts sampled from q)
     "eagle": {"total_tokens": 12, "depth": 3, "top_k": 3},
     "eagle_chain": {"mode": "chain", "num_speculative_tokens": 3},
+    "dflash": {"num_speculative_tokens": 3},  # a fitted DFlash drafter (dflash_deep), blocks of 4
 }
 LENGTH = {"sdsat": 7, "sdsat_k5": 7}
 GROUPS_OF = {"sdsat": ((2, 3, 4), (4, 5, 6)), "sdsat_k5": ((2, 3, 4), (4, 5, 6))}
@@ -154,6 +158,21 @@ def eagle_deep() -> str:
                                                     generator=g)], 1)
     drafter = fit_eagle3(model, ids.tolist(), steps=150)
     return str(save_drafter(drafter, Path(tempfile.mkdtemp(prefix="pardec-deep-")) / "eagle3", model.config, "v16"))
+
+
+@functools.cache
+def dflash_deep() -> str:
+    """A DFlash drafter (blocks of 4) fitted to the same 48 samples as :func:`eagle_deep`: its block's slots are
+    often, not always, right after PROMPT. Its drafts are samples of the recorded per-slot q."""
+    model = tiny_vocab(0)
+    g = torch.Generator().manual_seed(11)
+    ids = torch.tensor([PROMPT] * 48)
+    with torch.no_grad():
+        for _ in range(8):
+            ids = torch.cat([ids, torch.multinomial(torch.softmax(model(input_ids=ids).logits[:, -1], -1), 1,
+                                                    generator=g)], 1)
+    drafter = fit_dflash(model, ids.tolist(), steps=150, prompt_len=len(PROMPT) - 2)
+    return str(save_drafter(drafter, Path(tempfile.mkdtemp(prefix="pardec-deep-")) / "dflash", model.config, "v16"))
 
 
 @functools.cache
@@ -256,6 +275,7 @@ def instrument(method: str, dec, monkeypatch) -> Probe:
     for mod in (base_mod, heads_mod, lookahead_mod, sdsat_mod, eagle_mod):
         monkeypatch.setattr(mod, "verify_tree", _tree(probe, mod.verify_tree))
     monkeypatch.setattr(eagle_mod, "verify_chain", _chain(probe, eagle_mod.verify_chain))
+    monkeypatch.setattr(dflash_mod, "verify_chain", _chain(probe, dflash_mod.verify_chain))
     monkeypatch.setattr(ouroboros_mod, "verify_tree", _tree(probe, ouroboros_mod.verify_tree, "draft"))
     monkeypatch.setattr(spectr_mod, "verify_tree_iid", _tree(probe, spectr_mod.verify_tree_iid))
     iid = spectr_mod.verify_tree_iid
@@ -371,7 +391,8 @@ def test_later_token_triples_follow_the_target_distribution(case, setting, monke
     target = tiny_vocab(0)
     # (lean forwards: the logits of transformers' up to rounding, at ~60% of the time per sample)
     draft = CachedModel(near_draft(), name="draft", forward_impl="lean") if METHODS.get(method).needs_draft else None
-    params = {**({"path": eagle_deep()} if method == "eagle" else drafter_params(method, target)),
+    fitted = {"eagle": eagle_deep, "dflash": dflash_deep}
+    params = {**({"path": fitted[method]()} if method in fitted else drafter_params(method, target)),
               **PARAMS.get(case, {})}
     if case == "sdsat":
         params["tree"] = depth2_tree()

@@ -403,6 +403,7 @@ def test_ouroboros_reads_the_host_once_per_forward_of_either_model(s):
     ("sdsat", 1, 0),  # the next tree's candidates ride on the verification's read (before: 2; sampled 67.6)
     ("spectr", 2, 0),  # the k sequences grown on the device, read once per round, + the verification (before: 4.7)
     ("eagle", 1, 0),  # the dynamic tree built on the device (DeviceTree): the verification's read only
+    ("dflash", 1, 0),  # the block drafted on the device: the verification's read only
 ])
 def test_reads_per_forward(method, per_target, per_draft, s):
     """Host reads of whole generations on a virtual GPU, against each method's budget per forward of the target
@@ -462,7 +463,7 @@ def test_confirm_keeps_accepted_proposals_as_host_values_and_drops_the_rest():
 
 
 @pytest.mark.parametrize("method", ["ar", "pld", "sps", "lookahead", "jacobi", "medusa", "firp", "sdsat", "mjsd",
-                                    "mjgd", "spectr", "bild", "ouroboros", "eagle"])
+                                    "mjgd", "spectr", "bild", "ouroboros", "eagle", "dflash"])
 def test_no_blocking_upload_per_step(method):
     """Host tensors reach the device through pinned memory without blocking (``pardec.models.cached.to_device``):
     a plain upload from pageable memory makes the host wait for the stream, which the H200 smoke counted as one to

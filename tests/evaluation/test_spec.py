@@ -243,7 +243,11 @@ def test_broken_sandbox_is_an_error_before_any_model_loads(monkeypatch, tmp_path
 def test_draft_eagle_hands_its_path_to_method_eagle():
     spec = validate(cfg_of("+method=eagle", "draft=eagle", "draft.path=/some/eagle3/dir"))
     assert spec.draft is None and spec.method_params["path"] == "/some/eagle3/dir"
-    with pytest.raises(ConfigError, match="draft=eagle is an EAGLE-3 drafter for method eagle; method 'sps' needs"):
+    with pytest.raises(ConfigError, match="draft=eagle names a eagle3 drafter, which method eagle loads; method .sps. needs"):
         validate(cfg_of("+method=sps", "draft=eagle", "draft.path=/x"))
+    spec = validate(cfg_of("+method=dflash", "draft=dflash", "draft.path=/some/dflash/dir"))
+    assert spec.draft is None and spec.method_params["path"] == "/some/dflash/dir"
+    with pytest.raises(ConfigError, match="draft=dflash names a dflash drafter, which method dflash loads; method .eagle."):
+        validate(cfg_of("+method=eagle", "draft=dflash", "draft.path=/x"))
     with pytest.raises(ConfigError, match="method.path='/a' and draft.path='/b' both name"):
         validate(cfg_of("+method=eagle", "method.path=/a", "draft=eagle", "draft.path=/b"))

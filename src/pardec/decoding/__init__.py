@@ -3,6 +3,7 @@
 from pardec.decoding import (  # noqa: F401
     ar,
     bild,
+    dflash,
     eagle,
     heads,
     hf_generate,

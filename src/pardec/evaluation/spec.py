@@ -28,8 +28,9 @@ RUN_KEYS = ("n_samples", "max_new_tokens", "threads", "seed", "resume", "timeout
 PEERS = {"hf": "hf_generate", "hf_pld": "hf_pld", "hf_assisted": "hf_assisted"}
 
 
-#: ``draft.source`` of a drafter that the method loads itself (``draft=eagle``: an EAGLE-3 drafter for method eagle)
-DRAFTER_SOURCE = "eagle3"
+#: ``draft.source`` of a drafter that its method loads itself -> that method (``draft=eagle``: an EAGLE-3 drafter for
+#: method eagle; ``draft=dflash``: a DFlash drafter for method dflash)
+DRAFTER_SOURCES = {"eagle3": "eagle", "dflash": "dflash"}
 
 def parse_also(spec: str) -> tuple[str, dict]:
     """``"sps:adaptive=true:gamma=6"`` -> ("sps", {"adaptive": True, "gamma": 6}); values parsed as YAML scalars."""
@@ -81,13 +82,15 @@ def validate(cfg: DictConfig) -> EvalSpec:
     TASKS.canonical(dataset.name)
     model = to_dataclass(ModelConfig, cfg.model, "model")
     draft = None
-    if cfg.get("draft") is not None and cfg.draft.get("source") == DRAFTER_SOURCE:  # draft=eagle: a drafter, no model
-        if name != "eagle":
-            raise ConfigError(f"draft={cfg.draft.get('name')} is an EAGLE-3 drafter for method eagle; method {name!r} "
-                              f"needs a draft model (draft=local draft.path=<dir>, draft=hub, ...) or none")
+    source = None if cfg.get("draft") is None else cfg.draft.get("source")
+    if source in DRAFTER_SOURCES:  # draft=eagle / draft=dflash: a drafter its method loads, no model
+        owner = DRAFTER_SOURCES[source]
+        if name != owner:
+            raise ConfigError(f"draft={cfg.draft.get('name')} names a {source} drafter, which method {owner} loads; method "
+                              f"{name!r} needs a draft model (draft=local draft.path=<dir>, draft=hub, ...) or none")
         if mcfg.get("path") not in (None, cfg.draft.get("path")):
             raise ConfigError(f"method.path={mcfg['path']!r} and draft.path={cfg.draft.get('path')!r} both name the "
-                              f"EAGLE-3 drafter: give one")
+                              f"{source} drafter: give one")
         mcfg["path"] = cfg.draft.get("path")
     elif cfg.get("draft") is not None and cfg.draft.get("name"):
         draft = to_dataclass(ModelConfig, cfg.draft, "draft")

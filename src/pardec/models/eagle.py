@@ -32,6 +32,7 @@ from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaRMSNorm, LlamaRotaryEmbedding
 
 from pardec.config import ConfigError
+from pardec.models.draft_layers import SwiGLU, rope_settings, rotate
 from pardec.models.vocab import DraftVocab, scatter_logits
 
 KIND = "eagle3"
@@ -80,14 +81,13 @@ class Eagle3Config:
         if not 2 <= size <= vocab:
             raise ConfigError(f"eagle3 draft_vocab_size={size} is out of range: it must be in [2, {vocab}]")
         heads = int(c.num_attention_heads)
-        rope = getattr(c, "rope_parameters", None) or {}
+        theta, scaling = rope_settings(c)
         return cls(hidden_size=int(c.hidden_size), intermediate_size=int(c.intermediate_size),
                    num_attention_heads=heads, num_key_value_heads=int(getattr(c, "num_key_value_heads", heads)),
                    head_dim=int(getattr(c, "head_dim", None) or c.hidden_size // heads), vocab_size=vocab,
                    draft_vocab_size=size, target_hidden_size=int(c.hidden_size), layer_ids=[int(i) for i in layers],
                    rms_norm_eps=float(getattr(c, "rms_norm_eps", 1e-6)),
-                   rope_theta=float(rope.get("rope_theta", getattr(c, "rope_theta", 10000.0))),
-                   rope_scaling=_scaling(rope or getattr(c, "rope_scaling", None) or {}),
+                   rope_theta=theta, rope_scaling=scaling,
                    max_position_embeddings=int(getattr(c, "max_position_embeddings", 4096)))
 
     def llama(self) -> LlamaConfig:
@@ -109,13 +109,6 @@ class Eagle3Config:
         return cls(**{k: v for k, v in d.items() if k in known})
 
 
-def _scaling(rope: dict) -> dict | None:
-    """A transformers ``rope_parameters`` dict's scaling part (None when plain rotary)."""
-    if not rope or rope.get("rope_type", "default") == "default":
-        return None
-    return {k: v for k, v in rope.items() if k != "rope_theta"}
-
-
 class _Attention(nn.Module):
     def __init__(self, c: Eagle3Config):
         super().__init__()
@@ -126,17 +119,6 @@ class _Attention(nn.Module):
         self.o_proj = nn.Linear(c.num_attention_heads * c.head_dim, c.hidden_size, bias=False)
 
 
-class _MLP(nn.Module):
-    def __init__(self, c: Eagle3Config):
-        super().__init__()
-        self.gate_proj = nn.Linear(c.hidden_size, c.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(c.hidden_size, c.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(c.intermediate_size, c.hidden_size, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
-
-
 class _Layer(nn.Module):
     def __init__(self, c: Eagle3Config):
         super().__init__()
@@ -144,12 +126,7 @@ class _Layer(nn.Module):
         self.hidden_norm = LlamaRMSNorm(c.hidden_size, eps=c.rms_norm_eps)
         self.post_attention_layernorm = LlamaRMSNorm(c.hidden_size, eps=c.rms_norm_eps)
         self.self_attn = _Attention(c)
-        self.mlp = _MLP(c)
-
-
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
+        self.mlp = SwiGLU(c.hidden_size, c.intermediate_size)
 
 
 KV = tuple[torch.Tensor, torch.Tensor]
@@ -216,7 +193,7 @@ class Eagle3Draft(nn.Module):
         v = a.v_proj(x).view(bsz, t, a.kv_heads, a.head_dim).transpose(1, 2)
         cos, sin = self.rotary(x, positions)
         cos, sin = cos[:, None].to(w.dtype), sin[:, None].to(w.dtype)
-        q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
+        q, k = rotate(q, cos, sin), rotate(k, cos, sin)
         keys, values = (k, v) if past is None else (torch.cat([past[0], k], 2), torch.cat([past[1], v], 2))
         s = keys.shape[2] - t
         if mask is None:

@@ -125,7 +125,7 @@ def load_eagle3(path_or_hub_id: str | Path, target_config, key: str = "draft.pat
         layer, extra = _speculators_layer(cfg, where)
     else:
         layer, extra = cfg, {}
-    state, weights_name = _read_weights(path, fmt, where)
+    state, weights_name = read_weights(path, fmt, where)
     state = {("layers.0." + k[len("midlayer."):] if k.startswith("midlayer.") else k): v for k, v in state.items()}
     ignored = sorted(k for k in state if k in IGNORED_KEYS)
     for k in ignored:
@@ -295,7 +295,7 @@ def _weights_file(path: Path) -> Path | None:
     return None
 
 
-def _read_weights(path: Path, fmt: str, where: str) -> tuple[dict[str, torch.Tensor], str]:
+def read_weights(path: Path, fmt: str, where: str) -> tuple[dict[str, torch.Tensor], str]:
     """(state dict on the CPU, the file's name): ``model.safetensors`` (or its sharded index) before
     ``pytorch_model.bin`` (read with ``weights_only``)."""
     f = _weights_file(path)

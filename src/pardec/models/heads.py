@@ -15,6 +15,8 @@
 
 * :class:`~pardec.models.eagle.Eagle3Draft` (EAGLE-3, Li et al. 2025): one decoder layer over the fused
   low/mid/high target features and the token embedding, with a reduced draft vocabulary (``heads.type: eagle3``).
+* :class:`~pardec.models.dflash.DFlashDraft` (DFlash, Chen et al. 2026): a few target-width layers that fill a block
+  of mask slots in one forward from the fused features of several target layers (``heads.type: dflash``).
 
 All save to a directory: ``drafter.json`` (kind, the base model's name and shape, K, layers, training facts) and
 ``drafter.safetensors``. :func:`load_drafter` checks the shape against the target (hidden size, vocabulary,
@@ -32,13 +34,14 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from pardec.config import ConfigError
+from pardec.models.dflash import DFlashConfig, DFlashDraft, new_dflash
 from pardec.models.eagle import Eagle3Config, Eagle3Draft, new_eagle3
 from pardec.models.pseudo import PSEUDO_ATTENTION
 from pardec.models.vocab import DraftVocab
 
 FORMAT = "pardec-drafter"
 VERSION = 1
-HEAD_TYPES = ("medusa", "firp", "eagle3")  # the config key heads.type
+HEAD_TYPES = ("medusa", "firp", "eagle3", "dflash")  # the config key heads.type
 
 
 class ResBlock(nn.Module):
@@ -116,15 +119,21 @@ class FirpProjections(nn.Module):
         return {"layers": self.layers, "attention": self.attention}
 
 
-Drafter = MedusaHeads | FirpProjections | Eagle3Draft
+Drafter = MedusaHeads | FirpProjections | Eagle3Draft | DFlashDraft
 
 
 def new_drafter(kind: str, base_config, *, num_heads: int = 3, num_blocks: int = 1,
                 layers: list[int] | None = None, lm_head: nn.Linear | None = None, attention: str = "real",
-                vocab: DraftVocab | None = None) -> Drafter:
+                vocab: DraftVocab | None = None, embed: nn.Embedding | None = None,
+                dflash: dict[str, Any] | None = None) -> Drafter:
     """A fresh drafter for a model with config ``base_config`` (layer indices checked against it); ``vocab``: an
-    EAGLE-3 draft's reduced vocabulary (None: the target's)."""
+    EAGLE-3 draft's reduced vocabulary (None: the target's); ``embed``, ``lm_head``, ``dflash``: a DFlash
+    draft's target embedding (its mean row starts the learned mask embedding), the target's head (sets the scale of
+    the draft's norm) and :meth:`DFlashConfig.for_target` options."""
     hidden, vocab_size, n_layers = _shape(base_config)
+    if kind == "dflash":
+        return new_dflash(base_config, None if embed is None else embed.weight,
+                          getattr(lm_head, "weight", None), **{"layer_ids": layers, **(dflash or {})})
     if kind == "eagle3":
         return new_eagle3(base_config, vocab, layers, None if lm_head is None else lm_head.weight)
     if kind == "medusa":
@@ -190,6 +199,8 @@ def load_drafter(path: str | Path, base_config, kind: str, key: str = "method.pa
     elif kind == "eagle3":
         drafter = Eagle3Draft(Eagle3Config.from_dict(meta["eagle3"]),
                               DraftVocab.from_maps(state["d2t"], state["t2d"], vocab))
+    elif kind == "dflash":
+        drafter = DFlashDraft(DFlashConfig.from_dict(meta["dflash"]))
     else:
         drafter = new_drafter("firp", base_config, layers=list(meta["layers"]),
                               attention=meta.get("attention", "pseudo"))

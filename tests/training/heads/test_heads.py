@@ -216,7 +216,8 @@ def test_corpus_fraction_trains_on_the_first_share_of_the_corpus(tmp_path):
 
 
 @pytest.mark.slow  # two training runs
-@pytest.mark.parametrize("name,kind,layers", [("heads_medusa_tiny", "medusa", 3), ("eagle3_tiny", "eagle3", 4)])
+@pytest.mark.parametrize("name,kind,layers", [("heads_medusa_tiny", "medusa", 3), ("eagle3_tiny", "eagle3", 4),
+                                             ("dflash_tiny", "dflash", 4)])
 def test_resume_continues_from_the_checkpoint(tmp_path, name, kind, layers):
     """Three steps straight equal two steps, a stop, and a resumed third step (constant lr, same data order)."""
     gen = _overrides(tmp_path, name, "stage=generate")

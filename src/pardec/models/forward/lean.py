@@ -29,6 +29,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pardec.models.draft_layers import rotate as _rotate
+
 #: model types whose decoder layers are Llama's (pre-norm, rotary, GQA attention, SiLU-gated MLP)
 SUPPORTED_TYPES = ("llama", "mistral", "qwen2", "pardec_draft")
 
@@ -77,11 +79,6 @@ def _lin(mod: nn.Module, x: torch.Tensor) -> torch.Tensor:
     if type(mod) is nn.Linear:
         return F.linear(x, mod.weight, mod.bias)
     return mod(x)  # a quantized linear (int8), or any other replacement module
-
-
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
 
 
 def _repeat_kv(x: torch.Tensor, n: int) -> torch.Tensor:

@@ -33,7 +33,9 @@ from pardec.training.kinds import Kind, Spec, check_layers, common_fields, known
 NO_ZERO3 = "the frozen target would be partitioned outside the engine and the heads are saved whole from rank 0"
 HEADS_KEYS = {"medusa": ("type", "num_heads", "num_blocks", "head_decay", "corpus_fraction"),
               "firp": ("type", "layers", "attention", "distance", "corpus_fraction"),
-              "eagle3": ("type", "draft_vocab_size", "ttt_steps", "step_decay", "layers", "corpus_fraction")}
+              "eagle3": ("type", "draft_vocab_size", "ttt_steps", "step_decay", "layers", "corpus_fraction"),
+              "dflash": ("type", "num_layers", "layers", "block_size", "num_anchors", "gamma", "loss", "weighting",
+                         "dpace_alpha", "fusion", "mask_token_id", "corpus_fraction")}
 #: EAGLE-3's defaults (Li et al. 2025; reference eagle/traineagle3: cnets.py ``self.length = 7``, main.py
 #: ``ploss_weight = [0.8 ** i ...]``, the 32000-id draft vocabulary of its configs)
 EAGLE3_DEFAULTS = {"draft_vocab_size": 32000, "ttt_steps": 7, "step_decay": 0.8}
@@ -46,7 +48,7 @@ FIRP_DISTANCES = ("rkl", "fkl")
 @dataclass
 class HeadsSpec(Spec):
     heads: dict  # type, num_heads, num_blocks (medusa) / layers, attention, distance (firp) /
-    #              draft_vocab_size, ttt_steps, step_decay, layers (eagle3)
+    #              draft_vocab_size, ttt_steps, step_decay, layers (eagle3) / DFLASH_DEFAULTS' keys, layers (dflash)
     head_decay: float
     corpus_fraction: float  # train on the first fraction of each source's completions (corpus-size studies)
     gen: Any  # pardec.training.completions.GenerateConfig: the training completions
@@ -63,6 +65,30 @@ def check_vocab_size(size: int, model) -> None:
     if vocab is not None and size > vocab:
         raise ConfigError(f"heads.draft_vocab_size={size} is out of range: it must be in [2, {vocab}] (the target "
                           f"{model.name}'s vocabulary)")
+
+
+def check_dflash(heads: dict) -> None:
+    """DFlash's keys (defaults: :data:`pardec.training.heads.dflash.DFLASH_DEFAULTS`), each range and choice
+    checked; ``layers`` null: DFlash's evenly spaced target layers, one per draft layer."""
+    from pardec.models.dflash import FUSIONS
+    from pardec.training.heads.dflash import DFLASH_DEFAULTS, LOSSES, WEIGHTINGS
+
+    for key, v in DFLASH_DEFAULTS.items():
+        heads.setdefault(key, v)
+    for key, lo in (("num_layers", 1), ("block_size", 2), ("num_anchors", 1)):
+        check_at_least(f"heads.{key}", heads[key], lo, integer=True)
+    check_range("heads.gamma", heads["gamma"], 0, 1e9, integer=False, open_lo=True)
+    check_range("heads.dpace_alpha", heads["dpace_alpha"], 0, 1, integer=False, open_lo=True)
+    heads["gamma"], heads["dpace_alpha"] = float(heads["gamma"]), float(heads["dpace_alpha"])
+    check_choice("heads.loss", heads["loss"], LOSSES)
+    check_choice("heads.weighting", heads["weighting"], WEIGHTINGS)
+    check_choice("heads.fusion", heads["fusion"], FUSIONS)
+    if heads["mask_token_id"] is not None:
+        check_at_least("heads.mask_token_id", heads["mask_token_id"], 0, integer=True)
+    layers = heads.get("layers")
+    if layers is not None and (not isinstance(layers, list) or not layers or not all(is_int(i) for i in layers)):
+        raise ConfigError(f"heads.layers={layers!r} is not valid: give a non-empty list of target layer indices (the "
+                          f"states entering them are fused; null: DFlash's evenly spaced layers, one per draft layer)")
 
 
 @register_kind("heads")
@@ -91,6 +117,8 @@ class HeadsKind(GeneratesCompletions, Kind):
             head_decay = heads.pop("head_decay", 0.8)
             check_range("heads.head_decay", head_decay, 0, 1, integer=False, open_lo=True)
             head_decay = float(head_decay)
+        elif kind == "dflash":
+            check_dflash(heads)
         elif kind == "eagle3":
             for key, v in EAGLE3_DEFAULTS.items():
                 heads.setdefault(key, v)
@@ -123,7 +151,7 @@ class HeadsKind(GeneratesCompletions, Kind):
                               f"(tree sizes)")
         common = common_fields(cfg, name, HeadsConfig, no_zero3=NO_ZERO3,
                                elsewhere={"head_decay": "Medusa's head_decay is heads.head_decay"})
-        if kind == "firp" or (kind == "eagle3" and heads.get("layers") is not None):
+        if kind == "firp" or (kind in ("eagle3", "dflash") and heads.get("layers") is not None):
             check_layers(heads["layers"], common["model"], "heads.layers")
         if kind == "eagle3":
             check_vocab_size(heads["draft_vocab_size"], common["model"])
@@ -140,7 +168,7 @@ class HeadsKind(GeneratesCompletions, Kind):
         from pardec.training.heads.trainer import evaluate_heads
 
         result = evaluate_heads(spec, run_dir)
-        if result["kind"] == "eagle3":
+        if result["kind"] in ("eagle3", "dflash"):
             o = result["overall"]
             out = {"positions": result["positions"], "parameters": result["parameters"],
                    **{k: o[k] for k in ("expected_tokens_per_forward", "conditional_acceptance", "topk_containment")}}

@@ -27,9 +27,13 @@ token after the anchor); for FIRP in both views a pseudo state can have at decod
 (``pseudo``: it also sees the anchor's earlier pseudo states; decoding's default, the view the trees are searched on)
 and "Masked" (``real``: the real states and itself).
 
+DFlash (``heads.type: dflash``): the block loss of :mod:`pardec.training.heads.dflash` (K = the block's slots
+``block_size - 1``, anchors drawn by :class:`~pardec.training.heads.dflash.DFlashCollator`, normalised by the
+window's counted terms) and its own eval stage (held-out acceptance by block position).
+
 EAGLE-3 (``heads.type: eagle3``): the training-time-test loss of :mod:`pardec.training.heads.eagle` (K = the TTT
 steps, weights ``step_decay ** k``, the same window normaliser), its vocabulary from the corpus (:func:`eagle3_vocab`)
-and its own eval stage (:func:`evaluate_eagle3`: held-out chain acceptance by depth, no trees).
+and its own eval stage (:func:`evaluate_chain`: held-out chain acceptance by depth, no trees).
 
 Logged beside loss / lr / grad_norm, per depth ``d = k + 1``: ``kl_d<d>`` (the mean training KL) and ``top1_d<d>``
 (teacher-forced top-1 agreement: student argmax == teacher argmax), plus their term-weighted means ``kl`` and
@@ -140,10 +144,12 @@ class HeadsTrainer(BaseTrainer):
     args: HeadsConfig
 
     def __init__(self, *args, base: torch.nn.Module, distance: str | None = None, ttt_steps: int = 7,
-                 step_decay: float = 0.8, **kwargs):
+                 step_decay: float = 0.8, dflash: dict | None = None, **kwargs):
         drafter = unwrap(kwargs["model"])
-        # EAGLE-3: k = the training-time-test steps (pardec.training.heads.eagle), weighted step_decay ** i
+        # EAGLE-3: k = the training-time-test steps (pardec.training.heads.eagle), weighted step_decay ** i;
+        # DFlash: k = the block's predicted slots (pardec.training.heads.dflash)
         self.eagle3 = drafter.kind == "eagle3"
+        self.dflash = dflash if drafter.kind == "dflash" else None
         self.k = ttt_steps if self.eagle3 else drafter.k
         self.step_decay = step_decay
         # KL(p || q) for Medusa; KL(q || p) for FIRP (Eq. 4) unless heads.distance says fkl
@@ -159,13 +165,19 @@ class HeadsTrainer(BaseTrainer):
         self.base = base.to(self.args.device).eval().requires_grad_(False)  # not a submodule of the drafter
 
     def window_counts(self, batches: list[dict]) -> int:
-        """(position, depth) terms in the accumulation window."""
+        """(position, depth) terms in the accumulation window; DFlash: the counted (anchor, slot) terms."""
+        if self.dflash is not None:
+            from pardec.training.heads.dflash import term_count as block_count
+
+            return sum(block_count(b["loss_mask"], b["anchors"], b["anchor_valid"], self.k + 1) for b in batches)
         return sum(term_count(b["loss_mask"], self.k) for b in batches)
 
     def compute_loss(self, model, inputs, return_outputs: bool = False, num_items_in_batch=None):
         drafter = unwrap(model)
         if self.eagle3:
             return self.eagle3_loss(model, drafter, inputs, return_outputs, num_items_in_batch)
+        if self.dflash is not None:
+            return self.dflash_loss(model, drafter, inputs, return_outputs, num_items_in_batch)
         ids, mask = inputs["input_ids"], inputs["loss_mask"].to(torch.bool)
         start = window_start(mask, self.k)
         teacher, student = drafter_forward(self.base, model, drafter, ids, start,
@@ -207,6 +219,27 @@ class HeadsTrainer(BaseTrainer):
         loss = self.for_ranks(terms.total / norm.to(terms.total.device).clamp(min=1))
         if model.training:
             self.add_log_sums(torch.cat([terms.kl, terms.agree, terms.count]))
+        return (loss, terms.total) if return_outputs else loss
+
+    def dflash_loss(self, model, drafter, inputs, return_outputs: bool, num_items_in_batch):
+        """DFlash's block loss (:func:`pardec.training.heads.dflash.block_terms`): logged ``kl_d<d>`` is slot
+        ``d``'s mean cross-entropy to the label, ``top1_d<d>`` its argmax agreement with the label."""
+        from pardec.training.heads.dflash import block_terms
+        from pardec.training.heads.dflash import term_count as block_count
+        from pardec.training.heads.eagle import target_pass
+
+        o = self.dflash
+        dev = self.args.device
+        ids, mask = inputs["input_ids"].to(dev), inputs["loss_mask"].to(torch.bool).to(dev)
+        anchors, valid = inputs["anchors"].to(dev), inputs["anchor_valid"].to(dev)
+        target = target_pass(self.base, ids, drafter.config.layer_ids)
+        terms = block_terms(drafter, target, self.base.model.embed_tokens, self.base.lm_head, ids, mask, anchors,
+                            valid, self.k + 1, o["gamma"], o["loss"], o["weighting"], o["dpace_alpha"], call=model)
+        norm = (torch.tensor(block_count(mask, anchors, valid, self.k + 1)) if num_items_in_batch is None
+                else num_items_in_batch)
+        loss = self.for_ranks(terms.total / norm.to(terms.total.device).clamp(min=1))
+        if model.training:
+            self.add_log_sums(torch.cat([terms.ce, terms.agree, terms.count]))
         return (loss, terms.total) if return_outputs else loss
 
     def log_metrics(self, logs: dict[str, float], sums: list[float]) -> None:
@@ -289,6 +322,9 @@ def _new_drafter(spec, base, vocab=None):
     from pardec.models.heads import new_drafter
 
     h = spec.heads
+    if h["type"] == "dflash":  # the mask embedding starts at the mean embedding row; the head sets the norm's scale
+        return new_drafter("dflash", base.config, layers=h.get("layers"), embed=base.model.embed_tokens,
+                           lm_head=base.lm_head, dflash={k: h[k] for k in ("num_layers", "block_size", "mask_token_id", "fusion")})
     if h["type"] == "eagle3":  # the head starts from the target's rows of the kept ids
         return new_drafter("eagle3", base.config, layers=h.get("layers"), lm_head=base.lm_head, vocab=vocab)
     if h["type"] == "medusa":
@@ -312,30 +348,40 @@ def train_heads(spec, run_dir, d: Ranks) -> dict:
     lm = load_model(trainable(spec.model, spec.model_dtype))  # the Trainer places the drafter
     base = lm.model.requires_grad_(False)
     eagle3 = spec.heads["type"] == "eagle3"
+    dflash = spec.heads["type"] == "dflash"
     vocab, vocab_facts = eagle3_vocab(spec, records, lm) if eagle3 else (None, {})
-    with torch.random.fork_rng(devices=[]):  # EAGLE-3's random layers: the same init on every rank and every rerun
+    with torch.random.fork_rng(devices=[]):  # EAGLE-3's / DFlash's random layers: the same init on every rank and rerun
         torch.manual_seed(args.seed)
         drafter = _new_drafter(spec, base, vocab)
     # DeepSpeed's "auto" bucket sizes (conf/deepspeed/*.json: reduce_bucket_size) are filled from model.config's
     # hidden_size (transformers' HfTrainerDeepSpeedConfig); the drafter is a plain module: it gets the target's
     # (EAGLE-3's draft keeps its own Eagle3Config, whose hidden_size is the target's)
-    if not eagle3:
+    if not (eagle3 or dflash):
         drafter.config = PretrainedConfig(hidden_size=base.config.hidden_size)
     ds = CompletionDataset(records, args.max_length)
     pad = lm.tokenizer.pad_token_id
     firp = spec.heads["type"] == "firp"
     distance = spec.heads.get("distance", "rkl") if firp else "fkl"
     steps = {"ttt_steps": spec.heads["ttt_steps"], "step_decay": spec.heads["step_decay"]} if eagle3 else {}
-    trainer = HeadsTrainer(model=drafter, args=args, train_dataset=ds,
-                           data_collator=RightPadCollator(0 if pad is None else pad), base=base, distance=distance,
-                           **steps)
+    pad = 0 if pad is None else pad
+    if dflash:
+        from pardec.training.heads.dflash import DFlashCollator, EpochCallback
+
+        collator = DFlashCollator(pad, num_anchors=spec.heads["num_anchors"], seed=args.seed)
+        steps = {k: spec.heads[k] for k in ("num_anchors", "gamma", "loss", "weighting", "dpace_alpha")}
+    else:
+        collator = RightPadCollator(pad)
+    trainer = HeadsTrainer(model=drafter, args=args, train_dataset=ds, data_collator=collator, base=base,
+                           distance=distance, **({"dflash": steps} if dflash else steps))
+    if dflash:
+        trainer.add_callback(EpochCallback(collator))
 
     def finish(final, trained: dict) -> dict:  # the training facts go into drafter.json too
         tokens = sum(len(ds[i]["input_ids"]) for i in range(len(ds)))
         facts = {**trained, "samples": len(ds), "tokens": tokens, "epochs": args.num_train_epochs,
                  "corpus_fraction": spec.corpus_fraction,
                  "experiment": spec.experiment,
-                 **({"distance": distance} if firp else {} if eagle3 else {"head_decay": spec.head_decay}),
+                 **({"distance": distance} if firp else {} if eagle3 or dflash else {"head_decay": spec.head_decay}),
                  **steps, **vocab_facts}
         if d.rank == 0:
             save_drafter(trainer.model, final, base.config, spec.model.name, extra=facts)
@@ -374,22 +420,39 @@ def eagle3_vocab(spec, records: list[dict], lm):
                                          "corpus_distinct_tokens": len(counts), "corpus_completion_tokens": total}
 
 
-def evaluate_eagle3(spec, run_dir, lm, drafter, meta, final) -> dict:
-    """EAGLE-3's eval stage: held-out chain acceptance by depth (:func:`pardec.training.heads.eagle.acceptance`)
-    per source and pooled, into ``<run>/heads_eval.json`` (no tree search: EAGLE-3 drafts its tree dynamically)."""
+def evaluate_chain(spec, run_dir, lm, drafter, final) -> dict:
+    """The eval stage of the drafters that draft a chain (no tree search), per source and pooled, into
+    ``<run>/heads_eval.json``: EAGLE-3's held-out chain acceptance by depth
+    (:func:`pardec.training.heads.eagle.acceptance`; it drafts its tree dynamically), DFlash's acceptance by block
+    position (:func:`pardec.training.heads.dflash.acceptance`)."""
     from pardec.models.heads import num_parameters
     from pardec.training.completions import load_completions, run_generation
-    from pardec.training.heads.eagle import acceptance, merge_acceptance
+    from pardec.training.heads.eagle import merge_acceptance
 
-    steps = int(spec.heads["ttt_steps"])
-    result: dict = {"drafter": str(final), "kind": "eagle3", "target": spec.model.name, "steps": steps,
-                    "draft_vocab_size": drafter.config.draft_vocab_size, "layer_ids": drafter.config.layer_ids,
-                    "parameters": num_parameters(drafter), "topk": spec.topk, "per_dataset": {}}
+    kind = drafter.kind
+    result: dict = {"drafter": str(final), "kind": kind, "target": spec.model.name,
+                    "layer_ids": drafter.config.layer_ids, "parameters": num_parameters(drafter), "topk": spec.topk,
+                    "per_dataset": {}}
+    if kind == "eagle3":
+        from pardec.training.heads.eagle import acceptance
+
+        steps = int(spec.heads["ttt_steps"])
+        result.update(steps=steps, draft_vocab_size=drafter.config.draft_vocab_size)
+
+        def measure(records):
+            return acceptance(lm.model, drafter, records, steps, spec.topk)
+    else:
+        from pardec.training.heads.dflash import acceptance
+
+        block = drafter.config.block_size
+        result.update(steps=block - 1, block_size=block, fusion=drafter.config.fusion)
+
+        def measure(records):
+            return acceptance(lm.model, drafter, records, block, spec.topk)
     parts = []
     for g in spec.eval_gen:
         run_generation(g, lm, 0, 1, None, "eval")
-        records = load_completions(g.out_dir, "stage=eval")
-        part = acceptance(lm.model, drafter, records, steps, spec.topk)
+        part = measure(load_completions(g.out_dir, "stage=eval"))
         result["per_dataset"][g.sources[0].dataset.name] = part
         parts.append(part)
     result["overall"] = merge_acceptance(parts)
@@ -418,8 +481,8 @@ def evaluate_heads(spec, run_dir) -> dict:
     kind = spec.heads["type"]
     drafter, meta = load_drafter(final, lm.model.config, kind, key="final")
     drafter = drafter.to(lm.model.device)
-    if kind == "eagle3":
-        return evaluate_eagle3(spec, run_dir, lm, drafter.to(lm.model.dtype), meta, final)
+    if kind in ("eagle3", "dflash"):
+        return evaluate_chain(spec, run_dir, lm, drafter.to(lm.model.dtype), final)
     result: dict = {"drafter": str(final), "kind": kind, "target": spec.model.name, "k": drafter.k,
                     "parameters": num_parameters(drafter), "topk": spec.topk, "per_dataset": {}}
     # FIRP: decoding's view first (the main figures and the trees), then the other (Fig. 7's comparison)

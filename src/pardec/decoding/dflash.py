@@ -1,0 +1,174 @@
+"""Method ``dflash``: a DFlash drafter (:mod:`pardec.models.dflash`) proposes a whole block in one forward from the
+target's own features; the target verifies it as a chain (Chen et al. 2026; reference z-lab/dflash
+``dflash_generate``).
+
+The target runs with ``hidden_layer=layer_ids`` (the drafter's target layers), so prefill and every verification
+also give the features the drafter reads. The drafter keeps a **context cache**: every layer's keys/values of the
+committed tokens' fused features (preallocated for the prompt and ``max_new_tokens``; the reference's
+``past_key_values_draft`` cropped back to the context after each draft forward). Each round:
+
+1. one drafter forward over the block ``[last, mask x (block_size - 1)]`` at positions ``start .. start +
+   block_size - 1`` (``start``: ``last``'s position; ``last``, the token the target chose last round, is in the
+   block, not in the context), every slot seeing the whole context and the whole block;
+2. the drafts are slots ``1 .. n`` (``n = num_speculative_tokens``, at most ``block_size - 1``): their argmax under
+   greedy decoding (the reference's ``sample`` at temperature 0), or under sampling a token drawn from each slot's
+   warped distribution ``q_k``;
+3. one target forward over ``[last, d_1 .. d_n]`` (with the features), :func:`~pardec.decoding.verify.verify_chain`:
+   greedy, the longest prefix equal to the target's argmax plus the target's next token (the reference's rule);
+   sampling, speculative sampling against the slots' ``q_k`` (each ``q_k`` depends on the context alone, not on
+   the drafts before it, so the rule stays lossless; the reference instead accepts a greedy draft while it equals
+   the target's sample, the one-hot ``q`` case of the same rule);
+4. the features of ``last`` and the accepted drafts join the context cache (one drafter pass: ``context_kv``).
+
+Exactness: ``distribution`` (greedy output equals ``ar``; sampled output is distributed as the target's). Drafting
+reads nothing back; each round's one host read is the verification's. ``block_size`` below the trained one drafts
+from a shorter block (fewer mask slots: cheaper on a CPU, off the training distribution); above it is refused.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from pardec.config import ConfigError, SamplingConfig
+from pardec.decoding.base import Decoder, DraftClock, GenerationResult, Stopper, check_range, register_method
+from pardec.decoding.sampling import sample, warp
+from pardec.decoding.verify import verify_chain
+from pardec.models.cached import CachedModel
+from pardec.models.dflash import DFlashDraft
+
+
+class ContextCache:
+    """Every draft layer's context keys/values, preallocated ``[1, kv, capacity, d]``; ``length`` entries filled."""
+
+    def __init__(self, drafter: DFlashDraft, capacity: int, device, dtype):
+        c = drafter.config
+        shape = (1, c.num_key_value_heads, capacity, c.head_dim)
+        self.k = [torch.empty(shape, device=device, dtype=dtype) for _ in range(c.num_hidden_layers)]
+        self.v = [torch.empty(shape, device=device, dtype=dtype) for _ in range(c.num_hidden_layers)]
+        self.drafter, self.length, self.capacity = drafter, 0, capacity
+
+    def append(self, features: torch.Tensor) -> tuple[int]:
+        """Context entries for ``features`` [n, K * H_t] at the next ``n`` positions; returns (draft forwards,)."""
+        n = features.shape[0]
+        if self.length + n > self.capacity:
+            raise RuntimeError(f"dflash context cache: {self.length} + {n} entries exceed its {self.capacity}")
+        pos = torch.arange(self.length, self.length + n, device=features.device)
+        for i, (k, v) in enumerate(self.drafter.context_kv(features[None], pos)):
+            self.k[i][:, :, self.length : self.length + n] = k
+            self.v[i][:, :, self.length : self.length + n] = v
+        self.length += n
+        return (1,)
+
+    def view(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        return [(k[:, :, : self.length], v[:, :, : self.length]) for k, v in zip(self.k, self.v)]
+
+
+def load_dflash_for(path: str, target_config) -> DFlashDraft:
+    """A DFlash drafter from ``path`` (a pardec ``heads.type: dflash`` run's ``final`` dir, or a published z-lab or
+    ``speculators`` checkpoint: :mod:`pardec.models.dflash_formats`)."""
+    from pardec.models.dflash_formats import load_dflash
+
+    return load_dflash(path, target_config, key="method.path")[0]
+
+
+@register_method("dflash")
+class DFlash(Decoder):
+    """``path``: the drafter (a dir or a Hub id); ``block_size``: the drafted block's width (null: the drafter's
+    trained block size, the paper's 16); ``num_speculative_tokens``: drafts verified per round (null:
+    ``block_size - 1``, the reference's)."""
+
+    exactness = "distribution"
+
+    def __init__(self, target: CachedModel, tokenizer=None, draft=None, path: str | None = None,
+                 block_size: int | None = None, num_speculative_tokens: int | None = None):
+        drafter = draft if isinstance(draft, DFlashDraft) else None
+        super().__init__(target, tokenizer, None)
+        if block_size is not None:
+            check_range("block_size", block_size, 2, 1024)
+        if num_speculative_tokens is not None:
+            check_range("num_speculative_tokens", num_speculative_tokens, 1, 1023)
+        if drafter is None and path is None:
+            raise ConfigError("method 'dflash' needs a DFlash drafter: method.path=<dir or hub id> (train one with "
+                              "python -m train +experiment=dflash_smollm2)")
+        self.block_size, self.num_speculative_tokens = block_size, num_speculative_tokens
+        if target is None:
+            return
+        if drafter is None:
+            drafter = load_dflash_for(path, target.config)
+        c = drafter.config
+        if c.target_hidden_size != int(target.config.hidden_size) or c.vocab_size != int(target.config.vocab_size):
+            raise ConfigError(f"the DFlash drafter reads features of width {c.target_hidden_size} and vocabulary "
+                              f"{c.vocab_size}; the target has {target.config.hidden_size} and "
+                              f"{target.config.vocab_size}")
+        self.width = c.block_size if block_size is None else int(block_size)
+        if self.width > c.block_size:
+            raise ConfigError(f"method.block_size={block_size} is out of range: the drafter was trained on blocks "
+                              f"of {c.block_size} (choose 2..{c.block_size})")
+        self.n = self.width - 1 if num_speculative_tokens is None else int(num_speculative_tokens)
+        if self.n > self.width - 1:
+            raise ConfigError(f"method.num_speculative_tokens={num_speculative_tokens} is out of range: a block of "
+                              f"{self.width} proposes at most {self.width - 1}")
+        self.drafter = drafter.to(target.device, target.dtype).eval()
+        self.layers = tuple(int(i) for i in c.layer_ids)
+        self.embed = target.inner().embed_tokens
+        self.clock = DraftClock()
+
+    def _propose(self, cache: ContextCache, last: torch.Tensor, start: int, n: int, s: SamplingConfig,
+                 gen: torch.Generator | None) -> tuple[torch.Tensor, torch.Tensor | None, int]:
+        """The block after ``last`` [1] at ``start``: (drafts [n], their warped distributions [n, V] under sampling
+        (None greedy), forwards)."""
+        d = self.drafter
+        x = d.block_inputs(self.embed, last, self.width)  # [1, W, H]
+        pos = torch.arange(start, start + self.width, device=last.device)
+        out = d(x, pos, cache.view())
+        logits = d.logits(out[0, 1 : n + 1], self.target.lm_head)  # [n, V]
+        if s.greedy:
+            return logits.argmax(-1), None, 1
+        q = warp(logits, s)
+        return sample(q, gen)[:, 0], q, 1
+
+    @torch.inference_mode()
+    def generate(self, prompt_ids, max_new_tokens: int, stop: Stopper | None = None,
+                 sampling: SamplingConfig | None = None) -> GenerationResult:
+        tgt, box = self.target, {}
+
+        def prefill(ids: torch.Tensor) -> torch.Tensor:
+            tgt.reset()
+            out = tgt.forward(ids, last_only=True, hidden_layer=self.layers)
+            box["features"] = out.hidden[0]
+            return out.logits[:, -1]
+
+        self.clock = DraftClock()
+        st, last = self._start(prompt_ids, max_new_tokens, stop, sampling, prefill)
+        dev = st.ids.device
+        cache = ContextCache(self.drafter, st.ids.shape[1] + max_new_tokens + 1, dev, self.drafter.dtype)
+        self.clock.run(st, cache.append, box.pop("features"))
+        drafted = accepted = 0
+        by_slot = [0] * self.n  # rounds whose draft at slot k + 1 was accepted
+        rounds = 0
+        while not st.out.done:
+            n = min(self.n, st.out.room - 1)  # the target's token after the drafts always comes too
+            base = tgt.length
+            last_t = torch.full((1,), last, dtype=torch.long, device=dev)
+            if n == 0:
+                draft, q = torch.zeros(0, dtype=torch.long, device=dev), None
+            else:
+                draft, q, _ = self.clock.run(st, self._propose, cache, last_t, base, n, st.s, st.gen)
+            out = tgt.forward(torch.cat([last_t, draft])[None], hidden_layer=self.layers)
+            st.target_forwards += 1
+            tokens = verify_chain(draft, out.logits[0], st.s, st.gen, q)
+            tgt.truncate(base + len(tokens))
+            drafted += n
+            accepted += len(tokens) - 1
+            rounds += 1
+            for k in range(len(tokens) - 1):
+                by_slot[k] += 1
+            st.out.commit(tokens)
+            last = tokens[-1]
+            if st.out.done:
+                break
+            self.clock.run(st, cache.append, out.hidden[0, : len(tokens)])
+        extras = {"block_size": self.width, "num_speculative_tokens": self.n, "rounds": rounds,
+                  "accepted_by_slot": by_slot}
+        return self._result(st, extras, draft_forwards=self.clock.forwards, draft_s=self.clock.seconds,
+                            drafted=drafted, draft_accepted=accepted)

@@ -1,0 +1,292 @@
+"""DFlash's draft model (Chen et al. 2026, "DFlash: Block Diffusion for Flash Speculative Decoding", arXiv
+2602.06036; reference: z-lab/dflash ``dflash/model.py``; the facts and their sources: ``docs/dflash_reference.md``).
+
+A stack of ``num_hidden_layers`` Qwen3-style decoder layers of the **target's width** that fills a whole block in
+one forward:
+
+* **context**: the target's hidden states entering ``layer_ids`` (several layers spread from shallow to deep,
+  :func:`default_layers`), concatenated ``[K * H_t]``, fused by ``fc`` (linear, no bias) and ``hidden_norm``
+  (RMSNorm) into one feature per context token. Every draft layer projects that feature with **its own**
+  ``k_proj``/``v_proj`` (then ``k_norm`` and rotary at the token's position) into keys/values *prepended* to the
+  block's own; the feature never enters the residual stream (reference ``Qwen3DFlashAttention``, "KV injection").
+* **block**: ``[last verified token, mask, ..., mask]`` (``block_size`` slots at positions ``start ..
+  start + B - 1``), embedded by the target's frozen embedding; the mask slots read the embedding row of
+  ``mask_token_id`` (Qwen3's spare row 151669 in the published drafters) or, for a target without a spare mask
+  token (SmolLM2), a learned ``mask_embedding`` vector saved with the drafter. Block queries attend to every
+  context key and to **every** slot of their own block (non-causal inside the block).
+* **output**: ``norm`` then the target's own LM head (shared, never stored); slot ``k`` predicts the token at
+  ``start + k`` (in place), slot 0 is not predicted.
+
+``fusion="layerwise"`` (beyond the paper: DFlare, Tan et al. 2026, arXiv 2606.02091; reference Tencent/AngelSlim
+``qwen_dflare.py``): no ``fc``; draft layer ``l`` reads ``hidden_norm(sum_k softmax(layer_mix[l])_k f_k)``, its own
+learned mix of the target layers' states (``layer_mix`` [N, K], zeros but 2.0 at ``[l, int(l * K / N)]``, so each
+layer starts leaning on one target layer, spread shallow to deep); the target layers may be more than the draft's.
+Named difference: DFlare's separate ``k_proj_target``/``v_proj_target`` for the context are not added (the context
+goes through each layer's own ``k_proj``/``v_proj``, as DFlash's). Module and weight names follow the z-lab and ``speculators``
+checkpoints (``fc``, ``hidden_norm``, ``layers.{i}.self_attn.{q,k,v,o}_proj``, ``layers.{i}.self_attn.{q,k}_norm``,
+``layers.{i}.mlp.*``, ``layers.{i}.{input,post_attention}_layernorm``, ``norm``); pardec's extras are
+``mask_embedding`` and ``layer_mix``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import LlamaConfig
+from transformers.models.llama.modeling_llama import LlamaRMSNorm, LlamaRotaryEmbedding
+
+from pardec.config import ConfigError, check_choice
+from pardec.models.draft_layers import SwiGLU, rope_settings, rotate
+
+KIND = "dflash"
+FUSIONS = ("concat", "layerwise")  # concat: the paper's; layerwise: DFlare's per-layer mix
+#: DFlash's defaults: 5 draft layers (the Qwen3-8B drafter, SpecForge ``configs/qwen3-8b-dflash.json``
+#: ``num_hidden_layers: 5``; speculators' trainer default), block size 16 (the released ``-b16`` drafters)
+DEFAULT_LAYERS, DEFAULT_BLOCK = 5, 16
+KV = tuple[torch.Tensor, torch.Tensor]
+
+
+def default_layers(n_layers: int, n_draft: int) -> list[int]:
+    """DFlash's target layers for a target of ``n_layers`` layers and ``n_draft`` draft layers: one per draft layer,
+    evenly spaced from layer 1's output to layer ``L - 3``'s (z-lab ``build_target_layer_ids``:
+    ``round(1 + i * (L - 4) / (N - 1))``, ``[L // 2]`` for one draft layer), returned in pardec's convention: the
+    state *entering* a layer (``CachedModel.forward(hidden_layer=...)``, transformers' ``hidden_states`` index and
+    ``speculators``' ``aux_hidden_state_layer_ids``), i.e. the z-lab id plus one. Targets of fewer than 5 layers
+    (tests): spread over ``0 .. L - 1``."""
+    if n_draft < 1:
+        raise ConfigError(f"dflash num_layers={n_draft} is out of range: it must be an integer >= 1")
+    if n_layers >= 5:
+        ids = [n_layers // 2] if n_draft == 1 else [round(1 + i * (n_layers - 4) / (n_draft - 1))
+                                                      for i in range(n_draft)]
+        return [i + 1 for i in ids]
+    if n_draft == 1:
+        return [n_layers // 2]
+    return [round(i * (n_layers - 1) / (n_draft - 1)) for i in range(n_draft)]
+
+
+@dataclass
+class DFlashConfig:
+    """The draft's shape. :meth:`for_target` gives layers of the target's width, heads and MLP (as the published
+    drafters: the Qwen3-8B draft is 5 layers of Qwen3-8B's shape)."""
+
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    vocab_size: int  # the target's
+    target_hidden_size: int
+    layer_ids: list[int]  # pardec's convention: the states entering these target layers
+    block_size: int = DEFAULT_BLOCK
+    mask_token_id: int | None = None  # None: a learned mask_embedding
+    fusion: str = "concat"
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    rope_scaling: dict | None = None
+    max_position_embeddings: int = 4096
+    extra: dict = field(default_factory=dict)  # fields of a loaded checkpoint's config pardec does not use
+
+    def __post_init__(self) -> None:
+        check_choice("dflash fusion", self.fusion, FUSIONS)
+        if self.block_size < 2:
+            raise ConfigError(f"dflash block_size={self.block_size} is out of range: it must be an integer >= 2 "
+                              f"(the last verified token and at least one mask slot)")
+        if self.mask_token_id is not None and not 0 <= int(self.mask_token_id) < self.vocab_size:
+            raise ConfigError(f"dflash mask_token_id={self.mask_token_id} is out of range: the target's embedding "
+                              f"has rows 0..{self.vocab_size - 1} (null: a learned mask embedding)")
+
+    @classmethod
+    def for_target(cls, target_config, num_layers: int = DEFAULT_LAYERS, layer_ids=None,
+                   block_size: int = DEFAULT_BLOCK, mask_token_id: int | None = None, fusion: str = "concat",
+                   ) -> DFlashConfig:
+        c = target_config
+        n = int(c.num_hidden_layers)
+        layers = [int(i) for i in layer_ids] if layer_ids is not None else default_layers(n, int(num_layers))
+        bad = [i for i in layers if not 0 <= i < n]
+        if bad or not layers:
+            raise ConfigError(f"dflash layers={layers} is out of range: the target's states enter layers 0..{n - 1}")
+        heads = int(c.num_attention_heads)
+        theta, scaling = rope_settings(c)
+        return cls(hidden_size=int(c.hidden_size), intermediate_size=int(c.intermediate_size),
+                   num_hidden_layers=int(num_layers), num_attention_heads=heads,
+                   num_key_value_heads=int(getattr(c, "num_key_value_heads", None) or heads),
+                   head_dim=int(getattr(c, "head_dim", None) or c.hidden_size // heads),
+                   vocab_size=int(c.vocab_size), target_hidden_size=int(c.hidden_size), layer_ids=layers,
+                   block_size=int(block_size), mask_token_id=None if mask_token_id is None else int(mask_token_id),
+                   fusion=fusion, rms_norm_eps=float(getattr(c, "rms_norm_eps", 1e-6)), rope_theta=theta,
+                   rope_scaling=scaling, max_position_embeddings=int(getattr(c, "max_position_embeddings", 4096)))
+
+    def llama(self) -> LlamaConfig:
+        """A Llama config of the draft's shape (its rotary tables)."""
+        rope = {"rope_type": "default", "rope_theta": self.rope_theta, **(self.rope_scaling or {})}
+        return LlamaConfig(vocab_size=self.vocab_size, hidden_size=self.hidden_size,
+                           intermediate_size=self.intermediate_size, num_hidden_layers=self.num_hidden_layers,
+                           num_attention_heads=self.num_attention_heads, num_key_value_heads=self.num_key_value_heads,
+                           head_dim=self.head_dim, rms_norm_eps=self.rms_norm_eps,
+                           max_position_embeddings=self.max_position_embeddings, rope_parameters=rope)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> DFlashConfig:
+        known = set(cls.__dataclass_fields__)
+        return cls(**{k: v for k, v in d.items() if k in known})
+
+
+class _Attention(nn.Module):
+    def __init__(self, c: DFlashConfig):
+        super().__init__()
+        self.heads, self.kv_heads, self.head_dim = c.num_attention_heads, c.num_key_value_heads, c.head_dim
+        self.q_proj = nn.Linear(c.hidden_size, c.num_attention_heads * c.head_dim, bias=False)
+        self.k_proj = nn.Linear(c.hidden_size, c.num_key_value_heads * c.head_dim, bias=False)
+        self.v_proj = nn.Linear(c.hidden_size, c.num_key_value_heads * c.head_dim, bias=False)
+        self.o_proj = nn.Linear(c.num_attention_heads * c.head_dim, c.hidden_size, bias=False)
+        self.q_norm = LlamaRMSNorm(c.head_dim, eps=c.rms_norm_eps)  # Qwen3's per-head norms
+        self.k_norm = LlamaRMSNorm(c.head_dim, eps=c.rms_norm_eps)
+
+    def kv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> KV:
+        """Keys (normed, rotated) and values [B, kv, T, d] of inputs ``x`` [B, T, H]."""
+        b, t, _ = x.shape
+        k = self.k_norm(self.k_proj(x).view(b, t, self.kv_heads, self.head_dim)).transpose(1, 2)
+        v = self.v_proj(x).view(b, t, self.kv_heads, self.head_dim).transpose(1, 2)
+        return rotate(k, cos, sin), v
+
+
+class _Layer(nn.Module):
+    def __init__(self, c: DFlashConfig):
+        super().__init__()
+        self.input_layernorm = LlamaRMSNorm(c.hidden_size, eps=c.rms_norm_eps)
+        self.post_attention_layernorm = LlamaRMSNorm(c.hidden_size, eps=c.rms_norm_eps)
+        self.self_attn = _Attention(c)
+        self.mlp = SwiGLU(c.hidden_size, c.intermediate_size)
+
+
+class DFlashDraft(nn.Module):
+    """DFlash's draft (module docstring). :meth:`context_kv` turns target features into every layer's context
+    keys/values (the caller keeps them: the decoder's context cache, a training batch's); :meth:`forward` runs
+    block slots against them; :meth:`logits` applies ``norm`` and the target's head."""
+
+    kind = KIND
+
+    def __init__(self, config: DFlashConfig):
+        super().__init__()
+        c = self.config = config
+        n_feat = len(c.layer_ids)
+        if c.fusion == "concat":
+            self.fc = nn.Linear(n_feat * c.target_hidden_size, c.hidden_size, bias=False)
+        elif c.target_hidden_size != c.hidden_size:
+            raise ConfigError(f"dflash fusion='layerwise' mixes the target's states unprojected: the draft's width "
+                              f"{c.hidden_size} must equal the target's {c.target_hidden_size}")
+        self.hidden_norm = LlamaRMSNorm(c.hidden_size, eps=c.rms_norm_eps)
+        self.layers = nn.ModuleList(_Layer(c) for _ in range(c.num_hidden_layers))
+        self.norm = LlamaRMSNorm(c.hidden_size, eps=c.rms_norm_eps)
+        if c.mask_token_id is None:
+            self.mask_embedding = nn.Parameter(torch.zeros(c.hidden_size))
+        if c.fusion == "layerwise":
+            mix = torch.zeros(c.num_hidden_layers, n_feat)
+            for i in range(c.num_hidden_layers):
+                mix[i, int(i * n_feat / c.num_hidden_layers)] = 2.0
+            self.layer_mix = nn.Parameter(mix)
+        self.rotary = LlamaRotaryEmbedding(config=c.llama())
+
+    # ------------------------------------------------------------------ drafter protocol (pardec.models.heads)
+    @property
+    def k(self) -> int:
+        """Proposed tokens per round at the trained block size (drafter.json's ``k``)."""
+        return self.config.block_size - 1
+
+    def meta(self) -> dict[str, Any]:
+        return {"dflash": self.config.to_dict()}
+
+    # ------------------------------------------------------------------ compute
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.norm.weight.dtype
+
+    def _tables(self, like: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if positions.dim() == 1:
+            positions = positions[None].expand(like.shape[0], -1)
+        cos, sin = self.rotary(like, positions)
+        return cos[:, None].to(like.dtype), sin[:, None].to(like.dtype)
+
+    def fused(self, features: torch.Tensor) -> list[torch.Tensor]:
+        """[B, S, K * H_t] target features -> each draft layer's context feature [B, S, H] (the same tensor for
+        every layer unless ``fusion == "layerwise"``)."""
+        f = features.to(self.dtype)
+        if self.config.fusion == "concat":
+            return [self.hidden_norm(self.fc(f))] * len(self.layers)
+        b, s, _ = f.shape
+        states = f.view(b, s, len(self.config.layer_ids), -1)
+        return [self.hidden_norm(torch.einsum("bskh,k->bsh", states, m.softmax(-1))) for m in self.layer_mix]
+
+    def context_kv(self, features: torch.Tensor, positions: torch.Tensor) -> list[KV]:
+        """Every layer's keys/values [B, kv, S, d] of context tokens with target ``features`` [B, S, K * H_t] at
+        ``positions`` [S] or [B, S]."""
+        ctx = self.fused(features)
+        cos, sin = self._tables(ctx[0], positions.to(ctx[0].device))
+        return [layer.self_attn.kv(c, cos, sin) for layer, c in zip(self.layers, ctx)]
+
+    def block_inputs(self, embed: nn.Module, first: torch.Tensor, width: int) -> torch.Tensor:
+        """The inputs [.., width, H] of blocks whose slot 0 holds token ids ``first`` [..] (the target's embedding
+        ``embed``) and whose other slots hold the mask."""
+        e0 = embed(first)
+        if self.config.mask_token_id is None:
+            mask = self.mask_embedding.to(e0.dtype)
+        else:
+            mask = embed(torch.full((), int(self.config.mask_token_id), dtype=torch.long, device=first.device))
+        rest = mask.expand(*first.shape, width - 1, mask.shape[-1])
+        return torch.cat([e0[..., None, :], rest.to(e0.dtype)], dim=-2)
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, context: list[KV], mask: torch.Tensor | None = None,
+                ) -> torch.Tensor:
+        """Block slots ``x`` [B, Q, H] at ``positions`` [Q] or [B, Q] over every layer's ``context`` keys/values
+        [B, kv, S, d]; ``mask`` bool [Q, S + Q] or [B, Q, S + Q] (True: attended) or None (every context key and
+        every slot). Returns the last layer's outputs [B, Q, H] (before ``norm``)."""
+        x = x.to(self.dtype)
+        b, q, _ = x.shape
+        cos, sin = self._tables(x, positions.to(x.device))
+        if mask is not None:
+            mask = (mask[None] if mask.dim() == 2 else mask)[:, None].to(x.device)
+        for layer, (ck, cv) in zip(self.layers, context):
+            a = layer.self_attn
+            h = layer.input_layernorm(x)
+            qs = rotate(a.q_norm(a.q_proj(h).view(b, q, a.heads, a.head_dim)).transpose(1, 2), cos, sin)
+            k, v = a.kv(h, cos, sin)
+            o = F.scaled_dot_product_attention(qs, torch.cat([ck, k], 2), torch.cat([cv, v], 2), attn_mask=mask,
+                                               enable_gqa=a.heads != a.kv_heads)
+            x = x + a.o_proj(o.transpose(1, 2).reshape(b, q, -1))
+            x = x + layer.mlp(layer.post_attention_layernorm(x))
+        return x
+
+    def logits(self, out: torch.Tensor, lm_head: nn.Module) -> torch.Tensor:
+        """Logits [.., V] of outputs [.., H] through ``norm`` and the target's ``lm_head``."""
+        h = self.norm(out)
+        w = getattr(lm_head, "weight", None)
+        if w is not None and w.is_floating_point():
+            h = h.to(w.dtype)
+        return lm_head(h)
+
+
+def new_dflash(target_config, embed: torch.Tensor | None = None, lm_head: torch.Tensor | None = None,
+               **options) -> DFlashDraft:
+    """A fresh DFlash draft for a target with ``target_config`` (``options``: :meth:`DFlashConfig.for_target`'s);
+    ``embed``: the target's embedding weight [V, H], whose mean row starts the learned mask embedding; ``lm_head``:
+    the target's head weight [V, H], which sets the draft's ``norm`` to the constant ``1 / sqrt(mean_i |W_i|^2)``,
+    so a fresh draft's logits have unit variance (with a unit norm a fresh SmolLM2 draft starts at a CE of ~28
+    nats, far above the uniform 10.8, and spends its first steps shrinking them)."""
+    draft = DFlashDraft(DFlashConfig.for_target(target_config, **options))
+    with torch.no_grad():
+        if hasattr(draft, "mask_embedding"):
+            if embed is not None and embed.is_floating_point() and embed.shape[-1] == draft.config.hidden_size:
+                draft.mask_embedding.copy_(embed.detach().float().mean(0).to(draft.mask_embedding))
+            else:
+                draft.mask_embedding.normal_(0.0, 0.02)
+        if lm_head is not None and lm_head.is_floating_point() and lm_head.shape[-1] == draft.config.hidden_size:
+            draft.norm.weight.fill_(float(lm_head.detach().float().pow(2).sum(-1).mean().rsqrt()))
+    return draft

@@ -1,0 +1,242 @@
+"""DFlash's block loss and its held-out acceptance, for ``heads.type: dflash`` (Chen et al. 2026, arXiv 2602.06036;
+the facts and sources: ``docs/dflash_reference.md``; the draft: :mod:`pardec.models.dflash`).
+
+Batch: right-padded ``prompt + completion[:-1]`` with ``loss_mask[j]``: token ``x_{j+1}`` is a completion token
+(:class:`DFlashCollator`, which also samples the anchors). One frozen target forward gives the states entering the
+draft's target layers at every position (:func:`~pardec.training.heads.eagle.target_pass`); every draft layer's
+context keys/values come from them once.
+
+* **Anchors** (the paper: "fixing the number of masked blocks per sequence and randomly sampling anchor positions
+  for each sequence at every epoch"): per sequence ``num_anchors`` positions ``a`` drawn without replacement among
+  those whose token ``x_a`` and next token ``x_{a+1}`` are completion tokens (SpecForge's rule), fewer when fewer
+  exist (default 512: SpecForge and ``speculators``). Drawn by the collator from a generator seeded by the run's
+  seed, the epoch and the sequence's tokens, so a resumed run and every rank draw the same anchors.
+* **Blocks**: block ``j`` is ``[x_a, mask x (B - 1)]`` at positions ``a .. a + B - 1``; its queries see the context
+  keys at positions ``< a`` and every slot of their own block, nothing of other blocks (``speculators``
+  ``models/dflash/attention.py``); slot ``k >= 1`` predicts ``x_{a+k}``.
+* **Loss** (``heads.loss``): ``ce`` (default; z-lab: "we used CE loss for training the released DFlash models"),
+  cross-entropy to the corpus token ``x_{a+k}``, which on pardec's corpus (the target's own greedy completions) is
+  the target's greedy token; ``kl``: KL(target || draft) to the target's distribution at ``a + k - 1`` (the
+  ``speculators`` option). A term counts where ``x_{a+k}`` is a completion token inside the sequence.
+* **Position weights** (``heads.weighting``): ``decay`` (default; the paper's Eq. 4): ``w_k = exp(-(k - 1) / gamma)``
+  with ``gamma = 7`` for blocks of 16 (the paper's App. A.1 value as NeMo-Automodel and SpecForge's Qwen3-8B recipe
+  carry it; ``speculators`` defaults to 4); ``dpace`` (beyond the paper: D-PACE, arXiv 2605.18810, as ``speculators``
+  0.9 ``dpace_loss_decay`` computes it): from the batch's own detached per-slot probability of the label
+  ``q_k = exp(-CE_k)``, ``s_k = (1 - alpha) q_k + alpha`` (``alpha = 0.5``), the prefix products ``P_k = prod_{i<=k}
+  s_i`` and ``w_k = sum_{j>=k} P_j`` over the block's counted slots: a slot weighs the expected acceptance it
+  can still lead to.
+* **Normaliser**: the counted (anchor, slot) terms of the whole accumulation window (``speculators``'
+  ``loss_function``; SpecForge divides by the sum of the weights instead, a constant factor for full blocks).
+"""
+
+from __future__ import annotations
+
+import zlib
+from dataclasses import dataclass
+
+import torch
+from transformers import TrainerCallback
+
+from pardec.training.heads.trainer import RightPadCollator
+
+LOSSES = ("ce", "kl")
+WEIGHTINGS = ("decay", "dpace")
+#: the paper's defaults and the ablations' (module docstring)
+DFLASH_DEFAULTS = {"num_layers": 5, "block_size": 16, "num_anchors": 512, "gamma": 7.0, "loss": "ce",
+                   "weighting": "decay", "dpace_alpha": 0.5, "fusion": "concat", "mask_token_id": None}
+
+
+# ------------------------------------------------------------------------------------------- anchors
+def anchor_candidates(loss_mask: torch.Tensor) -> torch.Tensor:
+    """Positions ``a`` of one sequence's ``loss_mask`` [T] whose token and next token are completion tokens."""
+    ok = torch.zeros_like(loss_mask, dtype=torch.bool)
+    ok[1:] = loss_mask[:-1].bool() & loss_mask[1:].bool()
+    return torch.nonzero(ok).flatten()
+
+
+def sample_anchors(loss_mask: torch.Tensor, n: int, seed: int) -> torch.Tensor:
+    """Up to ``n`` anchors of one sequence, sorted, drawn without replacement with a generator seeded by ``seed``."""
+    cand = anchor_candidates(loss_mask)
+    if cand.numel() <= n:
+        return cand
+    g = torch.Generator().manual_seed(seed)
+    return cand[torch.randperm(cand.numel(), generator=g)[:n]].sort().values
+
+
+@dataclass
+class DFlashCollator(RightPadCollator):
+    """:class:`RightPadCollator` plus ``anchors`` [B, A] and ``anchor_valid`` [B, A] (rows padded with anchor 0,
+    invalid). ``epoch`` is set by :class:`EpochCallback` (a fresh draw per epoch)."""
+
+    num_anchors: int = 512
+    seed: int = 0
+    epoch: int = 0
+
+    def __call__(self, samples: list[dict]) -> dict[str, torch.Tensor]:
+        batch = super().__call__(samples)
+        rows = []
+        for i, s in enumerate(samples):
+            key = zlib.crc32(bytes(str((self.seed, self.epoch, list(s["input_ids"]))), "utf8"))
+            rows.append(sample_anchors(batch["loss_mask"][i], self.num_anchors, key))
+        width = max(1, max(len(r) for r in rows))
+        anchors = torch.zeros(len(rows), width, dtype=torch.long)
+        valid = torch.zeros(len(rows), width, dtype=torch.bool)
+        for i, r in enumerate(rows):
+            anchors[i, : len(r)] = r
+            valid[i, : len(r)] = True
+        return {**batch, "anchors": anchors, "anchor_valid": valid}
+
+
+class EpochCallback(TrainerCallback):
+    """Tells the collator the epoch, so anchors are drawn afresh each epoch (the paper's rule)."""
+
+    def __init__(self, collator: DFlashCollator):
+        self.collator = collator
+
+    def on_epoch_begin(self, args, state, control, **kwargs):
+        self.collator.epoch = int(state.epoch or 0)
+
+
+# ------------------------------------------------------------------------------------------- blocks
+def label_grid(ids: torch.Tensor, loss_mask: torch.Tensor, anchors: torch.Tensor, valid: torch.Tensor,
+               block: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(labels [B, A, block - 1]: ``x_{a+k}`` for ``k = 1 .. block - 1``, counted [B, A, block - 1]: the label is a
+    completion token inside the sequence and the anchor is real)."""
+    t = ids.shape[1]
+    pos = anchors[..., None] + torch.arange(1, block, device=anchors.device)  # [B, A, block - 1]
+    inside = pos <= t - 1
+    p = pos.clamp(max=t - 1)
+    labels = ids.gather(1, p.flatten(1)).view_as(p)
+    counted = inside & loss_mask.bool().gather(1, (p - 1).flatten(1)).view_as(p) & valid[..., None]
+    return labels, counted
+
+
+def term_count(loss_mask: torch.Tensor, anchors: torch.Tensor, valid: torch.Tensor, block: int) -> int:
+    """The counted (anchor, slot) terms of a batch (the window normaliser's share)."""
+    return int(label_grid(loss_mask.long(), loss_mask, anchors, valid, block)[1].sum())
+
+
+def block_mask(anchors: torch.Tensor, t: int, block: int) -> torch.Tensor:
+    """bool [B, A * block, t + A * block]: a block's queries see context positions before its anchor and every slot
+    of their own block."""
+    b, a = anchors.shape
+    dev = anchors.device
+    qa = anchors.repeat_interleave(block, dim=1)  # [B, Q]
+    ctx = torch.arange(t, device=dev)[None, None, :] < qa[..., None]
+    own = torch.block_diag(*[torch.ones(block, block, dtype=torch.bool, device=dev)] * a)
+    return torch.cat([ctx, own[None].expand(b, -1, -1)], dim=-1)
+
+
+def block_outputs(drafter, target, embed, ids: torch.Tensor, anchors: torch.Tensor, block: int,
+                  call=None) -> torch.Tensor:
+    """The draft's outputs [B, A, block, H] for the blocks at ``anchors`` [B, A] of a batch whose target pass is
+    ``target`` (:class:`~pardec.training.heads.eagle.TargetPass`); ``call``: the (possibly wrapped) module."""
+    call = call or drafter
+    b, t = ids.shape
+    context = drafter.context_kv(target.features, torch.arange(t, device=ids.device))
+    x = drafter.block_inputs(embed, ids.gather(1, anchors), block)  # [B, A, block, H]
+    positions = (anchors[..., None] + torch.arange(block, device=ids.device)).flatten(1)
+    out = call(x.flatten(1, 2), positions, context, block_mask(anchors, t, block))
+    return out.view(b, anchors.shape[1], block, -1)
+
+
+def position_weights(weighting: str, ce: torch.Tensor, counted: torch.Tensor, gamma: float, alpha: float,
+                     ) -> torch.Tensor:
+    """Weights [B, A, S] of slots ``1 .. S`` (module docstring); ``ce`` [B, A, S] is read detached (D-PACE)."""
+    s = ce.shape[-1]
+    if weighting == "decay":
+        w = torch.exp(-torch.arange(s, device=ce.device, dtype=torch.float32) / gamma)
+        return w.expand_as(ce) * counted
+    with torch.no_grad():
+        smooth = (1 - alpha) * torch.exp(-ce.detach().float()) + alpha
+        smooth = torch.where(counted, smooth, torch.ones_like(smooth))
+        prefix = smooth.cumprod(-1) * counted
+        return prefix.flip(-1).cumsum(-1).flip(-1) * counted
+
+
+@dataclass
+class BlockTerms:
+    """The weighted loss sum (graph) and, per slot, detached sums for the logs: CE, top-1 agreement with the label,
+    counted terms (each [S] float64)."""
+
+    total: torch.Tensor
+    ce: torch.Tensor
+    agree: torch.Tensor
+    count: torch.Tensor
+
+
+def block_terms(drafter, target, embed, lm_head, ids: torch.Tensor, loss_mask: torch.Tensor, anchors: torch.Tensor,
+                valid: torch.Tensor, block: int, gamma: float, loss: str = "ce", weighting: str = "decay",
+                alpha: float = 0.5, call=None) -> BlockTerms:
+    """DFlash's loss terms of one batch (module docstring)."""
+    out = block_outputs(drafter, target, embed, ids, anchors, block, call)[:, :, 1:]  # slots 1 .. block - 1
+    labels, counted = label_grid(ids, loss_mask, anchors, valid, block)
+    logq = drafter.logits(out, lm_head).float().log_softmax(-1)  # [B, A, S, V]
+    nll = -logq.gather(-1, labels[..., None])[..., 0]
+    if loss == "ce":
+        per = nll
+    else:  # KL(p || q) to the target's distribution at a + k - 1
+        t = ids.shape[1]
+        src = (anchors[..., None] + torch.arange(block - 1, device=ids.device)).clamp(max=t - 1)
+        with torch.no_grad():
+            logp = target.logits.gather(1, src.flatten(1)[..., None].expand(-1, -1, target.logits.shape[-1]))
+            logp = logp.view(*src.shape, -1).float().log_softmax(-1)
+        per = (logp.exp() * (logp - logq)).sum(-1)
+    w = position_weights(weighting, nll, counted, gamma, alpha)
+    total = (per * w).sum()
+    with torch.no_grad():
+        ce_sum = (nll * counted).sum((0, 1)).double().cpu()
+        agree = ((logq.argmax(-1) == labels) & counted).sum((0, 1)).double().cpu()
+        count = counted.sum((0, 1)).double().cpu()
+    return BlockTerms(total, ce_sum, agree, count)
+
+
+# ------------------------------------------------------------------------------------------- evaluation
+@torch.inference_mode()
+def acceptance(base, drafter, records: list[dict], block: int, topk: int = 10, chunk: int = 32) -> dict:
+    """Held-out acceptance by block position of a DFlash draft on ``records`` (prompt + the target's greedy
+    completion), teacher-forced on the record: for every anchor ``a`` from the first completion token to the
+    second-to-last, the block ``[x_a, mask ...]`` over the target's features before ``a``; slot ``k``'s argmax is
+    accepted when it equals ``x_{a+k}`` and slots ``1 .. k - 1`` were accepted (decoding's chain rule: the target's
+    greedy tokens are the record's). A slot counts while its token is in the record. The figures of
+    :func:`pardec.training.heads.eagle.summarise` with ``steps = block - 1`` (``expected_tokens_per_forward`` =
+    1 + the mean accepted run)."""
+    from pardec.training.heads.eagle import summarise, target_pass
+
+    device = next(base.parameters()).device
+    s = block - 1
+    acc_rows, valid_rows, top_rows, top1_rows = [], [], [], []
+    same = anchors_n = 0
+    for r in records:
+        full = list(r["prompt_ids"]) + list(r["completion_ids"])
+        p, n = len(r["prompt_ids"]), len(full)
+        if n - 2 < p:
+            continue
+        ids = torch.tensor([full[:-1]], device=device)
+        tp = target_pass(base, ids, drafter.config.layer_ids)
+        truth = torch.tensor(full)
+        for lo in range(p, n - 1, chunk):
+            anchors = torch.arange(lo, min(lo + chunk, n - 1))
+            a = anchors.to(device)[None]
+            out = block_outputs(drafter, tp, base.model.embed_tokens, ids, a, block)[0, :, 1:]
+            logits = drafter.logits(out, base.lm_head).float().cpu()  # [A, S, V]
+            pos = anchors[:, None] + torch.arange(1, block)[None]
+            valid = pos <= n - 1
+            true = truth[pos.clamp(max=n - 1)]
+            top = logits.topk(min(topk, logits.shape[-1]), -1).indices
+            hit = top[..., 0] == true
+            acc_rows.append(hit.long().cumprod(1).bool())
+            valid_rows.append(valid)
+            top_rows.append((top == true[..., None]).any(-1))
+            top1_rows.append(hit)
+            same += int((tp.logits[0, a[0]].argmax(-1).cpu() == truth[anchors + 1]).sum())
+            anchors_n += len(anchors)
+    if not acc_rows:
+        acc = valid = top = top1 = torch.zeros(0, s, dtype=torch.bool)
+    else:
+        acc, valid, top, top1 = (torch.cat(x) for x in (acc_rows, valid_rows, top_rows, top1_rows))
+    prev = torch.cat([valid[:, :1], acc[:, :-1]], 1)
+    counts = {"valid": valid.sum(0).tolist(), "accepted": (acc & valid).sum(0).tolist(),
+              "reached": (prev & valid).sum(0).tolist(), "topk": (top & valid).sum(0).tolist(),
+              "top1": (top1 & valid).sum(0).tolist(), "anchors": anchors_n, "target_matches": same}
+    return summarise(counts, s, topk)

@@ -1,0 +1,136 @@
+"""Method ``dflash`` (a DFlash drafter's block, verified as a chain): greedy output equals ``ar`` token for token on
+every forward implementation, with blocks accepted several deep; the incremental context cache equals the context
+computed at once; the block is one non-causal forward; bad settings are refused. Sampling: the distribution tests
+(``test_distribution.py``, ``test_distribution_deep.py``); host reads: ``test_verify_device.py``."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pardec.config import ConfigError, SamplingConfig
+from pardec.decoding import build_decoder
+from pardec.decoding.dflash import ContextCache
+from pardec.models.cached import CachedModel
+from pardec.models.dflash import DFlashConfig, default_layers
+from pardec.models.heads import load_drafter, new_drafter
+from tests.conftest import tiny
+from tests.decoding.drafters import _eagle_sequences, drafter_dir
+from tests.models.forward.test_cudagraph_rows import _cpu_graphs
+
+SETTINGS = [{}, {"block_size": 3}, {"num_speculative_tokens": 1}]
+
+
+@pytest.fixture(scope="module")
+def fitted():
+    lm = tiny(1, layers=4)
+    return lm, drafter_dir(lm.model, "dflash"), _eagle_sequences(lm.model)
+
+
+@pytest.mark.parametrize("impl", ["hf", "lean", "cpu_graphs"])
+def test_greedy_dflash_equals_ar_and_accepts_deep(fitted, impl):
+    lm, path, seqs = fitted
+    cm = CachedModel(lm.model, forward_impl=_cpu_graphs() if impl == "cpu_graphs" else impl)
+    ar = build_decoder("ar", cm, lm.tokenizer)
+    fresh = torch.randint(0, lm.model.config.vocab_size, (6,), generator=torch.Generator().manual_seed(9)).tolist()
+    settings = SETTINGS if impl == "lean" else SETTINGS[:1]
+    for prompt in (seqs[0][:3], seqs[1][:5], fresh):
+        ref = ar.generate(prompt, 30).tokens
+        for params in settings:
+            res = build_decoder("dflash", cm, lm.tokenizer, None, path=str(path), **params).generate(prompt, 30)
+            assert res.tokens == ref, (prompt, params)
+            assert res.extras["rounds"] == res.target_forwards - 1
+            if prompt is not fresh and not params:  # the contexts the drafter was fitted on, the whole block
+                assert max(res.accepted) >= 3, res.accepted  # >= 2 drafted tokens accepted at once
+                assert res.extras["accepted_by_slot"][1] > 0
+
+
+def test_layerwise_fusion_and_a_mask_token_row_decode_exactly():
+    lm = tiny(2, layers=4)
+    cm = CachedModel(lm.model, forward_impl="lean")
+    ref = build_decoder("ar", cm).generate([3, 1, 4, 1, 5], 20).tokens
+    for options in ({"fusion": "layerwise", "num_layers": 3}, {"mask_token_id": 7, "block_size": 5}):
+        d = new_drafter("dflash", lm.model.config, embed=lm.model.model.embed_tokens, dflash=options)
+        assert hasattr(d, "layer_mix") == (options.get("fusion") == "layerwise")
+        assert hasattr(d, "mask_embedding") == ("mask_token_id" not in options)
+        res = build_decoder("dflash", cm, None, d).generate([3, 1, 4, 1, 5], 20)
+        assert res.tokens == ref
+
+
+@torch.inference_mode()
+def test_the_context_cache_equals_the_context_at_once(fitted):
+    """Entries appended round by round (prefill, then each round's accepted tokens) equal every layer's keys/values
+    computed over all the features at once; the block forward with the cache equals it with those."""
+    lm, path, seqs = fitted
+    d, _ = load_drafter(path, lm.model.config, "dflash")
+    cm = CachedModel(lm.model, forward_impl="lean")
+    ids = torch.tensor([seqs[0][:20]])
+    feats = cm.forward(ids, hidden_layer=tuple(d.config.layer_ids)).hidden[0]
+    cache = ContextCache(d, 32, ids.device, d.dtype)
+    for lo, hi in ((0, 7), (7, 8), (8, 13), (13, 20)):
+        cache.append(feats[lo:hi])
+    whole = d.context_kv(feats[None], torch.arange(20))
+    for (k, v), (k2, v2) in zip(cache.view(), whole):
+        torch.testing.assert_close(k, k2, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(v, v2, rtol=1e-5, atol=1e-5)
+    x = d.block_inputs(cm.inner().embed_tokens, torch.tensor([seqs[0][20]]), 4)
+    torch.testing.assert_close(d(x, torch.arange(20, 24), cache.view()), d(x, torch.arange(20, 24), whole))
+
+
+@torch.inference_mode()
+def test_the_block_is_non_causal_and_sees_only_the_context():
+    """Changing a later slot's input changes an earlier slot's output (bidirectional inside the block); a mask
+    that hides the block's later slots from the earlier ones is a different computation."""
+    lm = tiny(0, layers=4)
+    d = new_drafter("dflash", lm.model.config, embed=lm.model.model.embed_tokens,
+                    dflash={"num_layers": 2, "block_size": 4})
+    h = d.config.hidden_size
+    ctx = d.context_kv(torch.randn(1, 6, len(d.config.layer_ids) * h), torch.arange(6))
+    x = torch.randn(1, 4, h)
+    y = x.clone()
+    y[0, 3] += 1.0
+    a, b = d(x, torch.arange(6, 10), ctx), d(y, torch.arange(6, 10), ctx)
+    assert not torch.allclose(a[0, 0], b[0, 0])  # slot 0 sees slot 3
+    causal = torch.cat([torch.ones(4, 6, dtype=torch.bool), torch.ones(4, 4, dtype=torch.bool).tril()], 1)
+    c, e = d(x, torch.arange(6, 10), ctx, causal), d(y, torch.arange(6, 10), ctx, causal)
+    torch.testing.assert_close(c[0, 0], e[0, 0])
+
+
+def test_default_layers_follow_dflashs_rule():
+    # z-lab build_target_layer_ids: Qwen3-8B (36 layers, 5 draft layers) -> outputs [1, 9, 17, 25, 33]; pardec
+    # counts the states entering a layer: +1
+    assert default_layers(36, 5) == [2, 10, 18, 26, 34]
+    assert default_layers(32, 1) == [17]
+    assert default_layers(30, 5) == [2, 9, 15, 21, 28]
+    assert default_layers(4, 2) == [0, 3]
+
+
+def test_bad_settings_are_refused(fitted):
+    lm, path, _ = fitted
+    cm = CachedModel(lm.model)
+    with pytest.raises(ConfigError, match="method 'dflash' needs a DFlash drafter"):
+        build_decoder("dflash", cm, None, None)
+    with pytest.raises(ConfigError, match=r"method.block_size=5 is out of range: .* blocks of 4 \(choose 2..4\)"):
+        build_decoder("dflash", cm, None, None, path=str(path), block_size=5)
+    with pytest.raises(ConfigError, match="num_speculative_tokens=3 is out of range: a block of 3 proposes at most 2"):
+        build_decoder("dflash", cm, None, None, path=str(path), block_size=3, num_speculative_tokens=3)
+    with pytest.raises(ConfigError, match="block_size"):
+        build_decoder("dflash", cm, None, None, path=str(path), block_size=1)
+    other = tiny(0, layers=2)
+    with pytest.raises(ConfigError, match="num_hidden_layers"):
+        build_decoder("dflash", CachedModel(other.model), None, None, path=str(path))
+    with pytest.raises(ConfigError, match="dflash fusion='mix' is not valid"):
+        DFlashConfig.for_target(lm.model.config, fusion="mix")
+    with pytest.raises(ConfigError, match="mask_token_id=99999 is out of range"):
+        DFlashConfig.for_target(lm.model.config, mask_token_id=99999)
+
+
+def test_sampled_dflash_runs_and_reports_its_rounds(fitted):
+    lm, path, seqs = fitted
+    dec = build_decoder("dflash", CachedModel(lm.model), None, None, path=str(path))
+    res = dec.generate(seqs[0][:3], 24, sampling=SamplingConfig(temperature=1.0, seed=3))
+    rounds = res.extras["rounds"]
+    assert len(res.tokens) == 24 and rounds == res.target_forwards - 1
+    # the prompt's context, one block per round (none when only the target's token fits), the accepted tokens'
+    # context after every round but the last
+    assert 2 * rounds - 1 <= res.draft_forwards <= 2 * rounds

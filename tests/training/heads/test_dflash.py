@@ -1,0 +1,147 @@
+"""DFlash's block loss (``heads.type: dflash``, :mod:`pardec.training.heads.dflash`): the anchors (which positions,
+how many, deterministic per sequence and epoch), the block attention mask, the labels and what counts, the paper's
+decay and D-PACE's weights against a hand computation, the loss against a plain per-block reference, then
+``+experiment=dflash_tiny`` end to end (generate -> train -> eval) and config errors (resume: ``test_heads.py``)."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+
+from pardec.config import ConfigError
+from pardec.models.heads import load_drafter, new_drafter
+from pardec.train import run, validate
+from pardec.training.heads.dflash import (
+    DFlashCollator,
+    anchor_candidates,
+    block_mask,
+    block_terms,
+    label_grid,
+    position_weights,
+    sample_anchors,
+)
+from pardec.training.heads.eagle import TargetPass
+from tests.conftest import tiny
+from tests.training.test_train_app import _compose
+
+
+def test_anchors_are_completion_positions_drawn_per_sequence_and_epoch():
+    mask = torch.tensor([0, 0, 1, 1, 1, 1, 1, 0], dtype=torch.bool)  # x_3 .. x_7 are completion tokens
+    assert anchor_candidates(mask).tolist() == [3, 4, 5, 6]  # x_a and x_{a+1} both completion tokens
+    assert sample_anchors(mask, 10, 0).tolist() == [3, 4, 5, 6]
+    a = sample_anchors(mask, 2, 1)
+    assert len(a) == 2 and a.tolist() == sorted(a.tolist()) and set(a.tolist()) <= {3, 4, 5, 6}
+    assert torch.equal(a, sample_anchors(mask, 2, 1))
+    col = DFlashCollator(pad_id=0, num_anchors=2, seed=3)
+    samples = [{"input_ids": list(range(10, 22)), "loss_mask": [0] * 4 + [1] * 8},
+               {"input_ids": [5, 6, 7], "loss_mask": [0, 1, 1]}]
+    b1, b2 = col(samples), col(samples)
+    assert torch.equal(b1["anchors"], b2["anchors"])  # a resumed run draws the same anchors
+    assert b1["anchor_valid"].tolist() == [[True, True], [True, False]]
+    draws = set()
+    for epoch in range(6):
+        col.epoch = epoch
+        draws.add(tuple(col(samples)["anchors"][0].tolist()))
+    assert len(draws) > 1  # a fresh draw per epoch
+
+
+def test_the_block_mask_sees_the_context_before_the_anchor_and_its_own_block():
+    m = block_mask(torch.tensor([[2, 4]]), t=6, block=3)[0]  # [6 queries, 6 context + 6 block keys]
+    assert m.shape == (6, 12)
+    assert m[:3, :6].tolist() == [[True, True, False, False, False, False]] * 3  # anchor 2: positions 0, 1
+    assert m[3:, :6].tolist() == [[True] * 4 + [False] * 2] * 3
+    assert m[:3, 6:9].all() and not m[:3, 9:].any() and m[3:, 9:].all() and not m[3:, 6:9].any()
+
+
+def test_labels_count_completion_tokens_inside_the_sequence():
+    ids = torch.tensor([[10, 11, 12, 13, 14, 15]])
+    mask = torch.tensor([[0, 1, 1, 1, 1, 0]], dtype=torch.bool)  # x_2 .. x_5 completion tokens (x_6 not in ids)
+    labels, counted = label_grid(ids, mask, torch.tensor([[2, 4]]), torch.tensor([[True, True]]), 4)
+    assert labels.tolist() == [[[13, 14, 15], [15, 15, 15]]]
+    assert counted.tolist() == [[[True, True, True], [True, False, False]]]
+
+
+def test_decay_and_dpace_weights_against_a_hand_computation():
+    counted = torch.tensor([[[True, True, True, False]]])
+    w = position_weights("decay", torch.zeros(1, 1, 4), counted, gamma=7.0, alpha=0.5)
+    assert w[0, 0].tolist() == pytest.approx([1.0, math.exp(-1 / 7), math.exp(-2 / 7), 0.0])
+    ce = torch.tensor([[[0.0, math.log(2), math.log(4), 1.0]]])  # q = 1, 1/2, 1/4 (the last slot not counted)
+    w = position_weights("dpace", ce, counted, gamma=7.0, alpha=0.5)
+    s = [1.0, 0.75, 0.625]  # (1 - a) q + a
+    p = [1.0, 0.75, 0.75 * 0.625]  # prefix products
+    want = [sum(p[0:]), sum(p[1:]), sum(p[2:]), 0.0]  # w_k = sum_{j >= k} P_j
+    assert s[0] * s[1] == pytest.approx(p[1]) and w[0, 0].tolist() == pytest.approx(want)
+
+
+def test_the_loss_equals_a_plain_per_block_reference():
+    """block_terms over two anchors at once = the draft run on each block alone (its context cut at the anchor),
+    CE to the labels weighted exp(-(k - 1) / gamma)."""
+    lm = tiny(0, layers=4)
+    torch.manual_seed(0)
+    d = new_drafter("dflash", lm.model.config, embed=lm.model.model.embed_tokens, lm_head=lm.model.lm_head,
+                    dflash={"num_layers": 2, "block_size": 3})
+    ids = torch.tensor([[4, 8, 15, 16, 23, 42, 7, 9]])
+    mask = torch.ones_like(ids, dtype=torch.bool)
+    feats = torch.randn(1, 8, 2 * d.config.hidden_size)
+    tp = TargetPass(feats, None, None)
+    embed, head = lm.model.model.embed_tokens, lm.model.lm_head
+    anchors, valid = torch.tensor([[2, 5]]), torch.tensor([[True, True]])
+    terms = block_terms(d, tp, embed, head, ids, mask, anchors, valid, 3, gamma=7.0)
+    want = 0.0
+    for a in (2, 5):
+        ctx = d.context_kv(feats[:, :a], torch.arange(a))
+        out = d(d.block_inputs(embed, ids[:, a], 3), torch.arange(a, a + 3), ctx)
+        logp = d.logits(out[0, 1:], head).log_softmax(-1)
+        for k in (1, 2):
+            want += -logp[k - 1, ids[0, a + k]] * math.exp(-(k - 1) / 7)
+    torch.testing.assert_close(terms.total, torch.as_tensor(want, dtype=terms.total.dtype), rtol=1e-4, atol=1e-4)
+    assert terms.count.tolist() == [2, 2]
+
+
+def _overrides(tmp_path, *extra: str) -> list[str]:
+    return ["+experiment=dflash_tiny", f"paths.data_dir={tmp_path}/data", f"paths.output_dir={tmp_path}/out", *extra]
+
+
+def test_tiny_end_to_end(tmp_path):
+    run_dir = tmp_path / "out" / "run"
+    summary = run(_compose(_overrides(tmp_path)), run_dir)
+    assert summary["generate"]["complete"] and summary["train"]["samples"] == 6 and summary["train"]["steps"] == 2
+    lm = tiny(0, layers=4)
+    drafter, meta = load_drafter(run_dir / "final", lm.model.config, "dflash")
+    c = drafter.config
+    assert (c.num_hidden_layers, c.block_size, c.layer_ids, c.mask_token_id) == (2, 4, [0, 3], None)
+    assert (meta["num_anchors"], meta["gamma"], meta["loss"], meta["weighting"]) == (8, 7.0, "ce", "decay")
+    ev = json.loads((run_dir / "heads_eval.json").read_text())
+    o = ev["overall"]
+    assert ev["kind"] == "dflash" and ev["block_size"] == 4 and ev["steps"] == 3 and ev["positions"] > 0
+    assert len(o["conditional_acceptance"]) == 3
+    assert o["expected_tokens_per_forward"] == pytest.approx(1 + sum(o["chain_acceptance"]))
+
+
+def test_config_errors(tmp_path):
+    cases = [
+        (["heads.block_size=1"], "heads.block_size=1 is out of range: it must be an integer >= 2"),
+        (["heads.num_layers=0"], "heads.num_layers=0 is out of range: it must be an integer >= 1"),
+        (["heads.num_anchors=0"], "heads.num_anchors=0 is out of range"),
+        (["heads.gamma=0"], "heads.gamma=0 is out of range"),
+        (["+heads.loss=mse"], r"heads.loss='mse' is not valid; choose one of: ce, kl"),
+        (["+heads.weighting=flat"], r"heads.weighting='flat' is not valid; choose one of: decay, dpace"),
+        (["+heads.fusion=mix"], r"heads.fusion='mix' is not valid; choose one of: concat, layerwise"),
+        (["+heads.dpace_alpha=0"], r"heads.dpace_alpha=0 is out of range"),
+        (["+heads.layers=[0,4]"], r"heads.layers=\[0, 4\] is out of range: the target tiny_random has layers 0..3"),
+        (["+heads.draft_vocab_size=3"], r"unknown key\(s\) \['draft_vocab_size'\] in heads \(type dflash\)"),
+    ]
+    for ov, pattern in cases:
+        with pytest.raises(ConfigError, match=pattern) as e:
+            run(_compose(_overrides(tmp_path, *ov)), tmp_path / "out" / "bad")
+        assert "\n" not in str(e.value)
+    assert not (tmp_path / "out").exists()
+    spec = validate(_compose(["+experiment=dflash_smollm2", f"paths.data_dir={tmp_path}/data",
+                              f"paths.output_dir={tmp_path}/out"]))
+    assert spec.heads == {"type": "dflash", "num_layers": 5, "layers": None, "block_size": 16, "num_anchors": 32,
+                          "gamma": 7.0, "loss": "ce", "weighting": "decay", "dpace_alpha": 0.5, "fusion": "concat",
+                          "mask_token_id": None}
+    assert spec.trainer["learning_rate"] == 6e-4 and spec.trainer["lr_scheduler_type"] == "cosine"
