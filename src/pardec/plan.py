@@ -270,15 +270,25 @@ def draft_params(hub_id: str, layers: int, vocab_size: int, freeze_embeddings: b
 
 
 def drafter_params(hub_id: str, heads: dict[str, Any]) -> int:
-    """Medusa heads / FIRP projections (:func:`pardec.models.heads.new_drafter`, built on the meta device)."""
+    """Medusa heads / FIRP projections / an EAGLE-3 or DFlash draft (:func:`pardec.models.heads.new_drafter`, built
+    on the meta device)."""
     import torch
 
     from pardec.models.heads import new_drafter
+    from pardec.models.vocab import DraftVocab
 
+    cfg = _meta_model(hub_id).config
+    kind = heads["type"]
     with torch.device("meta"):
-        d = new_drafter(heads["type"], _meta_model(hub_id).config, num_heads=heads.get("num_heads", 3),
-                        num_blocks=heads.get("num_blocks", 1), layers=heads.get("layers"),
-                        attention=heads.get("attention", "real"))
+        if kind == "dflash":
+            d = new_drafter("dflash", cfg, layers=heads.get("layers"), dflash={
+                k: heads[k] for k in ("num_layers", "block_size", "mask_token_id", "fusion") if k in heads})
+        elif kind == "eagle3":
+            size = int(heads.get("draft_vocab_size", cfg.vocab_size))
+            d = new_drafter("eagle3", cfg, layers=heads.get("layers"), vocab=DraftVocab(range(size), cfg.vocab_size))
+        else:
+            d = new_drafter(kind, cfg, num_heads=heads.get("num_heads", 3), num_blocks=heads.get("num_blocks", 1),
+                            layers=heads.get("layers"), attention=heads.get("attention", "real"))
     return sum(p.numel() for p in d.parameters())
 
 
@@ -393,6 +403,24 @@ def _train_plan(name: str, cfg: dict[str, Any], world: int) -> Plan:
             k = int(h.get("num_heads", 3))
             # the base runs without gradients; each head's ResBlocks keep input, pre-activation and SiLU output
             activations = tokens * a.hidden * act_bytes * (1 + 3 * k * int(h.get("num_blocks", 1)))
+        elif h.get("type") == "dflash":
+            # num_anchors blocks of block_size queries per sequence through the draft's layers, each over the
+            # sequence's context keys/values plus the blocks'; fp32 logits of every predicted slot over the
+            # target's vocabulary (the shared head), and the base's logits (its forward returns them)
+            n, blk = int(h.get("num_layers", 5)), int(h.get("block_size", 16))
+            queries = b * min(int(h.get("num_anchors", 512)), seq) * blk
+            activations = stack_activations(n, queries, seq + queries // b, a, act_bytes, eager, ckpt)
+            kv = tokens * n * 2 * a.kv_heads * a.head_dim * act_bytes  # every layer's context keys/values
+            k = blk - 1
+            logits = queries * a.vocab * 4 + tokens * a.vocab * run_bytes
+            notes.append(f"dflash drafter, {n} layers, {queries // b} block slots per sequence")
+        elif h.get("type") == "eagle3":
+            # one layer of 2H input unrolled ttt_steps times over every position; the target's logits once, the
+            # draft's over its vocabulary per step
+            k = int(h.get("ttt_steps", 7))
+            activations = stack_activations(k, tokens, seq * k, a, act_bytes, eager, ckpt)
+            logits = tokens * (a.vocab + k * int(h.get("draft_vocab_size", a.vocab))) * 4
+            notes.append(f"eagle3 drafter, {k} TTT steps")
         else:  # firp: pseudo states of projection i run through layers t_i..L-1 with gradients
             layers = [int(x) for x in h.get("layers") or []]
             k = len(layers)
@@ -401,8 +429,9 @@ def _train_plan(name: str, cfg: dict[str, Any], world: int) -> Plan:
                            - (layer_activations(tokens, seq, a, act_bytes, eager) if ckpt else 0)
                            + (layer_activations(k * tokens, seq, a, act_bytes, eager) if ckpt else 0))
             kv = tokens * a.kv_bytes_per_token(run_bytes)  # the real tokens' K/V the pseudo states attend to
-        logits = tokens * (k + 1) * a.vocab * 4  # K student rows + the base's (teacher) row per position
-        notes.append(f"{h.get('type')} drafter, K={k}")
+        if h.get("type") in ("medusa", "firp"):
+            logits = tokens * (k + 1) * a.vocab * 4  # K student rows + the base's (teacher) row per position
+            notes.append(f"{h.get('type')} drafter, K={k}")
     else:
         raise ConfigError(f"recipe {name!r}: kind {kind!r} has no memory model in pardec.plan")
 

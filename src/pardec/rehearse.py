@@ -58,7 +58,7 @@ MAX_STEPS = 2
 #: the keys a rehearsal may change (regular expressions over dotted keys of the composed config); every other key
 #: is the recipe's
 SWAP_KEYS = {
-    "model": (r"model(\..*)?",),
+    "model": (r"model(\..*)?", r"heads\.mask_token_id"),  # (a row of the real target's embedding)
     "draft": (r"draft(\..*)?",),  # evaluation only (in training, ``draft`` is the draft kind's shape: kept)
     "device": (r"device", r"threads"),
     "data": (r"dataset\.path", r"dataset\.extra\.train_path", r"(completions|eval|mask)\.sources\.\d+\.dataset\.path",
@@ -400,6 +400,8 @@ def plan(recipe: Recipe, out: Path) -> Plan:
             size += [f"collect.max_prompts={N_TRAIN}", f"collect.max_new_tokens={2 * block}"]
             expect["data"] = {base["collect"]["out_dir"]: N_TRAIN}
         elif kind in ("draft", "heads"):
+            if (base.get("heads") or {}).get("mask_token_id") is not None:  # a row of the real vocabulary: row 0
+                model.append("heads.mask_token_id=0")                     # of the tiny one stands in
             n = _sources(base, "completions", "max_prompts", N_TRAIN, files, data_dir, data, size)
             _sources(base, "eval", "max_prompts", N_EVAL, files, data_dir, data, size)
             size += [f"completions.max_new_tokens={MAX_NEW_TOKENS}", f"eval.max_new_tokens={MAX_NEW_TOKENS}"]
