@@ -73,10 +73,16 @@ def fit_dflash(model, sequences: list[list[int]], steps: int = 120, lr: float = 
     from pardec.training.heads.eagle import TargetPass
 
     options = {"num_layers": 2, "block_size": 4, **options}
+    head = model.lm_head
+    w = getattr(head, "weight", None)
+    if w is None or not w.is_floating_point():  # an int8 head has no backward: fit through its float equivalent
+        with torch.no_grad():
+            eye = torch.eye(int(model.config.hidden_size))
+            head = torch.nn.Linear(eye.shape[0], int(model.config.vocab_size), bias=False)
+            head.weight.copy_(model.lm_head(eye).T.float())
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        d = new_drafter("dflash", model.config, embed=model.model.embed_tokens, lm_head=model.lm_head,
-                        dflash=options)
+        d = new_drafter("dflash", model.config, embed=model.model.embed_tokens, lm_head=head, dflash=options)
     width = max(len(s) for s in sequences)
     ids = torch.tensor([s + [s[-1]] * (width - len(s)) for s in sequences])
     mask = torch.zeros(ids.shape, dtype=torch.bool)
@@ -94,7 +100,7 @@ def fit_dflash(model, sequences: list[list[int]], steps: int = 120, lr: float = 
         embed = model.model.embed_tokens
     opt = torch.optim.Adam(d.parameters(), lr=lr)
     for _ in range(steps):
-        terms = block_terms(d, target, embed, model.lm_head, ids, mask, anchors, valid, d.config.block_size, 7.0)
+        terms = block_terms(d, target, embed, head, ids, mask, anchors, valid, d.config.block_size, 7.0)
         opt.zero_grad()
         (terms.total / terms.count.sum().clamp(min=1)).backward()
         opt.step()
