@@ -73,16 +73,16 @@ def fit_dflash(model, sequences: list[list[int]], steps: int = 120, lr: float = 
     from pardec.training.heads.eagle import TargetPass
 
     options = {"num_layers": 2, "block_size": 4, **options}
-    head = model.lm_head
-    w = getattr(head, "weight", None)
-    if w is None or not w.is_floating_point():  # an int8 head has no backward: fit through its float equivalent
-        with torch.no_grad():
-            eye = torch.eye(int(model.config.hidden_size))
-            head = torch.nn.Linear(eye.shape[0], int(model.config.vocab_size), bias=False)
-            head.weight.copy_(model.lm_head(eye).T.float())
+    # frozen float copies of the target's head and embedding: the shared test model gets no gradients (and an int8
+    # head, which has no backward, is fitted through its float equivalent)
+    with torch.no_grad():
+        eye = torch.eye(int(model.config.hidden_size))
+        head = torch.nn.Linear(eye.shape[0], int(model.config.vocab_size), bias=False).requires_grad_(False)
+        head.weight.copy_(model.lm_head(eye).T.float())
+        embed = torch.nn.Embedding.from_pretrained(model.model.embed_tokens.weight.detach().clone().float())
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        d = new_drafter("dflash", model.config, embed=model.model.embed_tokens, lm_head=head, dflash=options)
+        d = new_drafter("dflash", model.config, embed=embed, lm_head=head, dflash=options)
     width = max(len(s) for s in sequences)
     ids = torch.tensor([s + [s[-1]] * (width - len(s)) for s in sequences])
     mask = torch.zeros(ids.shape, dtype=torch.bool)
@@ -96,8 +96,6 @@ def fit_dflash(model, sequences: list[list[int]], steps: int = 120, lr: float = 
     cm = CachedModel(model)  # pardec's capture (module doc of fit_eagle3), cloned out of inference mode
     out = cm.forward(ids, hidden_layer=tuple(d.config.layer_ids))
     target = TargetPass(out.hidden.clone(), out.logits.clone(), None)
-    with torch.no_grad():
-        embed = model.model.embed_tokens
     opt = torch.optim.Adam(d.parameters(), lr=lr)
     for _ in range(steps):
         terms = block_terms(d, target, embed, head, ids, mask, anchors, valid, d.config.block_size, 7.0)

@@ -27,8 +27,16 @@ def fitted():
     return lm, drafter_dir(lm.model, "dflash"), _eagle_sequences(lm.model)
 
 
+@pytest.fixture
+def fresh_dynamo():
+    """The compiled rows' graphs of this test do not count against the recompile limit of later tests in the same
+    process (torch.compile's per-code-object limit, fullgraph)."""
+    yield
+    torch._dynamo.reset()
+
+
 @pytest.mark.parametrize("impl", ["hf", "lean", "cpu_graphs"])
-def test_greedy_dflash_equals_ar_and_accepts_deep(fitted, impl):
+def test_greedy_dflash_equals_ar_and_accepts_deep(fitted, impl, fresh_dynamo):
     lm, path, seqs = fitted
     cm = CachedModel(lm.model, forward_impl=_cpu_graphs() if impl == "cpu_graphs" else impl)
     ar = build_decoder("ar", cm, lm.tokenizer)

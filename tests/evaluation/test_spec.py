@@ -19,7 +19,7 @@ from tests.evaluation.helpers import TINY, cfg_of, hashes
 @pytest.mark.parametrize(
     "overrides,needle",
     [
-        ([], "no method given: pass +method=<name>; valid methods: ar, bild, eagle, firp, hf_assisted, hf_generate, hf_pld, "
+        ([], "no method given: pass +method=<name>; valid methods: ar, bild, dflash, eagle, firp, hf_assisted, hf_generate, hf_pld, "
                 "jacobi, lookahead, medusa, medusa_typical, mjgd, mjsd, ouroboros, pld, sdsat, spectr, sps"),
         (["+method=medusa"], "method 'medusa' needs trained medusa weights: method.heads=<dir>"),
         (["+method=firp", "method.projections=/nonexistent"], "method.projections='/nonexistent' holds no trained "

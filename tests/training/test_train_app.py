@@ -67,13 +67,14 @@ def test_every_experiment_validates(name):
     if gpu_recipe:
         assert spec.model.device == "cpu" and spec.model.name not in ("smollm2_135m", "tiny_random")
     prefix = name.split("_")[0]
-    # one name: the prefix is the kind (EAGLE-3's drafters, heads.type eagle3, are named by the method)
-    assert {"eagle3": "heads"}.get(prefix, prefix) == _compose([f"+experiment={name}"]).kind
+    # one name: the prefix is the kind (EAGLE-3's and DFlash's drafters, heads.type eagle3 / dflash, are named by
+    # the method)
+    assert {"eagle3": "heads", "dflash": "heads"}.get(prefix, prefix) == _compose([f"+experiment={name}"]).kind
     if name.startswith("draft_"):  # kind: draft (tests/training/draft/ covers it)
         assert spec.gen.out_dir.endswith(f"completions/{name}/train")
         return
-    if name.startswith("eagle3_"):  # kind heads, heads.type eagle3 (tests/training/heads/test_eagle3.py covers it)
-        assert spec.heads["type"] == "eagle3"
+    if name.startswith(("eagle3_", "dflash_")):  # kind heads, heads.type eagle3 / dflash (tests/training/heads/)
+        assert spec.heads["type"] == prefix
         assert spec.gen.out_dir.endswith((f"completions/{name}/train", "completions/draft_smollm2/train"))
         return
     if name.startswith("heads_"):  # kind: heads (tests/training/heads/ covers it)
