@@ -145,10 +145,8 @@ def _rollout(context: tuple[int, ...], depth: int) -> torch.Tensor:
 
 
 @functools.cache
-def eagle_deep() -> str:
-    """An EAGLE-3 drafter fitted to 48 of the target's own samples of 8 tokens after PROMPT (temperature 1):
-    its drafts are often, not always, right there. Drafts depend only on the committed tokens (tree: the top-k of
-    deterministic draft distributions; chain: samples of the recorded q), as exactness needs."""
+def target_samples() -> torch.Tensor:
+    """48 of the target's own samples of 8 tokens after PROMPT (temperature 1), PROMPT included: [48, 15]."""
     model = tiny_vocab(0)
     g = torch.Generator().manual_seed(11)
     ids = torch.tensor([PROMPT] * 48)
@@ -156,6 +154,15 @@ def eagle_deep() -> str:
         for _ in range(8):
             ids = torch.cat([ids, torch.multinomial(torch.softmax(model(input_ids=ids).logits[:, -1], -1), 1,
                                                     generator=g)], 1)
+    return ids
+
+
+@functools.cache
+def eagle_deep() -> str:
+    """An EAGLE-3 drafter fitted to 48 of the target's own samples of 8 tokens after PROMPT (temperature 1):
+    its drafts are often, not always, right there. Drafts depend only on the committed tokens (tree: the top-k of
+    deterministic draft distributions; chain: samples of the recorded q), as exactness needs."""
+    model, ids = tiny_vocab(0), target_samples()
     drafter = fit_eagle3(model, ids.tolist(), steps=150)
     return str(save_drafter(drafter, Path(tempfile.mkdtemp(prefix="pardec-deep-")) / "eagle3", model.config, "v16"))
 
@@ -164,13 +171,7 @@ def eagle_deep() -> str:
 def dflash_deep() -> str:
     """A DFlash drafter (blocks of 4) fitted to the same 48 samples as :func:`eagle_deep`: its block's slots are
     often, not always, right after PROMPT. Its drafts are samples of the recorded per-slot q."""
-    model = tiny_vocab(0)
-    g = torch.Generator().manual_seed(11)
-    ids = torch.tensor([PROMPT] * 48)
-    with torch.no_grad():
-        for _ in range(8):
-            ids = torch.cat([ids, torch.multinomial(torch.softmax(model(input_ids=ids).logits[:, -1], -1), 1,
-                                                    generator=g)], 1)
+    model, ids = tiny_vocab(0), target_samples()
     drafter = fit_dflash(model, ids.tolist(), steps=150, prompt_len=len(PROMPT) - 2)
     return str(save_drafter(drafter, Path(tempfile.mkdtemp(prefix="pardec-deep-")) / "dflash", model.config, "v16"))
 
