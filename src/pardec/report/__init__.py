@@ -5,7 +5,8 @@
 * ``drafters`` (:mod:`pardec.report.drafters`): trained drafters side by side (curves, held-out results);
 * ``heads`` (:mod:`pardec.report.heads`): the FIRP paper's analyses, Medusa vs FIRP;
 * ``sdsat`` (:mod:`pardec.report.sdsat`): SDSAT against k and the quality-parity table;
-* ``extras`` (:mod:`pardec.report.extras`): method extras per role (block efficiency, pool hits, ...).
+* ``extras`` (:mod:`pardec.report.extras`): method extras per role (block efficiency, pool hits, ...);
+* ``docs`` (:mod:`pardec.report.docs`): the tables of README.md and docs/, generated from docs/results/ (``--check``).
 
 Every report reads a run's ``summary.json`` through :func:`pardec.evaluation.tables.comparison_rows`.
 """
@@ -34,6 +35,7 @@ COMMANDS = {
     "heads": ("heads", "FIRP vs Medusa: per-step accuracy, accepted tokens per forward by tree, cosines"),
     "sdsat": ("sdsat", "SDSAT: acceptance and tokens/s against k, the quality-parity table"),
     "extras": ("extras", "method extras per (dataset, role), averaged over prompts, from results.jsonl"),
+    "docs": ("docs", "README.md and docs/: rewrite every generated table from docs/results/ (--check: compare only)"),
 }
 
 __all__ = ["COMMANDS", "MISSING", "Cell", "ReportWarning", "Row", "bench_table", "build_table", "load_runs",

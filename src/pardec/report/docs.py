@@ -1,0 +1,206 @@
+"""The tables of README.md and docs/, generated from the result files under docs/ (small JSON).
+
+    python -m pardec.report docs            # rewrite every marked block in README.md and docs/**/*.md
+    python -m pardec.report docs --check    # write nothing; exit 1 naming each block that differs
+
+A markdown file marks a generated block with a pair of comments; what lies between them is replaced:
+
+* ``<!-- table: results/<file>.json#<name> -->`` ... ``<!-- /table -->``: the table ``<name>`` of that result file
+  (the path is relative to ``docs/``). A file's tables are its ``"tables"`` key (``{"<name>": {"columns": [...],
+  "rows": [[cell, ...], ...]}}``, cells as strings), or a table a render function makes from its structured fields
+  (:data:`RENDERERS`, keyed by the file's name).
+* ``<!-- leaderboard -->`` ... ``<!-- /leaderboard -->``: one row per method, a column per host class (CPU fp32, CPU
+  fastest mode, GPU), each cell the entry with the highest speedup against ``ar`` among every result file's
+  ``"leaderboard"`` list (ties: the newest date), linked to its file; "—" where none was measured.
+
+A leaderboard entry: ``{"method", "host_class": "cpu-fp32" | "cpu-fast" | "gpu", "mode", "dataset", "speedup",
+"exact_match_rate", "tokens_per_forward", "host"}`` (``exact_match_rate`` and ``tokens_per_forward`` may be null).
+
+Transcribed result files (figures whose raw runs are gone) carry ``"transcribed": true`` and name their source.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[3]
+HOST_CLASSES = {"cpu-fp32": "CPU, fp32", "cpu-fast": "CPU, fastest mode (bf16 prepacked / int8)", "gpu": "GPU"}
+# the leaderboard's row order: the reference and transformers' peers first, then pardec's methods as the README lists
+METHOD_ORDER = ("hf_generate", "hf_pld", "hf_assisted", "jacobi", "cllm", "lookahead", "pld", "sps", "ouroboros",
+                "spectr", "mjsd", "mjgd", "bild", "medusa", "medusa_typical", "firp", "sdsat", "eagle", "dflash")
+LEADERBOARD_KEYS = ("method", "host_class", "mode", "dataset", "speedup", "exact_match_rate", "tokens_per_forward",
+                    "host")
+
+TABLE = re.compile(r"(<!-- table: (?P<ref>[^ ]+) -->\n)(?P<body>.*?)(<!-- /table -->)", re.S)
+LEADER = re.compile(r"(<!-- leaderboard -->\n)(?P<body>.*?)(<!-- /leaderboard -->)", re.S)
+
+
+class DocsError(ValueError):
+    """A marked block that cannot be rendered: names the bad value and the valid choices."""
+
+
+@dataclass
+class Block:
+    file: Path      # the markdown file
+    label: str      # "README.md: table results/x.json#t1" (what --check names)
+    old: str
+    new: str
+
+
+def markdown_table(columns: list[str], rows: list[list[str]]) -> str:
+    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def _rel(target: Path, md_file: Path) -> str:
+    return Path(os.path.relpath(target, md_file.parent)).as_posix()
+
+
+# --- render functions for the measured files' own shapes (none yet: their tables sit beside their data) ----------
+
+RENDERERS: dict[str, Callable[[dict], dict[str, dict]]] = {}
+
+
+def tables_of(path: Path) -> dict[str, dict]:
+    data = json.loads(path.read_text())
+    tables = dict(data.get("tables") or {})
+    for prefix, fn in RENDERERS.items():
+        if path.name.startswith(prefix):
+            tables.update(fn(data))
+    return tables
+
+
+def render_table(ref: str, md_file: Path, docs: Path) -> str:
+    if "#" not in ref:
+        raise DocsError(f"{md_file}: table marker {ref!r} must be <file>.json#<table name>")
+    rel, name = ref.split("#", 1)
+    path = docs / rel
+    if not path.is_file():
+        valid = sorted(p.relative_to(docs).as_posix() for p in docs.glob("**/*.json"))
+        raise DocsError(f"{md_file}: result file {rel!r} (in marker {ref!r}) does not exist under {docs}; "
+                        f"valid choices: {', '.join(valid) or '(none)'}")
+    tables = tables_of(path)
+    if name not in tables:
+        raise DocsError(f"{md_file}: table {name!r} (in marker {ref!r}) is not in {rel}; "
+                        f"valid choices: {', '.join(sorted(tables)) or '(none)'}")
+    t = tables[name]
+    return markdown_table(t["columns"], t["rows"]) + f"\n\n<sub>Data: [{rel}]({_rel(path, md_file)})</sub>\n"
+
+
+# --- the leaderboard -------------------------------------------------------------------------------------------------
+
+def leaderboard_entries(docs: Path) -> list[dict]:
+    """Every result file's leaderboard entries, each with its file and date."""
+    out = []
+    for path in sorted(docs.glob("**/*.json")):
+        try:
+            data = json.loads(path.read_text())
+        except json.JSONDecodeError as e:
+            raise DocsError(f"{path}: not JSON ({e})") from e
+        if not isinstance(data, dict):
+            continue
+        for i, e in enumerate(data.get("leaderboard") or []):
+            missing = [k for k in LEADERBOARD_KEYS if k not in e]
+            if missing:
+                raise DocsError(f"{path}: leaderboard entry {i} lacks {', '.join(missing)}")
+            if e["host_class"] not in HOST_CLASSES:
+                raise DocsError(f"{path}: leaderboard entry {i}: host_class {e['host_class']!r}; "
+                                f"valid choices: {', '.join(HOST_CLASSES)}")
+            out.append({**e, "file": path, "date": e.get("date") or data.get("date") or ""})
+    return out
+
+
+def best_entries(entries: list[dict]) -> dict[tuple[str, str], dict]:
+    """Per (method, host class): the highest speedup; ties go to the newest date."""
+    best: dict[tuple[str, str], dict] = {}
+    for e in entries:
+        key = (e["method"], e["host_class"])
+        if key not in best or (e["speedup"], e["date"]) > (best[key]["speedup"], best[key]["date"]):
+            best[key] = e
+    return best
+
+
+def _num(x, fmt: str) -> str:
+    return "–" if x is None else format(x, fmt)
+
+
+def leaderboard_cell(e: dict, md_file: Path) -> str:
+    mode = "" if e["host_class"] == "cpu-fp32" else f"{e['mode']}, "
+    return (f"{e['speedup']:.2f}× ({mode}{e['dataset']}; EM {_num(e['exact_match_rate'], '.2f')}, "
+            f"{_num(e['tokens_per_forward'], '.2f')} tok/fwd) [↗]({_rel(e['file'], md_file)})")
+
+
+def render_leaderboard(md_file: Path, docs: Path) -> str:
+    best = best_entries(leaderboard_entries(docs))
+    methods = sorted({m for m, _ in best}, key=lambda m: (METHOD_ORDER.index(m) if m in METHOD_ORDER else 99, m))
+    rows = [[f"`{m}`", *(leaderboard_cell(best[(m, h)], md_file) if (m, h) in best else "—" for h in HOST_CLASSES)]
+            for m in methods]
+    return markdown_table(["method", *HOST_CLASSES.values()], rows) + "\n"
+
+
+# --- files -------------------------------------------------------------------------------------------------------------
+
+def markdown_files(root: Path) -> list[Path]:
+    files = [root / "README.md"] if (root / "README.md").is_file() else []
+    return files + sorted((root / "docs").glob("**/*.md"))
+
+
+def blocks(md_file: Path, root: Path) -> list[Block]:
+    docs = root / "docs"
+    text = md_file.read_text()
+    name = md_file.relative_to(root).as_posix()
+    out = [Block(md_file, f"{name}: table {m['ref']}", m["body"], render_table(m["ref"], md_file, docs))
+           for m in TABLE.finditer(text)]
+    out += [Block(md_file, f"{name}: leaderboard", m["body"], render_leaderboard(md_file, docs))
+            for m in LEADER.finditer(text)]
+    return out
+
+
+def rewrite(md_file: Path, root: Path) -> bool:
+    """Rewrite md_file's marked blocks; True when it changed."""
+    docs = root / "docs"
+    text = md_file.read_text()
+    new = TABLE.sub(lambda m: m[1] + render_table(m["ref"], md_file, docs) + m[4], text)
+    new = LEADER.sub(lambda m: m[1] + render_leaderboard(md_file, docs) + m[3], new)
+    if new != text:
+        md_file.write_text(new)
+    return new != text
+
+
+def check(root: Path = REPO) -> list[str]:
+    """The labels of every marked block under root whose text differs from what its result file renders."""
+    return [b.label for f in markdown_files(root) for b in blocks(f, root) if b.old != b.new]
+
+
+def main(argv: list[str] | None = None, prog: str | None = None) -> int:
+    ap = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0])
+    ap.add_argument("--check", action="store_true", help="write nothing; exit 1 naming each block that differs")
+    ap.add_argument("--root", type=Path, default=REPO, help="the repository root (README.md, docs/); default: %(default)s")
+    a = ap.parse_args(argv)
+    if not (a.root / "docs").is_dir():
+        ap.error(f"--root {a.root}: no docs/ directory there")
+    try:
+        if a.check:
+            stale = check(a.root)
+            for label in stale:
+                print(f"differs from its result file: {label}", file=sys.stderr)
+            if stale:
+                print(f"{len(stale)} block(s) out of date: run 'python -m pardec.report docs'", file=sys.stderr)
+                return 1
+            print("every marked block matches its result file")
+            return 0
+        changed = [f for f in markdown_files(a.root) if rewrite(f, a.root)]
+    except DocsError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    for f in changed:
+        print(f"rewrote {f.relative_to(a.root)}")
+    return 0

@@ -1,0 +1,100 @@
+"""pardec.report docs: the committed pages match their result files; the renderer on made-up data."""
+
+import json
+from pathlib import Path
+
+import pytest
+
+from pardec.report import docs
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def test_committed_pages_match_their_result_files():
+    assert docs.check(REPO) == []
+
+
+def _repo(tmp_path: Path, value: str = "1.50×") -> Path:
+    (tmp_path / "docs" / "results").mkdir(parents=True)
+    result = {"title": "t", "date": "2026-11-20", "transcribed": True,
+              "tables": {"speed": {"columns": ["method", "× ar"], "rows": [["pld", value]]}},
+              "leaderboard": [
+                  {"method": "pld", "host_class": "cpu-fp32", "mode": "fp32", "dataset": "GSM8K", "speedup": 1.5,
+                   "exact_match_rate": 1.0, "tokens_per_forward": 2.4, "host": "a"},
+                  {"method": "pld", "host_class": "cpu-fp32", "mode": "fp32", "dataset": "HumanEval", "speedup": 1.2,
+                   "exact_match_rate": 1.0, "tokens_per_forward": 2.0, "host": "a"}]}
+    newer = {"date": "2026-11-25", "leaderboard": [
+        {"method": "pld", "host_class": "cpu-fp32", "mode": "fp32", "dataset": "CNN/DM", "speedup": 1.5,
+         "exact_match_rate": None, "tokens_per_forward": None, "host": "b"},
+        {"method": "pld", "host_class": "gpu", "mode": "cudagraph bf16", "dataset": "GSM8K", "speedup": 2.0,
+         "exact_match_rate": 0.4, "tokens_per_forward": 2.3, "host": "H200"}]}
+    (tmp_path / "docs" / "results" / "a.json").write_text(json.dumps(result))
+    (tmp_path / "docs" / "results" / "b.json").write_text(json.dumps(newer))
+    (tmp_path / "README.md").write_text("# x\n\n<!-- leaderboard -->\nold\n<!-- /leaderboard -->\n")
+    (tmp_path / "docs" / "page.md").write_text("text\n<!-- table: results/a.json#speed -->\nstale\n<!-- /table -->\nend\n")
+    return tmp_path
+
+
+def test_a_block_is_rewritten_and_then_checks_clean(tmp_path, capsys):
+    root = _repo(tmp_path)
+    assert docs.main(["--root", str(root), "--check"]) == 1
+    assert docs.main(["--root", str(root)]) == 0
+    page = (root / "docs" / "page.md").read_text()
+    assert "| pld | 1.50× |" in page and "stale" not in page
+    assert page.startswith("text\n<!-- table: results/a.json#speed -->\n") and page.endswith("<!-- /table -->\nend\n")
+    assert "[results/a.json](results/a.json)" in page
+    assert docs.main(["--root", str(root), "--check"]) == 0
+
+
+def test_check_names_the_block_whose_number_drifted(tmp_path, capsys):
+    root = _repo(tmp_path)
+    docs.main(["--root", str(root)])
+    (root / "docs" / "page.md").write_text((root / "docs" / "page.md").read_text().replace("1.50×", "1.51×"))
+    before = (root / "docs" / "page.md").read_text()
+    assert docs.main(["--root", str(root), "--check"]) == 1
+    err = capsys.readouterr().err
+    assert "docs/page.md: table results/a.json#speed" in err and "README.md" not in err
+    assert (root / "docs" / "page.md").read_text() == before  # --check writes nothing
+
+
+@pytest.mark.parametrize("marker, needle, choices", [
+    ("results/missing.json#speed", "'results/missing.json'", "results/a.json, results/b.json"),
+    ("results/a.json#nope", "'nope'", "valid choices: speed"),
+])
+def test_a_bad_marker_is_refused_naming_the_value_and_the_choices(tmp_path, capsys, marker, needle, choices):
+    root = _repo(tmp_path)
+    (root / "docs" / "page.md").write_text(f"<!-- table: {marker} -->\n<!-- /table -->\n")
+    with pytest.raises(docs.DocsError) as e:
+        docs.check(root)
+    assert needle in str(e.value) and choices in str(e.value)
+    assert docs.main(["--root", str(root)]) == 2
+    assert needle in capsys.readouterr().err
+
+
+def test_the_leaderboard_picks_the_best_entry_per_host_class(tmp_path):
+    root = _repo(tmp_path)
+    docs.main(["--root", str(root)])
+    board = (root / "README.md").read_text()
+    row = next(line for line in board.splitlines() if line.startswith("| `pld`"))
+    cells = [c.strip() for c in row.strip("|").split(" | ")]
+    assert cells[1] == "1.50× (CNN/DM; EM –, – tok/fwd) [↗](docs/results/b.json)"  # a tie: the newer date wins
+    assert cells[2] == "—"
+    assert cells[3].startswith("2.00× (cudagraph bf16, GSM8K; EM 0.40, 2.30 tok/fwd)")
+
+
+def test_a_bad_host_class_is_refused(tmp_path):
+    root = _repo(tmp_path)
+    bad = {"leaderboard": [{"method": "pld", "host_class": "tpu", "mode": "x", "dataset": "d", "speedup": 1.0,
+                            "exact_match_rate": None, "tokens_per_forward": None, "host": "h"}]}
+    (root / "docs" / "results" / "c.json").write_text(json.dumps(bad))
+    with pytest.raises(docs.DocsError, match="'tpu'.*cpu-fp32, cpu-fast, gpu"):
+        docs.check(root)
+
+
+def test_bad_arguments_are_refused_by_name(tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        docs.main(["--chek"])
+    assert "--chek" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        docs.main(["--root", str(tmp_path)])
+    assert "--root" in capsys.readouterr().err
