@@ -61,12 +61,14 @@ def fit_eagle3(model, sequences: list[list[int]], steps: int = 80, unroll: int =
     return d.eval()
 
 
-def fit_dflash(model, sequences: list[list[int]], steps: int = 120, lr: float = 3e-3, seed: int = 0,
+def fit_dflash(model, sequences: list[list[int]], steps: int = 30, lr: float = 1e-2, seed: int = 0,
                prompt_len: int = 1, **options):
     """A DFlash drafter for ``model`` (2 layers, blocks of 4 unless ``options`` say otherwise) fitted with Adam in
     seconds by :func:`pardec.training.heads.dflash.block_terms` (CE, the paper's decay) on the tokens of
     ``sequences`` after their first ``prompt_len`` (every position an anchor), which are the target's own
-    continuations: its drafts are often right on those contexts and rarely elsewhere."""
+    continuations: its drafts are often right on those contexts and rarely elsewhere. (30 steps at lr 1e-2 accept
+    as deep on the tiny models as 120 at 3e-3, in a quarter of the time: every step's CE spans the whole
+    vocabulary.)"""
     from pardec.models.cached import CachedModel
     from pardec.models.heads import new_drafter
     from pardec.training.heads.dflash import anchor_candidates, block_terms
