@@ -98,3 +98,28 @@ def test_bad_arguments_are_refused_by_name(tmp_path, capsys):
     with pytest.raises(SystemExit):
         docs.main(["--root", str(tmp_path)])
     assert "--root" in capsys.readouterr().err
+
+
+def test_the_leaderboard_prefers_exact_entries_and_names_a_faster_inexact_one(tmp_path):
+    root = _repo(tmp_path)
+    fast = {"date": "2026-11-26", "leaderboard": [
+        {"method": "pld", "host_class": "cpu-fast", "mode": "int8", "dataset": "GSM8K", "speedup": 2.1,
+         "exact_match_rate": 0.0, "tokens_per_forward": 3.2, "host": "c"},
+        {"method": "pld", "host_class": "cpu-fast", "mode": "int8 invariant", "dataset": "GSM8K", "speedup": 1.8,
+         "exact_match_rate": 1.0, "tokens_per_forward": 3.0, "host": "c"},
+        {"method": "pld", "host_class": "gpu", "mode": "cudagraph fp32", "dataset": "GSM8K", "speedup": 1.1,
+         "exact_match_rate": 1.0, "tokens_per_forward": 2.3, "host": "H200"}]}
+    (root / "docs" / "results" / "c.json").write_text(json.dumps(fast))
+    docs.main(["--root", str(root)])
+    row = next(line for line in (root / "README.md").read_text().splitlines() if line.startswith("| `pld`"))
+    cells = [c.strip() for c in row.strip("|").split(" | ")]
+    assert cells[2] == ("1.80× (int8 invariant, GSM8K; EM 1.00, 3.00 tok/fwd) [↗](docs/results/c.json); "
+                        "not exact: 2.10× (int8, EM 0.00) [↗](docs/results/c.json)")
+    assert cells[3].startswith("1.10× (cudagraph fp32, GSM8K; EM 1.00") and "not exact: 2.00×" in cells[3]
+    # with no exact entry, the fastest is shown alone
+    only = {"leaderboard": [fast["leaderboard"][0]]}
+    (root / "docs" / "results" / "c.json").write_text(json.dumps(only))
+    docs.main(["--root", str(root)])
+    row = next(line for line in (root / "README.md").read_text().splitlines() if line.startswith("| `pld`"))
+    assert [c.strip() for c in row.strip("|").split(" | ")][2] == \
+        "2.10× (int8, GSM8K; EM 0.00, 3.18 tok/fwd) [↗](docs/results/c.json)".replace("3.18", "3.20")

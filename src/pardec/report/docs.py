@@ -11,7 +11,9 @@ A markdown file marks a generated block with a pair of comments; what lies betwe
   (:data:`RENDERERS`, keyed by the file's name).
 * ``<!-- leaderboard -->`` ... ``<!-- /leaderboard -->``: one row per method, a column per host class (CPU fp32, CPU
   fastest mode, GPU), each cell the entry with the highest speedup against ``ar`` among every result file's
-  ``"leaderboard"`` list (ties: the newest date), linked to its file; "—" where none was measured.
+  ``"leaderboard"`` list whose outputs equalled ``ar``'s (exact-match rate 1, or not counted: lossy methods; all
+  entries when none did; ties: the newest date), linked to its file, followed by a faster entry that was not exact
+  where there is one; "—" where none was measured.
 
 A leaderboard entry: ``{"method", "host_class": "cpu-fp32" | "cpu-fast" | "gpu", "mode", "dataset", "speedup",
 "exact_match_rate", "tokens_per_forward", "host"}`` (``exact_match_rate`` and ``tokens_per_forward`` may be null).
@@ -118,12 +120,19 @@ def leaderboard_entries(docs: Path) -> list[dict]:
     return out
 
 
-def best_entries(entries: list[dict]) -> dict[tuple[str, str], dict]:
-    """Per (method, host class): the highest speedup; ties go to the newest date."""
+def _exact(e: dict) -> bool:
+    """Whether an entry's outputs equalled ``ar``'s (or the run did not count them: lossy methods)."""
+    return e["exact_match_rate"] is None or e["exact_match_rate"] >= 0.999
+
+
+def best_entries(entries: list[dict], exact_only: bool = True) -> dict[tuple[str, str], dict]:
+    """Per (method, host class): the highest speedup (ties: the newest date); with ``exact_only``, among the entries
+    whose outputs equalled ``ar``'s (or were not counted), falling back to all when none did."""
     best: dict[tuple[str, str], dict] = {}
     for e in entries:
         key = (e["method"], e["host_class"])
-        if key not in best or (e["speedup"], e["date"]) > (best[key]["speedup"], best[key]["date"]):
+        rank = ((_exact(e) or not exact_only), e["speedup"], e["date"])
+        if key not in best or rank > ((_exact(best[key]) or not exact_only), best[key]["speedup"], best[key]["date"]):
             best[key] = e
     return best
 
@@ -132,17 +141,23 @@ def _num(x, fmt: str) -> str:
     return "–" if x is None else format(x, fmt)
 
 
-def leaderboard_cell(e: dict, md_file: Path) -> str:
+def leaderboard_cell(e: dict, md_file: Path, faster: dict | None = None) -> str:
+    """An entry as a cell; ``faster``: a faster entry whose outputs left ``ar``'s, named after it."""
     mode = "" if e["host_class"] == "cpu-fp32" else f"{e['mode']}, "
-    return (f"{e['speedup']:.2f}× ({mode}{e['dataset']}; EM {_num(e['exact_match_rate'], '.2f')}, "
+    cell = (f"{e['speedup']:.2f}× ({mode}{e['dataset']}; EM {_num(e['exact_match_rate'], '.2f')}, "
             f"{_num(e['tokens_per_forward'], '.2f')} tok/fwd) [↗]({_rel(e['file'], md_file)})")
+    if faster is not None and faster is not e and faster["speedup"] > e["speedup"]:
+        cell += (f"; not exact: {faster['speedup']:.2f}× ({faster['mode']}, EM "
+                 f"{_num(faster['exact_match_rate'], '.2f')}) [↗]({_rel(faster['file'], md_file)})")
+    return cell
 
 
 def render_leaderboard(md_file: Path, docs: Path) -> str:
-    best = best_entries(leaderboard_entries(docs))
+    entries = leaderboard_entries(docs)
+    best, fastest = best_entries(entries), best_entries(entries, exact_only=False)
     methods = sorted({m for m, _ in best}, key=lambda m: (METHOD_ORDER.index(m) if m in METHOD_ORDER else 99, m))
-    rows = [[f"`{m}`", *(leaderboard_cell(best[(m, h)], md_file) if (m, h) in best else "—" for h in HOST_CLASSES)]
-            for m in methods]
+    rows = [[f"`{m}`", *(leaderboard_cell(best[(m, h)], md_file, fastest[(m, h)]) if (m, h) in best else "—"
+                         for h in HOST_CLASSES)] for m in methods]
     return markdown_table(["method", *HOST_CLASSES.values()], rows) + "\n"
 
 
