@@ -8,25 +8,14 @@
 * ``extras`` (:mod:`pardec.report.extras`): method extras per role (block efficiency, pool hits, ...);
 * ``docs`` (:mod:`pardec.report.docs`): the tables of README.md and docs/, generated from docs/results/ (``--check``).
 
-Every report reads a run's ``summary.json`` through :func:`pardec.evaluation.tables.comparison_rows`.
+Every report reads a run's ``summary.json`` through :func:`pardec.evaluation.tables.comparison_rows`. The names of
+:mod:`pardec.report.runs` below are loaded on first use, so ``--help`` and ``docs`` start without torch.
 """
 
-from pardec.report.runs import (
-    MISSING,
-    Cell,
-    ReportWarning,
-    Row,
-    bench_table,
-    build_table,
-    load_runs,
-    log_history,
-    main,
-    method_entries,
-    read_results,
-    render_markdown,
-    save_figure,
-    write_report,
-)
+import importlib
+
+_RUNS = ("MISSING", "Cell", "ReportWarning", "Row", "bench_table", "build_table", "load_runs", "log_history", "main",
+         "method_entries", "read_results", "render_markdown", "save_figure", "write_report")
 
 COMMANDS = {
     "runs": ("runs", "evaluation run dirs -> report.md, report.csv and plots (Spec-Bench style)"),
@@ -41,3 +30,9 @@ COMMANDS = {
 __all__ = ["COMMANDS", "MISSING", "Cell", "ReportWarning", "Row", "bench_table", "build_table", "load_runs",
            "log_history", "main", "method_entries", "read_results", "render_markdown", "save_figure",
            "write_report"]
+
+
+def __getattr__(name: str):
+    if name in _RUNS:
+        return getattr(importlib.import_module("pardec.report.runs"), name)
+    raise AttributeError(f"module 'pardec.report' has no attribute {name!r}")
