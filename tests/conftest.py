@@ -4,12 +4,30 @@ from __future__ import annotations
 
 import functools
 import os
+import shutil
+import tempfile
 
 import pytest
 import torch
 
 from pardec.config import ModelConfig
 from pardec.models.loading import LoadedModel, load_model
+
+
+def pytest_configure(config):
+    """The run's shared directory (tests/shared.py), made by the controlling process before its workers start (they
+    inherit the variable); a worker, or a run that was given one, keeps it."""
+    from tests.shared import ENV
+
+    if not hasattr(config, "workerinput") and not os.environ.get(ENV):
+        os.environ[ENV] = tempfile.mkdtemp(prefix="pardec-tests-")
+        config._pardec_shared = os.environ[ENV]
+
+
+def pytest_unconfigure(config):
+    shared = getattr(config, "_pardec_shared", None)
+    if shared:
+        shutil.rmtree(shared, ignore_errors=True)
 
 
 @functools.cache

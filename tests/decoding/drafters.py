@@ -5,6 +5,7 @@ often right on those contexts and rarely elsewhere; likewise a DFlash drafter (:
 
 from __future__ import annotations
 
+import functools
 import tempfile
 from pathlib import Path
 
@@ -12,6 +13,7 @@ import torch
 
 from pardec.decoding.tree_search import save_tree
 from pardec.models.heads import new_drafter, save_drafter
+from tests.shared import fingerprint, once
 
 TREE_T = [[0], [1], [0, 0], [0, 1], [1, 0], [0, 0, 0]]
 KEYS = {"medusa": "heads", "medusa_typical": "heads", "firp": "projections", "eagle": "path", "dflash": "path"}
@@ -121,28 +123,38 @@ def _eagle_sequences(model) -> list[list[int]]:
 
 
 def drafter_dir(model, kind: str, k: int = 3, seed: int = 0) -> Path:
-    """A drafter of ``kind`` (medusa | firp | eagle3 | dflash) for ``model``, saved once per model."""
+    """A drafter of ``kind`` (medusa | firp | eagle3 | dflash) for ``model``, saved once per test run for a float model
+    (tests/shared.py: every worker reads the first one's), once per process otherwise."""
     key = (id(model), kind)
-    if key not in _MADE and kind in ("eagle3", "dflash"):
-        fit = fit_eagle3 if kind == "eagle3" else fit_dflash
-        _MADE[key] = save_drafter(fit(model, _eagle_sequences(model), seed=seed),
-                                  _ROOT / f"{kind}-{len(_MADE)}", model.config, "tiny")
     if key not in _MADE:
-        cfg = model.config
-        n = cfg.num_hidden_layers
-        if kind == "medusa":
-            d = new_drafter("medusa", cfg, num_heads=k, lm_head=model.lm_head)
+        digest = fingerprint(model)
+        make = functools.partial(_make_drafter, model, kind, k, seed)
+        if digest is None:
+            _MADE[key] = _ROOT / f"{kind}-{len(_MADE)}"
+            make(_MADE[key])
         else:
-            d = new_drafter("firp", cfg, layers=sorted(min(n - 1, i * n // (k + 1)) for i in range(1, k + 1)))
-        g = torch.Generator().manual_seed(seed)
-        with torch.no_grad():
-            for p in d.parameters():
-                if p.dim() == 2 and p.shape[0] == p.shape[1]:
-                    p.add_(torch.randn(p.shape, generator=g) * 0.05)
-        out = save_drafter(d, _ROOT / f"{kind}-{len(_MADE)}", cfg, "tiny")
-        save_tree(out / "trees" / "T.json", "T", TREE_T)
-        _MADE[key] = out
+            _MADE[key] = once(f"drafter-{kind}-k{k}-s{seed}-{digest}", make)
     return _MADE[key]
+
+
+def _make_drafter(model, kind: str, k: int, seed: int, out: Path) -> None:
+    if kind in ("eagle3", "dflash"):
+        fit = fit_eagle3 if kind == "eagle3" else fit_dflash
+        save_drafter(fit(model, _eagle_sequences(model), seed=seed), out, model.config, "tiny")
+        return
+    cfg = model.config
+    n = cfg.num_hidden_layers
+    if kind == "medusa":
+        d = new_drafter("medusa", cfg, num_heads=k, lm_head=model.lm_head)
+    else:
+        d = new_drafter("firp", cfg, layers=sorted(min(n - 1, i * n // (k + 1)) for i in range(1, k + 1)))
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in d.parameters():
+            if p.dim() == 2 and p.shape[0] == p.shape[1]:
+                p.add_(torch.randn(p.shape, generator=g) * 0.05)
+    save_drafter(d, out, cfg, "tiny")
+    save_tree(out / "trees" / "T.json", "T", TREE_T)
 
 
 def drafter_params(method: str, model, tree: str = "T") -> dict:

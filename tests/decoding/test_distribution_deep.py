@@ -85,6 +85,7 @@ from pardec.models.cached import CachedModel
 from pardec.models.heads import save_drafter
 from tests.decoding.drafters import drafter_params, fit_dflash, fit_eagle3
 from tests.decoding.test_distribution import DISTRIBUTION, SETTINGS, V, tiny_vocab
+from tests.shared import once
 from tests.stats import chi_square_p
 
 T = 5  # new tokens (LENGTH: per case)
@@ -162,18 +163,19 @@ def eagle_deep() -> str:
     """An EAGLE-3 drafter fitted to 48 of the target's own samples of 8 tokens after PROMPT (temperature 1):
     its drafts are often, not always, right there. Drafts depend only on the committed tokens (tree: the top-k of
     deterministic draft distributions; chain: samples of the recorded q), as exactness needs."""
-    model, ids = tiny_vocab(0), target_samples()
-    drafter = fit_eagle3(model, ids.tolist(), steps=150)
-    return str(save_drafter(drafter, Path(tempfile.mkdtemp(prefix="pardec-deep-")) / "eagle3", model.config, "v16"))
+    model = tiny_vocab(0)
+    return str(once("deep-eagle3", lambda d: save_drafter(fit_eagle3(model, target_samples().tolist(), steps=150), d,
+                                                          model.config, "v16")))
 
 
 @functools.cache
 def dflash_deep() -> str:
     """A DFlash drafter (blocks of 4) fitted to the same 48 samples as :func:`eagle_deep`: its block's slots are
     often, not always, right after PROMPT. Its drafts are samples of the recorded per-slot q."""
-    model, ids = tiny_vocab(0), target_samples()
-    drafter = fit_dflash(model, ids.tolist(), steps=150, prompt_len=len(PROMPT) - 2)
-    return str(save_drafter(drafter, Path(tempfile.mkdtemp(prefix="pardec-deep-")) / "dflash", model.config, "v16"))
+    model = tiny_vocab(0)
+    return str(once("deep-dflash", lambda d: save_drafter(
+        fit_dflash(model, target_samples().tolist(), steps=150, lr=3e-3, prompt_len=len(PROMPT) - 2), d, model.config,
+        "v16")))
 
 
 @functools.cache
@@ -191,7 +193,13 @@ def oracle(committed: list[int], depth: int) -> torch.Tensor:
 def exact_joints(setting: str, length: int, groups: tuple[tuple[int, ...], ...]) -> dict[tuple, torch.Tensor]:
     """P(t_i, t_j, t_k | PROMPT) under ``SETTINGS[setting]`` for each group (1-based positions), as a flat
     [V ** len(group)] tensor: every prefix of ``length`` tokens with probability >= FLOOR enumerated (batched
-    forwards), then summed."""
+    forwards), then summed. Computed once per test run (tests/shared.py: 7 tokens at temperature 1 take ~15 s)."""
+    key = f"joints-{setting}-{length}-" + "_".join("".join(map(str, g)) for g in groups)
+    path = once(key, lambda d: torch.save(_exact_joints(setting, length, groups), d / "joints.pt")) / "joints.pt"
+    return torch.load(path)
+
+
+def _exact_joints(setting: str, length: int, groups: tuple[tuple[int, ...], ...]) -> dict[tuple, torch.Tensor]:
     model, s = tiny_vocab(0), SETTINGS[setting]
     with torch.no_grad():
         joint = torch.ones(1, dtype=torch.float64)
