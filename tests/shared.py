@@ -48,12 +48,13 @@ def once(key: str, make: Callable[[Path], None]) -> Path:
 
 
 def fingerprint(model: torch.nn.Module) -> str | None:
-    """A digest of a float model's config, parameter and buffer names, shapes and values: equal for two loads of the
-    same tiny model in different workers. None for a model with replaced (e.g. int8) modules, whose weights are not
-    all parameters: those are not shared."""
-    if any("quant" in type(m).__module__ for m in model.modules()):
+    """A digest of a model's config, module types, parameter and buffer names, shapes and values: equal for two loads
+    of the same tiny model in different workers (pardec's int8 linears keep their weights in buffers). None for a
+    model with torch.ao modules, whose packed weights are neither: those are not shared."""
+    if any(type(m).__module__.startswith("torch.ao") for m in model.modules()):
         return None
     h = hashlib.sha256(model.config.to_json_string(use_diff=False).encode())
+    h.update(" ".join(f"{n}:{type(m).__module__}.{type(m).__qualname__}" for n, m in model.named_modules()).encode())
     for name, t in [*model.named_parameters(), *model.named_buffers()]:
         h.update(f"{name}:{tuple(t.shape)}:{t.dtype}".encode())
         h.update(t.detach().cpu().reshape(-1).contiguous().view(torch.uint8).numpy().tobytes())
