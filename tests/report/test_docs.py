@@ -123,3 +123,21 @@ def test_the_leaderboard_prefers_exact_entries_and_names_a_faster_inexact_one(tm
     row = next(line for line in (root / "README.md").read_text().splitlines() if line.startswith("| `pld`"))
     assert [c.strip() for c in row.strip("|").split(" | ")][2] == \
         "2.10× (int8, GSM8K; EM 0.00, 3.18 tok/fwd) [↗](docs/results/c.json)".replace("3.18", "3.20")
+
+
+def test_a_config_block_quotes_its_file_whole_and_a_missing_one_is_refused(tmp_path):
+    root = _repo(tmp_path)
+    (root / "conf" / "method").mkdir(parents=True)
+    (root / "conf" / "method" / "pld.yaml").write_text("# pld (Saxena 2023)\nname: pld\nnum_pred: 10\n")
+    docs.main(["--root", str(root)])  # (the README's leaderboard)
+    (root / "docs" / "page.md").write_text("x\n<!-- config: conf/method/pld.yaml -->\nold copy\n<!-- /config -->\n")
+    assert docs.check(root) == ["docs/page.md: config conf/method/pld.yaml"]
+    docs.main(["--root", str(root)])
+    assert (root / "docs" / "page.md").read_text() == (
+        "x\n<!-- config: conf/method/pld.yaml -->\n```yaml\n# conf/method/pld.yaml\n# pld (Saxena 2023)\nname: pld\n"
+        "num_pred: 10\n```\n<!-- /config -->\n")
+    (root / "conf" / "method" / "pld.yaml").write_text("name: pld\nnum_pred: 12\n")  # the config changed
+    assert docs.check(root) == ["docs/page.md: config conf/method/pld.yaml"]
+    (root / "docs" / "page.md").write_text("<!-- config: conf/method/pdl.yaml -->\n<!-- /config -->\n")
+    with pytest.raises(docs.DocsError, match="'conf/method/pdl.yaml'.*valid choices: conf/method/pld.yaml"):
+        docs.check(root)

@@ -9,6 +9,8 @@ A markdown file marks a generated block with a pair of comments; what lies betwe
   (the path is relative to ``docs/``). A file's tables are its ``"tables"`` key (``{"<name>": {"columns": [...],
   "rows": [[cell, ...], ...]}}``, cells as strings), or a table a render function makes from its structured fields
   (:data:`RENDERERS`, keyed by the file's name).
+* ``<!-- config: conf/<group>/<name>.yaml -->`` ... ``<!-- /config -->``: that config file, whole, as a yaml block (a
+  page quotes a method's defaults and their citations without a copy that could drift from the file);
 * ``<!-- leaderboard -->`` ... ``<!-- /leaderboard -->``: one row per method, a column per host class (CPU fp32, CPU
   fastest mode, GPU), each cell the entry with the highest speedup against ``ar`` among every result file's
   ``"leaderboard"`` list whose outputs equalled ``ar``'s (exact-match rate 1, or not counted: lossy methods; all
@@ -41,6 +43,7 @@ LEADERBOARD_KEYS = ("method", "host_class", "mode", "dataset", "speedup", "exact
                     "host")
 
 TABLE = re.compile(r"(<!-- table: (?P<ref>[^ ]+) -->\n)(?P<body>.*?)(<!-- /table -->)", re.S)
+CONFIG = re.compile(r"(<!-- config: (?P<path>[^ ]+) -->\n)(?P<body>.*?)(<!-- /config -->)", re.S)
 LEADER = re.compile(r"(<!-- leaderboard -->\n)(?P<body>.*?)(<!-- /leaderboard -->)", re.S)
 
 
@@ -95,6 +98,16 @@ def render_table(ref: str, md_file: Path, docs: Path) -> str:
                         f"valid choices: {', '.join(sorted(tables)) or '(none)'}")
     t = tables[name]
     return markdown_table(t["columns"], t["rows"]) + f"\n\n<sub>Data: [{rel}]({_rel(path, md_file)})</sub>\n"
+
+
+def render_config(rel: str, md_file: Path, root: Path) -> str:
+    path = root / rel
+    if not path.is_file():
+        folder = path.parent
+        valid = sorted(p.relative_to(root).as_posix() for p in folder.glob("*.yaml")) if folder.is_dir() else []
+        raise DocsError(f"{md_file}: config file {rel!r} does not exist under {root}; "
+                        f"valid choices: {', '.join(valid) or '(none in ' + folder.as_posix() + ')'}")
+    return f"```yaml\n# {rel}\n{path.read_text().rstrip()}\n```\n"
 
 
 # --- the leaderboard -------------------------------------------------------------------------------------------------
@@ -174,6 +187,8 @@ def blocks(md_file: Path, root: Path) -> list[Block]:
     name = md_file.relative_to(root).as_posix()
     out = [Block(md_file, f"{name}: table {m['ref']}", m["body"], render_table(m["ref"], md_file, docs))
            for m in TABLE.finditer(text)]
+    out += [Block(md_file, f"{name}: config {m['path']}", m["body"], render_config(m["path"], md_file, root))
+            for m in CONFIG.finditer(text)]
     out += [Block(md_file, f"{name}: leaderboard", m["body"], render_leaderboard(md_file, docs))
             for m in LEADER.finditer(text)]
     return out
@@ -184,6 +199,7 @@ def rewrite(md_file: Path, root: Path) -> bool:
     docs = root / "docs"
     text = md_file.read_text()
     new = TABLE.sub(lambda m: m[1] + render_table(m["ref"], md_file, docs) + m[4], text)
+    new = CONFIG.sub(lambda m: m[1] + render_config(m["path"], md_file, root) + m[4], new)
     new = LEADER.sub(lambda m: m[1] + render_leaderboard(md_file, docs) + m[3], new)
     if new != text:
         md_file.write_text(new)
