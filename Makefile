@@ -37,10 +37,10 @@ demo: setup  ## pld (+ sps with the distilled draft if trained) vs ar and HF gen
 # two pytest-xdist workers, one torch thread each (tests/conftest.py): tiny models are overhead-bound, so two
 # processes finish ~1.8x sooner than one process with two threads
 PYTEST := $(BIN)/python -m pytest -q -n 2 --dist worksteal --durations=15
-test: setup  ## every test (CPU, offline, 16-20 min on 2 cores)
+test: setup  ## every test (CPU, offline; 16 min on a 2-core Xeon with .venv set up, 2026-11-28)
 	$(PYTEST) $(PYTEST_ARGS)
 
-test-fast: setup  ## the fast tier for iteration: every test not marked slow (~7 min on 2 cores)
+test-fast: setup  ## the fast tier for iteration: every test not marked slow (~6-7 min on 2 cores)
 	$(PYTEST) -m "not slow" $(PYTEST_ARGS)
 
 gpu-smoke: setup  ## on a CUDA machine: every method fp32/bf16 (exactness, tokens/forward, speed vs ar), 2 steps of every kind, 2-GPU sharded evaluate
