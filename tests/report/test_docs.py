@@ -141,3 +141,12 @@ def test_a_config_block_quotes_its_file_whole_and_a_missing_one_is_refused(tmp_p
     (root / "docs" / "page.md").write_text("<!-- config: conf/method/pdl.yaml -->\n<!-- /config -->\n")
     with pytest.raises(docs.DocsError, match="'conf/method/pdl.yaml'.*valid choices: conf/method/pld.yaml"):
         docs.check(root)
+
+
+def test_writing_also_plots_the_cpu_fp32_column(tmp_path):
+    root = _repo(tmp_path)
+    assert docs.main(["--root", str(root), "--no-plot"]) == 0
+    assert not (root / "docs" / "img").exists()
+    assert docs.main(["--root", str(root)]) == 0
+    png = root / "docs" / "img" / "leaderboard_cpu_fp32.png"
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -3,6 +3,9 @@
     python -m pardec.report docs            # rewrite every marked block in README.md and docs/**/*.md
     python -m pardec.report docs --check    # write nothing; exit 1 naming each block that differs
 
+Writing also plots the leaderboard's CPU fp32 column (speed against tokens per forward) into
+``docs/img/leaderboard_cpu_fp32.png`` (``--no-plot``: tables only).
+
 A markdown file marks a generated block with a pair of comments; what lies between them is replaced:
 
 * ``<!-- table: results/<file>.json#<name> -->`` ... ``<!-- /table -->``: the table ``<name>`` of that result file
@@ -174,6 +177,33 @@ def render_leaderboard(md_file: Path, docs: Path) -> str:
     return markdown_table(["method", *HOST_CLASSES.values()], rows) + "\n"
 
 
+def plot_leaderboard(root: Path, out: Path) -> Path:
+    """The CPU fp32 column of the leaderboard as a plot: each method's speed against ``ar`` over its tokens per target
+    forward (methods without a tokens-per-forward figure are left out), written to ``out``."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from pardec.report.runs import save_figure
+
+    best = best_entries(leaderboard_entries(root / "docs"))
+    points = sorted((e["tokens_per_forward"], e["speedup"], m) for (m, h), e in best.items()
+                    if h == "cpu-fp32" and e["tokens_per_forward"] is not None)
+    fig, ax = plt.subplots(figsize=(7, 4.2))
+    ax.axhline(1.0, color="grey", lw=0.8, ls="--")
+    for x, y, m in points:
+        ax.scatter([x], [y], s=18)
+        ax.annotate(m, (x, y), textcoords="offset points", xytext=(4, 3), fontsize=8)
+    ax.set_xlabel("tokens per target forward")
+    ax.set_ylabel("speed against ar (same run)")
+    ax.set_title("Leaderboard, CPU fp32 (2 cores, SmolLM2-135M): each method's fastest exact run, from its own run",
+                 fontsize=9)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    save_figure(fig, out, [ax])
+    return out
+
+
 # --- files -------------------------------------------------------------------------------------------------------------
 
 def markdown_files(root: Path) -> list[Path]:
@@ -214,6 +244,7 @@ def check(root: Path = REPO) -> list[str]:
 def main(argv: list[str] | None = None, prog: str | None = None) -> int:
     ap = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0])
     ap.add_argument("--check", action="store_true", help="write nothing; exit 1 naming each block that differs")
+    ap.add_argument("--no-plot", action="store_true", help="rewrite the tables only, not docs/img/leaderboard_cpu_fp32.png")
     ap.add_argument("--root", type=Path, default=REPO, help="the repository root (README.md, docs/); default: %(default)s")
     a = ap.parse_args(argv)
     if not (a.root / "docs").is_dir():
@@ -229,6 +260,8 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
             print("every marked block matches its result file")
             return 0
         changed = [f for f in markdown_files(a.root) if rewrite(f, a.root)]
+        if not a.no_plot:
+            changed.append(plot_leaderboard(a.root, a.root / "docs" / "img" / "leaderboard_cpu_fp32.png"))
     except DocsError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
