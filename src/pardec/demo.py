@@ -3,7 +3,7 @@ HumanEval problems, 128 new tokens — beside `ar` and transformers' own decoder
 `hf_assisted` when there is a draft), in one compact table.
 
 The method is `pld` (prompt lookup): on the CPUs measured so far it is pardec's fastest decoder on SmolLM2
-(README, "Measured results"). When the distilled draft exists (`python -m train +experiment=draft_smollm2`),
+(the README's leaderboard). When the distilled draft exists (`python -m train +experiment=draft_smollm2`),
 `sps` with it runs beside it (``bench.also``), and so does transformers' assisted generation with the same draft.
 
     python -m pardec.demo [--n 5] [--model smollm2_135m] [--max-new-tokens 128] [extra Hydra overrides ...]

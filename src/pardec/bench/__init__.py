@@ -1,6 +1,6 @@
 """Measuring this machine: ``python -m pardec.bench <subcommand>`` (``--help`` lists them).
 
-* ``speed`` (:mod:`pardec.bench.speed`): the README's speed tables, one ``python -m evaluate`` run per dataset;
+* ``speed`` (:mod:`pardec.bench.speed`): the speed tables (docs/cpu_speed.md), one ``python -m evaluate`` run per dataset;
 * ``cost`` (:mod:`pardec.bench.cost`): this machine's forward-cost table (what verification forwards pad by);
 * ``gpu-smoke`` (:mod:`pardec.bench.gpu_smoke`): does pardec run, exactly, on this machine's GPU (``make gpu-smoke``);
 * ``gpu-speed`` (:mod:`pardec.bench.gpu_speed`): per-step cost of the decoding loop at 1B / 7B shapes, random weights.

@@ -1,4 +1,4 @@
-"""`make bench`: the README's speed table. SmolLM2-135M-Instruct (fp32 by default) on GSM8K test, HumanEval and
+"""`make bench`: the speed table (docs/cpu_speed.md). SmolLM2-135M-Instruct (fp32 by default) on GSM8K test, HumanEval and
 CNN/DM, the first N prompts each, 256 new tokens, greedy: `ar`, `hf` (generate), `hf_assisted` (the distilled
 draft), `hf_pld`, `pld`, `sps` (fixed and adaptive gamma), `lookahead` (a CPU-sized window and the paper's
 default) and `ouroboros` (a CPU-sized window).

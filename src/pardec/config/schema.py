@@ -44,14 +44,14 @@ class ModelConfig:
     chat: bool | None = None  # use the chat template; None = when the tokenizer has one
     cache_dir: str | None = None  # where dequantized GGUF weights are cached (default data/models/<name>)
     adapter: str | None = None  # a peft (LoRA) adapter dir applied on top of the base weights
-    # dtype=int8 (pardec.models.quant.int8; README "int8 that keeps the model's quality"). int8_weights: per_channel | per_tensor
+    # dtype=int8 (pardec.models.quant.int8; docs/cpu_speed.md "int8 that keeps the model's quality"). int8_weights: per_channel | per_tensor
     # (fbgemm's dynamic int8: activations quantized with one scale per forward, weight scales per row | per matrix;
     # nearly flat cost from 1 to 5 rows, the regime where drafting pays) | per_token (fbgemm's integer GEMM with one
     # activation scale per token: batch-invariant) | weight_only (int8 weights, bf16 activations: closest to fp32
     # and fastest at one row, but 2-4 rows cost 1.3x one and 5-8 rows 2.2x). For the schemes that quantize
     # activations: SmoothQuant alpha in (0, 1) (None: off) and the linears (name suffixes) kept fp32. The default,
     # per_token with alpha 0.5 and every linear int8, keeps fp32's perplexity within ~2% (top-1 0.96) and is the
-    # fastest with flat rows (README "Per-token int8"); fbgemm's per_channel needs alpha 0.8 and down_proj in fp32 for
+    # fastest with flat rows (docs/cpu_speed.md "Per-token int8"); fbgemm's per_channel needs alpha 0.8 and down_proj in fp32 for
     # +4% (top-1 0.91-0.93), and without them is far from fp32 (top-1 0.6)
     int8_weights: str = "per_token"
     int8_smooth: float | None = 0.5

@@ -6,7 +6,7 @@ the length with the most expected tokens per ms, as ``sps``'s ``gamma_by_cost`` 
 (:func:`pardec.models.cost.best_draft_length`, the draft costing nothing): the verification's cost of g + 1 rows
 comes from this machine's forward-cost table, the acceptance rate from this generation's rounds. On a CPU, where a
 forward of 11 rows costs 1.3-1.6x one row and prompt lookup accepts ~1.4 of its drafted tokens per round, a shorter
-draft could buy more tokens per second. Measured on a 2-core Zen 4 at int8 it did not (README, "Speculative sampling
+draft could buy more tokens per second. Measured on a 2-core Zen 4 at int8 it did not (docs/cpu_speed.md, "Speculative sampling
 with the per-token target"): lookup drafts are right to their end or wrong from their first token, which the rule's
 geometric acceptance does not model. Exactness is untouched: only the draft's length changes."""
 

@@ -74,7 +74,7 @@ def running_speed(records: list[dict], method_role: str) -> str:
 
 def scorer_dtype(dtype: str) -> str:
     """The dtype perplexity is scored in: the run's, except that int8 runs are scored in fp32 (int8 changes the
-    model; README "int8 that keeps the model's quality")."""
+    model; docs/cpu_speed.md "int8 that keeps the model's quality")."""
     return "fp32" if dtype == "int8" else dtype
 
 

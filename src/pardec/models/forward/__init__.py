@@ -138,8 +138,8 @@ if tuple(FORWARDS.names()) != tuple(sorted(FORWARD_IMPLS)):  # one list of names
 
 def auto(model: nn.Module, cache: str = "preallocated") -> str:
     """``forward_impl=auto``: the fastest exact forward that runs ``model`` where its weights are. On CUDA
-    ``cudagraph`` (7B on an H200: 10.7x ``generate()``, README "On a GPU"; it needs the preallocated cache), else
-    ``lean``; on the CPU ``lean`` (fp32 and int8 ``ar`` 1.10x ``hf``'s on a 2-core EPYC, README "forward_impl=lean";
+    ``cudagraph`` (7B on an H200: 10.7x ``generate()``, docs/gpu.md "On a GPU"; it needs the preallocated cache), else
+    ``lean``; on the CPU ``lean`` (fp32 and int8 ``ar`` 1.10x ``hf``'s on a 2-core EPYC, docs/cpu_speed.md "forward_impl=lean";
     ``compiled``'s fp32 step was no faster than lean's there, 58.3 vs 57.7 ms, and it compiles first). ``hf`` where
     the others cannot run the model (split over several devices, another architecture or attention kernel)."""
     if cache != "preallocated":  # (the lean and compiled forwards are measured and tested on pardec's own cache)

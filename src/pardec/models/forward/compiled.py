@@ -6,7 +6,7 @@ linear layers is ~25 small ops per layer (RMSNorm, rotary, the cache write, the 
 each one kernel call reading and writing its operands (``tools/profile_step.py``: ~14 of SmolLM2's 52 ms per fp32
 step). Compiled as one graph, inductor fuses them into a few loops per layer and the step pays one guard check
 instead of thousands of dispatches. Earlier attempts compiled per layer or per module (``dynamic=True`` over
-growing cache views) and lost what they saved to guards and graph breaks (README, "Where a step's time goes").
+growing cache views) and lost what they saved to guards and graph breaks (docs/cpu_speed.md, "Where a step's time goes").
 
 How the graph stays one graph with fixed shapes: the step attends over each layer's *whole* key/value buffer
 ``[rows, heads, capacity, dim]`` with a mask that admits the cached slots (``begin .. begin + length``), and writes
@@ -29,7 +29,7 @@ linear is registered once and called by its index.
 ``forward_impl=cudagraph`` (CUDA only) goes one step further, as gpt-fast's ``reduce-overhead`` mode does: the
 compiled step is captured once per model, batch size and cache buffer as a CUDA graph (:class:`_Graph`) and
 replayed, so a step costs one launch instead of one per kernel. On a GPU a decode step of a 7B model in eager mode
-is bound by the host's kernel launches, not by the weights' bytes (README, "On a GPU"). Multi-row forwards after a
+is bound by the host's kernel launches, not by the weights' bytes (docs/gpu.md, "On a GPU"). Multi-row forwards after a
 cached prefix (verifications, Jacobi blocks, trees) are padded to a power of two rows (:func:`graph_rows`) and
 replayed the same way from a second compiled function (:func:`rows_step`), hidden-state captures included; prefill
 and forwards whose cache shares its buffers with other caches run the lean forward. The graphs are keyed by the
@@ -315,7 +315,7 @@ MAX_GRAPHED_ROWS = 128
 
 def graph_rows(t: int, limit: int = MAX_GRAPHED_ROWS) -> int:
     """The row count a forward of ``t`` new rows is padded to under ``forward_impl=cudagraph``: the next power of
-    two (one captured graph per count; on a GPU a verification of up to 64 rows costs about one row: README "On a
+    two (one captured graph per count; on a GPU a verification of up to 64 rows costs about one row: docs/gpu.md "On a
     GPU"), or ``t`` itself past :data:`MAX_GRAPHED_ROWS`."""
     return t if t > limit else 1 << (t - 1).bit_length()
 
@@ -327,7 +327,7 @@ def rows_step(model: nn.Module, ids: torch.Tensor, positions: torch.Tensor, mask
     model, row count and cache buffers (one compile serves every row count. On the H200 a graph of the eager ops
     cost 1.5x a graphed compiled one-token step at every row count from 2 to 64: the gap was the fusion, not the
     rows). Without ``graphs`` (``forward_impl=compiled``) the compiled function runs as it is: on a 2-core Zen 4 it
-    cut a fp32 SmolLM2 forward of 4 or 8 new rows by 8-40% against the lean forward (README). ``mask``: the
+    cut a fp32 SmolLM2 forward of 4 or 8 new rows by 8-40% against the lean forward (docs/cpu_speed.md). ``mask``: the
     forward's additive [B, 1, W, length+W] mask. Appends the W positions to the cache and returns the logits
     [B, W, V] (with ``capture``, also the hidden states asked for, [B, W, H]); None (nothing done) when the cache's
     layout does not allow it. ``keep`` (without ``graphs`` only: a graph's shapes are fixed, so it computes every

@@ -5,7 +5,7 @@ not with the same kernels: attention's scores and weighted sums are small-M GEMM
 order depends on how many query rows share the call, so a row's result differs in its last bits from the step's.
 In fp32 that stays below the argmax almost always; with int8 activations (``dtype=int8``) a last-bit difference
 moves a value across a quantization step, and a few layers later the rows differ by whole steps: int8 ``tokens``
-methods left int8 ``ar`` within 8-52 tokens on every GSM8K prompt (README "Per-token int8"), although the per-token
+methods left int8 ``ar`` within 8-52 tokens on every GSM8K prompt (docs/cpu_speed.md "Per-token int8"), although the per-token
 int8 linears themselves are batch-invariant.
 
 This attention runs **one query row at a time over exactly the keys that row may see**, in their cache order (a
@@ -14,7 +14,7 @@ prefix of the cache is sliced, any other set, e.g. a tree node's ancestors, gath
 other ops of a Llama-style layer work row by row (norms, RoPE, activations), and so do per-token int8 linears
 (``model.int8_weights=per_token``, the int8 default), so with them a row's logits are bitwise the ones the one-row
 step computes and ``tokens`` methods equal ``ar`` by construction rather than up to near-ties (tested bitwise on the
-tiny model, measured on SmolLM2 in the README). fp32 and bf16 linears are small-M GEMMs, not batch-invariant: there
+tiny model, measured on SmolLM2 in docs/cpu_speed.md). fp32 and bf16 linears are small-M GEMMs, not batch-invariant: there
 this attention removes one source of last-bit differences, not all.
 
 The cost: T calls per layer instead of one, and one host read of the mask per forward (each row's allowed keys,

@@ -15,26 +15,27 @@ weights with one scale per output row; embeddings, norms, attention and the resi
   bf16 rounding of the linears' inputs magnifies their last-bit differences, so on SmolLM2 ``tokens`` methods left
   int8 ``ar`` at near-ties in 3-4 of 5 prompts. The cost: the kernel works in blocks of 4 rows, so a forward of
   2-4 new rows costs ~1.3x one row and 5-8 rows ~2.2x (``python -m pardec.bench cost``): drafting loses on a
-  weight-only target, which is why targets default to fbgemm's recipe and drafts (one-row steps) to this one.
+  weight-only target, which is why targets default to ``per_token`` (flat rows) and drafts (one-row steps) to this one.
 * ``per_channel`` / ``per_tensor``: fbgemm's dynamic int8 (``torch.ao.quantization.quantize_dynamic``, one weight
   scale per row / per matrix): the activations are quantized too, with one dynamic scale for a linear's whole
   input. SmolLM2's MLP activations have outlier channels (``down_proj`` inputs up to 500x their median), so plain
   ``per_channel`` agrees with fp32's top-1 token on only 0.60 of positions (perplexity 4.8 against 1.48);
   SmoothQuant (:func:`smooth`, ``model.int8_smooth=0.8``, calibrated once on built-in text) and ``down_proj`` kept
-  in fp32 (``model.int8_skip=[down_proj]``) bring it to 0.91-0.93 (perplexity 1.55 / 1.41): the targets' default.
-  Nearly flat cost from 1 to 5 rows (the regime in which drafting pays), but slower than ``weight_only`` at one row
+  in fp32 (``model.int8_skip=[down_proj]``) bring it to 0.91-0.93 (perplexity 1.55 / 1.41): "fbgemm's recipe",
+  the targets' default before ``per_token``. Nearly flat cost from 1 to 5 rows (the regime in which drafting pays), but slower than ``weight_only`` at one row
   (``down_proj`` in fp32 is ~40% of its step). The per-tensor activation scale makes a
   row's result depend on the other rows of the forward, so ``tokens`` methods match int8 ``ar`` only up to
   near-ties. ``quantize_dynamic`` is deprecated (torch says "will be removed"; present in torch 2.13).
 
-* ``per_token`` (:class:`PerTokenLinear`): fbgemm's integer GEMM with one activation scale **per token**: each
+* ``per_token`` (:class:`PerTokenLinear`; the targets' default, ``model.int8_weights`` with SmoothQuant 0.5): fbgemm's
+  integer GEMM with one activation scale **per token**: each
   row of a linear's input is divided by its own largest magnitude and quantized with one fixed scale
   (``quantized::linear_with_input_q_dq_qweight_dq_output_fp32``), and the output row multiplied back. Integer sums
   are exact and a row's quantization depends on that row only, so the linears are **batch-invariant** (tested
   bitwise). Tokens with massive activations no longer squeeze the others (the per-tensor scale's failure), so
   ``down_proj`` can be int8 too: with SmoothQuant 0.5, top-1 agreement with fp32 0.957 / 0.961 (GSM8K / HumanEval)
   and perplexity +1.3% / +1.9%, against the fbgemm recipe's 0.913 / 0.927 and +4.2% / +4.2%, and a flat cost
-  from 1 to 5 rows (README "Per-token int8").
+  from 1 to 5 rows (docs/cpu_speed.md "Per-token int8").
 
 torchao's int8 configs in eager mode measured slower than fp32 here (118 ms dynamic activation + weight, 29 ms
 weight-only, against 47 ms fp32 for SmolLM2's linears at one row); ``weight_only`` calls the aten kernel itself,
