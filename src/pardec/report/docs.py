@@ -37,6 +37,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from pardec.report.markdown import markdown_table
+
 REPO = Path(__file__).resolve().parents[3]
 HOST_CLASSES = {"cpu-fp32": "CPU, fp32", "cpu-fast": "CPU, fastest mode (bf16 prepacked / int8)", "gpu": "GPU"}
 # the leaderboard's row order: the reference and transformers' peers first, then pardec's methods as the README lists
@@ -60,12 +62,6 @@ class Block:
     label: str      # "README.md: table results/x.json#t1" (what --check names)
     old: str
     new: str
-
-
-def markdown_table(columns: list[str], rows: list[list[str]]) -> str:
-    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
-    lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
-    return "\n".join(lines)
 
 
 def _rel(target: Path, md_file: Path) -> str:

@@ -29,6 +29,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
+from pardec.report.markdown import markdown_table  # noqa: E402
 from pardec.report.runs import log_history, save_figure  # noqa: E402
 
 CURVES = {"kl": "KL(target || draft), nats", "agreement": "top-1 agreement (training batches)"}
@@ -55,9 +56,7 @@ def _fmt(x, digits: int = 3) -> str:
 
 def _markdown(head: list[str], rows: list[list]) -> str:
     """A markdown table; column 4 (train minutes) with one decimal, other floats with three."""
-    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    lines += ["| " + " | ".join(_fmt(x, 1 if i == 4 else 3) for i, x in enumerate(row)) + " |" for row in rows]
-    return "\n".join(lines) + "\n"
+    return markdown_table(head, [[_fmt(x, 1 if i == 4 else 3) for i, x in enumerate(row)] for row in rows]) + "\n"
 
 
 def table(runs: dict[str, dict]) -> str:

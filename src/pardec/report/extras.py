@@ -15,6 +15,7 @@ import statistics
 from pathlib import Path
 
 from pardec.evaluation.tables import method_label
+from pardec.report.markdown import markdown_table
 
 KEYS = ("block_efficiency", "draft_forwards_per_token", "accepted_from_draft", "accepted_from_phrases",
         "accepted_per_step", "pool_lookup_rate", "pool_hit_rate")
@@ -43,13 +44,11 @@ def rows(run_dir: Path, keys: tuple[str, ...]) -> list[dict]:
 
 
 def table(all_rows: list[dict], keys: tuple[str, ...]) -> str:
-    head = ["dataset", "role", "n", *keys]
-    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    for r in all_rows:
-        cells = [r["dataset"], r["role"], str(r["n"])]
-        cells += ["–" if r[k] is None else (f"{r[k]:.0f}" if k in SUMMED else f"{r[k]:.2f}") for k in keys]
-        lines.append("| " + " | ".join(cells) + " |")
-    return "\n".join(lines)
+    return markdown_table(
+        ["dataset", "role", "n", *keys],
+        [[r["dataset"], r["role"], str(r["n"]),
+          *("–" if r[k] is None else (f"{r[k]:.0f}" if k in SUMMED else f"{r[k]:.2f}") for k in keys)]
+         for r in all_rows])
 
 
 def main(argv: list[str] | None = None, prog: str | None = None) -> str:

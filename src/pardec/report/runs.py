@@ -32,6 +32,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402  (the backend must be chosen first)
 
 from pardec.evaluation.tables import comparison_rows  # noqa: E402
+from pardec.report.markdown import markdown_table  # noqa: E402
 
 MISSING = "–"
 SUMMARY = "summary.json"
@@ -366,16 +367,10 @@ def format_speedup(mean: float | None, std: float | None = None) -> str:
     return f"{mean:.2f}×" + (f" ± {std:.2f}" if std is not None else "")
 
 
-def _md_table(header: list[str], body: list[list[str]]) -> str:
-    lines = ["| " + " | ".join(header) + " |", "|" + "|".join(["---"] + [":-:"] * (len(header) - 1)) + "|"]
-    lines += ["| " + " | ".join(r) + " |" for r in body]
-    return "\n".join(lines)
-
-
 def render_markdown(rows: Sequence[Row]) -> str:
     """The speedup table (Spec-Bench style) and the tokens/s table, as markdown."""
     datasets = datasets_of(rows)
-    speed = _md_table(
+    speed = markdown_table(
         ["Method", *datasets, "Mean speedup", "Tokens/forward", "Exactness", "Exact match", "Draft acceptance",
          "Quality", "Perplexity"],
         [
@@ -393,6 +388,7 @@ def render_markdown(rows: Sequence[Row]) -> str:
             ]
             for row in rows
         ],
+        centered=True,
     )  # fmt: skip
 
     def tps(c: Cell | None) -> str:
@@ -402,8 +398,8 @@ def render_markdown(rows: Sequence[Row]) -> str:
             _num(v, ".1f") for v in (c.tokens_per_s, c.baseline_tokens_per_s, c.hf_tokens_per_s)
         )
 
-    throughput = _md_table(
-        ["Method", *datasets], [[row.label, *(tps(row.cells.get(ds)) for ds in datasets)] for row in rows]
+    throughput = markdown_table(
+        ["Method", *datasets], [[row.label, *(tps(row.cells.get(ds)) for ds in datasets)] for row in rows], centered=True
     )
     return (
         "## Speedup over the baseline\n\n" + speed + "\n\n"
@@ -419,10 +415,11 @@ def _energy(rows: Sequence[Row], datasets: list[str]) -> str:
                       if c.energy_j_per_token is None and c.energy_reason})  # fmt: skip
     if all(c.energy_j_per_token is None for row in rows for c in row.cells.values()):
         return "not measured: " + ("; ".join(reasons) or "no run recorded energy")
-    table = _md_table(
+    table = markdown_table(
         ["Method", *datasets, "Mean"],
         [[row.label, *(_num(c.energy_j_per_token, ".4g") if (c := row.cells.get(ds)) else MISSING for ds in datasets),
           _num(row.overall("energy_j_per_token"), ".4g")] for row in rows],
+        centered=True,
     )  # fmt: skip
     return table + ("\n\n– not measured: " + "; ".join(reasons) if reasons else "")
 
