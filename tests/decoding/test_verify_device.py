@@ -26,6 +26,7 @@ from pardec.models.cached import CachedModel
 from pardec.testing import VirtualCUDA
 from tests.conftest import noisy, tiny
 from tests.decoding.drafters import drafter_params
+from tests.stats import chi_square_p
 
 V = 7
 GREEDY = SamplingConfig()
@@ -258,12 +259,24 @@ def test_kseq_factor_needs_no_host_sync():
 
 
 # ---------------------------------------------------------------------------------------------- sampling
-def test_sample_draws_what_multinomial_draws():
-    probs = warp(_logits(5, 9), SAMPLED)
-    a, b = torch.Generator().manual_seed(3), torch.Generator().manual_seed(3)
-    for _ in range(50):
-        assert torch.equal(sample(probs, a), torch.multinomial(probs, 1, generator=b))
-        assert torch.equal(sample(probs[2], a), torch.multinomial(probs[2], 1, generator=b))
+def test_sample_follows_each_rows_distribution_and_never_draws_a_zero():
+    """:func:`sample` (an inverse transform): each row's draws follow that row's probabilities (chi-square, 20000
+    draws a row, weights not normalised), tokens of probability 0 (top-k / top-p cut them) are never drawn, the
+    shape is [..., 1], and a seed gives the same draws."""
+    flat = SamplingConfig(temperature=2.0, top_k=5, seed=1)  # 5 of the 7 tokens kept: two zeros a row
+    weights = warp(_logits(3, 9), flat) * torch.tensor([[1.0], [3.0], [0.5]])  # not normalised
+    n = 20000
+    draws = sample(weights[:, None].expand(3, n, V), torch.Generator().manual_seed(3))  # [3, n, 1]
+    assert draws.shape == (3, n, 1) and draws.dtype == torch.long
+    for r in range(3):
+        p = weights[r] / weights[r].sum()
+        counts = Counter(draws[r, :, 0].tolist())
+        assert all(p[x] > 0 for x in counts), (r, counts)
+        pv, dof = chi_square_p(counts, {x: float(p[x]) for x in range(V) if p[x] > 0}, n)
+        assert dof == 4 and pv > 1e-3, (r, pv, dof)
+    again = sample(weights[:, None].expand(3, n, V), torch.Generator().manual_seed(3))
+    assert torch.equal(draws, again)
+    assert sample(weights[1], torch.Generator().manual_seed(0)).shape == (1,)
 
 
 # ---------------------------------------------------------------------------------------------- whole generations

@@ -21,7 +21,7 @@ import torch
 
 from pardec.decoding.base import Decoder, DraftClock, GenerationResult, check_range, register_method
 from pardec.decoding.drafting import Branches, catch_up
-from pardec.decoding.sampling import warp
+from pardec.decoding.sampling import sample, warp
 from pardec.decoding.tree import Tree
 from pardec.decoding.verify import verify_tree_iid
 
@@ -65,10 +65,10 @@ class SpecTr(Decoder):
                 q = torch.softmax(logits.float(), -1)  # rows 2..k at temperature 1; row 1 is the greedy chain
                 x = logits[:1].argmax(-1)
                 if k > 1:
-                    x = torch.cat([x, torch.multinomial(q[1:], 1, generator=gen).view(-1)])
+                    x = torch.cat([x, sample(q[1:], gen).view(-1)])
             else:
                 q = warp(logits, st.s)
-                x = torch.multinomial(q, 1, generator=gen).view(-1)
+                x = sample(q, gen).view(-1)
             toks[:, step] = x
             qs.append(q)
             if step < length - 1:

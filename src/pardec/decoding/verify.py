@@ -37,7 +37,7 @@ product (chains) or, in trees, the acceptance test of every child of every node 
 says; the tests of nodes off the accepted path are drawn and thrown away, which leaves the path's law unchanged),
 the accepted path as the deepest node whose ancestors all passed, and the last token sampled on the device from
 the distribution left at the path's end. Tokens are drawn with :func:`~pardec.decoding.sampling.sample`
-(``torch.multinomial``'s own exponential race, without its two host reads).
+(an inverse transform on the device: no host read, one random number per draw).
 """
 
 from __future__ import annotations
