@@ -443,11 +443,13 @@ class CachedModel:
     def check_logits(self, logits: torch.Tensor, past: int, t: int, last_only: bool, kept) -> None:
         """NaN/inf in ``logits`` [B, T', V] raise: at once on the CPU; on an accelerator when the model is next used
         (a flag copied to the host without a sync; module docstring)."""
-        finite = torch.isfinite(logits).all(-1)  # [B, T']
         if logits.device.type == "cpu":
-            if not bool(finite.all()):
-                self._raise_non_finite(finite, past, t, last_only, kept)
+            # one reduction: min and max are finite only when every value is (NaN propagates through both); on the
+            # CPU ~8x cheaper than isfinite + all over a large vocabulary (~130 us a row at 49k tokens)
+            if not bool(torch.isfinite(torch.stack(torch.aminmax(logits))).all()):
+                self._raise_non_finite(torch.isfinite(logits).all(-1), past, t, last_only, kept)
             return
+        finite = torch.isfinite(logits).all(-1)  # [B, T']
         ok, done = finite.all(), None
         if ok.device.type == "cuda":
             ok = ok.to("cpu", non_blocking=True)  # into pinned memory; ``done`` says when it has arrived
