@@ -267,3 +267,18 @@ def test_deepspeed_zero3_loads_a_local_model_sharded(tmp_path):
     history = json.loads((run_dir / "log_history.json").read_text())  # the decoded proxy ran on sharded weights
     assert [h["eval_ff_decode"] >= 1.0 for h in history if "eval_ff_proxy" in h] == [True] * 2
     _sharded_stages(tmp_path)  # torchrun's ranks: collection sharded and merged as under the deepspeed launcher
+
+
+def test_deepspeed_on_the_cpu_uses_gloo_allreduce_and_builds_no_op(monkeypatch):
+    """A DeepSpeed run on the CPU never compiles DeepSpeed's shared-memory allreduce (a C++ op built on first use,
+    ~75 s on two cores): after :func:`without_shm_allreduce`, DeepSpeed's own ``build_shm_op`` returns None."""
+    import importlib
+
+    import deepspeed.ops
+
+    from pardec.training.base import without_shm_allreduce
+
+    monkeypatch.setitem(deepspeed.ops.__compatible_ops__, "deepspeed_shm_comm",
+                        deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"])  # restored after the test
+    without_shm_allreduce()
+    assert importlib.import_module("deepspeed.comm.torch").build_shm_op() is None

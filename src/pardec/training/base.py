@@ -172,6 +172,8 @@ def training_args(config_cls: type, spec, run_dir: Path, **extra):
     defaults = {"output_dir": str(run_dir), "report_to": spec.logger.get("name", "none"), "run_name": run_dir.name}
     if spec.deepspeed:
         single_process_env()
+        if spec.device == "cpu" or not on_cuda():
+            without_shm_allreduce()
     opts = {**defaults, **spec.trainer, **extra}
     if spec.deepspeed:
         opts = with_min_lr_rate(opts)
@@ -188,6 +190,16 @@ def training_args(config_cls: type, spec, run_dir: Path, **extra):
         _ = args.device  # torch.distributed, as the Trainer sets it up
         deepspeed.init_distributed()
     return args
+
+
+def without_shm_allreduce() -> None:
+    """DeepSpeed on a CPU (gloo ranks) uses gloo's allreduce, not its shared-memory one: that one is a C++ op compiled
+    on first use, ~75 s of both cores of a 2-core machine, again for every checkout that shares the extension cache
+    (the build's include paths differ), for a speed-up of the allreduce that CPU runs (tests, rehearsals) do not
+    need. DeepSpeed reads the flag from its cached table of compatible ops (``deepspeed.ops.__compatible_ops__``)."""
+    import deepspeed.ops
+
+    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
 
 
 def with_min_lr_rate(opts: dict[str, Any]) -> dict[str, Any]:
