@@ -6,7 +6,7 @@ STAMP  := $(VENV)/.pardec-installed
 TORCH_VERSION ?= 2.13.0
 PYTEST_ARGS ?=
 
-.PHONY: help setup demo test test-fast gpu-smoke rehearse bench bench-mjsd bench-heads bench-sdsat bench-cllm lint clean
+.PHONY: help setup demo test test-stat test-fast gpu-smoke rehearse bench bench-mjsd bench-heads bench-sdsat bench-cllm lint clean
 
 help:  ## list targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-10s %s\n", $$1, $$2}'
@@ -37,11 +37,14 @@ demo: setup  ## pld (+ sps with the distilled draft if trained) vs ar and HF gen
 # two pytest-xdist workers, one torch thread each (tests/conftest.py): tiny models are overhead-bound, so two
 # processes finish ~1.8x sooner than one process with two threads
 PYTEST := $(BIN)/python -m pytest -q -n 2 --dist worksteal --durations=15
-test: setup  ## every test (CPU, offline; 16 min on a 2-core Xeon with .venv set up, 2026-11-28)
-	$(PYTEST) $(PYTEST_ARGS)
+test: setup  ## every test but the decoders' chi-square runs (CPU, offline; see docs/reference.md#test-suite-time)
+	$(PYTEST) -m "not stat" $(PYTEST_ARGS)
 
-test-fast: setup  ## the fast tier for iteration: every test not marked slow (~6-7 min on 2 cores)
-	$(PYTEST) -m "not slow" $(PYTEST_ARGS)
+test-stat: setup  ## the decoders' distribution tests: thousands of sampled decodes per case, chi-square against the exact joint (7 min on 2 cores; CI runs it)
+	$(PYTEST) -m stat $(PYTEST_ARGS)
+
+test-fast: setup  ## the fast tier for iteration: every test not marked slow or stat (~6 min on 2 cores)
+	$(PYTEST) -m "not slow and not stat" $(PYTEST_ARGS)
 
 gpu-smoke: setup  ## on a CUDA machine: every method fp32/bf16 (exactness, tokens/forward, speed vs ar), 2 steps of every kind, 2-GPU sharded evaluate
 	$(BIN)/python -m pardec.bench gpu-smoke $(SMOKE_ARGS)

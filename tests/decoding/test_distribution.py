@@ -59,7 +59,7 @@ def test_every_distribution_method_is_covered():
     assert {"ar", "jacobi", "pld", "sps", "spectr", "medusa", "firp", "sdsat"} <= set(DISTRIBUTION)
 
 
-@pytest.mark.slow  # N = 1200 samples per case: fewer lose the power to see a 10% contamination (tests/stats.py)
+@pytest.mark.stat  # N = 1200 samples per case: fewer lose the power to see a 10% contamination (tests/stats.py)
 @pytest.mark.parametrize("setting", list(SETTINGS))
 @pytest.mark.parametrize("method", DISTRIBUTION)
 def test_sampled_output_follows_the_target_distribution(method, setting):

@@ -368,7 +368,7 @@ def _independent(flat: torch.Tensor, width: int) -> torch.Tensor:
     return out.reshape(-1)
 
 
-@pytest.mark.slow  # exact joints at temperature 1 (~300k prefixes) and 200 simulated tests per triple
+@pytest.mark.stat  # exact joints at temperature 1 (~300k prefixes) and 200 simulated tests per triple
 @pytest.mark.parametrize("setting", ["t1", "warped"])
 @pytest.mark.parametrize("length,groups", [(5, GROUPS), (6, GROUPS_OF["sdsat_k5"])])
 def test_the_triples_detect_a_ten_percent_contamination(setting, length, groups):
@@ -391,7 +391,7 @@ def test_the_triples_detect_a_ten_percent_contamination(setting, length, groups)
                 assert rejected / 200 <= want, (setting, group, rejected)
 
 
-@pytest.mark.slow  # N = 2000-2400 samples of 5-7 tokens per case and setting: the power the module doc states
+@pytest.mark.stat  # N = 2000-2400 samples of 5-7 tokens per case and setting: the power the module doc states
 @pytest.mark.parametrize("setting", ["t1", "warped"])
 @pytest.mark.parametrize("case", CASES)
 def test_later_token_triples_follow_the_target_distribution(case, setting, monkeypatch, one_thread):

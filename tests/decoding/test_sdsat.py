@@ -111,7 +111,7 @@ def test_nucleus_tree_caterpillar():
     assert greedy.labels == [-1, 4, 5, 1] and a == 3  # greedy: the main chain only
 
 
-@pytest.mark.slow  # a chi-square test over many decodes
+@pytest.mark.stat  # a chi-square test over many decodes
 def test_fused_sampling_follows_the_target_distribution():
     target = tiny_vocab(0)
     dec = build_decoder("sdsat", CachedModel(target, forward_impl="lean"), None, k=2, variant="fused", top_k=3, tree="caterpillar",
@@ -231,7 +231,7 @@ def test_both_shapes_are_greedy_exact(tree):
         assert res.tokens == ref, (tree, variant)
 
 
-@pytest.mark.slow  # a chi-square test over many decodes
+@pytest.mark.stat  # a chi-square test over many decodes
 @pytest.mark.parametrize("tree,variant", [("official", "two_step"), ("official", "fused"), ("caterpillar", "two_step")])
 def test_sampling_follows_the_target_distribution_with_each_shape(tree, variant):
     """The first three tokens of 7-token samples (so the first verification's tree is 5 deep) follow the target."""

@@ -66,7 +66,7 @@ def test_kseq_samples_the_target(m):
     assert dof >= 3 and pval > 1e-3, pval
 
 
-@pytest.mark.slow  # a chi-square test over many decodes
+@pytest.mark.stat  # a chi-square test over many decodes
 @pytest.mark.parametrize("setting", list(SETTINGS))
 def test_spectr_k4_samples_the_target_distribution(setting):
     s0 = SETTINGS[setting]
