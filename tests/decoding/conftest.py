@@ -12,8 +12,8 @@ class TracksOutput:
     """Mixin for oracle decoders: ``self.out_tokens`` is the committed output, live (the oracle's index into the
     true continuation)."""
 
-    def _start(self, *a, **kw):
-        st, last = super()._start(*a, **kw)
+    def begin(self, *a, **kw):
+        st, last = super().begin(*a, **kw)
         self.out_tokens = st.out.tokens
         return st, last
 

@@ -35,7 +35,7 @@ models are a noisy copy of the target (Gaussian noise, 0.3 x each tensor's std: 
 twice in a row. The untrained Medusa heads / FIRP projections of ``tests/decoding/drafters.py`` and the stand-in
 SDSAT adaptive token guess the *next* token at every depth, which a 3-cycle never continues; their candidate trees
 are built instead from an oracle's drafts (the noisy copy's greedy rollout from the committed context, through the
-methods' own seams ``candidates`` / ``_draft_logits``), so medusa and firp draw the same samples and differ only
+methods' own seams ``candidates`` / ``draft_logits``), so medusa and firp draw the same samples and differ only
 in their forwards. Drafts never change what these methods sample, only which paths run: every draft here is a
 deterministic function of the committed tokens (or an exact sample of a recorded ``q``), which is what exactness
 needs.
@@ -301,7 +301,7 @@ def instrument(method: str, dec, monkeypatch) -> Probe:
     monkeypatch.setattr(spectr_mod, "verify_tree_iid", iid_seen)
 
     # the committed output, live, for the oracle drafts
-    start = dec._start
+    start = dec.begin
     box: dict = {}
 
     def tracked(*a, **kw):
@@ -309,12 +309,12 @@ def instrument(method: str, dec, monkeypatch) -> Probe:
         box["out"] = st.out.tokens
         return st, last
 
-    dec._start = tracked
+    dec.begin = tracked
     if method in ("medusa", "firp"):
         cands = dec.candidates
         dec.candidates = lambda drafts, depth: cands(oracle(box["out"], max(1, depth)), depth)
     if method == "sdsat":
-        read = dec._draft_logits
+        read = dec.draft_logits
 
         def drafts_seen(rows, before, token):
             # made inside the producing forward's verification, before it is recorded (the next one may use them);
@@ -324,7 +324,7 @@ def instrument(method: str, dec, monkeypatch) -> Probe:
             committed = [*before, int(token)]  # the oracle reads the token on the host (test code only)
             return read(oracle(committed, len(rows)), before, token)
 
-        dec._draft_logits = drafts_seen
+        dec.draft_logits = drafts_seen
     if method == "ouroboros":
         phrases_for = dec.phrases_for
 

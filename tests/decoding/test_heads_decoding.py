@@ -31,8 +31,8 @@ class Oracle:
         self.out_tokens = None
         return super().generate(*a, **kw)
 
-    def _start(self, *a, **kw):
-        st, last = super()._start(*a, **kw)
+    def begin(self, *a, **kw):
+        st, last = super().begin(*a, **kw)
         self.out_tokens = st.out.tokens
         return st, last
 

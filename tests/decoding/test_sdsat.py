@@ -51,7 +51,7 @@ def _oracle(dec: SDSAT, ref: list[int], wrong_at: int | None = None):
             out[j, tok] = 10.0
         return out
 
-    dec._draft_logits = draft_logits
+    dec.draft_logits = draft_logits
     return dec
 
 
@@ -209,7 +209,7 @@ def test_accept_rate_is_accepted_over_adaptive_tokens_by_hand():
     dec = build_decoder("sdsat", target, None, k=5, adaptive_ids=[7])
     # drafts after the prefill's token 1: ranked lists [3 2], [3 6], [4 6], [1 2], [1 2]; the truth is 2 3 4 5 6
     lists = [{3: .6, 2: .4}, {3: .6, 6: .4}, {4: .6, 6: .4}, {1: .6, 2: .4}, {1: .6, 2: .4}]
-    dec._draft_logits = lambda rows, before, token: _ranked_drafts(8, lists)
+    dec.draft_logits = lambda rows, before, token: _ranked_drafts(8, lists)
     res = dec.generate([0], 7, Stopper(), SamplingConfig(temperature=1.0, seed=0))
     assert res.tokens == [1, 2, 3, 4, 5, 6, 7]  # exact: every committed token is the target's certain one
     # the official tree with 2 tokens per depth keeps 2 + 4 + 5 + 4 + 2 = 17 nodes (ranks <= 1); the target takes

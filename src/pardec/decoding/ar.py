@@ -14,7 +14,7 @@ class AR(Decoder):
 
     @torch.inference_mode()
     def generate(self, prompt_ids, max_new_tokens, stop=None, sampling=None) -> GenerationResult:
-        st, last = self._start(prompt_ids, max_new_tokens, stop, sampling)
+        st, last = self.begin(prompt_ids, max_new_tokens, stop, sampling)
         tok = torch.tensor([[last]], device=st.ids.device)
         while not st.out.done:
             logits = self.target.forward(tok).logits[:, -1]

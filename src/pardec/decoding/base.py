@@ -214,10 +214,11 @@ class Decoder:
         raise NotImplementedError
 
     # shared steps ----------------------------------------------------------------------------
-    def _start(self, prompt_ids, max_new_tokens: int, stop: Stopper | None, sampling: SamplingConfig | None,
-               prefill: Callable[[torch.Tensor], torch.Tensor] | None = None,
-               extra: Callable[[torch.Tensor], torch.Tensor] | None = None):
-        """Prefill the target with the prompt and commit its first token. ``prefill(ids) -> [1, V]`` replaces
+    def begin(self, prompt_ids, max_new_tokens: int, stop: Stopper | None, sampling: SamplingConfig | None,
+              prefill: Callable[[torch.Tensor], torch.Tensor] | None = None,
+              extra: Callable[[torch.Tensor], torch.Tensor] | None = None):
+        """Begin a generation (every decoder's ``generate`` calls it first; a seam tests and subclasses may wrap):
+        prefill the target with the prompt and commit its first token. ``prefill(ids) -> [1, V]`` replaces
         ``target.prefill`` (a method that wants more than the last logits from that forward). ``extra(token)``:
         1-D ids made from the first token [1], still on the device, and read back with it in the one host read
         (left in ``state.extra``).

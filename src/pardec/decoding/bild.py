@@ -88,7 +88,7 @@ class BigLittleDecoder(Decoder):
 
     @torch.inference_mode()
     def generate(self, prompt_ids, max_new_tokens, stop=None, sampling=None) -> GenerationResult:
-        st, last = self._start(prompt_ids, max_new_tokens, stop, sampling)
+        st, last = self.begin(prompt_ids, max_new_tokens, stop, sampling)
         self.draft.reset()
         prompt = st.ids[0].tolist()
         draft_forwards = drafted = accepted = fallbacks = rollbacks = 0

@@ -139,7 +139,7 @@ class DFlash(Decoder):
             return out.logits[:, -1]
 
         self.clock = DraftClock()
-        st, last = self._start(prompt_ids, max_new_tokens, stop, sampling, prefill)
+        st, last = self.begin(prompt_ids, max_new_tokens, stop, sampling, prefill)
         dev = st.ids.device
         cache = ContextCache(self.drafter, st.ids.shape[1] + max_new_tokens + 1, dev, self.drafter.dtype)
         self.clock.run(st, cache.append, box.pop("features"))

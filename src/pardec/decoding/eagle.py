@@ -217,7 +217,7 @@ class Eagle(Decoder):
             return out.logits[:, -1]
 
         self.clock = DraftClock()
-        st, last = self._start(prompt_ids, max_new_tokens, stop, sampling, prefill)
+        st, last = self.begin(prompt_ids, max_new_tokens, stop, sampling, prefill)
         dev = st.ids.device
         cache = _DraftCache()
         first = torch.cat([st.ids[0, 1:], torch.full((1,), last, dtype=torch.long, device=dev)])

@@ -121,7 +121,7 @@ class TreeDrafter(Decoder):
             box["drafts"] = self._drafts(state, -1)
             return logits[-1:]
 
-        st, last = self._start(prompt_ids, max_new_tokens, stop, sampling, prefill)
+        st, last = self.begin(prompt_ids, max_new_tokens, stop, sampling, prefill)
         drafts = box["drafts"]
         drafted = accepted = 0
         while not st.out.done:

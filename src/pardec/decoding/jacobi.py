@@ -97,7 +97,7 @@ class Jacobi(Decoder):
 
     @torch.inference_mode()
     def generate(self, prompt_ids, max_new_tokens, stop=None, sampling=None) -> GenerationResult:
-        st, last = self._start(prompt_ids, max_new_tokens, stop, sampling)
+        st, last = self.begin(prompt_ids, max_new_tokens, stop, sampling)
         out = st.out
         init_gen = torch.Generator().manual_seed(st.s.seed)  # initial guesses, seeded independently
         prompt = st.ids[0].tolist()

@@ -19,7 +19,7 @@ Pool sources beyond the window (both off by default, as LADE's ``POOL_FROM_PROMP
 the pool with the prompt's n-grams (LADE's ``fill_pool_with_prompt``), ``pool_from_output`` adds the n-grams that end
 in each newly committed token (LADE's ``append_new_generated_pool``, which its code runs under the same flag); LADE's
 ``POOL_FROM_PROMPT=1`` is both on. ``pool_from_output`` makes the pool find repeats of the output itself
-(prompt-lookup-like hits, pardec's behaviour before issue #24). Works on any causal LM, a CLLM checkpoint
+(prompt-lookup-like hits, pardec's earlier behaviour). Works on any causal LM, a CLLM checkpoint
 (``model=local``) included, as the CLLM paper pairs them.
 
 Reported per generation (``extras``): ``accepted_per_step`` (tokens per target forward after the prefill),
@@ -63,7 +63,7 @@ class Lookahead(Decoder):
 
     @torch.inference_mode()
     def generate(self, prompt_ids, max_new_tokens, stop=None, sampling=None) -> GenerationResult:
-        st, last = self._start(prompt_ids, max_new_tokens, stop, sampling)
+        st, last = self.begin(prompt_ids, max_new_tokens, stop, sampling)
         prompt = st.ids[0].tolist()
         pool = NGramPool(self.level, self.guess_set)
         if self.pool_from_prompt:

@@ -156,7 +156,7 @@ class MJSD(Decoder):
 
     @torch.inference_mode()
     def generate(self, prompt_ids, max_new_tokens, stop=None, sampling=None) -> GenerationResult:
-        st, last = self._start(prompt_ids, max_new_tokens, stop, sampling)
+        st, last = self.begin(prompt_ids, max_new_tokens, stop, sampling)
         self.draft.reset()
         prompt = st.ids[0].tolist()
         scoring, warped = self.scoring(st.s), self.ratio == "warped"
@@ -212,7 +212,7 @@ class MJGD(Decoder):
 
     @torch.inference_mode()
     def generate(self, prompt_ids, max_new_tokens, stop=None, sampling=None) -> GenerationResult:
-        st, last = self._start(prompt_ids, max_new_tokens, stop, sampling)
+        st, last = self.begin(prompt_ids, max_new_tokens, stop, sampling)
         temp = 1.0 if st.s.greedy else st.s.temperature
         while not st.out.done:
             k = min(self.K, st.out.room)

@@ -26,7 +26,7 @@ Each round:
      ``phrase_harvest="target"`` (default, official ``CacheEngine.add_extra_ngram``): for each rejected-suffix
      token, the target's next ``level - 1`` tokens after it, kept only when the draft agreed with the target on all
      but the last of them (the last may be the target's correction) -- full-length phrases of target tokens.
-     ``"confirmed_runs"`` (pardec before issue #24): runs of >= 2 draft tokens each equal to the target's argmax
+     ``"confirmed_runs"`` (pardec's earlier behaviour): runs of >= 2 draft tokens each equal to the target's argmax
      after its predecessor, keyed by the token before the run (variable length, draft tokens only).
 
    Phrases only change speed, never the output: greedy stays token-exact, sampling exact in distribution (the
@@ -187,7 +187,7 @@ class Ouroboros(Decoder):
 
     @torch.inference_mode()
     def generate(self, prompt_ids, max_new_tokens, stop=None, sampling=None) -> GenerationResult:
-        st, last = self._start(prompt_ids, max_new_tokens, stop, sampling)
+        st, last = self.begin(prompt_ids, max_new_tokens, stop, sampling)
         if not self.warm_start:
             self.pool.clear()
         self.draft.reset()

@@ -55,7 +55,7 @@ class PromptLookup(Decoder):
         if self.num_pred_by_cost and self.target.cost is None:
             raise ConfigError("method.num_pred_by_cost=true needs this machine's forward-cost table for the target, "
                               "and there is none: run python -m pardec.bench cost (and keep forward_padding=true)")
-        st, last = self._start(prompt_ids, max_new_tokens, stop, sampling)
+        st, last = self.begin(prompt_ids, max_new_tokens, stop, sampling)
         seq = torch.cat([st.ids[0].cpu(), torch.tensor([last])])
         drafted = accepted = rejections = 0
         while not st.out.done:

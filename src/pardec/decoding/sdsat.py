@@ -158,7 +158,7 @@ class SDSAT(Decoder):
         """The ids of ``n`` appended adaptive tokens: one id repeated, or SDSAT-D's a_1..a_n."""
         return [self.adaptive[0]] * n if len(self.adaptive) == 1 else self.adaptive[:n]
 
-    def _draft_logits(self, rows: torch.Tensor, before: list[int], token: torch.Tensor) -> torch.Tensor:
+    def draft_logits(self, rows: torch.Tensor, before: list[int], token: torch.Tensor) -> torch.Tensor:
         """[k, V] draft logits from the adaptive rows (adaptive ids excluded). The rows follow ``token`` [1], on the
         device and not yet read back (the prefill's first token, or a verification's bonus token), which follows
         the new tokens ``before``: the drafts continue ``before + [token]``. A seam for tests (oracle drafts)."""
@@ -195,7 +195,7 @@ class SDSAT(Decoder):
         [token]`` (``token`` still on the device); the [P, d, K] tensor is left in ``box["lists"]``."""
 
         def make(token: torch.Tensor) -> torch.Tensor:
-            box["lists"] = self._lists(self._draft_logits(rows, before, token), s)
+            box["lists"] = self._lists(self.draft_logits(rows, before, token), s)
             return box["lists"].reshape(-1)
 
         return make
@@ -259,7 +259,7 @@ class SDSAT(Decoder):
         def first_lists(token: torch.Tensor) -> torch.Tensor:
             return self._lists_maker(box["rows"], [], sampling or SamplingConfig(), box)(token)
 
-        st, last = self._start(prompt_ids, max_new_tokens, stop, sampling, prefill, extra=first_lists)
+        st, last = self.begin(prompt_ids, max_new_tokens, stop, sampling, prefill, extra=first_lists)
         lists = _unflatten(st.extra, box["lists"].shape)  # the next candidates' values, or None (no drafts)
         drafted = accepted = nodes = 0
         loops = 0

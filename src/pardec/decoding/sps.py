@@ -65,7 +65,7 @@ class SpeculativeSampling(Decoder):
         if self.gamma_by_cost and self.target.cost is None:
             raise ConfigError("method.gamma_by_cost=true needs this machine's forward-cost table for the target, and "
                               "there is none: run python -m pardec.bench cost (and keep forward_padding=true)")
-        st, last = self._start(prompt_ids, max_new_tokens, stop, sampling)
+        st, last = self.begin(prompt_ids, max_new_tokens, stop, sampling)
         self.draft.reset()
         prompt = st.ids[0].tolist()
         gamma = self.gamma
