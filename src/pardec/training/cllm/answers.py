@@ -16,7 +16,7 @@ loss on it never sees the teacher's EOS nor anything past the collected blocks.
   ``completions.out_dir``, written by the kind's ``generate`` stage; resumable and sharded like every stage),
   matched to the record by its prompt token ids. Where nothing stopped short (``completions.max_new_tokens <=
   collect.max_new_tokens``, as in the paper-scale experiments) no corpus is generated or read;
-* ``collected``: the collected answer only (pardec before issue #25; an ablation).
+* ``collected``: the collected answer only (pardec's earlier recipe; an ablation).
 
 Matching rules (:func:`extend_answers`), so that nothing is corrupted silently:
 
