@@ -52,3 +52,34 @@ def test_device_map_reaches_from_pretrained_and_the_model_is_not_moved(tmp_path,
     assert "device_map" not in kw and moves  # a plain load is moved onto model.device
     with pytest.raises(ConfigError, match="device_map='auto' needs weights on disk"):
         loading.load_model(ModelConfig(name="tiny_random", source="tiny_random", device_map="auto"))
+
+
+def test_processes_asking_at_once_dequantize_a_gguf_once(tmp_path, monkeypatch):
+    """Two callers of materialize_gguf at once (ranks, test workers): one dequantizes, the other waits for its copy."""
+    import threading
+    import time
+
+    import pardec.models.loading as loading
+    from pardec.config import ModelConfig
+
+    out = tmp_path / "models" / "m"
+    calls = []
+
+    def slow_dequantize(cfg, where):
+        calls.append(where)
+        time.sleep(0.5)  # long enough for the second caller to arrive while this one works
+        where.mkdir(parents=True)
+        (where / "config.json").write_text("{}")
+        (where / "tokenizer_config.json").write_text("{}")
+        return where
+
+    monkeypatch.setattr(loading, "cache_dir_for", lambda cfg: out)
+    monkeypatch.setattr(loading, "_dequantize", slow_dequantize)
+    cfg = ModelConfig(name="m", source="gguf")
+    got = []
+    threads = [threading.Thread(target=lambda: got.append(loading.materialize_gguf(cfg))) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert calls == [out] and got == [out, out]

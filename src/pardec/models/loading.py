@@ -13,6 +13,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
+from filelock import FileLock
 from transformers import (
     AutoModelForCausalLM,
     AutoTokenizer,
@@ -181,10 +182,24 @@ def cache_dir_for(cfg: ModelConfig) -> Path:
 
 
 def materialize_gguf(cfg: ModelConfig) -> Path:
-    """Dequantize a GGUF model once into a safetensors directory (weights + tokenizer); return it."""
+    """Dequantize a GGUF model once into a safetensors directory (weights + tokenizer); return it. Processes that
+    ask at once (ranks, test workers) wait for the first one's copy instead of each dequantizing (~30 s of a core
+    for SmolLM2-135M)."""
     out = cache_dir_for(cfg)
-    if (out / "config.json").is_file() and (out / "tokenizer_config.json").is_file():
+    if _complete(out):
         return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with FileLock(str(out.with_name(f"{out.name}.lock"))):
+        if _complete(out):  # another process finished it while this one waited
+            return out
+        return _dequantize(cfg, out)
+
+
+def _complete(out: Path) -> bool:
+    return (out / "config.json").is_file() and (out / "tokenizer_config.json").is_file()
+
+
+def _dequantize(cfg: ModelConfig, out: Path) -> Path:
     d, f = _gguf_location(cfg)
     log.info("dequantizing %s once into %s", d / f, out)
     tok = AutoTokenizer.from_pretrained(d, gguf_file=f)
@@ -204,7 +219,7 @@ def materialize_gguf(cfg: ModelConfig) -> Path:
     except OSError:
         if not (out / "config.json").is_file():  # not another process's finished copy: a real failure
             raise
-        shutil.rmtree(tmp, ignore_errors=True)  # another process finished first: its copy is the same
+        shutil.rmtree(tmp, ignore_errors=True)  # another process finished first (one without the lock): the same
     return out
 
 
