@@ -345,3 +345,36 @@ def test_decoding_runs_on_an_int8_target_and_draft():
         [1, 5, 9, 13], 12, Stopper(), SamplingConfig())
     assert len(ar.tokens) == len(sps.tokens) == 12
     assert sps.drafted > 0
+
+
+def test_processes_asking_at_once_quantize_once_and_read_the_same_weights(tmp_path, monkeypatch):
+    """Two callers of quantize_cached at once with one key (ranks, test workers): one quantizes and writes the cache,
+    the other waits and reads it; both get the same int8 weights."""
+    import threading
+    import time
+
+    from tests.conftest import tiny
+
+    real, calls = int8.prepare, []
+
+    def slow_prepare(*a, **kw):
+        calls.append(1)
+        time.sleep(0.5)  # the second caller arrives while the first one quantizes
+        return real(*a, **kw)
+
+    monkeypatch.setattr(int8, "prepare", slow_prepare)
+    models = [copy.deepcopy(tiny(0).model) for _ in range(2)]
+    got = []
+
+    def ask(m):
+        got.append(int8.quantize_cached(m, "k", cache_dir=tmp_path))
+
+    threads = [threading.Thread(target=ask, args=(m,)) for m in models]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(calls) == 1 and len(got) == 2
+    a, b = (m.state_dict() for m in got)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a if isinstance(a[k], torch.Tensor))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["k.lock", "k.pt"]

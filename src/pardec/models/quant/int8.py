@@ -52,10 +52,12 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import os
 import warnings
 from pathlib import Path
 
 import torch
+from filelock import FileLock
 
 from pardec import DATA_DIR
 from pardec.config import INT8_WEIGHTS
@@ -407,7 +409,14 @@ def quantize_cached(model: torch.nn.Module, key: str | None, cache_dir: Path | N
     if key is None:
         return prepare(model, scheme, smooth_alpha, skip, calib)
     cache_dir = cache_dir or DATA_DIR / "models" / "int8"
-    f = cache_dir / f"{key}.pt"
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    # processes asking at once (ranks, test workers) quantize once: the others wait, then read the first one's file
+    with FileLock(str(cache_dir / f"{key}.lock")):
+        return _quantize_cached(model, cache_dir / f"{key}.pt", scheme, smooth_alpha, skip, calib)
+
+
+def _quantize_cached(model: torch.nn.Module, f: Path, scheme: str, smooth_alpha: float | None,
+                     skip: tuple[str, ...], calib: list[list[int]] | None) -> torch.nn.Module:
     state = None
     if f.is_file():
         try:
@@ -426,8 +435,7 @@ def quantize_cached(model: torch.nn.Module, key: str | None, cache_dir: Path | N
             raise RuntimeError(f"the int8 cache {f} does not fit this model ({str(e)[:200]}); delete it") from e
         return skel
     model = prepare(model, scheme, smooth_alpha, skip, calib)
-    cache_dir.mkdir(parents=True, exist_ok=True)
-    tmp = f.with_suffix(".tmp")
+    tmp = f.with_suffix(f".tmp-{os.getpid()}")
     with warnings.catch_warnings():
         warnings.filterwarnings(*_DEPRECATION)
         torch.save(model.state_dict(), tmp)
