@@ -19,7 +19,9 @@ import signal
 import time
 from pathlib import Path
 
-TOKEN = "4242421"
+#: the argument of the attacks' ``sleep``: one per test process (pytest-xdist workers run the sandbox modules at
+#: once; a shared token let one worker's clean-up kill, and its survivor check see, the other's sleeps)
+TOKEN = str(4_000_000 + os.getpid())
 
 # Disables the audit-hook guard: provoke a denial, walk the traceback to the hook's frame, and replace the
 # code of its ``deny`` closure with a no-op (function code is writable; the guard does not audit that).
