@@ -43,7 +43,7 @@ test: setup  ## every test but the decoders' chi-square runs (CPU, offline; see 
 test-stat: setup  ## the decoders' distribution tests: thousands of sampled decodes per case, chi-square against the exact joint (7 min on 2 cores; CI runs it)
 	$(PYTEST) -m stat $(PYTEST_ARGS)
 
-test-fast: setup  ## the fast tier for iteration: every test not marked slow or stat (~6 min on 2 cores)
+test-fast: setup  ## the fast tier for iteration: every test not marked slow or stat (~8 min on 2 cores)
 	$(PYTEST) -m "not slow and not stat" $(PYTEST_ARGS)
 
 gpu-smoke: setup  ## on a CUDA machine: every method fp32/bf16 (exactness, tokens/forward, speed vs ar), 2 steps of every kind, 2-GPU sharded evaluate
