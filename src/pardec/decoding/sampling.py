@@ -40,8 +40,9 @@ def sample(probs: torch.Tensor, gen: torch.Generator | None) -> torch.Tensor:
 
     Inverse transform: one uniform per row against the row's cumulative sums in float64 (rounding shifts a
     token's probability by at most ~V x 1e-16 of the row's mass, and never onto a zero-probability token: its
-    cumulative sum equals its predecessor's). No host read (no sync on a GPU), and one random number per draw: the exponential race that
-    ``torch.multinomial`` runs needs one per vocabulary entry, ~1 ms a draw at 49k tokens on a CPU core."""
+    cumulative sum equals its predecessor's). No host read (no sync on a GPU), and one random number per draw:
+    the exponential race that ``torch.multinomial`` runs needs one per vocabulary entry, ~1 ms a draw at 49k
+    tokens on a CPU core."""
     cum = probs.double().cumsum(-1)
     u = torch.rand(probs.shape[:-1] + (1,), generator=gen, dtype=torch.float64, device=probs.device)
     return torch.searchsorted(cum, u * cum[..., -1:], right=True).clamp_(max=probs.shape[-1] - 1)
