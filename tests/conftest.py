@@ -1,4 +1,5 @@
-"""Shared fixtures: tiny random Llamas (2 layers, hidden 64) with SmolLM2's real tokenizer, built in code."""
+"""Shared fixtures: tiny random Llamas (2 layers, hidden 64) built in code, with SmolLM2's tokenizer cut to its first
+8,192 ids (``model.vocab``)."""
 
 from __future__ import annotations
 
@@ -28,6 +29,10 @@ def pytest_unconfigure(config):
     shared = getattr(config, "_pardec_shared", None)
     if shared:
         shutil.rmtree(shared, ignore_errors=True)
+
+
+#: the tiny models' vocabulary: SmolLM2's tokenizer cut to its first ids (``model.vocab``)
+VOCAB = ModelConfig().vocab
 
 
 @functools.cache

@@ -12,7 +12,7 @@ from transformers import LlamaConfig
 
 from pardec.config import ConfigError
 from pardec.evaluation import run, validate
-from pardec.models.loading import SMOLLM2, load_tokenizer_only
+from pardec.models.loading import load_tokenizer_only, named_config
 from tests.evaluation.helpers import TINY, cfg_of, lines, run_cli
 
 DISTILL_FIX = "train it: python -m train +experiment=draft_smollm2"
@@ -60,7 +60,7 @@ def test_a_method_needing_a_draft_without_one(method):
 def _draft_dir(path: Path, change: str | None) -> Path:
     """A local "draft" dir holding only config.json and a tokenizer (no weights): the check must not need them.
     ``change``: None (the target's tokenizer), ``vocab`` (one added token), ``eos`` (another EOS id)."""
-    tok = load_tokenizer_only(SMOLLM2)  # a fresh object: the cached tiny()'s stays untouched
+    tok = load_tokenizer_only(named_config("tiny_random"))  # a fresh object: the cached tiny()'s stays untouched
     if change == "vocab":
         tok.add_tokens(["<pardec_extra_token>"])
     elif change == "eos":

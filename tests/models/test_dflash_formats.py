@@ -26,10 +26,10 @@ from pardec.export import main as export_main
 from pardec.models.cached import CachedModel
 from pardec.models.dflash_formats import detect, load_dflash
 from pardec.models.heads import new_drafter, save_drafter
-from tests.conftest import tiny
+from tests.conftest import VOCAB, tiny
 
 H, INTER, HEADS, KV, HD = 64, 128, 4, 2, 16  # tiny(layers=4)'s shape, which the draft layers share
-V, N_LAYERS, BLOCK, MASK_ID = 49152, 2, 4, 11
+V, N_LAYERS, BLOCK, MASK_ID = VOCAB, 2, 4, 11
 ZLAB_IDS = [0, 2]  # z-lab's convention (layer outputs); pardec's: [1, 3]
 
 
@@ -199,7 +199,7 @@ def test_an_export_loads_back_identically(target, tmp_path, capsys, fmt, options
     ("sliding", r"the drafter has sliding-window layers \(\['sliding_attention'\]\)"),
     ("missing", r"model\.safetensors does not fit a DFlash draft of 2 layers: missing layers\.1\.mlp\.up_proj\.weight"),
     ("fc", r"fc\.weight reads 192 features; 2 target layers \[1, 3\] of width 64 give 128"),
-    ("vocab", r"reduced draft vocabulary \(draft_vocab_size 4096 of 49152\)"),
+    ("vocab", rf"reduced draft vocabulary \(draft_vocab_size 4096 of {V}\)"),
     ("eagle", r"holds a speculators 'eagle3' checkpoint; only 'dflash' loads here"),
     ("nothing", r"is not a DFlash checkpoint: found notes\.txt"),
 ])

@@ -31,10 +31,10 @@ from pardec.models.eagle import Eagle3Draft, default_layers, new_eagle3
 from pardec.models.eagle_formats import detect, load_eagle3
 from pardec.models.heads import save_drafter
 from pardec.models.vocab import DraftVocab
-from tests.conftest import tiny
+from tests.conftest import VOCAB, tiny
 
 H, INTER, HEADS, KV, HD = 64, 128, 4, 2, 16  # the draft layer: tiny(layers=4)'s shape
-V = 49152
+V = VOCAB
 KEPT = sorted({0, 1, 2, *range(5, V, 173)})  # a reduced draft vocabulary (EOS / specials first)
 K = len(KEPT)
 
@@ -206,7 +206,7 @@ def test_safetensors_variant_of_the_original_layout(target, tmp_path):
 
 # ---------------------------------------------------------------------------------------------- bad checkpoints
 @pytest.mark.parametrize("case, needle", [
-    ("vocab", r"made for a vocabulary of 1000 ids; the target has vocab_size 49152"),
+    ("vocab", rf"made for a vocabulary of 1000 ids; the target has vocab_size {V}"),
     ("hidden", r"hidden_size 32 differs from the target's hidden_size 64"),
     ("layers", r"feature layers \[1, 2, 9\] are out of range: the target has layers 0..3"),
     ("maps", r"d2t and t2d disagree"),

@@ -71,7 +71,6 @@ def test_processes_asking_at_once_dequantize_a_gguf_once(tmp_path, monkeypatch):
         where.mkdir(parents=True)
         (where / "config.json").write_text("{}")
         (where / "tokenizer_config.json").write_text("{}")
-        return where
 
     monkeypatch.setattr(loading, "cache_dir_for", lambda cfg: out)
     monkeypatch.setattr(loading, "_dequantize", slow_dequantize)
@@ -82,4 +81,42 @@ def test_processes_asking_at_once_dequantize_a_gguf_once(tmp_path, monkeypatch):
         t.start()
     for t in threads:
         t.join()
-    assert calls == [out] and got == [out, out]
+    assert len(calls) == 1 and got == [out, out] and (out / "config.json").is_file()
+    assert [p.name for p in out.parent.iterdir() if p.is_dir()] == ["m"]  # its temporary directory renamed
+
+
+TEXTS = ["def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n", "Grüße, naïve café — 東京 🚀\t\r\n",
+         "<|im_start|>user\nhi<|im_end|>", "  lots   of   spaces\n\n\n", "".join(chr(c) for c in range(32, 127))]
+
+
+def test_a_tiny_models_tokenizer_is_smollm2s_cut_to_its_first_ids_and_still_encodes_any_text():
+    """model.vocab (8,192 by default): a tiny_random model's tokenizer keeps SmolLM2's ids below it, a whole
+    byte-level BPE that round-trips any text with its special tokens, chat template and their ids; its model's
+    embedding and head are that wide. model.vocab=null keeps the whole vocabulary."""
+    from pardec.config import ModelConfig
+    from pardec.models.loading import SMOLLM2, load_model, load_tokenizer_only
+
+    full = load_tokenizer_only(SMOLLM2)
+    lm = load_model(ModelConfig(name="tiny_random", source="tiny_random", device="cpu"))
+    cut = lm.tokenizer
+    assert len(cut) == 8192 == lm.model.config.vocab_size == lm.model.lm_head.out_features
+    for text in TEXTS:
+        ids = cut(text, add_special_tokens=False)["input_ids"]
+        assert max(ids) < 8192 and cut.decode(ids) == text
+        assert len(ids) >= len(full(text, add_special_tokens=False)["input_ids"])  # fewer merges: as long or longer
+    assert cut("the")["input_ids"] == full("the")["input_ids"]  # an early merge is kept
+    for name in ("bos_token_id", "eos_token_id", "pad_token_id"):
+        assert getattr(cut, name) == getattr(full, name)
+    msgs = [{"role": "user", "content": "hi"}]
+    assert cut.apply_chat_template(msgs, tokenize=False) == full.apply_chat_template(msgs, tokenize=False)
+    whole = ModelConfig(name="tiny_random", source="tiny_random", device="cpu", vocab=None)
+    assert len(load_tokenizer_only(whole)) == len(full) == 49152
+
+
+def test_a_vocab_too_small_for_the_alphabet_is_refused(tmp_path):
+    from pardec.config import ConfigError
+    from pardec.models.loading import SMOLLM2, cut_tokenizer, load_tokenizer_only
+
+    with pytest.raises(ConfigError, match=r"model.vocab=100 is out of range: .*ids 0-\d+, so it must be at least \d+ "
+                                          r"\(or null for the whole vocabulary of 49152\)"):
+        cut_tokenizer(load_tokenizer_only(SMOLLM2), 100, tmp_path / "t")

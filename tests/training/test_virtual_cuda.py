@@ -22,7 +22,7 @@ from pardec.training.completions import CompletionCollator, CompletionDataset
 from pardec.training.draft.trainer import DraftConfig, DraftTrainer
 from pardec.training.heads.trainer import HeadsConfig, HeadsTrainer, RightPadCollator
 from pardec.training.sdsat.trainer import SDSATCollator, SDSATConfig, SDSATDataset, SDSATTrainer
-from tests.conftest import tiny
+from tests.conftest import VOCAB, tiny
 
 COMPLETIONS = [{"prompt_ids": [700, 701, 702, 703, 704], "completion_ids": [10, 11, 12, 13, 14, 15]},
                {"prompt_ids": [800, 801, 802], "completion_ids": [20, 21, 22]}]
@@ -49,7 +49,7 @@ def _cllm(tmp_path):
 def _draft(tmp_path):
     lm = tiny()
     ds = CompletionDataset(COMPLETIONS)
-    student = build_draft(lm.model, [1], list(range(0, 49152, 7)))
+    student = build_draft(lm.model, [1], list(range(0, VOCAB, 7)))
     teacher = copy.deepcopy(lm.model)
     trainer = DraftTrainer(model=student, args=_args(DraftConfig, tmp_path), train_dataset=ds,
                            data_collator=CompletionCollator(0), teacher=teacher)
@@ -60,11 +60,11 @@ def _draft_cached(tmp_path):
     """The draft trainer without a teacher model: the teacher's top-k log-probs come with the batch."""
     lm = tiny()
     g = torch.Generator().manual_seed(0)
-    records = [{**r, "teacher_ids": [torch.randperm(49152, generator=g)[:6].tolist() for _ in r["completion_ids"]],
+    records = [{**r, "teacher_ids": [torch.randperm(VOCAB, generator=g)[:6].tolist() for _ in r["completion_ids"]],
                 "teacher_logprobs": [sorted((-3 * torch.rand(6, generator=g)).tolist(), reverse=True)
                                      for _ in r["completion_ids"]]} for r in COMPLETIONS]
     ds = CompletionDataset(records, teacher=True)
-    student = build_draft(lm.model, [1], list(range(0, 49152, 7)))
+    student = build_draft(lm.model, [1], list(range(0, VOCAB, 7)))
     trainer = DraftTrainer(model=student, args=_args(DraftConfig, tmp_path, teacher="cached"), train_dataset=ds,
                            data_collator=CompletionCollator(0), teacher=None)
     return trainer, [student], CompletionCollator(0)

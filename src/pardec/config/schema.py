@@ -66,6 +66,10 @@ class ModelConfig:
     heads: int = 4
     seed: int = 0
     tokenizer: str | None = None  # tiny_random: model config name whose tokenizer to use
+    # tiny_random: keep the tokenizer's first ``vocab`` ids (special tokens, byte alphabet and the earliest merges:
+    # still a whole BPE that encodes any text) and size the model's embedding and head to them; null: the whole
+    # vocabulary (SmolLM2's 49,152). A 64-wide model's head over 49k tokens is half of its forward
+    vocab: int | None = 8192
     missing_hint: str | None = None  # local source: how to make ``path`` exist (named by the error when it does not)
 
     def __post_init__(self) -> None:
@@ -89,6 +93,7 @@ class ModelConfig:
                               f"with {where}; use dtype=bf16 on GPUs, or dtype=int8 with model.device=cpu")
         check_at_least("model.layers", self.layers, 1)
         check_at_least("model.hidden", self.hidden, 8)
+        check_at_least("model.vocab", self.vocab, 2, integer=True, or_null=True)
 
     def precision(self) -> str:
         """The dtype and, for int8, its recipe: what a forward-cost table is measured under (``fp32``,
@@ -109,8 +114,10 @@ class ModelConfig:
         """Every field that changes what the model computes (where its weights come from, their dtype, adapter,
         device, the tiny_random shape and seed, the chat template choice): runs that differ in one are not
         resumable into each other. ``cache_dir``, ``missing_hint`` and ``cpu_prepack`` (bitwise the same logits: tested)
-        are left out: they change no output; so are the ``int8_*`` fields unless ``dtype`` is int8."""
-        drop = ("cache_dir", "missing_hint", "cpu_prepack") + (() if self.dtype == "int8" else INT8_FIELDS)
+        are left out: they change no output; so are the ``int8_*`` fields unless ``dtype`` is int8, and ``vocab`` unless
+        the model is a tiny_random one."""
+        drop = ("cache_dir", "missing_hint", "cpu_prepack") + (() if self.dtype == "int8" else INT8_FIELDS) + (
+            () if self.source == "tiny_random" else ("vocab",))
         return {k: v for k, v in asdict(self).items() if k not in drop}
 
 

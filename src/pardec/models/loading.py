@@ -5,6 +5,7 @@ safetensors under ``data/models/<name>`` so later loads take well under a second
 from __future__ import annotations
 
 import importlib.util
+import json
 import logging
 import os
 import shutil
@@ -185,21 +186,36 @@ def materialize_gguf(cfg: ModelConfig) -> Path:
     """Dequantize a GGUF model once into a safetensors directory (weights + tokenizer); return it. Processes that
     ask at once (ranks, test workers) wait for the first one's copy instead of each dequantizing (~30 s of a core
     for SmolLM2-135M)."""
-    out = cache_dir_for(cfg)
-    if _complete(out):
-        return out
-    out.parent.mkdir(parents=True, exist_ok=True)
-    with FileLock(str(out.with_name(f"{out.name}.lock"))):
-        if _complete(out):  # another process finished it while this one waited
-            return out
-        return _dequantize(cfg, out)
+    return _build_once(cache_dir_for(cfg), _complete, lambda tmp: _dequantize(cfg, tmp))
 
 
 def _complete(out: Path) -> bool:
     return (out / "config.json").is_file() and (out / "tokenizer_config.json").is_file()
 
 
-def _dequantize(cfg: ModelConfig, out: Path) -> Path:
+def _build_once(out: Path, complete, build) -> Path:
+    """``out``, built by ``build(tmp)`` into a temporary directory then renamed, unless ``complete(out)`` already:
+    one process builds while the others (ranks, test workers) wait on a file lock, and a half-written directory is
+    never mistaken for a whole one (the rename is atomic)."""
+    if complete(out):
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with FileLock(str(out.with_name(f"{out.name}.lock"))):
+        if complete(out):  # another process finished it while this one waited
+            return out
+        tmp = out.with_name(f"{out.name}.tmp-{os.getpid()}")  # one per process: a crashed one's stays apart
+        shutil.rmtree(tmp, ignore_errors=True)
+        build(tmp)
+        try:
+            tmp.rename(out)
+        except OSError:
+            if not complete(out):  # not another process's finished copy (one without the lock): a real failure
+                raise
+            shutil.rmtree(tmp, ignore_errors=True)
+    return out
+
+
+def _dequantize(cfg: ModelConfig, out: Path) -> None:
     d, f = _gguf_location(cfg)
     log.info("dequantizing %s once into %s", d / f, out)
     tok = AutoTokenizer.from_pretrained(d, gguf_file=f)
@@ -210,22 +226,59 @@ def _dequantize(cfg: ModelConfig, out: Path) -> Path:
         del config.quantization_config
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     model.load_state_dict(gguf_model.state_dict())
-    tmp = out.with_name(f"{out.name}.tmp-{os.getpid()}")  # one per process: ranks / test workers may race here
-    model.save_pretrained(tmp)
-    tok.save_pretrained(tmp)
-    model.generation_config.save_pretrained(tmp)
-    try:
-        tmp.rename(out)  # atomic: a half-written cache is never mistaken for a complete one
-    except OSError:
-        if not (out / "config.json").is_file():  # not another process's finished copy: a real failure
-            raise
-        shutil.rmtree(tmp, ignore_errors=True)  # another process finished first (one without the lock): the same
-    return out
+    model.save_pretrained(out)
+    tok.save_pretrained(out)
+    model.generation_config.save_pretrained(out)
+
+
+def _tiny_tokenizer_base(cfg: ModelConfig) -> ModelConfig:
+    """The model config whose tokenizer a tiny_random model uses (``model.tokenizer``; SmolLM2's by default)."""
+    return SMOLLM2 if cfg.tokenizer in (None, "smollm2_135m") else named_config(cfg.tokenizer)
+
+
+def cut_tokenizer(tok: PreTrainedTokenizerBase, vocab: int, out: Path) -> None:
+    """Save into ``out`` ``tok`` cut to its ids below ``vocab``: a BPE whose vocabulary keeps those ids and whose merges
+    keep those that join two kept tokens into a kept one. Every special token and the whole base alphabet must lie
+    below ``vocab``, so the cut tokenizer still encodes any text (with more, shorter tokens) and decodes it back."""
+    tok.save_pretrained(out)
+    f = out / "tokenizer.json"
+    spec = json.loads(f.read_text())
+    model = spec["model"]
+    if model.get("type") != "BPE":
+        raise ConfigError(f"model.vocab={vocab} cuts a BPE tokenizer; this one is {model.get('type')!r}: set "
+                          f"model.vocab=null")
+    alphabet = max(i for t, i in model["vocab"].items() if len(t) == 1)
+    special = max((i for i in tok.all_special_ids if i is not None), default=0)
+    if vocab <= max(alphabet, special):
+        raise ConfigError(f"model.vocab={vocab} is out of range: this tokenizer's special tokens and base alphabet "
+                          f"take ids 0-{max(alphabet, special)}, so it must be at least {max(alphabet, special) + 1} "
+                          f"(or null for the whole vocabulary of {len(tok)})")
+    kept = {t: i for t, i in model["vocab"].items() if i < vocab}
+    model["vocab"] = kept
+    model["merges"] = [m for m in model["merges"] if all(p in kept for p in _merge_parts(m))]
+    spec["added_tokens"] = [a for a in spec.get("added_tokens", []) if a["id"] < vocab]
+    f.write_text(json.dumps(spec, ensure_ascii=False))
+
+
+def _merge_parts(merge) -> tuple[str, str, str]:
+    """(left, right, joined) of a BPE merge, written ``"a b"`` or ``["a", "b"]``."""
+    a, b = merge.split(" ", 1) if isinstance(merge, str) else merge
+    return a, b, a + b
+
+
+def _tiny_tokenizer_dir(cfg: ModelConfig) -> Path:
+    """The directory of a tiny_random model's tokenizer cut to ``model.vocab`` ids, built once and shared."""
+    base = _tiny_tokenizer_base(cfg)
+    out = DATA_DIR / "models" / f"{base.name}_vocab{cfg.vocab}"
+    return _build_once(out, lambda d: (d / "tokenizer.json").is_file(),
+                       lambda tmp: cut_tokenizer(load_tokenizer_only(base), cfg.vocab, tmp))
 
 
 def load_tokenizer(cfg: ModelConfig) -> PreTrainedTokenizerBase:
     if cfg.source == "tiny_random":
-        return load_tokenizer(SMOLLM2 if cfg.tokenizer in (None, "smollm2_135m") else named_config(cfg.tokenizer))
+        if cfg.vocab is None:
+            return load_tokenizer(_tiny_tokenizer_base(cfg))
+        return AutoTokenizer.from_pretrained(_tiny_tokenizer_dir(cfg))
     if cfg.source in ("gguf", "gguf_package"):
         return AutoTokenizer.from_pretrained(materialize_gguf(cfg))
     return AutoTokenizer.from_pretrained(_weights_location(cfg), revision=cfg.revision)
@@ -423,7 +476,9 @@ def load_tokenizer_only(cfg: ModelConfig) -> PreTrainedTokenizerBase:
     """The tokenizer of ``cfg`` without touching its weights: as :func:`load_tokenizer`, except that a GGUF not
     dequantized yet is read for its tokenizer only."""
     if cfg.source == "tiny_random":
-        cfg = SMOLLM2 if cfg.tokenizer in (None, "smollm2_135m") else named_config(cfg.tokenizer)
+        if cfg.vocab is not None:
+            return load_tokenizer(cfg)
+        cfg = _tiny_tokenizer_base(cfg)
     if cfg.source in ("gguf", "gguf_package") and not (cache_dir_for(cfg) / "tokenizer_config.json").is_file():
         d, f = _gguf_location(cfg)
         return AutoTokenizer.from_pretrained(d, gguf_file=f)

@@ -38,7 +38,7 @@ from pardec.training.draft.trainer import (
     distill_token_loss,
 )
 from pardec.training.stages import Prompt, read_part
-from tests.conftest import tiny
+from tests.conftest import VOCAB, tiny
 from tests.training.test_train_app import _compose
 
 TEXTS = ["Hello", "def fibonacci(n):\n    return", "The quick brown fox jumps over the lazy dog. " * 3,
@@ -246,7 +246,7 @@ def test_samples_mask_only_completion_positions():
 
 def test_compute_loss_counts_completion_positions_only(tmp_path):
     lm = tiny()
-    vocab = list(range(0, 49152, 7))
+    vocab = list(range(0, VOCAB, 7))
     records = [{"prompt_ids": lm.tokenizer(t)["input_ids"], "completion_ids": [5, 6, 7]} for t in TEXTS[:2]]
     ds = CompletionDataset(records)
     args = DraftConfig(output_dir=str(tmp_path), use_cpu=True, report_to="none", save_strategy="no")
@@ -301,8 +301,8 @@ def test_cached_teacher_loss_is_the_online_loss_on_its_top_k(tmp_path):
     """With the whole vocabulary cached, trainer.teacher=cached gives the online loss, logs and gradients; with
     k ids, the KL to the teacher renormalised on its top k ids that the draft keeps."""
     lm = tiny()
-    vocab = list(range(0, 49152, 7))
-    records = _teacher_records(lm, 49152)
+    vocab = list(range(0, VOCAB, 7))
+    records = _teacher_records(lm, VOCAB)
 
     def trainer_for(teacher, recs):
         args = DraftConfig(output_dir=str(tmp_path), use_cpu=True, report_to="none", save_strategy="no",
