@@ -44,7 +44,7 @@ class Case:
 
 
 MEDUSA_META = ('{"format": "pardec-drafter", "version": 1, "kind": "medusa", "base_model": "tiny_random", '
-               '"hidden_size": 64, "vocab_size": 49152, "num_hidden_layers": 2, "k": 3, "num_heads": 3}')
+               '"hidden_size": 64, "vocab_size": 8192, "num_hidden_layers": 2, "k": 3, "num_heads": 3}')
 
 CASES = [
     # method parameters

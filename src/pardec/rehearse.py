@@ -44,10 +44,13 @@ from typing import Any
 import yaml
 
 from pardec import CONF_DIR, REPO_ROOT
+from pardec.config import ModelConfig
 from pardec.recipes import defaults, hub_id, option, recipes, shipped_config, trained_experiment
 
 #: targets that are already small: recipes on them are tests / CPU experiments, not paper recipes
 SMALL_MODELS = ("tiny_random", "smollm2_135m", "local")
+#: the tiny models' vocabulary (``model.vocab``'s default), which the tiny target saved to disk by prepare() has too
+TINY_VOCAB = ModelConfig.vocab
 #: prompts (or documents) per data source of a training rehearsal (2 per rank on 2 ranks)
 N_TRAIN = 4
 #: prompts of an evaluation rehearsal, and of every held-out source of a training one
@@ -307,7 +310,8 @@ def _model_swap(key: str, group: str, name: str, work: Path, saved: dict[str, in
         path = work / "models" / f"{key}_tiny_{layers or 2}l"
         saved[str(path)] = layers or 2
         return [f"{key}=local", f"{key}.path={path}", f"+{key}.device_map={device_map}"]
-    return [f"{key}=tiny_random"] + ([f"{key}.layers={layers}"] if layers else [])
+    # (the vocabulary stated: a draft's follows its target's model.vocab, which a target saved to disk has not)
+    return [f"{key}=tiny_random", f"{key}.vocab={TINY_VOCAB}"] + ([f"{key}.layers={layers}"] if layers else [])
 
 
 def named_layers(cfg: dict) -> list[int]:
@@ -454,10 +458,10 @@ def prepare(p: Plan) -> None:
         written = write_data(name, data_dir)
         assert str(written) == path, (written, path)
     for path, layers in p.saved_models.items():
-        from pardec.config import ModelConfig
         from pardec.models.loading import load_model
 
-        loaded = load_model(ModelConfig(name="tiny_random", source="tiny_random", layers=layers, device="cpu"))
+        loaded = load_model(ModelConfig(name="tiny_random", source="tiny_random", layers=layers, device="cpu",
+                                        vocab=TINY_VOCAB))
         loaded.model.save_pretrained(path)
         loaded.tokenizer.save_pretrained(path)
 

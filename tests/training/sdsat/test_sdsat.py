@@ -24,6 +24,7 @@ from pardec.training.sdsat.trainer import (
     adaptive_report,
     score_sequence,
 )
+from tests.conftest import VOCAB
 from tests.training.test_train_app import _compose
 
 A = 900  # a stand-in adaptive id in the hand-made records
@@ -230,7 +231,7 @@ def test_bad_input_is_refused_before_any_model_loads(tmp_path, monkeypatch):
     now = MASK_SCHEMA_VERSION
     with pytest.raises(FileExistsError, match=rf"other settings \(.*schema_version was 0, now {now}.*mask.overwrite=true"):
         run(_compose(_overrides(tmp_path, "stage=all")), tmp_path / "out" / "bad")
-    meta = {"schema_version": now, "model": {}, "adaptive_tokens": [adaptive.ADAPTIVE_TOKEN], "adaptive_ids": [49152],
+    meta = {"schema_version": now, "model": {}, "adaptive_tokens": [adaptive.ADAPTIVE_TOKEN], "adaptive_ids": [VOCAB],
             "ratio": 0.5, "max_span": 3, "diverse": False, "seed": 0, "max_length": 256, "sources": []}
     (out / "meta.json").write_text(json.dumps(meta))
     (out / "stats.json").write_text(json.dumps({"schema_version": now, "complete": True}))
