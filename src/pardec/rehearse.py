@@ -301,17 +301,19 @@ class Plan:
         return head + self.all_overrides() + self.location
 
 
-def _model_swap(key: str, group: str, name: str, work: Path, saved: dict[str, int], layers: int | None) -> list[str]:
+def _model_swap(key: str, group: str, name: str, work: Path, saved: dict[str, int], layers: int | None,
+                vocab: int | None = TINY_VOCAB) -> list[str]:
     """Overrides swapping config group ``group`` (model | draft), now ``name``, for a tiny random Llama (``layers``
-    layers; None: tiny_random's own 2); a split one (``device_map``) is saved to disk and loaded as ``local``, its
-    map kept."""
+    layers; None: tiny_random's own 2; ``vocab`` ids, None: SmolLM2's whole vocabulary); a split one
+    (``device_map``) is saved to disk and loaded as ``local``, its map kept."""
     device_map = _model_yaml(group, name).get("device_map")
     if device_map:
         path = work / "models" / f"{key}_tiny_{layers or 2}l"
         saved[str(path)] = layers or 2
         return [f"{key}=local", f"{key}.path={path}", f"+{key}.device_map={device_map}"]
     # (the vocabulary stated: a draft's follows its target's model.vocab, which a target saved to disk has not)
-    return [f"{key}=tiny_random", f"{key}.vocab={TINY_VOCAB}"] + ([f"{key}.layers={layers}"] if layers else [])
+    return [f"{key}=tiny_random", f"{key}.vocab={'null' if vocab is None else vocab}"] + (
+        [f"{key}.layers={layers}"] if layers else [])
 
 
 def named_layers(cfg: dict) -> list[int]:
@@ -374,7 +376,11 @@ def plan(recipe: Recipe, out: Path) -> Plan:
     if recipe.needs and "/train/runs/" in str(base["model"].get("path")):
         model: list[str] = []  # the trained model itself: the training rehearsal's tiny one
     else:
-        model = _model_swap("model", "model", recipe.model, work, saved, layers)
+        # a draft vocabulary the recipe reduces to more ids than the tiny one has (32,000 of Llama-3's 128,256): the
+        # tiny target keeps SmolLM2's whole tokenizer, so the recipe's draft shape is kept
+        drafted = max((base.get("draft") or {}).get("vocab_size") or 0, (base.get("heads") or {}).get("draft_vocab_size") or 0)
+        model = _model_swap("model", "model", recipe.model, work, saved, layers,
+                            TINY_VOCAB if drafted <= TINY_VOCAB else None)
     data: list[str] = []
     size: list[str] = []
     expect: dict[str, Any] = {}
