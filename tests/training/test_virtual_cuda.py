@@ -20,7 +20,8 @@ from pardec.training.cllm.data import CLLMCollator, TrajectoryDataset
 from pardec.training.cllm.trainer import CLLMConfig, CLLMTrainer
 from pardec.training.completions import CompletionCollator, CompletionDataset
 from pardec.training.draft.trainer import DraftConfig, DraftTrainer
-from pardec.training.heads.trainer import HeadsConfig, HeadsTrainer, RightPadCollator
+from pardec.training.heads.batches import RightPadCollator
+from pardec.training.heads.trainer import HeadsConfig, HeadsTrainer
 from pardec.training.sdsat.trainer import SDSATCollator, SDSATConfig, SDSATDataset, SDSATTrainer
 from tests.conftest import VOCAB, tiny
 

@@ -19,11 +19,11 @@ from pardec.models.heads import load_drafter, new_drafter
 from pardec.models.vocab import DraftVocab
 from pardec.train import run, validate
 from pardec.training.completions import CompletionDataset
+from pardec.training.heads.batches import RightPadCollator
 from pardec.training.heads.eagle import TargetPass, acceptance, target_pass, ttt_mask, ttt_terms, ttt_unroll
 from pardec.training.heads.trainer import (
     HeadsConfig,
     HeadsTrainer,
-    RightPadCollator,
     eagle3_vocab,
     term_count,
 )

@@ -15,10 +15,10 @@ from pardec.decoding.tree_search import resolve_tree
 from pardec.models.heads import load_drafter, new_drafter
 from pardec.train import run, validate
 from pardec.training.completions import CompletionDataset
+from pardec.training.heads.batches import RightPadCollator
 from pardec.training.heads.trainer import (
     HeadsConfig,
     HeadsTrainer,
-    RightPadCollator,
     _new_drafter,
     future_ranks,
     term_count,

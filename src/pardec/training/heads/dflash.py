@@ -37,7 +37,7 @@ from dataclasses import dataclass
 import torch
 from transformers import TrainerCallback
 
-from pardec.training.heads.trainer import RightPadCollator
+from pardec.training.heads.batches import RightPadCollator
 
 LOSSES = ("ce", "kl")
 WEIGHTINGS = ("decay", "dpace")

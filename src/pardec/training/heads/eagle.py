@@ -2,7 +2,7 @@
 (Li et al. 2025, §3.2 / Fig. 5; reference: SafeAILab/EAGLE ``eagle/traineagle3/cnets.py`` ``Model.forward`` and
 ``main.py``; the line numbers below are of that repository's HEAD).
 
-Batch: right-padded ``prompt + completion[:-1]`` (:class:`~pardec.training.heads.trainer.RightPadCollator`), ids
+Batch: right-padded ``prompt + completion[:-1]`` (:class:`~pardec.training.heads.batches.RightPadCollator`), ids
 ``x`` [B, T], ``loss_mask[j]``: token ``x_{j+1}`` is a completion token. One frozen target forward
 (:func:`target_pass`) gives the states entering ``layer_ids`` (concatenated [B, T, 3H]; cnets.py ``dataprepare``,
 l. 714-731) and the logits; the draft then unrolls ``S = ttt_steps`` steps over every anchor ``t`` at once
@@ -38,6 +38,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+
+from pardec.training.heads.batches import held_out_windows
 
 
 @dataclass
@@ -160,8 +162,6 @@ def acceptance(base, drafter, records: list[dict], steps: int, topk: int = 10) -
     layer_ids = drafter.config.layer_ids
     acc_rows, valid_rows, top_rows, top1_rows = [], [], [], []
     same = anchors_n = 0
-    from pardec.training.heads.trainer import held_out_windows
-
     for full, ids, anchors in held_out_windows(records, device):
         n = len(full)
         tp = target_pass(base, ids, layer_ids)

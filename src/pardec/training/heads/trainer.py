@@ -4,7 +4,7 @@ FIRP projections) on the target's own greedy completions, plus its held-out eval
 The trainer's model is the drafter (a plain ``nn.Module``); the target ("base") is frozen, kept outside the
 optimizer and the DeepSpeed engine (as DraftTrainer's teacher) and moved to the args' device. Each sample is
 ``prompt + completion[:-1]`` (:class:`~pardec.training.completions.CompletionDataset`, cut from the left to
-``max_length``), right-padded by :class:`RightPadCollator`: pads sit at the end, so no real token and no pseudo
+``max_length``), right-padded by :class:`~pardec.training.heads.batches.RightPadCollator`: pads sit at the end, so no real token and no pseudo
 state ever attends to one and no key mask is needed.
 
 Loss (soft targets, temperature 1): for depth ``k`` (0-based) and position ``t``, a KL divergence between
@@ -51,32 +51,13 @@ import torch
 from pardec.config import ConfigError, Ranks
 from pardec.models.pseudo import DECODING_ATTENTION, PSEUDO_ATTENTION, forward_pseudo
 from pardec.training.base import BaseConfig, BaseTrainer, fit, training_args, unwrap
+from pardec.training.heads.batches import RightPadCollator, held_out_windows
 from pardec.training.losses import masked_sum, token_divergence
 
 log = logging.getLogger(__name__)
 
 
 # ------------------------------------------------------------------------------------------- data
-@dataclass
-class RightPadCollator:
-    """Right-pads samples of a CompletionDataset: ``input_ids`` [B, T] (``pad_id`` after the end), ``valid``
-    [B, T] (real tokens) and ``loss_mask`` [B, T] (positions whose next token is a completion token)."""
-
-    pad_id: int
-
-    def __call__(self, samples: list[dict]) -> dict[str, torch.Tensor]:
-        width = max(len(s["input_ids"]) for s in samples)
-        ids = torch.full((len(samples), width), self.pad_id, dtype=torch.long)
-        valid = torch.zeros(len(samples), width, dtype=torch.bool)
-        mask = torch.zeros(len(samples), width, dtype=torch.bool)
-        for i, s in enumerate(samples):
-            n = len(s["input_ids"])
-            ids[i, :n] = torch.tensor(s["input_ids"], dtype=torch.long)
-            valid[i, :n] = True
-            mask[i, :n] = torch.tensor(s["loss_mask"], dtype=torch.bool)
-        return {"input_ids": ids, "valid": valid, "loss_mask": mask & valid}
-
-
 def term_count(loss_mask: torch.Tensor, k: int) -> int:
     """The (position, depth) terms of a batch: depth ``d`` (0-based) pairs anchor ``t`` with target ``t + d + 1``."""
     return sum(int(loss_mask[:, d + 1 :].sum()) for d in range(k))
@@ -253,18 +234,6 @@ class HeadsTrainer(BaseTrainer):
 
 
 # ------------------------------------------------------------------------------------------- evaluation
-def held_out_windows(records: list[dict], device):
-    """Per held-out record (prompt + the target's greedy completion) long enough for one anchor: (its tokens, the
-    ids ``[1, n - 1]`` a teacher-forced forward reads, on ``device``, the anchors ``t`` from the prompt's last token
-    to the completion's third-to-last, so that ``t + 2 <= n - 1``)."""
-    for r in records:
-        full = list(r["prompt_ids"]) + list(r["completion_ids"])
-        p, n = len(r["prompt_ids"]), len(full)
-        if n - 3 < p - 1:
-            continue
-        yield full, torch.tensor([full[:-1]], device=device), torch.arange(p - 1, n - 2)
-
-
 @torch.inference_mode()
 def future_ranks(base, drafter, records: list[dict], attention: str | None = None
                  ) -> tuple[torch.Tensor, torch.Tensor, dict]:
