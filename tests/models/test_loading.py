@@ -115,8 +115,22 @@ def test_a_tiny_models_tokenizer_is_smollm2s_cut_to_its_first_ids_and_still_enco
 
 def test_a_vocab_too_small_for_the_alphabet_is_refused(tmp_path):
     from pardec.config import ConfigError
-    from pardec.models.loading import SMOLLM2, cut_tokenizer, load_tokenizer_only
+    from pardec.models.loading import cut_tokenizer
+    from tests.conftest import VOCAB, tiny
 
     with pytest.raises(ConfigError, match=r"model.vocab=100 is out of range: .*ids 0-\d+, so it must be at least \d+ "
-                                          r"\(or null for the whole vocabulary of 49152\)"):
-        cut_tokenizer(load_tokenizer_only(SMOLLM2), 100, tmp_path / "t")
+                                          rf"\(or null for the whole vocabulary of {VOCAB}\)"):
+        cut_tokenizer(tiny(0).tokenizer, 100, tmp_path / "t")
+
+
+def test_a_gguf_tokenizer_alone_is_read_once_without_dequantizing_the_weights(tmp_path):
+    from dataclasses import replace
+
+    from pardec.models.loading import SMOLLM2, load_tokenizer_only
+
+    cfg = replace(SMOLLM2, cache_dir=str(tmp_path / "smollm2"))
+    tok = load_tokenizer_only(cfg)
+    assert len(tok) == 49152 and tok.eos_token_id == 2
+    assert (tmp_path / "smollm2_tokenizer" / "tokenizer.json").is_file() and not (tmp_path / "smollm2").exists()
+    again = load_tokenizer_only(cfg)  # from the saved directory
+    assert again("def f(x):\n    return x")["input_ids"] == tok("def f(x):\n    return x")["input_ids"]

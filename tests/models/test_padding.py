@@ -12,7 +12,7 @@ from pardec.models.cached import CachedModel
 from pardec.models.cost import CostTable
 from tests.conftest import tiny
 from tests.decoding.test_lossless import _ar, _build
-from tests.models.forward.test_compiled import needs_compiler
+from tests.models.forward.test_compiled import COMPILES
 
 #: every row count from 2 to 7 is padded to 8 (what a machine whose 8-row GEMM is cheapest would measure)
 PAD_TO_8 = CostTable("tiny", "fp32", 0, {1: 1.0, **{t: 9.0 for t in range(2, 8)}, 8: 2.0}, machine={})
@@ -35,7 +35,7 @@ def _same(a, b):
 
 
 #: transformers' forward, and the compiled rows (pardec.models.forward.compiled.rows_step) the padded rows run through
-IMPLS = ["hf", pytest.param("compiled", marks=needs_compiler)]
+IMPLS = ["hf", pytest.param("compiled", marks=COMPILES)]
 
 
 @pytest.mark.parametrize("impl", IMPLS)

@@ -15,9 +15,9 @@ from pardec.tasks.cnn_dm import truncate_words
 
 @pytest.fixture(scope="module")
 def tok():
-    from pardec.models.loading import SMOLLM2, load_tokenizer
+    from pardec.models.loading import SMOLLM2, load_tokenizer_only
 
-    return load_tokenizer(SMOLLM2)
+    return load_tokenizer_only(SMOLLM2)
 
 
 def make_task(tmp_path, rows, **extra):

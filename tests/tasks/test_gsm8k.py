@@ -42,9 +42,9 @@ def data(tmp_path) -> str:
 
 @pytest.fixture(scope="module")
 def tok():
-    from pardec.models.loading import SMOLLM2, load_tokenizer
+    from pardec.models.loading import SMOLLM2, load_tokenizer_only
 
-    return load_tokenizer(SMOLLM2)
+    return load_tokenizer_only(SMOLLM2)
 
 
 @pytest.mark.parametrize("text, expected", [

@@ -28,9 +28,9 @@ def docs(task):
 
 @pytest.fixture(scope="module")
 def tok():
-    from pardec.models.loading import SMOLLM2, load_tokenizer
+    from pardec.models.loading import SMOLLM2, load_tokenizer_only
 
-    return load_tokenizer(SMOLLM2)
+    return load_tokenizer_only(SMOLLM2)
 
 
 def test_all_164_problems_load_offline(docs):

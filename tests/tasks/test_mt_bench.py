@@ -75,9 +75,9 @@ def qfile(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def tok():
-    from pardec.models.loading import SMOLLM2, load_tokenizer
+    from pardec.models.loading import SMOLLM2, load_tokenizer_only
 
-    return load_tokenizer(SMOLLM2)
+    return load_tokenizer_only(SMOLLM2)
 
 
 def make_task(qfile, base_url=None, **judge):

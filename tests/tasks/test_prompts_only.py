@@ -5,13 +5,13 @@ import json
 import pytest
 
 from pardec.config import DatasetConfig
-from pardec.models.loading import SMOLLM2, load_tokenizer
+from pardec.models.loading import SMOLLM2, load_tokenizer_only
 from pardec.tasks.base import DataError, build_task
 
 
 @pytest.fixture(scope="module")
 def tok():
-    return load_tokenizer(SMOLLM2)
+    return load_tokenizer_only(SMOLLM2)
 
 
 def test_code_search_net_local(tmp_path, tok):

@@ -197,9 +197,9 @@ def test_prompts_hold_schema_and_question(task, tok):
 
 @pytest.fixture(scope="module")
 def tok():
-    from pardec.models.loading import SMOLLM2, load_tokenizer
+    from pardec.models.loading import SMOLLM2, load_tokenizer_only
 
-    return load_tokenizer(SMOLLM2)
+    return load_tokenizer_only(SMOLLM2)
 
 
 def test_broken_sandbox_stops_scoring_instead_of_scoring_zero(task, monkeypatch):

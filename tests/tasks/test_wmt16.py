@@ -31,9 +31,9 @@ def test_docs_and_bleu(task):
 
 
 def test_prompts(task):
-    from pardec.models.loading import SMOLLM2, load_tokenizer
+    from pardec.models.loading import SMOLLM2, load_tokenizer_only
 
-    tok = load_tokenizer(SMOLLM2)
+    tok = load_tokenizer_only(SMOLLM2)
     doc = task.docs()[0]
     assert tok.decode(task.prompt_ids(doc, tok, chat=False)) == f"German: {doc['source']}\nEnglish:"
     assert "into English" in tok.decode(task.prompt_ids(doc, tok, chat=True))

@@ -474,15 +474,26 @@ def check_available(cfg: ModelConfig, key: str = "model") -> None:
 
 def load_tokenizer_only(cfg: ModelConfig) -> PreTrainedTokenizerBase:
     """The tokenizer of ``cfg`` without touching its weights: as :func:`load_tokenizer`, except that a GGUF not
-    dequantized yet is read for its tokenizer only."""
+    dequantized yet is read for its tokenizer only (:func:`_gguf_tokenizer_dir`)."""
     if cfg.source == "tiny_random":
         if cfg.vocab is not None:
             return load_tokenizer(cfg)
         cfg = _tiny_tokenizer_base(cfg)
     if cfg.source in ("gguf", "gguf_package") and not (cache_dir_for(cfg) / "tokenizer_config.json").is_file():
-        d, f = _gguf_location(cfg)
-        return AutoTokenizer.from_pretrained(d, gguf_file=f)
+        return AutoTokenizer.from_pretrained(_gguf_tokenizer_dir(cfg))
     return load_tokenizer(cfg)
+
+
+def _gguf_tokenizer_dir(cfg: ModelConfig) -> Path:
+    """The tokenizer of a GGUF model read from its file alone (~5 s for SmolLM2's) and saved beside where its
+    weights are dequantized, once: what needs only the tokenizer never waits for the weights (~30 s)."""
+    out = cache_dir_for(cfg).with_name(f"{cache_dir_for(cfg).name}_tokenizer")
+
+    def build(tmp: Path) -> None:
+        d, f = _gguf_location(cfg)
+        AutoTokenizer.from_pretrained(d, gguf_file=f).save_pretrained(tmp)
+
+    return _build_once(out, lambda d: (d / "tokenizer_config.json").is_file(), build)
 
 
 #: special tokens a draft must share with its target (pad is not compared: loading sets it to EOS when unset)
