@@ -44,16 +44,16 @@ PYTEST := $(BIN)/python -m pytest -q -n 2 --dist worksteal --durations=15
 test: setup  ## every test but the decoders' chi-square runs (CPU, offline; see docs/reference.md#test-suite-time)
 	$(PYTEST) -m "not stat" $(PYTEST_ARGS)
 
-test-stat: setup  ## the decoders' distribution tests: thousands of sampled decodes per case, chi-square against the exact joint (7 min on 2 cores; CI runs it)
+test-stat: setup  ## the decoders' distribution tests: thousands of sampled decodes per case, chi-square against the exact joint (6 min on 2 cores; CI runs it)
 	$(PYTEST) -m stat $(PYTEST_ARGS)
 
-test-fast: setup  ## the fast tier for iteration: every test not marked slow or stat (~8 min on 2 cores)
+test-fast: setup  ## the fast tier for iteration: every test not marked slow or stat (~4 min on 2 cores)
 	$(PYTEST) -m "not slow and not stat" $(PYTEST_ARGS)
 
 gpu-smoke: setup  ## on a CUDA machine: every method fp32/bf16 (exactness, tokens/forward, speed vs ar), 2 steps of every kind, 2-GPU sharded evaluate
 	$(BIN)/python -m pardec.bench gpu-smoke $(SMOKE_ARGS)
 
-rehearse: setup  ## every paper recipe end to end on 2 gloo CPU ranks, tiny models of its family (docs/rehearsal.md; ~7 min on 2 cores)
+rehearse: setup  ## every paper recipe end to end on 2 gloo CPU ranks, tiny models of its family (docs/rehearsal.md; ~5 min on 2 cores)
 	$(BIN)/python -m pardec.rehearse --all --json outputs/rehearse/rehearsal.json $(REHEARSE_ARGS)
 
 bench: setup  ## the README's speed table: SmolLM2 fp32, 20 GSM8K (GSM8K=<test.jsonl>), HumanEval, CNN/DM (CNNDM=<test.jsonl>)
