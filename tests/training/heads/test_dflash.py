@@ -119,6 +119,10 @@ def test_tiny_end_to_end(tmp_path):
     assert ev["kind"] == "dflash" and ev["block_size"] == 4 and ev["steps"] == 3 and ev["positions"] > 0
     assert len(o["conditional_acceptance"]) == 3
     assert o["expected_tokens_per_forward"] == pytest.approx(1 + sum(o["chain_acceptance"]))
+    # the logged per-slot loss is the cross-entropy to the label, named so (the other types log a KL)
+    logged = [h for h in json.loads((run_dir / "log_history.json").read_text()) if "top1" in h]
+    assert logged and all({"ce", "ce_d1", "ce_d3", "top1_d3"} <= set(h) and "kl" not in h and "kl_d1" not in h
+                          for h in logged)
 
 
 def test_config_errors(tmp_path):

@@ -37,7 +37,7 @@ and its own eval stage (:func:`evaluate_chain`: held-out chain acceptance by dep
 
 Logged beside loss / lr / grad_norm, per depth ``d = k + 1``: ``kl_d<d>`` (the mean training KL) and ``top1_d<d>``
 (teacher-forced top-1 agreement: student argmax == teacher argmax), plus their term-weighted means ``kl`` and
-``top1``.
+``top1``; DFlash logs ``ce_d<d>`` and ``ce`` in place of the KL (:meth:`HeadsTrainer.dflash_loss`).
 """
 
 from __future__ import annotations
@@ -135,7 +135,10 @@ class HeadsTrainer(BaseTrainer):
         self.step_decay = step_decay
         # KL(p || q) for Medusa; KL(q || p) for FIRP (Eq. 4) unless heads.distance says fkl
         self.distance = distance or ("rkl" if drafter.kind == "firp" else "fkl")
-        self.log_sums_size = 3 * self.k  # kl sums, agreement sums, counts per depth
+        self.log_sums_size = 3 * self.k  # loss sums, agreement sums, counts per depth
+        # what the per-depth loss in the logs is: a KL to the target's distribution (Medusa, FIRP, EAGLE-3), or
+        # DFlash's cross-entropy to the label (block_terms sums it whatever heads.loss trains on)
+        self.logged_loss = "ce" if self.dflash is not None else "kl"
         super().__init__(*args, **kwargs)
         # trainer.gradient_checkpointing: the memory is in the frozen target's upper layers over the pseudo states
         # (forward_pseudo's checkpoint), not in the drafter, which the Trainer would try (and fail) to checkpoint
@@ -203,8 +206,9 @@ class HeadsTrainer(BaseTrainer):
         return (loss, terms.total) if return_outputs else loss
 
     def dflash_loss(self, model, drafter, inputs, return_outputs: bool, num_items_in_batch):
-        """DFlash's block loss (:func:`pardec.training.heads.dflash.block_terms`): logged ``kl_d<d>`` is slot
-        ``d``'s mean cross-entropy to the label, ``top1_d<d>`` its argmax agreement with the label."""
+        """DFlash's block loss (:func:`pardec.training.heads.dflash.block_terms`): logged ``ce_d<d>`` is slot
+        ``d``'s mean cross-entropy to the label (also under ``heads.loss: kl``), ``top1_d<d>`` its argmax agreement
+        with the label; ``ce`` and ``top1`` their term-weighted means."""
         from pardec.training.heads.dflash import block_terms
         from pardec.training.heads.dflash import term_count as block_count
         from pardec.training.heads.eagle import target_pass
@@ -224,12 +228,12 @@ class HeadsTrainer(BaseTrainer):
         return (loss, terms.total) if return_outputs else loss
 
     def log_metrics(self, logs: dict[str, float], sums: list[float]) -> None:
-        k = self.k
-        kl, agree, n = sums[:k], sums[k : 2 * k], sums[2 * k :]
+        k, name = self.k, self.logged_loss
+        loss, agree, n = sums[:k], sums[k : 2 * k], sums[2 * k :]
         for d in range(k):
-            logs[f"kl_d{d + 1}"] = kl[d] / max(n[d], 1.0)
+            logs[f"{name}_d{d + 1}"] = loss[d] / max(n[d], 1.0)
             logs[f"top1_d{d + 1}"] = agree[d] / max(n[d], 1.0)
-        logs["kl"] = sum(kl) / max(sum(n), 1.0)
+        logs[name] = sum(loss) / max(sum(n), 1.0)
         logs["top1"] = sum(agree) / max(sum(n), 1.0)
 
 
