@@ -378,7 +378,8 @@ def plan(recipe: Recipe, out: Path) -> Plan:
     else:
         # a draft vocabulary the recipe reduces to more ids than the tiny one has (32,000 of Llama-3's 128,256): the
         # tiny target keeps SmolLM2's whole tokenizer, so the recipe's draft shape is kept
-        drafted = max((base.get("draft") or {}).get("vocab_size") or 0, (base.get("heads") or {}).get("draft_vocab_size") or 0)
+        drafted = max((base.get("draft") or {}).get("vocab_size") or 0,
+                      (base.get("heads") or {}).get("draft_vocab_size") or 0)
         model = _model_swap("model", "model", recipe.model, work, saved, layers,
                             TINY_VOCAB if drafted <= TINY_VOCAB else None)
     data: list[str] = []

@@ -218,7 +218,7 @@ def _build_once(out: Path, complete, build) -> Path:
 def _dequantize(cfg: ModelConfig, out: Path) -> None:
     d, f = _gguf_location(cfg)
     log.info("dequantizing %s once into %s", d / f, out)
-    tok = AutoTokenizer.from_pretrained(d, gguf_file=f)
+    tok = AutoTokenizer.from_pretrained(_gguf_tokenizer_dir(cfg))  # read from the file once, whoever asked first
     gguf_model = AutoModelForCausalLM.from_pretrained(d, gguf_file=f, dtype=torch.float32)
     # a model loaded from GGUF refuses save_pretrained; copy its dequantized weights into a plain one
     config = gguf_model.config

@@ -4,8 +4,8 @@ FIRP projections) on the target's own greedy completions, plus its held-out eval
 The trainer's model is the drafter (a plain ``nn.Module``); the target ("base") is frozen, kept outside the
 optimizer and the DeepSpeed engine (as DraftTrainer's teacher) and moved to the args' device. Each sample is
 ``prompt + completion[:-1]`` (:class:`~pardec.training.completions.CompletionDataset`, cut from the left to
-``max_length``), right-padded by :class:`~pardec.training.heads.batches.RightPadCollator`: pads sit at the end, so no real token and no pseudo
-state ever attends to one and no key mask is needed.
+``max_length``), right-padded by :class:`~pardec.training.heads.batches.RightPadCollator`: pads sit at the end, so
+no real token and no pseudo state ever attends to one and no key mask is needed.
 
 Loss (soft targets, temperature 1): for depth ``k`` (0-based) and position ``t``, a KL divergence between
 ``p_{t+k+1}``, the base's next-token distribution at position ``t + k + 1`` (detached), and ``q_{t,k}``, head ``k``
