@@ -46,13 +46,12 @@ def main() -> None:
     import hydra
     from hydra.core.hydra_config import HydraConfig
 
-    from pardec.config import check_overrides, exit_with_error, launcher_argv
+    from pardec.config import exit_with_error, hydra_errors_in_one_line, launcher_argv
 
     sys.argv[1:] = launcher_argv(sys.argv[1:])  # the deepspeed launcher's --local_rank=N
 
     try:
         check_launch(sys.argv[1:])  # several ranks: one run dir for all
-        check_overrides(sys.argv[1:], "evaluate")
     except ConfigError as e:
         exit_with_error(e)
 
@@ -64,4 +63,8 @@ def main() -> None:
             exit_with_error(e)
         return summary.get("speedup")
 
-    _app()
+    try:
+        with hydra_errors_in_one_line():
+            _app()
+    except ConfigError as e:
+        exit_with_error(e)

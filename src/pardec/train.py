@@ -157,13 +157,12 @@ def main() -> None:
     import hydra
     from hydra.core.hydra_config import HydraConfig
 
-    from pardec.config import check_overrides, exit_with_error, launcher_argv
+    from pardec.config import exit_with_error, hydra_errors_in_one_line, launcher_argv
 
     argv = launcher_argv(sys.argv[1:])
     sys.argv[1:] = argv
     try:
         check_old_spellings(argv)
-        check_overrides(argv, "train")
     except ConfigError as e:
         exit_with_error(e)
 
@@ -174,4 +173,8 @@ def main() -> None:
         except (ConfigError, KeyError, FileNotFoundError, FileExistsError, ValueError) as e:
             exit_with_error(e)
 
-    _app()
+    try:
+        with hydra_errors_in_one_line():
+            _app()
+    except ConfigError as e:
+        exit_with_error(e)

@@ -1,9 +1,12 @@
-"""The command line's config errors: Hydra's overrides checked in one line (:func:`check_overrides`) and a user error
+"""The command line's config errors: what Hydra refuses in one line (:func:`hydra_errors_in_one_line`) and a user error
 printed as one line with exit status 2 (:func:`exit_with_error`)."""
 
 from __future__ import annotations
 
+import os
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import NoReturn
 
 from pardec.config.checks import ConfigError
@@ -16,21 +19,20 @@ def exit_with_error(e: Exception) -> NoReturn:
     sys.exit(2)
 
 
-def check_overrides(argv: list[str], config_name: str) -> None:
-    """Compose ``config_name`` with the command line's overrides as Hydra is about to, so that what Hydra would
-    refuse (a config group option that does not exist, a key the config lacks, a malformed override) fails in
-    one line naming it, listing the valid options (Hydra's own messages span many lines and suggest a stack
-    trace). A command line with flags (``-m``, ``--cfg``, ...) is left to Hydra."""
-    if any(a.startswith("-") for a in argv):
-        return
-    from hydra import compose, initialize_config_dir
+@contextmanager
+def hydra_errors_in_one_line() -> Iterator[None]:
+    """Around a Hydra app (``@hydra.main``) or a ``compose``: what Hydra refuses while composing (a config group
+    option that does not exist, a key the config lacks, a malformed override, a sweep without ``-m``) raises a
+    :class:`ConfigError` in one line naming it and listing the valid options, where Hydra's own messages span many
+    lines and suggest a stack trace. The app's composition is the check: no second one before it (a composition
+    costs ~0.25 s). An error a Hydra app raises passes through (HYDRA_FULL_ERROR is set meanwhile), so the app's own
+    unexpected errors show their whole traceback."""
     from hydra.errors import HydraException, MissingConfigException
 
-    from pardec import CONF_DIR
-
+    before = os.environ.get("HYDRA_FULL_ERROR")
+    os.environ["HYDRA_FULL_ERROR"] = "1"
     try:
-        with initialize_config_dir(str(CONF_DIR), version_base="1.3"):
-            compose(config_name, overrides=list(argv))
+        yield
     except MissingConfigException as e:
         group, _, option = (e.missing_cfg_file or "").rpartition("/")
         if group and e.options:
@@ -40,3 +42,19 @@ def check_overrides(argv: list[str], config_name: str) -> None:
         where = f"override {e.override!r}: " if getattr(e, "override", None) else ""  # a parse error names no key
         cause = f" ({str(e.__cause__).splitlines()[0]})" if e.__cause__ else ""
         raise ConfigError(where + " ".join(str(e).split()) + cause) from None
+    finally:
+        if before is None:
+            os.environ.pop("HYDRA_FULL_ERROR", None)
+        else:
+            os.environ["HYDRA_FULL_ERROR"] = before
+
+
+def check_overrides(argv: list[str], config_name: str) -> None:
+    """Compose ``config_name`` with the overrides ``argv`` as Hydra would, raising what it would refuse as one
+    :class:`ConfigError` line (:func:`hydra_errors_in_one_line`)."""
+    from hydra import compose, initialize_config_dir
+
+    from pardec import CONF_DIR
+
+    with hydra_errors_in_one_line(), initialize_config_dir(str(CONF_DIR), version_base="1.3"):
+        compose(config_name, overrides=list(argv))
