@@ -48,17 +48,18 @@ demo: setup  ## pld (+ sps with the distilled draft if trained) vs ar and HF gen
 	$(BIN)/python -m pardec.demo
 
 # two pytest-xdist workers, one torch thread each (tests/conftest.py): tiny models are overhead-bound, so two
-# processes finish ~1.8x sooner than one process with two threads. Bytecode writing is on for the tests (whatever
+# processes finish ~1.8x sooner than one process with two threads. Tests run one at a time wherever a worker is free,
+# except the TorchInductor-compiling ones: one worker runs those in turn (tests/models/forward/test_compiled.py). Bytecode writing is on for the tests (whatever
 # PYTHONDONTWRITEBYTECODE says): setup compiled only what pardec imports, and each process the tests start
 # would otherwise compile the rest again (into __pycache__/, which git ignores)
-PYTEST := PYTHONDONTWRITEBYTECODE= $(BIN)/python -m pytest -q -n 2 --dist worksteal --durations=15
+PYTEST := PYTHONDONTWRITEBYTECODE= $(BIN)/python -m pytest -q -n 2 --dist loadgroup --durations=15
 test: setup  ## every test but the decoders' chi-square runs (CPU, offline; see docs/reference.md#test-suite-time)
 	$(PYTEST) -m "not stat" $(PYTEST_ARGS)
 
 test-stat: setup  ## the decoders' distribution tests: thousands of sampled decodes per case, chi-square against the exact joint (6 min on 2 cores; CI runs it)
 	$(PYTEST) -m stat $(PYTEST_ARGS)
 
-test-fast: setup  ## the fast tier for iteration: every test not marked slow or stat (~4 min on 2 cores)
+test-fast: setup  ## the fast tier for iteration: every test not marked slow or stat (~2.5 min on 2 cores)
 	$(PYTEST) -m "not slow and not stat" $(PYTEST_ARGS)
 
 gpu-smoke: setup  ## on a CUDA machine: every method fp32/bf16 (exactness, tokens/forward, speed vs ar), 2 steps of every kind, 2-GPU sharded evaluate

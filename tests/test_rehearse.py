@@ -39,6 +39,7 @@ def test_a_bad_name_is_one_line_listing_the_valid_ones(capsys):
     assert "\n" not in msg and "cllm_gsm9k" in msg and all(n in msg for n in NAMES)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", NAMES)
 def test_the_rehearsal_changes_only_model_device_data_and_sizes(name, tmp_path):
     """The rehearsal's composed config equals the recipe's except at SWAP_KEYS; the trainer (DeepSpeed stage,

@@ -40,6 +40,7 @@ def test_subcommand_help_names_its_own_prog(capsys):
         assert f"usage: python -m {package} {name}" in capsys.readouterr().out
 
 
+@pytest.mark.slow
 def test_cost_measures_and_prints_the_table_of_a_tiny_model(capsys, tmp_path):
     got = dispatch("pardec.bench", "", BENCH, ["cost", "--model", "tiny_random", "--dtypes", "fp32", "--tokens",
                                               "1,3", "--repeats", "1", "--context", "8", "--threads", "1",

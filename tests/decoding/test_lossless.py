@@ -67,7 +67,7 @@ SEED_FORWARD = {0: "hf", 1: "lean", 2: "lean"}
 
 
 @pytest.mark.parametrize("seed", [0, pytest.param(1, marks=pytest.mark.slow), pytest.param(2, marks=pytest.mark.slow)])
-@pytest.mark.parametrize("prompt", list(PROMPTS))
+@pytest.mark.parametrize("prompt", [p if p == "short" else pytest.param(p, marks=pytest.mark.slow) for p in PROMPTS])
 @pytest.mark.parametrize("method", [m for m in LOSSLESS if m != "ar"])
 def test_lossless_equals_ar(method, prompt, seed, monkeypatch):
     monkeypatch.setattr(CachedModel, "default_forward_impl", SEED_FORWARD[seed])

@@ -51,6 +51,7 @@ def test_kseq_factor_is_one_when_draft_equals_target():
     assert kseq_factor(p, p.clone(), 4) == 1.0
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("m", [2, 4])
 def test_kseq_samples_the_target(m):
     p, q = _pq(3, v=5)

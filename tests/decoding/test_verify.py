@@ -51,6 +51,7 @@ def _two_tokens_chain(tp, dp, s, gen, k, use_q):
     return tuple(out[:2])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("setting", list(SETTINGS))
 @pytest.mark.parametrize("use_q", [True, False])
 def test_chain_speculative_sampling_is_exact_in_distribution(setting, use_q):
@@ -135,6 +136,7 @@ def _two_tokens_tree(tp, dp, s, gen, stochastic: bool):
     return tuple(out[:2])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("setting", list(SETTINGS))
 @pytest.mark.parametrize("stochastic", [True, False])
 def test_tree_recursive_rejection_is_exact_in_distribution(setting, stochastic):

@@ -389,6 +389,7 @@ def test_whole_rounds_read_the_host_once(method, s):
     assert vc.async_copies["to cpu"] >= res.target_forwards  # the finiteness flags, without a wait
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("s", [GREEDY, SAMPLED], ids=["greedy", "sampled"])
 def test_ouroboros_reads_the_host_once_per_forward_of_either_model(s):
     """Ouroboros drafts with the draft's own lookahead window and pool, a verification per draft forward, then one
@@ -407,7 +408,7 @@ def test_ouroboros_reads_the_host_once_per_forward_of_either_model(s):
     assert reads <= res.target_forwards + res.draft_forwards + 2, dict(vc.syncs)
 
 
-@pytest.mark.parametrize("s", [GREEDY, SAMPLED], ids=["greedy", "sampled"])
+@pytest.mark.parametrize("s", [pytest.param(GREEDY, id="greedy"), pytest.param(SAMPLED, id="sampled", marks=pytest.mark.slow)])
 @pytest.mark.parametrize("method,per_target,per_draft", [
     ("jacobi", 1, 0),  # the next guesses ride on the verification's read (before: 1.94 per forward)
     ("mjgd", 0.5, 0),  # one read per beam search of K target forwards (before: 2.94, then 1 per beam step)
@@ -477,6 +478,7 @@ def test_confirm_keeps_accepted_proposals_as_host_values_and_drops_the_rest():
 
 @pytest.mark.parametrize("method", ["ar", "pld", "sps", "lookahead", "jacobi", "medusa", "firp", "sdsat", "mjsd",
                                     "mjgd", "spectr", "bild", "ouroboros", "eagle", "dflash"])
+@pytest.mark.slow
 def test_no_blocking_upload_per_step(method):
     """Host tensors reach the device through pinned memory without blocking (``pardec.models.cached.to_device``):
     a plain upload from pageable memory makes the host wait for the stream, which the H200 smoke counted as one to

@@ -26,7 +26,7 @@ def _generate(method: str, sampling: SamplingConfig, n: int = 20, model=None, **
     return dec.generate(ids, n, Stopper(lm.tokenizer), sampling)
 
 
-@pytest.mark.parametrize("sampling", list(SAMPLINGS))
+@pytest.mark.parametrize("sampling", ["greedy", pytest.param("sampled", marks=pytest.mark.slow)])
 @pytest.mark.parametrize("method", METHODS.names())
 def test_decoder_runs_on_cuda(method, sampling):
     s = SAMPLINGS[sampling]
@@ -50,7 +50,8 @@ def test_draft_and_target_on_different_gpus():
     assert on_cuda.tokens == on_cpu.tokens
 
 
-@pytest.mark.parametrize("method", ["jacobi", "lookahead", "ouroboros", "medusa", "firp", "sdsat"])
+@pytest.mark.parametrize("method", ["jacobi", "lookahead", pytest.param("ouroboros", marks=pytest.mark.slow), "medusa",
+                                    "firp", "sdsat"])
 def test_decoder_runs_on_a_target_split_over_two_gpus(method):
     """``model.device_map=auto`` splits a big target over GPUs (layer 0 on cuda:0, layer 1 and the head on cuda:1
     here): tree masks, logits_at, drafter heads and cache compaction must follow each layer's device."""

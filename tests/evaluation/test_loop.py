@@ -44,6 +44,7 @@ def test_end_to_end_run_writes_results_and_summary(tmp_path):
     assert (saved["kv_cache"], saved["forward_impl"]) == ("preallocated", "lean") and saved["int8_recipe"] is None
 
 
+@pytest.mark.slow
 def test_an_int8_run_says_how_its_int8_model_was_built_and_fp32_scores_it(tmp_path, monkeypatch):
     import pardec.metrics.perplexity as ppl_mod
     from pardec.models.quant.int8 import is_int8
@@ -67,6 +68,7 @@ def test_an_int8_run_says_how_its_int8_model_was_built_and_fp32_scores_it(tmp_pa
     assert plain["perplexity_scorer"] == "tiny_random fp32" and scorers  # fp32 runs: the target itself
 
 
+@pytest.mark.slow
 def test_a_run_on_the_lean_forward_equals_generate_and_says_so(tmp_path):
     summary = run(cfg_of("+method=pld", "bench.include_hf=true", "forward_impl=lean", *TINY), tmp_path)
     assert summary["forward_impl"] == "lean" and summary["exact_match_rate"] == 1.0
@@ -186,6 +188,7 @@ def test_empty_dataset_is_an_error_before_any_model_loads(tmp_path, monkeypatch)
     assert not (tmp_path / "run").exists()  # nothing written
 
 
+@pytest.mark.slow
 def test_the_warm_up_leaves_no_state_in_the_timed_decoders(tmp_path):
     """The warm-up generates on the first timed prompt; Ouroboros's warm_start pool (kept across prompts) must not
     start the timed run with what it harvested there: the records equal those of a run without a warm-up."""
@@ -199,6 +202,7 @@ def test_the_warm_up_leaves_no_state_in_the_timed_decoders(tmp_path):
     assert warm == cold  # before the fix the warm run's first prompt drafted from phrases of its own warm-up
 
 
+@pytest.mark.slow
 def test_repeats_of_a_prompt_start_from_the_same_carried_state(tmp_path):
     """Ouroboros's warm_start pool is carried across prompts: every repeat of a prompt starts from the pool before its
     first repeat (not from one holding the prompt's own phrases), and the next prompt continues from the pool after
@@ -315,6 +319,7 @@ def test_the_summary_says_whether_bf16_linears_ran_prepacked(tmp_path):
     assert off["prepacked_linears"] == {"target": False, "draft": None}
 
 
+@pytest.mark.slow
 def test_a_run_uses_its_own_forwards_cost_table_and_says_which(tmp_path, monkeypatch):
     """A lean forward's table pads a lean run and feeds ``pld``'s cost-aware draft length; another forward's table
     at the same precision does not; the summary names the table."""

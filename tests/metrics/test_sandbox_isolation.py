@@ -30,6 +30,7 @@ def victim():
     p.wait()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", list(ATTACKS))
 def test_adversarial_program_is_contained_and_fails(name, victim, tmp_path):
     if ATTACKS[name][1] and not ISOLATED:

@@ -13,6 +13,7 @@ def db(tmp_path_factory):
     return make_db(tmp_path_factory.mktemp("sqlattack") / "a.db")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", list(SQL_ATTACKS))
 def test_query_stays_within_time_and_memory_limits(db, name):
     ok, what = run_sql_attack(sql.execute, db, name, timeout_s=1.0, grace_s=sql.STARTUP_S + 0.5)

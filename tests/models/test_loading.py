@@ -123,6 +123,7 @@ def test_a_vocab_too_small_for_the_alphabet_is_refused(tmp_path):
         cut_tokenizer(tiny(0).tokenizer, 100, tmp_path / "t")
 
 
+@pytest.mark.slow
 def test_a_gguf_tokenizer_alone_is_read_once_without_dequantizing_the_weights(tmp_path):
     from dataclasses import replace
 

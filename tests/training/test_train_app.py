@@ -54,6 +54,7 @@ def _available(name: str) -> bool:
     return all((CONF_DIR / g.strip() / f"{o.strip()}.yaml").is_file() for g, o in groups)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", experiments())
 def test_every_experiment_validates(name):
     if not _available(name):

@@ -42,6 +42,7 @@ def test_rows_equal_one_row_steps_bitwise_with_per_token_int8_and_equal_sdpa_up_
     assert torch.allclose(together, ref, atol=1e-3 if dtype == "int8" else 1e-5, rtol=0)
 
 
+@pytest.mark.slow
 def test_every_lossless_method_equals_int8_ar_bitwise():
     """Trees included (Medusa, lookahead, FIRP: a node attends to the prefix and its ancestors, gathered in cache
     order, the keys its one-row step would see)."""

@@ -110,6 +110,7 @@ def assert_lossless_under(impl, methods, drafts) -> None:
         CachedModel.default_forward_impl = saved
 
 
+@pytest.mark.slow
 def test_every_lossless_method_under_lean_reproduces_ar_and_hf_generate():
     """The decoders on the lean forward (target and draft): every lossless method's tokens equal lean `ar`'s,
     which equal transformers' own generate() and `ar` on the HF forward."""

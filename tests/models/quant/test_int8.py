@@ -256,6 +256,7 @@ def test_int8_linears_are_not_batch_invariant():
         assert torch.equal(lin(x[:1].repeat(4, 1))[:1], lin(x[:1]))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("scheme", ["weight_only", "per_token"])
 def test_weight_only_and_per_token_int8_linears_are_batch_invariant(scheme):
     """weight_only quantizes no activation, per_token quantizes each row with its own scale: either way a linear's

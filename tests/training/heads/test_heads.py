@@ -239,6 +239,7 @@ def test_resume_continues_from_the_checkpoint(tmp_path, name, kind, layers):
         torch.testing.assert_close(x, y, rtol=1e-5, atol=1e-6, msg=name)
 
 
+@pytest.mark.slow
 def test_config_errors(tmp_path):
     cases = [
         ("heads_medusa_tiny", ["heads.type=eagle"], r"heads.type='eagle' is not valid; choose one of: medusa, firp"),

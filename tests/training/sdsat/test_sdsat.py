@@ -194,6 +194,7 @@ def test_lora_trains_the_adaptive_rows_and_merges(tmp_path):
     assert any("proj" in k for k in changed) and "lm_head.weight" not in changed
 
 
+@pytest.mark.slow
 def test_bad_input_is_refused_before_any_model_loads(tmp_path, monkeypatch):
     import pardec.models.loading as loading
 
