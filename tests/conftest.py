@@ -37,7 +37,11 @@ VOCAB = ModelConfig().vocab
 
 @functools.cache
 def tiny(seed: int = 0, dtype: str = "fp32", layers: int = 2) -> LoadedModel:
-    return load_model(ModelConfig(name="tiny_random", source="tiny_random", seed=seed, dtype=dtype, layers=layers))
+    """A tiny random Llama, built once per process and shared by every test that asks for it: built outside inference
+    mode even when the first caller runs inside it, so that a later test may train through its weights (autograd
+    refuses inference tensors)."""
+    with torch.inference_mode(False):
+        return load_model(ModelConfig(name="tiny_random", source="tiny_random", seed=seed, dtype=dtype, layers=layers))
 
 
 #: torch threads per test: the machine's two cores, or one each when pytest-xdist runs two workers (``-n 2``)
@@ -60,9 +64,10 @@ def noisy(seed: int = 0, scale: float = 0.3, noise_seed: int = 123) -> torch.nn.
     that agrees with the target often but not always."""
     import copy
 
-    model = copy.deepcopy(tiny(seed).model)
+    with torch.inference_mode(False):  # shared as tiny() is
+        model = copy.deepcopy(tiny(seed).model)
     g = torch.Generator().manual_seed(noise_seed)
-    with torch.no_grad():
+    with torch.inference_mode(False), torch.no_grad():
         for w in model.parameters():
             std = float(w.std()) if w.numel() > 1 else 0.0
             w.add_(torch.randn(w.shape, generator=g) * std * scale)

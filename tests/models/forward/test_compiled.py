@@ -14,11 +14,8 @@ from tests.conftest import tiny
 from tests.models.forward.test_lean import _close, _script, assert_lossless_under
 
 #: the marks of a test that compiles with TorchInductor: it generates C++ on the CPU (without a compiler the feature
-#: refuses, tested below, and these cannot run), and compiling takes tens of seconds a test (the slow tier). They run
-#: one after another on one pytest-xdist worker (``--dist loadgroup``): on a fresh machine, where no compiled graph
-#: is cached yet, two workers compiling at once took ~370 worker-seconds for what one does in ~250 (each compiled
-#: the graphs the other was compiling too)
-COMPILES = (pytest.mark.slow, pytest.mark.xdist_group("inductor"),
+#: refuses, tested below, and these cannot run), and compiling takes tens of seconds a test (the slow tier)
+COMPILES = (pytest.mark.slow,
             pytest.mark.skipif(not any(compiled.shutil.which(c) for c in ("c++", "g++", "clang++")),
                                reason="no C++ compiler on PATH: forward_impl=compiled refuses to run here"))
 
