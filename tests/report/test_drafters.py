@@ -107,3 +107,41 @@ def test_report_puts_sdsat_runs_side_by_side(tmp_path):
     assert sum(line.startswith("| h |") for line in md.splitlines()) == 1 and "held-out agreement" not in md
     assert (tmp_path / "r" / "sdsat_curves.png").stat().st_size > 1000
     assert (tmp_path / "r" / "draft_curves.png").stat().st_size > 1000  # the heads run's curves
+
+
+def _chain_run(root: Path, kind: str, expected: float) -> Path:
+    """A run of a chain drafter as training leaves it: EAGLE-3 logs ``kl``, DFlash ``ce``; ``heads_eval.json`` as
+    :func:`pardec.training.heads.trainer.evaluate_chain` writes it."""
+    root.mkdir(parents=True)
+    loss = "kl" if kind == "eagle3" else "ce"
+    hist = [{"step": s, "loss": 4.0 / s, loss: 4.0 / s, "top1": 0.1 * s} for s in (1, 2)]
+    (root / "log_history.json").write_text(json.dumps(hist + [{"step": 2, "train_runtime": 30.0}]))
+    (root / "train_summary.json").write_text(json.dumps({"stage": "eval", "train": {
+        "samples": 400, "corpus_fraction": 1.0, "steps": 2, "train_seconds": 180.0}}))
+
+    def part(scale):
+        return {"steps": 3, "top1_agreement": [0.6 * scale, 0.4 * scale, 0.3 * scale],
+                "chain_acceptance": [0.5 * scale, 0.3 * scale, 0.2 * scale],
+                "expected_tokens_per_forward": 1 + scale}
+    (root / "heads_eval.json").write_text(json.dumps({
+        "kind": kind, "steps": 3, "per_dataset": {"gsm8k": part(1.0), "mt_bench": part(0.5)},
+        "overall": {**part(0.8), "expected_tokens_per_forward": expected}, "expected_tokens_per_forward": expected}))
+    return root
+
+
+def test_report_puts_eagle3_and_dflash_runs_beside_heads_runs(tmp_path):
+    e, d = _chain_run(tmp_path / "e", "eagle3", 1.74), _chain_run(tmp_path / "d", "dflash", 1.13)
+    h = _heads_run(tmp_path / "h", 1.0, 0.4)
+    argv = ["--run", f"e={e}", "--run", f"d={d}", "--run", f"h={h}", "--out", str(tmp_path / "r")]
+    assert draft_report.main(argv) == 0
+    md = (tmp_path / "r" / "report.md").read_text()
+    assert ("| run | kind | samples | corpus fraction | steps | train min | last logged kl / ce | last logged top-1 | "
+            "held-out top-1 position 1 | held-out top-1 position 2 | held-out top-1 position 3 | chain acceptance "
+            "position 1 | chain acceptance position 2 | chain acceptance position 3 | expected tokens/forward | "
+            "expected tokens/forward gsm8k | expected tokens/forward mt_bench |") in md
+    lines = md.splitlines()
+    assert ("| e | eagle3 | 400 | 1.000 | 2 | 3.0 | 2.000 | 0.200 | 0.480 | 0.320 | 0.240 | 0.400 | 0.240 | 0.160 | "
+            "1.740 | 2.000 | 1.500 |") in lines
+    assert "| d | dflash | 400 | 1.000 | 2 | 3.0 | 2.000 | 0.200 |" in next(x for x in lines if x.startswith("| d |"))
+    assert sum(x.startswith("| h |") for x in lines) == 1 and "expected tokens/step T16" in md  # the trees' table
+    assert (tmp_path / "r" / "draft_curves.png").stat().st_size > 1000  # DFlash's ce in the KL panel

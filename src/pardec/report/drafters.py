@@ -11,11 +11,12 @@ Per run: its logged steps (``log_history.json``, else the newest checkpoint's st
 (``train_summary.json`` of the train stage: samples, corpus fraction, steps, seconds) when there is one, and its
 held-out evaluation: a draft's ``draft_eval.json`` (teacher-forced top-1 agreement and expected acceptance at
 temperature 1, 1 - TVD, per held-out dataset; forward cost vs the target), or a drafter's ``heads_eval.json``
-(top-1 / top-5 per depth, expected tokens per step of the chain and the searched trees), or an SDSAT model's
+(Medusa / FIRP: top-1 / top-5 per depth, expected tokens per step of the chain and the searched trees; EAGLE-3 /
+DFlash: top-1 agreement and chain acceptance per draft position, expected tokens per target forward), or an SDSAT model's
 ``sdsat_eval.json`` (held-out perplexity against the base per source, the adaptive token's top-1 against the
 model's own greedy token per depth, expected tokens per two-step loop). Writes ``report.md``, ``report.json``,
 ``draft_curves.png`` (KL and top-1 agreement on the training batches against the optimizer step; a heads run logs
-the mean over its depths) and, for SDSAT runs, ``sdsat_curves.png`` (plain and masked losses).
+the mean over its depths, a DFlash run its cross-entropy in place of the KL) and, for SDSAT runs, ``sdsat_curves.png`` (plain and masked losses).
 """
 
 from __future__ import annotations
@@ -32,7 +33,8 @@ import matplotlib.pyplot as plt  # noqa: E402
 from pardec.report.markdown import markdown_table  # noqa: E402
 from pardec.report.runs import log_history, save_figure  # noqa: E402
 
-CURVES = {"kl": "KL(target || draft), nats", "agreement": "top-1 agreement (training batches)"}
+CURVES = {"kl": "KL(target || draft) (DFlash: CE to the label), nats",
+          "agreement": "top-1 agreement (training batches)"}
 SDSAT_CURVES = {"plain_loss": "plain loss (ordinary tokens), nats", "masked_loss": "masked loss (adaptive tokens), nats"}
 SDSAT_DEPTHS = 3  # adaptive-token depths in the table
 
@@ -55,8 +57,9 @@ def _fmt(x, digits: int = 3) -> str:
 
 
 def _markdown(head: list[str], rows: list[list]) -> str:
-    """A markdown table; column 4 (train minutes) with one decimal, other floats with three."""
-    return markdown_table(head, [[_fmt(x, 1 if i == 4 else 3) for i, x in enumerate(row)] for row in rows]) + "\n"
+    """A markdown table; the train minutes with one decimal, other floats with three."""
+    minutes = head.index("train min")
+    return markdown_table(head, [[_fmt(x, 1 if i == minutes else 3) for i, x in enumerate(row)] for row in rows]) + "\n"
 
 
 def table(runs: dict[str, dict]) -> str:
@@ -99,6 +102,34 @@ def heads_table(runs: dict[str, dict]) -> str:
     return _markdown(head, rows)
 
 
+def chain_table(runs: dict[str, dict]) -> str:
+    """EAGLE-3 / DFlash runs (a ``heads_eval.json`` of a chain drafter: :func:`pardec.training.heads.trainer.
+    evaluate_chain`): held-out top-1 agreement and chain acceptance per draft position, expected tokens per target
+    forward pooled and per held-out dataset. Their logged loss is the KL (EAGLE-3) or the cross-entropy (DFlash)."""
+    depth = max(r["heads_eval"]["steps"] for r in runs.values())
+    datasets = sorted({d for r in runs.values() for d in r["heads_eval"].get("per_dataset", {})})
+    head = ["run", "kind", "samples", "corpus fraction", "steps", "train min", "last logged kl / ce",
+            "last logged top-1", *[f"held-out top-1 position {d + 1}" for d in range(depth)],
+            *[f"chain acceptance position {d + 1}" for d in range(depth)], "expected tokens/forward",
+            *[f"expected tokens/forward {d}" for d in datasets]]
+    rows = []
+    for label, r in runs.items():
+        t, e, last = r["train"] or {}, r["heads_eval"], (r["history"] or [{}])[-1]
+        o, secs = e["overall"], t.get("train_seconds")
+        rows.append([label, e["kind"], t.get("samples"), t.get("corpus_fraction"), t.get("steps") or last.get("step"),
+                     None if secs is None else secs / 60, last.get("kl", last.get("ce")), last.get("top1"),
+                     *[o["top1_agreement"][d] if d < len(o["top1_agreement"]) else None for d in range(depth)],
+                     *[o["chain_acceptance"][d] if d < len(o["chain_acceptance"]) else None for d in range(depth)],
+                     o["expected_tokens_per_forward"],
+                     *[e["per_dataset"].get(d, {}).get("expected_tokens_per_forward") for d in datasets]])
+    return _markdown(head, rows)
+
+
+def _chain_drafter(run: dict) -> bool:
+    """A run whose ``heads_eval.json`` measured a chain drafter (EAGLE-3, DFlash) rather than trees of heads."""
+    return "trees" not in run["heads_eval"] and "chain_acceptance" in run["heads_eval"].get("overall", {})
+
+
 def sdsat_table(runs: dict[str, dict]) -> str:
     """SDSAT runs (each with an ``sdsat_eval.json``): held-out perplexity ratio (trained / base) per source and
     overall, the adaptive token's top-1 against the model's greedy token at the first depths, expected tokens per
@@ -123,13 +154,15 @@ def sdsat_table(runs: dict[str, dict]) -> str:
 def plot(runs: dict[str, dict], path: Path, curves: dict[str, str] = CURVES) -> bool:
     """``curves`` (logged key -> axis label) against the optimizer step, one panel each; False when no run logged
     any of them."""
-    keys = set(curves) | ({"top1"} if "agreement" in curves else set())  # a heads run logs top1 for agreement
+    keys = set(curves) | ({"top1"} if "agreement" in curves else set()) | ({"ce"} if "kl" in curves else set())
     if not any(k in h for r in runs.values() for h in r["history"] for k in keys):
         return False
     fig, axes = plt.subplots(1, len(curves), figsize=(5 * len(curves), 3.6))
     for ax, (key, ylabel) in zip(axes, curves.items()):
         for label, r in runs.items():
             name = "top1" if key == "agreement" and r.get("heads_eval") else key  # a heads run's mean top-1
+            if key == "kl" and not any("kl" in h for h in r["history"]):
+                name = "ce"  # DFlash logs its cross-entropy to the label instead
             pts = [(h["step"], float(h[name])) for h in r["history"] if name in h]
             if pts:
                 ax.plot(*zip(*pts), label=label)
@@ -151,10 +184,12 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
             ap.error(f"--run {item!r}: give LABEL=DIR with an existing run directory")
         runs[label] = read_run(Path(path))
     a.out.mkdir(parents=True, exist_ok=True)
-    heads = {k: r for k, r in runs.items() if r["heads_eval"]}
-    sdsat = {k: r for k, r in runs.items() if r["sdsat_eval"] and k not in heads}
-    drafts = {k: r for k, r in runs.items() if k not in heads and k not in sdsat}
-    tables = [f(group) for f, group in ((table, drafts), (heads_table, heads), (sdsat_table, sdsat)) if group]
+    chains = {k: r for k, r in runs.items() if r["heads_eval"] and _chain_drafter(r)}
+    heads = {k: r for k, r in runs.items() if r["heads_eval"] and k not in chains}
+    sdsat = {k: r for k, r in runs.items() if r["sdsat_eval"] and k not in heads and k not in chains}
+    drafts = {k: r for k, r in runs.items() if k not in heads and k not in chains and k not in sdsat}
+    tables = [f(group) for f, group in ((table, drafts), (heads_table, heads), (chain_table, chains),
+                                        (sdsat_table, sdsat)) if group]
     md = "\n".join(tables)
     if plot({k: r for k, r in runs.items() if k not in sdsat}, a.out / "draft_curves.png"):
         md += "\n![training curves](draft_curves.png)\n"
