@@ -55,7 +55,7 @@ from transformers import PreTrainedModel
 from pardec.models import forward as forwards
 from pardec.models.cache import new_cache, to_device
 from pardec.models.compat import cache_kw, output_cache
-from pardec.models.forward.lean import captured
+from pardec.models.forward.lean import captured, capturing
 from pardec.models.masks import additive_mask, allowed, padded
 from pardec.models.tokens import TokenLog
 
@@ -265,23 +265,11 @@ class CachedModel:
     def _transformers(self, ids, positions, kwargs, capture: tuple[int, ...] | None
                       ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The forward's logits through transformers' ``model(...)``, and the hidden states ``capture`` asks for
-        (hooks; :func:`~pardec.models.forward.lean.captured`'s layout)."""
-        seen: dict[int, torch.Tensor] = {}
-        hooks = []
-        for i in capture or ():
-            if i == self.num_layers:
-                hooks.append(self.inner().norm.register_forward_hook(
-                    lambda _m, _args, out, i=i: seen.__setitem__(i, out)))
-            else:
-                hooks.append(self._layer(i).register_forward_pre_hook(
-                    lambda _m, args, kw, i=i: seen.__setitem__(i, args[0] if args else kw["hidden_states"]),
-                    with_kwargs=True))
-        try:
+        (:func:`~pardec.models.forward.lean.capturing`'s hooks, :func:`~pardec.models.forward.lean.captured`'s
+        layout)."""
+        with capturing(self.inner() if capture else None, capture) as seen:
             out = self.model(input_ids=ids, position_ids=positions, **cache_kw(self.model, self.cache),
                              use_cache=True, **kwargs)
-        finally:
-            for hook in hooks:
-                hook.remove()
         self.cache = output_cache(out)
         if capture is None:
             return out.logits, None

@@ -283,3 +283,22 @@ def test_config_errors(tmp_path):
                                               r"\[2, 49152\] \(the target smollm2_135m's vocabulary\)"):
             validate(_compose(["+experiment=eagle3_smollm2", "heads.draft_vocab_size=60000",
                                f"paths.data_dir={tmp_path}/data", f"paths.output_dir={tmp_path}/out"]))
+
+
+def test_the_target_pass_keeps_only_the_chosen_layers_states():
+    """target_pass's features (hooks) equal transformers' hidden states of the chosen layers, concatenated in their
+    order (the embeddings, a middle layer's input, after the final norm), and no hook outlives the pass."""
+    lm = tiny(0, layers=4)
+    ids = torch.tensor([[4, 8, 15, 16, 23, 42]])
+
+    def hooks():
+        return [(len(m._forward_pre_hooks), len(m._forward_hooks)) for m in lm.model.modules()]
+
+    with torch.no_grad():
+        want = lm.model(input_ids=ids, output_hidden_states=True)  # (transformers may add hooks of its own)
+        before = hooks()
+        for layers in ((0, 2, 4), (3, 1)):
+            tp = target_pass(lm.model, ids, layers)
+            assert torch.equal(tp.features, torch.cat([want.hidden_states[i] for i in layers], -1))
+            assert torch.equal(tp.logits, want.logits)
+    assert hooks() == before

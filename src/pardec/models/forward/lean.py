@@ -25,6 +25,9 @@ that is not an ``nn.Linear`` is called as a module). Anything else is refused in
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -137,6 +140,29 @@ def norm_head(model: nn.Module, h: torch.Tensor, lin=_lin, keep: torch.Tensor | 
     logits = lin(model.lm_head, normed if keep is None else normed[:, keep])
     full = getattr(model, "full_logits", None)
     return normed, (full(logits) if full is not None else logits)
+
+
+@contextmanager
+def capturing(decoder: nn.Module | None, capture: tuple[int, ...] | None) -> Iterator[dict[int, torch.Tensor]]:
+    """While open, a forward of transformers' Llama-style ``decoder`` (``model.model``: ``layers``, ``norm``) records
+    into the yielded dict what :func:`captured` reads: the hidden states entering layer ``i`` for each ``i`` of
+    ``capture`` below the layer count, the final norm's output for ``i`` equal to it (hooks, removed on closing).
+    Unlike ``output_hidden_states=True``, the other layers' states are never kept. Nothing to capture (``capture``
+    None or empty): no hooks, and ``decoder`` is not read (any model)."""
+    seen: dict[int, torch.Tensor] = {}
+    hooks = []
+    for i in capture or ():
+        if i == len(decoder.layers):
+            hooks.append(decoder.norm.register_forward_hook(lambda _m, _args, out, i=i: seen.__setitem__(i, out)))
+        else:
+            hooks.append(decoder.layers[i].register_forward_pre_hook(
+                lambda _m, args, kw, i=i: seen.__setitem__(i, args[0] if args else kw["hidden_states"]),
+                with_kwargs=True))
+    try:
+        yield seen
+    finally:
+        for hook in hooks:
+            hook.remove()
 
 
 def captured(seen: dict[int, torch.Tensor], normed: torch.Tensor, capture: tuple[int, ...], n_layers: int

@@ -39,6 +39,7 @@ from dataclasses import dataclass
 
 import torch
 
+from pardec.models.forward.lean import captured, capturing
 from pardec.training.heads.batches import held_out_windows
 
 
@@ -54,10 +55,14 @@ class TargetPass:
 
 @torch.no_grad()
 def target_pass(base, ids: torch.Tensor, layer_ids) -> TargetPass:
-    """``base``: the target (a causal LM with ``.model.embed_tokens``); right-padded ids need no mask (causal)."""
-    out = base(input_ids=ids, output_hidden_states=True)
-    hs = out.hidden_states  # hs[i]: the state entering layer i (i < L)
-    features = torch.cat([hs[i] for i in layer_ids], dim=-1)
+    """``base``: the target (a causal LM with ``.model.embed_tokens``); right-padded ids need no mask (causal). The
+    features: the states entering each layer of ``layer_ids`` (``L``: after the final norm), concatenated in that
+    order, captured by hooks (:func:`pardec.models.forward.lean.capturing`): only those layers' states are kept, not
+    all ``L + 1`` as ``output_hidden_states`` would (33 of [B, T, 4096] for Llama-3.1-8B)."""
+    layers, n_layers = tuple(int(i) for i in layer_ids), len(base.model.layers)
+    with capturing(base.model, layers) as seen:
+        out = base(input_ids=ids)
+    features = captured(seen, seen.get(n_layers), layers, n_layers)
     return TargetPass(features, out.logits, base.model.embed_tokens(ids))
 
 
