@@ -66,11 +66,11 @@ def noisy(seed: int = 0, scale: float = 0.3, noise_seed: int = 123) -> torch.nn.
 
     with torch.inference_mode(False):  # shared as tiny() is
         model = copy.deepcopy(tiny(seed).model)
-    g = torch.Generator().manual_seed(noise_seed)
-    with torch.inference_mode(False), torch.no_grad():
-        for w in model.parameters():
-            std = float(w.std()) if w.numel() > 1 else 0.0
-            w.add_(torch.randn(w.shape, generator=g) * std * scale)
+        g = torch.Generator().manual_seed(noise_seed)
+        with torch.no_grad():
+            for w in model.parameters():
+                std = float(w.std()) if w.numel() > 1 else 0.0
+                w.add_(torch.randn(w.shape, generator=g) * std * scale)
     return model
 
 

@@ -46,7 +46,7 @@ def main() -> None:
     import hydra
     from hydra.core.hydra_config import HydraConfig
 
-    from pardec.config import exit_with_error, hydra_errors_in_one_line, launcher_argv
+    from pardec.config import exit_with_error, launcher_argv, run_hydra_app
 
     sys.argv[1:] = launcher_argv(sys.argv[1:])  # the deepspeed launcher's --local_rank=N
 
@@ -63,8 +63,4 @@ def main() -> None:
             exit_with_error(e)
         return summary.get("speedup")
 
-    try:
-        with hydra_errors_in_one_line():
-            _app()
-    except ConfigError as e:
-        exit_with_error(e)
+    run_hydra_app(_app)

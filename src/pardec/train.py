@@ -157,7 +157,7 @@ def main() -> None:
     import hydra
     from hydra.core.hydra_config import HydraConfig
 
-    from pardec.config import exit_with_error, hydra_errors_in_one_line, launcher_argv
+    from pardec.config import exit_with_error, launcher_argv, run_hydra_app
 
     argv = launcher_argv(sys.argv[1:])
     sys.argv[1:] = argv
@@ -173,8 +173,4 @@ def main() -> None:
         except (ConfigError, KeyError, FileNotFoundError, FileExistsError, ValueError) as e:
             exit_with_error(e)
 
-    try:
-        with hydra_errors_in_one_line():
-            _app()
-    except ConfigError as e:
-        exit_with_error(e)
+    run_hydra_app(_app)

@@ -18,7 +18,7 @@ from pardec.config.checks import (
     type_hints,
     type_name,
 )
-from pardec.config.cli import check_overrides, exit_with_error, hydra_errors_in_one_line
+from pardec.config.cli import check_overrides, exit_with_error, hydra_errors_in_one_line, run_hydra_app
 from pardec.config.launch import SYNC_TIMEOUT, Ranks, launcher_argv, shared_launch_id
 from pardec.config.schema import (
     ATTN_IMPLEMENTATIONS,
@@ -45,5 +45,5 @@ __all__ = [
     "INT8_WEIGHTS", "KV_CACHES", "MODEL_SOURCES", "PROMPT_STYLES", "SYNC_TIMEOUT", "BenchConfig", "ConfigError",
     "DatasetConfig", "ModelConfig", "Ranks", "RunConfig", "SamplingConfig", "check_at_least", "check_choice",
     "check_overrides", "check_range", "check_types", "exit_with_error", "fits_type", "hydra_errors_in_one_line",
-    "is_int", "key_name", "launcher_argv", "settings_diff", "shared_launch_id", "to_dataclass", "type_hints", "type_name",
+    "is_int", "key_name", "launcher_argv", "run_hydra_app", "settings_diff", "shared_launch_id", "to_dataclass", "type_hints", "type_name",
 ]

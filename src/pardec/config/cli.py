@@ -49,6 +49,16 @@ def hydra_errors_in_one_line() -> Iterator[None]:
             os.environ["HYDRA_FULL_ERROR"] = before
 
 
+def run_hydra_app(app) -> None:
+    """Run a Hydra app (an ``@hydra.main`` function) from a command line: what Hydra refuses while composing is one
+    ``error:`` line and exit status 2 (:func:`hydra_errors_in_one_line`, :func:`exit_with_error`)."""
+    try:
+        with hydra_errors_in_one_line():
+            app()
+    except ConfigError as e:
+        exit_with_error(e)
+
+
 def check_overrides(argv: list[str], config_name: str) -> None:
     """Compose ``config_name`` with the overrides ``argv`` as Hydra would, raising what it would refuse as one
     :class:`ConfigError` line (:func:`hydra_errors_in_one_line`)."""

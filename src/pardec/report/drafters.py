@@ -12,11 +12,12 @@ Per run: its logged steps (``log_history.json``, else the newest checkpoint's st
 held-out evaluation: a draft's ``draft_eval.json`` (teacher-forced top-1 agreement and expected acceptance at
 temperature 1, 1 - TVD, per held-out dataset; forward cost vs the target), or a drafter's ``heads_eval.json``
 (Medusa / FIRP: top-1 / top-5 per depth, expected tokens per step of the chain and the searched trees; EAGLE-3 /
-DFlash: top-1 agreement and chain acceptance per draft position, expected tokens per target forward), or an SDSAT model's
-``sdsat_eval.json`` (held-out perplexity against the base per source, the adaptive token's top-1 against the
+DFlash: top-1 agreement and chain acceptance per draft position, expected tokens per target forward), or an SDSAT
+model's ``sdsat_eval.json`` (held-out perplexity against the base per source, the adaptive token's top-1 against the
 model's own greedy token per depth, expected tokens per two-step loop). Writes ``report.md``, ``report.json``,
 ``draft_curves.png`` (KL and top-1 agreement on the training batches against the optimizer step; a heads run logs
-the mean over its depths, a DFlash run its cross-entropy in place of the KL) and, for SDSAT runs, ``sdsat_curves.png`` (plain and masked losses).
+the mean over its depths, a DFlash run its cross-entropy in place of the KL) and, for SDSAT runs,
+``sdsat_curves.png`` (plain and masked losses).
 """
 
 from __future__ import annotations
