@@ -237,6 +237,91 @@ def check(root: Path = REPO) -> list[str]:
     return [b.label for f in markdown_files(root) for b in blocks(f, root) if b.old != b.new]
 
 
+# --- figures quoted in prose ------------------------------------------------------------------------------------------
+# A page's prose may quote a figure only when a result file the page cites holds it: a link to docs/results/** (a
+# table marker counts) or a quoted config. "A figure": a decimal (0.651, 1.17), a number with thousands separators
+# (1,381) or an integer with x / % (3x, 40 %), outside code, links' targets and generated blocks; versions (2.13.0)
+# and arXiv ids are not figures. It matches a number of a cited file at the figure's own precision (a share also
+# as a percentage).
+
+_SKIP = re.compile(r"```.*?```|<!--.*?-->|`[^`\n]*`|\]\([^)]*\)|<sub>Data:.*?</sub>|(?:arXiv|arxiv\.org/abs/)\s*\d+\.\d+",
+                   re.S)
+_FIGURE = re.compile(r"(?<![\w.\-/#=])(\d{1,3}(?:,\d{3})+(?:\.\d+)?|\d+\.\d+|\d+(?=\s?[×%]))(?![\w.]*\d)")
+_CITED = re.compile(r"(?:\]\(|<!-- (?:table|config): )([^)\s#]*?(?:results/[^)\s#]+|conf/[^)\s#]+\.yaml))")
+_NUMBER = re.compile(r"-?\d+(?:\.\d+)?(?:[eE][-+]?\d+)?")
+
+
+def _prose(text: str) -> str:
+    for pattern in (TABLE, CONFIG, LEADER):
+        text = pattern.sub("", text)
+    return _SKIP.sub(" ", text)
+
+
+def prose_figures(text: str) -> list[str]:
+    """The figures a page's prose quotes (see above), as written."""
+    return [m[1] for m in _FIGURE.finditer(_prose(text))]
+
+
+def _numbers(x, out: set[float]) -> set[float]:
+    if isinstance(x, dict):
+        for v in x.values():
+            _numbers(v, out)
+    elif isinstance(x, list):
+        for v in x:
+            _numbers(v, out)
+    elif isinstance(x, (int, float)) and not isinstance(x, bool):
+        out.add(float(x))
+    elif isinstance(x, str):
+        out.update(float(n) for n in _NUMBER.findall(x.replace(",", "")))
+    return out
+
+
+def cited_files(md_file: Path, root: Path) -> list[Path]:
+    """The result files (under docs/results/) and config files (under conf/) a page cites."""
+    docs, out = root / "docs", []
+    for m in _CITED.finditer(md_file.read_text()):
+        ref = m[1]
+        for base in (md_file.parent, docs, root):
+            p = (base / ref).resolve()
+            if p.is_file():
+                out.append(p)
+                break
+    return sorted(set(out))
+
+
+def _file_numbers(path: Path) -> set[float]:
+    text = path.read_text()
+    if path.suffix == ".json":
+        return _numbers(json.loads(text), set())
+    return _numbers(text, set())
+
+
+def unsourced(md_file: Path, root: Path) -> list[str]:
+    """The figures of md_file's prose that no file it cites holds (at the figure's precision)."""
+    numbers: set[float] = set()
+    for p in cited_files(md_file, root):
+        numbers |= _file_numbers(p)
+    out = []
+    for fig in prose_figures(md_file.read_text()):
+        v = float(fig.replace(",", ""))
+        places = len(fig.split(".")[1]) if "." in fig else 0
+        tol = 0.5 * 10 ** -places + 1e-9
+        if not any(abs(x - v) <= tol or abs(100 * x - v) <= tol for x in numbers):
+            out.append(fig)
+    return out
+
+
+def prose_pages(root: Path) -> list[Path]:
+    """The pages whose prose is checked: README.md and docs/ less docs/results/ (raw records are data)."""
+    results = root / "docs" / "results"
+    return [f for f in markdown_files(root) if results not in f.parents]
+
+
+def check_figures(root: Path = REPO) -> list[str]:
+    """'<page>: <figure>' for every prose figure that no file its page cites holds."""
+    return [f"{f.relative_to(root).as_posix()}: {fig}" for f in prose_pages(root) for fig in unsourced(f, root)]
+
+
 def main(argv: list[str] | None = None, prog: str | None = None) -> int:
     ap = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0])
     ap.add_argument("--check", action="store_true", help="write nothing; exit 1 naming each block that differs")
@@ -247,13 +332,19 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
         ap.error(f"--root {a.root}: no docs/ directory there")
     try:
         if a.check:
-            stale = check(a.root)
+            stale, loose = check(a.root), check_figures(a.root)
             for label in stale:
                 print(f"differs from its result file: {label}", file=sys.stderr)
+            for label in loose:
+                print(f"a figure no cited result file holds: {label}", file=sys.stderr)
             if stale:
                 print(f"{len(stale)} block(s) out of date: run 'python -m pardec.report docs'", file=sys.stderr)
+            if loose:
+                print(f"{len(loose)} figure(s) in prose without a source: cite the result file that holds each "
+                      f"(a link to docs/results/...), or add it to one", file=sys.stderr)
+            if stale or loose:
                 return 1
-            print("every marked block matches its result file")
+            print("every marked block matches its result file, and every figure in prose is in a file its page cites")
             return 0
         changed = [f for f in markdown_files(a.root) if rewrite(f, a.root)]
         if not a.no_plot:
