@@ -150,3 +150,35 @@ def test_writing_also_plots_the_cpu_fp32_column(tmp_path):
     assert docs.main(["--root", str(root)]) == 0
     png = root / "docs" / "img" / "leaderboard_cpu_fp32.png"
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_committed_pages_quote_no_figure_without_a_source():
+    assert docs.check_figures(REPO) == []
+
+
+def test_prose_figures_skip_code_links_versions_and_generated_blocks():
+    text = ("pld ran 1.17× (median 1.09) on 1,381 prompts, 40 % of rounds, 3× fewer; torch 2.13.0, arXiv 2602.06036, "
+            "`lr 0.5`, §3.4, Table 2.1, [page](results/x_1.5.json)\n```\n9.99\n```\n<!-- table: results/a.json#t -->\n| 7.77 |\n"
+            "<!-- /table -->\n<!-- a note 8.88 -->\n")
+    assert docs.prose_figures(text) == ["1.17", "1.09", "1,381", "40", "3"]
+
+
+def test_a_figure_is_sourced_only_by_a_file_its_page_cites(tmp_path, capsys):
+    root = _repo(tmp_path)
+    docs.main(["--root", str(root)])
+    page = root / "docs" / "page.md"
+    (root / "docs" / "results" / "c.json").write_text(json.dumps({"figures": {"share": 0.4237, "speed": 1.168}}))
+    page.write_text(page.read_text() + "pld reached 2.40 tokens per forward and 1.17× in 42.4 % of rounds.\n")
+    # 2.40 is in a.json, which the table marker cites; c.json holds 1.17 and 42.4 % but the page does not cite it
+    assert docs.unsourced(page, root) == ["1.17", "42.4"]
+    assert docs.main(["--root", str(root), "--check"]) == 1
+    err = capsys.readouterr().err
+    assert "a figure no cited result file holds: docs/page.md: 1.17" in err and "1 block" not in err
+    page.write_text(page.read_text() + "([data](results/c.json))\n")
+    assert docs.unsourced(page, root) == []
+    page.write_text(page.read_text().replace("1.17×", "1.18×"))  # a drifted figure: c.json says 1.168
+    assert docs.unsourced(page, root) == ["1.18"]
+    raw = root / "docs" / "results" / "gpu"
+    raw.mkdir()
+    (raw / "run.md").write_text("| 5.55 |\n")  # raw records under docs/results/ are data, not pages
+    assert docs.check_figures(root) == ["docs/page.md: 1.18"]

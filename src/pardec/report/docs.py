@@ -240,12 +240,13 @@ def check(root: Path = REPO) -> list[str]:
 # --- figures quoted in prose ------------------------------------------------------------------------------------------
 # A page's prose may quote a figure only when a result file the page cites holds it: a link to docs/results/** (a
 # table marker counts) or a quoted config. "A figure": a decimal (0.651, 1.17), a number with thousands separators
-# (1,381) or an integer with x / % (3x, 40 %), outside code, links' targets and generated blocks; versions (2.13.0)
-# and arXiv ids are not figures. It matches a number of a cited file at the figure's own precision (a share also
-# as a percentage).
+# (1,381) or an integer with x / % (3x, 40 %), outside code, links' targets and generated blocks; versions (2.13.0),
+# arXiv ids and a paper's section, table, figure or equation numbers (§3.4, Table 3.2) are not figures. It matches
+# a number of a cited file at the figure's own precision (a share also as a percentage).
 
-_SKIP = re.compile(r"```.*?```|<!--.*?-->|`[^`\n]*`|\]\([^)]*\)|<sub>Data:.*?</sub>|(?:arXiv|arxiv\.org/abs/)\s*\d+\.\d+",
-                   re.S)
+_SKIP = re.compile(r"```.*?```|<!--.*?-->|`[^`\n]*`|\]\([^)]*\)|<sub>Data:.*?</sub>|(?:arXiv|arxiv\.org/abs/)\s*\d+\.\d+"
+                   r"|(?:§|\b(?:[Ss]ection|[Ss]ec\.|Table|Tab\.|Eq\.|Fig\.|Figure|App\.|Appendix|Theorem|Definition|"
+                   r"Algorithm)\s?)[A-Z]?\d+(?:\.\d+)*", re.S)
 _FIGURE = re.compile(r"(?<![\w.\-/#=])(\d{1,3}(?:,\d{3})+(?:\.\d+)?|\d+\.\d+|\d+(?=\s?[×%]))(?![\w.]*\d)")
 _CITED = re.compile(r"(?:\]\(|<!-- (?:table|config): )([^)\s#]*?(?:results/[^)\s#]+|conf/[^)\s#]+\.yaml))")
 _NUMBER = re.compile(r"-?\d+(?:\.\d+)?(?:[eE][-+]?\d+)?")
