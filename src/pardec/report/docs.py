@@ -4,7 +4,8 @@
     python -m pardec.report docs --check    # write nothing; exit 1 naming each block that differs
 
 Writing also plots the leaderboard's CPU fp32 column (speed against tokens per forward) into
-``docs/img/leaderboard_cpu_fp32.png`` (``--no-plot``: tables only).
+``docs/img/leaderboard_cpu_fp32.png`` and the drafters' acceptance by draft position (in decoding and held out) into
+``docs/img/acceptance_by_position.png`` (``--no-plot``: tables only).
 
 A markdown file marks a generated block with a pair of comments; what lies between them is replaced:
 
@@ -200,6 +201,53 @@ def plot_leaderboard(root: Path, out: Path) -> Path:
     return out
 
 
+def _short(spec: str) -> str:
+    """A bench method spec without its drafter paths: ``eagle:path=<dir>:mode=chain`` -> ``eagle mode=chain``."""
+    name, *opts = spec.split(":")
+    keep = [o for o in opts if o.split("=")[0] not in ("path", "heads", "projections", "draft")]
+    return " ".join([name, *keep])
+
+
+def plot_acceptance(root: Path, out: Path) -> Path | None:
+    """Acceptance by draft position, written to ``out``: left, in decoding (the newest ``side_by_side_*.json``, its
+    first dataset: the share of verification rounds that accepted at least k drafts, per method); right, held out
+    (every ``eagle3_smollm2*.json`` / ``dflash_smollm2*.json`` with a ``heads_eval``: the chain acceptance by depth,
+    teacher-forced). None when there is no side-by-side file."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from pardec.report.runs import save_figure
+
+    results = root / "docs" / "results"
+    sides = sorted(results.glob("side_by_side_*.json"), key=lambda p: (json.loads(p.read_text()).get("date", ""), p.name))
+    if not sides:
+        return None
+    side = json.loads(sides[-1].read_text())
+    dataset, figures = next(iter(side["datasets"].items()))
+    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
+    for spec, m in figures["methods"].items():
+        acc = m.get("acceptance_by_position")
+        if acc:
+            left.plot(range(1, len(acc) + 1), acc, marker="o", ms=3, label=_short(spec))
+    left.set_xlabel("draft position k")
+    left.set_ylabel("share of rounds accepting >= k drafts")
+    left.set_title(f"decoding, {dataset} ({side['date']}, {side['dtype']}, n = {figures['n_samples']})", fontsize=9)
+    for path in sorted([*results.glob("eagle3_smollm2*.json"), *results.glob("dflash_smollm2*.json")]):
+        data = json.loads(path.read_text())
+        chain = ((data.get("heads_eval") or {}).get("overall") or {}).get("chain_acceptance")
+        if chain:
+            right.plot(range(1, len(chain) + 1), chain, marker="o", ms=3,
+                       label=f"{data['heads_eval']['kind']}, {data.get('steps', '?')} steps ({path.stem})")
+    right.set_xlabel("draft depth / block position")
+    right.set_ylabel("held-out chain acceptance")
+    right.set_title("held out, teacher-forced (GSM8K test + HumanEval completions)", fontsize=9)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    save_figure(fig, out, [left, right], legend={"fontsize": 7})
+    return out
+
+
 # --- files -------------------------------------------------------------------------------------------------------------
 
 def markdown_files(root: Path) -> list[Path]:
@@ -326,7 +374,7 @@ def check_figures(root: Path = REPO) -> list[str]:
 def main(argv: list[str] | None = None, prog: str | None = None) -> int:
     ap = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0])
     ap.add_argument("--check", action="store_true", help="write nothing; exit 1 naming each block that differs")
-    ap.add_argument("--no-plot", action="store_true", help="rewrite the tables only, not docs/img/leaderboard_cpu_fp32.png")
+    ap.add_argument("--no-plot", action="store_true", help="rewrite the tables only, not the plots in docs/img/")
     ap.add_argument("--root", type=Path, default=REPO, help="the repository root (README.md, docs/); default: %(default)s")
     a = ap.parse_args(argv)
     if not (a.root / "docs").is_dir():
@@ -350,6 +398,9 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
         changed = [f for f in markdown_files(a.root) if rewrite(f, a.root)]
         if not a.no_plot:
             changed.append(plot_leaderboard(a.root, a.root / "docs" / "img" / "leaderboard_cpu_fp32.png"))
+            acceptance = plot_acceptance(a.root, a.root / "docs" / "img" / "acceptance_by_position.png")
+            if acceptance is not None:
+                changed.append(acceptance)
     except DocsError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
