@@ -273,7 +273,7 @@ def test_config_errors(tmp_path):
     assert spec.heads == {"type": "eagle3", "draft_vocab_size": 8192, "ttt_steps": 7, "step_decay": 0.8,
                           "layers": None}
     assert spec.gen.out_dir.endswith("completions/draft_smollm2/train")
-    assert spec.trainer["adam_beta2"] == 0.95 and spec.trainer["max_grad_norm"] == 0.5 and spec.trainer["max_steps"] == 120
+    assert spec.trainer["adam_beta2"] == 0.95 and spec.trainer["max_grad_norm"] == 0.5 and spec.trainer["max_steps"] == 240
     # a vocabulary larger than the target's: refused before loading when the target's config is at hand (the
     # dequantized SmolLM2 cache), else by the train stage (the tiny random target builds its vocabulary on load)
     from pardec.models.loading import read_config_json
