@@ -1,7 +1,8 @@
 """The tables of README.md and docs/, generated from the result files under docs/ (small JSON).
 
     python -m pardec.report docs            # rewrite every marked block in README.md and docs/**/*.md
-    python -m pardec.report docs --check    # write nothing; exit 1 naming each block that differs
+    python -m pardec.report docs --check    # write nothing; exit 1 naming each block that differs and each figure
+                                            # in prose that no file its page cites holds
 
 Writing also plots the leaderboard's CPU fp32 column (speed against tokens per forward) into
 ``docs/img/leaderboard_cpu_fp32.png`` and the drafters' acceptance by draft position (in decoding and held out) into
@@ -221,10 +222,11 @@ def plot_acceptance(root: Path, out: Path) -> Path | None:
     from pardec.report.runs import save_figure
 
     results = root / "docs" / "results"
-    sides = sorted(results.glob("side_by_side_*.json"), key=lambda p: (json.loads(p.read_text()).get("date", ""), p.name))
+    sides = sorted(((d.get("date", ""), p.name, d) for p in results.glob("side_by_side_*.json")
+                    for d in [json.loads(p.read_text())]), key=lambda t: t[:2])
     if not sides:
         return None
-    side = json.loads(sides[-1].read_text())
+    side = sides[-1][2]
     dataset, figures = next(iter(side["datasets"].items()))
     fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
     for spec, m in figures["methods"].items():
@@ -373,7 +375,7 @@ def check_figures(root: Path = REPO) -> list[str]:
 
 def main(argv: list[str] | None = None, prog: str | None = None) -> int:
     ap = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0])
-    ap.add_argument("--check", action="store_true", help="write nothing; exit 1 naming each block that differs")
+    ap.add_argument("--check", action="store_true", help="write nothing; exit 1 naming each block that differs and each figure in prose without a source")
     ap.add_argument("--no-plot", action="store_true", help="rewrite the tables only, not the plots in docs/img/")
     ap.add_argument("--root", type=Path, default=REPO, help="the repository root (README.md, docs/); default: %(default)s")
     a = ap.parse_args(argv)
