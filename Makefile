@@ -7,7 +7,7 @@ TORCH_VERSION ?= 2.13.0
 UV_VERSION ?= 0.13.9
 PYTEST_ARGS ?=
 
-.PHONY: help setup demo test test-stat test-fast gpu-smoke rehearse bench bench-mjsd bench-heads bench-sdsat bench-cllm lint clean
+.PHONY: help setup demo test test-stat test-fast gpu-smoke rehearse zoo bench bench-mjsd bench-heads bench-sdsat bench-cllm lint clean
 
 help:  ## list targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-10s %s\n", $$1, $$2}'
@@ -69,6 +69,11 @@ gpu-smoke: setup  ## on a CUDA machine: every method fp32/bf16 (exactness, token
 
 rehearse: setup  ## every paper recipe end to end on 2 gloo CPU ranks, tiny models of its family (docs/rehearsal.md; ~5 min on 2 cores)
 	$(BIN)/python -m pardec.rehearse --all --json outputs/rehearse/rehearsal.json $(REHEARSE_ARGS)
+
+ZOO_NAMES ?=
+zoo: setup  ## train and store the missing or stale SmolLM2 drafters of zoo/smollm2 (ZOO_NAMES="medusa eagle3": some; resumable; hours on 2 cores; reads data/gsm8k/{train,test}.jsonl, data/mt_bench/question.jsonl)
+	$(BIN)/python -m pardec.zoo build $(ZOO_NAMES)
+	$(BIN)/python -m pardec.zoo list
 
 bench: setup  ## the README's speed table: SmolLM2 fp32, 20 GSM8K (GSM8K=<test.jsonl>), HumanEval, CNN/DM (CNNDM=<test.jsonl>)
 	$(BIN)/python -m pardec.bench speed $(if $(GSM8K),--dataset-path gsm8k=$(GSM8K)) $(if $(CNNDM),--dataset-path cnn_dm=$(CNNDM))

@@ -38,8 +38,10 @@ CPU_SIZED = {"lookahead": "lookahead:window=4:level=4:guess_set=4",
 
 def parse_method(spec: str) -> tuple[str, list[str], str]:
     """``sps:adaptive=true`` -> ("sps", ["method.adaptive=true"], "sps_adaptive-true") (a label for dir names)."""
-    name, *params = spec.split(":")
-    return name, [f"method.{p}" for p in params], "_".join([name, *params]).replace("=", "-")
+    from pardec.evaluation.spec import split_method
+
+    name, *params = split_method(spec)
+    return name, [f"method.{p}" for p in params], "_".join([name, *params]).replace("=", "-").replace(":", "-")
 
 
 def draft_available(draft: str, extra: list[str] = ()) -> tuple[bool, str]:
@@ -55,6 +57,11 @@ def draft_available(draft: str, extra: list[str] = ()) -> tuple[bool, str]:
         d = compose("evaluate", overrides=[f"draft={draft}", *(o for o in extra if o.startswith("draft."))]).draft
     if d.source != "local":
         return True, str(d.get("path") or d.source)
+    from pardec import zoo
+
+    if zoo.is_ref(d.path):  # a draft kept in the zoo (checked in full when the run validates)
+        name = d.path[len(zoo.PREFIX):]
+        return (zoo.ZOO_DIR / (name if "/" in name else f"{zoo.DEFAULT_TARGET}/{name}") / zoo.MANIFEST).is_file(), d.path
     return (Path(d.path) / "config.json").is_file(), str(d.path)
 
 

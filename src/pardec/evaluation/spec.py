@@ -10,6 +10,7 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
+from pardec import zoo
 from pardec.config import (
     BenchConfig,
     ConfigError,
@@ -32,11 +33,25 @@ PEERS = {"hf": "hf_generate", "hf_pld": "hf_pld", "hf_assisted": "hf_assisted"}
 #: method eagle; ``draft=dflash``: a DFlash drafter for method dflash)
 DRAFTER_SOURCES = {"eagle3": "eagle", "dflash": "dflash"}
 
+def split_method(spec: str) -> list[str]:
+    """``"medusa:heads=zoo:medusa:tree=T63"`` -> ["medusa", "heads=zoo:medusa", "tree=T63"]: a method and its
+    ``key=value`` parameters: a part without ``=`` after a parameter belongs to its value (``zoo:<name>``); right
+    after the method's name it stays a part of its own (and is refused as not key=value)."""
+    name, *parts = spec.split(":")
+    out = [name]
+    for part in parts:
+        if "=" not in part and len(out) > 1:
+            out[-1] += ":" + part
+        else:
+            out.append(part)
+    return out
+
+
 def parse_also(spec: str) -> tuple[str, dict]:
     """``"sps:adaptive=true:gamma=6"`` -> ("sps", {"adaptive": True, "gamma": 6}); values parsed as YAML scalars."""
     import yaml
 
-    name, *pairs = spec.split(":")
+    name, *pairs = split_method(spec)
     params = {}
     for pair in pairs:
         key, eq, value = pair.partition("=")
@@ -83,6 +98,9 @@ def validate(cfg: DictConfig) -> EvalSpec:
     model = to_dataclass(ModelConfig, cfg.model, "model")
     draft = None
     source = None if cfg.get("draft") is None else cfg.draft.get("source")
+    model = resolve_model_path(model, "model", None)
+    for key, value in mcfg.items():  # a drafter kept in the zoo: method.path=zoo:eagle3, method.heads=zoo:medusa, ...
+        mcfg[key] = zoo.resolve(value, f"method.{key}", model.name)
     if source in DRAFTER_SOURCES:  # draft=eagle / draft=dflash: a drafter its method loads, no model
         owner = DRAFTER_SOURCES[source]
         if name != owner:
@@ -91,9 +109,9 @@ def validate(cfg: DictConfig) -> EvalSpec:
         if mcfg.get("path") not in (None, cfg.draft.get("path")):
             raise ConfigError(f"method.path={mcfg['path']!r} and draft.path={cfg.draft.get('path')!r} both name the "
                               f"{source} drafter: give one")
-        mcfg["path"] = cfg.draft.get("path")
+        mcfg["path"] = zoo.resolve(cfg.draft.get("path"), "draft.path", model.name)
     elif cfg.get("draft") is not None and cfg.draft.get("name"):
-        draft = to_dataclass(ModelConfig, cfg.draft, "draft")
+        draft = resolve_model_path(to_dataclass(ModelConfig, cfg.draft, "draft"), "draft", model.name)
     run = to_dataclass(RunConfig, {k: cfg.get(k) for k in RUN_KEYS if k in cfg}, "the top-level keys")
     sampling = to_dataclass(SamplingConfig, cfg.get("sampling"), "sampling")
     bench = to_dataclass(BenchConfig, cfg.get("bench"), "bench")
@@ -102,6 +120,7 @@ def validate(cfg: DictConfig) -> EvalSpec:
     also = []
     for entry in bench.also:
         a_name, a_params = parse_also(entry)
+        a_params = {k: zoo.resolve(v, f"bench.also entry {entry!r}: method.{k}", model.name) for k, v in a_params.items()}
         a_cls = check_method(a_name, a_params, draft, f"bench.also entry {entry!r}")
         also.append((f"also:{entry}", a_cls.name, a_params))
     logger = OmegaConf.to_container(cfg.logger, resolve=True) if cfg.get("logger") else {"name": "none"}
@@ -119,6 +138,19 @@ def validate(cfg: DictConfig) -> EvalSpec:
         check_attention(m_name, model, draft)
     check_scorer(dataset, run)
     return EvalSpec(name, mcfg, model, draft, dataset, run, sampling, bench, ppl, logger, also, energy, devices)
+
+
+def resolve_model_path(cfg: ModelConfig, key: str, target: str | None) -> ModelConfig:
+    """``<key>.path=zoo:<name>``: a model or draft kept in the zoo, verified, as the local directory it is read from
+    (``target``: the run's model, which a draft must have been made for; None for the model itself)."""
+    if not zoo.is_ref(cfg.path):
+        return cfg
+    if cfg.source != "local":
+        raise ConfigError(f"{key}.path={cfg.path!r} names a zoo artifact, which is a local directory: use "
+                          f"{key}=local {key}.path={cfg.path} ({key}.source is {cfg.source!r})")
+    from dataclasses import replace
+
+    return replace(cfg, path=zoo.resolve(cfg.path, f"{key}.path", target))
 
 
 def check_placement(model: ModelConfig, draft: ModelConfig | None, run: RunConfig) -> tuple:

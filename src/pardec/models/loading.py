@@ -186,14 +186,14 @@ def materialize_gguf(cfg: ModelConfig) -> Path:
     """Dequantize a GGUF model once into a safetensors directory (weights + tokenizer); return it. Processes that
     ask at once (ranks, test workers) wait for the first one's copy instead of each dequantizing (~30 s of a core
     for SmolLM2-135M)."""
-    return _build_once(cache_dir_for(cfg), _complete, lambda tmp: _dequantize(cfg, tmp))
+    return build_once(cache_dir_for(cfg), _complete, lambda tmp: _dequantize(cfg, tmp))
 
 
 def _complete(out: Path) -> bool:
     return (out / "config.json").is_file() and (out / "tokenizer_config.json").is_file()
 
 
-def _build_once(out: Path, complete, build) -> Path:
+def build_once(out: Path, complete, build) -> Path:
     """``out``, built by ``build(tmp)`` into a temporary directory then renamed, unless ``complete(out)`` already:
     one process builds while the others (ranks, test workers) wait on a file lock, and a half-written directory is
     never mistaken for a whole one (the rename is atomic)."""
@@ -270,7 +270,7 @@ def _tiny_tokenizer_dir(cfg: ModelConfig) -> Path:
     """The directory of a tiny_random model's tokenizer cut to ``model.vocab`` ids, built once and shared."""
     base = _tiny_tokenizer_base(cfg)
     out = DATA_DIR / "models" / f"{base.name}_vocab{cfg.vocab}"
-    return _build_once(out, lambda d: (d / "tokenizer.json").is_file(),
+    return build_once(out, lambda d: (d / "tokenizer.json").is_file(),
                        lambda tmp: cut_tokenizer(load_tokenizer_only(base), cfg.vocab, tmp))
 
 
@@ -281,7 +281,7 @@ def load_tokenizer(cfg: ModelConfig) -> PreTrainedTokenizerBase:
         return AutoTokenizer.from_pretrained(_tiny_tokenizer_dir(cfg))
     if cfg.source in ("gguf", "gguf_package"):
         return AutoTokenizer.from_pretrained(materialize_gguf(cfg))
-    return AutoTokenizer.from_pretrained(_weights_location(cfg), revision=cfg.revision)
+    return AutoTokenizer.from_pretrained(weights_location(cfg), revision=cfg.revision)
 
 
 def named_config(name: str, dtype: str = "fp32") -> ModelConfig:
@@ -306,7 +306,7 @@ def int8_cache_key(cfg: ModelConfig) -> str | None:
 
     if cfg.source == "tiny_random":
         return None
-    where = _weights_location(cfg)
+    where = weights_location(cfg)
     if cfg.source == "hub":
         from huggingface_hub import try_to_load_from_cache
 
@@ -324,7 +324,8 @@ def int8_recipe(cfg: ModelConfig) -> dict:
     return {"scheme": cfg.int8_weights, "smooth_alpha": cfg.int8_smooth, "skip": tuple(cfg.int8_skip)}
 
 
-def _weights_location(cfg: ModelConfig) -> str | Path:
+def weights_location(cfg: ModelConfig) -> str | Path:
+    """Where ``cfg``'s weights are read from: a local directory (a GGUF dequantized once into one) or a hub id."""
     if cfg.source == "local":
         p = Path(cfg.path or "")
         if not p.is_dir():
@@ -383,7 +384,7 @@ def load_model(cfg: ModelConfig, device: torch.device | None = None) -> LoadedMo
         model = tiny_random_model(cfg, len(tok), tok.bos_token_id, tok.eos_token_id)
     else:
         model = AutoModelForCausalLM.from_pretrained(
-            _weights_location(cfg),
+            weights_location(cfg),
             dtype=dtype,
             revision=cfg.revision if cfg.source == "hub" else None,
             attn_implementation=cfg.attn_implementation,
@@ -493,7 +494,7 @@ def _gguf_tokenizer_dir(cfg: ModelConfig) -> Path:
         d, f = _gguf_location(cfg)
         AutoTokenizer.from_pretrained(d, gguf_file=f).save_pretrained(tmp)
 
-    return _build_once(out, lambda d: (d / "tokenizer_config.json").is_file(), build)
+    return build_once(out, lambda d: (d / "tokenizer_config.json").is_file(), build)
 
 
 #: special tokens a draft must share with its target (pad is not compared: loading sets it to EOS when unset)

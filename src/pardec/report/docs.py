@@ -52,6 +52,7 @@ LEADERBOARD_KEYS = ("method", "host_class", "mode", "dataset", "speedup", "exact
 TABLE = re.compile(r"(<!-- table: (?P<ref>[^ ]+) -->\n)(?P<body>.*?)(<!-- /table -->)", re.S)
 CONFIG = re.compile(r"(<!-- config: (?P<path>[^ ]+) -->\n)(?P<body>.*?)(<!-- /config -->)", re.S)
 LEADER = re.compile(r"(<!-- leaderboard -->\n)(?P<body>.*?)(<!-- /leaderboard -->)", re.S)
+ZOO = re.compile(r"(<!-- zoo: (?P<zoo>[^ ]+) -->\n)(?P<body>.*?)(<!-- /zoo -->)", re.S)
 
 
 class DocsError(ValueError):
@@ -109,6 +110,32 @@ def render_config(rel: str, md_file: Path, root: Path) -> str:
         raise DocsError(f"{md_file}: config file {rel!r} does not exist under {root}; "
                         f"valid choices: {', '.join(valid) or '(none in ' + folder.as_posix() + ')'}")
     return f"```yaml\n# {rel}\n{path.read_text().rstrip()}\n```\n"
+
+
+def render_zoo(zoo: str, md_file: Path, root: Path) -> str:
+    """The kept drafters of ``zoo/<zoo>/``, one row each from its manifest: how a run reads it, what is stored and its
+    size, what training cost on which host, and the held-out figure its recipe reports, per held-out set."""
+    from pardec.zoo.__main__ import headline
+
+    folder = root / "zoo" / zoo
+    manifests = sorted(folder.glob("*/manifest.json")) if folder.is_dir() else []
+    rows = []
+    for f in manifests:
+        m = json.loads(f.read_text())
+        per = (m.get("metrics") or {}).get("per_dataset") or {}
+        held = "; ".join(f"{ds} {headline(v)}" for ds, v in per.items()) or headline(m.get("metrics"))
+        stored = m.get("metrics_stored")
+        if stored:
+            held += f" (stored form: {headline(stored.get('metrics'))})"
+        store = ", ".join(f"{k} {v}" for k, v in m["store"].items() if k != "tensors") or "as trained"
+        stages = ", ".join(f"{k} {v['wall_s'] / 60:.1f}" for k, v in m["stages"].items())
+        key = m["reads"]["key"] if "." in m["reads"]["key"] else f"method.{m['reads']['key']}"
+        rows.append([f"[{m['name']}]({_rel(f, md_file)})", f"`{m['reads']['method']}`: `{key}=zoo:{m['name']}`", store, f"{sum(v['bytes'] for v in m['files'].values()) / 1e6:.1f}",
+                     f"{stages} ({m['host']['cpu']}, {m['host']['cores']} cores)", held, m["date"][:10]])
+    if not rows:
+        return f"(nothing kept in zoo/{zoo} yet: `make zoo`)\n"
+    return markdown_table(["artifact", "read as", "stored", "MB", "training, min per stage (host)",
+                           "held out (overall, or per set)", "date"], rows) + "\n"
 
 
 # --- the leaderboard -------------------------------------------------------------------------------------------------
@@ -267,6 +294,8 @@ def blocks(md_file: Path, root: Path) -> list[Block]:
             for m in CONFIG.finditer(text)]
     out += [Block(md_file, f"{name}: leaderboard", m["body"], render_leaderboard(md_file, docs))
             for m in LEADER.finditer(text)]
+    out += [Block(md_file, f"{name}: zoo {m['zoo']}", m["body"], render_zoo(m["zoo"], md_file, root))
+            for m in ZOO.finditer(text)]
     return out
 
 
@@ -277,6 +306,7 @@ def rewrite(md_file: Path, root: Path) -> bool:
     new = TABLE.sub(lambda m: m[1] + render_table(m["ref"], md_file, docs) + m[4], text)
     new = CONFIG.sub(lambda m: m[1] + render_config(m["path"], md_file, root) + m[4], new)
     new = LEADER.sub(lambda m: m[1] + render_leaderboard(md_file, docs) + m[3], new)
+    new = ZOO.sub(lambda m: m[1] + render_zoo(m["zoo"], md_file, root) + m[4], new)
     if new != text:
         md_file.write_text(new)
     return new != text
@@ -298,12 +328,13 @@ _SKIP = re.compile(r"```.*?```|<!--.*?-->|`[^`\n]*`|\]\([^)]*\)|<sub>Data:.*?</s
                    r"|(?:§|\b(?:[Ss]ection|[Ss]ec\.|Table|Tab\.|Eq\.|Fig\.|Figure|App\.|Appendix|Theorem|Definition|"
                    r"Algorithm)\s?)[A-Z]?\d+(?:\.\d+)*", re.S)
 _FIGURE = re.compile(r"(?<![\w.\-/#=])(\d{1,3}(?:,\d{3})+(?:\.\d+)?|\d+\.\d+|\d+(?=\s?[×%]))(?![\w.]*\d)")
-_CITED = re.compile(r"(?:\]\(|<!-- (?:table|config): )([^)\s#]*?(?:results/[^)\s#]+|conf/[^)\s#]+\.yaml))")
+_CITED = re.compile(r"(?:\]\(|<!-- (?:table|config): )([^)\s#]*?(?:results/[^)\s#]+|conf/[^)\s#]+\.yaml|"
+                    r"zoo/[^)\s#]+/manifest\.json))")
 _NUMBER = re.compile(r"-?\d+(?:\.\d+)?(?:[eE][-+]?\d+)?")
 
 
 def _prose(text: str) -> str:
-    for pattern in (TABLE, CONFIG, LEADER):
+    for pattern in (TABLE, CONFIG, LEADER, ZOO):
         text = pattern.sub("", text)
     return _SKIP.sub(" ", text)
 
@@ -328,7 +359,7 @@ def _numbers(x, out: set[float]) -> set[float]:
 
 
 def cited_files(md_file: Path, root: Path) -> list[Path]:
-    """The result files (under docs/results/) and config files (under conf/) a page cites."""
+    """The result files (under docs/results/), zoo manifests and config files (under conf/) a page cites."""
     docs, out = root / "docs", []
     for m in _CITED.finditer(md_file.read_text()):
         ref = m[1]

@@ -1,0 +1,90 @@
+"""``python -m pardec.zoo list|build|verify [names] [--zoo smollm2]``: the kept drafters (:mod:`pardec.zoo`)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from pardec.config import ConfigError
+from pardec.zoo import DEFAULT_TARGET, MANIFEST, check_names, entries, recipe_hash, verify
+
+
+def headline(metrics: dict | None) -> str:
+    """The figure a drafter's held-out evaluation leads with: expected tokens per forward (EAGLE-3, DFlash), the
+    best searched tree's expected accepted length (Medusa, FIRP), else top-1 agreement."""
+    m = metrics or {}
+    if "expected_tokens_per_forward" in m:
+        return f"E[tokens/forward] {m['expected_tokens_per_forward']:.2f}"
+    trees = m.get("trees") or {}
+    if trees:
+        name, best = max(trees.items(), key=lambda kv: kv[1]["expected_accept_length"])
+        return f"{name} E[accepted] {best['expected_accept_length']:.2f}"
+    for key in ("agreement_overall", "agreement"):
+        if isinstance(m.get(key), float):
+            return f"top-1 agreement {m[key]:.3f}"
+    return "-"
+
+
+def rows(zoo: str, names: list[str]) -> list[dict]:
+    from pardec.zoo.build import status
+
+    out = []
+    for name in names:
+        e = entries(zoo)[name]
+        state = status(e, recipe_hash(e))
+        row = {"name": name, "status": state, "experiment": e.experiment, "reads": e.reads}
+        if (e.dir / MANIFEST).is_file():
+            m = json.loads((e.dir / MANIFEST).read_text())
+            row.update(mb=round(sum(f["bytes"] for f in m["files"].values()) / 1e6, 1),
+                       train_min=round(sum(s["wall_s"] for s in m["stages"].values()) / 60, 1),
+                       host=m["host"]["cpu"], date=m["date"][:10], headline=headline(m.get("metrics")),
+                       heldout=sorted((m.get("data") or {}).get("heldout") or {}))
+        out.append(row)
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m pardec.zoo", description=__doc__.splitlines()[0].split(": ", 1)[-1])
+    sub = ap.add_subparsers(dest="command", required=True, metavar="{list,build,verify}")
+    for name, text in (("list", "what is kept: size, training time and host, held-out figures, whether it matches "
+                                "its recipe"),
+                       ("build", "(re)train and store every missing or stale artifact (resumable; make zoo)"),
+                       ("verify", "check every stored file against its manifest's sha256")):
+        p = sub.add_parser(name, help=text, description=text)
+        p.add_argument("names", nargs="*", help="artifacts (default: all of the zoo)")
+        p.add_argument("--zoo", default=DEFAULT_TARGET, help=f"the zoo (conf/zoo/<zoo>.yaml; default {DEFAULT_TARGET})")
+        if name == "build":
+            p.add_argument("--force", action="store_true", help="rebuild even when up to date")
+        if name == "list":
+            p.add_argument("--json", action="store_true", help="print the rows as JSON")
+    a = ap.parse_args(argv)
+    try:
+        names = check_names(a.names, a.zoo)
+        if a.command == "verify":
+            for name in names:
+                m = verify(name, a.zoo)
+                print(f"{name}: ok ({len(m['files'])} files match manifest.json)")
+            return 0
+        if a.command == "build":
+            from pardec.zoo.build import build_one
+
+            for name in names:
+                build_one(entries(a.zoo)[name], force=a.force)
+            return 0
+        table = rows(a.zoo, names)
+        if a.json:
+            print(json.dumps(table, indent=2))
+            return 0
+        print(f"{'name':<10} {'status':<8} {'MB':>6} {'train min':>9}  {'held-out figure':<26} host, date")
+        for r in table:
+            print(f"{r['name']:<10} {r['status']:<8} {r.get('mb', '-'):>6} {r.get('train_min', '-'):>9}  "
+                  f"{r.get('headline', '-'):<26} {r.get('host', '-')}, {r.get('date', '-')}")
+        return 0
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,226 @@
+"""``python -m pardec.zoo build [names]``: (re)train each missing or stale artifact with its recipe and store it.
+
+A build runs the recipe's stages one ``python -m train ... stage=<s>`` at a time in ``<run_root>/<name>`` (timed; the
+other processes' load on the machine recorded beside each time), resumable: a stage that finished under the same
+recipe is not run again (``zoo_stages.json`` in the run dir), a killed training resumes from its newest complete
+checkpoint. Then the kept files are stored (:func:`pardec.zoo.store.pack`); when the stored form is not the trained
+one (a low-rank delta, bf16), the recipe's evaluation is run once more on the stored form, and the manifest holds
+both. The artifact directory is replaced in one rename, manifest last written, so a kill leaves the old one or none.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import shutil
+import subprocess
+import sys
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+from pardec import REPO_ROOT
+from pardec.zoo import MANIFEST, Entry, ZooError, recipe_hash, seal, sha256_file, verify
+from pardec.zoo.store import check_store, pack
+
+STAGES_FILE = "zoo_stages.json"
+
+
+def status(entry: Entry, recipe: str | None = None) -> str:
+    """``missing`` | ``altered`` (files differ from the manifest) | ``stale`` (its recipe changed) | ``ok``."""
+    if not (entry.dir / MANIFEST).is_file():
+        return "missing"
+    try:
+        m = verify(entry.name, entry.zoo)
+    except ZooError:
+        return "altered"
+    return "ok" if m["recipe"]["sha256"] == (recipe or recipe_hash(entry)) else "stale"
+
+
+def kind_stages(entry: Entry) -> tuple[str, ...]:
+    import yaml
+
+    from pardec import CONF_DIR
+    from pardec.training.kinds import load_kinds
+
+    exp = yaml.safe_load((CONF_DIR / "experiment" / f"{entry.experiment}.yaml").read_text())
+    kind = next(d["/kind"] for d in exp["defaults"] if isinstance(d, dict) and "/kind" in d)
+    return tuple(load_kinds().get(kind).stages)
+
+
+def run_stage(entry: Entry, stage: str, argv: list[str], log) -> dict[str, Any]:
+    """Run one stage as its own process (its progress bars on this terminal); its wall time and the machine's load."""
+    cmd = [sys.executable, "-m", "train", *argv]
+    log(f"[zoo] {entry.name}: stage {stage}: {shlex.join(cmd[1:])}")
+    load_before = os.getloadavg()[0]
+    t0, started = time.perf_counter(), datetime.now(timezone.utc).isoformat(timespec="seconds")
+    proc = subprocess.run(cmd, cwd=REPO_ROOT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    if proc.returncode != 0:
+        raise ZooError(f"building {entry.name}: stage {stage} exited with status {proc.returncode}; rerun "
+                       f"`python -m pardec.zoo build {entry.name}` to resume")
+    return {"wall_s": round(time.perf_counter() - t0, 1), "started": started, "load_1m_before": round(load_before, 2),
+            "load_15m_after": round(os.getloadavg()[2], 2), "argv": argv}
+
+
+def train_argv(entry: Entry, stage: str, run_dir: Path) -> list[str]:
+    argv = entry.command(stage)
+    if stage == "train":
+        from pardec.config import ConfigError
+        from pardec.training.checkpoints import resume_checkpoint
+
+        try:
+            if resume_checkpoint(True, run_dir, warn=False):
+                argv.append("trainer.resume_from_checkpoint=true")
+        except ConfigError:  # no complete checkpoint yet: train from the start
+            pass
+    return argv
+
+
+def run_stages(entry: Entry, recipe: str, log) -> dict[str, dict]:
+    run_dir = entry.run_dir
+    run_dir.mkdir(parents=True, exist_ok=True)
+    path = run_dir / STAGES_FILE
+    done = json.loads(path.read_text()) if path.is_file() else {}
+    if done.get("recipe_sha256") != recipe:
+        done = {"recipe_sha256": recipe, "stages": {}}
+    for stage in kind_stages(entry):
+        if stage in done["stages"]:
+            log(f"[zoo] {entry.name}: stage {stage} done earlier ({done['stages'][stage]['wall_s']} s)")
+            continue
+        done["stages"][stage] = run_stage(entry, stage, train_argv(entry, stage, run_dir), log)
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(done, indent=2) + "\n")
+        tmp.replace(path)
+    return done["stages"]
+
+
+def eval_stored(entry: Entry, stored: Path, manifest: dict, log) -> dict[str, Any]:
+    """The recipe's evaluation of the stored form (rebuilt as the loaders see it) in ``<run dir>-stored``."""
+    from pardec.zoo.store import materialize
+
+    run_dir = entry.run_dir.with_name(entry.run_dir.name + "-stored")
+    shutil.rmtree(run_dir, ignore_errors=True)
+    (run_dir).mkdir(parents=True)
+    shutil.copytree(materialize(stored, manifest), run_dir / "final", ignore=shutil.ignore_patterns("trees", ".*"))
+    argv = [a for a in entry.command("eval") if not a.startswith("hydra.run.dir=")]
+    argv.append(f"hydra.run.dir={run_dir.relative_to(REPO_ROOT)}")
+    timing = run_stage(entry, "eval (stored form)", argv, log)
+    return {"wall_s": timing["wall_s"], "metrics": eval_metrics(run_dir)}
+
+
+def git_state() -> dict[str, Any]:
+    def git(*args: str) -> str:
+        return subprocess.run(["git", *args], cwd=REPO_ROOT, capture_output=True, text=True).stdout.strip()
+
+    return {"commit": git("rev-parse", "HEAD"), "dirty": bool(git("status", "--porcelain", "--untracked-files=no"))}
+
+
+def host() -> dict[str, Any]:
+    import torch
+
+    from pardec.models.host import cpu_model
+
+    flags = sorted({f for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags")
+                    for f in line.split(":", 1)[1].split() if f.startswith(("avx", "amx", "fma"))}) \
+        if Path("/proc/cpuinfo").is_file() else []
+    return {"cpu": cpu_model(), "flags": flags, "cores": os.cpu_count(), "torch": torch.__version__,
+            "python": sys.version.split()[0]}
+
+
+def data_section(run_dir: Path) -> dict[str, Any]:
+    """The training corpus and held-out sets the run read: sources, counts and the sha256 of each merged file."""
+    from omegaconf import OmegaConf
+
+    cfg = OmegaConf.load(run_dir / ".hydra" / "config.yaml")  # the composed config of the last stage run
+    OmegaConf.update(cfg, "paths.root_dir", str(REPO_ROOT), force_add=True)
+
+    def corpus(section) -> dict[str, Any]:
+        out_dir = Path(section.out_dir)
+        merged = out_dir / "completions.jsonl"
+        stats = json.loads((out_dir / "stats.json").read_text()) if (out_dir / "stats.json").is_file() else {}
+        return {"sources": OmegaConf.to_container(section.sources, resolve=True),
+                "dir": str(out_dir.relative_to(REPO_ROOT)) if out_dir.is_relative_to(REPO_ROOT) else str(out_dir),
+                "records": sum(1 for _ in merged.open()) if merged.is_file() else None,
+                "sha256": sha256_file(merged) if merged.is_file() else None, "stats": stats}
+
+    out: dict[str, Any] = {}
+    if "completions" in cfg:
+        out["train"] = corpus(cfg.completions)
+    if "eval" in cfg and "sources" in cfg.eval:
+        out["heldout"] = {}
+        for src in OmegaConf.to_container(cfg.eval.sources, resolve=True):
+            d = Path(cfg.eval.out_dir) / src["dataset"]["name"]
+            section = OmegaConf.create({"out_dir": str(d), "sources": [src]})
+            out["heldout"][src["dataset"]["name"]] = corpus(section)
+    return out
+
+
+def compact(value: Any, depth: int = 0) -> Any:
+    """The figures of an evaluation file small enough for a manifest: numbers, short lists of numbers (by depth or
+    draft position), and dicts of them, two levels down; long per-record arrays left out (the run dir keeps them)."""
+    if isinstance(value, (int, float, str, bool)) or value is None:
+        return value
+    if isinstance(value, list):
+        return value if len(value) <= 16 and all(isinstance(v, (int, float)) for v in value) else None
+    if isinstance(value, dict) and depth < 3:
+        out = {k: compact(v, depth + 1) for k, v in value.items()}
+        return {k: v for k, v in out.items() if v is not None and v != {}}
+    return None
+
+
+def eval_metrics(run_dir: Path) -> dict[str, Any] | None:
+    """The recipe's held-out figures: its summary's ``eval`` section, and per held-out set what its evaluation file
+    (``heads_eval.json``) holds per dataset."""
+    summary = json.loads((run_dir / "train_summary.json").read_text()).get("eval")
+    f = next((run_dir / n for n in ("heads_eval.json", "draft_eval.json") if (run_dir / n).is_file()), None)
+    if summary is not None and f is not None:
+        per = json.loads(f.read_text()).get("per_dataset") or {}
+        summary = {**summary, "per_dataset": compact(per)}
+    return summary
+
+
+def build_one(entry: Entry, force: bool = False, log=print) -> dict[str, Any] | None:
+    """Build ``entry`` unless it is already stored from its current recipe (``force``: anyway); returns the new
+    manifest (None when nothing was built)."""
+    check_store(entry.store, f"conf/zoo/{entry.zoo}.yaml artifact {entry.name}")
+    recipe = recipe_hash(entry)
+    state = status(entry, recipe)
+    if state == "ok" and not force:
+        log(f"[zoo] {entry.name}: up to date")
+        return None
+    log(f"[zoo] {entry.name}: {state}; building")
+    stages = run_stages(entry, recipe, log)
+    final = entry.run_dir / "final"
+    from pardec.models.loading import named_config, weights_location
+
+    target_cfg = named_config(entry.target)
+    tmp = entry.dir.with_name(f".{entry.name}.tmp-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    store = pack(final, tmp, entry.keep, entry.store,
+                 Path(weights_location(target_cfg)) if {"lowrank", "from_target"} & set(entry.store) else None)
+    drafter = json.loads((final / "drafter.json").read_text()) if (final / "drafter.json").is_file() else {}
+    manifest: dict[str, Any] = {
+        "name": entry.name,
+        "target": {"name": entry.target, "source": target_cfg.source, "path": target_cfg.path,
+                   "file": getattr(target_cfg, "gguf_file", None)},
+        "artifact": {k: drafter.get(k) for k in ("format", "version", "kind", "parameters")} if drafter else {},
+        "reads": entry.reads,
+        "recipe": {"experiment": entry.experiment, "overrides": entry.overrides, "sha256": recipe},
+        "command": shlex.join(["python", "-m", "train", *entry.command()]),
+        **git_state(), "host": host(), "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "stages": stages, "data": data_section(entry.run_dir), "metrics": eval_metrics(entry.run_dir),
+        "store": store,
+    }
+    manifest = seal(tmp, manifest)
+    if entry.store:  # the mechanism numbers of what is stored, beside the trained form's
+        manifest = seal(tmp, {**manifest, "metrics_stored": eval_stored(entry, tmp, manifest, log)})
+    old = entry.dir.with_name(f".{entry.name}.old-{os.getpid()}")
+    if entry.dir.exists():
+        entry.dir.rename(old)
+    tmp.rename(entry.dir)
+    shutil.rmtree(old, ignore_errors=True)
+    log(f"[zoo] {entry.name}: stored in {entry.dir.relative_to(REPO_ROOT)} "
+        f"({sum(v['bytes'] for v in manifest['files'].values()) / 1e6:.1f} MB)")
+    return manifest

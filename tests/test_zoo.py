@@ -1,0 +1,229 @@
+"""The zoo (pardec.zoo): stored forms and their inverse, manifests and their checks, ``zoo:<name>`` wherever a run
+takes a drafter, and (slow tier) every artifact kept in the repository: complete, intact, exact when it decodes."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from pardec import zoo
+from pardec.config import ConfigError
+from pardec.zoo.store import U_SUFFIX, V_SUFFIX, materialize, pack
+
+
+@pytest.fixture
+def tmp_zoo(tmp_path, monkeypatch):
+    monkeypatch.setattr(zoo, "ZOO_DIR", tmp_path / "zoo")
+    monkeypatch.setattr("pardec.zoo.store.DATA_DIR", tmp_path / "data")
+    return tmp_path / "zoo" / zoo.DEFAULT_TARGET
+
+
+def _target(tmp_path: Path) -> tuple[Path, torch.Tensor]:
+    d = tmp_path / "target"
+    d.mkdir()
+    emb = torch.randn(40, 8)
+    save_file({"model.embed_tokens.weight": emb, "model.norm.weight": torch.ones(8)}, str(d / "model.safetensors"))
+    return d, emb
+
+
+def test_lowrank_store_keeps_only_the_delta_and_rebuilds_the_tensor(tmp_path, tmp_zoo, monkeypatch):
+    weights, emb = _target(tmp_path)
+    final = tmp_path / "final"
+    (final / "trees").mkdir(parents=True)
+    (final / "trees" / "T4.json").write_text("{}")
+    (final / "drafter.json").write_text("{}")
+    delta = torch.randn(40, 2) @ torch.randn(2, 8)  # rank 2
+    heads = {"heads.0.1.weight": emb + delta, "heads.0.0.linear.weight": torch.randn(8, 8)}
+    save_file(heads, str(final / "drafter.safetensors"))
+    store = {"lowrank": {"tensors": r"heads\.\d+\.1\.weight", "base": ["lm_head.weight", "model.embed_tokens.weight"],
+                         "rank": 2}}
+    art = tmp_zoo / "medusa"
+    info = pack(final, art, ["drafter.json", "drafter.safetensors", "trees"], store, weights)
+    kept = load_file(str(art / "drafter.safetensors"))
+    assert set(kept) == {"heads.0.1.weight" + U_SUFFIX, "heads.0.1.weight" + V_SUFFIX, "heads.0.0.linear.weight"}
+    assert kept["heads.0.1.weight" + U_SUFFIX].shape == (40, 2)
+    t = info["tensors"]["heads.0.1.weight"]
+    assert t["base"] == "model.embed_tokens.weight" and t["rank"] == 2 and t["relative_error"] < 1e-5
+    m = zoo.seal(art, {"name": "medusa", "target": {"name": "tiny"}, "store": info})
+    monkeypatch.setattr("pardec.models.loading.weights_location", lambda cfg: weights)
+    monkeypatch.setattr("pardec.models.loading.named_config", lambda name: name)
+    full = materialize(art, m)
+    assert full != art and (full / "trees" / "T4.json").is_file() and not (full / "manifest.json").exists()
+    rebuilt = load_file(str(full / "drafter.safetensors"))
+    assert set(rebuilt) == set(heads)
+    torch.testing.assert_close(rebuilt["heads.0.1.weight"], heads["heads.0.1.weight"], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(rebuilt["heads.0.0.linear.weight"], heads["heads.0.0.linear.weight"], atol=0, rtol=0)
+    assert materialize(art, m) == full  # built once
+
+
+def test_bf16_store_casts_floating_tensors_only(tmp_path):
+    final = tmp_path / "final"
+    final.mkdir()
+    save_file({"w": torch.randn(4, 4), "ids": torch.arange(4)}, str(final / "drafter.safetensors"))
+    pack(final, tmp_path / "art", ["drafter.safetensors"], {"dtype": "bf16"}, None)
+    kept = load_file(str(tmp_path / "art" / "drafter.safetensors"))
+    assert kept["w"].dtype == torch.bfloat16 and kept["ids"].dtype == torch.int64
+
+
+def _artifact(root: Path, name: str = "eagle3", target: str = "tiny") -> Path:
+    d = root / name
+    d.mkdir(parents=True)
+    (d / "drafter.json").write_text("{}")
+    (d / "drafter.safetensors").write_bytes(b"weights")
+    zoo.seal(d, {"name": name, "target": {"name": target}})
+    return d
+
+
+@pytest.mark.parametrize("damage, message", [
+    (lambda d: (d / "drafter.safetensors").write_bytes(b"weightz"), "does not match the sha256"),
+    (lambda d: (d / "drafter.safetensors").unlink(), "lacks drafter.safetensors"),
+    (lambda d: (d / "extra.bin").write_bytes(b""), "does not list (extra.bin)"),
+    (lambda d: (d / "manifest.json").unlink(), "is not in the zoo"),
+    (lambda d: (d / "manifest.json").write_text("{"), "is not valid JSON"),
+    (lambda d: (d / "manifest.json").write_text(json.dumps({"format": "pardec-zoo", "version": 99})), "version 99"),
+])
+def test_a_damaged_artifact_is_refused_in_one_line_naming_make_zoo(tmp_zoo, damage, message):
+    d = _artifact(tmp_zoo)
+    assert zoo.resolve("zoo:eagle3", "method.path", "tiny") == str(d)
+    damage(d)
+    with pytest.raises(zoo.ZooError) as e:
+        zoo.resolve("zoo:eagle3", "method.path", "tiny")
+    assert message in str(e.value) and "make zoo" in str(e.value) and "\n" not in str(e.value)
+    assert str(e.value).startswith("method.path: zoo:eagle3")
+
+
+def test_an_artifact_of_another_target_or_a_bad_reference_is_refused(tmp_zoo):
+    _artifact(tmp_zoo, target="smollm2_135m")
+    with pytest.raises(zoo.ZooError, match="was trained for 'smollm2_135m'; this run's model is 'tiny_random'"):
+        zoo.resolve("zoo:eagle3", "method.path", "tiny_random")
+    with pytest.raises(zoo.ZooError, match="no zoo/nozoo|is not a zoo artifact"):
+        zoo.resolve("zoo:nozoo/eagle3", "method.path", None)
+    assert zoo.resolve("/a/dir", "method.path", None) == "/a/dir"  # not a reference: unchanged
+
+
+def test_every_zoo_recipe_composes_and_names_known_methods():
+    import pardec.decoding  # noqa: F401
+    from pardec.decoding.base import METHODS
+    from pardec.zoo.store import check_store
+
+    for name in zoo.zoos():
+        for e in zoo.entries(name).values():
+            check_store(e.store, e.name)
+            assert len(zoo.recipe_hash(e)) == 64
+            cls = METHODS.get(e.reads["method"])
+            if e.reads["key"] == "draft.path":
+                assert cls.needs_draft, e.name
+            else:
+                assert e.reads["key"] in cls.__init__.__code__.co_varnames, (e.name, e.reads)
+
+
+def test_bench_method_specs_keep_a_zoo_reference_whole():
+    from pardec.evaluation.spec import parse_also, split_method
+
+    assert split_method("medusa:heads=zoo:medusa:tree=T63") == ["medusa", "heads=zoo:medusa", "tree=T63"]
+    assert parse_also("eagle:path=zoo:smollm2/eagle3:mode=chain") == ("eagle", {"path": "zoo:smollm2/eagle3",
+                                                                               "mode": "chain"})
+    with pytest.raises(ConfigError):
+        parse_also("sps:adaptive")
+
+
+# ------------------------------------------------------------------------------------------- the kept artifacts
+KEPT = [(z, n) for z in zoo.zoos() for n in zoo.entries(z) if (zoo.ZOO_DIR / z / n / zoo.MANIFEST).is_file()]
+REQUIRED = ("name", "target", "recipe", "command", "commit", "host", "date", "stages", "data", "metrics", "store",
+            "files", "reads")
+
+
+def test_every_directory_of_the_zoo_is_a_recipe_with_a_manifest():
+    for z in zoo.zoos():
+        dirs = sorted(p.name for p in (zoo.ZOO_DIR / z).glob("*") if p.is_dir()) if (zoo.ZOO_DIR / z).is_dir() else []
+        assert [d for d in dirs if (z, d) not in KEPT] == [], "an artifact without a recipe or a manifest"
+
+
+@pytest.mark.parametrize("zoo_name, name", KEPT)
+def test_every_kept_manifest_is_complete_and_every_file_matches_it(zoo_name, name):
+    m = zoo.verify(name, zoo_name)
+    assert [k for k in REQUIRED if not m.get(k)] == []
+    assert m["command"].startswith("python -m train +experiment=" + m["recipe"]["experiment"])
+    assert m["host"]["cpu"] and m["host"]["torch"] and all(s["wall_s"] > 0 for s in m["stages"].values())
+    train = m["data"]["train"]
+    assert train["records"] > 0 and len(train["sha256"]) == 64
+    held = m["data"]["heldout"]
+    assert {"gsm8k", "humaneval"} <= set(held) and set(held) & {"mt_bench", "spider", "cnn_dm"}
+    assert all(h["records"] > 0 for h in held.values())
+    assert sum(f["bytes"] for f in m["files"].values()) < 100e6
+
+
+@pytest.mark.slow  # the real model
+@pytest.mark.parametrize("zoo_name, name", KEPT)
+def test_every_kept_drafter_loads_and_decodes_exactly(zoo_name, name):
+    from pardec.config import DatasetConfig, ModelConfig
+    from pardec.decoding import Stopper, build_decoder
+    from pardec.models.cached import CachedModel
+    from pardec.models.loading import load_model, named_config
+    from pardec.tasks.base import build_task
+
+    m = zoo.verify(name, zoo_name)
+    lm = load_model(named_config(m["target"]["name"]))
+    path = zoo.resolve(f"zoo:{zoo_name}/{name}", "test", m["target"]["name"])
+    params, draft = {}, None
+    if m["reads"]["key"] == "draft.path":  # a draft model
+        draft = CachedModel(load_model(ModelConfig(name="draft", source="local", path=path)).model)
+    else:
+        params[m["reads"]["key"]] = path
+    if (Path(path) / "trees" / "T16.json").is_file():
+        params["tree"] = "T16"
+    tok, cm = lm.tokenizer, CachedModel(lm.model)
+    task = build_task(DatasetConfig(name="humaneval"))
+    stop = Stopper(tok, [tok.eos_token_id], task.stop_strings(True))
+    for doc in task.docs()[:2]:
+        ids = task.prompt_ids(doc, tok, True, [])
+        ref = build_decoder("ar", cm, tok).generate(ids, 24, stop)
+        res = build_decoder(m["reads"]["method"], cm, tok, draft, **params).generate(ids, 24, stop)
+        assert res.tokens == ref.tokens, (name, doc["id"])
+        assert res.target_forwards < ref.target_forwards  # it drafted something the target accepted
+
+
+def test_from_target_store_drops_what_equals_the_target_and_refuses_what_does_not(tmp_path, monkeypatch):
+    weights, emb = _target(tmp_path)
+    final = tmp_path / "final"
+    final.mkdir()
+    save_file({"model.embed_tokens.weight": emb.clone(), "model.layers.0.w": torch.randn(8, 8)},
+              str(final / "model.safetensors"))
+    store = {"dtype": "bf16", "from_target": {"model.embed_tokens.weight": "model.embed_tokens.weight"}}
+    art = tmp_path / "zoo" / "draft"
+    info = pack(final, art, ["*.safetensors"], store, weights)
+    assert list(load_file(str(art / "model.safetensors"))) == ["model.layers.0.w"]
+    m = zoo.seal(art, {"name": "draft", "target": {"name": "tiny"}, "store": info})
+    monkeypatch.setattr("pardec.zoo.store.DATA_DIR", tmp_path / "data")
+    monkeypatch.setattr("pardec.models.loading.weights_location", lambda cfg: weights)
+    monkeypatch.setattr("pardec.models.loading.named_config", lambda name: name)
+    full = load_file(str(materialize(art, m) / "model.safetensors"))
+    assert torch.equal(full["model.embed_tokens.weight"], emb) and full["model.layers.0.w"].dtype == torch.bfloat16
+    save_file({"model.embed_tokens.weight": emb + 1}, str(final / "model.safetensors"))
+    with pytest.raises(ValueError, match="differs from the target's model.embed_tokens.weight"):
+        pack(final, tmp_path / "other", ["*.safetensors"], store, weights)
+
+
+def test_an_evaluate_run_reads_a_zoo_drafter_by_name(tmp_zoo, tmp_path):
+    from pardec.evaluation import validate
+    from pardec.models.loading import load_model, named_config
+    from pardec.testing.drafters import untrained_drafters
+    from tests.evaluation.helpers import TINY, cfg_of
+
+    lm = load_model(named_config("tiny_random"))
+    _, params = untrained_drafters(lm.model, tmp_path / "work")
+    import shutil
+
+    shutil.copytree(params["medusa"]["heads"], tmp_zoo / "medusa")
+    zoo.seal(tmp_zoo / "medusa", {"name": "medusa", "target": {"name": "tiny_random"}})
+    spec = validate(cfg_of("+method=medusa", "method.heads=zoo:medusa", "method.tree=chain",
+                           'bench.also=["medusa:heads=zoo:smollm2/medusa:k=2"]', *TINY))
+    assert spec.method_params["heads"] == str(tmp_zoo / "medusa")
+    assert spec.also[0][2] == {"heads": str(tmp_zoo / "medusa"), "k": 2}
+    (tmp_zoo / "medusa" / "drafter.json").write_text("{}")
+    with pytest.raises(ConfigError, match=r"^method.heads: zoo:medusa's drafter.json does not match the sha256"):
+        validate(cfg_of("+method=medusa", "method.heads=zoo:medusa", *TINY))
