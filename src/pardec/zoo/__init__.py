@@ -119,9 +119,11 @@ def seal(root: Path, manifest: dict[str, Any]) -> dict[str, Any]:
     return m
 
 
-def recipe_hash(entry: Entry) -> str:
+def recipe_hash(entry: Entry, training_only: bool = False) -> str:
     """sha256 of the recipe as composed (experiment + the zoo's overrides; interpolations left unresolved, so the
-    hash does not depend on where the repository is): what an artifact's ``recipe_sha256`` must equal to match."""
+    hash does not depend on where the repository is) and of what is kept and how it is stored: what an artifact's
+    ``recipe.sha256`` must equal to match. ``training_only``: of the composed training config alone (a change of
+    the stored form needs no retraining)."""
     from hydra import compose, initialize_config_dir
     from omegaconf import OmegaConf
 
@@ -132,7 +134,8 @@ def recipe_hash(entry: Entry) -> str:
     plain = OmegaConf.to_container(cfg, resolve=False)
     for key in ("hydra", "paths", "stage"):
         plain.pop(key, None)
-    blob = json.dumps({"config": plain, "keep": entry.keep, "store": entry.store}, sort_keys=True, default=str)
+    what = {"config": plain} if training_only else {"config": plain, "keep": entry.keep, "store": entry.store}
+    blob = json.dumps(what, sort_keys=True, default=str)
     return hashlib.sha256(blob.encode()).hexdigest()
 
 

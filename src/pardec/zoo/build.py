@@ -54,14 +54,14 @@ def run_stage(entry: Entry, stage: str, argv: list[str], log) -> dict[str, Any]:
     """Run one stage as its own process (its progress bars on this terminal); its wall time and the machine's load."""
     cmd = [sys.executable, "-m", "train", *argv]
     log(f"[zoo] {entry.name}: stage {stage}: {shlex.join(cmd[1:])}")
-    load_before = os.getloadavg()[0]
+    load_before, git_at_start = os.getloadavg()[0], git_state()  # the code the stage runs
     t0, started = time.perf_counter(), datetime.now(timezone.utc).isoformat(timespec="seconds")
     proc = subprocess.run(cmd, cwd=REPO_ROOT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
     if proc.returncode != 0:
         raise ZooError(f"building {entry.name}: stage {stage} exited with status {proc.returncode}; rerun "
                        f"`python -m pardec.zoo build {entry.name}` to resume")
     return {"wall_s": round(time.perf_counter() - t0, 1), "started": started, "load_1m_before": round(load_before, 2),
-            "load_15m_after": round(os.getloadavg()[2], 2), "argv": argv}
+            "load_15m_after": round(os.getloadavg()[2], 2), "argv": argv, **git_at_start}
 
 
 def train_argv(entry: Entry, stage: str, run_dir: Path) -> list[str]:
@@ -79,6 +79,7 @@ def train_argv(entry: Entry, stage: str, run_dir: Path) -> list[str]:
 
 
 def run_stages(entry: Entry, recipe: str, log) -> dict[str, dict]:
+    """Every stage of the recipe not yet run under the same training config (``recipe``: its hash)."""
     run_dir = entry.run_dir
     run_dir.mkdir(parents=True, exist_ok=True)
     path = run_dir / STAGES_FILE
@@ -191,7 +192,7 @@ def build_one(entry: Entry, force: bool = False, log=print) -> dict[str, Any] | 
         log(f"[zoo] {entry.name}: up to date")
         return None
     log(f"[zoo] {entry.name}: {state}; building")
-    stages = run_stages(entry, recipe, log)
+    stages = run_stages(entry, recipe_hash(entry, training_only=True), log)
     final = entry.run_dir / "final"
     from pardec.models.loading import named_config, weights_location
 
@@ -209,7 +210,8 @@ def build_one(entry: Entry, force: bool = False, log=print) -> dict[str, Any] | 
         "reads": entry.reads,
         "recipe": {"experiment": entry.experiment, "overrides": entry.overrides, "sha256": recipe},
         "command": shlex.join(["python", "-m", "train", *entry.command()]),
-        **git_state(), "host": host(), "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        **git_state(), **{k: stages["train"][k] for k in ("commit", "dirty") if k in stages.get("train", {})},
+        "host": host(), "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "stages": stages, "data": data_section(entry.run_dir), "metrics": eval_metrics(entry.run_dir),
         "store": store,
     }
