@@ -110,10 +110,18 @@ def test_every_zoo_recipe_composes_and_names_known_methods():
     from pardec.decoding.base import METHODS
     from pardec.zoo.store import check_store
 
+    from hydra import compose, initialize_config_dir
+
+    from pardec import CONF_DIR
+    from pardec.training.kinds import load_kinds
+
     for name in zoo.zoos():
         for e in zoo.entries(name).values():
             check_store(e.store, e.name)
-            assert len(zoo.recipe_hash(e)) == 64
+            assert len(zoo.recipe_hash(e)) == 64 and zoo.recipe_hash(e) != zoo.recipe_hash(e, training_only=True)
+            with initialize_config_dir(str(CONF_DIR), version_base="1.3"):
+                kind = compose("train", overrides=[f"+experiment={e.experiment}", *e.overrides]).kind
+            assert tuple(e.stages) == tuple(load_kinds().get(kind).stages), e.name  # what the build runs
             cls = METHODS.get(e.reads["method"])
             if e.reads["key"] == "draft.path":
                 assert cls.needs_draft, e.name

@@ -30,6 +30,7 @@ PREFIX = "zoo:"
 ZOO_DIR = REPO_ROOT / "zoo"
 DEFAULT_TARGET = "smollm2"
 MANIFEST = "manifest.json"
+STAGES = ("generate", "train", "eval")  # the stages of the draft and heads kinds (an entry names others)
 
 
 class ZooError(ConfigError):
@@ -47,6 +48,7 @@ class Entry:
     keep: list[str] = field(default_factory=list)  # paths under the run's final/ that are stored
     store: dict = field(default_factory=dict)  # pardec.zoo.store: dtype / lowrank
     reads: dict = field(default_factory=dict)  # {method, key}: the method parameter that takes zoo:<name>
+    stages: list[str] = field(default_factory=lambda: list(STAGES))  # the experiment kind's, in order
     run_root: str = "outputs/zoo"
     zoo: str = DEFAULT_TARGET  # the zoo's directory name under zoo/
 
@@ -76,7 +78,7 @@ def entries(zoo: str = DEFAULT_TARGET) -> dict[str, Entry]:
     if not path.is_file():
         raise ZooError(f"zoo {zoo!r} has no recipes (no {path}); zoos: {', '.join(zoos()) or 'none'}")
     raw = yaml.safe_load(path.read_text())
-    keys = {"experiment", "overrides", "keep", "store", "reads"}
+    keys = {"experiment", "overrides", "keep", "store", "reads", "stages"}
     out = {}
     for name, e in (raw.get("artifacts") or {}).items():
         unknown = set(e) - keys

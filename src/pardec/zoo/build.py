@@ -39,17 +39,6 @@ def status(entry: Entry, recipe: str | None = None) -> str:
     return "ok" if m["recipe"]["sha256"] == (recipe or recipe_hash(entry)) else "stale"
 
 
-def kind_stages(entry: Entry) -> tuple[str, ...]:
-    import yaml
-
-    from pardec import CONF_DIR
-    from pardec.training.kinds import load_kinds
-
-    exp = yaml.safe_load((CONF_DIR / "experiment" / f"{entry.experiment}.yaml").read_text())
-    kind = next(d["/kind"] for d in exp["defaults"] if isinstance(d, dict) and "/kind" in d)
-    return tuple(load_kinds().get(kind).stages)
-
-
 def run_stage(entry: Entry, stage: str, argv: list[str], log) -> dict[str, Any]:
     """Run one stage as its own process (its progress bars on this terminal); its wall time and the machine's load."""
     cmd = [sys.executable, "-m", "train", *argv]
@@ -65,16 +54,11 @@ def run_stage(entry: Entry, stage: str, argv: list[str], log) -> dict[str, Any]:
 
 
 def train_argv(entry: Entry, stage: str, run_dir: Path) -> list[str]:
+    """A stage's argv; a training killed after a checkpoint resumes from the newest complete one (training checks
+    which that is, and skips one cut short mid-save)."""
     argv = entry.command(stage)
-    if stage == "train":
-        from pardec.config import ConfigError
-        from pardec.training.checkpoints import resume_checkpoint
-
-        try:
-            if resume_checkpoint(True, run_dir, warn=False):
-                argv.append("trainer.resume_from_checkpoint=true")
-        except ConfigError:  # no complete checkpoint yet: train from the start
-            pass
+    if stage == "train" and any((c / "trainer_state.json").is_file() for c in run_dir.glob("checkpoint-*")):
+        argv.append("trainer.resume_from_checkpoint=true")
     return argv
 
 
@@ -86,7 +70,7 @@ def run_stages(entry: Entry, recipe: str, log) -> dict[str, dict]:
     done = json.loads(path.read_text()) if path.is_file() else {}
     if done.get("recipe_sha256") != recipe:
         done = {"recipe_sha256": recipe, "stages": {}}
-    for stage in kind_stages(entry):
+    for stage in entry.stages:
         if stage in done["stages"]:
             log(f"[zoo] {entry.name}: stage {stage} done earlier ({done['stages'][stage]['wall_s']} s)")
             continue

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import random
+import shutil
 from types import SimpleNamespace
 
 import pytest
@@ -302,3 +303,36 @@ def test_the_target_pass_keeps_only_the_chosen_layers_states():
             assert torch.equal(tp.features, torch.cat([want.hidden_states[i] for i in layers], -1))
             assert torch.equal(tp.logits, want.logits)
     assert hooks() == before
+
+
+@pytest.mark.slow  # two tiny trainings
+def test_training_continues_from_a_kept_drafter(tmp_path, monkeypatch):
+    """heads.init_from: a second run starts from the first's drafter (a directory or zoo:<name>: verified), keeps its
+    vocabulary, and its drafter.json counts the steps and data of both runs; a drafter shaped otherwise is refused."""
+    from pardec import zoo
+
+    first = tmp_path / "out" / "first"
+    for stage in ("generate", "train"):
+        run(_compose(_overrides(tmp_path, f"stage={stage}")), first)
+    shutil.copytree(first / "final", tmp_path / "zoo" / "smollm2" / "e3")
+    monkeypatch.setattr(zoo, "ZOO_DIR", tmp_path / "zoo")
+    with pytest.raises(ConfigError, match=r"heads.init_from: zoo:e3 is not in the zoo \(no "):
+        validate(_compose(_overrides(tmp_path, "+heads.init_from=zoo:e3")))
+    zoo.seal(tmp_path / "zoo" / "smollm2" / "e3", {"name": "e3", "target": {"name": "tiny_random"}})
+    second = tmp_path / "out" / "second"
+    summary = run(_compose(_overrides(tmp_path, "stage=train", "+heads.init_from=zoo:e3")), second)
+    assert summary["train"]["total_steps"] == 4 and summary["train"]["init_from"] == str(tmp_path / "zoo/smollm2/e3")
+    lm = tiny(0, layers=4)
+    one, _ = load_drafter(first / "final", lm.model.config, "eagle3")
+    two, meta = load_drafter(second / "final", lm.model.config, "eagle3")
+    assert torch.equal(one.d2t, two.d2t) and meta["draft_vocab_coverage"] == json.loads(
+        (first / "final" / "drafter.json").read_text())["draft_vocab_coverage"]
+    assert [r["steps"] for r in meta["history"]] == [2, 2] and meta["total_sequences"] == 2 * sum(
+        r["sequences_per_step"] for r in meta["history"])
+    assert not torch.equal(one.fc.weight, two.fc.weight)  # it trained on
+    with pytest.raises(ConfigError, match=r"heads.init_from=.*: its drafter is not shaped like this experiment's"):
+        run(_compose(_overrides(tmp_path, "stage=train", f"+heads.init_from={first / 'final'}",
+                                "heads.draft_vocab_size=256")), tmp_path / "out" / "third")
+    with pytest.raises(ConfigError, match=r"holds a 'eagle3' drafter; this experiment trains heads.type='medusa'"):
+        validate(_compose(["+experiment=heads_medusa_tiny", f"paths.data_dir={tmp_path}/data",
+                           f"paths.output_dir={tmp_path}/out", f"+heads.init_from={first / 'final'}"]))

@@ -31,11 +31,12 @@ from pardec.training.kinds import Kind, Spec, check_layers, common_fields, known
 #: DeepSpeed context but is never handed to the engine, and the drafter is saved from rank 0 alone (whole weights);
 #: heads of a few million parameters train under ZeRO-2
 NO_ZERO3 = "the frozen target would be partitioned outside the engine and the heads are saved whole from rank 0"
-HEADS_KEYS = {"medusa": ("type", "num_heads", "num_blocks", "head_decay", "corpus_fraction"),
-              "firp": ("type", "layers", "attention", "distance", "corpus_fraction"),
-              "eagle3": ("type", "draft_vocab_size", "ttt_steps", "step_decay", "layers", "corpus_fraction"),
+HEADS_KEYS = {"medusa": ("type", "num_heads", "num_blocks", "head_decay", "corpus_fraction", "init_from"),
+              "firp": ("type", "layers", "attention", "distance", "corpus_fraction", "init_from"),
+              "eagle3": ("type", "draft_vocab_size", "ttt_steps", "step_decay", "layers", "corpus_fraction",
+                         "init_from"),
               "dflash": ("type", "num_layers", "layers", "block_size", "num_anchors", "gamma", "loss", "weighting",
-                         "dpace_alpha", "fusion", "mask_token_id", "corpus_fraction")}
+                         "dpace_alpha", "fusion", "mask_token_id", "corpus_fraction", "init_from")}
 #: EAGLE-3's defaults (Li et al. 2025; reference eagle/traineagle3: cnets.py ``self.length = 7``, main.py
 #: ``ploss_weight = [0.8 ** i ...]``, the 32000-id draft vocabulary of its configs)
 EAGLE3_DEFAULTS = {"draft_vocab_size": 32000, "ttt_steps": 7, "step_decay": 0.8}
@@ -55,6 +56,7 @@ class HeadsSpec(Spec):
     eval_gen: list  # one GenerateConfig per held-out source, each with its own out_dir
     topk: int
     budgets: list[int]
+    init_from: str | None = None  # a trained drafter's directory (heads.init_from, zoo:<name> resolved) to continue
 
 
 def check_vocab_size(size: int, model) -> None:
@@ -91,6 +93,22 @@ def check_dflash(heads: dict) -> None:
                           f"states entering them are fused; null: DFlash's evenly spaced layers, one per draft layer)")
 
 
+def check_init_from(value, kind: str, target: str) -> str:
+    """``heads.init_from``: a trained drafter of the same type to continue training (its directory, or
+    ``zoo:<name>``: verified, made for this target), as the directory to load; refused in one line otherwise."""
+    from pardec import zoo
+    from pardec.models.heads import read_meta
+
+    if not isinstance(value, str) or not value:
+        raise ConfigError(f"heads.init_from={value!r} is not valid: give a trained drafter's directory or zoo:<name>")
+    path = zoo.resolve(value, "heads.init_from", target)
+    meta = read_meta(path, "heads.init_from")
+    if meta.get("kind") != kind:
+        raise ConfigError(f"heads.init_from={value!r} holds a {meta.get('kind')!r} drafter; this experiment trains "
+                          f"heads.type={kind!r}")
+    return path
+
+
 @register_kind("heads")
 class HeadsKind(GeneratesCompletions, Kind):
     name = "heads"
@@ -109,6 +127,7 @@ class HeadsKind(GeneratesCompletions, Kind):
         check_choice("heads.type", kind, tuple(HEADS_KEYS))
         known(heads, HEADS_KEYS[kind], f"heads (type {kind})")
         fraction = check_fraction(heads.pop("corpus_fraction", 1.0), "heads.corpus_fraction")
+        init_from = heads.pop("init_from", None)
         head_decay = 1.0
         if kind == "medusa":
             for key in ("num_heads", "num_blocks"):
@@ -155,9 +174,10 @@ class HeadsKind(GeneratesCompletions, Kind):
             check_layers(heads["layers"], common["model"], "heads.layers")
         if kind == "eagle3":
             check_vocab_size(heads["draft_vocab_size"], common["model"])
+        if init_from is not None:
+            init_from = check_init_from(init_from, kind, common["model"].name)
         return HeadsSpec(**common, heads=heads, head_decay=head_decay, corpus_fraction=fraction, gen=gen,
-                         eval_gen=eval_sources(ev),
-                         topk=topk, budgets=budgets)
+                         eval_gen=eval_sources(ev), topk=topk, budgets=budgets, init_from=init_from)
 
     def stage_train(self, spec: HeadsSpec, run_dir: Path, d) -> dict:
         from pardec.training.heads.trainer import train_heads

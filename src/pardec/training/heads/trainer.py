@@ -326,6 +326,11 @@ def train_heads(spec, run_dir, d: Ranks) -> dict:
     with torch.random.fork_rng(devices=[]):  # EAGLE-3's / DFlash's random layers: the same init on every rank and rerun
         torch.manual_seed(args.seed)
         drafter = _new_drafter(spec, base, vocab)
+    history: list[dict] = []  # the runs this drafter was trained in before this one (heads.init_from)
+    if spec.init_from:
+        history, prior = continue_from(spec.init_from, drafter, base.config, spec.heads["type"])
+        if eagle3:  # its draft vocabulary is the one it was trained with (continue_from loaded its maps)
+            vocab_facts = {k: prior[k] for k in vocab_facts if k in prior}
     # DeepSpeed's "auto" bucket sizes (conf/deepspeed/*.json: reduce_bucket_size) are filled from model.config's
     # hidden_size (transformers' HfTrainerDeepSpeedConfig); the drafter is a plain module: it gets the target's
     # (EAGLE-3's draft keeps its own Eagle3Config, whose hidden_size is the target's)
@@ -351,9 +356,13 @@ def train_heads(spec, run_dir, d: Ranks) -> dict:
 
     def finish(final, trained: dict) -> dict:  # the training facts go into drafter.json too
         tokens = sum(len(ds[i]["input_ids"]) for i in range(len(ds)))
+        per_step = args.per_device_train_batch_size * args.gradient_accumulation_steps * d.world
         facts = {**trained, "samples": len(ds), "tokens": tokens, "epochs": args.num_train_epochs,
-                 "corpus_fraction": spec.corpus_fraction,
+                 "corpus_fraction": spec.corpus_fraction, "sequences_per_step": per_step,
                  "experiment": spec.experiment,
+                 **continuation_facts(history, {"experiment": spec.experiment, "steps": trained["steps"],
+                                                "samples": len(ds), "tokens": tokens, "sequences_per_step": per_step},
+                                      spec.init_from),
                  **({"distance": distance} if firp else {} if eagle3 or dflash else {"head_decay": spec.head_decay}),
                  **steps, **vocab_facts}
         if d.rank == 0:
@@ -362,6 +371,34 @@ def train_heads(spec, run_dir, d: Ranks) -> dict:
                 "trainable_parameters": num_parameters(drafter), "final_drafter": str(final)}
 
     return fit(trainer, spec, run_dir, d, finish)
+
+
+def continue_from(path: str, drafter, base_config, kind: str) -> tuple[list[dict], dict]:
+    """Load the trained drafter at ``path`` into the fresh ``drafter`` (every tensor, EAGLE-3's vocabulary maps
+    included; one line naming the tensors whose shapes differ); returns (the runs it was trained in, its
+    ``drafter.json``)."""
+    from pardec.models.heads import load_drafter
+
+    prior, meta = load_drafter(path, base_config, kind, key="heads.init_from")
+    want, have = drafter.state_dict(), prior.state_dict()
+    bad = sorted(k for k in set(want) | set(have) if k not in want or k not in have or want[k].shape != have[k].shape)
+    if bad:
+        raise ConfigError(f"heads.init_from={path}: its drafter is not shaped like this experiment's ({len(bad)} "
+                          f"tensor(s) differ, e.g. {bad[0]}); give the settings it was trained with")
+    drafter.load_state_dict(have)
+    history = meta.get("history") or [{k: meta.get(k) for k in ("experiment", "steps", "samples", "tokens",
+                                                                 "sequences_per_step")}]
+    return history, meta
+
+
+def continuation_facts(history: list[dict], this: dict, init_from: str | None) -> dict:
+    """drafter.json's account of a drafter trained over several runs: each run's steps and data, and the totals."""
+    if not init_from:
+        return {}
+    runs = [*history, this]
+    known = all(r.get("sequences_per_step") for r in runs)
+    return {"init_from": init_from, "history": runs, "total_steps": sum(int(r.get("steps") or 0) for r in runs),
+            "total_sequences": sum(r["steps"] * r["sequences_per_step"] for r in runs) if known else None}
 
 
 def eagle3_vocab(spec, records: list[dict], lm):
