@@ -142,6 +142,7 @@ def test_the_model_check_is_what_fails_offline(monkeypatch):
     """Unmocked, validation reaches the hub check with the recipe's models: on a machine without the weights and with
     the hub switched off it is one line naming the model and the switch (no download tried)."""
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # (where there is none, the placement check stops first)
     monkeypatch.setattr(loading, "_hub_cached", lambda repo, revision: False)
     monkeypatch.setattr(loading, "hub_reachable", lambda timeout=3.0: pytest.fail("probed the hub while offline"))
     with pytest.raises(ConfigError, match=r"model 'yi_34b': hub model 01-ai/Yi-34B is not in the local Hugging "
@@ -153,16 +154,18 @@ def test_the_model_check_is_what_fails_offline(monkeypatch):
 @pytest.mark.parametrize("name", RECIPES)
 def test_a_gpu_recipe_where_cuda_is_not_usable_stops_in_one_line(name, monkeypatch):
     """Every paper recipe asks for CUDA (``model.device: cuda``): without it, validation stops before any weights
-    load, instead of decoding a 7B-34B model on the CPU; ``model.device=cpu`` (and the draft's) runs it anyway."""
-    monkeypatch.setattr(spec_module, "check_models", lambda model, draft: None)
+    load, instead of decoding a 7B-34B model on the CPU; ``model.device=cpu`` (and the draft's) runs it anyway. It is
+    the first check that can fail: before the hub is probed, a tokenizer fetched or a trained drafter looked for."""
+    monkeypatch.setattr(spec_module, "check_models", lambda model, draft: pytest.fail("probed the models first"))
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     cfg = cfg_of(f"+recipe={name}")
     assert cfg.model.device == "cuda" and (cfg.draft.get("name") is None or cfg.draft.device == "cuda")
-    if name.startswith("firp_"):
-        return  # (its validation needs the trained projections first: test above)
     with pytest.raises(ConfigError, match="model.device=cuda but no CUDA device is usable here") as e:
         validate(cfg)
     assert "\n" not in str(e.value)
+    if name.startswith("firp_"):
+        return  # (on the CPU its validation then needs the trained projections: test above)
+    monkeypatch.setattr(spec_module, "check_models", lambda model, draft: None)
     cpu = ["model.device=cpu"] + (["draft.device=cpu"] if cfg.draft.get("name") else [])
     assert validate(cfg_of(f"+recipe={name}", *cpu)).devices[0] == torch.device("cpu")
 

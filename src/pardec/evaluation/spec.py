@@ -115,6 +115,7 @@ def validate(cfg: DictConfig) -> EvalSpec:
     run = to_dataclass(RunConfig, {k: cfg.get(k) for k in RUN_KEYS if k in cfg}, "the top-level keys")
     sampling = to_dataclass(SamplingConfig, cfg.get("sampling"), "sampling")
     bench = to_dataclass(BenchConfig, cfg.get("bench"), "bench")
+    devices = check_placement(model, draft, run)  # before anything reads a drafter or probes the hub
     check_method(name, mcfg, draft)
     check_method(bench.baseline, {}, draft, f"bench.baseline={bench.baseline!r}")
     also = []
@@ -132,7 +133,6 @@ def validate(cfg: DictConfig) -> EvalSpec:
     if not isinstance(energy.get("enabled", True), bool):
         raise ConfigError(f"energy.enabled={energy['enabled']!r} must be bool (true or false)")
     check_models(model, draft)
-    devices = check_placement(model, draft, run)
     for m_name, m_params in [(name, mcfg)] + [(a[1], a[2]) for a in also]:
         METHODS.get(m_name).check_model(model, m_params)  # what a method needs of the model, before it loads
         check_attention(m_name, model, draft)
