@@ -114,28 +114,27 @@ def render_config(rel: str, md_file: Path, root: Path) -> str:
 
 def render_zoo(zoo: str, md_file: Path, root: Path) -> str:
     """The kept drafters of ``zoo/<zoo>/``, one row each from its manifest: how a run reads it, what is stored and its
-    size, what training cost on which host, and the held-out figure its recipe reports, per held-out set."""
-    from pardec.zoo.__main__ import headline
+    size, what training cost on which host, and the held-out figure its recipe reports, overall, per held-out set and
+    for the stored form where that is not the trained one."""
+    from pardec.zoo.__main__ import headline, stored_form
 
     folder = root / "zoo" / zoo
-    manifests = sorted(folder.glob("*/manifest.json")) if folder.is_dir() else []
     rows = []
-    for f in manifests:
+    for f in sorted(folder.glob("*/manifest.json")) if folder.is_dir() else []:
         m = json.loads(f.read_text())
-        per = (m.get("metrics") or {}).get("per_dataset") or {}
-        held = "; ".join(f"{ds} {headline(v)}" for ds, v in per.items()) or headline(m.get("metrics"))
-        stored = m.get("metrics_stored")
-        if stored:
-            held += f" (stored form: {headline(stored.get('metrics'))})"
-        store = ", ".join(f"{k} {v}" for k, v in m["store"].items() if k != "tensors") or "as trained"
-        stages = ", ".join(f"{k} {v['wall_s'] / 60:.1f}" for k, v in m["stages"].items())
+        metrics = m.get("metrics") or {}
+        per = "; ".join(f"{ds}: {headline(v)}" for ds, v in (metrics.get("per_dataset") or {}).items())
+        stored = (m.get("metrics_stored") or {}).get("metrics")
         key = m["reads"]["key"] if "." in m["reads"]["key"] else f"method.{m['reads']['key']}"
-        rows.append([f"[{m['name']}]({_rel(f, md_file)})", f"`{m['reads']['method']}`: `{key}=zoo:{m['name']}`", store, f"{sum(v['bytes'] for v in m['files'].values()) / 1e6:.1f}",
-                     f"{stages} ({m['host']['cpu']}, {m['host']['cores']} cores)", held, m["date"][:10]])
+        stages = ", ".join(f"{k} {v['wall_s'] / 60:.1f}" for k, v in m["stages"].items())
+        rows.append([f"[{m['name']}]({_rel(f, md_file)})", f"`{m['reads']['method']}`: `{key}=zoo:{m['name']}`",
+                     f"{stored_form(m['store'])}; {sum(v['bytes'] for v in m['files'].values()) / 1e6:.1f} MB",
+                     f"{stages} ({m['host']['cpu']}, {m['host']['cores']} cores)", headline(metrics), per or "-",
+                     headline(stored) if stored else "(as trained)", m["date"][:10]])
     if not rows:
         return f"(nothing kept in zoo/{zoo} yet: `make zoo`)\n"
-    return markdown_table(["artifact", "read as", "stored", "MB", "training, min per stage (host)",
-                           "held out (overall, or per set)", "date"], rows) + "\n"
+    return markdown_table(["artifact", "read as", "stored", "training, min per stage (host)", "held out",
+                           "per held-out set", "stored form, held out", "date"], rows) + "\n"
 
 
 # --- the leaderboard -------------------------------------------------------------------------------------------------

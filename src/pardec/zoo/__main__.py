@@ -23,7 +23,21 @@ def headline(metrics: dict | None) -> str:
     for key in ("agreement_overall", "agreement"):
         if isinstance(m.get(key), float):
             return f"top-1 agreement {m[key]:.3f}"
+    acc = m.get("topk_accuracy") or m.get("rank_accuracy")
+    if acc:  # per depth, then rank: the top-1 of each depth
+        return "top-1 by depth " + "/".join(f"{d[0]:.2f}" for d in acc)
     return "-"
+
+
+def stored_form(store: dict) -> str:
+    """``bf16, rank-128 delta vs the target's lm_head.weight`` from a manifest's ``store`` section."""
+    parts = [store["dtype"]] if store.get("dtype") else []
+    if store.get("lowrank"):
+        bases = sorted({t["base"] for t in store.get("tensors", {}).values()})
+        parts.append(f"rank-{store['lowrank']['rank']} delta vs the target's {', '.join(bases)}")
+    if store.get("from_target"):
+        parts.append(f"{', '.join(store['from_target'])} from the target")
+    return ", ".join(parts) or "as trained"
 
 
 def rows(zoo: str, names: list[str]) -> list[dict]:

@@ -147,8 +147,10 @@ def compact(value: Any, depth: int = 0) -> Any:
     draft position), and dicts of them, two levels down; long per-record arrays left out (the run dir keeps them)."""
     if isinstance(value, (int, float, str, bool)) or value is None:
         return value
-    if isinstance(value, list):
-        return value if len(value) <= 16 and all(isinstance(v, (int, float)) for v in value) else None
+    if isinstance(value, list):  # by depth or position; by depth, then rank (Medusa / FIRP top-k accuracy)
+        short = len(value) <= 16 and all(isinstance(v, (int, float)) or (isinstance(v, list) and len(v) <= 16 and all(
+            isinstance(x, (int, float)) for x in v)) for v in value)
+        return value if short else None
     if isinstance(value, dict) and depth < 3:
         out = {k: compact(v, depth + 1) for k, v in value.items()}
         return {k: v for k, v in out.items() if v is not None and v != {}}
