@@ -18,6 +18,7 @@ from pardec.training.heads.dflash import (
     DFlashCollator,
     anchor_candidates,
     block_mask,
+    block_outputs,
     block_terms,
     label_grid,
     position_weights,
@@ -149,3 +150,37 @@ def test_config_errors(tmp_path):
                           "gamma": 7.0, "loss": "ce", "weighting": "decay", "dpace_alpha": 0.5, "fusion": "concat",
                           "mask_token_id": None}
     assert spec.trainer["learning_rate"] == 6e-4 and spec.trainer["lr_scheduler_type"] == "cosine"
+
+
+@pytest.mark.parametrize("fusion", ["concat", "layerwise"])
+def test_slot_one_reads_the_context_before_its_anchor_and_the_anchor_token(fusion):
+    """The training path's slot-1 logits of a block at anchor a change when only the target features of a context
+    position before a change, and when only the anchor token changes; they do not change when features at or after
+    a change (the block sees the context keys < a) or when another block's anchor token changes."""
+    lm = tiny(0, layers=4)
+    torch.manual_seed(0)
+    d = new_drafter("dflash", lm.model.config, embed=lm.model.model.embed_tokens, lm_head=lm.model.lm_head,
+                    dflash={"num_layers": 2, "block_size": 3, "fusion": fusion})
+    embed, head = lm.model.model.embed_tokens, lm.model.lm_head
+    ids = torch.tensor([[4, 8, 15, 16, 23, 42, 7, 9]])
+    feats = torch.randn(1, 8, 2 * d.config.hidden_size)
+    anchors = torch.tensor([[2, 5]])
+
+    def slot1(ids, feats):  # [A, V]: each block's slot-1 logits
+        return d.logits(block_outputs(d, TargetPass(feats, None, None), embed, ids, anchors, 3)[0, :, 1], head)
+
+    base = slot1(ids, feats)
+    for pos in (0, 1, 4):  # a context position before the second anchor (5); 0 and 1 also before the first (2)
+        f = feats.clone()
+        f[0, pos] += torch.randn(f.shape[-1])
+        changed = (slot1(ids, f) - base).abs().amax(-1) > 1e-5
+        assert changed.tolist() == [pos < 2, True], pos
+    for pos in (2, 6):  # at an anchor or after it: unseen by the block
+        f = feats.clone()
+        f[0, pos] += torch.randn(f.shape[-1])
+        changed = (slot1(ids, f) - base).abs().amax(-1) > 1e-5
+        assert changed.tolist() == [False, pos < 5], pos
+    other = ids.clone()
+    other[0, 5] = 11  # the second block's anchor token only
+    changed = (slot1(other, feats) - base).abs().amax(-1) > 1e-5
+    assert changed.tolist() == [False, True]
