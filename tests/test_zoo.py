@@ -106,14 +106,13 @@ def test_an_artifact_of_another_target_or_a_bad_reference_is_refused(tmp_zoo):
 
 
 def test_every_zoo_recipe_composes_and_names_known_methods():
-    import pardec.decoding  # noqa: F401
-    from pardec.decoding.base import METHODS
-    from pardec.zoo.store import check_store
-
     from hydra import compose, initialize_config_dir
 
+    import pardec.decoding  # noqa: F401
     from pardec import CONF_DIR
+    from pardec.decoding.base import METHODS
     from pardec.training.kinds import load_kinds
+    from pardec.zoo.store import check_store
 
     for name in zoo.zoos():
         for e in zoo.entries(name).values():
