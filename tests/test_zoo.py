@@ -48,6 +48,7 @@ def test_lowrank_store_keeps_only_the_delta_and_rebuilds_the_tensor(tmp_path, tm
     assert kept["heads.0.1.weight" + U_SUFFIX].shape == (40, 2)
     t = info["tensors"]["heads.0.1.weight"]
     assert t["base"] == "model.embed_tokens.weight" and t["rank"] == 2 and t["relative_error"] < 1e-5
+    assert t["delta_energy_kept"] == pytest.approx(1.0)
     m = zoo.seal(art, {"name": "medusa", "target": {"name": "tiny"}, "store": info})
     monkeypatch.setattr("pardec.models.loading.weights_location", lambda cfg: weights)
     monkeypatch.setattr("pardec.models.loading.named_config", lambda name: name)

@@ -114,7 +114,9 @@ def _chain_run(root: Path, kind: str, expected: float) -> Path:
     :func:`pardec.training.heads.trainer.evaluate_chain` writes it."""
     root.mkdir(parents=True)
     loss = "kl" if kind == "eagle3" else "ce"
-    hist = [{"step": s, "loss": 4.0 / s, loss: 4.0 / s, "top1": 0.1 * s} for s in (1, 2)]
+    hist = [{"step": s, "loss": 4.0 / s, loss: 4.0 / s, "top1": 0.1 * s,
+             **{f"{loss}_d{k}": 4.0 / s + k for k in (1, 2, 3)}, **{f"top1_d{k}": 0.1 * s / k for k in (1, 2, 3)}}
+            for s in (1, 2)]
     (root / "log_history.json").write_text(json.dumps(hist + [{"step": 2, "train_runtime": 30.0}]))
     (root / "train_summary.json").write_text(json.dumps({"stage": "eval", "train": {
         "samples": 400, "corpus_fraction": 1.0, "steps": 2, "train_seconds": 180.0}}))
@@ -145,3 +147,11 @@ def test_report_puts_eagle3_and_dflash_runs_beside_heads_runs(tmp_path):
     assert "| d | dflash | 400 | 1.000 | 2 | 3.0 | 2.000 | 0.200 |" in next(x for x in lines if x.startswith("| d |"))
     assert sum(x.startswith("| h |") for x in lines) == 1 and "expected tokens/step T16" in md  # the trees' table
     assert (tmp_path / "r" / "draft_curves.png").stat().st_size > 1000  # DFlash's ce in the KL panel
+    assert (tmp_path / "r" / "slot_curves.png").stat().st_size > 1000 and "slot_curves.png" in md  # positions 1, 2
+
+
+def test_slot_curves_are_drawn_for_the_logged_positions_only(tmp_path):
+    e = draft_report.read_run(_chain_run(tmp_path / "e", "eagle3", 1.74))
+    assert draft_report.slot_plot({"e": e}, tmp_path / "s.png") and (tmp_path / "s.png").stat().st_size > 1000
+    e["history"] = [{k: v for k, v in h.items() if not k.startswith("top1_d")} for h in e["history"]]
+    assert not draft_report.slot_plot({"e": e}, tmp_path / "none.png") and not (tmp_path / "none.png").exists()

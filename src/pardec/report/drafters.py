@@ -16,7 +16,8 @@ DFlash: top-1 agreement and chain acceptance per draft position, expected tokens
 model's ``sdsat_eval.json`` (held-out perplexity against the base per source, the adaptive token's top-1 against the
 model's own greedy token per depth, expected tokens per two-step loop). Writes ``report.md``, ``report.json``,
 ``draft_curves.png`` (KL and top-1 agreement on the training batches against the optimizer step; a heads run logs
-the mean over its depths, a DFlash run its cross-entropy in place of the KL) and, for SDSAT runs,
+the mean over its depths, a DFlash run its cross-entropy in place of the KL), ``slot_curves.png`` (the same per
+draft position 1, 2, 4, 8, 15, against the step and the training minutes) and, for SDSAT runs,
 ``sdsat_curves.png`` (plain and masked losses).
 """
 
@@ -38,6 +39,7 @@ CURVES = {"kl": "KL(target || draft) (DFlash: CE to the label), nats",
           "agreement": "top-1 agreement (training batches)"}
 SDSAT_CURVES = {"plain_loss": "plain loss (ordinary tokens), nats", "masked_loss": "masked loss (adaptive tokens), nats"}
 SDSAT_DEPTHS = 3  # adaptive-token depths in the table
+SLOTS = (1, 2, 4, 8, 15)  # the draft positions whose logged curves slot_plot draws (DFlash's block slots, EAGLE-3's steps)
 
 
 def read_run(run_dir: Path) -> dict:
@@ -173,6 +175,37 @@ def plot(runs: dict[str, dict], path: Path, curves: dict[str, str] = CURVES) -> 
     return True
 
 
+def slot_plot(runs: dict[str, dict], path: Path) -> bool:
+    """Per draft position k in :data:`SLOTS` that any run logged: its cross-entropy (DFlash) or KL (EAGLE-3, Medusa,
+    FIRP) and top-1 on the training batches against the optimizer step, and against the training minutes (the
+    run's train seconds spread evenly over its steps), one column per position; False when none logged one."""
+    slots = [k for k in SLOTS if any(f"top1_d{k}" in h for r in runs.values() for h in r["history"])]
+    if not slots:
+        return False
+    fig, axes = plt.subplots(3, len(slots), figsize=(3.6 * len(slots), 8.4), squeeze=False)
+    for col, k in enumerate(slots):
+        for label, r in runs.items():
+            hist = [h for h in r["history"] if f"top1_d{k}" in h]
+            if not hist:
+                continue
+            loss = f"ce_d{k}" if f"ce_d{k}" in hist[0] else f"kl_d{k}"
+            steps = (r["train"] or {}).get("steps") or hist[-1]["step"]
+            per_step = ((r["train"] or {}).get("train_seconds") or 0) / 60 / max(steps, 1)
+            for row, key in ((0, loss), (1, f"top1_d{k}")):
+                axes[row][col].plot([h["step"] for h in hist], [float(h[key]) for h in hist], label=label)
+            if per_step:
+                axes[2][col].plot([h["step"] * per_step for h in hist], [float(h[f"top1_d{k}"]) for h in hist],
+                                  label=label)
+        axes[0][col].set_title(f"draft position {k}")
+        axes[0][col].set_ylabel("CE (DFlash) / KL, nats")
+        axes[1][col].set_ylabel("top-1 (training batches)")
+        axes[1][col].set_xlabel("optimizer step")
+        axes[2][col].set_ylabel("top-1 (training batches)")
+        axes[2][col].set_xlabel("training minutes")
+    save_figure(fig, path, [ax for row in axes for ax in row], legend={"fontsize": 7})
+    return True
+
+
 def main(argv: list[str] | None = None, prog: str | None = None) -> int:
     ap = argparse.ArgumentParser(prog=prog, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--run", action="append", required=True, metavar="LABEL=DIR", help="a draft or heads run dir (repeat)")
@@ -194,6 +227,8 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
     md = "\n".join(tables)
     if plot({k: r for k, r in runs.items() if k not in sdsat}, a.out / "draft_curves.png"):
         md += "\n![training curves](draft_curves.png)\n"
+    if slot_plot({k: r for k, r in runs.items() if k not in sdsat}, a.out / "slot_curves.png"):
+        md += "\n![training curves per draft position](slot_curves.png)\n"
     if sdsat and plot(sdsat, a.out / "sdsat_curves.png", SDSAT_CURVES):
         md += "\n![SDSAT training curves](sdsat_curves.png)\n"
     (a.out / "report.md").write_text(md)

@@ -92,8 +92,10 @@ def pack(final: Path, out: Path, keep: list[str], store: dict, weights_dir: Path
                 delta = t.float() - base.float()
                 u, v = low_rank(delta, int(low["rank"]))
                 err = (delta - u @ v).norm() / max(float(t.float().norm()), 1e-30)
+                kept_energy = float((u @ v).norm() ** 2 / max(float(delta.norm()) ** 2, 1e-30))
                 info["tensors"][name] = {"base": base_name, "rank": u.shape[1], "relative_error": round(float(err), 6),
-                                         "delta_norm": round(float(delta.norm()), 6)}
+                                         "delta_norm": round(float(delta.norm()), 6),
+                                         "delta_energy_kept": round(kept_energy, 6)}
                 kept[name + U_SUFFIX], kept[name + V_SUFFIX] = u, v
             else:
                 kept[name] = t
