@@ -61,3 +61,19 @@ def append_jsonl(path: str | Path, records: Iterable[dict]) -> None:
             f.write(json.dumps(r, separators=(",", ":"), allow_nan=False) + "\n")
         f.flush()
         os.fsync(f.fileno())
+
+
+def read_versioned(path: str | Path, fmt: str, version: int, error: type[Exception], where: str,
+                   hint: str = "") -> dict:
+    """A JSON file that names its ``format`` and ``version`` (drafter.json, a zoo manifest): one ``error`` line
+    starting with ``where`` for invalid JSON or another format or version (``hint``: what to do, appended)."""
+    f = Path(path)
+    tail = f"; {hint}" if hint else ""
+    try:
+        data = json.loads(f.read_text())
+    except json.JSONDecodeError as e:
+        raise error(f"{where}: {f} is not valid JSON ({e}){tail}") from None
+    if data.get("format") != fmt or data.get("version") != version:
+        raise error(f"{where}: {f} has format {data.get('format')!r} version {data.get('version')!r}; expected "
+                    f"{fmt!r} version {version}{tail}")
+    return data

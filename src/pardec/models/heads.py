@@ -34,6 +34,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from pardec.config import ConfigError
+from pardec.jsonl import read_versioned
 from pardec.models.dflash import DFlashConfig, DFlashDraft, new_dflash
 from pardec.models.eagle import Eagle3Config, Eagle3Draft, new_eagle3
 from pardec.models.pseudo import PSEUDO_ATTENTION
@@ -172,14 +173,7 @@ def read_meta(path: str | Path, key: str = "method.path") -> dict[str, Any]:
     if not f.is_file():
         raise ConfigError(f"{key}={str(path)!r} holds no trained drafter (no drafter.json); train one with "
                           f"python -m train +experiment=heads_medusa_smollm2 (or heads_firp_smollm2)")
-    try:
-        meta = json.loads(f.read_text())
-    except json.JSONDecodeError as e:
-        raise ConfigError(f"{key}: {f} is not valid JSON ({e})") from None
-    if meta.get("format") != FORMAT or meta.get("version") != VERSION:
-        raise ConfigError(f"{key}: {f} has format {meta.get('format')!r} version {meta.get('version')!r}; "
-                          f"expected {FORMAT!r} version {VERSION}")
-    return meta
+    return read_versioned(f, FORMAT, VERSION, ConfigError, key)
 
 
 def load_drafter(path: str | Path, base_config, kind: str, key: str = "method.path") -> tuple[Drafter, dict]:

@@ -150,14 +150,9 @@ def read_manifest(name: str, zoo: str = DEFAULT_TARGET, key: str = "zoo") -> dic
         where = f.relative_to(REPO_ROOT) if f.is_relative_to(REPO_ROOT) else f
         raise ZooError(f"{key}: {PREFIX}{name} is not in the zoo (no {where}; kept: "
                        f"{', '.join(known) or 'none'}); {hint}")
-    try:
-        m = json.loads(f.read_text())
-    except json.JSONDecodeError as e:
-        raise ZooError(f"{key}: {PREFIX}{name}'s manifest {f} is not valid JSON ({e}); {hint}") from None
-    if m.get("format") != FORMAT or m.get("version") != VERSION:
-        raise ZooError(f"{key}: {PREFIX}{name} has format {m.get('format')!r} version {m.get('version')!r}, this pardec "
-                       f"reads {FORMAT!r} version {VERSION}; {hint}")
-    return m
+    from pardec.jsonl import read_versioned
+
+    return read_versioned(f, FORMAT, VERSION, ZooError, f"{key}: {PREFIX}{name}'s manifest", hint)
 
 
 def verify(name: str, zoo: str = DEFAULT_TARGET, target: str | None = None, key: str = "zoo") -> dict[str, Any]:
