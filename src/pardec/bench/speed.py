@@ -60,8 +60,8 @@ def draft_available(draft: str, extra: list[str] = ()) -> tuple[bool, str]:
     from pardec import zoo
 
     if zoo.is_ref(d.path):  # a draft kept in the zoo (checked in full when the run validates)
-        name = d.path[len(zoo.PREFIX):]
-        return (zoo.ZOO_DIR / (name if "/" in name else f"{zoo.DEFAULT_TARGET}/{name}") / zoo.MANIFEST).is_file(), d.path
+        kept, name = zoo.locate(d.path, "draft.path")
+        return (zoo.ZOO_DIR / kept / name / zoo.MANIFEST).is_file(), d.path
     return (Path(d.path) / "config.json").is_file(), str(d.path)
 
 

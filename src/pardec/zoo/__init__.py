@@ -182,17 +182,22 @@ def is_ref(value: Any) -> bool:
     return isinstance(value, str) and value.startswith(PREFIX)
 
 
+def locate(value: str, key: str) -> tuple[str, str]:
+    """``zoo:<name>`` or ``zoo:<zoo>/<name>`` -> (zoo, name); one line for a reference that names no zoo there is."""
+    zoo, _, name = value[len(PREFIX):].rpartition("/")
+    zoo = zoo or DEFAULT_TARGET
+    if not name or zoo not in zoos():
+        raise ZooError(f"{key}={value!r} is not a zoo artifact: write {PREFIX}<name> (zoos: {', '.join(zoos())})")
+    return zoo, name
+
+
 def resolve(value: Any, key: str, target: str | None = None) -> Any:
     """``zoo:<name>`` (or ``zoo:<zoo>/<name>``) -> the directory a loader reads, after :func:`verify`; any other
     value unchanged. Artifacts stored in a reduced form are rebuilt once into ``data/zoo/`` (:mod:`pardec.zoo.store`);
     ``target``: the run's model config name, which the artifact must have been made for."""
     if not is_ref(value):
         return value
-    ref = value[len(PREFIX):]
-    zoo, _, name = ref.rpartition("/")
-    zoo = zoo or DEFAULT_TARGET
-    if not name or zoo not in zoos():
-        raise ZooError(f"{key}={value!r} is not a zoo artifact: write {PREFIX}<name> (zoos: {', '.join(zoos())})")
+    zoo, name = locate(value, key)
     m = verify(name, zoo, target, key)
     from pardec.zoo.store import materialize
 

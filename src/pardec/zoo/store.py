@@ -17,6 +17,7 @@ reuses a stale copy); other artifacts are read where they are.
 
 from __future__ import annotations
 
+import hashlib
 import re
 import shutil
 from pathlib import Path
@@ -121,7 +122,7 @@ def materialize(artifact: Path, manifest: dict) -> Path:
         return artifact
     from pardec.models.loading import build_once, named_config, weights_location
 
-    digest = "".join(v["sha256"][:4] for _, v in sorted(manifest["files"].items()))[:12]
+    digest = hashlib.sha256("".join(v["sha256"] for _, v in sorted(manifest["files"].items())).encode()).hexdigest()[:12]
     out = DATA_DIR / "zoo" / artifact.parent.name / f"{manifest['name']}-{digest}"
 
     def build(tmp: Path) -> None:
