@@ -18,9 +18,10 @@ TINY = ["model=tiny_random", "n_samples=3", "max_new_tokens=12", "bench.warmup=0
 
 
 def cfg_of(*overrides: str):
-    """``conf/evaluate.yaml`` composed with ``overrides``; ``threads`` (a run's torch threads, 2 by default) is the
-    test's own (tests/conftest.py: 1 per pytest-xdist worker) unless given: a run sets it for its whole process, and
-    two workers' runs of 2 threads each on 2 cores wait on each other's threads (many times slower on a busy machine)."""
+    """``conf/evaluate.yaml`` composed with ``overrides``; ``threads`` (a run's torch threads; auto by default: the
+    free cores) is the test's own (tests/conftest.py: 1 per pytest-xdist worker) unless given: a run sets it for its
+    whole process, and two workers' runs of 2 threads each on 2 cores wait on each other's threads (many times slower
+    on a busy machine)."""
     from tests.conftest import THREADS
 
     if not any(o.split("=")[0].lstrip("+~") == "threads" for o in overrides):

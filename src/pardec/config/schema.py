@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from pardec.config.checks import ConfigError, check_at_least, check_choice
+from pardec.config.checks import ConfigError, check_at_least, check_choice, is_int
 
 INT8_WEIGHTS = ("weight_only", "per_channel", "per_tensor", "per_token")  # int8 weight schemes (pardec.models.quant.int8)
 INT8_FIELDS = ("int8_weights", "int8_smooth", "int8_skip")
@@ -178,7 +178,7 @@ class RunConfig:
 
     n_samples: int | None = None  # None = the whole dataset
     max_new_tokens: int = 256
-    threads: int = 2
+    threads: int | str = "auto"  # torch intra-op threads; auto: the cores no other process uses at the start
     seed: int = 0
     resume: bool = False
     timeout_s: float = 10.0  # sandbox wall-clock limit per program
@@ -200,7 +200,11 @@ class RunConfig:
         if self.n_samples is not None:
             check_at_least("n_samples", self.n_samples, 1)
         check_at_least("max_new_tokens", self.max_new_tokens, 1)
-        check_at_least("threads", self.threads, 1)
+        if self.threads != "auto":
+            if not is_int(self.threads):
+                raise ConfigError(f"threads={self.threads!r} is not valid: give an integer >= 1 or auto (the cores no "
+                                  f"other process uses when the run starts)")
+            check_at_least("threads", self.threads, 1)
         check_at_least("timeout_s", self.timeout_s, 0.1)
 
 

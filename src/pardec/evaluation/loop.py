@@ -80,6 +80,7 @@ def _run(cfg: DictConfig, run_dir: Path, spec, ranks: rk.Ranks, task, docs: list
     from tqdm import tqdm
 
     from pardec.decoding import METHODS, Stopper, build_decoder
+    from pardec.metrics.busy import free_cores
     from pardec.metrics.energy import EnergyMeter
     from pardec.metrics.perplexity import completion_nll
     from pardec.models.cached import CachedModel, NonFiniteLogitsError
@@ -88,7 +89,8 @@ def _run(cfg: DictConfig, run_dir: Path, spec, ranks: rk.Ranks, task, docs: list
 
     r = spec.run
     set_tf32(r.tf32)
-    torch.set_num_threads(r.threads)
+    threads = free_cores() if r.threads == "auto" else int(r.threads)  # before the model loads: the host at rest
+    torch.set_num_threads(threads)
     torch.manual_seed(r.seed)
     lm = load_model(spec.model, spec.devices[0])
     tok = lm.tokenizer
@@ -226,6 +228,7 @@ def _run(cfg: DictConfig, run_dir: Path, spec, ranks: rk.Ranks, task, docs: list
         summary["peak_rss_mb"] = max(x["peak_rss_mb"] for x in infos)
         if any("peak_cuda_mb" in x for x in infos):
             summary["peak_cuda_mb"] = max(x.get("peak_cuda_mb", 0.0) for x in infos)
+    summary["threads"], summary["threads_setting"] = threads, r.threads
     summary = finite(summary)
     write_json(run_dir / "summary.json", summary)
     print(format_table(summary))
@@ -277,13 +280,18 @@ def divergence_logits(model, task, doc, tok, chat, rec: dict, base: dict) -> dic
 
 
 def run_document(task, doc, dec, tok, chat, stopper, sampling, max_new, max_len, scorer, completion_nll,
-                 meter=None) -> dict:
+                 meter=None, cpu=None) -> dict:
     """All turns of one document with one decoder -> a results.jsonl record (without id/role). ``meter`` (an
     :class:`~pardec.metrics.energy.EnergyMeter`, None = not measured) measures each ``generate`` call: ``energy_j``
-    is their sum, None if any turn was not measured; ``energy_by_device`` its split ({} when not measured)."""
+    is their sum, None if any turn was not measured; ``energy_by_device`` its split ({} when not measured).
+    ``cpu`` (a :class:`~pardec.metrics.busy.CpuMeter`) reads what other processes took of the CPU meanwhile:
+    ``others_cores``, ``steal_cores`` and ``busy`` (:mod:`pardec.metrics.busy`)."""
+    from pardec.metrics.busy import Contention, CpuMeter
     from pardec.metrics.energy import EnergyMeter
 
     meter = meter or EnergyMeter()  # a meter without a monitor: every reading is None
+    cpu = cpu or CpuMeter()
+    contention = Contention(0.0, 0.0, 0.0, 0.0)  # summed over the turns; None parts where not measured
     history: list[str] = []
     energy: list[float | None] = []
     by_device: dict[str, float] = {}
@@ -296,8 +304,9 @@ def run_document(task, doc, dec, tok, chat, stopper, sampling, max_new, max_len,
         if len(ids) + max_new > max_len:
             return {"skipped": f"prompt of {len(ids)} tokens + max_new_tokens {max_new} exceeds the model's "
                                f"context of {max_len} tokens"}
-        with meter.window(getattr(dec, "name", "generate")) as reading:
+        with meter.window(getattr(dec, "name", "generate")) as reading, cpu.window() as competed:
             res = dec.generate(ids, max_new, stopper, sampling)
+        contention += competed
         energy.append(reading.joules)
         for k, v in reading.by_device.items():
             by_device[k] = by_device.get(k, 0.0) + v
@@ -325,6 +334,7 @@ def run_document(task, doc, dec, tok, chat, stopper, sampling, max_new, max_len,
         "nll": nll if scorer is not None else None, "nll_tokens": n_nll,
         "energy_j": sum(energy) if measured else None, "energy_by_device": by_device if measured else {},
         "extras": {k: statistics.fmean(e[k] for e in extras if k in e) for k in extras[0]} if extras else {},
+        **contention.record(),
     }
 
 

@@ -162,6 +162,7 @@ def summarize(spec: EvalSpec, task, records: list[dict], method_role: str, model
                            "exact_match_rate": exact(rows[role], role_method[role]),
                            "energy_j_per_token": joules_per_token(rows[role]), "perplexity": ppl(rows[role]),
                            "metric": quality(rows[role]).get(task.metric), **drafting(rows[role]),
+                           "busy_records": sum(bool(x.get("busy")) for x in rows[role]),
                            **divergences(rows[role], precision)}
     summary: dict[str, Any] = {
         "method": spec.method,
@@ -209,6 +210,7 @@ def summarize(spec: EvalSpec, task, records: list[dict], method_role: str, model
         "energy_j_per_token": joules_per_token(method_rows),
         "baseline_energy_j_per_token": joules_per_token(rows["baseline"]),
         "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+        "busy": busy_summary(ok, rows),
         "extras": {k: statistics.fmean(x["extras"][k] for x in method_rows if k in x["extras"])
                    for k in sorted({k for x in method_rows for k in x["extras"]})},
     }
@@ -224,6 +226,18 @@ def summarize(spec: EvalSpec, task, records: list[dict], method_role: str, model
     if task.metric == "pass" and spec.run.repeats > 1 and not spec.sampling.greedy:
         summary["pass_at_k"] = pass_at_k_summary(method_rows, spec.run.repeats)
     return summary
+
+
+def busy_summary(records: list[dict], rows: dict[str, list[dict]]) -> dict[str, Any]:
+    """How many timed records ran while other processes competed for the CPU (:mod:`pardec.metrics.busy`):
+    ``records`` (all roles), ``by_role`` (roles with any), ``measured`` (whether any record was measured) and the
+    ``threshold_cores`` a record's ``busy`` mark used. A busy record's timing is disturbed: a table that publishes
+    speed refuses a cell built on one unless told otherwise."""
+    from pardec.metrics.busy import BUSY_CORES
+
+    by_role = {role: n for role, rs in rows.items() if (n := sum(bool(x.get("busy")) for x in rs))}
+    return {"records": sum(bool(x.get("busy")) for x in records), "of": len(records), "by_role": by_role,
+            "measured": any(x.get("busy") is not None for x in records), "threshold_cores": BUSY_CORES}
 
 
 def pass_at_k_summary(rows: list[dict], n: int) -> dict[str, float]:

@@ -130,6 +130,10 @@ def format_table(s: dict) -> str:
         rows.append(div)
     if s.get("ranks"):
         rows.append(("ranks", "; ".join(f"{x['rank']}: {x['host']} {x['device']}" for x in s["ranks"])))
+    if (busy := s.get("busy") or {}).get("records"):
+        rows.append(("BUSY host", f"{busy['records']} of {busy['of']} timed records ran while other processes used "
+                                  f"> {busy['threshold_cores']} cores: their timing is disturbed "
+                                  f"({', '.join(f'{r} {n}' for r, n in busy['by_role'].items())})"))
     if s["skipped"]:
         rows.append(("skipped prompts", len(s["skipped"])))
     if s.get("n_errors"):
