@@ -273,13 +273,10 @@ class DFlashDraft(nn.Module):
         return lm_head(h)
 
 
-def new_dflash(target_config, embed: torch.Tensor | None = None, lm_head: torch.Tensor | None = None,
-               **options) -> DFlashDraft:
+def new_dflash(target_config, embed: torch.Tensor | None = None, **options) -> DFlashDraft:
     """A fresh DFlash draft for a target with ``target_config`` (``options``: :meth:`DFlashConfig.for_target`'s);
-    ``embed``: the target's embedding weight [V, H], whose mean row starts the learned mask embedding; ``lm_head``:
-    the target's head weight [V, H], which sets the draft's ``norm`` to the constant ``1 / sqrt(mean_i |W_i|^2)``,
-    so a fresh draft's logits have unit variance (with a unit norm a fresh SmolLM2 draft starts at a CE of ~28
-    nats, far above the uniform 10.8, and spends its first steps shrinking them)."""
+    ``embed``: the target's embedding weight [V, H], whose mean row starts the learned mask embedding. Every norm
+    starts at ones, the final ``norm`` included (the reference's ``Qwen3RMSNorm`` init)."""
     draft = DFlashDraft(DFlashConfig.for_target(target_config, **options))
     with torch.no_grad():
         if hasattr(draft, "mask_embedding"):
@@ -287,6 +284,67 @@ def new_dflash(target_config, embed: torch.Tensor | None = None, lm_head: torch.
                 draft.mask_embedding.copy_(embed.detach().float().mean(0).to(draft.mask_embedding))
             else:
                 draft.mask_embedding.normal_(0.0, 0.02)
-        if lm_head is not None and lm_head.is_floating_point() and lm_head.shape[-1] == draft.config.hidden_size:
-            draft.norm.weight.fill_(float(lm_head.detach().float().pow(2).sum(-1).mean().rsqrt()))
+    return draft
+
+
+#: ``layer_init`` choices: the paper's random layers, or copies of the target's (:func:`init_from_target`)
+LAYER_INITS = ("random", "target")
+#: the layer-mix logit of a draft layer's own target state under :func:`init_from_target` (softmax weight
+#: ``1 / (1 + (K - 1) e^-12)``: the others' share is below 1e-5 for K <= 16)
+OWN_STATE_LOGIT = 12.0
+
+
+@torch.no_grad()
+def init_from_target(draft: DFlashDraft, base, samples: list[torch.Tensor]) -> DFlashDraft:
+    """Start draft layer ``i`` as a copy of the target's layer ``layer_ids[i]`` reading the state entering it
+    (``layer_init: target``, beyond the paper): with ``fusion="layerwise"``, one target layer per draft layer and the
+    mix on its own state, a block slot's keys and values over the context are the target's own at that layer.
+
+    * ``q/k/v_proj`` = the target's times its ``input_layernorm`` weight (folded: an RMSNorm's weight followed by a
+      linear map is one linear map, so each layer keeps its own context norm without a per-layer norm module);
+      ``input_layernorm`` and ``hidden_norm`` at ones; ``o_proj``, the MLP and ``post_attention_layernorm`` copied.
+    * ``q_norm`` / ``k_norm`` (the target, Llama-style, has none): a constant, the mean per-head RMS of the target's
+      queries / keys at that layer over the tokens of ``samples`` (a list of [T] token ids), so that normed
+      queries and keys keep the target's scale and the attention its sharpness.
+    * ``layer_mix[i]``: :data:`OWN_STATE_LOGIT` on feature ``i``, zeros elsewhere.
+
+    Refused in one line for a target whose attention projections carry biases or whose layer shapes differ."""
+    c = draft.config
+    if c.fusion != "layerwise" or len(c.layer_ids) != c.num_hidden_layers:
+        raise ConfigError(f"dflash layer_init='target' needs fusion='layerwise' and one target layer per draft layer "
+                          f"(fusion={c.fusion!r}, {len(c.layer_ids)} target layers for {c.num_hidden_layers} draft "
+                          f"layers)")
+    if not samples:
+        raise ValueError("init_from_target needs at least one sample sequence to calibrate the q/k norms")
+    device = next(base.parameters()).device
+    states = [base(ids.to(device)[None], output_hidden_states=True).hidden_states for ids in samples]
+    targets = base.model.layers
+    for i, (mine, j) in enumerate(zip(draft.layers, c.layer_ids)):
+        theirs = targets[j]
+        ta, ma = theirs.self_attn, mine.self_attn
+        if any(getattr(getattr(ta, n), "bias", None) is not None for n in ("q_proj", "k_proj", "v_proj", "o_proj")):
+            raise ConfigError(f"dflash layer_init='target' copies bias-free projections: target layer {j} has "
+                              f"attention biases (use layer_init=random)")
+        scale = theirs.input_layernorm.weight.float()
+        pairs = [(ma.q_proj, ta.q_proj), (ma.k_proj, ta.k_proj), (ma.v_proj, ta.v_proj), (ma.o_proj, ta.o_proj),
+                 (mine.mlp.gate_proj, theirs.mlp.gate_proj), (mine.mlp.up_proj, theirs.mlp.up_proj),
+                 (mine.mlp.down_proj, theirs.mlp.down_proj),
+                 (mine.post_attention_layernorm, theirs.post_attention_layernorm)]
+        for dst, src in pairs:
+            if dst.weight.shape != src.weight.shape:
+                raise ConfigError(f"dflash layer_init='target': draft layer {i} does not have target layer {j}'s "
+                                  f"shape ({tuple(dst.weight.shape)} vs {tuple(src.weight.shape)})")
+            w = src.weight.float()
+            dst.weight.copy_((w * scale if src in (ta.q_proj, ta.k_proj, ta.v_proj) else w).to(dst.weight))
+        mine.input_layernorm.weight.fill_(1.0)
+        for proj, norm, heads in ((ma.q_proj, ma.q_norm, ma.heads), (ma.k_proj, ma.k_norm, ma.kv_heads)):
+            rms = []
+            for hs in states:
+                h = hs[j][0].to(proj.weight)
+                x = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + c.rms_norm_eps)
+                rms.append(proj(x).view(x.shape[0], heads, -1).pow(2).mean(-1).sqrt().flatten())
+            norm.weight.fill_(float(torch.cat(rms).mean()))
+    draft.hidden_norm.weight.fill_(1.0)
+    draft.layer_mix.zero_()
+    draft.layer_mix[torch.arange(c.num_hidden_layers), torch.arange(c.num_hidden_layers)] = OWN_STATE_LOGIT
     return draft

@@ -128,13 +128,12 @@ def new_drafter(kind: str, base_config, *, num_heads: int = 3, num_blocks: int =
                 vocab: DraftVocab | None = None, embed: nn.Embedding | None = None,
                 dflash: dict[str, Any] | None = None) -> Drafter:
     """A fresh drafter for a model with config ``base_config`` (layer indices checked against it); ``vocab``: an
-    EAGLE-3 draft's reduced vocabulary (None: the target's); ``embed``, ``lm_head``, ``dflash``: a DFlash
-    draft's target embedding (its mean row starts the learned mask embedding), the target's head (sets the scale of
-    the draft's norm) and :meth:`DFlashConfig.for_target` options."""
+    EAGLE-3 draft's reduced vocabulary (None: the target's); ``embed``, ``dflash``: a DFlash draft's target
+    embedding (its mean row starts the learned mask embedding) and :meth:`DFlashConfig.for_target` options."""
     hidden, vocab_size, n_layers = _shape(base_config)
     if kind == "dflash":
         return new_dflash(base_config, None if embed is None else embed.weight,
-                          getattr(lm_head, "weight", None), **{"layer_ids": layers, **(dflash or {})})
+                          **{"layer_ids": layers, **(dflash or {})})
     if kind == "eagle3":
         return new_eagle3(base_config, vocab, layers, None if lm_head is None else lm_head.weight)
     if kind == "medusa":

@@ -10,6 +10,7 @@ import math
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from pardec.config import ConfigError
 from pardec.models.heads import load_drafter, new_drafter
@@ -138,6 +139,10 @@ def test_config_errors(tmp_path):
         (["+heads.dpace_alpha=0"], r"heads.dpace_alpha=0 is out of range"),
         (["+heads.layers=[0,4]"], r"heads.layers=\[0, 4\] is out of range: the target tiny_random has layers 0..3"),
         (["+heads.draft_vocab_size=3"], r"unknown key\(s\) \['draft_vocab_size'\] in heads \(type dflash\)"),
+        (["+heads.layer_init=copy"], r"heads.layer_init='copy' is not valid; choose one of: random, target"),
+        (["+heads.layer_init=target"], r"heads.layer_init=target needs heads.fusion=layerwise"),
+        (["+heads.layer_init=target", "+heads.fusion=layerwise", "+heads.layers=[0,1,2]"],
+         r"heads.layers=\[0, 1, 2\] is not valid with heads.layer_init=target: give one target layer per draft layer"),
     ]
     for ov, pattern in cases:
         with pytest.raises(ConfigError, match=pattern) as e:
@@ -148,7 +153,7 @@ def test_config_errors(tmp_path):
                               f"paths.output_dir={tmp_path}/out"]))
     assert spec.heads == {"type": "dflash", "num_layers": 5, "layers": None, "block_size": 16, "num_anchors": 32,
                           "gamma": 7.0, "loss": "ce", "weighting": "decay", "dpace_alpha": 0.5, "fusion": "concat",
-                          "mask_token_id": None}
+                          "mask_token_id": None, "layer_init": "random"}
     assert spec.trainer["learning_rate"] == 6e-4 and spec.trainer["lr_scheduler_type"] == "cosine"
 
 
@@ -184,3 +189,54 @@ def test_slot_one_reads_the_context_before_its_anchor_and_the_anchor_token(fusio
     other[0, 5] = 11  # the second block's anchor token only
     changed = (slot1(other, feats) - base).abs().amax(-1) > 1e-5
     assert changed.tolist() == [False, True]
+
+
+def test_layer_init_target_copies_the_target_layers_reading_their_own_states():
+    """layer_init='target': draft layer i is target layer layers[i] (its input norm folded into q/k/v), its layer
+    mix on its own target state, so the context values are the target's own at that layer and the context keys
+    point the target's way (k_norm rescales each head's key by one calibrated constant over its RMS)."""
+    from pardec.models.dflash import init_from_target
+    from pardec.models.draft_layers import rotate
+
+    lm = tiny(0, layers=4)
+    base = lm.model
+    torch.manual_seed(0)
+    d = new_drafter("dflash", base.config, layers=[1, 2], embed=base.model.embed_tokens,
+                    dflash={"num_layers": 2, "block_size": 3, "fusion": "layerwise"})
+    samples = [torch.tensor([4, 8, 15, 16, 23, 42, 7, 9]), torch.tensor([3, 5, 7, 11, 13])]
+    init_from_target(d, base, samples)
+    assert (d.layer_mix.softmax(-1).diagonal() > 1 - 1e-4).all()
+    assert torch.equal(d.hidden_norm.weight, torch.ones_like(d.hidden_norm.weight))
+    ids = samples[0][None]
+    states = base(ids, output_hidden_states=True).hidden_states
+    feats = torch.cat([states[1], states[2]], -1)
+    context = d.context_kv(feats, torch.arange(ids.shape[1]))
+    cos, sin = d._tables(states[1], torch.arange(ids.shape[1]))
+    for i, j in enumerate([1, 2]):
+        mine, theirs = d.layers[i], base.model.layers[j]
+        assert torch.equal(mine.mlp.down_proj.weight, theirs.mlp.down_proj.weight)
+        assert torch.equal(mine.self_attn.o_proj.weight, theirs.self_attn.o_proj.weight)
+        assert torch.allclose(mine.self_attn.q_proj.weight,
+                              theirs.self_attn.q_proj.weight * theirs.input_layernorm.weight)
+        h = theirs.input_layernorm(states[j])
+        a = mine.self_attn
+        v = theirs.self_attn.v_proj(h).view(1, -1, a.kv_heads, a.head_dim).transpose(1, 2)
+        assert torch.allclose(context[i][1], v, atol=1e-4)
+        k = rotate(theirs.self_attn.k_proj(h).view(1, -1, a.kv_heads, a.head_dim).transpose(1, 2), cos, sin)
+        assert (F.cosine_similarity(context[i][0], k, dim=-1) > 0.9999).all()
+        want = torch.cat([theirs.self_attn.k_proj(theirs.input_layernorm(s[j][0])).view(-1, a.kv_heads, a.head_dim)
+                          .pow(2).mean(-1).sqrt().flatten()
+                          for s in (base(x[None], output_hidden_states=True).hidden_states for x in samples)]).mean()
+        assert torch.allclose(a.k_norm.weight, want.expand_as(a.k_norm.weight), rtol=1e-4)
+    with pytest.raises(ConfigError, match="needs fusion='layerwise'"):
+        init_from_target(new_drafter("dflash", base.config, layers=[1, 2], dflash={"num_layers": 2}), base, samples)
+
+
+def test_tiny_end_to_end_from_the_target_layers(tmp_path):
+    run_dir = tmp_path / "out" / "run"
+    summary = run(_compose(_overrides(tmp_path, "+heads.fusion=layerwise", "+heads.layer_init=target",
+                                      "+heads.layers=null")), run_dir)
+    assert summary["train"]["steps"] == 2 and summary["train"]["layer_init"] == "target"
+    drafter, meta = load_drafter(run_dir / "final", tiny(0, layers=4).model.config, "dflash")
+    assert drafter.config.layer_ids == [0, 1] and meta["layer_init"] == "target"
+    assert (run_dir / "heads_eval.json").exists()

@@ -36,7 +36,7 @@ HEADS_KEYS = {"medusa": ("type", "num_heads", "num_blocks", "head_decay", "corpu
               "eagle3": ("type", "draft_vocab_size", "ttt_steps", "step_decay", "layers", "corpus_fraction",
                          "init_from"),
               "dflash": ("type", "num_layers", "layers", "block_size", "num_anchors", "gamma", "loss", "weighting",
-                         "dpace_alpha", "fusion", "mask_token_id", "corpus_fraction", "init_from")}
+                         "dpace_alpha", "fusion", "mask_token_id", "layer_init", "corpus_fraction", "init_from")}
 #: EAGLE-3's defaults (Li et al. 2025; reference eagle/traineagle3: cnets.py ``self.length = 7``, main.py
 #: ``ploss_weight = [0.8 ** i ...]``, the 32000-id draft vocabulary of its configs)
 EAGLE3_DEFAULTS = {"draft_vocab_size": 32000, "ttt_steps": 7, "step_decay": 0.8}
@@ -72,7 +72,7 @@ def check_vocab_size(size: int, model) -> None:
 def check_dflash(heads: dict) -> None:
     """DFlash's keys (defaults: :data:`pardec.training.heads.dflash.DFLASH_DEFAULTS`), each range and choice
     checked; ``layers`` null: DFlash's evenly spaced target layers, one per draft layer."""
-    from pardec.models.dflash import FUSIONS
+    from pardec.models.dflash import FUSIONS, LAYER_INITS
     from pardec.training.heads.dflash import DFLASH_DEFAULTS, LOSSES, WEIGHTINGS
 
     for key, v in DFLASH_DEFAULTS.items():
@@ -87,10 +87,20 @@ def check_dflash(heads: dict) -> None:
     check_choice("heads.fusion", heads["fusion"], FUSIONS)
     if heads["mask_token_id"] is not None:
         check_at_least("heads.mask_token_id", heads["mask_token_id"], 0, integer=True)
+    check_choice("heads.layer_init", heads["layer_init"], LAYER_INITS)
     layers = heads.get("layers")
     if layers is not None and (not isinstance(layers, list) or not layers or not all(is_int(i) for i in layers)):
         raise ConfigError(f"heads.layers={layers!r} is not valid: give a non-empty list of target layer indices (the "
                           f"states entering them are fused; null: DFlash's evenly spaced layers, one per draft layer)")
+    if heads["layer_init"] == "target":  # draft layer i is a copy of target layer layers[i] reading its own state
+        if heads["fusion"] != "layerwise":
+            raise ConfigError(f"heads.layer_init=target needs heads.fusion=layerwise (each draft layer reads the state "
+                              f"entering the target layer it copies), not {heads['fusion']!r}")
+        if layers is None:  # the target's first num_layers layers
+            heads["layers"] = list(range(heads["num_layers"]))
+        elif len(layers) != heads["num_layers"]:
+            raise ConfigError(f"heads.layers={layers} is not valid with heads.layer_init=target: give one target "
+                              f"layer per draft layer ({heads['num_layers']}; null: layers 0..{heads['num_layers'] - 1})")
 
 
 def check_init_from(value, kind: str, target: str) -> str:

@@ -43,7 +43,8 @@ LOSSES = ("ce", "kl")
 WEIGHTINGS = ("decay", "dpace")
 #: the paper's defaults and the ablations' (module docstring)
 DFLASH_DEFAULTS = {"num_layers": 5, "block_size": 16, "num_anchors": 512, "gamma": 7.0, "loss": "ce",
-                   "weighting": "decay", "dpace_alpha": 0.5, "fusion": "concat", "mask_token_id": None}
+                   "weighting": "decay", "dpace_alpha": 0.5, "fusion": "concat", "mask_token_id": None,
+                   "layer_init": "random"}
 
 
 # ------------------------------------------------------------------------------------------- anchors

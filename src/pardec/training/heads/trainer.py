@@ -291,13 +291,24 @@ def accuracy_report(ranks: torch.Tensor, valid: torch.Tensor, topk: int) -> dict
 
 
 # ------------------------------------------------------------------------------------------- app stages
-def _new_drafter(spec, base, vocab=None):
+#: the corpus sequences that calibrate a DFlash draft started from the target's layers (layer_init: target)
+CALIBRATION_SEQUENCES = 8
+
+
+def _new_drafter(spec, base, vocab=None, records=()):
     from pardec.models.heads import new_drafter
 
     h = spec.heads
-    if h["type"] == "dflash":  # the mask embedding starts at the mean embedding row; the head sets the norm's scale
-        return new_drafter("dflash", base.config, layers=h.get("layers"), embed=base.model.embed_tokens,
-                           lm_head=base.lm_head, dflash={k: h[k] for k in ("num_layers", "block_size", "mask_token_id", "fusion")})
+    if h["type"] == "dflash":  # the mask embedding starts at the mean embedding row
+        draft = new_drafter("dflash", base.config, layers=h.get("layers"), embed=base.model.embed_tokens,
+                            dflash={k: h[k] for k in ("num_layers", "block_size", "mask_token_id", "fusion")})
+        if h.get("layer_init") == "target" and not spec.init_from:
+            from pardec.models.dflash import init_from_target
+
+            samples = [torch.tensor(list(r["prompt_ids"]) + list(r["completion_ids"]))
+                       for r in list(records)[:CALIBRATION_SEQUENCES]]
+            init_from_target(draft, base, samples)
+        return draft
     if h["type"] == "eagle3":  # the head starts from the target's rows of the kept ids
         return new_drafter("eagle3", base.config, layers=h.get("layers"), lm_head=base.lm_head, vocab=vocab)
     if h["type"] == "medusa":
@@ -325,7 +336,7 @@ def train_heads(spec, run_dir, d: Ranks) -> dict:
     vocab, vocab_facts = eagle3_vocab(spec, records, lm) if eagle3 else (None, {})
     with torch.random.fork_rng(devices=[]):  # EAGLE-3's / DFlash's random layers: the same init on every rank and rerun
         torch.manual_seed(args.seed)
-        drafter = _new_drafter(spec, base, vocab)
+        drafter = _new_drafter(spec, base, vocab, records)
     history: list[dict] = []  # the runs this drafter was trained in before this one (heads.init_from)
     if spec.init_from:
         history, prior = continue_from(spec.init_from, drafter, base.config, spec.heads["type"])
@@ -364,7 +375,7 @@ def train_heads(spec, run_dir, d: Ranks) -> dict:
                                                 "samples": len(ds), "tokens": tokens, "sequences_per_step": per_step},
                                       spec.init_from),
                  **({"distance": distance} if firp else {} if eagle3 or dflash else {"head_decay": spec.head_decay}),
-                 **steps, **vocab_facts}
+                 **steps, **vocab_facts, **({"layer_init": spec.heads["layer_init"]} if dflash else {})}
         if d.rank == 0:
             save_drafter(trainer.model, final, base.config, spec.model.name, extra=facts)
         return {**facts, "truncated_samples": ds.n_truncated, "kind": spec.heads["type"],
