@@ -119,6 +119,7 @@ def run(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
     import torch
 
     from pardec.models.loading import set_tf32
+    from pardec.runlock import die_with_parent, run_dir_lock
 
     spec = validate(cfg)
     d = ranks_for(spec.trainer)
@@ -129,13 +130,15 @@ def run(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
         spec = replace(spec, resume=resume_checkpoint(spec.resume, run_dir, warn=d.rank == 0))
     summary: dict[str, Any] = {"experiment": spec.experiment, "kind": kind.name, "stage": spec.stage,
                                "dtype": cfg.get("dtype"), "run_dir": str(run_dir)}
-    summary.update(kind().run(spec, run_dir, d))
-    if d.rank == 0:
-        run_dir.mkdir(parents=True, exist_ok=True)
-        path = run_dir / "train_summary.json"
-        summary = merge_stage_summaries(json.loads(path.read_text()) if path.is_file() else {}, summary,
-                                        kind.stages)
-        path.write_text(json.dumps(summary, indent=2, default=str) + "\n")
+    if d.world > 1:
+        die_with_parent()  # a rank whose launcher is killed trains, saves and evaluates nothing more
+    with run_dir_lock(run_dir, d.rank):  # one writer per run dir (and rank)
+        summary.update(kind().run(spec, run_dir, d))
+        if d.rank == 0:
+            path = run_dir / "train_summary.json"
+            summary = merge_stage_summaries(json.loads(path.read_text()) if path.is_file() else {}, summary,
+                                            kind.stages)
+            path.write_text(json.dumps(summary, indent=2, default=str) + "\n")
     return summary
 
 

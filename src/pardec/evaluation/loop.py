@@ -39,20 +39,28 @@ from pardec.evaluation.spec import PEERS, check_has_run, check_resume, run_ident
 from pardec.evaluation.summary import running_speed, summarize
 from pardec.evaluation.tables import format_table
 from pardec.models.quant.packed import is_packed
+from pardec.runlock import die_with_parent, run_dir_lock
 
 log = logging.getLogger("pardec.evaluate")  # the name its messages have always carried
 
 
 def run(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
     """Evaluate as ``cfg`` says, writing into ``run_dir``; returns the summary (on rank 0; other ranks: {})."""
-    from pardec.tasks.base import build_task, select_docs
-
     if cfg.get("resume") is True:
         check_has_run(run_dir)  # before validation reads any model or tokenizer
     spec = validate(cfg)
-    r = spec.run
     ranks = rk.Ranks.from_env()
     identity = run_identity(spec, ranks.world)
+    if ranks.multi:
+        die_with_parent()  # a rank whose launcher is killed writes nothing more
+    with run_dir_lock(run_dir, ranks.rank):  # one writer per run dir (and rank), before anything is written
+        return _locked(cfg, run_dir, spec, ranks, identity)
+
+
+def _locked(cfg: DictConfig, run_dir: Path, spec, ranks: rk.Ranks, identity: dict) -> dict[str, Any]:
+    from pardec.tasks.base import build_task, select_docs
+
+    r = spec.run
     # before anything is written, on every rank: a refused run changes nothing
     if r.resume:
         check_resume(run_dir, identity)
