@@ -31,6 +31,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from pardec import CONF_DIR
 from pardec.config import ConfigError, Ranks, shared_launch_id
+from pardec.jsonl import read_json
 from pardec.training.base import ranks_for
 from pardec.training.checkpoints import resume_checkpoint
 from pardec.training.kinds import Spec, experiments, load_kinds
@@ -136,7 +137,7 @@ def run(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
         summary.update(kind().run(spec, run_dir, d))
         if d.rank == 0:
             path = run_dir / "train_summary.json"
-            summary = merge_stage_summaries(json.loads(path.read_text()) if path.is_file() else {}, summary,
+            summary = merge_stage_summaries(read_json(path) if path.is_file() else {}, summary,
                                             kind.stages)
             path.write_text(json.dumps(summary, indent=2, default=str) + "\n")
     return summary

@@ -73,7 +73,7 @@ def test_prompt_truncates_article(tmp_path, tok):
 def test_docs_ids_and_errors(tmp_path):
     task = make_task(tmp_path, [{"article": "a", "highlights": "b"}, {"article": "c", "highlights": "d"}])
     assert [d["id"] for d in task.docs()] == ["0", "1"]
-    with pytest.raises(DataError, match=r"cnn\.jsonl, record 2: missing field\(s\) \['highlights'\]"):
+    with pytest.raises(DataError, match=r"cnn\.jsonl, line 2: missing field\(s\) \['highlights'\]"):
         make_task(tmp_path, [{"article": "a", "highlights": "b"}, {"article": "c"}]).docs()
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"article": "a", "highlights": "b"}\n{"article": \n')

@@ -106,10 +106,10 @@ def test_malformed_jsonl_names_file_and_line(tmp_path):
 
 def test_bad_records_name_the_record(tmp_path):
     no_gold = _write(tmp_path / "a.jsonl", [ROWS[0], {"question": "q?", "answer": "it is 5"}])
-    with pytest.raises(DataError, match=r"a\.jsonl, record 2: the answer has no '#### <number>' line"):
+    with pytest.raises(DataError, match=r"a\.jsonl, line 2: the answer has no '#### <number>' line"):
         build_task(DatasetConfig(name="gsm8k", path=no_gold)).docs()
     no_field = _write(tmp_path / "b.jsonl", [{"prompt": "q?", "answer": "#### 5"}])
-    with pytest.raises(DataError, match=r"record 1: need string fields 'question' and 'answer'; got keys"):
+    with pytest.raises(DataError, match=r"line 1: need string fields 'question' and 'answer'; got keys"):
         build_task(DatasetConfig(name="gsm8k", path=no_field)).docs()
 
 

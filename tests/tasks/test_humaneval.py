@@ -119,7 +119,7 @@ def test_bad_local_files_name_the_problem(tmp_path):
         build_task(DatasetConfig(name="humaneval", path=str(bad))).docs()
     missing = tmp_path / "missing.jsonl"
     missing.write_text(json.dumps({"task_id": "x", "prompt": "p"}) + "\n")
-    with pytest.raises(DataError, match=r"record 1: missing HumanEval field\(s\) \['test', 'entry_point'\]"):
+    with pytest.raises(DataError, match=r"line 1: missing HumanEval field\(s\) \['test', 'entry_point'\]"):
         build_task(DatasetConfig(name="humaneval", path=str(missing))).docs()
     with pytest.raises(DataError, match="does not exist"):
         build_task(DatasetConfig(name="humaneval", path=str(tmp_path / "nope.jsonl.gz"))).docs()

@@ -37,7 +37,7 @@ def test_sharegpt_local_json_and_errors(tmp_path, tok):
     assert "Hi there?" in tok.decode(task.prompt_ids(docs[0], tok, chat=True))
     bad = tmp_path / "bad.jsonl"
     bad.write_text(json.dumps({"id": 1}) + "\n")
-    with pytest.raises(DataError, match="record 1: no 'conversations' list"):
+    with pytest.raises(DataError, match="bad.jsonl, line 1: no 'conversations' list"):
         build_task(DatasetConfig(name="sharegpt", path=str(bad))).docs()
     with pytest.raises(DataError, match="needs dataset.path"):
         build_task(DatasetConfig(name="sharegpt")).docs()

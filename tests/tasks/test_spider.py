@@ -174,7 +174,7 @@ def test_malformed_files_name_file_and_line(tmp_path):
         build_task(DatasetConfig(name="spider", path=str(bad_jsonl))).docs()
     missing = tmp_path / "fields.jsonl"
     missing.write_text(json.dumps({"db_id": "a", "question": "q"}) + "\n")
-    with pytest.raises(DataError, match=r"fields\.jsonl, record 1: missing field\(s\) \['query'\]"):
+    with pytest.raises(DataError, match=r"fields\.jsonl, line 1: missing field\(s\) \['query'\]"):
         build_task(DatasetConfig(name="spider", path=str(missing))).docs()
 
 

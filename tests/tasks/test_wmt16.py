@@ -44,5 +44,5 @@ def test_bad_direction_and_fields(tmp_path):
         build_task(DatasetConfig(name="wmt16", extra={"source": "xx"}))
     p = tmp_path / "bad.jsonl"
     p.write_text(json.dumps({"de": "Hallo"}) + "\n")
-    with pytest.raises(DataError, match=r"bad\.jsonl, record 1: needs 'de' and 'en'"):
+    with pytest.raises(DataError, match=r"bad\.jsonl, line 1: needs 'de' and 'en'"):
         build_task(DatasetConfig(name="wmt16", path=str(p))).docs()

@@ -47,7 +47,7 @@ def merge_parts(run_dir: Path, world: int, order: Callable[[dict], Any]) -> list
     it reads only the part files, so merging again (a resumed run) writes the same file."""
     by_key: dict[tuple, dict] = {}
     for rank in range(world):  # a rank without documents never made its file
-        for rec in read_jsonl(part_path(run_dir, rank, world), missing_ok=True):
+        for rec in read_jsonl(part_path(run_dir, rank, world), missing_ok=True, torn_ok=True):
             by_key.setdefault(record_key(rec), rec)
     records = sorted(by_key.values(), key=order)
     tmp = run_dir / f"{RESULTS}.tmp"
@@ -76,7 +76,7 @@ class ResultsLog:
             self._load()
 
     def _load(self) -> None:
-        self.records = read_jsonl(self.path, repair=True)
+        self.records = read_jsonl(self.path, repair=True, torn_ok=True)
         self._by_key = {record_key(r): r for r in self.records}
 
     def done(self, doc_id: str, role: str, repeat: int) -> dict | None:

@@ -22,6 +22,7 @@ from pardec.config import (
     settings_diff,
     to_dataclass,
 )
+from pardec.jsonl import read_json
 
 RUN_KEYS = ("n_samples", "max_new_tokens", "threads", "seed", "resume", "timeout_s", "stop_at_eos", "repeats",
             "dtype", "tf32", "forward_padding", "kv_cache", "forward_impl", "draft_forward_impl")
@@ -259,7 +260,7 @@ def check_resume(run_dir: Path, identity: dict) -> None:
     if not results_files(run_dir):
         return  # no records yet: nothing to mix with
     path = run_dir / "run.json"
-    old = json.loads(path.read_text()) if path.is_file() else {}
+    old = read_json(path, ConfigError, "the run's identity") if path.is_file() else {}
     if old:
         old.setdefault("world_size", 1)
     diff = settings_diff(old, json.loads(json.dumps(identity)))  # as it would be written (tuples -> lists)

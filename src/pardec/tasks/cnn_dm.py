@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from pardec.jsonl import record_at
 from pardec.metrics.text import rouge
 from pardec.tasks.base import DataError, Task, chat_ids, load_hub, read_jsonl, register_task, text_ids
 
@@ -42,7 +43,7 @@ class CnnDm(Task):
         for i, r in enumerate(rows):
             missing = [k for k in ("article", "highlights") if k not in r]
             if missing:
-                raise DataError(f"{where}, record {i + 1}: missing field(s) {missing}; need article, highlights")
+                raise DataError(f"{record_at(rows, i, where)}: missing field(s) {missing}; need article, highlights")
             docs.append({"id": str(r.get("id", i)), "article": r["article"], "highlights": r["highlights"]})
         return docs
 

@@ -15,6 +15,7 @@ from functools import cached_property
 from typing import Any
 
 from pardec.config import ConfigError, DatasetConfig
+from pardec.jsonl import record_at
 from pardec.tasks.base import DataError, Task, chat_ids, load_hub, read_jsonl, register_task, text_ids
 
 HUB_ID, HUB_CONFIG = "openai/gsm8k", "main"
@@ -158,9 +159,9 @@ def _checked(rows: list[dict], where: str) -> list[dict]:
     for i, r in enumerate(rows):
         if not (isinstance(r, dict) and isinstance(r.get("question"), str) and isinstance(r.get("answer"), str)):
             got = f"keys {sorted(r)}" if isinstance(r, dict) else type(r).__name__
-            raise DataError(f"{where}, record {i + 1}: need string fields 'question' and 'answer'; got {got}")
+            raise DataError(f"{record_at(rows, i, where)}: need string fields 'question' and 'answer'; got {got}")
         ref = reference(r["answer"])
         if ref is None:
-            raise DataError(f"{where}, record {i + 1}: the answer has no '#### <number>' line: {r['answer'][-80:]!r}")
+            raise DataError(f"{record_at(rows, i, where)}: the answer has no '#### <number>' line: {r['answer'][-80:]!r}")
         out.append({**r, "reference": ref})
     return out

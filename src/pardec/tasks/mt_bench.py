@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from pardec.config import DatasetConfig
+from pardec.jsonl import record_at
 from pardec.metrics.judge import Judge, JudgeConfig, Judgment
 from pardec.tasks.base import DataError, Task, chat_ids, load_hub, read_jsonl, register_task, text_ids
 
@@ -46,16 +47,16 @@ def _h4_ids() -> dict[str, int]:
 
 
 def _doc(r: dict, where: str, i: int) -> dict:
-    """A FastChat (question_id, turns) or H4 (prompt_id, prompt) record as a doc."""
+    """A FastChat (question_id, turns) or H4 (prompt_id, prompt) record as a doc (``where``: its file and line)."""
     if "turns" in r:
         qid, turns, fallback_id = r.get("question_id"), r["turns"], str(i)
     elif "prompt" in r:
         turns, fallback_id = r["prompt"], f"h4-{r.get('prompt_id', i)}"
         qid = _h4_ids().get(str(r.get("prompt_id")))  # FastChat's id, so the reference answers are found
     else:
-        raise DataError(f"{where}, record {i + 1}: no 'turns' (FastChat) or 'prompt' (H4) field")
+        raise DataError(f"{where}: no 'turns' (FastChat) or 'prompt' (H4) field")
     if not isinstance(turns, list) or len(turns) != 2 or "category" not in r:
-        raise DataError(f"{where}, record {i + 1}: need a 'category' and exactly 2 turns, got {str(turns)[:80]!r}")
+        raise DataError(f"{where}: need a 'category' and exactly 2 turns, got {str(turns)[:80]!r}")
     return {
         "id": str(qid) if qid is not None else fallback_id,
         "question_id": qid,
@@ -99,7 +100,7 @@ class MtBench(Task):
         else:
             where = self.cfg.hub_id or "HuggingFaceH4/mt_bench_prompts"
             rows = load_hub(where, self.cfg.hub_config, self.cfg.split, "mt_bench")
-        return [_doc(r, where, i) for i, r in enumerate(rows)]
+        return [_doc(r, record_at(rows, i, where), i) for i, r in enumerate(rows)]
 
     def prompt_ids(self, doc: dict, tokenizer, chat: bool, history: list[str] = ()) -> list[int]:
         turn = len(history)

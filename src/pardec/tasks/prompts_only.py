@@ -11,10 +11,10 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
+from pardec.jsonl import read_json, record_at
 from pardec.tasks.base import DataError, Task, chat_ids, load_hub, read_jsonl, register_task, text_ids
 
 
@@ -24,7 +24,7 @@ class PromptOnlyTask(Task):
     def _rows(self, default_hub: str | None, default_config: str | None) -> tuple[list[dict], str]:
         if self.cfg.path:
             p = Path(self.cfg.path)
-            rows = json.loads(p.read_text(encoding="utf-8")) if p.suffix == ".json" and p.is_file() else read_jsonl(p)
+            rows = read_json(p, DataError) if p.suffix == ".json" and p.is_file() else read_jsonl(p)
             return rows, str(p)
         hub = self.cfg.hub_id or default_hub
         if not hub:
@@ -47,7 +47,7 @@ class CodeSearchNet(PromptOnlyTask):
         out = []
         for i, r in enumerate(rows):
             if "func_documentation_string" not in r or "func_name" not in r:
-                raise DataError(f"{where}, record {i + 1}: need fields func_name and func_documentation_string")
+                raise DataError(f"{record_at(rows, i, where)}: need fields func_name and func_documentation_string")
             if r["func_documentation_string"].strip():
                 out.append({"id": f"csn/{i}", "name": r["func_name"].split(".")[-1],
                             "doc": r["func_documentation_string"].strip()})
@@ -69,7 +69,7 @@ class ShareGPT(PromptOnlyTask):
         for i, r in enumerate(rows):
             conv = r.get("conversations")
             if not isinstance(conv, list):
-                raise DataError(f"{where}, record {i + 1}: no 'conversations' list")
+                raise DataError(f"{record_at(rows, i, where)}: no 'conversations' list")
             if conv and conv[0].get("from") in ("human", "user") and str(conv[0].get("value", "")).strip():
                 out.append({"id": str(r.get("id", i)), "question": conv[0]["value"]})
         return out

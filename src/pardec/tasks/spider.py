@@ -21,12 +21,12 @@ the first score, a canary checks that the SQL child runs a known-good query and 
 
 from __future__ import annotations
 
-import json
 import logging
 from functools import cache
 from pathlib import Path
 from typing import Any
 
+from pardec.jsonl import read_json, record_at
 from pardec.metrics import sql
 from pardec.tasks.base import DataError, Task, chat_ids, load_hub, read_jsonl, register_task, text_ids
 
@@ -52,10 +52,7 @@ def _read_json_list(path: Path) -> list[dict]:
     """Records of a JSON list file (Spider's dev.json); malformed JSON names the file and line."""
     if not path.is_file():
         raise DataError(f"dataset file {path} does not exist")
-    try:
-        rows = json.loads(path.read_text(encoding="utf-8"))
-    except json.JSONDecodeError as e:
-        raise DataError(f"{path}, line {e.lineno}: malformed JSON ({e.msg})") from None
+    rows = read_json(path, DataError)
     if not isinstance(rows, list):
         raise DataError(f"{path}: expected a JSON list of records, got {type(rows).__name__}")
     return rows
@@ -98,7 +95,7 @@ class Spider(Task):
         for i, r in enumerate(rows):
             missing = [k for k in ("db_id", "question", "query") if k not in r]
             if missing:
-                raise DataError(f"{where}, record {i + 1}: missing field(s) {missing}; need db_id, question, query")
+                raise DataError(f"{record_at(rows, i, where)}: missing field(s) {missing}; need db_id, question, query")
             docs.append({"id": str(r.get("id", i)), "db_id": r["db_id"], "question": r["question"],
                          "query": r["query"]})
         return docs

@@ -13,6 +13,7 @@ from __future__ import annotations
 from typing import Any
 
 from pardec.config import DatasetConfig
+from pardec.jsonl import record_at
 from pardec.metrics.text import bleu, sentence_bleu
 from pardec.tasks.base import DataError, Task, chat_ids, load_hub, read_jsonl, register_task, text_ids
 
@@ -42,7 +43,7 @@ class Wmt16(Task):
         for i, r in enumerate(rows):
             tr = r.get("translation", r)
             if self.src not in tr or self.tgt not in tr:
-                raise DataError(f"{where}, record {i + 1}: needs {self.src!r} and {self.tgt!r} texts "
+                raise DataError(f"{record_at(rows, i, where)}: needs {self.src!r} and {self.tgt!r} texts "
                                 f"(in a 'translation' dict or as fields)")
             docs.append({"id": str(r.get("id", i)), "source": tr[self.src], "reference": tr[self.tgt]})
         return docs

@@ -44,6 +44,7 @@ from pathlib import Path
 import torch
 
 from pardec.config import ConfigError, DatasetConfig, to_dataclass
+from pardec.jsonl import read_json
 from pardec.training import stages
 from pardec.training.stages import Prompt
 
@@ -126,7 +127,7 @@ def with_corpus_topk(cfg: GenerateConfig) -> GenerateConfig:
     f = Path(cfg.out_dir) / "meta.json"
     if cfg.teacher_topk or cfg.overwrite or not f.is_file():
         return cfg
-    k = json.loads(f.read_text()).get("teacher_topk")
+    k = read_json(f).get("teacher_topk")
     return replace(cfg, teacher_topk=k) if k else cfg
 
 
@@ -273,7 +274,7 @@ def load_completions(out_dir: str | Path, stage: str = "stage=generate") -> list
     f, stats = out / MERGED, out / "stats.json"
     if not f.is_file():
         raise FileNotFoundError(f"{f} does not exist; generate the completions first ({stage})")
-    if stats.is_file() and not json.loads(stats.read_text()).get("complete", True):
+    if stats.is_file() and not read_json(stats).get("complete", True):
         raise ConfigError(f"{out} holds an unfinished generation ({stats}); finish it first: rerun {stage}")
     records = read_jsonl(f)
     stages.check_records(records, f, REQUIRED, SCHEMA_VERSION, f"generate again ({stage})")

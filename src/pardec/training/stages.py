@@ -31,7 +31,7 @@ from typing import Any
 from tqdm import tqdm
 
 from pardec.config import DatasetConfig, settings_diff
-from pardec.jsonl import append_jsonl, read_jsonl
+from pardec.jsonl import append_jsonl, read_json, read_jsonl
 
 log = logging.getLogger(__name__)
 
@@ -66,7 +66,7 @@ def part_path(out_dir: Path, rank: int) -> Path:
 def read_part(path: Path, repair: bool = False) -> list[dict]:
     """Records of a work log (none if it does not exist yet); a last line cut by a kill is ignored, and with
     ``repair`` (the file's own writer, before appending) cut off the file."""
-    return read_jsonl(path, error=StageError, repair=repair, missing_ok=True)
+    return read_jsonl(path, error=StageError, repair=repair, missing_ok=True, torn_ok=True)
 
 
 def done_ids(out_dir: Path, rank: int) -> set[str]:
@@ -108,7 +108,7 @@ def check_settings(out_dir: str | Path, meta: dict, overwrite: bool, key: str, w
     meta_file = Path(out_dir) / "meta.json"
     if not meta_file.is_file():
         return []
-    old = {k: v for k, v in json.loads(meta_file.read_text()).items() if k not in ignore}
+    old = {k: v for k, v in read_json(meta_file, StageError).items() if k not in ignore}
     new = {k: v for k, v in meta.items() if k not in ignore}
     if grows is not None and grows(old, new):
         return []
@@ -129,7 +129,7 @@ def prepare_out_dir(out_dir: str | Path, overwrite: bool, meta: dict, rank: int,
     out = Path(out_dir)
     meta_file = out / "meta.json"
     if rank == 0 and grows is not None and meta_file.is_file():
-        old = json.loads(meta_file.read_text())
+        old = read_json(meta_file, StageError)
         if grows(old, meta):
             log.info("%s in %s grow: %s", what, out, "; ".join(settings_diff(old, json.loads(json.dumps(meta)))))
             for name in stale:
@@ -211,13 +211,15 @@ def run_stage(items: Sequence[Any], out_dir: str | Path, prepare: Callable[[int]
 
 def check_records(records: list[dict], path: Path, required: tuple[str, ...], version: int, hint: str) -> None:
     """Every record of the merged file ``path`` has the ``required`` fields and schema ``version``; else one line
-    naming the file and record (``hint``: how to make the file again)."""
-    for i, r in enumerate(records, 1):
+    naming the file and line (``hint``: how to make the file again)."""
+    from pardec.jsonl import record_at
+
+    for i, r in enumerate(records):
         missing = [k for k in required if k not in r]
         if missing:
-            raise ValueError(f"{path}, record {i}: missing field(s) {missing}; a record needs {list(required)}")
+            raise ValueError(f"{record_at(records, i, path)}: missing field(s) {missing}; a record needs {list(required)}")
         if r["schema_version"] != version:
-            raise ValueError(version_error(f"{path}, record {i}", r["schema_version"], version, hint))
+            raise ValueError(version_error(record_at(records, i, path), r["schema_version"], version, hint))
 
 
 def version_error(where: str, found: Any, version: int, hint: str) -> str:

@@ -265,7 +265,7 @@ def test_schema_errors_name_the_file_and_fields(tmp_path):
     good = {"schema_version": SCHEMA_VERSION, "id": "a", "prompt_ids": [1], "answer_ids": [2],
             "blocks": [{"states": [[3], [2]], "fixed_point": [2]}]}
     f.write_text(json.dumps(good) + "\n" + json.dumps({"schema_version": SCHEMA_VERSION, "id": "b"}) + "\n")
-    with pytest.raises(TrajectoryError, match=r"trajectories.jsonl, record 2: missing field\(s\) \['prompt_ids'"):
+    with pytest.raises(TrajectoryError, match=r"trajectories.jsonl, line 2: missing field\(s\) \['prompt_ids'"):
         load_trajectories(f)
     f.write_text(json.dumps({**good, "schema_version": 1}) + "\n")  # written before augmentation moved out
     with pytest.raises(TrajectoryError, match="schema_version 1"):

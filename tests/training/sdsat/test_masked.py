@@ -406,7 +406,7 @@ def test_source_errors(tmp_path):
         corpus_records([{"file": corpus}, {"file": corpus}], _base_tokenizer(), True)
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"text": "ok"}\n{"ids": [1, 2], "start": 3}\n')
-    with pytest.raises(DataError, match=r"bad\.jsonl, record 2: need") as e:
+    with pytest.raises(DataError, match=r"bad\.jsonl, line 2: need") as e:
         corpus_records([{"file": str(bad)}], _base_tokenizer(), True)
     _one_line(e)
 
@@ -425,10 +425,10 @@ def test_load_errors(tmp_path):
     out = Path(cfg.out_dir)
     lines = _text(out).splitlines()
     good = json.loads(lines[0])
-    old = (rf"masked\.jsonl, record 1: schema_version 0, this pardec reads {MASK_SCHEMA_VERSION}; regenerate it with stage=mask "
+    old = (rf"masked\.jsonl, line 1: schema_version 0, this pardec reads {MASK_SCHEMA_VERSION}; regenerate it with stage=mask "
            r"\(mask\.overwrite=true\)")
     no_windows = {k: v for k, v in good.items() if k != "windows"}
-    missing = r"record 1: missing field\(s\) \['windows'\]"
+    missing = r"line 1: missing field\(s\) \['windows'\]"
     for broken, msg in [({**good, "schema_version": 0}, old), (no_windows, missing)]:
         (out / "masked.jsonl").write_text("\n".join([json.dumps(broken), *lines[1:]]) + "\n")
         with pytest.raises(ValueError, match=msg) as e:

@@ -28,6 +28,7 @@ from typing import Any
 from omegaconf import DictConfig
 
 from pardec.config import ConfigError, DatasetConfig, check_types, to_dataclass
+from pardec.jsonl import read_json
 from pardec.training.cllm.answers import check_ar_answer
 from pardec.training.cllm.collect import CollectConfig
 from pardec.training.kinds import Kind, Spec, common_fields, register_kind
@@ -135,7 +136,7 @@ class CLLMKind(Kind):
         from pardec.training.cllm.trajectories import load_trajectories
 
         stats_file = spec.train_data / "stats.json"
-        if stats_file.is_file() and not json.loads(stats_file.read_text()).get("complete", True):
+        if stats_file.is_file() and not read_json(stats_file).get("complete", True):
             raise ConfigError(f"{spec.train_data} holds an unfinished collection ({stats_file}); "
                               f"finish it first: rerun with stage=collect")
         args = training_args(CLLMConfig, spec, run_dir)  # before the model, as ZeRO-3 requires

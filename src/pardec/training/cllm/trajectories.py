@@ -24,11 +24,10 @@ block may be shorter than the block size (the ``max_new_tokens`` limit), and may
 
 from __future__ import annotations
 
-import json
 import logging
 from pathlib import Path
 
-from pardec.jsonl import read_jsonl
+from pardec.jsonl import read_json, read_jsonl, record_at
 from pardec.training import stages
 from pardec.training.stages import StageError
 
@@ -99,10 +98,10 @@ def load_trajectories(path: str | Path) -> list[dict]:
         raise TrajectoryError(f"trajectory file {p} does not exist; run the collection first (stage=collect)")
     meta = p.parent / "meta.json"
     if meta.is_file():
-        version = json.loads(meta.read_text()).get("schema_version")
+        version = read_json(meta, TrajectoryError).get("schema_version")
         if version != SCHEMA_VERSION:
             raise TrajectoryError(f"{meta}: schema_version {version!r}, but this pardec reads {SCHEMA_VERSION}")
-    records = read_jsonl(p, error=TrajectoryError)
-    for i, r in enumerate(records, 1):
-        validate_record(r, f"{p}, record {i}")
+    records = read_jsonl(p, error=TrajectoryError, torn_ok=True)
+    for i, r in enumerate(records):
+        validate_record(r, record_at(records, i, p))
     return records

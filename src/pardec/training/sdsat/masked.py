@@ -163,15 +163,18 @@ def _file_docs(path: str, max_docs: int | None, tokenizer) -> list[Doc]:
     from pardec.tasks.base import DataError, read_jsonl
 
     source = f"file:{Path(path).stem}"
+    from pardec.jsonl import record_at
+
     docs = []
-    for n, r in enumerate(read_jsonl(path)[:max_docs], 1):
+    rows = read_jsonl(path)
+    for n, r in enumerate(rows[:max_docs], 1):
         text, ids = (r.get("text"), r.get("ids")) if isinstance(r, dict) else (None, None)
         start = r.get("start", 0) if isinstance(r, dict) else 0
         if isinstance(text, str) and ids is None and "start" not in r:
             ids = tokenizer(text, add_special_tokens=False)["input_ids"]
         elif not (text is None and isinstance(ids, list) and all(isinstance(t, int) for t in ids)
                   and isinstance(start, int) and 0 <= start <= len(ids)):
-            raise DataError(f"{path}, record {n}: need {{\"text\": str}} or {{\"ids\": [int, ...], \"start\": k}} "
+            raise DataError(f"{record_at(rows, n - 1, path)}: need {{\"text\": str}} or {{\"ids\": [int, ...], \"start\": k}} "
                             f"with 0 <= k <= len(ids); got {str(r)[:80]}")
         docs.append((f"{source}/{n}", source, list(ids), start))
     return docs
