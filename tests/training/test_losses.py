@@ -76,6 +76,25 @@ def test_ar_loss_known_values_and_prompt_mask():
     assert ar_loss(logits, torch.tensor([[-100, -100, -100]])).item() == 0.0
 
 
+def test_label_smoothed_ar_loss_is_the_official_trainers():
+    """CLLM's official trainer smooths its AR loss with transformers' LabelSmoother(epsilon=0.1); pardec's AR loss
+    (ar_loss, and ce_sum that the trainer sums) with label_smoothing=0.1 gives the same value."""
+    from transformers.trainer_pt_utils import LabelSmoother
+
+    from pardec.training.losses import ce_sum
+
+    torch.manual_seed(0)
+    logits = torch.randn(2, 6, 11)
+    labels = torch.randint(0, 11, (2, 6))
+    labels[0, :2] = -100  # prompt
+    want = LabelSmoother(epsilon=0.1)({"logits": logits}, labels, shift_labels=True)
+    assert ar_loss(logits, labels, label_smoothing=0.1).item() == pytest.approx(want.item(), rel=1e-5)
+    shifted, targets = logits[:, :-1], labels[:, 1:]
+    total, n = ce_sum(shifted, targets.clamp(min=0), targets != -100, 0.1)
+    assert (total / n).item() == pytest.approx(want.item(), rel=1e-5)
+    assert ar_loss(logits, labels).item() != pytest.approx(want.item(), rel=1e-3)  # epsilon 0: the plain NLL
+
+
 def test_total_is_consistency_plus_weighted_ar():
     assert total_loss(torch.tensor(1.5), torch.tensor(0.25), 10.0).item() == pytest.approx(4.0)
 

@@ -5,7 +5,9 @@ CLLM:
 * consistency (Eqs. 4 and 5): a distance between the *target* distribution (the model's own logits on the
   fixed point, global, or on the next Jacobi state, local; always stop-gradient) and the *student*
   distribution (the model's logits on a Jacobi state), per block position;
-* AR (Eq. 6): next-token negative log-likelihood of the teacher's answer (prompt positions masked);
+* AR (Eq. 6): next-token negative log-likelihood of the teacher's answer (prompt positions masked), label-smoothed
+  as the official trainer does (``label_smoothing`` epsilon: ``(1 - eps) * NLL + eps * mean_v(-log q_v)``,
+  transformers' ``LabelSmoother``; ``cllm/cllm_trainer_global.py``: ``LabelSmoother(epsilon=0.1)``);
 * total = consistency + ``ar_weight`` * AR.
 
 SDSAT (paper Eq. 9, :func:`sdsat_loss`): ``0.5 * (f_plain + w * f_masked)``, next-token cross-entropies of the
@@ -94,8 +96,10 @@ def consistency_loss(
     return _normalise(*masked_sum(per_token, mask), num_items)
 
 
-def ar_token_nll(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Next-token NLL: logits [B, T, V] at positions 0..T-1 predict labels [B, T] at 1..T.
+def ar_token_nll(logits: torch.Tensor, labels: torch.Tensor, label_smoothing: float = 0.0,
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Next-token NLL: logits [B, T, V] at positions 0..T-1 predict labels [B, T] at 1..T (label-smoothed by
+    ``label_smoothing``: module docstring).
 
     Returns (nll [B, T-1], valid [B, T-1] bool); labels equal to -100 (prompt, padding) are not valid.
     """
@@ -103,12 +107,15 @@ def ar_token_nll(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tens
     valid = shift_labels != IGNORE_INDEX
     logp = F.log_softmax(logits[:, :-1].float(), dim=-1)
     nll = -logp.gather(-1, shift_labels.clamp(min=0)[..., None])[..., 0]
+    if label_smoothing:
+        nll = (1.0 - label_smoothing) * nll - label_smoothing * logp.mean(-1)
     return nll.masked_fill(~valid, 0.0), valid
 
 
-def ar_loss(logits: torch.Tensor, labels: torch.Tensor, num_items: torch.Tensor | int | None = None) -> torch.Tensor:
+def ar_loss(logits: torch.Tensor, labels: torch.Tensor, num_items: torch.Tensor | int | None = None,
+            label_smoothing: float = 0.0) -> torch.Tensor:
     """AR loss (Eq. 6): mean next-token NLL over label positions (or sum / ``num_items``). Shapes as ar_token_nll."""
-    return _normalise(*masked_sum(*ar_token_nll(logits, labels)), num_items)
+    return _normalise(*masked_sum(*ar_token_nll(logits, labels, label_smoothing)), num_items)
 
 
 def total_loss(consistency: torch.Tensor, ar: torch.Tensor, ar_weight: float = 10.0) -> torch.Tensor:
@@ -124,14 +131,15 @@ class SDSATLoss(NamedTuple):
     sums: torch.Tensor  # [4] detached float64: plain CE sum, plain count, masked CE sum, masked count
 
 
-def ce_sum(logits: torch.Tensor, targets: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def ce_sum(logits: torch.Tensor, targets: torch.Tensor, mask: torch.Tensor, label_smoothing: float = 0.0,
+           ) -> tuple[torch.Tensor, torch.Tensor]:
     """(summed CE of ``logits`` [R, T, V] against ``targets`` [R, T] where ``mask`` [R, T], count): only the
-    selected positions go through the log-softmax."""
+    selected positions go through the log-softmax (``label_smoothing``: as :func:`ar_token_nll`'s)."""
     mask = mask.to(logits.device, torch.bool)
     picked = logits[mask].float()  # [N, V]
     if not picked.numel():  # nothing counts: 0, still attached to the graph (one finite logit times 0)
         return logits.flatten()[:1].float().sum() * 0.0, mask.sum()
-    ce = F.cross_entropy(picked, targets.to(logits.device)[mask], reduction="sum")
+    ce = F.cross_entropy(picked, targets.to(logits.device)[mask], reduction="sum", label_smoothing=label_smoothing)
     return ce.float(), mask.sum()
 
 

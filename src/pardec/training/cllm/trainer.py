@@ -50,6 +50,8 @@ class CLLMConfig(BaseConfig):
     distance: str = field(default="fkl", metadata={"help": "fkl | rkl | jsd"})
     jsd_beta: float = field(default=0.5, metadata={"help": "generalised JSD mixture weight of the target"})
     ar_weight: float = field(default=10.0, metadata={"help": "omega: total = consistency + omega * AR"})
+    # the official trainer's AR loss: transformers' LabelSmoother(epsilon=0.1) (cllm/cllm_trainer_global.py)
+    ar_label_smoothing: float = field(default=0.1, metadata={"help": "epsilon of the AR loss's label smoothing"})
     state_sampling: str = field(default="random", metadata={"help": "random (states_per_sample per block, "
                                                                     "drawn anew each epoch) | all"})
     states_per_sample: int = field(default=1, metadata={"help": "Jacobi states packed with a block's AR row"})
@@ -71,6 +73,9 @@ class CLLMConfig(BaseConfig):
                 check_choice(f"trainer.{key}", opts[key], choices)
         if not 0.0 <= opts.get("jsd_beta", 0.5) <= 1.0:
             raise ConfigError(f"trainer.jsd_beta={opts['jsd_beta']!r} is out of range: it must be in [0, 1]")
+        if not 0.0 <= opts.get("ar_label_smoothing", 0.0) < 1.0:
+            raise ConfigError(f"trainer.ar_label_smoothing={opts['ar_label_smoothing']!r} is out of range: it must "
+                              f"be in [0, 1)")
         if opts.get("ar_weight", 0.0) < 0:
             raise ConfigError(f"trainer.ar_weight={opts['ar_weight']!r} is out of range: it must be >= 0")
         for key in ("states_per_sample", "proxy_records"):
@@ -124,7 +129,7 @@ class CLLMTrainer(BaseTrainer):
         at[keep] = torch.arange(len(keep), device=keep.device)
         logits = packed_forward(model, inputs, keep)  # [B, K, V]
         kept = targets[:, keep]
-        a_sum, a_cnt = ce_sum(logits, kept.clamp(min=0), kept != IGNORE_INDEX)
+        a_sum, a_cnt = ce_sum(logits, kept.clamp(min=0), kept != IGNORE_INDEX, a.ar_label_smoothing)
         student = logits[pairs[:, 0], at[pairs[:, 1]]]  # [M, V]
         target = logits[pairs[:, 0], at[pairs[:, 2]]].detach()  # the model's own logits: stop-gradient target
         c_sum = token_divergence(student, target, a.distance, a.jsd_beta).sum() if len(pairs) else logits.sum() * 0
