@@ -197,3 +197,37 @@ def test_the_acceptance_plot_reads_the_newest_side_by_side_and_the_held_out_eval
         {"steps": 120, "heads_eval": {"kind": "eagle3", "overall": {"chain_acceptance": [0.37, 0.17]}}}))
     assert docs.plot_acceptance(root, out) == out and out.stat().st_size > 0
     assert docs._short("eagle:path=/x/final:mode=chain") == "eagle mode=chain"
+
+
+def test_a_pinned_figure_is_its_fields_and_the_readme_pins_every_figure(tmp_path, capsys):
+    """--check fails an invented figure (the README line of issue 71, which passed before because any equal number
+    in any cited file counted), a drifted pinned figure and a pointer to nothing; a correct pinned figure passes."""
+    root = _repo(tmp_path)
+    docs.main(["--root", str(root), "--no-plot"])
+    readme = root / "README.md"
+    base = readme.read_text()
+    assert docs.main(["--root", str(root), "--check"]) == 0
+    # invented: 1.5 is in b.json (cited), yet the README must pin it to the field that holds it
+    readme.write_text(base + "\npld runs at 1.50× `ar` ([data](docs/results/b.json)).\n")
+    assert docs.main(["--root", str(root), "--check"]) == 1
+    assert "README.md: 1.50 is not pinned" in capsys.readouterr().err
+    pin = "[1.50×](docs/results/b.json#/leaderboard/0/speedup)"
+    readme.write_text(base + f"\npld runs at {pin} `ar` on CNN/DM.\n")
+    assert docs.check_pins(root) == [] and docs.main(["--root", str(root), "--check"]) == 0
+    # drifted: the field holds 1.5
+    readme.write_text(base + "\npld runs at [1.52×](docs/results/b.json#/leaderboard/0/speedup) `ar`.\n")
+    assert docs.check_pins(root) == ["README.md: [1.52×](docs/results/b.json#/leaderboard/0/speedup): says 1.52, "
+                                     "but the field holds 1.5"]
+    # pinned to another field that holds another number (the GPU entry's 2.0)
+    readme.write_text(base + "\npld runs at [1.50×](docs/results/b.json#/leaderboard/1/speedup) `ar`.\n")
+    assert "says 1.50, but the field holds 2.0" in docs.check_pins(root)[0]
+    for ptr, why in (("/leaderboard/7/speedup", "no item '7' (a list of 2)"), ("/board", "no key 'board'")):
+        readme.write_text(base + f"\npld runs at [1.50×](docs/results/b.json#{ptr}) `ar`.\n")
+        assert docs.check_pins(root) == [f"README.md: [1.50×](docs/results/b.json#{ptr}): the pointer {ptr} "
+                                         f"resolves to nothing in docs/results/b.json ({why})"]
+    # elsewhere a pinned figure is checked the same way; an unpinned one needs only a cited file
+    readme.write_text(base)
+    page = root / "docs" / "page.md"
+    page.write_text(page.read_text() + "\n[2.45](results/a.json#/leaderboard/0/tokens_per_forward) per forward.\n")
+    assert docs.check_pins(root) == ["docs/page.md: [2.45](results/a.json#/leaderboard/0/tokens_per_forward): "
+                                     "says 2.45, but the field holds 2.4"]

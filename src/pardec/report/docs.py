@@ -1,8 +1,10 @@
 """The tables of README.md and docs/, generated from the result files under docs/ (small JSON).
 
     python -m pardec.report docs            # rewrite every marked block in README.md and docs/**/*.md
-    python -m pardec.report docs --check    # write nothing; exit 1 naming each block that differs and each figure
-                                            # in prose that no file its page cites holds
+    python -m pardec.report docs --check    # write nothing; exit 1 naming each block that differs, each figure
+                                            # in prose that no file its page cites holds, and each figure pinned
+                                            # to a field that does not hold it (pardec.report.pins; the README's
+                                            # figures must all be pinned)
 
 Writing also plots the leaderboard's CPU fp32 column (speed against tokens per forward) into
 ``docs/img/leaderboard_cpu_fp32.png`` and the drafters' acceptance by draft position (in decoding and held out) into
@@ -403,6 +405,14 @@ def check_figures(root: Path = REPO) -> list[str]:
     return [f"{f.relative_to(root).as_posix()}: {fig}" for f in prose_pages(root) for fig in unsourced(f, root)]
 
 
+def check_pins(root: Path = REPO) -> list[str]:
+    """Every pinned figure that does not resolve to its field or that the field does not hold, and every unpinned
+    figure of a strict page (:mod:`pardec.report.pins`)."""
+    from pardec.report.pins import pin_problems
+
+    return [p for f in prose_pages(root) for p in pin_problems(f, root, prose_figures, lambda v: _numbers(v, set()))]
+
+
 def main(argv: list[str] | None = None, prog: str | None = None) -> int:
     ap = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0])
     ap.add_argument("--check", action="store_true", help="write nothing; exit 1 naming each block that differs and each figure in prose without a source")
@@ -413,19 +423,25 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
         ap.error(f"--root {a.root}: no docs/ directory there")
     try:
         if a.check:
-            stale, loose = check(a.root), check_figures(a.root)
+            stale, loose, pins = check(a.root), check_figures(a.root), check_pins(a.root)
             for label in stale:
                 print(f"differs from its result file: {label}", file=sys.stderr)
             for label in loose:
                 print(f"a figure no cited result file holds: {label}", file=sys.stderr)
+            for problem in pins:
+                print(f"a figure not held by its field: {problem}", file=sys.stderr)
             if stale:
                 print(f"{len(stale)} block(s) out of date: run 'python -m pardec.report docs'", file=sys.stderr)
             if loose:
                 print(f"{len(loose)} figure(s) in prose without a source: cite the result file that holds each "
                       f"(a link to docs/results/...), or add it to one", file=sys.stderr)
-            if stale or loose:
+            if pins:
+                print(f"{len(pins)} pinned or strict-page figure(s) fail: pin each to the field that holds it",
+                      file=sys.stderr)
+            if stale or loose or pins:
                 return 1
-            print("every marked block matches its result file, and every figure in prose is in a file its page cites")
+            print("every marked block matches its result file, every figure in prose is in a file its page cites, "
+                  "and every pinned figure is its field's")
             return 0
         changed = [f for f in markdown_files(a.root) if rewrite(f, a.root)]
         if not a.no_plot:
