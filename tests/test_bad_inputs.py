@@ -96,6 +96,7 @@ CASES = [
     Case("sdsat: k < 1", ("+method=sdsat", "method.k=0", "method.adaptive_ids=[5]"), "method.k=0"),
     Case("sdsat: bad variant", ("+method=sdsat", "method.variant=tree"), "method.variant='tree'"),
     Case("sdsat: k > L (SDSAT-D)", ("+method=sdsat", "method.adaptive_ids=[5,6,7]", "method.k=5"), "method.k=5"),
+    Case("sdsat: a tiny random model (no adaptive token)", ("+method=sdsat",), "no SDSAT adaptive token"),
     Case("sdsat: model without adaptive token", ("+method=sdsat", "model=local", "model.path={tmp}"),
          "+experiment=sdsat_smollm2", files={"config.json": '{"model_type": "llama", "vocab_size": 64}'}),
     # datasets
