@@ -1,0 +1,291 @@
+"""`python -m pardec.bench table`: one run, one table. Every decoder pardec has, with the drafters kept in the zoo,
+on each benchmark in **one** `evaluate` run per benchmark: `ar` is the baseline and every other method a
+`bench.also` role (transformers' `hf_generate`, `hf_pld`, `hf_assisted` as peers), interleaved per prompt after a
+warm-up, greedy, on the same prompts. Methods that decode their own fine-tuned model (CLLM's `jacobi`, `sdsat`) get
+a second run per benchmark on that model, with `ar` on it as their baseline; their quality sits beside the base's.
+
+    python -m pardec.bench table [--benchmarks gsm8k,spider,humaneval,mt_bench,cnn_dm] [--n 20]
+        [--max-new-tokens 128] [--dtype fp32] [--methods all | m1,m2,...] [--out DIR] [overrides ...]
+
+It resumes: rerun the same command with the same ``--out`` and every benchmark continues where it stopped (each
+`evaluate` run resumes its records). A rerun on another host, commit, dtype or set of methods is refused in one
+line (``<out>/table_run.json`` holds what the first run ran with). The table, ``<out>/table.json`` (results as
+data: command, commit, host, dtype, date, n) and ``<out>/table.md``, holds per benchmark and method: the speed
+against `ar` (the mean of the per-prompt ratios with a 95% bootstrap interval, and the median), tokens per target
+forward, the exact-match rate against `ar` (a lossless method below 1.00 is flagged, not averaged in), the task's
+quality metric, the shares of answers that ended before the token limit and that loop (a token repeated 10 times in a
+row), and how many of its timed prompts ran on a busy host (:mod:`pardec.metrics.busy`). A method whose zoo
+artifact is missing is left out with a note (``make zoo`` builds it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from pardec import REPO_ROOT
+from pardec.bench.speed import CPU_SIZED
+
+#: benchmark -> its dataset overrides (local copies under the data dir; HumanEval ships with its package)
+BENCHMARKS = {
+    "gsm8k": ["dataset=gsm8k", "dataset.path=${paths.data_dir}/gsm8k/test.jsonl"],
+    "spider": ["dataset=spider", "dataset.path=${paths.data_dir}/spider/dev.json"],
+    "humaneval": ["dataset=humaneval"],
+    "mt_bench": ["dataset=mt_bench", "dataset.path=${paths.data_dir}/mt_bench/question.jsonl"],
+    "cnn_dm": ["dataset=cnn_dm", "dataset.path=${paths.data_dir}/cnn_dm/test.jsonl"],
+}
+#: every decoder on the shared target, as ``bench.also`` entries, with the zoo artifact each needs (None: none)
+SHARED = [("jacobi", None), ("lookahead", None), (CPU_SIZED["lookahead"], None), ("pld", None), ("sps", "draft"),
+          ("ouroboros", "draft"), (CPU_SIZED["ouroboros"], "draft"), ("spectr", "draft"), ("mjsd", "draft"),
+          ("mjgd", "draft"), ("bild", "draft"), ("medusa:heads=zoo:medusa", "medusa"),
+          ("medusa_typical:heads=zoo:medusa", "medusa"), ("firp:projections=zoo:firp", "firp"),
+          ("eagle:path=zoo:eagle3:mode=chain", "eagle3"), ("eagle:path=zoo:eagle3", "eagle3"),
+          ("dflash:path=zoo:dflash", "dflash")]
+#: decoders of their own fine-tuned model: (method, the zoo artifact that is the model)
+OWN_MODEL = [("jacobi", "cllm"), ("sdsat", "sdsat")]
+LOSSLESS = ("tokens", "distribution")
+BOOTSTRAP = 2000
+
+
+class TableError(ValueError):
+    """A run that cannot continue (one line)."""
+
+
+# ------------------------------------------------------------------------------------------- plan
+def zoo_has(name: str, zoo_name: str = "smollm2") -> bool:
+    from pardec import zoo
+
+    return (zoo.ZOO_DIR / zoo_name / name / zoo.MANIFEST).is_file()
+
+
+def plan(methods: str, has=zoo_has) -> tuple[list[str], list[tuple[str, str]], list[str]]:
+    """(the shared run's ``bench.also`` entries, the own-model runs (method, artifact), notes on what is left out)
+    for ``--methods`` (``all`` or a comma list of entries; ``has(artifact)``: whether the zoo holds it)."""
+    wanted = None if methods == "all" else methods.split(",")
+    shared, own, notes = [], [], []
+    for entry, needs in SHARED:
+        if wanted is not None and entry not in wanted:
+            continue
+        if needs is not None and not has(needs):
+            notes.append(f"{entry}: the zoo has no {needs!r} (make zoo ZOO_NAMES={needs})")
+            continue
+        shared.append(entry)
+    for method, artifact in OWN_MODEL:
+        if wanted is not None and f"{method}@{artifact}" not in wanted:
+            continue
+        if not has(artifact):
+            notes.append(f"{method} on zoo:{artifact}: the zoo has no {artifact!r} (make zoo ZOO_NAMES={artifact})")
+            continue
+        own.append((method, artifact))
+    if wanted is not None:
+        known = {e for e, _ in SHARED} | {f"{m}@{a}" for m, a in OWN_MODEL}
+        bad = [w for w in wanted if w not in known]
+        if bad:
+            raise TableError(f"--methods {bad[0]!r} is not one of the table's: {', '.join(sorted(known))} (or all)")
+    return shared, own, notes
+
+
+def identity(args: argparse.Namespace, shared: list[str], own: list[tuple[str, str]]) -> dict[str, Any]:
+    """What a table run must keep across its processes: host, commit, dtype and what it runs."""
+    from pardec.zoo.build import git_state, host
+
+    h = host()
+    return {"host": {k: h[k] for k in ("cpu", "flags", "cores", "torch")},
+            "commit": git_state().get("commit"), "dtype": args.dtype, "n": args.n,
+            "max_new_tokens": args.max_new_tokens, "model": args.model, "shared": shared,
+            "own_model": [f"{m}@{a}" for m, a in own], "benchmarks": args.benchmarks.split(","),
+            "extra": list(args.extra)}
+
+
+def check_identity(out: Path, ident: dict[str, Any]) -> None:
+    """Record the run's identity, or refuse a rerun whose identity differs, in one line naming each difference."""
+    from pardec.config.schema import settings_diff
+
+    f = out / "table_run.json"
+    if f.is_file():
+        from pardec.jsonl import read_json
+
+        diff = settings_diff(read_json(f, TableError), json.loads(json.dumps(ident)))
+        if diff:
+            raise TableError(f"cannot continue the table in {out}: it was started with other settings "
+                             f"({'; '.join(diff)}); continue it there as it was, or pass another --out")
+        return
+    out.mkdir(parents=True, exist_ok=True)
+    f.write_text(json.dumps(ident, indent=2) + "\n")
+
+
+def commands(args: argparse.Namespace, shared: list[str], own: list[tuple[str, str]]) -> list[tuple[str, list[str]]]:
+    """(run dir name, evaluate arguments) of every run: per benchmark the shared run, then one per own model."""
+    runs = []
+    common = [f"n_samples={args.n}", f"max_new_tokens={args.max_new_tokens}", f"dtype={args.dtype}",
+              f"threads={args.threads}", "perplexity.enabled=false", "sampling.temperature=0"]
+    for bench in args.benchmarks.split(","):
+        data = BENCHMARKS[bench]
+        also = "[" + ",".join(json.dumps(e) for e in shared) + "]"
+        draft = ["draft=local", "draft.name=zoo_draft", "draft.path=zoo:draft"] if any(
+            dict(SHARED).get(e) == "draft" for e in shared) else []
+        runs.append((bench, ["+method=ar", f"model={args.model}", *data, *common, f"bench.also={also}",
+                             "bench.include_hf=true", *draft, *args.extra]))
+        by_model: dict[str, list[str]] = {}
+        for method, artifact in own:
+            by_model.setdefault(artifact, []).append(method)
+        for artifact, methods in by_model.items():
+            also = "[" + ",".join(json.dumps(m) for m in methods) + "]"
+            runs.append((f"{bench}@{artifact}", ["+method=ar", "model=local", f"model.name={artifact}",
+                                                  f"model.path=zoo:{artifact}", *data, *common,
+                                                  f"bench.also={also}", *args.extra]))
+    return runs
+
+
+# ------------------------------------------------------------------------------------------- aggregate
+def bootstrap_ci(values: list[float], n: int = BOOTSTRAP, seed: int = 0) -> tuple[float, float] | None:
+    """The 95% percentile-bootstrap interval of the mean of ``values`` (None for fewer than 2)."""
+    if len(values) < 2:
+        return None
+    rng = random.Random(seed)
+    means = sorted(statistics.fmean(rng.choices(values, k=len(values))) for _ in range(n))
+    return means[int(0.025 * n)], means[int(0.975 * n) - 1]
+
+
+def cells(records: list[dict], summary: dict, max_new_tokens: int) -> dict[str, dict]:
+    """The table's cells of one run (one per role): speed against the run's ``ar`` per prompt, tokens per forward,
+    exact match, quality, ended / looping shares, busy count."""
+    from pardec.evaluation.results import is_failed
+    from pardec.metrics.speed import record_is_repetitive
+
+    ok = [r for r in records if not is_failed(r) and r.get("repeat", 0) == 0]
+    base = {r["id"]: r for r in ok if r["role"] == "baseline"}
+    roles: dict[str, list[dict]] = {}
+    for r in ok:
+        roles.setdefault(r["role"], []).append(r)
+    info = {"baseline": {"method": summary["baseline"], "exactness": "tokens", "metric": summary.get("baseline_metric"),
+                         "exact_match_rate": 1.0}}
+    for role, p in summary.get("peers", {}).items():
+        info[role] = p
+    out = {}
+    for role, rs in roles.items():
+        p = info.get(role, {})
+        ratios = [base[r["id"]]["wall_s"] / r["wall_s"] for r in rs if r["id"] in base and r["wall_s"] > 0]
+        forwards = sum(r.get("target_forwards") or 0 for r in rs)
+        ci = bootstrap_ci(ratios)
+        em = p.get("exact_match_rate")
+        label = role.removeprefix("also:") if role.startswith("also:") else {"baseline": "ar"}.get(role, role)
+        out[label] = {
+            "method": p.get("method", label), "exactness": p.get("exactness"), "n": len(rs),
+            "speedup_mean": statistics.fmean(ratios) if ratios else None,
+            "speedup_ci95": list(ci) if ci else None,
+            "speedup_median": statistics.median(ratios) if ratios else None,
+            "tokens_per_forward": sum(r["n_tokens"] for r in rs) / forwards if forwards else None,
+            "exact_match_rate": em,
+            "flagged": bool(p.get("exactness") in LOSSLESS and em is not None and em < 1.0),
+            "metric": p.get("metric"),
+            "ended_share": statistics.fmean(all(len(t) < max_new_tokens for t in r["turn_tokens"]) for r in rs),
+            "loop_share": statistics.fmean(record_is_repetitive(r) for r in rs),
+            "busy": sum(bool(r.get("busy")) for r in rs),
+        }
+    return out
+
+
+def aggregate(out: Path, runs: list[tuple[str, list[str]]], ident: dict, command: str) -> dict:
+    from pardec.jsonl import read_jsonl
+
+    table: dict[str, Any] = {
+        "title": "Every decoder on every benchmark: one run per benchmark, speed against ar beside quality",
+        "date": time.strftime("%Y-%m-%d"), "command": command, "commit": ident["commit"], "host": ident["host"],
+        "dtype": ident["dtype"], "n": ident["n"], "max_new_tokens": ident["max_new_tokens"], "benchmarks": {}}
+    for name, _ in runs:
+        run_dir = out / "runs" / name
+        if not (run_dir / "summary.json").is_file():
+            continue
+        summary = json.loads((run_dir / "summary.json").read_text())
+        records = read_jsonl(run_dir / "results.jsonl", torn_ok=True)
+        bench, _, model = name.partition("@")
+        entry = table["benchmarks"].setdefault(bench, {"metric": summary.get("metric_name"), "methods": {}})
+        for label, cell in cells(records, summary, ident["max_new_tokens"]).items():
+            if model:
+                label = f"{label}@{model}"
+            entry["methods"][label] = cell
+    return table
+
+
+def markdown(table: dict) -> str:
+    def num(x, fmt=".2f"):
+        return "–" if x is None else format(x, fmt)
+
+    lines = [f"Host: {table['host'].get('cpu')} ({table['dtype']}, {table['n']} prompts, "
+             f"{table['max_new_tokens']} new tokens per turn), commit {table['commit']}, {table['date']}.", ""]
+    for bench, b in table["benchmarks"].items():
+        lines += [f"### {bench}", "", f"| method | × ar (95% CI) | median | tok/fwd | EM | {b['metric']} | ended | "
+                  f"loops | busy |", "|---|---|---|---|---|---|---|---|---|"]
+        for label, c in b["methods"].items():
+            ci = c["speedup_ci95"]
+            speed = f"{num(c['speedup_mean'])} ({num(ci[0])}–{num(ci[1])})" if ci else num(c["speedup_mean"])
+            em = num(c["exact_match_rate"]) + (" ⚠" if c["flagged"] else "")
+            lines.append(f"| {label} | {speed} | {num(c['speedup_median'])} | {num(c['tokens_per_forward'])} | {em} "
+                         f"| {num(c['metric'], '.3f')} | {num(c['ended_share'])} | {num(c['loop_share'])} | "
+                         f"{c['busy']} |")
+        lines.append("")
+    return "\n".join(lines)
+
+
+# ------------------------------------------------------------------------------------------- command
+def main(argv: list[str] | None = None, prog: str | None = None) -> int:
+    ap = argparse.ArgumentParser(prog=prog, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--benchmarks", default=",".join(BENCHMARKS))
+    ap.add_argument("--n", type=int, default=20)
+    ap.add_argument("--max-new-tokens", type=int, default=128)
+    ap.add_argument("--dtype", default="fp32")
+    ap.add_argument("--methods", default="all")
+    ap.add_argument("--model", default="smollm2_135m")
+    ap.add_argument("--threads", default="auto")
+    ap.add_argument("--out", type=Path, default=REPO_ROOT / "outputs" / "table" / time.strftime("%Y-%m-%d"))
+    ap.add_argument("--dry-run", action="store_true", help="print the runs, run nothing")
+    ap.add_argument("extra", nargs="*", help="more Hydra overrides for every run")
+    a = ap.parse_intermixed_args(argv)
+    bad = [b for b in a.benchmarks.split(",") if b not in BENCHMARKS]
+    if bad:
+        ap.error(f"--benchmarks {bad[0]!r} is not one of: {', '.join(BENCHMARKS)}")
+    for flag in ("n", "max_new_tokens"):
+        if getattr(a, flag) < 1:
+            ap.error(f"--{flag.replace('_', '-')}={getattr(a, flag)} is out of range: it must be >= 1")
+    try:
+        shared, own, notes = plan(a.methods)
+        runs = commands(a, shared, own)
+        for note in notes:
+            print(f"note: left out: {note}")
+        if a.dry_run:
+            for name, args in runs:
+                print(f"{name}: python -m evaluate {' '.join(args)}")
+            return 0
+        ident = identity(a, shared, own)
+        check_identity(a.out, ident)
+    except TableError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    for name, args in runs:
+        run_dir = a.out / "runs" / name
+        if (run_dir / "summary.json").is_file() and (run_dir / "results.jsonl").is_file():
+            print(f"{name}: done earlier")
+            continue
+        resume = ["resume=true"] if (run_dir / "run.json").is_file() else []
+        cmd = [sys.executable, "-m", "evaluate", *args, *resume, f"hydra.run.dir={run_dir}"]
+        print("+", " ".join(cmd), flush=True)
+        rc = subprocess.run(cmd, cwd=REPO_ROOT).returncode
+        if rc != 0:
+            print(f"error: the {name} run stopped (exit {rc}); rerun the same command to continue it",
+                  file=sys.stderr)
+            return rc
+    command = "python -m pardec.bench table " + " ".join(argv if argv is not None else sys.argv[1:])
+    table = aggregate(a.out, runs, ident, command.strip())
+    (a.out / "table.json").write_text(json.dumps(table, indent=1) + "\n")
+    (a.out / "table.md").write_text(markdown(table) + "\n")
+    print(markdown(table))
+    print(f"written to {a.out}/table.json and table.md")
+    return 0

@@ -1,0 +1,96 @@
+"""``python -m pardec.bench table``: which methods a zoo allows, the runs it makes, the cells of a run (per-prompt
+speed against ar with a bootstrap interval, exactness flagged, ended and looping shares, busy count), a refused
+continuation with other settings, and (slow) a tiny end-to-end table that a rerun continues instead of redoing."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import pytest
+
+from pardec.bench import table as T
+
+
+def test_the_plan_leaves_out_what_the_zoo_lacks_and_refuses_an_unknown_method():
+    shared, own, notes = T.plan("all", has=lambda name: name in {"draft", "eagle3"})
+    assert "sps" in shared and "eagle:path=zoo:eagle3:mode=chain" in shared and "pld" in shared
+    assert "dflash:path=zoo:dflash" not in shared and own == []
+    assert any("the zoo has no 'dflash' (make zoo ZOO_NAMES=dflash)" in n for n in notes)
+    shared, own, _ = T.plan("pld,jacobi@cllm", has=lambda name: True)
+    assert shared == ["pld"] and own == [("jacobi", "cllm")]
+    with pytest.raises(T.TableError, match=r"--methods 'pdl' is not one of the table's: .*pld"):
+        T.plan("pdl", has=lambda name: True)
+
+
+def test_one_run_per_benchmark_and_one_per_own_model():
+    a = argparse.Namespace(benchmarks="gsm8k,humaneval", n=3, max_new_tokens=8, dtype="fp32", threads=1,
+                           model="smollm2_135m", extra=["bench.warmup=0"])
+    runs = T.commands(a, ["pld", "sps"], [("jacobi", "cllm")])
+    assert [name for name, _ in runs] == ["gsm8k", "gsm8k@cllm", "humaneval", "humaneval@cllm"]
+    args = dict(runs)["gsm8k"]
+    assert 'bench.also=["pld","sps"]' in args and "draft.path=zoo:draft" in args and "bench.include_hf=true" in args
+    assert "dataset.path=${paths.data_dir}/gsm8k/test.jsonl" in args and args[-1] == "bench.warmup=0"
+    own = dict(runs)["humaneval@cllm"]
+    assert "model.path=zoo:cllm" in own and 'bench.also=["jacobi"]' in own and "draft.path=zoo:draft" not in own
+
+
+def _rec(id_, role, wall, tokens, forwards, equal=None, busy=False):
+    return {"id": id_, "role": role, "repeat": 0, "wall_s": wall, "n_tokens": len(tokens), "turn_tokens": [tokens],
+            "tokens": tokens, "target_forwards": forwards, "equal_to_baseline": equal, "busy": busy, "score": {}}
+
+
+def test_cells_hold_per_prompt_speed_with_an_interval_and_flag_an_inexact_lossless_method():
+    loop = [7] * 12
+    records = [_rec("a", "baseline", 2.0, list(range(8)), 8), _rec("b", "baseline", 4.0, loop, 12),
+               _rec("a", "also:pld", 1.0, list(range(8)), 4, True), _rec("b", "also:pld", 1.0, loop, 3, True, True),
+               _rec("a", "also:sps", 4.0, list(range(8)), 8, False), _rec("b", "also:sps", 4.0, loop, 12, True)]
+    summary = {"baseline": "ar", "baseline_metric": 0.5, "peers": {
+        "also:pld": {"method": "pld", "exactness": "tokens", "exact_match_rate": 1.0, "metric": 0.5},
+        "also:sps": {"method": "sps", "exactness": "distribution", "exact_match_rate": 0.5, "metric": 0.0}}}
+    cells = T.cells(records, summary, max_new_tokens=10)
+    pld = cells["pld"]
+    assert pld["speedup_mean"] == pytest.approx(3.0) and pld["speedup_median"] == pytest.approx(3.0)
+    lo, hi = pld["speedup_ci95"]
+    assert 2.0 <= lo <= 3.0 <= hi <= 4.0
+    assert pld["tokens_per_forward"] == pytest.approx(20 / 7) and pld["busy"] == 1 and not pld["flagged"]
+    assert pld["ended_share"] == 0.5 and pld["loop_share"] == 0.5  # 8 < 10 tokens ended; 12 sevens loop
+    assert cells["sps"]["flagged"] and cells["sps"]["speedup_mean"] == pytest.approx(0.75)
+    assert cells["ar"]["speedup_mean"] == 1.0 and cells["ar"]["metric"] == 0.5
+    assert T.bootstrap_ci([1.0]) is None
+
+
+def test_a_continuation_with_other_settings_is_refused_in_one_line(tmp_path):
+    ident = {"host": {"cpu": "x"}, "commit": "abc", "dtype": "fp32", "n": 20}
+    T.check_identity(tmp_path, ident)
+    T.check_identity(tmp_path, ident)  # the same: continues
+    with pytest.raises(T.TableError) as e:
+        T.check_identity(tmp_path, {**ident, "commit": "def", "dtype": "bf16"})
+    msg = str(e.value)
+    assert "\n" not in msg and "commit was 'abc', now 'def'" in msg and "dtype was 'fp32', now 'bf16'" in msg
+
+
+def test_bad_arguments_are_refused(capsys):
+    for args, want in ((["--benchmarks", "gsm8k,squad"], "--benchmarks 'squad' is not one of: gsm8k, spider"),
+                       (["--n", "0"], "--n=0 is out of range")):
+        with pytest.raises(SystemExit):
+            T.main(args)
+        assert want in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_a_tiny_table_end_to_end_and_a_rerun_continues(tmp_path, capsys):
+    args = ["--benchmarks", "humaneval", "--methods", "pld,jacobi", "--n", "2", "--max-new-tokens", "8",
+            "--model", "tiny_random", "--threads", "1", "--out", str(tmp_path), "bench.warmup=0"]
+    assert T.main(args) == 0
+    table = json.loads((tmp_path / "table.json").read_text())
+    cells = table["benchmarks"]["humaneval"]["methods"]
+    assert {"ar", "pld", "jacobi", "hf", "hf_pld"} <= set(cells)
+    assert all(c["n"] == 2 and c["exact_match_rate"] == 1.0 and not c["flagged"] for c in cells.values())
+    assert table["dtype"] == "fp32" and table["n"] == 2 and table["commit"] and table["host"]["cpu"]
+    assert "| pld |" in (tmp_path / "table.md").read_text()
+    capsys.readouterr()
+    assert T.main(args) == 0
+    assert "humaneval: done earlier" in capsys.readouterr().out
+    assert T.main([*args[:5], "3", *args[6:]]) == 2
+    assert "n was 2, now 3" in capsys.readouterr().err
