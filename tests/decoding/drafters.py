@@ -30,7 +30,8 @@ def fit_eagle3(model, sequences: list[list[int]], steps: int = 80, unroll: int =
     from pardec.models.cached import CachedModel
     from pardec.models.eagle import new_eagle3
     from pardec.models.vocab import DraftVocab
-    from pardec.training.heads.eagle import TargetPass, shift_left, ttt_unroll
+    from pardec.training.heads.eagle import shift_left, ttt_unroll
+    from pardec.training.heads.target import TargetPass
 
     vocab = DraftVocab(sorted({t for s in sequences for t in s}), int(model.config.vocab_size))
     with torch.random.fork_rng(devices=[]):
@@ -74,7 +75,7 @@ def fit_dflash(model, sequences: list[list[int]], steps: int = 30, lr: float = 1
     from pardec.models.cached import CachedModel
     from pardec.models.heads import new_drafter
     from pardec.training.heads.dflash import anchor_candidates, block_terms
-    from pardec.training.heads.eagle import TargetPass
+    from pardec.training.heads.target import TargetPass
 
     options = {"num_layers": 2, "block_size": 4, **options}
     # frozen float copies of the target's head and embedding: the shared test model gets no gradients (and an int8

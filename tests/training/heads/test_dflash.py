@@ -25,7 +25,7 @@ from pardec.training.heads.dflash import (
     position_weights,
     sample_anchors,
 )
-from pardec.training.heads.eagle import TargetPass
+from pardec.training.heads.target import TargetPass
 from tests.conftest import tiny
 from tests.training.test_train_app import _compose
 

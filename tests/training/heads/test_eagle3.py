@@ -21,7 +21,8 @@ from pardec.models.vocab import DraftVocab
 from pardec.train import run, validate
 from pardec.training.completions import CompletionDataset
 from pardec.training.heads.batches import RightPadCollator
-from pardec.training.heads.eagle import TargetPass, acceptance, target_pass, ttt_mask, ttt_terms, ttt_unroll
+from pardec.training.heads.eagle import acceptance, ttt_mask, ttt_terms, ttt_unroll
+from pardec.training.heads.target import TargetPass, target_pass
 from pardec.training.heads.trainer import (
     HeadsConfig,
     HeadsTrainer,

@@ -3,7 +3,7 @@ the facts and sources: ``docs/dflash_reference.md``; the draft: :mod:`pardec.mod
 
 Batch: right-padded ``prompt + completion[:-1]`` with ``loss_mask[j]``: token ``x_{j+1}`` is a completion token
 (:class:`DFlashCollator`, which also samples the anchors). One frozen target forward gives the states entering the
-draft's target layers at every position (:func:`~pardec.training.heads.eagle.target_pass`); every draft layer's
+draft's target layers at every position (:func:`~pardec.training.heads.target.target_pass`); every draft layer's
 context keys/values come from them once.
 
 * **Anchors** (the paper: "fixing the number of masked blocks per sequence and randomly sampling anchor positions
@@ -131,7 +131,7 @@ def block_mask(anchors: torch.Tensor, t: int, block: int) -> torch.Tensor:
 def block_outputs(drafter, target, embed, ids: torch.Tensor, anchors: torch.Tensor, block: int,
                   call=None) -> torch.Tensor:
     """The draft's outputs [B, A, block, H] for the blocks at ``anchors`` [B, A] of a batch whose target pass is
-    ``target`` (:class:`~pardec.training.heads.eagle.TargetPass`); ``call``: the (possibly wrapped) module."""
+    ``target`` (:class:`~pardec.training.heads.target.TargetPass`); ``call``: the (possibly wrapped) module."""
     call = call or drafter
     b, t = ids.shape
     context = drafter.context_kv(target.features, torch.arange(t, device=ids.device))
@@ -200,9 +200,10 @@ def acceptance(base, drafter, records: list[dict], block: int, topk: int = 10, c
     second-to-last, the block ``[x_a, mask ...]`` over the target's features before ``a``; slot ``k``'s argmax is
     accepted when it equals ``x_{a+k}`` and slots ``1 .. k - 1`` were accepted (decoding's chain rule: the target's
     greedy tokens are the record's). A slot counts while its token is in the record. The figures of
-    :func:`pardec.training.heads.eagle.summarise` with ``steps = block - 1`` (``expected_tokens_per_forward`` =
+    :func:`pardec.training.heads.heldout.summarise` with ``steps = block - 1`` (``expected_tokens_per_forward`` =
     1 + the mean accepted run)."""
-    from pardec.training.heads.eagle import summarise, target_pass
+    from pardec.training.heads.heldout import summarise
+    from pardec.training.heads.target import target_pass
 
     device = next(base.parameters()).device
     s = block - 1

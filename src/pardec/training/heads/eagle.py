@@ -4,7 +4,7 @@
 
 Batch: right-padded ``prompt + completion[:-1]`` (:class:`~pardec.training.heads.batches.RightPadCollator`), ids
 ``x`` [B, T], ``loss_mask[j]``: token ``x_{j+1}`` is a completion token. One frozen target forward
-(:func:`target_pass`) gives the states entering ``layer_ids`` (concatenated [B, T, 3H]; cnets.py ``dataprepare``,
+(:func:`~pardec.training.heads.target.target_pass`) gives the states entering ``layer_ids`` (concatenated [B, T, 3H]; cnets.py ``dataprepare``,
 l. 714-731) and the logits; the draft then unrolls ``S = ttt_steps`` steps over every anchor ``t`` at once
 (:func:`ttt_unroll`; reference ``self.length = 7``, l. 498, loop l. 790):
 
@@ -39,31 +39,9 @@ from dataclasses import dataclass
 
 import torch
 
-from pardec.models.forward.lean import captured, capturing
 from pardec.training.heads.batches import held_out_windows
-
-
-@dataclass
-class TargetPass:
-    """One frozen target forward over ``ids`` [B, T]: ``features`` [B, T, n * H] (the states entering the draft's
-    layers), ``logits`` [B, T, V], ``emb`` [B, T, H] (the target's embeddings of ``ids``)."""
-
-    features: torch.Tensor
-    logits: torch.Tensor
-    emb: torch.Tensor
-
-
-@torch.no_grad()
-def target_pass(base, ids: torch.Tensor, layer_ids) -> TargetPass:
-    """``base``: the target (a causal LM with ``.model.embed_tokens``); right-padded ids need no mask (causal). The
-    features: the states entering each layer of ``layer_ids`` (``L``: after the final norm), concatenated in that
-    order, captured by hooks (:func:`pardec.models.forward.lean.capturing`): only those layers' states are kept, not
-    all ``L + 1`` as ``output_hidden_states`` would (33 of [B, T, 4096] for Llama-3.1-8B)."""
-    layers, n_layers = tuple(int(i) for i in layer_ids), len(base.model.layers)
-    with capturing(base.model, layers) as seen:
-        out = base(input_ids=ids)
-    features = captured(seen, seen.get(n_layers), layers, n_layers)
-    return TargetPass(features, out.logits, base.model.embed_tokens(ids))
+from pardec.training.heads.heldout import summarise
+from pardec.training.heads.target import TargetPass, target_pass
 
 
 def shift_left(x: torch.Tensor, n: int) -> torch.Tensor:
@@ -192,28 +170,4 @@ def acceptance(base, drafter, records: list[dict], steps: int, topk: int = 10) -
     counts = {"valid": valid.sum(0).tolist(), "accepted": (acc & valid).sum(0).tolist(),
               "reached": (prev & valid).sum(0).tolist(), "topk": (top & valid).sum(0).tolist(),
               "top1": (top1 & valid).sum(0).tolist(), "anchors": anchors_n, "target_matches": same}
-    return summarise(counts, steps, topk)
-
-
-def summarise(counts: dict, steps: int, topk: int) -> dict:
-    """The figures of :func:`acceptance` from its counts (which :func:`merge_acceptance` pools exactly)."""
-    valid = counts["valid"]
-
-    def rate(key, den=valid):
-        return [counts[key][d] / max(den[d], 1) for d in range(steps)]
-
-    chain = rate("accepted")
-    return {"anchors": counts["anchors"], "steps": steps, "topk": topk, "valid_per_depth": valid,
-            "conditional_acceptance": rate("accepted", counts["reached"]), "chain_acceptance": chain,
-            "expected_tokens_per_forward": 1.0 + sum(chain), "topk_containment": rate("topk"),
-            "top1_agreement": rate("top1"),
-            "target_matches_record": counts["target_matches"] / max(counts["anchors"], 1), "counts": counts}
-
-
-def merge_acceptance(parts: list[dict]) -> dict:
-    """Pool per-dataset :func:`acceptance` results (their counts summed)."""
-    steps, topk = parts[0]["steps"], parts[0]["topk"]
-    keys = parts[0]["counts"]
-    counts = {k: (sum(p["counts"][k] for p in parts) if isinstance(v, int)
-                  else [sum(p["counts"][k][d] for p in parts) for d in range(steps)]) for k, v in keys.items()}
     return summarise(counts, steps, topk)

@@ -194,7 +194,8 @@ class HeadsTrainer(BaseTrainer):
         """EAGLE-3's TTT loss (:func:`pardec.training.heads.eagle.ttt_terms`): logged ``kl_d<d>`` is the KL of step
         ``d - 1`` (its soft cross-entropy minus the restricted target's entropy), ``top1_d<d>`` its agreement with
         the target's argmax, both over the counted terms (target argmax in the draft vocabulary)."""
-        from pardec.training.heads.eagle import target_pass, ttt_terms
+        from pardec.training.heads.eagle import ttt_terms
+        from pardec.training.heads.target import target_pass
 
         ids, mask = inputs["input_ids"], inputs["loss_mask"].to(torch.bool)
         target = target_pass(self.base, ids.to(self.args.device), drafter.config.layer_ids)
@@ -211,7 +212,7 @@ class HeadsTrainer(BaseTrainer):
         with the label; ``ce`` and ``top1`` their term-weighted means."""
         from pardec.training.heads.dflash import block_terms
         from pardec.training.heads.dflash import term_count as block_count
-        from pardec.training.heads.eagle import target_pass
+        from pardec.training.heads.target import target_pass
 
         o = self.dflash
         dev = self.args.device
@@ -448,7 +449,7 @@ def evaluate_chain(spec, run_dir, lm, drafter, final) -> dict:
     position (:func:`pardec.training.heads.dflash.acceptance`)."""
     from pardec.models.heads import num_parameters
     from pardec.training.completions import load_completions, run_generation
-    from pardec.training.heads.eagle import merge_acceptance
+    from pardec.training.heads.heldout import merge_acceptance
 
     kind = drafter.kind
     result: dict = {"drafter": str(final), "kind": kind, "target": spec.model.name,

@@ -1,0 +1,28 @@
+"""Held-out acceptance by draft position, as counts and the figures made of them: shared by EAGLE-3's and DFlash's
+teacher-forced evaluations (``pardec.training.heads.eagle.acceptance``, ``pardec.training.heads.dflash.acceptance``)."""
+
+from __future__ import annotations
+
+
+def summarise(counts: dict, steps: int, topk: int) -> dict:
+    """The figures of an ``acceptance`` evaluation from its counts (which :func:`merge_acceptance` pools exactly)."""
+    valid = counts["valid"]
+
+    def rate(key, den=valid):
+        return [counts[key][d] / max(den[d], 1) for d in range(steps)]
+
+    chain = rate("accepted")
+    return {"anchors": counts["anchors"], "steps": steps, "topk": topk, "valid_per_depth": valid,
+            "conditional_acceptance": rate("accepted", counts["reached"]), "chain_acceptance": chain,
+            "expected_tokens_per_forward": 1.0 + sum(chain), "topk_containment": rate("topk"),
+            "top1_agreement": rate("top1"),
+            "target_matches_record": counts["target_matches"] / max(counts["anchors"], 1), "counts": counts}
+
+
+def merge_acceptance(parts: list[dict]) -> dict:
+    """Pool per-dataset ``acceptance`` results (their counts summed)."""
+    steps, topk = parts[0]["steps"], parts[0]["topk"]
+    keys = parts[0]["counts"]
+    counts = {k: (sum(p["counts"][k] for p in parts) if isinstance(v, int)
+                  else [sum(p["counts"][k][d] for p in parts) for d in range(steps)]) for k, v in keys.items()}
+    return summarise(counts, steps, topk)
