@@ -94,3 +94,23 @@ def test_a_tiny_table_end_to_end_and_a_rerun_continues(tmp_path, capsys):
     assert "humaneval: done earlier" in capsys.readouterr().out
     assert T.main([*args[:5], "3", *args[6:]]) == 2
     assert "n was 2, now 3" in capsys.readouterr().err
+
+
+def test_a_published_table_renders_per_benchmark_and_as_the_leaderboard(tmp_path):
+    from pardec.report import docs
+
+    cell = {"method": "pld", "exactness": "tokens", "n": 2, "speedup_mean": 1.5, "speedup_ci95": [1.2, 1.8],
+            "speedup_median": 1.4, "tokens_per_forward": 2.0, "exact_match_rate": 1.0, "flagged": False,
+            "metric": 0.5, "ended_share": 1.0, "loop_share": 0.0, "busy": 0}
+    lossy = {**cell, "method": "jacobi", "exactness": "approximate", "metric": 0.25, "busy": 1}
+    table = {"date": "2026-11-29", "commit": "abc", "host": {"cpu": "x"}, "dtype": "fp32", "n": 2,
+             "max_new_tokens": 8, "benchmarks": {"gsm8k": {"metric": "correct", "methods": {"pld": cell}},
+                                                 "humaneval": {"metric": "pass", "methods": {"jacobi@cllm": lossy}}}}
+    path = tmp_path / "table_2026-11-29.json"
+    path.write_text(json.dumps(table))
+    tables = docs.tables_of(path)
+    assert tables["speed"]["columns"] == ["method", "gsm8k", "humaneval"]
+    assert tables["speed"]["rows"] == [["pld", "1.50 (1.20–1.80)", "—"],
+                                       ["jacobi@cllm", "—", "1.50 (1.20–1.80); pass 0.250 (busy 1)"]]
+    assert tables["gsm8k"]["columns"][5] == "correct" and tables["gsm8k"]["rows"][0][:3] == ["pld", "1.50 (1.20–1.80)",
+                                                                                            "1.40"]

@@ -32,6 +32,7 @@ from typing import Any
 
 from pardec import REPO_ROOT
 from pardec.bench.speed import CPU_SIZED
+from pardec.report.table import markdown
 
 #: benchmark -> its dataset overrides (local copies under the data dir; HumanEval ships with its package)
 BENCHMARKS = {
@@ -213,26 +214,6 @@ def aggregate(out: Path, runs: list[tuple[str, list[str]]], ident: dict, command
                 label = f"{label}@{model}"
             entry["methods"][label] = cell
     return table
-
-
-def markdown(table: dict) -> str:
-    def num(x, fmt=".2f"):
-        return "–" if x is None else format(x, fmt)
-
-    lines = [f"Host: {table['host'].get('cpu')} ({table['dtype']}, {table['n']} prompts, "
-             f"{table['max_new_tokens']} new tokens per turn), commit {table['commit']}, {table['date']}.", ""]
-    for bench, b in table["benchmarks"].items():
-        lines += [f"### {bench}", "", f"| method | × ar (95% CI) | median | tok/fwd | EM | {b['metric']} | ended | "
-                  f"loops | busy |", "|---|---|---|---|---|---|---|---|---|"]
-        for label, c in b["methods"].items():
-            ci = c["speedup_ci95"]
-            speed = f"{num(c['speedup_mean'])} ({num(ci[0])}–{num(ci[1])})" if ci else num(c["speedup_mean"])
-            em = num(c["exact_match_rate"]) + (" ⚠" if c["flagged"] else "")
-            lines.append(f"| {label} | {speed} | {num(c['speedup_median'])} | {num(c['tokens_per_forward'])} | {em} "
-                         f"| {num(c['metric'], '.3f')} | {num(c['ended_share'])} | {num(c['loop_share'])} | "
-                         f"{c['busy']} |")
-        lines.append("")
-    return "\n".join(lines)
 
 
 # ------------------------------------------------------------------------------------------- command

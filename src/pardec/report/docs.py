@@ -73,9 +73,16 @@ def _rel(target: Path, md_file: Path) -> str:
     return Path(os.path.relpath(target, md_file.parent)).as_posix()
 
 
-# --- render functions for the measured files' own shapes (none yet: their tables sit beside their data) ----------
+# --- render functions for the measured files' own shapes ------------------------------------------------------------
 
-RENDERERS: dict[str, Callable[[dict], dict[str, dict]]] = {}
+def _table_result(data: dict) -> dict[str, dict]:
+    from pardec.report.table import benchmark_tables
+
+    return benchmark_tables(data)
+
+
+#: a result file whose name starts with the key gets the tables its function makes of its fields
+RENDERERS: dict[str, Callable[[dict], dict[str, dict]]] = {"table_": _table_result}  # python -m pardec.bench table
 
 
 def tables_of(path: Path) -> dict[str, dict]:
