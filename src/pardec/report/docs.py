@@ -22,7 +22,7 @@ A markdown file marks a generated block with a pair of comments; what lies betwe
   fastest mode, GPU), each cell the entry with the highest speedup against ``ar`` among every result file's
   ``"leaderboard"`` list whose outputs equalled ``ar``'s (exact-match rate 1, or not counted: lossy methods; all
   entries when none did; ties: the newest date), linked to its file, followed by a faster entry that was not exact
-  where there is one; "—" where none was measured.
+  where there is one; "—" where none was measured. A cell from a transcribed file says so.
 
 A leaderboard entry: ``{"method", "host_class": "cpu-fp32" | "cpu-fast" | "gpu", "mode", "dataset", "speedup",
 "exact_match_rate", "tokens_per_forward", "host"}`` (``exact_match_rate`` and ``tokens_per_forward`` may be null).
@@ -165,7 +165,8 @@ def leaderboard_entries(docs: Path) -> list[dict]:
             if e["host_class"] not in HOST_CLASSES:
                 raise DocsError(f"{path}: leaderboard entry {i}: host_class {e['host_class']!r}; "
                                 f"valid choices: {', '.join(HOST_CLASSES)}")
-            out.append({**e, "file": path, "date": e.get("date") or data.get("date") or ""})
+            out.append({**e, "file": path, "date": e.get("date") or data.get("date") or "",
+                        "transcribed": bool(data.get("transcribed"))})
     return out
 
 
@@ -193,8 +194,9 @@ def _num(x, fmt: str) -> str:
 def leaderboard_cell(e: dict, md_file: Path, faster: dict | None = None) -> str:
     """An entry as a cell; ``faster``: a faster entry whose outputs left ``ar``'s, named after it."""
     mode = "" if e["host_class"] == "cpu-fp32" else f"{e['mode']}, "
+    mark = ", transcribed" if e.get("transcribed") else ""  # its raw runs are gone: a copy, not a measurement
     cell = (f"{e['speedup']:.2f}× ({mode}{e['dataset']}; EM {_num(e['exact_match_rate'], '.2f')}, "
-            f"{_num(e['tokens_per_forward'], '.2f')} tok/fwd) [↗]({_rel(e['file'], md_file)})")
+            f"{_num(e['tokens_per_forward'], '.2f')} tok/fwd{mark}) [↗]({_rel(e['file'], md_file)})")
     if faster is not None and faster is not e and faster["speedup"] > e["speedup"]:
         cell += (f"; not exact: {faster['speedup']:.2f}× ({faster['mode']}, EM "
                  f"{_num(faster['exact_match_rate'], '.2f')}) [↗]({_rel(faster['file'], md_file)})")
