@@ -240,3 +240,24 @@ def test_tiny_end_to_end_from_the_target_layers(tmp_path):
     drafter, meta = load_drafter(run_dir / "final", tiny(0, layers=4).model.config, "dflash")
     assert drafter.config.layer_ids == [0, 1] and meta["layer_init"] == "target"
     assert (run_dir / "heads_eval.json").exists()
+
+
+def test_a_pass_without_logits_stops_at_the_last_layer_the_draft_reads():
+    """target_pass(logits=False): the same features as the full pass, no logits, and the layers after the last
+    state the draft reads never run (what makes DFlash from the target's first layers cheap to train)."""
+    from pardec.training.heads.target import target_pass
+
+    base = tiny(0, layers=4).model
+    ids = torch.tensor([[4, 8, 15, 16, 23, 42]])
+    ran = []
+    hooks = [layer.register_forward_hook(lambda m, a, o, i=i: ran.append(i)) for i, layer in enumerate(base.model.layers)]
+    try:
+        full = target_pass(base, ids, [0, 2])
+        assert ran == [0, 1, 2, 3] and full.logits is not None
+        ran.clear()
+        cut = target_pass(base, ids, [0, 2], logits=False)
+        assert ran == [0, 1] and cut.logits is None
+        assert torch.equal(cut.features, full.features) and torch.equal(cut.emb, full.emb)
+    finally:
+        for h in hooks:
+            h.remove()

@@ -218,7 +218,8 @@ class HeadsTrainer(BaseTrainer):
         dev = self.args.device
         ids, mask = inputs["input_ids"].to(dev), inputs["loss_mask"].to(torch.bool).to(dev)
         anchors, valid = inputs["anchors"].to(dev), inputs["anchor_valid"].to(dev)
-        target = target_pass(self.base, ids, drafter.config.layer_ids)
+        # the target's logits only for the KL loss: for CE the pass stops at the last layer the draft reads
+        target = target_pass(self.base, ids, drafter.config.layer_ids, logits=o["loss"] == "kl")
         terms = block_terms(drafter, target, self.base.model.embed_tokens, self.base.lm_head, ids, mask, anchors,
                             valid, self.k + 1, o["gamma"], o["loss"], o["weighting"], o["dpace_alpha"], call=model)
         norm = (torch.tensor(block_count(mask, anchors, valid, self.k + 1)) if num_items_in_batch is None
