@@ -84,3 +84,34 @@ def test_cli_broken_sandbox_is_one_error_line_and_exit_2(tmp_path):
     assert errors == ["error: sandbox canary failed: PARDEC_SANDBOX=bwrap but bubblewrap cannot run here: bwrap "
                       "not found"], p.stderr[-2000:]
     assert not (out / "results.jsonl").exists()
+
+
+def test_file_system_errors_are_one_line_and_a_full_disk_keeps_the_records(tmp_path):
+    """A run dir under a file (ENOTDIR) and a disk that fills after the second record (ENOSPC, injected): each is one
+    `error:` line naming the path, exit 2, no traceback; the full disk's records are kept and resume completes them."""
+    (tmp_path / "afile").write_text("")
+    run_dir = tmp_path / "run"
+    args = ["+method=pld", *TINY, "perplexity.enabled=false"]
+    prelude = (
+        "import errno, os\n"
+        "import pardec.evaluation.results as R\n"
+        "_append, _n = R.append_jsonl, [0]\n"
+        "def append_jsonl(path, recs):\n"
+        "    if os.environ.get('FILL_DISK') and _n[0] >= 2:\n"
+        "        raise OSError(errno.ENOSPC, 'No space left on device', str(path))\n"
+        "    _n[0] += 1\n"
+        "    return _append(path, recs)\n"
+        "R.append_jsonl = append_jsonl\n")
+    cases = [{"cwd": tmp_path, "args": [*args, f"hydra.run.dir={tmp_path}/afile/run"]},
+             {"cwd": tmp_path, "args": [*args, f"hydra.run.dir={run_dir}"], "env": {"FILL_DISK": "1"}},
+             {"cwd": tmp_path, "args": [*args, f"hydra.run.dir={run_dir}", "resume=true"]}]
+    under_file, full, resumed = run_cli_in_one_process(cases, prelude=prelude)
+    for r in (under_file, full):
+        lines = r["stderr"].strip().splitlines()
+        assert r["returncode"] == 2 and "Traceback" not in r["stderr"], r["stderr"][-2000:]
+        assert lines[-1].startswith("error: cannot write ")
+    assert f"{tmp_path}/afile/run: Not a directory" in under_file["stderr"]
+    assert "No space left on device; the records written so far are kept" in full["stderr"]
+    assert resumed["returncode"] == 0, resumed["stderr"][-2000:]
+    recs = [json.loads(x) for x in (run_dir / "results.jsonl").read_text().splitlines()]
+    assert len(recs) == 6 and len({(r["id"], r["role"]) for r in recs}) == 6  # 3 prompts x 2 roles, none twice

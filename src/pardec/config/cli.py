@@ -3,6 +3,7 @@ printed as one line with exit status 2 (:func:`exit_with_error`)."""
 
 from __future__ import annotations
 
+import errno
 import os
 import sys
 from collections.abc import Iterator
@@ -17,6 +18,26 @@ def exit_with_error(e: Exception) -> NoReturn:
     HYDRA_FULL_ERROR=1 for one)."""
     print(f"error: {e}", file=sys.stderr)
     sys.exit(2)
+
+
+#: errno values of a file system that refuses a write (as :func:`fs_error` words them)
+FS_ERRORS = {errno.EROFS, errno.EACCES, errno.EPERM, errno.ENOSPC, errno.EDQUOT, errno.ENOTDIR, errno.EISDIR,
+             errno.ENOENT, errno.EEXIST}
+
+
+def fs_error(e: OSError) -> str:
+    """One line for a refused write: the path, the reason, and for a full disk that what was written is kept."""
+    path = e.filename if e.filename is not None else "?"
+    extra = f" -> {e.filename2}" if e.filename2 else ""
+    hint = ""
+    if e.errno in (errno.ENOSPC, errno.EDQUOT):
+        hint = ("; the records written so far are kept: free space, then rerun with resume=true and the same "
+                "hydra.run.dir")
+    elif e.errno in (errno.EROFS, errno.EACCES, errno.EPERM):
+        hint = "; point hydra.run.dir (and paths.output_dir / paths.data_dir) at a writable directory"
+    elif e.errno == errno.ENOTDIR:
+        hint = "; a component of the path is a file, not a directory"
+    return f"cannot write {path}{extra}: {e.strerror or e}{hint}"
 
 
 @contextmanager
@@ -42,6 +63,11 @@ def hydra_errors_in_one_line() -> Iterator[None]:
         where = f"override {e.override!r}: " if getattr(e, "override", None) else ""  # a parse error names no key
         cause = f" ({str(e.__cause__).splitlines()[0]})" if e.__cause__ else ""
         raise ConfigError(where + " ".join(str(e).split()) + cause) from None
+    except (OSError, ValueError) as e:  # the file system refused a write (Hydra's log file setup wraps it)
+        fs = e if isinstance(e, OSError) else e.__cause__ or e.__context__
+        if not (isinstance(fs, OSError) and fs.errno in FS_ERRORS):
+            raise
+        raise ConfigError(fs_error(fs)) from None
     finally:
         if before is None:
             os.environ.pop("HYDRA_FULL_ERROR", None)
