@@ -235,3 +235,22 @@ def test_an_evaluate_run_reads_a_zoo_drafter_by_name(tmp_zoo, tmp_path):
     (tmp_zoo / "medusa" / "drafter.json").write_text("{}")
     with pytest.raises(ConfigError, match=r"^method.heads: zoo:medusa's drafter.json does not match the sha256"):
         validate(cfg_of("+method=medusa", "method.heads=zoo:medusa", *TINY))
+
+
+def test_the_data_section_reads_a_run_whose_paths_name_the_experiment(tmp_path):
+    """A recipe whose corpus directories use ${experiment_name} (draft_smollm2's eval.out_dir): outside the Hydra app
+    the manifest's data section takes the experiment from the run's .hydra/hydra.yaml."""
+    from pardec.zoo.build import data_section
+
+    hydra = tmp_path / "run" / ".hydra"
+    hydra.mkdir(parents=True)
+    (hydra / "config.yaml").write_text(
+        "experiment_name: ${hydra:runtime.choices.experiment}\n"
+        f"eval:\n  out_dir: {tmp_path}/data/${{experiment_name}}/eval\n"
+        "  sources:\n  - dataset: {name: gsm8k, split: test}\n    max_prompts: 2\n")
+    (hydra / "hydra.yaml").write_text("hydra:\n  runtime:\n    choices:\n      experiment: draft_smollm2\n")
+    held = tmp_path / "data" / "draft_smollm2" / "eval" / "gsm8k"
+    held.mkdir(parents=True)
+    (held / "completions.jsonl").write_text('{"a": 1}\n{"a": 2}\n')
+    out = data_section(tmp_path / "run")
+    assert out["heldout"]["gsm8k"]["records"] == 2 and out["heldout"]["gsm8k"]["sha256"]

@@ -120,6 +120,10 @@ def data_section(run_dir: Path) -> dict[str, Any]:
 
     cfg = OmegaConf.load(run_dir / ".hydra" / "config.yaml")  # the composed config of the last stage run
     OmegaConf.update(cfg, "paths.root_dir", str(REPO_ROOT), force_add=True)
+    # outside the Hydra app, what conf/train.yaml reads from Hydra's runtime (${hydra:runtime.choices.experiment})
+    # comes from the run's own .hydra/hydra.yaml
+    choices = OmegaConf.load(run_dir / ".hydra" / "hydra.yaml").hydra.runtime.choices
+    OmegaConf.update(cfg, "experiment_name", choices.get("experiment"), force_add=True)
 
     def corpus(section) -> dict[str, Any]:
         out_dir = Path(section.out_dir)
