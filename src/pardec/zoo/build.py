@@ -184,11 +184,22 @@ def build_one(entry: Entry, force: bool = False, log=print) -> dict[str, Any] | 
     log(f"[zoo] {entry.name}: {state}; building")
     stages = run_stages(entry, recipe_hash(entry, training_only=True), log)
     final = entry.run_dir / "final"
-    from pardec.models.loading import named_config, weights_location
+    from pardec.models.loading import named_config
 
     target_cfg = named_config(entry.target)
+    for stale in entry.dir.parent.glob(f".{entry.name}.tmp-*"):  # left by a build that stopped while packing
+        shutil.rmtree(stale, ignore_errors=True)
     tmp = entry.dir.with_name(f".{entry.name}.tmp-{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        return _store(entry, recipe, stages, final, target_cfg, tmp, log)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _store(entry, recipe: str, stages: dict, final: Path, target_cfg, tmp: Path, log) -> dict[str, Any]:
+    """Pack ``final`` into ``tmp``, seal its manifest, evaluate the stored form, then swap it in for the entry."""
+    from pardec.models.loading import weights_location
+
     store = pack(final, tmp, entry.keep, entry.store,
                  Path(weights_location(target_cfg)) if {"lowrank", "from_target"} & set(entry.store) else None)
     drafter = json.loads((final / "drafter.json").read_text()) if (final / "drafter.json").is_file() else {}
