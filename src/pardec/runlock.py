@@ -48,11 +48,11 @@ def _owner() -> str:
 @contextlib.contextmanager
 def run_dir_lock(run_dir: Path, rank: int = 0) -> Iterator[Path]:
     """Hold ``run_dir``'s lock for ``rank`` while the body runs (module docstring); :class:`RunDirBusy` in one line
-    when another live process holds it. Yields the lock file's path. A clean exit removes the lock file (and the run
-    dir, if it made it and nothing else was written there)."""
+    when another live process holds it. Yields the lock file's path. A clean exit removes the lock file (and the
+    directories it made for it, where nothing else was written)."""
     run_dir = Path(run_dir)
     path = lock_path(run_dir, rank)
-    made = not run_dir.exists()
+    made = [d for d in (run_dir, *run_dir.parents) if not d.exists()]  # the dirs the lock creates, deepest first
     try:
         run_dir.mkdir(parents=True, exist_ok=True)
     except OSError as e:
@@ -69,9 +69,11 @@ def run_dir_lock(run_dir: Path, rank: int = 0) -> Iterator[Path]:
         with contextlib.suppress(OSError):
             path.unlink()  # before the unlock: a later locker checks that the file it holds is still the path's
         os.close(fd)
-        if made:
-            with contextlib.suppress(OSError):
-                run_dir.rmdir()  # only if empty
+        for d in made:  # what the lock made and nothing else wrote into goes again
+            try:
+                d.rmdir()
+            except OSError:
+                break
 
 
 def _acquire(run_dir: Path, path: Path) -> int:

@@ -20,7 +20,8 @@ from pardec.evaluation.ranks import check_launch, combined_energy, launch_name
 from tests.evaluation.helpers import TINY, cfg_of, lines
 
 #: what differs between two runs of the same records: the clock, the energy counters and where a record was made
-PLACE_AND_TIME = ("wall_s", "prefill_s", "draft_s", "energy_j", "energy_by_device", "rank", "host", "device")
+PLACE_AND_TIME = ("wall_s", "prefill_s", "draft_s", "energy_j", "energy_by_device", "rank", "host", "device",
+                  "others_cores", "steal_cores", "busy")  # the busy-host reading is of the host, as the timing
 #: a greedy fp32 run with three roles (baseline ar, method pld, also jacobi), 3 prompts: 2 on rank 0, 1 on rank 1
 ARGS = ("+method=pld", *TINY, "threads=1", "bench.warmup=1", "bench.warmup_tokens=4",
         'bench.also=["jacobi:block_size=4"]')
