@@ -177,7 +177,7 @@ def cells(records: list[dict], summary: dict, max_new_tokens: int) -> dict[str, 
         forwards = sum(r.get("target_forwards") or 0 for r in rs)
         ci = bootstrap_ci(ratios)
         em = p.get("exact_match_rate")
-        label = role.removeprefix("also:") if role.startswith("also:") else {"baseline": "ar"}.get(role, role)
+        label = "ar" if role == "baseline" else role.removeprefix("also:")
         out[label] = {
             "method": p.get("method", label), "exactness": p.get("exactness"), "n": len(rs),
             "speedup_mean": statistics.fmean(ratios) if ratios else None,

@@ -393,14 +393,9 @@ def unsourced(md_file: Path, root: Path) -> list[str]:
     numbers: set[float] = set()
     for p in cited_files(md_file, root):
         numbers |= _file_numbers(p)
-    out = []
-    for fig in prose_figures(md_file.read_text()):
-        v = float(fig.replace(",", ""))
-        places = len(fig.split(".")[1]) if "." in fig else 0
-        tol = 0.5 * 10 ** -places + 1e-9
-        if not any(abs(x - v) <= tol or abs(100 * x - v) <= tol for x in numbers):
-            out.append(fig)
-    return out
+    from pardec.report.pins import holds
+
+    return [fig for fig in prose_figures(md_file.read_text()) if not holds(fig, numbers)]
 
 
 def prose_pages(root: Path) -> list[Path]:
