@@ -6,9 +6,9 @@ but idle and iowait, summed over the cores) and this process's own CPU time (``o
 threads). What the host spent beyond this process is the others' share; divided by the wall time it is the mean
 number of cores other processes used (``others_cores``). The hypervisor's ``steal`` time (a virtual machine whose
 cores ran someone else) is read the same way (``steal_cores``). A window is **busy** when either exceeds
-``threshold`` cores (default :data:`BUSY_CORES`) and the others' CPU time exceeds two clock ticks (shorter windows
-are below the counters' resolution). Where ``/proc/stat`` cannot be read (not Linux), nothing is measured and
-``busy`` is None.
+``threshold`` cores (default :data:`BUSY_CORES`) and the others' CPU time exceeds two clock ticks. A window shorter
+than :data:`MIN_WINDOW_TICKS` clock ticks is below the counters' resolution (a 20 ms window beside a busy core reads
+0-2 ticks): its ``busy`` is None, as where ``/proc/stat`` cannot be read (not Linux): not measured.
 
 :func:`free_cores` is the same reading over a short sample: the cores no other process is using (``threads: auto``).
 """
@@ -25,6 +25,8 @@ from dataclasses import dataclass
 #: a timed window is busy when other processes (or the hypervisor's steal) used more than this many cores on average
 BUSY_CORES = 0.25
 _TICK = 1.0 / os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 0.01
+#: a window shorter than this many clock ticks (50 ms at the usual 100 Hz) cannot say whether the host was busy
+MIN_WINDOW_TICKS = 5
 
 
 @dataclass(frozen=True)
@@ -74,7 +76,7 @@ class Contention:
         return None if self.steal_s is None or self.wall_s <= 0 else self.steal_s / self.wall_s
 
     def busy(self, threshold: float = BUSY_CORES) -> bool | None:
-        if self.others_s is None or self.wall_s <= 0:
+        if self.others_s is None or self.wall_s < MIN_WINDOW_TICKS * _TICK:
             return None
         others = self.others_s > 2 * _TICK and self.others_s / self.wall_s > threshold
         return others or (self.steal_s or 0.0) / self.wall_s > threshold
