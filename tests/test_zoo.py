@@ -12,7 +12,7 @@ from safetensors.torch import load_file, save_file
 
 from pardec import zoo
 from pardec.config import ConfigError
-from pardec.zoo.store import U_SUFFIX, V_SUFFIX, materialize, pack
+from pardec.zoo.store import U_SUFFIX, V_SUFFIX, check_store, materialize, pack
 
 
 @pytest.fixture
@@ -59,6 +59,49 @@ def test_lowrank_store_keeps_only_the_delta_and_rebuilds_the_tensor(tmp_path, tm
     torch.testing.assert_close(rebuilt["heads.0.1.weight"], heads["heads.0.1.weight"], atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(rebuilt["heads.0.0.linear.weight"], heads["heads.0.0.linear.weight"], atol=0, rtol=0)
     assert materialize(art, m) == full  # built once
+
+
+def test_target_delta_store_keeps_a_fine_tune_as_its_difference_from_the_target(tmp_path, tmp_zoo, monkeypatch):
+    weights = tmp_path / "target"
+    weights.mkdir()
+    base = {"model.embed_tokens.weight": torch.randn(40, 8), "model.norm.weight": torch.ones(8),
+            "model.layers.0.self_attn.q_proj.weight": torch.randn(8, 8),
+            "model.layers.0.mlp.up_proj.weight": torch.randn(12, 8)}
+    save_file(base, str(weights / "model.safetensors"))
+    final = tmp_path / "final"
+    final.mkdir()
+    (final / "config.json").write_text("{}")
+    tuned = {**base,  # a merged LoRA of rank 2 on q_proj, a new token's embedding row, one layer of a new kind
+             "model.layers.0.self_attn.q_proj.weight": base["model.layers.0.self_attn.q_proj.weight"]
+             + torch.randn(8, 2) @ torch.randn(2, 8),
+             "model.embed_tokens.weight": torch.cat([base["model.embed_tokens.weight"], torch.randn(1, 8)]),
+             "model.extra.weight": torch.randn(3, 8)}
+    save_file(tuned, str(final / "model.safetensors"))
+    store = {"target_delta": {"tensors": r".*_proj\.weight", "rank": 2}}
+    art = tmp_zoo / "sdsat"
+    info = pack(final, art, ["*.json", "*.safetensors"], store, weights)
+    kept = load_file(str(art / "model.safetensors"))
+    q = "model.layers.0.self_attn.q_proj.weight"
+    assert set(kept) == {q + U_SUFFIX, q + V_SUFFIX, "model.embed_tokens.weight.rows",
+                         "model.embed_tokens.weight.row_ids", "model.extra.weight"}
+    assert kept["model.embed_tokens.weight.row_ids"].tolist() == [40] and kept[q + U_SUFFIX].shape == (8, 2)
+    assert sorted(info["unchanged"]) == ["model.layers.0.mlp.up_proj.weight", "model.norm.weight"]
+    assert info["tensors"][q]["form"] == "lowrank" and info["tensors"][q]["relative_error"] < 1e-5
+    assert info["tensors"]["model.embed_tokens.weight"] == {"base": "model.embed_tokens.weight", "form": "rows",
+                                                            "rows": 41, "changed_rows": 1}
+    m = zoo.seal(art, {"name": "sdsat", "target": {"name": "tiny"}, "store": info})
+    monkeypatch.setattr("pardec.models.loading.weights_location", lambda cfg: weights)
+    monkeypatch.setattr("pardec.models.loading.named_config", lambda name: name)
+    full = materialize(art, m)
+    assert (full / "config.json").is_file()
+    rebuilt = load_file(str(full / "model.safetensors"))
+    assert set(rebuilt) == set(tuned)
+    for name, t in tuned.items():
+        torch.testing.assert_close(rebuilt[name], t, atol=1e-5, rtol=1e-5)
+    with pytest.raises(ConfigError, match="target_delta already reads every tensor"):
+        check_store({**store, "from_target": {"a": "b"}}, "sdsat")
+    with pytest.raises(ConfigError, match=r"store.target_delta=\{'rank': 0\} needs tensors"):
+        check_store({"target_delta": {"rank": 0}}, "sdsat")
 
 
 def test_bf16_store_casts_floating_tensors_only(tmp_path):
@@ -125,6 +168,8 @@ def test_every_zoo_recipe_composes_and_names_known_methods():
             cls = METHODS.get(e.reads["method"])
             if e.reads["key"] == "draft.path":
                 assert cls.needs_draft, e.name
+            elif e.reads["key"] == "model.path":  # a fine-tuned target: the method decodes with it alone
+                assert not cls.needs_draft, e.name
             else:
                 assert e.reads["key"] in cls.__init__.__code__.co_varnames, (e.name, e.reads)
 
@@ -161,7 +206,7 @@ def test_every_kept_manifest_is_complete_and_every_file_matches_it(zoo_name, nam
     assert train["records"] > 0 and len(train["sha256"]) == 64
     held = m["data"]["heldout"]
     assert {"gsm8k", "humaneval"} <= set(held) and set(held) & {"mt_bench", "spider", "cnn_dm"}
-    assert all(h["records"] > 0 for h in held.values())
+    assert all(h["records"] > 0 for h in held.values() if "dir" in h)  # a dataset read whole has no directory
     assert sum(f["bytes"] for f in m["files"].values()) < 100e6
 
 
@@ -175,12 +220,15 @@ def test_every_kept_drafter_loads_and_decodes_exactly(zoo_name, name):
     from pardec.tasks.base import build_task
 
     m = zoo.verify(name, zoo_name)
-    lm = load_model(named_config(m["target"]["name"]))
     path = zoo.resolve(f"zoo:{zoo_name}/{name}", "test", m["target"]["name"])
     params, draft = {}, None
+    if m["reads"]["key"] == "model.path":  # a fine-tuned target (SDSAT, CLLM): it decodes against its own ar
+        lm = load_model(ModelConfig(name=name, source="local", path=path))
+    else:
+        lm = load_model(named_config(m["target"]["name"]))
     if m["reads"]["key"] == "draft.path":  # a draft model
         draft = CachedModel(load_model(ModelConfig(name="draft", source="local", path=path)).model)
-    else:
+    elif m["reads"]["key"] != "model.path":
         params[m["reads"]["key"]] = path
     if (Path(path) / "trees" / "T16.json").is_file():
         params["tree"] = "T16"
@@ -254,3 +302,26 @@ def test_the_data_section_reads_a_run_whose_paths_name_the_experiment(tmp_path):
     (held / "completions.jsonl").write_text('{"a": 1}\n{"a": 2}\n')
     out = data_section(tmp_path / "run")
     assert out["heldout"]["gsm8k"]["records"] == 2 and out["heldout"]["gsm8k"]["sha256"]
+
+
+def test_the_data_section_of_a_masked_corpus_and_completions_read_as_they_are(tmp_path):
+    """SDSAT: the training corpus is the mask stage's masked.jsonl; held out are completions directories (by their
+    names) and human text read from a dataset."""
+    from pardec.zoo.build import data_section
+
+    hydra = tmp_path / "run" / ".hydra"
+    hydra.mkdir(parents=True)
+    masked, held = tmp_path / "sdsat", tmp_path / "eval" / "mt_bench"
+    (hydra / "config.yaml").write_text(
+        f"mask:\n  out_dir: {masked}\n  sources:\n  - completions: {tmp_path}/train\n"
+        f"eval:\n  sources:\n  - completions: {held}\n  - dataset: {{name: gsm8k, split: test}}\n    max_docs: 4\n")
+    (hydra / "hydra.yaml").write_text("hydra:\n  runtime:\n    choices:\n      experiment: sdsat_smollm2\n")
+    for d, n in ((masked, 3), (held, 2)):
+        d.mkdir(parents=True)
+    (masked / "masked.jsonl").write_text('{"a": 1}\n' * 3)
+    (held / "completions.jsonl").write_text('{"a": 1}\n' * 2)
+    out = data_section(tmp_path / "run")
+    assert out["train"]["records"] == 3 and out["train"]["sources"] == [{"completions": f"{tmp_path}/train"}]
+    assert out["heldout"]["mt_bench"]["records"] == 2 and len(out["heldout"]["mt_bench"]["sha256"]) == 64
+    assert out["heldout"]["gsm8k_reference"] == {"sources": [{"dataset": {"name": "gsm8k", "split": "test"},
+                                                              "max_docs": 4}]}

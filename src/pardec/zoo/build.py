@@ -23,7 +23,7 @@ from typing import Any
 
 from pardec import REPO_ROOT
 from pardec.zoo import MANIFEST, Entry, ZooError, recipe_hash, seal, sha256_file, verify
-from pardec.zoo.store import check_store, pack
+from pardec.zoo.store import TARGET_FORMS, check_store, pack
 
 STAGES_FILE = "zoo_stages.json"
 
@@ -125,24 +125,33 @@ def data_section(run_dir: Path) -> dict[str, Any]:
     choices = OmegaConf.load(run_dir / ".hydra" / "hydra.yaml").hydra.runtime.choices
     OmegaConf.update(cfg, "experiment_name", choices.get("experiment"), force_add=True)
 
-    def corpus(section) -> dict[str, Any]:
-        out_dir = Path(section.out_dir)
-        merged = out_dir / "completions.jsonl"
+    def corpus(out_dir: Path, sources: list, merged_name: str = "completions.jsonl") -> dict[str, Any]:
+        merged = out_dir / merged_name
         stats = json.loads((out_dir / "stats.json").read_text()) if (out_dir / "stats.json").is_file() else {}
-        return {"sources": OmegaConf.to_container(section.sources, resolve=True),
+        return {"sources": sources,
                 "dir": str(out_dir.relative_to(REPO_ROOT)) if out_dir.is_relative_to(REPO_ROOT) else str(out_dir),
                 "records": sum(1 for _ in merged.open()) if merged.is_file() else None,
                 "sha256": sha256_file(merged) if merged.is_file() else None, "stats": stats}
 
+    def plain(node) -> Any:
+        return OmegaConf.to_container(node, resolve=True)
+
     out: dict[str, Any] = {}
-    if "completions" in cfg:
-        out["train"] = corpus(cfg.completions)
+    if "completions" in cfg:  # the draft and heads kinds: the target's completions
+        out["train"] = corpus(Path(cfg.completions.out_dir), plain(cfg.completions.sources))
+    elif "mask" in cfg:  # SDSAT: the masked corpus made of its sources
+        out["train"] = corpus(Path(cfg.mask.out_dir), plain(cfg.mask.sources), "masked.jsonl")
     if "eval" in cfg and "sources" in cfg.eval:
         out["heldout"] = {}
-        for src in OmegaConf.to_container(cfg.eval.sources, resolve=True):
-            d = Path(cfg.eval.out_dir) / src["dataset"]["name"]
-            section = OmegaConf.create({"out_dir": str(d), "sources": [src]})
-            out["heldout"][src["dataset"]["name"]] = corpus(section)
+        for src in plain(cfg.eval.sources):
+            if "completions" in src:  # a completions directory the eval reads as it is (SDSAT)
+                d = Path(src["completions"])
+                out["heldout"][d.name] = corpus(d, [src])
+            elif "out_dir" in cfg.eval:  # the eval's own completions of a dataset, one directory per dataset
+                d = Path(cfg.eval.out_dir) / src["dataset"]["name"]
+                out["heldout"][src["dataset"]["name"]] = corpus(d, [src])
+            else:  # human text read from a dataset (SDSAT's reference answers): its records are the eval's
+                out["heldout"][f"{src['dataset']['name']}_reference"] = {"sources": [src]}
     return out
 
 
@@ -201,7 +210,7 @@ def _store(entry, recipe: str, stages: dict, final: Path, target_cfg, tmp: Path,
     from pardec.models.loading import weights_location
 
     store = pack(final, tmp, entry.keep, entry.store,
-                 Path(weights_location(target_cfg)) if {"lowrank", "from_target"} & set(entry.store) else None)
+                 Path(weights_location(target_cfg)) if set(TARGET_FORMS) & set(entry.store) else None)
     drafter = json.loads((final / "drafter.json").read_text()) if (final / "drafter.json").is_file() else {}
     manifest: dict[str, Any] = {
         "name": entry.name,
