@@ -1,5 +1,5 @@
-"""The interpreter's paths and the canary: a virtualenv reached through a symlink into a hidden directory still
-runs in the sandbox, and a sandbox that cannot run a known-good program stops scoring with one line naming the
+"""The private root and the canary: a virtualenv reached through a symlink still runs in the sandbox, a killed run's
+temporary directory is swept, scoring programs without bubblewrap needs the guard allowed, and a sandbox that cannot run a known-good program stops scoring with one line naming the
 cause (instead of every program "failing"). Fast: a few tiny child processes, no model."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from pardec.metrics import sandbox, sql
+from pardec.metrics import sandbox, sandbox_root, sql
 from pardec.metrics.sandbox import SandboxError, SandboxResult, isolation
 
 pytestmark = pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="needs Linux /proc")
@@ -42,73 +42,101 @@ def mode(request, monkeypatch, canaries):
     sandbox.isolation.cache_clear()
 
 
-def _symlinked_venv(tmp_path: Path, monkeypatch) -> tuple[Path, Path, Path]:
-    """A virtualenv whose real directory lies in a hidden directory, used through a symlink outside it, as this
-    process's interpreter: (hidden dir, real venv, the venv's path as used)."""
-    hidden = tmp_path / "hidden"
-    real = hidden / "venvs" / "abc"
+def _symlinked_venv(tmp_path: Path, monkeypatch) -> tuple[Path, Path]:
+    """A virtualenv whose real directory is reached through a symlink, as this process's interpreter: (real venv,
+    the venv's path as used)."""
+    real = tmp_path / "hidden" / "venvs" / "abc"
     venv.create(real, with_pip=False, symlinks=True)
     used = tmp_path / "work" / ".venv"
     used.parent.mkdir()
     used.symlink_to(real)
-    # /tmp (where tmp_path usually is) stays visible; the new directory is hidden instead
-    monkeypatch.setattr(sandbox, "HIDDEN_DIRS", (*(d for d in sandbox.HIDDEN_DIRS if d != "/tmp"), str(hidden)))
     monkeypatch.setattr(sys, "executable", str(used / "bin" / "python"))
     monkeypatch.setattr(sys, "prefix", str(used))
     monkeypatch.setattr(sys, "exec_prefix", str(used))
-    return hidden, real, used
+    return real, used
 
 
-# ------------------------------------------------------------------------------------------ interpreter paths
-def test_bind_list_resolves_a_venv_symlinked_into_a_hidden_dir(tmp_path, monkeypatch):
-    hidden, real, used = _symlinked_venv(tmp_path, monkeypatch)
-    binds, links = sandbox.visible_paths([str(hidden)])
+# ------------------------------------------------------------------------------------------ the private root
+def test_the_private_root_binds_the_real_venv_and_re_creates_the_links_to_it(tmp_path, monkeypatch):
+    real, used = _symlinked_venv(tmp_path, monkeypatch)
+    binds, links = sandbox_root.visible_paths(["/usr"])
     assert str(real) in binds  # the venv's real directory, not (only) the symlink's path
     assert not any(str(used) == b or b.startswith(str(used) + "/") for b in binds)
-    args = sandbox.bwrap_args(tmp_path / "w")
-    i = args.index("--tmpfs", args.index(str(hidden)) - 1)
-    assert args[i:i + 2] == ["--tmpfs", str(hidden)]
+    assert (str(used), str(real)) in links
+    args = sandbox_root.root_args(tmp_path / "w")
     j = next(k for k in range(len(args)) if args[k:k + 3] == ["--ro-bind", str(real), str(real)])
-    assert j > i  # bound after the directory was hidden
+    # every directory on the way is made 0755 first (not the host's mode), the work dir is the one writable bind
+    for parent in [p for p in real.parents if str(p) not in ("/", "/tmp")]:  # the root and /tmp: tmpfs
+        k = next(k for k in range(len(args)) if args[k:k + 4] == ["--perms", "0755", "--dir", str(parent)])
+        assert k < j
+    assert [a for k, a in enumerate(args) if args[k - 1:k] == ["--bind"]] == [str(tmp_path / "w")]
+    assert "/home" not in args and "/etc" not in [a for k, a in enumerate(args) if args[k - 1:k] == ["--ro-bind"]]
 
 
-def test_symlinks_inside_a_hidden_dir_are_re_created(tmp_path, monkeypatch):
+def test_symlinks_on_the_way_to_the_interpreter_are_re_created(tmp_path, monkeypatch):
     hidden = tmp_path / "hidden"
     hidden.mkdir()
     interpreter = os.path.realpath(sys.executable)
-    (hidden / "python").symlink_to(interpreter)  # a link in the hidden dir, leading out
+    (hidden / "python").symlink_to(interpreter)  # a link leading out
     (hidden / "shims").symlink_to("python")  # a relative one leading to it
     visible = tmp_path / "bin"
     visible.mkdir()
     (visible / "python").symlink_to(hidden / "shims")
     monkeypatch.setattr(sys, "executable", str(visible / "python"))
-    real, chain = sandbox.resolve_links(sys.executable)
+    real, chain = sandbox_root.resolve_links(sys.executable)
     assert real == interpreter == os.path.realpath(sys.executable)
     assert chain == [(str(visible / "python"), str(hidden / "shims")), (str(hidden / "shims"), "python"),
                      (str(hidden / "python"), interpreter)]
-    binds, links = sandbox.visible_paths([str(hidden)])
+    binds, links = sandbox_root.visible_paths([str(visible)])
     assert (str(hidden / "shims"), "python") in links and (str(hidden / "python"), interpreter) in links
-    assert (str(visible / "python"), str(hidden / "shims")) not in links  # not in a hidden dir: visible as it is
+    assert (str(visible / "python"), str(hidden / "shims")) not in links  # under a shown path: there as it is
     assert not any(b == str(hidden) or b.startswith(str(hidden) + "/") for b in binds)
-    args = sandbox.bwrap_args(tmp_path / "w")
+    args = sandbox_root.root_args(tmp_path / "w")
     assert any(args[k:k + 3] == ["--symlink", "python", str(hidden / "shims")] for k in range(len(args)))
 
 
 @pytest.mark.skipif(not ISOLATED, reason=f"needs bubblewrap; the sandbox here is {isolation()}")
-def test_venv_symlinked_into_a_hidden_dir_runs_and_without_the_bind_the_canary_says_why(tmp_path, monkeypatch,
-                                                                                        canaries):
-    _, _, used = _symlinked_venv(tmp_path, monkeypatch)
+def test_venv_reached_through_a_symlink_runs_and_without_the_bind_the_canary_says_why(tmp_path, monkeypatch,
+                                                                                      canaries):
+    _, used = _symlinked_venv(tmp_path, monkeypatch)
     r = sandbox.run_program("import sys\nprint(sys.prefix)\n", timeout_s=20)
     assert r.passed, r.stderr
     assert sandbox.check_programs() == isolation()
-    # the defect as found: nothing of the hidden directory bound -> bwrap cannot exec the venv's python
-    monkeypatch.setattr(sandbox, "visible_paths", lambda hidden, ro_paths=(): ([], []))
+    # the defect as found: the venv's real directory not bound -> bwrap cannot exec the venv's python
+    monkeypatch.setattr(sandbox_root, "visible_paths", lambda shown, ro_paths=(): ([], []))
     sandbox.clear_canaries()
     with pytest.raises(SandboxError) as e:
         sandbox.check_programs()
     msg = str(e.value)
-    assert "\n" not in msg and msg.startswith("sandbox canary failed: a known-good program did not pass (bwrap: ")
-    assert f"{used}/bin/python: No such file or directory" in msg and "pardec.metrics.sandbox" in msg
+    assert "\n" not in msg and msg.startswith("sandbox canary failed: a known-good program did not pass (")
+    assert "No such file or directory" in msg and "pardec.metrics.sandbox" in msg
+
+
+def test_without_bubblewrap_scoring_programs_needs_the_guard_allowed(monkeypatch, canaries):
+    monkeypatch.setattr(sandbox, "isolation", lambda: "seccomp+guard (no namespaces: bwrap not found)")
+    monkeypatch.delenv("PARDEC_SANDBOX", raising=False)
+    with pytest.raises(SandboxError, match=r"^generated code would run without OS isolation \(seccomp\+guard \(no "
+                                           r"namespaces: bwrap not found\)\): install bubblewrap .* set "
+                                           r"PARDEC_SANDBOX=guard to score with the in-process guard alone"):
+        sandbox.check_programs()
+    monkeypatch.setenv("PARDEC_SANDBOX", "guard")
+    assert sandbox.check_programs().startswith("seccomp+guard")
+
+
+def test_a_killed_runs_temporary_directory_is_swept_by_the_next(tmp_path, monkeypatch):
+    import subprocess
+
+    monkeypatch.setattr(sandbox.tempfile, "gettempdir", lambda: str(tmp_path))
+    monkeypatch.setattr(sandbox.tempfile, "tempdir", str(tmp_path))
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    stale = tmp_path / f"{sandbox.TEMP_PREFIX}{dead.pid}_abc"
+    live = tmp_path / f"{sandbox.TEMP_PREFIX}{os.getppid()}_def"  # a run of a process that is still there
+    for d in (stale, live):
+        (d / "work").mkdir(parents=True)
+    monkeypatch.setattr(sandbox, "_swept", False)
+    assert sandbox.run_program("print(1)\n", timeout_s=20).passed
+    assert not stale.exists() and live.exists() and [p.name for p in tmp_path.iterdir()] == [live.name]
 
 
 # ------------------------------------------------------------------------------------------ the canary

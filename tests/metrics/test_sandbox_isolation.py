@@ -4,6 +4,7 @@ adversarial program of tests/metrics/adversarial.py contained. CPU only, no netw
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import warnings
@@ -66,22 +67,36 @@ def test_module_threads_left_running_are_not_checked():
 @needs_bwrap
 def test_namespaces_hide_the_host(tmp_path):
     (tmp_path / "secret.txt").write_text("s3cret")
+    checkout = Path(__file__).resolve().parents[2]
+    probes = ["/etc/shadow", "/etc/passwd", str(checkout / ".git" / "config"), str(checkout / "README.md"),
+              os.path.expanduser("~/.bashrc"), "/home", str(tmp_path / "secret.txt")]
     code = (
         "import json, os, socket\n"
-        f"print(json.dumps([os.path.exists({str(tmp_path / 'secret.txt')!r}), os.listdir('/root') + os.listdir('/home')]))\n"
+        "def probe(p):\n"
+        "    try:\n"
+        "        return 'read' if (open(p).read(1) if os.path.isfile(p) else os.listdir(p)) is not None else 'read'\n"
+        "    except OSError as e:\n"
+        "        return e.strerror\n"
+        f"print(json.dumps({{p: probe(p) for p in {probes!r}}}))\n"
+        f"print(json.dumps(os.listdir({os.path.expanduser('~')!r}) if os.path.isdir({os.path.expanduser('~')!r}) else []))\n"
         "print(os.getuid(), socket.gethostname(), sorted(int(p) for p in os.listdir('/proc') if p.isdigit()))\n"
+        "print(open('/proc/self/uid_map').read().split())\n"
         "try:\n    socket.create_connection(('1.1.1.1', 53), timeout=1)\nexcept OSError as e:\n    print('net', e.errno)\n"
     )
     r = run_command([sys.executable, "-I", "-c", code], timeout_s=10)
     assert r.status == "passed", r.stderr
-    first, second, third = r.stdout.splitlines()
-    # /tmp, /root, /home are private in-memory directories holding at most the interpreter, re-bound
-    interpreter = {p.split("/")[2] for p in {sys.base_prefix, sys.prefix} if p.startswith(("/root/", "/home/"))}
-    exists, listed = json.loads(first)
-    assert not exists and set(listed) <= interpreter
+    first, home, second, third, fourth = r.stdout.splitlines()
+    # a private root: nothing of the host's /etc, homes, checkout or temporary files; of the home directory at most
+    # the way to an interpreter installed under it (pyenv)
+    assert json.loads(first) == {p: "No such file or directory" for p in probes}
+    home_dir = os.path.expanduser("~")
+    assert set(json.loads(home)) <= {p[len(home_dir) + 1:].split("/")[0] for p in {sys.base_prefix, sys.prefix}
+                                     if p.startswith(home_dir + "/")}
     uid, host, pids = second.split(" ", 2)
     assert (uid, host) == ("65534", "sandbox") and max(json.loads(pids)) < 10  # only its own few processes
-    assert third.startswith("net")
+    inside, outside, count = json.loads(third.replace("'", '"'))[-3:]
+    assert (inside, outside, count) == ("65534", "65534", "1") or os.geteuid() != 0  # root: the host's nobody
+    assert fourth.startswith("net")
     assert r.isolation.startswith("bwrap")
 
 

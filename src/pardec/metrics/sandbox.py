@@ -5,13 +5,13 @@ Layers, outermost first (:func:`isolation` names the ones that ran; evaluate wri
 1. **Linux namespaces via bubblewrap** (``bwrap``, from the OS package ``bubblewrap``; ``make setup``
    installs it when it can). Fresh user, PID, network, mount, IPC, UTS and cgroup namespaces: the program
    sees only its own processes (the harness and every other process are invisible, so they cannot be
-   signalled), has no network at all (only a loopback that is down), runs as ``nobody`` with no
-   capabilities and in its own session (no terminal injection). The filesystem is the host's, read-only,
-   with ``/tmp``, ``/var/tmp``, ``/run``, ``/root`` and ``/home`` replaced by empty in-memory directories
-   (credentials in home directories are not readable; the interpreter is re-bound read-only when it lives
-   there), a fresh ``/dev`` and ``/proc``, and one writable directory: the program's private temporary
-   directory, removed afterwards. When bwrap's process dies the kernel kills every process in the PID
-   namespace; ``--die-with-parent`` ties bwrap to the harness, so even a SIGKILLed harness leaves nothing.
+   signalled), has no network at all (only a loopback that is down), runs as the host's ``nobody`` with no
+   capabilities and in its own session (no terminal injection). Its filesystem is a private root
+   (:mod:`pardec.metrics.sandbox_root`): the OS's programs and libraries and the interpreter read-only, its
+   own temporary working directory writable, an empty ``/tmp``, a fresh ``/dev`` and ``/proc``, and nothing else
+   of the host (no ``/etc``, home directories, projects or checkouts). When bwrap's process dies the kernel
+   kills every process in the PID namespace; ``--die-with-parent`` ties bwrap to the harness, so even a
+   SIGKILLed harness leaves no process (its temporary directory, named after its pid, is swept by the next run).
 2. **seccomp** (installed by the program's own prelude with ``prctl``, before any untrusted code; x86-64
    and arm64). No new processes at all (``fork``, ``vfork``, ``clone`` without ``CLONE_THREAD``: threads
    are fine) and no ``execve``: together with the PID namespace this is the process-count limit (as root
@@ -35,11 +35,6 @@ can read every file the harness can, and (the guard bypassed) write them and sig
 ``PARDEC_SANDBOX=guard`` forces that mode (tests use it); ``PARDEC_SANDBOX=bwrap`` makes a missing bwrap
 an error instead of a warning.
 
-**Interpreter paths**: the interpreter (``sys.executable``, the prefixes, the standard library and site-packages)
-is resolved symlink by symlink before the namespaces hide anything: every real directory it lives in under a hidden
-directory is re-bound read-only, and every symlink met on the way that lies in one is re-created, so a virtualenv
-reached through a symlink into ``/tmp`` (or one whose ``bin/python`` links there) still starts.
-
 **Canary** (:func:`canary`, :func:`check_programs`; :func:`pardec.metrics.sql.check_sandbox` for SQL): before a
 scorer uses the sandbox, a known-good program must pass and a known-bad one must fail through the very path the
 scorer uses, once per process and configuration. If not, :class:`SandboxError` says why in one line: a sandbox that
@@ -57,6 +52,7 @@ tests compare with ``==``, so such a completion passes. That is a limit of Human
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import platform
@@ -68,7 +64,6 @@ import signal
 import struct
 import subprocess
 import sys
-import sysconfig
 import tempfile
 import time
 import warnings
@@ -76,9 +71,12 @@ from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from pardec.metrics.sandbox_root import NOBODY, root_args, user_namespace
+
 TAIL_CHARS = 4000
-HIDDEN_DIRS = ("/tmp", "/var/tmp", "/run", "/root", "/home")
 _CTL_ENV = "PARDEC_SANDBOX_FD"
+TEMP_PREFIX = "pardec_sandbox_"  # + "<pid>_<random>": a run's temporary directory, swept when its pid is gone
+_swept = False
 
 # --- seccomp ----------------------------------------------------------------------------------------
 # (audit arch, {name: number}) per machine; numbers from the kernel's syscall tables.
@@ -318,8 +316,14 @@ def clear_canaries() -> None:
 
 def check_programs(memory_mb: int = 1024) -> str:
     """The canary of :func:`run_program` (HumanEval's path) with an address-space limit of ``memory_mb``: raises
-    :class:`SandboxError` unless a known-good program passes and a known-bad one fails; returns the isolation."""
-    return canary("program", functools.partial(_program_canary, memory_mb), memory_mb)
+    :class:`SandboxError` unless a known-good program passes and a known-bad one fails, and without bubblewrap
+    unless ``PARDEC_SANDBOX=guard`` allows the guard alone; returns the isolation."""
+    mode = canary("program", functools.partial(_program_canary, memory_mb), memory_mb)
+    if not mode.startswith("bwrap") and os.environ.get("PARDEC_SANDBOX") != "guard":
+        raise SandboxError(f"generated code would run without OS isolation ({mode}): install bubblewrap "
+                           "(apt-get install bubblewrap), or set PARDEC_SANDBOX=guard to score with the in-process "
+                           "guard alone (the program can then read every file this user can)")
+    return mode
 
 
 def _program_canary(memory_mb: int) -> str | None:
@@ -394,7 +398,9 @@ def _bwrap_problem() -> str | None:
         return "bwrap not found"
     with tempfile.TemporaryDirectory(prefix="pardec_sandbox_probe_") as d:
         try:
-            p = subprocess.run([*bwrap_args(Path(d)), "true"], capture_output=True, timeout=30)
+            with user_namespace() as (user, prefix, fds):
+                p = subprocess.run([*bwrap_args(Path(d), (), user), *prefix, "true"], capture_output=True,
+                                   timeout=30, pass_fds=fds)
         except (OSError, subprocess.TimeoutExpired) as e:
             return f"bwrap failed to start ({e})"
     if p.returncode != 0:
@@ -402,81 +408,11 @@ def _bwrap_problem() -> str | None:
     return None
 
 
-def bwrap_args(work: Path, ro_paths: tuple[str, ...] = ()) -> list[str]:
-    """The ``bwrap`` command line (the program's argv goes after it) of layer 1: the host read-only, the hidden
-    directories empty, what the interpreter and ``ro_paths`` need of them visible again (:func:`visible_paths`),
-    ``work`` the one writable directory."""
-    args = ["bwrap", "--ro-bind", "/", "/", "--dev", "/dev", "--proc", "/proc"]
-    hidden = [d for d in HIDDEN_DIRS if os.path.isdir(d) and not os.path.islink(d)]
-    for d in hidden:
-        args += ["--tmpfs", d]
-    binds, links = visible_paths(hidden, ro_paths)
-    for p in binds:  # the interpreter, its packages and the caller's files, if they were hidden
-        args += ["--ro-bind", p, p]
-    for link, target in links:  # and the symlinks that lead to them from a hidden directory
-        args += ["--symlink", target, link]
-    args += ["--bind", str(work), str(work), "--chdir", str(work),
-             "--unshare-all", "--die-with-parent", "--new-session", "--cap-drop", "ALL",
-             "--uid", "65534", "--gid", "65534", "--hostname", "sandbox"]
-    return args
-
-
-def interpreter_paths() -> list[str]:
-    """The paths the sandboxed interpreter needs, as this process names them (symlinks not resolved): the
-    executable, the prefixes, the standard library and site-packages, and pardec itself (scripts it runs, e.g.
-    sql_child)."""
-    paths = [sys.executable, sys.prefix, sys.base_prefix, sys.exec_prefix, sys.base_exec_prefix,
-             str(Path(__file__).resolve().parents[1])]
-    sc = sysconfig.get_paths()
-    paths += [sc[k] for k in ("stdlib", "platstdlib", "purelib", "platlib") if sc.get(k)]
-    return [p for p in paths if p]
-
-
-def resolve_links(path: str) -> tuple[str, list[tuple[str, str]]]:
-    """``path`` resolved like :func:`os.path.realpath`, and every symlink met on the way: (its location, its target
-    as written), in the order the kernel follows them."""
-    links: list[tuple[str, str]] = []
-    parts = list(Path(os.path.join(os.getcwd(), path)).parts[1:])
-    cur = "/"
-    while parts:
-        name = parts.pop(0)
-        if name in ("", "."):
-            continue
-        if name == "..":
-            cur = os.path.dirname(cur)
-            continue
-        nxt = os.path.join(cur, name)
-        if not os.path.islink(nxt) or len(links) >= 40:  # 40: the kernel's limit on links in one lookup
-            cur = nxt
-            continue
-        target = os.readlink(nxt)
-        links.append((nxt, target))
-        parts = list(Path(target).parts[1:] if os.path.isabs(target) else Path(target).parts) + parts
-        if os.path.isabs(target):
-            cur = "/"
-    return cur, links
-
-
-def visible_paths(hidden: list[str], ro_paths: tuple[str, ...] = ()) -> tuple[list[str], list[tuple[str, str]]]:
-    """What must stay visible under the ``hidden`` directories for the interpreter (:func:`interpreter_paths`,
-    the executable's directory) and ``ro_paths`` to work: the real paths to re-bind read-only, and the symlinks
-    (location, target) on the way to them to re-create. Symlinks are resolved first, so a virtualenv reached
-    through a link into a hidden directory (``/work/.venv -> /tmp/venv``) gets its real directory bound."""
-
-    def under(p: str, dirs) -> bool:
-        return any(p == d or p.startswith(d.rstrip("/") + "/") for d in dirs)
-
-    binds: set[str] = set()
-    links: dict[str, str] = {}
-    for p in [*interpreter_paths(), *map(os.path.abspath, ro_paths)]:
-        real, chain = resolve_links(p)
-        if p == sys.executable:  # its directory: the interpreter may look beside itself (pyvenv.cfg, libs)
-            real = os.path.dirname(real)
-        if under(real, hidden) and os.path.exists(real):
-            binds.add(real)
-        links.update((link, target) for link, target in chain if under(link, hidden))
-    binds = {b for b in binds if not under(os.path.dirname(b), binds)}  # one bind per tree: its parts come with it
-    return sorted(binds), sorted((k, v) for k, v in links.items() if not under(k, binds))
+def bwrap_args(work: Path, ro_paths: tuple[str, ...], user: list[str]) -> list[str]:
+    """The ``bwrap`` command line of layer 1 (the program's argv goes after it): the private root
+    (:func:`pardec.metrics.sandbox_root.root_args`), ``user``'s namespace arguments
+    (:func:`~pardec.metrics.sandbox_root.user_namespace`), a new session, a parent-death kill, no hostname."""
+    return ["bwrap", *user, *root_args(work, ro_paths), "--die-with-parent", "--new-session", "--hostname", "sandbox"]
 
 
 def run_program(code: str, timeout_s: float = 10.0, memory_mb: int = 1024, fsize_mb: int = 32,
@@ -514,27 +450,32 @@ def _run(argv: list[str], timeout_s: float, memory_mb: int, fsize_mb: int, files
     if timeout_s <= 0 or memory_mb <= 0 or fsize_mb <= 0:
         raise ValueError(f"timeout_s={timeout_s}, memory_mb={memory_mb}, fsize_mb={fsize_mb} must all be > 0")
     mode = isolation()
-    top = Path(tempfile.mkdtemp(prefix="pardec_sandbox_"))
+    sweep_stale()
+    top = Path(tempfile.mkdtemp(prefix=f"{TEMP_PREFIX}{os.getpid()}_"))
     work = top / "work"
     work.mkdir()
     for name, text in files.items():
         (work / name).write_text(text, encoding="utf-8")
+    if os.geteuid() == 0 and mode.startswith("bwrap"):  # the program runs as the host's nobody: its directory
+        for p in (work, *work.iterdir()):
+            os.chown(p, NOBODY, NOBODY)
     env = {"PATH": "/usr/bin:/bin", "HOME": str(work), "TMPDIR": str(work), "LANG": "C.UTF-8",
            "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
     limits = ((resource.RLIMIT_AS, memory_mb << 20), (resource.RLIMIT_FSIZE, fsize_mb << 20),
               (resource.RLIMIT_CORE, 0), (resource.RLIMIT_CPU, int(timeout_s) + 1))
-    if mode.startswith("bwrap"):
-        argv = [*bwrap_args(work, ro_paths), *argv]
+    namespaces = user_namespace() if mode.startswith("bwrap") else contextlib.nullcontext(([], [], ()))
     ctl_r = ctl_w = None
     if marker:
         ctl_r, ctl_w = os.pipe()
         env[_CTL_ENV] = str(ctl_w)
     try:
-        with open(top / "stdout", "wb") as out, open(top / "stderr", "wb") as err:
+        with open(top / "stdout", "wb") as out, open(top / "stderr", "wb") as err, namespaces as (user, prefix, fds):
+            if mode.startswith("bwrap"):
+                argv = [*bwrap_args(work, ro_paths, user), *prefix, *argv]
             t0 = time.perf_counter()
             proc = subprocess.Popen(argv, cwd=work, env=env, stdout=out, stderr=err, close_fds=True,
                                     stdin=subprocess.PIPE if marker else subprocess.DEVNULL,
-                                    pass_fds=(ctl_w,) if marker else (), start_new_session=True,
+                                    pass_fds=((ctl_w,) if marker else ()) + fds, start_new_session=True,
                                     preexec_fn=_rlimits(limits))
         returned = False
         if marker:
@@ -564,6 +505,29 @@ def _run(argv: list[str], timeout_s: float, memory_mb: int, fsize_mb: int, files
         shutil.rmtree(top, ignore_errors=True)
         if top.exists():  # e.g. the program made a directory unwritable (cannot happen as root)
             warnings.warn(f"sandbox: could not remove its temporary directory {top}", stacklevel=2)
+
+
+def sweep_stale() -> None:
+    """Remove the temporary directories of sandbox runs whose process is gone (a harness killed mid-run), once per
+    process."""
+    global _swept
+    if _swept:
+        return
+    _swept = True
+    for d in Path(tempfile.gettempdir()).glob(f"{TEMP_PREFIX}*_*"):
+        pid = d.name[len(TEMP_PREFIX):].split("_", 1)[0]
+        if pid.isdigit() and int(pid) != os.getpid() and not _alive(int(pid)):
+            shutil.rmtree(d, ignore_errors=True)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
 
 
 def _wait_with_marker(proc: subprocess.Popen, ctl: int, timeout_s: float) -> tuple[bool, bool]:

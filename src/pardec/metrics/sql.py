@@ -67,6 +67,9 @@ def order_matters(gold_sql: str) -> bool:
     return bool(_ORDER_BY.search(gold_sql))
 
 
+_CHILD_SOURCE = Path(sql_child.__file__).read_text(encoding="utf-8")
+
+
 def execute(db_path: str | Path, sql: str, timeout_s: float = 10.0, max_rows: int = 100_000,
             memory_mb: int = MEMORY_MB) -> list[tuple]:
     """Rows of ``sql`` run read-only on ``db_path`` in a child process; raises :class:`SQLError` naming the reason."""
@@ -75,9 +78,11 @@ def execute(db_path: str | Path, sql: str, timeout_s: float = 10.0, max_rows: in
     db = Path(db_path).resolve()
     if not db.is_file():
         raise FileNotFoundError(f"database {db} does not exist")
-    argv = [sys.executable, "-I", "-B", sql_child.__file__, str(db), str(max_rows), str(timeout_s)]
+    # the child's own source goes into its working directory: the sandbox shows nothing of pardec's checkout
+    argv = [sys.executable, "-I", "-B", "sql_child.py", str(db), str(max_rows), str(timeout_s)]
     r = run_command(argv, timeout_s=timeout_s + STARTUP_S, memory_mb=memory_mb, fsize_mb=256,
-                    files={"query.sql": sql}, ro_paths=(str(db),), read_back=("result.json",))
+                    files={"query.sql": sql, "sql_child.py": _CHILD_SOURCE}, ro_paths=(str(db),),
+                    read_back=("result.json",))
     if r.status == "timeout":
         raise SQLError(f"time limit {timeout_s}s exceeded (killed)")
     if "result.json" not in r.files:
