@@ -46,6 +46,7 @@ import fnmatch
 import functools
 import json
 import re
+import sys
 from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -90,6 +91,7 @@ class Arch:
     head_dim: int
     intermediate: int
     vocab: int
+    gated: bool = True  # a gated (SwiGLU) MLP: gate and up projections
 
     def kv_bytes_per_token(self, dtype_bytes: int) -> int:
         """K and V of every layer for one token."""
@@ -240,7 +242,8 @@ def arch(hub_id: str) -> Arch:
     return Arch(hub_id=hub_id, params=sum(p.numel() for p in model.parameters()), layers=c.num_hidden_layers,
                 hidden=c.hidden_size, heads=heads, kv_heads=getattr(c, "num_key_value_heads", None) or heads,
                 head_dim=getattr(c, "head_dim", None) or c.hidden_size // heads,
-                intermediate=c.intermediate_size, vocab=c.vocab_size)
+                intermediate=c.intermediate_size, vocab=c.vocab_size,
+                gated=any(n.endswith("mlp.gate_proj.weight") for n, _ in model.named_parameters()))
 
 
 def lora_params(hub_id: str, r: int, targets: Sequence[str]) -> int:
@@ -295,9 +298,34 @@ def drafter_params(hub_id: str, heads: dict[str, Any]) -> int:
 # ------------------------------------------------------------------------------------------- formulas
 def layer_activations(tokens: int, seq: int, a: Arch, act_bytes: int, eager: bool) -> float:
     """One transformer layer's saved activations (Korthikanti et al. 2022, eq. 2: ``s b h (34 + 5 a s / h)`` bytes at
-    16-bit), ``tokens`` = b x s; the ``5 a s^2 b`` score term only under eager attention."""
-    per_token = 34 * a.hidden + (5 * a.heads * seq if eager else 0)
+    16-bit), ``tokens`` = b x s; the ``5 a s^2 b`` score term only under eager attention. The 34 is attention 11 +
+    two norms 4 + a 4h GELU MLP 19 (its input 2, GELU input and output 8 + 8, dropout mask 1); a gated MLP of width
+    i keeps its input 2h, the gate's output, SiLU's output, the up projection's output and their product (the
+    down projection's input) 4 x 2i, and no dropout mask: 17h + 8i in all (Llama-2-7B 1.13x the 34h, Llama-3.1-8B
+    1.32x)."""
+    per_token = (17 * a.hidden + 8 * a.intermediate if a.gated else 34 * a.hidden) + (5 * a.heads * seq if eager else 0)
     return tokens * per_token * act_bytes / 2
+
+
+#: the peak of a loss's forward + backward over its logits, beyond the logits themselves, in fp32 copies of those
+#: logits: measured with pardec.metrics.memory at [2, 256, 8192] on the CPU, the same for fp32 and bf16 logits (the
+#: fp32 log-softmax, its gradient and the logits' gradient: 3; the smoothed CE's mean term one more; the KL the
+#: teacher's log-softmax and its exponent two more). A training step's after the first: the first call of a process
+#: also holds one-time buffers (up to 1.5 copies more). tests/test_plan.py re-measures every entry with the real code
+LOSS_PEAK = {
+    "ce": 3.0,            # pardec.training.losses.ar_loss (a hard-label CE)
+    "ce_smoothed": 4.0,   # ar_loss with label smoothing (CLLM's AR term, epsilon 0.1)
+    "ce_sum": 3.0,        # ce_sum over selected positions (SDSAT Eq. 9)
+    "kl": 5.0,            # token_divergence, KL to a teacher's logits (CLLM consistency, draft, Medusa / FIRP)
+    "soft_ce": 3.0,       # EAGLE-3's CE to the target's probabilities per TTT step (training/heads/eagle.soft_ce)
+    "dflash": 3.0,        # DFlash's slot log-softmax, gather and argmax (training/heads/dflash.slot_nll)
+}
+
+
+def loss_logits(rows: int, vocab: int, loss: str, logit_bytes: int) -> float:
+    """Bytes of ``rows`` positions' logits over ``vocab`` in ``logit_bytes`` and their loss's peak
+    (:data:`LOSS_PEAK`)."""
+    return rows * vocab * (logit_bytes + 4 * LOSS_PEAK[loss])
 
 
 def stack_activations(n_layers: int, tokens: int, seq: int, a: Arch, act_bytes: int, eager: bool,
@@ -381,7 +409,8 @@ def _train_plan(name: str, cfg: dict[str, Any], world: int) -> Plan:
         else:  # sdsat: each record is two rows (plain + masked)
             rows = 2 * b
         activations = stack_activations(a.layers, rows * seq, seq, a, act_bytes, eager, ckpt)
-        logits = rows * seq * a.vocab * 4
+        # CLLM: the consistency KL and the smoothed AR CE over one graph (the KL's peak bounds both); SDSAT: ce_sum
+        logits = loss_logits(rows * seq, a.vocab, "kl" if kind == "cllm" else "ce_sum", act_bytes)
     elif kind == "draft":
         d = cfg.get("draft") or {}
         n_layers, vocab = len(d.get("layers") or []), int(d.get("vocab_size", a.vocab))
@@ -389,7 +418,7 @@ def _train_plan(name: str, cfg: dict[str, Any], world: int) -> Plan:
         if t.get("teacher", "online") == "online":
             frozen = a.params * run_bytes
         activations = stack_activations(n_layers, b * seq, seq, a, act_bytes, eager, ckpt)
-        logits = b * seq * (vocab + (a.vocab if frozen else 0)) * 4
+        logits = loss_logits(b * seq, vocab, "kl", act_bytes) + (b * seq * a.vocab * run_bytes if frozen else 0)
         notes.append(f"student: {n_layers} layers, {vocab}-token head")
     elif kind == "heads":  # trainer.model_dtype is the frozen base's here; the drafter is built in fp32
         h = cfg.get("heads") or {}
@@ -412,14 +441,16 @@ def _train_plan(name: str, cfg: dict[str, Any], world: int) -> Plan:
             activations = stack_activations(n, queries, seq + queries // b, a, act_bytes, eager, ckpt)
             kv = tokens * n * 2 * a.kv_heads * a.head_dim * act_bytes  # every layer's context keys/values
             k = blk - 1
-            logits = queries * a.vocab * 4 + tokens * a.vocab * run_bytes
+            logits = loss_logits(queries, a.vocab, "dflash", act_bytes) + tokens * a.vocab * run_bytes
             notes.append(f"dflash drafter, {n} layers, {queries // b} block slots per sequence")
         elif h.get("type") == "eagle3":
             # one layer of 2H input unrolled ttt_steps times over every position; the target's logits once, the
             # draft's over its vocabulary per step
             k = int(h.get("ttt_steps", 7))
             activations = stack_activations(k, tokens, seq * k, a, act_bytes, eager, ckpt)
-            logits = tokens * (a.vocab + k * int(h.get("draft_vocab_size", a.vocab))) * 4
+            draft_vocab = int(h.get("draft_vocab_size", a.vocab))
+            logits = (tokens * a.vocab * run_bytes + tokens * draft_vocab * 4  # the base's, its fp32 log-softmax
+                      + loss_logits(k * tokens, draft_vocab, "soft_ce", act_bytes))
             notes.append(f"eagle3 drafter, {k} TTT steps")
         else:  # firp: pseudo states of projection i run through layers t_i..L-1 with gradients
             layers = [int(x) for x in h.get("layers") or []]
@@ -430,16 +461,18 @@ def _train_plan(name: str, cfg: dict[str, Any], world: int) -> Plan:
                            + (layer_activations(k * tokens, seq, a, act_bytes, eager) if ckpt else 0))
             kv = tokens * a.kv_bytes_per_token(run_bytes)  # the real tokens' K/V the pseudo states attend to
         if h.get("type") in ("medusa", "firp"):
-            logits = tokens * (k + 1) * a.vocab * 4  # K student rows + the base's (teacher) row per position
+            # K student rows (each depth's KL to the base's row) + the base's row per position
+            logits = loss_logits(k * tokens, a.vocab, "kl", act_bytes) + tokens * a.vocab * run_bytes
             notes.append(f"{h.get('type')} drafter, K={k}")
     else:
         raise ConfigError(f"recipe {name!r}: kind {kind!r} has no memory model in pardec.plan")
 
     master = 12 if (zero or train_bytes < 4) else 8  # fp32 m + v (+ fp32 master weights)
-    shard = world if zero >= 2 else 1
     comps = dict.fromkeys(COMPONENTS, 0.0)
     comps["weights"] = module * train_bytes / (world if zero == 3 else 1)
-    comps["grads"] = trainable * train_bytes / shard
+    # DeepSpeed's own estimates (estimate_zero2/3_model_states_mem_needs): ZeRO-2 keeps 16-bit and fp32 gradient
+    # partitions (2 + 4 B / world), ZeRO-3 4 B / world; plain DDP the gradients whole
+    comps["grads"] = trainable * {0: train_bytes, 1: train_bytes, 2: (train_bytes + 4) / world, 3: 4 / world}[zero]
     comps["optimizer"] = trainable * master / (world if zero else 1)
     comps["gathered"] = min(_max_live(), module) * train_bytes if zero == 3 else 0.0
     comps.update(frozen=frozen, activations=activations, logits=logits, kv=kv)
@@ -514,12 +547,14 @@ def _fit_cell(p: Plan, cap: int) -> str:
     return f"{n} GPUs" if n and n > p.world else "no"
 
 
+def table_rows(plans: Sequence[Plan]) -> list[tuple[str, ...]]:
+    return [(p.recipe, p.kind, str(p.world), "-" if p.zero is None else str(p.zero), f"{p.params / 1e9:.2f}B",
+             *(f"{p.components[c] / GB:.1f}" for c in COMPONENTS), f"{p.total / GB:.1f}",
+             *(_fit_cell(p, c) for c in CAPACITIES_GB)) for p in plans]
+
+
 def table(plans: Sequence[Plan]) -> str:
-    rows = [_HEAD]
-    for p in plans:
-        rows.append((p.recipe, p.kind, str(p.world), "-" if p.zero is None else str(p.zero), f"{p.params / 1e9:.2f}B",
-                     *(f"{p.components[c] / GB:.1f}" for c in COMPONENTS), f"{p.total / GB:.1f}",
-                     *(_fit_cell(p, c) for c in CAPACITIES_GB)))
+    rows = [_HEAD, *table_rows(plans)]
     widths = [max(len(r[i]) for r in rows) for i in range(len(_HEAD))]
     lines = ["  ".join(c.ljust(w) if i < 2 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths))) for r in rows]
     lines.insert(1, "  ".join("-" * w for w in widths))
@@ -535,6 +570,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("recipes", nargs="*", help="conf/experiment/<name> or conf/recipe/<name> (no extension)")
     parser.add_argument("--all", action="store_true", help="every paper recipe (those with a shipped config.json)")
     parser.add_argument("--json", metavar="OUT", help="also write the plans to this JSON file")
+    parser.add_argument("--result", metavar="FILE#NAME",
+                        help="also keep the table as table NAME of the result file FILE (created, or added to), with "
+                             "its command, commit and date: what docs/plan.md's tables are rendered from")
     parser.add_argument("--world", type=int, help="training ranks (default: the recipe's --nproc_per_node, else 8)")
     parser.add_argument("--gpus", type=int, help="evaluation: GPUs a model.device_map target is split over (default 1)")
     parser.add_argument("--prompt-tokens", type=int, help="evaluation: longest prompt in tokens (default: per task)")
@@ -557,6 +595,38 @@ def main(argv: Sequence[str] | None = None) -> None:
     if args.json:
         Path(args.json).write_text(json.dumps([p.to_json() for p in plans], indent=2) + "\n")
         print(f"wrote {args.json}")
+    if args.result:
+        keep_result(args.result, plans, ["python", "-m", "pardec.plan", *(argv if argv is not None else sys.argv[1:])])
+        print(f"wrote {args.result}")
+
+
+def keep_result(ref: str, plans: Sequence[Plan], command: Sequence[str]) -> None:
+    """Table ``NAME`` of result file ``FILE`` (``FILE#NAME``): the rows, the command and the commit it came from; the
+    file's other tables are kept (one file holds a page's tables, each with its own command)."""
+    import shlex
+    import subprocess
+    from datetime import date
+
+    path, _, name = ref.partition("#")
+    if not name:
+        raise SystemExit(f"--result {ref!r}: give FILE#NAME (the table's name in the file)")
+    out = Path(path)
+    data = json.loads(out.read_text()) if out.is_file() else {}
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                            cwd=Path(__file__).parent).stdout.strip() or None
+    data.update({"title": "Memory plans of the paper recipes: python -m pardec.plan (per GPU, GB = 1e9 bytes; "
+                          "estimates from the formulas of docs/plan.md, their loss factors measured)",
+                 "date": date.today().isoformat(), "host": "any: each model's architecture is built on the meta "
+                 "device from the shipped config.json (no weights, no GPU)",
+                 "dtype": "bf16 (the recipes' GPU defaults: dtype bf16, trainer.bf16)", "n": None,
+                 "transcribed": False})
+    data.setdefault("tables", {})[name] = {"command": shlex.join(command), "commit": commit,
+                                           "columns": list(_HEAD), "rows": [list(r) for r in table_rows(plans)],
+                                           "plans": [p.to_json() for p in plans]}
+    data["command"] = "; ".join(t["command"] for t in data["tables"].values())
+    data["commit"] = ", ".join(sorted({t["commit"] or "?" for t in data["tables"].values()}))
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(data, indent=1) + "\n")
 
 
 if __name__ == "__main__":

@@ -166,14 +166,20 @@ class BlockTerms:
     count: torch.Tensor
 
 
+def slot_nll(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The slots' fp32 log-probabilities [B, A, S, V] and the NLL of their labels [B, A, S] (the loss path whose
+    memory pardec.plan's LOSS_PEAK["dflash"] measures)."""
+    logq = logits.float().log_softmax(-1)
+    return logq, -logq.gather(-1, labels[..., None])[..., 0]
+
+
 def block_terms(drafter, target, embed, lm_head, ids: torch.Tensor, loss_mask: torch.Tensor, anchors: torch.Tensor,
                 valid: torch.Tensor, block: int, gamma: float, loss: str = "ce", weighting: str = "decay",
                 alpha: float = 0.5, call=None) -> BlockTerms:
     """DFlash's loss terms of one batch (module docstring)."""
     out = block_outputs(drafter, target, embed, ids, anchors, block, call)[:, :, 1:]  # slots 1 .. block - 1
     labels, counted = label_grid(ids, loss_mask, anchors, valid, block)
-    logq = drafter.logits(out, lm_head).float().log_softmax(-1)  # [B, A, S, V]
-    nll = -logq.gather(-1, labels[..., None])[..., 0]
+    logq, nll = slot_nll(drafter.logits(out, lm_head), labels)
     if loss == "ce":
         per = nll
     else:  # KL(p || q) to the target's distribution at a + k - 1

@@ -91,6 +91,13 @@ class StepTerms:
     covered: torch.Tensor  # terms whose predicted token is a completion token (the normaliser's share)
 
 
+def soft_ce(logits: torch.Tensor, p: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The draft's fp32 log-probabilities and the cross-entropy ``-sum p log q`` to the target's probabilities ``p``
+    (one TTT step; the loss path whose memory pardec.plan's LOSS_PEAK["soft_ce"] measures)."""
+    logq = logits.float().log_softmax(-1)
+    return logq, -(p * logq).sum(-1)
+
+
 def ttt_terms(drafter, target: TargetPass, loss_mask: torch.Tensor, steps: int, decay: float, call=None
               ) -> StepTerms:
     """The TTT loss terms of one batch (module docstring); ``loss_mask`` [B, T] bool."""
@@ -111,8 +118,7 @@ def ttt_terms(drafter, target: TargetPass, loss_mask: torch.Tensor, steps: int, 
             completion = shift_left(loss_mask, i + 1)
             m = shift_left(keep_all, i + 1) & completion
             p = logp.exp()
-        logq = drafter.logits(out).float().log_softmax(-1)
-        ce = -(p * logq).sum(-1)  # [B, T]
+        logq, ce = soft_ce(drafter.logits(out), p)  # [B, T]
         term = (ce * m).sum()
         total = total + decay**i * term
         with torch.no_grad():
