@@ -226,3 +226,14 @@ def test_a_recipe_of_a_trained_model_is_planned_on_its_experiments_architecture(
     assert name in P.paper_recipes()
     p = P.plan(name)
     assert 6.7e9 < p.params < 6.8e9 and p.fits(40)
+
+
+def test_a_result_file_keeps_each_table_with_its_command(tmp_path, capsys):
+    out = tmp_path / "plans.json"
+    P.main(["sdsat_codellama7b", "--result", f"{out}#one"])
+    P.main(["cllm_gsm8k", "--set", "trainer.deepspeed=zero2", "--result", f"{out}#two"])
+    data = json.loads(out.read_text())
+    assert set(data["tables"]) == {"one", "two"} and data["transcribed"] is False and data["date"]
+    two = data["tables"]["two"]
+    assert two["command"] == f"python -m pardec.plan cllm_gsm8k --set trainer.deepspeed=zero2 --result '{out}#two'"
+    assert two["rows"][0][:4] == ["cllm_gsm8k", "cllm", "8", "2"] and len(two["columns"]) == len(two["rows"][0])
