@@ -212,3 +212,40 @@ def test_a_case_the_cli_accepts_is_reported():
     assert judge(ok, 2, "error: max_new_tokens=0 is out of range\n")[0] == "does not name 'anything'"
     assert judge(ok, 2, f"{MARKER}\nerror: anything went wrong\n")[0] == "error after a model loaded"
     assert judge(ok, 2, "error: anything\n")[0] == ""
+
+
+#: the children's first lines for the GPU recipes: any network use prints a marker and fails
+NO_SOCKET = """
+import socket, sys
+def _refuse(*a, **k):
+    print("@@pardec: the network was used@@", file=sys.stderr, flush=True)
+    raise OSError("no network in this test")
+socket.socket.connect = socket.socket.connect_ex = _refuse
+socket.getaddrinfo = socket.create_connection = _refuse
+"""
+
+
+def test_every_gpu_recipe_on_a_cpu_machine_stops_in_one_line_before_the_network(tmp_path):
+    """Each paper recipe (``+recipe=<name>``) and each 7B+ training experiment, on this machine without CUDA: exit 2 with one
+    ``error:`` line naming the CUDA device, no traceback, and not one connection or name lookup attempted (the
+    hub's offline switches unset, so a probe would show)."""
+    import torch
+
+    from pardec import plan
+
+    if torch.cuda.is_available():
+        pytest.skip("a CUDA device is usable here: the recipes would start")
+    online = {"HF_HUB_OFFLINE": "0", "TRANSFORMERS_OFFLINE": "0", "HF_DATASETS_OFFLINE": "0"}
+    cases = [{"args": [f"+recipe={n}"], "cwd": tmp_path, "env": online} for n, app in plan.recipes().items()
+             if app == "evaluate"]
+    cases += [{"args": [f"+experiment={n}"], "cwd": tmp_path, "env": online, "app": "train"}
+              for n in plan.paper_recipes() if plan.recipes()[n] == "train"]  # the 7B+ ones (pardec.plan's)
+    assert len(cases) >= 20
+    problems = []
+    for case, r in zip(cases, run_cli_in_one_process(cases, prelude=NO_SOCKET), strict=True):
+        lines = [x for x in r["stderr"].splitlines() if x.strip() and not x.startswith("[")]
+        ok = (r["returncode"] == 2 and "@@pardec" not in r["stderr"] and "Traceback" not in r["stderr"]
+              and len(lines) == 1 and lines[0].startswith("error:") and "CUDA" in lines[0])
+        if not ok:
+            problems.append(f"{case['args'][0]}: exit {r['returncode']}: {r['stderr'][-400:]}")
+    assert not problems, "\n".join(problems)

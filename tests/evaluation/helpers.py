@@ -47,19 +47,21 @@ _CLI_RUNNER = """
 import contextlib, io, json, os, sys, traceback
 from pathlib import Path
 from hydra.core.global_hydra import GlobalHydra
-from pardec.evaluate import main
+from pardec.evaluate import main as evaluate_main
+from pardec.train import main as train_main
 from tests.evaluation.helpers import hashes
 base, out = dict(os.environ), []
 for case in json.load(sys.stdin):
     os.environ.clear()
     os.environ.update({**base, **case["env"]})
     os.chdir(case["cwd"])
-    sys.argv = ["evaluate", *case["args"]]
+    app = case.get("app", "evaluate")
+    sys.argv = [app, *case["args"]]
     GlobalHydra.instance().clear()
     err, std, code = io.StringIO(), io.StringIO(), 0
     with contextlib.redirect_stderr(err), contextlib.redirect_stdout(std):
         try:
-            main()
+            (train_main if app == "train" else evaluate_main)()
         except SystemExit as e:
             code = e.code if isinstance(e.code, int) else int(e.code is not None)
         except BaseException:
@@ -74,15 +76,15 @@ print(json.dumps(out))
 
 
 def run_cli_in_one_process(cases: list[dict], prelude: str = "", env: dict | None = None) -> list[dict]:
-    """Several `python -m evaluate` command lines run in turn in one child process (a fresh process each costs
-    ~5-10 s of imports): each case is {"args": [...], "cwd": dir, "env": {...} (added to this environment for that
-    case only), "hash": dir (optional)}; returns {returncode (the exit status the command would have), stdout,
+    """Several `python -m evaluate` (or, with "app": "train", `python -m train`) command lines run in turn in one
+    child process (a fresh process each costs ~5-10 s of imports): each case is {"args": [...], "cwd": dir, "env":
+    {...} (added to this environment for that case only), "hash": dir (optional), "app" (optional)}; returns {returncode (the exit status the command would have), stdout,
     stderr, hashes (of the ``hash`` dir right after the case ran)} per case. ``prelude``: code the child runs first
     (e.g. wrapping a function); ``env``: added to the child's environment from its start (variables that libraries
     read at import, which a case's own ``env`` comes too late for)."""
     from pardec import REPO_ROOT
 
-    todo = [{"args": list(c["args"]), "cwd": str(c["cwd"]), "env": c.get("env", {}),
+    todo = [{"args": list(c["args"]), "cwd": str(c["cwd"]), "env": c.get("env", {}), "app": c.get("app", "evaluate"),
              "hash": str(c["hash"]) if c.get("hash") else None} for c in cases]
     path = os.pathsep.join(filter(None, [str(REPO_ROOT / "src"), str(REPO_ROOT), os.environ.get("PYTHONPATH")]))
     p = subprocess.run([sys.executable, "-c", prelude + _CLI_RUNNER], input=json.dumps(todo), capture_output=True,
