@@ -144,7 +144,7 @@ bench-cllm: setup  ## CLLM: jacobi + lookahead vs ar on the trained CLLM (CLLM=<
 	  --run $(CLLM) --out outputs/bench/cllm
 
 lint: setup  ## ruff
-	$(BIN)/ruff check src tests tools
+	$(BIN)/ruff check src tests scripts
 
 clean:  ## remove caches and outputs (keeps .venv and data/)
 	rm -rf .pytest_cache .ruff_cache outputs/* multirun

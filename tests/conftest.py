@@ -24,8 +24,10 @@ def pytest_configure(config):
     if not hasattr(config, "workerinput") and not os.environ.get(ENV):
         os.environ[ENV] = tempfile.mkdtemp(prefix="pardec-tests-")
         config._pardec_shared = os.environ[ENV]
-    if not os.environ.get("PARDEC_SANDBOX"):  # a host without bubblewrap: the suite's own programs may be scored by
-        from pardec.metrics.sandbox import isolation  # the guard alone (the tests that need bwrap skip themselves)
+    # a host without bubblewrap: the suite's own programs may be scored by the guard alone (the tests that need
+    # bwrap skip themselves)
+    if not os.environ.get("PARDEC_SANDBOX"):
+        from pardec.metrics.sandbox import isolation
 
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")

@@ -1,4 +1,4 @@
-"""Every Python source of the package, tools and entry points compiles without a warning: an invalid escape
+"""Every Python source of the package, scripts and entry points compiles without a warning: an invalid escape
 sequence in a docstring is a DeprecationWarning on Python 3.11 (this machine) but a SyntaxWarning printed at every
 import on 3.12 (the GPU image's Python), and an error in a later Python."""
 
@@ -6,7 +6,7 @@ import warnings
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-SOURCES = sorted(p for d in ("src", "tools", "tests") for p in (ROOT / d).rglob("*.py"))
+SOURCES = sorted(p for d in ("src", "scripts", "tests") for p in (ROOT / d).rglob("*.py"))
 
 
 def _warns(path: Path) -> str | None:

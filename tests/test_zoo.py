@@ -316,7 +316,7 @@ def test_the_data_section_of_a_masked_corpus_and_completions_read_as_they_are(tm
         f"mask:\n  out_dir: {masked}\n  sources:\n  - completions: {tmp_path}/train\n"
         f"eval:\n  sources:\n  - completions: {held}\n  - dataset: {{name: gsm8k, split: test}}\n    max_docs: 4\n")
     (hydra / "hydra.yaml").write_text("hydra:\n  runtime:\n    choices:\n      experiment: sdsat_smollm2\n")
-    for d, n in ((masked, 3), (held, 2)):
+    for d in (masked, held):
         d.mkdir(parents=True)
     (masked / "masked.jsonl").write_text('{"a": 1}\n' * 3)
     (held / "completions.jsonl").write_text('{"a": 1}\n' * 2)

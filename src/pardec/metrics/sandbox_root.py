@@ -134,7 +134,7 @@ def user_namespace() -> Iterator[tuple[list[str], list[str], tuple[int, ...]]]:
         return
     fd = _mapped_namespace()
     try:
-        yield ([f"--userns", str(fd), "--unshare-ipc", "--unshare-pid", "--unshare-net", "--unshare-uts", "--unshare-cgroup",
+        yield (["--userns", str(fd), "--unshare-ipc", "--unshare-pid", "--unshare-net", "--unshare-uts", "--unshare-cgroup",
                 "--cap-drop", "ALL", "--cap-add", "CAP_SETUID", "--cap-add", "CAP_SETGID"],
                [setpriv(), f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups", "--no-new-privs", "--"], (fd,))
     finally:

@@ -1,5 +1,5 @@
 """Untrained drafters for exercising the decoders that need one (``python -m pardec.bench gpu-smoke``,
-``tools/host_reads.py``, tests)."""
+``scripts/host_reads.py``, tests)."""
 
 from __future__ import annotations
 

@@ -3,7 +3,7 @@ cache (gpt-fast's recipe); every other forward runs :mod:`pardec.models.forward.
 
 Why: after :mod:`~pardec.models.forward.lean` removed transformers' module stack, what remains of a decode step outside the
 linear layers is ~25 small ops per layer (RMSNorm, rotary, the cache write, the attention glue, residual adds),
-each one kernel call reading and writing its operands (``tools/profile_step.py``: ~14 of SmolLM2's 52 ms per fp32
+each one kernel call reading and writing its operands (``scripts/profile_step.py``: ~14 of SmolLM2's 52 ms per fp32
 step). Compiled as one graph, inductor fuses them into a few loops per layer and the step pays one guard check
 instead of thousands of dispatches. Earlier attempts compiled per layer or per module (``dynamic=True`` over
 growing cache views) and lost what they saved to guards and graph breaks (docs/cpu_speed.md, "Where a step's time goes").

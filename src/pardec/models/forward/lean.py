@@ -4,7 +4,7 @@ without transformers' module stack.
 Why: a decode step of a small model on a CPU (and of any model at batch 1 on a GPU, where kernel launches are the
 cost) is dominated by per-op overhead, not by the weights' trip from memory alone. transformers' forward wraps
 every step in decorators, keyword processing, output recording, mask construction and ~13 ``nn.Module`` calls per
-layer (``tools/profile_step.py``: ~14 of SmolLM2's 52 ms per fp32 step are outside the linear layers). This
+layer (``scripts/profile_step.py``: ~14 of SmolLM2's 52 ms per fp32 step are outside the linear layers). This
 path runs the same computation on the same weights, in place of ``model(...)``, as plain tensor ops:
 
     embed -> rotary tables (the model's own ``rotary_emb``: every rope scaling it knows) -> per layer:

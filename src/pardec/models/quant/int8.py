@@ -5,9 +5,9 @@ weights with one scale per output row; embeddings, norms, attention and the resi
 * ``weight_only`` (:class:`WeightOnlyLinear`; the drafts' default, ``conf/draft/*.yaml``): the activations are
   *not* quantized. A linear rounds
   its input to bf16 and runs ``torch.ops.aten._weight_int8pack_mm`` (int8 weights widened in registers, fp32
-  accumulation, bf16 output). Against fp32 on the fp32 target's own greedy text (``tools/int8_quality.py``, 40
+  accumulation, bf16 output). Against fp32 on the fp32 target's own greedy text (``scripts/int8_quality.py``, 40
   GSM8K / 24 HumanEval records): top-1 agreement 0.974 / 0.983, perplexity 1.492 / 1.357 against fp32's 1.484 /
-  1.352 (+0.5%), the distilled draft's agreement unchanged. SmolLM2's linears at one row (``tools/linear_cost.py``): 9.2 ms against
+  1.352 (+0.5%), the distilled draft's agreement unchanged. SmolLM2's linears at one row (``scripts/linear_cost.py``): 9.2 ms against
   40 ms fp32 and 9.2 ms for fbgemm's dynamic int8, rising to 12.6 ms at 4 rows (AMD EPYC Zen 4 with avx512_bf16; a CPU
   without native bf16 instructions was not measured and may be slower: loading warns there). Its linears are
   **batch-invariant**: each row's result is
@@ -212,7 +212,7 @@ def quantize(model: torch.nn.Module, scheme: str = "per_channel", skip: tuple[st
 
 
 def parse_recipe(text: str) -> dict:
-    """An int8 recipe on a command line (``tools/int8_quality.py``, ``python -m pardec.bench cost``):
+    """An int8 recipe on a command line (``scripts/int8_quality.py``, ``python -m pardec.bench cost``):
     ``per_channel:smooth=0.8:skip=down_proj+o_proj`` -> ModelConfig's int8 fields (an option left out is off);
     errors name the bad part."""
     scheme, *opts = text.split(":")

@@ -3,7 +3,7 @@ for ``dtype=bf16`` on a CPU with AMX-bf16).
 
 Why: ``F.linear`` on a bf16 CPU tensor calls oneDNN, which reorders the plain ``[out, in]`` weight into the blocked
 layout its AMX / AVX-512-bf16 kernel reads *on every call*. For SmolLM2's 210 decoder linears that reorder costs
-more than the product: on an Intel Xeon with AMX (``tools/linear_cost.py``, 2 threads) the linears took 20.8 ms
+more than the product: on an Intel Xeon with AMX (``scripts/linear_cost.py``, 2 threads) the linears took 20.8 ms
 per pass at one row and the same at 16 rows (flat: AMX tiles are 16 rows), packed 13.7 ms at every row count from
 1 to 16; the 49k-row LM head 2.5 ms -> 1.1 ms. fp32 packed through MKL (``torch.ops.mkl._mkl_linear``) gained
 nothing on that CPU, so only bf16 is packed. Inductor does the same packing inside a frozen graph

@@ -1,10 +1,10 @@
-"""tools/linear_cost.py: every kind is timed for every row count, and bad values are refused."""
+"""scripts/linear_cost.py: every kind is timed for every row count, and bad values are refused."""
 
 from __future__ import annotations
 
 import pytest
 
-from tools import linear_cost
+from scripts import linear_cost
 
 
 def test_linear_cost_times_every_kind_and_row_count(capsys):

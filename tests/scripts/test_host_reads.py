@@ -1,4 +1,4 @@
-"""tools/host_reads.py: host reads per forward on a virtual GPU, with the sites named by --trace."""
+"""scripts/host_reads.py: host reads per forward on a virtual GPU, with the sites named by --trace."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from tools import host_reads
+from scripts import host_reads
 
 
 def test_host_reads_counts_and_names_sites(tmp_path, capsys):

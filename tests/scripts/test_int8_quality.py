@@ -1,4 +1,4 @@
-"""tools/int8_quality.py on the tiny model: fp32 agrees with its own records, int8 rows are measured for both
+"""scripts/int8_quality.py on the tiny model: fp32 agrees with its own records, int8 rows are measured for both
 weight schemes (with a draft), and bad values are refused."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from pardec.config import ModelConfig
 from pardec.models.loading import load_model
 from pardec.training.completions import GenerateConfig, generate, generation_meta
 from pardec.training.stages import Prompt
-from tools import int8_quality
+from scripts import int8_quality
 
 
 @pytest.fixture

@@ -1,7 +1,7 @@
 """Per-step A/B of CachedModel's forwards (``forward_impl``): greedy `ar` decode steps of one model, the forwards
 interleaved round by round in one process so that a busy or drifting host affects each alike.
 
-    python tools/step_ab.py [--model smollm2_135m|tiny_random] [--dtype fp32|int8] [--impls hf,lean]
+    python scripts/step_ab.py [--model smollm2_135m|tiny_random] [--dtype fp32|int8] [--impls hf,lean]
         [--steps 64] [--rounds 5] [--threads 2]
 
 Each round runs, for every forward in turn, a prefill of a GSM8K-like prompt and then ``--steps`` one-token steps

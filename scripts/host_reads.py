@@ -7,7 +7,7 @@ the pardec source line that made it. On a real GPU each such read waits for the 
 ``python -m pardec.bench gpu-smoke`` counts on CUDA with ``torch.cuda.set_sync_debug_mode``. The timing syncs and the waits on
 the finiteness flags' events are not counted (the latter follow a read that has already waited).
 
-    python tools/host_reads.py [--methods ar,sps,...] [--new-tokens 32] [--sampled] [--trace] [--out FILE]
+    python scripts/host_reads.py [--methods ar,sps,...] [--new-tokens 32] [--sampled] [--trace] [--out FILE]
 
 The model is ``tiny_random`` (3 layers) with gpu_smoke's untrained drafters (the target's first and last layers as
 the draft model, untrained Medusa heads / FIRP projections): the counts per forward depend on the method's code

@@ -1,7 +1,7 @@
 """Where one decoding step's time goes: one `ar` step and one `sps` round of SmolLM2 (and its distilled draft),
 split into the model's parts, against the bare-GEMM floor of the same linear layers.
 
-    python tools/profile_step.py [--dtype fp32|bf16|int8] [--methods ar,sps] [--tokens 128] [--prompts 2]
+    python scripts/profile_step.py [--dtype fp32|bf16|int8] [--methods ar,sps] [--tokens 128] [--prompts 2]
         [--draft outputs/train/runs/draft_smollm2/default/final] [--gamma 4] [--threads 2] [--kv-cache preallocated]
         [--repeats 9]
 

@@ -1,6 +1,6 @@
 """Both CLLM fast-forward proxies of a trained model, after the fact, on the records its training held out.
 
-    python tools/cllm_proxy.py --model <run>/final --collection data/trajectories/<collection> [--held-out 16]
+    python scripts/cllm_proxy.py --model <run>/final --collection data/trajectories/<collection> [--held-out 16]
 
 The training run holds out the collection's last ``trainer.proxy_records`` records (16 in the GSM8K recipe) and logs
 the proxies at every evaluation (:mod:`pardec.training.cllm.trainer`); runs from before the decoded proxy existed

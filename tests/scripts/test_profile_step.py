@@ -1,11 +1,11 @@
-"""tools/profile_step.py: a decode step's time split into parts that sum to the step, on tiny models."""
+"""scripts/profile_step.py: a decode step's time split into parts that sum to the step, on tiny models."""
 
 from __future__ import annotations
 
 import pytest
 
+from scripts import profile_step
 from tests.conftest import noisy, tiny
-from tools import profile_step
 
 
 @pytest.mark.parametrize("method", ["ar", "sps"])

@@ -4,7 +4,7 @@ a corpus of the fp32 target's own greedy completions (``stage=generate`` / the d
 often the int8 target's argmax is the fp32 target's token, the perplexity of those tokens under it, and, with a
 draft, how often the int8 draft's argmax equals the int8 target's (what speculative decoding at int8 accepts).
 
-    python tools/int8_quality.py --corpus data/completions/draft_smollm2/eval/gsm8k \\
+    python scripts/int8_quality.py --corpus data/completions/draft_smollm2/eval/gsm8k \\
         [--corpus data/completions/draft_smollm2/eval/humaneval] [--model smollm2_135m] \\
         [--draft outputs/train/runs/draft_smollm2/default/final] [--recipe per_channel:smooth=0.8:skip=down_proj ...] \\
         [--max-records 40] [--threads 2] [--out outputs/int8_quality.json]

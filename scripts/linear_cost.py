@@ -2,7 +2,7 @@
 (``python -m pardec.bench cost`` times whole forwards). Random weights of the model's shapes (30 layers x q, k, v, o,
 gate, up, down; no LM head), the mean of ``--reps`` calls after 3 warm-ups, ms per pass over all of them.
 
-    python tools/linear_cost.py [--rows 1,2,4,5,8] [--reps 30] [--threads 2] [--layers 30]
+    python scripts/linear_cost.py [--rows 1,2,4,5,8] [--reps 30] [--threads 2] [--layers 30]
 
 Kinds: fp32 ``F.linear``; bf16 weights and activations; int8 weight-only (``aten._weight_int8pack_mm``, the
 ``weight_only`` scheme of pardec.models.quant.int8) with bf16 activations and with fp32 activations; fbgemm's dynamic

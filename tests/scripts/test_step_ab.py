@@ -1,10 +1,10 @@
-"""tools/step_ab.py on the tiny model: both forwards timed round by round, the same tokens, bad values refused."""
+"""scripts/step_ab.py on the tiny model: both forwards timed round by round, the same tokens, bad values refused."""
 
 from __future__ import annotations
 
 import pytest
 
-from tools import step_ab
+from scripts import step_ab
 
 
 def test_step_ab_times_both_forwards_and_they_agree(capsys):
