@@ -325,3 +325,16 @@ def test_the_data_section_of_a_masked_corpus_and_completions_read_as_they_are(tm
     assert out["heldout"]["mt_bench"]["records"] == 2 and len(out["heldout"]["mt_bench"]["sha256"]) == 64
     assert out["heldout"]["gsm8k_reference"] == {"sources": [{"dataset": {"name": "gsm8k", "split": "test"},
                                                               "max_docs": 4}]}
+
+
+def test_the_headline_and_stored_form_of_a_fine_tuned_target():
+    from pardec.zoo.__main__ import headline, stored_form
+
+    sdsat = {"overall": {"ppl_ratio": 0.9512, "adaptive": {"expected_tokens_per_loop_vs_model": 1.734}},
+             "per_source": {}}
+    assert headline(sdsat) == "E[tokens/loop] 1.73, ppl x0.951"
+    assert headline({"adaptive": {"expected_tokens_per_loop_vs_model": 2.0}, "ppl_ratio": None}) == "E[tokens/loop] 2.00"
+    store = {"dtype": "bf16", "target_delta": {"tensors": ".*", "rank": 16}, "unchanged": ["a", "b"],
+             "tensors": {"q": {"form": "lowrank"}, "k": {"form": "lowrank"}, "emb": {"form": "rows"}}}
+    assert stored_form(store) == ("bf16, the target + rank-16 deltas of 2 linears, 1 tensor(s) by changed rows, "
+                                  "0 whole, 2 unchanged (not stored)")

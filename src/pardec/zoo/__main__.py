@@ -12,8 +12,14 @@ from pardec.zoo import DEFAULT_TARGET, MANIFEST, check_names, entries, recipe_ha
 
 def headline(metrics: dict | None) -> str:
     """The figure a drafter's held-out evaluation leads with: expected tokens per forward (EAGLE-3, DFlash), the
-    best searched tree's expected accepted length (Medusa, FIRP), else top-1 agreement."""
+    best searched tree's expected accepted length (Medusa, FIRP), SDSAT's expected tokens per two-step loop against
+    the model's own greedy tokens (and the held-out text's perplexity against the base's), else top-1 agreement."""
     m = metrics or {}
+    adaptive = (m.get("overall") or m).get("adaptive") or {}
+    if adaptive.get("expected_tokens_per_loop_vs_model") is not None:
+        ratio = (m.get("overall") or m).get("ppl_ratio")
+        return (f"E[tokens/loop] {adaptive['expected_tokens_per_loop_vs_model']:.2f}"
+                + (f", ppl x{ratio:.3f}" if ratio else ""))
     if "expected_tokens_per_forward" in m:
         return f"E[tokens/forward] {m['expected_tokens_per_forward']:.2f}"
     trees = m.get("trees") or {}
@@ -37,6 +43,11 @@ def stored_form(store: dict) -> str:
         parts.append(f"rank-{store['lowrank']['rank']} delta vs the target's {', '.join(bases)}")
     if store.get("from_target"):
         parts.append(f"{', '.join(store['from_target'])} from the target")
+    if store.get("target_delta"):
+        forms = [t.get("form") for t in (store.get("tensors") or {}).values()]
+        parts.append(f"the target + rank-{store['target_delta']['rank']} deltas of {forms.count('lowrank')} linears, "
+                     f"{forms.count('rows')} tensor(s) by changed rows, {forms.count('whole')} whole, "
+                     f"{len(store.get('unchanged') or [])} unchanged (not stored)")
     return ", ".join(parts) or "as trained"
 
 
@@ -51,7 +62,7 @@ def rows(zoo: str, names: list[str]) -> list[dict]:
         if (e.dir / MANIFEST).is_file():
             m = json.loads((e.dir / MANIFEST).read_text())
             row.update(mb=round(sum(f["bytes"] for f in m["files"].values()) / 1e6, 1),
-                       train_min=round(sum(s["wall_s"] for s in m["stages"].values()) / 60, 1),
+                       build_min=round(sum(s["wall_s"] for s in m["stages"].values()) / 60, 1),
                        host=m["host"]["cpu"], date=m["date"][:10], headline=headline(m.get("metrics")),
                        heldout=sorted((m.get("data") or {}).get("heldout") or {}))
         out.append(row)
@@ -90,9 +101,9 @@ def main(argv: list[str] | None = None) -> int:
         if a.json:
             print(json.dumps(table, indent=2))
             return 0
-        print(f"{'name':<10} {'status':<8} {'MB':>6} {'train min':>9}  {'held-out figure':<26} host, date")
-        for r in table:
-            print(f"{r['name']:<10} {r['status']:<8} {r.get('mb', '-'):>6} {r.get('train_min', '-'):>9}  "
+        print(f"{'name':<10} {'status':<8} {'MB':>6} {'build min':>9}  {'held-out figure':<26} host, date")
+        for r in table:  # build min: every stage of the recipe (data, training, evaluation)
+            print(f"{r['name']:<10} {r['status']:<8} {r.get('mb', '-'):>6} {r.get('build_min', '-'):>9}  "
                   f"{r.get('headline', '-'):<26} {r.get('host', '-')}, {r.get('date', '-')}")
         return 0
     except ConfigError as e:

@@ -178,6 +178,8 @@ def eval_metrics(run_dir: Path) -> dict[str, Any] | None:
     if summary is not None and f is not None:
         per = json.loads(f.read_text()).get("per_dataset") or {}
         summary = {**summary, "per_dataset": compact(per)}
+    elif summary is not None and "per_source" in summary:  # SDSAT: perplexity and adaptive tokens per source
+        summary = {**summary, "per_dataset": compact(summary["per_source"])}
     return summary
 
 
