@@ -18,6 +18,8 @@ A markdown file marks a generated block with a pair of comments; what lies betwe
   (:data:`RENDERERS`, keyed by the file's name).
 * ``<!-- config: conf/<group>/<name>.yaml -->`` ... ``<!-- /config -->``: that config file, whole, as a yaml block (a
   page quotes a method's defaults and their citations without a copy that could drift from the file);
+* ``<!-- results-index -->`` ... ``<!-- /results-index -->``: every result file, grouped by topic, with its title,
+  date and whether it was transcribed (docs/README.md);
 * ``<!-- leaderboard -->`` ... ``<!-- /leaderboard -->``: one row per method, a column per host class (CPU fp32, CPU
   fastest mode, GPU), each cell the entry with the highest speedup against ``ar`` among every result file's
   ``"leaderboard"`` list whose outputs equalled ``ar``'s (exact-match rate 1, or not counted: lossy methods; all
@@ -55,6 +57,7 @@ TABLE = re.compile(r"(<!-- table: (?P<ref>[^ ]+) -->\n)(?P<body>.*?)(<!-- /table
 CONFIG = re.compile(r"(<!-- config: (?P<path>[^ ]+) -->\n)(?P<body>.*?)(<!-- /config -->)", re.S)
 LEADER = re.compile(r"(<!-- leaderboard -->\n)(?P<body>.*?)(<!-- /leaderboard -->)", re.S)
 ZOO = re.compile(r"(<!-- zoo: (?P<zoo>[^ ]+) -->\n)(?P<body>.*?)(<!-- /zoo -->)", re.S)
+INDEX = re.compile(r"(<!-- results-index -->\n)(?P<body>.*?)(<!-- /results-index -->)", re.S)
 
 
 class DocsError(ValueError):
@@ -144,6 +147,26 @@ def render_zoo(zoo: str, md_file: Path, root: Path) -> str:
         return f"(nothing kept in zoo/{zoo} yet: `make zoo`)\n"
     return markdown_table(["artifact", "read as", "stored", "training, min per stage (host)", "held out",
                            "per held-out set", "stored form, held out", "date"], rows) + "\n"
+
+
+def render_index(md_file: Path, docs: Path) -> str:
+    """Every result file under ``docs/results/``, grouped by topic (its name's first word; a subfolder's name),
+    newest first within one:
+    what it holds (its title), its date, and whether it was transcribed (its raw runs gone)."""
+    rows = []
+    for f in sorted((docs / "results").glob("**/*.json")):
+        try:
+            data = json.loads(f.read_text())
+        except json.JSONDecodeError as e:
+            raise DocsError(f"{f}: not JSON ({e})") from None
+        meta = data if isinstance(data, dict) else {}
+        sub = f.parent.relative_to(docs / "results").as_posix()  # raw records in a folder of their own: its name
+        rows.append((f.stem.split("_")[0] if sub == "." else sub, str(meta.get("date") or ""), f, meta))
+    rows.sort(key=lambda r: (r[0], [-ord(c) for c in r[1]], r[2].name))
+    return markdown_table(["topic", "file", "what it holds", "date", "transcribed"],
+                          [[topic, f"[{f.name}]({_rel(f, md_file)})",
+                            str(m.get("title") or m.get("command") or "-").replace("|", "/")[:200],
+                            date or "-", "yes" if m.get("transcribed") else "no"] for topic, date, f, m in rows]) + "\n"
 
 
 # --- the leaderboard -------------------------------------------------------------------------------------------------
@@ -306,6 +329,8 @@ def blocks(md_file: Path, root: Path) -> list[Block]:
             for m in LEADER.finditer(text)]
     out += [Block(md_file, f"{name}: zoo {m['zoo']}", m["body"], render_zoo(m["zoo"], md_file, root))
             for m in ZOO.finditer(text)]
+    out += [Block(md_file, f"{name}: results index", m["body"], render_index(md_file, docs))
+            for m in INDEX.finditer(text)]
     return out
 
 
@@ -317,6 +342,7 @@ def rewrite(md_file: Path, root: Path) -> bool:
     new = CONFIG.sub(lambda m: m[1] + render_config(m["path"], md_file, root) + m[4], new)
     new = LEADER.sub(lambda m: m[1] + render_leaderboard(md_file, docs) + m[3], new)
     new = ZOO.sub(lambda m: m[1] + render_zoo(m["zoo"], md_file, root) + m[4], new)
+    new = INDEX.sub(lambda m: m[1] + render_index(md_file, docs) + m[3], new)
     if new != text:
         md_file.write_text(new)
     return new != text
@@ -344,7 +370,7 @@ _NUMBER = re.compile(r"-?\d+(?:\.\d+)?(?:[eE][-+]?\d+)?")
 
 
 def _prose(text: str) -> str:
-    for pattern in (TABLE, CONFIG, LEADER, ZOO):
+    for pattern in (TABLE, CONFIG, LEADER, ZOO, INDEX):
         text = pattern.sub("", text)
     return _SKIP.sub(" ", text)
 
