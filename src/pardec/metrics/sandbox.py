@@ -23,7 +23,7 @@ Layers, outermost first (:func:`isolation` names the ones that ran; evaluate wri
    ``int(timeout_s) + 1`` s.
 4. **Wall clock**: at ``timeout_s`` the session and process group are SIGKILLed (with bwrap: the whole
    PID namespace goes with them). That kill also runs after every normal exit.
-5. **The audit-hook guard** (:data:`_GUARD`, PEP 578) as an extra, in-process layer: it refuses process
+5. **The audit-hook guard** (:data:`pardec.metrics.sandbox_child.GUARD`, PEP 578) as an extra, in-process layer: it refuses process
    creation, writes outside the temporary directory, ``ctypes`` library loading, sockets, ``gc``
    introspection, with a ``PermissionError("sandbox: ...")`` that makes the program fail. On its own it
    is *not* a security boundary (tampering with the interpreter defeats it); with the layers above it only
@@ -55,13 +55,11 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
-import platform
 import resource
 import secrets
 import select
 import shutil
 import signal
-import struct
 import subprocess
 import sys
 import tempfile
@@ -71,194 +69,16 @@ from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from pardec.metrics.sandbox_child import GUARD, RUN
 from pardec.metrics.sandbox_root import NOBODY, root_args, user_namespace
+from pardec.metrics.sandbox_seccomp import seccomp_filter, seccomp_prelude
+
+__all__ = ["seccomp_filter", "seccomp_prelude"]  # layer 2, re-exported: the sandbox's interface
 
 TAIL_CHARS = 4000
 _CTL_ENV = "PARDEC_SANDBOX_FD"
 TEMP_PREFIX = "pardec_sandbox_"  # + "<pid>_<random>": a run's temporary directory, swept when its pid is gone
 _swept = False
-
-# --- seccomp ----------------------------------------------------------------------------------------
-# (audit arch, {name: number}) per machine; numbers from the kernel's syscall tables.
-_SYSCALLS = {
-    "x86_64": (0xC000003E, {
-        "clone": 56, "clone3": 435, "fork": 57, "vfork": 58, "execve": 59, "execveat": 322,
-        "ptrace": 101, "process_vm_readv": 310, "process_vm_writev": 311, "kcmp": 312,
-        "mount": 165, "umount2": 166, "pivot_root": 155, "chroot": 161, "unshare": 272, "setns": 308,
-        "open_tree": 428, "move_mount": 429, "fsopen": 430, "fsconfig": 431, "fsmount": 432, "fspick": 433,
-        "mount_setattr": 442, "pidfd_send_signal": 424, "pidfd_open": 434, "pidfd_getfd": 438,
-        "bpf": 321, "perf_event_open": 298, "userfaultfd": 323, "io_uring_setup": 425,
-        "io_uring_enter": 426, "io_uring_register": 427, "keyctl": 250, "add_key": 248, "request_key": 249,
-        "kexec_load": 246, "kexec_file_load": 320, "init_module": 175, "finit_module": 313,
-        "delete_module": 176, "reboot": 169, "swapon": 167, "swapoff": 168, "acct": 163, "syslog": 103,
-        "settimeofday": 164, "clock_settime": 227, "personality": 135, "name_to_handle_at": 303,
-        "open_by_handle_at": 304,
-    }),
-    "aarch64": (0xC00000B7, {
-        "clone": 220, "clone3": 435, "execve": 221, "execveat": 281,
-        "ptrace": 117, "process_vm_readv": 270, "process_vm_writev": 271, "kcmp": 272,
-        "mount": 40, "umount2": 39, "pivot_root": 41, "chroot": 51, "unshare": 97, "setns": 268,
-        "open_tree": 428, "move_mount": 429, "fsopen": 430, "fsconfig": 431, "fsmount": 432, "fspick": 433,
-        "mount_setattr": 442, "pidfd_send_signal": 424, "pidfd_open": 434, "pidfd_getfd": 438,
-        "bpf": 280, "perf_event_open": 241, "userfaultfd": 282, "io_uring_setup": 425,
-        "io_uring_enter": 426, "io_uring_register": 427, "keyctl": 219, "add_key": 217, "request_key": 218,
-        "kexec_load": 104, "kexec_file_load": 294, "init_module": 105, "finit_module": 273,
-        "delete_module": 106, "reboot": 142, "swapon": 224, "swapoff": 225, "acct": 89, "syslog": 116,
-        "settimeofday": 170, "clock_settime": 112, "personality": 92, "name_to_handle_at": 264,
-        "open_by_handle_at": 265,
-    }),
-}
-_CLONE_THREAD = 0x00010000
-_X32_BIT = 0x40000000
-_EPERM, _ENOSYS = 1, 38
-_RET_KILL_PROCESS, _RET_ALLOW, _RET_ERRNO = 0x80000000, 0x7FFF0000, 0x00050000
-_LD_W_ABS, _JEQ, _JGE, _JSET, _RET = 0x20, 0x15, 0x35, 0x45, 0x06
-
-
-def seccomp_filter(machine: str | None = None) -> bytes | None:
-    """The classic-BPF seccomp program (``struct sock_filter[]`` bytes) for ``machine``; None if unsupported.
-
-    A foreign architecture (e.g. 32-bit calls on x86-64) kills the process; ``clone3`` answers ``ENOSYS``
-    (glibc then falls back to ``clone``), ``clone`` is allowed only with ``CLONE_THREAD``, every call in
-    the table except those two is refused with ``EPERM``, everything else is allowed.
-    """
-    machine = machine or platform.machine()
-    if machine not in _SYSCALLS:
-        return None
-    arch, nr = _SYSCALLS[machine]
-
-    def ins(code: int, k: int, jt: int = 0, jf: int = 0) -> bytes:
-        return struct.pack("=HBBI", code, jt, jf, k)
-
-    prog = [ins(_LD_W_ABS, 4), ins(_JEQ, arch, 1, 0), ins(_RET, _RET_KILL_PROCESS), ins(_LD_W_ABS, 0)]
-    if machine == "x86_64":  # the x32 ABI reuses the arch value with this bit set in the number
-        prog += [ins(_JGE, _X32_BIT, 0, 1), ins(_RET, _RET_ERRNO | _EPERM)]
-    prog += [ins(_JEQ, nr["clone3"], 0, 1), ins(_RET, _RET_ERRNO | _ENOSYS)]
-    # clone: load the low word of args[0] (flags; little-endian), allow threads only
-    prog += [ins(_JEQ, nr["clone"], 0, 4), ins(_LD_W_ABS, 16), ins(_JSET, _CLONE_THREAD, 0, 1),
-             ins(_RET, _RET_ALLOW), ins(_RET, _RET_ERRNO | _EPERM)]
-    for name, number in nr.items():
-        if name not in ("clone", "clone3"):
-            prog += [ins(_JEQ, number, 0, 1), ins(_RET, _RET_ERRNO | _EPERM)]
-    prog.append(ins(_RET, _RET_ALLOW))
-    return b"".join(prog)
-
-
-def seccomp_prelude() -> str:
-    """Python source that installs :func:`seccomp_filter` in the running interpreter (exit 97 if that fails);
-    "" where there is no filter for this machine. :func:`run_program` runs it before anything else."""
-    filt = seccomp_filter()
-    return "" if filt is None else _SECCOMP.replace("__SECCOMP_HEX__", repr(filt.hex()))
-
-
-# Runs first in the child (part of the ``python -c`` source): installs the seccomp filter or exits with 97.
-_SECCOMP = r'''
-def _pardec_seccomp(program):
-    import ctypes, sys
-    class Prog(ctypes.Structure):
-        _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.c_void_p)]
-    libc = ctypes.CDLL(None, use_errno=True)
-    buf = ctypes.create_string_buffer(program, len(program))
-    prog = Prog(len(program) // 8, ctypes.cast(buf, ctypes.c_void_p))
-    # PR_SET_NO_NEW_PRIVS = 38, PR_SET_SECCOMP = 22, SECCOMP_MODE_FILTER = 2
-    if libc.prctl(38, 1, 0, 0, 0) != 0 or libc.prctl(22, 2, ctypes.byref(prog), 0, 0) != 0:
-        sys.stderr.write(f"sandbox: installing the seccomp filter failed (errno {ctypes.get_errno()})\n")
-        sys.stderr.flush()
-        import os
-        os._exit(97)
-
-
-_pardec_seccomp(bytes.fromhex(__SECCOMP_HEX__))
-del _pardec_seccomp
-'''
-
-# Runs in the child before the program (part of the ``python -c`` source); see the module docstring.
-_GUARD = r'''
-def _pardec_guard():
-    import os, sys, types, _posixsubprocess
-    # all state is immutable: a traceback of a denial exposes it through the hook's frame
-    root = os.path.realpath(os.getcwd())
-    denied = frozenset((
-        "os.fork", "os.forkpty", "os.system", "os.exec", "os.spawn", "os.posix_spawn", "subprocess.Popen",
-        "os.kill", "os.killpg", "signal.pthread_kill", "os.link", "os.symlink",
-        "ctypes.dlsym", "ctypes.dlsym/handle", "ctypes.cdata", "resource.setrlimit", "resource.prlimit",
-        "socket.connect", "socket.bind", "socket.sendto", "socket.sendmsg",
-        "gc.get_objects", "gc.get_referrers", "gc.get_referents",
-    ))
-    denied_imports = frozenset(("_posixsubprocess",))
-    # event -> ((index of a path argument, index of its dir_fd argument or None), ...)
-    path_args = types.MappingProxyType({
-        "os.remove": ((0, 1),), "os.rmdir": ((0, 1),), "os.mkdir": ((0, 2),), "os.rename": ((0, 2), (1, 3)),
-        "os.truncate": ((0, None),), "os.utime": ((0, 3),), "os.chmod": ((0, 2),), "os.chown": ((0, 3),),
-        "os.setxattr": ((0, None),), "os.removexattr": ((0, None),), "shutil.rmtree": ((0, 1),),
-        "sqlite3.connect": ((0, None),),
-    })
-    write_flags = os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_APPEND
-
-    def deny(what):
-        raise PermissionError(f"sandbox: {what} is not allowed")
-
-    def check_path(event, path, dir_fd):
-        if isinstance(path, int):  # an already-open file descriptor: its opening was checked
-            return
-        path = os.fsdecode(os.fspath(path))
-        base = os.readlink(f"/proc/self/fd/{dir_fd}") if isinstance(dir_fd, int) and dir_fd >= 0 else os.getcwd()
-        real = os.path.realpath(os.path.join(base, path))
-        if real != root and not real.startswith(root + os.sep) and real != os.devnull:
-            deny(f"{event} {path!r} (outside the sandbox directory)")
-
-    def hook(event, args):
-        if event in denied:
-            deny(event)
-        elif event == "import" and args[0] in denied_imports:
-            deny(f"import {args[0]}")
-        elif event == "ctypes.dlopen" and args[0] is not None:  # CDLL(None), done by `import ctypes`, is fine
-            deny(f"ctypes.dlopen({args[0]!r})")
-        elif event == "open" and (set(args[1] or "") & set("wax+") or (args[2] or 0) & write_flags):
-            check_path("writing to", args[0], None)
-        elif event in path_args:
-            for i, j in path_args[event]:
-                check_path(event, args[i], None if j is None else args[j])
-
-    def fork_exec(*args, **kwargs):
-        deny("_posixsubprocess.fork_exec (process creation)")
-
-    _posixsubprocess.fork_exec = fork_exec
-    sys.addaudithook(hook)
-
-
-_pardec_guard()
-del _pardec_guard
-'''
-
-# Runs the program as __main__; with a ``then`` expression, the pass-marker protocol of the module docstring.
-_RUN = r'''
-def _pardec_run(then):
-    import os, sys
-    with open("main.py", encoding="utf-8") as f:
-        code = compile(f.read(), "main.py", "exec")
-    ns = {"__name__": "__main__", "__file__": "main.py", "__builtins__": __builtins__}
-    if then is None:
-        exec(code, ns)
-        return
-    ctl = int(os.environ.pop("__CTL_ENV__"))
-    exec(code, ns)
-    sys.settrace(None)
-    sys.setprofile(None)
-    if len(os.listdir("/proc/self/task")) != 1:
-        raise RuntimeError("sandbox: threads still running after the module code; not checked")
-    os.write(ctl, b"ready\n")
-    secret = sys.stdin.buffer.readline().strip()
-    eval(then, ns)
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os.write(ctl, b"returned " + secret + b"\n")
-    os._exit(0)
-
-
-_pardec_run(__THEN__)
-'''
-
 
 @dataclass
 class SandboxResult:
@@ -425,8 +245,8 @@ def run_program(code: str, timeout_s: float = 10.0, memory_mb: int = 1024, fsize
     "failed" (non-zero exit: an exception, SyntaxError, MemoryError, a denial; or no marker), "timeout",
     or "error" (killed by a signal: a crash, the CPU limit, a seccomp kill).
     """
-    source = (seccomp_prelude() if "seccomp" in isolation() else "") + _GUARD
-    source += _RUN.replace("__CTL_ENV__", _CTL_ENV).replace("__THEN__", repr(then))
+    source = (seccomp_prelude() if "seccomp" in isolation() else "") + GUARD
+    source += RUN.replace("__CTL_ENV__", _CTL_ENV).replace("__THEN__", repr(then))
     argv = [sys.executable, "-I", "-B", "-c", source]
     return _run(argv, timeout_s, memory_mb, fsize_mb, {"main.py": code}, (), marker=then is not None)
 
