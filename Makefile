@@ -94,8 +94,8 @@ bench-mjsd: setup  ## the MJSD/BiLD/SpecTr table: GSM8K (GSM8K=) and CNN/DM (CNN
 HEADS_N ?= 20
 MEDUSA ?= outputs/train/runs/heads_medusa_smollm2/default/final
 FIRP ?= outputs/train/runs/heads_firp_smollm2/default/final
-HEADS_METHODS := firp:projections=$(FIRP):tree=T16,firp:projections=$(FIRP):tree=T32,firp:projections=$(FIRP):tree=T63,$\
-  medusa:heads=$(MEDUSA):tree=T16,medusa:heads=$(MEDUSA):tree=T32,medusa:heads=$(MEDUSA):tree=T63,pld
+HEADS_METHODS := firp:path=$(FIRP):tree=T16,firp:path=$(FIRP):tree=T32,firp:path=$(FIRP):tree=T63,$\
+  medusa:path=$(MEDUSA):tree=T16,medusa:path=$(MEDUSA):tree=T32,medusa:path=$(MEDUSA):tree=T63,pld
 bench-heads: setup  ## FIRP vs Medusa (T16/T32/T63) + pld/hf vs ar: GSM8K 0/1-shot (GSM8K=, GSM8K_TRAIN=), MT-Bench (MTBENCH=), CNN/DM (CNNDM=)
 	$(BIN)/python -m pardec.bench speed --draft none --n $(HEADS_N) --methods "$(HEADS_METHODS)" --out outputs/bench/heads \
 	  --datasets gsm8k,mt_bench,cnn_dm $(if $(GSM8K),--dataset-path gsm8k=$(GSM8K)) \

@@ -177,7 +177,7 @@ def test_every_zoo_recipe_composes_and_names_known_methods():
 def test_bench_method_specs_keep_a_zoo_reference_whole():
     from pardec.evaluation.spec import parse_also, split_method
 
-    assert split_method("medusa:heads=zoo:medusa:tree=T63") == ["medusa", "heads=zoo:medusa", "tree=T63"]
+    assert split_method("medusa:path=zoo:medusa:tree=T63") == ["medusa", "path=zoo:medusa", "tree=T63"]
     assert parse_also("eagle:path=zoo:smollm2/eagle3:mode=chain") == ("eagle", {"path": "zoo:smollm2/eagle3",
                                                                                "mode": "chain"})
     with pytest.raises(ConfigError):
@@ -274,15 +274,15 @@ def test_an_evaluate_run_reads_a_zoo_drafter_by_name(tmp_zoo, tmp_path):
     _, params = untrained_drafters(lm.model, tmp_path / "work")
     import shutil
 
-    shutil.copytree(params["medusa"]["heads"], tmp_zoo / "medusa")
+    shutil.copytree(params["medusa"]["path"], tmp_zoo / "medusa")
     zoo.seal(tmp_zoo / "medusa", {"name": "medusa", "target": {"name": "tiny_random"}})
-    spec = validate(cfg_of("+method=medusa", "method.heads=zoo:medusa", "method.tree=chain",
-                           'bench.also=["medusa:heads=zoo:smollm2/medusa:k=2"]', *TINY))
-    assert spec.method_params["heads"] == str(tmp_zoo / "medusa")
-    assert spec.also[0][2] == {"heads": str(tmp_zoo / "medusa"), "k": 2}
+    spec = validate(cfg_of("+method=medusa", "method.path=zoo:medusa", "method.tree=chain",
+                           'bench.also=["medusa:path=zoo:smollm2/medusa:k=2"]', *TINY))
+    assert spec.method_params["path"] == str(tmp_zoo / "medusa")
+    assert spec.also[0][2] == {"path": str(tmp_zoo / "medusa"), "k": 2}
     (tmp_zoo / "medusa" / "drafter.json").write_text("{}")
-    with pytest.raises(ConfigError, match=r"^method.heads: zoo:medusa's drafter.json does not match the sha256"):
-        validate(cfg_of("+method=medusa", "method.heads=zoo:medusa", *TINY))
+    with pytest.raises(ConfigError, match=r"^method.path: zoo:medusa's drafter.json does not match the sha256"):
+        validate(cfg_of("+method=medusa", "method.path=zoo:medusa", *TINY))
 
 
 def test_the_data_section_reads_a_run_whose_paths_name_the_experiment(tmp_path):

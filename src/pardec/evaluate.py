@@ -42,6 +42,20 @@ for _name, _fn in {"pardec_hydra_subdir": _hydra_subdir, "pardec_launch_name": l
         OmegaConf.register_new_resolver(_name, _fn)
 
 
+def check_renamed_params(argv: list[str]) -> None:
+    """``method.heads=`` / ``method.projections=`` (the previous release's keys of Medusa's and FIRP's drafters) on the
+    command line: one line naming ``method.path`` (Hydra would only say the key is not in the config)."""
+    from pardec.decoding.base import METHODS
+
+    renamed = {old: new for name in METHODS.names() for old, new in METHODS.get(name).renamed.items()}
+    for arg in argv:
+        key, _, value = arg.lstrip("+~").partition("=")
+        if key.startswith("method.") and key[len("method."):] in renamed:
+            new = renamed[key[len("method."):]]
+            raise ConfigError(f"method.{key[len('method.'):]} is now method.{new} (the one key every method reads its "
+                              f"trained drafter from): pass method.{new}={value}")
+
+
 def main() -> None:
     import hydra
     from hydra.core.hydra_config import HydraConfig
@@ -51,6 +65,7 @@ def main() -> None:
     sys.argv[1:] = launcher_argv(sys.argv[1:])  # the deepspeed launcher's --local_rank=N
 
     try:
+        check_renamed_params(sys.argv[1:])
         check_launch(sys.argv[1:])  # several ranks: one run dir for all
     except ConfigError as e:
         exit_with_error(e)

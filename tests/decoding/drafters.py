@@ -16,7 +16,7 @@ from pardec.models.heads import new_drafter, save_drafter
 from tests.shared import fingerprint, once
 
 TREE_T = [[0], [1], [0, 0], [0, 1], [1, 0], [0, 0, 0]]
-KEYS = {"medusa": "heads", "medusa_typical": "heads", "firp": "projections", "eagle": "path", "dflash": "path"}
+KEYS = {"medusa": "path", "medusa_typical": "path", "firp": "path", "eagle": "path", "dflash": "path"}
 _ROOT = Path(tempfile.mkdtemp(prefix="pardec-drafters-"))
 _MADE: dict[tuple[int, str], Path] = {}
 

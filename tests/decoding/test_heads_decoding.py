@@ -65,12 +65,12 @@ def _setup(seed=0):
     return lm, cm, ids, ref
 
 
-@pytest.mark.parametrize("cls,key", [(OracleMedusa, "heads"), (OracleFirp, "projections")])
+@pytest.mark.parametrize("cls", [OracleMedusa, OracleFirp])
 @pytest.mark.parametrize("tree,corrupt", [("chain", 1000), ("T", 1000), ("T", 3), ("chain", 3)])
-def test_oracle_drafts_are_accepted_deep_and_output_stays_exact(cls, key, tree, corrupt):
+def test_oracle_drafts_are_accepted_deep_and_output_stays_exact(cls, tree, corrupt):
     lm, cm, ids, ref = _setup()
     kind = "medusa" if cls is OracleMedusa else "firp"
-    dec = cls(cm, lm.tokenizer, **{key: str(drafter_dir(lm.model, kind))}, tree=tree)
+    dec = cls(cm, lm.tokenizer, path=str(drafter_dir(lm.model, kind)), tree=tree)
     dec.truth, dec.corrupt = ref.tokens + [0] * 8, corrupt
     res = dec.generate(ids, 40, Stopper(lm.tokenizer))
     assert res.tokens == ref.tokens
@@ -88,8 +88,8 @@ def test_eos_inside_an_accepted_path(stop_at):
     eos = ref.tokens[stop_at]
     stop = Stopper(lm.tokenizer, eos_ids=[eos])
     want = build_decoder("ar", cm, lm.tokenizer).generate(ids, 40, stop)
-    for cls, key, kind in ((OracleMedusa, "heads", "medusa"), (OracleFirp, "projections", "firp")):
-        dec = cls(cm, lm.tokenizer, **{key: str(drafter_dir(lm.model, kind))}, tree="T")
+    for cls, kind in ((OracleMedusa, "medusa"), (OracleFirp, "firp")):
+        dec = cls(cm, lm.tokenizer, path=str(drafter_dir(lm.model, kind)), tree="T")
         dec.truth = ref.tokens + [0] * 8
         res = dec.generate(ids, 40, stop)
         assert res.tokens == want.tokens and res.stop_reason == "eos"
@@ -98,7 +98,7 @@ def test_eos_inside_an_accepted_path(stop_at):
 def test_medusa_typical_is_greedy_exact_and_samples_in_support():
     lm, cm, ids, ref = _setup()
     path = str(drafter_dir(lm.model, "medusa"))
-    dec = build_decoder("medusa_typical", cm, lm.tokenizer, heads=path, tree="T")
+    dec = build_decoder("medusa_typical", cm, lm.tokenizer, path=path, tree="T")
     assert dec.generate(ids, 40, Stopper(lm.tokenizer)).tokens == ref.tokens
     res = dec.generate(ids, 20, Stopper(lm.tokenizer), SamplingConfig(temperature=0.7, top_k=5, seed=3))
     assert len(res.tokens) == 20 and sum(res.accepted) == 20
@@ -124,27 +124,32 @@ def test_bad_drafter_inputs_are_one_line_errors(tmp_path):
     lm = tiny(0)
     cm = CachedModel(lm.model)
     heads = str(drafter_dir(lm.model, "medusa"))
-    with pytest.raises(ConfigError, match=r"needs trained medusa weights: method.heads=<dir>"):
+    with pytest.raises(ConfigError, match=r"needs trained medusa weights: method.path=<dir>"):
         build_decoder("medusa", cm, lm.tokenizer)
+    # the previous release's keys: refused naming the one key every method reads a drafter from
+    for name, old in (("medusa", "heads"), ("medusa_typical", "heads"), ("firp", "projections")):
+        with pytest.raises(ConfigError, match=rf"^method.{old} is now method.path \(the one key every method reads "
+                                              rf"its trained drafter from\): pass method.path={heads}$"):
+            build_decoder(name, cm, lm.tokenizer, **{old: heads})
     with pytest.raises(ConfigError, match=r"method.k=0 is out of range: it must be an integer in \[1, 3\]"):
-        build_decoder("medusa", cm, lm.tokenizer, heads=heads, k=0)
+        build_decoder("medusa", cm, lm.tokenizer, path=heads, k=0)
     with pytest.raises(ConfigError, match=r"method.k=4 is out of range"):
-        build_decoder("firp", cm, lm.tokenizer, projections=str(drafter_dir(lm.model, "firp")), k=4)
+        build_decoder("firp", cm, lm.tokenizer, path=str(drafter_dir(lm.model, "firp")), k=4)
     with pytest.raises(ConfigError, match=r"holds 'medusa' weights; this method needs 'firp'"):
-        build_decoder("firp", cm, lm.tokenizer, projections=heads)
+        build_decoder("firp", cm, lm.tokenizer, path=heads)
     with pytest.raises(ConfigError, match=r"method.tree='T99' is not a tree file or a known name.*T"):
-        build_decoder("medusa", cm, lm.tokenizer, heads=heads, tree="T99")
+        build_decoder("medusa", cm, lm.tokenizer, path=heads, tree="T99")
     deep = tmp_path / "deep.json"
     save_tree(deep, "deep", [[0], [0, 0], [0, 0, 0], [0, 0, 0, 0]])
     with pytest.raises(ConfigError, match=r"tree depth 4 .* exceeds the drafter's 3 heads"):
-        build_decoder("medusa", cm, lm.tokenizer, heads=heads, tree=str(deep))
+        build_decoder("medusa", cm, lm.tokenizer, path=heads, tree=str(deep))
     bad = tmp_path / "bad.json"
     bad.write_text(json.dumps({"format": "pardec-tree", "version": 1, "paths": [[0, 1]]}))
     with pytest.raises(ConfigError, match=r"no parent"):
-        build_decoder("medusa", cm, lm.tokenizer, heads=heads, tree=str(bad))
+        build_decoder("medusa", cm, lm.tokenizer, path=heads, tree=str(bad))
     other = tiny(1, layers=3)
     with pytest.raises(ConfigError, match=r"trained for another model"):
-        build_decoder("firp", CachedModel(other.model), other.tokenizer, projections=str(drafter_dir(lm.model, "firp")))
+        build_decoder("firp", CachedModel(other.model), other.tokenizer, path=str(drafter_dir(lm.model, "firp")))
 
 
 @pytest.mark.parametrize("attention", ["real", "pseudo"])
@@ -156,15 +161,15 @@ def test_firp_attention_patterns_stay_exact_and_differ_in_their_drafts(attention
 
     lm, cm, ids, ref = _setup()
     path = str(drafter_dir(lm.model, "firp"))  # saved with attention "real" (§3.3: trained teacher-forced)
-    assert build_decoder("firp", cm, lm.tokenizer, projections=path).attention == "pseudo"  # the default
+    assert build_decoder("firp", cm, lm.tokenizer, path=path).attention == "pseudo"  # the default
     with caplog.at_level(logging.INFO, logger="pardec.decoding.heads"):
-        dec = build_decoder("firp", cm, lm.tokenizer, projections=path, tree="T", attention=attention)
+        dec = build_decoder("firp", cm, lm.tokenizer, path=path, tree="T", attention=attention)
     assert dec.attention == attention
     assert f"trained with attention=real, decoded with attention={attention}" in caplog.text
     assert ("Masked ablation" in caplog.text) == (attention == "real")
     res = dec.generate(ids, 40, Stopper(lm.tokenizer))
     assert res.tokens == ref.tokens
-    other = build_decoder("firp", cm, lm.tokenizer, projections=path, attention="pseudo" if attention == "real"
+    other = build_decoder("firp", cm, lm.tokenizer, path=path, attention="pseudo" if attention == "real"
                           else "real")
     cm.prefill(torch.tensor([ids[:-1]]))
     mine = dec._forward(torch.tensor([ids[-1:]]))[1]  # [1 node, K, H]
@@ -176,4 +181,4 @@ def test_firp_attention_patterns_stay_exact_and_differ_in_their_drafts(attention
 
 def test_firp_attention_is_checked_before_any_model():
     with pytest.raises(ConfigError, match=r"method.attention='causal' is not valid; choose one of: real, pseudo"):
-        Firp(None, projections="/nonexistent", attention="causal")
+        Firp(None, path="/nonexistent", attention="causal")

@@ -83,7 +83,7 @@ def test_defaults_are_the_papers_and_bad_rules_are_one_line():
     heads = str(drafter_dir(tiny(0).model, "medusa"))
     with pytest.raises(ConfigError, match=r"^method.next_token='beam' is not valid; choose one of: greedy, sample, "
                                           r"typical$"):
-        MedusaTypical(None, heads=heads, next_token="beam")  # spec validation builds it so, before any model
+        MedusaTypical(None, path=heads, next_token="beam")  # spec validation builds it so, before any model
 
 
 def test_next_token_is_checked_by_spec_validation_before_loading(monkeypatch):
@@ -94,4 +94,4 @@ def test_next_token_is_checked_by_spec_validation_before_loading(monkeypatch):
     monkeypatch.setattr(loading, "load_model", lambda *a, **k: pytest.fail("a model loaded"))
     heads = str(drafter_dir(tiny(0).model, "medusa"))
     with pytest.raises(ConfigError, match=r"^method.next_token='beam' .*'greedy', 'sample', 'typical'[^\n]*$"):
-        validate(cfg_of("+method=medusa_typical", "model=tiny_random", f"method.heads={heads}", "method.next_token=beam"))
+        validate(cfg_of("+method=medusa_typical", "model=tiny_random", f"method.path={heads}", "method.next_token=beam"))

@@ -80,10 +80,10 @@ def test_trained_systems_recipes_decode_what_their_experiment_trains(name, check
     experiment, model, dataset, method, params = TRAINED[name]
     if method == "firp":  # the trained projections' directory must hold a drafter.json (read at validation)
         composed = cfg_of(f"+recipe={name}")
-        assert composed.method.projections.endswith(f"train/runs/{experiment}/default/final")
+        assert composed.method.path.endswith(f"train/runs/{experiment}/default/final")
         assert (composed.method.name, composed.method.tree, composed.dataset.name, composed.model.path) == (
             method, params["tree"], dataset, model) and composed.dtype == "bf16"
-        with pytest.raises(ConfigError, match=r"method.projections=.*holds no trained drafter.*heads_firp_smollm2"):
+        with pytest.raises(ConfigError, match=r"method.path=.*holds no trained drafter.*heads_firp_smollm2"):
             validate(composed)
         checked_models.clear()
         return

@@ -21,8 +21,8 @@ from tests.evaluation.helpers import TINY, cfg_of, hashes
     [
         ([], "no method given: pass +method=<name>; valid methods: ar, bild, dflash, eagle, firp, hf_assisted, hf_generate, hf_pld, "
                 "jacobi, lookahead, medusa, medusa_typical, mjgd, mjsd, ouroboros, pld, sdsat, spectr, sps"),
-        (["+method=medusa"], "method 'medusa' needs trained medusa weights: method.heads=<dir>"),
-        (["+method=firp", "method.projections=/nonexistent"], "method.projections='/nonexistent' holds no trained "
+        (["+method=medusa"], "method 'medusa' needs trained medusa weights: method.path=<dir>"),
+        (["+method=firp", "method.path=/nonexistent"], "method.path='/nonexistent' holds no trained "
                                                                   "drafter"),
         (["+method=jacobi", "method.name=jacobo"], "unknown method 'jacobo'. Did you mean 'jacobi'?"),
         (["+method=jacobi", "+method.blocksize=4"], "has no parameter(s) ['blocksize']; valid: block_size"),

@@ -33,7 +33,7 @@ def test_cosine_at_birth_is_the_anchor_against_the_real_future_state():
 def test_bench_rows_collect_methods_and_roles(tmp_path):
     run = tmp_path / "runs" / "gsm8k"
     run.mkdir(parents=True)
-    summary = {"dataset": "gsm8k", "method": "firp", "method_params": {"tree": "T16", "projections": "p"},
+    summary = {"dataset": "gsm8k", "method": "firp", "method_params": {"tree": "T16", "path": "p"},
                "tokens_per_forward": 2.5, "speedup": 0.9, "exact_match_rate": 1.0,
                "peers": {"hf": {"method": "hf_generate", "params": {}},
                          "also:medusa:tree=T32": {"method": "medusa", "params": {"tree": "T32"},

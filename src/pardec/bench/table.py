@@ -45,8 +45,8 @@ BENCHMARKS = {
 #: every decoder on the shared target, as ``bench.also`` entries, with the zoo artifact each needs (None: none)
 SHARED = [("jacobi", None), ("lookahead", None), (CPU_SIZED["lookahead"], None), ("pld", None), ("sps", "draft"),
           ("ouroboros", "draft"), (CPU_SIZED["ouroboros"], "draft"), ("spectr", "draft"), ("mjsd", "draft"),
-          ("mjgd", "draft"), ("bild", "draft"), ("medusa:heads=zoo:medusa", "medusa"),
-          ("medusa_typical:heads=zoo:medusa", "medusa"), ("firp:projections=zoo:firp", "firp"),
+          ("mjgd", "draft"), ("bild", "draft"), ("medusa:path=zoo:medusa", "medusa"),
+          ("medusa_typical:path=zoo:medusa", "medusa"), ("firp:path=zoo:firp", "firp"),
           ("eagle:path=zoo:eagle3:mode=chain", "eagle3"), ("eagle:path=zoo:eagle3", "eagle3"),
           ("dflash:path=zoo:dflash", "dflash")]
 #: decoders of their own fine-tuned model: (method, the zoo artifact that is the model)

@@ -181,6 +181,8 @@ class Decoder:
     name: ClassVar[str] = ""
     #: what the method guarantees (see :data:`EXACTNESS`); tests hold every method to it
     exactness: ClassVar[str] = "approximate"
+    #: parameters of an earlier release -> their names now (refused in one line naming the new one)
+    renamed: ClassVar[dict[str, str]] = {}
     needs_draft: ClassVar[bool] = False
     #: whether its forwards need a custom attention mask (trees, windows, branches): not with flash_attention_2
     custom_mask: ClassVar[bool] = False
@@ -346,6 +348,10 @@ def check_params(cls: type[Decoder], params: dict[str, Any]) -> None:
     an unknown name or a value of the wrong type raises one line (``method.block_size='abc' must be int
     (jacobi(block_size: int = 16))``). Ranges are the method's own ``__init__`` checks."""
     valid = method_params(cls)
+    for old, new in cls.renamed.items():
+        if old in params:
+            raise ConfigError(f"method.{old} is now method.{new} (the one key every method reads its trained drafter "
+                              f"from): pass method.{new}={params[old]}")
     bad = sorted(set(params) - set(valid))
     if bad:
         raise ConfigError(f"method {cls.name!r} has no parameter(s) {bad}; valid: {', '.join(valid) or 'none'}")

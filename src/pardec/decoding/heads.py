@@ -55,15 +55,14 @@ class TreeDrafter(Decoder):
     exactness = "distribution"
     custom_mask = True
     kind: ClassVar[str] = ""
-    key: ClassVar[str] = ""  # the method parameter naming the drafter directory
 
     def __init__(self, target: CachedModel, tokenizer=None, draft=None, path: str | None = None,
                  tree: str = "chain", k: int | None = None):
         super().__init__(target, tokenizer, draft)
         if path is None:
-            raise ConfigError(f"method {self.name!r} needs trained {self.kind} weights: method.{self.key}=<dir> "
+            raise ConfigError(f"method {self.name!r} needs trained {self.kind} weights: method.path=<dir> "
                               f"(train them with python -m train +experiment={self.kind}_smollm2)")
-        key = f"method.{self.key}"
+        key = "method.path"
         meta = read_meta(path, key)  # checks that need no model first (the harness checks before loading one)
         if meta.get("kind") != self.kind:
             raise ConfigError(f"{key}={path!r} holds {meta.get('kind')!r} weights; this method needs {self.kind!r}")
@@ -143,11 +142,12 @@ class TreeDrafter(Decoder):
 
 @register_method("medusa")
 class Medusa(TreeDrafter):
-    kind, key = "medusa", "heads"
+    kind = "medusa"
+    renamed = {"heads": "path"}
 
-    def __init__(self, target: CachedModel, tokenizer=None, draft=None, heads: str | None = None,
+    def __init__(self, target: CachedModel, tokenizer=None, draft=None, path: str | None = None,
                  tree: str = "chain", k: int | None = None):
-        super().__init__(target, tokenizer, draft, heads, tree, k)
+        super().__init__(target, tokenizer, draft, path, tree, k)
 
     def _forward(self, ids, positions=None, attend=None, last_only=False):
         out = self.target.forward(ids, positions=positions, attend=attend, last_only=last_only,
@@ -164,10 +164,10 @@ class MedusaTypical(Medusa):
 
     exactness = "approximate"
 
-    def __init__(self, target: CachedModel, tokenizer=None, draft=None, heads: str | None = None,
+    def __init__(self, target: CachedModel, tokenizer=None, draft=None, path: str | None = None,
                  tree: str = "chain", k: int | None = None, posterior_threshold: float = 0.09,
                  posterior_alpha: float = 0.3, next_token: Literal["greedy", "sample", "typical"] = "greedy"):
-        super().__init__(target, tokenizer, draft, heads, tree, k)
+        super().__init__(target, tokenizer, draft, path, tree, k)
         check_range("posterior_threshold", posterior_threshold, 0.0, 1.0, integer=False)
         check_range("posterior_alpha", posterior_alpha, 0.0, 1.0, integer=False)
         check_choice("method.next_token", next_token, NEXT_TOKEN)
@@ -223,12 +223,13 @@ class Firp(TreeDrafter):
     states (§3.3, their drafter.json ``attention: real``): trained ``real`` and decoded ``pseudo`` is the paper's
     combination. Every combination stays exact; the one that runs is logged."""
 
-    kind, key = "firp", "projections"
+    kind = "firp"
+    renamed = {"projections": "path"}
 
-    def __init__(self, target: CachedModel, tokenizer=None, draft=None, projections: str | None = None,
+    def __init__(self, target: CachedModel, tokenizer=None, draft=None, path: str | None = None,
                  tree: str = "chain", k: int | None = None, attention: str = DECODING_ATTENTION):
         check_choice("method.attention", attention, PSEUDO_ATTENTION)
-        super().__init__(target, tokenizer, draft, projections, tree, k)
+        super().__init__(target, tokenizer, draft, path, tree, k)
         self.attention = attention
         self.layers = self.drafter.layers[: self.k] if target is not None else None
         if target is not None:

@@ -35,7 +35,7 @@ PEERS = {"hf": "hf_generate", "hf_pld": "hf_pld", "hf_assisted": "hf_assisted"}
 DRAFTER_SOURCES = {"eagle3": "eagle", "dflash": "dflash"}
 
 def split_method(spec: str) -> list[str]:
-    """``"medusa:heads=zoo:medusa:tree=T63"`` -> ["medusa", "heads=zoo:medusa", "tree=T63"]: a method and its
+    """``"medusa:path=zoo:medusa:tree=T63"`` -> ["medusa", "path=zoo:medusa", "tree=T63"]: a method and its
     ``key=value`` parameters: a part without ``=`` after a parameter belongs to its value (``zoo:<name>``); right
     after the method's name it stays a part of its own (and is refused as not key=value)."""
     name, *parts = spec.split(":")
@@ -100,7 +100,7 @@ def validate(cfg: DictConfig) -> EvalSpec:
     draft = None
     source = None if cfg.get("draft") is None else cfg.draft.get("source")
     model = resolve_model_path(model, "model", None)
-    for key, value in mcfg.items():  # a drafter kept in the zoo: method.path=zoo:eagle3, method.heads=zoo:medusa, ...
+    for key, value in mcfg.items():  # a drafter kept in the zoo: method.path=zoo:eagle3, zoo:medusa, ...
         mcfg[key] = zoo.resolve(value, f"method.{key}", model.name)
     if source in DRAFTER_SOURCES:  # draft=eagle / draft=dflash: a drafter its method loads, no model
         owner = DRAFTER_SOURCES[source]

@@ -265,7 +265,7 @@ def plot_leaderboard(root: Path, out: Path) -> Path:
 def _short(spec: str) -> str:
     """A bench method spec without its drafter paths: ``eagle:path=<dir>:mode=chain`` -> ``eagle mode=chain``."""
     name, *opts = spec.split(":")
-    keep = [o for o in opts if o.split("=")[0] not in ("path", "heads", "projections", "draft")]
+    keep = [o for o in opts if o.split("=")[0] not in ("path", "draft")]
     return " ".join([name, *keep])
 
 

@@ -24,11 +24,11 @@ def untrained_drafters(model, work: Path) -> tuple[object, dict[str, dict]]:
     dflash = new_drafter("dflash", model.config, embed=model.get_input_embeddings(), lm_head=model.lm_head,
                          dflash={"num_layers": 1, "block_size": 8})
     params["dflash"] = {"path": str(save_drafter(dflash, work / "dflash", model.config, "smoke"))}
-    for kind, key, methods in (("medusa", "heads", ("medusa", "medusa_typical")), ("firp", "projections", ("firp",))):
+    for kind, methods in (("medusa", ("medusa", "medusa_typical")), ("firp", ("firp",))):
         d = (new_drafter("medusa", model.config, num_heads=3, lm_head=model.lm_head) if kind == "medusa"
              else new_drafter("firp", model.config, layers=[n // 2, n // 2, n - 1]))
         out = save_drafter(d, work / kind, model.config, "smoke")
         save_tree(out / "trees" / "chain.json", "chain", [[0], [0, 0], [0, 0, 0]])
         for m in methods:
-            params[m] = {key: str(out), "tree": "chain"}
+            params[m] = {"path": str(out), "tree": "chain"}
     return draft, params
