@@ -1,0 +1,214 @@
+"""A recipe's per-GPU plan: training (per kind) and evaluation."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from pardec import CONF_DIR
+from pardec.config import ConfigError
+from pardec.plan.compose import _trained_hub, check_name, compose, launch_world, paper_recipes
+from pardec.plan.formulas import _max_live, _zero_stage, layer_activations, loss_logits, stack_activations
+from pardec.plan.shapes import (
+    CAPACITIES_GB,
+    COMPONENTS,
+    CONTEXT_MARGIN,
+    DTYPE_BYTES,
+    GB,
+    MAX_GPUS,
+    OVERHEAD,
+    PROMPT_TOKENS,
+    Arch,
+    Plan,
+    arch,
+    draft_params,
+    drafter_params,
+    lora_params,
+)
+from pardec.recipes import (
+    MODEL_CONFIGS,
+    shipped_config,
+)
+
+
+# ------------------------------------------------------------------------------------------- plans
+def plan(name: str, *, world: int | None = None, gpus: int | None = None, overrides: Sequence[str] = (),
+         prompt_tokens: int | None = None) -> Plan:
+    """The per-GPU memory plan of recipe ``name`` (training: ``world`` ranks, default its launch line's; evaluation:
+    the target split over ``gpus`` GPUs under ``model.device_map``, default 1)."""
+    name = check_name(name)
+    app, cfg = compose(name, overrides)
+    model = cfg["model"]
+    hub = model.get("path") if model.get("source") == "hub" else _trained_hub(model.get("path"))
+    if hub is None or not shipped_config(hub).is_file():
+        where = shipped_config(hub).relative_to(CONF_DIR.parent) if hub else f"source {model.get('source')}"
+        raise ConfigError(f"recipe {name!r} runs model {model.get('name')!r} ({where}), which has no shipped "
+                          f"config.json; the plan covers the paper recipes: {', '.join(paper_recipes())}")
+    if app == "train":
+        return _train_plan(name, cfg, world or launch_world(name))
+    return _eval_plan(name, cfg, gpus or 1, prompt_tokens)
+
+
+def _hub_of(section: dict[str, Any], where: str) -> str:
+    if section.get("source") == "local" and (hub := _trained_hub(section.get("path"))):
+        return hub
+    if section.get("source") != "hub" or not section.get("path"):
+        raise ConfigError(f"{where}={section.get('name')!r} is not a hub model: the plan needs a config.json under "
+                          f"{MODEL_CONFIGS}")
+    return section["path"]
+
+
+def _train_plan(name: str, cfg: dict[str, Any], world: int) -> Plan:
+    kind, t = cfg["kind"], cfg["trainer"]
+    hub = _hub_of(cfg["model"], "model")
+    a = arch(hub)
+    zero = _zero_stage(t.get("deepspeed"))
+    bf16 = bool(t.get("bf16")) or bool(t.get("fp16"))
+    train_bytes = 2 if (zero and bf16) else DTYPE_BYTES[t.get("model_dtype", "fp32")]  # DeepSpeed casts its module
+    act_bytes = 2 if bf16 else train_bytes
+    run_bytes = DTYPE_BYTES[cfg["dtype"]]
+    eager = cfg["model"].get("attn_implementation") == "eager"
+    ckpt = bool(t.get("gradient_checkpointing"))
+    b, seq = int(t.get("per_device_train_batch_size", 1)), int(t.get("max_length", 1024))
+    notes: list[str] = []
+    frozen = activations = logits = kv = 0.0
+    lora = t.get("lora") or {}
+
+    if kind in ("cllm", "sdsat"):  # the target itself is trained
+        module = a.params
+        trainable = module
+        if lora.get("enabled"):
+            trainable = lora_params(hub, int(lora.get("r", 16)), lora.get("target_modules") or [])
+            notes.append(f"LoRA r={lora.get('r', 16)} on {','.join(lora.get('target_modules') or [])}")
+        if kind == "cllm":  # one packed sequence: the AR row (<= max_length) + states (+ augmented copy) of a block
+            block = int((cfg.get("collect") or {}).get("block_size", 16))
+            states = int(t.get("states_per_sample", 1)) + (1 if t.get("loss_type", "global") == "global" else 0)
+            seq = seq + states * block
+            rows = b
+        else:  # sdsat: each record is two rows (plain + masked)
+            rows = 2 * b
+        activations = stack_activations(a.layers, rows * seq, seq, a, act_bytes, eager, ckpt)
+        # CLLM: the consistency KL and the smoothed AR CE over one graph (the KL's peak bounds both); SDSAT: ce_sum
+        logits = loss_logits(rows * seq, a.vocab, "kl" if kind == "cllm" else "ce_sum", act_bytes)
+    elif kind == "draft":
+        d = cfg.get("draft") or {}
+        n_layers, vocab = len(d.get("layers") or []), int(d.get("vocab_size", a.vocab))
+        module, trainable = draft_params(hub, n_layers, vocab, bool(d.get("freeze_embeddings", True)))
+        if t.get("teacher", "online") == "online":
+            frozen = a.params * run_bytes
+        activations = stack_activations(n_layers, b * seq, seq, a, act_bytes, eager, ckpt)
+        logits = loss_logits(b * seq, vocab, "kl", act_bytes) + (b * seq * a.vocab * run_bytes if frozen else 0)
+        notes.append(f"student: {n_layers} layers, {vocab}-token head")
+    elif kind == "heads":  # trainer.model_dtype is the frozen base's here; the drafter is built in fp32
+        h = cfg.get("heads") or {}
+        module = trainable = drafter_params(hub, h)
+        train_bytes = 2 if (zero and bf16) else 4
+        act_bytes = 2 if bf16 else 4
+        run_bytes = DTYPE_BYTES[t.get("model_dtype") or cfg["dtype"]]
+        frozen = a.params * run_bytes
+        tokens = b * seq
+        if h.get("type") == "medusa":
+            k = int(h.get("num_heads", 3))
+            # the base runs without gradients; each head's ResBlocks keep input, pre-activation and SiLU output
+            activations = tokens * a.hidden * act_bytes * (1 + 3 * k * int(h.get("num_blocks", 1)))
+        elif h.get("type") == "dflash":
+            # num_anchors blocks of block_size queries per sequence through the draft's layers, each over the
+            # sequence's context keys/values plus the blocks'; fp32 logits of every predicted slot over the
+            # target's vocabulary (the shared head), and the base's logits (its forward returns them)
+            n, blk = int(h.get("num_layers", 5)), int(h.get("block_size", 16))
+            queries = b * min(int(h.get("num_anchors", 512)), seq) * blk
+            activations = stack_activations(n, queries, seq + queries // b, a, act_bytes, eager, ckpt)
+            kv = tokens * n * 2 * a.kv_heads * a.head_dim * act_bytes  # every layer's context keys/values
+            k = blk - 1
+            logits = loss_logits(queries, a.vocab, "dflash", act_bytes) + tokens * a.vocab * run_bytes
+            notes.append(f"dflash drafter, {n} layers, {queries // b} block slots per sequence")
+        elif h.get("type") == "eagle3":
+            # one layer of 2H input unrolled ttt_steps times over every position; the target's logits once, the
+            # draft's over its vocabulary per step
+            k = int(h.get("ttt_steps", 7))
+            activations = stack_activations(k, tokens, seq * k, a, act_bytes, eager, ckpt)
+            draft_vocab = int(h.get("draft_vocab_size", a.vocab))
+            logits = (tokens * a.vocab * run_bytes + tokens * draft_vocab * 4  # the base's, its fp32 log-softmax
+                      + loss_logits(k * tokens, draft_vocab, "soft_ce", act_bytes))
+            notes.append(f"eagle3 drafter, {k} TTT steps")
+        else:  # firp: pseudo states of projection i run through layers t_i..L-1 with gradients
+            layers = [int(x) for x in h.get("layers") or []]
+            k = len(layers)
+            passes = sum(a.layers - x for x in layers)
+            activations = (stack_activations(passes, tokens, seq, a, act_bytes, eager, ckpt)
+                           - (layer_activations(tokens, seq, a, act_bytes, eager) if ckpt else 0)
+                           + (layer_activations(k * tokens, seq, a, act_bytes, eager) if ckpt else 0))
+            kv = tokens * a.kv_bytes_per_token(run_bytes)  # the real tokens' K/V the pseudo states attend to
+        if h.get("type") in ("medusa", "firp"):
+            # K student rows (each depth's KL to the base's row) + the base's row per position
+            logits = loss_logits(k * tokens, a.vocab, "kl", act_bytes) + tokens * a.vocab * run_bytes
+            notes.append(f"{h.get('type')} drafter, K={k}")
+    else:
+        raise ConfigError(f"recipe {name!r}: kind {kind!r} has no memory model in pardec.plan")
+
+    master = 12 if (zero or train_bytes < 4) else 8  # fp32 m + v (+ fp32 master weights)
+    comps = dict.fromkeys(COMPONENTS, 0.0)
+    comps["weights"] = module * train_bytes / (world if zero == 3 else 1)
+    # DeepSpeed's own estimates (estimate_zero2/3_model_states_mem_needs): ZeRO-2 keeps 16-bit and fp32 gradient
+    # partitions (2 + 4 B / world), ZeRO-3 4 B / world; plain DDP the gradients whole
+    comps["grads"] = trainable * {0: train_bytes, 1: train_bytes, 2: (train_bytes + 4) / world, 3: 4 / world}[zero]
+    comps["optimizer"] = trainable * master / (world if zero else 1)
+    comps["gathered"] = min(_max_live(), module) * train_bytes if zero == 3 else 0.0
+    comps.update(frozen=frozen, activations=activations, logits=logits, kv=kv)
+    comps["overhead"] = OVERHEAD * sum(comps.values())
+    if ckpt:
+        notes.append("gradient checkpointing")
+    return Plan(recipe=name, kind=kind, world=world, zero=zero, model=hub, params=a.params, trainable=trainable,
+                components=comps, notes=notes)
+
+
+def prompt_estimate(dataset: dict[str, Any]) -> int:
+    name, extra = dataset.get("name"), dataset.get("extra") or {}
+    if name == "gsm8k":
+        return 300 + 150 * int(extra.get("num_fewshot", 0) or 0)
+    if name == "cnn_dm":
+        return int(1.5 * int(extra.get("max_article_words", 400))) + 64
+    return PROMPT_TOKENS.get(name, 1024)
+
+
+def _eval_plan(name: str, cfg: dict[str, Any], gpus: int, prompt_tokens: int | None) -> Plan:
+    model, draft, method = cfg["model"], cfg.get("draft") or {}, cfg.get("method") or {}
+    a = arch(_hub_of(model, "model"))
+    split = bool(model.get("device_map"))
+    gpus = gpus if split else 1
+    t_bytes = DTYPE_BYTES[model.get("dtype") or cfg["dtype"]]
+    prompt = prompt_tokens or prompt_estimate(cfg.get("dataset") or {})
+    context = prompt + int(cfg.get("max_new_tokens", 256)) + CONTEXT_MARGIN
+    weights = a.params * t_bytes
+    kv = context * a.kv_bytes_per_token(t_bytes)
+    draft_w = draft_kv = 0.0
+    notes = [f"context {context} tokens (prompt ~{prompt} + {cfg.get('max_new_tokens')} new + {CONTEXT_MARGIN})"]
+    if draft.get("name"):
+        d = arch(_hub_of(draft, "draft"))
+        d_bytes = DTYPE_BYTES[draft.get("dtype") or cfg["dtype"]]
+        draft_w = d.params * d_bytes
+        draft_kv = context * d.kv_bytes_per_token(d_bytes) * int(method.get("num_beams", 1) or 1)
+        notes.append(f"draft {d.hub_id} ({d.params / 1e9:.2f}B) on the first GPU")
+    per_gpu = _eval_components(weights, kv, draft_w, draft_kv, a, prompt, context, t_bytes, gpus,
+                               bool((cfg.get("perplexity") or {}).get("enabled", True)))
+    p = Plan(recipe=name, kind="eval", world=gpus, zero=None, model=a.hub_id, params=a.params, trainable=0,
+             components=per_gpu, notes=notes)
+    if split:
+        notes.append(f"model.device_map={model['device_map']}: target split over {gpus} GPU(s)")
+        for cap in CAPACITIES_GB:
+            p.gpus_needed[cap] = next((g for g in range(1, MAX_GPUS + 1) if sum(_eval_components(
+                weights, kv, draft_w, draft_kv, a, prompt, context, t_bytes, g,
+                bool((cfg.get("perplexity") or {}).get("enabled", True))).values()) <= cap * GB), None)
+    return p
+
+
+def _eval_components(weights: float, kv: float, draft_w: float, draft_kv: float, a: Arch, prompt: int, context: int,
+                     t_bytes: int, gpus: int, perplexity: bool) -> dict[str, float]:
+    """The busiest GPU (the first: its share of the target plus the draft and the working buffers)."""
+    comps = dict.fromkeys(COMPONENTS, 0.0)
+    comps["weights"] = weights / gpus + draft_w
+    comps["kv"] = kv / gpus + draft_kv
+    comps["activations"] = prompt * (4 * a.hidden + 3 * a.intermediate) * t_bytes  # one layer over the prompt
+    comps["logits"] = (context if perplexity else 64) * a.vocab * 4
+    comps["overhead"] = OVERHEAD * sum(comps.values())
+    return comps
