@@ -15,7 +15,7 @@ Every report reads a run's ``summary.json`` through :func:`pardec.evaluation.tab
 import importlib
 
 _RUNS = ("MISSING", "Cell", "ReportWarning", "Row", "bench_table", "build_table", "load_runs", "log_history", "main",
-         "method_entries", "read_results", "render_markdown", "save_figure", "write_report")
+         "method_entries", "read_results", "render_markdown", "write_report")
 
 COMMANDS = {
     "runs": ("runs", "evaluation run dirs -> report.md, report.csv and plots (Spec-Bench style)"),
@@ -33,6 +33,8 @@ __all__ = ["COMMANDS", "MISSING", "Cell", "ReportWarning", "Row", "bench_table",
 
 
 def __getattr__(name: str):
+    if name == "save_figure":
+        return importlib.import_module("pardec.report.plots").save_figure
     if name in _RUNS:
         return getattr(importlib.import_module("pardec.report.runs"), name)
     raise AttributeError(f"module 'pardec.report' has no attribute {name!r}")

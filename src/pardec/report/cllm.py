@@ -40,7 +40,8 @@ import matplotlib.pyplot as plt  # noqa: E402
 
 from pardec import REPO_ROOT  # noqa: E402
 from pardec.evaluation.tables import comparison_rows  # noqa: E402
-from pardec.report.runs import log_history, read_results, save_figure  # noqa: E402
+from pardec.report.plots import save_figure  # noqa: E402
+from pardec.report.runs import log_history, read_results  # noqa: E402
 from pardec.training.cllm.collect import has_degenerate_repetition  # noqa: E402
 
 ROOT = REPO_ROOT

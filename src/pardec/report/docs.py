@@ -243,7 +243,7 @@ def plot_leaderboard(root: Path, out: Path) -> Path:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from pardec.report.runs import save_figure
+    from pardec.report.plots import save_figure
 
     best = best_entries(leaderboard_entries(root / "docs"))
     points = sorted((e["tokens_per_forward"], e["speedup"], m) for (m, h), e in best.items()
@@ -279,7 +279,7 @@ def plot_acceptance(root: Path, out: Path) -> Path | None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from pardec.report.runs import save_figure
+    from pardec.report.plots import save_figure
 
     results = root / "docs" / "results"
     sides = sorted(((d.get("date", ""), p.name, d) for p in results.glob("side_by_side_*.json")

@@ -28,7 +28,8 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
 from pardec import REPO_ROOT  # noqa: E402
-from pardec.report.runs import log_history, method_entries, save_figure  # noqa: E402
+from pardec.report.plots import save_figure  # noqa: E402
+from pardec.report.runs import log_history, method_entries  # noqa: E402
 
 ROOT = REPO_ROOT
 
