@@ -172,14 +172,16 @@ def compact(value: Any, depth: int = 0) -> Any:
 
 def eval_metrics(run_dir: Path) -> dict[str, Any] | None:
     """The recipe's held-out figures: its summary's ``eval`` section, and per held-out set what its evaluation file
-    (``heads_eval.json``) holds per dataset."""
+    (``heads_eval.json``, ``draft_eval.json``; SDSAT's ``sdsat_eval.json``: overall and per source) holds."""
     summary = json.loads((run_dir / "train_summary.json").read_text()).get("eval")
     f = next((run_dir / n for n in ("heads_eval.json", "draft_eval.json") if (run_dir / n).is_file()), None)
     if summary is not None and f is not None:
         per = json.loads(f.read_text()).get("per_dataset") or {}
         summary = {**summary, "per_dataset": compact(per)}
-    elif summary is not None and "per_source" in summary:  # SDSAT: perplexity and adaptive tokens per source
-        summary = {**summary, "per_dataset": compact(summary["per_source"])}
+    elif summary is not None and (run_dir / "sdsat_eval.json").is_file():  # SDSAT: its eval file holds the figures
+        full = json.loads((run_dir / "sdsat_eval.json").read_text())  # against the model's own greedy tokens, the
+        summary = {**summary, "overall": compact(full["overall"]),   # ones decoding accepts, and per source
+                   "per_dataset": compact(full["per_source"])}
     return summary
 
 
