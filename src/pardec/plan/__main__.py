@@ -2,4 +2,5 @@
 
 from pardec.plan.cli import main
 
-main()
+if __name__ == "__main__":
+    main()
