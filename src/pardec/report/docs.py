@@ -138,8 +138,10 @@ def render_zoo(zoo: str, md_file: Path, root: Path) -> str:
         per = "; ".join(f"{ds}: {headline(v)}" for ds, v in (metrics.get("per_dataset") or {}).items())
         stored = (m.get("metrics_stored") or {}).get("metrics")
         key = m["reads"]["key"] if "." in m["reads"]["key"] else f"method.{m['reads']['key']}"
+        role = key.split(".")[0]
+        local = f"{role}=local " if role in ("model", "draft") else ""  # a model or draft read from a directory
         stages = ", ".join(f"{k} {v['wall_s'] / 60:.1f}" for k, v in m["stages"].items())
-        rows.append([f"[{m['name']}]({_rel(f, md_file)})", f"`{m['reads']['method']}`: `{key}=zoo:{m['name']}`",
+        rows.append([f"[{m['name']}]({_rel(f, md_file)})", f"`{m['reads']['method']}`: `{local}{key}=zoo:{m['name']}`",
                      f"{stored_form(m['store'])}; {sum(v['bytes'] for v in m['files'].values()) / 1e6:.1f} MB",
                      f"{stages} ({m['host']['cpu']}, {m['host']['cores']} cores)", headline(metrics), per or "-",
                      headline(stored) if stored else "(as trained)", m["date"][:10]])
