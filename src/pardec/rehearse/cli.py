@@ -11,7 +11,7 @@ from pathlib import Path
 from pardec import REPO_ROOT
 from pardec.rehearse.discovery import discover, find
 from pardec.rehearse.plans import deepspeed_stage, plan, stages_of
-from pardec.rehearse.report import host, render, table
+from pardec.rehearse.report import as_result_file, host, render, table
 from pardec.rehearse.running import Result, rehearse
 
 
@@ -63,6 +63,6 @@ def main(argv: list[str] | None = None) -> int:
         doc = {"command": "python -m pardec.rehearse " + " ".join(argv if argv is not None else sys.argv[1:]),
                "host": host(), "ranks": args.ranks, "total_wall_s": round(total, 1),
                "results": [asdict(r) for r in results]}
-        args.json.write_text(json.dumps(doc, indent=2) + "\n")
+        args.json.write_text(json.dumps(as_result_file(doc), indent=2) + "\n")
     return 0 if all(r.ok for r in results) else 1
 

@@ -12,11 +12,28 @@ from typing import Any
 from pardec import REPO_ROOT
 from pardec.rehearse.running import Result, note
 
+COLUMNS = ("recipe", "stages", "ranks", "DeepSpeed", "wall", "result", "notes")
+
+
+def table_rows(results: list[Result]) -> list[tuple[str, ...]]:
+    return [(r.recipe, " + ".join(r.stages), str(r.ranks), r.deepspeed, f"{r.wall_s:.0f} s",
+             "pass" if r.ok else "FAIL", note(r)) for r in results]
+
+
+def as_result_file(doc: dict[str, Any]) -> dict[str, Any]:
+    """A ``--json`` document as a result file docs/ can cite: its date, commit and host on top (results as data), n
+    and dtype, and the table docs/rehearsal.md renders (``tables.rehearsal``)."""
+    results = [Result(**r) for r in doc["results"]]
+    h = doc["host"]
+    return {**doc, "title": "The paper recipes rehearsed on the CPU: every stage, tiny models of each family",
+            "date": h["date"][:10], "commit": h["commit"] + (" + uncommitted changes" if h.get("dirty") else ""),
+            "dtype": "as each recipe says (fp32 / bf16 on tiny models)", "n": f"{len(results)} recipes",
+            "passed": sum(r.ok for r in results),
+            "tables": {"rehearsal": {"columns": list(COLUMNS), "rows": [list(x) for x in table_rows(results)]}}}
+
 
 def table(results: list[Result]) -> str:
-    rows = [("recipe", "stages", "ranks", "DeepSpeed", "wall", "result", "notes")]
-    rows += [(r.recipe, " + ".join(r.stages), str(r.ranks), r.deepspeed, f"{r.wall_s:.0f} s",
-              "pass" if r.ok else "FAIL", note(r)) for r in results]
+    rows = [COLUMNS, *table_rows(results)]
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     lines = ["| " + " | ".join(c.ljust(w) for c, w in zip(row, widths)) + " |" for row in rows]
     lines.insert(1, "|" + "|".join("-" * (w + 2) for w in widths) + "|")
