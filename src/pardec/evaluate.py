@@ -45,15 +45,11 @@ for _name, _fn in {"pardec_hydra_subdir": _hydra_subdir, "pardec_launch_name": l
 def check_renamed_params(argv: list[str]) -> None:
     """``method.heads=`` / ``method.projections=`` (the previous release's keys of Medusa's and FIRP's drafters) on the
     command line: one line naming ``method.path`` (Hydra would only say the key is not in the config)."""
-    from pardec.decoding.base import METHODS
+    from pardec.decoding.base import METHODS, check_renamed
 
     renamed = {old: new for name in METHODS.names() for old, new in METHODS.get(name).renamed.items()}
-    for arg in argv:
-        key, _, value = arg.lstrip("+~").partition("=")
-        if key.startswith("method.") and key[len("method."):] in renamed:
-            new = renamed[key[len("method."):]]
-            raise ConfigError(f"method.{key[len('method.'):]} is now method.{new} (the one key every method reads its "
-                              f"trained drafter from): pass method.{new}={value}")
+    given = dict(arg.lstrip("+~").partition("=")[::2] for arg in argv)
+    check_renamed(renamed, {k[len("method."):]: v for k, v in given.items() if k.startswith("method.")})
 
 
 def main() -> None:

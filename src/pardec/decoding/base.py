@@ -343,15 +343,20 @@ def method_params(cls: type[Decoder]) -> dict[str, inspect.Parameter]:
     return {k: p for k, p in sig.parameters.items() if k not in ("self", "target", "tokenizer", "draft")}
 
 
+def check_renamed(renamed: dict[str, str], params: dict[str, Any]) -> None:
+    """Refuse a parameter of an earlier release (``renamed``: old -> new name) in one line naming the new one."""
+    for old, new in renamed.items():
+        if old in params:
+            raise ConfigError(f"method.{old} is now method.{new} (the one key every method reads its trained drafter "
+                              f"from): pass method.{new}={params[old]}")
+
+
 def check_params(cls: type[Decoder], params: dict[str, Any]) -> None:
     """Names and types of ``method.*`` parameters against ``cls.__init__``'s signature, before any model loads:
     an unknown name or a value of the wrong type raises one line (``method.block_size='abc' must be int
     (jacobi(block_size: int = 16))``). Ranges are the method's own ``__init__`` checks."""
     valid = method_params(cls)
-    for old, new in cls.renamed.items():
-        if old in params:
-            raise ConfigError(f"method.{old} is now method.{new} (the one key every method reads its trained drafter "
-                              f"from): pass method.{new}={params[old]}")
+    check_renamed(cls.renamed, params)
     bad = sorted(set(params) - set(valid))
     if bad:
         raise ConfigError(f"method {cls.name!r} has no parameter(s) {bad}; valid: {', '.join(valid) or 'none'}")

@@ -52,7 +52,6 @@ tests compare with ``==``, so such a completion passes. That is a limit of Human
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import os
 import resource
@@ -218,9 +217,9 @@ def _bwrap_problem() -> str | None:
         return "bwrap not found"
     with tempfile.TemporaryDirectory(prefix="pardec_sandbox_probe_") as d:
         try:
-            with user_namespace() as (user, prefix, fds):
-                p = subprocess.run([*bwrap_args(Path(d), (), user), *prefix, "true"], capture_output=True,
-                                   timeout=30, pass_fds=fds)
+            user, prefix, fds = user_namespace()
+            p = subprocess.run([*bwrap_args(Path(d), (), user), *prefix, "true"], capture_output=True, timeout=30,
+                               pass_fds=fds)
         except (OSError, subprocess.TimeoutExpired) as e:
             return f"bwrap failed to start ({e})"
     if p.returncode != 0:
@@ -283,13 +282,13 @@ def _run(argv: list[str], timeout_s: float, memory_mb: int, fsize_mb: int, files
            "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
     limits = ((resource.RLIMIT_AS, memory_mb << 20), (resource.RLIMIT_FSIZE, fsize_mb << 20),
               (resource.RLIMIT_CORE, 0), (resource.RLIMIT_CPU, int(timeout_s) + 1))
-    namespaces = user_namespace() if mode.startswith("bwrap") else contextlib.nullcontext(([], [], ()))
+    user, prefix, fds = user_namespace() if mode.startswith("bwrap") else ([], [], ())
     ctl_r = ctl_w = None
     if marker:
         ctl_r, ctl_w = os.pipe()
         env[_CTL_ENV] = str(ctl_w)
     try:
-        with open(top / "stdout", "wb") as out, open(top / "stderr", "wb") as err, namespaces as (user, prefix, fds):
+        with open(top / "stdout", "wb") as out, open(top / "stderr", "wb") as err:
             if mode.startswith("bwrap"):
                 argv = [*bwrap_args(work, ro_paths, user), *prefix, *argv]
             t0 = time.perf_counter()

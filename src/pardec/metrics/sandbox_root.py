@@ -19,14 +19,13 @@ program as 65534 with no capabilities and no way back (``--no-new-privs``): the 
 
 from __future__ import annotations
 
-import contextlib
+import functools
 import os
 import shutil
 import subprocess
 import sys
 import sysconfig
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 #: the OS's own read-only software the interpreter links against, bound as it is (a symlink re-created as one)
@@ -124,23 +123,19 @@ def root_args(work: Path, ro_paths: tuple[str, ...] = ()) -> list[str]:
     return [*args, *bind("--bind", str(work), str(work)), "--chdir", str(work)]
 
 
-@contextlib.contextmanager
-def user_namespace() -> Iterator[tuple[list[str], list[str], tuple[int, ...]]]:
+def user_namespace() -> tuple[list[str], list[str], tuple[int, ...]]:
     """(bubblewrap's user arguments, the program's argv prefix, the fds to pass) that run the program as an
     unprivileged host user: bubblewrap's own ``--uid`` mapping when this process is not root; as root, a user
-    namespace mapping 0 -> 0 and 65534 -> 65534 that bubblewrap joins, and ``setpriv`` to 65534."""
+    namespace mapping 0 -> 0 and 65534 -> 65534 that bubblewrap joins (one per process), and ``setpriv`` to 65534."""
     if os.geteuid() != 0:
-        yield ["--unshare-all", "--uid", str(NOBODY), "--gid", str(NOBODY), "--cap-drop", "ALL"], [], ()
-        return
+        return ["--unshare-all", "--uid", str(NOBODY), "--gid", str(NOBODY), "--cap-drop", "ALL"], [], ()
     fd = _mapped_namespace()
-    try:
-        yield (["--userns", str(fd), "--unshare-ipc", "--unshare-pid", "--unshare-net", "--unshare-uts", "--unshare-cgroup",
-                "--cap-drop", "ALL", "--cap-add", "CAP_SETUID", "--cap-add", "CAP_SETGID"],
-               [setpriv(), f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups", "--no-new-privs", "--"], (fd,))
-    finally:
-        os.close(fd)
+    return (["--userns", str(fd), "--unshare-ipc", "--unshare-pid", "--unshare-net", "--unshare-uts", "--unshare-cgroup",
+             "--cap-drop", "ALL", "--cap-add", "CAP_SETUID", "--cap-add", "CAP_SETGID"],
+            [setpriv(), f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups", "--no-new-privs", "--"], (fd,))
 
 
+@functools.cache
 def setpriv() -> str:
     path = shutil.which("setpriv", path="/usr/bin:/bin")
     if path is None:
@@ -149,9 +144,11 @@ def setpriv() -> str:
     return path
 
 
+@functools.cache
 def _mapped_namespace() -> int:
     """An fd of a new user namespace whose uid and gid maps are ``0 0 1`` and ``65534 65534 1`` (written by this
-    process, root in the parent namespace); the fd keeps it alive after its first process is gone."""
+    process, root in the parent namespace); the fd keeps it alive after its first process is gone, and every run of
+    this process joins it (made once: a namespace holds no state of a run)."""
     holder = subprocess.Popen(["unshare", "--user", "--", "sleep", "30"], stdin=subprocess.DEVNULL,
                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     try:

@@ -14,7 +14,7 @@
   above (exact up to rounding for a merged LoRA of rank <= r), ones whose rows only partly differ (an embedding that
   grew by a new token's row) as those rows, ``<name>.rows`` [k, ...] and ``<name>.row_ids`` [k]; others whole.
 
-:func:`materialize` is the inverse for a directory whose manifest names a ``lowrank`` or ``from_target`` form: the full
+:func:`materialize` is the inverse for a directory whose manifest names one of :data:`TARGET_FORMS`: the full
 tensors once into ``data/zoo/<zoo>/<name>-<sha12>/`` (keyed by the stored weights' hash, so an altered artifact never
 reuses a stale copy); other artifacts are read where they are.
 """
@@ -164,8 +164,8 @@ def _matches(final: Path, pattern: str) -> list[Path]:
 
 
 def materialize(artifact: Path, manifest: dict) -> Path:
-    """The directory a loader reads for a verified artifact: itself, or (a ``lowrank`` form) its full tensors
-    rebuilt once against the target's weights under ``data/zoo/``."""
+    """The directory a loader reads for a verified artifact: itself, or (a form of :data:`TARGET_FORMS`) its full
+    tensors rebuilt once against the target's weights under ``data/zoo/``."""
     store = manifest.get("store") or {}
     if not any(store.get(k) for k in TARGET_FORMS):
         return artifact
