@@ -164,7 +164,9 @@ def render_index(md_file: Path, docs: Path) -> str:
         meta = data if isinstance(data, dict) else {}
         sub = f.parent.relative_to(docs / "results").as_posix()  # raw records in a folder of their own: its name
         rows.append((f.stem.split("_")[0] if sub == "." else sub, str(meta.get("date") or ""), f, meta))
-    rows.sort(key=lambda r: (r[0], [-ord(c) for c in r[1]], r[2].name))
+    rows.sort(key=lambda r: r[2].name)
+    rows.sort(key=lambda r: r[1] or "~", reverse=True)  # undated, then newest first; then by topic (stable sorts)
+    rows.sort(key=lambda r: r[0])
     return markdown_table(["topic", "file", "what it holds", "date", "transcribed"],
                           [[topic, f"[{f.name}]({_rel(f, md_file)})",
                             str(m.get("title") or m.get("command") or "-").replace("|", "/")[:200],
