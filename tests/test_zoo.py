@@ -334,6 +334,11 @@ def test_the_headline_and_stored_form_of_a_fine_tuned_target():
              "per_source": {}}
     assert headline(sdsat) == "E[tokens/loop] 1.73, ppl x0.951"
     assert headline({"adaptive": {"expected_tokens_per_loop_vs_model": 2.0}, "ppl_ratio": None}) == "E[tokens/loop] 2.00"
+    # CLLM: the summary's fast-forward (the base model's beside it where measured); per held-out set, the trained's
+    assert headline({"fast_forward": 1.8234, "tokens_per_forward": 1.7}) == "fast-forward 1.82"
+    assert headline({"fast_forward": 1.8234, "base_fast_forward": 1.049}) == "fast-forward 1.82 (base 1.05)"
+    assert headline({"trained": {"fast_forward": 1.9}, "base": {"fast_forward": 1.01}}) == "fast-forward 1.90 (base 1.01)"
+    assert headline({"trained": {"fast_forward": 1.9}}) == "fast-forward 1.90"
     store = {"dtype": "bf16", "target_delta": {"tensors": ".*", "rank": 16}, "unchanged": ["a", "b"],
              "tensors": {"q": {"form": "lowrank"}, "k": {"form": "lowrank"}, "emb": {"form": "rows"}}}
     assert stored_form(store) == ("bf16, the target + rank-16 deltas of 2 linears, 1 tensor(s) by changed rows, "

@@ -1,7 +1,7 @@
 """`python -m train +experiment=<name> [stage=<stage>|all] [key=value ...]`: train what an experiment describes.
 
 Every experiment names its kind (``conf/kind/<kind>.yaml``), a registered :class:`~pardec.training.kinds.Kind`
-whose package under :mod:`pardec.training` holds its stages: ``cllm`` (collect | train), ``draft`` and ``heads``
+whose package under :mod:`pardec.training` holds its stages: ``cllm`` (collect | generate | train | eval), ``draft`` and ``heads``
 (generate | train | eval), ``sdsat`` (mask | train | eval); ``stage=all`` runs them in order. This module only
 composes, validates, picks the kind and runs it; the summary goes to ``<run dir>/train_summary.json``.
 

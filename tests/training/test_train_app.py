@@ -113,8 +113,16 @@ def test_errors_name_the_choices():
         validate(_compose(["+experiment=cllm_tiny", "trainer.distance=kl"]))
     with pytest.raises(ConfigError, match="loss_type='both' is not valid"):
         CLLMConfig(output_dir="/tmp/unused", loss_type="both")
-    with pytest.raises(ConfigError, match="stage='eval'"):
-        validate(_compose(["+experiment=cllm_tiny", "stage=eval"]))
+    with pytest.raises(ConfigError, match="stage='mask'"):
+        validate(_compose(["+experiment=cllm_tiny", "stage=mask"]))
+    with pytest.raises(ConfigError, match=r"stage=eval needs held-out prompts: eval.sources is empty"):
+        validate(_compose(["+experiment=cllm_tiny", "stage=eval"]))  # before any model loads
+    with pytest.raises(ConfigError, match=r"unknown key\(s\) \['blocks'\] in eval; valid: sources, block_size"):
+        validate(_compose(["+experiment=cllm_tiny", "+eval.blocks=4"]))
+    with pytest.raises(ConfigError, match="eval.block_size=0 is out of range: it must be an integer >= 1"):
+        validate(_compose(["+experiment=cllm_tiny", "eval.block_size=0"]))
+    with pytest.raises(ConfigError, match=r"eval.sources\[0\] must be \{dataset"):
+        validate(_compose(["+experiment=cllm_tiny", "eval.sources=[{name: gsm8k}]"]))
     with pytest.raises(ConfigError, match="trainer.states_per_sample=0 is out of range: it must be >= 1"):
         validate(_compose(["+experiment=cllm_tiny", "trainer.states_per_sample=0"]))
     with pytest.raises(ConfigError, match="trainer.proxy_records=-1 is out of range: it must be >= 0"):
@@ -155,6 +163,24 @@ def test_tiny_end_to_end_with_lora_then_resume(tmp_path):
     ids = torch.tensor([records[0]["prompt_ids"]])
     assert not torch.allclose(final.model(ids).logits, base.model(ids).logits)  # merged LoRA weights
     assert final.tokenizer.eos_token == base.tokenizer.eos_token and final.model.config.use_cache
+
+    # stage eval: skipped by stage=all without held-out prompts; with them, the final model and (eval.base) the base
+    # Jacobi-decode them at the collected block and horizon, into cllm_eval.json and the summary's eval section
+    assert summary["eval"] == {"skipped": "eval.sources is empty"}
+    held = ("eval.sources=[{dataset: {name: gsm8k, path: '${paths.root_dir}/tests/training/data/gsm8k_tiny.jsonl', "
+            "split: train}, max_prompts: 3}]")
+    ev_summary = run(_tiny(tmp_path, "stage=eval", held, "eval.base=true"), run_dir)["eval"]
+    ev = json.loads((run_dir / "cllm_eval.json").read_text())
+    assert (ev["block_size"], ev["max_new_tokens"]) == (4, 12)
+    per = ev["per_dataset"]["gsm8k"]
+    for label in ("trained", "base"):
+        runs = ev["prompts"]["gsm8k"][label]
+        assert len(runs) == 3 and per[label]["prompts"] == 3 and all(1 <= r["fast_forward"] <= 4 for r in runs)
+        assert per[label]["fast_forward"] == pytest.approx(sum(r["fast_forward"] for r in runs) / 3)
+        assert per[label]["tokens"] == sum(r["tokens"] for r in runs) and 0 < per[label]["tokens"] <= 3 * 12
+        assert per[label]["tokens_per_forward"] == pytest.approx(per[label]["tokens"] / per[label]["forwards"])
+    assert ev_summary["fast_forward"] == ev["overall"]["trained"]["fast_forward"]
+    assert ev_summary["base_fast_forward"] == ev["overall"]["base"]["fast_forward"]
 
     # full fine-tuning with checkpoints, then resumed from the latest one; collection is reused as is
     run(_tiny(tmp_path, "stage=all", "trainer.save_strategy=steps", "trainer.save_steps=1"), run_dir)

@@ -13,8 +13,15 @@ from pardec.zoo import DEFAULT_TARGET, MANIFEST, check_names, entries, recipe_ha
 def headline(metrics: dict | None) -> str:
     """The figure a drafter's held-out evaluation leads with: expected tokens per forward (EAGLE-3, DFlash), the
     best searched tree's expected accepted length (Medusa, FIRP), SDSAT's expected tokens per two-step loop against
-    the model's own greedy tokens (and the held-out text's perplexity against the base's), else top-1 agreement."""
+    the model's own greedy tokens (and the held-out text's perplexity against the base's), CLLM's fast-forward
+    (tokens committed per Jacobi iteration; the base model's beside it where measured), else top-1 agreement."""
     m = metrics or {}
+    if isinstance(m.get("trained"), dict):  # CLLM, per held-out set: the trained model's figures (and the base's)
+        base = (m.get("base") or {}).get("fast_forward")
+        m = {**m["trained"], **({"base_fast_forward": base} if base is not None else {})}
+    if "fast_forward" in m:
+        base = m.get("base_fast_forward")
+        return f"fast-forward {m['fast_forward']:.2f}" + (f" (base {base:.2f})" if base is not None else "")
     adaptive = (m.get("overall") or m).get("adaptive") or {}
     if adaptive.get("expected_tokens_per_loop_vs_model") is not None:
         ratio = (m.get("overall") or m).get("ppl_ratio")

@@ -172,9 +172,11 @@ def compact(value: Any, depth: int = 0) -> Any:
 
 def eval_metrics(run_dir: Path) -> dict[str, Any] | None:
     """The recipe's held-out figures: its summary's ``eval`` section, and per held-out set what its evaluation file
-    (``heads_eval.json``, ``draft_eval.json``; SDSAT's ``sdsat_eval.json``: overall and per source) holds."""
+    (``heads_eval.json``, ``draft_eval.json``, ``cllm_eval.json``; SDSAT's ``sdsat_eval.json``: overall and per
+    source) holds."""
     summary = json.loads((run_dir / "train_summary.json").read_text()).get("eval")
-    f = next((run_dir / n for n in ("heads_eval.json", "draft_eval.json") if (run_dir / n).is_file()), None)
+    f = next((run_dir / n for n in ("heads_eval.json", "draft_eval.json", "cllm_eval.json")
+              if (run_dir / n).is_file()), None)
     if summary is not None and f is not None:
         per = json.loads(f.read_text()).get("per_dataset") or {}
         summary = {**summary, "per_dataset": compact(per)}

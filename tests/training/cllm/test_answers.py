@@ -175,7 +175,7 @@ def test_generate_stage_resumes_skips_and_feeds_the_train_stage(tmp_path, monkey
 
     kind = CLLMKind()
     spec = validate(_tiny(tmp_path))
-    assert kind.stages == ("collect", "generate", "train") and spec.ar_answer == "whole"
+    assert kind.stages == ("collect", "generate", "train", "eval") and spec.ar_answer == "whole"
     assert (spec.collect.max_new_tokens, spec.gen.max_new_tokens) == (12, 20)
     assert [s.max_prompts for s in spec.gen.sources] == [None] and spec.gen.sources[0].dataset == spec.dataset
     kind.stage_collect(spec, tmp_path, Ranks())

@@ -1,6 +1,6 @@
 """Kind ``cllm``: consistency LLMs (Kou et al. 2024), ``python -m train +experiment=cllm_<name>``.
 
-Stages (``stage=collect|generate|train|all``):
+Stages (``stage=collect|generate|train|eval|all``):
 
 * ``collect``: Jacobi trajectories of ``model`` on ``dataset`` into ``collect.out_dir`` (:mod:`.collect`, schema in
   :mod:`.trajectories`; default ``${paths.data_dir}/trajectories/<experiment>``); resumable: rerun the same command
@@ -14,7 +14,10 @@ Stages (``stage=collect|generate|train|all``):
   ``collect.out_dir``; samples and collator in :mod:`.data`), the AR rows holding the teacher's whole answers
   (``ar_answer``, :mod:`.answers`: collected answers extended from the corpus, matched by prompt ids); the final
   model (LoRA merged) and tokenizer go to ``<run dir>/final``, loadable with ``python -m evaluate +method=jacobi
-  model=local model.path=<run dir>/final``.
+  model=local model.path=<run dir>/final``;
+* ``eval``: held-out Jacobi decoding with ``<run dir>/final`` (``eval.sources``; :mod:`.evaluate`): its fast-forward
+  and tokens per forward per source, into ``<run dir>/cllm_eval.json``. Without ``eval.sources`` ``stage=all``
+  skips it and ``stage=eval`` is refused.
 """
 
 from __future__ import annotations
@@ -25,12 +28,13 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 from pardec.config import ConfigError, DatasetConfig, check_types, to_dataclass
 from pardec.jsonl import read_json
 from pardec.training.cllm.answers import check_ar_answer
 from pardec.training.cllm.collect import CollectConfig
+from pardec.training.cllm.evaluate import EvalConfig, eval_config
 from pardec.training.kinds import Kind, Spec, common_fields, register_kind
 
 log = logging.getLogger(__name__)
@@ -57,12 +61,14 @@ class CLLMSpec(Spec):
     ar_answer: str  # whole | collected (pardec.training.cllm.answers)
     ar_clean: bool  # drop records whose whole AR answer loops (collect.clean's rule; default: collect.clean)
     gen: Any  # pardec.training.completions.GenerateConfig: the teacher's whole answers (stage generate)
+    eval: EvalConfig  # stage eval: held-out Jacobi decoding
 
 
 @register_kind("cllm")
 class CLLMKind(Kind):
     name = "cllm"
-    stages = ("collect", "generate", "train")
+    stages = ("collect", "generate", "train", "eval")
+    rank0_stages = ("eval",)
     example = "cllm_tiny"
 
     def validate(self, cfg: DictConfig, name: str) -> CLLMSpec:
@@ -72,13 +78,17 @@ class CLLMKind(Kind):
         _, completions = self.sections(cfg, "collect", "completions")
         ar_clean = cfg.get("ar_clean", cfg.collect.get("clean", False))
         check_types(CLLMSpec, {"ar_clean": ar_clean}, "")
+        ev = eval_config(OmegaConf.to_container(cfg.eval, resolve=True) if "eval" in cfg else None)
+        if cfg.get("stage") == "eval" and not ev.sources:
+            raise ConfigError("stage=eval needs held-out prompts: eval.sources is empty (list at least one "
+                              "{dataset: {name: ...}, max_prompts: N})")
         return CLLMSpec(**common_fields(cfg, name, CLLMConfig, lora=True),
                         dataset=to_dataclass(DatasetConfig, cfg.dataset, "dataset"),
                         collect=to_dataclass(CollectConfig, cfg.collect, "collect"),
                         train_data=Path(cfg.get("train_data") or cfg.collect.out_dir),
                         ar_answer=check_ar_answer(cfg.get("ar_answer", "whole")),
                         ar_clean=ar_clean,
-                        gen=generate_config(completions, "completions"))
+                        gen=generate_config(completions, "completions"), eval=ev)
 
     def stage_collect(self, spec: CLLMSpec, run_dir: Path, d) -> dict | None:
         from pardec.models.cached import CachedModel
@@ -172,3 +182,13 @@ class CLLMKind(Kind):
                     "proxy_records": len(held), "ar_answers": answers, "final_model": str(final)}
 
         return fit(trainer, spec, run_dir, d, finish)
+
+    def stage_eval(self, spec: CLLMSpec, run_dir: Path, d) -> dict[str, Any]:
+        from pardec.training.cllm.evaluate import evaluate_cllm
+
+        if not spec.eval.sources:  # stage=all without held-out prompts (stage=eval is refused in validate)
+            log.info("stage eval: nothing to evaluate (eval.sources is empty)")
+            return {"skipped": "eval.sources is empty"}
+        out = evaluate_cllm(spec, run_dir)
+        print(json.dumps(out, indent=2))
+        return out

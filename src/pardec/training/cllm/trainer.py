@@ -29,9 +29,6 @@ import torch
 from transformers import TrainerCallback
 
 from pardec.config import ConfigError, check_choice
-from pardec.decoding.base import Stopper
-from pardec.decoding.jacobi import Jacobi
-from pardec.models.cached import CachedModel
 from pardec.models.masks import additive_mask
 from pardec.training.base import BaseConfig, BaseTrainer, pair_means
 from pardec.training.cllm.data import (
@@ -41,6 +38,7 @@ from pardec.training.cllm.data import (
     TrajectoryDataset,
     packed_attention,
 )
+from pardec.training.cllm.evaluate import jacobi_runs, mean_fast_forward
 from pardec.training.losses import DISTANCES, IGNORE_INDEX, ce_sum, token_divergence, total_loss
 
 
@@ -223,21 +221,11 @@ class DecodingProxy:
     max_new_tokens: int
     eos_ids: set[int]
 
-    @torch.no_grad()
     def __call__(self, model) -> dict[str, float]:
         """``ff_decode``: the mean over prompts of each one's fast-forward (tokens committed per Jacobi iteration,
         as ``python -m pardec.report cllm`` averages the benchmark's); ``ff_decode_tokens``: tokens decoded."""
-        was_training = model.training
-        try:
-            decoder = Jacobi(CachedModel(model, cache="dynamic", forward_impl="hf"), block_size=self.block_size,
-                             record_trajectories=False)
-            stop = Stopper(eos_ids=self.eos_ids)
-            runs = [decoder.generate(p, self.max_new_tokens, stop) for p in self.prompts]
-        finally:
-            model.train(was_training)
-        ff = [r.extras["fast_forward"] for r in runs]
-        return {"ff_decode": _mean(ff),
-                "ff_decode_tokens": float(sum(len(r.tokens) for r in runs))}
+        runs = jacobi_runs(model, self.prompts, self.block_size, self.max_new_tokens, self.eos_ids)
+        return {"ff_decode": mean_fast_forward(runs), "ff_decode_tokens": float(sum(len(r.tokens) for r in runs))}
 
 
 def _mean(xs: list[float]) -> float:
