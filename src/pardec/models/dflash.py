@@ -41,6 +41,7 @@ from transformers.models.llama.modeling_llama import LlamaRMSNorm, LlamaRotaryEm
 
 from pardec.config import ConfigError, check_choice
 from pardec.models.draft_layers import SwiGLU, rope_settings, rotate
+from pardec.models.drafter_types import TargetParts, only, register_drafter
 
 KIND = "dflash"
 FUSIONS = ("concat", "layerwise")  # concat: the paper's; layerwise: DFlare's per-layer mix
@@ -167,6 +168,7 @@ class _Layer(nn.Module):
         self.mlp = SwiGLU(c.hidden_size, c.intermediate_size)
 
 
+@register_drafter(KIND)
 class DFlashDraft(nn.Module):
     """DFlash's draft (module docstring). :meth:`context_kv` turns target features into every layer's context
     keys/values (the caller keeps them: the decoder's context cache, a training batch's); :meth:`forward` runs
@@ -203,6 +205,24 @@ class DFlashDraft(nn.Module):
 
     def meta(self) -> dict[str, Any]:
         return {"dflash": self.config.to_dict()}
+
+    @classmethod
+    def fresh(cls, base_config, target: TargetParts, options: dict[str, Any]) -> DFlashDraft:
+        """:func:`new_dflash` (options ``layers`` and ``dflash``: :meth:`DFlashConfig.for_target`'s); the mask
+        embedding starts at the target embedding's mean row."""
+        o = only(options, cls.kind, ("layers", "dflash"))
+        return new_dflash(base_config, None if target.embed is None else target.embed.weight,
+                          **{"layer_ids": o.get("layers"), **(o.get("dflash") or {})})
+
+    @classmethod
+    def from_heads(cls, base_config, heads: dict[str, Any]) -> DFlashDraft:
+        """From a ``heads`` config section alone (no target weights: a memory plan's meta-device build)."""
+        return cls.fresh(base_config, TargetParts(), {"layers": heads.get("layers"), "dflash": {
+            k: heads[k] for k in ("num_layers", "block_size", "mask_token_id", "fusion") if k in heads}})
+
+    @classmethod
+    def from_saved(cls, meta: dict[str, Any], state: dict, base_config) -> DFlashDraft:
+        return cls(DFlashConfig.from_dict(meta["dflash"]))
 
     # ------------------------------------------------------------------ compute
     @property

@@ -33,6 +33,7 @@ from transformers.models.llama.modeling_llama import LlamaRMSNorm, LlamaRotaryEm
 
 from pardec.config import ConfigError
 from pardec.models.draft_layers import SwiGLU, rope_settings, rotate
+from pardec.models.drafter_types import TargetParts, only, register_drafter
 from pardec.models.vocab import DraftVocab, scatter_logits
 
 KIND = "eagle3"
@@ -132,6 +133,7 @@ class _Layer(nn.Module):
 KV = tuple[torch.Tensor, torch.Tensor]
 
 
+@register_drafter(KIND)
 class Eagle3Draft(nn.Module):
     """EAGLE-3's draft (module docstring). ``forward`` runs new entries after ``past`` (their keys/values, which the
     caller keeps: the decoder's draft cache, training-time test's steps); ``logits`` maps outputs to draft-vocabulary
@@ -166,6 +168,27 @@ class Eagle3Draft(nn.Module):
     @property
     def vocab(self) -> DraftVocab:
         return DraftVocab.from_maps(self.d2t, self.t2d, self.config.vocab_size)
+
+    @classmethod
+    def fresh(cls, base_config, target: TargetParts, options: dict[str, Any]) -> Eagle3Draft:
+        """:func:`new_eagle3` (options ``layers``, ``vocab``); the head starts from the target's LM head rows."""
+        o = only(options, cls.kind, ("layers", "vocab"))
+        return new_eagle3(base_config, o.get("vocab"), o.get("layers"),
+                          None if target.lm_head is None else target.lm_head.weight)
+
+    @classmethod
+    def from_heads(cls, base_config, heads: dict[str, Any]) -> Eagle3Draft:
+        """From a ``heads`` config section alone (no target weights, no corpus: the draft vocabulary's first
+        ``draft_vocab_size`` ids stand in for the counted ones; a memory plan's meta-device build)."""
+        size = int(heads.get("draft_vocab_size", base_config.vocab_size))
+        return cls.fresh(base_config, TargetParts(), {"layers": heads.get("layers"),
+                                                      "vocab": DraftVocab(range(size), int(base_config.vocab_size))})
+
+    @classmethod
+    def from_saved(cls, meta: dict[str, Any], state: dict, base_config) -> Eagle3Draft:
+        """Shaped by drafter.json's ``eagle3`` config; its draft vocabulary from the saved id maps."""
+        return cls(Eagle3Config.from_dict(meta["eagle3"]),
+                   DraftVocab.from_maps(state["d2t"], state["t2d"], int(base_config.vocab_size)))
 
     # ------------------------------------------------------------------ compute
     def fuse(self, features: torch.Tensor) -> torch.Tensor:

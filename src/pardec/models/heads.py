@@ -35,14 +35,11 @@ from torch import nn
 
 from pardec.config import ConfigError
 from pardec.jsonl import read_versioned
-from pardec.models.dflash import DFlashConfig, DFlashDraft, new_dflash
-from pardec.models.eagle import Eagle3Config, Eagle3Draft, new_eagle3
+from pardec.models.drafter_types import TargetParts, drafter_class, only, register_drafter
 from pardec.models.pseudo import PSEUDO_ATTENTION
-from pardec.models.vocab import DraftVocab
 
 FORMAT = "pardec-drafter"
 VERSION = 1
-HEAD_TYPES = ("medusa", "firp", "eagle3", "dflash")  # the config key heads.type
 
 
 class ResBlock(nn.Module):
@@ -56,6 +53,7 @@ class ResBlock(nn.Module):
         return x + nn.functional.silu(self.linear(x))
 
 
+@register_drafter("medusa")
 class MedusaHeads(nn.Module):
     kind = "medusa"
 
@@ -86,7 +84,27 @@ class MedusaHeads(nn.Module):
     def meta(self) -> dict[str, Any]:
         return {"num_heads": self.num_heads, "num_blocks": self.num_blocks}
 
+    @classmethod
+    def fresh(cls, base_config, target: TargetParts, options: dict[str, Any]) -> MedusaHeads:
+        """Each head's linear starts as the target's LM head (when given): Medusa's initialisation."""
+        o = only(options, cls.kind, ("num_heads", "num_blocks"))
+        hidden, vocab, _ = _shape(base_config)
+        heads = cls(hidden, vocab, o.get("num_heads", 3), o.get("num_blocks", 1))
+        return heads.init_from(target.lm_head) if target.lm_head is not None else heads
 
+    @classmethod
+    def from_heads(cls, base_config, heads: dict[str, Any]) -> MedusaHeads:
+        """From a ``heads`` config section alone (no target weights: a memory plan's meta-device build)."""
+        return cls.fresh(base_config, TargetParts(), {"num_heads": heads.get("num_heads", 3),
+                                                      "num_blocks": heads.get("num_blocks", 1)})
+
+    @classmethod
+    def from_saved(cls, meta: dict[str, Any], state: dict, base_config) -> MedusaHeads:
+        hidden, vocab, _ = _shape(base_config)
+        return cls(hidden, vocab, int(meta["num_heads"]), int(meta.get("num_blocks", 1)))
+
+
+@register_drafter("firp")
 class FirpProjections(nn.Module):
     kind = "firp"
 
@@ -119,33 +137,41 @@ class FirpProjections(nn.Module):
     def meta(self) -> dict[str, Any]:
         return {"layers": self.layers, "attention": self.attention}
 
-
-Drafter = MedusaHeads | FirpProjections | Eagle3Draft | DFlashDraft
-
-
-def new_drafter(kind: str, base_config, *, num_heads: int = 3, num_blocks: int = 1,
-                layers: list[int] | None = None, lm_head: nn.Linear | None = None, attention: str = "real",
-                vocab: DraftVocab | None = None, embed: nn.Embedding | None = None,
-                dflash: dict[str, Any] | None = None) -> Drafter:
-    """A fresh drafter for a model with config ``base_config`` (layer indices checked against it); ``vocab``: an
-    EAGLE-3 draft's reduced vocabulary (None: the target's); ``embed``, ``dflash``: a DFlash draft's target
-    embedding (its mean row starts the learned mask embedding) and :meth:`DFlashConfig.for_target` options."""
-    hidden, vocab_size, n_layers = _shape(base_config)
-    if kind == "dflash":
-        return new_dflash(base_config, None if embed is None else embed.weight,
-                          **{"layer_ids": layers, **(dflash or {})})
-    if kind == "eagle3":
-        return new_eagle3(base_config, vocab, layers, None if lm_head is None else lm_head.weight)
-    if kind == "medusa":
-        heads = MedusaHeads(hidden, vocab_size, num_heads, num_blocks)
-        return heads.init_from(lm_head) if lm_head is not None else heads
-    if kind == "firp":
-        layers = list(layers or [])
+    @classmethod
+    def fresh(cls, base_config, target: TargetParts, options: dict[str, Any]) -> FirpProjections:
+        """Identity projections reading the states entering ``layers`` (checked against the target's layers)."""
+        o = only(options, cls.kind, ("layers", "attention"))
+        hidden, vocab, n_layers = _shape(base_config)
+        layers = list(o.get("layers") or [])
         bad = [x for x in layers if not 0 <= x < n_layers]
         if bad:
             raise ConfigError(f"firp layers={layers} is out of range: the model has layers 0..{n_layers - 1}")
-        return FirpProjections(hidden, vocab_size, layers, attention)
-    raise ConfigError(f"heads.type={kind!r} is not valid; choose one of: {', '.join(HEAD_TYPES)}")
+        return cls(hidden, vocab, layers, o.get("attention", "real"))
+
+    @classmethod
+    def from_heads(cls, base_config, heads: dict[str, Any]) -> FirpProjections:
+        """From a ``heads`` config section alone (no target weights: a memory plan's meta-device build)."""
+        return cls.fresh(base_config, TargetParts(), {"layers": heads.get("layers"),
+                                                      "attention": heads.get("attention", "real")})
+
+    @classmethod
+    def from_saved(cls, meta: dict[str, Any], state: dict, base_config) -> FirpProjections:
+        # drafters saved before the attention key existed were trained with pseudo attention
+        return cls.fresh(base_config, TargetParts(), {"layers": list(meta["layers"]),
+                                                      "attention": meta.get("attention", "pseudo")})
+
+
+Drafter = nn.Module  # any registered drafter model (pardec.models.drafter_types)
+
+
+def new_drafter(kind: str, base_config, *, lm_head: nn.Linear | None = None, embed: nn.Embedding | None = None,
+                **options: Any) -> Drafter:
+    """A fresh drafter of type ``kind`` (:mod:`pardec.models.drafter_types`) for a model with config
+    ``base_config``; ``lm_head``, ``embed``: the target's, which some types start from (Medusa's heads and EAGLE-3's
+    head its LM head, DFlash's mask embedding its mean embedding row); ``options``: the type's own (Medusa
+    ``num_heads``, ``num_blocks``; FIRP ``layers``, ``attention``; EAGLE-3 ``layers``, ``vocab``; DFlash ``layers``
+    and ``dflash``: :meth:`DFlashConfig.for_target` options)."""
+    return drafter_class(kind).fresh(base_config, TargetParts(lm_head=lm_head, embed=embed), options)
 
 
 def num_parameters(module: nn.Module) -> int:
@@ -187,16 +213,7 @@ def load_drafter(path: str | Path, base_config, kind: str, key: str = "method.pa
                 f"{key}={str(path)!r} was trained for another model ({meta.get('base_model')!r}: {name} "
                 f"{meta.get(name)}); the target has {name} {want}")
     state = load_file(str(Path(path) / "drafter.safetensors"))
-    if kind == "medusa":
-        drafter: Drafter = MedusaHeads(hidden, vocab, int(meta["num_heads"]), int(meta.get("num_blocks", 1)))
-    elif kind == "eagle3":
-        drafter = Eagle3Draft(Eagle3Config.from_dict(meta["eagle3"]),
-                              DraftVocab.from_maps(state["d2t"], state["t2d"], vocab))
-    elif kind == "dflash":
-        drafter = DFlashDraft(DFlashConfig.from_dict(meta["dflash"]))
-    else:
-        drafter = new_drafter("firp", base_config, layers=list(meta["layers"]),
-                              attention=meta.get("attention", "pseudo"))
+    drafter: Drafter = drafter_class(kind).from_saved(meta, state, base_config)
     drafter.load_state_dict(state)
     return drafter.eval(), meta
 

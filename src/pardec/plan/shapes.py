@@ -128,23 +128,13 @@ def draft_params(hub_id: str, layers: int, vocab_size: int, freeze_embeddings: b
 
 
 def drafter_params(hub_id: str, heads: dict[str, Any]) -> int:
-    """Medusa heads / FIRP projections / an EAGLE-3 or DFlash draft (:func:`pardec.models.heads.new_drafter`, built
-    on the meta device)."""
+    """The parameters of the drafter a ``heads`` section describes (its type's ``from_heads``,
+    :mod:`pardec.models.drafter_types`, built on the meta device)."""
     import torch
 
-    from pardec.models.heads import new_drafter
-    from pardec.models.vocab import DraftVocab
+    from pardec.models.drafter_types import drafter_class
 
     cfg = _meta_model(hub_id).config
-    kind = heads["type"]
     with torch.device("meta"):
-        if kind == "dflash":
-            d = new_drafter("dflash", cfg, layers=heads.get("layers"), dflash={
-                k: heads[k] for k in ("num_layers", "block_size", "mask_token_id", "fusion") if k in heads})
-        elif kind == "eagle3":
-            size = int(heads.get("draft_vocab_size", cfg.vocab_size))
-            d = new_drafter("eagle3", cfg, layers=heads.get("layers"), vocab=DraftVocab(range(size), cfg.vocab_size))
-        else:
-            d = new_drafter(kind, cfg, num_heads=heads.get("num_heads", 3), num_blocks=heads.get("num_blocks", 1),
-                            layers=heads.get("layers"), attention=heads.get("attention", "real"))
+        d = drafter_class(heads["type"]).from_heads(cfg, heads)
     return sum(p.numel() for p in d.parameters())

@@ -20,14 +20,12 @@ from pardec.models.heads import load_drafter, new_drafter
 from pardec.models.vocab import DraftVocab
 from pardec.train import run, validate
 from pardec.training.completions import CompletionDataset
-from pardec.training.heads.batches import RightPadCollator
-from pardec.training.heads.eagle import acceptance, ttt_mask, ttt_terms, ttt_unroll
+from pardec.training.heads.batches import RightPadCollator, term_count
+from pardec.training.heads.eagle import acceptance, eagle3_vocab, ttt_mask, ttt_terms, ttt_unroll
 from pardec.training.heads.target import TargetPass, target_pass
 from pardec.training.heads.trainer import (
     HeadsConfig,
     HeadsTrainer,
-    eagle3_vocab,
-    term_count,
 )
 from tests.conftest import tiny
 from tests.training.test_train_app import _compose

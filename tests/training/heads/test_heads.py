@@ -15,13 +15,12 @@ from pardec.decoding.tree_search import resolve_tree
 from pardec.models.heads import load_drafter, new_drafter
 from pardec.train import run, validate
 from pardec.training.completions import CompletionDataset
-from pardec.training.heads.batches import RightPadCollator
+from pardec.training.heads.batches import RightPadCollator, term_count
 from pardec.training.heads.trainer import (
     HeadsConfig,
     HeadsTrainer,
     _new_drafter,
     future_ranks,
-    term_count,
 )
 from tests.conftest import tiny
 from tests.training.test_train_app import _compose
@@ -242,7 +241,7 @@ def test_resume_continues_from_the_checkpoint(tmp_path, name, kind, layers):
 @pytest.mark.slow
 def test_config_errors(tmp_path):
     cases = [
-        ("heads_medusa_tiny", ["heads.type=eagle"], r"heads.type='eagle' is not valid; choose one of: medusa, firp"),
+        ("heads_medusa_tiny", ["heads.type=eagle"], r"heads.type='eagle' is not valid; choose one of: dflash, eagle3, firp, medusa"),
         ("heads_medusa_tiny", ["heads.num_heads=0"], "heads.num_heads=0 is out of range: it must be an integer >= 1"),
         ("heads_medusa_tiny", ["heads.num_blocks=0"], "heads.num_blocks=0 is out of range"),
         ("heads_medusa_tiny", ["heads.head_decay=0"], r"heads.head_decay=0 is out of range: it must be a number in \(0, 1\]"),
@@ -277,7 +276,7 @@ def test_config_errors(tmp_path):
     bare = validate(_compose(_overrides(tmp_path, "heads_firp_tiny", "~heads.attention", "~heads.distance")))
     assert bare.heads == {"type": "firp", "layers": [1, 2]}  # trained with the paper's attention and KL when not given
     lm = tiny(0, layers=3)
-    assert _new_drafter(bare, lm.model).attention == "real"
+    assert _new_drafter(bare, lm.model)[0].attention == "real"
 
 
 def test_right_padding_never_changes_real_logits():

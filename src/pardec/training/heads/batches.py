@@ -41,3 +41,8 @@ def held_out_windows(records: list[dict], device):
         if n - 3 < p - 1:
             continue
         yield full, torch.tensor([full[:-1]], device=device), torch.arange(p - 1, n - 2)
+
+
+def term_count(loss_mask: torch.Tensor, k: int) -> int:
+    """The (position, depth) terms of a batch: depth ``d`` (0-based) pairs anchor ``t`` with target ``t + d + 1``."""
+    return sum(int(loss_mask[:, d + 1 :].sum()) for d in range(k))

@@ -33,11 +33,16 @@ from __future__ import annotations
 
 import zlib
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from transformers import TrainerCallback
 
+from pardec.config import ConfigError, check_at_least, check_choice, check_range
+from pardec.models.dflash import FUSIONS, LAYER_INITS
 from pardec.training.heads.batches import RightPadCollator
+from pardec.training.heads.target import target_pass
+from pardec.training.heads.types import HeadsType, check_layer_list, register_heads_type
 
 LOSSES = ("ce", "kl")
 WEIGHTINGS = ("decay", "dpace")
@@ -209,7 +214,6 @@ def acceptance(base, drafter, records: list[dict], block: int, topk: int = 10, c
     :func:`pardec.training.heads.heldout.summarise` with ``steps = block - 1`` (``expected_tokens_per_forward`` =
     1 + the mean accepted run)."""
     from pardec.training.heads.heldout import summarise
-    from pardec.training.heads.target import target_pass
 
     device = next(base.parameters()).device
     s = block - 1
@@ -248,3 +252,107 @@ def acceptance(base, drafter, records: list[dict], block: int, topk: int = 10, c
               "reached": (prev & valid).sum(0).tolist(), "topk": (top & valid).sum(0).tolist(),
               "top1": (top1 & valid).sum(0).tolist(), "anchors": anchors_n, "target_matches": same}
     return summarise(counts, s, topk)
+
+
+# ------------------------------------------------------------------------------------------- the type
+#: the corpus sequences that calibrate a DFlash draft started from the target's layers (layer_init: target)
+CALIBRATION_SEQUENCES = 8
+
+
+@register_heads_type
+class DFlashType(HeadsType):
+    """``heads.type: dflash``: a few target-width layers filling a block of mask slots from the fused target states
+    (this module: the collator of anchored blocks, the block loss, the acceptance by block position)."""
+
+    name = "dflash"
+    keys = tuple(DFLASH_DEFAULTS) + ("layers",)
+    chain = True
+    logged_loss = "ce"  # DFlash's cross-entropy to the label (block_terms sums it whatever heads.loss trains on)
+
+    def check(self, heads: dict) -> None:
+        """DFlash's keys (defaults: :data:`DFLASH_DEFAULTS`), each range and choice checked; ``layers`` null:
+        DFlash's evenly spaced target layers, one per draft layer."""
+        for key, v in DFLASH_DEFAULTS.items():
+            heads.setdefault(key, v)
+        for key, lo in (("num_layers", 1), ("block_size", 2), ("num_anchors", 1)):
+            check_at_least(f"heads.{key}", heads[key], lo, integer=True)
+        check_range("heads.gamma", heads["gamma"], 0, 1e9, integer=False, open_lo=True)
+        check_range("heads.dpace_alpha", heads["dpace_alpha"], 0, 1, integer=False, open_lo=True)
+        heads["gamma"], heads["dpace_alpha"] = float(heads["gamma"]), float(heads["dpace_alpha"])
+        check_choice("heads.loss", heads["loss"], LOSSES)
+        check_choice("heads.weighting", heads["weighting"], WEIGHTINGS)
+        check_choice("heads.fusion", heads["fusion"], FUSIONS)
+        if heads["mask_token_id"] is not None:
+            check_at_least("heads.mask_token_id", heads["mask_token_id"], 0, integer=True)
+        check_choice("heads.layer_init", heads["layer_init"], LAYER_INITS)
+        layers = heads.get("layers")
+        if layers is not None:
+            check_layer_list(layers, "the states entering them are fused; null: DFlash's evenly spaced layers, one "
+                                     "per draft layer")
+        if heads["layer_init"] == "target":  # draft layer i is a copy of target layer layers[i] reading its own state
+            if heads["fusion"] != "layerwise":
+                raise ConfigError(f"heads.layer_init=target needs heads.fusion=layerwise (each draft layer reads the state "
+                                  f"entering the target layer it copies), not {heads['fusion']!r}")
+            if layers is None:  # the target's first num_layers layers
+                heads["layers"] = list(range(heads["num_layers"]))
+            elif len(layers) != heads["num_layers"]:
+                raise ConfigError(f"heads.layers={layers} is not valid with heads.layer_init=target: give one target "
+                                  f"layer per draft layer ({heads['num_layers']}; null: layers 0..{heads['num_layers'] - 1})")
+
+    def new(self, spec, base, lm, records: list[dict]) -> tuple[Any, dict]:
+        """The mask embedding starts at the mean embedding row; ``layer_init: target`` copies the target's layers
+        (calibrated on the first corpus sequences) unless the run continues a trained drafter."""
+        from pardec.models.dflash import init_from_target
+        from pardec.models.heads import new_drafter
+
+        h = spec.heads
+        draft = new_drafter(self.name, base.config, layers=h.get("layers"), embed=base.model.embed_tokens,
+                            dflash={k: h[k] for k in ("num_layers", "block_size", "mask_token_id", "fusion")})
+        if h.get("layer_init") == "target" and not spec.init_from:
+            samples = [torch.tensor(list(r["prompt_ids"]) + list(r["completion_ids"]))
+                       for r in list(records)[:CALIBRATION_SEQUENCES]]
+            init_from_target(draft, base, samples)
+        return draft, {}
+
+    def collator(self, pad_id: int, heads: dict, seed: int):
+        return DFlashCollator(pad_id, num_anchors=heads["num_anchors"], seed=seed)
+
+    def callbacks(self, collator) -> list:
+        return [EpochCallback(collator)]
+
+    def trainer_options(self, heads: dict, head_decay: float) -> dict[str, Any]:
+        return {"dflash": {k: heads[k] for k in ("num_anchors", "gamma", "loss", "weighting", "dpace_alpha")}}
+
+    def facts(self, heads: dict, head_decay: float) -> dict[str, Any]:
+        return {**self.trainer_options(heads, head_decay)["dflash"], "layer_init": heads["layer_init"]}
+
+    def loss_k(self, drafter, trainer) -> int:
+        return drafter.k  # the block's predicted slots
+
+    def window_count(self, batches: list[dict], k: int) -> int:
+        """The counted (anchor, slot) terms of the window (:func:`term_count`)."""
+        return sum(term_count(b["loss_mask"], b["anchors"], b["anchor_valid"], k + 1) for b in batches)
+
+    def loss(self, trainer, model, drafter, inputs: dict, return_outputs: bool, num_items_in_batch):
+        """DFlash's block loss (:func:`block_terms`): logged ``ce_d<d>`` is slot ``d``'s mean cross-entropy to the
+        label (also under ``heads.loss: kl``), ``top1_d<d>`` its argmax agreement with the label; ``ce`` and
+        ``top1`` their term-weighted means."""
+        o, dev, k = trainer.dflash, trainer.args.device, trainer.k
+        ids, mask = inputs["input_ids"].to(dev), inputs["loss_mask"].to(torch.bool).to(dev)
+        anchors, valid = inputs["anchors"].to(dev), inputs["anchor_valid"].to(dev)
+        # the target's logits only for the KL loss: for CE the pass stops at the last layer the draft reads
+        target = target_pass(trainer.base, ids, drafter.config.layer_ids, logits=o["loss"] == "kl")
+        terms = block_terms(drafter, target, trainer.base.model.embed_tokens, trainer.base.lm_head, ids, mask,
+                            anchors, valid, k + 1, o["gamma"], o["loss"], o["weighting"], o["dpace_alpha"], call=model)
+        norm = (torch.tensor(term_count(mask, anchors, valid, k + 1)) if num_items_in_batch is None
+                else num_items_in_batch)
+        loss = trainer.for_ranks(terms.total / norm.to(terms.total.device).clamp(min=1))
+        if model.training:
+            trainer.add_log_sums(torch.cat([terms.ce, terms.agree, terms.count]))
+        return (loss, terms.total) if return_outputs else loss
+
+    def chain_eval(self, spec, lm, drafter) -> tuple[dict, Any]:
+        """(the held-out result's settings, records -> the acceptance by block position)."""
+        block = drafter.config.block_size
+        return ({"steps": block - 1, "block_size": block, "fusion": drafter.config.fusion},
+                lambda records: acceptance(lm.model, drafter, records, block, spec.topk))

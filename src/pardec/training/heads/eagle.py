@@ -35,13 +35,19 @@ its embeddings and its features are computed without them.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
-from pardec.training.heads.batches import held_out_windows
+from pardec.config import ConfigError, check_at_least, check_range
+from pardec.training.heads.batches import held_out_windows, term_count
 from pardec.training.heads.heldout import summarise
 from pardec.training.heads.target import TargetPass, target_pass
+from pardec.training.heads.types import HeadsType, check_layer_list, register_heads_type
+
+log = logging.getLogger(__name__)
 
 
 def shift_left(x: torch.Tensor, n: int) -> torch.Tensor:
@@ -177,3 +183,107 @@ def acceptance(base, drafter, records: list[dict], steps: int, topk: int = 10) -
               "reached": (prev & valid).sum(0).tolist(), "topk": (top & valid).sum(0).tolist(),
               "top1": (top1 & valid).sum(0).tolist(), "anchors": anchors_n, "target_matches": same}
     return summarise(counts, steps, topk)
+
+
+# ------------------------------------------------------------------------------------------- the type
+#: EAGLE-3's defaults (Li et al. 2025; reference eagle/traineagle3: cnets.py ``self.length = 7``, main.py
+#: ``ploss_weight = [0.8 ** i ...]``, the 32000-id draft vocabulary of its configs)
+EAGLE3_DEFAULTS = {"draft_vocab_size": 32000, "ttt_steps": 7, "step_decay": 0.8}
+
+
+@register_heads_type
+class Eagle3Type(HeadsType):
+    """``heads.type: eagle3``: one draft layer over the fused target features, trained with training-time test
+    (this module), its draft vocabulary the corpus's most common tokens (:func:`eagle3_vocab`)."""
+
+    name = "eagle3"
+    keys = ("draft_vocab_size", "ttt_steps", "step_decay", "layers")
+    chain = True
+
+    def check(self, heads: dict) -> None:
+        for key, v in EAGLE3_DEFAULTS.items():
+            heads.setdefault(key, v)
+        check_at_least("heads.draft_vocab_size", heads["draft_vocab_size"], 2, integer=True)
+        check_at_least("heads.ttt_steps", heads["ttt_steps"], 1, integer=True)
+        check_range("heads.step_decay", heads["step_decay"], 0, 1, integer=False, open_lo=True)
+        heads["step_decay"] = float(heads["step_decay"])
+        if heads.get("layers") is not None:
+            check_layer_list(heads["layers"], "the fused features; null: EAGLE-3's low/mid/high default")
+
+    def check_target(self, heads: dict, model) -> None:
+        super().check_target(heads, model)
+        check_vocab_size(heads["draft_vocab_size"], model)
+
+    def new(self, spec, base, lm, records: list[dict]) -> tuple[Any, dict]:
+        from pardec.models.heads import new_drafter
+
+        vocab, facts = eagle3_vocab(spec, records, lm)  # the head starts from the target's rows of the kept ids
+        return new_drafter(self.name, base.config, layers=spec.heads.get("layers"), lm_head=base.lm_head,
+                           vocab=vocab), facts
+
+    def trainer_options(self, heads: dict, head_decay: float) -> dict[str, Any]:
+        return {"ttt_steps": heads["ttt_steps"], "step_decay": heads["step_decay"]}
+
+    def facts(self, heads: dict, head_decay: float) -> dict[str, Any]:
+        return self.trainer_options(heads, head_decay)
+
+    def loss_k(self, drafter, trainer) -> int:
+        return trainer.ttt_steps  # one loss term per training-time-test step, weighted step_decay ** i
+
+    def loss(self, trainer, model, drafter, inputs: dict, return_outputs: bool, num_items_in_batch):
+        """EAGLE-3's TTT loss (:func:`ttt_terms`): logged ``kl_d<d>`` is the KL of step ``d - 1`` (its soft
+        cross-entropy minus the restricted target's entropy), ``top1_d<d>`` its agreement with the target's argmax,
+        both over the counted terms (target argmax in the draft vocabulary)."""
+        ids, mask = inputs["input_ids"], inputs["loss_mask"].to(torch.bool)
+        target = target_pass(trainer.base, ids.to(trainer.args.device), drafter.config.layer_ids)
+        terms = ttt_terms(drafter, target, mask, trainer.k, trainer.step_decay, call=model)
+        norm = (torch.tensor(term_count(mask, trainer.k)) if num_items_in_batch is None else num_items_in_batch)
+        loss = trainer.for_ranks(terms.total / norm.to(terms.total.device).clamp(min=1))
+        if model.training:
+            trainer.add_log_sums(torch.cat([terms.kl, terms.agree, terms.count]))
+        return (loss, terms.total) if return_outputs else loss
+
+    def chain_eval(self, spec, lm, drafter) -> tuple[dict, Any]:
+        """(the held-out result's settings, records -> the chain's acceptance by depth)."""
+        steps = int(spec.heads["ttt_steps"])
+        return ({"steps": steps, "draft_vocab_size": drafter.config.draft_vocab_size},
+                lambda records: acceptance(lm.model, drafter, records, steps, spec.topk))
+
+
+def check_vocab_size(size: int, model) -> None:
+    """``heads.draft_vocab_size`` against the target's vocabulary when its config is at hand without loading it."""
+    from pardec.models.loading import read_config_json
+
+    vocab = None if model.source == "tiny_random" else (read_config_json(model) or {}).get("vocab_size")
+    if vocab is not None and size > vocab:
+        raise ConfigError(f"heads.draft_vocab_size={size} is out of range: it must be in [2, {vocab}] (the target "
+                          f"{model.name}'s vocabulary)")
+
+
+def eagle3_vocab(spec, records: list[dict], lm):
+    """EAGLE-3's draft vocabulary: ``heads.draft_vocab_size`` ids from the completion tokens' counts (specials, pad
+    and EOS always kept; reference cnets.py ``process_data`` l. 457-469 and ``scandata`` l. 666-674:
+    the corpus's most common tokens, counted over the assistant tokens). Every rank reads the same merged records and counts them the same way (a Counter's
+    totals do not depend on order, ``choose_vocab`` breaks ties by id), so all ranks build the same vocabulary
+    without a broadcast. Returns (DraftVocab, facts: the size and the share of completion tokens it covers, the
+    reference's "top N token frequency ratio")."""
+    from collections import Counter
+
+    from pardec.models.vocab import DraftVocab, choose_vocab
+
+    tok, target = lm.tokenizer, lm.model
+    counts = Counter(t for r in records for t in r["completion_ids"])
+    special = {*tok.all_special_ids, tok.pad_token_id, *lm.eos_ids}
+    size = spec.heads["draft_vocab_size"]
+    vocab_size = int(target.config.vocab_size)
+    if size > vocab_size:
+        raise ConfigError(f"heads.draft_vocab_size={size} is out of range: it must be in [2, {vocab_size}] "
+                          f"(the target's vocabulary)")
+    ids = choose_vocab(counts, size, sorted(i for i in special if i is not None), vocab_size)
+    kept = set(ids)
+    total = sum(counts.values())
+    covered = sum(c for t, c in counts.items() if t in kept) / max(1, total)
+    log.info("eagle3 draft vocabulary: top %d token frequency ratio %.2f%% (%d distinct of %d completion tokens)",
+             size, 100 * covered, len(counts), total)
+    return DraftVocab(ids, vocab_size), {"draft_vocab_size": size, "draft_vocab_coverage": covered,
+                                         "corpus_distinct_tokens": len(counts), "corpus_completion_tokens": total}

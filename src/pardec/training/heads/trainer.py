@@ -1,5 +1,7 @@
-"""`HeadsConfig` + `HeadsTrainer`: self-distil a head/projection drafter (:mod:`pardec.models.heads`: Medusa heads,
-FIRP projections) on the target's own greedy completions, plus its held-out evaluation and tree search.
+"""`HeadsConfig` + `HeadsTrainer`: train a drafter on the frozen target's own greedy completions, plus its held-out
+evaluation and tree search. What differs by drafter type (its construction, collator, loss, normaliser, logs and
+held-out evaluation) is the type's (:mod:`pardec.training.heads.types`: :mod:`.medusa`, :mod:`.firp`, :mod:`.eagle`,
+:mod:`.dflash`); this module names no type.
 
 The trainer's model is the drafter (a plain ``nn.Module``); the target ("base") is frozen, kept outside the
 optimizer and the DeepSpeed engine (as DraftTrainer's teacher) and moved to the args' device. Each sample is
@@ -32,12 +34,13 @@ DFlash (``heads.type: dflash``): the block loss of :mod:`pardec.training.heads.d
 window's counted terms) and its own eval stage (held-out acceptance by block position).
 
 EAGLE-3 (``heads.type: eagle3``): the training-time-test loss of :mod:`pardec.training.heads.eagle` (K = the TTT
-steps, weights ``step_decay ** k``, the same window normaliser), its vocabulary from the corpus (:func:`eagle3_vocab`)
+steps, weights ``step_decay ** k``, the same window normaliser), its vocabulary from the corpus
+(:func:`~pardec.training.heads.eagle.eagle3_vocab`)
 and its own eval stage (:func:`evaluate_chain`: held-out chain acceptance by depth, no trees).
 
 Logged beside loss / lr / grad_norm, per depth ``d = k + 1``: ``kl_d<d>`` (the mean training KL) and ``top1_d<d>``
 (teacher-forced top-1 agreement: student argmax == teacher argmax), plus their term-weighted means ``kl`` and
-``top1``; DFlash logs ``ce_d<d>`` and ``ce`` in place of the KL (:meth:`HeadsTrainer.dflash_loss`).
+``top1``; DFlash logs ``ce_d<d>`` and ``ce`` in place of the KL (:meth:`~pardec.training.heads.dflash.DFlashType.loss`).
 """
 
 from __future__ import annotations
@@ -49,53 +52,21 @@ from dataclasses import dataclass, field
 import torch
 
 from pardec.config import ConfigError, Ranks
-from pardec.models.pseudo import DECODING_ATTENTION, PSEUDO_ATTENTION, forward_pseudo
 from pardec.training.base import BaseConfig, BaseTrainer, fit, training_args, unwrap
-from pardec.training.heads.batches import RightPadCollator, held_out_windows
+from pardec.training.heads.batches import held_out_windows
+from pardec.training.heads.types import heads_type
 from pardec.training.losses import masked_sum, token_divergence
 
 log = logging.getLogger(__name__)
 
 
 # ------------------------------------------------------------------------------------------- data
-def term_count(loss_mask: torch.Tensor, k: int) -> int:
-    """The (position, depth) terms of a batch: depth ``d`` (0-based) pairs anchor ``t`` with target ``t + d + 1``."""
-    return sum(int(loss_mask[:, d + 1 :].sum()) for d in range(k))
-
-
 def window_start(loss_mask: torch.Tensor, k: int) -> int:
     """The first anchor any term needs: ``k`` before the first masked position of any row (0 if none sooner)."""
     any_row = loss_mask.any(0)
     if not bool(any_row.any()):
         return max(0, loss_mask.shape[1] - 1)
     return max(0, int(any_row.float().argmax()) - k)
-
-
-def depth_weights(kind: str, k: int, head_decay: float) -> list[float]:
-    return [head_decay**d for d in range(k)] if kind == "medusa" else [1.0] * k
-
-
-def drafter_forward(base, drafter_call, drafter, ids: torch.Tensor, start: int, checkpoint: bool = False,
-                    ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(teacher logits [B, n, V] of positions ``start..T-1`` (detached), student logits [B, n, K, V] of anchors
-    ``start..T-1``); ``drafter_call`` is the (possibly wrapped) module to call, ``drafter`` the bare one.
-    ``checkpoint``: FIRP's upper target layers over the pseudo states recompute in backward (Medusa's heads sit
-    after a no-grad target forward: nothing to checkpoint)."""
-    from pardec.models.cached import CachedModel
-
-    t = ids.shape[1]
-    window = torch.arange(start, t)
-    if drafter.kind == "medusa":
-        with torch.no_grad():
-            hidden = base.model(input_ids=ids).last_hidden_state[:, start:]  # after the final norm
-            teacher = base.lm_head(hidden)
-        w = next(drafter.parameters())
-        return teacher, drafter_call(hidden.to(w.dtype))
-    cm = CachedModel(base)
-    out = forward_pseudo(cm, ids, drafter_call, drafter.layers, anchors=window, logits_at=window, split=True,
-                            attention=drafter.attention, teacher_forced=drafter.attention == "real",
-                            checkpoint=checkpoint)
-    return out.logits.detach(), cm.lm_head(out.pseudo)
 
 
 def depth_terms(teacher: torch.Tensor, student: torch.Tensor, mask: torch.Tensor, d: int, distance: str = "fkl"):
@@ -127,18 +98,16 @@ class HeadsTrainer(BaseTrainer):
     def __init__(self, *args, base: torch.nn.Module, distance: str | None = None, ttt_steps: int = 7,
                  step_decay: float = 0.8, dflash: dict | None = None, **kwargs):
         drafter = unwrap(kwargs["model"])
-        # EAGLE-3: k = the training-time-test steps (pardec.training.heads.eagle), weighted step_decay ** i;
-        # DFlash: k = the block's predicted slots (pardec.training.heads.dflash)
-        self.eagle3 = drafter.kind == "eagle3"
-        self.dflash = dflash if drafter.kind == "dflash" else None
-        self.k = ttt_steps if self.eagle3 else drafter.k
-        self.step_decay = step_decay
-        # KL(p || q) for Medusa; KL(q || p) for FIRP (Eq. 4) unless heads.distance says fkl
-        self.distance = distance or ("rkl" if drafter.kind == "firp" else "fkl")
+        self.type = heads_type(drafter.kind)  # the drafter type's loss, normaliser and logs
+        self.ttt_steps, self.step_decay = ttt_steps, step_decay  # EAGLE-3's training-time test
+        self.dflash = dflash  # DFlash's block-loss options
+        self.k = self.type.loss_k(drafter, self)  # the loss's terms per anchor (EAGLE-3: its TTT steps)
+        # the depth loss's divergence: the type's default (FIRP's Eq. 4: KL(q || p)) unless heads.distance says
+        self.distance = distance or self.type.default_distance
         self.log_sums_size = 3 * self.k  # loss sums, agreement sums, counts per depth
         # what the per-depth loss in the logs is: a KL to the target's distribution (Medusa, FIRP, EAGLE-3), or
-        # DFlash's cross-entropy to the label (block_terms sums it whatever heads.loss trains on)
-        self.logged_loss = "ce" if self.dflash is not None else "kl"
+        # DFlash's cross-entropy to the label
+        self.logged_loss = self.type.logged_loss
         super().__init__(*args, **kwargs)
         # trainer.gradient_checkpointing: the memory is in the frozen target's upper layers over the pseudo states
         # (forward_pseudo's checkpoint), not in the drafter, which the Trainer would try (and fail) to checkpoint
@@ -149,25 +118,21 @@ class HeadsTrainer(BaseTrainer):
         self.base = base.to(self.args.device).eval().requires_grad_(False)  # not a submodule of the drafter
 
     def window_counts(self, batches: list[dict]) -> int:
-        """(position, depth) terms in the accumulation window; DFlash: the counted (anchor, slot) terms."""
-        if self.dflash is not None:
-            from pardec.training.heads.dflash import term_count as block_count
-
-            return sum(block_count(b["loss_mask"], b["anchors"], b["anchor_valid"], self.k + 1) for b in batches)
-        return sum(term_count(b["loss_mask"], self.k) for b in batches)
+        """The loss's terms in the accumulation window (the type's count: (position, depth) terms by default)."""
+        return self.type.window_count(batches, self.k)
 
     def compute_loss(self, model, inputs, return_outputs: bool = False, num_items_in_batch=None):
-        drafter = unwrap(model)
-        if self.eagle3:
-            return self.eagle3_loss(model, drafter, inputs, return_outputs, num_items_in_batch)
-        if self.dflash is not None:
-            return self.dflash_loss(model, drafter, inputs, return_outputs, num_items_in_batch)
+        return self.type.loss(self, model, unwrap(model), inputs, return_outputs, num_items_in_batch)
+
+    def depth_loss(self, model, drafter, inputs, return_outputs: bool, num_items_in_batch):
+        """The depth loss of heads ranked at every depth (Medusa, FIRP; the module doc): the type's logits of
+        every anchor of the batch's window, each depth's divergence to the target's, weighted by depth."""
         ids, mask = inputs["input_ids"], inputs["loss_mask"].to(torch.bool)
         start = window_start(mask, self.k)
-        teacher, student = drafter_forward(self.base, model, drafter, ids, start,
-                                           checkpoint=self.checkpoint_upper and model.training)
+        teacher, student = self.type.depth_logits(self.base, model, drafter, ids, torch.arange(start, ids.shape[1]),
+                                                  training=True, checkpoint=self.checkpoint_upper and model.training)
         mask = mask[:, start:].to(student.device)
-        weights = depth_weights(drafter.kind, self.k, self.args.head_decay)
+        weights = self.type.depth_weights(self.k, self.args.head_decay)
         total = student.sum() * 0.0  # keeps the graph when no term counts
         count = torch.zeros((), dtype=torch.long, device=student.device)
         stats = torch.zeros(3 * self.k, dtype=torch.float64)
@@ -189,45 +154,6 @@ class HeadsTrainer(BaseTrainer):
         if model.training:
             self.add_log_sums(stats)
         return (loss, student) if return_outputs else loss
-
-    def eagle3_loss(self, model, drafter, inputs, return_outputs: bool, num_items_in_batch):
-        """EAGLE-3's TTT loss (:func:`pardec.training.heads.eagle.ttt_terms`): logged ``kl_d<d>`` is the KL of step
-        ``d - 1`` (its soft cross-entropy minus the restricted target's entropy), ``top1_d<d>`` its agreement with
-        the target's argmax, both over the counted terms (target argmax in the draft vocabulary)."""
-        from pardec.training.heads.eagle import ttt_terms
-        from pardec.training.heads.target import target_pass
-
-        ids, mask = inputs["input_ids"], inputs["loss_mask"].to(torch.bool)
-        target = target_pass(self.base, ids.to(self.args.device), drafter.config.layer_ids)
-        terms = ttt_terms(drafter, target, mask, self.k, self.step_decay, call=model)
-        norm = (torch.tensor(term_count(mask, self.k)) if num_items_in_batch is None else num_items_in_batch)
-        loss = self.for_ranks(terms.total / norm.to(terms.total.device).clamp(min=1))
-        if model.training:
-            self.add_log_sums(torch.cat([terms.kl, terms.agree, terms.count]))
-        return (loss, terms.total) if return_outputs else loss
-
-    def dflash_loss(self, model, drafter, inputs, return_outputs: bool, num_items_in_batch):
-        """DFlash's block loss (:func:`pardec.training.heads.dflash.block_terms`): logged ``ce_d<d>`` is slot
-        ``d``'s mean cross-entropy to the label (also under ``heads.loss: kl``), ``top1_d<d>`` its argmax agreement
-        with the label; ``ce`` and ``top1`` their term-weighted means."""
-        from pardec.training.heads.dflash import block_terms
-        from pardec.training.heads.dflash import term_count as block_count
-        from pardec.training.heads.target import target_pass
-
-        o = self.dflash
-        dev = self.args.device
-        ids, mask = inputs["input_ids"].to(dev), inputs["loss_mask"].to(torch.bool).to(dev)
-        anchors, valid = inputs["anchors"].to(dev), inputs["anchor_valid"].to(dev)
-        # the target's logits only for the KL loss: for CE the pass stops at the last layer the draft reads
-        target = target_pass(self.base, ids, drafter.config.layer_ids, logits=o["loss"] == "kl")
-        terms = block_terms(drafter, target, self.base.model.embed_tokens, self.base.lm_head, ids, mask, anchors,
-                            valid, self.k + 1, o["gamma"], o["loss"], o["weighting"], o["dpace_alpha"], call=model)
-        norm = (torch.tensor(block_count(mask, anchors, valid, self.k + 1)) if num_items_in_batch is None
-                else num_items_in_batch)
-        loss = self.for_ranks(terms.total / norm.to(terms.total.device).clamp(min=1))
-        if model.training:
-            self.add_log_sums(torch.cat([terms.ce, terms.agree, terms.count]))
-        return (loss, terms.total) if return_outputs else loss
 
     def log_metrics(self, logs: dict[str, float], sums: list[float]) -> None:
         k, name = self.k, self.logged_loss
@@ -251,23 +177,17 @@ def future_ranks(base, drafter, records: list[dict], attention: str | None = Non
     token). Its rank is the number of the drafter's logits at that depth strictly above its logit.
     Returns (ranks [N, K], valid [N, K], {"anchors", "target_matches_record"}).
     """
-    from pardec.models.cached import CachedModel
 
+    htype = heads_type(drafter.kind)
     k = drafter.k
     all_ranks, all_valid = [], []
     same = anchors_n = 0
     device = next(base.parameters()).device
     for full, ids, anchors in held_out_windows(records, device):
         n = len(full)
-        if drafter.kind == "medusa":
-            hidden = base.model(input_ids=ids).last_hidden_state[0, anchors.to(device)]
-            target_logits = base.lm_head(hidden)
-            logits = drafter(hidden.to(next(drafter.parameters()).dtype))  # [A, K, V]
-        else:
-            cm = CachedModel(base)  # decoding's view: no real token after the anchor (teacher_forced off)
-            out = forward_pseudo(cm, ids, drafter, drafter.layers, anchors=anchors, logits_at=anchors,
-                                    attention=attention or DECODING_ATTENTION)
-            target_logits, logits = out.logits[0], cm.lm_head(out.pseudo)[0]
+        target_logits, logits = htype.depth_logits(base, drafter, drafter, ids, anchors.to(device), training=False,
+                                                   attention=attention)
+        target_logits, logits = target_logits[0], logits[0]  # [A, V], [A, K, V]
         pos = anchors[:, None] + torch.arange(k)[None, :] + 2  # [A, K] positions of the true tokens
         valid = pos <= n - 1
         true = torch.tensor(full)[pos.clamp(max=n - 1)]
@@ -293,30 +213,10 @@ def accuracy_report(ranks: torch.Tensor, valid: torch.Tensor, topk: int) -> dict
 
 
 # ------------------------------------------------------------------------------------------- app stages
-#: the corpus sequences that calibrate a DFlash draft started from the target's layers (layer_init: target)
-CALIBRATION_SEQUENCES = 8
-
-
-def _new_drafter(spec, base, vocab=None, records=()):
-    from pardec.models.heads import new_drafter
-
-    h = spec.heads
-    if h["type"] == "dflash":  # the mask embedding starts at the mean embedding row
-        draft = new_drafter("dflash", base.config, layers=h.get("layers"), embed=base.model.embed_tokens,
-                            dflash={k: h[k] for k in ("num_layers", "block_size", "mask_token_id", "fusion")})
-        if h.get("layer_init") == "target" and not spec.init_from:
-            from pardec.models.dflash import init_from_target
-
-            samples = [torch.tensor(list(r["prompt_ids"]) + list(r["completion_ids"]))
-                       for r in list(records)[:CALIBRATION_SEQUENCES]]
-            init_from_target(draft, base, samples)
-        return draft
-    if h["type"] == "eagle3":  # the head starts from the target's rows of the kept ids
-        return new_drafter("eagle3", base.config, layers=h.get("layers"), lm_head=base.lm_head, vocab=vocab)
-    if h["type"] == "medusa":
-        return new_drafter("medusa", base.config, num_heads=h["num_heads"], num_blocks=h["num_blocks"],
-                           lm_head=base.lm_head)
-    return new_drafter("firp", base.config, layers=h["layers"], attention=h.get("attention", "real"))
+def _new_drafter(spec, base, lm=None, records=()):
+    """A fresh drafter of the run's type for ``base`` (and the facts of its making): the type's own
+    (:meth:`~pardec.training.heads.types.HeadsType.new`)."""
+    return heads_type(spec.heads["type"]).new(spec, base, lm, list(records))
 
 
 def train_heads(spec, run_dir, d: Ranks) -> dict:
@@ -333,39 +233,27 @@ def train_heads(spec, run_dir, d: Ranks) -> dict:
     records = corpus_share(load_completions(spec.gen.out_dir), spec.corpus_fraction)
     lm = load_model(trainable(spec.model, spec.model_dtype))  # the Trainer places the drafter
     base = lm.model.requires_grad_(False)
-    eagle3 = spec.heads["type"] == "eagle3"
-    dflash = spec.heads["type"] == "dflash"
-    vocab, vocab_facts = eagle3_vocab(spec, records, lm) if eagle3 else (None, {})
-    with torch.random.fork_rng(devices=[]):  # EAGLE-3's / DFlash's random layers: the same init on every rank and rerun
+    htype = heads_type(spec.heads["type"])
+    with torch.random.fork_rng(devices=[]):  # random layers (EAGLE-3, DFlash): the same init on every rank and rerun
         torch.manual_seed(args.seed)
-        drafter = _new_drafter(spec, base, vocab, records)
+        drafter, made = _new_drafter(spec, base, lm, records)
     history: list[dict] = []  # the runs this drafter was trained in before this one (heads.init_from)
     if spec.init_from:
         history, prior = continue_from(spec.init_from, drafter, base.config, spec.heads["type"])
-        if eagle3:  # its draft vocabulary is the one it was trained with (continue_from loaded its maps)
-            vocab_facts = {k: prior[k] for k in vocab_facts if k in prior}
+        # what the drafter was made with is the trained one's (EAGLE-3's vocabulary: continue_from loaded its maps)
+        made = {k: prior[k] for k in made if k in prior}
     # DeepSpeed's "auto" bucket sizes (conf/deepspeed/*.json: reduce_bucket_size) are filled from model.config's
-    # hidden_size (transformers' HfTrainerDeepSpeedConfig); the drafter is a plain module: it gets the target's
-    # (EAGLE-3's draft keeps its own Eagle3Config, whose hidden_size is the target's)
-    if not (eagle3 or dflash):
+    # hidden_size (transformers' HfTrainerDeepSpeedConfig); a drafter without a config of its own (a plain module)
+    # gets the target's (EAGLE-3's and DFlash's drafts keep their own, whose hidden_size is the target's)
+    if not hasattr(drafter, "config"):
         drafter.config = PretrainedConfig(hidden_size=base.config.hidden_size)
     ds = CompletionDataset(records, args.max_length)
     pad = lm.tokenizer.pad_token_id
-    firp = spec.heads["type"] == "firp"
-    distance = spec.heads.get("distance", "rkl") if firp else "fkl"
-    steps = {"ttt_steps": spec.heads["ttt_steps"], "step_decay": spec.heads["step_decay"]} if eagle3 else {}
-    pad = 0 if pad is None else pad
-    if dflash:
-        from pardec.training.heads.dflash import DFlashCollator, EpochCallback
-
-        collator = DFlashCollator(pad, num_anchors=spec.heads["num_anchors"], seed=args.seed)
-        steps = {k: spec.heads[k] for k in ("num_anchors", "gamma", "loss", "weighting", "dpace_alpha")}
-    else:
-        collator = RightPadCollator(pad)
-    trainer = HeadsTrainer(model=drafter, args=args, train_dataset=ds, data_collator=collator, base=base,
-                           distance=distance, **({"dflash": steps} if dflash else steps))
-    if dflash:
-        trainer.add_callback(EpochCallback(collator))
+    collator = htype.collator(0 if pad is None else pad, spec.heads, args.seed)
+    options = htype.trainer_options(spec.heads, spec.head_decay)
+    trainer = HeadsTrainer(model=drafter, args=args, train_dataset=ds, data_collator=collator, base=base, **options)
+    for callback in htype.callbacks(collator):
+        trainer.add_callback(callback)
 
     def finish(final, trained: dict) -> dict:  # the training facts go into drafter.json too
         tokens = sum(len(ds[i]["input_ids"]) for i in range(len(ds)))
@@ -376,8 +264,7 @@ def train_heads(spec, run_dir, d: Ranks) -> dict:
                  **continuation_facts(history, {"experiment": spec.experiment, "steps": trained["steps"],
                                                 "samples": len(ds), "tokens": tokens, "sequences_per_step": per_step},
                                       spec.init_from),
-                 **({"distance": distance} if firp else {} if eagle3 or dflash else {"head_decay": spec.head_decay}),
-                 **steps, **vocab_facts, **({"layer_init": spec.heads["layer_init"]} if dflash else {})}
+                 **htype.facts(spec.heads, spec.head_decay), **made}
         if d.rank == 0:
             save_drafter(trainer.model, final, base.config, spec.model.name, extra=facts)
         return {**facts, "truncated_samples": ds.n_truncated, "kind": spec.heads["type"],
@@ -414,35 +301,6 @@ def continuation_facts(history: list[dict], this: dict, init_from: str | None) -
             "total_sequences": sum(r["steps"] * r["sequences_per_step"] for r in runs) if known else None}
 
 
-def eagle3_vocab(spec, records: list[dict], lm):
-    """EAGLE-3's draft vocabulary: ``heads.draft_vocab_size`` ids from the completion tokens' counts (specials, pad
-    and EOS always kept; reference cnets.py ``process_data`` l. 457-469 and ``scandata`` l. 666-674:
-    the corpus's most common tokens, counted over the assistant tokens). Every rank reads the same merged records and counts them the same way (a Counter's
-    totals do not depend on order, ``choose_vocab`` breaks ties by id), so all ranks build the same vocabulary
-    without a broadcast. Returns (DraftVocab, facts: the size and the share of completion tokens it covers, the
-    reference's "top N token frequency ratio")."""
-    from collections import Counter
-
-    from pardec.models.vocab import DraftVocab, choose_vocab
-
-    tok, target = lm.tokenizer, lm.model
-    counts = Counter(t for r in records for t in r["completion_ids"])
-    special = {*tok.all_special_ids, tok.pad_token_id, *lm.eos_ids}
-    size = spec.heads["draft_vocab_size"]
-    vocab_size = int(target.config.vocab_size)
-    if size > vocab_size:
-        raise ConfigError(f"heads.draft_vocab_size={size} is out of range: it must be in [2, {vocab_size}] "
-                          f"(the target's vocabulary)")
-    ids = choose_vocab(counts, size, sorted(i for i in special if i is not None), vocab_size)
-    kept = set(ids)
-    total = sum(counts.values())
-    covered = sum(c for t, c in counts.items() if t in kept) / max(1, total)
-    log.info("eagle3 draft vocabulary: top %d token frequency ratio %.2f%% (%d distinct of %d completion tokens)",
-             size, 100 * covered, len(counts), total)
-    return DraftVocab(ids, vocab_size), {"draft_vocab_size": size, "draft_vocab_coverage": covered,
-                                         "corpus_distinct_tokens": len(counts), "corpus_completion_tokens": total}
-
-
 def evaluate_chain(spec, run_dir, lm, drafter, final) -> dict:
     """The eval stage of the drafters that draft a chain (no tree search), per source and pooled, into
     ``<run>/heads_eval.json``: EAGLE-3's held-out chain acceptance by depth
@@ -456,22 +314,8 @@ def evaluate_chain(spec, run_dir, lm, drafter, final) -> dict:
     result: dict = {"drafter": str(final), "kind": kind, "target": spec.model.name,
                     "layer_ids": drafter.config.layer_ids, "parameters": num_parameters(drafter), "topk": spec.topk,
                     "per_dataset": {}}
-    if kind == "eagle3":
-        from pardec.training.heads.eagle import acceptance
-
-        steps = int(spec.heads["ttt_steps"])
-        result.update(steps=steps, draft_vocab_size=drafter.config.draft_vocab_size)
-
-        def measure(records):
-            return acceptance(lm.model, drafter, records, steps, spec.topk)
-    else:
-        from pardec.training.heads.dflash import acceptance
-
-        block = drafter.config.block_size
-        result.update(steps=block - 1, block_size=block, fusion=drafter.config.fusion)
-
-        def measure(records):
-            return acceptance(lm.model, drafter, records, block, spec.topk)
+    settings, measure = heads_type(kind).chain_eval(spec, lm, drafter)
+    result.update(settings)
     parts = []
     for g in spec.eval_gen:
         run_generation(g, lm, 0, 1, None, "eval")
@@ -504,12 +348,12 @@ def evaluate_heads(spec, run_dir) -> dict:
     kind = spec.heads["type"]
     drafter, meta = load_drafter(final, lm.model.config, kind, key="final")
     drafter = drafter.to(lm.model.device)
-    if kind in ("eagle3", "dflash"):
+    if heads_type(kind).chain:
         return evaluate_chain(spec, run_dir, lm, drafter.to(lm.model.dtype), final)
     result: dict = {"drafter": str(final), "kind": kind, "target": spec.model.name, "k": drafter.k,
                     "parameters": num_parameters(drafter), "topk": spec.topk, "per_dataset": {}}
-    # FIRP: decoding's view first (the main figures and the trees), then the other (Fig. 7's comparison)
-    views = [DECODING_ATTENTION] + [a for a in PSEUDO_ATTENTION if a != DECODING_ATTENTION] if kind == "firp" else [None]
+    htype = heads_type(kind)
+    views = list(htype.eval_views)  # FIRP: decoding's view first (the main figures, the trees), then Fig. 7's other
     ranks_all, valid_all = {v: [] for v in views}, {v: [] for v in views}
     for g in spec.eval_gen:
         run_generation(g, lm, 0, 1, None, "eval")
@@ -521,11 +365,10 @@ def evaluate_heads(spec, run_dir) -> dict:
                                                                     **extra}
             ranks_all[v].append(ranks)
             valid_all[v].append(valid)
-    if kind == "firp":
-        names = {"pseudo": "No masked", "real": "Masked"}
+    if len(views) > 1:
         result["decoded_attention"] = views[0]
         result["attention_views"] = {
-            v: {"fig7_name": names[v], **accuracy_report(torch.cat(ranks_all[v]), torch.cat(valid_all[v]), spec.topk)}
+            v: {"fig7_name": htype.view_names[v], **accuracy_report(torch.cat(ranks_all[v]), torch.cat(valid_all[v]), spec.topk)}
             for v in views}
     ranks, valid = torch.cat(ranks_all[views[0]]), torch.cat(valid_all[views[0]])
     overall = accuracy_report(ranks, valid, spec.topk)

@@ -1,0 +1,63 @@
+"""``heads.type: firp``: FIRP's projections (Wu et al. 2024; the model: :class:`pardec.models.heads.FirpProjections`),
+one per pseudo step, each reading the state entering its target layer (``layers``: nondecreasing), trained on the
+target's completions with the divergence ``distance`` (the paper's Eq. 4: ``rkl``) under ``attention`` (what the
+pseudo states see: §3.3's ``real``)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pardec.config import ConfigError, check_choice
+from pardec.models.cached import CachedModel
+from pardec.models.pseudo import DECODING_ATTENTION, PSEUDO_ATTENTION, forward_pseudo
+from pardec.training.heads.types import HeadsType, check_layer_list, register_heads_type
+
+#: FIRP's loss, per (anchor, step): KL(P~ || P) with P~ the pseudo state's distribution and P the target's at the
+#: same future position (paper Eq. 4: ``rkl`` in :func:`pardec.training.losses.token_divergence`'s naming, where the
+#: student is q); ``fkl``: KL(P || P~), pardec's earlier choice (Medusa's self-distillation direction)
+FIRP_DISTANCES = ("rkl", "fkl")
+
+
+@register_heads_type
+class FirpType(HeadsType):
+    name = "firp"
+    keys = ("layers", "attention", "distance")
+    default_distance = "rkl"  # Eq. 4: KL(q || p)
+    # held out in both views a pseudo state can have at decoding (FIRP §4.3 / Fig. 7), decoding's first
+    eval_views = (DECODING_ATTENTION, *(a for a in PSEUDO_ATTENTION if a != DECODING_ATTENTION))
+    view_names = {"pseudo": "No masked", "real": "Masked"}
+
+    def check(self, heads: dict) -> None:
+        layers = check_layer_list(heads.get("layers"), "one per pseudo step")
+        if layers != sorted(layers):
+            raise ConfigError(f"heads.layers={layers} is not valid: the layers must be nondecreasing")
+        check_choice("heads.attention", heads.get("attention", "real"), PSEUDO_ATTENTION)  # the paper's (when
+        check_choice("heads.distance", heads.get("distance", "rkl"), FIRP_DISTANCES)       # not given: these)
+
+    def new(self, spec, base, lm, records: list[dict]) -> tuple[Any, dict]:
+        from pardec.models.heads import new_drafter
+
+        h = spec.heads
+        return new_drafter(self.name, base.config, layers=h["layers"], attention=h.get("attention", "real")), {}
+
+    def trainer_options(self, heads: dict, head_decay: float) -> dict[str, Any]:
+        return {"distance": heads.get("distance", "rkl")}
+
+    def facts(self, heads: dict, head_decay: float) -> dict[str, Any]:
+        return {"distance": heads.get("distance", "rkl")}
+
+    def depth_logits(self, base, call, drafter, ids, anchors, *, training: bool, attention: str | None = None,
+                     checkpoint: bool = False):
+        """Each anchor's pseudo states through the target's upper layers (:func:`forward_pseudo`): in training
+        under the attention the drafter was trained for (``real``: teacher-forced) with the upper layers
+        recomputed in backward under ``checkpoint``; held out under decoding's conditions (no real token after the
+        anchor) in the view ``attention`` (default: decoding's)."""
+        cm = CachedModel(base)
+        if training:
+            out = forward_pseudo(cm, ids, call, drafter.layers, anchors=anchors, logits_at=anchors, split=True,
+                                 attention=drafter.attention, teacher_forced=drafter.attention == "real",
+                                 checkpoint=checkpoint)
+        else:
+            out = forward_pseudo(cm, ids, call, drafter.layers, anchors=anchors, logits_at=anchors,
+                                 attention=attention or DECODING_ATTENTION)
+        return out.logits.detach(), cm.lm_head(out.pseudo)

@@ -1,0 +1,123 @@
+"""The drafter types' training side, one registry: ``heads.type`` -> a :class:`HeadsType`.
+
+A type says which ``heads`` keys it reads and checks them (defaults filled, before anything loads), builds the
+drafter a run trains (from the frozen target and the training corpus), and what its collator, trainer options,
+training facts and held-out evaluation are. The kind (:mod:`pardec.training.heads`) and the train and eval stages
+(:mod:`.trainer`) look the type up and name none. Its model (construction from options, save/load) is
+registered in :mod:`pardec.models.drafter_types` under the same name.
+
+Built-in types: ``medusa`` (:mod:`.medusa`), ``firp`` (:mod:`.firp`), ``eagle3`` (:mod:`.eagle`), ``dflash``
+(:mod:`.dflash`), registered when their modules are imported (:data:`BUILTIN`, on first lookup).
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any, ClassVar
+
+from pardec.config import ConfigError, is_int
+from pardec.registry import Registry, UnknownNameError
+from pardec.training.heads.batches import RightPadCollator, term_count
+from pardec.training.kinds import check_layers
+
+TYPES: Registry[HeadsType] = Registry("drafter type")
+BUILTIN = ("pardec.training.heads.medusa", "pardec.training.heads.firp", "pardec.training.heads.eagle",
+           "pardec.training.heads.dflash")
+#: keys every type's ``heads`` section may hold besides ``type`` and its own
+COMMON_KEYS = ("corpus_fraction", "init_from")
+
+
+class HeadsType:
+    """One drafter type's training side (the defaults: a drafter of heads ranked at every depth, as Medusa and
+    FIRP are; EAGLE-3 and DFlash, which draft a chain from the target's states, set ``chain``)."""
+
+    name: ClassVar[str]
+    keys: ClassVar[tuple[str, ...]]  # its own heads keys
+    #: held-out evaluation: a chain's acceptance by position (True) or the ranks of the true future tokens at every
+    #: depth and trees searched on them (False)
+    chain: ClassVar[bool] = False
+    #: what its per-depth training loss in the logs is: a KL to the target ("kl") or a cross-entropy ("ce")
+    logged_loss: ClassVar[str] = "kl"
+    #: the divergence of the depth loss when ``heads.distance`` does not say (``fkl``: KL(target || drafter))
+    default_distance: ClassVar[str] = "fkl"
+    #: held-out attention views (FIRP: what a pseudo state sees; None: the drafter's only one) and their names
+    eval_views: ClassVar[tuple] = (None,)
+    view_names: ClassVar[dict] = {}
+
+    # -- config (validate: before anything loads) ------------------------------------------------------------
+    def check(self, heads: dict) -> None:
+        """Fill the type's defaults into ``heads`` and check each value; one line naming a bad one."""
+
+    def check_target(self, heads: dict, model) -> None:
+        """Check ``heads`` against the target (``model``: its ModelConfig) where that needs no weights: by default
+        its ``layers``, where set, are layers of the target."""
+        if heads.get("layers") is not None:
+            check_layers(heads["layers"], model, "heads.layers")
+
+    # -- training ------------------------------------------------------------------------------------------
+    def new(self, spec, base, lm, records: list[dict]) -> tuple[Any, dict]:
+        """(a fresh drafter for ``base``, the facts of its making that drafter.json keeps); ``lm``: the loaded
+        target (its tokenizer and EOS ids), ``records``: the training completions."""
+        raise NotImplementedError
+
+    def collator(self, pad_id: int, heads: dict, seed: int):
+        return RightPadCollator(pad_id)
+
+    def callbacks(self, collator) -> list:
+        """Trainer callbacks the type's training needs (none by default)."""
+        return []
+
+    def trainer_options(self, heads: dict, head_decay: float) -> dict[str, Any]:
+        """Keyword arguments of :class:`~pardec.training.heads.trainer.HeadsTrainer` for this type."""
+        return {}
+
+    def facts(self, heads: dict, head_decay: float) -> dict[str, Any]:
+        """The training settings drafter.json records beside the run's facts."""
+        return {}
+
+    def loss_k(self, drafter, trainer) -> int:
+        """The terms per anchor the loss has (and the logs: one loss and agreement per depth): the drafter's K."""
+        return drafter.k
+
+    def depth_weights(self, k: int, head_decay: float) -> list[float]:
+        """The weight of each depth's loss (1 each by default)."""
+        return [1.0] * k
+
+    def window_count(self, batches: list[dict], k: int) -> int:
+        """The loss's normaliser over an accumulation window: its (position, depth) terms."""
+        return sum(term_count(b["loss_mask"], k) for b in batches)
+
+    def loss(self, trainer, model, drafter, inputs: dict, return_outputs: bool, num_items_in_batch):
+        """The training loss of a batch (:meth:`HeadsTrainer.compute_loss`): by default the depth loss of heads
+        ranked at every depth (:meth:`~pardec.training.heads.trainer.HeadsTrainer.depth_loss`)."""
+        return trainer.depth_loss(model, drafter, inputs, return_outputs, num_items_in_batch)
+
+    def depth_logits(self, base, call, drafter, ids, anchors, *, training: bool, attention: str | None = None,
+                     checkpoint: bool = False):
+        """(the target's logits at ``anchors`` [B, A, V] (detached), the drafter's [B, A, K, V]) for the depth loss
+        and the held-out ranks; ``call``: the (possibly wrapped) module to call, ``drafter`` the bare one."""
+        raise NotImplementedError
+
+
+def register_heads_type(cls: type[HeadsType]) -> type[HeadsType]:
+    """Class decorator: register a type's training side under ``cls.name``."""
+    TYPES.add(cls.name, cls())
+    return cls
+
+
+def heads_type(name: Any) -> HeadsType:
+    """The training side of drafter type ``name``; one line naming the valid types for another."""
+    for module in BUILTIN:
+        importlib.import_module(module)
+    try:
+        return TYPES.get(str(name))
+    except UnknownNameError:
+        raise ConfigError(f"heads.type={name!r} is not valid; choose one of: {', '.join(TYPES.names())}") from None
+
+
+def check_layer_list(layers: Any, what: str) -> list[int]:
+    """``heads.layers`` as a non-empty list of layer indices; ``what``: what the layers are, for the error."""
+    if not isinstance(layers, list) or not layers or not all(is_int(i) for i in layers):
+        raise ConfigError(f"heads.layers={layers!r} is not valid: give a non-empty list of target layer indices "
+                          f"({what})")
+    return layers
