@@ -56,13 +56,17 @@ def test_every_kind_is_builtin_and_configured_and_every_task_has_its_dataset_con
 
 def test_every_drafter_type_has_a_model_and_a_training_side_and_the_readme_names_their_files():
     from pardec.models.drafter_types import BUILTIN as MODEL_MODULES
-    from pardec.models.drafter_types import drafter_types
+    from pardec.models.drafter_types import EXPORT_BUILTIN, drafter_types, exported_types
     from pardec.training.heads.types import BUILTIN as TRAINING_MODULES
     from pardec.training.heads.types import heads_type
 
     models = {f"pardec.models.{f.stem}" for f in (SRC / "models").glob("*.py")
               if re.search(r'^@register_drafter\(', f.read_text(), re.M)}
     assert models == set(MODEL_MODULES), "add the module to drafter_types.BUILTIN"
+    exporters = {f"pardec.models.{f.stem}" for f in (SRC / "models").glob("*.py")
+                 if re.search(r'^@register_exporter\(', f.read_text(), re.M)}
+    assert exporters == set(EXPORT_BUILTIN), "add the module to drafter_types.EXPORT_BUILTIN"
+    assert set(exported_types()) <= set(drafter_types())
     training = {f"pardec.training.heads.{f.stem}" for f in (SRC / "training" / "heads").glob("*.py")
                 if "@register_heads_type" in f.read_text()}
     assert training == set(TRAINING_MODULES), "add the module to pardec.training.heads.types.BUILTIN"
@@ -71,5 +75,6 @@ def test_every_drafter_type_has_a_model_and_a_training_side_and_the_readme_names
         assert any((CONF_DIR / "experiment").glob(f"*{name}_*.yaml")), name  # heads_<type>_ or <type>_<name>
     bullet = README[README.index("- New drafter type"):README.index("- New experiment kind:")]
     for named in ("src/pardec/models/", "@register_drafter", "drafter_types.BUILTIN", "src/pardec/training/heads/",
-                  "@register_heads_type", "types.BUILTIN", "<type>_<name>", "load_drafter"):
+                  "@register_heads_type", "types.BUILTIN", "<type>_<name>", "load_drafter", "@register_exporter",
+                  "EXPORT_BUILTIN"):
         assert named in bullet, named

@@ -1,5 +1,7 @@
 """Export a pardec-trained EAGLE-3 or DFlash drafter for serving: ``python -m pardec.export <drafter dir> --format F
---out DIR``.
+--out DIR``. Each exported drafter type's layouts, checks, notes and serving commands are its exporter's
+(:class:`pardec.models.drafter_types.Exporter`: :mod:`pardec.models.eagle_export`, :mod:`pardec.models.dflash_export`);
+this module reads the drafter, checks the verifier and writes the files.
 
 Reads a pardec drafter directory (``drafter.json`` with ``kind: eagle3`` or ``kind: dflash`` + ``drafter.safetensors``,
 as training saves it) and writes it in one of the published layouts, weights in the drafter's own dtype.
@@ -30,26 +32,27 @@ import json
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors.torch import load_file, save_file
 
 from pardec.config import ConfigError
-from pardec.models.dflash import DFlashConfig, DFlashDraft
-from pardec.models.eagle import Eagle3Config, Eagle3Draft
+from pardec.models.drafter_types import exported_types, exporter
 from pardec.models.eagle_formats import (
-    eagle3_config_json,
-    external_state,
     read_json,
-    speculators_config_json,
-    target_embedding,
 )
 from pardec.models.heads import FORMAT, read_meta
-from pardec.models.vocab import DraftVocab
 
-#: the layouts each drafter kind exports to
-KIND_FORMATS = {"eagle3": ("eagle3", "speculators"), "dflash": ("dflash", "speculators")}
-EXPORT_FORMATS = ("eagle3", "dflash", "speculators")
+
+def export_formats() -> tuple[str, ...]:
+    """Every layout some drafter type exports to (each type's first: its own release's layout; then the shared)."""
+    out: list[str] = []
+    for kind in exported_types():
+        out += [f for f in exporter(kind).formats if f not in out]
+    return tuple(sorted(out, key=lambda f: f == "speculators"))
+
+
 PROG = "python -m pardec.export"
 
 
@@ -70,8 +73,8 @@ def _parser(prog: str) -> _Parser:
                         "--speculative-draft-model-path OUT\n"
                         "      --speculative-num-steps N --speculative-eagle-topk 1 --speculative-num-draft-tokens N+1")
     ap.add_argument("drafter", help="a pardec EAGLE-3 or DFlash drafter directory (drafter.json kind eagle3 | dflash)")
-    ap.add_argument("--format", required=True, choices=EXPORT_FORMATS, help="the layout to write: "
-                    + " or ".join(EXPORT_FORMATS))
+    ap.add_argument("--format", required=True, choices=export_formats(), help="the layout to write: "
+                    + " or ".join(export_formats()))
     ap.add_argument("--out", required=True, help="the directory to write (new or empty)")
     ap.add_argument("--verifier", default=None, help="the target as a Hub id or a local directory: recorded in the "
                     "speculators config (name and architectures) and, when its config.json is readable, checked "
@@ -94,39 +97,23 @@ def main(argv: Sequence[str] | None = None, prog: str | None = None) -> int:
                          with_embeddings=a.with_embeddings)
     except ConfigError as e:
         ap.error(str(e))
-    cfg, n = written["config"], written["speculative_tokens"]
-    target = a.verifier or "TARGET"
-    if written["kind"] == "dflash":
-        print(f"wrote {a.out} ({a.format} format: {', '.join(written['files'])}; {written['dtype']}, "
-              f"{cfg.num_hidden_layers} layers, block {cfg.block_size}, target layers {cfg.layer_ids})")
-        for note in written["notes"]:
-            print(f"note: {note}")
-        print("serve with vLLM:\n  vllm serve " + target + " --speculative-config "
-              + "'" + json.dumps({"method": "dflash", "model": str(a.out), "num_speculative_tokens": n}) + "'")
-        print(f"serve with SGLang:\n  python -m sglang.launch_server --model-path {target} --speculative-algorithm "
-              f"DFLASH --speculative-draft-model-path {a.out} --speculative-num-draft-tokens {n + 1}")
-        return 0
-    print(f"wrote {a.out} ({a.format} format: {', '.join(written['files'])}; {written['dtype']}, draft vocabulary "
-          f"{cfg.draft_vocab_size} of {cfg.vocab_size}, feature layers {cfg.layer_ids})")
+    n, target = written["speculative_tokens"], a.verifier or "TARGET"
+    print(f"wrote {a.out} ({a.format} format: {', '.join(written['files'])}; {written['dtype']}, "
+          f"{written['described']})")
     for note in written["notes"]:
         print(f"note: {note}")
-    print("serve with vLLM:\n  vllm serve " + target + " --speculative-config "
-          + "'" + json.dumps({"method": "eagle3", "model": str(a.out), "num_speculative_tokens": n}) + "'")
-    print(("serve with SGLang" + (" (its eagle3 loader names the layer midlayer.*: prefer --format eagle3)"
-                                  if a.format == "speculators" else "") + ":\n")
-          + f"  python -m sglang.launch_server --model-path {target} --speculative-algorithm EAGLE3 "
-            f"--speculative-draft-model-path {a.out} --speculative-num-steps {n} --speculative-eagle-topk 1 "
-            f"--speculative-num-draft-tokens {n + 1}")
+    for line in exporter(written["kind"]).serve(a.out, target, a.format, n):
+        print(line)
     return 0
 
 
 def export(drafter: str | Path, fmt: str, out: str | Path, *, verifier: str | None = None,
            speculative_tokens: int | None = None, with_embeddings: str | Path | None = None) -> dict:
     """Write the pardec EAGLE-3 or DFlash drafter at ``drafter`` to ``out`` in ``fmt``; every check runs before
-    anything is written. Returns {"kind", "config": its Eagle3Config / DFlashConfig, "files": names written,
+    anything is written. Returns {"kind", "config": the type's config (Eagle3Config, DFlashConfig), "files": names written,
     "dtype", "notes", "speculative_tokens"}."""
-    if fmt not in EXPORT_FORMATS:
-        raise ConfigError(f"--format={fmt!r} is not valid; choose one of: {', '.join(EXPORT_FORMATS)}")
+    if fmt not in export_formats():
+        raise ConfigError(f"--format={fmt!r} is not valid; choose one of: {', '.join(export_formats())}")
     if speculative_tokens is not None and speculative_tokens < 1:
         raise ConfigError(f"--speculative-tokens={speculative_tokens} is out of range: it must be an integer >= 1")
     out = Path(out)
@@ -134,88 +121,30 @@ def export(drafter: str | Path, fmt: str, out: str | Path, *, verifier: str | No
         raise ConfigError(f"--out={str(out)!r} exists and is not an empty directory; choose a new or empty one")
     meta, state, config = _read_drafter(drafter)
     kind = meta["kind"]
-    if fmt not in KIND_FORMATS[kind]:
+    ex = exporter(kind)
+    if fmt not in ex.formats:
         raise ConfigError(f"--format={fmt!r} is not a layout of {kind} drafters; they export to: "
-                          f"{', '.join(KIND_FORMATS[kind])}")
-    if kind == "dflash":
-        return _export_dflash(meta, state, config, fmt, out, verifier, speculative_tokens, with_embeddings)
-    speculative_tokens = 3 if speculative_tokens is None else speculative_tokens
-    dtype = state["lm_head.weight"].dtype
-    vocab_reduced = config.draft_vocab_size < config.vocab_size
-    notes = []
-    if len(config.layer_ids) != 3:
-        notes.append(f"the drafter fuses {len(config.layer_ids)} target layers; vLLM's and SGLang's EAGLE-3 drafts "
-                     f"fuse exactly 3")
-    if config.norm_before_residual and fmt == "eagle3":
-        notes.append("the drafter uses norm_before_residual, which vLLM reads but SGLang's and the original "
-                     "release's EAGLE-3 layers ignore: serve it with vLLM")
-    arch: list[str] = []
+                          f"{', '.join(ex.formats)}")
+    notes: list[str] = []
+    architectures, verifier_notes = [], []
     if verifier is not None:
-        arch = _verifier_architectures(verifier, meta, notes)
+        architectures = _verifier_architectures(verifier, meta, verifier_notes)
     elif fmt == "speculators":
-        notes.append("no --verifier: the speculators config names no verifier (vLLM takes the target from its "
-                     "command line)")
-    weights = external_state(state, fmt, vocab_reduced)
-    if with_embeddings is not None:
-        emb = target_embedding(with_embeddings)
-        want = (config.vocab_size, config.hidden_size)
-        if tuple(emb.shape) != want:
-            raise ConfigError(f"--with-embeddings={str(with_embeddings)!r}: its embedding is {tuple(emb.shape)}; the "
-                              f"drafter needs {want} (vocab_size, hidden_size)")
-        weights["embed_tokens.weight"] = emb.to(dtype).contiguous()
-    if fmt == "eagle3":
-        cfg_json = eagle3_config_json(config, dtype)
-    else:
-        cfg_json = speculators_config_json(config, dtype, speculative_tokens, verifier, arch)
+        verifier_notes.append("no --verifier: the speculators config names no verifier (vLLM takes the target from "
+                              "its command line)")
+    weights, cfg_json, n = ex.write(meta, state, config, fmt, verifier=verifier, architectures=architectures,
+                                    speculative_tokens=speculative_tokens, with_embeddings=with_embeddings,
+                                    notes=notes)
+    dtype = next(v.dtype for v in weights.values() if v.is_floating_point())  # the drafter's own
     out.mkdir(parents=True, exist_ok=True)
     save_file(weights, str(out / "model.safetensors"), metadata={"format": "pt"})
     (out / "config.json").write_text(json.dumps(cfg_json, indent=2) + "\n")
-    return {"kind": "eagle3", "config": config, "files": ["config.json", "model.safetensors"],
-            "dtype": str(dtype).removeprefix("torch."), "notes": notes, "speculative_tokens": speculative_tokens}
+    return {"kind": kind, "config": config, "files": ["config.json", "model.safetensors"],
+            "dtype": str(dtype).removeprefix("torch."), "notes": notes + verifier_notes, "speculative_tokens": n,
+            "described": ex.describe(config)}
 
 
-def _export_dflash(meta: dict, state: dict[str, torch.Tensor], config: DFlashConfig, fmt: str, out: Path,
-                   verifier: str | None, speculative_tokens: int | None, with_embeddings) -> dict:
-    """The DFlash half of :func:`export` (its checks are done)."""
-    from pardec.models.dflash_formats import speculators_config_json as dflash_speculators_json
-    from pardec.models.dflash_formats import zlab_config_json
-
-    n = config.block_size - 1 if speculative_tokens is None else speculative_tokens
-    if n > config.block_size - 1:
-        raise ConfigError(f"--speculative-tokens={n} is out of range: a block of {config.block_size} proposes at most "
-                          f"{config.block_size - 1}")
-    if with_embeddings is not None:
-        raise ConfigError("--with-embeddings applies to EAGLE-3 only: DFlash's drafts always share the target's "
-                          "embedding (the published layouts store none)")
-    dtype = state["norm.weight"].dtype
-    notes = []
-    if config.mask_token_id is None:
-        notes.append("the drafter's mask slot is a learned embedding (mask_embedding, written with the weights; "
-                     "mask_token_id null): pardec loads it back, but vLLM and SGLang embed a mask token id from the "
-                     "target's table and do not read it; to serve, train with heads.mask_token_id=<a spare row>")
-    if config.fusion == "layerwise":
-        notes.append("the drafter uses DFlare's layer-wise fusion (layer_mix, no fc): pardec loads it back, but "
-                     "vLLM's and SGLang's DFlash drafts fuse with fc and do not read it")
-    arch: list[str] = []
-    if verifier is not None:
-        arch = _verifier_architectures(verifier, meta, notes)
-    elif fmt == "speculators":
-        notes.append("no --verifier: the speculators config names no verifier (vLLM takes the target from its "
-                     "command line)")
-    if fmt == "dflash":
-        cfg_json = zlab_config_json(config, dtype, int(meta["num_hidden_layers"]))
-    else:
-        cfg_json = dflash_speculators_json(config, dtype, verifier, arch)
-        cfg_json["speculators_config"]["proposal_methods"][0]["speculative_tokens"] = n
-    out.mkdir(parents=True, exist_ok=True)
-    save_file({k: v.detach().contiguous() for k, v in state.items()}, str(out / "model.safetensors"),
-              metadata={"format": "pt"})
-    (out / "config.json").write_text(json.dumps(cfg_json, indent=2) + "\n")
-    return {"kind": "dflash", "config": config, "files": ["config.json", "model.safetensors"],
-            "dtype": str(dtype).removeprefix("torch."), "notes": notes, "speculative_tokens": n}
-
-
-def _read_drafter(path: str | Path) -> tuple[dict, dict[str, torch.Tensor], Eagle3Config | DFlashConfig]:
+def _read_drafter(path: str | Path) -> tuple[dict, dict[str, torch.Tensor], Any]:
     """drafter.json, the state dict and the config of a pardec EAGLE-3 or DFlash drafter directory, checked (keys
     and shapes against the module its config builds; EAGLE-3: d2t against t2d)."""
     p = Path(path)
@@ -228,23 +157,15 @@ def _read_drafter(path: str | Path) -> tuple[dict, dict[str, torch.Tensor], Eagl
         raise ConfigError(f"{key}={str(path)!r} has no drafter.json; expected {expected}")
     meta = read_meta(p, key)
     kind = meta.get("kind")
-    if kind not in KIND_FORMATS or not isinstance(meta.get(kind), dict):
+    exported = exported_types()
+    if kind not in exported or not isinstance(meta.get(kind), dict):
         raise ConfigError(f"{key}={str(path)!r} holds a {kind!r} drafter; only kinds "
-                          f"{', '.join(repr(k) for k in KIND_FORMATS)} export")
+                          f"{', '.join(repr(k) for k in exported)} export")
     if not (p / "drafter.safetensors").is_file():
         raise ConfigError(f"{key}={str(path)!r} has no drafter.safetensors next to its drafter.json ({FORMAT})")
     try:
         state = load_file(str(p / "drafter.safetensors"))
-        if kind == "dflash":
-            config = DFlashConfig.from_dict(meta["dflash"])
-            with torch.device("meta"):
-                shapes = {k: tuple(v.shape) for k, v in DFlashDraft(config).state_dict().items()}
-        else:
-            config = Eagle3Config.from_dict(meta["eagle3"])
-            DraftVocab.from_maps(state["d2t"], state["t2d"], config.vocab_size)  # raises when they disagree
-            with torch.device("meta"):  # shapes only: nothing allocated
-                stand_in = DraftVocab(range(config.draft_vocab_size), config.vocab_size)
-                shapes = {k: tuple(v.shape) for k, v in Eagle3Draft(config, stand_in).state_dict().items()}
+        config, shapes = exporter(kind).config(meta, state)
     except (KeyError, TypeError, ValueError, RuntimeError) as e:
         raise ConfigError(f"{key}={str(path)!r}: its drafter does not load ({type(e).__name__}: {e})") from None
     have = {k: tuple(v.shape) for k, v in state.items()}

@@ -343,10 +343,10 @@ def test_exported_speculators_config_loads_with_speculators(target, tmp_path):
 
 # ---------------------------------------------------------------------------------------------- bad export input
 @pytest.mark.parametrize("case, needle", [
-    ("format", r"argument --format: invalid choice: 'hf' \(choose from '?eagle3'?, '?dflash'?, '?speculators'?\)"),
+    ("format", r"argument --format: invalid choice: 'hf' \(choose from '?dflash'?, '?eagle3'?, '?speculators'?\)"),
     ("missing", r"drafter='.*nowhere' is not a directory; expected a pardec EAGLE-3 or DFlash drafter directory"),
     ("empty", r"drafter='.*empty' has no drafter\.json; expected a pardec EAGLE-3 or DFlash drafter directory"),
-    ("medusa", r"drafter='.*medusa' holds a 'medusa' drafter; only kinds 'eagle3', 'dflash' export"),
+    ("medusa", r"drafter='.*medusa' holds a 'medusa' drafter; only kinds 'dflash', 'eagle3' export"),
     ("kind", r"--format='dflash' is not a layout of eagle3 drafters; they export to: eagle3, speculators"),
     ("external", r"drafter='.*external' has no drafter\.json"),
     ("out", r"--out='.*busy' exists and is not an empty directory; choose a new or empty one"),
@@ -401,7 +401,7 @@ def test_export_help(capsys):
         export_main(["--help"])
     assert e.value.code == 0
     text = capsys.readouterr().out
-    assert "--format {eagle3,dflash,speculators}" in text and "--speculative-config" in text
+    assert "--format {dflash,eagle3,speculators}" in text and "--speculative-config" in text
 
 
 def test_hub_ids_resolve_through_snapshot_download(target, tmp_path, monkeypatch):
