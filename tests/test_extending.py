@@ -67,6 +67,9 @@ def test_every_drafter_type_has_a_model_and_a_training_side_and_the_readme_names
                  if re.search(r'^@register_exporter\(', f.read_text(), re.M)}
     assert exporters == set(EXPORT_BUILTIN), "add the module to drafter_types.EXPORT_BUILTIN"
     assert set(exported_types()) <= set(drafter_types())
+    from pardec.plan.drafters import drafter_terms
+
+    assert all(callable(drafter_terms(name)) for name in drafter_types())  # every type has its memory-plan terms
     training = {f"pardec.training.heads.{f.stem}" for f in (SRC / "training" / "heads").glob("*.py")
                 if "@register_heads_type" in f.read_text()}
     assert training == set(TRAINING_MODULES), "add the module to pardec.training.heads.types.BUILTIN"
@@ -76,5 +79,5 @@ def test_every_drafter_type_has_a_model_and_a_training_side_and_the_readme_names
     bullet = README[README.index("- New drafter type"):README.index("- New experiment kind:")]
     for named in ("src/pardec/models/", "@register_drafter", "drafter_types.BUILTIN", "src/pardec/training/heads/",
                   "@register_heads_type", "types.BUILTIN", "<type>_<name>", "load_drafter", "@register_exporter",
-                  "EXPORT_BUILTIN"):
+                  "EXPORT_BUILTIN", "src/pardec/plan/drafters/", "@plan_terms"):
         assert named in bullet, named

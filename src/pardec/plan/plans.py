@@ -8,7 +8,8 @@ from typing import Any
 from pardec import CONF_DIR
 from pardec.config import ConfigError
 from pardec.plan.compose import _trained_hub, check_name, compose, launch_world, paper_recipes
-from pardec.plan.formulas import _max_live, _zero_stage, layer_activations, loss_logits, stack_activations
+from pardec.plan.drafters import drafter_terms
+from pardec.plan.formulas import _max_live, _zero_stage, loss_logits, stack_activations
 from pardec.plan.shapes import (
     CAPACITIES_GB,
     COMPONENTS,
@@ -106,43 +107,9 @@ def _train_plan(name: str, cfg: dict[str, Any], world: int) -> Plan:
         act_bytes = 2 if bf16 else 4
         run_bytes = DTYPE_BYTES[t.get("model_dtype") or cfg["dtype"]]
         frozen = a.params * run_bytes
-        tokens = b * seq
-        if h.get("type") == "medusa":
-            k = int(h.get("num_heads", 3))
-            # the base runs without gradients; each head's ResBlocks keep input, pre-activation and SiLU output
-            activations = tokens * a.hidden * act_bytes * (1 + 3 * k * int(h.get("num_blocks", 1)))
-        elif h.get("type") == "dflash":
-            # num_anchors blocks of block_size queries per sequence through the draft's layers, each over the
-            # sequence's context keys/values plus the blocks'; fp32 logits of every predicted slot over the
-            # target's vocabulary (the shared head), and the base's logits (its forward returns them)
-            n, blk = int(h.get("num_layers", 5)), int(h.get("block_size", 16))
-            queries = b * min(int(h.get("num_anchors", 512)), seq) * blk
-            activations = stack_activations(n, queries, seq + queries // b, a, act_bytes, eager, ckpt)
-            kv = tokens * n * 2 * a.kv_heads * a.head_dim * act_bytes  # every layer's context keys/values
-            k = blk - 1
-            logits = loss_logits(queries, a.vocab, "dflash", act_bytes) + tokens * a.vocab * run_bytes
-            notes.append(f"dflash drafter, {n} layers, {queries // b} block slots per sequence")
-        elif h.get("type") == "eagle3":
-            # one layer of 2H input unrolled ttt_steps times over every position; the target's logits once, the
-            # draft's over its vocabulary per step
-            k = int(h.get("ttt_steps", 7))
-            activations = stack_activations(k, tokens, seq * k, a, act_bytes, eager, ckpt)
-            draft_vocab = int(h.get("draft_vocab_size", a.vocab))
-            logits = (tokens * a.vocab * run_bytes + tokens * draft_vocab * 4  # the base's, its fp32 log-softmax
-                      + loss_logits(k * tokens, draft_vocab, "soft_ce", act_bytes))
-            notes.append(f"eagle3 drafter, {k} TTT steps")
-        else:  # firp: pseudo states of projection i run through layers t_i..L-1 with gradients
-            layers = [int(x) for x in h.get("layers") or []]
-            k = len(layers)
-            passes = sum(a.layers - x for x in layers)
-            activations = (stack_activations(passes, tokens, seq, a, act_bytes, eager, ckpt)
-                           - (layer_activations(tokens, seq, a, act_bytes, eager) if ckpt else 0)
-                           + (layer_activations(k * tokens, seq, a, act_bytes, eager) if ckpt else 0))
-            kv = tokens * a.kv_bytes_per_token(run_bytes)  # the real tokens' K/V the pseudo states attend to
-        if h.get("type") in ("medusa", "firp"):
-            # K student rows (each depth's KL to the base's row) + the base's row per position
-            logits = loss_logits(k * tokens, a.vocab, "kl", act_bytes) + tokens * a.vocab * run_bytes
-            notes.append(f"{h.get('type')} drafter, K={k}")
+        d = drafter_terms(h.get("type"))(h, a, b * seq, seq, b, act_bytes, run_bytes, eager, ckpt)
+        activations, logits, kv = d.activations, d.logits, d.kv
+        notes.append(d.note)
     else:
         raise ConfigError(f"recipe {name!r}: kind {kind!r} has no memory model in pardec.plan")
 
