@@ -38,10 +38,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from pardec.config import ConfigError
+from pardec.models.checkpoints import read_json
 from pardec.models.drafter_types import exported_types, exporter
-from pardec.models.eagle_formats import (
-    read_json,
-)
 from pardec.models.heads import FORMAT, read_meta
 
 

@@ -30,8 +30,17 @@ from typing import Any
 import torch
 
 from pardec.config import ConfigError
+from pardec.models.checkpoints import (
+    clean_scaling,
+    dtype_name,
+    listing,
+    look,
+    read_json,
+    read_weights,
+    resolve,
+    rope_of,
+)
 from pardec.models.dflash import DFlashConfig, DFlashDraft
-from pardec.models.eagle_formats import clean_scaling, dtype_name, read_json, read_weights, resolve, rope_of
 
 log = logging.getLogger(__name__)
 
@@ -50,24 +59,13 @@ def detect(path: str | Path, key: str = "draft.path") -> str:
     """Which format the directory ``path`` holds: ``pardec`` (``drafter.json``), ``speculators``
     (``speculators_model_type: dflash``) or ``dflash`` (a ``DFlashDraftModel`` architecture or a ``dflash_config``);
     anything else raises one line naming the directory and its files."""
-    p = Path(path)
-    if not p.is_dir():
-        raise ConfigError(f"{key}={str(path)!r} is not a directory")
-    files = sorted(f.name for f in p.iterdir())
-    if "drafter.json" in files:
-        return "pardec"
-    cfg = read_json(p / "config.json", key) if "config.json" in files else None
-    if cfg is not None and "speculators_model_type" in cfg:
-        kind = cfg.get("speculators_model_type")
-        if kind != "dflash":
-            raise ConfigError(f"{key}={str(path)!r} holds a speculators {kind!r} checkpoint; only 'dflash' loads here")
-        return "speculators"
-    archs = [str(a) for a in (cfg or {}).get("architectures") or []]
+    fmt, files, cfg, archs = look(path, key, "dflash")
+    if fmt is not None:
+        return fmt
     if cfg is not None and (ZLAB_ARCHITECTURE in archs or "dflash_config" in cfg):
         return "dflash"
-    what = ", ".join(files[:12]) + (f", ... ({len(files)} files)" if len(files) > 12 else "") if files else "no files"
-    raise ConfigError(f"{key}={str(path)!r} is not a DFlash checkpoint: found {what}; expected drafter.json (pardec), "
-                      f"config.json with speculators_model_type 'dflash' (speculators), or config.json with "
+    raise ConfigError(f"{key}={str(path)!r} is not a DFlash checkpoint: found {listing(files)}; expected drafter.json "
+                      f"(pardec), config.json with speculators_model_type 'dflash' (speculators), or config.json with "
                       f"architectures [{ZLAB_ARCHITECTURE!r}] / a dflash_config (the z-lab release)")
 
 

@@ -22,17 +22,25 @@ A stored ``embed_tokens.weight`` is ignored (pardec feeds the target's own embed
 
 from __future__ import annotations
 
-import json
 import logging
-import re
 from pathlib import Path
 from typing import Any
 
 import torch
 from safetensors import safe_open
-from safetensors.torch import load_file
 
 from pardec.config import ConfigError
+from pardec.models.checkpoints import (
+    clean_scaling,
+    dtype_name,
+    listing,
+    look,
+    read_json,
+    read_weights,
+    resolve,
+    rope_of,
+    weights_file,
+)
 from pardec.models.eagle import Eagle3Config, Eagle3Draft, default_layers
 from pardec.models.vocab import DraftVocab
 
@@ -51,7 +59,6 @@ SPECULATORS_ARCHITECTURE = "Eagle3Speculator"
 IGNORED_KEYS = ("embed_tokens.weight", "verifier_lm_head.weight", "verifier_norm.weight")
 #: ``speculators`` options that change the computation and pardec's :class:`Eagle3Draft` does not implement
 UNSUPPORTED_FLAGS = ("norm_before_fc", "fc_norm", "norm_output")
-_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 
 
 # ---------------------------------------------------------------------------------------------- detect and resolve
@@ -59,47 +66,18 @@ def detect(path: str | Path, key: str = "draft.path") -> str:
     """Which format the directory ``path`` holds, from its files: ``pardec`` (``drafter.json``), ``speculators``
     (``config.json`` with ``speculators_model_type``) or ``eagle3`` (``config.json`` naming a draft vocabulary or an
     Eagle3 architecture, and a weights file); anything else raises one line naming the directory and its files."""
+    fmt, files, cfg, archs = look(path, key, "eagle3")
+    if fmt is not None:
+        return fmt
     p = Path(path)
-    if not p.is_dir():
-        raise ConfigError(f"{key}={str(path)!r} is not a directory")
-    files = sorted(f.name for f in p.iterdir())
-    if "drafter.json" in files:
-        return "pardec"
-    cfg = read_json(p / "config.json", key) if "config.json" in files else None
-    if cfg is not None and "speculators_model_type" in cfg:
-        kind = cfg.get("speculators_model_type")
-        if kind != "eagle3":
-            raise ConfigError(f"{key}={str(path)!r} holds a speculators {kind!r} checkpoint; only 'eagle3' loads here")
-        return "speculators"
-    archs = [str(a) for a in (cfg or {}).get("architectures") or []]
     if cfg is not None and ("draft_vocab_size" in cfg or any("eagle3" in a.lower() for a in archs)) \
-            and _weights_file(p) is not None:
+            and weights_file(p) is not None:
         return "eagle3"
-    what = ", ".join(files[:12]) + (f", ... ({len(files)} files)" if len(files) > 12 else "") if files else "no files"
     hint = (" (config.json has no draft_vocab_size and no Eagle3 architecture: a plain model or an EAGLE-1/2 draft?)"
-            if cfg is not None and _weights_file(p) is not None else "")
-    raise ConfigError(f"{key}={str(path)!r} is not an EAGLE-3 checkpoint: found {what}{hint}; expected drafter.json "
-                      f"(pardec), config.json with speculators_model_type 'eagle3' + {SPECULATORS_WEIGHTS} "
+            if cfg is not None and weights_file(p) is not None else "")
+    raise ConfigError(f"{key}={str(path)!r} is not an EAGLE-3 checkpoint: found {listing(files)}{hint}; expected "
+                      f"drafter.json (pardec), config.json with speculators_model_type 'eagle3' + {SPECULATORS_WEIGHTS} "
                       f"(speculators), or config.json with draft_vocab_size + {' or '.join(EAGLE3_WEIGHTS)} (eagle3)")
-
-
-def resolve(path_or_hub_id: str | Path, key: str = "draft.path") -> Path:
-    """A local directory as is; else a Hub id (``owner/name``) downloaded with ``huggingface_hub.snapshot_download``
-    (config, json and weight files only); else one line saying why not."""
-    p = Path(path_or_hub_id).expanduser()
-    if p.exists():
-        return p
-    name = str(path_or_hub_id)
-    if not _HUB_ID.match(name):
-        raise ConfigError(f"{key}={name!r} is neither a local directory nor a Hub id (owner/name)")
-    from huggingface_hub import snapshot_download
-
-    try:
-        return Path(snapshot_download(name, allow_patterns=["*.json", "*.safetensors", "pytorch_model.bin"]))
-    except Exception as e:  # noqa: BLE001 (offline, no such repo, gated: all one line for the user)
-        first = str(e).strip().splitlines()[0] if str(e).strip() else ""
-        raise ConfigError(f"{key}={name!r} is not a local directory and its Hub download failed "
-                          f"({type(e).__name__}: {first})") from None
 
 
 # ---------------------------------------------------------------------------------------------- load
@@ -217,28 +195,6 @@ def _eagle3_config(layer: dict, cfg: dict, extra: dict, state: dict, target_conf
         norm_before_residual=bool(cfg.get("norm_before_residual", False)))
 
 
-def rope_of(layer: dict) -> tuple[float, dict | None]:
-    """(rope_theta, scaling dict or None) of a Llama config dict in either transformers layout: ``rope_parameters``
-    (5.x) or ``rope_theta`` + ``rope_scaling`` (4.x; its old ``type`` key read as ``rope_type``)."""
-    params = layer.get("rope_parameters")
-    if isinstance(params, dict):
-        theta = float(params.get("rope_theta", layer.get("rope_theta", 10000.0)))
-        scaling = {k: v for k, v in params.items() if k != "rope_theta"}
-    else:
-        theta = float(layer.get("rope_theta", 10000.0))
-        scaling = dict(layer.get("rope_scaling") or {})
-    return theta, clean_scaling(scaling)
-
-
-def clean_scaling(scaling: dict | None) -> dict | None:
-    """A rope scaling dict with ``rope_type`` (never the old ``type``, never ``rope_theta``); None when plain."""
-    if not scaling:
-        return None
-    s = {k: v for k, v in scaling.items() if k not in ("rope_theta", "type")}
-    s["rope_type"] = scaling.get("rope_type", scaling.get("type", "default"))
-    return None if s["rope_type"] == "default" else s
-
-
 def _vocab(state: dict, config: Eagle3Config, where: str) -> DraftVocab:
     """The draft vocabulary of the stored maps (both absent: the full vocabulary, which must then be the size of the
     head)."""
@@ -278,50 +234,6 @@ def _check_state(drafter: Eagle3Draft, state: dict, where: str, weights_name: st
 
 
 # ---------------------------------------------------------------------------------------------- files
-def read_json(f: Path, key: str) -> dict:
-    try:
-        data = json.loads(f.read_text())
-    except json.JSONDecodeError as e:
-        raise ConfigError(f"{key}: {f} is not valid JSON ({e})") from None
-    if not isinstance(data, dict):
-        raise ConfigError(f"{key}: {f} is not a JSON object")
-    return data
-
-
-def _weights_file(path: Path) -> Path | None:
-    for name in ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin"):
-        if (path / name).is_file():
-            return path / name
-    return None
-
-
-def read_weights(path: Path, fmt: str, where: str) -> tuple[dict[str, torch.Tensor], str]:
-    """(state dict on the CPU, the file's name): ``model.safetensors`` (or its sharded index) before
-    ``pytorch_model.bin`` (read with ``weights_only``)."""
-    f = _weights_file(path)
-    if f is None or (fmt == "speculators" and f.name == "pytorch_model.bin"):
-        raise ConfigError(f"{where}: no weights file ({SPECULATORS_WEIGHTS if fmt == 'speculators' else ' or '.join(EAGLE3_WEIGHTS)}) "
-                          f"in {path}")
-    try:
-        if f.name == "model.safetensors":
-            return load_file(str(f)), f.name
-        if f.name.endswith(".index.json"):
-            shards = sorted(set(read_json(f, where)["weight_map"].values()))
-            state: dict[str, torch.Tensor] = {}
-            for s in shards:
-                state.update(load_file(str(path / s)))
-            return state, f.name
-        state = torch.load(str(f), map_location="cpu", weights_only=True)
-    except ConfigError:
-        raise
-    except Exception as e:  # noqa: BLE001 (a truncated or foreign file: one line)
-        raise ConfigError(f"{where}: cannot read {f.name} ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})"
-                          ) from None
-    if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
-        raise ConfigError(f"{where}: {f.name} is not a state dict of tensors")
-    return state, f.name
-
-
 def target_embedding(target_dir: str | Path, key: str = "--with-embeddings") -> torch.Tensor:
     """The token embedding [V, H] of a target model directory saved with safetensors (one file or an index): the
     tensor whose name ends in ``embed_tokens.weight`` (``model.embed_tokens.weight`` in Llama-family models)."""
@@ -399,7 +311,3 @@ def speculators_config_json(c: Eagle3Config, dtype: torch.dtype, speculative_tok
                 "default_proposal_method": "greedy",
                 "verifier": {"name_or_path": verifier, "architectures": list(verifier_architectures)}},
             "torch_dtype": name, "dtype": name}
-
-
-def dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
