@@ -31,6 +31,7 @@ import torch
 
 from pardec.config import ConfigError, SamplingConfig
 from pardec.decoding.base import Decoder, DraftClock, GenerationResult, Stopper, check_range, register_method
+from pardec.decoding.features import feature_prefill
 from pardec.decoding.sampling import sample, warp
 from pardec.decoding.verify import verify_chain
 from pardec.models.cached import CachedModel
@@ -130,14 +131,8 @@ class DFlash(Decoder):
     @torch.inference_mode()
     def generate(self, prompt_ids, max_new_tokens: int, stop: Stopper | None = None,
                  sampling: SamplingConfig | None = None) -> GenerationResult:
-        tgt, box = self.target, {}
-
-        def prefill(ids: torch.Tensor) -> torch.Tensor:
-            tgt.reset()
-            out = tgt.forward(ids, last_only=True, hidden_layer=self.layers)
-            box["features"] = out.hidden[0]
-            return out.logits[:, -1]
-
+        tgt = self.target
+        prefill, box = feature_prefill(tgt, self.layers)
         self.clock = DraftClock()
         st, last = self.begin(prompt_ids, max_new_tokens, stop, sampling, prefill)
         dev = st.ids.device

@@ -1,0 +1,23 @@
+"""What the decoders of hidden-state drafters (``eagle``, ``dflash``) share: a prefill that keeps the target's
+features, the hidden states entering the layers the drafter reads, at every prompt position."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+
+def feature_prefill(target, layers) -> tuple[Callable[[torch.Tensor], torch.Tensor], dict]:
+    """(``prefill(ids)``: the target reset and run over the prompt, its last position's logits returned; a dict whose
+    ``"features"`` it fills with the hidden states entering ``layers`` [T, len(layers) * H]) for
+    :meth:`~pardec.decoding.base.Decoder.begin`."""
+    box: dict = {}
+
+    def prefill(ids: torch.Tensor) -> torch.Tensor:
+        target.reset()
+        out = target.forward(ids, last_only=True, hidden_layer=layers)
+        box["features"] = out.hidden[0]
+        return out.logits[:, -1]
+
+    return prefill, box
