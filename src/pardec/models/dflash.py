@@ -30,7 +30,7 @@ checkpoints (``fc``, ``hidden_norm``, ``layers.{i}.self_attn.{q,k,v,o}_proj``, `
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -40,7 +40,7 @@ from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaRMSNorm, LlamaRotaryEmbedding
 
 from pardec.config import ConfigError, check_choice
-from pardec.models.draft_layers import SwiGLU, rope_settings, rotate
+from pardec.models.draft_layers import SavedConfig, SwiGLU, add_projections, rope_settings, rotate
 from pardec.models.drafter_types import TargetParts, only, register_drafter
 
 KIND = "dflash"
@@ -70,7 +70,7 @@ def default_layers(n_layers: int, n_draft: int) -> list[int]:
 
 
 @dataclass
-class DFlashConfig:
+class DFlashConfig(SavedConfig):
     """The draft's shape. :meth:`for_target` gives layers of the target's width, heads and MLP (as the published
     drafters: the Qwen3-8B draft is 5 layers of Qwen3-8B's shape)."""
 
@@ -131,23 +131,12 @@ class DFlashConfig:
                            head_dim=self.head_dim, rms_norm_eps=self.rms_norm_eps,
                            max_position_embeddings=self.max_position_embeddings, rope_parameters=rope)
 
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
-
-    @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> DFlashConfig:
-        known = set(cls.__dataclass_fields__)
-        return cls(**{k: v for k, v in d.items() if k in known})
 
 
 class _Attention(nn.Module):
     def __init__(self, c: DFlashConfig):
         super().__init__()
-        self.heads, self.kv_heads, self.head_dim = c.num_attention_heads, c.num_key_value_heads, c.head_dim
-        self.q_proj = nn.Linear(c.hidden_size, c.num_attention_heads * c.head_dim, bias=False)
-        self.k_proj = nn.Linear(c.hidden_size, c.num_key_value_heads * c.head_dim, bias=False)
-        self.v_proj = nn.Linear(c.hidden_size, c.num_key_value_heads * c.head_dim, bias=False)
-        self.o_proj = nn.Linear(c.num_attention_heads * c.head_dim, c.hidden_size, bias=False)
+        add_projections(self, c.hidden_size, c)
         self.q_norm = LlamaRMSNorm(c.head_dim, eps=c.rms_norm_eps)  # Qwen3's per-head norms
         self.k_norm = LlamaRMSNorm(c.head_dim, eps=c.rms_norm_eps)
 

@@ -4,6 +4,9 @@ attention over prepended keys/values. Nothing here knows a drafter; the lean for
 
 from __future__ import annotations
 
+from dataclasses import asdict
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -42,3 +45,27 @@ class SwiGLU(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class SavedConfig:
+    """A draft's dataclass config as drafter.json keeps it: ``to_dict``, and ``from_dict`` reading the fields it knows
+    (a key written by a later pardec is ignored)."""
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]):
+        known = set(cls.__dataclass_fields__)
+        return cls(**{k: v for k, v in d.items() if k in known})
+
+
+def add_projections(attn: nn.Module, in_size: int, c) -> None:
+    """The q/k/v/o projections (no bias) of an attention over ``in_size`` input features with ``c``'s heads,
+    key/value heads and head size, as ``attn.q_proj`` .. ``attn.o_proj`` (and ``heads``, ``kv_heads``,
+    ``head_dim``)."""
+    attn.heads, attn.kv_heads, attn.head_dim = c.num_attention_heads, c.num_key_value_heads, c.head_dim
+    attn.q_proj = nn.Linear(in_size, c.num_attention_heads * c.head_dim, bias=False)
+    attn.k_proj = nn.Linear(in_size, c.num_key_value_heads * c.head_dim, bias=False)
+    attn.v_proj = nn.Linear(in_size, c.num_key_value_heads * c.head_dim, bias=False)
+    attn.o_proj = nn.Linear(c.num_attention_heads * c.head_dim, c.hidden_size, bias=False)

@@ -22,7 +22,7 @@ state.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -32,7 +32,7 @@ from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaRMSNorm, LlamaRotaryEmbedding
 
 from pardec.config import ConfigError
-from pardec.models.draft_layers import SwiGLU, rope_settings, rotate
+from pardec.models.draft_layers import SavedConfig, SwiGLU, add_projections, rope_settings, rotate
 from pardec.models.drafter_types import TargetParts, only, register_drafter
 from pardec.models.vocab import DraftVocab, scatter_logits
 
@@ -49,7 +49,7 @@ def default_layers(n_layers: int) -> tuple[int, int, int]:
 
 
 @dataclass
-class Eagle3Config:
+class Eagle3Config(SavedConfig):
     """The draft's shape. :meth:`for_target` mirrors the target's layer (EAGLE-3's drafters are one target-width
     Llama layer with the target's head counts and MLP width)."""
 
@@ -101,23 +101,12 @@ class Eagle3Config:
                            max_position_embeddings=self.max_position_embeddings, rope_parameters=rope,
                            tie_word_embeddings=False)
 
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
-
-    @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> Eagle3Config:
-        known = set(cls.__dataclass_fields__)
-        return cls(**{k: v for k, v in d.items() if k in known})
 
 
 class _Attention(nn.Module):
     def __init__(self, c: Eagle3Config):
         super().__init__()
-        self.heads, self.kv_heads, self.head_dim = c.num_attention_heads, c.num_key_value_heads, c.head_dim
-        self.q_proj = nn.Linear(2 * c.hidden_size, c.num_attention_heads * c.head_dim, bias=False)
-        self.k_proj = nn.Linear(2 * c.hidden_size, c.num_key_value_heads * c.head_dim, bias=False)
-        self.v_proj = nn.Linear(2 * c.hidden_size, c.num_key_value_heads * c.head_dim, bias=False)
-        self.o_proj = nn.Linear(c.num_attention_heads * c.head_dim, c.hidden_size, bias=False)
+        add_projections(self, 2 * c.hidden_size, c)
 
 
 class _Layer(nn.Module):
