@@ -343,3 +343,60 @@ def test_the_headline_and_stored_form_of_a_fine_tuned_target():
              "tensors": {"q": {"form": "lowrank"}, "k": {"form": "lowrank"}, "emb": {"form": "rows"}}}
     assert stored_form(store) == ("bf16, the target + rank-16 deltas of 2 linears, 1 tensor(s) by changed rows, "
                                   "0 whole, 2 unchanged (not stored)")
+
+
+class _StubEntry:
+    name, stages = "stub", ("train", "eval")
+
+    def __init__(self, run_dir):
+        self.run_dir = run_dir
+
+    def command(self, stage):
+        return [f"stage={stage}"]
+
+
+def test_a_killed_stage_keeps_its_time_and_the_resumed_one_adds_it(tmp_path, monkeypatch):
+    """A build killed mid-stage keeps what the stage had run (its heartbeat in zoo_stages.json); the rerun's stage
+    time is the sum of both processes, each listed."""
+    from pardec.zoo import build
+
+    entry = _StubEntry(tmp_path / "run")
+
+    def killed(entry, stage, argv, log, beat=None):
+        beat(12.5)
+        raise KeyboardInterrupt  # the build dies mid-stage
+
+    monkeypatch.setattr(build, "run_stage", killed)
+    with pytest.raises(KeyboardInterrupt):
+        build.run_stages(entry, "r1", lambda msg: None)
+    saved = json.loads((entry.run_dir / build.STAGES_FILE).read_text())
+    assert saved["stages"] == {} and [(r["stage"], r["wall_s"]) for r in saved["killed"]] == [("train", 12.5)]
+
+    def finished(entry, stage, argv, log, beat=None):
+        beat(1.0)
+        return {"wall_s": 7.0, "started": "later"}
+
+    monkeypatch.setattr(build, "run_stage", finished)
+    stages = build.run_stages(entry, "r1", lambda msg: None)
+    assert stages["train"]["wall_s"] == 19.5 and [p["wall_s"] for p in stages["train"]["processes"]] == [12.5, 7.0]
+    assert stages["eval"]["wall_s"] == 7.0 and "processes" not in stages["eval"]
+    assert json.loads((entry.run_dir / build.STAGES_FILE).read_text())["killed"] == []
+
+
+def test_run_stage_beats_while_its_process_runs(tmp_path, monkeypatch):
+    import subprocess
+    import sys
+
+    from pardec.zoo import build
+
+    monkeypatch.setattr(build, "HEARTBEAT_S", 0.05)
+    real = subprocess.Popen
+    monkeypatch.setattr(build.subprocess, "Popen", lambda cmd, **kw: real(
+        [sys.executable, "-c", "import time; time.sleep(0.4)"], **kw))
+    beats = []
+    out = build.run_stage(_StubEntry(tmp_path), "train", ["stage=train"], lambda msg: None, beats.append)
+    assert len(beats) >= 2 and beats == sorted(beats) and out["wall_s"] >= 0.4
+    monkeypatch.setattr(build.subprocess, "Popen", lambda cmd, **kw: real([sys.executable, "-c", "raise SystemExit(3)"],
+                                                                          **kw))
+    with pytest.raises(build.ZooError, match="stage train exited with status 3; rerun"):
+        build.run_stage(_StubEntry(tmp_path), "train", ["stage=train"], lambda msg: None)

@@ -39,15 +39,27 @@ def status(entry: Entry, recipe: str | None = None) -> str:
     return "ok" if m["recipe"]["sha256"] == (recipe or recipe_hash(entry)) else "stale"
 
 
-def run_stage(entry: Entry, stage: str, argv: list[str], log) -> dict[str, Any]:
-    """Run one stage as its own process (its progress bars on this terminal); its wall time and the machine's load."""
+#: seconds between two records of a running stage's elapsed time (what a killed stage had run is kept)
+HEARTBEAT_S = 30.0
+
+
+def run_stage(entry: Entry, stage: str, argv: list[str], log, beat=None) -> dict[str, Any]:
+    """Run one stage as its own process (its progress bars on this terminal); its wall time and the machine's load.
+    ``beat(seconds)``: called with the elapsed time every :data:`HEARTBEAT_S` while it runs."""
     cmd = [sys.executable, "-m", "train", *argv]
     log(f"[zoo] {entry.name}: stage {stage}: {shlex.join(cmd[1:])}")
     load_before, git_at_start = os.getloadavg()[0], git_state()  # the code the stage runs
     t0, started = time.perf_counter(), datetime.now(timezone.utc).isoformat(timespec="seconds")
-    proc = subprocess.run(cmd, cwd=REPO_ROOT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
-    if proc.returncode != 0:
-        raise ZooError(f"building {entry.name}: stage {stage} exited with status {proc.returncode}; rerun "
+    proc = subprocess.Popen(cmd, cwd=REPO_ROOT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    while True:
+        try:
+            returncode = proc.wait(timeout=HEARTBEAT_S)
+            break
+        except subprocess.TimeoutExpired:
+            if beat is not None:
+                beat(round(time.perf_counter() - t0, 1))
+    if returncode != 0:
+        raise ZooError(f"building {entry.name}: stage {stage} exited with status {returncode}; rerun "
                        f"`python -m pardec.zoo build {entry.name}` to resume")
     return {"wall_s": round(time.perf_counter() - t0, 1), "started": started, "load_1m_before": round(load_before, 2),
             "load_15m_after": round(os.getloadavg()[2], 2), "argv": argv, **git_at_start}
@@ -70,14 +82,32 @@ def run_stages(entry: Entry, recipe: str, log) -> dict[str, dict]:
     done = json.loads(path.read_text()) if path.is_file() else {}
     if done.get("recipe_sha256") != recipe:
         done = {"recipe_sha256": recipe, "stages": {}}
+    def save() -> None:
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(done, indent=2) + "\n")
+        tmp.replace(path)
+
     for stage in entry.stages:
         if stage in done["stages"]:
             log(f"[zoo] {entry.name}: stage {stage} done earlier ({done['stages'][stage]['wall_s']} s)")
             continue
-        done["stages"][stage] = run_stage(entry, stage, train_argv(entry, stage, run_dir), log)
-        tmp = path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(done, indent=2) + "\n")
-        tmp.replace(path)
+        # a process of this stage that was killed: its time counts (a resumed training continues its work)
+        earlier = [r for r in done.get("killed", []) if r["stage"] == stage]
+        running = {"stage": stage, "wall_s": 0.0, "started": datetime.now(timezone.utc).isoformat(timespec="seconds")}
+        done.setdefault("killed", []).append(running)  # what is left of it if this process is killed too
+
+        def beat(seconds: float, running=running) -> None:
+            running["wall_s"] = seconds
+            save()
+
+        result = run_stage(entry, stage, train_argv(entry, stage, run_dir), log, beat)
+        done["killed"].remove(running)
+        if earlier:
+            result = {**result, "wall_s": round(result["wall_s"] + sum(r["wall_s"] for r in earlier), 1),
+                      "processes": [*earlier, {"started": result["started"], "wall_s": result["wall_s"]}]}
+            done["killed"] = [r for r in done["killed"] if r["stage"] != stage]
+        done["stages"][stage] = result
+        save()
     return done["stages"]
 
 
