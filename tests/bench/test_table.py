@@ -61,13 +61,32 @@ def test_cells_hold_per_prompt_speed_with_an_interval_and_flag_an_inexact_lossle
 
 
 def test_a_continuation_with_other_settings_is_refused_in_one_line(tmp_path):
-    ident = {"host": {"cpu": "x"}, "commit": "abc", "dtype": "fp32", "n": 20}
+    ident = {"host": {"cpu": "x"}, "dtype": "fp32", "n": 20}
     T.check_identity(tmp_path, ident)
     T.check_identity(tmp_path, ident)  # the same: continues
     with pytest.raises(T.TableError) as e:
-        T.check_identity(tmp_path, {**ident, "commit": "def", "dtype": "bf16"})
+        T.check_identity(tmp_path, {**ident, "host": {"cpu": "y"}, "dtype": "bf16"})
     msg = str(e.value)
-    assert "\n" not in msg and "commit was 'abc', now 'def'" in msg and "dtype was 'fp32', now 'bf16'" in msg
+    assert "\n" not in msg and "'x'" in msg and "'y'" in msg and "dtype was 'fp32', now 'bf16'" in msg
+
+
+def test_a_continuation_at_another_commit_continues_and_each_run_keeps_its_commits(tmp_path, monkeypatch):
+    """A table of several hours is made in parts on one host: a later commit continues it, and every run lists
+    the commits it ran at; the table names one commit only when every run used it."""
+    from pardec.zoo import build
+
+    T.check_identity(tmp_path, {"host": {"cpu": "x"}, "dtype": "fp32", "n": 20})
+    monkeypatch.setattr(build, "git_state", lambda: {"commit": "a" * 40})
+    assert T.record_commit(tmp_path, "gsm8k") == "a" * 40
+    T.record_commit(tmp_path, "gsm8k")  # the same commit again: listed once
+    monkeypatch.setattr(build, "git_state", lambda: {"commit": "b" * 40})
+    T.check_identity(tmp_path, {"host": {"cpu": "x"}, "dtype": "fp32", "n": 20})  # no commit in the identity
+    T.record_commit(tmp_path, "gsm8k")
+    T.record_commit(tmp_path, "spider")
+    commits = json.loads((tmp_path / "table_run.json").read_text())["commits"]
+    assert commits == {"gsm8k": ["a" * 40, "b" * 40], "spider": ["b" * 40]}
+    assert T._one_commit(commits) == "several: aaaaaaaaa, bbbbbbbbb"
+    assert T._one_commit({"spider": ["b" * 40]}) == "b" * 40
 
 
 def test_bad_arguments_are_refused(capsys):
@@ -88,6 +107,7 @@ def test_a_tiny_table_end_to_end_and_a_rerun_continues(tmp_path, capsys):
     assert {"ar", "pld", "jacobi", "hf", "hf_pld"} <= set(cells)
     assert all(c["n"] == 2 and c["exact_match_rate"] == 1.0 and not c["flagged"] for c in cells.values())
     assert table["dtype"] == "fp32" and table["n"] == 2 and table["commit"] and table["host"]["cpu"]
+    assert list(table["commits"]) == ["humaneval"] and table["commits"]["humaneval"] == [table["commit"]]
     assert "| pld |" in (tmp_path / "table.md").read_text()
     capsys.readouterr()
     assert T.main(args) == 0

@@ -8,8 +8,11 @@ a second run per benchmark on that model, with `ar` on it as their baseline; the
         [--max-new-tokens 128] [--dtype fp32] [--methods all | m1,m2,...] [--out DIR] [overrides ...]
 
 It resumes: rerun the same command with the same ``--out`` and every benchmark continues where it stopped (each
-`evaluate` run resumes its records). A rerun on another host, commit, dtype or set of methods is refused in one
-line (``<out>/table_run.json`` holds what the first run ran with). The table, ``<out>/table.json`` (results as
+`evaluate` run resumes its records), also at a later commit, so that a table of several hours can be made in parts
+on one host: each run records the commit it started at (``<out>/table_run.json``'s ``commits``; the table lists
+them, and a benchmark's methods always come from one run). A rerun on another host (CPU model, vector flags, cores,
+torch), dtype or set of methods is refused in one line. ``--out`` defaults to ``data/table/<model>-<dtype>``
+(``data/`` outlives ``outputs/``). The table, ``<out>/table.json`` (results as
 data: command, commit, host, dtype, date, n) and ``<out>/table.md``, holds per benchmark and method: the speed
 against `ar` (the mean of the per-prompt ratios with a 95% bootstrap interval, and the median), tokens per target
 forward, the exact-match rate against `ar` (a lossless method below 1.00 is flagged, not averaged in), the task's
@@ -94,12 +97,12 @@ def plan(methods: str, has=zoo_has) -> tuple[list[str], list[tuple[str, str]], l
 
 
 def identity(args: argparse.Namespace, shared: list[str], own: list[tuple[str, str]]) -> dict[str, Any]:
-    """What a table run must keep across its processes: host, commit, dtype and what it runs."""
-    from pardec.zoo.build import git_state, host
+    """What a table run must keep across its processes: host, dtype and what it runs (not the commit: each run
+    records its own, :func:`record_commit`)."""
+    from pardec.zoo.build import host
 
     h = host()
-    return {"host": {k: h[k] for k in ("cpu", "flags", "cores", "torch")},
-            "commit": git_state().get("commit"), "dtype": args.dtype, "n": args.n,
+    return {"host": {k: h[k] for k in ("cpu", "flags", "cores", "torch")}, "dtype": args.dtype, "n": args.n,
             "max_new_tokens": args.max_new_tokens, "model": args.model, "shared": shared,
             "own_model": [f"{m}@{a}" for m, a in own], "benchmarks": args.benchmarks.split(","),
             "extra": list(args.extra)}
@@ -113,13 +116,32 @@ def check_identity(out: Path, ident: dict[str, Any]) -> None:
     if f.is_file():
         from pardec.jsonl import read_json
 
-        diff = settings_diff(read_json(f, TableError), json.loads(json.dumps(ident)))
+        kept = {k: v for k, v in read_json(f, TableError).items() if k != "commits"}
+        diff = settings_diff(kept, json.loads(json.dumps(ident)))
         if diff:
             raise TableError(f"cannot continue the table in {out}: it was started with other settings "
                              f"({'; '.join(diff)}); continue it there as it was, or pass another --out")
         return
     out.mkdir(parents=True, exist_ok=True)
     f.write_text(json.dumps(ident, indent=2) + "\n")
+
+
+def record_commit(out: Path, run: str) -> str | None:
+    """The commit a run starts (or continues) at, kept in ``<out>/table_run.json``'s ``commits`` (a list per run:
+    a run continued at another commit lists both)."""
+    from pardec.jsonl import read_json
+    from pardec.zoo.build import git_state
+
+    f = out / "table_run.json"
+    data = read_json(f, TableError)
+    commit = git_state().get("commit")
+    seen = data.setdefault("commits", {}).setdefault(run, [])
+    if commit not in seen:
+        seen.append(commit)
+        tmp = f.with_suffix(".tmp")
+        tmp.write_text(json.dumps(data, indent=2) + "\n")
+        tmp.replace(f)
+    return commit
 
 
 def commands(args: argparse.Namespace, shared: list[str], own: list[tuple[str, str]]) -> list[tuple[str, list[str]]]:
@@ -194,12 +216,21 @@ def cells(records: list[dict], summary: dict, max_new_tokens: int) -> dict[str, 
     return out
 
 
+def _one_commit(commits: dict[str, list[str]]) -> str:
+    """The table's commit: the one every run used, else the runs' commits joined (each run's under ``commits``)."""
+    every = sorted({c for cs in commits.values() for c in cs if c})
+    return every[0] if len(every) == 1 else "several: " + ", ".join(c[:9] for c in every)
+
+
 def aggregate(out: Path, runs: list[tuple[str, list[str]]], ident: dict, command: str) -> dict:
-    from pardec.jsonl import read_jsonl
+    from pardec.jsonl import read_json, read_jsonl
+
+    commits = read_json(out / "table_run.json", TableError).get("commits", {})
 
     table: dict[str, Any] = {
         "title": "Every decoder on every benchmark: one run per benchmark, speed against ar beside quality",
-        "date": time.strftime("%Y-%m-%d"), "command": command, "commit": ident["commit"], "host": ident["host"],
+        "date": time.strftime("%Y-%m-%d"), "command": command, "commit": _one_commit(commits),
+        "commits": commits, "host": ident["host"],
         "dtype": ident["dtype"], "n": ident["n"], "max_new_tokens": ident["max_new_tokens"], "benchmarks": {}}
     for name, _ in runs:
         run_dir = out / "runs" / name
@@ -226,10 +257,11 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
     ap.add_argument("--methods", default="all")
     ap.add_argument("--model", default="smollm2_135m")
     ap.add_argument("--threads", default="auto")
-    ap.add_argument("--out", type=Path, default=REPO_ROOT / "outputs" / "table" / time.strftime("%Y-%m-%d"))
+    ap.add_argument("--out", type=Path, default=None, help="the table's directory (default: data/table/<model>-<dtype>)")
     ap.add_argument("--dry-run", action="store_true", help="print the runs, run nothing")
     ap.add_argument("extra", nargs="*", help="more Hydra overrides for every run")
     a = ap.parse_intermixed_args(argv)
+    a.out = a.out or REPO_ROOT / "data" / "table" / f"{a.model}-{a.dtype}"
     bad = [b for b in a.benchmarks.split(",") if b not in BENCHMARKS]
     if bad:
         ap.error(f"--benchmarks {bad[0]!r} is not one of: {', '.join(BENCHMARKS)}")
@@ -256,6 +288,7 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
             print(f"{name}: done earlier")
             continue
         resume = ["resume=true"] if (run_dir / "run.json").is_file() else []
+        record_commit(a.out, name)
         cmd = [sys.executable, "-m", "evaluate", *args, *resume, f"hydra.run.dir={run_dir}"]
         print("+", " ".join(cmd), flush=True)
         rc = subprocess.run(cmd, cwd=REPO_ROOT).returncode
