@@ -73,7 +73,7 @@ def read_json(f: Path, key: str) -> dict:
 
 
 def weights_file(path: Path) -> Path | None:
-    for name in ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin"):
+    for name in WEIGHT_FILES:
         if (path / name).is_file():
             return path / name
     return None

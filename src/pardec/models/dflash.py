@@ -204,9 +204,10 @@ class DFlashDraft(nn.Module):
                           **{"layer_ids": o.get("layers"), **(o.get("dflash") or {})})
 
     @classmethod
-    def from_heads(cls, base_config, heads: dict[str, Any]) -> DFlashDraft:
-        """From a ``heads`` config section alone (no target weights: a memory plan's meta-device build)."""
-        return cls.fresh(base_config, TargetParts(), {"layers": heads.get("layers"), "dflash": {
+    def from_heads(cls, base_config, heads: dict[str, Any], target: TargetParts | None = None) -> DFlashDraft:
+        """From a ``heads`` config section (``target``: the target's parts it starts from; none: a memory plan's
+        meta-device build)."""
+        return cls.fresh(base_config, target or TargetParts(), {"layers": heads.get("layers"), "dflash": {
             k: heads[k] for k in ("num_layers", "block_size", "mask_token_id", "fusion") if k in heads}})
 
     @classmethod

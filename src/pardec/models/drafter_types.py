@@ -6,8 +6,8 @@ Each registered class (``@register_drafter("<type>")``) is a ``torch.nn.Module``
 * ``fresh(base_config, target, options)`` (a classmethod): an untrained drafter for a target with ``base_config``;
   ``target``: :class:`TargetParts`, what of the target a type starts from (its LM head, its embedding), and
   ``options`` the type's settings (the ``heads`` section's keys it reads, e.g. ``num_heads``, ``layers``);
-* ``from_heads(base_config, heads)`` (a classmethod): the same from a ``heads`` config section alone, without the
-  target's weights or a corpus (a memory plan builds it on the meta device);
+* ``from_heads(base_config, heads, target=None)`` (a classmethod): the same from a ``heads`` config section (the
+  one mapping of its keys to the options; without ``target`` a memory plan builds it on the meta device);
 * ``from_saved(meta, state, base_config)`` (a classmethod): the module shaped as drafter.json says, before
   ``state`` (its safetensors) is loaded into it (a type whose buffers shape it reads them from ``state``).
 

@@ -166,11 +166,12 @@ class Eagle3Draft(nn.Module):
                           None if target.lm_head is None else target.lm_head.weight)
 
     @classmethod
-    def from_heads(cls, base_config, heads: dict[str, Any]) -> Eagle3Draft:
-        """From a ``heads`` config section alone (no target weights, no corpus: the draft vocabulary's first
-        ``draft_vocab_size`` ids stand in for the counted ones; a memory plan's meta-device build)."""
+    def from_heads(cls, base_config, heads: dict[str, Any], target: TargetParts | None = None) -> Eagle3Draft:
+        """From a ``heads`` config section (no corpus: the draft vocabulary's first ``draft_vocab_size`` ids stand in
+        for the counted ones; a memory plan's meta-device build). Training counts its vocabulary first
+        (:func:`pardec.training.heads.eagle.eagle3_vocab`) and calls :meth:`fresh`."""
         size = int(heads.get("draft_vocab_size", base_config.vocab_size))
-        return cls.fresh(base_config, TargetParts(), {"layers": heads.get("layers"),
+        return cls.fresh(base_config, target or TargetParts(), {"layers": heads.get("layers"),
                                                       "vocab": DraftVocab(range(size), int(base_config.vocab_size))})
 
     @classmethod

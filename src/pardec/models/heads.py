@@ -93,9 +93,10 @@ class MedusaHeads(nn.Module):
         return heads.init_from(target.lm_head) if target.lm_head is not None else heads
 
     @classmethod
-    def from_heads(cls, base_config, heads: dict[str, Any]) -> MedusaHeads:
-        """From a ``heads`` config section alone (no target weights: a memory plan's meta-device build)."""
-        return cls.fresh(base_config, TargetParts(), {"num_heads": heads.get("num_heads", 3),
+    def from_heads(cls, base_config, heads: dict[str, Any], target: TargetParts | None = None) -> MedusaHeads:
+        """From a ``heads`` config section (``target``: the target's parts it starts from; none: a memory plan's
+        meta-device build)."""
+        return cls.fresh(base_config, target or TargetParts(), {"num_heads": heads.get("num_heads", 3),
                                                       "num_blocks": heads.get("num_blocks", 1)})
 
     @classmethod
@@ -149,9 +150,10 @@ class FirpProjections(nn.Module):
         return cls(hidden, vocab, layers, o.get("attention", "real"))
 
     @classmethod
-    def from_heads(cls, base_config, heads: dict[str, Any]) -> FirpProjections:
-        """From a ``heads`` config section alone (no target weights: a memory plan's meta-device build)."""
-        return cls.fresh(base_config, TargetParts(), {"layers": heads.get("layers"),
+    def from_heads(cls, base_config, heads: dict[str, Any], target: TargetParts | None = None) -> FirpProjections:
+        """From a ``heads`` config section (``target``: the target's parts it starts from; none: a memory plan's
+        meta-device build)."""
+        return cls.fresh(base_config, target or TargetParts(), {"layers": heads.get("layers"),
                                                       "attention": heads.get("attention", "real")})
 
     @classmethod

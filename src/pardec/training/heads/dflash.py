@@ -39,7 +39,8 @@ import torch
 from transformers import TrainerCallback
 
 from pardec.config import ConfigError, check_at_least, check_choice, check_range
-from pardec.models.dflash import FUSIONS, LAYER_INITS
+from pardec.models.dflash import FUSIONS, LAYER_INITS, DFlashDraft, init_from_target
+from pardec.models.drafter_types import TargetParts
 from pardec.training.heads.batches import RightPadCollator
 from pardec.training.heads.target import target_pass
 from pardec.training.heads.types import HeadsType, check_layer_list, register_heads_type
@@ -302,12 +303,8 @@ class DFlashType(HeadsType):
     def new(self, spec, base, lm, records: list[dict]) -> tuple[Any, dict]:
         """The mask embedding starts at the mean embedding row; ``layer_init: target`` copies the target's layers
         (calibrated on the first corpus sequences) unless the run continues a trained drafter."""
-        from pardec.models.dflash import init_from_target
-        from pardec.models.heads import new_drafter
-
         h = spec.heads
-        draft = new_drafter(self.name, base.config, layers=h.get("layers"), embed=base.model.embed_tokens,
-                            dflash={k: h[k] for k in ("num_layers", "block_size", "mask_token_id", "fusion")})
+        draft = DFlashDraft.from_heads(base.config, h, TargetParts(embed=base.model.embed_tokens))
         if h.get("layer_init") == "target" and not spec.init_from:
             samples = [torch.tensor(list(r["prompt_ids"]) + list(r["completion_ids"]))
                        for r in list(records)[:CALIBRATION_SEQUENCES]]

@@ -9,6 +9,7 @@ from typing import Any
 
 from pardec.config import ConfigError, check_choice
 from pardec.models.cached import CachedModel
+from pardec.models.heads import FirpProjections
 from pardec.models.pseudo import DECODING_ATTENTION, PSEUDO_ATTENTION, forward_pseudo
 from pardec.training.heads.types import HeadsType, check_layer_list, register_heads_type
 
@@ -35,10 +36,7 @@ class FirpType(HeadsType):
         check_choice("heads.distance", heads.get("distance", "rkl"), FIRP_DISTANCES)       # not given: these)
 
     def new(self, spec, base, lm, records: list[dict]) -> tuple[Any, dict]:
-        from pardec.models.heads import new_drafter
-
-        h = spec.heads
-        return new_drafter(self.name, base.config, layers=h["layers"], attention=h.get("attention", "real")), {}
+        return FirpProjections.from_heads(base.config, spec.heads), {}
 
     def trainer_options(self, heads: dict, head_decay: float) -> dict[str, Any]:
         return {"distance": heads.get("distance", "rkl")}

@@ -10,6 +10,8 @@ from typing import Any
 import torch
 
 from pardec.config import check_at_least, check_range
+from pardec.models.drafter_types import TargetParts
+from pardec.models.heads import MedusaHeads
 from pardec.training.heads.types import HeadsType, register_heads_type
 
 
@@ -25,11 +27,7 @@ class MedusaType(HeadsType):
         heads["head_decay"] = float(heads["head_decay"])
 
     def new(self, spec, base, lm, records: list[dict]) -> tuple[Any, dict]:
-        from pardec.models.heads import new_drafter
-
-        h = spec.heads
-        return new_drafter(self.name, base.config, num_heads=h["num_heads"], num_blocks=h["num_blocks"],
-                           lm_head=base.lm_head), {}
+        return MedusaHeads.from_heads(base.config, spec.heads, TargetParts(lm_head=base.lm_head)), {}
 
     def facts(self, heads: dict, head_decay: float) -> dict[str, Any]:
         return {"head_decay": head_decay}
