@@ -70,6 +70,24 @@ def test_a_continuation_with_other_settings_is_refused_in_one_line(tmp_path):
     assert "\n" not in msg and "'x'" in msg and "'y'" in msg and "dtype was 'fp32', now 'bf16'" in msg
 
 
+def test_the_identity_names_each_zoo_artifact_by_its_manifest_so_a_rebuilt_drafter_is_refused(tmp_path, monkeypatch):
+    from pardec import zoo
+
+    monkeypatch.setattr(zoo, "ZOO_DIR", tmp_path / "zoo")
+    for name in ("draft", "eagle3", "cllm", "medusa"):
+        (tmp_path / "zoo" / "smollm2" / name).mkdir(parents=True)
+        (tmp_path / "zoo" / "smollm2" / name / zoo.MANIFEST).write_text(f'{{"name": "{name}"}}')
+    runs = (["pld", "sps", "mjsd", "eagle:path=zoo:eagle3"], [("jacobi", "cllm")])
+    used = T.zoo_used(*runs)
+    assert sorted(used) == ["cllm", "draft", "eagle3"] and all(len(h) == 64 for h in used.values())
+    out = tmp_path / "table"
+    T.check_identity(out, {"dtype": "fp32", "zoo": used})
+    T.check_identity(out, {"dtype": "fp32", "zoo": T.zoo_used(*runs)})  # unchanged: continues
+    (tmp_path / "zoo" / "smollm2" / "eagle3" / zoo.MANIFEST).write_text('{"name": "eagle3", "retrained": true}')
+    with pytest.raises(T.TableError, match="zoo"):
+        T.check_identity(out, {"dtype": "fp32", "zoo": T.zoo_used(*runs)})
+
+
 def test_a_continuation_at_another_commit_continues_and_each_run_keeps_its_commits(tmp_path, monkeypatch):
     """A table of several hours is made in parts on one host: a later commit continues it, and every run lists
     the commits it ran at; the table names one commit only when every run used it."""

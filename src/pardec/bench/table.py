@@ -11,7 +11,8 @@ It resumes: rerun the same command with the same ``--out`` and every benchmark c
 `evaluate` run resumes its records), also at a later commit, so that a table of several hours can be made in parts
 on one host: each run records the commit it started at (``<out>/table_run.json``'s ``commits``; the table lists
 them, and a benchmark's methods always come from one run). A rerun on another host (CPU model, vector flags, cores,
-torch), dtype or set of methods is refused in one line. ``--out`` defaults to ``data/table/<model>-<dtype>``
+torch), dtype or set of methods, or with a
+zoo artifact rebuilt since (its manifest's sha256), is refused in one line. ``--out`` defaults to ``data/table/<model>-<dtype>``
 (``data/`` outlives ``outputs/``). The table, ``<out>/table.json`` (results as
 data: command, commit, host, dtype, date, n) and ``<out>/table.md``, holds per benchmark and method: the speed
 against `ar` (the mean of the per-prompt ratios with a 95% bootstrap interval, and the median), tokens per target
@@ -96,16 +97,26 @@ def plan(methods: str, has=zoo_has) -> tuple[list[str], list[tuple[str, str]], l
     return shared, own, notes
 
 
+def zoo_used(shared: list[str], own: list[tuple[str, str]], zoo_name: str = "smollm2") -> dict[str, str]:
+    """The zoo artifacts the table decodes with, each by the sha256 of its manifest (which holds the sha256 of every
+    weight file): an artifact rebuilt in the middle of a table is a different drafter."""
+    from pardec import zoo
+
+    needs = dict(SHARED)
+    names = sorted({needs[e] for e in shared if needs.get(e)} | {a for _, a in own})
+    return {n: zoo.sha256_file(zoo.ZOO_DIR / zoo_name / n / zoo.MANIFEST) for n in names}
+
+
 def identity(args: argparse.Namespace, shared: list[str], own: list[tuple[str, str]]) -> dict[str, Any]:
-    """What a table run must keep across its processes: host, dtype and what it runs (not the commit: each run
-    records its own, :func:`record_commit`)."""
+    """What a table run must keep across its processes: host, dtype, what it runs and the zoo artifacts it runs
+    with (not the commit: each run records its own, :func:`record_commit`)."""
     from pardec.zoo.build import host
 
     h = host()
     return {"host": {k: h[k] for k in ("cpu", "flags", "cores", "torch")}, "dtype": args.dtype, "n": args.n,
             "max_new_tokens": args.max_new_tokens, "model": args.model, "shared": shared,
-            "own_model": [f"{m}@{a}" for m, a in own], "benchmarks": args.benchmarks.split(","),
-            "extra": list(args.extra)}
+            "own_model": [f"{m}@{a}" for m, a in own], "zoo": zoo_used(shared, own),
+            "benchmarks": args.benchmarks.split(","), "extra": list(args.extra)}
 
 
 def check_identity(out: Path, ident: dict[str, Any]) -> None:
@@ -230,7 +241,7 @@ def aggregate(out: Path, runs: list[tuple[str, list[str]]], ident: dict, command
     table: dict[str, Any] = {
         "title": "Every decoder on every benchmark: one run per benchmark, speed against ar beside quality",
         "date": time.strftime("%Y-%m-%d"), "command": command, "commit": _one_commit(commits),
-        "commits": commits, "host": ident["host"],
+        "commits": commits, "host": ident["host"], "zoo": ident.get("zoo", {}),
         "dtype": ident["dtype"], "n": ident["n"], "max_new_tokens": ident["max_new_tokens"], "benchmarks": {}}
     for name, _ in runs:
         run_dir = out / "runs" / name
