@@ -99,12 +99,12 @@ def test_hub_model_unavailable_offline_fails_fast(monkeypatch, group):
 def test_hub_model_without_network_fails_fast(monkeypatch):
     import huggingface_hub.constants
 
-    from pardec.models import loading
+    from pardec.models import preflight
 
     for k in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"):
         monkeypatch.delenv(k, raising=False)
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)
-    monkeypatch.setattr(loading, "hub_reachable", lambda timeout=3.0: False)
+    monkeypatch.setattr(preflight, "hub_reachable", lambda timeout=3.0: False)
     with pytest.raises(ConfigError) as e:
         validate(cfg_of("+method=ar", "model=hub", "model.path=pardec-tests/no-such-model"))
     _one_line_error(e, "cannot be reached (no network)", "pardec-tests/no-such-model")

@@ -1,6 +1,6 @@
 """The Hugging Face hub, before anything is downloaded: is it switched off (which env var), can it be reached.
 
-Models (:func:`pardec.models.loading.check_available`) and datasets (:func:`pardec.tasks.base.load_hub`) ask
+Models (:func:`pardec.models.preflight.check_available`) and datasets (:func:`pardec.tasks.base.load_hub`) ask
 here first, so that a run without the hub fails in seconds with one line instead of retrying for half a minute.
 """
 

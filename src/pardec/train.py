@@ -119,7 +119,7 @@ def run(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
     """Run the stages ``cfg.stage`` names; returns (and on rank 0 writes) ``train_summary.json``."""
     import torch
 
-    from pardec.models.loading import set_tf32
+    from pardec.models.placement import set_tf32
     from pardec.runlock import die_with_parent, run_dir_lock
 
     spec = validate(cfg)

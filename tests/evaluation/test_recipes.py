@@ -13,7 +13,7 @@ from pardec import CONF_DIR
 from pardec.config import ConfigError, check_overrides
 from pardec.evaluation import spec as spec_module
 from pardec.evaluation.spec import validate
-from pardec.models import loading
+from pardec.models import preflight
 from tests.evaluation.helpers import cfg_of, run_cli
 
 RECIPES = sorted(p.stem for p in (CONF_DIR / "recipe").glob("*.yaml"))
@@ -143,8 +143,8 @@ def test_the_model_check_is_what_fails_offline(monkeypatch):
     the hub switched off it is one line naming the model and the switch (no download tried)."""
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # (where there is none, the placement check stops first)
-    monkeypatch.setattr(loading, "_hub_cached", lambda repo, revision: False)
-    monkeypatch.setattr(loading, "hub_reachable", lambda timeout=3.0: pytest.fail("probed the hub while offline"))
+    monkeypatch.setattr(preflight, "_hub_cached", lambda repo, revision: False)
+    monkeypatch.setattr(preflight, "hub_reachable", lambda timeout=3.0: pytest.fail("probed the hub while offline"))
     with pytest.raises(ConfigError, match=r"model 'yi_34b': hub model 01-ai/Yi-34B is not in the local Hugging "
                                           r"Face cache and the hub is off \(HF_HUB_OFFLINE\)") as e:
         validate(cfg_of("+recipe=ouroboros_yi34b_humaneval"))

@@ -1,11 +1,11 @@
-"""pardec.models.loading.resolve_device: each rank of a multi-process launch on its own GPU (CUDA faked)."""
+"""pardec.models.placement.resolve_device: each rank of a multi-process launch on its own GPU (CUDA faked)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from pardec.models.loading import resolve_device
+from pardec.models.placement import resolve_device
 
 
 def _gpus(monkeypatch, n: int) -> None:
@@ -42,7 +42,7 @@ def test_each_rank_gets_its_local_gpu(monkeypatch):
 
 def test_device_map_ranks_split_the_nodes_gpus(monkeypatch):
     from pardec.config import ConfigError, ModelConfig
-    from pardec.models.loading import placement, rank_gpus
+    from pardec.models.placement import placement, rank_gpus
 
     _gpus(monkeypatch, 8)
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda g: (1000 + g, 2000))
@@ -70,7 +70,7 @@ def test_a_split_targets_rank_owns_a_disjoint_group_with_its_draft_in_it(world):
     group of 8 / world GPUs and its draft sits on the group's first, never inside another rank's group (before:
     on cuda:LOCAL_RANK, inside rank 0's group for rank 1 of 4)."""
     from pardec.config import ModelConfig
-    from pardec.models.loading import rank_devices, rank_gpus
+    from pardec.models.placement import rank_devices, rank_gpus
     from pardec.testing import VirtualCUDA
 
     target = ModelConfig(name="yi_34b", source="hub", path="01-ai/Yi-34B", device_map="auto")

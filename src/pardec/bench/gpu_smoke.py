@@ -67,7 +67,8 @@ def decoding(a, out: dict) -> list[dict]:
     from pardec.decoding import METHODS, Stopper, build_decoder
     from pardec.decoding.base import lossless_under_greedy
     from pardec.models.cached import CachedModel
-    from pardec.models.loading import TORCH_DTYPES, load_model, named_config, set_tf32
+    from pardec.models.loading import TORCH_DTYPES, load_model, named_config
+    from pardec.models.placement import set_tf32
     from pardec.testing import count_cuda_syncs
 
     set_tf32(True)

@@ -191,7 +191,8 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
     if a.device.startswith("cuda") and not torch.cuda.is_available():
         ap.error(f"--device {a.device!r}: no CUDA device is available here; --device cpu runs it as a test")
     from pardec.config import ModelConfig
-    from pardec.models.loading import load_tokenizer, set_tf32
+    from pardec.models.loading import load_tokenizer
+    from pardec.models.placement import set_tf32
 
     set_tf32(a.tf32 == "on")
     tok = load_tokenizer(ModelConfig(name="tiny_random", source="tiny_random"))

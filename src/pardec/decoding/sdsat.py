@@ -144,7 +144,7 @@ class SDSAT(Decoder):
     @classmethod
     def check_model(cls, model: ModelConfig, params: dict) -> None:
         """Before the model loads: a model whose config.json is at hand must record adaptive tokens."""
-        from pardec.models.loading import read_config_json
+        from pardec.models.preflight import read_config_json
 
         if params.get("adaptive_ids") is not None:
             return

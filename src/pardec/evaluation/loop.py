@@ -92,7 +92,8 @@ def _run(cfg: DictConfig, run_dir: Path, spec, ranks: rk.Ranks, task, docs: list
     from pardec.metrics.energy import EnergyMeter
     from pardec.metrics.perplexity import completion_nll
     from pardec.models.cached import CachedModel, NonFiniteLogitsError
-    from pardec.models.loading import load_model, set_tf32
+    from pardec.models.loading import load_model
+    from pardec.models.placement import set_tf32
     from pardec.tracking import Tracker
 
     r = spec.run

@@ -6,7 +6,7 @@
   appends its records to its own part file ``results.rank{r}-of-{w}.jsonl`` (:func:`~pardec.evaluation.results
   .part_path`), resumed on its own; its model sits on its own device (``model.device=auto`` ->
   ``cuda:LOCAL_RANK``; with ``model.device_map`` the rank's own group of GPUs, its draft on the group's first:
-  :func:`pardec.models.loading.rank_devices`);
+  :func:`pardec.models.placement.rank_devices`);
 * :func:`start` / :func:`gather` / :func:`finish`: the process group (only when ``WORLD_SIZE`` > 1). It carries no
   tensors, only the final wait: every rank hands rank 0 what it ran on (:func:`rank_info`), which returns when all
   ranks are done; rank 0 then merges the part files and writes the summary;
@@ -60,16 +60,16 @@ def check_launch(argv: list[str], env: Mapping[str, str] | None = None) -> None:
 def start(ranks: Ranks, device="auto") -> bool:
     """Join the process group (gloo, see the module's docstring) when there are several ranks and none exists yet;
     returns whether this call created it (then :func:`finish` ends it). Before anything touches CUDA, the rank's GPU
-    (``model.device`` resolved, :func:`pardec.models.loading.resolve_device`) becomes its current device, so that
+    (``model.device`` resolved, :func:`pardec.models.placement.resolve_device`) becomes its current device, so that
     its CUDA context and any tensor made on "cuda" land there, not on GPU 0."""
     if not ranks.multi:
         return False
     import torch
     import torch.distributed as dist
 
-    from pardec.models.loading import resolve_device
+    from pardec.models.placement import resolve_device
 
-    gpu = resolve_device(str(device))  # (the spec's resolved device: pardec.models.loading.rank_devices)
+    gpu = resolve_device(str(device))  # (the spec's resolved device: pardec.models.placement.rank_devices)
     if gpu.type == "cuda" and gpu.index is not None:
         torch.cuda.set_device(gpu)
 

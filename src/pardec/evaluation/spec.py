@@ -76,7 +76,7 @@ class EvalSpec:
     logger: dict
     also: list[tuple[str, str, dict]] = field(default_factory=list)  # (role, method, params) of bench.also
     energy: dict = field(default_factory=lambda: {"enabled": True})  # not in run_identity: it changes no token
-    # where this rank's target (its first GPU when split) and draft go (pardec.models.loading.rank_devices); not in
+    # where this rank's target (its first GPU when split) and draft go (pardec.models.placement.rank_devices); not in
     # run_identity: ranks differ in it, and it changes no token
     devices: tuple = ("cpu", None)
 
@@ -155,12 +155,12 @@ def resolve_model_path(cfg: ModelConfig, key: str, target: str | None) -> ModelC
 
 
 def check_placement(model: ModelConfig, draft: ModelConfig | None, run: RunConfig) -> tuple:
-    """Before any weights load: where this rank's models go (:func:`~pardec.models.loading.rank_devices`: under
+    """Before any weights load: where this rank's models go (:func:`~pardec.models.placement.rank_devices`: under
     several processes a split target's rank owns a disjoint group of GPUs and its draft lives in it), and that each
     model's forward can run there: a target split with ``model.device_map`` runs ``hf`` only (``auto`` picks it),
     ``cudagraph`` needs CUDA."""
     from pardec.models.forward import FORWARDS
-    from pardec.models.loading import rank_devices
+    from pardec.models.placement import rank_devices
 
     devices = rank_devices(model, draft)
     for key, cfg, impl, dev in (("forward_impl", model, run.forward_impl, devices[0]),
@@ -202,7 +202,7 @@ def check_method(name: str, params: dict, draft: ModelConfig | None, where: str 
 def check_models(model: ModelConfig, draft: ModelConfig | None) -> None:
     """Without loading weights: the model (and draft) can be had (local dir exists, hub model cached or reachable)
     and the draft tokenizes like the target (only the tokenizers are loaded)."""
-    from pardec.models.loading import check_available, check_same_tokenizer
+    from pardec.models.preflight import check_available, check_same_tokenizer
 
     check_available(model, "model")
     if draft is not None:

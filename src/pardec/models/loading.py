@@ -9,7 +9,6 @@ import json
 import logging
 import os
 import shutil
-from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -25,8 +24,8 @@ from transformers import (
 
 from pardec import DATA_DIR
 from pardec.config import ConfigError, ModelConfig
-from pardec.hub import MODEL_OFFLINE_VARS, hub_reachable, offline_var
 from pardec.models.forward import invariant as _invariant  # noqa: F401  registers attn_implementation=invariant
+from pardec.models.placement import placement, resolve_device
 
 log = logging.getLogger(__name__)
 
@@ -66,91 +65,6 @@ def eos_ids(model, tokenizer) -> set[int]:
     gc = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
     ids = {tokenizer.eos_token_id, *(gc if isinstance(gc, (list, tuple)) else [gc])}
     return {int(i) for i in ids if i is not None}
-
-
-def resolve_device(device: str, env: Mapping[str, str] | None = None, split: bool = False,
-                   key: str = "model.device") -> torch.device:
-    """``model.device`` as a torch device: ``auto`` is CUDA when available, else the CPU. Under a launcher of several
-    processes (``WORLD_SIZE`` > 1 in ``env``, default the environment: torchrun, accelerate launch, deepspeed)
-    ``auto`` and ``cuda`` mean this process's GPU: :func:`rank_gpu`, or with ``split`` (this run's target is spread
-    over the rank's group of GPUs with ``model.device_map``) the first GPU of that group, :func:`rank_gpus`, so that
-    the ranks do not all load onto GPU 0 nor into each other's groups; ``cuda:<i>`` and ``cpu`` are kept as
-    written. (With ``model.device_map`` the weights are placed by accelerate, not moved to this one device.)"""
-    env = os.environ if env is None else env
-    cuda = torch.cuda.is_available()
-    if device == "cuda" and not cuda:
-        raise ConfigError(f"{key}=cuda but no CUDA device is usable here (torch.cuda.is_available() is false); "
-                          f"use {key}=auto or cpu")
-    if device in ("auto", "cuda") and cuda and int(env.get("WORLD_SIZE", 1)) > 1:
-        group = rank_gpus(env) if split else None
-        return torch.device("cuda", group[0] if group else rank_gpu(env))
-    if device == "auto":
-        return torch.device("cuda" if cuda else "cpu")
-    return torch.device(device)
-
-
-def rank_devices(target: ModelConfig, draft: ModelConfig | None,
-                 env: Mapping[str, str] | None = None) -> tuple[torch.device, torch.device | None]:
-    """Where this rank's target (its first GPU when ``model.device_map`` splits it) and draft go, resolved before
-    any weights load. Under several processes a split target's rank owns a disjoint group of the node's GPUs
-    (:func:`rank_gpus`; an uneven split is an error) and its draft lives on that group's first GPU, not on
-    ``cuda:LOCAL_RANK``, which may be inside another rank's group."""
-    split = bool(target.device_map)
-    return (resolve_device(target.device, env, split),
-            resolve_device(draft.device, env, split, "draft.device") if draft is not None else None)
-
-
-def rank_gpu(env: Mapping[str, str]) -> int:
-    """The GPU of this rank: ``LOCAL_RANK``, or 0 where the launcher shows each process one GPU of its own
-    (``CUDA_VISIBLE_DEVICES`` per rank); a ``LOCAL_RANK`` beyond the visible GPUs is an error naming both."""
-    local, n = int(env.get("LOCAL_RANK", 0)), torch.cuda.device_count()
-    if n == 1:
-        return 0
-    if local >= n:
-        raise RuntimeError(f"LOCAL_RANK={local} but this node shows {n} GPUs: launch at most {n} processes per node "
-                           f"(torchrun --nproc_per_node {n}) or set model.device=cuda:<i>")
-    return local
-
-
-def rank_gpus(env: Mapping[str, str] | None = None) -> list[int] | None:
-    """The GPUs this process may spread a model over with ``model.device_map`` when a launcher runs several processes
-    on the node (``LOCAL_WORLD_SIZE``, else ``WORLD_SIZE``, > 1): the node's visible GPUs split into equal contiguous
-    groups, group ``LOCAL_RANK``. None under one process (every visible GPU). Where each process is shown fewer GPUs
-    than there are processes (``CUDA_VISIBLE_DEVICES`` per rank) it keeps all it sees; a split that is not even is an
-    error naming both counts."""
-    env = os.environ if env is None else env
-    local_world = int(env.get("LOCAL_WORLD_SIZE", env.get("WORLD_SIZE", 1)))
-    if local_world <= 1:
-        return None
-    n, local = torch.cuda.device_count(), int(env.get("LOCAL_RANK", 0))
-    if n < local_world:
-        return list(range(n))
-    if n % local_world:
-        raise ConfigError(f"model.device_map under {local_world} processes per node: {n} visible GPUs do not split "
-                          f"evenly among them; launch a number of processes that divides {n}, or show each its own "
-                          f"GPUs with CUDA_VISIBLE_DEVICES")
-    k = n // local_world
-    return list(range(local * k, (local + 1) * k))
-
-
-def placement(cfg: ModelConfig, env: Mapping[str, str] | None = None) -> dict:
-    """``from_pretrained``'s placement arguments for ``model.device_map``: the map, and under several processes per
-    node a ``max_memory`` naming only this rank's GPUs (:func:`rank_gpus`), so that the ranks' models do not all
-    spread over every GPU. Empty without ``device_map``."""
-    if not cfg.device_map:
-        return {}
-    out: dict = {"device_map": cfg.device_map}
-    gpus = rank_gpus(env)
-    if gpus:  # (none visible, e.g. CPU ranks: no max_memory, which would send every weight to disk)
-        out["max_memory"] = {g: torch.cuda.mem_get_info(g)[0] for g in gpus}  # free memory, as accelerate's default
-    return out
-
-
-def set_tf32(enabled: bool) -> None:
-    """Let fp32 matmuls and convolutions on Ampere+ GPUs run in TF32 (the ``tf32`` config key, default on): ~10-bit
-    mantissa products with fp32 accumulation, several times faster. No effect on the CPU or on bf16/fp16 runs."""
-    torch.backends.cuda.matmul.allow_tf32 = enabled
-    torch.backends.cudnn.allow_tf32 = enabled
 
 
 def _package_dir(package: str) -> Path:
@@ -361,6 +275,30 @@ def tiny_random_model(cfg: ModelConfig, vocab_size: int, bos: int | None, eos: i
     return model
 
 
+def load_tokenizer_only(cfg: ModelConfig) -> PreTrainedTokenizerBase:
+    """The tokenizer of ``cfg`` without touching its weights: as :func:`load_tokenizer`, except that a GGUF not
+    dequantized yet is read for its tokenizer only (:func:`_gguf_tokenizer_dir`)."""
+    if cfg.source == "tiny_random":
+        if cfg.vocab is not None:
+            return load_tokenizer(cfg)
+        cfg = _tiny_tokenizer_base(cfg)
+    if cfg.source in ("gguf", "gguf_package") and not (cache_dir_for(cfg) / "tokenizer_config.json").is_file():
+        return AutoTokenizer.from_pretrained(_gguf_tokenizer_dir(cfg))
+    return load_tokenizer(cfg)
+
+
+def _gguf_tokenizer_dir(cfg: ModelConfig) -> Path:
+    """The tokenizer of a GGUF model read from its file alone (~5 s for SmolLM2's) and saved beside where its
+    weights are dequantized, once: what needs only the tokenizer never waits for the weights (~30 s)."""
+    out = cache_dir_for(cfg).with_name(f"{cache_dir_for(cfg).name}_tokenizer")
+
+    def build(tmp: Path) -> None:
+        d, f = _gguf_location(cfg)
+        AutoTokenizer.from_pretrained(d, gguf_file=f).save_pretrained(tmp)
+
+    return build_once(out, lambda d: (d / "tokenizer_config.json").is_file(), build)
+
+
 def trainable(cfg: ModelConfig, dtype: str) -> ModelConfig:
     """``cfg`` as a Trainer loads what it trains: on the CPU (the Trainer places it), in ``dtype``, with plain
     (unpacked) linears."""
@@ -412,110 +350,3 @@ def load_model(cfg: ModelConfig, device: torch.device | None = None) -> LoadedMo
     if tok.pad_token_id is None:
         tok.pad_token = tok.eos_token
     return LoadedModel(model, tok, cfg)
-
-
-# ------------------------------------------------------------------------------------- checks before loading
-def hub_offline() -> bool:
-    """Whether the Hugging Face hub is switched off for models (``HF_HUB_OFFLINE`` / ``TRANSFORMERS_OFFLINE``)."""
-    from huggingface_hub import constants
-
-    return bool(constants.HF_HUB_OFFLINE) or offline_var(MODEL_OFFLINE_VARS) is not None
-
-
-def _hub_cached(repo: str, revision: str | None) -> bool:
-    from huggingface_hub import try_to_load_from_cache
-
-    return isinstance(try_to_load_from_cache(repo, "config.json", revision=revision), str)
-
-
-def read_config_json(cfg: ModelConfig) -> dict | None:
-    """The model's config.json as a dict when it is at hand without loading weights (a local directory, a GGUF
-    already dequantized, a hub model in the local cache); None otherwise (tiny random models have none)."""
-    import json
-
-    f: Path | str | None = None
-    if cfg.source == "local":
-        f = Path(cfg.path or "") / "config.json"
-    elif cfg.source in ("gguf", "gguf_package"):
-        f = cache_dir_for(cfg) / "config.json"
-    elif cfg.source == "hub" and cfg.path:
-        from huggingface_hub import try_to_load_from_cache
-
-        f = try_to_load_from_cache(cfg.path, "config.json", revision=cfg.revision)
-    if not isinstance(f, (str, Path)) or not Path(f).is_file():
-        return None
-    return json.loads(Path(f).read_text())
-
-
-def check_available(cfg: ModelConfig, key: str = "model") -> None:
-    """Fail in seconds, with one line, when the weights of ``cfg`` cannot be had: a local dir that does not exist
-    (naming ``cfg.missing_hint``, the fix), a hub model neither cached nor reachable. ``key``: the config
-    section (``model`` or ``draft``) the error names."""
-    where = f"{key} {cfg.name!r}"
-    if cfg.source == "local":
-        if not cfg.path or cfg.path == "???":
-            raise ConfigError(f"{where} needs {key}.path=<dir>" + (f"; {cfg.missing_hint}" if cfg.missing_hint else ""))
-        if not (Path(cfg.path) / "config.json").is_file():
-            what = "is not a directory" if not Path(cfg.path).is_dir() else "holds no config.json"
-            hint = cfg.missing_hint or f"pass {key}.path=<a model directory>"
-            raise FileNotFoundError(f"{where}: {key}.path={cfg.path} {what}; {hint}")
-    elif cfg.source == "hub":
-        if not cfg.path or cfg.path == "???":
-            raise ConfigError(f"{where} needs {key}.path=<org/name> (a Hugging Face hub id)")
-        if _hub_cached(cfg.path, cfg.revision):
-            return
-        if hub_offline():
-            raise ConfigError(f"{where}: hub model {cfg.path} is not in the local Hugging Face cache and the hub is "
-                              f"off (HF_HUB_OFFLINE); download it first or use {key}=local {key}.path=<dir>")
-        if not hub_reachable():
-            raise ConfigError(f"{where}: hub model {cfg.path} is not in the local Hugging Face cache and the hub "
-                              f"cannot be reached (no network); download it elsewhere and use {key}=local "
-                              f"{key}.path=<dir>")
-
-
-def load_tokenizer_only(cfg: ModelConfig) -> PreTrainedTokenizerBase:
-    """The tokenizer of ``cfg`` without touching its weights: as :func:`load_tokenizer`, except that a GGUF not
-    dequantized yet is read for its tokenizer only (:func:`_gguf_tokenizer_dir`)."""
-    if cfg.source == "tiny_random":
-        if cfg.vocab is not None:
-            return load_tokenizer(cfg)
-        cfg = _tiny_tokenizer_base(cfg)
-    if cfg.source in ("gguf", "gguf_package") and not (cache_dir_for(cfg) / "tokenizer_config.json").is_file():
-        return AutoTokenizer.from_pretrained(_gguf_tokenizer_dir(cfg))
-    return load_tokenizer(cfg)
-
-
-def _gguf_tokenizer_dir(cfg: ModelConfig) -> Path:
-    """The tokenizer of a GGUF model read from its file alone (~5 s for SmolLM2's) and saved beside where its
-    weights are dequantized, once: what needs only the tokenizer never waits for the weights (~30 s)."""
-    out = cache_dir_for(cfg).with_name(f"{cache_dir_for(cfg).name}_tokenizer")
-
-    def build(tmp: Path) -> None:
-        d, f = _gguf_location(cfg)
-        AutoTokenizer.from_pretrained(d, gguf_file=f).save_pretrained(tmp)
-
-    return build_once(out, lambda d: (d / "tokenizer_config.json").is_file(), build)
-
-
-#: special tokens a draft must share with its target (pad is not compared: loading sets it to EOS when unset)
-SPECIAL_IDS = ("bos_token_id", "eos_token_id", "unk_token_id")
-
-
-def tokenizer_difference(a: PreTrainedTokenizerBase, b: PreTrainedTokenizerBase) -> str | None:
-    """What makes two tokenizers produce different ids (vocabulary mapping, special-token ids), or None."""
-    va, vb = a.get_vocab(), b.get_vocab()
-    if va != vb:
-        moved = sum(va[t] != vb[t] for t in va.keys() & vb.keys())
-        return f"vocabularies differ ({len(va)} vs {len(vb)} tokens, {moved} shared tokens with other ids)"
-    for attr in SPECIAL_IDS:
-        if getattr(a, attr) != getattr(b, attr):
-            return f"{attr} {getattr(a, attr)} vs {getattr(b, attr)}"
-    return None
-
-
-def check_same_tokenizer(target: ModelConfig, draft: ModelConfig) -> None:
-    """A draft must tokenize exactly like its target: compare their tokenizers (loaded without weights)."""
-    diff = tokenizer_difference(load_tokenizer_only(target), load_tokenizer_only(draft))
-    if diff:
-        raise ConfigError(f"draft {draft.name!r} ({draft.path or draft.source}) does not share the tokenizer of "
-                          f"model {target.name!r} ({target.path or target.source}): {diff}")

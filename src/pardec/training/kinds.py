@@ -179,7 +179,7 @@ def known(section: dict, keys: tuple[str, ...], where: str) -> None:
 
 def target_layers(model: ModelConfig) -> int | None:
     """The target's layer count when its config is at hand without loading weights (else None)."""
-    from pardec.models.loading import read_config_json
+    from pardec.models.preflight import read_config_json
 
     if model.source == "tiny_random":
         return model.layers

@@ -276,7 +276,7 @@ def test_config_errors(tmp_path):
     assert spec.trainer["adam_beta2"] == 0.95 and spec.trainer["max_grad_norm"] == 0.5 and spec.trainer["max_steps"] == 240
     # a vocabulary larger than the target's: refused before loading when the target's config is at hand (the
     # dequantized SmolLM2 cache), else by the train stage (the tiny random target builds its vocabulary on load)
-    from pardec.models.loading import read_config_json
+    from pardec.models.preflight import read_config_json
 
     if read_config_json(spec.model) is not None:
         with pytest.raises(ConfigError, match=r"heads.draft_vocab_size=60000 is out of range: it must be in "

@@ -252,7 +252,7 @@ class Eagle3Type(HeadsType):
 
 def check_vocab_size(size: int, model) -> None:
     """``heads.draft_vocab_size`` against the target's vocabulary when its config is at hand without loading it."""
-    from pardec.models.loading import read_config_json
+    from pardec.models.preflight import read_config_json
 
     vocab = None if model.source == "tiny_random" else (read_config_json(model) or {}).get("vocab_size")
     if vocab is not None and size > vocab:
