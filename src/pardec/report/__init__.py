@@ -9,13 +9,13 @@
 * ``docs`` (:mod:`pardec.report.docs`): the tables of README.md and docs/, generated from docs/results/ (``--check``).
 
 Every report reads a run's ``summary.json`` through :func:`pardec.evaluation.tables.comparison_rows`. The names of
-:mod:`pardec.report.runs` below are loaded on first use, so ``--help`` and ``docs`` start without torch.
+:mod:`pardec.report.runs` and :mod:`pardec.report.run_dirs` below are loaded on first use, so ``--help`` and ``docs`` start without torch.
 """
 
 import importlib
 
-_RUNS = ("MISSING", "Cell", "ReportWarning", "Row", "bench_table", "build_table", "load_runs", "log_history", "main",
-         "method_entries", "read_results", "render_markdown", "write_report")
+_RUNS = ("MISSING", "Cell", "Row", "bench_table", "build_table", "main", "render_markdown", "write_report")
+_RUN_DIRS = ("ReportWarning", "load_runs", "log_history", "method_entries", "read_results")
 
 COMMANDS = {
     "runs": ("runs", "evaluation run dirs -> report.md, report.csv and plots (Spec-Bench style)"),
@@ -35,6 +35,8 @@ __all__ = ["COMMANDS", "MISSING", "Cell", "ReportWarning", "Row", "bench_table",
 def __getattr__(name: str):
     if name == "save_figure":
         return importlib.import_module("pardec.report.plots").save_figure
+    if name in _RUN_DIRS:
+        return getattr(importlib.import_module("pardec.report.run_dirs"), name)
     if name in _RUNS:
         return getattr(importlib.import_module("pardec.report.runs"), name)
     raise AttributeError(f"module 'pardec.report' has no attribute {name!r}")

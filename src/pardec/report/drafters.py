@@ -34,7 +34,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 
 from pardec.report.markdown import markdown_table  # noqa: E402
 from pardec.report.plots import save_figure  # noqa: E402
-from pardec.report.runs import log_history  # noqa: E402
+from pardec.report.run_dirs import log_history  # noqa: E402
 
 CURVES = {"kl": "KL(target || draft) (DFlash: CE to the label), nats",
           "agreement": "top-1 agreement (training batches)"}

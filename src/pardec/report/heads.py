@@ -36,7 +36,7 @@ import torch  # noqa: E402
 from pardec import REPO_ROOT  # noqa: E402
 from pardec.models.pseudo import forward_pseudo  # noqa: E402
 from pardec.report.plots import save_figure  # noqa: E402
-from pardec.report.runs import method_entries  # noqa: E402
+from pardec.report.run_dirs import method_entries  # noqa: E402
 
 ROOT = REPO_ROOT
 

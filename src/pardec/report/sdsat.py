@@ -29,7 +29,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 
 from pardec import REPO_ROOT  # noqa: E402
 from pardec.report.plots import save_figure  # noqa: E402
-from pardec.report.runs import log_history, method_entries  # noqa: E402
+from pardec.report.run_dirs import log_history, method_entries  # noqa: E402
 
 ROOT = REPO_ROOT
 
