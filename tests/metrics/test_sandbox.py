@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from pardec.metrics.sandbox import TAIL_CHARS, isolation, run_command, run_program
+from pardec.metrics.sandbox import isolation, run_command, run_program
+from pardec.metrics.sandbox_process import TAIL_CHARS
 from tests.metrics.adversarial import TOKEN, token_processes
 
 pytestmark = pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="needs Linux /proc")

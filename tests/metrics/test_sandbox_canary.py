@@ -134,7 +134,9 @@ def test_a_killed_runs_temporary_directory_is_swept_by_the_next(tmp_path, monkey
     live = tmp_path / f"{sandbox.TEMP_PREFIX}{os.getppid()}_def"  # a run of a process that is still there
     for d in (stale, live):
         (d / "work").mkdir(parents=True)
-    monkeypatch.setattr(sandbox, "_swept", False)
+    from pardec.metrics import sandbox_process
+
+    monkeypatch.setattr(sandbox_process, "_swept", False)
     assert sandbox.run_program("print(1)\n", timeout_s=20).passed
     assert not stale.exists() and live.exists() and [p.name for p in tmp_path.iterdir()] == [live.name]
 

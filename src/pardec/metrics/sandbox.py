@@ -47,7 +47,9 @@ echoes the secret on that pipe only after it returned. ``passed`` requires that 
 status 0 by any route (``sys.exit``, ``os._exit``, ``atexit``, a daemon thread, a tracer) is a failure.
 What it cannot stop is code written against this protocol (reading the secret out of the runner's frame
 during the check), or tests that a crafted object passes (an ``__eq__`` that is always true): HumanEval's
-tests compare with ``==``, so such a completion passes. That is a limit of HumanEval, not special-cased.
+tests compare with ``==``, so such a completion passes. That is a limit of HumanEval, not special-cased. The
+protocol's harness side, the limits, the kill and the sweep of stale directories are
+:mod:`pardec.metrics.sandbox_process`.
 """
 
 from __future__ import annotations
@@ -55,8 +57,6 @@ from __future__ import annotations
 import functools
 import os
 import resource
-import secrets
-import select
 import shutil
 import signal
 import subprocess
@@ -69,15 +69,21 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from pardec.metrics.sandbox_child import GUARD, RUN
+from pardec.metrics.sandbox_process import (
+    TEMP_PREFIX,
+    kill_session,
+    rlimits,
+    sweep_stale,
+    tail,
+    wait_unreaped,
+    wait_with_marker,
+)
 from pardec.metrics.sandbox_root import NOBODY, root_args, user_namespace
 from pardec.metrics.sandbox_seccomp import seccomp_filter, seccomp_prelude
 
 __all__ = ["seccomp_filter", "seccomp_prelude"]  # layer 2, re-exported: the sandbox's interface
 
-TAIL_CHARS = 4000
 _CTL_ENV = "PARDEC_SANDBOX_FD"
-TEMP_PREFIX = "pardec_sandbox_"  # + "<pid>_<random>": a run's temporary directory, swept when its pid is gone
-_swept = False
 
 @dataclass
 class SandboxResult:
@@ -295,15 +301,15 @@ def _run(argv: list[str], timeout_s: float, memory_mb: int, fsize_mb: int, files
             proc = subprocess.Popen(argv, cwd=work, env=env, stdout=out, stderr=err, close_fds=True,
                                     stdin=subprocess.PIPE if marker else subprocess.DEVNULL,
                                     pass_fds=((ctl_w,) if marker else ()) + fds, start_new_session=True,
-                                    preexec_fn=_rlimits(limits))
+                                    preexec_fn=rlimits(limits))
         returned = False
         if marker:
             os.close(ctl_w)
             ctl_w = None
-            done, returned = _wait_with_marker(proc, ctl_r, timeout_s)
+            done, returned = wait_with_marker(proc, ctl_r, timeout_s)
         else:
-            done = _wait_unreaped(proc.pid, timeout_s)
-        _kill_session(proc.pid)
+            done = wait_unreaped(proc.pid, timeout_s)
+        kill_session(proc.pid)
         proc.wait()
         wall = time.perf_counter() - t0
         rc = proc.returncode
@@ -316,7 +322,7 @@ def _run(argv: list[str], timeout_s: float, memory_mb: int, fsize_mb: int, files
         else:
             status = "passed" if rc == 0 and (returned or not marker) else "failed"
         back = {n: (work / n).read_bytes() for n in read_back if (work / n).is_file()}
-        return SandboxResult(status, rc, _tail(top / "stdout"), _tail(top / "stderr"), wall, mode, back)
+        return SandboxResult(status, rc, tail(top / "stdout"), tail(top / "stderr"), wall, mode, back)
     finally:
         for fd in (ctl_r, ctl_w):
             if fd is not None:
@@ -324,108 +330,3 @@ def _run(argv: list[str], timeout_s: float, memory_mb: int, fsize_mb: int, files
         shutil.rmtree(top, ignore_errors=True)
         if top.exists():  # e.g. the program made a directory unwritable (cannot happen as root)
             warnings.warn(f"sandbox: could not remove its temporary directory {top}", stacklevel=2)
-
-
-def sweep_stale() -> None:
-    """Remove the temporary directories of sandbox runs whose process is gone (a harness killed mid-run), once per
-    process."""
-    global _swept
-    if _swept:
-        return
-    _swept = True
-    for d in Path(tempfile.gettempdir()).glob(f"{TEMP_PREFIX}*_*"):
-        pid = d.name[len(TEMP_PREFIX):].split("_", 1)[0]
-        if pid.isdigit() and int(pid) != os.getpid() and not _alive(int(pid)):
-            shutil.rmtree(d, ignore_errors=True)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # another user's process
-        return True
-    return True
-
-
-def _wait_with_marker(proc: subprocess.Popen, ctl: int, timeout_s: float) -> tuple[bool, bool]:
-    """Serve the pass-marker protocol until the program exits: (exited in time, the secret came back)."""
-    secret = secrets.token_hex(16).encode()
-    deadline, buf, sent, returned = time.monotonic() + timeout_s, b"", False, False
-    open_ctl = True
-    while True:
-        exited = os.waitid(os.P_PID, proc.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is not None
-        left = deadline - time.monotonic()
-        if not exited and left <= 0:
-            return False, returned
-        if not open_ctl:
-            if exited:
-                return True, returned
-            time.sleep(min(0.01, left))
-            continue
-        # once it exited, read what it wrote before exiting (no wait: an open write end left elsewhere is ignored)
-        ready, _, _ = select.select([ctl], [], [], 0 if exited else min(0.02, left))
-        chunk = os.read(ctl, 4096) if ready else b""
-        if not chunk:
-            if exited:
-                return True, returned
-            if ready:  # every writer closed it: only the exit is left to see
-                open_ctl = False
-            continue
-        buf += chunk
-        while b"\n" in buf:
-            line, buf = buf.split(b"\n", 1)
-            if line == b"ready" and not sent:
-                sent = True
-                try:
-                    proc.stdin.write(secret + b"\n")
-                    proc.stdin.close()
-                except (BrokenPipeError, OSError):
-                    pass
-            elif sent and line == b"returned " + secret:
-                returned = True
-
-
-def _rlimits(limits: tuple[tuple[int, int], ...]):
-    """A preexec_fn setting each (resource, value), capped at the current hard limit (soft = hard)."""
-
-    def apply() -> None:  # runs in the child between fork and exec: only async-safe-ish C calls
-        for which, value in limits:
-            hard = resource.getrlimit(which)[1]
-            value = value if hard == resource.RLIM_INFINITY else min(value, hard)
-            resource.setrlimit(which, (value, value))
-
-    return apply
-
-
-def _wait_unreaped(pid: int, timeout_s: float) -> bool:
-    """Wait until child ``pid`` exits, without reaping it (its zombie keeps the pid); False on timeout."""
-    deadline, delay = time.monotonic() + timeout_s, 0.001
-    while os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is None:
-        if time.monotonic() >= deadline:
-            return False
-        time.sleep(delay)
-        delay = min(2 * delay, 0.02)
-    return True
-
-
-def _kill_session(sid: int) -> None:
-    """SIGKILL process group ``sid`` and every other process of session ``sid`` (Linux: via /proc)."""
-    os.killpg(sid, signal.SIGKILL)  # the unreaped leader keeps the group alive, so this cannot fail
-    proc = Path("/proc")
-    for d in proc.iterdir() if (proc / "self" / "stat").exists() else ():
-        if not d.name.isdigit() or int(d.name) == sid:
-            continue
-        try:
-            fields = (d / "stat").read_text().rsplit(")", 1)[1].split()  # state ppid pgrp session ...
-            if int(fields[3]) == sid:
-                os.kill(int(d.name), signal.SIGKILL)
-        except (FileNotFoundError, ProcessLookupError):  # that process ended while we looked
-            continue
-
-
-def _tail(path: Path) -> str:
-    with path.open("rb") as f:
-        f.seek(max(0, path.stat().st_size - 4 * TAIL_CHARS))
-        return f.read().decode("utf-8", errors="replace")[-TAIL_CHARS:]
