@@ -152,3 +152,23 @@ def test_a_published_table_renders_per_benchmark_and_as_the_leaderboard(tmp_path
                                        ["jacobi@cllm", "—", "1.50 (1.20–1.80); pass 0.250 (busy 1)"]]
     assert tables["gsm8k"]["columns"][5] == "correct" and tables["gsm8k"]["rows"][0][:3] == ["pld", "1.50 (1.20–1.80)",
                                                                                             "1.40"]
+
+
+def test_each_benchmark_gets_a_figure_with_every_plotted_method_numbered_in_its_legend(tmp_path):
+    from pardec.report.table import plot_benchmarks
+
+    def cell(speed, tpf, exactness="tokens", metric=0.5, flagged=False):
+        return {"speedup_mean": speed, "speedup_ci95": [speed - 0.1, speed + 0.1], "tokens_per_forward": tpf,
+                "exactness": exactness, "metric": metric, "flagged": flagged}
+
+    methods = {f"m{i}": cell(0.5 + i / 20, 1 + i / 10) for i in range(22)}
+    methods["jacobi@cllm"] = cell(1.2, 1.8, "approximate", 0.1)
+    methods["sps"] = cell(1.1, 2.4, "distribution", flagged=True)
+    methods["no_forwards"] = {**cell(1.0, 1.0), "tokens_per_forward": None}  # (hf_generate counts none): not drawn
+    table = {"date": "2026-11-29", "commit": "abcdef1234", "host": {"cpu": "Some CPU"}, "dtype": "fp32", "n": 20,
+             "max_new_tokens": 128, "benchmarks": {"gsm8k": {"metric": "correct", "methods": methods},
+                                                   "humaneval": {"metric": "pass", "methods": {"ar": cell(1.0, 1.0)}}}}
+    legends = plot_benchmarks(table, tmp_path / "plots")
+    assert sorted(p.name for p in (tmp_path / "plots").iterdir()) == ["gsm8k.png", "humaneval.png"]
+    assert len(legends["gsm8k"]) == 24 and legends["gsm8k"][0] == "1 m0" and "24 sps" in legends["gsm8k"]
+    assert not any("no_forwards" in e for e in legends["gsm8k"]) and legends["humaneval"] == ["1 ar"]

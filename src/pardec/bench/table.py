@@ -18,7 +18,8 @@ data: command, commit, host, dtype, date, n) and ``<out>/table.md``, holds per b
 against `ar` (the mean of the per-prompt ratios with a 95% bootstrap interval, and the median), tokens per target
 forward, the exact-match rate against `ar` (a lossless method below 1.00 is flagged, not averaged in), the task's
 quality metric, the shares of answers that ended before the token limit and that loop (a token repeated 10 times in a
-row), and how many of its timed prompts ran on a busy host (:mod:`pardec.metrics.busy`). A method whose zoo
+row), and how many of its timed prompts ran on a busy host (:mod:`pardec.metrics.busy`); ``<out>/plots/<benchmark>.png``
+draws each benchmark (:func:`pardec.report.table.plot_benchmarks`). A method whose zoo
 artifact is missing is left out with a note (``make zoo`` builds it).
 """
 
@@ -36,7 +37,7 @@ from typing import Any
 
 from pardec import REPO_ROOT
 from pardec.bench.speed import CPU_SIZED
-from pardec.report.table import markdown
+from pardec.report.table import markdown, plot_benchmarks
 
 #: benchmark -> its dataset overrides (local copies under the data dir; HumanEval ships with its package)
 BENCHMARKS = {
@@ -311,6 +312,7 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
     table = aggregate(a.out, runs, ident, command.strip())
     (a.out / "table.json").write_text(json.dumps(table, indent=1) + "\n")
     (a.out / "table.md").write_text(markdown(table) + "\n")
+    plot_benchmarks(table, a.out / "plots")
     print(markdown(table))
-    print(f"written to {a.out}/table.json and table.md")
+    print(f"written to {a.out}/table.json, table.md and plots/<benchmark>.png")
     return 0

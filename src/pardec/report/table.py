@@ -2,9 +2,11 @@
 ``docs/results/table_<date>.json``): one per benchmark (every method's cell) and ``speed``, the leaderboard (a row
 per method, a column per benchmark: speed against ``ar`` with its 95% interval, and the task metric where the method
 changes the outputs). ``pardec.report docs`` renders them from a marker ``<!-- table: results/table_<date>.json#speed
--->`` (:data:`pardec.report.docs.RENDERERS`)."""
+-->`` (:data:`pardec.report.docs.RENDERERS`); :func:`plot_benchmarks` draws a figure per benchmark."""
 
 from __future__ import annotations
+
+from pathlib import Path
 
 COLUMNS = ["method", "× ar (95% CI)", "median", "tok/fwd", "EM", "metric", "ended", "loops", "busy"]
 
@@ -57,3 +59,60 @@ def markdown(table: dict) -> str:
     for name, t in benchmark_tables(table).items():
         lines += [f"### {name}", "", markdown_table(t["columns"], t["rows"]), ""]
     return "\n".join(lines)
+
+
+#: marker per exactness (what a method guarantees); a lossless cell below EM 1.00 gets a red edge
+MARKERS = {"tokens": "o", "distribution": "s", "approximate": "^"}
+
+
+def plot_benchmarks(table: dict, out: Path) -> dict[str, list[str]]:
+    """One figure per benchmark, ``<out>/<benchmark>.png``: speed against ``ar`` (mean, 95% interval as a bar) over
+    tokens per target forward, a point per method, numbered, with the numbers' methods in a legend beside the axes
+    (no label can cover another); the marker's shape is the method's exactness and its colour the task metric
+    (a colour bar); a lossless method below EM 1.00 has a red edge. The caption names host, dtype, prompts, date and
+    commit. Returns each benchmark's legend entries in order."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.lines import Line2D
+
+    from pardec.report.plots import save_figure
+
+    out.mkdir(parents=True, exist_ok=True)
+    host = (table.get("host") or {}).get("cpu")
+    caption = (f"{host}, {table['dtype']}, {table['n']} prompts, {table['max_new_tokens']} new tokens per turn, "
+               f"{table['date']}, commit {str(table['commit'])[:9]}")
+    legends = {}
+    for bench, b in (table.get("benchmarks") or {}).items():
+        cells = [(label, c) for label, c in b["methods"].items()
+                 if c.get("speedup_mean") is not None and c.get("tokens_per_forward") is not None]
+        metrics = [c["metric"] for _, c in cells if c.get("metric") is not None]
+        norm = plt.Normalize(min(metrics), max(metrics)) if metrics and min(metrics) < max(metrics) else None
+        cmap = plt.get_cmap("viridis")
+        fig, ax = plt.subplots(figsize=(9, 5.5))
+        entries = []
+        for i, (label, c) in enumerate(cells, 1):
+            x, y, ci = c["tokens_per_forward"], c["speedup_mean"], c.get("speedup_ci95")
+            if ci:
+                ax.errorbar(x, y, yerr=[[y - ci[0]], [ci[1] - y]], color="0.6", linewidth=1, capsize=2, zorder=1)
+            color = cmap(norm(c["metric"])) if norm is not None and c.get("metric") is not None else "0.4"
+            ax.scatter(x, y, s=60, marker=MARKERS.get(c.get("exactness"), "D"), color=color, zorder=2,
+                       edgecolors="red" if c.get("flagged") else "black", linewidths=1.5 if c.get("flagged") else 0.5)
+            ax.annotate(str(i), (x, y), xytext=(5, 3), textcoords="offset points", fontsize="small")
+            entries.append(f"{i} {label}")
+        ax.axhline(1.0, color="gray", linestyle="--", linewidth=1)
+        ax.set_xlabel("tokens per target forward")
+        ax.set_ylabel("speed against ar (×, mean and 95% interval)")
+        ax.set_title(f"{bench}: every decoder in one run")
+        if norm is not None:
+            fig.colorbar(plt.cm.ScalarMappable(norm=norm, cmap=cmap), ax=ax, label=b.get("metric") or "metric",
+                         location="left", pad=0.12)
+        shapes = [Line2D([], [], marker=m, linestyle="", color="0.4", label=k) for k, m in MARKERS.items()]
+        numbers = [Line2D([], [], linestyle="", label=e) for e in entries]
+        ax.legend(handles=shapes + numbers, fontsize="x-small", loc="upper left", bbox_to_anchor=(1.01, 1.0),
+                  handlelength=1, ncol=1 if len(entries) <= 24 else 2)
+        fig.text(0.01, 0.005, caption, fontsize="x-small", color="0.3")
+        save_figure(fig, out / f"{bench}.png")
+        legends[bench] = entries
+    return legends
