@@ -327,6 +327,30 @@ def test_the_data_section_of_a_masked_corpus_and_completions_read_as_they_are(tm
                                                               "max_docs": 4}]}
 
 
+def test_the_data_section_of_cllm_names_its_trajectories_and_the_prompts_it_decodes_held_out(tmp_path):
+    """CLLM: trained on the target's whole answers and on Jacobi trajectories of the same prompts; held out are
+    dataset prompts its eval Jacobi-decodes itself (named by the dataset, not as reference text)."""
+    from pardec.zoo.build import data_section
+
+    hydra = tmp_path / "run" / ".hydra"
+    hydra.mkdir(parents=True)
+    answers, traj = tmp_path / "completions", tmp_path / "trajectories"
+    (hydra / "config.yaml").write_text(
+        f"dataset: {{name: gsm8k, split: train}}\ncollect:\n  out_dir: {traj}\n  max_prompts: 3\n"
+        f"completions:\n  out_dir: {answers}\n  sources:\n  - dataset: {{name: gsm8k, split: train}}\n"
+        f"eval:\n  sources:\n  - dataset: {{name: gsm8k, split: test}}\n    max_prompts: 4\n")
+    (hydra / "hydra.yaml").write_text("hydra:\n  runtime:\n    choices:\n      experiment: cllm_x\n")
+    for d in (answers, traj):
+        d.mkdir(parents=True)
+    (answers / "completions.jsonl").write_text('{"a": 1}\n' * 3)
+    (traj / "trajectories.jsonl").write_text('{"t": 1}\n' * 5)
+    out = data_section(tmp_path / "run")
+    assert out["train"]["records"] == 3 and out["trajectories"]["records"] == 5
+    assert out["trajectories"]["sources"] == [{"dataset": {"name": "gsm8k", "split": "train"}, "max_prompts": 3}]
+    assert out["heldout"] == {"gsm8k": {"sources": [{"dataset": {"name": "gsm8k", "split": "test"},
+                                                    "max_prompts": 4}]}}
+
+
 def test_the_headline_and_stored_form_of_a_fine_tuned_target():
     from pardec.zoo.__main__ import headline, stored_form
 

@@ -167,8 +167,12 @@ def data_section(run_dir: Path) -> dict[str, Any]:
         return OmegaConf.to_container(node, resolve=True)
 
     out: dict[str, Any] = {}
-    if "completions" in cfg:  # the draft and heads kinds: the target's completions
+    if "completions" in cfg:  # the draft and heads kinds: the target's completions (CLLM: its AR answers)
         out["train"] = corpus(Path(cfg.completions.out_dir), plain(cfg.completions.sources))
+    if "collect" in cfg:  # CLLM: the Jacobi trajectories collected from the same prompts (its consistency rows)
+        out["trajectories"] = corpus(Path(cfg.collect.out_dir), [{"dataset": plain(cfg.dataset),
+                                                                  "max_prompts": cfg.collect.max_prompts}],
+                                     "trajectories.jsonl")
     elif "mask" in cfg:  # SDSAT: the masked corpus made of its sources
         out["train"] = corpus(Path(cfg.mask.out_dir), plain(cfg.mask.sources), "masked.jsonl")
     if "eval" in cfg and "sources" in cfg.eval:
@@ -180,8 +184,10 @@ def data_section(run_dir: Path) -> dict[str, Any]:
             elif "out_dir" in cfg.eval:  # the eval's own completions of a dataset, one directory per dataset
                 d = Path(cfg.eval.out_dir) / src["dataset"]["name"]
                 out["heldout"][src["dataset"]["name"]] = corpus(d, [src])
-            else:  # human text read from a dataset (SDSAT's reference answers): its records are the eval's
+            elif "max_docs" in src:  # human text read from a dataset (SDSAT's reference answers)
                 out["heldout"][f"{src['dataset']['name']}_reference"] = {"sources": [src]}
+            else:  # a dataset's prompts the eval decodes itself (CLLM's Jacobi decoding): its records are the eval's
+                out["heldout"][src["dataset"]["name"]] = {"sources": [src]}
     return out
 
 
