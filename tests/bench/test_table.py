@@ -172,3 +172,27 @@ def test_each_benchmark_gets_a_figure_with_every_plotted_method_numbered_in_its_
     assert sorted(p.name for p in (tmp_path / "plots").iterdir()) == ["gsm8k.png", "humaneval.png"]
     assert len(legends["gsm8k"]) == 24 and legends["gsm8k"][0] == "1 m0" and "24 sps" in legends["gsm8k"]
     assert not any("no_forwards" in e for e in legends["gsm8k"]) and legends["humaneval"] == ["1 ar"]
+
+
+def test_aggregate_publishes_the_finished_runs_and_lists_the_rest_as_pending(tmp_path, capsys):
+    """A table made in parts: --aggregate runs nothing and writes what the finished runs hold, naming the others."""
+    run = tmp_path / "runs" / "gsm8k"
+    run.mkdir(parents=True)
+    summary = {"baseline": "ar", "metric_name": "correct", "baseline_metric": 0.25,
+               "peers": {"also:pld": {"method": "pld", "exactness": "tokens", "exact_match_rate": 1.0, "metric": 0.25}}}
+    (run / "summary.json").write_text(json.dumps(summary))
+    recs = [{"id": i, "role": role, "wall_s": w, "n_tokens": 8, "target_forwards": f, "turn_tokens": [[1, 2] * 4]}
+            for i in range(2) for role, w, f in (("baseline", 2.0, 8), ("also:pld", 1.0, 4))]
+    (run / "results.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
+    args = ["--benchmarks", "gsm8k,humaneval", "--methods", "pld", "--n", "2", "--max-new-tokens", "8",
+            "--out", str(tmp_path), "--aggregate"]
+    assert T.main(args) == 0
+    table = json.loads((tmp_path / "table.json").read_text())
+    assert table["pending"] == ["humaneval"] and table["command"].endswith("--max-new-tokens 8 --out " + str(tmp_path))
+    pld = table["benchmarks"]["gsm8k"]["methods"]["pld"]
+    assert pld["speedup_mean"] == 2.0 and pld["tokens_per_forward"] == 2.0 and pld["n"] == 2
+    assert table["benchmarks"]["gsm8k"]["timed_s"] == 6.0
+    assert (tmp_path / "plots" / "gsm8k.png").is_file() and "Not finished yet: humaneval" in (
+        tmp_path / "table.md").read_text()
+    assert "not finished yet: humaneval" in capsys.readouterr().out
+    assert not (tmp_path / "runs" / "humaneval").exists()  # nothing ran

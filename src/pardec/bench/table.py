@@ -5,7 +5,7 @@ warm-up, greedy, on the same prompts. Methods that decode their own fine-tuned m
 a second run per benchmark on that model, with `ar` on it as their baseline; their quality sits beside the base's.
 
     python -m pardec.bench table [--benchmarks gsm8k,spider,humaneval,mt_bench,cnn_dm] [--n 20]
-        [--max-new-tokens 128] [--dtype fp32] [--methods all | m1,m2,...] [--out DIR] [overrides ...]
+        [--max-new-tokens 128] [--dtype fp32] [--methods all | m1,m2,...] [--out DIR] [--aggregate] [overrides ...]
 
 It resumes: rerun the same command with the same ``--out`` and every benchmark continues where it stopped (each
 `evaluate` run resumes its records), also at a later commit, so that a table of several hours can be made in parts
@@ -247,11 +247,14 @@ def aggregate(out: Path, runs: list[tuple[str, list[str]]], ident: dict, command
     for name, _ in runs:
         run_dir = out / "runs" / name
         if not (run_dir / "summary.json").is_file():
+            table.setdefault("pending", []).append(name)
             continue
         summary = json.loads((run_dir / "summary.json").read_text())
         records = read_jsonl(run_dir / "results.jsonl", torn_ok=True)
         bench, _, model = name.partition("@")
-        entry = table["benchmarks"].setdefault(bench, {"metric": summary.get("metric_name"), "methods": {}})
+        entry = table["benchmarks"].setdefault(bench, {"metric": summary.get("metric_name"), "methods": {},
+                                                       "timed_s": 0.0})
+        entry["timed_s"] += sum(r.get("wall_s") or 0.0 for r in records)  # every role's timed decoding (not the warm-up)
         for label, cell in cells(records, summary, ident["max_new_tokens"]).items():
             if model:
                 label = f"{label}@{model}"
@@ -271,6 +274,9 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
     ap.add_argument("--threads", default="auto")
     ap.add_argument("--out", type=Path, default=None, help="the table's directory (default: data/table/<model>-<dtype>)")
     ap.add_argument("--dry-run", action="store_true", help="print the runs, run nothing")
+    ap.add_argument("--aggregate", action="store_true",
+                    help="write table.json, table.md and the plots from the runs finished so far and run nothing (a "
+                         "table made in parts is published part by part; the unfinished runs are listed as pending)")
     ap.add_argument("extra", nargs="*", help="more Hydra overrides for every run")
     a = ap.parse_intermixed_args(argv)
     a.out = a.out or REPO_ROOT / "data" / "table" / f"{a.model}-{a.dtype}"
@@ -294,7 +300,7 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
     except TableError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    for name, args in runs:
+    for name, args in [] if a.aggregate else runs:
         run_dir = a.out / "runs" / name
         if (run_dir / "summary.json").is_file() and (run_dir / "results.jsonl").is_file():
             print(f"{name}: done earlier")
@@ -308,11 +314,14 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
             print(f"error: the {name} run stopped (exit {rc}); rerun the same command to continue it",
                   file=sys.stderr)
             return rc
-    command = "python -m pardec.bench table " + " ".join(argv if argv is not None else sys.argv[1:])
+    given = [x for x in (argv if argv is not None else sys.argv[1:]) if x != "--aggregate"]  # what made the runs
+    command = "python -m pardec.bench table " + " ".join(given)
     table = aggregate(a.out, runs, ident, command.strip())
     (a.out / "table.json").write_text(json.dumps(table, indent=1) + "\n")
     (a.out / "table.md").write_text(markdown(table) + "\n")
     plot_benchmarks(table, a.out / "plots")
     print(markdown(table))
-    print(f"written to {a.out}/table.json, table.md and plots/<benchmark>.png")
+    pending = table.get("pending")
+    print(f"written to {a.out}/table.json, table.md and plots/<benchmark>.png"
+          + (f"; not finished yet: {', '.join(pending)}" if pending else ""))
     return 0

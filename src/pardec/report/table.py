@@ -54,8 +54,9 @@ def markdown(table: dict) -> str:
     from pardec.report.markdown import markdown_table
 
     host = table.get("host") or {}
+    pending = f" Not finished yet: {', '.join(table['pending'])}." if table.get("pending") else ""
     lines = [f"Host: {host.get('cpu')} ({table['dtype']}, {table['n']} prompts, {table['max_new_tokens']} new tokens "
-             f"per turn), commit {table['commit']}, {table['date']}.", ""]
+             f"per turn), commit {table['commit']}, {table['date']}.{pending}", ""]
     for name, t in benchmark_tables(table).items():
         lines += [f"### {name}", "", markdown_table(t["columns"], t["rows"]), ""]
     return "\n".join(lines)
