@@ -304,23 +304,30 @@ def test_the_data_section_reads_a_run_whose_paths_name_the_experiment(tmp_path):
     assert out["heldout"]["gsm8k"]["records"] == 2 and out["heldout"]["gsm8k"]["sha256"]
 
 
+def _run_dir(tmp_path, config: str, experiment: str, corpora: dict):
+    """A finished run's ``.hydra`` (its composed ``config`` and the experiment Hydra chose) and its corpora
+    (directory -> (file name, records)), as :func:`pardec.zoo.build.data_section` reads them."""
+    hydra = tmp_path / "run" / ".hydra"
+    hydra.mkdir(parents=True)
+    (hydra / "config.yaml").write_text(config)
+    (hydra / "hydra.yaml").write_text(f"hydra:\n  runtime:\n    choices:\n      experiment: {experiment}\n")
+    for d, (name, n) in corpora.items():
+        d.mkdir(parents=True)
+        (d / name).write_text('{"a": 1}\n' * n)
+    return tmp_path / "run"
+
+
 def test_the_data_section_of_a_masked_corpus_and_completions_read_as_they_are(tmp_path):
     """SDSAT: the training corpus is the mask stage's masked.jsonl; held out are completions directories (by their
     names) and human text read from a dataset."""
     from pardec.zoo.build import data_section
 
-    hydra = tmp_path / "run" / ".hydra"
-    hydra.mkdir(parents=True)
     masked, held = tmp_path / "sdsat", tmp_path / "eval" / "mt_bench"
-    (hydra / "config.yaml").write_text(
-        f"mask:\n  out_dir: {masked}\n  sources:\n  - completions: {tmp_path}/train\n"
-        f"eval:\n  sources:\n  - completions: {held}\n  - dataset: {{name: gsm8k, split: test}}\n    max_docs: 4\n")
-    (hydra / "hydra.yaml").write_text("hydra:\n  runtime:\n    choices:\n      experiment: sdsat_smollm2\n")
-    for d in (masked, held):
-        d.mkdir(parents=True)
-    (masked / "masked.jsonl").write_text('{"a": 1}\n' * 3)
-    (held / "completions.jsonl").write_text('{"a": 1}\n' * 2)
-    out = data_section(tmp_path / "run")
+    run = _run_dir(tmp_path,
+                   f"mask:\n  out_dir: {masked}\n  sources:\n  - completions: {tmp_path}/train\n"
+                   f"eval:\n  sources:\n  - completions: {held}\n  - dataset: {{name: gsm8k, split: test}}\n"
+                   "    max_docs: 4\n", "sdsat_smollm2", {masked: ("masked.jsonl", 3), held: ("completions.jsonl", 2)})
+    out = data_section(run)
     assert out["train"]["records"] == 3 and out["train"]["sources"] == [{"completions": f"{tmp_path}/train"}]
     assert out["heldout"]["mt_bench"]["records"] == 2 and len(out["heldout"]["mt_bench"]["sha256"]) == 64
     assert out["heldout"]["gsm8k_reference"] == {"sources": [{"dataset": {"name": "gsm8k", "split": "test"},
@@ -332,19 +339,13 @@ def test_the_data_section_of_cllm_names_its_trajectories_and_the_prompts_it_deco
     dataset prompts its eval Jacobi-decodes itself (named by the dataset, not as reference text)."""
     from pardec.zoo.build import data_section
 
-    hydra = tmp_path / "run" / ".hydra"
-    hydra.mkdir(parents=True)
     answers, traj = tmp_path / "completions", tmp_path / "trajectories"
-    (hydra / "config.yaml").write_text(
-        f"dataset: {{name: gsm8k, split: train}}\ncollect:\n  out_dir: {traj}\n  max_prompts: 3\n"
-        f"completions:\n  out_dir: {answers}\n  sources:\n  - dataset: {{name: gsm8k, split: train}}\n"
-        f"eval:\n  sources:\n  - dataset: {{name: gsm8k, split: test}}\n    max_prompts: 4\n")
-    (hydra / "hydra.yaml").write_text("hydra:\n  runtime:\n    choices:\n      experiment: cllm_x\n")
-    for d in (answers, traj):
-        d.mkdir(parents=True)
-    (answers / "completions.jsonl").write_text('{"a": 1}\n' * 3)
-    (traj / "trajectories.jsonl").write_text('{"t": 1}\n' * 5)
-    out = data_section(tmp_path / "run")
+    run = _run_dir(tmp_path,
+                   f"dataset: {{name: gsm8k, split: train}}\ncollect:\n  out_dir: {traj}\n  max_prompts: 3\n"
+                   f"completions:\n  out_dir: {answers}\n  sources:\n  - dataset: {{name: gsm8k, split: train}}\n"
+                   "eval:\n  sources:\n  - dataset: {name: gsm8k, split: test}\n    max_prompts: 4\n",
+                   "cllm_x", {answers: ("completions.jsonl", 3), traj: ("trajectories.jsonl", 5)})
+    out = data_section(run)
     assert out["train"]["records"] == 3 and out["trajectories"]["records"] == 5
     assert out["trajectories"]["sources"] == [{"dataset": {"name": "gsm8k", "split": "train"}, "max_prompts": 3}]
     assert out["heldout"] == {"gsm8k": {"sources": [{"dataset": {"name": "gsm8k", "split": "test"},
