@@ -11,16 +11,16 @@ It resumes: rerun the same command with the same ``--out`` and every benchmark c
 `evaluate` run resumes its records), also at a later commit, so that a table of several hours can be made in parts
 on one host: each run records the commit it started at (``<out>/table_run.json``'s ``commits``; the table lists
 them, and a benchmark's methods always come from one run). A rerun on another host (CPU model, vector flags, cores,
-torch), dtype or set of methods, or with a
-zoo artifact rebuilt since (its manifest's sha256), is refused in one line. ``--out`` defaults to ``data/table/<model>-<dtype>``
-(``data/`` outlives ``outputs/``). The table, ``<out>/table.json`` (results as
+torch), dtype or set of methods, or with a zoo artifact rebuilt since (its manifest's sha256), is refused in one
+line. ``--out`` defaults to ``data/table/<model>-<dtype>`` (``data/`` outlives ``outputs/``); ``--aggregate``
+writes the table from the runs finished so far. The table, ``<out>/table.json`` (results as
 data: command, commit, host, dtype, date, n) and ``<out>/table.md``, holds per benchmark and method: the speed
 against `ar` (the mean of the per-prompt ratios with a 95% bootstrap interval, and the median), tokens per target
 forward, the exact-match rate against `ar` (a lossless method below 1.00 is flagged, not averaged in), the task's
 quality metric, the shares of answers that ended before the token limit and that loop (a token repeated 10 times in a
-row), and how many of its timed prompts ran on a busy host (:mod:`pardec.metrics.busy`); ``<out>/plots/<benchmark>.png``
-draws each benchmark (:func:`pardec.report.table.plot_benchmarks`). A method whose zoo
-artifact is missing is left out with a note (``make zoo`` builds it).
+row), and how many of its timed prompts ran on a busy host (:mod:`pardec.metrics.busy`);
+``<out>/plots/<benchmark>.png`` draws each benchmark (:func:`pardec.report.table.plot_benchmarks`). A method whose
+zoo artifact is missing is left out with a note (``make zoo`` builds it).
 """
 
 from __future__ import annotations

@@ -9,7 +9,8 @@
 * ``docs`` (:mod:`pardec.report.docs`): the tables of README.md and docs/, generated from docs/results/ (``--check``).
 
 Every report reads a run's ``summary.json`` through :func:`pardec.evaluation.tables.comparison_rows`. The names of
-:mod:`pardec.report.runs` and :mod:`pardec.report.run_dirs` below are loaded on first use, so ``--help`` and ``docs`` start without torch.
+:mod:`pardec.report.runs` and :mod:`pardec.report.run_dirs` below are loaded on first use, so ``--help`` and
+``docs`` start without torch.
 """
 
 import importlib

@@ -72,13 +72,9 @@ def plot_benchmarks(table: dict, out: Path) -> dict[str, list[str]]:
     (no label can cover another); the marker's shape is the method's exactness and its colour the task metric
     (a colour bar); a lossless method below EM 1.00 has a red edge. The caption names host, dtype, prompts, date and
     commit. Returns each benchmark's legend entries in order."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
     from matplotlib.lines import Line2D
 
-    from pardec.report.plots import save_figure
+    from pardec.report.plots import plt, save_figure  # (plots chooses the Agg backend)
 
     out.mkdir(parents=True, exist_ok=True)
     host = (table.get("host") or {}).get("cpu")

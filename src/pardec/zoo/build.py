@@ -82,6 +82,7 @@ def run_stages(entry: Entry, recipe: str, log) -> dict[str, dict]:
     done = json.loads(path.read_text()) if path.is_file() else {}
     if done.get("recipe_sha256") != recipe:
         done = {"recipe_sha256": recipe, "stages": {}}
+
     def save() -> None:
         tmp = path.with_suffix(".tmp")
         tmp.write_text(json.dumps(done, indent=2) + "\n")
