@@ -5,7 +5,8 @@ warm-up, greedy, on the same prompts. Methods that decode their own fine-tuned m
 a second run per benchmark on that model, with `ar` on it as their baseline; their quality sits beside the base's.
 
     python -m pardec.bench table [--benchmarks gsm8k,spider,humaneval,mt_bench,cnn_dm] [--n 20]
-        [--max-new-tokens 128] [--dtype fp32] [--methods all | m1,m2,...] [--out DIR] [--aggregate] [overrides ...]
+        [--max-new-tokens 128] [--dtype fp32] [--methods all | m1,m2,...] [--out DIR] [--aggregate]
+        [--publish [--name table_<date>] [--page table.md]] [overrides ...]
 
 It resumes: rerun the same command with the same ``--out`` and every benchmark continues where it stopped (each
 `evaluate` run resumes its records), also at a later commit, so that a table of several hours can be made in parts
@@ -19,8 +20,9 @@ against `ar` (the mean of the per-prompt ratios with a 95% bootstrap interval, a
 forward, the exact-match rate against `ar` (a lossless method below 1.00 is flagged, not averaged in), the task's
 quality metric, the shares of answers that ended before the token limit and that loop (a token repeated 10 times in a
 row), and how many of its timed prompts ran on a busy host (:mod:`pardec.metrics.busy`);
-``<out>/plots/<benchmark>.png`` draws each benchmark (:func:`pardec.report.table.plot_benchmarks`). A method whose
-zoo artifact is missing is left out with a note (``make zoo`` builds it).
+``<out>/plots/<benchmark>.png`` draws each benchmark (:func:`pardec.report.table.plot_benchmarks`); ``--publish``
+puts it on the pages (``docs/table.md``, its result file, raw records and figures: :mod:`pardec.bench.table_publish`).
+A method whose zoo artifact is missing is left out with a note (``make zoo`` builds it).
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import re
 import statistics
 import subprocess
 import sys
@@ -128,14 +131,26 @@ def check_identity(out: Path, ident: dict[str, Any]) -> None:
     if f.is_file():
         from pardec.jsonl import read_json
 
-        kept = {k: v for k, v in read_json(f, TableError).items() if k != "commits"}
+        kept = {k: v for k, v in read_json(f, TableError).items() if k not in ("commits", "started")}
         diff = settings_diff(kept, json.loads(json.dumps(ident)))
         if diff:
             raise TableError(f"cannot continue the table in {out}: it was started with other settings "
                              f"({'; '.join(diff)}); continue it there as it was, or pass another --out")
         return
     out.mkdir(parents=True, exist_ok=True)
-    f.write_text(json.dumps(ident, indent=2) + "\n")
+    f.write_text(json.dumps({**ident, "started": time.strftime("%Y-%m-%d")}, indent=2) + "\n")
+
+
+def started(out: Path) -> str:
+    """The date the table in ``out`` started (``table_run.json``'s ``started``; for a table begun before it was
+    recorded, the date of its oldest run's ``run.json``)."""
+    from pardec.jsonl import read_json
+
+    day = read_json(out / "table_run.json", TableError).get("started")
+    if day:
+        return day
+    times = [f.stat().st_mtime for f in (out / "runs").glob("*/run.json")]
+    return time.strftime("%Y-%m-%d", time.localtime(min(times) if times else None))
 
 
 def record_commit(out: Path, run: str) -> str | None:
@@ -277,12 +292,22 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
     ap.add_argument("--aggregate", action="store_true",
                     help="write table.json, table.md and the plots from the runs finished so far and run nothing (a "
                          "table made in parts is published part by part; the unfinished runs are listed as pending)")
+    ap.add_argument("--publish", action="store_true",
+                    help="also put the table on the project's pages (docs/results/<name>.json, its raw records, "
+                         "figures and docs/<page>; pardec.bench.table_publish)")
+    ap.add_argument("--name", default=None, help="the publication's name (default: table_<date the table started>)")
+    ap.add_argument("--page", default="table.md", help="the page under docs/ that shows the table (default: table.md)")
     ap.add_argument("extra", nargs="*", help="more Hydra overrides for every run")
     a = ap.parse_intermixed_args(argv)
     a.out = a.out or REPO_ROOT / "data" / "table" / f"{a.model}-{a.dtype}"
     bad = [b for b in a.benchmarks.split(",") if b not in BENCHMARKS]
     if bad:
         ap.error(f"--benchmarks {bad[0]!r} is not one of: {', '.join(BENCHMARKS)}")
+    if a.name is not None and not re.fullmatch(r"table_[\w.-]+", a.name):
+        ap.error(f"--name {a.name!r} is not a publication name: it must start with table_ (the pages render a "
+                 "result file named table_* as a table) and hold only letters, digits, '_', '.', '-'")
+    if not re.fullmatch(r"[\w.-]+\.md", a.page):
+        ap.error(f"--page {a.page!r} is not a page under docs/: a file name ending in .md, such as table.md")
     for flag in ("n", "max_new_tokens"):
         if getattr(a, flag) < 1:
             ap.error(f"--{flag.replace('_', '-')}={getattr(a, flag)} is out of range: it must be >= 1")
@@ -314,7 +339,8 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
             print(f"error: the {name} run stopped (exit {rc}); rerun the same command to continue it",
                   file=sys.stderr)
             return rc
-    given = [x for x in (argv if argv is not None else sys.argv[1:]) if x != "--aggregate"]  # what made the runs
+    publishing = ("--aggregate", "--publish", "--name", a.name, "--page", a.page)
+    given = [x for x in (argv if argv is not None else sys.argv[1:]) if x not in publishing]  # what made the runs
     command = "python -m pardec.bench table " + " ".join(given)
     table = aggregate(a.out, runs, ident, command.strip())
     (a.out / "table.json").write_text(json.dumps(table, indent=1) + "\n")
@@ -324,4 +350,13 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
     pending = table.get("pending")
     print(f"written to {a.out}/table.json, table.md and plots/<benchmark>.png"
           + (f"; not finished yet: {', '.join(pending)}" if pending else ""))
+    if a.publish:
+        from pardec.bench.table_publish import PublishError, publish
+
+        try:
+            written = publish(a.out, table, REPO_ROOT, a.name or f"table_{started(a.out)}", a.page)
+        except PublishError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
+        print(f"published: {len(written)} files, the page docs/{a.page}")
     return 0
