@@ -196,3 +196,31 @@ def test_aggregate_publishes_the_finished_runs_and_lists_the_rest_as_pending(tmp
         tmp_path / "table.md").read_text()
     assert "not finished yet: humaneval" in capsys.readouterr().out
     assert not (tmp_path / "runs" / "humaneval").exists()  # nothing ran
+
+
+def test_after_a_zoo_rebuild_only_the_runs_that_decode_with_it_run_anew(tmp_path):
+    """A rebuilt zoo artifact refuses the table (naming --redo); --redo sets aside the runs that decode with it and
+    the rest of the table continues, unless a kept run holds a changed drafter too."""
+    from pardec.bench import table_run
+
+    ident = {"dtype": "fp32", "zoo": {"cllm": "a", "draft": "b"}}
+    T.check_identity(tmp_path, ident)
+    for run in ("gsm8k", "gsm8k@cllm"):
+        (tmp_path / "runs" / run).mkdir(parents=True)
+        (tmp_path / "runs" / run / "run.json").write_text("{}")
+        (tmp_path / "runs" / run / "summary.json").write_text("{}")
+    T.record_commit(tmp_path, "gsm8k@cllm")
+    uses = {"gsm8k": {"draft"}, "gsm8k@cllm": {"cllm"}, "spider": {"draft"}}
+    rebuilt = {"cllm": "c", "draft": "b"}
+    with pytest.raises(T.TableError, match=r"zoo\.cllm was 'a', now 'c' \(a rebuilt zoo artifact: --redo"):
+        T.check_identity(tmp_path, {**ident, "zoo": rebuilt})
+    with pytest.raises(T.TableError, match="--redo 'gsm8k@clm' is not one of the table's runs: gsm8k, gsm8k@cllm"):
+        table_run.redo(tmp_path, ["gsm8k@clm"], rebuilt, uses)
+    with pytest.raises(T.TableError, match=r"cannot keep the run gsm8k: .* draft .*\(--redo gsm8k@cllm,gsm8k\)"):
+        table_run.redo(tmp_path, ["gsm8k@cllm"], {"cllm": "c", "draft": "d"}, uses)
+    assert (tmp_path / "runs" / "gsm8k@cllm" / "summary.json").is_file()  # a refused redo moves nothing
+    [moved] = table_run.redo(tmp_path, ["gsm8k@cllm"], rebuilt, uses)
+    assert moved.parent == tmp_path / "runs" / "superseded" and (moved / "summary.json").is_file()
+    assert not (tmp_path / "runs" / "gsm8k@cllm").exists() and (tmp_path / "runs" / "gsm8k").is_dir()
+    T.check_identity(tmp_path, {**ident, "zoo": rebuilt})  # continues with the rebuilt drafter
+    assert "gsm8k@cllm" not in json.loads((tmp_path / "table_run.json").read_text()).get("commits", {})

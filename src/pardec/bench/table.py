@@ -40,6 +40,7 @@ from typing import Any
 
 from pardec import REPO_ROOT
 from pardec.bench.speed import CPU_SIZED
+from pardec.bench.table_run import TableError, check_identity, record_commit, redo, started
 from pardec.report.table import markdown, plot_benchmarks
 
 #: benchmark -> its dataset overrides (local copies under the data dir; HumanEval ships with its package)
@@ -61,10 +62,6 @@ SHARED = [("jacobi", None), ("lookahead", None), (CPU_SIZED["lookahead"], None),
 OWN_MODEL = [("jacobi", "cllm"), ("sdsat", "sdsat")]
 LOSSLESS = ("tokens", "distribution")
 BOOTSTRAP = 2000
-
-
-class TableError(ValueError):
-    """A run that cannot continue (one line)."""
 
 
 # ------------------------------------------------------------------------------------------- plan
@@ -123,52 +120,12 @@ def identity(args: argparse.Namespace, shared: list[str], own: list[tuple[str, s
             "benchmarks": args.benchmarks.split(","), "extra": list(args.extra)}
 
 
-def check_identity(out: Path, ident: dict[str, Any]) -> None:
-    """Record the run's identity, or refuse a rerun whose identity differs, in one line naming each difference."""
-    from pardec.config.schema import settings_diff
-
-    f = out / "table_run.json"
-    if f.is_file():
-        from pardec.jsonl import read_json
-
-        kept = {k: v for k, v in read_json(f, TableError).items() if k not in ("commits", "started")}
-        diff = settings_diff(kept, json.loads(json.dumps(ident)))
-        if diff:
-            raise TableError(f"cannot continue the table in {out}: it was started with other settings "
-                             f"({'; '.join(diff)}); continue it there as it was, or pass another --out")
-        return
-    out.mkdir(parents=True, exist_ok=True)
-    f.write_text(json.dumps({**ident, "started": time.strftime("%Y-%m-%d")}, indent=2) + "\n")
-
-
-def started(out: Path) -> str:
-    """The date the table in ``out`` started (``table_run.json``'s ``started``; for a table begun before it was
-    recorded, the date of its oldest run's ``run.json``)."""
-    from pardec.jsonl import read_json
-
-    day = read_json(out / "table_run.json", TableError).get("started")
-    if day:
-        return day
-    times = [f.stat().st_mtime for f in (out / "runs").glob("*/run.json")]
-    return time.strftime("%Y-%m-%d", time.localtime(min(times) if times else None))
-
-
-def record_commit(out: Path, run: str) -> str | None:
-    """The commit a run starts (or continues) at, kept in ``<out>/table_run.json``'s ``commits`` (a list per run:
-    a run continued at another commit lists both)."""
-    from pardec.jsonl import read_json
-    from pardec.zoo.build import git_state
-
-    f = out / "table_run.json"
-    data = read_json(f, TableError)
-    commit = git_state().get("commit")
-    seen = data.setdefault("commits", {}).setdefault(run, [])
-    if commit not in seen:
-        seen.append(commit)
-        tmp = f.with_suffix(".tmp")
-        tmp.write_text(json.dumps(data, indent=2) + "\n")
-        tmp.replace(f)
-    return commit
+def run_artifacts(run: str, shared: list[str]) -> set[str]:
+    """The zoo artifacts a run decodes with: a benchmark's shared run those of its entries, ``<bench>@<artifact>``
+    that artifact (the model it decodes)."""
+    _, _, model = run.partition("@")
+    needs = dict(SHARED)
+    return {model} if model else {needs[e] for e in shared if needs.get(e)}
 
 
 def commands(args: argparse.Namespace, shared: list[str], own: list[tuple[str, str]]) -> list[tuple[str, list[str]]]:
@@ -292,6 +249,9 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
     ap.add_argument("--aggregate", action="store_true",
                     help="write table.json, table.md and the plots from the runs finished so far and run nothing (a "
                          "table made in parts is published part by part; the unfinished runs are listed as pending)")
+    ap.add_argument("--redo", default=None, metavar="RUN[,RUN...]",
+                    help="run these runs anew (the old ones are set aside under runs/superseded/): after a zoo "
+                         "artifact was rebuilt, the runs that decode with it (e.g. gsm8k@cllm,spider@cllm)")
     ap.add_argument("--publish", action="store_true",
                     help="also put the table on the project's pages (docs/results/<name>.json, its raw records, "
                          "figures and docs/<page>; pardec.bench.table_publish)")
@@ -321,6 +281,10 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
                 print(f"{name}: python -m evaluate {' '.join(args)}")
             return 0
         ident = identity(a, shared, own)
+        if a.redo and (a.out / "table_run.json").is_file():
+            check_identity(a.out, ident, ignore=("zoo",))  # the same table but for its drafters
+            for moved in redo(a.out, a.redo.split(","), ident["zoo"], {n: run_artifacts(n, shared) for n, _ in runs}):
+                print(f"set aside: {moved}")
         check_identity(a.out, ident)
     except TableError as e:
         print(f"error: {e}", file=sys.stderr)
