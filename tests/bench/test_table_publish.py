@@ -92,3 +92,19 @@ def test_bad_publication_arguments_are_refused_before_anything_runs(args, want, 
     with pytest.raises(SystemExit):
         T.main(["--publish", "--out", str(tmp_path), *args])
     assert want in capsys.readouterr().err and not any(tmp_path.iterdir())
+
+
+def test_the_table_goes_to_wandb_as_one_run_with_a_table_per_benchmark(tmp_path, monkeypatch):
+    for k, v in {"WANDB_MODE": "offline", "WANDB_SILENT": "true", "WANDB_DIR": str(tmp_path)}.items():
+        monkeypatch.setenv(k, v)
+    table = _made_table(tmp_path / "table")
+    rows = P.wandb_rows(table)
+    assert sorted(rows) == ["all", "gsm8k"] and rows["all"] == rows["gsm8k"]
+    pld = rows["gsm8k"][0]
+    assert pld["method"] == "pld" and pld["speedup_ci95_low"] == 1.5 and pld["metric_name"] == "correct"
+    P.log_wandb(table, tmp_path / "table")
+    [run] = (tmp_path / "table" / "wandb").glob("offline-run-*")
+    tables = sorted(p.name.split("_")[0] for p in run.glob("files/media/table/table/*.table.json"))
+    assert tables == ["all", "gsm8k"], sorted(str(p.relative_to(run)) for p in run.rglob("*.json"))
+    data = json.loads(next(run.glob("files/media/table/table/gsm8k_*.table.json")).read_text())
+    assert "speedup_mean" in data["columns"] and "pld" in data["data"][0]

@@ -249,6 +249,8 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
     ap.add_argument("--aggregate", action="store_true",
                     help="write table.json, table.md and the plots from the runs finished so far and run nothing (a "
                          "table made in parts is published part by part; the unfinished runs are listed as pending)")
+    ap.add_argument("--wandb", action="store_true",
+                    help="also log the table to W&B: one run, a table per benchmark (offline unless WANDB_MODE says)")
     ap.add_argument("--redo", default=None, metavar="RUN[,RUN...]",
                     help="run these runs anew (the old ones are set aside under runs/superseded/): after a zoo "
                          "artifact was rebuilt, the runs that decode with it (e.g. gsm8k@cllm,spider@cllm)")
@@ -303,7 +305,7 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
             print(f"error: the {name} run stopped (exit {rc}); rerun the same command to continue it",
                   file=sys.stderr)
             return rc
-    publishing = ("--aggregate", "--publish", "--name", a.name, "--page", a.page)
+    publishing = ("--aggregate", "--publish", "--wandb", "--name", a.name, "--page", a.page)
     given = [x for x in (argv if argv is not None else sys.argv[1:]) if x not in publishing]  # what made the runs
     command = "python -m pardec.bench table " + " ".join(given)
     table = aggregate(a.out, runs, ident, command.strip())
@@ -314,6 +316,10 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
     pending = table.get("pending")
     print(f"written to {a.out}/table.json, table.md and plots/<benchmark>.png"
           + (f"; not finished yet: {', '.join(pending)}" if pending else ""))
+    if a.wandb:
+        from pardec.bench.table_publish import log_wandb
+
+        log_wandb(table, a.out)
     if a.publish:
         from pardec.bench.table_publish import PublishError, publish
 

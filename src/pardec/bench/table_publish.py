@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import gzip
 import json
+import os
 import re
 import shutil
 from pathlib import Path
@@ -116,3 +117,36 @@ def publish(out: Path, table: dict, root: Path, name: str, page: str = "table.md
         readme.write_text(re.sub(rf"\b{re.escape(before)}(?=\.json|/|_)", name, readme.read_text()))
     written += [f for f in markdown_files(root) if rewrite(f, root) and f != page_file]
     return written
+
+
+def wandb_rows(table: dict) -> dict[str, list[dict]]:
+    """The table as W&B tables: per benchmark a row per method (its cell's numbers; ``metric_name`` names the task
+    metric), and ``all``: every benchmark's rows together, for W&B's own grouping and plots."""
+    out: dict[str, list[dict]] = {}
+    for bench, b in table["benchmarks"].items():
+        rows = []
+        for label, c in b["methods"].items():
+            ci = c.get("speedup_ci95") or [None, None]
+            rows.append({"benchmark": bench, "method": label, "exactness": c.get("exactness"), "n": c.get("n"),
+                         "speedup_mean": c.get("speedup_mean"), "speedup_ci95_low": ci[0], "speedup_ci95_high": ci[1],
+                         "speedup_median": c.get("speedup_median"), "tokens_per_forward": c.get("tokens_per_forward"),
+                         "exact_match_rate": c.get("exact_match_rate"), "flagged": c.get("flagged"),
+                         "metric_name": b.get("metric"), "metric": c.get("metric"), "ended_share": c.get("ended_share"),
+                         "loop_share": c.get("loop_share"), "busy": c.get("busy")})
+        out[bench] = rows
+    out["all"] = [r for rows in list(out.values()) for r in rows]
+    return out
+
+
+def log_wandb(table: dict, run_dir: Path, logger: dict | None = None) -> None:
+    """One W&B run (``logger``: the logger config; default offline, or as ``WANDB_MODE`` says) holding the table: its settings as the run's
+    config, a W&B table per benchmark and ``all``."""
+    from pardec.tracking import Tracker
+
+    config = {k: table.get(k) for k in ("command", "commit", "host", "dtype", "n", "max_new_tokens", "date", "zoo")}
+    logger = logger or {"name": "wandb", "mode": os.environ.get("WANDB_MODE", "offline")}
+    with Tracker(logger, run_dir, config, prefix="table",
+                 name=f"table {table.get('dtype')} {table.get('date')}") as t:
+        for key, rows in wandb_rows(table).items():
+            t.log_table(key, rows)
+        t.log_summary({"pending": ", ".join(table.get("pending") or []) or None})
