@@ -237,3 +237,35 @@ def test_a_result_file_keeps_each_table_with_its_command(tmp_path, capsys):
     two = data["tables"]["two"]
     assert two["command"] == f"python -m pardec.plan cllm_gsm8k --set trainer.deepspeed=zero2 --result '{out}#two'"
     assert two["rows"][0][:4] == ["cllm_gsm8k", "cllm", "8", "2"] and len(two["columns"]) == len(two["rows"][0])
+
+
+def test_the_data_generation_stages_are_planned_in_the_order_a_recipe_runs_them():
+    """--stages: CLLM's Jacobi collection and whole answers before its train stage; a draft recipe's completions
+    before and its held-out completions after; each the whole target in the run's dtype, one batch's KV cache and
+    the logits that decoding keeps."""
+    plans = P.stage_plans("cllm_gsm8k")
+    kinds = [p.kind for p in plans]
+    assert kinds[0] == "collect" and kinds[-1] == "cllm" and set(kinds) <= {"collect", "generate", "cllm"}
+    collect, train = plans[0], plans[-1]
+    from pardec.plan.compose import compose as compose_recipe
+
+    cfg = compose_recipe("cllm_gsm8k", [])[1]["collect"]
+    a = P.arch(collect.model)
+    b, n = int(cfg["batch_size"]), int(cfg["block_size"])
+    assert collect.components["weights"] == pytest.approx(a.params * 2)  # bf16, whole on every rank
+    assert collect.components["logits"] == pytest.approx(b * n * a.vocab * 4)
+    assert collect.components["grads"] == collect.components["optimizer"] == 0 and collect.world == train.world
+    assert collect.total < train.total
+    draft = [p.kind for p in P.stage_plans("draft_llama2_7b")]
+    assert draft == ["generate", "draft", "heldout"]
+    gen = P.stage_plans("draft_llama2_7b")[0]
+    topk = P.stage_plans("draft_llama2_7b", overrides=["completions.teacher_topk=8"])[0]
+    assert topk.components["logits"] > gen.components["logits"] * 100  # every step's logits kept
+    assert [p.kind for p in P.stage_plans("mjsd_llama2_13b_cnn_dm")] == ["eval"]  # an evaluation: one row
+
+
+def test_cli_plans_the_stages_when_asked(capsys):
+    P.main(["draft_llama2_7b", "--stages"])
+    text = capsys.readouterr().out
+    assert re.search(r"^draft_llama2_7b\s+generate\s+8\s+-", text, re.M)
+    assert re.search(r"^draft_llama2_7b\s+heldout\s+8\s+-", text, re.M)

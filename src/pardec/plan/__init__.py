@@ -35,13 +35,15 @@ decoding run (evaluation). Components (docs/plan.md has the derivations and thei
 
 ``fits`` compares the total with 40 / 80 / 141 GB (nominal sizes in 1e9 bytes: conservative, a 40 GiB card holds
 42.9 GB). A target split with ``model.device_map`` that does not fit at ``--gpus`` shows how many GPUs of that size
-would hold it ("2 GPUs"). Not planned: data-generation stages (collect / generate / mask), CPU recipes.
+would hold it ("2 GPUs"). ``--stages`` adds a training recipe's data-generation stages (completions, CLLM's
+trajectories, held-out completions: :mod:`pardec.plan.data_stages`), a row each. Not planned: CPU recipes.
 """
 
 from __future__ import annotations
 
 from pardec.plan.cli import _fit_cell, keep_result, main, table, table_rows
 from pardec.plan.compose import check_name, compose, launch_world, matching, paper_recipes
+from pardec.plan.data_stages import data_plans, stage_plans
 from pardec.plan.formulas import LOSS_PEAK, layer_activations, loss_logits, stack_activations
 from pardec.plan.plans import plan, prompt_estimate
 from pardec.plan.shapes import (
@@ -61,6 +63,6 @@ from pardec.plan.shapes import (
 from pardec.recipes import recipes
 
 __all__ = ["CAPACITIES_GB", "COMPONENTS", "CONTEXT_MARGIN", "DTYPE_BYTES", "GB", "LOSS_PEAK", "OVERHEAD", "Arch", "Plan",
-           "_fit_cell", "arch", "check_name", "compose", "draft_params", "drafter_params", "keep_result",
+           "_fit_cell", "arch", "check_name", "compose", "data_plans", "draft_params", "drafter_params", "keep_result",
            "launch_world", "layer_activations", "lora_params", "loss_logits", "main", "matching", "paper_recipes",
-           "plan", "prompt_estimate", "recipes", "stack_activations", "table", "table_rows"]
+           "plan", "prompt_estimate", "recipes", "stack_activations", "stage_plans", "table", "table_rows"]

@@ -10,6 +10,7 @@ from pathlib import Path
 
 from pardec.config import ConfigError
 from pardec.plan.compose import check_name, paper_recipes
+from pardec.plan.data_stages import stage_plans
 from pardec.plan.plans import plan
 from pardec.plan.shapes import CAPACITIES_GB, COMPONENTS, GB, OVERHEAD, Plan
 
@@ -54,6 +55,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--world", type=int, help="training ranks (default: the recipe's --nproc_per_node, else 8)")
     parser.add_argument("--gpus", type=int, help="evaluation: GPUs a model.device_map target is split over (default 1)")
     parser.add_argument("--prompt-tokens", type=int, help="evaluation: longest prompt in tokens (default: per task)")
+    parser.add_argument("--stages", action="store_true",
+                        help="training recipes: also plan the stages that generate the training data (completions, "
+                             "CLLM's Jacobi trajectories, held-out completions), a row each (pardec.plan.data_stages)")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                         help="a Hydra override for the composed recipe, e.g. trainer.deepspeed=zero3 (repeatable)")
     args = parser.parse_args(argv)
@@ -63,8 +67,9 @@ def main(argv: Sequence[str] | None = None) -> None:
             parser.error("name at least one recipe, or --all")
         for n in names:
             check_name(n)
-        plans = [plan(n, world=args.world, gpus=args.gpus, overrides=args.set, prompt_tokens=args.prompt_tokens)
-                 for n in dict.fromkeys(names)]
+        each = stage_plans if args.stages else (lambda n, **kw: [plan(n, **kw)])
+        plans = [p for n in dict.fromkeys(names)
+                 for p in each(n, world=args.world, gpus=args.gpus, overrides=args.set, prompt_tokens=args.prompt_tokens)]
     except ConfigError as e:
         exit_with_error(e)
     print(table(plans))
