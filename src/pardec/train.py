@@ -47,12 +47,12 @@ OLD_KEYS = {"distill.loss": "trainer.loss", "distill": "completions", "drafter.k
 
 
 def _run_name() -> str:
-    d = Ranks.from_env()
-    if d.world == 1:
+    ranks = Ranks.from_env()
+    if ranks.world == 1:
         return datetime.datetime.now().strftime("%Y-%m-%d_%H-%M-%S")
     name = shared_launch_id()
     if name is None:
-        raise ConfigError(f"{d.world} processes need one shared run directory: pass run_name=<name> "
+        raise ConfigError(f"{ranks.world} processes need one shared run directory: pass run_name=<name> "
                           "(or launch with `torchrun --standalone` or `deepspeed` on one node, which give every rank "
                           "the same launch id)")
     return name
@@ -123,19 +123,19 @@ def run(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
     from pardec.runlock import die_with_parent, run_dir_lock
 
     spec = validate(cfg)
-    d = ranks_for(spec.trainer)
+    ranks = ranks_for(spec.trainer)
     torch.set_num_threads(spec.threads)
     set_tf32(bool(cfg.get("tf32", True)))
     kind = load_kinds().get(cfg.kind)
     if "train" in (kind.stages if spec.stage == "all" else (spec.stage,)):  # before any stage runs or model loads
-        spec = replace(spec, resume=resume_checkpoint(spec.resume, run_dir, warn=d.rank == 0))
+        spec = replace(spec, resume=resume_checkpoint(spec.resume, run_dir, warn=ranks.rank == 0))
     summary: dict[str, Any] = {"experiment": spec.experiment, "kind": kind.name, "stage": spec.stage,
                                "dtype": cfg.get("dtype"), "run_dir": str(run_dir)}
-    if d.world > 1:
+    if ranks.world > 1:
         die_with_parent()  # a rank whose launcher is killed trains, saves and evaluates nothing more
-    with run_dir_lock(run_dir, d.rank):  # one writer per run dir (and rank)
-        summary.update(kind().run(spec, run_dir, d))
-        if d.rank == 0:
+    with run_dir_lock(run_dir, ranks.rank):  # one writer per run dir (and rank)
+        summary.update(kind().run(spec, run_dir, ranks))
+        if ranks.rank == 0:
             path = run_dir / "train_summary.json"
             summary = merge_stage_summaries(read_json(path) if path.is_file() else {}, summary,
                                             kind.stages)

@@ -240,7 +240,7 @@ def apply_lora(model, lora: dict, **extra):
                                             target_modules=lora.get("target_modules"), **extra))
 
 
-def save_final(trainer, spec, run_dir: Path, final: Path, d: Ranks, prepare=None) -> None:
+def save_final(trainer, spec, run_dir: Path, final: Path, ranks: Ranks, prepare=None) -> None:
     """Full weights + tokenizer into ``final``; with LoRA the adapter goes to ``<run dir>/adapter`` and rank 0
     merges it into a fresh copy of the base weights (works the same under ZeRO-3, where weights are sharded).
     ``prepare(base)``: called on that fresh LoadedModel before the merge, to give it what the training model had
@@ -253,7 +253,7 @@ def save_final(trainer, spec, run_dir: Path, final: Path, d: Ranks, prepare=None
         return
     adapter = run_dir / "adapter"
     trainer.save_model(str(adapter))
-    if d.rank == 0:
+    if ranks.rank == 0:
         from peft import PeftModel
         from transformers.integrations.deepspeed import unset_hf_deepspeed_config
 
@@ -266,7 +266,7 @@ def save_final(trainer, spec, run_dir: Path, final: Path, d: Ranks, prepare=None
         base.tokenizer.save_pretrained(str(final))
 
 
-def fit(trainer: Trainer, spec, run_dir: Path, d: Ranks,
+def fit(trainer: Trainer, spec, run_dir: Path, ranks: Ranks,
         finish: Callable[[Path, dict[str, Any]], dict[str, Any]]) -> dict[str, Any]:
     """Train (resuming from ``spec.resume``) under the experiment's tracker (rank 0 logs to W&B), then
     ``finish(<run dir>/final, trained)`` (``trained``: ``train_seconds`` and ``steps``; save the artifact, evaluate
@@ -275,14 +275,14 @@ def fit(trainer: Trainer, spec, run_dir: Path, d: Ranks,
     from pardec.tracking import Tracker
     from pardec.training.checkpoints import resume_checkpoint
 
-    logger = spec.logger if d.rank == 0 else {"name": "none"}  # one W&B run: rank 0's
+    logger = spec.logger if ranks.rank == 0 else {"name": "none"}  # one W&B run: rank 0's
     with Tracker(logger, run_dir, spec.config, "train", name=run_dir.name) as tracker:
         t0 = time.perf_counter()
         # the newest complete checkpoint (pardec.train.run has checked it before the model loaded)
-        result = trainer.train(resume_from_checkpoint=resume_checkpoint(spec.resume, run_dir, warn=d.rank == 0))
+        result = trainer.train(resume_from_checkpoint=resume_checkpoint(spec.resume, run_dir, warn=ranks.rank == 0))
         trained = {"train_seconds": round(time.perf_counter() - t0, 1), "steps": trainer.state.global_step}
         extra = finish(run_dir / "final", trained)
-        if d.rank == 0:
+        if ranks.rank == 0:
             (run_dir / "log_history.json").write_text(json.dumps(trainer.state.log_history, indent=1) + "\n")
         summary = {**result.metrics, **trained, **extra}
         tracker.log_summary(summary)

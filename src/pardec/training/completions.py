@@ -295,14 +295,14 @@ def run_generation(cfg: GenerateConfig, lm, rank: int, world: int, barrier, key:
                     stop_after, key)
 
 
-def generate_stage(gen: GenerateConfig, model_cfg, d) -> dict | None:
+def generate_stage(gen: GenerateConfig, model_cfg, ranks) -> dict | None:
     """The ``generate`` stage of the draft and heads kinds: the target's greedy completions of ``gen.sources``
-    (``d``: this process's :class:`~pardec.config.Ranks`)."""
+    (``ranks``: this process's :class:`~pardec.config.Ranks`)."""
     from pardec.models.loading import load_model
 
-    barrier = d.barrier()  # first: it picks this rank's GPU
+    barrier = ranks.barrier()  # first: it picks this rank's GPU
     lm = load_model(model_cfg)
-    stats = run_generation(gen, lm, d.rank, d.world, barrier)
+    stats = run_generation(gen, lm, ranks.rank, ranks.world, barrier)
     if stats:
         log.info("completions: %s", json.dumps(stats))
     return stats
@@ -312,8 +312,8 @@ class GeneratesCompletions:
     """The ``generate`` stage of a kind trained on the target's own completions (draft, heads): a mixin of its
     :class:`~pardec.training.kinds.Kind`, whose spec holds ``gen`` (a :class:`GenerateConfig`)."""
 
-    def stage_generate(self, spec, run_dir: Path, d) -> dict | None:
-        return generate_stage(spec.gen, spec.model, d)
+    def stage_generate(self, spec, run_dir: Path, ranks) -> dict | None:
+        return generate_stage(spec.gen, spec.model, ranks)
 
 
 def eval_sources(section: dict) -> list[GenerateConfig]:

@@ -76,14 +76,14 @@ class Kind:
         shares through :func:`common_fields`)."""
         raise NotImplementedError
 
-    def run(self, spec: Spec, run_dir: Path, d) -> dict[str, Any]:
+    def run(self, spec: Spec, run_dir: Path, ranks) -> dict[str, Any]:
         """Run the stages ``spec.stage`` names; the summary of each stage under its name."""
         todo = self.stages if spec.stage == "all" else (spec.stage,)
         out: dict[str, Any] = {}
         for stage in todo:
-            if stage in self.rank0_stages and d.rank != 0:
+            if stage in self.rank0_stages and ranks.rank != 0:
                 continue
-            out[stage] = getattr(self, f"stage_{stage}")(spec, run_dir, d)
+            out[stage] = getattr(self, f"stage_{stage}")(spec, run_dir, ranks)
         return out
 
     # -- helpers for validate -------------------------------------------------------------------

@@ -90,7 +90,7 @@ class CLLMKind(Kind):
                         ar_clean=ar_clean,
                         gen=generate_config(completions, "completions"), eval=ev)
 
-    def stage_collect(self, spec: CLLMSpec, run_dir: Path, d) -> dict | None:
+    def stage_collect(self, spec: CLLMSpec, run_dir: Path, ranks) -> dict | None:
         from pardec.models.cached import CachedModel
         from pardec.models.loading import load_model
         from pardec.training import stages
@@ -101,20 +101,20 @@ class CLLMKind(Kind):
         identity = {"model": spec.model.identity(), "dataset": asdict(spec.dataset)}
         stages.check_settings(spec.collect.out_dir, collection_meta(spec.collect, identity, set()),
                               spec.collect.overwrite, "collect", "trajectories collected", ignore=("eos_ids",))
-        barrier = d.barrier()
+        barrier = ranks.barrier()
         lm = load_model(spec.model)
         prompts = prompts_from_dataset(spec.dataset, lm.tokenizer, lm.chat, spec.collect.max_prompts)
         eos = lm.eos_ids
         meta = collection_meta(spec.collect, identity, eos)
         log.info("collecting trajectories of %d prompts into %s (rank %d of %d)", len(prompts), spec.collect.out_dir,
-                 d.rank, d.world)
+                 ranks.rank, ranks.world)
         # returns on every rank once rank 0 has merged: every rank may read trajectories.jsonl then
-        stats = collect(spec.collect, CachedModel(lm.model), eos, prompts, meta, d.rank, d.world, barrier)
+        stats = collect(spec.collect, CachedModel(lm.model), eos, prompts, meta, ranks.rank, ranks.world, barrier)
         if stats is not None:
             log.info("trajectories: %s", json.dumps(stats))
         return stats
 
-    def stage_generate(self, spec: CLLMSpec, run_dir: Path, d) -> dict | None:
+    def stage_generate(self, spec: CLLMSpec, run_dir: Path, ranks) -> dict | None:
         from pardec.training.completions import (
             check_settings,
             generate_stage,
@@ -135,9 +135,9 @@ class CLLMKind(Kind):
         # a resumed generation must match the settings (checked now, before the model loads; EOS ids after)
         gen = with_corpus_topk(spec.gen)
         check_settings(gen, generation_meta(gen, spec.model.identity(), set()), ignore=("eos_ids",))
-        return generate_stage(spec.gen, spec.model, d)  # returns once rank 0 has merged, on every rank
+        return generate_stage(spec.gen, spec.model, ranks)  # returns once rank 0 has merged, on every rank
 
-    def stage_train(self, spec: CLLMSpec, run_dir: Path, d) -> dict[str, Any]:
+    def stage_train(self, spec: CLLMSpec, run_dir: Path, ranks) -> dict[str, Any]:
         from pardec.models.loading import load_model, trainable
         from pardec.training.base import apply_lora, fit, save_final, training_args
         from pardec.training.cllm.answers import whole_answers
@@ -177,13 +177,13 @@ class CLLMKind(Kind):
 
         def finish(final: Path, trained: dict) -> dict[str, Any]:
             final_proxy = last_evaluation(trainer) if proxy is not None else {}  # the proxy after the last step
-            save_final(trainer, spec, run_dir, final, d)
+            save_final(trainer, spec, run_dir, final, ranks)
             return {**final_proxy, "samples": len(ds), "truncated_samples": ds.n_truncated, "records": len(records),
                     "proxy_records": len(held), "ar_answers": answers, "final_model": str(final)}
 
-        return fit(trainer, spec, run_dir, d, finish)
+        return fit(trainer, spec, run_dir, ranks, finish)
 
-    def stage_eval(self, spec: CLLMSpec, run_dir: Path, d) -> dict[str, Any]:
+    def stage_eval(self, spec: CLLMSpec, run_dir: Path, ranks) -> dict[str, Any]:
         from pardec.training.cllm.evaluate import evaluate_cllm
 
         if not spec.eval.sources:  # stage=all without held-out prompts (stage=eval is refused in validate)

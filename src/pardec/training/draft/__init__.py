@@ -77,12 +77,12 @@ class DraftKind(GeneratesCompletions, Kind):
                          corpus_fraction=fraction, gen=gen,
                          eval_gen=eval_sources(ev), eval_context=context, eval_repeats=repeats)
 
-    def stage_train(self, spec: DraftSpec, run_dir: Path, d) -> dict:
+    def stage_train(self, spec: DraftSpec, run_dir: Path, ranks) -> dict:
         from pardec.training.draft.trainer import train_draft
 
-        return train_draft(spec, run_dir, d)
+        return train_draft(spec, run_dir, ranks)
 
-    def stage_eval(self, spec: DraftSpec, run_dir: Path, d) -> dict:
+    def stage_eval(self, spec: DraftSpec, run_dir: Path, ranks) -> dict:
         from pardec.training.draft.trainer import evaluate_draft
 
         result = evaluate_draft(spec, run_dir)

@@ -212,7 +212,7 @@ def forward_ms(model, context: list[int], repeats: int = 20, warmup: int = 3, to
 
 
 # ------------------------------------------------------------------------------------------- app stages
-def train_draft(spec, run_dir, d: Ranks) -> dict:
+def train_draft(spec, run_dir, ranks: Ranks) -> dict:
     """The train stage of a ``kind: draft`` experiment (``spec``: :class:`~pardec.training.draft.DraftSpec`):
     student = build_draft(target, layers, vocab chosen from the completions' token counts); final model to
     ``<run>/final``."""
@@ -252,14 +252,14 @@ def train_draft(spec, run_dir, d: Ranks) -> dict:
     def finish(final, trained: dict) -> dict:
         trainer.model.config.use_cache = True  # the Trainer turned it off for training; decoding wants it
         trainer.save_model(str(final))  # also the tokenizer (processing_class)
-        if d.rank == 0:
+        if ranks.rank == 0:
             student.generation_config.save_pretrained(final)
         return {"samples": len(ds), "corpus_fraction": spec.corpus_fraction, "truncated_samples": ds.n_truncated, "draft_layers": spec.layers,
                 "draft_vocab_size": len(vocab), "completion_tokens_covered_by_vocab": covered,
                 "trainable_parameters": sum(p.numel() for p in student.parameters() if p.requires_grad),
                 "final_model": str(final)}
 
-    return fit(trainer, spec, run_dir, d, finish)
+    return fit(trainer, spec, run_dir, ranks, finish)
 
 
 def evaluate_draft(spec, run_dir) -> dict:

@@ -97,12 +97,12 @@ class HeadsKind(GeneratesCompletions, Kind):
         return HeadsSpec(**common, heads=heads, head_decay=head_decay, corpus_fraction=fraction, gen=gen,
                          eval_gen=eval_sources(ev), topk=topk, budgets=budgets, init_from=init_from)
 
-    def stage_train(self, spec: HeadsSpec, run_dir: Path, d) -> dict:
+    def stage_train(self, spec: HeadsSpec, run_dir: Path, ranks) -> dict:
         from pardec.training.heads.trainer import train_heads
 
-        return train_heads(spec, run_dir, d)
+        return train_heads(spec, run_dir, ranks)
 
-    def stage_eval(self, spec: HeadsSpec, run_dir: Path, d) -> dict:
+    def stage_eval(self, spec: HeadsSpec, run_dir: Path, ranks) -> dict:
         from pardec.training.heads.trainer import evaluate_heads
 
         result = evaluate_heads(spec, run_dir)

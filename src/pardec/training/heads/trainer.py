@@ -219,7 +219,7 @@ def _new_drafter(spec, base, lm=None, records=()):
     return heads_type(spec.heads["type"]).new(spec, base, lm, list(records))
 
 
-def train_heads(spec, run_dir, d: Ranks) -> dict:
+def train_heads(spec, run_dir, ranks: Ranks) -> dict:
     """The train stage of a ``kind: heads`` experiment (``spec``: :class:`~pardec.training.heads.HeadsSpec`): a
     fresh drafter trained on ``load_completions(spec.gen.out_dir)`` (its first ``spec.corpus_fraction`` per source);
     saved with ``save_drafter`` to ``<run>/final``."""
@@ -257,7 +257,7 @@ def train_heads(spec, run_dir, d: Ranks) -> dict:
 
     def finish(final, trained: dict) -> dict:  # the training facts go into drafter.json too
         tokens = sum(len(ds[i]["input_ids"]) for i in range(len(ds)))
-        per_step = args.per_device_train_batch_size * args.gradient_accumulation_steps * d.world
+        per_step = args.per_device_train_batch_size * args.gradient_accumulation_steps * ranks.world
         facts = {**trained, "samples": len(ds), "tokens": tokens, "epochs": args.num_train_epochs,
                  "corpus_fraction": spec.corpus_fraction, "sequences_per_step": per_step,
                  "experiment": spec.experiment,
@@ -265,12 +265,12 @@ def train_heads(spec, run_dir, d: Ranks) -> dict:
                                                 "samples": len(ds), "tokens": tokens, "sequences_per_step": per_step},
                                       spec.init_from),
                  **htype.facts(spec.heads, spec.head_decay), **made}
-        if d.rank == 0:
+        if ranks.rank == 0:
             save_drafter(trainer.model, final, base.config, spec.model.name, extra=facts)
         return {**facts, "truncated_samples": ds.n_truncated, "kind": spec.heads["type"],
                 "trainable_parameters": num_parameters(drafter), "final_drafter": str(final)}
 
-    return fit(trainer, spec, run_dir, d, finish)
+    return fit(trainer, spec, run_dir, ranks, finish)
 
 
 def continue_from(path: str, drafter, base_config, kind: str) -> tuple[list[dict], dict]:

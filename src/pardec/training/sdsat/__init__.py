@@ -86,27 +86,27 @@ class SDSATKind(Kind):
         return SDSATSpec(**common, max_span=max_span, diverse=diverse, mask=mask_cfg, eval_sources=eval_sources,
                          eval_max_docs=max_docs, eval_stride=stride, eval_k_max=k_max)
 
-    def stage_mask(self, spec: SDSATSpec, run_dir: Path, d) -> dict | None:
+    def stage_mask(self, spec: SDSATSpec, run_dir: Path, ranks) -> dict | None:
         from pardec.models.loading import load_tokenizer_only, model_chat
         from pardec.training.sdsat.masked import run_masking
 
-        barrier = d.barrier()
+        barrier = ranks.barrier()
         tok = load_tokenizer_only(spec.model)
         # returns on every rank once rank 0 has merged: every rank may read masked.jsonl then
-        stats = run_masking(spec.mask, tok, spec.model.identity(), d.rank, d.world, barrier,
+        stats = run_masking(spec.mask, tok, spec.model.identity(), ranks.rank, ranks.world, barrier,
                             chat=model_chat(spec.model, tok))
         if stats:
             log.info("masked corpus: %s", json.dumps(stats))
         return stats
 
-    def stage_train(self, spec: SDSATSpec, run_dir: Path, d) -> dict:
+    def stage_train(self, spec: SDSATSpec, run_dir: Path, ranks) -> dict:
         from pardec.training.sdsat.trainer import train_sdsat
 
         if spec.stage == "all":
             check_masked(spec.mask)  # what stage=train checks in validate
-        return train_sdsat(spec, run_dir, d)
+        return train_sdsat(spec, run_dir, ranks)
 
-    def stage_eval(self, spec: SDSATSpec, run_dir: Path, d) -> dict:
+    def stage_eval(self, spec: SDSATSpec, run_dir: Path, ranks) -> dict:
         from pardec.training.sdsat.trainer import evaluate_sdsat
 
         result = evaluate_sdsat(spec, run_dir)

@@ -247,7 +247,7 @@ def attach_adaptive_any(model, tokenizer, tokens: list[str], max_span: int, dive
         return adaptive.attach_adaptive(model, tokenizer, tokens, max_span, diverse)
 
 
-def train_sdsat(spec, run_dir, d: Ranks) -> dict:
+def train_sdsat(spec, run_dir, ranks: Ranks) -> dict:
     """The train stage of a ``kind: sdsat`` experiment (``spec``: :class:`~pardec.training.sdsat.SDSATSpec`): the base
     model with the adaptive tokens attached (ids checked against the masked corpus), fully fine-tuned or with LoRA
     (plus the adaptive tokens' embedding rows), on ``<mask.out_dir>/masked.jsonl``; final model + tokenizer (with
@@ -277,14 +277,14 @@ def train_sdsat(spec, run_dir, d: Ranks) -> dict:
         0 if pad is None else pad), processing_class=lm.tokenizer)
 
     def finish(final, trained: dict) -> dict:
-        save_final(trainer, spec, run_dir, final, d, prepare=attach)
+        save_final(trainer, spec, run_dir, final, ranks, prepare=attach)
         trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
         return {"samples": len(ds), "truncated_samples": ds.n_truncated, "records": len(records),
                 "masked_positions": sum(r["masked"] for r in records), "adaptive_tokens": tokens,
                 "adaptive_ids": ids, "lora": bool(spec.lora), "trainable_parameters": trainable,
                 "final_model": str(final)}
 
-    return fit(trainer, spec, run_dir, d, finish)
+    return fit(trainer, spec, run_dir, ranks, finish)
 
 
 def evaluate_sdsat(spec, run_dir) -> dict:
