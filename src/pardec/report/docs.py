@@ -36,22 +36,16 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import re
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from pardec.report.markdown import markdown_table
+from pardec.report.leaderboard import plot_leaderboard, render_leaderboard
+from pardec.report.markdown import DocsError, _rel, markdown_table
 
 REPO = Path(__file__).resolve().parents[3]
-HOST_CLASSES = {"cpu-fp32": "CPU, fp32", "cpu-fast": "CPU, fastest mode (bf16 prepacked / int8)", "gpu": "GPU"}
-# the leaderboard's row order: the reference and transformers' peers first, then pardec's methods as the README lists
-METHOD_ORDER = ("hf_generate", "hf_pld", "hf_assisted", "jacobi", "cllm", "lookahead", "pld", "sps", "ouroboros",
-                "spectr", "mjsd", "mjgd", "bild", "medusa", "medusa_typical", "firp", "sdsat", "eagle", "dflash")
-LEADERBOARD_KEYS = ("method", "host_class", "mode", "dataset", "speedup", "exact_match_rate", "tokens_per_forward",
-                    "host")
 
 TABLE = re.compile(r"(<!-- table: (?P<ref>[^ ]+) -->\n)(?P<body>.*?)(<!-- /table -->)", re.S)
 CONFIG = re.compile(r"(<!-- config: (?P<path>[^ ]+) -->\n)(?P<body>.*?)(<!-- /config -->)", re.S)
@@ -60,20 +54,12 @@ ZOO = re.compile(r"(<!-- zoo: (?P<zoo>[^ ]+) -->\n)(?P<body>.*?)(<!-- /zoo -->)"
 INDEX = re.compile(r"(<!-- results-index -->\n)(?P<body>.*?)(<!-- /results-index -->)", re.S)
 
 
-class DocsError(ValueError):
-    """A marked block that cannot be rendered: names the bad value and the valid choices."""
-
-
 @dataclass
 class Block:
     file: Path      # the markdown file
     label: str      # "README.md: table results/x.json#t1" (what --check names)
     old: str
     new: str
-
-
-def _rel(target: Path, md_file: Path) -> str:
-    return Path(os.path.relpath(target, md_file.parent)).as_posix()
 
 
 # --- render functions for the measured files' own shapes ------------------------------------------------------------
@@ -171,99 +157,6 @@ def render_index(md_file: Path, docs: Path) -> str:
                           [[topic, f"[{f.name}]({_rel(f, md_file)})",
                             str(m.get("title") or m.get("command") or "-").replace("|", "/")[:200],
                             date or "-", "yes" if m.get("transcribed") else "no"] for topic, date, f, m in rows]) + "\n"
-
-
-# --- the leaderboard -------------------------------------------------------------------------------------------------
-
-def leaderboard_entries(docs: Path) -> list[dict]:
-    """Every result file's leaderboard entries, each with its file and date."""
-    out = []
-    for path in sorted(docs.glob("**/*.json")):
-        try:
-            data = json.loads(path.read_text())
-        except json.JSONDecodeError as e:
-            raise DocsError(f"{path}: not JSON ({e})") from e
-        if not isinstance(data, dict):
-            continue
-        for i, e in enumerate(data.get("leaderboard") or []):
-            missing = [k for k in LEADERBOARD_KEYS if k not in e]
-            if missing:
-                raise DocsError(f"{path}: leaderboard entry {i} lacks {', '.join(missing)}")
-            if e["host_class"] not in HOST_CLASSES:
-                raise DocsError(f"{path}: leaderboard entry {i}: host_class {e['host_class']!r}; "
-                                f"valid choices: {', '.join(HOST_CLASSES)}")
-            out.append({**e, "file": path, "date": e.get("date") or data.get("date") or "",
-                        "transcribed": bool(data.get("transcribed"))})
-    return out
-
-
-def _exact(e: dict) -> bool:
-    """Whether an entry's outputs equalled ``ar``'s (or the run did not count them: lossy methods)."""
-    return e["exact_match_rate"] is None or e["exact_match_rate"] >= 0.999
-
-
-def best_entries(entries: list[dict], exact_only: bool = True) -> dict[tuple[str, str], dict]:
-    """Per (method, host class): the highest speedup (ties: the newest date); with ``exact_only``, among the entries
-    whose outputs equalled ``ar``'s (or were not counted), falling back to all when none did."""
-    best: dict[tuple[str, str], dict] = {}
-    for e in entries:
-        key = (e["method"], e["host_class"])
-        rank = ((_exact(e) or not exact_only), e["speedup"], e["date"])
-        if key not in best or rank > ((_exact(best[key]) or not exact_only), best[key]["speedup"], best[key]["date"]):
-            best[key] = e
-    return best
-
-
-def _num(x, fmt: str) -> str:
-    return "–" if x is None else format(x, fmt)
-
-
-def leaderboard_cell(e: dict, md_file: Path, faster: dict | None = None) -> str:
-    """An entry as a cell; ``faster``: a faster entry whose outputs left ``ar``'s, named after it."""
-    mode = "" if e["host_class"] == "cpu-fp32" else f"{e['mode']}, "
-    mark = ", transcribed" if e.get("transcribed") else ""  # its raw runs are gone: a copy, not a measurement
-    cell = (f"{e['speedup']:.2f}× ({mode}{e['dataset']}; EM {_num(e['exact_match_rate'], '.2f')}, "
-            f"{_num(e['tokens_per_forward'], '.2f')} tok/fwd{mark}) [↗]({_rel(e['file'], md_file)})")
-    if faster is not None and faster is not e and faster["speedup"] > e["speedup"]:
-        cell += (f"; not exact: {faster['speedup']:.2f}× ({faster['mode']}, EM "
-                 f"{_num(faster['exact_match_rate'], '.2f')}) [↗]({_rel(faster['file'], md_file)})")
-    return cell
-
-
-def render_leaderboard(md_file: Path, docs: Path) -> str:
-    entries = leaderboard_entries(docs)
-    best, fastest = best_entries(entries), best_entries(entries, exact_only=False)
-    methods = sorted({m for m, _ in best}, key=lambda m: (METHOD_ORDER.index(m) if m in METHOD_ORDER else 99, m))
-    rows = [[f"`{m}`", *(leaderboard_cell(best[(m, h)], md_file, fastest[(m, h)]) if (m, h) in best else "—"
-                         for h in HOST_CLASSES)] for m in methods]
-    return markdown_table(["method", *HOST_CLASSES.values()], rows) + "\n"
-
-
-def plot_leaderboard(root: Path, out: Path) -> Path:
-    """The CPU fp32 column of the leaderboard as a plot: each method's speed against ``ar`` over its tokens per target
-    forward (methods without a tokens-per-forward figure are left out), written to ``out``."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    from pardec.report.plots import save_figure
-
-    best = best_entries(leaderboard_entries(root / "docs"))
-    points = sorted((e["tokens_per_forward"], e["speedup"], m) for (m, h), e in best.items()
-                    if h == "cpu-fp32" and e["tokens_per_forward"] is not None)
-    fig, ax = plt.subplots(figsize=(7, 4.2))
-    ax.axhline(1.0, color="grey", lw=0.8, ls="--")
-    for x, y, m in points:
-        ax.scatter([x], [y], s=18)
-        ax.annotate(m, (x, y), textcoords="offset points", xytext=(4, 3), fontsize=8)
-    ax.set_xlabel("tokens per target forward")
-    ax.set_ylabel("speed against ar (same run)")
-    ax.set_title("Leaderboard, CPU fp32 (2 cores, SmolLM2-135M): each method's fastest exact run, from its own run",
-                 fontsize=9)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    save_figure(fig, out, [ax])
-    return out
 
 
 def _short(spec: str) -> str:

@@ -1,8 +1,19 @@
-"""The one markdown table renderer of pardec's reports (and of the generated docs tables)."""
+"""The one markdown table renderer of pardec's reports (and of the generated docs tables), a page's relative links,
+and the error a page's generated block raises."""
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
+from pathlib import Path
+
+
+class DocsError(ValueError):
+    """A marked block that cannot be rendered: names the bad value and the valid choices."""
+
+
+def _rel(target: Path, md_file: Path) -> str:
+    return Path(os.path.relpath(target, md_file.parent)).as_posix()
 
 
 def markdown_table(columns: Sequence[str], rows: Sequence[Sequence[object]], centered: bool = False) -> str:
