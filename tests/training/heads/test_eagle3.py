@@ -253,8 +253,8 @@ def test_config_errors(tmp_path):
     cases = [
         (["heads.draft_vocab_size=1"], "heads.draft_vocab_size=1 is out of range: it must be an integer >= 2"),
         (["heads.ttt_steps=0"], "heads.ttt_steps=0 is out of range: it must be an integer >= 1"),
-        (["heads.ttt_steps=1.5"], "heads.ttt_steps=1.5 is out of range: it must be an integer >= 1"),
-        (["heads.step_decay=0"], r"heads.step_decay=0 is out of range: it must be a number in \(0, 1\]"),
+        (["heads.ttt_steps=1.5"], "heads.ttt_steps=1.5 must be int"),
+        (["heads.step_decay=0"], r"heads.step_decay=0\.0 is out of range: it must be a number in \(0, 1\]"),
         (["heads.step_decay=1.5"], r"heads.step_decay=1.5 is out of range: it must be a number in \(0, 1\]"),
         (["+heads.layers=[0,4]"], r"heads.layers=\[0, 4\] is out of range: the target tiny_random has layers 0..3"),
         (["+heads.layers=[]"], r"heads.layers=\[\] is not valid: give a non-empty list"),

@@ -244,7 +244,7 @@ def test_config_errors(tmp_path):
         ("heads_medusa_tiny", ["heads.type=eagle"], r"heads.type='eagle' is not valid; choose one of: dflash, eagle3, firp, medusa"),
         ("heads_medusa_tiny", ["heads.num_heads=0"], "heads.num_heads=0 is out of range: it must be an integer >= 1"),
         ("heads_medusa_tiny", ["heads.num_blocks=0"], "heads.num_blocks=0 is out of range"),
-        ("heads_medusa_tiny", ["heads.head_decay=0"], r"heads.head_decay=0 is out of range: it must be a number in \(0, 1\]"),
+        ("heads_medusa_tiny", ["heads.head_decay=0"], r"heads.head_decay=0\.0 is out of range: it must be a number in \(0, 1\]"),
         ("heads_firp_tiny", ["heads.corpus_fraction=1.5"], r"heads.corpus_fraction=1.5 is out of range: it must be in \(0, 1\]"),
         ("heads_medusa_tiny", ["+heads.layers=[1]"],
          r"unknown key\(s\) \['layers'\] in heads \(type medusa\); valid: type, num_heads, num_blocks, head_decay"),
@@ -274,7 +274,7 @@ def test_config_errors(tmp_path):
     assert spec.budgets == [16, 32, 63]
     assert spec.gen.out_dir.endswith("completions/draft_smollm2/train")
     bare = validate(_compose(_overrides(tmp_path, "heads_firp_tiny", "~heads.attention", "~heads.distance")))
-    assert bare.heads == {"type": "firp", "layers": [1, 2]}  # trained with the paper's attention and KL when not given
+    assert bare.heads == {"type": "firp", "layers": [1, 2], "attention": "real", "distance": "rkl"}  # the paper's
     lm = tiny(0, layers=3)
     assert _new_drafter(bare, lm.model)[0].attention == "real"
 

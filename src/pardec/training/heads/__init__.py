@@ -35,8 +35,8 @@ NO_ZERO3 = "the frozen target would be partitioned outside the engine and the he
 
 @dataclass
 class HeadsSpec(Spec):
-    heads: dict  # type, num_heads, num_blocks (medusa) / layers, attention, distance (firp) /
-    #              draft_vocab_size, ttt_steps, step_decay, layers (eagle3) / DFLASH_DEFAULTS' keys, layers (dflash)
+    heads: dict  # type and the type's options, defaults filled (MedusaOptions, FirpOptions, Eagle3Options,
+    #              DFlashOptions: each type's options dataclass)
     head_decay: float
     corpus_fraction: float  # train on the first fraction of each source's completions (corpus-size studies)
     gen: Any  # pardec.training.completions.GenerateConfig: the training completions

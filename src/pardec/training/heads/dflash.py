@@ -32,7 +32,7 @@ context keys/values come from them once.
 from __future__ import annotations
 
 import zlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -47,12 +47,6 @@ from pardec.training.heads.types import HeadsType, check_layer_list, register_he
 
 LOSSES = ("ce", "kl")
 WEIGHTINGS = ("decay", "dpace")
-#: the paper's defaults and the ablations' (module docstring)
-DFLASH_DEFAULTS = {"num_layers": 5, "block_size": 16, "num_anchors": 512, "gamma": 7.0, "loss": "ce",
-                   "weighting": "decay", "dpace_alpha": 0.5, "fusion": "concat", "mask_token_id": None,
-                   "layer_init": "random"}
-
-
 # ------------------------------------------------------------------------------------------- anchors
 def anchor_candidates(loss_mask: torch.Tensor) -> torch.Tensor:
     """Positions ``a`` of one sequence's ``loss_mask`` [T] whose token and next token are completion tokens."""
@@ -260,45 +254,63 @@ def acceptance(base, drafter, records: list[dict], block: int, topk: int = 10, c
 CALIBRATION_SEQUENCES = 8
 
 
+@dataclass
+class DFlashOptions:
+    """DFlash's options: the defaults are the paper's and its reference trainers' (the module docstring and
+    ``docs/dflash_reference.md`` cite each), the choices the ablations'."""
+
+    num_layers: int = field(default=5, metadata={"help": "draft layers (target width)"})
+    block_size: int = field(default=16, metadata={"help": "the block: the anchor and block_size - 1 mask slots"})
+    num_anchors: int = field(default=512, metadata={"help": "anchors drawn per sequence and epoch"})
+    gamma: float = field(default=7.0, metadata={"help": "weighting=decay: slot k weighs exp(-(k - 1) / gamma) (App. A.1)"})
+    loss: str = field(default="ce", metadata={"help": "per slot: ce to the label, or kl to the target (LOSSES)"})
+    weighting: str = field(default="decay", metadata={"help": "slot weights: decay (the paper's) or dpace (WEIGHTINGS)"})
+    dpace_alpha: float = field(default=0.5, metadata={"help": "weighting=dpace: the smoothing of D-PACE's weights"})
+    fusion: str = field(default="concat", metadata={
+        "help": "concat: fc over the concatenated target states (the paper's); layerwise: DFlare's per-layer mix"})
+    mask_token_id: int | None = field(default=None, metadata={
+        "help": "the mask slots' embedding row (null: a learned mask embedding)"})
+    layer_init: str = field(default="random", metadata={
+        "help": "random (the paper's) or target: copies of the target's layers at heads.layers (LAYER_INITS)"})
+    layers: list[int] | None = field(default=None, metadata={
+        "help": "the target layers whose states are fused (null: DFlash's evenly spaced layers, one per draft layer; "
+                "layer_init=target: the target's first num_layers layers)"})
+
+    def __post_init__(self) -> None:
+        """Each range and choice; ``layer_init=target`` reads one target layer per draft layer."""
+        for key, lo in (("num_layers", 1), ("block_size", 2), ("num_anchors", 1)):
+            check_at_least(f"heads.{key}", getattr(self, key), lo, integer=True)
+        check_range("heads.gamma", self.gamma, 0, 1e9, integer=False, open_lo=True)
+        check_range("heads.dpace_alpha", self.dpace_alpha, 0, 1, integer=False, open_lo=True)
+        check_choice("heads.loss", self.loss, LOSSES)
+        check_choice("heads.weighting", self.weighting, WEIGHTINGS)
+        check_choice("heads.fusion", self.fusion, FUSIONS)
+        if self.mask_token_id is not None:
+            check_at_least("heads.mask_token_id", self.mask_token_id, 0, integer=True)
+        check_choice("heads.layer_init", self.layer_init, LAYER_INITS)
+        if self.layers is not None:
+            check_layer_list(self.layers, "the states entering them are fused; null: DFlash's evenly spaced layers, "
+                                          "one per draft layer")
+        if self.layer_init == "target":  # draft layer i is a copy of target layer layers[i] reading its own state
+            if self.fusion != "layerwise":
+                raise ConfigError(f"heads.layer_init=target needs heads.fusion=layerwise (each draft layer reads the "
+                                  f"state entering the target layer it copies), not {self.fusion!r}")
+            if self.layers is None:  # the target's first num_layers layers
+                self.layers = list(range(self.num_layers))
+            elif len(self.layers) != self.num_layers:
+                raise ConfigError(f"heads.layers={self.layers} is not valid with heads.layer_init=target: give one "
+                                  f"target layer per draft layer ({self.num_layers}; null: layers 0..{self.num_layers - 1})")
+
+
 @register_heads_type
 class DFlashType(HeadsType):
     """``heads.type: dflash``: a few target-width layers filling a block of mask slots from the fused target states
     (this module: the collator of anchored blocks, the block loss, the acceptance by block position)."""
 
     name = "dflash"
-    keys = tuple(DFLASH_DEFAULTS) + ("layers",)
+    options = DFlashOptions
     chain = True
     logged_loss = "ce"  # DFlash's cross-entropy to the label (block_terms sums it whatever heads.loss trains on)
-
-    def check(self, heads: dict) -> None:
-        """DFlash's keys (defaults: :data:`DFLASH_DEFAULTS`), each range and choice checked; ``layers`` null:
-        DFlash's evenly spaced target layers, one per draft layer."""
-        for key, v in DFLASH_DEFAULTS.items():
-            heads.setdefault(key, v)
-        for key, lo in (("num_layers", 1), ("block_size", 2), ("num_anchors", 1)):
-            check_at_least(f"heads.{key}", heads[key], lo, integer=True)
-        check_range("heads.gamma", heads["gamma"], 0, 1e9, integer=False, open_lo=True)
-        check_range("heads.dpace_alpha", heads["dpace_alpha"], 0, 1, integer=False, open_lo=True)
-        heads["gamma"], heads["dpace_alpha"] = float(heads["gamma"]), float(heads["dpace_alpha"])
-        check_choice("heads.loss", heads["loss"], LOSSES)
-        check_choice("heads.weighting", heads["weighting"], WEIGHTINGS)
-        check_choice("heads.fusion", heads["fusion"], FUSIONS)
-        if heads["mask_token_id"] is not None:
-            check_at_least("heads.mask_token_id", heads["mask_token_id"], 0, integer=True)
-        check_choice("heads.layer_init", heads["layer_init"], LAYER_INITS)
-        layers = heads.get("layers")
-        if layers is not None:
-            check_layer_list(layers, "the states entering them are fused; null: DFlash's evenly spaced layers, one "
-                                     "per draft layer")
-        if heads["layer_init"] == "target":  # draft layer i is a copy of target layer layers[i] reading its own state
-            if heads["fusion"] != "layerwise":
-                raise ConfigError(f"heads.layer_init=target needs heads.fusion=layerwise (each draft layer reads the state "
-                                  f"entering the target layer it copies), not {heads['fusion']!r}")
-            if layers is None:  # the target's first num_layers layers
-                heads["layers"] = list(range(heads["num_layers"]))
-            elif len(layers) != heads["num_layers"]:
-                raise ConfigError(f"heads.layers={layers} is not valid with heads.layer_init=target: give one target "
-                                  f"layer per draft layer ({heads['num_layers']}; null: layers 0..{heads['num_layers'] - 1})")
 
     def new(self, spec, base, lm, records: list[dict]) -> tuple[Any, dict]:
         """The mask embedding starts at the mean embedding row; ``layer_init: target`` copies the target's layers

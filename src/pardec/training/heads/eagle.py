@@ -36,7 +36,7 @@ its embeddings and its features are computed without them.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -186,9 +186,24 @@ def acceptance(base, drafter, records: list[dict], steps: int, topk: int = 10) -
 
 
 # ------------------------------------------------------------------------------------------- the type
-#: EAGLE-3's defaults (Li et al. 2025; reference eagle/traineagle3: cnets.py ``self.length = 7``, main.py
-#: ``ploss_weight = [0.8 ** i ...]``, the 32000-id draft vocabulary of its configs)
-EAGLE3_DEFAULTS = {"draft_vocab_size": 32000, "ttt_steps": 7, "step_decay": 0.8}
+@dataclass
+class Eagle3Options:
+    """EAGLE-3's defaults (Li et al. 2025; reference eagle/traineagle3: cnets.py ``self.length = 7``, main.py
+    ``ploss_weight = [0.8 ** i ...]``, the 32000-id draft vocabulary of its configs)."""
+
+    draft_vocab_size: int = field(default=32000, metadata={
+        "help": "the draft head's vocabulary: the corpus's most common target tokens"})
+    ttt_steps: int = field(default=7, metadata={"help": "training-time-test steps, each fed the drafter's own output"})
+    step_decay: float = field(default=0.8, metadata={"help": "step i's loss weighs step_decay ** i"})
+    layers: list[int] | None = field(default=None, metadata={
+        "help": "the target layers whose states are fused (null: EAGLE-3's low/mid/high default)"})
+
+    def __post_init__(self) -> None:
+        check_at_least("heads.draft_vocab_size", self.draft_vocab_size, 2, integer=True)
+        check_at_least("heads.ttt_steps", self.ttt_steps, 1, integer=True)
+        check_range("heads.step_decay", self.step_decay, 0, 1, integer=False, open_lo=True)
+        if self.layers is not None:
+            check_layer_list(self.layers, "the fused features; null: EAGLE-3's low/mid/high default")
 
 
 @register_heads_type
@@ -197,18 +212,8 @@ class Eagle3Type(HeadsType):
     (this module), its draft vocabulary the corpus's most common tokens (:func:`eagle3_vocab`)."""
 
     name = "eagle3"
-    keys = ("draft_vocab_size", "ttt_steps", "step_decay", "layers")
+    options = Eagle3Options
     chain = True
-
-    def check(self, heads: dict) -> None:
-        for key, v in EAGLE3_DEFAULTS.items():
-            heads.setdefault(key, v)
-        check_at_least("heads.draft_vocab_size", heads["draft_vocab_size"], 2, integer=True)
-        check_at_least("heads.ttt_steps", heads["ttt_steps"], 1, integer=True)
-        check_range("heads.step_decay", heads["step_decay"], 0, 1, integer=False, open_lo=True)
-        heads["step_decay"] = float(heads["step_decay"])
-        if heads.get("layers") is not None:
-            check_layer_list(heads["layers"], "the fused features; null: EAGLE-3's low/mid/high default")
 
     def check_target(self, heads: dict, model) -> None:
         super().check_target(heads, model)

@@ -5,6 +5,7 @@ pseudo states see: §3.3's ``real``)."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from typing import Any
 
 from pardec.config import ConfigError, check_choice
@@ -19,30 +20,39 @@ from pardec.training.heads.types import HeadsType, check_layer_list, register_he
 FIRP_DISTANCES = ("rkl", "fkl")
 
 
+@dataclass
+class FirpOptions:
+    layers: list[int] | None = field(default=None, metadata={
+        "help": "the target layer each pseudo step's projection reads the state entering (nondecreasing; required)"})
+    attention: str = field(default="real", metadata={
+        "help": "what a pseudo state sees in training (PSEUDO_ATTENTION; the paper's §3.3: real)"})
+    distance: str = field(default="rkl", metadata={"help": "the depth loss's divergence (FIRP_DISTANCES; Eq. 4: rkl)"})
+
+    def __post_init__(self) -> None:
+        layers = check_layer_list(self.layers, "one per pseudo step")
+        if layers != sorted(layers):
+            raise ConfigError(f"heads.layers={layers} is not valid: the layers must be nondecreasing")
+        check_choice("heads.attention", self.attention, PSEUDO_ATTENTION)
+        check_choice("heads.distance", self.distance, FIRP_DISTANCES)
+
+
 @register_heads_type
 class FirpType(HeadsType):
     name = "firp"
-    keys = ("layers", "attention", "distance")
+    options = FirpOptions
     default_distance = "rkl"  # Eq. 4: KL(q || p)
     # held out in both views a pseudo state can have at decoding (FIRP §4.3 / Fig. 7), decoding's first
     eval_views = (DECODING_ATTENTION, *(a for a in PSEUDO_ATTENTION if a != DECODING_ATTENTION))
     view_names = {"pseudo": "No masked", "real": "Masked"}
 
-    def check(self, heads: dict) -> None:
-        layers = check_layer_list(heads.get("layers"), "one per pseudo step")
-        if layers != sorted(layers):
-            raise ConfigError(f"heads.layers={layers} is not valid: the layers must be nondecreasing")
-        check_choice("heads.attention", heads.get("attention", "real"), PSEUDO_ATTENTION)  # the paper's (when
-        check_choice("heads.distance", heads.get("distance", "rkl"), FIRP_DISTANCES)       # not given: these)
-
     def new(self, spec, base, lm, records: list[dict]) -> tuple[Any, dict]:
         return FirpProjections.from_heads(base.config, spec.heads), {}
 
     def trainer_options(self, heads: dict, head_decay: float) -> dict[str, Any]:
-        return {"distance": heads.get("distance", "rkl")}
+        return {"distance": heads["distance"]}
 
     def facts(self, heads: dict, head_decay: float) -> dict[str, Any]:
-        return {"distance": heads.get("distance", "rkl")}
+        return {"distance": heads["distance"]}
 
     def depth_logits(self, base, call, drafter, ids, anchors, *, training: bool, attention: str | None = None,
                      checkpoint: bool = False):

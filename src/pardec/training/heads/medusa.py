@@ -5,6 +5,7 @@ started from the target's LM head."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -15,16 +16,23 @@ from pardec.models.heads import MedusaHeads
 from pardec.training.heads.types import HeadsType, register_heads_type
 
 
+@dataclass
+class MedusaOptions:
+    num_heads: int = field(default=3, metadata={"help": "heads, head k (0-based) predicting the token k + 2 ahead"})
+    num_blocks: int = field(default=1, metadata={"help": "residual blocks per head (Medusa-1: 1)"})
+    head_decay: float = field(default=0.8, metadata={"help": "head k's loss weighs head_decay ** k (Medusa's "
+                                                             "medusa_decay_coefficient)"})
+
+    def __post_init__(self) -> None:
+        check_at_least("heads.num_heads", self.num_heads, 1, integer=True)
+        check_at_least("heads.num_blocks", self.num_blocks, 1, integer=True)
+        check_range("heads.head_decay", self.head_decay, 0, 1, integer=False, open_lo=True)
+
+
 @register_heads_type
 class MedusaType(HeadsType):
     name = "medusa"
-    keys = ("num_heads", "num_blocks", "head_decay")
-
-    def check(self, heads: dict) -> None:
-        for key, default in (("num_heads", 3), ("num_blocks", 1)):
-            check_at_least(f"heads.{key}", heads.setdefault(key, default), 1, integer=True)
-        check_range("heads.head_decay", heads.setdefault("head_decay", 0.8), 0, 1, integer=False, open_lo=True)
-        heads["head_decay"] = float(heads["head_decay"])
+    options = MedusaOptions
 
     def new(self, spec, base, lm, records: list[dict]) -> tuple[Any, dict]:
         return MedusaHeads.from_heads(base.config, spec.heads, TargetParts(lm_head=base.lm_head)), {}

@@ -1,6 +1,8 @@
 """The drafter types' training side, one registry: ``heads.type`` -> a :class:`HeadsType`.
 
-A type says which ``heads`` keys it reads and checks them (defaults filled, before anything loads), builds the
+A type declares its ``heads`` keys as an options dataclass (:attr:`HeadsType.options`: a field per key with its default
+and help text, its checks in ``__post_init__``; validated by :func:`~pardec.config.to_dataclass` before anything
+loads, defaults filled), builds the
 drafter a run trains (from the frozen target and the training corpus), and what its collator, trainer options,
 training facts and held-out evaluation are. The kind (:mod:`pardec.training.heads`) and the train and eval stages
 (:mod:`.trainer`) look the type up and name none. Its model (construction from options, save/load) is
@@ -13,9 +15,10 @@ Built-in types: ``medusa`` (:mod:`.medusa`), ``firp`` (:mod:`.firp`), ``eagle3``
 from __future__ import annotations
 
 import importlib
+from dataclasses import asdict, fields
 from typing import Any, ClassVar
 
-from pardec.config import ConfigError, is_int
+from pardec.config import ConfigError, is_int, to_dataclass
 from pardec.registry import Registry, UnknownNameError
 from pardec.training.heads.batches import RightPadCollator, term_count
 from pardec.training.kinds import check_layers
@@ -32,7 +35,9 @@ class HeadsType:
     FIRP are; EAGLE-3 and DFlash, which draft a chain from the target's states, set ``chain``)."""
 
     name: ClassVar[str]
-    keys: ClassVar[tuple[str, ...]]  # its own heads keys
+    #: its options: a dataclass with a field per ``heads`` key it reads (default, ``metadata["help"]``), checked in
+    #: its ``__post_init__``
+    options: ClassVar[type]
     #: held-out evaluation: a chain's acceptance by position (True) or the ranks of the true future tokens at every
     #: depth and trees searched on them (False)
     chain: ClassVar[bool] = False
@@ -45,8 +50,16 @@ class HeadsType:
     view_names: ClassVar[dict] = {}
 
     # -- config (validate: before anything loads) ------------------------------------------------------------
+    @property
+    def keys(self) -> tuple[str, ...]:
+        """The ``heads`` keys the type reads: its options' fields."""
+        return tuple(f.name for f in fields(self.options))
+
     def check(self, heads: dict) -> None:
-        """Fill the type's defaults into ``heads`` and check each value; one line naming a bad one."""
+        """Check ``heads``' keys of this type against its options (types, ranges, choices; one line naming a bad
+        value) and fill in their defaults."""
+        opts = to_dataclass(self.options, {k: heads[k] for k in self.keys if k in heads}, "heads")
+        heads.update(asdict(opts))
 
     def check_target(self, heads: dict, model) -> None:
         """Check ``heads`` against the target (``model``: its ModelConfig) where that needs no weights: by default
