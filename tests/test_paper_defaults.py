@@ -88,7 +88,7 @@ PAPER: dict[str, dict[str, tuple[object, str]]] = {
         "prompt_lookup_num_tokens": (10, "prompt-lookup-decoding README: num_pred_tokens = 10"),
         "max_matching_ngram_size": (2, "transformers 5.23 PromptLookupCandidateGenerator default"),
     },
-    "eagle": {
+    "eagle3": {
         "mode": ("tree", "EAGLE-3 §4: EAGLE-2's dynamic draft tree"),
         "total_tokens": (60, "EAGLE official eagle/model/ea_model.py EaModel.from_pretrained total_token=60"),
         "depth": (7, "EAGLE official ea_model.py EaModel.from_pretrained depth=7"),
@@ -114,7 +114,7 @@ PARDEC_ONLY: dict[str, set[str]] = {
     "medusa_typical": {"path", "tree", "k"},
     "firp": {"path", "tree", "k"},
     "sdsat": {"adaptive_ids"},
-    "eagle": {"path"},
+    "eagle3": {"path"},
     "dflash": {"path"},
     "spectr": {"k", "gamma"},  # SpecTr §5 sweeps the number of drafts and their length: no single paper value
     "mjgd": {"K", "num_beams"},  # the MJSD code has no MJGD run

@@ -178,7 +178,7 @@ def test_bench_method_specs_keep_a_zoo_reference_whole():
     from pardec.evaluation.spec import parse_also, split_method
 
     assert split_method("medusa:path=zoo:medusa:tree=T63") == ["medusa", "path=zoo:medusa", "tree=T63"]
-    assert parse_also("eagle:path=zoo:smollm2/eagle3:mode=chain") == ("eagle", {"path": "zoo:smollm2/eagle3",
+    assert parse_also("eagle3:path=zoo:smollm2/eagle3:mode=chain") == ("eagle3", {"path": "zoo:smollm2/eagle3",
                                                                                "mode": "chain"})
     with pytest.raises(ConfigError):
         parse_also("sps:adaptive")

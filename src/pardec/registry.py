@@ -21,27 +21,35 @@ class Registry(Generic[T]):
         self.kind = kind
         self._items: dict[str, T] = {}
         self._aliases: dict[str, str] = {}
+        self._renamed: dict[str, str] = {}  # a name of an earlier release -> its name now (refused, naming it)
 
-    def register(self, name: str, *, aliases: tuple[str, ...] = ()) -> Callable[[T], T]:
+    def register(self, name: str, *, aliases: tuple[str, ...] = (), renamed_from: tuple[str, ...] = ()
+                 ) -> Callable[[T], T]:
+        """``aliases``: other names that reach it; ``renamed_from``: its names in earlier releases, refused in one
+        line naming the new one."""
         def deco(obj: T) -> T:
-            self.add(name, obj, aliases=aliases)
+            self.add(name, obj, aliases=aliases, renamed_from=renamed_from)
             return obj
 
         return deco
 
-    def add(self, name: str, obj: T, *, aliases: tuple[str, ...] = ()) -> None:
-        for key in (name, *aliases):
-            if key in self._items or key in self._aliases:
+    def add(self, name: str, obj: T, *, aliases: tuple[str, ...] = (), renamed_from: tuple[str, ...] = ()) -> None:
+        for key in (name, *aliases, *renamed_from):
+            if key in self._items or key in self._aliases or key in self._renamed:
                 raise ValueError(f"{self.kind} {key!r} is registered twice")
         self._items[name] = obj
         for alias in aliases:
             self._aliases[alias] = name
+        for old in renamed_from:
+            self._renamed[old] = name
 
     def canonical(self, name: str) -> str:
         if name in self._items:
             return name
         if name in self._aliases:
             return self._aliases[name]
+        if name in self._renamed:
+            raise UnknownNameError(f"{self.kind} {name!r} is now named {self._renamed[name]!r}")
         choices = sorted(self._items)
         close = difflib.get_close_matches(str(name), choices + sorted(self._aliases), n=1)
         hint = f" Did you mean {close[0]!r}?" if close else ""

@@ -14,7 +14,7 @@ from pardec.bench import table as T
 
 def test_the_plan_leaves_out_what_the_zoo_lacks_and_refuses_an_unknown_method():
     shared, own, notes = T.plan("all", has=lambda name: name in {"draft", "eagle3"})
-    assert "sps" in shared and "eagle:path=zoo:eagle3:mode=chain" in shared and "pld" in shared
+    assert "sps" in shared and "eagle3:path=zoo:eagle3:mode=chain" in shared and "pld" in shared
     assert "dflash:path=zoo:dflash" not in shared and own == []
     assert any("the zoo has no 'dflash' (make zoo ZOO_NAMES=dflash)" in n for n in notes)
     shared, own, _ = T.plan("pld,jacobi@cllm", has=lambda name: True)
@@ -77,7 +77,7 @@ def test_the_identity_names_each_zoo_artifact_by_its_manifest_so_a_rebuilt_draft
     for name in ("draft", "eagle3", "cllm", "medusa"):
         (tmp_path / "zoo" / "smollm2" / name).mkdir(parents=True)
         (tmp_path / "zoo" / "smollm2" / name / zoo.MANIFEST).write_text(f'{{"name": "{name}"}}')
-    runs = (["pld", "sps", "mjsd", "eagle:path=zoo:eagle3"], [("jacobi", "cllm")])
+    runs = (["pld", "sps", "mjsd", "eagle3:path=zoo:eagle3"], [("jacobi", "cllm")])
     used = T.zoo_used(*runs)
     assert sorted(used) == ["cllm", "draft", "eagle3"] and all(len(h) == 64 for h in used.values())
     out = tmp_path / "table"

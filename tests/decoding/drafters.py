@@ -16,7 +16,7 @@ from pardec.models.heads import new_drafter, save_drafter
 from tests.shared import fingerprint, once
 
 TREE_T = [[0], [1], [0, 0], [0, 1], [1, 0], [0, 0, 0]]
-KEYS = {"medusa": "path", "medusa_typical": "path", "firp": "path", "eagle": "path", "dflash": "path"}
+KEYS = {"medusa": "path", "medusa_typical": "path", "firp": "path", "eagle3": "path", "dflash": "path"}
 _ROOT = Path(tempfile.mkdtemp(prefix="pardec-drafters-"))
 _MADE: dict[tuple[int, str], Path] = {}
 
@@ -165,6 +165,6 @@ def drafter_params(method: str, model, tree: str = "T") -> dict:
         return {"adaptive_ids": [int(model.config.vocab_size) - 1]}
     if method not in KEYS:
         return {}
-    if method in ("eagle", "dflash"):
-        return {"path": str(drafter_dir(model, "eagle3" if method == "eagle" else "dflash"))}
+    if method in ("eagle3", "dflash"):
+        return {"path": str(drafter_dir(model, method))}
     return {KEYS[method]: str(drafter_dir(model, "firp" if method == "firp" else "medusa")), "tree": tree}

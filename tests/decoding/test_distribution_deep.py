@@ -22,7 +22,7 @@ Each case runs with parameters that reach its deep paths, and the test asserts t
   verified by the next forward, and accepted >= 2 deep there; ``sdsat_k5``: verifications reached depth 5 of the
   official tree (>= 4 drafted tokens accepted) and accepted all 5;
 * ``jacobi``: re-sampled guesses (a block's later iterations) were accepted;
-* ``eagle`` (a small dynamic tree) and ``eagle_chain`` (drafts sampled from the drafter's recorded q): a fitted
+* ``eagle3`` (a small dynamic tree) and ``eagle3_chain`` (drafts sampled from the drafter's recorded q): a fitted
   EAGLE-3 drafter (:func:`eagle_deep`) accepted >= 2 deep and rejected below the root;
 * ``dflash`` (a block of 4, each slot's draft sampled from its recorded q): a fitted DFlash drafter
   (:func:`dflash_deep`) accepted >= 2 deep and rejected below the root;
@@ -94,7 +94,7 @@ PROMPT = [0, 5, 9, 0, 5, 9, 0]  # the target's 3-cycle (see the module doc)
 N = {"t1": 2000, "warped": 2400}  # the power the module doc states
 FLOOR = 1e-9  # prefixes below this probability are left out of the exact joints
 #: case -> the method it runs
-METHOD_OF = {"sdsat_k5": "sdsat", "eagle_chain": "eagle"}
+METHOD_OF = {"sdsat_k5": "sdsat", "eagle3_chain": "eagle3"}
 PARAMS = {
     "sps": {"gamma": 3},  # tokens 2-4 drafted in the first round, token 5 its bonus
     "pld": {"max_ngram": 3, "num_pred": 4},
@@ -110,8 +110,8 @@ PARAMS = {
     # tokens: room for all 5 and the bonus token, so the tree is not cut)
     "sdsat_k5": {"k": 5},
     # a fitted EAGLE-3 drafter (eagle_deep): a small dynamic tree 3 deep, and the chain (drafts sampled from q)
-    "eagle": {"total_tokens": 12, "depth": 3, "top_k": 3},
-    "eagle_chain": {"mode": "chain", "num_speculative_tokens": 3},
+    "eagle3": {"total_tokens": 12, "depth": 3, "top_k": 3},
+    "eagle3_chain": {"mode": "chain", "num_speculative_tokens": 3},
     "dflash": {"num_speculative_tokens": 3},  # a fitted DFlash drafter (dflash_deep), blocks of 4
 }
 LENGTH = {"sdsat": 7, "sdsat_k5": 7}
@@ -400,7 +400,7 @@ def test_later_token_triples_follow_the_target_distribution(case, setting, monke
     target = tiny_vocab(0)
     # (lean forwards: the logits of transformers' up to rounding, at ~60% of the time per sample)
     draft = CachedModel(near_draft(), name="draft", forward_impl="lean") if METHODS.get(method).needs_draft else None
-    fitted = {"eagle": eagle_deep, "dflash": dflash_deep}
+    fitted = {"eagle3": eagle_deep, "dflash": dflash_deep}
     params = {**({"path": fitted[method]()} if method in fitted else drafter_params(method, target)),
               **PARAMS.get(case, {})}
     if case == "sdsat":

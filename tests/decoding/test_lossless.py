@@ -35,7 +35,7 @@ PARAMS = {"jacobi": [{"block_size": 16}, {"block_size": 5}, {"block_size": 1}, {
           "spectr": [{}, {"k": 1, "gamma": 1}, {"k": 2, "gamma": 6}],
           "medusa": [{}, {"tree": "chain"}, {"tree": "chain", "k": 1}],
           "firp": [{}, {"tree": "chain"}, {"k": 2}],
-          "eagle": [{}, {"mode": "chain"}],
+          "eagle3": [{}, {"mode": "chain"}],
           "dflash": [{}, {"block_size": 3}, {"num_speculative_tokens": 1}],
           "sdsat": [{}, {"variant": "fused"}, {"k": 1, "tree": "caterpillar"},
                     {"k": 8, "variant": "fused", "tree": "caterpillar"}, {"k": 7, "tree": "official"}]}

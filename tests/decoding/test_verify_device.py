@@ -416,7 +416,7 @@ def test_ouroboros_reads_the_host_once_per_forward_of_either_model(s):
     ("bild", 1, 1),  # the draft's confidence per draft step; the rollback, draft and next token in one (before: 2.9)
     ("sdsat", 1, 0),  # the next tree's candidates ride on the verification's read (before: 2; sampled 67.6)
     ("spectr", 2, 0),  # the k sequences grown on the device, read once per round, + the verification (before: 4.7)
-    ("eagle", 1, 0),  # the dynamic tree built on the device (DeviceTree): the verification's read only
+    ("eagle3", 1, 0),  # the dynamic tree built on the device (DeviceTree): the verification's read only
     ("dflash", 1, 0),  # the block drafted on the device: the verification's read only
 ])
 def test_reads_per_forward(method, per_target, per_draft, s):
@@ -477,7 +477,7 @@ def test_confirm_keeps_accepted_proposals_as_host_values_and_drops_the_rest():
 
 
 @pytest.mark.parametrize("method", ["ar", "pld", "sps", "lookahead", "jacobi", "medusa", "firp", "sdsat", "mjsd",
-                                    "mjgd", "spectr", "bild", "ouroboros", "eagle", "dflash"])
+                                    "mjgd", "spectr", "bild", "ouroboros", "eagle3", "dflash"])
 @pytest.mark.slow
 def test_no_blocking_upload_per_step(method):
     """Host tensors reach the device through pinned memory without blocking (``pardec.models.cached.to_device``):

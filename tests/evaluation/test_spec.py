@@ -240,14 +240,14 @@ def test_broken_sandbox_is_an_error_before_any_model_loads(monkeypatch, tmp_path
         sandbox.clear_canaries()
 
 
-def test_draft_eagle_hands_its_path_to_method_eagle():
-    spec = validate(cfg_of("+method=eagle", "draft=eagle", "draft.path=/some/eagle3/dir"))
+def test_draft_eagle3_hands_its_path_to_method_eagle3():
+    spec = validate(cfg_of("+method=eagle3", "draft=eagle3", "draft.path=/some/eagle3/dir"))
     assert spec.draft is None and spec.method_params["path"] == "/some/eagle3/dir"
-    with pytest.raises(ConfigError, match="draft=eagle names a eagle3 drafter, which method eagle loads; method .sps. needs"):
-        validate(cfg_of("+method=sps", "draft=eagle", "draft.path=/x"))
+    with pytest.raises(ConfigError, match="draft=eagle3 names a eagle3 drafter, which method eagle3 loads; method .sps. needs"):
+        validate(cfg_of("+method=sps", "draft=eagle3", "draft.path=/x"))
     spec = validate(cfg_of("+method=dflash", "draft=dflash", "draft.path=/some/dflash/dir"))
     assert spec.draft is None and spec.method_params["path"] == "/some/dflash/dir"
-    with pytest.raises(ConfigError, match="draft=dflash names a dflash drafter, which method dflash loads; method .eagle."):
-        validate(cfg_of("+method=eagle", "draft=dflash", "draft.path=/x"))
+    with pytest.raises(ConfigError, match="draft=dflash names a dflash drafter, which method dflash loads; method .eagle3."):
+        validate(cfg_of("+method=eagle3", "draft=dflash", "draft.path=/x"))
     with pytest.raises(ConfigError, match="method.path='/a' and draft.path='/b' both name"):
-        validate(cfg_of("+method=eagle", "method.path=/a", "draft=eagle", "draft.path=/b"))
+        validate(cfg_of("+method=eagle3", "method.path=/a", "draft=eagle3", "draft.path=/b"))

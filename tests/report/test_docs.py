@@ -189,14 +189,14 @@ def test_the_acceptance_plot_reads_the_newest_side_by_side_and_the_held_out_eval
     results = root / "docs" / "results"
     out = root / "docs" / "img" / "acceptance_by_position.png"
     assert docs.plot_acceptance(root, out) is None and not out.exists()  # no side-by-side run: no plot
-    methods = {"pld": {"acceptance_by_position": [0.3, 0.2]}, "eagle:path=/x/final:mode=chain": {
+    methods = {"pld": {"acceptance_by_position": [0.3, 0.2]}, "eagle3:path=/x/final:mode=chain": {
         "acceptance_by_position": [0.4, 0.1, 0.05]}, "ar": {"tokens_per_forward": 1.0}}
     (results / "side_by_side_2026-11-28.json").write_text(json.dumps(
         {"date": "2026-11-28", "dtype": "fp32", "datasets": {"gsm8k": {"n_samples": 20, "methods": methods}}}))
     (results / "eagle3_smollm2_2026-11-28.json").write_text(json.dumps(
         {"steps": 120, "heads_eval": {"kind": "eagle3", "overall": {"chain_acceptance": [0.37, 0.17]}}}))
     assert docs.plot_acceptance(root, out) == out and out.stat().st_size > 0
-    assert docs._short("eagle:path=/x/final:mode=chain") == "eagle mode=chain"
+    assert docs._short("eagle3:path=/x/final:mode=chain") == "eagle3 mode=chain"
 
 
 def test_a_pinned_figure_is_its_fields_and_the_readme_pins_every_figure(tmp_path, capsys):

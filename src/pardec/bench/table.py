@@ -56,7 +56,7 @@ SHARED = [("jacobi", None), ("lookahead", None), (CPU_SIZED["lookahead"], None),
           ("ouroboros", "draft"), (CPU_SIZED["ouroboros"], "draft"), ("spectr", "draft"), ("mjsd", "draft"),
           ("mjgd", "draft"), ("bild", "draft"), ("medusa:path=zoo:medusa", "medusa"),
           ("medusa_typical:path=zoo:medusa", "medusa"), ("firp:path=zoo:firp", "firp"),
-          ("eagle:path=zoo:eagle3:mode=chain", "eagle3"), ("eagle:path=zoo:eagle3", "eagle3"),
+          ("eagle3:path=zoo:eagle3:mode=chain", "eagle3"), ("eagle3:path=zoo:eagle3", "eagle3"),
           ("dflash:path=zoo:dflash", "dflash")]
 #: decoders of their own fine-tuned model: (method, the zoo artifact that is the model)
 OWN_MODEL = [("jacobi", "cllm"), ("sdsat", "sdsat")]

@@ -40,6 +40,10 @@ def fs_error(e: OSError) -> str:
     return f"cannot write {path}{extra}: {e.strerror or e}{hint}"
 
 
+#: config group options of earlier releases -> their names now (``+method=eagle``: one line naming ``eagle3``)
+RENAMED_OPTIONS = {"method/eagle": "eagle3", "draft/eagle": "eagle3"}
+
+
 @contextmanager
 def hydra_errors_in_one_line() -> Iterator[None]:
     """Around a Hydra app (``@hydra.main``) or a ``compose``: what Hydra refuses while composing (a config group
@@ -56,6 +60,8 @@ def hydra_errors_in_one_line() -> Iterator[None]:
         yield
     except MissingConfigException as e:
         group, _, option = (e.missing_cfg_file or "").rpartition("/")
+        if f"{group}/{option}" in RENAMED_OPTIONS:
+            raise ConfigError(f"{group}={option!r} is now named {RENAMED_OPTIONS[f'{group}/{option}']!r}") from None
         if group and e.options:
             raise ConfigError(f"{group}={option!r} is not valid; choose one of: {', '.join(e.options)}") from None
         raise ConfigError(" ".join(str(e).split("Config search path")[0].split())) from None

@@ -1,4 +1,4 @@
-"""Method ``eagle``: an EAGLE-3 drafter (:mod:`pardec.models.eagle`) on the target's own features, verified on the
+"""Method ``eagle3``: an EAGLE-3 drafter (:mod:`pardec.models.eagle`) on the target's own features, verified on the
 shared tree rule.
 
 The target runs with ``hidden_layer=layer_ids`` (the drafter's low/mid/high layers), so prefill and every
@@ -74,7 +74,7 @@ class _DraftCache:
         return (torch.cat([b[0] for b in base] + ks, 2), torch.cat([b[1] for b in base] + vs, 2))
 
 
-@register_method("eagle")
+@register_method("eagle3", renamed_from=("eagle",))  # one name for EAGLE-3: method, drafter type, formats
 class Eagle(Decoder):
     """``path``: the drafter: a pardec ``heads.type: eagle3`` run's ``final`` dir, or a published EAGLE-3 checkpoint
     (the original release's or vLLM ``speculators``' layout; a dir or a Hub id: :mod:`pardec.models.eagle_formats`);
@@ -96,7 +96,7 @@ class Eagle(Decoder):
         check_range("top_k", top_k, 1, 64)
         check_range("num_speculative_tokens", num_speculative_tokens, 1, 64)
         if drafter is None and path is None:
-            raise ConfigError("method 'eagle' needs an EAGLE-3 drafter: method.path=<dir> (train one with "
+            raise ConfigError("method 'eagle3' needs an EAGLE-3 drafter: method.path=<dir> (train one with "
                               "python -m train +experiment=eagle3_smollm2)")
         self.mode, self.total_tokens, self.depth, self.top_k = mode, total_tokens, depth, top_k
         self.chain_k = num_speculative_tokens

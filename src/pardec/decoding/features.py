@@ -1,4 +1,4 @@
-"""What the decoders of hidden-state drafters (``eagle``, ``dflash``) share: a prefill that keeps the target's
+"""What the decoders of hidden-state drafters (``eagle3``, ``dflash``) share: a prefill that keeps the target's
 features, the hidden states entering the layers the drafter reads, at every prompt position."""
 
 from __future__ import annotations

@@ -30,9 +30,9 @@ RUN_KEYS = ("n_samples", "max_new_tokens", "threads", "seed", "resume", "timeout
 PEERS = {"hf": "hf_generate", "hf_pld": "hf_pld", "hf_assisted": "hf_assisted"}
 
 
-#: ``draft.source`` of a drafter that its method loads itself -> that method (``draft=eagle``: an EAGLE-3 drafter for
-#: method eagle; ``draft=dflash``: a DFlash drafter for method dflash)
-DRAFTER_SOURCES = {"eagle3": "eagle", "dflash": "dflash"}
+#: ``draft.source`` of a drafter that its method loads itself -> that method (``draft=eagle3``: an EAGLE-3 drafter
+#: for method eagle3; ``draft=dflash``: a DFlash drafter for method dflash)
+DRAFTER_SOURCES = {"eagle3": "eagle3", "dflash": "dflash"}
 
 def split_method(spec: str) -> list[str]:
     """``"medusa:path=zoo:medusa:tree=T63"`` -> ["medusa", "path=zoo:medusa", "tree=T63"]: a method and its

@@ -114,12 +114,18 @@ def render_zoo(zoo: str, md_file: Path, root: Path) -> str:
     """The kept drafters of ``zoo/<zoo>/``, one row each from its manifest: how a run reads it, what is stored and its
     size, what training cost on which host, and the held-out figure its recipe reports, overall, per held-out set and
     for the stored form where that is not the trained one."""
+    from pardec.zoo import ZooError, entries
     from pardec.zoo.__main__ import headline, stored_form
 
+    try:  # how a run reads each artifact now (its recipe's reads; a manifest keeps the reads of its build)
+        reads = {name: e.reads for name, e in entries(zoo).items()}
+    except ZooError:
+        reads = {}
     folder = root / "zoo" / zoo
     rows = []
     for f in sorted(folder.glob("*/manifest.json")) if folder.is_dir() else []:
         m = json.loads(f.read_text())
+        m["reads"] = reads.get(m["name"]) or m["reads"]
         metrics = m.get("metrics") or {}
         per = "; ".join(f"{ds}: {headline(v)}" for ds, v in (metrics.get("per_dataset") or {}).items())
         stored = (m.get("metrics_stored") or {}).get("metrics")
@@ -160,7 +166,7 @@ def render_index(md_file: Path, docs: Path) -> str:
 
 
 def _short(spec: str) -> str:
-    """A bench method spec without its drafter paths: ``eagle:path=<dir>:mode=chain`` -> ``eagle mode=chain``."""
+    """A bench method spec without its drafter paths: ``eagle3:path=<dir>:mode=chain`` -> ``eagle3 mode=chain``."""
     name, *opts = spec.split(":")
     keep = [o for o in opts if o.split("=")[0] not in ("path", "draft")]
     return " ".join([name, *keep])

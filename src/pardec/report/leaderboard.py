@@ -13,7 +13,7 @@ from pardec.report.markdown import DocsError, _rel, markdown_table
 HOST_CLASSES = {"cpu-fp32": "CPU, fp32", "cpu-fast": "CPU, fastest mode (bf16 prepacked / int8)", "gpu": "GPU"}
 # the leaderboard's row order: the reference and transformers' peers first, then pardec's methods as the README lists
 METHOD_ORDER = ("hf_generate", "hf_pld", "hf_assisted", "jacobi", "cllm", "lookahead", "pld", "sps", "ouroboros",
-                "spectr", "mjsd", "mjgd", "bild", "medusa", "medusa_typical", "firp", "sdsat", "eagle", "dflash")
+                "spectr", "mjsd", "mjgd", "bild", "medusa", "medusa_typical", "firp", "sdsat", "eagle", "eagle3", "dflash")
 LEADERBOARD_KEYS = ("method", "host_class", "mode", "dataset", "speedup", "exact_match_rate", "tokens_per_forward",
                     "host")
 

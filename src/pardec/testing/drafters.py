@@ -19,7 +19,7 @@ def untrained_drafters(model, work: Path) -> tuple[object, dict[str, dict]]:
     n = model.config.num_hidden_layers
     draft = build_draft(model, sorted({0, n - 1}), list(range(model.config.vocab_size)))
     params: dict[str, dict] = {"sdsat": {"adaptive_ids": [int(model.config.vocab_size) - 1]}}
-    params["eagle"] = {"path": str(save_drafter(new_drafter("eagle3", model.config, lm_head=model.lm_head),
+    params["eagle3"] = {"path": str(save_drafter(new_drafter("eagle3", model.config, lm_head=model.lm_head),
                                                 work / "eagle3", model.config, "smoke"))}
     dflash = new_drafter("dflash", model.config, embed=model.get_input_embeddings(), lm_head=model.lm_head,
                          dflash={"num_layers": 1, "block_size": 8})

@@ -1,4 +1,4 @@
-"""Method ``eagle`` (EAGLE-3's drafter, EAGLE-2's dynamic tree or a chain): greedy output equals ``ar`` token for
+"""Method ``eagle3`` (EAGLE-3's drafter, EAGLE-2's dynamic tree or a chain): greedy output equals ``ar`` token for
 token on every forward implementation, with drafts accepted several deep; the dynamic tree is EAGLE-2's selection
 (checked against a plain host re-implementation); bad settings are refused. Sampling: the deep distribution test
 (``test_distribution_deep.py``); host reads: ``test_verify_device.py``."""
@@ -39,7 +39,7 @@ def test_greedy_eagle_equals_ar_and_accepts_deep(fitted, impl):
     for prompt in (seqs[0][:3], fresh) if impl != "lean" else (seqs[0][:3], seqs[1][:5], fresh):
         ref = ar.generate(prompt, 30).tokens
         for params in settings:
-            res = build_decoder("eagle", cm, lm.tokenizer, None, path=str(path), **params).generate(prompt, 30)
+            res = build_decoder("eagle3", cm, lm.tokenizer, None, path=str(path), **params).generate(prompt, 30)
             assert res.tokens == ref, (prompt, params)
             if prompt is not fresh and params.get("top_k", 10) > 1:  # the contexts the drafter was fitted on
                 assert max(res.accepted) >= 3, (params, res.accepted)  # >= 2 drafted tokens accepted at once
@@ -75,7 +75,7 @@ def _host_tree(d, embed, cache_kv, root, base, levels, top_k, total):
 def test_the_dynamic_tree_is_eagle2s_selection(fitted):
     lm, path, seqs = fitted
     cm = CachedModel(lm.model, forward_impl="lean")
-    dec = build_decoder("eagle", cm, lm.tokenizer, None, path=str(path), total_tokens=12, depth=3, top_k=3)
+    dec = build_decoder("eagle3", cm, lm.tokenizer, None, path=str(path), total_tokens=12, depth=3, top_k=3)
     prompt = seqs[2][:12]
     out = cm.forward(torch.tensor([prompt]), hidden_layer=dec.layers)
     cache = _DraftCache()
@@ -101,16 +101,16 @@ def test_bad_settings_are_refused(fitted, tmp_path):
     lm, path, _ = fitted
     cm = CachedModel(lm.model)
     with pytest.raises(ConfigError, match="method.mode='beam' is not valid; choose one of: tree, chain"):
-        build_decoder("eagle", cm, None, None, path=str(path), mode="beam")
+        build_decoder("eagle3", cm, None, None, path=str(path), mode="beam")
     with pytest.raises(ConfigError, match="needs an EAGLE-3 drafter: method.path=<dir>"):
         Eagle(cm)
     with pytest.raises(ConfigError, match="method.top_k=0 is out of range"):
-        build_decoder("eagle", cm, None, None, path=str(path), top_k=0)
+        build_decoder("eagle3", cm, None, None, path=str(path), top_k=0)
     with pytest.raises(ConfigError, match="is not an EAGLE-3 checkpoint: found no files"):
-        build_decoder("eagle", cm, None, None, path=str(tmp_path))
+        build_decoder("eagle3", cm, None, None, path=str(tmp_path))
     other = CachedModel(tiny(2, layers=3).model)
     with pytest.raises(ConfigError, match="was trained for another model"):
-        build_decoder("eagle", other, None, None, path=str(path))
+        build_decoder("eagle3", other, None, None, path=str(path))
 
 
 @pytest.mark.parametrize("fmt", ["eagle3", "speculators"])
@@ -122,7 +122,7 @@ def test_an_exported_drafter_decodes_as_the_trained_one(fitted, fmt, tmp_path):
     lm, path, seqs = fitted
     export(path, fmt, tmp_path / fmt)
     cm = CachedModel(lm.model, forward_impl="lean")
-    runs = [build_decoder("eagle", cm, lm.tokenizer, None, path=str(p), total_tokens=8, depth=3, top_k=3)
+    runs = [build_decoder("eagle3", cm, lm.tokenizer, None, path=str(p), total_tokens=8, depth=3, top_k=3)
             .generate(seqs[0][:3], 20) for p in (path, tmp_path / fmt)]
     assert runs[0].tokens == runs[1].tokens and runs[0].accepted == runs[1].accepted
     assert runs[0].draft_accepted == runs[1].draft_accepted > 0
