@@ -30,7 +30,9 @@ def test_wrong_types_name_the_key_value_and_type(cls, data, where, message):
 
 @pytest.mark.parametrize("argv,message", [
     (["dataset=nope"], "dataset='nope' is not valid; choose one of: cnn_dm, code_search_net, gsm8k, humaneval, "),
-    (["+method=nope"], "method='nope' is not valid; choose one of: ar, bild, dflash, eagle, firp, hf_assisted, hf_generate, hf_pld, "),
+    (["+method=nope"], "method='nope' is not valid; choose one of: ar, bild, dflash, eagle3, firp, hf_assisted, hf_generate, hf_pld, "),
+    (["+method=eagle"], "method='eagle' is now named 'eagle3'"),  # a name of an earlier release
+    (["+method=ar", "draft=eagle"], "draft='eagle' is now named 'eagle3'"),
     (["model.layerz=3"], "Could not override 'model.layerz'. To append to your config use +model.layerz=3 (Key "
                          "'layerz' is not in struct)"),
     (["max_new_tokens=[1"], "override 'max_new_tokens=[1': "),
