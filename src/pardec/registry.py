@@ -58,6 +58,10 @@ class Registry(Generic[T]):
     def get(self, name: str) -> T:
         return self._items[self.canonical(name)]
 
+    def current(self, name: str) -> str:
+        """``name``, or its name now when it is a name of an earlier release (records written before a rename)."""
+        return self._renamed.get(name, name)
+
     def names(self) -> list[str]:
         return sorted(self._items)
 

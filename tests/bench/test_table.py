@@ -224,3 +224,15 @@ def test_after_a_zoo_rebuild_only_the_runs_that_decode_with_it_run_anew(tmp_path
     assert not (tmp_path / "runs" / "gsm8k@cllm").exists() and (tmp_path / "runs" / "gsm8k").is_dir()
     T.check_identity(tmp_path, {**ident, "zoo": rebuilt})  # continues with the rebuilt drafter
     assert "gsm8k@cllm" not in json.loads((tmp_path / "table_run.json").read_text()).get("commits", {})
+
+
+def test_a_table_begun_before_a_method_was_renamed_continues_under_the_new_name(tmp_path):
+    from pardec.bench import table_run
+
+    T.check_identity(tmp_path, {"dtype": "fp32", "shared": ["pld", "eagle:path=zoo:eagle3:mode=chain"]})
+    table_run.kept_shared(tmp_path, T.current_entry)
+    T.check_identity(tmp_path, {"dtype": "fp32", "shared": ["pld", "eagle3:path=zoo:eagle3:mode=chain"]})
+    records = [_rec("a", "baseline", 2.0, [1, 2], 2), _rec("a", "also:eagle:path=zoo:eagle3", 1.0, [1, 2], 1, True)]
+    summary = {"baseline": "ar", "peers": {"also:eagle:path=zoo:eagle3": {"method": "eagle", "exactness": "distribution",
+                                                                        "exact_match_rate": 1.0}}}
+    assert "eagle3:path=zoo:eagle3" in T.cells(records, summary, max_new_tokens=8)  # one label for old and new runs

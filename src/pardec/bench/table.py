@@ -40,7 +40,7 @@ from typing import Any
 
 from pardec import REPO_ROOT
 from pardec.bench.speed import CPU_SIZED
-from pardec.bench.table_run import TableError, check_identity, record_commit, redo, started
+from pardec.bench.table_run import TableError, check_identity, kept_shared, record_commit, redo, started
 from pardec.report.table import markdown, plot_benchmarks
 
 #: benchmark -> its dataset overrides (local copies under the data dir; HumanEval ships with its package)
@@ -120,6 +120,15 @@ def identity(args: argparse.Namespace, shared: list[str], own: list[tuple[str, s
             "benchmarks": args.benchmarks.split(","), "extra": list(args.extra)}
 
 
+def current_entry(entry: str) -> str:
+    """A method entry (``name:key=value...``) under its method's name now: a table begun before a method was renamed
+    (``eagle`` -> ``eagle3``) continues, and its rows keep one label."""
+    from pardec.decoding import METHODS
+
+    name, sep, rest = entry.partition(":")
+    return METHODS.current(name) + sep + rest
+
+
 def run_artifacts(run: str, shared: list[str]) -> set[str]:
     """The zoo artifacts a run decodes with: a benchmark's shared run those of its entries, ``<bench>@<artifact>``
     that artifact (the model it decodes)."""
@@ -183,7 +192,7 @@ def cells(records: list[dict], summary: dict, max_new_tokens: int) -> dict[str, 
         forwards = sum(r.get("target_forwards") or 0 for r in rs)
         ci = bootstrap_ci(ratios)
         em = p.get("exact_match_rate")
-        label = "ar" if role == "baseline" else role.removeprefix("also:")
+        label = "ar" if role == "baseline" else current_entry(role.removeprefix("also:"))
         out[label] = {
             "method": p.get("method", label), "exactness": p.get("exactness"), "n": len(rs),
             "speedup_mean": statistics.fmean(ratios) if ratios else None,
@@ -283,6 +292,7 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
                 print(f"{name}: python -m evaluate {' '.join(args)}")
             return 0
         ident = identity(a, shared, own)
+        kept_shared(a.out, current_entry)
         if a.redo and (a.out / "table_run.json").is_file():
             check_identity(a.out, ident, ignore=("zoo",))  # the same table but for its drafters
             for moved in redo(a.out, a.redo.split(","), ident["zoo"], {n: run_artifacts(n, shared) for n, _ in runs}):

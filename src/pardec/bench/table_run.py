@@ -36,6 +36,23 @@ def check_identity(out: Path, ident: dict[str, Any], ignore: tuple[str, ...] = (
     f.write_text(json.dumps({**ident, "started": time.strftime("%Y-%m-%d")}, indent=2) + "\n")
 
 
+def kept_shared(out: Path, current) -> None:
+    """Rewrite the kept identity's method entries under their names now (``current``: entry -> entry): a method
+    renamed since the table began is the same method."""
+    from pardec.jsonl import read_json
+
+    f = out / "table_run.json"
+    if not f.is_file():
+        return
+    data = read_json(f, TableError)
+    now = [current(e) for e in data.get("shared") or []]
+    if now != data.get("shared", []):
+        data["shared"] = now
+        tmp = f.with_suffix(".tmp")
+        tmp.write_text(json.dumps(data, indent=2) + "\n")
+        tmp.replace(f)
+
+
 def started(out: Path) -> str:
     """The date the table in ``out`` started (``table_run.json``'s ``started``; for a table begun before it was
     recorded, the date of its oldest run's ``run.json``)."""
