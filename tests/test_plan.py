@@ -255,7 +255,7 @@ def test_the_data_generation_stages_are_planned_in_the_order_a_recipe_runs_them(
     assert collect.components["weights"] == pytest.approx(a.params * 2)  # bf16, whole on every rank
     assert collect.components["logits"] == pytest.approx(b * n * a.vocab * 4)
     assert collect.components["grads"] == collect.components["optimizer"] == 0 and collect.world == train.world
-    assert collect.total < train.total
+    assert collect.components["kv"] > 0 and collect.world == 8
     draft = [p.kind for p in P.stage_plans("draft_llama2_7b")]
     assert draft == ["generate", "draft", "heldout"]
     gen = P.stage_plans("draft_llama2_7b")[0]

@@ -212,7 +212,7 @@ def test_after_a_zoo_rebuild_only_the_runs_that_decode_with_it_run_anew(tmp_path
     T.record_commit(tmp_path, "gsm8k@cllm")
     uses = {"gsm8k": {"draft"}, "gsm8k@cllm": {"cllm"}, "spider": {"draft"}}
     rebuilt = {"cllm": "c", "draft": "b"}
-    with pytest.raises(T.TableError, match=r"zoo\.cllm was 'a', now 'c' \(a rebuilt zoo artifact: --redo"):
+    with pytest.raises(T.TableError, match=r"zoo\.cllm was 'a', now 'c'\) \(a rebuilt zoo artifact: --redo"):
         T.check_identity(tmp_path, {**ident, "zoo": rebuilt})
     with pytest.raises(T.TableError, match="--redo 'gsm8k@clm' is not one of the table's runs: gsm8k, gsm8k@cllm"):
         table_run.redo(tmp_path, ["gsm8k@clm"], rebuilt, uses)

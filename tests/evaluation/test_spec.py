@@ -25,7 +25,7 @@ from tests.evaluation.helpers import TINY, cfg_of, hashes
         (["+method=firp", "method.path=/nonexistent"], "method.path='/nonexistent' holds no trained "
                                                                   "drafter"),
         (["+method=jacobi", "method.name=jacobo"], "unknown method 'jacobo'. Did you mean 'jacobi'?"),
-        (["+method=ar", "bench.also=[eagle:path=/x]"], "method 'eagle' is now named 'eagle3'"),
+        (["+method=ar", "bench.also=['eagle:path=/x']"], "method 'eagle' is now named 'eagle3'"),
         (["+method=jacobi", "+method.blocksize=4"], "has no parameter(s) ['blocksize']; valid: block_size"),
         (["+method=jacobi", "method.block_size=0"], "method.block_size=0 is out of range"),
         (["+method=ar", "dataset.name=gsm9k"], "unknown dataset 'gsm9k'. Did you mean 'gsm8k'?"),

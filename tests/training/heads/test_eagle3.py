@@ -267,7 +267,7 @@ def test_config_errors(tmp_path):
         assert "\n" not in str(e.value)
     assert not (tmp_path / "out").exists()
     bare = validate(_compose(_overrides(tmp_path, "~heads.ttt_steps", "~heads.step_decay", "~heads.draft_vocab_size")))
-    assert bare.heads == {"type": "eagle3", "draft_vocab_size": 32000, "ttt_steps": 7, "step_decay": 0.8}
+    assert bare.heads == {"type": "eagle3", "draft_vocab_size": 32000, "ttt_steps": 7, "step_decay": 0.8, "layers": None}
     spec = validate(_compose(["+experiment=eagle3_smollm2", f"paths.data_dir={tmp_path}/data",
                               f"paths.output_dir={tmp_path}/out"]))
     assert spec.heads == {"type": "eagle3", "draft_vocab_size": 8192, "ttt_steps": 7, "step_decay": 0.8,
