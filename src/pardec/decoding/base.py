@@ -331,8 +331,6 @@ METHODS: Registry[type[Decoder]] = Registry("method")
 
 
 def register_method(name: str, *, aliases: tuple[str, ...] = (), renamed_from: tuple[str, ...] = ()):
-    """``renamed_from``: the method's names in earlier releases (``+method=<old>`` and ``bench.also`` entries are
-    refused in one line naming the new one)."""
     def deco(cls: type[Decoder]) -> type[Decoder]:
         cls.name = name
         return METHODS.register(name, aliases=aliases, renamed_from=renamed_from)(cls)

@@ -42,7 +42,7 @@ from pardec import REPO_ROOT  # noqa: E402
 from pardec.evaluation.tables import comparison_rows  # noqa: E402
 from pardec.report.plots import save_figure  # noqa: E402
 from pardec.report.run_dirs import log_history, read_results  # noqa: E402
-from pardec.training.cllm.collect import has_degenerate_repetition  # noqa: E402
+from pardec.training.cllm.augment import has_degenerate_repetition  # noqa: E402
 
 ROOT = REPO_ROOT
 EXTRAS = ("fast_forward", "stationary_per_block")

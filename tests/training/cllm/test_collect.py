@@ -9,13 +9,11 @@ import torch
 
 from pardec.decoding import Stopper, build_decoder
 from pardec.models.cached import CachedModel
+from pardec.training.cllm.augment import augment_in_place, augment_states, has_degenerate_repetition
 from pardec.training.cllm.collect import (
     CollectConfig,
-    augment_in_place,
-    augment_states,
     collect,
     collection_meta,
-    has_degenerate_repetition,
     jacobi_stream,
     jacobi_trajectories,
 )

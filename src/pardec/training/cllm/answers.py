@@ -72,7 +72,7 @@ def extend_answers(records: list[dict], completions: list[dict], cap: int,
     whose whole answer loops left out when ``repeats`` = (max n-gram, max repeats) is given) and the counts.
     ``completions``: corpus records (``prompt_ids``, ``completion_ids``, ``stop_reason``); ``cap``: the answer cap
     (``completions.max_new_tokens``); records that do not stop short of it are kept as collected."""
-    from pardec.training.cllm.collect import has_degenerate_repetition
+    from pardec.training.cllm.augment import has_degenerate_repetition
 
     by_prompt: dict[tuple[int, ...], dict] = {}
     for c in completions:
