@@ -86,7 +86,8 @@ def test_every_experiment_validates(name):
     if name.startswith("sdsat_"):  # kind: sdsat (tests/training/sdsat/ covers it)
         assert spec.mask.out_dir.endswith(f"sdsat/{name}") and spec.eval_sources and spec.max_span >= 1
         return
-    data = {"cllm_gsm8k_smollm2_budget": "cllm_gsm8k_smollm2_copies"}.get(name, name)  # shares another's data
+    data = {"cllm_gsm8k_smollm2_budget": "cllm_gsm8k_smollm2_copies",  # shares another's data
+            "cllm_gsm8k_smollm2_lora": "cllm_gsm8k_smollm2_copies"}.get(name, name)
     assert spec.collect.out_dir.endswith(f"trajectories/{data}") and spec.train_data == Path(spec.collect.out_dir)
     if name == "cllm_gsm8k_smollm2_budget":  # the copies recipe's data, the looping answers kept, a cheaper training
         copies = validate(_compose(["+experiment=cllm_gsm8k_smollm2_copies"]))
@@ -94,6 +95,13 @@ def test_every_experiment_validates(name):
         assert replace(spec.gen, batch_size=16) == copies.gen and (spec.ar_clean, copies.ar_clean) == (False, True)
         diff = {k: (copies.trainer.get(k), v) for k, v in spec.trainer.items() if copies.trainer.get(k) != v}
         assert diff.pop("bf16")[1] is True and diff == {"num_train_epochs": (1.5, 1.1), "eval_steps": (20, 50)}
+    if name == "cllm_gsm8k_smollm2_lora":  # the budget recipe, LoRA on every block linear at rank 32 and its lr
+        budget = validate(_compose(["+experiment=cllm_gsm8k_smollm2_budget"]))
+        assert spec.collect == budget.collect and spec.gen == budget.gen and spec.model == budget.model
+        assert spec.lora == {"enabled": True, "r": 32, "alpha": 64, "dropout": 0.05, "target_modules": [
+            "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]} and budget.lora is None
+        diff = {k: (budget.trainer.get(k), v) for k, v in spec.trainer.items() if budget.trainer.get(k) != v}
+        assert diff == {"learning_rate": (2e-4, 1e-3)}
     if name == "cllm_gsm8k_smollm2_copies":  # the SmolLM2 recipe with its named collection overrides, nothing else
         base = validate(_compose(["+experiment=cllm_gsm8k_smollm2"]))
         assert (spec.collect.augment, spec.collect.guess_from, spec.collect.max_prompts) == ("copies", "prompt", 480)
