@@ -65,6 +65,19 @@ def test_publish_writes_the_result_its_raw_records_figures_and_page_and_replaces
     assert P.published_name(docs / "table.md") == "table_2026-11-29"
 
 
+def test_a_cell_timed_on_a_busy_host_is_published_only_when_allowed(tmp_path):
+    out, root = tmp_path / "table", tmp_path / "repo"
+    table = _made_table(out)
+    table["benchmarks"]["gsm8k"]["methods"]["pld"] = {**CELL, "busy": 2}
+    with pytest.raises(P.PublishError, match=r"1 cell\(s\) hold prompts timed .*: gsm8k/pld \(2 busy\); .*--allow-busy"):
+        P.publish(out, table, root, "table_x")
+    assert not (root / "docs").exists()  # refused before anything is written
+    P.publish(out, table, root, "table_x", allow_busy=True)
+    assert "| pld | 2.00 (1.50–2.50) | 2.00 | 2.00 | 1.00 | 0.250 | 0.00 | 0.00 | 2 |" in (root / "docs" / "table.md").read_text()
+    assert json.loads((root / "docs" / "results" / "table_x.json").read_text())["benchmarks"]["gsm8k"]["methods"][
+        "pld"]["busy"] == 2
+
+
 def test_nothing_is_published_before_a_run_finished(tmp_path):
     with pytest.raises(P.PublishError, match="no run has finished yet"):
         P.publish(tmp_path, {"benchmarks": {}, "pending": ["gsm8k"]}, tmp_path, "table_x")

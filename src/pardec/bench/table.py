@@ -266,6 +266,8 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
     ap.add_argument("--publish", action="store_true",
                     help="also put the table on the project's pages (docs/results/<name>.json, its raw records, "
                          "figures and docs/<page>; pardec.bench.table_publish)")
+    ap.add_argument("--allow-busy", action="store_true",
+                    help="--publish cells with prompts timed on a busy host (their busy count shown); refused otherwise")
     ap.add_argument("--name", default=None, help="the publication's name (default: table_<date the table started>)")
     ap.add_argument("--page", default="table.md", help="the page under docs/ that shows the table (default: table.md)")
     ap.add_argument("extra", nargs="*", help="more Hydra overrides for every run")
@@ -315,7 +317,7 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
             print(f"error: the {name} run stopped (exit {rc}); rerun the same command to continue it",
                   file=sys.stderr)
             return rc
-    publishing = ("--aggregate", "--publish", "--wandb", "--name", a.name, "--page", a.page)
+    publishing = ("--aggregate", "--publish", "--wandb", "--allow-busy", "--name", a.name, "--page", a.page)
     given = [x for x in (argv if argv is not None else sys.argv[1:]) if x not in publishing]  # what made the runs
     command = "python -m pardec.bench table " + " ".join(given)
     table = aggregate(a.out, runs, ident, command.strip())
@@ -334,7 +336,8 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
         from pardec.bench.table_publish import PublishError, publish
 
         try:
-            written = publish(a.out, table, REPO_ROOT, a.name or f"table_{started(a.out)}", a.page)
+            written = publish(a.out, table, REPO_ROOT, a.name or f"table_{started(a.out)}", a.page,
+                              allow_busy=a.allow_busy)
         except PublishError as e:
             print(f"error: {e}", file=sys.stderr)
             return 2

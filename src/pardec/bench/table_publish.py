@@ -78,15 +78,28 @@ def _remove(docs: Path, name: str) -> None:
         png.unlink()
 
 
+def busy_cells(table: dict) -> list[str]:
+    """``<benchmark>/<method> (<n> busy)`` of every cell with prompts timed while another process competed."""
+    return [f"{bench}/{label} ({c['busy']} busy)" for bench, b in table["benchmarks"].items()
+            for label, c in b["methods"].items() if c.get("busy")]
+
+
 def publish(out: Path, table: dict, root: Path, name: str, page: str = "table.md",
-            title: str = "The table: every decoder on every benchmark, one run per benchmark") -> list[Path]:
+            title: str = "The table: every decoder on every benchmark, one run per benchmark",
+            allow_busy: bool = False) -> list[Path]:
     """Publish the table of ``out`` (its ``table.json`` already aggregated into ``table``, its figures in
     ``out/plots``) under ``root/docs``; returns the files written. The README's links to a table the page showed
-    before under another name follow the new name."""
+    before under another name follow the new name. A cell with prompts timed on a busy host is refused unless
+    ``allow_busy`` (it is then published with its busy count)."""
     from pardec.report.docs import markdown_files, rewrite
 
     if not table.get("benchmarks"):
         raise PublishError(f"nothing to publish from {out}: no run has finished yet")
+    busy = busy_cells(table)
+    if busy and not allow_busy:
+        raise PublishError(f"{len(busy)} cell(s) hold prompts timed while another process competed for the CPU: "
+                           f"{', '.join(busy[:5])}{' ...' if len(busy) > 5 else ''}; rerun their benchmark in a new "
+                           f"table on a quiet host, or pass --allow-busy to publish them with their busy count")
     docs = root / "docs"
     page_file = docs / page
     before = published_name(page_file)
