@@ -28,10 +28,11 @@ beside it), interleaved per prompt after a warm-up, greedy, the same prompts for
 finished yet under `pending`, the commit each run ran at under `commits`, and the zoo artifacts it decoded with
 (each by its manifest's sha256) under `zoo`. `python -m pardec.bench table --publish` writes this page.
 
-Columns: speed against `ar` (the mean of the per-prompt ratios with its 95% bootstrap interval; the median), tokens
-per target forward, the exact-match rate against `ar` (a lossless method below 1.00 is flagged ⚠), the task metric,
-the share of answers that ended before the token limit and of those that loop (a token repeated 10 times in a row),
-and the prompts timed while another process competed for the CPU (busy)."""
+Columns: speed against `ar` (the mean of the per-prompt ratios with its bootstrap interval, the middle ninety-five
+percent; the median), tokens per target forward, the exact-match rate against `ar` (a lossless method whose outputs
+differ is flagged ⚠), the task metric, the share of answers that ended before the token limit and of those that
+loop (a token repeated ten times in a row), and the prompts timed while another process competed for the CPU
+(busy)."""
 
 #: the name a page gives its publication: the first table marker's result file
 _PUBLISHED = re.compile(r"<!-- table: results/(?P<name>[^ /#]+)\.json#")
