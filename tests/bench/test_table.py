@@ -33,6 +33,10 @@ def test_one_run_per_benchmark_and_one_per_own_model():
     assert "dataset.path=${paths.data_dir}/gsm8k/test.jsonl" in args and args[-1] == "bench.warmup=0"
     own = dict(runs)["humaneval@cllm"]
     assert "model.path=zoo:cllm" in own and 'bench.also=["jacobi"]' in own and "draft.path=zoo:draft" not in own
+    assert "perplexity.enabled=false" in own and "perplexity.enabled=false" in args
+    judged = dict(T.commands(argparse.Namespace(**{**vars(a), "benchmarks": "mt_bench"}), ["pld"], [("jacobi", "cllm")]))
+    assert "perplexity.enabled=false" in judged["mt_bench"]  # lossless roles: ar's outputs, no scoring
+    assert {"perplexity.enabled=true", "perplexity.model=smollm2_135m"} <= set(judged["mt_bench@cllm"])  # no judge here
 
 
 def _rec(id_, role, wall, tokens, forwards, equal=None, busy=False):
@@ -152,6 +156,12 @@ def test_a_published_table_renders_per_benchmark_and_as_the_leaderboard(tmp_path
                                        ["jacobi@cllm", "—", "1.50 (1.20–1.80); pass 0.250 (busy 1)"]]
     assert tables["gsm8k"]["columns"][5] == "correct" and tables["gsm8k"]["rows"][0][:3] == ["pld", "1.50 (1.20–1.80)",
                                                                                             "1.40"]
+    tuned = {**cell, "exactness": "tokens", "metric": None, "perplexity": 8.5}  # ar on a fine-tuned model, judged task
+    table["benchmarks"] = {"mt_bench": {"metric": "score", "methods": {"pld": cell, "ar@cllm": tuned}}}
+    path.write_text(json.dumps(table))
+    tables = docs.tables_of(path)
+    assert tables["speed"]["rows"] == [["pld", "1.50 (1.20–1.80)"], ["ar@cllm", "1.50 (1.20–1.80); ppl 8.50"]]
+    assert tables["mt_bench"]["columns"][5:7] == ["score", "ppl (base)"] and tables["mt_bench"]["rows"][1][6] == "8.50"
 
 
 def test_each_benchmark_gets_a_figure_with_every_plotted_method_numbered_in_its_legend(tmp_path):

@@ -60,6 +60,9 @@ SHARED = [("jacobi", None), ("lookahead", None), (CPU_SIZED["lookahead"], None),
           ("dflash:path=zoo:dflash", "dflash")]
 #: decoders of their own fine-tuned model: (method, the zoo artifact that is the model)
 OWN_MODEL = [("jacobi", "cllm"), ("sdsat", "sdsat")]
+#: benchmarks whose task metric needs a judge (a network service): a fine-tuned model's answers there are scored by
+#: their perplexity under the base model instead, beside ``ar``'s on the fine-tuned model
+JUDGED = ("mt_bench",)
 LOSSLESS = ("tokens", "distribution")
 BOOTSTRAP = 2000
 
@@ -141,21 +144,23 @@ def commands(args: argparse.Namespace, shared: list[str], own: list[tuple[str, s
     """(run dir name, evaluate arguments) of every run: per benchmark the shared run, then one per own model."""
     runs = []
     common = [f"n_samples={args.n}", f"max_new_tokens={args.max_new_tokens}", f"dtype={args.dtype}",
-              f"threads={args.threads}", "perplexity.enabled=false", "sampling.temperature=0"]
+              f"threads={args.threads}", "sampling.temperature=0"]
+    no_ppl = ["perplexity.enabled=false"]
     for bench in args.benchmarks.split(","):
         data = BENCHMARKS[bench]
         also = "[" + ",".join(json.dumps(e) for e in shared) + "]"
         draft = ["draft=local", "draft.name=zoo_draft", "draft.path=zoo:draft"] if any(
             dict(SHARED).get(e) == "draft" for e in shared) else []
-        runs.append((bench, ["+method=ar", f"model={args.model}", *data, *common, f"bench.also={also}",
+        runs.append((bench, ["+method=ar", f"model={args.model}", *data, *common, *no_ppl, f"bench.also={also}",
                              "bench.include_hf=true", *draft, *args.extra]))
         by_model: dict[str, list[str]] = {}
         for method, artifact in own:
             by_model.setdefault(artifact, []).append(method)
         for artifact, methods in by_model.items():
             also = "[" + ",".join(json.dumps(m) for m in methods) + "]"
+            ppl = ["perplexity.enabled=true", f"perplexity.model={args.model}"] if bench in JUDGED else no_ppl
             runs.append((f"{bench}@{artifact}", ["+method=ar", "model=local", f"model.name={artifact}",
-                                                  f"model.path=zoo:{artifact}", *data, *common,
+                                                  f"model.path=zoo:{artifact}", *data, *common, *ppl,
                                                   f"bench.also={also}", *args.extra]))
     return runs
 
@@ -182,7 +187,7 @@ def cells(records: list[dict], summary: dict, max_new_tokens: int) -> dict[str, 
     for r in ok:
         roles.setdefault(r["role"], []).append(r)
     info = {"baseline": {"method": summary["baseline"], "exactness": "tokens", "metric": summary.get("baseline_metric"),
-                         "exact_match_rate": 1.0}}
+                         "exact_match_rate": 1.0, "perplexity": summary.get("baseline_perplexity")}}
     for role, p in summary.get("peers", {}).items():
         info[role] = p
     out = {}
@@ -202,6 +207,7 @@ def cells(records: list[dict], summary: dict, max_new_tokens: int) -> dict[str, 
             "exact_match_rate": em,
             "flagged": bool(p.get("exactness") in LOSSLESS and em is not None and em < 1.0),
             "metric": p.get("metric"),
+            "perplexity": p.get("perplexity"),  # under the scoring model (JUDGED benchmarks' own-model runs)
             "ended_share": statistics.fmean(all(len(t) < max_new_tokens for t in r["turn_tokens"]) for r in rs),
             "loop_share": statistics.fmean(record_is_repetitive(r) for r in rs),
             "busy": sum(bool(r.get("busy")) for r in rs),

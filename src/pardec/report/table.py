@@ -1,8 +1,10 @@
 """The tables of a ``python -m pardec.bench table`` result (``table.json``; published as
 ``docs/results/table_<date>.json``): one per benchmark (every method's cell) and ``speed``, the leaderboard (a row
-per method, a column per benchmark: speed against ``ar`` with its 95% interval, and the task metric where the method
-changes the outputs). ``pardec.report docs`` renders them from a marker ``<!-- table: results/table_<date>.json#speed
--->`` (:data:`pardec.report.docs.RENDERERS`); :func:`plot_benchmarks` draws a figure per benchmark."""
+per method, a column per benchmark: speed against ``ar`` with its 95% interval, and the task metric where the outputs
+are not the base model's ``ar``'s: a lossy method, or a fine-tuned model (``@``); on a judged benchmark without its
+judge, the answers' perplexity under the base model). ``pardec.report docs`` renders them from a marker
+``<!-- table: results/table_<date>.json#speed -->`` (:data:`pardec.report.docs.RENDERERS`); :func:`plot_benchmarks`
+draws a figure per benchmark."""
 
 from __future__ import annotations
 
@@ -25,10 +27,12 @@ def benchmark_tables(table: dict) -> dict[str, dict]:
     out = {}
     benches = table.get("benchmarks") or {}
     for bench, b in benches.items():
-        cols = [*COLUMNS[:5], b.get("metric") or "metric", *COLUMNS[6:]]
+        ppl = any(c.get("perplexity") is not None for c in b["methods"].values())  # a judged task's proxy
+        cols = [*COLUMNS[:5], b.get("metric") or "metric", *(["ppl (base)"] if ppl else []), *COLUMNS[6:]]
         rows = [[label, speed(c), _num(c["speedup_median"]), _num(c["tokens_per_forward"]),
                  _num(c["exact_match_rate"]) + (" ⚠" if c.get("flagged") else ""), _num(c["metric"], ".3f"),
-                 _num(c["ended_share"]), _num(c["loop_share"]), str(c["busy"])] for label, c in b["methods"].items()]
+                 *([_num(c.get("perplexity"))] if ppl else []), _num(c["ended_share"]), _num(c["loop_share"]),
+                 str(c["busy"])] for label, c in b["methods"].items()]
         out[bench] = {"columns": cols, "rows": rows}
     methods = list(dict.fromkeys(m for b in benches.values() for m in b["methods"]))
     rows = []
@@ -40,8 +44,12 @@ def benchmark_tables(table: dict) -> dict[str, dict]:
                 row.append("—")
                 continue
             cell = speed(c) + (" ⚠ EM " + _num(c["exact_match_rate"]) if c.get("flagged") else "")
-            if c.get("exactness") not in ("tokens", "distribution") and c.get("metric") is not None:
+            # quality where the outputs are not ar's: a lossy method, or any method on a fine-tuned model (@)
+            changes = c.get("exactness") not in ("tokens", "distribution") or "@" in m
+            if changes and c.get("metric") is not None:
                 cell += f"; {b.get('metric')} {_num(c['metric'], '.3f')}"
+            elif changes and c.get("perplexity") is not None:
+                cell += f"; ppl {_num(c['perplexity'])}"
             if c.get("busy"):
                 cell += f" (busy {c['busy']})"
             row.append(cell)
