@@ -102,7 +102,7 @@ def validate(cfg: DictConfig) -> EvalSpec:
     model = resolve_model_path(model, "model", None)
     for key, value in mcfg.items():  # a drafter kept in the zoo: method.path=zoo:eagle3, zoo:medusa, ...
         mcfg[key] = zoo.resolve(value, f"method.{key}", model.name)
-    if source in DRAFTER_SOURCES:  # draft=eagle / draft=dflash: a drafter its method loads, no model
+    if source in DRAFTER_SOURCES:  # draft=eagle3 / draft=dflash: a drafter its method loads, no model
         owner = DRAFTER_SOURCES[source]
         if name != owner:
             raise ConfigError(f"draft={cfg.draft.get('name')} names a {source} drafter, which method {owner} loads; method "
