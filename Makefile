@@ -7,7 +7,7 @@ TORCH_VERSION ?= 2.13.0
 UV_VERSION ?= 0.13.9
 PYTEST_ARGS ?=
 
-.PHONY: help setup demo test test-stat test-fast gpu-smoke rehearse zoo table bench bench-mjsd bench-heads bench-sdsat bench-cllm lint clean
+.PHONY: help setup demo test test-stat test-fast gpu-smoke rehearse zoo table table-publish bench bench-mjsd bench-heads bench-sdsat bench-cllm lint clean
 
 help:  ## list targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-10s %s\n", $$1, $$2}'
@@ -78,6 +78,9 @@ zoo: setup  ## train and store the missing or stale SmolLM2 drafters of zoo/smol
 TABLE_ARGS ?=
 table: setup  ## every decoder with the zoo's drafters on GSM8K, Spider, HumanEval, MT-Bench, CNN/DM: one resumable run, one table (hours on 2 cores; reads data/{gsm8k,spider,mt_bench,cnn_dm})
 	$(BIN)/python -m pardec.bench table $(TABLE_ARGS)
+
+table-publish: setup  ## the table's finished runs onto the pages: docs/table.md, its result file, raw records and figures, the README leaderboard
+	$(BIN)/python -m pardec.bench table --aggregate --publish $(TABLE_ARGS)
 
 bench: setup  ## the README's speed table: SmolLM2 fp32, 20 GSM8K (GSM8K=<test.jsonl>), HumanEval, CNN/DM (CNNDM=<test.jsonl>)
 	$(BIN)/python -m pardec.bench speed $(if $(GSM8K),--dataset-path gsm8k=$(GSM8K)) $(if $(CNNDM),--dataset-path cnn_dm=$(CNNDM))
