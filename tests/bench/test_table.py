@@ -246,3 +246,18 @@ def test_a_table_begun_before_a_method_was_renamed_continues_under_the_new_name(
     summary = {"baseline": "ar", "peers": {"also:eagle:path=zoo:eagle3": {"method": "eagle", "exactness": "distribution",
                                                                         "exact_match_rate": 1.0}}}
     assert "eagle3:path=zoo:eagle3" in T.cells(records, summary, max_new_tokens=8)  # one label for old and new runs
+
+
+def test_status_says_how_far_each_run_is(tmp_path, capsys):
+    runs = tmp_path / "runs"
+    (runs / "humaneval").mkdir(parents=True)
+    (runs / "humaneval" / "run.json").write_text("{}")
+    (runs / "humaneval" / "results.jsonl").write_text("".join(
+        json.dumps({"id": i, "role": r}) + "\n" for i in ("a", "b") for r in ("baseline", "also:pld")))
+    assert T.run_status(runs / "humaneval", 20) == "2 of 20 prompts timed"
+    assert T.run_status(runs / "gsm8k", 20) == "not started"
+    (runs / "humaneval" / "summary.json").write_text("{}")
+    assert T.run_status(runs / "humaneval", 20) == "done"
+    assert T.main(["--benchmarks", "humaneval,gsm8k", "--methods", "pld", "--out", str(tmp_path), "--status"]) == 0
+    assert capsys.readouterr().out.splitlines()[-2:] == ["humaneval: done", "gsm8k: not started"]
+    assert not (tmp_path / "table_run.json").exists()  # nothing ran, nothing recorded

@@ -123,6 +123,20 @@ def identity(args: argparse.Namespace, shared: list[str], own: list[tuple[str, s
             "benchmarks": args.benchmarks.split(","), "extra": list(args.extra)}
 
 
+def run_status(run_dir: Path, n: int) -> str:
+    """How far a table run is: ``done``, ``<k> of <n> prompts timed`` (the baseline's records so far), or ``not
+    started``."""
+    from pardec.jsonl import read_jsonl
+
+    if (run_dir / "summary.json").is_file():
+        return "done"
+    if not (run_dir / "run.json").is_file():
+        return "not started"
+    files = [run_dir / "results.jsonl", *sorted(run_dir.glob("results.rank*.jsonl"))]
+    ids = {r.get("id") for f in files if f.is_file() for r in read_jsonl(f, torn_ok=True) if r.get("role") == "baseline"}
+    return f"{len(ids)} of {n} prompts timed"
+
+
 def current_entry(entry: str) -> str:
     """A method entry (``name:key=value...``) under its method's name now: a table begun before a method was renamed
     (``eagle`` -> ``eagle3``) continues, and its rows keep one label."""
@@ -261,6 +275,8 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
     ap.add_argument("--threads", default="auto")
     ap.add_argument("--out", type=Path, default=None, help="the table's directory (default: data/table/<model>-<dtype>)")
     ap.add_argument("--dry-run", action="store_true", help="print the runs, run nothing")
+    ap.add_argument("--status", action="store_true", help="print how far each run is (done, prompts timed, not "
+                                                         "started), run nothing")
     ap.add_argument("--aggregate", action="store_true",
                     help="write table.json, table.md and the plots from the runs finished so far and run nothing (a "
                          "table made in parts is published part by part; the unfinished runs are listed as pending)")
@@ -298,6 +314,10 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
         if a.dry_run:
             for name, args in runs:
                 print(f"{name}: python -m evaluate {' '.join(args)}")
+            return 0
+        if a.status:
+            for name, _ in runs:
+                print(f"{name}: {run_status(a.out / 'runs' / name, a.n)}")
             return 0
         ident = identity(a, shared, own)
         kept_shared(a.out, current_entry)
