@@ -40,7 +40,15 @@ from typing import Any
 
 from pardec import REPO_ROOT
 from pardec.bench.speed import CPU_SIZED
-from pardec.bench.table_run import TableError, check_identity, kept_shared, record_commit, redo, started
+from pardec.bench.table_run import (
+    RUN_FILE,
+    TableError,
+    check_identity,
+    kept_shared,
+    record_commit,
+    redo,
+    started,
+)
 from pardec.report.table import markdown, plot_benchmarks
 
 #: benchmark -> its dataset overrides (local copies under the data dir; HumanEval ships with its package)
@@ -126,14 +134,14 @@ def identity(args: argparse.Namespace, shared: list[str], own: list[tuple[str, s
 def run_status(run_dir: Path, n: int) -> str:
     """How far a table run is: ``done``, ``<k> of <n> prompts timed`` (the baseline's records so far), or ``not
     started``."""
+    from pardec.evaluation.results import results_files
     from pardec.jsonl import read_jsonl
 
     if (run_dir / "summary.json").is_file():
         return "done"
     if not (run_dir / "run.json").is_file():
         return "not started"
-    files = [run_dir / "results.jsonl", *sorted(run_dir.glob("results.rank*.jsonl"))]
-    ids = {r.get("id") for f in files if f.is_file() for r in read_jsonl(f, torn_ok=True) if r.get("role") == "baseline"}
+    ids = {r.get("id") for f in results_files(run_dir) for r in read_jsonl(f, torn_ok=True) if r.get("role") == "baseline"}
     return f"{len(ids)} of {n} prompts timed"
 
 
@@ -238,7 +246,7 @@ def _one_commit(commits: dict[str, list[str]]) -> str:
 def aggregate(out: Path, runs: list[tuple[str, list[str]]], ident: dict, command: str) -> dict:
     from pardec.jsonl import read_json, read_jsonl
 
-    commits = read_json(out / "table_run.json", TableError).get("commits", {})
+    commits = read_json(out / RUN_FILE, TableError).get("commits", {})
 
     table: dict[str, Any] = {
         "title": "Every decoder on every benchmark: one run per benchmark, speed against ar beside quality",
@@ -321,7 +329,7 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
             return 0
         ident = identity(a, shared, own)
         kept_shared(a.out, current_entry)
-        if a.redo and (a.out / "table_run.json").is_file():
+        if a.redo and (a.out / RUN_FILE).is_file():
             check_identity(a.out, ident, ignore=("zoo",))  # the same table but for its drafters
             for moved in redo(a.out, a.redo.split(","), ident["zoo"], {n: run_artifacts(n, shared) for n, _ in runs}):
                 print(f"set aside: {moved}")

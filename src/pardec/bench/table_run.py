@@ -9,6 +9,12 @@ import time
 from pathlib import Path
 from typing import Any
 
+from pardec.config.schema import settings_diff
+from pardec.evaluation.results import write_json
+from pardec.jsonl import read_json
+
+RUN_FILE = "table_run.json"
+
 
 class TableError(ValueError):
     """A run that cannot continue (one line)."""
@@ -17,12 +23,8 @@ class TableError(ValueError):
 def check_identity(out: Path, ident: dict[str, Any], ignore: tuple[str, ...] = ()) -> None:
     """Record the run's identity, or refuse a rerun whose identity differs, in one line naming each difference
     (but in the keys ``ignore``)."""
-    from pardec.config.schema import settings_diff
-
-    f = out / "table_run.json"
+    f = out / RUN_FILE
     if f.is_file():
-        from pardec.jsonl import read_json
-
         skip = ("commits", "started", *ignore)
         kept = {k: v for k, v in read_json(f, TableError).items() if k not in skip}
         diff = settings_diff(kept, json.loads(json.dumps({k: v for k, v in ident.items() if k not in skip})))
@@ -33,32 +35,25 @@ def check_identity(out: Path, ident: dict[str, Any], ignore: tuple[str, ...] = (
                              f"({'; '.join(diff)}){zoo}; continue it there as it was, or pass another --out")
         return
     out.mkdir(parents=True, exist_ok=True)
-    f.write_text(json.dumps({**ident, "started": time.strftime("%Y-%m-%d")}, indent=2) + "\n")
+    write_json(f, {**ident, "started": time.strftime("%Y-%m-%d")})
 
 
 def kept_shared(out: Path, current) -> None:
     """Rewrite the kept identity's method entries under their names now (``current``: entry -> entry): a method
     renamed since the table began is the same method."""
-    from pardec.jsonl import read_json
-
-    f = out / "table_run.json"
+    f = out / RUN_FILE
     if not f.is_file():
         return
     data = read_json(f, TableError)
     now = [current(e) for e in data.get("shared") or []]
     if now != data.get("shared", []):
-        data["shared"] = now
-        tmp = f.with_suffix(".tmp")
-        tmp.write_text(json.dumps(data, indent=2) + "\n")
-        tmp.replace(f)
+        write_json(f, {**data, "shared": now})
 
 
 def started(out: Path) -> str:
     """The date the table in ``out`` started (``table_run.json``'s ``started``; for a table begun before it was
     recorded, the date of its oldest run's ``run.json``)."""
-    from pardec.jsonl import read_json
-
-    day = read_json(out / "table_run.json", TableError).get("started")
+    day = read_json(out / RUN_FILE, TableError).get("started")
     if day:
         return day
     times = [f.stat().st_mtime for f in (out / "runs").glob("*/run.json")]
@@ -67,16 +62,13 @@ def started(out: Path) -> str:
 
 def redo(out: Path, names: list[str], zoo: dict[str, str], runs: dict[str, set[str]]) -> list[Path]:
     """Set the finished or partial runs ``names`` aside (``runs/superseded/<run>.<time>``, kept, not read again) so
-    they run anew, and take ``zoo`` (artifact -> its manifest's sha256) for the table's: how a table continues after a
-zoo artifact was rebuilt. ``runs``: every run of the table with the zoo artifacts it decodes with.
-    Refused in one line when a run kept would still hold a drafter that changed (it must be redone too), or a name
+    they run anew, and take ``zoo`` (artifact -> its manifest's sha256) for the table's: how a table continues after
+    a zoo artifact was rebuilt. ``runs``: every run of the table with the zoo artifacts it decodes with. Refused in one line when a run kept would still hold a drafter that changed (it must be redone too), or a name
     is not one of the table's runs. Returns where the runs went."""
-    from pardec.jsonl import read_json
-
     bad = [n for n in names if n not in runs]
     if bad:
         raise TableError(f"--redo {bad[0]!r} is not one of the table's runs: {', '.join(runs)}")
-    f = out / "table_run.json"
+    f = out / RUN_FILE
     data = read_json(f, TableError)
     before = data.get("zoo") or {}
     changed = {a for a in set(before) | set(zoo) if before.get(a) != zoo.get(a)}
@@ -96,28 +88,22 @@ zoo artifact was rebuilt. ``runs``: every run of the table with the zoo artifact
             src.replace(dst)
             moved.append(dst)
         data.get("commits", {}).pop(name, None)
-    data["zoo"] = zoo
-    tmp = f.with_suffix(".tmp")
-    tmp.write_text(json.dumps(data, indent=2) + "\n")
-    tmp.replace(f)
+    write_json(f, {**data, "zoo": zoo})
     return moved
 
 
 def record_commit(out: Path, run: str) -> str | None:
     """The commit a run starts (or continues) at, kept in ``<out>/table_run.json``'s ``commits`` (a list per run:
     a run continued at another commit lists both)."""
-    from pardec.jsonl import read_json
-    from pardec.zoo.build import git_state
+    from pardec.zoo.build import git_state  # (heavy: the zoo's store imports torch)
 
-    f = out / "table_run.json"
+    f = out / RUN_FILE
     data = read_json(f, TableError)
     commit = git_state().get("commit")
     seen = data.setdefault("commits", {}).setdefault(run, [])
     if commit not in seen:
         seen.append(commit)
-        tmp = f.with_suffix(".tmp")
-        tmp.write_text(json.dumps(data, indent=2) + "\n")
-        tmp.replace(f)
+        write_json(f, data)
     return commit
 
 

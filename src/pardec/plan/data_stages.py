@@ -20,7 +20,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from pardec.plan.compose import check_name, compose
-from pardec.plan.plans import plan, prompt_estimate
+from pardec.plan.plans import composed_plan, prompt_estimate
 from pardec.plan.shapes import COMPONENTS, CONTEXT_MARGIN, DTYPE_BYTES, OVERHEAD, Arch, Plan, arch
 
 
@@ -62,7 +62,7 @@ def data_plans(recipe: str, cfg: dict[str, Any], a: Arch, world: int, prompt_tok
                 (cfg.get("collect") or {}).get("max_new_tokens", 0)))):
             continue  # CLLM generates whole answers only when asked for longer ones than it collected
         batch, new, topk = int(g.get("batch_size", 8)), int(g.get("max_new_tokens", 128)), int(g.get("teacher_topk", 0))
-        prompt = _prompt(g.get("sources") or cfg.get("sources"), cfg.get("dataset"), prompt_tokens)
+        prompt = _prompt(g.get("sources"), cfg.get("dataset"), prompt_tokens)
         rows = batch * (new if topk else 1)
         out.append(_stage("generate" if key == "completions" else "heldout", recipe, a, world, run_bytes, batch, prompt,
                           new, rows, "every step's logits kept (teacher_topk)" if topk else "generate()"))
@@ -72,10 +72,11 @@ def data_plans(recipe: str, cfg: dict[str, Any], a: Arch, world: int, prompt_tok
 def stage_plans(name: str, *, world: int | None = None, gpus: int | None = None, overrides: Sequence[str] = (),
                 prompt_tokens: int | None = None) -> list[Plan]:
     """:func:`plan`, and for a training recipe also its data-generation stages, in the order the recipe runs them
-    (collect, generate, train, heldout)."""
-    p = plan(name, world=world, gpus=gpus, overrides=overrides, prompt_tokens=prompt_tokens)
-    if p.kind == "eval":
+    (collect, generate, train, heldout); the recipe is composed once for all of them."""
+    name = check_name(name)
+    app, cfg = compose(name, overrides)
+    p = composed_plan(name, app, cfg, world=world, gpus=gpus, prompt_tokens=prompt_tokens)
+    if app != "train":
         return [p]
-    _, cfg = compose(check_name(name), overrides)
     data = data_plans(name, cfg, arch(p.model), p.world, prompt_tokens)
     return [*(d for d in data if d.kind != "heldout"), p, *(d for d in data if d.kind == "heldout")]

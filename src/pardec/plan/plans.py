@@ -38,7 +38,12 @@ def plan(name: str, *, world: int | None = None, gpus: int | None = None, overri
     """The per-GPU memory plan of recipe ``name`` (training: ``world`` ranks, default its launch line's; evaluation:
     the target split over ``gpus`` GPUs under ``model.device_map``, default 1)."""
     name = check_name(name)
-    app, cfg = compose(name, overrides)
+    return composed_plan(name, *compose(name, overrides), world=world, gpus=gpus, prompt_tokens=prompt_tokens)
+
+
+def composed_plan(name: str, app: str, cfg: dict[str, Any], *, world: int | None = None, gpus: int | None = None,
+                  prompt_tokens: int | None = None) -> Plan:
+    """:func:`plan` of recipe ``name`` already composed (``app``, ``cfg``: :func:`~pardec.plan.compose.compose`)."""
     model = cfg["model"]
     hub = model.get("path") if model.get("source") == "hub" else _trained_hub(model.get("path"))
     if hub is None or not shipped_config(hub).is_file():
