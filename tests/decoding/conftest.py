@@ -1,8 +1,10 @@
-"""Shared by the oracle tests of the n-gram methods (test_lookahead, test_ouroboros)."""
+"""Shared by the oracle tests of the n-gram methods (test_lookahead, test_ouroboros), and one torch thread for the
+distribution tests."""
 
 from __future__ import annotations
 
 import pytest
+import torch
 
 from pardec.models.cached import CachedModel
 from tests.conftest import tiny
@@ -23,3 +25,13 @@ def setup():
     """(tiny model, its CachedModel, a short code prompt's ids)."""
     lm = tiny(0)
     return lm, CachedModel(lm.model), lm.tokenizer("def fibonacci(n):\n    return")["input_ids"]
+
+
+@pytest.fixture
+def one_thread():
+    """One torch thread: 16-token forwards (the distribution tests) gain nothing from two, and on a busy machine two
+    threads' waits for each other multiply the run time (tens of times for ouroboros' many small forwards)."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)

@@ -344,16 +344,6 @@ def fused_deep(probe: Probe) -> bool:
 
 
 # ---------------------------------------------------------------------------------------------- the test
-@pytest.fixture
-def one_thread():
-    """One torch thread: these 16-token forwards gain nothing from two, and on a busy machine two threads' waits
-    for each other multiply the run time (tens of times for ouroboros' many small forwards)."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 def test_the_deep_test_covers_every_distribution_method():
     assert {METHOD_OF.get(c, c) for c in PARAMS} | {"ar", "medusa", "firp"} == set(DISTRIBUTION)
     assert set(CASES) == set(DISTRIBUTION) - {"ar"} | set(METHOD_OF)

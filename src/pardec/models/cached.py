@@ -22,13 +22,10 @@ that: a bool ``[T, T]`` mask among the new tokens (a tree: each token sees its a
 over cached and new positions, so that branches an earlier forward left in the cache (several drafts, beams)
 stay invisible to each other.
 
-Every forward checks its logits: NaN or inf raises :class:`NonFiniteLogitsError` naming the model and the
-position, instead of decoding garbage. On the CPU the check runs at once (the forward raises). On an accelerator it
-costs no host sync in the forward: a device-side flag per forward is copied to the host asynchronously and read when
-the model is next used (the next forward, :mod:`pardec.models.pseudo`'s calls, ``prefill``/``reset``, ``tokens``,
-``sync``) or by :meth:`CachedModel.check_finite`; by then the caller has read the logits, so the read waits for
-nothing. The error then comes one call later, before that call computes anything (a token decoded from bad logits
-is never run through the model); call ``check_finite()`` after the last forward to surface one it produced.
+Every forward checks its logits (:mod:`pardec.models.finite`): NaN or inf raises :class:`NonFiniteLogitsError`
+naming the model and the position; on an accelerator one call later (when the model is next used: the next forward,
+:mod:`pardec.models.pseudo`'s calls, ``prefill``/``reset``, ``tokens``, ``sync``), without a host sync in the
+forward; call ``check_finite()`` after the last forward to surface one it produced.
 
 The KV cache (``cache=``): ``"preallocated"`` (the default, :mod:`pardec.models.cache.preallocated`) writes new keys in place
 into buffers that grow by doubling, truncates by moving a length, compacts only the kept positions and moves batch
@@ -55,17 +52,14 @@ from transformers import PreTrainedModel
 from pardec.models import forward as forwards
 from pardec.models.cache import new_cache, to_device
 from pardec.models.compat import cache_kw, output_cache
-from pardec.models.forward.lean import captured, capturing
+from pardec.models.finite import FiniteCheck, NonFiniteLogitsError  # noqa: F401  (raised by check_finite)
+from pardec.models.forward.lean import capture_layers, captured, capturing
 from pardec.models.masks import additive_mask, allowed, padded
 from pardec.models.tokens import TokenLog
 
 
 class FlashAttentionMaskError(ValueError):
     """A forward needs a custom attention mask and the model runs flash_attention_2, which cannot take one."""
-
-
-class NonFiniteLogitsError(RuntimeError):
-    """A model produced NaN or inf logits; the message names the model and the position."""
 
 
 @dataclass
@@ -99,9 +93,7 @@ class CachedModel:
         self.forward_impl = self.impl.name
         self._tokens = TokenLog()  # the token ids held by the cache, [rows, length]
         self._last_appended = 0  # positions appended by the most recent forward (for ``keep``)
-        #: per forward on an accelerator, not yet read: (finite [B, T'] on the device, all-finite flag, the event
-        #: after its copy to the host (CUDA) or None, (past, t, last_only, kept)) (module docstring)
-        self._unchecked: list[tuple] = []
+        self._finite = FiniteCheck()  # NaN/inf in the logits (module docstring)
         #: flash_attention_2 kernels take causal (or padding) masks only: forwards that need a custom one refuse
         self.flash = getattr(model.config, "_attn_implementation", None) == "flash_attention_2"
         #: this machine's forward-cost table (:mod:`pardec.models.cost`): a forward of T > 1 new rows after a cached
@@ -163,12 +155,7 @@ class CachedModel:
         """Raise :class:`NonFiniteLogitsError` if an earlier forward's logits held NaN/inf (on an accelerator the
         check is deferred to the next use of the model: module docstring). Reads flags the device already copied
         to the host: no wait once the caller has read that forward's logits."""
-        pending, self._unchecked = self._unchecked, []
-        for finite, ok, done, where in pending:
-            if done is not None:
-                done.synchronize()
-            if not bool(ok):
-                self._raise_non_finite(finite, *where, late=True)
+        self._finite.pending()
 
     @torch.inference_mode()
     def prefill(self, ids: torch.Tensor) -> torch.Tensor:
@@ -203,7 +190,7 @@ class CachedModel:
                       (EAGLE-3's low/mid/high features): [B, T, len * H]. Every forward implementation captures.
         """
         self.check_finite()
-        capture = self.capture_layers(hidden_layer)
+        capture = capture_layers(hidden_layer, self.num_layers, self.name)
         if ids.dim() == 1:
             ids = ids[None]
         given = ids  # the token log keeps the caller's ids where they are (host ids: no copy back)
@@ -274,20 +261,6 @@ class CachedModel:
         if capture is None:
             return out.logits, None
         return out.logits, captured(seen, seen.get(self.num_layers), capture, self.num_layers)
-
-    def capture_layers(self, hidden_layer: int | tuple[int, ...] | list[int] | None) -> tuple[int, ...] | None:
-        """``hidden_layer`` as the tuple of layers a forward captures (None: none), each checked: 0 (the
-        embeddings) .. ``num_layers`` (after the final norm)."""
-        if hidden_layer is None:
-            return None
-        layers = (hidden_layer,) if isinstance(hidden_layer, int) else tuple(int(i) for i in hidden_layer)
-        for i in layers:
-            if not 0 <= i <= self.num_layers:
-                raise ValueError(f"hidden_layer={i} is out of range: choose 0 (the embeddings) .. {self.num_layers} "
-                                 f"(after the final norm) for {self.name}'s {self.num_layers} layers")
-        if not layers:
-            raise ValueError("hidden_layer=(): name at least one layer to capture")
-        return layers
 
     def lm_head(self, normed: torch.Tensor) -> torch.Tensor:
         """The LM head on hidden states that went through the final norm (pseudo states of :meth:`forward_pseudo`)."""
@@ -408,11 +381,6 @@ class CachedModel:
                             f"model.model.layers and lm_head (Llama-style); got {type(self.model).__name__}")
         return inner
 
-    def _layer(self, layer: int) -> torch.nn.Module:
-        if not 0 <= layer < self.num_layers:
-            raise ValueError(f"hidden_layer={layer} is out of range: the model has layers 0..{self.num_layers - 1}")
-        return self.inner().layers[layer]
-
     def positions_for(self, positions, bsz: int, t: int, past: int) -> torch.Tensor:
         """[B, T] absolute positions of ``t`` new tokens on this model's device: ``positions`` ([T] or [B, T]) or,
         when None, those after the ``past`` cached ones."""
@@ -429,30 +397,8 @@ class CachedModel:
         self._last_appended = t
 
     def check_logits(self, logits: torch.Tensor, past: int, t: int, last_only: bool, kept) -> None:
-        """NaN/inf in ``logits`` [B, T', V] raise: at once on the CPU; on an accelerator when the model is next used
-        (a flag copied to the host without a sync; module docstring)."""
-        if logits.device.type == "cpu":
-            # one reduction: min and max are finite only when every value is (NaN propagates through both); on the
-            # CPU ~8x cheaper than isfinite + all over a large vocabulary (~130 us a row at 49k tokens)
-            if not bool(torch.isfinite(torch.stack(torch.aminmax(logits))).all()):
-                self._raise_non_finite(torch.isfinite(logits).all(-1), past, t, last_only, kept)
-            return
-        finite = torch.isfinite(logits).all(-1)  # [B, T']
-        ok, done = finite.all(), None
-        if ok.device.type == "cuda":
-            ok = ok.to("cpu", non_blocking=True)  # into pinned memory; ``done`` says when it has arrived
-            done = torch.cuda.Event()
-            done.record(torch.cuda.current_stream(finite.device))
-        self._unchecked.append((finite, ok, done, (past, t, last_only, kept)))
-
-    def _raise_non_finite(self, finite: torch.Tensor, past: int, t: int, last_only: bool, kept,
-                          late: bool = False) -> None:
-        b, j = (int(x) for x in (~finite).nonzero()[0])
-        new = t - 1 if last_only else int(kept[j]) if isinstance(kept, torch.Tensor) else j
-        raise NonFiniteLogitsError(
-            f"model {self.name!r} produced non-finite logits (NaN/inf) at position {past + new} "
-            f"(row {b}, new token {new} of {t}, cache length {past})"
-            + (" in an earlier forward (found when the model was next used)" if late else ""))
+        """NaN/inf in ``logits`` [B, T', V] raise: at once on the CPU; on an accelerator when the model is next used."""
+        self._finite.check(logits, self.name, past, t, last_only, kept)
 
     def additive(self, visible: torch.Tensor) -> torch.Tensor:
         """The additive mask of a [B, T, K] bool visibility, in this model's dtype; refused under flash-attention."""

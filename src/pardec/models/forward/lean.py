@@ -142,6 +142,22 @@ def norm_head(model: nn.Module, h: torch.Tensor, lin=_lin, keep: torch.Tensor | 
     return normed, (full(logits) if full is not None else logits)
 
 
+def capture_layers(hidden_layer: int | tuple[int, ...] | list[int] | None, num_layers: int, name: str
+                   ) -> tuple[int, ...] | None:
+    """``hidden_layer`` as the tuple of layers a forward captures (None: none), each checked: 0 (the embeddings) ..
+    ``num_layers`` (after the final norm) of model ``name``."""
+    if hidden_layer is None:
+        return None
+    layers = (hidden_layer,) if isinstance(hidden_layer, int) else tuple(int(i) for i in hidden_layer)
+    for i in layers:
+        if not 0 <= i <= num_layers:
+            raise ValueError(f"hidden_layer={i} is out of range: choose 0 (the embeddings) .. {num_layers} "
+                             f"(after the final norm) for {name}'s {num_layers} layers")
+    if not layers:
+        raise ValueError("hidden_layer=(): name at least one layer to capture")
+    return layers
+
+
 @contextmanager
 def capturing(decoder: nn.Module | None, capture: tuple[int, ...] | None) -> Iterator[dict[int, torch.Tensor]]:
     """While open, a forward of transformers' Llama-style ``decoder`` (``model.model``: ``layers``, ``norm``) records

@@ -1,0 +1,241 @@
+"""``python -m pardec.bench batch``: how a method's gain changes as the batch grows, and where it falls below
+batched ``ar`` (the crossover).
+
+Every batched method (:data:`pardec.decoding.batch.BATCHED`) decodes the same N prompts at each batch size, all
+submitted at once (continuous batching: :func:`~pardec.decoding.batch.run_batch`), after a warm-up; the methods take
+turns at each batch size before the next one, so drift in the machine's speed hits them alike. Per cell: aggregate
+tokens/s, per-request latency from submission (mean, p50, p95), tokens per target forward, the share of prompts whose
+tokens equal batch-1 ``ar``'s (greedy; 1.00 expected of every lossless method in fp32) and whether another process
+competed for the CPU meanwhile (:mod:`pardec.metrics.busy`). The crossover of a method: the smallest batch size at
+which its tokens/s fall below batched ``ar``'s at the same size.
+
+    python -m pardec.bench batch [--methods ar,pld,sps:gamma=4] [--batch-sizes 1,2,4,8,16] [--n 16]
+        [--max-new-tokens 128] [--out DIR] [overrides: model=smollm2_135m dataset=gsm8k dataset.path=FILE
+        dtype=fp32 draft=smollm2_distilled threads=2 ...]
+
+``<out>/batch.json`` holds the run's identity (host, commit, settings) and each cell as it is measured: a killed run
+continues where it stopped (measured cells are kept) and refuses to continue with another identity.
+``<out>/batch.png``: tokens/s and speed against batched ``ar`` per batch size; ``<out>/batch.md``: the table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from pardec import REPO_ROOT
+from pardec.config import ConfigError
+from pardec.config.schema import settings_diff
+
+FILE = "batch.json"
+
+
+def parse_sizes(text: str) -> list[int]:
+    try:
+        sizes = sorted({int(x) for x in text.split(",") if x.strip()})
+    except ValueError:
+        raise ConfigError(f"--batch-sizes {text!r}: expected integers >= 1 separated by commas, e.g. 1,2,4,8") from None
+    if not sizes or sizes[0] < 1:
+        raise ConfigError(f"--batch-sizes {text!r}: expected integers >= 1 separated by commas, e.g. 1,2,4,8")
+    return sizes
+
+
+def parse_methods(text: str) -> list[tuple[str, str, dict]]:
+    """``ar,sps:gamma=4`` -> [(label, name, params)], each checked against the batched methods; ``ar`` first."""
+    from pardec.decoding.batch.engine import check_batched
+    from pardec.evaluation.spec import parse_also
+
+    out = []
+    for entry in [e for e in text.split(",") if e]:
+        name, params = parse_also(entry)
+        cls = check_batched(name, 1, params)
+        out.append((entry, cls.name, params))
+    if "ar" not in [m[0] for m in out]:
+        out.insert(0, ("ar", "ar", {}))  # the reference of every cell
+    return sorted(out, key=lambda m: m[0] != "ar")
+
+
+def crossover(cells: list[dict]) -> dict[str, int | None]:
+    """Per method: the smallest batch size at which its tokens/s fall below batched ``ar``'s (None: never here)."""
+    ar = {c["batch_size"]: c["tokens_per_s"] for c in cells if c["method"] == "ar"}
+    out: dict[str, int | None] = {}
+    for c in sorted(cells, key=lambda c: c["batch_size"]):
+        m = c["method"]
+        if m == "ar":
+            continue
+        out.setdefault(m, None)
+        if out[m] is None and c["batch_size"] in ar and c["tokens_per_s"] < ar[c["batch_size"]]:
+            out[m] = c["batch_size"]
+    return out
+
+
+def table(data: dict) -> str:
+    cells = data["cells"]
+    ar = {c["batch_size"]: c["tokens_per_s"] for c in cells if c["method"] == "ar"}
+    ar1 = ar.get(1)
+    lines = ["| method | batch | tokens/s | vs ar at batch | vs ar at 1 | latency mean / p50 / p95 s | tokens per "
+             "forward | EM vs ar | busy |", "|---|---|---|---|---|---|---|---|---|"]
+    for c in sorted(cells, key=lambda c: (c["method"] != "ar", c["method"], c["batch_size"])):
+        lat, tps = c["latency"], c["tokens_per_s"]
+        same = f"{tps / ar[c['batch_size']]:.2f}x" if ar.get(c["batch_size"]) else ""
+        one = f"{tps / ar1:.2f}x" if ar1 else ""
+        em = "" if c["exact_match"] is None else f"{c['exact_match']:.2f}"
+        lines.append(f"| {c['method']} | {c['batch_size']} | {tps:.1f} | {same} | {one} | {lat['mean']:.1f} / "
+                     f"{lat['p50']:.1f} / {lat['p95']:.1f} | {c['tokens_per_forward']:.2f} | {em} | "
+                     f"{'yes' if c['busy'].get('busy') else ''} |")
+    cross = ", ".join(f"{m}: {'never (up to ' + str(max(ar, default=0)) + ')' if b is None else b}"
+                      for m, b in crossover(cells).items())
+    return "\n".join(lines) + (f"\n\nCrossover (first batch size below batched ar): {cross}" if cross else "")
+
+
+def plot(data: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from pardec.models.host import describe
+
+    cells = data["cells"]
+    ar = {c["batch_size"]: c["tokens_per_s"] for c in cells if c["method"] == "ar"}
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.2))
+    for m in dict.fromkeys(c["method"] for c in cells):
+        mine = sorted((c for c in cells if c["method"] == m), key=lambda c: c["batch_size"])
+        xs = [c["batch_size"] for c in mine]
+        left.plot(xs, [c["tokens_per_s"] for c in mine], marker="o", label=m)
+        both = [(c["batch_size"], c["tokens_per_s"] / ar[c["batch_size"]]) for c in mine if c["batch_size"] in ar]
+        right.plot([b for b, _ in both], [v for _, v in both], marker="o", label=m)
+    right.axhline(1.0, color="grey", lw=0.8, ls="--")
+    for ax, title in ((left, "aggregate tokens/s"), (right, "tokens/s vs batched ar at the same batch size")):
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("batch size")
+        ax.set_title(title, fontsize=10)
+        ax.legend(fontsize=8)
+    ident = data["identity"]
+    fig.suptitle(f"{ident['model']} {ident['dtype']}, {ident['dataset']} (n={ident['n']}, {ident['max_new_tokens']} "
+                 f"new tokens) -- {describe(ident['host'])}, {data['date']}", fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def load(out: Path, ident: dict) -> dict:
+    """The run so far in ``out`` (or a new one); refuses one started with another identity, naming the differences."""
+    from pardec.jsonl import read_json
+
+    f = out / FILE
+    if not f.is_file():
+        return {"identity": ident, "date": time.strftime("%Y-%m-%d"), "cells": [], "reference": None}
+    data = read_json(f, ConfigError)
+    diff = settings_diff(data["identity"], ident)
+    if diff:
+        raise ConfigError(f"cannot continue the batch run in {out}: it was started with other settings "
+                          f"({'; '.join(diff)}); pass another --out")
+    return data
+
+
+def main(argv: list[str] | None = None, prog: str | None = None) -> int:
+    ap = argparse.ArgumentParser(prog=prog, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--methods", default="ar,pld,sps")
+    ap.add_argument("--batch-sizes", default="1,2,4,8,16")
+    ap.add_argument("--n", type=int, default=16)
+    ap.add_argument("--max-new-tokens", type=int, default=128)
+    ap.add_argument("--warmup-tokens", type=int, default=16)
+    ap.add_argument("--out", type=Path, default=REPO_ROOT / "outputs" / "bench" / f"batch_{time.strftime('%Y-%m-%d')}")
+    ap.add_argument("overrides", nargs="*", help="Hydra overrides of the evaluate config (model=, dataset=, dtype=, "
+                                                   "draft=, threads=, ...)")
+    a = ap.parse_intermixed_args(argv)
+    try:  # every value checked before anything loads
+        sizes = parse_sizes(a.batch_sizes)
+        methods = parse_methods(a.methods)
+        if a.n < 1 or a.max_new_tokens < 1:
+            raise ConfigError(f"--n {a.n} and --max-new-tokens {a.max_new_tokens} must be >= 1")
+        spec = _spec(a, methods)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return measure(a, spec, methods, sizes)
+
+
+def _spec(a: argparse.Namespace, methods: list[tuple[str, str, dict]]):
+    from hydra import compose, initialize_config_dir
+
+    from pardec import CONF_DIR
+    from pardec.decoding.batch import BATCHED
+    from pardec.evaluation.spec import validate
+
+    with initialize_config_dir(str(CONF_DIR), version_base="1.3"):
+        cfg = compose("evaluate", overrides=["+method=ar", f"n_samples={a.n}", f"max_new_tokens={a.max_new_tokens}",
+                                             *a.overrides])
+    spec = validate(cfg)
+    for label, name, _ in methods:
+        if BATCHED.get(name).needs_draft and spec.draft is None:
+            raise ConfigError(f"--methods entry {label!r} needs a draft model: pass draft=<name> "
+                              f"(e.g. draft=smollm2_distilled)")
+    return spec
+
+
+def _identity(a, spec, methods) -> dict[str, Any]:
+    from dataclasses import asdict
+
+    from pardec.models.host import machine
+
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO_ROOT, capture_output=True,
+                            text=True).stdout.strip() or None
+    return {"host": machine(), "commit": commit, "model": spec.model.name, "dtype": spec.run.dtype,
+            "draft": spec.draft.name if spec.draft else None, "dataset": spec.dataset.name, "n": a.n,
+            "max_new_tokens": a.max_new_tokens, "methods": [[label, params] for label, _, params in methods],
+            "sampling": asdict(spec.sampling)}
+
+
+def measure(a, spec, methods, sizes) -> int:
+    import torch
+    from tqdm import tqdm
+
+    from pardec.decoding import Stopper
+    from pardec.decoding.batch import build_batched, run_batch
+    from pardec.evaluation.results import write_json
+    from pardec.metrics.busy import CpuMeter, free_cores
+    from pardec.models.loading import load_model
+    from pardec.tasks.base import build_task, select_docs
+
+    r = spec.run
+    torch.set_num_threads(free_cores() if r.threads == "auto" else int(r.threads))
+    ident = _identity(a, spec, methods)
+    data = load(a.out, ident)
+    a.out.mkdir(parents=True, exist_ok=True)
+    lm = load_model(spec.model, spec.devices[0])
+    draft = load_model(spec.draft, spec.devices[1]).model if spec.draft else None
+    task = build_task(spec.dataset, timeout_s=r.timeout_s)
+    chat = spec.dataset.use_chat(lm.chat)
+    prompts = [list(task.prompt_ids(doc, lm.tokenizer, chat, [])) for doc in select_docs(task, a.n)]
+    stop = Stopper(lm.tokenizer, lm.eos_ids if r.stop_at_eos else set(), task.stop_strings(chat))
+    done = {(c["method"], c["batch_size"]) for c in data["cells"]}
+    todo = [(b, m) for b in sizes for m in methods if (m[0], b) not in done]
+    for b, (label, name, params) in tqdm(todo, desc="batch cells", unit="cell"):
+        dec = build_batched(name, lm.model, b, max(map(len, prompts)) + a.max_new_tokens + 64, lm.tokenizer, draft,
+                            **params)
+        run_batch(dec, prompts[: min(len(prompts), b)], a.warmup_tokens, stop, spec.sampling)  # warm-up
+        with CpuMeter().window() as competed:
+            run = run_batch(dec, prompts, a.max_new_tokens, stop, spec.sampling)
+        tokens = [res.tokens for res in run.results]
+        if label == "ar" and b == 1:
+            data["reference"] = tokens
+        ref = data["reference"]
+        same = None if ref is None or not spec.sampling.greedy else sum(x == y for x, y in zip(tokens, ref)) / len(ref)
+        data["cells"].append({
+            "method": label, "batch_size": b, "tokens_per_s": run.tokens_per_s, "wall_s": run.wall_s,
+            "tokens": run.tokens, "rounds": run.rounds, "latency": run.latency(),
+            "tokens_per_forward": run.tokens / max(1, sum(res.target_forwards for res in run.results)),
+            "exact_match": same, "busy": competed.record()})
+        write_json(a.out / FILE, data)  # each cell as measured (a rename: a kill leaves the previous file whole)
+    text = table(data)
+    (a.out / "batch.md").write_text(text + "\n")
+    plot(data, a.out / "batch.png")
+    print(text)
+    print(f"\nwritten to {a.out}")
+    return 0

@@ -1,0 +1,13 @@
+"""Decoding a batch of prompts together (``batch_size > 1``): continuous batching over a ragged KV cache.
+
+* :mod:`~pardec.decoding.batch.engine`: the loop (:func:`run_batch`), the per-request state (:class:`Row`), the
+  method seam (:class:`BatchedMethod`) and its registry (:data:`BATCHED`, a plug-in point as ``METHODS`` is);
+* :mod:`~pardec.decoding.batch.verify`: chain verification of every row's draft in one forward and one host read;
+* :mod:`~pardec.decoding.batch.methods`: ``ar``, ``pld`` and ``sps`` over a batch.
+
+The cache is :class:`pardec.models.ragged.RaggedModel`: each row its own length, so rows accept different numbers
+of draft tokens per round without re-padding the batch, finished rows leave and waiting prompts take their place.
+"""
+
+from pardec.decoding.batch import methods  # noqa: F401  (registers the batched methods)
+from pardec.decoding.batch.engine import BATCHED, BatchedMethod, BatchRun, Row, build_batched, run_batch  # noqa: F401

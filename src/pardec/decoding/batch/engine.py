@@ -1,0 +1,234 @@
+"""The batched decoding loop: continuous batching of requests over a :class:`~pardec.models.ragged.RaggedModel`.
+
+:func:`run_batch` takes every prompt at once (an offline batch, as throughput benchmarks submit it), admits up to
+``batch_size`` of them (each prompt prefilled alone, its first token chosen from that forward), then runs rounds: one
+:meth:`BatchedMethod.round` for all active rows (one target forward, one host read), after which finished rows leave
+and waiting prompts take their rows. Each request's result is a :class:`~pardec.decoding.base.GenerationResult` whose
+``total_s`` is its latency from submission (the run's start) to its last token and ``prefill_s`` the time to its
+first token; :class:`BatchRun` adds the run's wall time and rounds.
+
+A batched method is a plug-in: subclass :class:`BatchedMethod`, implement :meth:`~BatchedMethod.round`, register it
+with :func:`register_batched` under the name of the batch-1 method whose output it reproduces (``ar``, ``pld``,
+``sps``: :mod:`pardec.decoding.batch.methods`), taking the same ``method.*`` parameters or a subset of them."""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+import torch
+
+from pardec.config import ConfigError, SamplingConfig
+from pardec.decoding.base import METHODS, GenerationResult, Output, Stopper, check_params, sync
+from pardec.decoding.batch.verify import verify_rows
+from pardec.decoding.sampling import make_generator, select
+from pardec.models.ragged import RaggedModel
+from pardec.registry import Registry
+
+
+@dataclass
+class Row:
+    """One request while it decodes: the target holds its prompt + committed tokens but the last (``last``)."""
+
+    index: int  # the prompt's index in the submitted list
+    prompt: list[int]
+    out: Output
+    last: int = -1
+    forwards: int = 1  # target forwards this request took part in, its prefill included
+    drafted: int = 0
+    draft_accepted: int = 0
+    first_s: float = 0.0  # from the run's start to its first token
+    state: dict[str, Any] = field(default_factory=dict)  # what a method keeps per request between rounds
+
+    @property
+    def length(self) -> int:
+        """Tokens of prompt + output."""
+        return len(self.prompt) + len(self.out.tokens)
+
+    def tail(self, start: int) -> list[int]:
+        """(prompt + output)[start:]."""
+        p = len(self.prompt)
+        return (self.prompt[start:] + self.out.tokens) if start < p else self.out.tokens[start - p :]
+
+    def commit(self, tokens: list[int], drafted: int = 0) -> None:
+        """A target forward committed ``tokens`` (its accepted draft tokens, then its own)."""
+        self.forwards += 1
+        self.drafted += drafted
+        self.draft_accepted += len(tokens) - 1
+        self.out.commit(tokens)
+        self.last = tokens[-1]
+
+
+class BatchedMethod:
+    """Base class of a batched method: the target (and the draft) as ragged batches, rows in the same order."""
+
+    name: ClassVar[str] = ""
+    exactness: ClassVar[str] = "distribution"  # as its batch-1 method's (tests hold every row to it)
+    needs_draft: ClassVar[bool] = False
+    renamed: ClassVar[dict[str, str]] = {}
+
+    def __init__(self, target: RaggedModel, tokenizer=None, draft: RaggedModel | None = None):
+        self.target, self.tokenizer, self.draft = target, tokenizer, draft
+        self.s = SamplingConfig()
+        self.gen: torch.Generator | None = None
+
+    @property
+    def width(self) -> int:
+        """The most new positions a round adds to a row's cache (the batch cache's headroom)."""
+        return 1
+
+    def start(self, s: SamplingConfig, gen: torch.Generator | None) -> None:
+        self.s, self.gen = s, gen
+
+    def admit(self, row: Row) -> None:
+        """Prefill ``row``'s prompt into a new last row (target and draft) and commit its first token."""
+        first = select(self.target.add(row.prompt), self.s, self.gen)
+        if self.draft is not None:
+            self.draft.add(row.prompt)
+        row.last = int(first)  # (the admission's one host read)
+        row.out.commit([row.last])
+
+    def round(self, rows: list[Row]) -> None:
+        """One round for every active row (``rows[b]`` is the models' row ``b``): one target forward, commit."""
+        raise NotImplementedError
+
+    def drop(self, b: int) -> None:
+        """Row ``b`` leaves every model (the last row takes its place, as in ``rows``)."""
+        self.target.drop(b)
+        if self.draft is not None:
+            self.draft.drop(b)
+
+    # ---------------------------------------------------------------- shared steps
+    def verify(self, rows: list[Row], draft: torch.Tensor, ks: list[int], q: torch.Tensor | None = None,
+               extra: Callable[[torch.Tensor], torch.Tensor] | None = None) -> tuple[list[list[int]], list[list[int]]]:
+        """One target forward over ``[last, *draft[b]]`` per row (``draft`` [n, K], row b's first ``ks[b]`` real):
+        commit each row's accepted prefix + the target's token, keep exactly those in the cache. Returns (those
+        tokens per row, the rows of ``extra(logits)`` [n, X]: ids read back in the same host read)."""
+        n, k = draft.shape
+        lasts = torch.tensor([[r.last] for r in rows], dtype=torch.long)
+        ids = torch.cat([lasts.to(draft.device), draft], 1)
+        base = list(self.target.lengths)
+        logits = self.target.forward(ids)
+        acc, more = verify_rows(draft, ks, logits, self.s, self.gen, q, None if extra is None else extra(logits))
+        self.target.set_lengths([b0 + len(a) for b0, a in zip(base, acc)])
+        for r, a, kb in zip(rows, acc, ks):
+            r.commit(a, kb)
+        return acc, more
+
+
+BATCHED: Registry[type[BatchedMethod]] = Registry("batched method")
+
+
+def register_batched(name: str) -> Callable[[type[BatchedMethod]], type[BatchedMethod]]:
+    """Register a batched method under the name of the batch-1 method it reproduces."""
+
+    def deco(cls: type[BatchedMethod]) -> type[BatchedMethod]:
+        single = METHODS.get(name)
+        cls.name, cls.exactness, cls.needs_draft = name, single.exactness, single.needs_draft
+        return BATCHED.register(name)(cls)
+
+    return deco
+
+
+def check_batched(name: str, batch_size: int, params: dict[str, Any]) -> type[BatchedMethod]:
+    """The batched method ``name`` for ``batch_size`` rows with ``params``, checked before any model loads."""
+    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+        raise ConfigError(f"batch_size={batch_size!r} must be an integer >= 1")
+    if name not in BATCHED:
+        single = METHODS.canonical(name)  # (an unknown method: the registry's message)
+        raise ConfigError(f"method {single!r} has no batched implementation: batch_size > 1 runs "
+                          f"{', '.join(BATCHED.names())}")
+    cls = BATCHED.get(name)
+    check_params(cls, params)
+    return cls
+
+
+def build_batched(name: str, model: torch.nn.Module, batch_size: int, capacity: int, tokenizer=None,
+                  draft: torch.nn.Module | None = None, **params: Any) -> BatchedMethod:
+    """The batched method ``name`` over ``model`` (and ``draft``) for ``batch_size`` rows of ``capacity`` positions
+    (the batch cache grows past it if needed)."""
+    cls = check_batched(name, batch_size, params)
+    if cls.needs_draft and draft is None:
+        raise ConfigError(f"method {name!r} needs a draft model: pass draft=<name>")
+    target = RaggedModel(model, batch_size, capacity)
+    return cls(target, tokenizer, RaggedModel(draft, batch_size, capacity) if cls.needs_draft else None, **params)
+
+
+@dataclass
+class BatchRun:
+    """Every request's result (in submission order), and the run's."""
+
+    results: list[GenerationResult]
+    wall_s: float
+    rounds: int
+    batch_size: int
+    extras: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def tokens(self) -> int:
+        return sum(len(r.tokens) for r in self.results)
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens / self.wall_s if self.wall_s > 0 else 0.0
+
+    def latency(self) -> dict[str, float]:
+        """Per-request latency from submission to the last token, seconds: mean, p50, p95."""
+        lat = sorted(r.total_s for r in self.results)
+        if not lat:
+            return {"mean": 0.0, "p50": 0.0, "p95": 0.0}
+        p95 = lat[min(len(lat) - 1, max(0, round(0.95 * len(lat)) - 1))]
+        return {"mean": statistics.fmean(lat), "p50": statistics.median(lat), "p95": p95}
+
+
+@torch.inference_mode()
+def run_batch(method: BatchedMethod, prompts: list[list[int]], max_new_tokens: int, stop: Stopper | None = None,
+              sampling: SamplingConfig | None = None, on_finish: Callable[[GenerationResult], None] | None = None
+              ) -> BatchRun:
+    """Decode every prompt with ``method``, at most its batch rows at a time (continuous batching)."""
+    if any(len(p) == 0 for p in prompts):
+        raise ValueError("empty prompt")
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens={max_new_tokens} must be >= 1")
+    s = sampling or SamplingConfig()
+    device = method.target.device
+    method.start(s, make_generator(s, device))
+    queue = deque(enumerate(prompts))
+    active: list[Row] = []
+    results: list[GenerationResult | None] = [None] * len(prompts)
+    rounds = 0
+    sync(device)
+    t0 = time.perf_counter()
+
+    def leave() -> None:  # finished rows leave, last first (each one's place is taken by the current last row)
+        for b in reversed(range(len(active))):
+            r = active[b]
+            if r.out.done:
+                results[r.index] = res = GenerationResult(
+                    r.out.tokens, r.out.reason, r.forwards, accepted=r.out.accepted, prefill_s=r.first_s,
+                    total_s=time.perf_counter() - t0, drafted=r.drafted, draft_accepted=r.draft_accepted)
+                method.drop(b)
+                tail = active.pop()
+                if b < len(active):
+                    active[b] = tail
+                if on_finish is not None:
+                    on_finish(res)
+
+    while queue or active:
+        while queue and len(active) < method.target.max_rows:
+            i, prompt = queue.popleft()
+            row = Row(i, [int(t) for t in prompt], Output(max_new_tokens, stop or Stopper()))
+            method.admit(row)
+            row.first_s = time.perf_counter() - t0
+            active.append(row)
+        leave()
+        if active:
+            method.round(active)
+            rounds += 1
+            leave()
+    sync(device)
+    return BatchRun(results, time.perf_counter() - t0, rounds, method.target.max_rows)

@@ -1,0 +1,204 @@
+"""A batch of sequences of different lengths over one model: the KV cache of batched decoding (``batch_size > 1``).
+
+:class:`~pardec.models.cached.CachedModel`'s caches hold one length for all rows, which is what one prompt's
+branches need (a tree, beams, i.i.d. drafts), but not a batch of prompts: each accepts its own number of draft tokens
+per round, so each row's cache has its own length. Re-padding the whole batch to a common length every round would
+copy every row's cache. Here each row keeps its positions at slots ``0 .. length-1`` of its own row of one buffer per
+layer ``[rows, kv_heads, capacity, head_dim]``, and a forward of ``T`` new tokens per row writes row ``b``'s at
+slots ``length_b .. length_b + T - 1`` (positions ``length_b + j``, or ``length_b + depth_j`` in a tree), whatever
+the other rows' lengths: one scatter per layer. Attention reads ``[:n, :, :max(length) + T]`` (a view) under a mask
+built on the device from the lengths: row ``b``'s query ``j`` sees its cached slots ``< length_b`` and its new
+tokens as ``attend`` says (causal by default). Slots past a row's length hold stale keys nobody sees, so dropping
+rejected tokens only moves the length (:meth:`RaggedModel.set_lengths`), and a forward whose rows have fewer real
+tokens than ``T`` pads them (their padding columns land past the row's new length).
+
+Rows are the active requests 0..n-1: a request joins at row ``n`` (its prompt prefilled alone, batch 1, so its first
+token is exactly batch-1 decoding's), and one that leaves is replaced by the last row (one copy of that row's cached
+slots), so the active rows stay one contiguous view (continuous batching).
+
+The forward is :mod:`pardec.models.forward.lean`'s (embed, decoder layers, final norm and head) with this cache's
+attention: Llama-family models, plain or int8 linears (``lean.unsupported`` names what else is refused)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pardec.models.cache import to_device
+from pardec.models.finite import FiniteCheck
+from pardec.models.forward import lean
+from pardec.models.masks import additive_mask
+
+
+class RaggedModel:
+    """A model with a ragged batch cache of at most ``rows`` rows of ``capacity`` positions each (allocated on the
+    first forward, in the dtype of the model's keys; moved to a larger capacity when a forward needs it)."""
+
+    def __init__(self, model: nn.Module, rows: int, capacity: int, name: str | None = None):
+        self.name = name or getattr(model.config, "_name_or_path", "") or type(model).__name__
+        why = lean.unsupported(model)
+        if why is not None:
+            raise ValueError(f"batched decoding runs pardec's lean forward, which cannot run {self.name!r}: {why}")
+        if rows < 1 or capacity < 1:
+            raise ValueError(f"RaggedModel needs rows >= 1 and capacity >= 1; got rows={rows}, capacity={capacity}")
+        self.model = model.eval()
+        self.device = next(model.parameters()).device
+        self.max_rows, self.capacity = rows, capacity
+        self.num_layers = int(model.config.num_hidden_layers)
+        self.keys: list[torch.Tensor] = []
+        self.values: list[torch.Tensor] = []
+        #: cached positions of each active row (on the host: every length is known there without a read)
+        self.lengths: list[int] = []
+        self._finite = FiniteCheck()  # NaN/inf in the logits raise (pardec.models.finite)
+
+    @property
+    def rows(self) -> int:
+        return len(self.lengths)
+
+    # ---------------------------------------------------------------- rows joining and leaving
+    @torch.inference_mode()
+    def add(self, ids: torch.Tensor | list[int]) -> torch.Tensor:
+        """A new row (index ``rows``) with the prompt ``ids`` [T], prefilled alone; returns its last logits [1, V]."""
+        ids = to_device(torch.as_tensor(ids, dtype=torch.long).reshape(1, -1), self.device)
+        if ids.shape[1] == 0:
+            raise ValueError("empty prompt")
+        if self.rows >= self.max_rows:
+            raise ValueError(f"{self.name}: all {self.max_rows} batch rows are taken; a row must leave first")
+        self.lengths.append(0)
+        try:
+            return self._forward(ids, first=self.rows - 1, last_only=True)[:, -1]
+        except BaseException:
+            self.lengths.pop()
+            raise
+
+    @torch.inference_mode()
+    def drop(self, row: int) -> None:
+        """Row ``row`` leaves; the last row takes its place (its cached slots copied once)."""
+        if not 0 <= row < self.rows:
+            raise ValueError(f"drop: row {row} is not one of the {self.rows} active rows")
+        last = self.rows - 1
+        if row != last:
+            n = self.lengths[last]
+            for buf in (*self.keys, *self.values):
+                buf[row, :, :n].copy_(buf[last, :, :n])
+            self.lengths[row] = n
+        self.lengths.pop()
+
+    def set_lengths(self, lengths: list[int]) -> None:
+        """Each active row keeps its first ``lengths[b]`` cached positions (rejected drafts and padding leave)."""
+        if len(lengths) != self.rows:
+            raise ValueError(f"set_lengths: {len(lengths)} lengths for {self.rows} rows")
+        bad = [(b, n) for b, (n, held) in enumerate(zip(lengths, self.lengths)) if not 0 <= n <= held]
+        if bad:
+            raise ValueError(f"set_lengths: row {bad[0][0]} holds {self.lengths[bad[0][0]]} positions, cannot keep "
+                             f"{bad[0][1]}")
+        self.lengths = [int(n) for n in lengths]
+
+    @torch.inference_mode()
+    def keep(self, row: int, start: int, idx: list[int]) -> None:
+        """Row ``row`` keeps positions ``start + idx`` (increasing) of those from ``start`` on, moved to ``start..``
+        (a tree's accepted path); the prefix is untouched."""
+        if any(b <= a for a, b in zip(idx, idx[1:])) or (idx and (idx[0] < 0 or start + idx[-1] >= self.lengths[row])):
+            raise ValueError(f"keep: indices {idx} from {start} do not fit row {row}'s {self.lengths[row]} positions")
+        moved = [i for j, i in enumerate(idx) if i != j]
+        if moved:
+            src = torch.tensor([start + i for i in idx], device=self.device)
+            for buf in (*self.keys, *self.values):
+                buf[row, :, start : start + len(idx)] = buf[row].index_select(1, src.to(buf.device))
+        self.lengths[row] = start + len(idx)
+
+    # ---------------------------------------------------------------- forwards
+    @torch.inference_mode()
+    def forward(self, ids: torch.Tensor, depths: torch.Tensor | None = None, attend: torch.Tensor | None = None,
+                widths: list[int] | None = None, logits_at: torch.Tensor | None = None) -> torch.Tensor:
+        """New tokens ``ids`` [n, T] for every active row after its cached ones; returns logits [n, T, V] (or of
+        the columns ``logits_at`` [n, K] picks per row: [n, K, V]).
+
+        depths: [T] or [n, T] offsets of the new tokens' positions from each row's length (default ``0..T-1``).
+        attend: bool [T, T] / [n, T, T], new token j sees new token i (default causal); cached positions all seen.
+        widths: real tokens per row (default T): row ``b`` then holds ``length_b + widths[b]`` positions.
+        """
+        n, t = ids.shape
+        if n != self.rows:
+            raise ValueError(f"{self.name}: a forward of {n} rows for {self.rows} active rows")
+        if widths is not None and (len(widths) != n or any(not 0 <= w <= t for w in widths)):
+            raise ValueError(f"forward: widths {widths} must be {n} values in 0..{t}")
+        out = self._forward(to_device(ids, self.device), 0, depths=depths, attend=attend, logits_at=logits_at)
+        if widths is not None:
+            self.lengths = [n_ - t + w for n_, w in zip(self.lengths, widths)]
+        return out
+
+    def _forward(self, ids: torch.Tensor, first: int, depths=None, attend=None, last_only: bool = False,
+                 logits_at: torch.Tensor | None = None) -> torch.Tensor:
+        """Rows ``first .. first+n-1`` (their lengths advance by T)."""
+        self._finite.pending()
+        n, t = ids.shape
+        dev = self.device
+        base = self.lengths[first : first + n]
+        self._grow(max(base) + t)
+        lens = to_device(torch.tensor(base, dtype=torch.long), dev)  # (an upload, no read)
+        offs = torch.arange(t, device=dev) if depths is None else to_device(torch.as_tensor(depths), dev).long()
+        positions = lens[:, None] + (offs if offs.dim() == 2 else offs[None])  # [n, T]
+        width = max(base) + t
+        if attend is None:
+            attend = torch.ones(t, t, dtype=torch.bool, device=dev).tril()
+        attend = to_device(attend, dev).to(torch.bool)
+        if attend.dim() == 2:
+            attend = attend[None].expand(n, t, t)
+        rel = torch.arange(width, device=dev)[None] - lens[:, None]  # [n, K]: key slot - the row's length
+        inside = (rel >= 0) & (rel < t)
+        new = attend.gather(2, rel.clamp(0, t - 1)[:, None].expand(n, t, width)) & inside[:, None]
+        mask = additive_mask((rel < 0)[:, None] | new, self.model.dtype)  # [n, 1, T, K]
+        rows = torch.arange(first, first + n, device=dev)[:, None].expand(n, t)
+        slots = lens[:, None] + torch.arange(t, device=dev)  # [n, T]: where the new keys go (whatever their depth)
+        h, cos, sin = lean.embed(self.model, ids, positions)
+        self._reserve(h.device)
+
+        def attend_fn(a, q, k, v):
+            i = a.layer_idx
+            if not self.keys[i].numel():
+                self._allocate(i, k)
+            kb, vb = self.keys[i], self.values[i]
+            kb[rows, :, slots] = k.transpose(1, 2).to(kb.dtype)  # row b's new token j at slot length_b + j
+            vb[rows, :, slots] = v.transpose(1, 2).to(vb.dtype)
+            ks, vs = kb[first : first + n, :, :width], vb[first : first + n, :, :width]
+            groups = q.shape[1] // ks.shape[1]
+            return F.scaled_dot_product_attention(q, lean._repeat_kv(ks, groups).to(q.dtype),
+                                                  lean._repeat_kv(vs, groups).to(q.dtype), attn_mask=mask,
+                                                  scale=a.scaling)
+
+        h = lean.decoder_layers(self.model, h, cos, sin, attend_fn)
+        for b in range(first, first + n):
+            self.lengths[b] += t
+        if last_only:
+            h = h[:, -1:]
+        elif logits_at is not None:
+            h = h.gather(1, to_device(logits_at, dev)[..., None].expand(-1, -1, h.shape[-1]))
+        logits = lean.head(self.model, h)
+        self._finite.check(logits, self.name, base, t, last_only, None)
+        return logits
+
+    def _grow(self, need: int) -> None:
+        """Room for ``need`` positions per row: the buffers move to twice the capacity (or more) when exceeded."""
+        if need <= self.capacity:
+            return
+        cap = max(2 * self.capacity, need)
+        held = max(self.lengths, default=0)
+        for bufs in (self.keys, self.values):
+            for i, old in enumerate(bufs):
+                if old.numel():
+                    new = old.new_zeros(old.shape[0], old.shape[1], cap, old.shape[3])
+                    new[:, :, :held].copy_(old[:, :, :held])
+                    bufs[i] = new
+        self.capacity = cap
+
+    def _reserve(self, device: torch.device) -> None:
+        if not self.keys:
+            self.keys = [torch.empty(0, device=device) for _ in range(self.num_layers)]
+            self.values = [torch.empty(0, device=device) for _ in range(self.num_layers)]
+
+    def _allocate(self, layer: int, k: torch.Tensor) -> None:
+        shape = (self.max_rows, k.shape[1], self.capacity, k.shape[3])
+        self.keys[layer] = torch.zeros(shape, dtype=k.dtype, device=k.device)
+        self.values[layer] = torch.zeros(shape, dtype=k.dtype, device=k.device)

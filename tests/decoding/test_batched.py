@@ -1,0 +1,180 @@
+"""Batched decoding (``batch_size > 1``, :mod:`pardec.decoding.batch`): under greedy fp32 every row's output equals
+its prompt's batch-1 ``ar`` output token for token, whatever its neighbours: prompts of very different lengths, rows
+finishing early (EOS) while waiting prompts take their rows, rows accepting different numbers of drafted tokens every
+round; the ragged cache's forward equals batch-1 forwards; one host read per round; bad input refused before any
+model is wrapped. (Sampled rows: tests/decoding/test_batched_distribution.py.)"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pardec.config import ConfigError
+from pardec.decoding import Stopper, build_decoder
+from pardec.decoding.batch import BATCHED, build_batched, run_batch
+from pardec.models.cached import CachedModel
+from pardec.models.ragged import RaggedModel
+from pardec.testing import VirtualCUDA
+from tests.conftest import noisy, tiny
+
+TEXTS = ["def fibonacci(n):\n    return",
+         "The capital of France is Paris. The capital of Spain is Madrid. The capital of Italy is",
+         "x = 1\ny = 2\nz = x + y\nprint(z)\n" * 4,
+         "Hello",
+         "for i in range(10):\n    print(i)\nfor j in range(10):\n",
+         "a b c a b c a b"]
+N_NEW = 24
+
+
+def _prompts(lm) -> list[list[int]]:
+    return [lm.tokenizer(t)["input_ids"] for t in TEXTS]
+
+
+def _reference(lm, prompts, stop) -> list[list[int]]:
+    return [build_decoder("ar", CachedModel(lm.model), lm.tokenizer).generate(p, N_NEW, stop).tokens for p in prompts]
+
+
+def _early_stop(lm, prompts) -> Stopper:
+    """EOS = the 4th token of the second prompt's greedy continuation: some rows end early, others run on."""
+    ref = _reference(lm, prompts[1:2], Stopper())[0]
+    return Stopper(lm.tokenizer, eos_ids={ref[3]})
+
+
+def _batched(method: str, batch_size: int, draft: str | None = None, **params):
+    lm = tiny(0)
+    model = {"self": lm.model, "noisy": noisy(0)}[draft] if draft else None
+    return build_batched(method, lm.model, batch_size, 64, lm.tokenizer, model, **params)
+
+
+CASES = {"ar": ("ar", None, {}), "pld": ("pld", None, {"num_pred": 5}),
+         "sps_noisy": ("sps", "noisy", {"gamma": 3}),  # partial acceptance: rows accept different counts
+         "sps_self": ("sps", "self", {"gamma": 3}),  # every draft accepted: the draft is fed two tokens next round
+         "jacobi": ("jacobi", None, {"block_size": 4})}  # rows start blocks at different rounds
+
+
+@pytest.mark.parametrize("batch_size", [2, 4])
+@pytest.mark.parametrize("case", list(CASES))
+def test_every_row_equals_its_batch_one_ar_output(case, batch_size):
+    lm = tiny(0)
+    prompts = _prompts(lm)
+    stop = _early_stop(lm, prompts)
+    ref = _reference(lm, prompts, stop)
+    assert min(map(len, ref)) < N_NEW == max(map(len, ref))  # some rows end early, some run to the limit
+    method, draft, params = CASES[case]
+    run = run_batch(_batched(method, batch_size, draft, **params), prompts, N_NEW, stop)
+    assert [r.tokens for r in run.results] == ref
+    assert run.batch_size == batch_size and run.tokens == sum(map(len, ref))
+    assert run.rounds < run.tokens - len(prompts)  # rows shared rounds
+    for r in run.results:
+        assert r.target_forwards == len(r.accepted) and sum(r.accepted) == len(r.tokens)
+        assert 0 < r.prefill_s <= r.total_s <= run.wall_s
+    if case not in ("ar", "jacobi"):  # (Jacobi on an untrained model accepts ~1 token an iteration)
+        accepted = [a for r in run.results for a in r.accepted[1:]]
+        assert max(accepted) >= 3  # drafts were accepted several deep
+        if case == "sps_self":
+            assert all(r.draft_accepted == r.drafted for r in run.results)
+
+
+def test_rows_accept_different_counts_in_one_round():
+    """pld over prompts with and without repetition: in some round one row accepts several drafted tokens while
+    another accepts none."""
+    lm = tiny(0)
+    prompts = _prompts(lm)
+    method = _batched("pld", 3, num_pred=5)
+    seen = []
+    verify = method.verify
+
+    def recording(rows, draft, ks, q=None, extra=None):
+        acc, more = verify(rows, draft, ks, q, extra)
+        seen.append([len(a) - 1 for a in acc])
+        return acc, more
+
+    method.verify = recording
+    run_batch(method, prompts, N_NEW)
+    assert any(max(r) >= 2 and min(r) == 0 for r in seen if len(r) > 1), seen
+
+
+def test_continuous_batching_keeps_at_most_batch_size_rows_and_admits_as_rows_leave():
+    lm = tiny(0)
+    prompts = _prompts(lm)
+    method = _batched("ar", 2)
+    rows_seen = []
+    round_ = method.round
+    method.round = lambda rows: (rows_seen.append(len(rows)), round_(rows))
+    stop = _early_stop(lm, prompts)
+    run = run_batch(method, prompts, N_NEW, stop)
+    assert max(rows_seen) == 2 and method.target.rows == 0
+    assert [r.tokens for r in run.results] == _reference(lm, prompts, stop)
+    # requests finish in order of admission and length: a later prompt finished before an earlier one did not start
+    firsts = [r.prefill_s for r in run.results]
+    assert firsts[2] > firsts[0] and firsts[2] > firsts[1]
+
+
+def test_ragged_forward_equals_batch_one_forwards_with_trees():
+    """Two rows of different lengths, a tree forward (depths, ancestor mask): each row's logits equal a batch-1
+    CachedModel forward of the same tree; keeping a path compacts one row only."""
+    lm = tiny(0)
+    a, b = _prompts(lm)[:2]
+    rag = RaggedModel(lm.model, 3, 8)  # a capacity it must grow past
+    rag.add(a)
+    rag.add(b)
+    tree = torch.tensor([[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 0, 1, 1]], dtype=torch.bool)
+    depths = torch.tensor([0, 1, 1, 2])
+    ids = torch.tensor([[5, 6, 7, 8], [9, 10, 11, 12]])
+    got = rag.forward(ids, depths=depths, attend=tree)
+    for row, p in enumerate((a, b)):
+        one = CachedModel(lm.model)
+        one.prefill(torch.tensor([p]))
+        want = one.forward(ids[row : row + 1], positions=len(p) + depths, attend=tree).logits[0]
+        torch.testing.assert_close(got[row], want, rtol=1e-4, atol=1e-4)
+    rag.keep(1, len(b), [0, 2, 3])  # row 1 keeps the path 0 -> 2 -> 3
+    assert rag.lengths == [len(a) + 4, len(b) + 3]
+    nxt = rag.forward(torch.tensor([[3], [4]]))
+    one = CachedModel(lm.model)
+    one.prefill(torch.tensor([b + [9, 11, 12]]))
+    torch.testing.assert_close(nxt[1, 0], one.forward(torch.tensor([[4]])).logits[0, 0], rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("case", ["ar", "pld", "sps_noisy"])
+def test_one_host_read_per_round_on_a_gpu(case):
+    """On a (virtual) CUDA device: the same tokens as on the CPU, host reads = one per admission (its first token) +
+    one per round, and the finiteness flags copied without a wait."""
+    lm = tiny(0)
+    prompts = _prompts(lm)[:4]
+    method, draft, params = CASES[case]
+    on_cpu = run_batch(_batched(method, 3, draft, **params), prompts, 12)
+    noisy(0)
+    with VirtualCUDA() as vc:
+        vc.place(lm.model)
+        vc.place(noisy(0))
+        m = _batched(method, 3, draft, **params)
+        on_cuda = run_batch(m, prompts, 12)
+        # not counted: the run's clock (start, end) and the waits on the finiteness flags' events, as in
+        # tests/decoding/test_verify_device.py
+        reads = sum(n for k, n in vc.syncs.items() if k not in ("cuda.synchronize", "cuda.Event.synchronize"))
+    assert [r.tokens for r in on_cuda.results] == [r.tokens for r in on_cpu.results]
+    assert reads == len(prompts) + on_cuda.rounds, dict(vc.syncs)
+    assert vc.async_copies["to cpu"] >= on_cuda.rounds
+
+
+def test_bad_input_is_refused_before_any_model_is_wrapped():
+    lm = tiny(0)
+    with pytest.raises(ConfigError, match=r"batch_size=0 must be an integer >= 1"):
+        build_batched("ar", lm.model, 0, 64)
+    with pytest.raises(ConfigError, match=r"method 'lookahead' has no batched implementation: batch_size > 1 runs "
+                                          r"ar, jacobi, pld, sps"):
+        build_batched("lookahead", lm.model, 2, 64)
+    with pytest.raises(KeyError, match="unknown method 'nope'"):
+        build_batched("nope", lm.model, 2, 64)
+    with pytest.raises(ConfigError, match=r"method 'sps' has no parameter\(s\) \['adaptive'\]; valid: gamma"):
+        build_batched("sps", lm.model, 2, 64, draft=noisy(0), adaptive=True)
+    with pytest.raises(ConfigError, match="needs a draft model"):
+        build_batched("sps", lm.model, 2, 64)
+    with pytest.raises(ConfigError, match="method.num_pred"):
+        build_batched("pld", lm.model, 2, 64, num_pred=0)
+    m = build_batched("ar", lm.model, 2, 64)
+    with pytest.raises(ValueError, match="empty prompt"):
+        run_batch(m, [[1, 2], []], 4)
+    with pytest.raises(ConfigError, match="method.guess_from"):
+        build_batched("jacobi", lm.model, 2, 64, guess_from="nowhere")
+    assert BATCHED.names() == ["ar", "jacobi", "pld", "sps"]

@@ -1,0 +1,46 @@
+"""Sampled rows of a batch follow the target's distribution (:mod:`pardec.decoding.batch`): the joint of three
+consecutive tokens, each row a sample, with neighbours of other lengths in the same batch, chi-square against the
+exact joint of ``tests/decoding/test_distribution_deep.py`` (its prompt, model, draft and power: N = 2000 at
+temperature 1, 2400 warped; drafts 3 deep so tokens 2-4 are one round's drafts and token 5 its bonus or the next
+round's)."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+
+from pardec.config import SamplingConfig
+from pardec.decoding.batch import build_batched, run_batch
+from tests.decoding.test_distribution import SETTINGS, tiny_vocab
+from tests.decoding.test_distribution_deep import GROUPS, PROMPT, T, as_cells, exact_joints, near_draft
+from tests.stats import chi_square_p
+
+N = {"t1": 2000, "warped": 2400}
+PARAMS = {"ar": {}, "pld": {"max_ngram": 3, "num_pred": 4}, "sps": {"gamma": 3}, "jacobi": {"block_size": 4}}
+OTHERS = [[1, 2], [4, 4, 4, 4, 4, 4, 4, 4, 4, 4, 4], [7, 3, 7]]  # neighbours of other lengths
+
+
+@pytest.mark.stat  # N = 2000-2400 rows per case and setting
+@pytest.mark.parametrize("setting", ["t1", "warped"])
+@pytest.mark.parametrize("method", list(PARAMS))
+def test_each_rows_triples_follow_the_target_distribution(method, setting, one_thread):
+    n, s0 = N[setting], SETTINGS[setting]
+    draft = near_draft() if method == "sps" else None
+    dec = build_batched(method, tiny_vocab(0), 8, 32, None, draft, **PARAMS[method])
+    prompts = [PROMPT if i % 2 == 0 else OTHERS[(i // 2) % len(OTHERS)] for i in range(2 * n)]
+    s = SamplingConfig(temperature=s0.temperature, top_k=s0.top_k, top_p=s0.top_p, seed=17)
+    run = run_batch(dec, prompts, T, sampling=s)
+    obs = {g: Counter() for g in GROUPS}
+    deep = 0
+    for res in run.results[::2]:
+        assert len(res.tokens) == T
+        deep += any(a >= 3 for a in res.accepted[1:])  # >= 2 drafted tokens accepted in one forward
+        for g in GROUPS:
+            obs[g][tuple(res.tokens[j - 1] for j in g)] += 1
+    if method not in ("ar", "jacobi"):
+        assert deep >= n // 30, deep
+    exact = exact_joints(setting, T, GROUPS)
+    for g in GROUPS:
+        p, dof = chi_square_p(obs[g], as_cells(exact[g], len(g)), n)
+        assert dof >= 35 and p > 1e-3, (method, setting, g, p, dof)
