@@ -123,13 +123,16 @@ def plot(data: dict, path: Path) -> None:
     plt.close(fig)
 
 
-def load(out: Path, ident: dict) -> dict:
-    """The run so far in ``out`` (or a new one); refuses one started with another identity, naming the differences."""
+def load(out: Path, ident: dict, command: str = "") -> dict:
+    """The run so far in ``out`` (or a new one, started by ``command``); refuses one started with another identity,
+    naming the differences."""
     from pardec.jsonl import read_json
 
     f = out / FILE
     if not f.is_file():
-        return {"identity": ident, "date": time.strftime("%Y-%m-%d"), "cells": [], "reference": None}
+        return {"title": "Batched decoding: tokens/s and latency per batch size against batched ar",
+                "command": command, "date": time.strftime("%Y-%m-%d"), "identity": ident, "cells": [],
+                "reference": None}
     data = read_json(f, ConfigError)
     diff = settings_diff(data["identity"], ident)
     if diff:
@@ -155,10 +158,20 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
         if a.n < 1 or a.max_new_tokens < 1:
             raise ConfigError(f"--n {a.n} and --max-new-tokens {a.max_new_tokens} must be >= 1")
         spec = _spec(a, methods)
+        from pardec.tasks.base import DataError, build_task, select_docs
+
+        try:  # a missing or empty dataset file: one line, before the models load
+            spec.task = build_task(spec.dataset, timeout_s=spec.run.timeout_s)
+            spec.docs = select_docs(spec.task, a.n)
+        except DataError as e:
+            raise ConfigError(str(e)) from None
+        _threads(spec.run.threads)  # before the identity (it records the threads) and before the model loads
+        command = " ".join(["python -m pardec.bench batch", *(argv if argv is not None else sys.argv[1:])])
+        data = load(a.out, _identity(a, spec, methods), command)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    return measure(a, spec, methods, sizes)
+    return measure(a, spec, methods, sizes, data)
 
 
 def _spec(a: argparse.Namespace, methods: list[tuple[str, str, dict]]):
@@ -179,6 +192,14 @@ def _spec(a: argparse.Namespace, methods: list[tuple[str, str, dict]]):
     return spec
 
 
+def _threads(setting) -> None:
+    import torch
+
+    from pardec.metrics.busy import free_cores
+
+    torch.set_num_threads(free_cores() if setting == "auto" else int(setting))
+
+
 def _identity(a, spec, methods) -> dict[str, Any]:
     from dataclasses import asdict
 
@@ -192,27 +213,22 @@ def _identity(a, spec, methods) -> dict[str, Any]:
             "sampling": asdict(spec.sampling)}
 
 
-def measure(a, spec, methods, sizes) -> int:
-    import torch
+def measure(a, spec, methods, sizes, data: dict) -> int:
     from tqdm import tqdm
 
     from pardec.decoding import Stopper
     from pardec.decoding.batch import build_batched, run_batch
     from pardec.evaluation.results import write_json
-    from pardec.metrics.busy import CpuMeter, free_cores
+    from pardec.metrics.busy import CpuMeter
     from pardec.models.loading import load_model
-    from pardec.tasks.base import build_task, select_docs
 
     r = spec.run
-    torch.set_num_threads(free_cores() if r.threads == "auto" else int(r.threads))
-    ident = _identity(a, spec, methods)
-    data = load(a.out, ident)
     a.out.mkdir(parents=True, exist_ok=True)
+    task, docs = spec.task, spec.docs
     lm = load_model(spec.model, spec.devices[0])
     draft = load_model(spec.draft, spec.devices[1]).model if spec.draft else None
-    task = build_task(spec.dataset, timeout_s=r.timeout_s)
     chat = spec.dataset.use_chat(lm.chat)
-    prompts = [list(task.prompt_ids(doc, lm.tokenizer, chat, [])) for doc in select_docs(task, a.n)]
+    prompts = [list(task.prompt_ids(doc, lm.tokenizer, chat, [])) for doc in docs]
     stop = Stopper(lm.tokenizer, lm.eos_ids if r.stop_at_eos else set(), task.stop_strings(chat))
     done = {(c["method"], c["batch_size"]) for c in data["cells"]}
     todo = [(b, m) for b in sizes for m in methods if (m[0], b) not in done]

@@ -1,0 +1,65 @@
+"""``python -m pardec.bench batch``: its checks before anything loads, the crossover and the table from cells, and
+an end-to-end run on the tiny model (every cell exact against batch-1 ``ar``, the figure, resumption, a changed
+setting refused)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from pardec.bench import batch
+from pardec.config import ConfigError
+
+
+def _cell(method: str, b: int, tps: float) -> dict:
+    return {"method": method, "batch_size": b, "tokens_per_s": tps, "latency": {"mean": 1.0, "p50": 1.0, "p95": 2.0},
+            "tokens_per_forward": 1.5, "exact_match": 1.0, "busy": {"busy": False}}
+
+
+def test_sizes_and_methods_are_checked_before_anything_loads():
+    assert batch.parse_sizes("8,1,2,2") == [1, 2, 8]
+    for bad in ("0,2", "a", ""):
+        with pytest.raises(ConfigError, match="--batch-sizes"):
+            batch.parse_sizes(bad)
+    assert [m[0] for m in batch.parse_methods("pld,sps:gamma=3")] == ["ar", "pld", "sps:gamma=3"]
+    assert batch.parse_methods("sps:gamma=3")[1][2] == {"gamma": 3}
+    with pytest.raises(ConfigError, match="method 'medusa' has no batched implementation"):
+        batch.parse_methods("ar,medusa")
+    with pytest.raises(ConfigError, match=r"method 'sps' has no parameter\(s\) \['adaptive'\]"):
+        batch.parse_methods("sps:adaptive=true")
+
+
+def test_crossover_is_the_first_batch_size_below_batched_ar():
+    cells = [_cell("ar", 1, 10), _cell("ar", 2, 18), _cell("ar", 4, 30), _cell("pld", 1, 15), _cell("pld", 2, 20),
+             _cell("pld", 4, 25), _cell("sps", 1, 12), _cell("sps", 2, 19), _cell("sps", 4, 31)]
+    assert batch.crossover(cells) == {"pld": 4, "sps": None}
+    text = batch.table({"cells": cells})
+    assert "| pld | 4 | 25.0 | 0.83x | 2.50x |" in text
+    assert "Crossover (first batch size below batched ar): pld: 4, sps: never (up to 4)" in text
+
+
+def test_end_to_end_on_the_tiny_model(tmp_path, capsys):
+    args = ["--methods", "pld,jacobi:block_size=3,sps:gamma=2", "--batch-sizes", "1,2", "--n", "3",
+            "--max-new-tokens", "6", "--warmup-tokens", "2", "--out", str(tmp_path), "model=tiny_random",
+            "draft=tiny_random", "dataset=humaneval", "threads=1"]
+    assert batch.main(args) == 0
+    data = json.loads((tmp_path / batch.FILE).read_text())
+    cells = {(c["method"], c["batch_size"]) for c in data["cells"]}
+    assert cells == {(m, b) for m in ("ar", "pld", "jacobi:block_size=3", "sps:gamma=2") for b in (1, 2)}
+    assert all(c["exact_match"] == 1.0 and c["tokens"] > 0 for c in data["cells"])
+    assert data["identity"]["model"] == "tiny_random" and data["identity"]["host"]["cpu"]
+    assert (tmp_path / "batch.png").stat().st_size > 0
+    assert "| sps:gamma=2 | 2 |" in (tmp_path / "batch.md").read_text()
+    assert batch.main(args) == 0  # resumes: every cell kept, none measured again
+    assert json.loads((tmp_path / batch.FILE).read_text())["cells"] == data["cells"]
+    capsys.readouterr()
+    assert batch.main([*args[:4], "--n", "2", *args[6:]]) == 2
+    err = capsys.readouterr().err
+    assert "cannot continue the batch run" in err and "n was 3, now 2" in err
+
+
+def test_a_method_that_needs_a_draft_is_refused_without_one(tmp_path, capsys):
+    assert batch.main(["--methods", "sps", "--out", str(tmp_path), "model=tiny_random", "dataset=humaneval"]) == 2
+    assert "--methods entry 'sps' needs a draft model" in capsys.readouterr().err
+    assert not list(tmp_path.iterdir())
