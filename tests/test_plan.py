@@ -190,6 +190,19 @@ def test_eval_kv_cache_and_weights():
     assert p.fits(40) and not p.gpus_needed  # no device_map: no split
 
 
+def test_an_eval_plan_holds_a_kv_cache_row_per_batched_prompt():
+    one = P.plan("mjsd_llama2_13b_cnn_dm", prompt_tokens=500)
+    eight = P.plan("mjsd_llama2_13b_cnn_dm", prompt_tokens=500, batch=8)
+    assert eight.components["kv"] == pytest.approx(8 * one.components["kv"])  # target and draft caches
+    assert eight.components["weights"] == one.components["weights"]
+    assert eight.components["activations"] == one.components["activations"]  # prompts prefilled one at a time
+    assert any("batch 8" in n for n in eight.notes)
+    with pytest.raises(ConfigError, match=r"batch=0 must be an integer >= 1"):
+        P.plan("mjsd_llama2_13b_cnn_dm", batch=0)
+    with pytest.raises(ConfigError, match="plans an evaluation decoding several prompts at once"):
+        P.plan("cllm_gsm8k", batch=4)
+
+
 def test_cli_prints_the_table_and_writes_json(tmp_path, capsys):
     out = tmp_path / "plan.json"
     P.main(["draft_llama2_7b", "ouroboros_dscoder33b_humaneval", "--json", str(out)])

@@ -55,6 +55,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--world", type=int, help="training ranks (default: the recipe's --nproc_per_node, else 8)")
     parser.add_argument("--gpus", type=int, help="evaluation: GPUs a model.device_map target is split over (default 1)")
     parser.add_argument("--prompt-tokens", type=int, help="evaluation: longest prompt in tokens (default: per task)")
+    parser.add_argument("--batch", type=int, default=1,
+                        help="evaluation: prompts decoded at once (batched decoding: the KV caches hold this many rows)")
     parser.add_argument("--stages", action="store_true",
                         help="training recipes: also plan the stages that generate the training data (completions, "
                              "CLLM's Jacobi trajectories, held-out completions), a row each (pardec.plan.data_stages)")
@@ -69,7 +71,8 @@ def main(argv: Sequence[str] | None = None) -> None:
             check_name(n)
         each = stage_plans if args.stages else (lambda n, **kw: [plan(n, **kw)])
         plans = [p for n in dict.fromkeys(names)
-                 for p in each(n, world=args.world, gpus=args.gpus, overrides=args.set, prompt_tokens=args.prompt_tokens)]
+                 for p in each(n, world=args.world, gpus=args.gpus, overrides=args.set, prompt_tokens=args.prompt_tokens,
+                               batch=args.batch)]
     except ConfigError as e:
         exit_with_error(e)
     print(table(plans))

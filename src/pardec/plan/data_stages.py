@@ -70,12 +70,12 @@ def data_plans(recipe: str, cfg: dict[str, Any], a: Arch, world: int, prompt_tok
 
 
 def stage_plans(name: str, *, world: int | None = None, gpus: int | None = None, overrides: Sequence[str] = (),
-                prompt_tokens: int | None = None) -> list[Plan]:
+                prompt_tokens: int | None = None, batch: int = 1) -> list[Plan]:
     """:func:`plan`, and for a training recipe also its data-generation stages, in the order the recipe runs them
     (collect, generate, train, heldout); the recipe is composed once for all of them."""
     name = check_name(name)
     app, cfg = compose(name, overrides)
-    p = composed_plan(name, app, cfg, world=world, gpus=gpus, prompt_tokens=prompt_tokens)
+    p = composed_plan(name, app, cfg, world=world, gpus=gpus, prompt_tokens=prompt_tokens, batch=batch)
     if app != "train":
         return [p]
     data = data_plans(name, cfg, arch(p.model), p.world, prompt_tokens)

@@ -34,16 +34,19 @@ from pardec.recipes import (
 
 # ------------------------------------------------------------------------------------------- plans
 def plan(name: str, *, world: int | None = None, gpus: int | None = None, overrides: Sequence[str] = (),
-         prompt_tokens: int | None = None) -> Plan:
+         prompt_tokens: int | None = None, batch: int = 1) -> Plan:
     """The per-GPU memory plan of recipe ``name`` (training: ``world`` ranks, default its launch line's; evaluation:
-    the target split over ``gpus`` GPUs under ``model.device_map``, default 1)."""
+    the target split over ``gpus`` GPUs under ``model.device_map``, default 1, decoding ``batch`` prompts at once)."""
     name = check_name(name)
-    return composed_plan(name, *compose(name, overrides), world=world, gpus=gpus, prompt_tokens=prompt_tokens)
+    return composed_plan(name, *compose(name, overrides), world=world, gpus=gpus, prompt_tokens=prompt_tokens,
+                         batch=batch)
 
 
 def composed_plan(name: str, app: str, cfg: dict[str, Any], *, world: int | None = None, gpus: int | None = None,
-                  prompt_tokens: int | None = None) -> Plan:
+                  prompt_tokens: int | None = None, batch: int = 1) -> Plan:
     """:func:`plan` of recipe ``name`` already composed (``app``, ``cfg``: :func:`~pardec.plan.compose.compose`)."""
+    if isinstance(batch, bool) or not isinstance(batch, int) or batch < 1:
+        raise ConfigError(f"batch={batch!r} must be an integer >= 1 (the prompts an evaluation decodes at once)")
     model = cfg["model"]
     hub = model.get("path") if model.get("source") == "hub" else _trained_hub(model.get("path"))
     if hub is None or not shipped_config(hub).is_file():
@@ -51,8 +54,11 @@ def composed_plan(name: str, app: str, cfg: dict[str, Any], *, world: int | None
         raise ConfigError(f"recipe {name!r} runs model {model.get('name')!r} ({where}), which has no shipped "
                           f"config.json; the plan covers the paper recipes: {', '.join(paper_recipes())}")
     if app == "train":
+        if batch != 1:
+            raise ConfigError(f"batch={batch} plans an evaluation decoding several prompts at once; recipe {name!r} "
+                              f"trains (its batch is the trainer's per_device_train_batch_size: --set trainer....)")
         return _train_plan(name, cfg, world or launch_world(name))
-    return _eval_plan(name, cfg, gpus or 1, prompt_tokens)
+    return _eval_plan(name, cfg, gpus or 1, prompt_tokens, batch)
 
 
 def _hub_of(section: dict[str, Any], where: str) -> str:
@@ -143,7 +149,10 @@ def prompt_estimate(dataset: dict[str, Any]) -> int:
     return PROMPT_TOKENS.get(name, 1024)
 
 
-def _eval_plan(name: str, cfg: dict[str, Any], gpus: int, prompt_tokens: int | None) -> Plan:
+def _eval_plan(name: str, cfg: dict[str, Any], gpus: int, prompt_tokens: int | None, batch: int = 1) -> Plan:
+    """``batch`` > 1: :func:`pardec.decoding.batch.run_batch`'s memory: the KV caches (target and draft) hold ``batch``
+    rows; prompts are prefilled one at a time (one prompt's activations), and a round's logits are ``batch`` rows of
+    up to 64 new tokens each."""
     model, draft, method = cfg["model"], cfg.get("draft") or {}, cfg.get("method") or {}
     a = arch(_hub_of(model, "model"))
     split = bool(model.get("device_map"))
@@ -152,17 +161,19 @@ def _eval_plan(name: str, cfg: dict[str, Any], gpus: int, prompt_tokens: int | N
     prompt = prompt_tokens or prompt_estimate(cfg.get("dataset") or {})
     context = prompt + int(cfg.get("max_new_tokens", 256)) + CONTEXT_MARGIN
     weights = a.params * t_bytes
-    kv = context * a.kv_bytes_per_token(t_bytes)
+    kv = batch * context * a.kv_bytes_per_token(t_bytes)
     draft_w = draft_kv = 0.0
     notes = [f"context {context} tokens (prompt ~{prompt} + {cfg.get('max_new_tokens')} new + {CONTEXT_MARGIN})"]
     if draft.get("name"):
         d = arch(_hub_of(draft, "draft"))
         d_bytes = DTYPE_BYTES[draft.get("dtype") or cfg["dtype"]]
         draft_w = d.params * d_bytes
-        draft_kv = context * d.kv_bytes_per_token(d_bytes) * int(method.get("num_beams", 1) or 1)
+        draft_kv = batch * context * d.kv_bytes_per_token(d_bytes) * int(method.get("num_beams", 1) or 1)
         notes.append(f"draft {d.hub_id} ({d.params / 1e9:.2f}B) on the first GPU")
+    if batch > 1:
+        notes.append(f"batch {batch}: the KV caches hold {batch} rows; prompts prefilled one at a time")
     per_gpu = _eval_components(weights, kv, draft_w, draft_kv, a, prompt, context, t_bytes, gpus,
-                               bool((cfg.get("perplexity") or {}).get("enabled", True)))
+                               bool((cfg.get("perplexity") or {}).get("enabled", True)), batch)
     p = Plan(recipe=name, kind="eval", world=gpus, zero=None, model=a.hub_id, params=a.params, trainable=0,
              components=per_gpu, notes=notes)
     if split:
@@ -170,17 +181,17 @@ def _eval_plan(name: str, cfg: dict[str, Any], gpus: int, prompt_tokens: int | N
         for cap in CAPACITIES_GB:
             p.gpus_needed[cap] = next((g for g in range(1, MAX_GPUS + 1) if sum(_eval_components(
                 weights, kv, draft_w, draft_kv, a, prompt, context, t_bytes, g,
-                bool((cfg.get("perplexity") or {}).get("enabled", True))).values()) <= cap * GB), None)
+                bool((cfg.get("perplexity") or {}).get("enabled", True)), batch).values()) <= cap * GB), None)
     return p
 
 
 def _eval_components(weights: float, kv: float, draft_w: float, draft_kv: float, a: Arch, prompt: int, context: int,
-                     t_bytes: int, gpus: int, perplexity: bool) -> dict[str, float]:
+                     t_bytes: int, gpus: int, perplexity: bool, batch: int = 1) -> dict[str, float]:
     """The busiest GPU (the first: its share of the target plus the draft and the working buffers)."""
     comps = dict.fromkeys(COMPONENTS, 0.0)
     comps["weights"] = weights / gpus + draft_w
     comps["kv"] = kv / gpus + draft_kv
     comps["activations"] = prompt * (4 * a.hidden + 3 * a.intermediate) * t_bytes  # one layer over the prompt
-    comps["logits"] = (context if perplexity else 64) * a.vocab * 4
+    comps["logits"] = max(context if perplexity else 64, batch * 64) * a.vocab * 4
     comps["overhead"] = OVERHEAD * sum(comps.values())
     return comps
