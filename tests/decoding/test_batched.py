@@ -16,6 +16,7 @@ from pardec.models.cached import CachedModel
 from pardec.models.ragged import RaggedModel
 from pardec.testing import VirtualCUDA
 from tests.conftest import noisy, tiny
+from tests.decoding.drafters import drafter_params
 
 TEXTS = ["def fibonacci(n):\n    return",
          "The capital of France is Paris. The capital of Spain is Madrid. The capital of Italy is",
@@ -43,13 +44,16 @@ def _early_stop(lm, prompts) -> Stopper:
 def _batched(method: str, batch_size: int, draft: str | None = None, **params):
     lm = tiny(0)
     model = {"self": lm.model, "noisy": noisy(0)}[draft] if draft else None
+    if method == "eagle3":  # a drafter fitted to the target's own continuations (tests/decoding/drafters.py)
+        params = {**drafter_params("eagle3", lm.model), **params}
     return build_batched(method, lm.model, batch_size, 64, lm.tokenizer, model, **params)
 
 
 CASES = {"ar": ("ar", None, {}), "pld": ("pld", None, {"num_pred": 5}),
          "sps_noisy": ("sps", "noisy", {"gamma": 3}),  # partial acceptance: rows accept different counts
          "sps_self": ("sps", "self", {"gamma": 3}),  # every draft accepted: the draft is fed two tokens next round
-         "jacobi": ("jacobi", None, {"block_size": 4})}  # rows start blocks at different rounds
+         "jacobi": ("jacobi", None, {"block_size": 4}),  # rows start blocks at different rounds
+         "eagle3": ("eagle3", None, {"num_speculative_tokens": 3})}  # the chain, its drafter's own ragged cache
 
 
 @pytest.mark.parametrize("batch_size", [2, 4])
@@ -84,10 +88,10 @@ def test_rows_accept_different_counts_in_one_round():
     seen = []
     verify = method.verify
 
-    def recording(rows, draft, ks, q=None, extra=None):
-        acc, more = verify(rows, draft, ks, q, extra)
-        seen.append([len(a) - 1 for a in acc])
-        return acc, more
+    def recording(*a, **kw):
+        out = verify(*a, **kw)
+        seen.append([len(t) - 1 for t in out.tokens])
+        return out
 
     method.verify = recording
     run_batch(method, prompts, N_NEW)
@@ -135,7 +139,7 @@ def test_ragged_forward_equals_batch_one_forwards_with_trees():
     torch.testing.assert_close(nxt[1, 0], one.forward(torch.tensor([[4]])).logits[0, 0], rtol=1e-4, atol=1e-4)
 
 
-@pytest.mark.parametrize("case", ["ar", "pld", "sps_noisy"])
+@pytest.mark.parametrize("case", ["ar", "pld", "sps_noisy", "jacobi", "eagle3"])
 def test_one_host_read_per_round_on_a_gpu(case):
     """On a (virtual) CUDA device: the same tokens as on the CPU, host reads = one per admission (its first token) +
     one per round, and the finiteness flags copied without a wait."""
@@ -162,7 +166,7 @@ def test_bad_input_is_refused_before_any_model_is_wrapped():
     with pytest.raises(ConfigError, match=r"batch_size=0 must be an integer >= 1"):
         build_batched("ar", lm.model, 0, 64)
     with pytest.raises(ConfigError, match=r"method 'lookahead' has no batched implementation: batch_size > 1 runs "
-                                          r"ar, jacobi, pld, sps"):
+                                          r"ar, eagle3, jacobi, pld, sps"):
         build_batched("lookahead", lm.model, 2, 64)
     with pytest.raises(KeyError, match="unknown method 'nope'"):
         build_batched("nope", lm.model, 2, 64)
@@ -177,4 +181,8 @@ def test_bad_input_is_refused_before_any_model_is_wrapped():
         run_batch(m, [[1, 2], []], 4)
     with pytest.raises(ConfigError, match="method.guess_from"):
         build_batched("jacobi", lm.model, 2, 64, guess_from="nowhere")
-    assert BATCHED.names() == ["ar", "jacobi", "pld", "sps"]
+    with pytest.raises(ConfigError, match=r"method.mode='tree': batched eagle3 drafts chains"):
+        build_batched("eagle3", lm.model, 2, 64, path="unused", mode="tree")
+    with pytest.raises(ConfigError, match="needs an EAGLE-3 drafter"):
+        build_batched("eagle3", lm.model, 2, 64)
+    assert BATCHED.names() == ["ar", "eagle3", "jacobi", "pld", "sps"]

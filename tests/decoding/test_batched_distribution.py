@@ -13,11 +13,20 @@ import pytest
 from pardec.config import SamplingConfig
 from pardec.decoding.batch import build_batched, run_batch
 from tests.decoding.test_distribution import SETTINGS, tiny_vocab
-from tests.decoding.test_distribution_deep import GROUPS, PROMPT, T, as_cells, exact_joints, near_draft
+from tests.decoding.test_distribution_deep import (
+    GROUPS,
+    PROMPT,
+    T,
+    as_cells,
+    eagle_deep,
+    exact_joints,
+    near_draft,
+)
 from tests.stats import chi_square_p
 
 N = {"t1": 2000, "warped": 2400}
-PARAMS = {"ar": {}, "pld": {"max_ngram": 3, "num_pred": 4}, "sps": {"gamma": 3}, "jacobi": {"block_size": 4}}
+PARAMS = {"ar": {}, "pld": {"max_ngram": 3, "num_pred": 4}, "sps": {"gamma": 3}, "jacobi": {"block_size": 4},
+          "eagle3": {"num_speculative_tokens": 3}}  # + the fitted drafter of the deep test (eagle_deep)
 OTHERS = [[1, 2], [4, 4, 4, 4, 4, 4, 4, 4, 4, 4, 4], [7, 3, 7]]  # neighbours of other lengths
 
 
@@ -27,7 +36,8 @@ OTHERS = [[1, 2], [4, 4, 4, 4, 4, 4, 4, 4, 4, 4, 4], [7, 3, 7]]  # neighbours of
 def test_each_rows_triples_follow_the_target_distribution(method, setting, one_thread):
     n, s0 = N[setting], SETTINGS[setting]
     draft = near_draft() if method == "sps" else None
-    dec = build_batched(method, tiny_vocab(0), 8, 32, None, draft, **PARAMS[method])
+    params = {**PARAMS[method], **({"path": eagle_deep()} if method == "eagle3" else {})}
+    dec = build_batched(method, tiny_vocab(0), 8, 32, None, draft, **params)
     prompts = [PROMPT if i % 2 == 0 else OTHERS[(i // 2) % len(OTHERS)] for i in range(2 * n)]
     s = SamplingConfig(temperature=s0.temperature, top_k=s0.top_k, top_p=s0.top_p, seed=17)
     run = run_batch(dec, prompts, T, sampling=s)

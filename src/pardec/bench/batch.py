@@ -185,6 +185,11 @@ def _spec(a: argparse.Namespace, methods: list[tuple[str, str, dict]]):
         cfg = compose("evaluate", overrides=["+method=ar", f"n_samples={a.n}", f"max_new_tokens={a.max_new_tokens}",
                                              *a.overrides])
     spec = validate(cfg)
+    from pardec import zoo
+
+    for i, (label, name, params) in enumerate(methods):  # a drafter kept in the zoo: path=zoo:eagle3
+        methods[i] = (label, name, {k: zoo.resolve(v, f"--methods entry {label!r}: method.{k}", spec.model.name)
+                                    for k, v in params.items()})
     for label, name, _ in methods:
         if BATCHED.get(name).needs_draft and spec.draft is None:
             raise ConfigError(f"--methods entry {label!r} needs a draft model: pass draft=<name> "

@@ -21,6 +21,8 @@ attention: Llama-family models, plain or int8 linears (``lean.unsupported`` name
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -31,46 +33,49 @@ from pardec.models.forward import lean
 from pardec.models.masks import additive_mask
 
 
-class RaggedModel:
-    """A model with a ragged batch cache of at most ``rows`` rows of ``capacity`` positions each (allocated on the
-    first forward, in the dtype of the model's keys; moved to a larger capacity when a forward needs it)."""
+@dataclass
+class Window:
+    """Where one forward of ``T`` new entries per row reads and writes (:meth:`RaggedKV.window`)."""
 
-    def __init__(self, model: nn.Module, rows: int, capacity: int, name: str | None = None):
-        self.name = name or getattr(model.config, "_name_or_path", "") or type(model).__name__
-        why = lean.unsupported(model)
-        if why is not None:
-            raise ValueError(f"batched decoding runs pardec's lean forward, which cannot run {self.name!r}: {why}")
+    lens: torch.Tensor  # [n] each row's length before the forward, on the device
+    rows: torch.Tensor  # [n, T] the buffer row of each new entry
+    slots: torch.Tensor  # [n, T] its slot: length_b + j
+    visible: torch.Tensor  # [n, T, W] bool: new entry j of row b may see slot k (W = the longest length + T)
+    first: int
+    width: int
+
+    def additive(self, dtype: torch.dtype) -> torch.Tensor:
+        """``visible`` as SDPA's additive mask [n, 1, T, W]."""
+        return additive_mask(self.visible, dtype)
+
+
+class RaggedKV:
+    """Keys/values of a ragged batch, ``layers`` of them: ``[rows, kv_heads, capacity, head_dim]`` per layer
+    (allocated on the first write, in the dtype of the keys written; moved to a larger capacity when a forward needs
+    it), and the length of each active row (on the host: every length is known there without a read)."""
+
+    def __init__(self, layers: int, rows: int, capacity: int, name: str = "model"):
         if rows < 1 or capacity < 1:
-            raise ValueError(f"RaggedModel needs rows >= 1 and capacity >= 1; got rows={rows}, capacity={capacity}")
-        self.model = model.eval()
-        self.device = next(model.parameters()).device
+            raise ValueError(f"a batch cache needs rows >= 1 and capacity >= 1; got rows={rows}, capacity={capacity}")
+        self.name = name
         self.max_rows, self.capacity = rows, capacity
-        self.num_layers = int(model.config.num_hidden_layers)
-        self.keys: list[torch.Tensor] = []
-        self.values: list[torch.Tensor] = []
-        #: cached positions of each active row (on the host: every length is known there without a read)
+        self.keys: list[torch.Tensor | None] = [None] * layers
+        self.values: list[torch.Tensor | None] = [None] * layers
         self.lengths: list[int] = []
-        self._finite = FiniteCheck()  # NaN/inf in the logits raise (pardec.models.finite)
 
     @property
     def rows(self) -> int:
         return len(self.lengths)
 
-    # ---------------------------------------------------------------- rows joining and leaving
-    @torch.inference_mode()
-    def add(self, ids: torch.Tensor | list[int]) -> torch.Tensor:
-        """A new row (index ``rows``) with the prompt ``ids`` [T], prefilled alone; returns its last logits [1, V]."""
-        ids = to_device(torch.as_tensor(ids, dtype=torch.long).reshape(1, -1), self.device)
-        if ids.shape[1] == 0:
-            raise ValueError("empty prompt")
+    def _buffers(self) -> list[torch.Tensor]:
+        return [b for b in (*self.keys, *self.values) if b is not None]
+
+    def new_row(self) -> int:
+        """A new active row (empty); its index."""
         if self.rows >= self.max_rows:
             raise ValueError(f"{self.name}: all {self.max_rows} batch rows are taken; a row must leave first")
         self.lengths.append(0)
-        try:
-            return self._forward(ids, first=self.rows - 1, last_only=True)[:, -1]
-        except BaseException:
-            self.lengths.pop()
-            raise
+        return self.rows - 1
 
     @torch.inference_mode()
     def drop(self, row: int) -> None:
@@ -80,7 +85,7 @@ class RaggedModel:
         last = self.rows - 1
         if row != last:
             n = self.lengths[last]
-            for buf in (*self.keys, *self.values):
+            for buf in self._buffers():
                 buf[row, :, :n].copy_(buf[last, :, :n])
             self.lengths[row] = n
         self.lengths.pop()
@@ -101,19 +106,102 @@ class RaggedModel:
         (a tree's accepted path); the prefix is untouched."""
         if any(b <= a for a, b in zip(idx, idx[1:])) or (idx and (idx[0] < 0 or start + idx[-1] >= self.lengths[row])):
             raise ValueError(f"keep: indices {idx} from {start} do not fit row {row}'s {self.lengths[row]} positions")
-        moved = [i for j, i in enumerate(idx) if i != j]
-        if moved:
-            src = torch.tensor([start + i for i in idx], device=self.device)
-            for buf in (*self.keys, *self.values):
-                buf[row, :, start : start + len(idx)] = buf[row].index_select(1, src.to(buf.device))
+        if [i for j, i in enumerate(idx) if i != j]:
+            for buf in self._buffers():
+                src = torch.tensor([start + i for i in idx], device=buf.device)
+                buf[row, :, start : start + len(idx)] = buf[row].index_select(1, src)
         self.lengths[row] = start + len(idx)
 
-    # ---------------------------------------------------------------- forwards
+    def window(self, first: int, n: int, t: int, device: torch.device, attend: torch.Tensor | None = None
+               ) -> Window:
+        """Rows ``first .. first+n-1`` get ``t`` new entries each: where they go and what each may see (its row's
+        cached slots, and the new entries as ``attend`` [T, T] / [n, T, T] says: causal by default)."""
+        base = self.lengths[first : first + n]
+        self._grow(max(base) + t)
+        lens = to_device(torch.tensor(base, dtype=torch.long), device)  # (an upload, no read)
+        width = max(base) + t
+        if attend is None:
+            attend = torch.ones(t, t, dtype=torch.bool, device=device).tril()
+        attend = to_device(attend, device).to(torch.bool)
+        if attend.dim() == 2:
+            attend = attend[None].expand(n, t, t)
+        rel = torch.arange(width, device=device)[None] - lens[:, None]  # [n, W]: key slot - the row's length
+        inside = (rel >= 0) & (rel < t)
+        new = attend.gather(2, rel.clamp(0, t - 1)[:, None].expand(n, t, width)) & inside[:, None]
+        rows = torch.arange(first, first + n, device=device)[:, None].expand(n, t)
+        slots = lens[:, None] + torch.arange(t, device=device)
+        return Window(lens, rows, slots, (rel < 0)[:, None] | new, first, width)
+
+    def write(self, layer: int, w: Window, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Write the new keys/values [n, kv_heads, T, d] of ``layer`` where ``w`` says; returns the rows' keys and
+        values over the window's width [n, kv_heads, W, d] (views)."""
+        if self.keys[layer] is None:
+            shape = (self.max_rows, k.shape[1], self.capacity, k.shape[3])
+            self.keys[layer] = torch.zeros(shape, dtype=k.dtype, device=k.device)
+            self.values[layer] = torch.zeros(shape, dtype=v.dtype, device=v.device)
+        kb, vb = self.keys[layer], self.values[layer]
+        kb[w.rows, :, w.slots] = k.transpose(1, 2).to(kb.dtype)  # row b's new entry j at slot length_b + j
+        vb[w.rows, :, w.slots] = v.transpose(1, 2).to(vb.dtype)
+        n = w.rows.shape[0]
+        return kb[w.first : w.first + n, :, : w.width], vb[w.first : w.first + n, :, : w.width]
+
+    def advance(self, w: Window, widths: list[int] | None = None) -> None:
+        """The window's rows hold their new entries (``widths``: the real ones per row; default all T)."""
+        t = w.rows.shape[1]
+        for i, b in enumerate(range(w.first, w.first + w.rows.shape[0])):
+            self.lengths[b] += t if widths is None else widths[i]
+
+    def _grow(self, need: int) -> None:
+        """Room for ``need`` positions per row: the buffers move to twice the capacity (or more) when exceeded."""
+        if need <= self.capacity:
+            return
+        cap = max(2 * self.capacity, need)
+        held = max(self.lengths, default=0)
+        for bufs in (self.keys, self.values):
+            for i, old in enumerate(bufs):
+                if old is not None:
+                    new = old.new_zeros(old.shape[0], old.shape[1], cap, old.shape[3])
+                    new[:, :, :held].copy_(old[:, :, :held])
+                    bufs[i] = new
+        self.capacity = cap
+
+
+class RaggedModel(RaggedKV):
+    """A Llama-family model over a :class:`RaggedKV` of at most ``rows`` rows (the module docstring)."""
+
+    def __init__(self, model: nn.Module, rows: int, capacity: int, name: str | None = None):
+        name = name or getattr(model.config, "_name_or_path", "") or type(model).__name__
+        why = lean.unsupported(model)
+        if why is not None:
+            raise ValueError(f"batched decoding runs pardec's lean forward, which cannot run {name!r}: {why}")
+        super().__init__(int(model.config.num_hidden_layers), rows, capacity, name)
+        self.model = model.eval()
+        self.device = next(model.parameters()).device
+        self.num_layers = int(model.config.num_hidden_layers)
+        self._finite = FiniteCheck()  # NaN/inf in the logits raise (pardec.models.finite)
+
+    @torch.inference_mode()
+    def add(self, ids: torch.Tensor | list[int], hidden_layer: tuple[int, ...] | None = None):
+        """A new row (index ``rows``) with the prompt ``ids`` [T], prefilled alone; returns its last logits [1, V]
+        (with ``hidden_layer``: and the hidden states entering those layers at every prompt position, [T, n * H])."""
+        ids = to_device(torch.as_tensor(ids, dtype=torch.long).reshape(1, -1), self.device)
+        if ids.shape[1] == 0:
+            raise ValueError("empty prompt")
+        row = self.new_row()
+        try:
+            out = self._forward(ids, row, last_only=True, hidden_layer=hidden_layer)
+        except BaseException:
+            self.lengths.pop()
+            raise
+        return (out[0][:, -1], out[1][0]) if hidden_layer is not None else out[:, -1]
+
     @torch.inference_mode()
     def forward(self, ids: torch.Tensor, depths: torch.Tensor | None = None, attend: torch.Tensor | None = None,
-                widths: list[int] | None = None, logits_at: torch.Tensor | None = None) -> torch.Tensor:
+                widths: list[int] | None = None, logits_at: torch.Tensor | None = None,
+                hidden_layer: tuple[int, ...] | None = None):
         """New tokens ``ids`` [n, T] for every active row after its cached ones; returns logits [n, T, V] (or of
-        the columns ``logits_at`` [n, K] picks per row: [n, K, V]).
+        the columns ``logits_at`` [n, K] picks per row: [n, K, V]); with ``hidden_layer``, (logits, the hidden
+        states entering those layers [n, T, len * H]).
 
         depths: [T] or [n, T] offsets of the new tokens' positions from each row's length (default ``0..T-1``).
         attend: bool [T, T] / [n, T, T], new token j sees new token i (default causal); cached positions all seen.
@@ -124,81 +212,42 @@ class RaggedModel:
             raise ValueError(f"{self.name}: a forward of {n} rows for {self.rows} active rows")
         if widths is not None and (len(widths) != n or any(not 0 <= w <= t for w in widths)):
             raise ValueError(f"forward: widths {widths} must be {n} values in 0..{t}")
-        out = self._forward(to_device(ids, self.device), 0, depths=depths, attend=attend, logits_at=logits_at)
-        if widths is not None:
-            self.lengths = [n_ - t + w for n_, w in zip(self.lengths, widths)]
-        return out
+        return self._forward(to_device(ids, self.device), 0, depths=depths, attend=attend, logits_at=logits_at,
+                             widths=widths, hidden_layer=hidden_layer)
 
     def _forward(self, ids: torch.Tensor, first: int, depths=None, attend=None, last_only: bool = False,
-                 logits_at: torch.Tensor | None = None) -> torch.Tensor:
-        """Rows ``first .. first+n-1`` (their lengths advance by T)."""
+                 logits_at: torch.Tensor | None = None, widths: list[int] | None = None,
+                 hidden_layer: tuple[int, ...] | None = None):
+        """Rows ``first .. first+n-1`` (their lengths advance by ``widths``, default T)."""
         self._finite.pending()
         n, t = ids.shape
         dev = self.device
+        capture = lean.capture_layers(hidden_layer, self.num_layers, self.name)
         base = self.lengths[first : first + n]
-        self._grow(max(base) + t)
-        lens = to_device(torch.tensor(base, dtype=torch.long), dev)  # (an upload, no read)
+        w = self.window(first, n, t, dev, attend)
         offs = torch.arange(t, device=dev) if depths is None else to_device(torch.as_tensor(depths), dev).long()
-        positions = lens[:, None] + (offs if offs.dim() == 2 else offs[None])  # [n, T]
-        width = max(base) + t
-        if attend is None:
-            attend = torch.ones(t, t, dtype=torch.bool, device=dev).tril()
-        attend = to_device(attend, dev).to(torch.bool)
-        if attend.dim() == 2:
-            attend = attend[None].expand(n, t, t)
-        rel = torch.arange(width, device=dev)[None] - lens[:, None]  # [n, K]: key slot - the row's length
-        inside = (rel >= 0) & (rel < t)
-        new = attend.gather(2, rel.clamp(0, t - 1)[:, None].expand(n, t, width)) & inside[:, None]
-        mask = additive_mask((rel < 0)[:, None] | new, self.model.dtype)  # [n, 1, T, K]
-        rows = torch.arange(first, first + n, device=dev)[:, None].expand(n, t)
-        slots = lens[:, None] + torch.arange(t, device=dev)  # [n, T]: where the new keys go (whatever their depth)
+        positions = w.lens[:, None] + (offs if offs.dim() == 2 else offs[None])  # [n, T]
+        mask = w.additive(self.model.dtype)
         h, cos, sin = lean.embed(self.model, ids, positions)
-        self._reserve(h.device)
 
         def attend_fn(a, q, k, v):
-            i = a.layer_idx
-            if not self.keys[i].numel():
-                self._allocate(i, k)
-            kb, vb = self.keys[i], self.values[i]
-            kb[rows, :, slots] = k.transpose(1, 2).to(kb.dtype)  # row b's new token j at slot length_b + j
-            vb[rows, :, slots] = v.transpose(1, 2).to(vb.dtype)
-            ks, vs = kb[first : first + n, :, :width], vb[first : first + n, :, :width]
+            ks, vs = self.write(a.layer_idx, w, k, v)
             # grouped-query attention inside SDPA, masked: the same values as repeating the keys/values per head
             # (bitwise, measured), without the copy of the whole batch's cache per layer (23x faster at 16 rows)
             return F.scaled_dot_product_attention(q, ks.to(q.dtype), vs.to(q.dtype), attn_mask=mask, scale=a.scaling,
                                                   enable_gqa=q.shape[1] != ks.shape[1])
 
-        h = lean.decoder_layers(self.model, h, cos, sin, attend_fn)
-        for b in range(first, first + n):
-            self.lengths[b] += t
+        seen: dict[int, torch.Tensor] = {}
+        h = lean.decoder_layers(self.model, h, cos, sin, attend_fn, on_layer=seen.__setitem__ if capture else None)
+        self.advance(w, widths)
+        full = h
         if last_only:
             h = h[:, -1:]
         elif logits_at is not None:
             h = h.gather(1, to_device(logits_at, dev)[..., None].expand(-1, -1, h.shape[-1]))
         logits = lean.head(self.model, h)
         self._finite.check(logits, self.name, base, t, last_only, None)
-        return logits
-
-    def _grow(self, need: int) -> None:
-        """Room for ``need`` positions per row: the buffers move to twice the capacity (or more) when exceeded."""
-        if need <= self.capacity:
-            return
-        cap = max(2 * self.capacity, need)
-        held = max(self.lengths, default=0)
-        for bufs in (self.keys, self.values):
-            for i, old in enumerate(bufs):
-                if old.numel():
-                    new = old.new_zeros(old.shape[0], old.shape[1], cap, old.shape[3])
-                    new[:, :, :held].copy_(old[:, :, :held])
-                    bufs[i] = new
-        self.capacity = cap
-
-    def _reserve(self, device: torch.device) -> None:
-        if not self.keys:
-            self.keys = [torch.empty(0, device=device) for _ in range(self.num_layers)]
-            self.values = [torch.empty(0, device=device) for _ in range(self.num_layers)]
-
-    def _allocate(self, layer: int, k: torch.Tensor) -> None:
-        shape = (self.max_rows, k.shape[1], self.capacity, k.shape[3])
-        self.keys[layer] = torch.zeros(shape, dtype=k.dtype, device=k.device)
-        self.values[layer] = torch.zeros(shape, dtype=k.dtype, device=k.device)
+        if capture is None:
+            return logits
+        final = lean._rms(self.model.model.norm, full) if self.num_layers in capture else full
+        return logits, lean.captured(seen, final, capture, self.num_layers)

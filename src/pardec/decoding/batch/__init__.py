@@ -3,11 +3,12 @@
 * :mod:`~pardec.decoding.batch.engine`: the loop (:func:`run_batch`), the per-request state (:class:`Row`), the
   method seam (:class:`BatchedMethod`) and its registry (:data:`BATCHED`, a plug-in point as ``METHODS`` is);
 * :mod:`~pardec.decoding.batch.verify`: chain verification of every row's draft in one forward and one host read;
-* :mod:`~pardec.decoding.batch.methods`: ``ar``, ``pld`` and ``sps`` over a batch.
+* :mod:`~pardec.decoding.batch.methods`: ``ar``, ``pld``, ``sps`` and ``jacobi`` over a batch;
+  :mod:`~pardec.decoding.batch.eagle`: ``eagle3``'s chain.
 
 The cache is :class:`pardec.models.ragged.RaggedModel`: each row its own length, so rows accept different numbers
 of draft tokens per round without re-padding the batch, finished rows leave and waiting prompts take their place.
 """
 
-from pardec.decoding.batch import methods  # noqa: F401  (registers the batched methods)
+from pardec.decoding.batch import eagle, methods  # noqa: F401  (register the batched methods)
 from pardec.decoding.batch.engine import BATCHED, BatchedMethod, BatchRun, Row, build_batched, run_batch  # noqa: F401

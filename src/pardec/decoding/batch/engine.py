@@ -18,7 +18,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import Any, ClassVar, NamedTuple
 
 import torch
 
@@ -104,20 +104,30 @@ class BatchedMethod:
 
     # ---------------------------------------------------------------- shared steps
     def verify(self, rows: list[Row], draft: torch.Tensor, ks: list[int], q: torch.Tensor | None = None,
-               extra: Callable[[torch.Tensor], torch.Tensor] | None = None) -> tuple[list[list[int]], list[list[int]]]:
+               extra: Callable[[torch.Tensor], torch.Tensor] | None = None,
+               hidden_layer: tuple[int, ...] | None = None) -> Verified:
         """One target forward over ``[last, *draft[b]]`` per row (``draft`` [n, K], row b's first ``ks[b]`` real):
-        commit each row's accepted prefix + the target's token, keep exactly those in the cache. Returns (those
-        tokens per row, the rows of ``extra(logits)`` [n, X]: ids read back in the same host read)."""
-        n, k = draft.shape
+        commit each row's accepted prefix + the target's token, keep exactly those in the cache. ``extra(logits)``
+        [n, X]: ids read back in the same host read; ``hidden_layer``: also the target's hidden states entering
+        those layers."""
         lasts = torch.tensor([[r.last] for r in rows], dtype=torch.long)
         ids = torch.cat([lasts.to(draft.device), draft], 1)
         base = list(self.target.lengths)
-        logits = self.target.forward(ids)
+        out = self.target.forward(ids, hidden_layer=hidden_layer)
+        logits, hidden = out if hidden_layer is not None else (out, None)
         acc, more = verify_rows(draft, ks, logits, self.s, self.gen, q, None if extra is None else extra(logits))
         self.target.set_lengths([b0 + len(a) for b0, a in zip(base, acc)])
         for r, a, kb in zip(rows, acc, ks):
             r.commit(a, kb)
-        return acc, more
+        return Verified(acc, more, hidden)
+
+
+class Verified(NamedTuple):
+    """What :meth:`BatchedMethod.verify` committed per row, the ``extra`` ids' rows, the captured hidden states."""
+
+    tokens: list[list[int]]
+    extra: list[list[int]]
+    hidden: torch.Tensor | None
 
 
 BATCHED: Registry[type[BatchedMethod]] = Registry("batched method")

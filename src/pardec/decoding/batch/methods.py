@@ -89,7 +89,7 @@ class BatchedSPS(BatchedMethod):
             else:
                 qs.append(warp(logits, self.s))
                 toks.append(sample(qs[-1], self.gen)[:, 0])
-        acc, _ = self.verify(rows, torch.stack(toks, 1), ks, torch.stack(qs, 1) if qs else None)
+        acc = self.verify(rows, torch.stack(toks, 1), ks, torch.stack(qs, 1) if qs else None).tokens
         # the draft holds each row's old sequence + d_1..d_{k-1}: keep what the new sequence shares with it
         self.draft.set_lengths([f + min(len(a) - 1, k - 1) for f, a in zip(fed, acc)])
 
@@ -126,7 +126,7 @@ class BatchedJacobi(BatchedMethod):
         k = max(len(d) for d in drafts)
         draft = torch.tensor([d + [0] * (k - len(d)) for d in drafts], dtype=torch.long).reshape(len(rows), k)
         before = [len(r.out.tokens) for r in rows]
-        acc, nxt = self.verify(rows, draft, [len(d) for d in drafts], extra=lambda lg: select(lg, self.s, self.gen))
+        acc, nxt, _ = self.verify(rows, draft, [len(d) for d in drafts], extra=lambda lg: select(lg, self.s, self.gen))
         for r, a, g, n0 in zip(rows, acc, nxt, before):
             st = r.state
             st["done"] += len(r.out.tokens) - n0
