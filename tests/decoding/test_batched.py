@@ -44,8 +44,8 @@ def _early_stop(lm, prompts) -> Stopper:
 def _batched(method: str, batch_size: int, draft: str | None = None, **params):
     lm = tiny(0)
     model = {"self": lm.model, "noisy": noisy(0)}[draft] if draft else None
-    if method == "eagle3":  # a drafter fitted to the target's own continuations (tests/decoding/drafters.py)
-        params = {**drafter_params("eagle3", lm.model), **params}
+    if method in ("eagle3", "dflash"):  # drafters fitted to the target's own continuations (tests/decoding/drafters.py)
+        params = {**drafter_params(method, lm.model), **params}
     return build_batched(method, lm.model, batch_size, 64, lm.tokenizer, model, **params)
 
 
@@ -53,7 +53,8 @@ CASES = {"ar": ("ar", None, {}), "pld": ("pld", None, {"num_pred": 5}),
          "sps_noisy": ("sps", "noisy", {"gamma": 3}),  # partial acceptance: rows accept different counts
          "sps_self": ("sps", "self", {"gamma": 3}),  # every draft accepted: the draft is fed two tokens next round
          "jacobi": ("jacobi", None, {"block_size": 4}),  # rows start blocks at different rounds
-         "eagle3": ("eagle3", None, {"num_speculative_tokens": 3})}  # the chain, its drafter's own ragged cache
+         "eagle3": ("eagle3", None, {"num_speculative_tokens": 3}),  # the chain, its drafter's own ragged cache
+         "dflash": ("dflash", None, {})}  # blocks of 4: 3 drafts a row
 
 
 @pytest.mark.parametrize("batch_size", [2, 4])
@@ -139,7 +140,7 @@ def test_ragged_forward_equals_batch_one_forwards_with_trees():
     torch.testing.assert_close(nxt[1, 0], one.forward(torch.tensor([[4]])).logits[0, 0], rtol=1e-4, atol=1e-4)
 
 
-@pytest.mark.parametrize("case", ["ar", "pld", "sps_noisy", "jacobi", "eagle3"])
+@pytest.mark.parametrize("case", ["ar", "pld", "sps_noisy", "jacobi", "eagle3", "dflash"])
 def test_one_host_read_per_round_on_a_gpu(case):
     """On a (virtual) CUDA device: the same tokens as on the CPU, host reads = one per admission (its first token) +
     one per round, and the finiteness flags copied without a wait."""
@@ -166,7 +167,7 @@ def test_bad_input_is_refused_before_any_model_is_wrapped():
     with pytest.raises(ConfigError, match=r"batch_size=0 must be an integer >= 1"):
         build_batched("ar", lm.model, 0, 64)
     with pytest.raises(ConfigError, match=r"method 'lookahead' has no batched implementation: batch_size > 1 runs "
-                                          r"ar, eagle3, jacobi, pld, sps"):
+                                          r"ar, dflash, eagle3, jacobi, pld, sps"):
         build_batched("lookahead", lm.model, 2, 64)
     with pytest.raises(KeyError, match="unknown method 'nope'"):
         build_batched("nope", lm.model, 2, 64)
@@ -185,4 +186,6 @@ def test_bad_input_is_refused_before_any_model_is_wrapped():
         build_batched("eagle3", lm.model, 2, 64, path="unused", mode="tree")
     with pytest.raises(ConfigError, match="needs an EAGLE-3 drafter"):
         build_batched("eagle3", lm.model, 2, 64)
-    assert BATCHED.names() == ["ar", "eagle3", "jacobi", "pld", "sps"]
+    with pytest.raises(ConfigError, match="needs a DFlash drafter"):
+        build_batched("dflash", lm.model, 2, 64)
+    assert BATCHED.names() == ["ar", "dflash", "eagle3", "jacobi", "pld", "sps"]

@@ -18,6 +18,7 @@ from tests.decoding.test_distribution_deep import (
     PROMPT,
     T,
     as_cells,
+    dflash_deep,
     eagle_deep,
     exact_joints,
     near_draft,
@@ -25,8 +26,9 @@ from tests.decoding.test_distribution_deep import (
 from tests.stats import chi_square_p
 
 N = {"t1": 2000, "warped": 2400}
+#: drafts 3 deep; eagle3 and dflash with the deep test's fitted drafters (eagle_deep, dflash_deep)
 PARAMS = {"ar": {}, "pld": {"max_ngram": 3, "num_pred": 4}, "sps": {"gamma": 3}, "jacobi": {"block_size": 4},
-          "eagle3": {"num_speculative_tokens": 3}}  # + the fitted drafter of the deep test (eagle_deep)
+          "eagle3": {"num_speculative_tokens": 3}, "dflash": {"num_speculative_tokens": 3}}
 OTHERS = [[1, 2], [4, 4, 4, 4, 4, 4, 4, 4, 4, 4, 4], [7, 3, 7]]  # neighbours of other lengths
 
 
@@ -36,7 +38,8 @@ OTHERS = [[1, 2], [4, 4, 4, 4, 4, 4, 4, 4, 4, 4, 4], [7, 3, 7]]  # neighbours of
 def test_each_rows_triples_follow_the_target_distribution(method, setting, one_thread):
     n, s0 = N[setting], SETTINGS[setting]
     draft = near_draft() if method == "sps" else None
-    params = {**PARAMS[method], **({"path": eagle_deep()} if method == "eagle3" else {})}
+    fitted = {"eagle3": eagle_deep, "dflash": dflash_deep}
+    params = {**PARAMS[method], **({"path": fitted[method]()} if method in fitted else {})}
     dec = build_batched(method, tiny_vocab(0), 8, 32, None, draft, **params)
     prompts = [PROMPT if i % 2 == 0 else OTHERS[(i // 2) % len(OTHERS)] for i in range(2 * n)]
     s = SamplingConfig(temperature=s0.temperature, top_k=s0.top_k, top_p=s0.top_p, seed=17)

@@ -18,6 +18,7 @@ from pardec.config import ConfigError
 from pardec.decoding.base import check_range
 from pardec.decoding.batch.engine import BatchedMethod, Row, register_batched
 from pardec.decoding.sampling import sample, select, warp
+from pardec.models.cache import to_device
 from pardec.models.eagle_formats import load_eagle3
 from pardec.models.ragged import RaggedKV
 
@@ -75,7 +76,7 @@ class BatchedEagle3(BatchedMethod):
         logits, features = self.target.add(row.prompt, hidden_layer=self.layers)
         first = select(logits, self.s, self.gen)
         b = self.cache.new_row()
-        tokens = torch.cat([torch.as_tensor(row.prompt[1:], dtype=torch.long, device=first.device), first])
+        tokens = torch.cat([to_device(torch.as_tensor(row.prompt[1:], dtype=torch.long), first.device), first])
         out = self._feed(b, tokens[None], self.drafter.fuse(features)[None])
         if self.roots is None:
             self.roots = out.new_zeros(self.target.max_rows, out.shape[-1])
@@ -108,7 +109,7 @@ class BatchedEagle3(BatchedMethod):
         acc, _, hidden = self.verify(rows, draft, ks, torch.stack(qs, 1) if qs else None, hidden_layer=self.layers)
         self.cache.set_lengths(stable)  # the chain's entries leave; the accepted tokens' come with the target's features
         m = max(len(a) for a in acc)
-        tokens = torch.tensor([a + [0] * (m - len(a)) for a in acc], dtype=torch.long, device=hidden.device)
+        tokens = to_device(torch.tensor([a + [0] * (m - len(a)) for a in acc], dtype=torch.long), hidden.device)
         out = self._feed(0, tokens, d.fuse(hidden[:, :m]), widths=[len(a) for a in acc])
-        last = torch.tensor([len(a) - 1 for a in acc], device=out.device)
+        last = to_device(torch.tensor([len(a) - 1 for a in acc]), out.device)
         self.roots[:n] = out[torch.arange(n, device=out.device), last]

@@ -26,6 +26,7 @@ from pardec.config import ConfigError, SamplingConfig
 from pardec.decoding.base import METHODS, GenerationResult, Output, Stopper, check_params, sync
 from pardec.decoding.batch.verify import verify_rows
 from pardec.decoding.sampling import make_generator, select
+from pardec.models.cache import to_device
 from pardec.models.ragged import RaggedModel
 from pardec.registry import Registry
 
@@ -111,7 +112,7 @@ class BatchedMethod:
         [n, X]: ids read back in the same host read; ``hidden_layer``: also the target's hidden states entering
         those layers."""
         lasts = torch.tensor([[r.last] for r in rows], dtype=torch.long)
-        ids = torch.cat([lasts.to(draft.device), draft], 1)
+        ids = torch.cat([to_device(lasts, draft.device), draft], 1)
         base = list(self.target.lengths)
         out = self.target.forward(ids, hidden_layer=hidden_layer)
         logits, hidden = out if hidden_layer is not None else (out, None)

@@ -4,10 +4,11 @@ the same distribution).
 
 Each round is one target forward for every active row; a row's draft is as long as the batch-1 method would make
 it (``pld``: its own lookup, cut to the room left; ``sps``: ``gamma``, cut to the room left), shorter drafts padded
-to the longest. Left out of batching so far, and why: the tree methods (``eagle3`` tree, ``medusa``, ``firp``,
-``sdsat``, ``mjsd``, ``spectr``) need per-row tree compaction in the draft's cache too; ``lookahead`` keeps an
-n-gram pool and a window per row; ``dflash`` and ``eagle3`` chain read the target's hidden states into their
-drafter's own cache (:meth:`~pardec.models.ragged.RaggedModel.keep` is the compaction those need)."""
+to the longest. ``eagle3``'s chain and ``dflash``: :mod:`pardec.decoding.batch.eagle`,
+:mod:`pardec.decoding.batch.dflash`. Left out of batching so far, and why: the tree methods (``eagle3``'s tree,
+``medusa``, ``firp``, ``sdsat``, ``mjsd``, ``spectr``, ``ouroboros``) need per-row tree verification and
+compaction (:meth:`~pardec.models.ragged.RaggedKV.keep` is that compaction for one row); ``lookahead`` keeps an
+n-gram pool and a window per row."""
 
 from __future__ import annotations
 

@@ -1,0 +1,106 @@
+"""``dflash`` over a batch: each row's block drafted in one drafter forward for every row at once, the drafter's
+context (every draft layer's keys/values of the committed tokens' fused features) in a ragged cache of its own
+(:class:`~pardec.models.ragged.RaggedKV`, a layer per draft layer), as batch-1 ``dflash`` keeps it
+(:mod:`pardec.decoding.dflash`): a row's block ``[last, mask x (block_size - 1)]`` sits at positions
+``length_b .. length_b + block_size - 1`` and sees the row's whole context and the whole block; slots ``1 .. n`` are
+its drafts, verified as a chain; the features of ``last`` and the accepted drafts join the row's context (one
+drafter pass for every row, each row its own count). Greedy: every row's output equals its batch-1 ``ar`` output;
+sampled: speculative sampling against each slot's warped distribution, per row."""
+
+from __future__ import annotations
+
+import torch
+
+from pardec.config import ConfigError
+from pardec.decoding.base import check_range
+from pardec.decoding.batch.engine import BatchedMethod, Row, register_batched
+from pardec.decoding.dflash import load_dflash_for
+from pardec.decoding.sampling import sample, select, warp
+from pardec.models.cache import to_device
+from pardec.models.ragged import RaggedKV
+
+
+@register_batched("dflash")
+class BatchedDFlash(BatchedMethod):
+    """``path``, ``block_size``, ``num_speculative_tokens``: as batch-1 ``dflash``'s (null: the drafter's trained
+    block, ``block_size - 1`` drafts)."""
+
+    def __init__(self, target, tokenizer=None, draft=None, path: str | None = None, block_size: int | None = None,
+                 num_speculative_tokens: int | None = None):
+        super().__init__(target, tokenizer, draft)
+        if block_size is not None:
+            check_range("block_size", block_size, 2, 1024)
+        if num_speculative_tokens is not None:
+            check_range("num_speculative_tokens", num_speculative_tokens, 1, 1023)
+        if path is None:
+            raise ConfigError("method 'dflash' needs a DFlash drafter: method.path=<dir or hub id> (or zoo:dflash)")
+        cfg = target.model.config
+        drafter = load_dflash_for(path, cfg)
+        c = drafter.config
+        if c.target_hidden_size != int(cfg.hidden_size) or c.vocab_size != int(cfg.vocab_size):
+            raise ConfigError(f"the DFlash drafter reads features of width {c.target_hidden_size} and vocabulary "
+                              f"{c.vocab_size}; the target has {cfg.hidden_size} and {cfg.vocab_size}")
+        self.block = c.block_size if block_size is None else int(block_size)
+        if self.block > c.block_size:
+            raise ConfigError(f"method.block_size={block_size} is out of range: the drafter was trained on blocks "
+                              f"of {c.block_size} (choose 2..{c.block_size})")
+        self.n = self.block - 1 if num_speculative_tokens is None else int(num_speculative_tokens)
+        if self.n > self.block - 1:
+            raise ConfigError(f"method.num_speculative_tokens={num_speculative_tokens} is out of range: a block of "
+                              f"{self.block} proposes at most {self.block - 1}")
+        self.drafter = drafter.to(target.device, target.model.dtype).eval()
+        self.layers = tuple(int(i) for i in c.layer_ids)
+        self.embed = target.model.model.embed_tokens
+        self.context = RaggedKV(int(c.num_hidden_layers), target.max_rows, target.capacity, "dflash context")
+
+    @property
+    def width(self) -> int:
+        return self.n + 1
+
+    def _append(self, first: int, features: torch.Tensor, widths: list[int] | None = None) -> None:
+        """Context entries of rows ``first ..`` for ``features`` [n, T, K * H_t] after each row's own."""
+        n, t = features.shape[:2]
+        w = self.context.window(first, n, t, features.device)
+        for i, (k, v) in enumerate(self.drafter.context_kv(features, w.slots)):
+            self.context.write(i, w, k, v)
+        self.context.advance(w, widths)
+
+    def admit(self, row: Row) -> None:
+        logits, features = self.target.add(row.prompt, hidden_layer=self.layers)
+        first = select(logits, self.s, self.gen)
+        self._append(self.context.new_row(), features[None])
+        row.last = int(first)  # (the admission's one host read)
+        row.out.commit([row.last])
+
+    def drop(self, b: int) -> None:
+        super().drop(b)
+        self.context.drop(b)
+
+    def _propose(self, last: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Every row's block after its ``last`` [n]: (drafts [n, k], their warped distributions [n, k, V] under
+        sampling, else None)."""
+        d, n, dev = self.drafter, last.shape[0], last.device
+        ctx = self.context
+        s = max(ctx.lengths)
+        lens = to_device(torch.tensor(ctx.lengths, dtype=torch.long), dev)
+        pos = lens[:, None] + torch.arange(self.block, device=dev)
+        seen = (torch.arange(s, device=dev)[None] < lens[:, None])[:, None].expand(n, self.block, s)
+        mask = torch.cat([seen, torch.ones(n, self.block, self.block, dtype=torch.bool, device=dev)], 2)
+        views = [(kb[:n, :, :s], vb[:n, :, :s]) for kb, vb in zip(ctx.keys, ctx.values)]
+        out = d(d.block_inputs(self.embed, last, self.block), pos, views, mask)
+        logits = d.logits(out[:, 1 : k + 1], self.target.model.lm_head)  # [n, k, V]
+        if self.s.greedy:
+            return logits.argmax(-1), None
+        q = warp(logits, self.s)
+        return sample(q, self.gen)[..., 0], q
+
+    def round(self, rows: list[Row]) -> None:
+        n = len(rows)
+        ks = [min(self.n, r.out.room - 1) for r in rows]
+        k = max(ks)
+        dev = self.target.device
+        last = to_device(torch.tensor([r.last for r in rows], dtype=torch.long), dev)
+        draft, q = self._propose(last, k) if k else (torch.zeros(n, 0, dtype=torch.long, device=dev), None)
+        acc, _, hidden = self.verify(rows, draft, ks, q, hidden_layer=self.layers)
+        m = max(len(a) for a in acc)
+        self._append(0, hidden[:, :m], widths=[len(a) for a in acc])
