@@ -18,6 +18,8 @@ def _cell(method: str, b: int, tps: float) -> dict:
 
 
 def test_sizes_and_methods_are_checked_before_anything_loads():
+    assert [m[1] for m in batch.parse_methods(batch.DEFAULT_METHODS)] == ["ar", "pld", "sps", "jacobi", "eagle3",
+                                                                          "dflash"]
     assert batch.parse_sizes("8,1,2,2") == [1, 2, 8]
     for bad in ("0,2", "a", ""):
         with pytest.raises(ConfigError, match="--batch-sizes"):
@@ -60,6 +62,7 @@ def test_end_to_end_on_the_tiny_model(tmp_path, capsys):
 
 
 def test_a_method_that_needs_a_draft_is_refused_without_one(tmp_path, capsys):
-    assert batch.main(["--methods", "sps", "--out", str(tmp_path), "model=tiny_random", "dataset=humaneval"]) == 2
+    assert batch.main(["--methods", "sps", "--out", str(tmp_path), "model=tiny_random", "dataset=humaneval",
+                       "draft=none"]) == 2
     assert "--methods entry 'sps' needs a draft model" in capsys.readouterr().err
     assert not list(tmp_path.iterdir())

@@ -9,9 +9,12 @@ tokens equal batch-1 ``ar``'s (greedy; 1.00 expected of every lossless method in
 competed for the CPU meanwhile (:mod:`pardec.metrics.busy`). The crossover of a method: the smallest batch size at
 which its tokens/s fall below batched ``ar``'s at the same size.
 
-    python -m pardec.bench batch [--methods ar,pld,sps:gamma=4] [--batch-sizes 1,2,4,8,16] [--n 16]
-        [--max-new-tokens 128] [--out DIR] [overrides: model=smollm2_135m dataset=gsm8k dataset.path=FILE
-        dtype=fp32 draft=smollm2_distilled threads=2 ...]
+    python -m pardec.bench batch [--methods ar,pld,sps,jacobi,eagle3:path=zoo:eagle3,dflash:path=zoo:dflash]
+        [--batch-sizes 1,2,4,8,16] [--n 16] [--max-new-tokens 128] [--out DIR]
+        [overrides: model=smollm2_135m dataset=gsm8k dataset.path=FILE dtype=fp32 draft=... threads=2 ...]
+
+Methods with a draft model (``sps``) get the zoo's (``draft.path=zoo:draft``) unless a ``draft`` override names
+another.
 
 ``<out>/batch.json`` holds the run's identity (host, commit, settings) and each cell as it is measured: a killed run
 continues where it stopped (measured cells are kept) and refuses to continue with another identity.
@@ -32,6 +35,9 @@ from pardec.config import ConfigError
 from pardec.config.schema import settings_diff
 
 FILE = "batch.json"
+#: every batched method, the trained ones with the zoo's drafters (sps: the zoo's draft model unless draft= is given)
+DEFAULT_METHODS = "ar,pld,sps,jacobi,eagle3:path=zoo:eagle3,dflash:path=zoo:dflash"
+ZOO_DRAFT = ["draft=local", "draft.name=zoo_draft", "draft.path=zoo:draft"]
 
 
 def parse_sizes(text: str) -> list[int]:
@@ -143,7 +149,7 @@ def load(out: Path, ident: dict, command: str = "") -> dict:
 
 def main(argv: list[str] | None = None, prog: str | None = None) -> int:
     ap = argparse.ArgumentParser(prog=prog, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--methods", default="ar,pld,sps")
+    ap.add_argument("--methods", default=DEFAULT_METHODS)
     ap.add_argument("--batch-sizes", default="1,2,4,8,16")
     ap.add_argument("--n", type=int, default=16)
     ap.add_argument("--max-new-tokens", type=int, default=128)
@@ -181,9 +187,11 @@ def _spec(a: argparse.Namespace, methods: list[tuple[str, str, dict]]):
     from pardec.decoding.batch import BATCHED
     from pardec.evaluation.spec import validate
 
+    draft = [] if any(o.startswith("draft") for o in a.overrides) or not any(
+        BATCHED.get(name).needs_draft for _, name, _ in methods) else ZOO_DRAFT
     with initialize_config_dir(str(CONF_DIR), version_base="1.3"):
         cfg = compose("evaluate", overrides=["+method=ar", f"n_samples={a.n}", f"max_new_tokens={a.max_new_tokens}",
-                                             *a.overrides])
+                                             *draft, *a.overrides])
     spec = validate(cfg)
     from pardec import zoo
 
