@@ -190,9 +190,11 @@ class RunConfig:
     kv_cache: str = "preallocated"  # CachedModel's KV cache (KV_CACHES)
     forward_impl: str = "auto"  # the target's CachedModel forward (FORWARD_CHOICES); auto: the fastest exact one
     draft_forward_impl: str | None = None  # the draft's (FORWARD_CHOICES); None: as forward_impl
+    batch_size: int = 1  # prompts decoded at once (> 1: pardec.evaluation.batched, continuous batching)
 
     def __post_init__(self) -> None:
         check_at_least("repeats", self.repeats, 1)
+        check_at_least("batch_size", self.batch_size, 1, integer=True)
         check_choice("dtype", self.dtype, DTYPES)
         check_choice("kv_cache", self.kv_cache, KV_CACHES)
         check_choice("forward_impl", self.forward_impl, FORWARD_CHOICES)

@@ -152,6 +152,14 @@ def _run(cfg: DictConfig, run_dir: Path, spec, ranks: rk.Ranks, task, docs: list
     eos = lm.eos_ids if r.stop_at_eos else set()
     stopper = Stopper(tok, eos, task.stop_strings(chat))
 
+    batch = None
+    if r.batch_size > 1:  # every role decodes its prompts as one batch (pardec.evaluation.batched)
+        from pardec.evaluation.batched import run_roles
+
+        batch = run_roles(spec, task, mine, roles, lm, draft.model if draft is not None else None,
+                          scorer if spec.perplexity.get("enabled") else None, completion_nll, stopper, chat, results,
+                          place, target.max_length)
+        mine = []  # (no prompt-by-prompt loop)
     if mine and spec.bench.warmup:  # every rank warms up, on its first prompt
         warm_ids = task.prompt_ids(mine[0][1], tok, chat, [])
         try:
@@ -238,6 +246,8 @@ def _run(cfg: DictConfig, run_dir: Path, spec, ranks: rk.Ranks, task, docs: list
         if any("peak_cuda_mb" in x for x in infos):
             summary["peak_cuda_mb"] = max(x.get("peak_cuda_mb", 0.0) for x in infos)
     summary["threads"], summary["threads_setting"] = threads, r.threads
+    if batch is not None:
+        summary["batch"] = batch
     summary = finite(summary)
     write_json(run_dir / "summary.json", summary)
     print(format_table(summary))

@@ -22,10 +22,11 @@ from pardec.config import (
     settings_diff,
     to_dataclass,
 )
+from pardec.evaluation import batched
 from pardec.jsonl import read_json
 
 RUN_KEYS = ("n_samples", "max_new_tokens", "threads", "seed", "resume", "timeout_s", "stop_at_eos", "repeats",
-            "dtype", "tf32", "forward_padding", "kv_cache", "forward_impl", "draft_forward_impl")
+            "dtype", "tf32", "forward_padding", "kv_cache", "forward_impl", "draft_forward_impl", "batch_size")
 #: peer roles run when ``bench.include_hf=true``: role -> method (``hf_assisted`` only with a draft)
 PEERS = {"hf": "hf_generate", "hf_pld": "hf_pld", "hf_assisted": "hf_assisted"}
 
@@ -133,12 +134,14 @@ def validate(cfg: DictConfig) -> EvalSpec:
         raise ConfigError(f"energy has no key(s) {sorted(set(energy) - {'enabled'})}; valid: enabled")
     if not isinstance(energy.get("enabled", True), bool):
         raise ConfigError(f"energy.enabled={energy['enabled']!r} must be bool (true or false)")
+    spec = EvalSpec(name, mcfg, model, draft, dataset, run, sampling, bench, ppl, logger, also, energy, devices)
+    batched.check(spec)  # batch_size > 1: every role batched (before any hub probe)
     check_models(model, draft)
     for m_name, m_params in [(name, mcfg)] + [(a[1], a[2]) for a in also]:
         METHODS.get(m_name).check_model(model, m_params)  # what a method needs of the model, before it loads
         check_attention(m_name, model, draft)
     check_scorer(dataset, run)
-    return EvalSpec(name, mcfg, model, draft, dataset, run, sampling, bench, ppl, logger, also, energy, devices)
+    return spec
 
 
 def resolve_model_path(cfg: ModelConfig, key: str, target: str | None) -> ModelConfig:
@@ -231,7 +234,7 @@ def run_identity(spec: EvalSpec, world_size: int = 1) -> dict[str, Any]:
             "max_new_tokens": r.max_new_tokens, "stop_at_eos": r.stop_at_eos, "timeout_s": r.timeout_s,
             "repeats": r.repeats, "threads": r.threads, "seed": r.seed, "sampling": asdict(spec.sampling),
             "baseline": spec.bench.baseline, "include_hf": spec.bench.include_hf, "also": spec.bench.also,
-            "perplexity": spec.perplexity}
+            "perplexity": spec.perplexity, **({"batch_size": r.batch_size} if r.batch_size != 1 else {})}
 
 
 def check_has_run(run_dir: Path) -> None:

@@ -187,13 +187,18 @@ class BatchRun:
     def tokens_per_s(self) -> float:
         return self.tokens / self.wall_s if self.wall_s > 0 else 0.0
 
-    def latency(self) -> dict[str, float]:
+    def latency(self) -> dict[str, float | None]:
         """Per-request latency from submission to the last token, seconds: mean, p50, p95."""
-        lat = sorted(r.total_s for r in self.results)
-        if not lat:
-            return {"mean": 0.0, "p50": 0.0, "p95": 0.0}
-        p95 = lat[min(len(lat) - 1, max(0, round(0.95 * len(lat)) - 1))]
-        return {"mean": statistics.fmean(lat), "p50": statistics.median(lat), "p95": p95}
+        return latency([r.total_s for r in self.results])
+
+
+def latency(values: list[float]) -> dict[str, float | None]:
+    """Mean, median and 95th percentile (nearest rank) of per-request latencies (None: no request)."""
+    if not values:
+        return {"mean": None, "p50": None, "p95": None}
+    v = sorted(values)
+    return {"mean": statistics.fmean(v), "p50": statistics.median(v),
+            "p95": v[min(len(v) - 1, max(0, round(0.95 * len(v)) - 1))]}
 
 
 @torch.inference_mode()
