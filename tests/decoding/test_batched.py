@@ -28,7 +28,9 @@ N_NEW = 24
 
 
 def _prompts(lm) -> list[list[int]]:
-    return [lm.tokenizer(t)["input_ids"] for t in TEXTS]
+    """The texts, and the short prompt the test drafters were fitted on (tests/decoding/drafters.py: their drafts are
+    often right after it)."""
+    return [lm.tokenizer(t)["input_ids"] for t in TEXTS] + [[1, 504, 1812]]
 
 
 def _reference(lm, prompts, stop) -> list[list[int]]:
@@ -78,6 +80,19 @@ def test_every_row_equals_its_batch_one_ar_output(case, batch_size):
         assert max(accepted) >= 3  # drafts were accepted several deep
         if case == "sps_self":
             assert all(r.draft_accepted == r.drafted for r in run.results)
+    # each row drafted and accepted as the batch-1 method does on its prompt alone
+    lm_draft = {"self": lm.model, "noisy": noisy(0)}.get(draft)
+    single = build_decoder(method, CachedModel(lm.model), lm.tokenizer,
+                           None if lm_draft is None else CachedModel(lm_draft),
+                           **_single_params(method, lm, params))
+    assert [r.accepted for r in run.results] == [single.generate(p, N_NEW, stop).accepted for p in prompts]
+
+
+def _single_params(method: str, lm, params: dict) -> dict:
+    out = {**params, **({"mode": "chain"} if method == "eagle3" else {})}
+    if method in ("eagle3", "dflash"):
+        out.update(drafter_params(method, lm.model))
+    return out
 
 
 def test_rows_accept_different_counts_in_one_round():

@@ -31,9 +31,7 @@ class BatchedEagle3(BatchedMethod):
     def __init__(self, target, tokenizer=None, draft=None, path: str | None = None, mode: str = "chain",
                  num_speculative_tokens: int = 3):
         super().__init__(target, tokenizer, draft)
-        if mode != "chain":
-            raise ConfigError(f"method.mode={mode!r}: batched eagle3 drafts chains (method.mode=chain); EAGLE-2's "
-                              f"dynamic tree runs at batch size 1")
+        self.check_options({"mode": mode})
         check_range("num_speculative_tokens", num_speculative_tokens, 1, 64)
         if path is None:
             raise ConfigError("method 'eagle3' needs an EAGLE-3 drafter: method.path=<dir> (or zoo:eagle3)")
@@ -49,6 +47,12 @@ class BatchedEagle3(BatchedMethod):
         self.k = num_speculative_tokens
         self.cache = RaggedKV(1, target.max_rows, target.capacity, "eagle3 drafter")
         self.roots: torch.Tensor | None = None  # [rows, H]: each row's drafter output at its last stable entry
+
+    @classmethod
+    def check_options(cls, params: dict) -> None:
+        if params.get("mode", "chain") != "chain":
+            raise ConfigError(f"method.mode={params['mode']!r}: batched eagle3 drafts chains (method.mode=chain); "
+                              f"EAGLE-2's dynamic tree runs at batch size 1")
 
     @property
     def width(self) -> int:

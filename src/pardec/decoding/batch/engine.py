@@ -23,7 +23,7 @@ from typing import Any, ClassVar, NamedTuple
 import torch
 
 from pardec.config import ConfigError, SamplingConfig
-from pardec.decoding.base import METHODS, GenerationResult, Output, Stopper, check_params, sync
+from pardec.decoding.base import METHODS, GenerationResult, Output, Stopper, check_params, method_params, sync
 from pardec.decoding.batch.verify import verify_rows
 from pardec.decoding.sampling import make_generator, select
 from pardec.models.cache import to_device
@@ -81,6 +81,10 @@ class BatchedMethod:
     def width(self) -> int:
         """The most new positions a round adds to a row's cache (the batch cache's headroom)."""
         return 1
+
+    @classmethod
+    def check_options(cls, params: dict[str, Any]) -> None:
+        """What the batched form refuses of values its batch-1 method takes (one line), before any model loads."""
 
     def start(self, s: SamplingConfig, gen: torch.Generator | None) -> None:
         self.s, self.gen = s, gen
@@ -154,8 +158,18 @@ def check_batched(name: str, batch_size: int, params: dict[str, Any]) -> type[Ba
         raise ConfigError(f"method {single!r} has no batched implementation: batch_size > 1 runs "
                           f"{', '.join(BATCHED.names())}")
     cls = BATCHED.get(name)
-    check_params(cls, params)
+    check_params(cls, batched_params(name, params))
+    cls.check_options(batched_params(name, params))
     return cls
+
+
+def batched_params(name: str, params: dict[str, Any]) -> dict[str, Any]:
+    """``params`` less the batch-1 method's parameters that its batched form does not take and that are at the batch-1
+    default (a method's config lists every parameter: ``conf/method/<name>.yaml``); any other value stays, and is
+    refused by :func:`check_params` naming what the batched form takes."""
+    taken = method_params(BATCHED.get(name))
+    single = method_params(METHODS.get(name))
+    return {k: v for k, v in params.items() if k in taken or k not in single or single[k].default != v}
 
 
 def build_batched(name: str, model: torch.nn.Module, batch_size: int, capacity: int, tokenizer=None,
@@ -166,7 +180,8 @@ def build_batched(name: str, model: torch.nn.Module, batch_size: int, capacity: 
     if cls.needs_draft and draft is None:
         raise ConfigError(f"method {name!r} needs a draft model: pass draft=<name>")
     target = RaggedModel(model, batch_size, capacity)
-    return cls(target, tokenizer, RaggedModel(draft, batch_size, capacity) if cls.needs_draft else None, **params)
+    return cls(target, tokenizer, RaggedModel(draft, batch_size, capacity) if cls.needs_draft else None,
+               **batched_params(name, params))
 
 
 @dataclass
