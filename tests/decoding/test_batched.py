@@ -204,3 +204,18 @@ def test_bad_input_is_refused_before_any_model_is_wrapped():
     with pytest.raises(ConfigError, match="needs a DFlash drafter"):
         build_batched("dflash", lm.model, 2, 64)
     assert BATCHED.names() == ["ar", "dflash", "eagle3", "jacobi", "pld", "sps"]
+
+
+@pytest.mark.parametrize("method", ["ar", "pld"])
+def test_int8_rows_equal_batch_one_int8_ar(method):
+    """pardec's per-token int8 linears (each token its own activation scale) over a batch: every row's greedy output
+    equals batch-1 int8 ``ar``'s."""
+    from pardec.config import ModelConfig
+    from pardec.models.loading import load_model
+
+    lm = tiny(0)
+    m = load_model(ModelConfig(name="tiny_random", source="tiny_random", device="cpu", dtype="int8")).model
+    prompts = _prompts(lm)
+    ref = [build_decoder("ar", CachedModel(m)).generate(p, N_NEW).tokens for p in prompts]
+    run = run_batch(build_batched(method, m, 3, 64), prompts, N_NEW)
+    assert [r.tokens for r in run.results] == ref

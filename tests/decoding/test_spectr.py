@@ -10,7 +10,7 @@ import torch
 
 from pardec.config import ConfigError, SamplingConfig
 from pardec.decoding import Stopper, build_decoder
-from pardec.decoding.verify import kseq, kseq_factor, kseq_residual
+from pardec.decoding.kseq import kseq, kseq_factor, kseq_residual
 from pardec.models.cached import CachedModel
 from tests.decoding.test_distribution import PROMPT, SETTINGS, N, exact_joint, tiny_vocab
 from tests.stats import chi_square_p

@@ -5,7 +5,7 @@ Each round the draft samples ``k`` sequences of ``gamma`` tokens independently f
 batch (:class:`~pardec.decoding.drafting.Branches`), on the device, read back once, and merged into a trie
 (:class:`~pardec.decoding.tree.Tree`), which one target forward verifies under the tree mask.
 Verification is the paper's k-sequential draft selection, applied node by node
-(:func:`~pardec.decoding.verify.verify_tree_iid`): the output follows the target's distribution exactly
+(:func:`~pardec.decoding.kseq.verify_tree_iid`): the output follows the target's distribution exactly
 (``exactness = "distribution"``).
 
 Greedy decoding: the first sequence is the draft's greedy chain and the other ``k - 1`` are sampled from the
@@ -21,9 +21,9 @@ import torch
 
 from pardec.decoding.base import Decoder, DraftClock, GenerationResult, check_range, register_method
 from pardec.decoding.drafting import Branches, catch_up
+from pardec.decoding.kseq import verify_tree_iid
 from pardec.decoding.sampling import sample, warp
 from pardec.decoding.tree import Tree
-from pardec.decoding.verify import verify_tree_iid
 
 
 @register_method("spectr")
