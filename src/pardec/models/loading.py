@@ -339,7 +339,8 @@ def load_model(cfg: ModelConfig, device: torch.device | None = None) -> LoadedMo
     model = model.eval()
     model.config._attn_implementation = cfg.attn_implementation
     if cfg.dtype == "int8":
-        from pardec.models.quant.int8 import calibration_ids, quantize_cached
+        from pardec.models.quant.int8 import quantize_cached
+        from pardec.models.quant.smooth import calibration_ids
 
         calib = calibration_ids(tok) if cfg.int8_smooth is not None else None
         model = quantize_cached(model, int8_cache_key(cfg), **int8_recipe(cfg), calib=calib)

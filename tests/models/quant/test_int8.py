@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import pardec.models.quant.int8 as int8
+import pardec.models.quant.smooth as sq
 from pardec.config import INT8_WEIGHTS, ConfigError, ModelConfig, SamplingConfig
 from pardec.decoding import Stopper, build_decoder
 from pardec.models.cached import CachedModel
@@ -101,7 +102,7 @@ def test_smoothing_calibrates_through_sdpa_whatever_the_runs_attention(monkeypat
         hook = model.register_forward_pre_hook(lambda m, a, kw: seen.append(m.config._attn_implementation),
                                                with_kwargs=True)
         with torch.no_grad():
-            int8.smooth(model, 0.5, int8.calibration_ids(lm.tokenizer))
+            sq.smooth(model, 0.5, sq.calibration_ids(lm.tokenizer))
         hook.remove()
         assert model.config._attn_implementation == attn
         smoothed[attn] = model.state_dict()
@@ -111,7 +112,7 @@ def test_smoothing_calibrates_through_sdpa_whatever_the_runs_attention(monkeypat
     f = tmp_path / "w.safetensors"
     f.write_bytes(b"x")
     before = int8.cache_key({"name": "m"}, [f])
-    monkeypatch.setattr(int8, "CALIBRATION_ATTENTION", "eager")  # caches calibrated another way are not reused
+    monkeypatch.setattr(sq, "CALIBRATION_ATTENTION", "eager")  # caches calibrated another way are not reused
     assert int8.cache_key({"name": "m"}, [f]) != before
 
 
@@ -133,12 +134,12 @@ def test_smoothing_is_exact_in_fp32_and_rescues_int8_from_outlier_channels():
             mlp.up_proj.weight[:4] *= 100.0
             mlp.down_proj.weight[:, :4] /= 100.0
     ids = torch.tensor([[5, 17, 99, 3, 250, 41, 7, 7, 12, 300]])
-    calib = int8.calibration_ids(lm.tokenizer)
+    calib = sq.calibration_ids(lm.tokenizer)
     assert len(calib) >= 3 and all(len(c) > 10 for c in calib)
     with torch.no_grad():
         want = model(input_ids=ids).logits
         smoothed = copy.deepcopy(model)
-        assert int8.smooth(smoothed, 0.8, calib) == 3 * len(model.model.layers)  # q/k/v, gate/up, down per layer
+        assert sq.smooth(smoothed, 0.8, calib) == 3 * len(model.model.layers)  # q/k/v, gate/up, down per layer
         torch.testing.assert_close(smoothed(input_ids=ids).logits, want, rtol=1e-4, atol=1e-4)
         assert not torch.equal(smoothed.model.layers[0].mlp.down_proj.weight, model.model.layers[0].mlp.down_proj.weight)
         err = {}
@@ -153,7 +154,7 @@ def test_smoothing_is_exact_in_fp32_and_rescues_int8_from_outlier_channels():
     assert torch.equal(q.model.layers[0].mlp.down_proj.weight, model.model.layers[0].mlp.down_proj.weight)
     with pytest.raises(ValueError, match="calibration"):
         int8.prepare(copy.deepcopy(model), "per_channel", smooth_alpha=0.5)
-    assert int8.smooth(torch.nn.Sequential(torch.nn.Linear(2, 2)), 0.5, calib) == 0  # not Llama-style: no-op
+    assert sq.smooth(torch.nn.Sequential(torch.nn.Linear(2, 2)), 0.5, calib) == 0  # not Llama-style: no-op
 
 
 def test_int8_recipe_config_and_cache(local_dir, tmp_path, monkeypatch):
