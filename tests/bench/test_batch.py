@@ -55,6 +55,18 @@ def test_end_to_end_on_the_tiny_model(tmp_path, capsys):
     assert "| sps:gamma=2 | 2 |" in (tmp_path / "batch.md").read_text()
     assert batch.main(args) == 0  # resumes: every cell kept, none measured again
     assert json.loads((tmp_path / batch.FILE).read_text())["cells"] == data["cells"]
+    root = tmp_path / "repo"  # --publish onto a copy of the pages
+    (root / "docs" / "results").mkdir(parents=True)
+    (root / "docs" / "img").mkdir()
+    (root / "docs" / "batch.md").write_text("# Batched\n\n<!-- batch-table -->\nold\n<!-- /batch-table -->\n\nafter\n")
+    page = batch.publish(tmp_path, data, root, "batch_test")
+    text = page.read_text()
+    assert "old" not in text and text.endswith("<!-- /batch-table -->\n\nafter\n")
+    assert "| sps:gamma=2 | 2 |" in text and "[results/batch_test.json](results/batch_test.json)" in text
+    assert json.loads((root / "docs" / "results" / "batch_test.json").read_text()) == data
+    assert (root / "docs" / "img" / "batch_test.png").is_file()
+    with pytest.raises(ConfigError, match="is not finished"):
+        batch.publish(tmp_path, {**data, "cells": data["cells"][:3]}, root, "batch_test")
     capsys.readouterr()
     assert batch.main([*args[:4], "--n", "2", *args[6:]]) == 2
     err = capsys.readouterr().err

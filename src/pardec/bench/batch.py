@@ -155,6 +155,10 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--warmup-tokens", type=int, default=16)
     ap.add_argument("--out", type=Path, default=REPO_ROOT / "outputs" / "bench" / f"batch_{time.strftime('%Y-%m-%d')}")
+    ap.add_argument("--publish", action="store_true",
+                    help="put the run on the pages: docs/results/<name>.json, docs/img/<name>.png and the table in "
+                         "docs/batch.md (between its batch-table markers)")
+    ap.add_argument("--name", default=None, help="the publication's name (default: batch_<date the run started>)")
     ap.add_argument("overrides", nargs="*", help="Hydra overrides of the evaluate config (model=, dataset=, dtype=, "
                                                    "draft=, threads=, ...)")
     a = ap.parse_intermixed_args(argv)
@@ -267,4 +271,44 @@ def measure(a, spec, methods, sizes, data: dict) -> int:
     plot(data, a.out / "batch.png")
     print(text)
     print(f"\nwritten to {a.out}")
+    if a.publish:
+        try:
+            print(f"published: {publish(a.out, data, REPO_ROOT, a.name or 'batch_' + data['date'])}")
+        except ConfigError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
     return 0
+
+
+MARKERS = ("<!-- batch-table -->", "<!-- /batch-table -->")
+
+
+def publish(out: Path, data: dict, root: Path, name: str) -> Path:
+    """The run in ``out`` onto the pages: its result file and figure under ``docs/``, and its table with the host,
+    the data link and the figure between the markers of ``docs/batch.md`` (refused when the run is not finished:
+    every method at every batch size of its identity)."""
+    import shutil
+
+    from pardec.evaluation.results import write_json
+    from pardec.models.host import describe
+
+    ident = data["identity"]
+    want = len(ident["methods"]) * len({c["batch_size"] for c in data["cells"]})
+    if len(data["cells"]) < want or data.get("reference") is None:
+        raise ConfigError(f"the batch run in {out} is not finished ({len(data['cells'])} of {want} cells): run it to "
+                          f"the end before --publish")
+    docs = root / "docs"
+    write_json(docs / "results" / f"{name}.json", data)
+    shutil.copyfile(out / "batch.png", docs / "img" / f"{name}.png")
+    page = docs / "batch.md"
+    text = page.read_text()
+    if MARKERS[0] not in text or MARKERS[1] not in text:
+        raise ConfigError(f"{page} has no {MARKERS[0]} ... {MARKERS[1]} block to fill")
+    head, rest = text.split(MARKERS[0], 1)
+    _, tail = rest.split(MARKERS[1], 1)
+    body = (f"{ident['model']} {ident['dtype']} on {ident['dataset']}, {ident['n']} prompts, {ident['max_new_tokens']} "
+            f"new tokens, {data['date']}; host: {describe(ident['host'])}.\n\n{table(data)}\n\n"
+            f"<sub>Data: [results/{name}.json](results/{name}.json)</sub>\n\n"
+            f"![tokens/s and speed against batched ar per batch size](img/{name}.png)\n")
+    page.write_text(f"{head}{MARKERS[0]}\n{body}{MARKERS[1]}{tail}")
+    return page
