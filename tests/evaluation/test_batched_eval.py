@@ -81,6 +81,8 @@ def test_resume_after_a_kill_redoes_and_duplicates_nothing(tmp_path):
     (["+method=pld", "batch_size=2", 'bench.also=["lookahead"]'], r"bench.also entry 'lookahead': method 'lookahead' "
                                                                     r"has no batched implementation"),
     (["+method=pld", "batch_size=0"], r"batch_size=0 is out of range: it must be an integer >= 1"),
+    (["+method=pld", "batch_size=2", "forward_impl=compiled"], r"forward_impl=compiled / draft_forward_impl=None are "
+                                                               r"batch-1 forwards"),
 ])
 def test_what_batching_cannot_run_is_refused_before_any_model_loads(tmp_path, monkeypatch, overrides, message):
     import pardec.models.loading as loading

@@ -30,6 +30,10 @@ def check(spec) -> None:
     if r.repeats != 1:
         raise ConfigError(f"batch_size={r.batch_size} with repeats={r.repeats}: a batched run times the whole batch "
                           f"once; set repeats=1")
+    if r.forward_impl not in ("auto", "lean") or (r.draft_forward_impl or "auto") not in ("auto", "lean"):
+        raise ConfigError(f"batch_size={r.batch_size} runs pardec's lean forward over a ragged batch cache; "
+                          f"forward_impl={r.forward_impl} / draft_forward_impl={r.draft_forward_impl} are batch-1 "
+                          f"forwards: leave them at auto (or lean)")
     if spec.model.attn_implementation not in ("sdpa", "eager"):
         raise ConfigError(f"batch_size={r.batch_size} runs pardec's lean forward over a ragged batch cache, which "
                           f"takes model.attn_implementation sdpa or eager, not {spec.model.attn_implementation!r}")
