@@ -46,8 +46,8 @@ def _early_stop(lm, prompts) -> Stopper:
 def _batched(method: str, batch_size: int, draft: str | None = None, **params):
     lm = tiny(0)
     model = {"self": lm.model, "noisy": noisy(0)}[draft] if draft else None
-    if method in ("eagle3", "dflash"):  # drafters fitted to the target's own continuations (tests/decoding/drafters.py)
-        params = {**drafter_params(method, lm.model), **params}
+    if method in ("eagle3", "dflash", "medusa"):  # drafters of tests/decoding/drafters.py (eagle3, dflash: fitted
+        params = {**drafter_params(method, lm.model), **params}  # to the target's own continuations)
     return build_batched(method, lm.model, batch_size, 64, lm.tokenizer, model, **params)
 
 
@@ -56,7 +56,8 @@ CASES = {"ar": ("ar", None, {}), "pld": ("pld", None, {"num_pred": 5}),
          "sps_self": ("sps", "self", {"gamma": 3}),  # every draft accepted: the draft is fed two tokens next round
          "jacobi": ("jacobi", None, {"block_size": 4}),  # rows start blocks at different rounds
          "eagle3": ("eagle3", None, {"num_speculative_tokens": 3}),  # the chain, its drafter's own ragged cache
-         "dflash": ("dflash", None, {})}  # blocks of 4: 3 drafts a row
+         "dflash": ("dflash", None, {}),  # blocks of 4: 3 drafts a row
+         "medusa": ("medusa", None, {})}  # a tree per row (tests/decoding/drafters.py's tree T), compacted per row
 
 
 @pytest.mark.parametrize("batch_size", [2, 4])
@@ -75,7 +76,7 @@ def test_every_row_equals_its_batch_one_ar_output(case, batch_size):
     for r in run.results:
         assert r.target_forwards == len(r.accepted) and sum(r.accepted) == len(r.tokens)
         assert 0 < r.prefill_s <= r.total_s <= run.wall_s
-    if case not in ("ar", "jacobi"):  # (Jacobi on an untrained model accepts ~1 token an iteration)
+    if case not in ("ar", "jacobi", "medusa"):  # (Jacobi on an untrained model, untrained heads: ~1 token a forward)
         accepted = [a for r in run.results for a in r.accepted[1:]]
         assert max(accepted) >= 3  # drafts were accepted several deep
         if case == "sps_self":
@@ -90,7 +91,7 @@ def test_every_row_equals_its_batch_one_ar_output(case, batch_size):
 
 def _single_params(method: str, lm, params: dict) -> dict:
     out = {**params, **({"mode": "chain"} if method == "eagle3" else {})}
-    if method in ("eagle3", "dflash"):
+    if method in ("eagle3", "dflash", "medusa"):
         out.update(drafter_params(method, lm.model))
     return out
 
@@ -155,7 +156,7 @@ def test_ragged_forward_equals_batch_one_forwards_with_trees():
     torch.testing.assert_close(nxt[1, 0], one.forward(torch.tensor([[4]])).logits[0, 0], rtol=1e-4, atol=1e-4)
 
 
-@pytest.mark.parametrize("case", ["ar", "pld", "sps_noisy", "jacobi", "eagle3", "dflash"])
+@pytest.mark.parametrize("case", ["ar", "pld", "sps_noisy", "jacobi", "eagle3", "dflash", "medusa"])
 def test_one_host_read_per_round_on_a_gpu(case):
     """On a (virtual) CUDA device: the same tokens as on the CPU, host reads = one per admission (its first token) +
     one per round, and the finiteness flags copied without a wait."""
@@ -182,7 +183,7 @@ def test_bad_input_is_refused_before_any_model_is_wrapped():
     with pytest.raises(ConfigError, match=r"batch_size=0 must be an integer >= 1"):
         build_batched("ar", lm.model, 0, 64)
     with pytest.raises(ConfigError, match=r"method 'lookahead' has no batched implementation: batch_size > 1 runs "
-                                          r"ar, dflash, eagle3, jacobi, pld, sps"):
+                                          r"ar, dflash, eagle3, jacobi, medusa, pld, sps"):
         build_batched("lookahead", lm.model, 2, 64)
     with pytest.raises(KeyError, match="unknown method 'nope'"):
         build_batched("nope", lm.model, 2, 64)
@@ -203,7 +204,7 @@ def test_bad_input_is_refused_before_any_model_is_wrapped():
         build_batched("eagle3", lm.model, 2, 64)
     with pytest.raises(ConfigError, match="needs a DFlash drafter"):
         build_batched("dflash", lm.model, 2, 64)
-    assert BATCHED.names() == ["ar", "dflash", "eagle3", "jacobi", "pld", "sps"]
+    assert BATCHED.names() == ["ar", "dflash", "eagle3", "jacobi", "medusa", "pld", "sps"]
 
 
 @pytest.mark.parametrize("method", ["ar", "pld"])

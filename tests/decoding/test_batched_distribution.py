@@ -12,6 +12,7 @@ import pytest
 
 from pardec.config import SamplingConfig
 from pardec.decoding.batch import build_batched, run_batch
+from tests.decoding.drafters import drafter_params
 from tests.decoding.test_distribution import SETTINGS, tiny_vocab
 from tests.decoding.test_distribution_deep import (
     GROUPS,
@@ -28,7 +29,7 @@ from tests.stats import chi_square_p
 N = {"t1": 2000, "warped": 2400}
 #: drafts 3 deep; eagle3 and dflash with the deep test's fitted drafters (eagle_deep, dflash_deep)
 PARAMS = {"ar": {}, "pld": {"max_ngram": 3, "num_pred": 4}, "sps": {"gamma": 3}, "jacobi": {"block_size": 4},
-          "eagle3": {"num_speculative_tokens": 3}, "dflash": {"num_speculative_tokens": 3}}
+          "eagle3": {"num_speculative_tokens": 3}, "dflash": {"num_speculative_tokens": 3}, "medusa": {}}
 OTHERS = [[1, 2], [4, 4, 4, 4, 4, 4, 4, 4, 4, 4, 4], [7, 3, 7]]  # neighbours of other lengths
 
 
@@ -39,7 +40,8 @@ def test_each_rows_triples_follow_the_target_distribution(method, setting, one_t
     n, s0 = N[setting], SETTINGS[setting]
     draft = near_draft() if method == "sps" else None
     fitted = {"eagle3": eagle_deep, "dflash": dflash_deep}
-    params = {**PARAMS[method], **({"path": fitted[method]()} if method in fitted else {})}
+    params = {**PARAMS[method], **({"path": fitted[method]()} if method in fitted else {}),
+              **(drafter_params("medusa", tiny_vocab(0)) if method == "medusa" else {})}  # (untrained heads)
     dec = build_batched(method, tiny_vocab(0), 8, 32, None, draft, **params)
     prompts = [PROMPT if i % 2 == 0 else OTHERS[(i // 2) % len(OTHERS)] for i in range(2 * n)]
     s = SamplingConfig(temperature=s0.temperature, top_k=s0.top_k, top_p=s0.top_p, seed=17)
@@ -51,7 +53,7 @@ def test_each_rows_triples_follow_the_target_distribution(method, setting, one_t
         deep += any(a >= 3 for a in res.accepted[1:])  # >= 2 drafted tokens accepted in one forward
         for g in GROUPS:
             obs[g][tuple(res.tokens[j - 1] for j in g)] += 1
-    if method not in ("ar", "jacobi"):
+    if method not in ("ar", "jacobi", "medusa"):  # (medusa: untrained heads, rarely right twice in a row)
         assert deep >= n // 30, deep
     exact = exact_joints(setting, T, GROUPS)
     for g in GROUPS:

@@ -75,7 +75,7 @@ def test_resume_after_a_kill_redoes_and_duplicates_nothing(tmp_path):
 
 @pytest.mark.parametrize(("overrides", "message"), [
     (["+method=lookahead", "batch_size=2"], r"method: method 'lookahead' has no batched implementation: batch_size > 1 "
-                                            r"runs ar, dflash, eagle3, jacobi, pld, sps"),
+                                            r"runs ar, dflash, eagle3, jacobi, medusa, pld, sps"),
     (["+method=pld", "batch_size=2", "bench.include_hf=true"], r"bench.include_hf=true adds transformers' decoders"),
     (["+method=pld", "batch_size=2", "repeats=2"], r"batch_size=2 with repeats=2"),
     (["+method=pld", "batch_size=2", 'bench.also=["lookahead"]'], r"bench.also entry 'lookahead': method 'lookahead' "

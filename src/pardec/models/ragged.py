@@ -112,6 +112,30 @@ class RaggedKV:
                 buf[row, :, start : start + len(idx)] = buf[row].index_select(1, src)
         self.lengths[row] = start + len(idx)
 
+    @torch.inference_mode()
+    def keep_rows(self, starts: list[int], paths: list[list[int]]) -> None:
+        """Every active row ``b`` keeps positions ``starts[b] + paths[b]`` (increasing) of those from ``starts[b]``
+        on, moved to ``starts[b]..`` (each row's accepted tree path): one gather and one scatter per buffer for the
+        whole batch."""
+        n = self.rows
+        if len(starts) != n or len(paths) != n:
+            raise ValueError(f"keep_rows: {len(starts)} starts and {len(paths)} paths for {n} rows")
+        for b, (st, idx) in enumerate(zip(starts, paths)):
+            if not idx or any(q <= p for p, q in zip(idx, idx[1:])) or idx[0] < 0 or st + idx[-1] >= self.lengths[b]:
+                raise ValueError(f"keep_rows: path {idx} from {st} does not fit row {b}'s {self.lengths[b]} positions")
+        width = max(len(p) for p in paths)
+        src = [[st + p[min(j, len(p) - 1)] for j in range(width)] for st, p in zip(starts, paths)]
+        dst = [[st + j for j in range(width)] for st in starts]  # (past a row's path: slots it no longer holds)
+        host = torch.tensor([src, dst])
+        on: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}  # (a model split over devices: per device)
+        for buf in self._buffers():
+            if buf.device not in on:
+                both = to_device(host, buf.device)
+                on[buf.device] = (torch.arange(n, device=buf.device)[:, None].expand(n, width), both)
+            rows, both = on[buf.device]
+            buf[rows, :, both[1]] = buf[rows, :, both[0]]
+        self.lengths = [st + len(p) for st, p in zip(starts, paths)]
+
     def window(self, first: int, n: int, t: int, device: torch.device, attend: torch.Tensor | None = None
                ) -> Window:
         """Rows ``first .. first+n-1`` get ``t`` new entries each: where they go and what each may see (its row's

@@ -11,6 +11,7 @@ import torch
 
 from pardec.config import SamplingConfig
 from pardec.decoding.sampling import sample, warp
+from pardec.decoding.tree import TreeBuffers
 from pardec.decoding.verify import _normalised
 from pardec.models.cache import to_device
 
@@ -53,3 +54,51 @@ def verify_rows(draft: torch.Tensor, ks: list[int], logits: torch.Tensor, s: Sam
     token = sample(_normalised(r, p_n), gen)[:, 0]
     got = torch.cat([m[:, None], draft, token[:, None], *more], 1).tolist()
     return [g[1 : 1 + g[0]] + [g[1 + k]] for g in got], [g[len(g) - x :] for g in got]
+
+
+def verify_trees(buf: TreeBuffers, labels: torch.Tensor, logits: torch.Tensor, s: SamplingConfig,
+                 gen: torch.Generator | None) -> list[tuple[list[int], list[int]]]:
+    """A tree of one shape (``buf``: :meth:`Tree.on`'s buffers) per row, its nodes' tokens ``labels`` [n, N] (the
+    root's unused) and deterministic children (top-k candidates: no ``q``), verified against ``logits`` [n, N, V]
+    as :func:`pardec.decoding.verify.verify_tree` verifies one: greedy, the deepest path whose every token is the
+    target's argmax; sampled, each node's children tried in order, child ``x_j`` accepted with ``p(x_j) / (1 -
+    p(x_1) - ... - p(x_{j-1}))``, then a token from ``p`` without the rejected children at the path's end. One host
+    read for every row. Returns per row (the accepted path's nodes, root first; the committed tokens)."""
+    n, size = labels.shape
+    dev = logits.device
+    labels = to_device(labels, dev)
+    parent = buf.parent[None].expand(n, size)
+    if s.greedy:
+        pred = logits.argmax(-1)  # [n, N]
+        ok = labels == pred.gather(1, parent)
+    else:
+        probs = warp(logits, s)  # [n, N, V]
+        inner = probs[:, buf.inner]  # [n, I, V]
+        x = labels.clamp(min=0)[:, buf.kids]  # [n, I, C] (padding: token 0, masked by kid_ok)
+        px = inner.gather(2, x) * buf.kid_ok  # p(x_j)
+        left = inner.sum(-1)[..., None] - (px.cumsum(2) - px)  # the mass not yet rejected
+        acc = buf.kid_ok & (torch.rand(px.shape, generator=gen, device=dev) * left < px)
+        first = acc & (acc.long().cumsum(2) == 1)  # each node's first accepted child
+        ok = first[:, buf.slot[:, 0], buf.slot[:, 1]] if buf.inner.numel() else torch.zeros_like(labels, dtype=torch.bool)
+    ok[:, :1] = True  # the root (a fill kernel: an int index would upload a host scalar, a sync on CUDA)
+    on_path = ~(buf.attend[None] & ~ok[:, None, :]).any(-1)  # [n, N] the node and all its ancestors passed
+    end = torch.where(on_path, buf.depth[None], -1).argmax(1)  # [n] the deepest such node
+    mask = buf.attend[end]  # [n, N] the path to it
+    rows = torch.arange(n, device=dev)
+    if s.greedy:
+        token = pred[rows, end]
+    else:
+        p_end = probs[rows, end]  # [n, V]
+        r_end = buf.row[end]  # [n] its row among the inner nodes (-1: a leaf)
+        if buf.inner.numel():
+            rejected = buf.kid_ok[r_end.clamp(min=0)] & (r_end >= 0)[:, None]  # [n, C] its children, all rejected
+            keep = torch.ones_like(p_end).scatter_reduce(1, x[rows, r_end.clamp(min=0)], (~rejected).to(p_end.dtype),
+                                                         reduce="amin")
+            p_end = _normalised(p_end * keep, p_end)
+        token = sample(p_end, gen)[:, 0]
+    got = torch.cat([mask.long(), token[:, None], labels], 1).tolist()
+    out = []
+    for g in got:
+        path = [i for i in range(size) if g[i]]
+        out.append((path, [g[size + 1 + i] for i in path[1:]] + [g[size]]))
+    return out

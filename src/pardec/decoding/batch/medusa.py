@@ -1,0 +1,91 @@
+"""``medusa`` over a batch: every row's candidate tree (one shape, the method's rank tree; each row's own tokens, the
+top-ranked of its own heads' distributions) verified in one target forward for every row, the tree rule applied to
+every row at once (:func:`~pardec.decoding.batch.verify.verify_trees`), each row's cache compacted to its accepted
+path (:meth:`~pardec.models.ragged.RaggedKV.keep_rows`), and the heads run on each row's last accepted node for the
+next round, as batch-1 ``medusa`` does (:mod:`pardec.decoding.heads`). A row's tree is not cut to the room it has
+left (batch-1 cuts it): tokens past the limit are dropped by the row's output, which then ends. Greedy: every row's
+output equals its batch-1 ``ar`` output; sampled: the target's distribution, per row."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from pardec.config import ConfigError
+from pardec.decoding.base import check_range
+from pardec.decoding.batch.engine import BatchedMethod, Row, register_batched
+from pardec.decoding.batch.verify import verify_trees
+from pardec.decoding.sampling import select
+from pardec.decoding.tree import Tree
+from pardec.decoding.tree_search import resolve_tree, truncate_paths
+from pardec.models.cache import to_device
+from pardec.models.heads import load_drafter, read_meta
+
+
+@register_batched("medusa")
+class BatchedMedusa(BatchedMethod):
+    """``path``, ``tree``, ``k``: as batch-1 ``medusa``'s."""
+
+    def __init__(self, target, tokenizer=None, draft=None, path: str | None = None, tree: str = "chain",
+                 k: int | None = None):
+        super().__init__(target, tokenizer, draft)
+        if path is None:
+            raise ConfigError("method 'medusa' needs trained medusa weights: method.path=<dir> (or zoo:medusa)")
+        meta = read_meta(path, "method.path")
+        if meta.get("kind") != "medusa":
+            raise ConfigError(f"method.path={path!r} holds {meta.get('kind')!r} weights; this method needs 'medusa'")
+        if k is not None:
+            check_range("k", k, 1, int(meta["k"]))
+        self.k = k or int(meta["k"])
+        self.tree_name, paths = resolve_tree(tree, [Path(path) / "trees"], int(meta["k"]))
+        self.ranks = Tree.from_paths(truncate_paths(paths, self.k))
+        self.drafter, _ = load_drafter(path, target.model.config, "medusa", key="method.path")
+        self.drafter.to(target.device, target.model.dtype)
+        self.layer = int(target.model.config.num_hidden_layers)  # the final norm's output: what the heads read
+        ranks = self.ranks
+        self.at = torch.tensor([[int(d) - 1 for d in ranks.depth[1:]], ranks.labels[1:]], dtype=torch.long)
+        self.need = max(ranks.labels[1:], default=-1) + 1
+        self.drafts: torch.Tensor | None = None  # [rows, k, V]: each row's heads at its last accepted node
+
+    @property
+    def width(self) -> int:
+        return len(self.ranks)
+
+    def _heads(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.drafter(hidden)[..., : self.k, :]  # [.., k, V]
+
+    def admit(self, row: Row) -> None:
+        logits, hidden = self.target.add(row.prompt, hidden_layer=(self.layer,))
+        drafts = self._heads(hidden[-1])
+        if self.drafts is None:
+            self.drafts = drafts.new_zeros(self.target.max_rows, *drafts.shape)
+        self.drafts[self.target.rows - 1] = drafts
+        row.last = int(select(logits, self.s, self.gen))  # (the admission's one host read)
+        row.out.commit([row.last])
+
+    def drop(self, b: int) -> None:
+        super().drop(b)
+        if b < self.target.rows:  # the last row took its place
+            self.drafts[b] = self.drafts[self.target.rows]
+
+    def round(self, rows: list[Row]) -> None:
+        n, dev = len(rows), self.target.device
+        buf = self.ranks.on(dev)
+        at = to_device(self.at, dev)
+        if len(self.ranks) > 1:
+            top = self.drafts[:n].topk(min(self.need, self.drafts.shape[-1]), dim=-1).indices  # [n, k, need]
+            cands = top[:, at[0], at[1]]  # [n, N - 1]
+        else:
+            cands = torch.zeros(n, 0, dtype=torch.long, device=dev)
+        last = to_device(torch.tensor([[r.last] for r in rows], dtype=torch.long), dev)
+        base = list(self.target.lengths)
+        logits, hidden = self.target.forward(torch.cat([last, cands], 1), depths=buf.depth, attend=buf.attend,
+                                             hidden_layer=(self.layer,))
+        labels = torch.cat([torch.full((n, 1), -1, dtype=torch.long, device=dev), cands], 1)
+        verdicts = verify_trees(buf, labels, logits, self.s, self.gen)
+        self.target.keep_rows(base, [path for path, _ in verdicts])
+        ends = to_device(torch.tensor([path[-1] for path, _ in verdicts]), dev)
+        self.drafts[:n] = self._heads(hidden[torch.arange(n, device=dev), ends])
+        for r, (_, tokens) in zip(rows, verdicts):
+            r.commit(tokens, len(self.ranks) - 1)
