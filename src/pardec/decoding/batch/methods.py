@@ -4,11 +4,10 @@ the same distribution).
 
 Each round is one target forward for every active row; a row's draft is as long as the batch-1 method would make
 it (``pld``: its own lookup, cut to the room left; ``sps``: ``gamma``, cut to the room left), shorter drafts padded
-to the longest. ``eagle3``'s chain and ``dflash``: :mod:`pardec.decoding.batch.eagle`,
-:mod:`pardec.decoding.batch.dflash`. Left out of batching so far, and why: the tree methods (``eagle3``'s tree,
-``medusa``, ``firp``, ``sdsat``, ``mjsd``, ``spectr``, ``ouroboros``) need per-row tree verification and
-compaction (:meth:`~pardec.models.ragged.RaggedKV.keep` is that compaction for one row); ``lookahead`` keeps an
-n-gram pool and a window per row."""
+to the longest. ``eagle3``'s chain, ``dflash`` and ``medusa``: :mod:`pardec.decoding.batch.eagle`,
+:mod:`pardec.decoding.batch.dflash`, :mod:`pardec.decoding.batch.medusa`. Left out of batching so far (docs/batch.md):
+``eagle3``'s dynamic tree (a shape per row), ``firp``, ``sdsat``, ``mjsd``, ``spectr``, ``ouroboros``,
+``lookahead`` (an n-gram pool and a window per row), ``bild``."""
 
 from __future__ import annotations
 
