@@ -19,7 +19,7 @@ def _cell(method: str, b: int, tps: float) -> dict:
 
 def test_sizes_and_methods_are_checked_before_anything_loads():
     assert [m[1] for m in batch.parse_methods(batch.DEFAULT_METHODS)] == ["ar", "pld", "sps", "jacobi", "eagle3",
-                                                                          "dflash"]
+                                                                          "dflash", "medusa"]
     assert batch.parse_sizes("8,1,2,2") == [1, 2, 8]
     for bad in ("0,2", "a", ""):
         with pytest.raises(ConfigError, match="--batch-sizes"):
