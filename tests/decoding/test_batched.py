@@ -133,7 +133,7 @@ def test_continuous_batching_keeps_at_most_batch_size_rows_and_admits_as_rows_le
 
 def test_ragged_forward_equals_batch_one_forwards_with_trees():
     """Two rows of different lengths, a tree forward (depths, ancestor mask): each row's logits equal a batch-1
-    CachedModel forward of the same tree; keeping a path compacts one row only."""
+    CachedModel forward of the same tree; keeping each row's own path compacts each row to it."""
     lm = tiny(0)
     a, b = _prompts(lm)[:2]
     rag = RaggedModel(lm.model, 3, 8)  # a capacity it must grow past
@@ -148,12 +148,14 @@ def test_ragged_forward_equals_batch_one_forwards_with_trees():
         one.prefill(torch.tensor([p]))
         want = one.forward(ids[row : row + 1], positions=len(p) + depths, attend=tree).logits[0]
         torch.testing.assert_close(got[row], want, rtol=1e-4, atol=1e-4)
-    rag.keep(1, len(b), [0, 2, 3])  # row 1 keeps the path 0 -> 2 -> 3
-    assert rag.lengths == [len(a) + 4, len(b) + 3]
+    rag.keep_rows([len(a), len(b)], [[0, 1], [0, 2, 3]])  # row 0 keeps the path 0 -> 1, row 1 0 -> 2 -> 3
+    assert rag.lengths == [len(a) + 2, len(b) + 3]
     nxt = rag.forward(torch.tensor([[3], [4]]))
-    one = CachedModel(lm.model)
-    one.prefill(torch.tensor([b + [9, 11, 12]]))
-    torch.testing.assert_close(nxt[1, 0], one.forward(torch.tensor([[4]])).logits[0, 0], rtol=1e-4, atol=1e-4)
+    for row, kept, tok in ((0, a + [5, 6], 3), (1, b + [9, 11, 12], 4)):
+        one = CachedModel(lm.model)
+        one.prefill(torch.tensor([kept]))
+        want = one.forward(torch.tensor([[tok]])).logits[0, 0]
+        torch.testing.assert_close(nxt[row, 0], want, rtol=1e-4, atol=1e-4)
 
 
 @pytest.mark.parametrize("case", ["ar", "pld", "sps_noisy", "jacobi", "eagle3", "dflash", "medusa"])

@@ -101,18 +101,6 @@ class RaggedKV:
         self.lengths = [int(n) for n in lengths]
 
     @torch.inference_mode()
-    def keep(self, row: int, start: int, idx: list[int]) -> None:
-        """Row ``row`` keeps positions ``start + idx`` (increasing) of those from ``start`` on, moved to ``start..``
-        (a tree's accepted path); the prefix is untouched."""
-        if any(b <= a for a, b in zip(idx, idx[1:])) or (idx and (idx[0] < 0 or start + idx[-1] >= self.lengths[row])):
-            raise ValueError(f"keep: indices {idx} from {start} do not fit row {row}'s {self.lengths[row]} positions")
-        if [i for j, i in enumerate(idx) if i != j]:
-            for buf in self._buffers():
-                src = torch.tensor([start + i for i in idx], device=buf.device)
-                buf[row, :, start : start + len(idx)] = buf[row].index_select(1, src)
-        self.lengths[row] = start + len(idx)
-
-    @torch.inference_mode()
     def keep_rows(self, starts: list[int], paths: list[list[int]]) -> None:
         """Every active row ``b`` keeps positions ``starts[b] + paths[b]`` (increasing) of those from ``starts[b]``
         on, moved to ``starts[b]..`` (each row's accepted tree path): one gather and one scatter per buffer for the
