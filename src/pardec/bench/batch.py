@@ -79,6 +79,15 @@ def crossover(cells: list[dict]) -> dict[str, int | None]:
     return out
 
 
+def with_ratios(data: dict) -> dict:
+    """``data`` with each cell's speed against batched ``ar`` at its batch size (``vs_ar``) and against ``ar`` at
+    batch 1 (``vs_ar_at_1``): the table's ratios as fields, which the pages' figures point at."""
+    ar = {c["batch_size"]: c["tokens_per_s"] for c in data["cells"] if c["method"] == "ar"}
+    cells = [{**c, "vs_ar": c["tokens_per_s"] / ar[c["batch_size"]] if ar.get(c["batch_size"]) else None,
+              "vs_ar_at_1": c["tokens_per_s"] / ar[1] if ar.get(1) else None} for c in data["cells"]]
+    return {**data, "cells": cells, "crossover": crossover(data["cells"])}
+
+
 def table(data: dict) -> str:
     cells = data["cells"]
     ar = {c["batch_size"]: c["tokens_per_s"] for c in cells if c["method"] == "ar"}
@@ -298,7 +307,7 @@ def publish(out: Path, data: dict, root: Path, name: str) -> Path:
         raise ConfigError(f"the batch run in {out} is not finished ({len(data['cells'])} of {want} cells): run it to "
                           f"the end before --publish")
     docs = root / "docs"
-    write_json(docs / "results" / f"{name}.json", data)
+    write_json(docs / "results" / f"{name}.json", with_ratios(data))
     shutil.copyfile(out / "batch.png", docs / "img" / f"{name}.png")
     page = docs / "batch.md"
     text = page.read_text()
