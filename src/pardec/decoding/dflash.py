@@ -72,6 +72,24 @@ def load_dflash_for(path: str, target_config) -> DFlashDraft:
     return load_dflash(path, target_config, key="method.path")[0]
 
 
+def block_shape(c, target_config, block_size: int | None, num_speculative_tokens: int | None) -> tuple[int, int]:
+    """(the drafted block's width, the drafts verified per round) of a drafter with config ``c`` on a target with
+    ``target_config``, from the method's ``block_size`` / ``num_speculative_tokens`` (null: the trained block,
+    ``block_size - 1``); a drafter made for another target, or values past the trained block, refused in one line."""
+    if c.target_hidden_size != int(target_config.hidden_size) or c.vocab_size != int(target_config.vocab_size):
+        raise ConfigError(f"the DFlash drafter reads features of width {c.target_hidden_size} and vocabulary "
+                          f"{c.vocab_size}; the target has {target_config.hidden_size} and {target_config.vocab_size}")
+    width = c.block_size if block_size is None else int(block_size)
+    if width > c.block_size:
+        raise ConfigError(f"method.block_size={block_size} is out of range: the drafter was trained on blocks "
+                          f"of {c.block_size} (choose 2..{c.block_size})")
+    n = width - 1 if num_speculative_tokens is None else int(num_speculative_tokens)
+    if n > width - 1:
+        raise ConfigError(f"method.num_speculative_tokens={num_speculative_tokens} is out of range: a block of "
+                          f"{width} proposes at most {width - 1}")
+    return width, n
+
+
 @register_method("dflash")
 class DFlash(Decoder):
     """``path``: the drafter (a dir or a Hub id); ``block_size``: the drafted block's width (null: the drafter's
@@ -97,18 +115,7 @@ class DFlash(Decoder):
         if drafter is None:
             drafter = load_dflash_for(path, target.config)
         c = drafter.config
-        if c.target_hidden_size != int(target.config.hidden_size) or c.vocab_size != int(target.config.vocab_size):
-            raise ConfigError(f"the DFlash drafter reads features of width {c.target_hidden_size} and vocabulary "
-                              f"{c.vocab_size}; the target has {target.config.hidden_size} and "
-                              f"{target.config.vocab_size}")
-        self.width = c.block_size if block_size is None else int(block_size)
-        if self.width > c.block_size:
-            raise ConfigError(f"method.block_size={block_size} is out of range: the drafter was trained on blocks "
-                              f"of {c.block_size} (choose 2..{c.block_size})")
-        self.n = self.width - 1 if num_speculative_tokens is None else int(num_speculative_tokens)
-        if self.n > self.width - 1:
-            raise ConfigError(f"method.num_speculative_tokens={num_speculative_tokens} is out of range: a block of "
-                              f"{self.width} proposes at most {self.width - 1}")
+        self.width, self.n = block_shape(c, target.config, block_size, num_speculative_tokens)
         self.drafter = drafter.to(target.device, target.dtype).eval()
         self.layers = tuple(int(i) for i in c.layer_ids)
         self.embed = target.inner().embed_tokens

@@ -14,7 +14,7 @@ import torch
 from pardec.config import ConfigError
 from pardec.decoding.base import check_range
 from pardec.decoding.batch.engine import BatchedMethod, Row, register_batched
-from pardec.decoding.dflash import load_dflash_for
+from pardec.decoding.dflash import block_shape, load_dflash_for
 from pardec.decoding.sampling import sample, select, warp
 from pardec.models.cache import to_device
 from pardec.models.ragged import RaggedKV
@@ -37,17 +37,7 @@ class BatchedDFlash(BatchedMethod):
         cfg = target.model.config
         drafter = load_dflash_for(path, cfg)
         c = drafter.config
-        if c.target_hidden_size != int(cfg.hidden_size) or c.vocab_size != int(cfg.vocab_size):
-            raise ConfigError(f"the DFlash drafter reads features of width {c.target_hidden_size} and vocabulary "
-                              f"{c.vocab_size}; the target has {cfg.hidden_size} and {cfg.vocab_size}")
-        self.block = c.block_size if block_size is None else int(block_size)
-        if self.block > c.block_size:
-            raise ConfigError(f"method.block_size={block_size} is out of range: the drafter was trained on blocks "
-                              f"of {c.block_size} (choose 2..{c.block_size})")
-        self.n = self.block - 1 if num_speculative_tokens is None else int(num_speculative_tokens)
-        if self.n > self.block - 1:
-            raise ConfigError(f"method.num_speculative_tokens={num_speculative_tokens} is out of range: a block of "
-                              f"{self.block} proposes at most {self.block - 1}")
+        self.block, self.n = block_shape(c, cfg, block_size, num_speculative_tokens)
         self.drafter = drafter.to(target.device, target.model.dtype).eval()
         self.layers = tuple(int(i) for i in c.layer_ids)
         self.embed = target.model.model.embed_tokens
