@@ -89,21 +89,19 @@ def with_ratios(data: dict) -> dict:
 
 
 def table(data: dict) -> str:
-    cells = data["cells"]
-    ar = {c["batch_size"]: c["tokens_per_s"] for c in cells if c["method"] == "ar"}
-    ar1 = ar.get(1)
+    rated = with_ratios(data)
     lines = ["| method | batch | tokens/s | vs ar at batch | vs ar at 1 | latency mean / p50 / p95 s | tokens per "
              "forward | EM vs ar | busy |", "|---|---|---|---|---|---|---|---|---|"]
-    for c in sorted(cells, key=lambda c: (c["method"] != "ar", c["method"], c["batch_size"])):
-        lat, tps = c["latency"], c["tokens_per_s"]
-        same = f"{tps / ar[c['batch_size']]:.2f}x" if ar.get(c["batch_size"]) else ""
-        one = f"{tps / ar1:.2f}x" if ar1 else ""
+    for c in sorted(rated["cells"], key=lambda c: (c["method"] != "ar", c["method"], c["batch_size"])):
+        lat = c["latency"]
+        same = "" if c["vs_ar"] is None else f"{c['vs_ar']:.2f}x"
+        one = "" if c["vs_ar_at_1"] is None else f"{c['vs_ar_at_1']:.2f}x"
         em = "" if c["exact_match"] is None else f"{c['exact_match']:.2f}"
-        lines.append(f"| {c['method']} | {c['batch_size']} | {tps:.1f} | {same} | {one} | {lat['mean']:.1f} / "
-                     f"{lat['p50']:.1f} / {lat['p95']:.1f} | {c['tokens_per_forward']:.2f} | {em} | "
-                     f"{'yes' if c['busy'].get('busy') else ''} |")
-    cross = ", ".join(f"{m}: {'never (up to ' + str(max(ar, default=0)) + ')' if b is None else b}"
-                      for m, b in crossover(cells).items())
+        lines.append(f"| {c['method']} | {c['batch_size']} | {c['tokens_per_s']:.1f} | {same} | {one} | "
+                     f"{lat['mean']:.1f} / {lat['p50']:.1f} / {lat['p95']:.1f} | {c['tokens_per_forward']:.2f} | "
+                     f"{em} | {'yes' if c['busy'].get('busy') else ''} |")
+    top = max((c["batch_size"] for c in rated["cells"]), default=0)
+    cross = ", ".join(f"{m}: {f'never (up to {top})' if b is None else b}" for m, b in rated["crossover"].items())
     return "\n".join(lines) + (f"\n\nCrossover (first batch size below batched ar): {cross}" if cross else "")
 
 
@@ -115,14 +113,13 @@ def plot(data: dict, path: Path) -> None:
 
     from pardec.models.host import describe
 
-    cells = data["cells"]
-    ar = {c["batch_size"]: c["tokens_per_s"] for c in cells if c["method"] == "ar"}
+    cells = with_ratios(data)["cells"]
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.2))
     for m in dict.fromkeys(c["method"] for c in cells):
         mine = sorted((c for c in cells if c["method"] == m), key=lambda c: c["batch_size"])
         xs = [c["batch_size"] for c in mine]
         left.plot(xs, [c["tokens_per_s"] for c in mine], marker="o", label=m)
-        both = [(c["batch_size"], c["tokens_per_s"] / ar[c["batch_size"]]) for c in mine if c["batch_size"] in ar]
+        both = [(c["batch_size"], c["vs_ar"]) for c in mine if c["vs_ar"] is not None]
         right.plot([b for b, _ in both], [v for _, v in both], marker="o", label=m)
     right.axhline(1.0, color="grey", lw=0.8, ls="--")
     for ax, title in ((left, "aggregate tokens/s"), (right, "tokens/s vs batched ar at the same batch size")):

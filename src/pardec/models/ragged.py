@@ -124,6 +124,22 @@ class RaggedKV:
             buf[rows, :, both[1]] = buf[rows, :, both[0]]
         self.lengths = [st + len(p) for st, p in zip(starts, paths)]
 
+    def past(self, first: int, n: int, t: int, device: torch.device, attend: torch.Tensor | None = None):
+        """For a module that reads the cached entries as one past and appends its ``t`` new ones after it (the
+        drafters' layers): (every layer's keys/values of rows ``first ..`` over the longest row's length S
+        [n, kv, S, d], None when S is 0; the bool mask [n, T, S + T]: each row's own cached entries, then the new
+        ones as ``attend`` [T, T] says, causal by default; the rows' lengths [n] on ``device``)."""
+        base = self.lengths[first : first + n]
+        s = max(base)
+        lens = to_device(torch.tensor(base, dtype=torch.long), device)  # (an upload, no read)
+        new = torch.ones(t, t, dtype=torch.bool, device=device).tril() if attend is None else to_device(attend, device)
+        mask = torch.cat([(torch.arange(s, device=device)[None] < lens[:, None])[:, None].expand(n, t, s),
+                          new.to(torch.bool)[None].expand(n, t, t)], 2)
+        if not s:
+            return None, mask, lens
+        views = [(k[first : first + n, :, :s], v[first : first + n, :, :s]) for k, v in zip(self.keys, self.values)]
+        return views, mask, lens
+
     def window(self, first: int, n: int, t: int, device: torch.device, attend: torch.Tensor | None = None
                ) -> Window:
         """Rows ``first .. first+n-1`` get ``t`` new entries each: where they go and what each may see (its row's

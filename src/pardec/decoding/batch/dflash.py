@@ -70,13 +70,9 @@ class BatchedDFlash(BatchedMethod):
         """Every row's block after its ``last`` [n]: (drafts [n, k], their warped distributions [n, k, V] under
         sampling, else None)."""
         d, n, dev = self.drafter, last.shape[0], last.device
-        ctx = self.context
-        s = max(ctx.lengths)
-        lens = to_device(torch.tensor(ctx.lengths, dtype=torch.long), dev)
+        every = torch.ones(self.block, self.block, dtype=torch.bool, device=dev)  # a slot sees the whole block
+        views, mask, lens = self.context.past(0, n, self.block, dev, every)
         pos = lens[:, None] + torch.arange(self.block, device=dev)
-        seen = (torch.arange(s, device=dev)[None] < lens[:, None])[:, None].expand(n, self.block, s)
-        mask = torch.cat([seen, torch.ones(n, self.block, self.block, dtype=torch.bool, device=dev)], 2)
-        views = [(kb[:n, :, :s], vb[:n, :, :s]) for kb, vb in zip(ctx.keys, ctx.values)]
         out = d(d.block_inputs(self.embed, last, self.block), pos, views, mask)
         logits = d.logits(out[:, 1 : k + 1], self.target.model.lm_head)  # [n, k, V]
         if self.s.greedy:

@@ -64,14 +64,9 @@ class BatchedEagle3(BatchedMethod):
         features or the drafter's own outputs), after each row's cached entries; returns the outputs [n, T, H]."""
         n, t = tokens.shape
         dev = hidden.device
-        w = self.cache.window(first, n, t, dev)
-        s = w.width - t  # the longest row's cached entries: the drafter reads them as one past, masked per row
-        past = mask = None
-        if s:
-            past = (self.cache.keys[0][first : first + n, :, :s], self.cache.values[0][first : first + n, :, :s])
-            cached = (torch.arange(s, device=dev)[None] < w.lens[:, None])[:, None].expand(n, t, s)
-            mask = torch.cat([cached, torch.ones(t, t, dtype=torch.bool, device=dev).tril()[None].expand(n, t, t)], 2)
-        out, (k, v) = self.drafter(self.embed(tokens), hidden, w.slots, past=past, mask=mask)
+        w = self.cache.window(first, n, t, dev)  # (before the past: it may move the buffers to a larger capacity)
+        views, mask, _ = self.cache.past(first, n, t, dev)  # the drafter reads the cached entries as one past
+        out, (k, v) = self.drafter(self.embed(tokens), hidden, w.slots, past=views[0] if views else None, mask=mask)
         self.cache.write(0, w, k, v)
         self.cache.advance(w, widths)
         return out
