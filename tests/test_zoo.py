@@ -409,6 +409,29 @@ def test_a_killed_stage_keeps_its_time_and_the_resumed_one_adds_it(tmp_path, mon
     assert json.loads((entry.run_dir / build.STAGES_FILE).read_text())["killed"] == []
 
 
+def test_a_run_dir_of_another_recipe_is_cleared_before_its_checkpoints_could_be_resumed(tmp_path, monkeypatch):
+    """A recipe changed since its run dir was written (a stale artifact): the old checkpoints go, so training starts
+    afresh instead of resuming the old recipe's; under the same recipe they stay and training resumes."""
+    from pardec.zoo import build
+
+    entry = _StubEntry(tmp_path / "run")
+    seen = []
+    monkeypatch.setattr(build, "run_stage", lambda entry, stage, argv, log, beat=None: seen.append(argv) or
+                        {"wall_s": 1.0, "started": "now"})
+    (entry.run_dir / "checkpoint-300").mkdir(parents=True)
+    (entry.run_dir / "checkpoint-300" / "trainer_state.json").write_text("{}")
+    (entry.run_dir / build.STAGES_FILE).write_text(json.dumps({"recipe_sha256": "old", "stages": {}}))
+    build.run_stages(entry, "new", lambda msg: None)
+    assert seen[0] == ["stage=train"] and not (entry.run_dir / "checkpoint-300").exists()
+    (entry.run_dir / "checkpoint-20").mkdir()
+    (entry.run_dir / "checkpoint-20" / "trainer_state.json").write_text("{}")
+    saved = json.loads((entry.run_dir / build.STAGES_FILE).read_text())
+    (entry.run_dir / build.STAGES_FILE).write_text(json.dumps({**saved, "stages": {}}))  # killed during training
+    seen.clear()
+    build.run_stages(entry, "new", lambda msg: None)
+    assert seen[0] == ["stage=train", "trainer.resume_from_checkpoint=true"]
+
+
 def test_run_stage_beats_while_its_process_runs(tmp_path, monkeypatch):
     import subprocess
     import sys

@@ -75,13 +75,17 @@ def train_argv(entry: Entry, stage: str, run_dir: Path) -> list[str]:
 
 
 def run_stages(entry: Entry, recipe: str, log) -> dict[str, dict]:
-    """Every stage of the recipe not yet run under the same training config (``recipe``: its hash)."""
+    """Every stage of the recipe not yet run under the same training config (``recipe``: its hash). A run dir left
+    by another recipe (or by none recorded) is cleared first, so that its checkpoints are not resumed."""
     run_dir = entry.run_dir
-    run_dir.mkdir(parents=True, exist_ok=True)
     path = run_dir / STAGES_FILE
     done = json.loads(path.read_text()) if path.is_file() else {}
     if done.get("recipe_sha256") != recipe:
+        if run_dir.is_dir() and any(run_dir.iterdir()):  # another recipe's run: its checkpoints must not be resumed
+            log(f"[zoo] {entry.name}: {run_dir} holds a run of another recipe; cleared")
+            shutil.rmtree(run_dir)
         done = {"recipe_sha256": recipe, "stages": {}}
+    run_dir.mkdir(parents=True, exist_ok=True)
 
     def save() -> None:
         tmp = path.with_suffix(".tmp")
