@@ -24,7 +24,7 @@ from omegaconf import DictConfig
 
 from pardec.config import ConfigError, check_at_least, is_int
 from pardec.training.completions import GeneratesCompletions, check_fraction
-from pardec.training.heads.types import COMMON_KEYS, heads_type
+from pardec.training.heads.types import COMMON_KEYS, TYPES, heads_type
 from pardec.training.kinds import Kind, Spec, common_fields, known, register_kind
 
 #: why ZeRO-3 is refused: its zero.Init would partition the frozen target, which loads inside the Trainer's
@@ -44,6 +44,7 @@ class HeadsSpec(Spec):
     topk: int
     budgets: list[int]
     init_from: str | None = None  # a trained drafter's directory (heads.init_from, zoo:<name> resolved) to continue
+    feature_cache: str | None = None  # heads.feature_cache: where the target's states are kept (EAGLE-3, DFlash)
 
 
 def check_init_from(value, kind: str, target: str) -> str:
@@ -60,6 +61,19 @@ def check_init_from(value, kind: str, target: str) -> str:
         raise ConfigError(f"heads.init_from={value!r} holds a {meta.get('kind')!r} drafter; this experiment trains "
                           f"heads.type={kind!r}")
     return path
+
+
+def check_feature_cache(value, htype) -> str | None:
+    """``heads.feature_cache``: null, or a directory for the target's states of a type that trains on them."""
+    if value is None:
+        return None
+    if not isinstance(value, str) or not value:
+        raise ConfigError(f"heads.feature_cache={value!r} is not valid: give a directory (or null: a live target pass)")
+    if not htype.reads_target_states:
+        readers = [t for t in TYPES.names() if TYPES.get(t).reads_target_states]
+        raise ConfigError(f"heads.feature_cache is not valid with heads.type={htype.name!r}: it keeps the target "
+                          f"states that {', '.join(readers)} train on")
+    return value
 
 
 @register_kind("heads")
@@ -81,6 +95,7 @@ class HeadsKind(GeneratesCompletions, Kind):
         known(heads, ("type", *htype.keys, *COMMON_KEYS), f"heads (type {kind})")
         fraction = check_fraction(heads.pop("corpus_fraction", 1.0), "heads.corpus_fraction")
         init_from = heads.pop("init_from", None)
+        feature_cache = check_feature_cache(heads.pop("feature_cache", None), htype)
         htype.check(heads)
         head_decay = float(heads.pop("head_decay", 1.0))  # Medusa's: head k weighs head_decay ** k
         gen = generate_config(completions, "completions")
@@ -95,7 +110,8 @@ class HeadsKind(GeneratesCompletions, Kind):
         if init_from is not None:
             init_from = check_init_from(init_from, kind, common["model"].name)
         return HeadsSpec(**common, heads=heads, head_decay=head_decay, corpus_fraction=fraction, gen=gen,
-                         eval_gen=eval_sources(ev), topk=topk, budgets=budgets, init_from=init_from)
+                         eval_gen=eval_sources(ev), topk=topk, budgets=budgets, init_from=init_from,
+                         feature_cache=feature_cache)
 
     def stage_train(self, spec: HeadsSpec, run_dir: Path, ranks) -> dict:
         from pardec.training.heads.trainer import train_heads

@@ -310,6 +310,7 @@ class DFlashType(HeadsType):
     name = "dflash"
     options = DFlashOptions
     chain = True
+    reads_target_states = True
     logged_loss = "ce"  # DFlash's cross-entropy to the label (block_terms sums it whatever heads.loss trains on)
 
     def new(self, spec, base, lm, records: list[dict]) -> tuple[Any, dict]:
@@ -335,6 +336,9 @@ class DFlashType(HeadsType):
     def facts(self, heads: dict, head_decay: float) -> dict[str, Any]:
         return {**self.trainer_options(heads, head_decay)["dflash"], "layer_init": heads["layer_init"]}
 
+    def needs_target_logits(self, heads: dict) -> bool:
+        return heads["loss"] == "kl"  # CE reads the corpus's tokens
+
     def loss_k(self, drafter, trainer) -> int:
         return drafter.k  # the block's predicted slots
 
@@ -350,7 +354,7 @@ class DFlashType(HeadsType):
         ids, mask = inputs["input_ids"].to(dev), inputs["loss_mask"].to(torch.bool).to(dev)
         anchors, valid = inputs["anchors"].to(dev), inputs["anchor_valid"].to(dev)
         # the target's logits only for the KL loss: for CE the pass stops at the last layer the draft reads
-        target = target_pass(trainer.base, ids, drafter.config.layer_ids, logits=o["loss"] == "kl")
+        target = trainer.target_pass(inputs, drafter.config.layer_ids, logits=o["loss"] == "kl")
         terms = block_terms(drafter, target, trainer.base.model.embed_tokens, trainer.base.lm_head, ids, mask,
                             anchors, valid, k + 1, o["gamma"], o["loss"], o["weighting"], o["dpace_alpha"], call=model)
         norm = (torch.tensor(term_count(mask, anchors, valid, k + 1)) if num_items_in_batch is None

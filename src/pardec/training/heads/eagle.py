@@ -214,6 +214,7 @@ class Eagle3Type(HeadsType):
     name = "eagle3"
     options = Eagle3Options
     chain = True
+    reads_target_states = True
 
     def check_target(self, heads: dict, model) -> None:
         super().check_target(heads, model)
@@ -239,8 +240,8 @@ class Eagle3Type(HeadsType):
         """EAGLE-3's TTT loss (:func:`ttt_terms`): logged ``kl_d<d>`` is the KL of step ``d - 1`` (its soft
         cross-entropy minus the restricted target's entropy), ``top1_d<d>`` its agreement with the target's argmax,
         both over the counted terms (target argmax in the draft vocabulary)."""
-        ids, mask = inputs["input_ids"], inputs["loss_mask"].to(torch.bool)
-        target = target_pass(trainer.base, ids.to(trainer.args.device), drafter.config.layer_ids)
+        mask = inputs["loss_mask"].to(torch.bool)
+        target = trainer.target_pass(inputs, drafter.config.layer_ids)
         terms = ttt_terms(drafter, target, mask, trainer.k, trainer.step_decay, call=model)
         norm = (torch.tensor(term_count(mask, trainer.k)) if num_items_in_batch is None else num_items_in_batch)
         loss = trainer.for_ranks(terms.total / norm.to(terms.total.device).clamp(min=1))

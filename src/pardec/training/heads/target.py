@@ -3,9 +3,14 @@ the states entering the draft's target layers, the logits and the embeddings."""
 
 from __future__ import annotations
 
+import hashlib
+import json
+import os
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
+from safetensors.torch import load_file, save_file
 
 from pardec.models.forward.lean import captured, capturing
 
@@ -51,3 +56,78 @@ def target_pass(base, ids: torch.Tensor, layer_ids, logits: bool = True) -> Targ
                 hook.remove()
     features = captured(seen, seen.get(n_layers), layers, n_layers)
     return TargetPass(features, None if out is None else out.logits, base.model.embed_tokens(ids))
+
+
+class FeatureCache:
+    """The frozen target's pass per training sequence, kept on disk (``heads.feature_cache``; the paper trains offline
+    on regenerated data too): the states entering the draft's target layers and, where the loss needs the target's
+    distribution (EAGLE-3's soft labels, DFlash's ``loss: kl``), its final-normed state, from which the logits are
+    recomputed by its LM head, in ``dtype`` (bf16 by default: half of fp32's bytes, the named difference from a live
+    pass). Filled as training first meets each sequence, one file per sequence written whole (a temporary file
+    renamed), so a killed run loses at most the sequence in flight and a resumed one, every rank and every later run
+    of the same target, layers and dtype read what is there. ``<root>/<key>/``: ``meta.json`` (the target's identity,
+    the layers, the dtype) and ``<sha1 of the token ids>.safetensors``."""
+
+    def __init__(self, root, identity: dict, layer_ids, final: bool, dtype: torch.dtype = torch.bfloat16):
+        self.layers, self.final, self.dtype = tuple(int(i) for i in layer_ids), bool(final), dtype
+        meta = {"format": "pardec-feature-cache", "version": 1, "target": identity, "layers": list(self.layers),
+                "final_state": self.final, "dtype": str(dtype).removeprefix("torch.")}
+        key = hashlib.sha1(json.dumps(meta, sort_keys=True, default=str).encode()).hexdigest()[:16]
+        self.dir = Path(root) / key
+        self.dir.mkdir(parents=True, exist_ok=True)
+        path = self.dir / "meta.json"
+        if not path.is_file():
+            tmp = path.with_name(f".meta.{os.getpid()}.tmp")
+            tmp.write_text(json.dumps(meta, indent=2, default=str) + "\n")
+            tmp.replace(path)
+        self.hits = self.misses = 0
+
+    def _file(self, ids: torch.Tensor) -> Path:
+        return self.dir / f"{hashlib.sha1(ids.to('cpu', torch.int64).numpy().tobytes()).hexdigest()}.safetensors"
+
+    def get(self, ids: torch.Tensor) -> dict[str, torch.Tensor] | None:
+        """The kept tensors of one sequence ``ids`` [T] (``features`` [T, n * H], ``final`` [T, H] where kept), or
+        None."""
+        f = self._file(ids)
+        return load_file(f) if f.is_file() else None
+
+    def put(self, ids: torch.Tensor, tensors: dict[str, torch.Tensor]) -> None:
+        f = self._file(ids)
+        tmp = f.with_name(f".{f.stem}.{os.getpid()}.tmp")
+        save_file({k: v.detach().to("cpu", self.dtype).contiguous() for k, v in tensors.items()}, str(tmp))
+        tmp.replace(f)
+
+    def target_pass(self, base, ids: torch.Tensor, valid: torch.Tensor, logits: bool = True) -> TargetPass:
+        """:func:`target_pass` of right-padded ``ids`` [B, T] (``valid`` [B, T]: the real tokens) from the kept
+        states: each row's sequence read from disk, or computed alone (the states of a causal forward do not depend
+        on padding) and kept. Padding positions get zeros; the logits, where asked for, are the LM head's of the
+        kept final state (the pass must keep it: ``final``)."""
+        if logits and not self.final:
+            raise ValueError("this feature cache keeps no final state: the logits cannot be recomputed")
+        n_layers = len(base.model.layers)
+        want = self.layers + ((n_layers,) if self.final and n_layers not in self.layers else ())
+        dev, width = ids.device, ids.shape[1]
+        feats, finals = [], []
+        for row, ok in zip(ids, valid.to(torch.bool)):
+            seq = row[ok]
+            kept = self.get(seq)
+            if kept is None:
+                self.misses += 1
+                tp = target_pass(base, seq[None], want, logits=False)
+                h = base.config.hidden_size
+                kept = {"features": tp.features[0, :, : len(self.layers) * h]}
+                if self.final:
+                    kept["final"] = tp.features[0, :, -h:]
+                self.put(seq, kept)
+                kept = {k: v.to(self.dtype) for k, v in kept.items()}  # what a later run reads
+            else:
+                self.hits += 1
+            pad = width - seq.numel()
+            feats.append(torch.nn.functional.pad(kept["features"].to(dev), (0, 0, 0, pad)))
+            if self.final:
+                finals.append(torch.nn.functional.pad(kept["final"].to(dev), (0, 0, 0, pad)))
+        dtype = base.lm_head.weight.dtype
+        features = torch.stack(feats).to(dtype)
+        with torch.no_grad():
+            out = base.lm_head(torch.stack(finals).to(dtype)) if logits else None
+            return TargetPass(features, out, base.model.embed_tokens(ids))

@@ -54,6 +54,7 @@ import torch
 from pardec.config import ConfigError, Ranks
 from pardec.training.base import BaseConfig, BaseTrainer, fit, training_args, unwrap
 from pardec.training.heads.batches import held_out_windows
+from pardec.training.heads.target import FeatureCache, TargetPass, target_pass
 from pardec.training.heads.types import heads_type
 from pardec.training.losses import masked_sum, token_divergence
 
@@ -96,7 +97,8 @@ class HeadsTrainer(BaseTrainer):
     args: HeadsConfig
 
     def __init__(self, *args, base: torch.nn.Module, distance: str | None = None, ttt_steps: int = 7,
-                 step_decay: float = 0.8, dflash: dict | None = None, **kwargs):
+                 step_decay: float = 0.8, dflash: dict | None = None, features: FeatureCache | None = None,
+                 **kwargs):
         drafter = unwrap(kwargs["model"])
         self.type = heads_type(drafter.kind)  # the drafter type's loss, normaliser and logs
         self.ttt_steps, self.step_decay = ttt_steps, step_decay  # EAGLE-3's training-time test
@@ -116,6 +118,15 @@ class HeadsTrainer(BaseTrainer):
             if hasattr(self.args, name):
                 setattr(self.args, name, False)
         self.base = base.to(self.args.device).eval().requires_grad_(False)  # not a submodule of the drafter
+        self.features = features  # heads.feature_cache: the target's states kept on disk
+
+    def target_pass(self, inputs: dict, layer_ids, logits: bool = True) -> TargetPass:
+        """The frozen target's pass over the batch (:func:`~pardec.training.heads.target.target_pass`), read from
+        the feature cache where ``heads.feature_cache`` keeps one."""
+        ids = inputs["input_ids"].to(self.args.device)
+        if self.features is None:
+            return target_pass(self.base, ids, layer_ids, logits=logits)
+        return self.features.target_pass(self.base, ids, inputs["valid"].to(ids.device), logits=logits)
 
     def window_counts(self, batches: list[dict]) -> int:
         """The loss's terms in the accumulation window (the type's count: (position, depth) terms by default)."""
@@ -251,7 +262,13 @@ def train_heads(spec, run_dir, ranks: Ranks) -> dict:
     pad = lm.tokenizer.pad_token_id
     collator = htype.collator(0 if pad is None else pad, spec.heads, args.seed)
     options = htype.trainer_options(spec.heads, spec.head_decay)
-    trainer = HeadsTrainer(model=drafter, args=args, train_dataset=ds, data_collator=collator, base=base, **options)
+    features = None
+    if spec.feature_cache:  # the states the drafter reads (and the final one where the loss needs the logits)
+        features = FeatureCache(spec.feature_cache, spec.model.identity(), drafter.config.layer_ids,
+                                final=htype.needs_target_logits(spec.heads))
+        log.info("feature cache: %s", features.dir)
+    trainer = HeadsTrainer(model=drafter, args=args, train_dataset=ds, data_collator=collator, base=base,
+                           features=features, **options)
     for callback in htype.callbacks(collator):
         trainer.add_callback(callback)
 

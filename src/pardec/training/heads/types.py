@@ -27,7 +27,7 @@ TYPES: Registry[HeadsType] = Registry("drafter type")
 BUILTIN = ("pardec.training.heads.medusa", "pardec.training.heads.firp", "pardec.training.heads.eagle",
            "pardec.training.heads.dflash")
 #: keys every type's ``heads`` section may hold besides ``type`` and its own
-COMMON_KEYS = ("corpus_fraction", "init_from")
+COMMON_KEYS = ("corpus_fraction", "init_from", "feature_cache")
 
 
 class HeadsType:
@@ -48,6 +48,9 @@ class HeadsType:
     #: held-out attention views (FIRP: what a pseudo state sees; None: the drafter's only one) and their names
     eval_views: ClassVar[tuple] = (None,)
     view_names: ClassVar[dict] = {}
+    #: trains on the frozen target's states at chosen layers (:func:`~pardec.training.heads.target.target_pass`), so
+    #: ``heads.feature_cache`` can keep them (EAGLE-3, DFlash); Medusa and FIRP read the target's logits at every depth
+    reads_target_states: ClassVar[bool] = False
 
     # -- config (validate: before anything loads) ------------------------------------------------------------
     @property
@@ -79,6 +82,10 @@ class HeadsType:
     def callbacks(self, collator) -> list:
         """Trainer callbacks the type's training needs (none by default)."""
         return []
+
+    def needs_target_logits(self, heads: dict) -> bool:
+        """Whether the loss reads the target's logits (a feature cache then keeps its final state too)."""
+        return True
 
     def trainer_options(self, heads: dict, head_decay: float) -> dict[str, Any]:
         """Keyword arguments of :class:`~pardec.training.heads.trainer.HeadsTrainer` for this type."""
