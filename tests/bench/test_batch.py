@@ -58,15 +58,21 @@ def test_end_to_end_on_the_tiny_model(tmp_path, capsys):
     root = tmp_path / "repo"  # --publish onto a copy of the pages
     (root / "docs" / "results").mkdir(parents=True)
     (root / "docs" / "img").mkdir()
-    (root / "docs" / "batch.md").write_text("# Batched\n\n<!-- batch-table -->\nold\n<!-- /batch-table -->\n\nafter\n")
-    page = batch.publish(tmp_path, data, root, "batch_test")
+    page = root / "docs" / "batch.md"
+    page.write_text("# Batched\n\n<!-- batch-table humaneval fp32 -->\nold\n<!-- /batch-table humaneval fp32 -->\n\n"
+                    "<!-- batch-table gsm8k fp32 -->\nkept\n<!-- /batch-table gsm8k fp32 -->\nafter\n")
+    assert batch.publish(tmp_path, data, root, "batch_test") == page
     text = page.read_text()
-    assert "old" not in text and text.endswith("<!-- /batch-table -->\n\nafter\n")
+    assert "old" not in text and text.endswith("<!-- batch-table gsm8k fp32 -->\nkept\n<!-- /batch-table gsm8k fp32 -->\n"
+                                               "after\n")  # another dataset's block stays
     assert "| sps:gamma=2 | 2 |" in text and "[results/batch_test.json](results/batch_test.json)" in text
     published = json.loads((root / "docs" / "results" / "batch_test.json").read_text())
     assert published["cells"][0]["vs_ar"] == 1.0 and published["crossover"] == batch.crossover(data["cells"])
     assert [{k: v for k, v in c.items() if not k.startswith("vs_ar")} for c in published["cells"]] == data["cells"]
     assert (root / "docs" / "img" / "batch_test.png").is_file()
+    with pytest.raises(ConfigError, match="has no <!-- batch-table humaneval int8 --> ... <!-- /batch-table humaneval "
+                                          "int8 --> block to fill"):
+        batch.publish(tmp_path, {**data, "identity": {**data["identity"], "dtype": "int8"}}, root, "batch_test")
     with pytest.raises(ConfigError, match="is not finished"):
         batch.publish(tmp_path, {**data, "cells": data["cells"][:3]}, root, "batch_test")
     capsys.readouterr()

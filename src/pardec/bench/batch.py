@@ -163,7 +163,7 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
     ap.add_argument("--out", type=Path, default=REPO_ROOT / "outputs" / "bench" / f"batch_{time.strftime('%Y-%m-%d')}")
     ap.add_argument("--publish", action="store_true",
                     help="put the run on the pages: docs/results/<name>.json, docs/img/<name>.png and the table in "
-                         "docs/batch.md (between its batch-table markers)")
+                         "docs/batch.md (between its batch-table markers for the run's dataset and dtype)")
     ap.add_argument("--name", default=None, help="the publication's name (default: batch_<date the run started>)")
     ap.add_argument("overrides", nargs="*", help="Hydra overrides of the evaluate config (model=, dataset=, dtype=, "
                                                    "draft=, threads=, ...)")
@@ -286,7 +286,10 @@ def measure(a, spec, methods, sizes, data: dict) -> int:
     return 0
 
 
-MARKERS = ("<!-- batch-table -->", "<!-- /batch-table -->")
+def markers(ident: dict) -> tuple[str, str]:
+    """The pair of comments around a run's block in ``docs/batch.md``: one block per dataset and dtype."""
+    key = f"{ident['dataset']} {ident['dtype']}"
+    return f"<!-- batch-table {key} -->", f"<!-- /batch-table {key} -->"
 
 
 def publish(out: Path, data: dict, root: Path, name: str) -> Path:
@@ -308,13 +311,14 @@ def publish(out: Path, data: dict, root: Path, name: str) -> Path:
     shutil.copyfile(out / "batch.png", docs / "img" / f"{name}.png")
     page = docs / "batch.md"
     text = page.read_text()
-    if MARKERS[0] not in text or MARKERS[1] not in text:
-        raise ConfigError(f"{page} has no {MARKERS[0]} ... {MARKERS[1]} block to fill")
-    head, rest = text.split(MARKERS[0], 1)
-    _, tail = rest.split(MARKERS[1], 1)
+    start, end = markers(ident)
+    if start not in text or end not in text:
+        raise ConfigError(f"{page} has no {start} ... {end} block to fill (add the pair where this run's table goes)")
+    head, rest = text.split(start, 1)
+    _, tail = rest.split(end, 1)
     body = (f"{ident['model']} {ident['dtype']} on {ident['dataset']}, {ident['n']} prompts, {ident['max_new_tokens']} "
             f"new tokens, {data['date']}; host: {describe(ident['host'])}.\n\n{table(data)}\n\n"
             f"<sub>Data: [results/{name}.json](results/{name}.json)</sub>\n\n"
             f"![tokens/s and speed against batched ar per batch size](img/{name}.png)\n")
-    page.write_text(f"{head}{MARKERS[0]}\n{body}{MARKERS[1]}{tail}")
+    page.write_text(f"{head}{start}\n{body}{end}{tail}")
     return page
