@@ -27,19 +27,10 @@ naming the model and the position; on an accelerator one call later (when the mo
 :mod:`pardec.models.pseudo`'s calls, ``prefill``/``reset``, ``tokens``, ``sync``), without a host sync in the
 forward; call ``check_finite()`` after the last forward to surface one it produced.
 
-The KV cache (``cache=``): ``"preallocated"`` (the default, :mod:`pardec.models.cache.preallocated`) writes new keys in place
-into buffers that grow by doubling, truncates by moving a length, compacts only the kept positions and moves batch
-rows without copying the others where it can; ``"dynamic"`` is transformers' ``DynamicCache`` (a concatenation per
-forward; kept for comparison and for models with non-attention layers). The reasons, and why not transformers'
-``StaticCache``, are in that module's docstring. The token ids the cache holds are kept where they arrived (the
-caller's host tensors, or device tensors): no copy back to the host per forward; :attr:`CachedModel.tokens` gathers
-them on the host when read.
+The KV cache (``cache=``): :mod:`pardec.models.cache` (``preallocated`` by default; ``dynamic``). The token ids it
+holds stay where they arrived (no copy back to the host per forward); :attr:`CachedModel.tokens` gathers them.
 
-Facts this file relies on (transformers 5.2x): a 4D attention mask must be an *additive* float mask
-(0 where attended, ``finfo.min`` elsewhere) passed with explicit ``position_ids`` (a bool mask is silently
-wrong under eager attention); ``DynamicCache.crop(-n)`` removes ``n`` positions (positive values raise);
-``logits_to_keep`` takes an int (the last n) or a tensor of positions; Llama-style models keep their decoder
-layers in ``model.model.layers`` with ``model.model.norm``, ``model.model.rotary_emb`` and ``model.lm_head``.
+The transformers facts it relies on: :mod:`pardec.models.compat`.
 """
 
 from __future__ import annotations
@@ -54,12 +45,8 @@ from pardec.models.cache import new_cache, to_device
 from pardec.models.compat import cache_kw, output_cache
 from pardec.models.finite import FiniteCheck, NonFiniteLogitsError  # noqa: F401  (raised by check_finite)
 from pardec.models.forward.lean import capture_layers, captured, capturing
-from pardec.models.masks import additive_mask, allowed, padded
+from pardec.models.masks import FlashAttentionMaskError, additive_mask, allowed, padded  # noqa: F401 (raised)
 from pardec.models.tokens import TokenLog
-
-
-class FlashAttentionMaskError(ValueError):
-    """A forward needs a custom attention mask and the model runs flash_attention_2, which cannot take one."""
 
 
 @dataclass
@@ -402,12 +389,7 @@ class CachedModel:
 
     def additive(self, visible: torch.Tensor) -> torch.Tensor:
         """The additive mask of a [B, T, K] bool visibility, in this model's dtype; refused under flash-attention."""
-        if self.flash:
-            raise FlashAttentionMaskError(
-                f"model {self.name!r} runs attn_implementation=flash_attention_2, which takes no custom attention "
-                f"mask, and this forward needs one (a token tree, a Jacobi/lookahead window, injected or pseudo "
-                f"states, or padded batch rows); use model.attn_implementation=sdpa (or eager) for this method")
-        return additive_mask(visible, self.dtype)
+        return additive_mask(visible, self.dtype, flash_model=self.name if self.flash else None)
 
     def _additive_mask(self, bsz: int, t: int, past: int, attend: torch.Tensor | None,
                        key_valid: torch.Tensor | None) -> torch.Tensor:

@@ -5,6 +5,12 @@ output, from ``past_key_values`` to ``cache``; the old name still works there bu
 removed in 5.40. pardec supports ``transformers>=5.20`` (pyproject), so the name is read off the callee's own
 signature (once per class) instead of a version check: the same code runs on 5.20–5.23 (``past_key_values``) and
 on 5.24+ (``cache``), and on a custom model class whichever name its ``forward`` declares.
+
+Other facts of transformers 5.2x that :mod:`pardec.models.cached` relies on: a 4D attention mask must be an
+*additive* float mask (0 where attended, ``finfo.min`` elsewhere) passed with explicit ``position_ids`` (a bool mask
+is silently wrong under eager attention); ``DynamicCache.crop(-n)`` removes ``n`` positions (positive values raise);
+``logits_to_keep`` takes an int (the last n) or a tensor of positions; Llama-style models keep their decoder layers
+in ``model.model.layers`` with ``model.model.norm``, ``model.model.rotary_emb`` and ``model.lm_head``.
 """
 
 from __future__ import annotations

@@ -9,9 +9,19 @@ import torch
 from pardec.models.cache import to_device
 
 
-def additive_mask(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+class FlashAttentionMaskError(ValueError):
+    """A forward needs a custom attention mask and the model runs flash_attention_2, which cannot take one."""
+
+
+def additive_mask(allowed: torch.Tensor, dtype: torch.dtype, flash_model: str | None = None) -> torch.Tensor:
     """[B, Q, K] bool (True = may attend) -> [B, 1, Q, K] additive float mask: 0 = attend, finfo.min = masked (the
-    form transformers needs for a 4D mask, with explicit position ids)."""
+    form transformers needs for a 4D mask, with explicit position ids). ``flash_model``: the name of a model that runs
+    flash-attention, which takes no such mask (refused in one line)."""
+    if flash_model is not None:
+        raise FlashAttentionMaskError(
+            f"model {flash_model!r} runs attn_implementation=flash_attention_2, which takes no custom attention "
+            f"mask, and this forward needs one (a token tree, a Jacobi/lookahead window, injected or pseudo "
+            f"states, or padded batch rows); use model.attn_implementation=sdpa (or eager) for this method")
     mask = torch.zeros(allowed.shape, dtype=dtype, device=allowed.device)
     mask.masked_fill_(~allowed, torch.finfo(dtype).min)
     return mask[:, None]

@@ -7,7 +7,12 @@
 Both are transformers ``Cache`` objects (a model's forward takes either) with the verbs the seam calls:
 ``initialized``, ``reuse(old)``, ``keep(start, idx)``, ``drop_after(n)``, ``take_rows(rows, config)``,
 ``join_rows(other, pad_self, pad_other)``, ``crop(-n)``, ``get_seq_length()`` and the ``transient_from``
-attribute (positions a call drops right after it)."""
+attribute (positions a call drops right after it).
+
+Why preallocated by default: it writes new keys in place, truncates by moving a length, compacts only the kept
+positions and moves batch rows without copying the others where it can, where ``DynamicCache`` concatenates per
+forward (kept for comparison and for models with non-attention layers); why not transformers' ``StaticCache``:
+:mod:`pardec.models.cache.preallocated`."""
 
 from __future__ import annotations
 

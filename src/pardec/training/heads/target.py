@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -13,6 +14,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from pardec.models.forward.lean import captured, capturing
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -81,6 +84,7 @@ class FeatureCache:
             tmp.write_text(json.dumps(meta, indent=2, default=str) + "\n")
             tmp.replace(path)
         self.hits = self.misses = 0
+        log.info("feature cache: %s", self.dir)
 
     def _file(self, ids: torch.Tensor) -> Path:
         return self.dir / f"{hashlib.sha1(ids.to('cpu', torch.int64).numpy().tobytes()).hexdigest()}.safetensors"

@@ -96,9 +96,8 @@ class HeadsConfig(BaseConfig):
 class HeadsTrainer(BaseTrainer):
     args: HeadsConfig
 
-    def __init__(self, *args, base: torch.nn.Module, distance: str | None = None, ttt_steps: int = 7,
-                 step_decay: float = 0.8, dflash: dict | None = None, features: FeatureCache | None = None,
-                 **kwargs):
+    def __init__(self, *args, base: torch.nn.Module, distance: str | None = None, ttt_steps: int = 7, step_decay:
+                 float = 0.8, dflash: dict | None = None, features: FeatureCache | None = None, **kwargs):
         drafter = unwrap(kwargs["model"])
         self.type = heads_type(drafter.kind)  # the drafter type's loss, normaliser and logs
         self.ttt_steps, self.step_decay = ttt_steps, step_decay  # EAGLE-3's training-time test
@@ -121,10 +120,9 @@ class HeadsTrainer(BaseTrainer):
         self.features = features  # heads.feature_cache: the target's states kept on disk
 
     def target_pass(self, inputs: dict, layer_ids, logits: bool = True) -> TargetPass:
-        """The frozen target's pass over the batch (:func:`~pardec.training.heads.target.target_pass`), read from
-        the feature cache where ``heads.feature_cache`` keeps one."""
+        """The frozen target's pass over the batch (:func:`target_pass`), or read from ``heads.feature_cache``."""
         ids = inputs["input_ids"].to(self.args.device)
-        if self.features is None:
+        if not self.features:
             return target_pass(self.base, ids, layer_ids, logits=logits)
         return self.features.target_pass(self.base, ids, inputs["valid"].to(ids.device), logits=logits)
 
@@ -262,11 +260,8 @@ def train_heads(spec, run_dir, ranks: Ranks) -> dict:
     pad = lm.tokenizer.pad_token_id
     collator = htype.collator(0 if pad is None else pad, spec.heads, args.seed)
     options = htype.trainer_options(spec.heads, spec.head_decay)
-    features = None
-    if spec.feature_cache:  # the states the drafter reads (and the final one where the loss needs the logits)
-        features = FeatureCache(spec.feature_cache, spec.model.identity(), drafter.config.layer_ids,
-                                final=htype.needs_target_logits(spec.heads))
-        log.info("feature cache: %s", features.dir)
+    features = spec.feature_cache and FeatureCache(spec.feature_cache, spec.model.identity(),
+                                                   drafter.config.layer_ids, final=htype.needs_target_logits(spec.heads))
     trainer = HeadsTrainer(model=drafter, args=args, train_dataset=ds, data_collator=collator, base=base,
                            features=features, **options)
     for callback in htype.callbacks(collator):
