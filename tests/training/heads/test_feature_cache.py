@@ -56,6 +56,17 @@ def test_a_cached_pass_equals_the_live_one_and_runs_no_layer_the_second_time(tmp
     assert torch.equal(first.features, again.features)  # the first pass returns what later runs read
 
 
+def test_a_draft_reading_the_final_state_keeps_it_once_and_the_logits_come_from_it(tmp_path):
+    base = tiny(0, layers=4).model
+    ids, valid = _batch()
+    cache = FeatureCache(tmp_path, {"name": "tiny"}, [4, 1], final=True, dtype=torch.float32)  # 4: after the final norm
+    live, out = target_pass(base, ids, [4, 1]), cache.target_pass(base, ids, valid)
+    torch.testing.assert_close(out.features[0], live.features[0], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(out.logits[0], live.logits[0], rtol=1e-4, atol=1e-4)
+    kept = cache.get(ids[0])
+    assert torch.equal(kept["final"], kept["features"][:, : base.config.hidden_size])
+
+
 def test_without_logits_the_pass_stops_at_the_last_layer_and_keeps_no_final_state(tmp_path):
     base = tiny(0, layers=4).model
     ids, valid = _batch()

@@ -117,11 +117,10 @@ class FeatureCache:
             kept = self.get(seq)
             if kept is None:
                 self.misses += 1
-                tp = target_pass(base, seq[None], want, logits=False)
-                h = base.config.hidden_size
-                kept = {"features": tp.features[0, :, : len(self.layers) * h]}
-                if self.final:
-                    kept["final"] = tp.features[0, :, -h:]
+                parts = target_pass(base, seq[None], want, logits=False).features[0].split(base.config.hidden_size, -1)
+                kept = {"features": torch.cat(parts[: len(self.layers)], -1)}
+                if self.final:  # the final-normed state (layer index n_layers), wherever it is in ``want``
+                    kept["final"] = parts[want.index(n_layers)]
                 self.put(seq, kept)
                 kept = {k: v.to(self.dtype) for k, v in kept.items()}  # what a later run reads
             else:
