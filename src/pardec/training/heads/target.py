@@ -112,12 +112,13 @@ class FeatureCache:
         want = self.layers + ((n_layers,) if self.final and n_layers not in self.layers else ())
         dev, width = ids.device, ids.shape[1]
         feats, finals = [], []
-        for row, ok in zip(ids, valid.to(torch.bool)):
+        for row, ok in zip(ids.cpu(), valid.to(torch.bool).cpu()):  # the keys: one host read for the batch
             seq = row[ok]
             kept = self.get(seq)
             if kept is None:
                 self.misses += 1
-                parts = target_pass(base, seq[None], want, logits=False).features[0].split(base.config.hidden_size, -1)
+                parts = target_pass(base, seq[None].to(dev), want, logits=False).features[0].split(
+                    base.config.hidden_size, -1)
                 kept = {"features": torch.cat(parts[: len(self.layers)], -1)}
                 if self.final:  # the final-normed state (layer index n_layers), wherever it is in ``want``
                     kept["final"] = parts[want.index(n_layers)]
