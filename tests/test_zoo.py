@@ -449,3 +449,62 @@ def test_run_stage_beats_while_its_process_runs(tmp_path, monkeypatch):
                                                                           **kw))
     with pytest.raises(build.ZooError, match="stage train exited with status 3; rerun"):
         build.run_stage(_StubEntry(tmp_path), "train", ["stage=train"], lambda msg: None)
+
+
+# ------------------------------------------------------------------------------- a drafter trained over several runs
+def test_an_entry_continues_its_base_run_and_goes_stale_when_the_base_recipe_changes(monkeypatch):
+    """``base:``: the continuing recipe's training starts from the base's run (``heads.init_from``; its other stages
+    and the base's own commands do not), and a change of the base's recipe changes the continuing one's hash."""
+    from pardec.zoo.build import status
+
+    known = zoo.entries()
+    e = known["dflash"]
+    assert e.base == "dflash_b4" and not known["dflash_b4"].kept and status(known["dflash_b4"]) == "not kept"
+    init = f"+heads.init_from={e.run_root}/dflash_b4/final"
+    assert init in e.command("train") and init in e.command() and init not in e.command("eval")
+    assert not any(a.startswith("+heads.init_from") for a in known["dflash_b4"].command("train"))
+    assert [b.name for b in zoo.base_chain(e)] == ["dflash_b4"] and zoo.base_chain(known["dflash_b4"]) == []
+    before = zoo.recipe_hash(e, training_only=True)
+    changed = dict(known, dflash_b4=zoo.Entry(**{**vars(known["dflash_b4"]),
+                                                "overrides": [*known["dflash_b4"].overrides, "trainer.max_steps=10"]}))
+    monkeypatch.setattr(zoo, "entries", lambda z=zoo.DEFAULT_TARGET: changed)
+    assert zoo.recipe_hash(e, training_only=True) != before
+
+
+@pytest.mark.parametrize("base, message", [("nope", "base='nope'"), ("self", "base='self'"),
+                                           ("other_kind", "same experiment")])
+def test_a_base_that_is_no_other_entry_of_the_same_experiment_is_refused(tmp_path, monkeypatch, base, message):
+    (tmp_path / "zoo").mkdir()
+    (tmp_path / "zoo" / "t.yaml").write_text(json.dumps({"target": "smollm2_135m", "artifacts": {
+        "self": {"experiment": "a", "base": base}, "first": {"experiment": "a"},
+        "other_kind": {"experiment": "b"}}}))
+    monkeypatch.setattr(zoo, "CONF_DIR", tmp_path)
+    with pytest.raises(zoo.ZooError, match=message):
+        zoo.entries("t")
+
+
+def test_the_build_trains_the_base_first_keeps_only_the_continuing_artifact_and_records_both(tmp_path, monkeypatch):
+    from pardec.zoo import build
+
+    base = zoo.Entry(name="b", target="t", experiment="x", run_root="r", kept=False)
+    top = zoo.Entry(name="top", target="t", experiment="x", run_root="r", base="b")
+    monkeypatch.setattr(zoo, "entries", lambda z=zoo.DEFAULT_TARGET: {"b": base, "top": top})
+    monkeypatch.setattr(build, "recipe_hash", lambda e, training_only=False: f"{e.name}-{training_only}")
+    ran, stored = [], []
+    monkeypatch.setattr(build, "run_stages", lambda e, recipe, log: ran.append((e.name, recipe)) or
+                        {"train": {"wall_s": 2.0 if e.name == "b" else 1.0}})
+    monkeypatch.setattr(build, "data_section", lambda run_dir: {"train": {"records": 3}})
+    monkeypatch.setattr(build, "eval_metrics", lambda run_dir: {"expected_tokens_per_forward": 1.5})
+    monkeypatch.setattr(build, "check_store", lambda store, where: None)
+    monkeypatch.setattr(build, "status", lambda e, recipe=None: "missing")
+    monkeypatch.setattr("pardec.models.loading.named_config", lambda name: None)
+    monkeypatch.setattr(build, "_store", lambda e, recipe, stages, final, cfg, tmp, log, bases=None:
+                        stored.append((e.name, stages, bases)) or {})
+    assert build.build_one(base, log=lambda m: None) is None and ran == [("b", "b-True")] and stored == []
+    ran.clear()
+    build.build_one(top, log=lambda m: None)
+    assert ran == [("b", "b-True"), ("top", "top-True")]
+    [(name, stages, bases)] = stored
+    assert name == "top" and stages == {"train": {"wall_s": 1.0}}
+    assert [b["name"] for b in bases] == ["b"] and bases[0]["stages"]["train"]["wall_s"] == 2.0
+    assert bases[0]["metrics"] == {"expected_tokens_per_forward": 1.5} and "+heads.init_from" not in bases[0]["command"]

@@ -132,7 +132,9 @@ def render_zoo(zoo: str, md_file: Path, root: Path) -> str:
         key = m["reads"]["key"] if "." in m["reads"]["key"] else f"method.{m['reads']['key']}"
         role = key.split(".")[0]
         local = f"{role}=local " if role in ("model", "draft") else ""  # a model or draft read from a directory
-        stages = ", ".join(f"{k} {v['wall_s'] / 60:.1f}" for k, v in m["stages"].items())
+        stages = "; then ".join(f"{b['name']}: " + ", ".join(f"{k} {v['wall_s'] / 60:.1f}" for k, v in
+                                                           b["stages"].items()) for b in m.get("bases", []))
+        stages += ("; then " if stages else "") + ", ".join(f"{k} {v['wall_s'] / 60:.1f}" for k, v in m["stages"].items())
         rows.append([f"[{m['name']}]({_rel(f, md_file)})", f"`{m['reads']['method']}`: `{local}{key}=zoo:{m['name']}`",
                      f"{stored_form(m['store'])}; {sum(v['bytes'] for v in m['files'].values()) / 1e6:.1f} MB",
                      f"{stages} ({m['host']['cpu']}, {m['host']['cores']} cores)", headline(metrics), per or "-",

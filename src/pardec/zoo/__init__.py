@@ -51,6 +51,10 @@ class Entry:
     stages: list[str] = field(default_factory=lambda: list(STAGES))  # the experiment kind's, in order
     run_root: str = "outputs/zoo"
     zoo: str = DEFAULT_TARGET  # the zoo's directory name under zoo/
+    #: another entry of the same zoo whose trained run this one continues: its run's ``final/`` is this training's
+    #: ``heads.init_from`` (a drafter trained over several runs, each a recipe; the build runs the base first)
+    base: str | None = None
+    kept: bool = True  # False: a run that is only the base of another entry, never stored in the zoo
 
     @property
     def dir(self) -> Path:
@@ -61,8 +65,10 @@ class Entry:
         return REPO_ROOT / self.run_root / self.name
 
     def command(self, stage: str | None = None) -> list[str]:
-        """``python -m train`` argv (after ``-m train``) for one stage of this recipe, in its run dir."""
-        return [f"+experiment={self.experiment}", *self.overrides, *([f"stage={stage}"] if stage else []),
+        """``python -m train`` argv (after ``-m train``) for one stage of this recipe, in its run dir; training from
+        a base starts from the base's run (``stage`` None: the whole recipe's command, with it)."""
+        init = [f"+heads.init_from={self.run_root}/{self.base}/final"] if self.base and stage in (None, "train") else []
+        return [f"+experiment={self.experiment}", *self.overrides, *init, *([f"stage={stage}"] if stage else []),
                 f"hydra.run.dir={self.run_root}/{self.name}"]  # relative: the build runs in the repository
 
 
@@ -78,7 +84,7 @@ def entries(zoo: str = DEFAULT_TARGET) -> dict[str, Entry]:
     if not path.is_file():
         raise ZooError(f"zoo {zoo!r} has no recipes (no {path}); zoos: {', '.join(zoos()) or 'none'}")
     raw = yaml.safe_load(path.read_text())
-    keys = {"experiment", "overrides", "keep", "store", "reads", "stages"}
+    keys = {"experiment", "overrides", "keep", "store", "reads", "stages", "base", "kept"}
     out = {}
     for name, e in (raw.get("artifacts") or {}).items():
         unknown = set(e) - keys
@@ -86,7 +92,24 @@ def entries(zoo: str = DEFAULT_TARGET) -> dict[str, Entry]:
             raise ZooError(f"{path}: artifact {name!r} has unknown key(s) {sorted(unknown)}; valid: {sorted(keys)}")
         out[name] = Entry(name=name, target=raw["target"], run_root=raw.get("run_root", "outputs/zoo"), zoo=zoo,
                           **{k: e[k] for k in keys if k in e})
+    for e in out.values():
+        if e.base is not None and (e.base not in out or e.base == e.name or out[e.base].experiment != e.experiment):
+            raise ZooError(f"{path}: artifact {e.name!r} has base={e.base!r}: it must name another artifact of this "
+                           f"zoo with the same experiment ({e.experiment}); artifacts: {', '.join(out)}")
     return out
+
+
+def base_chain(entry: Entry) -> list[Entry]:
+    """The entries ``entry`` continues, first trained first (empty: it trains from nothing)."""
+    chain: list[Entry] = []
+    known = entries(entry.zoo) if entry.base else {}
+    e = entry
+    while e.base is not None:
+        e = known[e.base]
+        if e in chain or e.name == entry.name:
+            raise ZooError(f"conf/zoo/{entry.zoo}.yaml: artifact {entry.name!r}'s bases form a circle ({e.name})")
+        chain.insert(0, e)
+    return chain
 
 
 def check_names(names: list[str], zoo: str = DEFAULT_TARGET) -> list[str]:
@@ -137,6 +160,8 @@ def recipe_hash(entry: Entry, training_only: bool = False) -> str:
     for key in ("hydra", "paths", "stage"):
         plain.pop(key, None)
     what = {"config": plain} if training_only else {"config": plain, "keep": entry.keep, "store": entry.store}
+    if entry.base is not None:  # a run that continues another: a change of the base's recipe makes this one stale
+        what["base"] = recipe_hash(base_chain(entry)[-1], training_only=True)
     blob = json.dumps(what, sort_keys=True, default=str)
     return hashlib.sha256(blob.encode()).hexdigest()
 

@@ -69,7 +69,8 @@ def rows(zoo: str, names: list[str]) -> list[dict]:
         if (e.dir / MANIFEST).is_file():
             m = json.loads((e.dir / MANIFEST).read_text())
             row.update(mb=round(sum(f["bytes"] for f in m["files"].values()) / 1e6, 1),
-                       build_min=round(sum(s["wall_s"] for s in m["stages"].values()) / 60, 1),
+                       build_min=round(sum(s["wall_s"] for r in [m, *m.get("bases", [])]
+                                           for s in r["stages"].values()) / 60, 1),
                        host=m["host"]["cpu"], date=m["date"][:10], headline=headline(m.get("metrics")),
                        heldout=sorted((m.get("data") or {}).get("heldout") or {}))
         out.append(row)

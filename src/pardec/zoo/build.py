@@ -22,14 +22,17 @@ from pathlib import Path
 from typing import Any
 
 from pardec import REPO_ROOT
-from pardec.zoo import MANIFEST, Entry, ZooError, recipe_hash, seal, sha256_file, verify
+from pardec.zoo import MANIFEST, Entry, ZooError, base_chain, recipe_hash, seal, sha256_file, verify
 from pardec.zoo.store import TARGET_FORMS, check_store, pack
 
 STAGES_FILE = "zoo_stages.json"
 
 
 def status(entry: Entry, recipe: str | None = None) -> str:
-    """``missing`` | ``altered`` (files differ from the manifest) | ``stale`` (its recipe changed) | ``ok``."""
+    """``missing`` | ``altered`` (files differ from the manifest) | ``stale`` (its recipe changed) | ``ok`` |
+    ``not kept`` (a base of other entries only)."""
+    if not entry.kept:
+        return "not kept"
     if not (entry.dir / MANIFEST).is_file():
         return "missing"
     try:
@@ -232,12 +235,24 @@ def build_one(entry: Entry, force: bool = False, log=print) -> dict[str, Any] | 
     """Build ``entry`` unless it is already stored from its current recipe (``force``: anyway); returns the new
     manifest (None when nothing was built)."""
     check_store(entry.store, f"conf/zoo/{entry.zoo}.yaml artifact {entry.name}")
+    if not entry.kept:  # a base only: its run is trained (resumable) for the entries that continue it
+        log(f"[zoo] {entry.name}: not kept in the zoo; its run is the base of another artifact")
+        run_stages(entry, recipe_hash(entry, training_only=True), log)
+        return None
     recipe = recipe_hash(entry)
     state = status(entry, recipe)
     if state == "ok" and not force:
         log(f"[zoo] {entry.name}: up to date")
         return None
     log(f"[zoo] {entry.name}: {state}; building")
+    bases = []
+    for base in base_chain(entry):  # the runs it continues, first trained first, each resumable like its own
+        log(f"[zoo] {entry.name}: continues {base.name}")
+        base_stages = run_stages(base, recipe_hash(base, training_only=True), log)
+        bases.append({"name": base.name, "recipe": {"experiment": base.experiment, "overrides": base.overrides,
+                                                     "sha256": recipe_hash(base, training_only=True)},
+                      "command": shlex.join(["python", "-m", "train", *base.command()]), "stages": base_stages,
+                      "data": data_section(base.run_dir), "metrics": eval_metrics(base.run_dir)})
     stages = run_stages(entry, recipe_hash(entry, training_only=True), log)
     final = entry.run_dir / "final"
     from pardec.models.loading import named_config
@@ -247,13 +262,15 @@ def build_one(entry: Entry, force: bool = False, log=print) -> dict[str, Any] | 
         shutil.rmtree(stale, ignore_errors=True)
     tmp = entry.dir.with_name(f".{entry.name}.tmp-{os.getpid()}")
     try:
-        return _store(entry, recipe, stages, final, target_cfg, tmp, log)
+        return _store(entry, recipe, stages, final, target_cfg, tmp, log, bases)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-def _store(entry, recipe: str, stages: dict, final: Path, target_cfg, tmp: Path, log) -> dict[str, Any]:
-    """Pack ``final`` into ``tmp``, seal its manifest, evaluate the stored form, then swap it in for the entry."""
+def _store(entry, recipe: str, stages: dict, final: Path, target_cfg, tmp: Path, log,
+           bases: list[dict] | None = None) -> dict[str, Any]:
+    """Pack ``final`` into ``tmp``, seal its manifest, evaluate the stored form, then swap it in for the entry.
+    ``bases``: the runs it continues (their commands, stages, data and held-out figures), first trained first."""
     from pardec.models.loading import weights_location
 
     store = pack(final, tmp, entry.keep, entry.store,
@@ -270,7 +287,7 @@ def _store(entry, recipe: str, stages: dict, final: Path, target_cfg, tmp: Path,
         **git_state(), **{k: stages["train"][k] for k in ("commit", "dirty") if k in stages.get("train", {})},
         "host": host(), "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "stages": stages, "data": data_section(entry.run_dir), "metrics": eval_metrics(entry.run_dir),
-        "store": store,
+        "store": store, **({"bases": bases} if bases else {}),
     }
     manifest = seal(tmp, manifest)
     if entry.store:  # the mechanism numbers of what is stored, beside the trained form's
