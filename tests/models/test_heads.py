@@ -213,6 +213,32 @@ def test_drafters_round_trip_and_refuse_another_model(tmp_path):
         new_drafter("firp", other.model.config, layers=[2, 1])
 
 
+def test_low_rank_medusa_heads_train_only_their_update_and_save_it_merged(tmp_path):
+    """``head_rank=r``: each head starts as the target's LM head, only the rank-r factors (and the ResBlocks)
+    train, the target's head is shared and not saved, and the saved drafter (full heads, as decoders read it)
+    gives the trained one's logits; its difference from the target's head has rank r."""
+    lm = tiny(0)
+    cfg, head = lm.model.config, lm.model.lm_head
+    heads = new_drafter("medusa", cfg, num_heads=2, head_rank=3, lm_head=head)
+    h = torch.randn(4, cfg.hidden_size)
+    torch.testing.assert_close(heads(h)[:, 1], head(h))  # Medusa's initialisation
+    trained = {n for n, p in heads.named_parameters() if p.requires_grad}
+    assert trained == {f"heads.{i}.{n}" for i in range(2) for n in ("0.linear.weight", "0.linear.bias",
+                                                                    "1.lora_a", "1.lora_b")}
+    with torch.no_grad():
+        for p in heads.parameters():
+            p.add_(torch.randn(p.shape) * 0.05)
+    assert heads.heads[0][1].base.data_ptr() == head.weight.data_ptr()  # shared, not copied
+    save_drafter(heads, tmp_path / "r", cfg, "tiny")
+    back, meta = load_drafter(tmp_path / "r", cfg, "medusa")
+    assert meta["head_rank"] == 3 and not any("lora" in k for k in back.state_dict())
+    torch.testing.assert_close(back(h), heads(h), rtol=1e-5, atol=1e-5)
+    delta = back.heads[1][1].weight - head.weight
+    assert torch.linalg.matrix_rank(delta).item() == 3
+    with pytest.raises(ConfigError, match="heads.head_rank=0 is out of range"):
+        new_drafter("medusa", cfg, num_heads=2, head_rank=0, lm_head=head)
+
+
 def test_firp_projections_record_their_attention(tmp_path):
     import json
 

@@ -4,7 +4,10 @@
   ``k`` (1-based) = ``ResBlock^n`` then its own ``Linear(H, V)``, and predicts the token ``k + 1`` positions after
   the one the hidden state belongs to (the target's own LM head predicts the next one). ``ResBlock(x) = x +
   SiLU(Wx + b)`` with ``W, b`` zero-initialised and each head's linear copied from the target's LM head, so an
-  untrained head starts as the target's next-token head (Medusa's initialisation).
+  untrained head starts as the target's next-token head (Medusa's initialisation). ``head_rank=r`` (beyond the
+  paper) trains each head's linear as the target's LM head plus a rank-``r`` update (:class:`LowRankHead`); it is
+  saved merged, so decoders read it as any Medusa drafter, and its difference from the target's head is exactly of
+  rank ``r`` (what the zoo stores).
 * :class:`FirpProjections` (FIRP, Wu et al. 2024): K linear maps ``h -> W_i h + b_i``; map ``i`` (1-based) turns
   the hidden state of the last real token ``j`` entering layer ``t_i`` into the pseudo hidden state of position
   ``j + i``, which then runs through layers ``t_i..L-1``, the final norm and the target's own LM head
@@ -26,6 +29,7 @@ layer count) and raises one line naming both when they differ.
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 from typing import Any
 
@@ -53,19 +57,54 @@ class ResBlock(nn.Module):
         return x + nn.functional.silu(self.linear(x))
 
 
+class LowRankHead(nn.Module):
+    """A Medusa head's linear trained as ``base + lora_b @ lora_a`` (LoRA's parametrisation: ``lora_a`` random,
+    ``lora_b`` zero, so training starts from the target's head): ``base`` is the target's LM head, shared and not
+    trained (a buffer, not saved); :attr:`weight` is the merged matrix a saved drafter holds."""
+
+    def __init__(self, base: torch.Tensor, rank: int):
+        super().__init__()
+        vocab, hidden = base.shape
+        self.register_buffer("base", base, persistent=False)
+        self.lora_a = nn.Parameter(torch.empty(rank, hidden, device=base.device))
+        nn.init.kaiming_uniform_(self.lora_a, a=math.sqrt(5))
+        self.lora_b = nn.Parameter(torch.zeros(vocab, rank, device=base.device))
+
+    @property
+    def weight(self) -> torch.Tensor:
+        return self.base + self.lora_b @ self.lora_a
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return nn.functional.linear(x, self.base.to(x.dtype)) + nn.functional.linear(
+            nn.functional.linear(x, self.lora_a), self.lora_b)
+
+
 @register_drafter("medusa")
 class MedusaHeads(nn.Module):
     kind = "medusa"
 
-    def __init__(self, hidden_size: int, vocab_size: int, num_heads: int, num_blocks: int = 1):
+    def __init__(self, hidden_size: int, vocab_size: int, num_heads: int, num_blocks: int = 1,
+                 head_rank: int | None = None, lm_head: torch.Tensor | None = None):
+        """``head_rank``: each head's linear a :class:`LowRankHead` over ``lm_head`` (the target's LM-head weight;
+        zeros where none is given, as a memory plan's meta build); None: a full ``Linear(H, V)`` (Medusa-1)."""
         super().__init__()
         if num_heads < 1:
             raise ConfigError(f"medusa num_heads={num_heads} is out of range: it must be an integer >= 1")
+        if head_rank is not None and not 1 <= head_rank <= min(hidden_size, vocab_size):
+            raise ConfigError(f"heads.head_rank={head_rank} is out of range: it must be an integer in 1.."
+                              f"{min(hidden_size, vocab_size)} (or null: a full head, as Medusa-1)")
         self.hidden_size, self.vocab_size, self.num_heads, self.num_blocks = hidden_size, vocab_size, num_heads, num_blocks
+        self.head_rank = head_rank
+        if head_rank is not None:
+            base = (lm_head.detach() if lm_head is not None else torch.zeros(vocab_size, hidden_size))
+
+            def last() -> nn.Module:
+                return LowRankHead(base, head_rank)
+        else:
+            def last() -> nn.Module:
+                return nn.Linear(hidden_size, vocab_size, bias=False)
         self.heads = nn.ModuleList(
-            nn.Sequential(*[ResBlock(hidden_size) for _ in range(num_blocks)], nn.Linear(hidden_size, vocab_size,
-                                                                                          bias=False))
-            for _ in range(num_heads))
+            nn.Sequential(*[ResBlock(hidden_size) for _ in range(num_blocks)], last()) for _ in range(num_heads))
 
     @property
     def k(self) -> int:
@@ -74,22 +113,33 @@ class MedusaHeads(nn.Module):
     def init_from(self, lm_head: nn.Linear) -> MedusaHeads:
         with torch.no_grad():
             for head in self.heads:
-                head[-1].weight.copy_(lm_head.weight)
+                if isinstance(head[-1], nn.Linear):  # (a LowRankHead starts at its base, the target's head)
+                    head[-1].weight.copy_(lm_head.weight)
         return self
+
+    def saved_state(self) -> dict[str, torch.Tensor]:
+        """What :func:`save_drafter` writes: the state dict, each low-rank head merged into its ``weight``."""
+        state = {k: v for k, v in self.state_dict().items() if ".lora_" not in k}
+        for i, head in enumerate(self.heads):
+            if isinstance(head[-1], LowRankHead):
+                state[f"heads.{i}.{len(head) - 1}.weight"] = head[-1].weight.detach()
+        return state
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         """[..., H] final-norm hidden states -> [..., K, V] logits (head k: the token k + 1 positions ahead)."""
         return torch.stack([head(hidden) for head in self.heads], dim=-2)
 
     def meta(self) -> dict[str, Any]:
-        return {"num_heads": self.num_heads, "num_blocks": self.num_blocks}
+        return {"num_heads": self.num_heads, "num_blocks": self.num_blocks,
+                **({"head_rank": self.head_rank} if self.head_rank is not None else {})}
 
     @classmethod
     def fresh(cls, base_config, target: TargetParts, options: dict[str, Any]) -> MedusaHeads:
         """Each head's linear starts as the target's LM head (when given): Medusa's initialisation."""
-        o = only(options, cls.kind, ("num_heads", "num_blocks"))
+        o = only(options, cls.kind, ("num_heads", "num_blocks", "head_rank"))
         hidden, vocab, _ = _shape(base_config)
-        heads = cls(hidden, vocab, o.get("num_heads", 3), o.get("num_blocks", 1))
+        head = target.lm_head.weight if target.lm_head is not None else None
+        heads = cls(hidden, vocab, o.get("num_heads", 3), o.get("num_blocks", 1), o.get("head_rank"), head)
         return heads.init_from(target.lm_head) if target.lm_head is not None else heads
 
     @classmethod
@@ -97,10 +147,12 @@ class MedusaHeads(nn.Module):
         """From a ``heads`` config section (``target``: the target's parts it starts from; none: a memory plan's
         meta-device build)."""
         return cls.fresh(base_config, target or TargetParts(), {"num_heads": heads.get("num_heads", 3),
-                                                      "num_blocks": heads.get("num_blocks", 1)})
+                                                      "num_blocks": heads.get("num_blocks", 1),
+                                                      "head_rank": heads.get("head_rank")})
 
     @classmethod
     def from_saved(cls, meta: dict[str, Any], state: dict, base_config) -> MedusaHeads:
+        """Full heads: a low-rank-trained drafter is saved merged (its ``head_rank`` is a training fact)."""
         hidden, vocab, _ = _shape(base_config)
         return cls(hidden, vocab, int(meta["num_heads"]), int(meta.get("num_blocks", 1)))
 
@@ -188,7 +240,8 @@ def save_drafter(drafter: Drafter, out_dir: str | Path, base_config, base_name: 
     meta = {"format": FORMAT, "version": VERSION, "kind": drafter.kind, "base_model": base_name,
             "hidden_size": hidden, "vocab_size": vocab, "num_hidden_layers": n_layers, "k": drafter.k,
             **drafter.meta(), "parameters": num_parameters(drafter), **(extra or {})}
-    state = {k: v.detach().contiguous().cpu() for k, v in drafter.state_dict().items()}
+    saved = getattr(drafter, "saved_state", drafter.state_dict)()  # a type may save a merged form
+    state = {k: v.detach().contiguous().cpu() for k, v in saved.items()}
     save_file(state, str(out / "drafter.safetensors"))
     (out / "drafter.json").write_text(json.dumps(meta, indent=2) + "\n")
     return out

@@ -22,11 +22,16 @@ class MedusaOptions:
     num_blocks: int = field(default=1, metadata={"help": "residual blocks per head (Medusa-1: 1)"})
     head_decay: float = field(default=0.8, metadata={"help": "head k's loss weighs head_decay ** k (Medusa's "
                                                              "medusa_decay_coefficient)"})
+    head_rank: int | None = field(default=None, metadata={"help": "null: each head's linear a full copy of the "
+                                                                  "target's LM head (Medusa-1); r: the target's head "
+                                                                  "plus a trained rank-r update, saved merged"})
 
     def __post_init__(self) -> None:
         check_at_least("heads.num_heads", self.num_heads, 1, integer=True)
         check_at_least("heads.num_blocks", self.num_blocks, 1, integer=True)
         check_range("heads.head_decay", self.head_decay, 0, 1, integer=False, open_lo=True)
+        if self.head_rank is not None:
+            check_at_least("heads.head_rank", self.head_rank, 1, integer=True)
 
 
 @register_heads_type
