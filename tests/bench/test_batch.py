@@ -19,15 +19,15 @@ def _cell(method: str, b: int, tps: float) -> dict:
 
 def test_sizes_and_methods_are_checked_before_anything_loads():
     assert [m[1] for m in batch.parse_methods(batch.DEFAULT_METHODS)] == ["ar", "pld", "sps", "jacobi", "eagle3",
-                                                                          "dflash", "medusa"]
+                                                                          "dflash", "medusa", "lookahead"]
     assert batch.parse_sizes("8,1,2,2") == [1, 2, 8]
     for bad in ("0,2", "a", ""):
         with pytest.raises(ConfigError, match="--batch-sizes"):
             batch.parse_sizes(bad)
     assert [m[0] for m in batch.parse_methods("pld,sps:gamma=3")] == ["ar", "pld", "sps:gamma=3"]
     assert batch.parse_methods("sps:gamma=3")[1][2] == {"gamma": 3}
-    with pytest.raises(ConfigError, match="method 'lookahead' has no batched implementation"):
-        batch.parse_methods("ar,lookahead")
+    with pytest.raises(ConfigError, match="method 'ouroboros' has no batched implementation"):
+        batch.parse_methods("ar,ouroboros")
     with pytest.raises(ConfigError, match=r"method 'sps' has no parameter\(s\) \['adaptive'\]"):
         batch.parse_methods("sps:adaptive=true")
 

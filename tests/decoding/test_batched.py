@@ -57,7 +57,10 @@ CASES = {"ar": ("ar", None, {}), "pld": ("pld", None, {"num_pred": 5}),
          "jacobi": ("jacobi", None, {"block_size": 4}),  # rows start blocks at different rounds
          "eagle3": ("eagle3", None, {"num_speculative_tokens": 3}),  # the chain, its drafter's own ragged cache
          "dflash": ("dflash", None, {}),  # blocks of 4: 3 drafts a row
-         "medusa": ("medusa", None, {})}  # a tree per row (tests/decoding/drafters.py's tree T), compacted per row
+         "medusa": ("medusa", None, {}),  # a tree per row (tests/decoding/drafters.py's tree T), compacted per row
+         # a trie of another shape per row, beside a window in another phase per row (rows admitted later)
+         "lookahead": ("lookahead", None, {"level": 3, "window": 3, "guess_set": 3, "pool_from_output": True}),
+         "lookahead_n2": ("lookahead", None, {"level": 2, "window": 2, "guess_set": 2, "pool_from_prompt": True})}
 
 
 @pytest.mark.parametrize("batch_size", [2, 4])
@@ -76,7 +79,8 @@ def test_every_row_equals_its_batch_one_ar_output(case, batch_size):
     for r in run.results:
         assert r.target_forwards == len(r.accepted) and sum(r.accepted) == len(r.tokens)
         assert 0 < r.prefill_s <= r.total_s <= run.wall_s
-    if case not in ("ar", "jacobi", "medusa"):  # (Jacobi on an untrained model, untrained heads: ~1 token a forward)
+    if case not in ("ar", "jacobi", "medusa", "lookahead_n2"):  # (Jacobi on an untrained model, untrained heads,
+        # level-2 n-grams: ~1 token a forward)
         accepted = [a for r in run.results for a in r.accepted[1:]]
         assert max(accepted) >= 3  # drafts were accepted several deep
         if case == "sps_self":
@@ -158,7 +162,7 @@ def test_ragged_forward_equals_batch_one_forwards_with_trees():
         torch.testing.assert_close(nxt[row, 0], want, rtol=1e-4, atol=1e-4)
 
 
-@pytest.mark.parametrize("case", ["ar", "pld", "sps_noisy", "jacobi", "eagle3", "dflash", "medusa"])
+@pytest.mark.parametrize("case", ["ar", "pld", "sps_noisy", "jacobi", "eagle3", "dflash", "medusa", "lookahead"])
 def test_one_host_read_per_round_on_a_gpu(case):
     """On a (virtual) CUDA device: the same tokens as on the CPU, host reads = one per admission (its first token) +
     one per round, and the finiteness flags copied without a wait."""
@@ -184,9 +188,9 @@ def test_bad_input_is_refused_before_any_model_is_wrapped():
     lm = tiny(0)
     with pytest.raises(ConfigError, match=r"batch_size=0 must be an integer >= 1"):
         build_batched("ar", lm.model, 0, 64)
-    with pytest.raises(ConfigError, match=r"method 'lookahead' has no batched implementation: batch_size > 1 runs "
-                                          r"ar, dflash, eagle3, jacobi, medusa, pld, sps"):
-        build_batched("lookahead", lm.model, 2, 64)
+    with pytest.raises(ConfigError, match=r"method 'ouroboros' has no batched implementation: batch_size > 1 runs "
+                                          r"ar, dflash, eagle3, jacobi, lookahead, medusa, pld, sps"):
+        build_batched("ouroboros", lm.model, 2, 64)
     with pytest.raises(KeyError, match="unknown method 'nope'"):
         build_batched("nope", lm.model, 2, 64)
     with pytest.raises(ConfigError, match=r"method 'sps' has no parameter\(s\) \['adaptive'\]; valid: gamma"):
@@ -206,7 +210,9 @@ def test_bad_input_is_refused_before_any_model_is_wrapped():
         build_batched("eagle3", lm.model, 2, 64)
     with pytest.raises(ConfigError, match="needs a DFlash drafter"):
         build_batched("dflash", lm.model, 2, 64)
-    assert BATCHED.names() == ["ar", "dflash", "eagle3", "jacobi", "medusa", "pld", "sps"]
+    with pytest.raises(ConfigError, match="level"):
+        build_batched("lookahead", lm.model, 2, 64, level=1)
+    assert BATCHED.names() == ["ar", "dflash", "eagle3", "jacobi", "lookahead", "medusa", "pld", "sps"]
 
 
 @pytest.mark.parametrize("method", ["ar", "pld"])

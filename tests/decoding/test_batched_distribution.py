@@ -29,7 +29,9 @@ from tests.stats import chi_square_p
 N = {"t1": 2000, "warped": 2400}
 #: drafts 3 deep; eagle3 and dflash with the deep test's fitted drafters (eagle_deep, dflash_deep)
 PARAMS = {"ar": {}, "pld": {"max_ngram": 3, "num_pred": 4}, "sps": {"gamma": 3}, "jacobi": {"block_size": 4},
-          "eagle3": {"num_speculative_tokens": 3}, "dflash": {"num_speculative_tokens": 3}, "medusa": {}}
+          "eagle3": {"num_speculative_tokens": 3}, "dflash": {"num_speculative_tokens": 3}, "medusa": {},
+          # the trie of its pool per row (each row's own shape), verified row by row
+          "lookahead": {"level": 4, "window": 3, "guess_set": 3, "pool_from_prompt": True, "pool_from_output": True}}
 OTHERS = [[1, 2], [4, 4, 4, 4, 4, 4, 4, 4, 4, 4, 4], [7, 3, 7]]  # neighbours of other lengths
 
 

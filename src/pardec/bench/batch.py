@@ -31,12 +31,15 @@ from pathlib import Path
 from typing import Any
 
 from pardec import REPO_ROOT
+from pardec.bench.speed import CPU_SIZED
 from pardec.config import ConfigError
 from pardec.config.schema import settings_diff
 
 FILE = "batch.json"
-#: every batched method, the trained ones with the zoo's drafters (sps: the zoo's draft model unless draft= is given)
-DEFAULT_METHODS = "ar,pld,sps,jacobi,eagle3:path=zoo:eagle3,dflash:path=zoo:dflash,medusa:path=zoo:medusa"
+#: every batched method, the trained ones with the zoo's drafters (sps: the zoo's draft model unless draft= is given),
+#: lookahead at its CPU-sized window
+DEFAULT_METHODS = ("ar,pld,sps,jacobi,eagle3:path=zoo:eagle3,dflash:path=zoo:dflash,medusa:path=zoo:medusa,"
+                   + CPU_SIZED["lookahead"])
 ZOO_DRAFT = ["draft=local", "draft.name=zoo_draft", "draft.path=zoo:draft"]
 
 

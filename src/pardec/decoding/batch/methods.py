@@ -4,10 +4,10 @@ the same distribution).
 
 Each round is one target forward for every active row; a row's draft is as long as the batch-1 method would make
 it (``pld``: its own lookup, cut to the room left; ``sps``: ``gamma``, cut to the room left), shorter drafts padded
-to the longest. ``eagle3``'s chain, ``dflash`` and ``medusa``: :mod:`pardec.decoding.batch.eagle`,
-:mod:`pardec.decoding.batch.dflash`, :mod:`pardec.decoding.batch.medusa`. Left out of batching so far (docs/batch.md):
-``eagle3``'s dynamic tree (a shape per row), ``firp``, ``sdsat``, ``mjsd``, ``spectr``, ``ouroboros``,
-``lookahead`` (an n-gram pool and a window per row), ``bild``."""
+to the longest. ``eagle3``'s chain, ``dflash``, ``medusa`` and ``lookahead``: :mod:`pardec.decoding.batch.eagle`,
+:mod:`pardec.decoding.batch.dflash`, :mod:`pardec.decoding.batch.medusa`, :mod:`pardec.decoding.batch.lookahead`.
+Left out of batching so far (docs/batch.md): ``eagle3``'s dynamic tree (a shape per row), ``firp``, ``sdsat``,
+``mjsd``, ``spectr``, ``ouroboros``, ``bild``."""
 
 from __future__ import annotations
 
