@@ -62,6 +62,25 @@ def test_cells_hold_per_prompt_speed_with_an_interval_and_flag_an_inexact_lossle
     assert cells["sps"]["flagged"] and cells["sps"]["speedup_mean"] == pytest.approx(0.75)
     assert cells["ar"]["speedup_mean"] == 1.0 and cells["ar"]["metric"] == 0.5
     assert T.bootstrap_ci([1.0]) is None
+    sampled = T.cells(records, summary, max_new_tokens=10, sampled=True)  # draws: no exact match, no flag
+    assert sampled["sps"]["exact_match_rate"] is None and not sampled["sps"]["flagged"]
+    assert sampled["pld"]["speedup_mean"] == pytest.approx(3.0)
+
+
+def test_the_sampled_table_runs_at_its_temperature_in_a_directory_of_its_own(tmp_path, monkeypatch):
+    a = argparse.Namespace(benchmarks="gsm8k", n=3, max_new_tokens=8, dtype="fp32", threads=1, model="smollm2_135m",
+                           extra=[], temperature=1.0)
+    args = dict(T.commands(a, ["pld"], []))["gsm8k"]
+    assert "sampling.temperature=1" in args and "sampling.temperature=0" not in args
+    assert "sampling.temperature=0" in dict(T.commands(argparse.Namespace(**{**vars(a), "temperature": 0.0}),
+                                                        ["pld"], []))["gsm8k"]
+    ident = T.identity(a, ["pld"], [])
+    assert ident["temperature"] == 1.0 and "temperature" not in T.identity(
+        argparse.Namespace(**{**vars(a), "temperature": 0.0}), ["pld"], [])  # a greedy table's identity as before
+    monkeypatch.setattr(T, "REPO_ROOT", tmp_path)
+    assert T.main(["--temperature", "1", "--dry-run", "--methods", "pld"]) == 0
+    with pytest.raises(SystemExit):
+        T.main(["--temperature", "-1"])
 
 
 def test_a_continuation_with_other_settings_is_refused_in_one_line(tmp_path):

@@ -128,7 +128,8 @@ def identity(args: argparse.Namespace, shared: list[str], own: list[tuple[str, s
     return {"host": {k: h[k] for k in ("cpu", "flags", "cores", "torch")}, "dtype": args.dtype, "n": args.n,
             "max_new_tokens": args.max_new_tokens, "model": args.model, "shared": shared,
             "own_model": [f"{m}@{a}" for m, a in own], "zoo": zoo_used(shared, own),
-            "benchmarks": args.benchmarks.split(","), "extra": list(args.extra)}
+            "benchmarks": args.benchmarks.split(","), "extra": list(args.extra),
+            **({"temperature": args.temperature} if getattr(args, "temperature", 0.0) else {})}  # (greedy: as before)
 
 
 def run_status(run_dir: Path, n: int) -> str:
@@ -166,7 +167,7 @@ def commands(args: argparse.Namespace, shared: list[str], own: list[tuple[str, s
     """(run dir name, evaluate arguments) of every run: per benchmark the shared run, then one per own model."""
     runs = []
     common = [f"n_samples={args.n}", f"max_new_tokens={args.max_new_tokens}", f"dtype={args.dtype}",
-              f"threads={args.threads}", "sampling.temperature=0"]
+              f"threads={args.threads}", f"sampling.temperature={getattr(args, 'temperature', 0.0):g}"]
     no_ppl = ["perplexity.enabled=false"]
     for bench in args.benchmarks.split(","):
         data = BENCHMARKS[bench]
@@ -197,9 +198,11 @@ def bootstrap_ci(values: list[float], n: int = BOOTSTRAP, seed: int = 0) -> tupl
     return means[int(0.025 * n)], means[int(0.975 * n) - 1]
 
 
-def cells(records: list[dict], summary: dict, max_new_tokens: int) -> dict[str, dict]:
+def cells(records: list[dict], summary: dict, max_new_tokens: int, sampled: bool = False) -> dict[str, dict]:
     """The table's cells of one run (one per role): speed against the run's ``ar`` per prompt, tokens per forward,
-    exact match, quality, ended / looping shares, busy count."""
+    exact match, quality, ended / looping shares, busy count. ``sampled``: a run at temperature > 0, whose outputs
+    are draws (a lossless method's draws need not equal ``ar``'s: no exact match, no flag; its distribution is
+    what ``make test-stat`` checks)."""
     from pardec.evaluation.results import is_failed
     from pardec.metrics.speed import record_is_repetitive
 
@@ -218,7 +221,7 @@ def cells(records: list[dict], summary: dict, max_new_tokens: int) -> dict[str, 
         ratios = [base[r["id"]]["wall_s"] / r["wall_s"] for r in rs if r["id"] in base and r["wall_s"] > 0]
         forwards = sum(r.get("target_forwards") or 0 for r in rs)
         ci = bootstrap_ci(ratios)
-        em = p.get("exact_match_rate")
+        em = None if sampled else p.get("exact_match_rate")
         label = "ar" if role == "baseline" else current_entry(role.removeprefix("also:"))
         out[label] = {
             "method": p.get("method", label), "exactness": p.get("exactness"), "n": len(rs),
@@ -252,7 +255,8 @@ def aggregate(out: Path, runs: list[tuple[str, list[str]]], ident: dict, command
         "title": "Every decoder on every benchmark: one run per benchmark, speed against ar beside quality",
         "date": time.strftime("%Y-%m-%d"), "command": command, "commit": _one_commit(commits),
         "commits": commits, "host": ident["host"], "zoo": ident.get("zoo", {}),
-        "dtype": ident["dtype"], "n": ident["n"], "max_new_tokens": ident["max_new_tokens"], "benchmarks": {}}
+        "dtype": ident["dtype"], "n": ident["n"], "max_new_tokens": ident["max_new_tokens"],
+        "sampling": {"temperature": ident.get("temperature", 0.0)}, "benchmarks": {}}
     for name, _ in runs:
         run_dir = out / "runs" / name
         if not (run_dir / "summary.json").is_file():
@@ -264,7 +268,7 @@ def aggregate(out: Path, runs: list[tuple[str, list[str]]], ident: dict, command
         entry = table["benchmarks"].setdefault(bench, {"metric": summary.get("metric_name"), "methods": {},
                                                        "timed_s": 0.0})
         entry["timed_s"] += sum(r.get("wall_s") or 0.0 for r in records)  # every role's timed decoding (not the warm-up)
-        for label, cell in cells(records, summary, ident["max_new_tokens"]).items():
+        for label, cell in cells(records, summary, ident["max_new_tokens"], bool(ident.get("temperature"))).items():
             if model:
                 label = f"{label}@{model}"
             entry["methods"][label] = cell
@@ -278,6 +282,9 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
     ap.add_argument("--n", type=int, default=20)
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--dtype", default="fp32")
+    ap.add_argument("--temperature", type=float, default=0.0,
+                    help="0: greedy (default; every lossless cell must match ar exactly); > 0: the sampled table, "
+                         "in a directory of its own (data/table/<model>-<dtype>-t<T>)")
     ap.add_argument("--methods", default="all")
     ap.add_argument("--model", default="smollm2_135m")
     ap.add_argument("--threads", default="auto")
@@ -302,7 +309,10 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
     ap.add_argument("--page", default="table.md", help="the page under docs/ that shows the table (default: table.md)")
     ap.add_argument("extra", nargs="*", help="more Hydra overrides for every run")
     a = ap.parse_intermixed_args(argv)
-    a.out = a.out or REPO_ROOT / "data" / "table" / f"{a.model}-{a.dtype}"
+    if not 0.0 <= a.temperature <= 100.0:
+        ap.error(f"--temperature={a.temperature} is out of range: 0 (greedy) or a positive temperature")
+    a.out = a.out or REPO_ROOT / "data" / "table" / (f"{a.model}-{a.dtype}" + (f"-t{a.temperature:g}"
+                                                                                 if a.temperature else ""))
     bad = [b for b in a.benchmarks.split(",") if b not in BENCHMARKS]
     if bad:
         ap.error(f"--benchmarks {bad[0]!r} is not one of: {', '.join(BENCHMARKS)}")
