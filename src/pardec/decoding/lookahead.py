@@ -45,17 +45,39 @@ from pardec.decoding.tree import Tree
 from pardec.decoding.verify import verify_tree
 
 
+class LookaheadState:
+    """What batch-1 and batched ``lookahead`` share: the parameters (checked once) and, per request, the pool and
+    window and how each step's tokens reach the pool."""
+
+    def set_lookahead(self, level: int, window: int, guess_set: int, pool_from_prompt: bool,
+                      pool_from_output: bool) -> None:
+        check_ranges(level=level, window=window, guess_set=guess_set)
+        self.level, self.window, self.guess_set = level, window, guess_set
+        self.pool_from_prompt, self.pool_from_output = pool_from_prompt, pool_from_output
+
+    def begin_request(self, prompt: list[int], seed: int) -> tuple[NGramPool, LookaheadWindow]:
+        """A request's pool (the prompt's n-grams with ``pool_from_prompt``) and window (random prompt tokens)."""
+        pool = NGramPool(self.level, self.guess_set)
+        if self.pool_from_prompt:
+            pool.add_sequence(prompt)
+        return pool, LookaheadWindow(self.window, self.level, prompt_filler(prompt, seed))
+
+    def pool_output(self, pool: NGramPool, prompt: list[int], tokens: list[int], kept: int) -> None:
+        """``pool_from_output``: the n-grams that end in the ``kept`` tokens just committed (``tokens``: the output)."""
+        if self.pool_from_output:
+            recent = prompt[-self.level:] + tokens[-(kept + self.level - 1):]
+            pool.add_sequence(recent[-(kept + self.level - 1):])
+
+
 @register_method("lookahead", aliases=("lade",))
-class Lookahead(Decoder):
+class Lookahead(LookaheadState, Decoder):
     exactness = "distribution"
     custom_mask = True
 
     def __init__(self, target, tokenizer=None, draft=None, level: int = 5, window: int = 15, guess_set: int = 15,
                  pool_from_prompt: bool = False, pool_from_output: bool = False):
         super().__init__(target, tokenizer, draft)
-        check_ranges(level=level, window=window, guess_set=guess_set)
-        self.level, self.window, self.guess_set = level, window, guess_set
-        self.pool_from_prompt, self.pool_from_output = pool_from_prompt, pool_from_output
+        self.set_lookahead(level, window, guess_set, pool_from_prompt, pool_from_output)
 
     def candidates(self, pool: NGramPool, last: int, room: int) -> Tree:
         """The verification branch: pool continuations of ``last``, cut to ``room`` tokens; tests override it."""
@@ -65,10 +87,7 @@ class Lookahead(Decoder):
     def generate(self, prompt_ids, max_new_tokens, stop=None, sampling=None) -> GenerationResult:
         st, last = self.begin(prompt_ids, max_new_tokens, stop, sampling)
         prompt = st.ids[0].tolist()
-        pool = NGramPool(self.level, self.guess_set)
-        if self.pool_from_prompt:
-            pool.add_sequence(prompt)
-        window = LookaheadWindow(self.window, self.level, prompt_filler(prompt, st.s.seed))
+        pool, window = self.begin_request(prompt, st.s.seed)
         steps = lookups = hits = 0
         while not st.out.done:
             tree = self.candidates(pool, last, st.out.room - 1)  # the target adds one token
@@ -79,9 +98,7 @@ class Lookahead(Decoder):
             keep_path(self.target, 1, verdict.path)
             kept = st.out.commit(verdict.tokens)
             window.update(verdict.extra, pool, root=last)
-            if self.pool_from_output:
-                recent = prompt[-self.level:] + st.out.tokens[-(len(kept) + self.level - 1):]
-                pool.add_sequence(recent[-(len(kept) + self.level - 1):])  # the n-grams ending in the new tokens
+            self.pool_output(pool, prompt, st.out.tokens, len(kept))
             steps, lookups, hits = steps + 1, lookups + (len(tree) > 1), hits + (len(verdict.path) > 1)
             last = verdict.tokens[-1]
         extras = {"accepted_per_step": (len(st.out.tokens) - 1) / steps if steps else None,

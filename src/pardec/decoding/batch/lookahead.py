@@ -16,7 +16,8 @@ from __future__ import annotations
 import torch
 
 from pardec.decoding.batch.engine import BatchedMethod, Row, register_batched
-from pardec.decoding.ngram import LookaheadWindow, NGramPool, candidate_tree, check_ranges, prompt_filler
+from pardec.decoding.lookahead import LookaheadState
+from pardec.decoding.ngram import LookaheadWindow, candidate_tree
 from pardec.decoding.tree import Tree
 from pardec.decoding.verify import verify_tree
 from pardec.models.cache import to_device
@@ -36,15 +37,13 @@ def greedy_path(tree: Tree, pred: list[int]) -> tuple[list[int], list[int]]:
 
 
 @register_batched("lookahead")
-class BatchedLookahead(BatchedMethod):
+class BatchedLookahead(LookaheadState, BatchedMethod):
     """``level``, ``window``, ``guess_set``, ``pool_from_prompt``, ``pool_from_output``: as batch-1 ``lookahead``'s."""
 
     def __init__(self, target, tokenizer=None, draft=None, level: int = 5, window: int = 15, guess_set: int = 15,
                  pool_from_prompt: bool = False, pool_from_output: bool = False):
         super().__init__(target, tokenizer, draft)
-        check_ranges(level=level, window=window, guess_set=guess_set)
-        self.level, self.window, self.guess_set = level, window, guess_set
-        self.pool_from_prompt, self.pool_from_output = pool_from_prompt, pool_from_output
+        self.set_lookahead(level, window, guess_set, pool_from_prompt, pool_from_output)
 
     @property
     def width(self) -> int:
@@ -55,11 +54,7 @@ class BatchedLookahead(BatchedMethod):
 
     def admit(self, row: Row) -> None:
         super().admit(row)
-        pool = NGramPool(self.level, self.guess_set)
-        if self.pool_from_prompt:
-            pool.add_sequence(row.prompt)
-        row.state.update(pool=pool, window=LookaheadWindow(self.window, self.level,
-                                                           prompt_filler(row.prompt, self.s.seed)))
+        row.state["pool"], row.state["window"] = self.begin_request(row.prompt, self.s.seed)
 
     def _inputs(self, row: Row) -> tuple[Tree, list[int], list[int], torch.Tensor, list[int]]:
         """Row ``row``'s (trie, new tokens, their offsets from its length, attend among them, the columns whose
@@ -114,7 +109,4 @@ class BatchedLookahead(BatchedMethod):
             before = len(r.out.tokens)
             r.commit(tokens, len(tree) - 1)
             win.update(top, r.state["pool"], root=root)
-            if self.pool_from_output:
-                kept = len(r.out.tokens) - before
-                recent = r.prompt[-self.level:] + r.out.tokens[-(kept + self.level - 1):]
-                r.state["pool"].add_sequence(recent[-(kept + self.level - 1):])
+            self.pool_output(r.state["pool"], r.prompt, r.out.tokens, len(r.out.tokens) - before)
