@@ -162,6 +162,59 @@ def test_ragged_forward_equals_batch_one_forwards_with_trees():
         torch.testing.assert_close(nxt[row, 0], want, rtol=1e-4, atol=1e-4)
 
 
+def _int8(attention: str):
+    from pardec.config import ModelConfig
+    from pardec.models.loading import load_model
+
+    m = load_model(ModelConfig(name="tiny_random", source="tiny_random", device="cpu", dtype="int8", layers=3)).model
+    m.config._attn_implementation = attention
+    return m
+
+
+def test_invariant_ragged_rows_are_bitwise_batch_one_one_token_steps():
+    """``model.attn_implementation=invariant`` over a ragged batch of int8 rows: every query row of a round (a chain
+    of several new tokens, then a tree) gives bitwise the logits of batch-1 ``ar``'s one-token step at that position
+    (the lean forward, SDPA), whatever the other rows hold."""
+    lm = tiny(0)
+    prompts = _prompts(lm)[:3]
+    m = _int8("invariant")
+    rag = RaggedModel(m, 3, 8)  # (a capacity it must grow past)
+    firsts = [rag.add(p)[0] for p in prompts]
+    chains = torch.tensor([[5, 6, 7], [9, 10, 11], [3, 3, 3]])
+    got = rag.forward(chains)
+    tree = torch.tensor([[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 0, 1, 1]], dtype=torch.bool)
+    ids = torch.tensor([[4, 8, 9, 2], [7, 6, 5, 4], [1, 2, 3, 4]])
+    treed = rag.forward(ids, depths=torch.tensor([0, 1, 1, 2]), attend=tree)
+    m.config._attn_implementation = "sdpa"  # batch-1 ar: the lean forward's one-token steps
+    for b, p in enumerate(prompts):
+        one = CachedModel(m, forward_impl="lean")
+        assert torch.equal(one.prefill(torch.tensor([p]))[0], firsts[b])
+        for j, tok in enumerate(chains[b].tolist()):
+            assert torch.equal(one.forward(torch.tensor([[tok]])).logits[0, 0], got[b, j]), (b, j)
+        for path in ([0, 1], [0, 2, 3]):  # each root-to-node path of the tree, one token at a time
+            alone = CachedModel(m, forward_impl="lean")
+            alone.prefill(torch.tensor([p + chains[b].tolist()]))
+            for node in path:
+                step = alone.forward(ids[b : b + 1, node : node + 1]).logits[0, 0]
+                assert torch.equal(step, treed[b, node]), (b, path, node)
+
+
+@pytest.mark.parametrize("case", ["pld", "medusa", "lookahead"])
+def test_invariant_int8_rows_equal_batch_one_int8_ar(case):
+    """int8 with invariant attention: every batched method's rows equal batch-1 int8 ``ar`` (lean, SDPA) token for
+    token by construction (each verified position computed as ``ar``'s one-token step)."""
+    lm = tiny(0)
+    prompts = _prompts(lm)
+    m = _int8("sdpa")
+    ref = [build_decoder("ar", CachedModel(m, forward_impl="lean")).generate(p, N_NEW).tokens for p in prompts]
+    m.config._attn_implementation = "invariant"
+    method, _, params = CASES[case]
+    if method == "medusa":
+        params = {**drafter_params("medusa", m), **params}
+    run = run_batch(build_batched(method, m, 3, 64, lm.tokenizer, **params), prompts, N_NEW)
+    assert [r.tokens for r in run.results] == ref
+
+
 @pytest.mark.parametrize("case", ["ar", "pld", "sps_noisy", "jacobi", "eagle3", "dflash", "medusa", "lookahead"])
 def test_one_host_read_per_round_on_a_gpu(case):
     """On a (virtual) CUDA device: the same tokens as on the CPU, host reads = one per admission (its first token) +

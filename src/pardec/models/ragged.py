@@ -17,7 +17,15 @@ token is exactly batch-1 decoding's), and one that leaves is replaced by the las
 slots), so the active rows stay one contiguous view (continuous batching).
 
 The forward is :mod:`pardec.models.forward.lean`'s (embed, decoder layers, final norm and head) with this cache's
-attention: Llama-family models, plain or int8 linears (``lean.unsupported`` names what else is refused)."""
+attention: Llama-family models, plain or int8 linears (``lean.unsupported`` names what else is refused).
+
+With ``model.attn_implementation=invariant`` the attention is batch-invariant (:mod:`pardec.models.forward.invariant`'s
+idea on this cache): a prompt is prefilled by the causal call batch-1 prefill makes, and in a round every query row
+of every batch row attends through its own ``scaled_dot_product_attention`` call, unmasked, over exactly the keys it
+may see in cache order (its row's prefix sliced, a tree node's ancestors gathered after it), which is the call a
+batch-1 one-token step makes at that position. With per-token int8 linears (row by row themselves) every row's
+logits are then bitwise batch-1 ``ar``'s, whatever its neighbours; the cost is one call per query row and layer,
+and one host read of the mask per forward: a CPU exactness mode."""
 
 from __future__ import annotations
 
@@ -199,10 +207,11 @@ class RaggedModel(RaggedKV):
 
     def __init__(self, model: nn.Module, rows: int, capacity: int, name: str | None = None):
         name = name or getattr(model.config, "_name_or_path", "") or type(model).__name__
-        why = lean.unsupported(model)
+        why = lean.unsupported(model, attention=("sdpa", "eager", "invariant"))
         if why is not None:
             raise ValueError(f"batched decoding runs pardec's lean forward, which cannot run {name!r}: {why}")
         super().__init__(int(model.config.num_hidden_layers), rows, capacity, name)
+        self.invariant = getattr(model.config, "_attn_implementation", None) == "invariant"
         self.model = model.eval()
         self.device = next(model.parameters()).device
         self.num_layers = int(model.config.num_hidden_layers)
@@ -217,7 +226,7 @@ class RaggedModel(RaggedKV):
             raise ValueError("empty prompt")
         row = self.new_row()
         try:
-            out = self._forward(ids, row, last_only=True, hidden_layer=hidden_layer)
+            out = self._forward(ids, row, last_only=True, hidden_layer=hidden_layer, alone=True)
         except BaseException:
             self.lengths.pop()
             raise
@@ -245,8 +254,9 @@ class RaggedModel(RaggedKV):
 
     def _forward(self, ids: torch.Tensor, first: int, depths=None, attend=None, last_only: bool = False,
                  logits_at: torch.Tensor | None = None, widths: list[int] | None = None,
-                 hidden_layer: tuple[int, ...] | None = None):
-        """Rows ``first .. first+n-1`` (their lengths advance by ``widths``, default T)."""
+                 hidden_layer: tuple[int, ...] | None = None, alone: bool = False):
+        """Rows ``first .. first+n-1`` (their lengths advance by ``widths``, default T); ``alone``: a new row's
+        prompt (one row, nothing cached)."""
         self._finite.pending()
         n, t = ids.shape
         dev = self.device
@@ -258,12 +268,17 @@ class RaggedModel(RaggedKV):
         mask = w.additive(self.model.dtype)
         h, cos, sin = lean.embed(self.model, ids, positions)
 
+        plan = None if not self.invariant or alone else _per_row(w.visible)
+
         def attend_fn(a, q, k, v):
             ks, vs = self.write(a.layer_idx, w, k, v)
+            gqa = q.shape[1] != ks.shape[1]
+            if self.invariant:
+                return _invariant(q, ks.to(q.dtype), vs.to(q.dtype), a.scaling, gqa, plan)
             # grouped-query attention inside SDPA, masked: the same values as repeating the keys/values per head
             # (bitwise, measured), without the copy of the whole batch's cache per layer (23x faster at 16 rows)
             return F.scaled_dot_product_attention(q, ks.to(q.dtype), vs.to(q.dtype), attn_mask=mask, scale=a.scaling,
-                                                  enable_gqa=q.shape[1] != ks.shape[1])
+                                                  enable_gqa=gqa)
 
         seen: dict[int, torch.Tensor] = {}
         h = lean.decoder_layers(self.model, h, cos, sin, attend_fn, on_layer=seen.__setitem__ if capture else None)
@@ -279,3 +294,33 @@ class RaggedModel(RaggedKV):
             return logits
         final = lean._rms(self.model.model.norm, full) if self.num_layers in capture else full
         return logits, lean.captured(seen, final, capture, self.num_layers)
+
+
+def _per_row(visible: torch.Tensor) -> list[tuple[int, int, slice | torch.Tensor]]:
+    """(batch row, query row, the keys it sees: a prefix as a slice, else their slots) for every query of a round,
+    from ``visible`` [n, T, W] (one host read)."""
+    plan = []
+    for b, rows in enumerate(visible.tolist()):
+        for t, seen in enumerate(rows):
+            slots = [i for i, ok in enumerate(seen) if ok]
+            prefix = slots == list(range(len(slots)))
+            plan.append((b, t, slice(0, len(slots)) if prefix else torch.tensor(slots, device=visible.device)))
+    return plan
+
+
+def _invariant(q: torch.Tensor, ks: torch.Tensor, vs: torch.Tensor, scale: float, gqa: bool,
+               plan: list[tuple[int, int, slice | torch.Tensor]] | None) -> torch.Tensor:
+    """Batch-invariant attention (the module docstring): ``plan`` None, a prompt prefilled alone (the causal call of
+    batch-1 prefill); else one unmasked call per query row over exactly the keys it sees."""
+    if plan is None:
+        t = q.shape[2]
+        return F.scaled_dot_product_attention(q, ks[:, :, :t], vs[:, :, :t], is_causal=t > 1, scale=scale,
+                                              enable_gqa=gqa)
+    out = torch.empty_like(q)
+    for b, t, keys in plan:
+        kb, vb = ks[b : b + 1], vs[b : b + 1]
+        kb, vb = (kb[:, :, keys], vb[:, :, keys]) if isinstance(keys, slice) else (kb.index_select(2, keys),
+                                                                                   vb.index_select(2, keys))
+        out[b : b + 1, :, t : t + 1] = F.scaled_dot_product_attention(q[b : b + 1, :, t : t + 1], kb, vb, scale=scale,
+                                                                      enable_gqa=gqa)
+    return out

@@ -38,8 +38,9 @@ from pardec.models.draft_layers import rotate as _rotate
 SUPPORTED_TYPES = ("llama", "mistral", "qwen2", "pardec_draft")
 
 
-def unsupported(model: nn.Module) -> str | None:
-    """Why the lean forward cannot run ``model`` (None: it can)."""
+def unsupported(model: nn.Module, attention: tuple[str, ...] = ("sdpa", "eager")) -> str | None:
+    """Why the lean forward cannot run ``model`` (None: it can); ``attention``: the attention implementations the
+    caller runs itself (the ragged batch also runs ``invariant``'s: :mod:`pardec.models.ragged`)."""
     cfg = model.config
     if cfg.model_type not in SUPPORTED_TYPES:
         return f"model_type {cfg.model_type!r} is not one of {', '.join(SUPPORTED_TYPES)}"
@@ -53,8 +54,8 @@ def unsupported(model: nn.Module) -> str | None:
     if getattr(cfg, "hidden_act", "silu") != "silu":
         return f"hidden_act={cfg.hidden_act!r}: the lean MLP is SiLU-gated"
     impl = getattr(cfg, "_attn_implementation", None) or "sdpa"
-    if impl not in ("sdpa", "eager"):
-        return f"attn_implementation={impl!r}: the lean forward runs SDPA (use sdpa or eager)"
+    if impl not in attention:
+        return f"attn_implementation={impl!r}: the lean forward runs SDPA (use {' or '.join(attention)})"
     devices = set((getattr(model, "hf_device_map", None) or {}).values())
     if len(devices) > 1:
         return "the model is split over several devices (device_map)"
