@@ -34,9 +34,10 @@ def check(spec) -> None:
         raise ConfigError(f"batch_size={r.batch_size} runs pardec's lean forward over a ragged batch cache; "
                           f"forward_impl={r.forward_impl} / draft_forward_impl={r.draft_forward_impl} are batch-1 "
                           f"forwards: leave them at auto (or lean)")
-    if spec.model.attn_implementation not in ("sdpa", "eager"):
+    if spec.model.attn_implementation not in ("sdpa", "eager", "invariant"):  # (invariant: pardec.models.ragged's)
         raise ConfigError(f"batch_size={r.batch_size} runs pardec's lean forward over a ragged batch cache, which "
-                          f"takes model.attn_implementation sdpa or eager, not {spec.model.attn_implementation!r}")
+                          f"takes model.attn_implementation sdpa, eager or invariant, not "
+                          f"{spec.model.attn_implementation!r}")
     for where, name, params in [("bench.baseline", spec.bench.baseline, {}), ("method", spec.method,
                                                                                spec.method_params),
                                 *((f"bench.also entry {role[5:]!r}", name, params) for role, name, params in spec.also)]:
