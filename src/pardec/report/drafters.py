@@ -184,6 +184,7 @@ def slot_plot(runs: dict[str, dict], path: Path) -> bool:
     if not slots:
         return False
     fig, axes = plt.subplots(3, len(slots), figsize=(3.6 * len(slots), 8.4), squeeze=False)
+    colors = {label: f"C{i % 10}" for i, label in enumerate(runs)}  # one color per run in every panel
     for col, k in enumerate(slots):
         for label, r in runs.items():
             hist = [h for h in r["history"] if f"top1_d{k}" in h]
@@ -193,10 +194,11 @@ def slot_plot(runs: dict[str, dict], path: Path) -> bool:
             steps = (r["train"] or {}).get("steps") or hist[-1]["step"]
             per_step = ((r["train"] or {}).get("train_seconds") or 0) / 60 / max(steps, 1)
             for row, key in ((0, loss), (1, f"top1_d{k}")):
-                axes[row][col].plot([h["step"] for h in hist], [float(h[key]) for h in hist], label=label)
+                axes[row][col].plot([h["step"] for h in hist], [float(h[key]) for h in hist], label=label,
+                                    color=colors[label])
             if per_step:
                 axes[2][col].plot([h["step"] * per_step for h in hist], [float(h[f"top1_d{k}"]) for h in hist],
-                                  label=label)
+                                  label=label, color=colors[label])
         axes[0][col].set_title(f"draft position {k}")
         axes[0][col].set_ylabel("CE (DFlash) / KL, nats")
         axes[1][col].set_ylabel("top-1 (training batches)")
