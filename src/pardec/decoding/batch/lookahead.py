@@ -89,7 +89,7 @@ class BatchedLookahead(LookaheadState, BatchedMethod):
                                      logits_at=to_device(at, dev))  # [n, K, V]
         # the window's next guesses: the target's argmax at its top level (the root's first when the top level
         # holds the root: level 2), as batch-1 lookahead takes them under greedy and sampling alike
-        lead = [0] if self.level == 2 else []
+        lead = [0] if rows[0].state["window"].top_has_root else []  # (the same for every row: level == 2)
         if self.s.greedy:
             pred = logits.argmax(-1).tolist()  # the round's one host read
             verdicts = []
