@@ -66,3 +66,41 @@ def peak_bytes(fn: Callable[[], Any]) -> int:
     with PeakMemory() as p:
         fn()
     return p.peak
+
+
+class StagePeak:
+    """``with StagePeak(cuda, host) as p: ...``; ``p.record()``: the peak memory of the block, or None when nothing was
+    measured. ``cuda``: the CUDA allocator's peak of the current device (``torch.cuda.max_memory_allocated``, reset at
+    entry: every tensor this process holds there, the ones from before the block included). ``host`` (and no CUDA):
+    the C allocator's peak above its use at entry (:class:`PeakMemory`: a Python call after every aten op, so it is
+    asked for, ``measure_memory=true``, not always on)."""
+
+    def __init__(self, cuda: bool, host: bool) -> None:
+        self.cuda, self.host = cuda, host and not cuda and available()
+        self._mode: PeakMemory | None = None
+        self.bytes: int | None = None
+
+    def __enter__(self) -> StagePeak:
+        if self.cuda:
+            import torch
+
+            torch.cuda.reset_peak_memory_stats()
+        elif self.host:
+            self._mode = PeakMemory().__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.cuda:
+            import torch
+
+            self.bytes = int(torch.cuda.max_memory_allocated())
+        elif self._mode is not None:
+            self._mode.__exit__(*exc)
+            self.bytes = int(self._mode.peak)
+
+    def record(self) -> dict[str, Any] | None:
+        if self.bytes is None:
+            return None
+        how = ("torch.cuda.max_memory_allocated" if self.cuda
+               else "host allocator (glibc mallinfo2) after every aten op, above its use when the stage began")
+        return {"bytes": self.bytes, "gb": round(self.bytes / 1e9, 4), "how": how}

@@ -254,7 +254,18 @@ def weights_location(cfg: ModelConfig) -> str | Path:
 
 def tiny_random_model(cfg: ModelConfig, vocab_size: int, bos: int | None, eos: int | None) -> LlamaForCausalLM:
     """A random Llama (``cfg.layers`` layers, hidden ``cfg.hidden``) with a fixed seed."""
-    config = LlamaConfig(
+    config = tiny_random_config(cfg, vocab_size, bos, eos)
+    gen = torch.random.fork_rng()
+    with gen:
+        torch.manual_seed(cfg.seed)
+        model = LlamaForCausalLM(config)
+    return model
+
+
+def tiny_random_config(cfg: ModelConfig, vocab_size: int, bos: int | None = None,
+                       eos: int | None = None) -> LlamaConfig:
+    """The architecture of :func:`tiny_random_model` (what the memory plan counts for a tiny_random model)."""
+    return LlamaConfig(
         vocab_size=vocab_size,
         hidden_size=cfg.hidden,
         intermediate_size=cfg.hidden * 2,
@@ -268,11 +279,6 @@ def tiny_random_model(cfg: ModelConfig, vocab_size: int, bos: int | None, eos: i
         tie_word_embeddings=False,
         attn_implementation=cfg.attn_implementation,
     )
-    gen = torch.random.fork_rng()
-    with gen:
-        torch.manual_seed(cfg.seed)
-        model = LlamaForCausalLM(config)
-    return model
 
 
 def load_tokenizer_only(cfg: ModelConfig) -> PreTrainedTokenizerBase:

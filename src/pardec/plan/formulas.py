@@ -42,6 +42,15 @@ def loss_logits(rows: int, vocab: int, loss: str, logit_bytes: int) -> float:
     return rows * vocab * (logit_bytes + 4 * LOSS_PEAK[loss])
 
 
+def depth_logits(k: int, rows: int, vocab: int, run_bytes: int, base_copies: float) -> float:
+    """The logits of heads trained at ``k`` depths against the base's row (Medusa, FIRP): the base's logits in the
+    run's dtype, and in fp32 per depth the student's row, its log-softmax and gradient, and the logits' gradient
+    (3 copies each, kept for the backward of the sum over depths), plus ``base_copies`` of one depth that each type
+    holds once (the teacher's log-softmax and probabilities of the depth being computed, the type's own rows):
+    measured per type at K = 2, ``tests/test_plan_measured.py``."""
+    return rows * vocab * (run_bytes + 4 * (3 * k + base_copies))
+
+
 def stack_activations(n_layers: int, tokens: int, seq: int, a: Arch, act_bytes: int, eager: bool,
                       checkpointing: bool) -> float:
     if n_layers <= 0:

@@ -24,6 +24,7 @@ from pardec.plan.shapes import (
     arch,
     draft_params,
     drafter_params,
+    in_memory,
     lora_params,
 )
 from pardec.recipes import (
@@ -32,27 +33,43 @@ from pardec.recipes import (
 )
 
 
+#: fp32 copies of the logits a training step of a kind that trains the target holds beyond them, measured in the
+#: whole step (tests/test_plan_measured.py): CLLM's smoothed AR CE over the packed rows and the consistency KL over
+#: the Jacobi states (its AR loss alone, measured apart, holds 4: LOSS_PEAK["ce_smoothed"]); SDSAT's ce_sum over
+#: the plain and masked rows (alone 3: LOSS_PEAK["ce_sum"])
+STEP_COPIES = {"cllm": 2.85, "sdsat": 2.1}
+
+
 # ------------------------------------------------------------------------------------------- plans
 def plan(name: str, *, world: int | None = None, gpus: int | None = None, overrides: Sequence[str] = (),
          prompt_tokens: int | None = None, batch: int = 1) -> Plan:
     """The per-GPU memory plan of recipe ``name`` (training: ``world`` ranks, default its launch line's; evaluation:
     the target split over ``gpus`` GPUs under ``model.device_map``, default 1, decoding ``batch`` prompts at once)."""
     name = check_name(name)
-    return composed_plan(name, *compose(name, overrides), world=world, gpus=gpus, prompt_tokens=prompt_tokens,
-                         batch=batch)
+    app, cfg = compose(name, overrides)
+    if cfg["model"].get("source") == "tiny_random":  # planned only where it is measured (pardec.plan.measured)
+        _no_config(name, cfg["model"], None)
+    return composed_plan(name, app, cfg, world=world, gpus=gpus, prompt_tokens=prompt_tokens, batch=batch)
+
+
+def _no_config(name: str, model: dict[str, Any], hub: str | None) -> None:
+    where = shipped_config(hub).relative_to(CONF_DIR.parent) if hub else f"source {model.get('source')}"
+    raise ConfigError(f"recipe {name!r} runs model {model.get('name')!r} ({where}), which has no shipped "
+                      f"config.json; the plan covers the paper recipes: {', '.join(paper_recipes())}")
 
 
 def composed_plan(name: str, app: str, cfg: dict[str, Any], *, world: int | None = None, gpus: int | None = None,
                   prompt_tokens: int | None = None, batch: int = 1) -> Plan:
-    """:func:`plan` of recipe ``name`` already composed (``app``, ``cfg``: :func:`~pardec.plan.compose.compose`)."""
+    """:func:`plan` of recipe ``name`` already composed (``app``, ``cfg``: :func:`~pardec.plan.compose.compose`); a
+    model built in code (``source: tiny_random``) is planned from its own architecture (pardec.plan.measured)."""
     if isinstance(batch, bool) or not isinstance(batch, int) or batch < 1:
         raise ConfigError(f"batch={batch!r} must be an integer >= 1 (the prompts an evaluation decodes at once)")
     model = cfg["model"]
     hub = model.get("path") if model.get("source") == "hub" else _trained_hub(model.get("path"))
-    if hub is None or not shipped_config(hub).is_file():
-        where = shipped_config(hub).relative_to(CONF_DIR.parent) if hub else f"source {model.get('source')}"
-        raise ConfigError(f"recipe {name!r} runs model {model.get('name')!r} ({where}), which has no shipped "
-                          f"config.json; the plan covers the paper recipes: {', '.join(paper_recipes())}")
+    if model.get("source") == "tiny_random":
+        hub = in_memory(model)
+    elif hub is None or not shipped_config(hub).is_file():
+        _no_config(name, model, hub)
     if app == "train":
         if batch != 1:
             raise ConfigError(f"batch={batch} plans an evaluation decoding several prompts at once; recipe {name!r} "
@@ -62,6 +79,10 @@ def composed_plan(name: str, app: str, cfg: dict[str, Any], *, world: int | None
 
 
 def _hub_of(section: dict[str, Any], where: str) -> str:
+    """The key of ``section``'s architecture: its hub id (a trained model's: its base's), or a model built in code
+    (:func:`~pardec.plan.shapes.in_memory`)."""
+    if section.get("source") == "tiny_random":
+        return in_memory(section)
     if section.get("source") == "local" and (hub := _trained_hub(section.get("path"))):
         return hub
     if section.get("source") != "hub" or not section.get("path"):
@@ -100,8 +121,8 @@ def _train_plan(name: str, cfg: dict[str, Any], world: int) -> Plan:
         else:  # sdsat: each record is two rows (plain + masked)
             rows = 2 * b
         activations = stack_activations(a.layers, rows * seq, seq, a, act_bytes, eager, ckpt)
-        # CLLM: the consistency KL and the smoothed AR CE over one graph (the KL's peak bounds both); SDSAT: ce_sum
-        logits = loss_logits(rows * seq, a.vocab, "kl" if kind == "cllm" else "ce_sum", act_bytes)
+        # one forward's logits over the packed rows and what the step's loss holds beyond them (STEP_COPIES)
+        logits = rows * seq * a.vocab * (act_bytes + 4 * STEP_COPIES[kind])
     elif kind == "draft":
         d = cfg.get("draft") or {}
         n_layers, vocab = len(d.get("layers") or []), int(d.get("vocab_size", a.vocab))

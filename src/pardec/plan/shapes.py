@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import hashlib
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -77,15 +78,35 @@ class Plan:
 
 
 # ------------------------------------------------------------------------------------------- architectures
+#: architectures of models built in code (``source: tiny_random``), by the key :func:`in_memory` gives them
+_IN_MEMORY: dict[str, Any] = {}
+
+
+def in_memory(model: dict[str, Any]) -> str:
+    """The key the plan's shape functions (:func:`arch`, :func:`draft_params`, ...) take for a model built in code
+    (a ``model`` section of ``source: tiny_random``: the size a plan is measured at on the CPU)."""
+    from pardec.config import ModelConfig, to_dataclass
+    from pardec.models.loading import load_tokenizer_only, tiny_random_config
+
+    cfg = to_dataclass(ModelConfig, model, "model")
+    config = tiny_random_config(cfg, len(load_tokenizer_only(cfg)))
+    key = f"{cfg.name}:{hashlib.sha256(config.to_json_string().encode()).hexdigest()[:12]}"
+    _IN_MEMORY[key] = config
+    return key
+
+
 @functools.cache
 def _meta_model(hub_id: str):
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    path = shipped_config(hub_id)
-    if not path.is_file():
-        raise ConfigError(f"no config.json for {hub_id!r}: add the hub's config.json as {path}")
-    cfg = AutoConfig.from_pretrained(str(path.parent))
+    if hub_id in _IN_MEMORY:
+        cfg = _IN_MEMORY[hub_id]
+    else:
+        path = shipped_config(hub_id)
+        if not path.is_file():
+            raise ConfigError(f"no config.json for {hub_id!r}: add the hub's config.json as {path}")
+        cfg = AutoConfig.from_pretrained(str(path.parent))
     with torch.device("meta"):
         return AutoModelForCausalLM.from_config(cfg)
 

@@ -83,7 +83,10 @@ class Kind:
         for stage in todo:
             if stage in self.rank0_stages and ranks.rank != 0:
                 continue
-            out[stage] = getattr(self, f"stage_{stage}")(spec, run_dir, ranks)
+            with stage_peak(spec) as peak:
+                out[stage] = getattr(self, f"stage_{stage}")(spec, run_dir, ranks)
+            if peak.bytes is not None and isinstance(out[stage], dict):
+                out[stage]["peak_memory"] = peak.record()
         return out
 
     # -- helpers for validate -------------------------------------------------------------------
@@ -96,6 +99,17 @@ class Kind:
                                   f"conf/experiment/{self.example}.yaml)")
             out.append(OmegaConf.to_container(cfg[key], resolve=True))
         return out
+
+
+def stage_peak(spec: Spec):
+    """The peak memory of a stage of ``spec``: on a CUDA device always (the allocator's own count), on the CPU with
+    ``measure_memory=true`` (:class:`~pardec.metrics.memory.StagePeak`); what :mod:`pardec.plan` is checked against."""
+    import torch  # heavy: validation imports this module before any model loads
+
+    from pardec.metrics.memory import StagePeak
+
+    cuda = spec.device != "cpu" and on_cuda() and torch.backends.cuda.is_built()
+    return StagePeak(cuda=cuda, host=bool(spec.config.get("measure_memory")))
 
 
 # ------------------------------------------------------------------------------------------- shared checks
@@ -129,6 +143,8 @@ def common_fields(cfg: DictConfig, name: str, config_cls: type, *, elsewhere: di
                           f"trainer.deepspeed=zero2 (or null)")
     deepspeed = deepspeed_config(tcfg.pop("deepspeed", None))
     resume = tcfg.pop("resume_from_checkpoint", None)
+    if not isinstance(cfg.get("measure_memory", False), bool):
+        raise ConfigError(f"measure_memory={cfg.get('measure_memory')!r} is not valid: give true or false")
     model = to_dataclass(ModelConfig, cfg.model, "model")
     device = check_device(cfg.get("device", "auto"), name)
     if device == "cpu":

@@ -3,7 +3,11 @@
 from __future__ import annotations
 
 from pardec.plan.drafters import DrafterTerms, plan_terms
-from pardec.plan.formulas import layer_activations, loss_logits, stack_activations
+from pardec.plan.formulas import depth_logits, layer_activations, stack_activations
+
+#: as Medusa's (:data:`pardec.plan.drafters.medusa.BASE_COPIES`), and the base's own logits at the anchors that
+#: the pseudo pass returns beside the students' (measured, K = 2)
+BASE_COPIES = 4.0
 
 
 @plan_terms("firp")
@@ -17,5 +21,5 @@ def terms(h, a, tokens, seq, b, act_bytes, run_bytes, eager, ckpt) -> DrafterTer
                    - (layer_activations(tokens, seq, a, act_bytes, eager) if ckpt else 0)
                    + (layer_activations(k * tokens, seq, a, act_bytes, eager) if ckpt else 0))
     kv = tokens * a.kv_bytes_per_token(run_bytes)  # the real tokens' K/V the pseudo states attend to
-    logits = loss_logits(k * tokens, a.vocab, "kl", act_bytes) + tokens * a.vocab * run_bytes
+    logits = depth_logits(k, tokens, a.vocab, run_bytes, BASE_COPIES)
     return DrafterTerms(activations, logits, kv, note=f"firp drafter, K={k}")
