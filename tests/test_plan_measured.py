@@ -14,7 +14,6 @@ import pytest
 from pardec.metrics import memory
 from pardec.plan.measured import CASES, TOLERANCE
 
-
 #: where the plan is not yet within 15%, and why (a strict xfail: it fails once the plan is fixed)
 OFF = {"draft_tiny": "the student's KL reads the teacher's log-softmax over the whole vocabulary before it keeps the "
                      "draft's 512 ids, which the plan does not count (planned 118 MB less overhead, measured 141)"}
@@ -37,9 +36,9 @@ def test_the_plan_is_within_15_percent_of_the_measured_peak(name, tmp_path):
 
 
 def test_a_train_stage_records_no_peak_on_the_cpu_unless_asked(tmp_path):
-    from tests.training.test_train_app import _compose
-    from pardec.training.kinds import stage_peak
     from pardec.train import validate
+    from pardec.training.kinds import stage_peak
+    from tests.training.test_train_app import _compose
 
     spec = validate(_compose(["+experiment=heads_medusa_tiny", f"paths.data_dir={tmp_path}"]))
     with stage_peak(spec) as p:
@@ -55,9 +54,9 @@ def test_a_train_stage_records_no_peak_on_the_cpu_unless_asked(tmp_path):
 
 
 def test_measure_memory_takes_a_bool_only(tmp_path):
-    from tests.training.test_train_app import _compose
     from pardec.config import ConfigError
     from pardec.train import validate
+    from tests.training.test_train_app import _compose
 
     with pytest.raises(ConfigError, match=r"measure_memory='yes' is not valid: give true or false"):
         validate(_compose(["+experiment=heads_medusa_tiny", "measure_memory=yes"]))

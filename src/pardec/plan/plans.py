@@ -32,7 +32,6 @@ from pardec.recipes import (
     shipped_config,
 )
 
-
 #: fp32 copies of the logits a training step of a kind that trains the target holds beyond them, measured in the
 #: whole step (tests/test_plan_measured.py): CLLM's smoothed AR CE over the packed rows and the consistency KL over
 #: the Jacobi states (its AR loss alone, measured apart, holds 4: LOSS_PEAK["ce_smoothed"]); SDSAT's ce_sum over
