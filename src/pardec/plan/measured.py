@@ -136,9 +136,19 @@ def main(argv: Sequence[str] | None = None) -> None:
                "command": shlex.join(["python", "-m", "pardec.plan.measured", *(argv if argv is not None
                                                                                else sys.argv[1:])]),
                "commit": _commit(), "host": machine(), "date": date.today().isoformat(), "dtype": "fp32",
-               "n": len(rows), "tolerance": TOLERANCE, "rows": rows, "tables": {"measured": table(rows)}}
+               "n": len(rows), "tolerance": TOLERANCE, "factors": factors(), "rows": rows,
+               "tables": {"measured": table(rows)}}
         Path(args.json).write_text(json.dumps(out, indent=1) + "\n")
         print(f"wrote {args.json}")
+
+
+def factors() -> dict[str, Any]:
+    """The plan's measured copy counts this table checks (fp32 copies of the logits)."""
+    from pardec.plan.drafters import dflash, firp, medusa
+    from pardec.plan.plans import STEP_COPIES
+
+    return {"step_copies": {**STEP_COPIES, "dflash": dflash.SLOT_COPIES},
+            "depth_base_copies": {"medusa": medusa.BASE_COPIES, "firp": firp.BASE_COPIES}}
 
 
 def table(rows: list[dict[str, Any]]) -> dict[str, Any]:
