@@ -145,9 +145,9 @@ def main(argv: Sequence[str] | None = None) -> None:
 def factors() -> dict[str, Any]:
     """The plan's measured copy counts this table checks (fp32 copies of the logits)."""
     from pardec.plan.drafters import dflash, firp, medusa
-    from pardec.plan.plans import STEP_COPIES
+    from pardec.plan.plans import DRAFT_TEACHER_COPIES, STEP_COPIES
 
-    return {"step_copies": {**STEP_COPIES, "dflash": dflash.SLOT_COPIES},
+    return {"step_copies": {**STEP_COPIES, "dflash": dflash.SLOT_COPIES, "draft_teacher": DRAFT_TEACHER_COPIES},
             "depth_base_copies": {"medusa": medusa.BASE_COPIES, "firp": firp.BASE_COPIES}}
 
 

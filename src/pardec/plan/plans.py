@@ -37,6 +37,9 @@ from pardec.recipes import (
 #: the Jacobi states (its AR loss alone, measured apart, holds 4: LOSS_PEAK["ce_smoothed"]); SDSAT's ce_sum over
 #: the plain and masked rows (alone 3: LOSS_PEAK["ce_sum"])
 STEP_COPIES = {"cllm": 2.85, "sdsat": 2.1}
+#: fp32 copies of the online teacher's full-vocabulary logits a distilled draft's step holds beyond them: its mass on
+#: the kept ids reads a log-sum-exp over the whole vocabulary (training/draft/trainer.py); measured as STEP_COPIES
+DRAFT_TEACHER_COPIES = 0.4
 
 
 # ------------------------------------------------------------------------------------------- plans
@@ -129,7 +132,8 @@ def _train_plan(name: str, cfg: dict[str, Any], world: int) -> Plan:
         if t.get("teacher", "online") == "online":
             frozen = a.params * run_bytes
         activations = stack_activations(n_layers, b * seq, seq, a, act_bytes, eager, ckpt)
-        logits = loss_logits(b * seq, vocab, "kl", act_bytes) + (b * seq * a.vocab * run_bytes if frozen else 0)
+        teacher = b * seq * a.vocab * (run_bytes + 4 * DRAFT_TEACHER_COPIES)
+        logits = loss_logits(b * seq, vocab, "kl", act_bytes) + (teacher if frozen else 0)
         notes.append(f"student: {n_layers} layers, {vocab}-token head")
     elif kind == "heads":  # trainer.model_dtype is the frozen base's here; the drafter is built in fp32
         h = cfg.get("heads") or {}

@@ -14,7 +14,9 @@ recipe (``--list``):
   model's number of layers, ``conf/model_configs/<hub id>/config.json``, where the recipe names layer indices: the
   draft kind's layers, FIRP's layers); a target split with ``model.device_map`` is a tiny random model saved to disk first
   (``model=local``), its ``device_map`` kept;
-* device: ``device=cpu`` (the GPU recipes' switch) and ``threads=1`` (one torch thread per rank);
+* device: ``device=cpu`` (the GPU recipes' switch) and ``threads=1`` (one torch thread per rank); a target split with
+  ``model.device_map`` decodes with ``forward_impl=hf``, the forward ``auto`` gives a model split over GPUs (on one
+  CPU it would give ``lean``);
 * data: small local files written into the rehearsal's work dir (``dataset.path`` and the data sections' sources);
 * sizes: a few prompts or documents, a few new tokens, ``trainer.max_steps=2``.
 

@@ -133,6 +133,8 @@ def plan(recipe: Recipe, out: Path) -> Plan:
             model += _model_swap("draft", "draft", recipe.draft, work, saved, None)
         device = [f"{k}.device=cpu" for k in ("model", "draft") if (base.get(k) or {}).get("device") == "cuda"]
         device.append("threads=1")
+        if base["model"].get("device_map"):  # split over GPUs, forward_impl=auto runs the hf forward (the lean and
+            device.append("forward_impl=hf")  # compiled ones refuse a split model): on one CPU auto would pick lean
         ds = base["dataset"]["name"]
         if ds not in LOCAL_ALREADY:
             data += _dataset_path("dataset", ds, files, data_dir, plus=False)
