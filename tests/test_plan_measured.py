@@ -14,6 +14,7 @@ import pytest
 from pardec.metrics import memory
 from pardec.plan.measured import CASES, TOLERANCE
 
+
 @pytest.mark.slow  # a whole tiny experiment at sequences of 512 tokens in a fresh process (~10 s)
 @pytest.mark.skipif(not memory.available(), reason="needs glibc's mallinfo2")
 @pytest.mark.parametrize("name", sorted(CASES))
