@@ -41,6 +41,17 @@ def test_crossover_is_the_first_batch_size_below_batched_ar():
     assert "Crossover (first batch size below batched ar): pld: 4, sps: never (up to 4)" in text
 
 
+def test_a_run_in_another_attention_mode_has_its_own_block_and_identity():
+    """``model.attn_implementation=invariant`` (exact int8 rows) is part of a run's identity and of its block in
+    docs/batch.md; a run with the default attention keeps the identity and block it had."""
+    plain = {"dataset": "gsm8k", "dtype": "int8"}
+    assert batch.markers(plain) == ("<!-- batch-table gsm8k int8 -->", "<!-- /batch-table gsm8k int8 -->")
+    assert batch.markers({**plain, "attention": "invariant"})[0] == "<!-- batch-table gsm8k int8 invariant -->"
+    from pardec.config.schema import settings_diff
+
+    assert settings_diff({**plain, "attention": "invariant"}, plain)  # one is not continued as the other
+
+
 def test_end_to_end_on_the_tiny_model(tmp_path, capsys):
     args = ["--methods", "pld,jacobi:block_size=3,sps:gamma=2", "--batch-sizes", "1,2", "--n", "3",
             "--max-new-tokens", "6", "--warmup-tokens", "2", "--out", str(tmp_path), "model=tiny_random",

@@ -131,7 +131,8 @@ def plot(data: dict, path: Path) -> None:
         ax.set_title(title, fontsize=10)
         ax.legend(fontsize=8)
     ident = data["identity"]
-    fig.suptitle(f"{ident['model']} {ident['dtype']}, {ident['dataset']} (n={ident['n']}, {ident['max_new_tokens']} "
+    mode = f" ({ident['attention']} attention)" if ident.get("attention") else ""
+    fig.suptitle(f"{ident['model']} {ident['dtype']}{mode}, {ident['dataset']} (n={ident['n']}, {ident['max_new_tokens']} "
                  f"new tokens) -- {describe(ident['host'])}, {data['date']}", fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
@@ -236,7 +237,10 @@ def _identity(a, spec, methods) -> dict[str, Any]:
     return {"host": machine(), "commit": commit, "model": spec.model.name, "dtype": spec.run.dtype,
             "draft": spec.draft.name if spec.draft else None, "dataset": spec.dataset.name, "n": a.n,
             "max_new_tokens": a.max_new_tokens, "methods": [[label, params] for label, _, params in methods],
-            "sampling": asdict(spec.sampling)}
+            "sampling": asdict(spec.sampling),
+            # the batched attention where it is not the default (invariant: exact int8 rows), so a run in one mode
+            # is neither continued nor published as the other
+            **({"attention": spec.model.attn_implementation} if spec.model.attn_implementation != "sdpa" else {})}
 
 
 def measure(a, spec, methods, sizes, data: dict) -> int:
@@ -290,8 +294,9 @@ def measure(a, spec, methods, sizes, data: dict) -> int:
 
 
 def markers(ident: dict) -> tuple[str, str]:
-    """The pair of comments around a run's block in ``docs/batch.md``: one block per dataset and dtype."""
-    key = f"{ident['dataset']} {ident['dtype']}"
+    """The pair of comments around a run's block in ``docs/batch.md``: one block per dataset, dtype and (where it is
+    not the default) attention."""
+    key = " ".join(filter(None, (ident["dataset"], ident["dtype"], ident.get("attention"))))
     return f"<!-- batch-table {key} -->", f"<!-- /batch-table {key} -->"
 
 
@@ -319,7 +324,8 @@ def publish(out: Path, data: dict, root: Path, name: str) -> Path:
         raise ConfigError(f"{page} has no {start} ... {end} block to fill (add the pair where this run's table goes)")
     head, rest = text.split(start, 1)
     _, tail = rest.split(end, 1)
-    body = (f"{ident['model']} {ident['dtype']} on {ident['dataset']}, {ident['n']} prompts, {ident['max_new_tokens']} "
+    mode = f" ({ident['attention']} attention)" if ident.get("attention") else ""
+    body = (f"{ident['model']} {ident['dtype']}{mode} on {ident['dataset']}, {ident['n']} prompts, {ident['max_new_tokens']} "
             f"new tokens, {data['date']}; host: {describe(ident['host'])}.\n\n{table(data)}\n\n"
             f"<sub>Data: [results/{name}.json](results/{name}.json)</sub>\n\n"
             f"![tokens/s and speed against batched ar per batch size](img/{name}.png)\n")
