@@ -12,12 +12,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from hydra import compose, initialize_config_dir
-from hydra.core.hydra_config import HydraConfig
-from omegaconf import DictConfig, OmegaConf, open_dict
+from omegaconf import DictConfig
 
 from pardec import CONF_DIR, REPO_ROOT
-from pardec.config import ConfigError, ModelConfig
+from pardec.config import ConfigError, ModelConfig, composed
 from pardec.models.loading import load_model
 from pardec.train import experiments, run, validate
 from pardec.training.cllm.trainer import CLLMConfig
@@ -33,14 +31,7 @@ def _compose(overrides: list[str]) -> DictConfig:
 
     if not any(o.split("=")[0].lstrip("+~") == "threads" for o in overrides):
         overrides = [*overrides, f"threads={THREADS}"]
-    with initialize_config_dir(str(CONF_DIR), version_base="1.3"):
-        cfg = compose("train", overrides=overrides, return_hydra_config=True)
-    HydraConfig.instance().set_config(cfg)  # for ${hydra:runtime.choices.experiment}
-    with open_dict(cfg):
-        del cfg["hydra"]
-    OmegaConf.resolve(cfg)
-    HydraConfig.instance().cfg = None  # leave no global state behind
-    return cfg
+    return composed("train", overrides)
 
 
 def _tiny(tmp_path: Path, *extra: str) -> DictConfig:

@@ -18,7 +18,13 @@ from pardec.config.checks import (
     type_hints,
     type_name,
 )
-from pardec.config.cli import check_overrides, exit_with_error, hydra_errors_in_one_line, run_hydra_app
+from pardec.config.cli import (
+    check_overrides,
+    composed,
+    exit_with_error,
+    hydra_errors_in_one_line,
+    run_hydra_app,
+)
 from pardec.config.launch import SYNC_TIMEOUT, Ranks, launcher_argv, shared_launch_id
 from pardec.config.schema import (
     ATTN_IMPLEMENTATIONS,
@@ -41,6 +47,7 @@ from pardec.config.schema import (
 )
 
 __all__ = [
+    "composed",
     "ATTN_IMPLEMENTATIONS", "DEVICES", "DEVICE_MAPS", "DTYPES", "FORWARD_CHOICES", "FORWARD_IMPLS", "INT8_FIELDS",
     "INT8_WEIGHTS", "KV_CACHES", "MODEL_SOURCES", "PROMPT_STYLES", "SYNC_TIMEOUT", "BenchConfig", "ConfigError",
     "DatasetConfig", "ModelConfig", "Ranks", "RunConfig", "SamplingConfig", "check_at_least", "check_choice",

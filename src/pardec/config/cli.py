@@ -100,3 +100,27 @@ def check_overrides(argv: list[str], config_name: str) -> None:
 
     with hydra_errors_in_one_line(), initialize_config_dir(str(CONF_DIR), version_base="1.3"):
         compose(config_name, overrides=list(argv))
+
+
+def composed(app: str, overrides: list[str]):
+    """The resolved config ``python -m <app> <overrides>`` runs with, as a DictConfig without its ``hydra`` section
+    (``${hydra:runtime.choices...}`` resolved as a run resolves it); for tools and tests that compose a run's config
+    outside the app. The app's resolvers must be registered: import ``pardec.train`` / ``pardec.evaluate`` first."""
+    from hydra import compose, initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+    from hydra.core.hydra_config import HydraConfig
+    from omegaconf import OmegaConf, open_dict
+
+    from pardec import CONF_DIR
+
+    GlobalHydra.instance().clear()
+    with initialize_config_dir(str(CONF_DIR), version_base="1.3"):
+        cfg = compose(app, overrides=overrides, return_hydra_config=True)
+    HydraConfig.instance().set_config(cfg)  # for ${hydra:runtime.choices.experiment}
+    try:
+        with open_dict(cfg):
+            del cfg["hydra"]
+        OmegaConf.resolve(cfg)
+        return cfg
+    finally:
+        HydraConfig.instance().cfg = None  # leave no global state behind

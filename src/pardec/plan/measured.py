@@ -20,8 +20,6 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from pardec import CONF_DIR
-
 #: the reduced size per tiny experiment: overrides (``{data}``: the directory :func:`write_data` fills)
 SIZE = ("model.chat=false", "trainer.max_length=512", "trainer.per_device_train_batch_size=4")
 COMPLETIONS = ("completions.sources.0.dataset.path={data}/short.jsonl", "completions.max_new_tokens=480")
@@ -57,22 +55,14 @@ def write_data(out: Path) -> Path:
 def compose_case(name: str, work: Path, threads: int = 1):
     """The tiny experiment ``name`` at :data:`CASES`' size, its data and outputs under ``work`` (a DictConfig as the
     train app resolves it)."""
-    from hydra import compose, initialize_config_dir
-    from hydra.core.hydra_config import HydraConfig
-    from omegaconf import OmegaConf, open_dict
+    import pardec.train  # noqa: F401  (its resolvers)
+    from pardec.config import composed
 
     data = write_data(work / "inputs")
     overrides = [f"+experiment={name}", f"paths.data_dir={work}/data", f"paths.output_dir={work}/out",
                  "measure_memory=true", f"threads={threads}", *SIZE,
                  *(o.format(data=data) for o in CASES[name])]
-    with initialize_config_dir(str(CONF_DIR), version_base="1.3"):
-        cfg = compose("train", overrides=overrides, return_hydra_config=True)
-    HydraConfig.instance().set_config(cfg)  # for ${hydra:runtime.choices.experiment}
-    with open_dict(cfg):
-        del cfg["hydra"]
-    OmegaConf.resolve(cfg)
-    HydraConfig.instance().cfg = None
-    return cfg
+    return composed("train", overrides)
 
 
 def measure(name: str, work: Path, threads: int = 1) -> dict[str, Any]:

@@ -85,25 +85,13 @@ def find(names: Iterable[str]) -> list[Recipe]:
 # ------------------------------------------------------------------------------------------- config
 def compose(app: str, overrides: list[str]) -> dict[str, Any]:
     """The resolved config ``python -m <app> <overrides>`` runs with (``hydra`` section left out), as a dict."""
-    from hydra import compose as hydra_compose
-    from hydra import initialize_config_dir
-    from hydra.core.global_hydra import GlobalHydra
-    from hydra.core.hydra_config import HydraConfig
-    from omegaconf import OmegaConf, open_dict
+    from omegaconf import OmegaConf
 
     import pardec.evaluate  # noqa: F401  (its resolvers)
     import pardec.train  # noqa: F401
+    from pardec.config import composed
 
-    GlobalHydra.instance().clear()
-    with initialize_config_dir(str(CONF_DIR), version_base="1.3"):
-        cfg = hydra_compose(app, overrides=overrides, return_hydra_config=True)
-    HydraConfig.instance().set_config(cfg)  # for ${hydra:runtime.choices.experiment}
-    try:
-        with open_dict(cfg):
-            del cfg["hydra"]
-        return OmegaConf.to_container(cfg, resolve=True)
-    finally:
-        HydraConfig.instance().cfg = None
+    return OmegaConf.to_container(composed(app, overrides), resolve=True)
 
 
 def flatten(d: Any, prefix: str = "") -> dict[str, Any]:
