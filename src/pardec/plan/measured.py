@@ -52,7 +52,7 @@ def write_data(out: Path) -> Path:
     return out
 
 
-def compose_case(name: str, work: Path, threads: int = 1):
+def compose_case(name: str, work: Path, threads: int = 1, extra: Sequence[str] = ()):
     """The tiny experiment ``name`` at :data:`CASES`' size, its data and outputs under ``work`` (a DictConfig as the
     train app resolves it)."""
     import pardec.train  # noqa: F401  (its resolvers)
@@ -61,11 +61,11 @@ def compose_case(name: str, work: Path, threads: int = 1):
     data = write_data(work / "inputs")
     overrides = [f"+experiment={name}", f"paths.data_dir={work}/data", f"paths.output_dir={work}/out",
                  "measure_memory=true", f"threads={threads}", *SIZE,
-                 *(o.format(data=data) for o in CASES[name])]
+                 *(o.format(data=data) for o in CASES[name]), *extra]
     return composed("train", overrides)
 
 
-def measure(name: str, work: Path, threads: int = 1) -> dict[str, Any]:
+def measure(name: str, work: Path, threads: int = 1, extra: Sequence[str] = ()) -> dict[str, Any]:
     """Run ``name``'s stages (data, train, eval) at the reduced size; the train stage's measured peak beside the plan
     of the same config (MB = 1e6 bytes)."""
     from omegaconf import OmegaConf
@@ -73,14 +73,14 @@ def measure(name: str, work: Path, threads: int = 1) -> dict[str, Any]:
     from pardec.plan.plans import composed_plan
     from pardec.train import run
 
-    cfg = compose_case(name, work, threads)
+    cfg = compose_case(name, work, threads, extra)
     summary = run(cfg, work / "run")
     peak = (summary.get("train") or {}).get("peak_memory")
     if not peak:
         raise RuntimeError(f"{name}: the train stage recorded no peak (glibc's mallinfo2 is needed on the CPU)")
     p = composed_plan(name, "train", OmegaConf.to_container(cfg, resolve=True), world=1)
     measured = peak["bytes"]
-    return {"experiment": name, "kind": p.kind, "type": (cfg.get("heads") or {}).get("type"),
+    return {"experiment": name, "overrides": list(extra), "kind": p.kind, "type": (cfg.get("heads") or {}).get("type"),
             "measured_mb": round(measured / 1e6, 1), "planned_mb": round(p.total / 1e6, 1),
             "planned_without_overhead_mb": round((p.total - p.components["overhead"]) / 1e6, 1),
             "error": round((p.total - p.components["overhead"]) / measured - 1, 3),
@@ -98,6 +98,8 @@ def main(argv: Sequence[str] | None = None) -> None:
                         help=f"tiny experiments (default all: {', '.join(CASES)})")
     parser.add_argument("--json", metavar="FILE", help="write the rows, command, commit, host and date here")
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                        help="a Hydra override on top of the reduced size, e.g. trainer.max_length=256 (repeatable)")
     args = parser.parse_args(argv)
     bad = [n for n in args.names if n not in CASES]
     if bad:
@@ -107,11 +109,12 @@ def main(argv: Sequence[str] | None = None) -> None:
     for name in names:
         with tempfile.TemporaryDirectory() as tmp:
             if len(names) == 1:
-                rows.append(measure(name, Path(tmp), args.threads))
+                rows.append(measure(name, Path(tmp), args.threads, args.set))
             else:  # a process each: what an earlier run left allocated (caches, tokenizers) would lower the peak
                 one = Path(tmp) / "row.json"
                 subprocess.run([sys.executable, "-m", "pardec.plan.measured", name, "--threads", str(args.threads),
-                                "--json", str(one)], check=True, stdout=subprocess.DEVNULL)
+                                "--json", str(one), *(f"--set={o}" for o in args.set)], check=True,
+                               stdout=subprocess.DEVNULL)
                 rows.append(json.loads(one.read_text())["rows"][0])
         r = rows[-1]
         print(f"{r['experiment']:<18} {r['kind']:<6} {r['type'] or '-':<7} measured {r['measured_mb']:>8.1f} MB  "
