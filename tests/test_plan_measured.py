@@ -10,6 +10,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from pardec.metrics import memory
 from pardec.plan.measured import CASES, TOLERANCE
@@ -40,8 +41,6 @@ def test_a_train_stage_records_no_peak_on_the_cpu_unless_asked(tmp_path):
         pass
     assert p.record() is None
     spec = validate(_compose(["+experiment=heads_medusa_tiny", f"paths.data_dir={tmp_path}", "measure_memory=true"]))
-    import torch
-
     with stage_peak(spec) as p:
         x = torch.ones(4_000_000)  # 16 MB held at the peak
         del x

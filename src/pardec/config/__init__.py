@@ -47,10 +47,10 @@ from pardec.config.schema import (
 )
 
 __all__ = [
-    "composed",
     "ATTN_IMPLEMENTATIONS", "DEVICES", "DEVICE_MAPS", "DTYPES", "FORWARD_CHOICES", "FORWARD_IMPLS", "INT8_FIELDS",
     "INT8_WEIGHTS", "KV_CACHES", "MODEL_SOURCES", "PROMPT_STYLES", "SYNC_TIMEOUT", "BenchConfig", "ConfigError",
     "DatasetConfig", "ModelConfig", "Ranks", "RunConfig", "SamplingConfig", "check_at_least", "check_choice",
-    "check_overrides", "check_range", "check_types", "exit_with_error", "fits_type", "hydra_errors_in_one_line",
+    "check_overrides", "check_range", "check_types", "composed", "exit_with_error", "fits_type",
+    "hydra_errors_in_one_line",
     "is_int", "key_name", "launcher_argv", "run_hydra_app", "settings_diff", "shared_launch_id", "to_dataclass", "type_hints", "type_name",
 ]

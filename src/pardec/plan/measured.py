@@ -123,12 +123,13 @@ def main(argv: Sequence[str] | None = None) -> None:
         from datetime import date
 
         from pardec.models.host import machine
+        from pardec.zoo.build import git_state
 
         out = {"title": "The memory plan against the measured peak of each training kind's train stage at a reduced "
                         "size on the CPU (python -m pardec.plan.measured)",
                "command": shlex.join(["python", "-m", "pardec.plan.measured", *(argv if argv is not None
                                                                                else sys.argv[1:])]),
-               "commit": _commit(), "host": machine(), "date": date.today().isoformat(), "dtype": "fp32",
+               **git_state(), "host": machine(), "date": date.today().isoformat(), "dtype": "fp32",
                "n": len(rows), "tolerance": TOLERANCE, "factors": factors(), "rows": rows,
                "tables": {"measured": table(rows)}}
         Path(args.json).write_text(json.dumps(out, indent=1) + "\n")
@@ -151,13 +152,6 @@ def table(rows: list[dict[str, Any]]) -> dict[str, Any]:
     return {"columns": columns, "rows": [[r["experiment"], r["kind"], r["type"] or "-", f"{r['measured_mb']:.1f}",
                                           f"{r['planned_without_overhead_mb']:.1f}", f"{r['planned_mb']:.1f}",
                                           f"{r['error']:+.1%}"] for r in rows]}
-
-
-def _commit() -> str | None:
-    import subprocess
-
-    return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                          cwd=Path(__file__).parent).stdout.strip() or None
 
 
 if __name__ == "__main__":
