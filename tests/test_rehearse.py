@@ -8,7 +8,18 @@ import pytest
 import yaml
 
 from pardec import CONF_DIR
-from pardec.rehearse import SMALL_MODELS, compose, config_diff, discover, find, main, plan, swapped
+from pardec.rehearse import (
+    SMALL_MODELS,
+    compose,
+    config_diff,
+    discover,
+    find,
+    launch_cmd,
+    main,
+    plan,
+    swapped,
+)
+from pardec.rehearse.plans import SPLIT_HIDDEN, SPLIT_LAYERS
 
 RECIPES = discover()
 NAMES = [r.name for r in RECIPES]
@@ -67,10 +78,17 @@ def test_the_rehearsal_changes_only_model_device_data_and_sizes(name, tmp_path):
         assert rehearsal["model"]["source"] == "tiny_random"
     else:
         assert base["method"] == rehearsal["method"] and rehearsal["n_samples"] == 2
-        assert rehearsal["model"]["device"] in ("cpu", "auto")
+        # as on its GPUs: the recipe's devices and forward, run on virtual CUDA devices (pardec.testing.virtual_gpus)
+        assert rehearsal["model"]["device"] == base["model"]["device"] != "cpu"
+        assert rehearsal["forward_impl"] == base["forward_impl"]
+        assert p.gpus_per_rank == (2 if base["model"].get("device_map") else 1)
+        if not p.split_model:  # (a split one's launch sizes its devices by the model prepare() saves)
+            cmd = launch_cmd(p, 2)
+            assert cmd[cmd.index("pardec.testing.virtual_gpus") + 1:][:3] == ["--devices", "2", "evaluate"]
         if recipe.needs and "/train/runs/" in str(base["model"].get("path")):
             assert rehearsal["model"]["path"] == base["model"]["path"]  # the training rehearsal's tiny model
         else:
             assert rehearsal["model"]["source"] in ("tiny_random", "local")
         if base["model"].get("device_map"):  # a split target is a saved tiny model, its map kept
             assert rehearsal["model"]["device_map"] == base["model"]["device_map"]
+            assert p.saved_models[p.split_model] == {"layers": SPLIT_LAYERS, "hidden": SPLIT_HIDDEN}

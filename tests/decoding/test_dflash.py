@@ -14,9 +14,9 @@ from pardec.decoding.dflash import ContextCache
 from pardec.models.cached import CachedModel
 from pardec.models.dflash import DFlashConfig, default_layers
 from pardec.models.heads import load_drafter, new_drafter
+from pardec.testing.graphs import cpu_graphs
 from tests.conftest import tiny
 from tests.decoding.drafters import _eagle_sequences, drafter_dir
-from tests.models.forward.test_cudagraph_rows import _cpu_graphs
 
 SETTINGS = [{}, {"block_size": 3}, {"num_speculative_tokens": 1}]
 
@@ -38,7 +38,7 @@ def fresh_dynamo():
 @pytest.mark.parametrize("impl", ["hf", "lean", "cpu_graphs"])
 def test_greedy_dflash_equals_ar_and_accepts_deep(fitted, impl, fresh_dynamo):
     lm, path, seqs = fitted
-    cm = CachedModel(lm.model, forward_impl=_cpu_graphs() if impl == "cpu_graphs" else impl)
+    cm = CachedModel(lm.model, forward_impl=cpu_graphs() if impl == "cpu_graphs" else impl)
     ar = build_decoder("ar", cm, lm.tokenizer)
     fresh = torch.randint(0, lm.model.config.vocab_size, (6,), generator=torch.Generator().manual_seed(9)).tolist()
     settings = SETTINGS if impl == "lean" else SETTINGS[:1]

@@ -14,9 +14,9 @@ from pardec.config import ConfigError
 from pardec.decoding import build_decoder
 from pardec.decoding.eagle import Eagle, _DraftCache
 from pardec.models.cached import CachedModel
+from pardec.testing.graphs import cpu_graphs
 from tests.conftest import tiny
 from tests.decoding.drafters import _eagle_sequences, drafter_dir
-from tests.models.forward.test_cudagraph_rows import _cpu_graphs
 
 SETTINGS = [{}, {"total_tokens": 8, "depth": 3, "top_k": 3}, {"total_tokens": 2, "depth": 1, "top_k": 1},
             {"mode": "chain"}, {"mode": "chain", "num_speculative_tokens": 7}]
@@ -31,7 +31,7 @@ def fitted():
 @pytest.mark.parametrize("impl", ["hf", "lean", "cpu_graphs"])
 def test_greedy_eagle_equals_ar_and_accepts_deep(fitted, impl):
     lm, path, seqs = fitted
-    cm = CachedModel(lm.model, forward_impl=_cpu_graphs() if impl == "cpu_graphs" else impl)
+    cm = CachedModel(lm.model, forward_impl=cpu_graphs() if impl == "cpu_graphs" else impl)
     ar = build_decoder("ar", cm, lm.tokenizer)
     fresh = torch.randint(0, lm.model.config.vocab_size, (6,), generator=torch.Generator().manual_seed(9)).tolist()
     # every setting on the lean forward (what a CPU runs); the tree and the chain on the others

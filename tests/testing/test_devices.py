@@ -102,3 +102,25 @@ def test_modules_train_on_the_virtual_device_and_torch_is_restored():
         with pytest.raises(DeviceMismatchError):
             model(torch.tensor([[1, 2]]))  # CPU ids into CUDA embeddings
     assert torch.Generator is real_generator and torch.cuda.is_available is real_available
+
+
+def test_what_loaders_and_launchers_ask_of_cuda_answers_as_on_a_gpu_node():
+    """Module.to(device=...), torch.device(<int>), set_device, RNG states and memory queries: what transformers'
+    loading, accelerate's device_map and torch.random.fork_rng ask, answered for the virtual devices."""
+    real = torch.cuda.set_device, torch.cuda.get_rng_state, torch.cuda.mem_get_info
+    with VirtualCUDA(devices=2, memory=123 << 20) as vc:
+        m = torch.nn.Linear(2, 2).to(device=torch.device("cuda", 1), dtype=torch.float32)
+        assert m.weight.device == torch.device("cuda", 1)
+        assert torch.device(1) == torch.device("cuda", 1) and torch.tensor([0], device=1).device.index == 1
+        torch.cuda.set_device(1)
+        assert torch.cuda.current_device() == 1 and vc.current == 1
+        with pytest.raises(DeviceMismatchError, match="cuda:2 does not exist"):
+            torch.cuda.set_device(2)
+        assert torch.cuda.mem_get_info(0)[0] == 123 << 20 and torch.cuda.get_device_properties(1).total_memory >= 80 << 30
+        state = torch.cuda.get_rng_state(1)
+        torch.cuda.set_rng_state(torch.zeros_like(state), 1)
+        assert torch.equal(torch.cuda.get_rng_state(1), torch.zeros_like(state))
+        with torch.random.fork_rng(devices=[0, 1]):
+            torch.rand(3)
+        assert torch.cuda.max_memory_allocated() == 0  # (nothing is allocated on a virtual device)
+    assert (torch.cuda.set_device, torch.cuda.get_rng_state, torch.cuda.mem_get_info) == real

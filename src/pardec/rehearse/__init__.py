@@ -13,17 +13,21 @@ recipe (``--list``):
 * model: the target (and an evaluation's draft) swapped for a tiny random Llama (hidden 64, 2 layers; the real
   model's number of layers, ``conf/model_configs/<hub id>/config.json``, where the recipe names layer indices: the
   draft kind's layers, FIRP's layers); a target split with ``model.device_map`` is a tiny random model saved to disk first
-  (``model=local``), its ``device_map`` kept;
-* device: ``device=cpu`` (the GPU recipes' switch) and ``threads=1`` (one torch thread per rank); a target split with
-  ``model.device_map`` decodes with ``forward_impl=hf``, the forward ``auto`` gives a model split over GPUs (on one
-  CPU it would give ``lean``);
+  (``model=local``; 8 layers of hidden 128, so that layers, not embeddings, make it up), its ``device_map`` kept;
+* device: training takes ``device=cpu`` (the GPU recipes' switch); ``threads=1`` (one torch thread per rank). An
+  evaluation keeps its devices and forward and runs as on GPUs, under :mod:`pardec.testing.virtual_gpus`: one
+  virtual CUDA device per rank, where ``forward_impl=auto`` picks ``cudagraph`` (its graphs replayed by an eager
+  stand-in); a target split with ``model.device_map`` gets two per rank, each saying it has 0.9x the tiny target's
+  loaded size free, so accelerate's ``auto`` map splits it between them as it splits a 34B target over two GPUs,
+  and ``auto`` picks the ``hf`` forward;
 * data: small local files written into the rehearsal's work dir (``dataset.path`` and the data sections' sources);
 * sizes: a few prompts or documents, a few new tokens, ``trainer.max_steps=2``.
 
 The DeepSpeed stage (ZeRO-2/3), the losses, the stages, the decoding method and its parameters, dtypes and every
 other key stay as the recipe says (``tests/test_rehearse.py`` composes both and diffs them). Each launch is checked:
 training writes ``train_summary.json`` with every stage of its kind, a non-empty ``final/`` and complete merged data
-(every prompt's record); evaluation writes ``summary.json`` with ``n_samples`` prompts and ``exact_match_rate``.
+(every prompt's record); evaluation writes ``summary.json`` with ``n_samples`` prompts and ``exact_match_rate``,
+every rank's target on CUDA (on two devices where it is split).
 """
 
 from __future__ import annotations

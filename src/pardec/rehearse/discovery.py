@@ -30,7 +30,7 @@ MAX_STEPS = 2
 SWAP_KEYS = {
     "model": (r"model(\..*)?", r"heads\.mask_token_id"),  # (a row of the real target's embedding)
     "draft": (r"draft(\..*)?",),  # evaluation only (in training, ``draft`` is the draft kind's shape: kept)
-    "device": (r"device", r"threads", r"forward_impl"),  # forward_impl: a split target's, as on its GPUs
+    "device": (r"device", r"threads"),  # (training's switch; an evaluation keeps its devices: virtual GPUs)
     "data": (r"dataset\.path", r"dataset\.extra\.train_path", r"(completions|eval|mask)\.sources\.\d+\.dataset\.path",
              r"mask\.sources\.\d+\.file"),
     "size": (r"trainer\.max_steps", r"collect\.max_prompts", r"collect\.max_new_tokens", r"completions\.max_new_tokens",

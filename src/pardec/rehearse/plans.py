@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from pardec.plan.shapes import DTYPE_BYTES
 from pardec.rehearse.data import LOCAL_ALREADY
 from pardec.rehearse.discovery import (
     EVAL_NEW_TOKENS,
@@ -20,8 +21,15 @@ from pardec.rehearse.discovery import (
     real_layers,
 )
 
-
 # ------------------------------------------------------------------------------------------- plans
+#: a split target's virtual devices each say they have this share of its loaded weights free: it fits on two, not on
+#: one, so ``device_map=auto`` splits it as it splits a 34B target over two 80 GB GPUs
+SPLIT_FREE = 0.9
+#: a split target's tiny stand-in: deeper and wider than tiny_random's 2 x 64, so its layers, not its embeddings,
+#: make up most of it and accelerate splits it between layers as it splits a real target
+SPLIT_LAYERS, SPLIT_HIDDEN = 8, 128
+
+
 @dataclass
 class Plan:
     recipe: Recipe
@@ -29,8 +37,16 @@ class Plan:
     overrides: dict[str, list[str]]  # what is swapped, by class: model, device, data, size
     location: list[str]  # where it writes (paths.*, hydra.run.dir): not a config change
     data_files: dict[str, str] = field(default_factory=dict)  # dataset -> tiny file written by prepare()
-    saved_models: dict[str, int] = field(default_factory=dict)  # dir -> layers of a tiny model saved by prepare()
+    # dir -> the tiny model prepare() saves there (``layers``, ``hidden``)
+    saved_models: dict[str, dict[str, int]] = field(default_factory=dict)
     expect: dict[str, Any] = field(default_factory=dict)
+    #: an evaluation runs as on GPUs (:mod:`pardec.testing.virtual_gpus`): each rank's virtual CUDA devices (2 for
+    #: a target split with ``model.device_map``); 0: on the CPU (training)
+    gpus_per_rank: int = 0
+    #: a split target: the saved tiny model (``split_model``) loads in ``split_bytes`` bytes per weight; each virtual
+    #: device then says it has free :data:`SPLIT_FREE` of the loaded target's size (``prepare`` measures it)
+    split_model: str | None = None
+    split_bytes: int = 4
 
     @property
     def name(self) -> str:
@@ -44,15 +60,17 @@ class Plan:
         return head + self.all_overrides() + self.location
 
 
-def _model_swap(key: str, group: str, name: str, work: Path, saved: dict[str, int], layers: int | None,
+def _model_swap(key: str, group: str, name: str, work: Path, saved: dict[str, dict[str, int]], layers: int | None,
                 vocab: int | None = TINY_VOCAB) -> list[str]:
     """Overrides swapping config group ``group`` (model | draft), now ``name``, for a tiny random Llama (``layers``
     layers; None: tiny_random's own 2; ``vocab`` ids, None: SmolLM2's whole vocabulary); a split one
-    (``device_map``) is saved to disk and loaded as ``local``, its map kept."""
+    (``device_map``) is saved to disk (:data:`SPLIT_LAYERS` x :data:`SPLIT_HIDDEN` unless the recipe names layers)
+    and loaded as ``local``, its map kept."""
     device_map = model_yaml(group, name).get("device_map")
     if device_map:
-        path = work / "models" / f"{key}_tiny_{layers or 2}l"
-        saved[str(path)] = layers or 2
+        layers = layers or SPLIT_LAYERS
+        path = work / "models" / f"{key}_tiny_{layers}l"
+        saved[str(path)] = {"layers": layers, "hidden": SPLIT_HIDDEN}
         return [f"{key}=local", f"{key}.path={path}", f"+{key}.device_map={device_map}"]
     # (the vocabulary stated: a draft's follows its target's model.vocab, which a target saved to disk has not)
     return [f"{key}=tiny_random", f"{key}.vocab={'null' if vocab is None else vocab}"] + (
@@ -106,7 +124,7 @@ def plan(recipe: Recipe, out: Path) -> Plan:
     data_dir = work / "inputs"
     location = [f"paths.data_dir={work}/data", f"paths.output_dir={work}/out"]
     base = compose(recipe.app, [f"+{recipe.group}={recipe.name}"] + location)
-    saved: dict[str, int] = {}
+    saved: dict[str, dict[str, int]] = {}
     files: dict[str, str] = {}
     # the tiny target keeps tiny_random's 2 layers (a deep random stack collapses to one repeated token, which
     # CLLM's cleaning drops: nothing to train on), or the real model's depth where the recipe names layer indices
@@ -131,10 +149,7 @@ def plan(recipe: Recipe, out: Path) -> Plan:
     if recipe.app == "evaluate":
         if recipe.draft:
             model += _model_swap("draft", "draft", recipe.draft, work, saved, None)
-        device = [f"{k}.device=cpu" for k in ("model", "draft") if (base.get(k) or {}).get("device") == "cuda"]
-        device.append("threads=1")
-        if base["model"].get("device_map"):  # split over GPUs, forward_impl=auto runs the hf forward (the lean and
-            device.append("forward_impl=hf")  # compiled ones refuse a split model): on one CPU auto would pick lean
+        device = ["threads=1"]  # (model.device as the recipe says: the launch runs on virtual CUDA devices)
         ds = base["dataset"]["name"]
         if ds not in LOCAL_ALREADY:
             data += _dataset_path("dataset", ds, files, data_dir, plus=False)
@@ -179,8 +194,14 @@ def plan(recipe: Recipe, out: Path) -> Plan:
         size.append(f"trainer.max_steps={MAX_STEPS}")
         expect.update(kind=kind, deepspeed=(base["trainer"].get("deepspeed")),
                       run_dir=f"{work}/out/train/runs/{recipe.name}/{base['run_name']}")
+    gpus, split, split_bytes = 0, None, 4
+    if recipe.app == "evaluate":
+        gpus = 2 if base["model"].get("device_map") else 1
+        split = next((path for path in saved if "/model_tiny_" in path), None) if gpus == 2 else None
+        dtype = base["model"].get("dtype")
+        split_bytes = DTYPE_BYTES.get(dtype, 2)  # (auto: bf16 on CUDA)
     return Plan(recipe, work, {"model": model, "device": device, "data": data, "size": size}, location,
-                files, saved, expect)
+                files, saved, expect, gpus, split, split_bytes)
 
 
 def deepspeed_stage(p: Plan) -> str:

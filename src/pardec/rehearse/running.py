@@ -16,7 +16,7 @@ from pardec import REPO_ROOT
 from pardec.config import ModelConfig
 from pardec.rehearse.data import write_data
 from pardec.rehearse.discovery import TINY_VOCAB
-from pardec.rehearse.plans import Plan, deepspeed_stage, stages_of
+from pardec.rehearse.plans import SPLIT_FREE, Plan, deepspeed_stage, stages_of
 
 
 # ------------------------------------------------------------------------------------------- running
@@ -31,18 +31,35 @@ def prepare(p: Plan) -> None:
     for name, path in p.data_files.items():
         written = write_data(name, data_dir)
         assert str(written) == path, (written, path)
-    for path, layers in p.saved_models.items():
+    for path, shape in p.saved_models.items():
         from pardec.models.loading import load_model
 
-        loaded = load_model(ModelConfig(name="tiny_random", source="tiny_random", layers=layers, device="cpu",
-                                        vocab=TINY_VOCAB))
+        loaded = load_model(ModelConfig(name="tiny_random", source="tiny_random", device="cpu", vocab=TINY_VOCAB,
+                                        **shape))
         loaded.model.save_pretrained(path)
         loaded.tokenizer.save_pretrained(path)
 
 
 def launch_cmd(p: Plan, ranks: int) -> list[str]:
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(ranks),
-            "-m", p.recipe.app, *p.command_args()]
+    """The launch: the recipe's app on ``ranks`` gloo ranks; an evaluation under
+    :mod:`pardec.testing.virtual_gpus` with ``p.gpus_per_rank`` virtual CUDA devices per rank (a split target's
+    devices each as large as :data:`~pardec.rehearse.plans.SPLIT_FREE` of it, measured on the model ``prepare``
+    saved)."""
+    head = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(ranks), "-m"]
+    if not p.gpus_per_rank:
+        return [*head, p.recipe.app, *p.command_args()]
+    gpus = ["pardec.testing.virtual_gpus", "--devices", str(ranks * p.gpus_per_rank)]
+    if p.split_model:
+        gpus += ["--memory", str(int(SPLIT_FREE * split_size(p)))]
+    return [*head, *gpus, p.recipe.app, *p.command_args()]
+
+
+def split_size(p: Plan) -> int:
+    """Bytes of the split target's weights as it loads (its saved fp32 weights at ``p.split_bytes`` per value)."""
+    fp32 = sum(f.stat().st_size for f in Path(p.split_model).glob("*.safetensors"))
+    if not fp32:
+        raise FileNotFoundError(f"{p.split_model}: no weights saved (prepare() first)")
+    return fp32 * p.split_bytes // 4
 
 
 EVAL_FACTS = ("exact_match_rate", "exactness", "n_divergences", "n_near_ties", "forward_impl", "world_size", "n_errors")
@@ -58,6 +75,13 @@ def check(p: Plan, ranks: int, facts: dict[str, Any]) -> list[str]:
             return [f"no {f}"]
         s = json.loads(f.read_text())
         facts.update({k: s.get(k) for k in EVAL_FACTS})
+        placed = [x.get("device") for x in s.get("ranks") or []]
+        if any(placed):
+            facts["placed"] = "; ".join(str(d) for d in placed)
+        if p.gpus_per_rank and not all(d and "cuda" in d for d in placed):
+            problems.append(f"a virtual GPU run placed its target on {placed or 'no recorded device'}, not CUDA")
+        if p.split_model and not all(d and d.count("cuda") >= 2 for d in placed):
+            problems.append(f"a split target stayed on {placed}: model.device_map split it over no two devices")
         if s.get("n_samples") != p.expect["n_samples"]:
             problems.append(f"summary n_samples={s.get('n_samples')}, expected {p.expect['n_samples']}")
         if "exact_match_rate" not in s:
@@ -169,6 +193,6 @@ def note(r: Result) -> str:
     if r.app == "evaluate":
         em = f.get("exact_match_rate")
         return (f"exact match {em:.2f}" if isinstance(em, (int, float)) else "exact match n/a") + \
-            f" ({f.get('exactness')}), {f.get('forward_impl')}"
+            f" ({f.get('exactness')}), {f.get('forward_impl')}" + (f" on {f['placed']}" if f.get("placed") else "")
     skipped = [st for st, how in (f.get("stages") or {}).items() if how == "skipped"]
     return f"{f.get('steps')} steps" + (f"; {', '.join(skipped)} skipped by its config" if skipped else "")

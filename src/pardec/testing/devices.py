@@ -53,6 +53,8 @@ class DeviceMismatchError(RuntimeError):
 
 
 def _as_device(d: Any) -> torch.device:
+    if isinstance(d, int) and not isinstance(d, bool):  # device=1 means cuda:1 (no accelerator to ask on a CPU build)
+        return torch.device("cuda", d)
     d = torch.device(d) if not isinstance(d, torch.device) else d
     return torch.device("cuda", 0) if d.type == "cuda" and d.index is None else d
 
@@ -90,9 +92,14 @@ class VirtualCUDA(TorchFunctionMode):
     """See the module's docstring. ``patch_cuda`` also makes ``torch.cuda.is_available()`` true (one device per
     ``devices``), ``torch.cuda.synchronize`` a counted no-op and ``torch.Generator`` accept virtual devices."""
 
-    def __init__(self, devices: int = 1, patch_cuda: bool = True, trace: bool = False) -> None:
+    def __init__(self, devices: int = 1, patch_cuda: bool = True, trace: bool = False, memory: int = 80 << 30) -> None:
         super().__init__()
         self.devices = devices
+        #: bytes each virtual device says it has free (``torch.cuda.mem_get_info``, what accelerate's
+        #: ``device_map=auto`` plans with; its total is at least 80 GiB); nothing is allocated on it, so allocation
+        #: counters read 0
+        self.memory = memory
+        self.current = 0  # torch.cuda.current_device(), as torch.cuda.set_device left it
         self.patch_cuda = patch_cuda
         self.syncs: Counter[str] = Counter()
         #: with ``trace=True``: host syncs by (call name, ``file:line`` of the innermost pardec frame that made it),
@@ -186,10 +193,46 @@ class VirtualCUDA(TorchFunctionMode):
                         raise RuntimeError("elapsed_time of an event that was not recorded")
                     return (end.t - self.t) * 1e3
 
+            rng_states: dict[int, torch.Tensor] = {}  # each virtual device's default generator state
+
+            def get_rng_state(device: Any = "cuda") -> torch.Tensor:
+                d = _as_device(device)
+                return rng_states.setdefault(d.index, torch.get_rng_state()).clone()
+
+            def set_rng_state(state: torch.Tensor, device: Any = "cuda") -> None:
+                d = _as_device(device)
+                rng_states[d.index] = state.clone()
+
+            def set_device(device: Any) -> None:
+                d = _as_device(device)
+                if d.type == "cuda":
+                    if d.index >= self.devices:
+                        raise DeviceMismatchError(f"set_device: {d} does not exist ({self.devices} virtual CUDA "
+                                                  f"devices)")
+                    self.current = d.index
+
+            def mem_get_info(device: Any = None) -> tuple[int, int]:
+                return self.memory, max(self.memory, 80 << 30)  # (free, total)
+
+            def get_device_properties(device: Any = None) -> Any:
+                from types import SimpleNamespace
+
+                return SimpleNamespace(name="VirtualCUDA", total_memory=max(self.memory, 80 << 30), is_integrated=False, major=9,
+                                       minor=0, multi_processor_count=1)
+
             for owner, name, value in ((torch, "Generator", VirtualGenerator),
+                                       (torch.cuda, "mem_get_info", mem_get_info),
+                                       (torch.cuda, "get_device_properties", get_device_properties),
+                                       (torch.cuda, "max_memory_allocated", lambda device=None: 0),
+                                       (torch.cuda, "memory_allocated", lambda device=None: 0),
+                                       (torch.cuda, "memory_reserved", lambda device=None: 0),
+                                       (torch.cuda, "reset_peak_memory_stats", lambda device=None: None),
+                                       (torch.cuda, "get_rng_state", get_rng_state),
+                                       (torch.cuda, "set_rng_state", set_rng_state),
                                        (torch.cuda, "is_available", lambda: True),
                                        (torch.cuda, "device_count", lambda: self.devices),
-                                       (torch.cuda, "current_device", lambda: 0),
+                                       (torch.cuda, "current_device", lambda: self.current),
+                                       (torch.cuda, "set_device", set_device),
                                        (torch.cuda, "synchronize", synchronize),
                                        (torch.cuda, "Event", VirtualEvent),
                                        (torch.cuda, "current_stream", lambda device=None: None)):
@@ -236,6 +279,10 @@ class VirtualCUDA(TorchFunctionMode):
             if isinstance(out, torch.Tensor) and out not in self._tags:
                 self._tag(out, self.device_of(args[0]))
             return out
+        if func is torch.device and args and isinstance(args[0], int) and not isinstance(args[0], bool):
+            return _as_device(args[0])  # torch.device(1): the accelerator's device 1, which a CPU build has not
+        if name == "_parse_to":  # Module.to's argument parser: it reads the device, it creates nothing there
+            return func(*args, **kwargs)
         if name in _QUIET or name.startswith("__") and name.endswith("__") and name[2:-2] in ("set", "delete"):
             return func(*args, **kwargs)
         if name in ("to", "cuda", "cpu", "type_as") and args and isinstance(args[0], torch.Tensor):
@@ -335,7 +382,7 @@ class VirtualCUDA(TorchFunctionMode):
                 target = self.device_of(rest[0])
                 rest[0] = rest[0].dtype
             elif rest and _is_device_arg(rest[0]):
-                target = _as_device(f"cuda:{rest[0]}" if isinstance(rest[0], int) else rest[0])
+                target = _as_device(rest[0])
                 rest[0] = "cpu"
             if kwargs.get("device") is not None:
                 target = _as_device(kwargs["device"])

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from pardec.models.cached import CachedModel
+from pardec.testing.graphs import cpu_graphs
 from tests.conftest import tiny
-from tests.models.forward.test_cudagraph_rows import _cpu_graphs
 from tests.models.forward.test_lean import _close
 
 # (compiled: the same rows function as cpu_graphs, under torch.compile: test_compiled checks that it computes the same)
@@ -28,7 +28,7 @@ def test_several_layers_are_captured_on_every_forward(impl):
     m = tiny(2, layers=4).model
     n = m.config.num_hidden_layers
     layers = (1, n - 1, 0, n)  # any order, the embeddings and after the final norm included
-    cm = CachedModel(m, forward_impl=_cpu_graphs() if impl == "cpu_graphs" else impl)
+    cm = CachedModel(m, forward_impl=cpu_graphs() if impl == "cpu_graphs" else impl)
     prompt = list(range(30, 50))
     out = cm.forward(torch.tensor([prompt]), hidden_layer=layers)
     h = m.config.hidden_size

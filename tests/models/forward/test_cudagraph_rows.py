@@ -11,41 +11,18 @@ import pytest
 import torch
 
 from pardec.models.cached import CachedModel
-from pardec.models.forward import CudaGraph, compiled
+from pardec.models.forward import compiled
+from pardec.testing.graphs import EagerGraph
+from pardec.testing.graphs import cpu_graphs as make_cpu_graphs
 from tests.conftest import tiny
 from tests.models.forward.test_compiled import needs_compiler
 from tests.models.forward.test_lean import _close, _script, assert_lossless_under
 
 
-class _EagerGraph:
-    """compiled._Graph's contract without CUDA: static inputs cloned at capture; a call copies the new inputs into
-    them and runs the captured function over the static ones (so the function may read nothing else that changes)."""
-
-    captures = 0
-
-    def __init__(self, fn, inputs, pool):
-        type(self).captures += 1
-        self.fn, self.inputs = fn, tuple(t.clone() for t in inputs)
-
-    def __call__(self, *inputs):
-        for static, new in zip(self.inputs, inputs):
-            static.copy_(new)
-        out = self.fn(*self.inputs)
-        return tuple(o.clone() for o in out) if isinstance(out, tuple) else out.clone()
-
-
-def _cpu_graphs(max_rows: int = compiled.MAX_GRAPHED_ROWS) -> CudaGraph:
-    """forward_impl=cudagraph on the CPU, injected as ``CachedModel(..., forward_impl=...)``: graphs of its own whose
-    capture is the eager stand-in, over the uncompiled one-token step and rows (their compiled forms: test_compiled
-    and the test below), on any device."""
-    return CudaGraph(compiled.Graphs(capture=_EagerGraph, pool=lambda: None, compile=False), device_type=None,
-                     max_rows=max_rows)
-
-
 @pytest.fixture
-def cpu_graphs():
-    _EagerGraph.captures = 0
-    return _cpu_graphs()
+def cpu_graphs():  # (the fixture: captures counted from 0)
+    EagerGraph.captures = 0
+    return make_cpu_graphs()
 
 
 def test_graph_rows_are_powers_of_two_up_to_the_limit():
@@ -55,12 +32,12 @@ def test_graph_rows_are_powers_of_two_up_to_the_limit():
 
 def test_forwards_wider_than_the_graphed_limit_run_the_lean_forward(cpu_graphs):
     m = tiny(1).model
-    lean, graphed = CachedModel(m, forward_impl="lean"), CachedModel(m, forward_impl=_cpu_graphs(max_rows=4))
+    lean, graphed = CachedModel(m, forward_impl="lean"), CachedModel(m, forward_impl=make_cpu_graphs(max_rows=4))
     for cm in (lean, graphed):
         cm.prefill(torch.tensor([list(range(100, 130))]))
     ids = torch.tensor([[5, 6, 7, 8, 9]])
     _close(graphed.forward(ids).logits, lean.forward(ids).logits)
-    assert graphed.graphed_forwards == 0 and graphed.padded_rows == 0 and _EagerGraph.captures == 0
+    assert graphed.graphed_forwards == 0 and graphed.padded_rows == 0 and EagerGraph.captures == 0
 
 
 def test_graphed_forwards_give_the_logits_of_the_lean_forward(cpu_graphs):
@@ -70,7 +47,7 @@ def test_graphed_forwards_give_the_logits_of_the_lean_forward(cpu_graphs):
         _close(a, b)
     # the script's 3-row forwards ran padded to 4 rows; its tree (4 rows) unpadded; prefill and last_only unpadded
     assert graphed.padded_rows == 2 and graphed.graphed_forwards == 3  # (3-row, tree and logits_at forwards)
-    assert _EagerGraph.captures >= 2  # one-token steps and 4-row forwards
+    assert EagerGraph.captures >= 2  # one-token steps and 4-row forwards
 
 
 def test_graphed_rows_capture_once_per_row_count_and_write_the_cache_in_place(cpu_graphs):
@@ -87,8 +64,8 @@ def test_graphed_rows_capture_once_per_row_count_and_write_the_cache_in_place(cp
         graphed.truncate(graphed.length - 1)  # a rejected tail, as after a verification
         lean.truncate(lean.length - 1)
         if step == 2:
-            captures = _EagerGraph.captures  # row counts 4, 2 and 8 captured
-    assert _EagerGraph.captures == captures  # 3 rows -> 4 and 6 rows -> 8 replayed the graphs already captured
+            captures = EagerGraph.captures  # row counts 4, 2 and 8 captured
+    assert EagerGraph.captures == captures  # 3 rows -> 4 and 6 rows -> 8 replayed the graphs already captured
     assert graphed.length == lean.length and graphed.tokens == lean.tokens
     for a, b in zip(lean.cache.layers, graphed.cache.layers):
         _close(a.keys, b.keys)
@@ -130,7 +107,7 @@ def test_every_lossless_method_on_graphed_forwards_reproduces_ar(cpu_graphs):
     from tests.decoding.test_lossless import LOSSLESS
 
     assert_lossless_under(cpu_graphs, LOSSLESS, ("noisy",))
-    assert _EagerGraph.captures > 0
+    assert EagerGraph.captures > 0
 
 
 def test_the_buffers_and_their_graphs_serve_the_next_prompt(cpu_graphs):
@@ -147,11 +124,11 @@ def test_the_buffers_and_their_graphs_serve_the_next_prompt(cpu_graphs):
         return graphed.cache.layers[0].store
 
     first = run(30)
-    captures = _EagerGraph.captures  # one-token step, 4 and 2 rows
+    captures = EagerGraph.captures  # one-token step, 4 and 2 rows
     assert run(20) is first and run(30) is first  # shorter or as long: the same buffers, no new capture
-    assert _EagerGraph.captures == captures
+    assert EagerGraph.captures == captures
     assert run(400) is not first  # too long for them: new buffers (and graphs)
-    assert _EagerGraph.captures > captures
+    assert EagerGraph.captures > captures
     # other forwards take fresh buffers on every prompt, as before
     plain = CachedModel(m, forward_impl="lean")
     plain.prefill(torch.tensor([[1, 2, 3]]))
