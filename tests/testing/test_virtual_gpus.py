@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -15,24 +17,24 @@ from pardec.config import ModelConfig
 from pardec.models.forward import compiled
 from pardec.models.loading import load_model
 from pardec.testing import VirtualCUDA
-from pardec.testing.graphs import EagerGraph, eager_cuda_graphs
+from pardec.testing.graphs import eager_cuda_graphs
 from pardec.testing.virtual_gpus import main
 
 
-def _run(tmp_path, *overrides, devices=1):
+def test_auto_on_a_virtual_gpu_replays_cuda_graphs_and_equals_ar(tmp_path):
+    """(A process of its own: the Hydra app configures logging and the process's streams.)"""
     out = tmp_path / "run"
-    main(["--devices", str(devices), "evaluate", "model=tiny_random", "model.device=cuda", "threads=1",
-          "max_new_tokens=8", "n_samples=2", "bench.warmup=0", f"hydra.run.dir={out}", *overrides])
-    return json.loads((out / "summary.json").read_text())
-
-
-def test_auto_on_a_virtual_gpu_replays_cuda_graphs_and_equals_ar(tmp_path, capsys):
-    EagerGraph.captures = 0
-    s = _run(tmp_path, "+method=pld", "dtype=fp32")
+    run = subprocess.run([sys.executable, "-m", "pardec.testing.virtual_gpus", "--devices", "1", "evaluate",
+                          "model=tiny_random", "model.device=cuda", "threads=1", "max_new_tokens=8", "n_samples=2",
+                          "bench.warmup=0", "+method=pld", "dtype=fp32", f"hydra.run.dir={out}"],
+                         cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-2000:]
+    s = json.loads((out / "summary.json").read_text())
     assert s["forward_impl"] == "cudagraph" and s["exact_match_rate"] == 1.0 and s["n_errors"] == 0
-    assert EagerGraph.captures >= 2  # one-token steps and verifications, captured once each per shape
-    assert "virtual-gpus: 1 device(s)" in capsys.readouterr().err
-    assert compiled.CUDA_GRAPHS.capture is compiled._Graph and not torch.cuda.is_available()  # restored
+    line = run.stderr.strip().splitlines()[-1]
+    assert line.startswith("virtual-gpus: 1 device(s)")
+    assert int(line.split(", ")[-1].split()[0]) >= 2  # one-token steps and verifications, each captured once
+    assert compiled.CUDA_GRAPHS.capture is compiled._Graph and not torch.cuda.is_available()  # (this process's)
 
 
 def test_a_split_target_spreads_over_two_virtual_devices(tmp_path):

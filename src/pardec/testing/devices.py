@@ -33,7 +33,6 @@ Usage::
 from __future__ import annotations
 
 import os
-import time
 from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
@@ -44,19 +43,10 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten
 from torch.utils.weak import WeakTensorKeyDictionary
 
+from pardec.testing.cuda_api import DeviceMismatchError, as_device
+
 CPU = torch.device("cpu")
 _PACKAGE = str(Path(__file__).resolve().parents[1]) + os.sep  # sync sites are named relative to pardec's source
-
-
-class DeviceMismatchError(RuntimeError):
-    """Tensors of different (virtual) devices met in one call: a real GPU run would fail here."""
-
-
-def _as_device(d: Any) -> torch.device:
-    if isinstance(d, int) and not isinstance(d, bool):  # device=1 means cuda:1 (no accelerator to ask on a CPU build)
-        return torch.device("cuda", d)
-    d = torch.device(d) if not isinstance(d, torch.device) else d
-    return torch.device("cuda", 0) if d.type == "cuda" and d.index is None else d
 
 
 def _is_device_arg(a: Any) -> bool:
@@ -142,7 +132,7 @@ class VirtualCUDA(TorchFunctionMode):
     def place(self, obj: Any, device: Any = "cuda") -> Any:
         """Put a module's parameters and buffers, a tensor, or the tensors of a nested structure on ``device``
         (in place: no copy); returns ``obj``."""
-        d = _as_device(device)
+        d = as_device(device)
         if isinstance(obj, torch.nn.Module):
             for t in [*obj.parameters(), *obj.buffers()]:
                 self._tag(t, d)
@@ -155,87 +145,9 @@ class VirtualCUDA(TorchFunctionMode):
     # ------------------------------------------------------------------------------------------ the mode
     def __enter__(self):
         if self.patch_cuda:
-            mode = self
+            from pardec.testing.cuda_api import stand_ins
 
-            class VirtualGenerator(torch.Generator):
-                """A CPU generator that says which device it was made for."""
-
-                def __new__(cls, device: Any = "cpu"):
-                    g = super().__new__(cls)
-                    g.virtual_device = _as_device(device)
-                    return g
-
-                def __init__(self, device: Any = "cpu") -> None:
-                    super().__init__()
-
-                @property
-                def device(self) -> torch.device:
-                    return self.virtual_device
-
-            def synchronize(device: Any = None) -> None:
-                mode.syncs["cuda.synchronize"] += 1
-
-            class VirtualEvent:
-                """``torch.cuda.Event``: ``record`` reads the host clock (a CPU run has no queue), ``synchronize`` is a
-                counted host sync, ``elapsed_time`` in milliseconds as CUDA's."""
-
-                def __init__(self, enable_timing: bool = False, **_: Any) -> None:
-                    self.t: float | None = None
-
-                def record(self, stream: Any = None) -> None:
-                    self.t = time.perf_counter()
-
-                def synchronize(self) -> None:
-                    mode.syncs["cuda.Event.synchronize"] += 1
-
-                def elapsed_time(self, end: VirtualEvent) -> float:
-                    if self.t is None or end.t is None:
-                        raise RuntimeError("elapsed_time of an event that was not recorded")
-                    return (end.t - self.t) * 1e3
-
-            rng_states: dict[int, torch.Tensor] = {}  # each virtual device's default generator state
-
-            def get_rng_state(device: Any = "cuda") -> torch.Tensor:
-                d = _as_device(device)
-                return rng_states.setdefault(d.index, torch.get_rng_state()).clone()
-
-            def set_rng_state(state: torch.Tensor, device: Any = "cuda") -> None:
-                d = _as_device(device)
-                rng_states[d.index] = state.clone()
-
-            def set_device(device: Any) -> None:
-                d = _as_device(device)
-                if d.type == "cuda":
-                    if d.index >= self.devices:
-                        raise DeviceMismatchError(f"set_device: {d} does not exist ({self.devices} virtual CUDA "
-                                                  f"devices)")
-                    self.current = d.index
-
-            def mem_get_info(device: Any = None) -> tuple[int, int]:
-                return self.memory, max(self.memory, 80 << 30)  # (free, total)
-
-            def get_device_properties(device: Any = None) -> Any:
-                from types import SimpleNamespace
-
-                return SimpleNamespace(name="VirtualCUDA", total_memory=max(self.memory, 80 << 30), is_integrated=False, major=9,
-                                       minor=0, multi_processor_count=1)
-
-            for owner, name, value in ((torch, "Generator", VirtualGenerator),
-                                       (torch.cuda, "mem_get_info", mem_get_info),
-                                       (torch.cuda, "get_device_properties", get_device_properties),
-                                       (torch.cuda, "max_memory_allocated", lambda device=None: 0),
-                                       (torch.cuda, "memory_allocated", lambda device=None: 0),
-                                       (torch.cuda, "memory_reserved", lambda device=None: 0),
-                                       (torch.cuda, "reset_peak_memory_stats", lambda device=None: None),
-                                       (torch.cuda, "get_rng_state", get_rng_state),
-                                       (torch.cuda, "set_rng_state", set_rng_state),
-                                       (torch.cuda, "is_available", lambda: True),
-                                       (torch.cuda, "device_count", lambda: self.devices),
-                                       (torch.cuda, "current_device", lambda: self.current),
-                                       (torch.cuda, "set_device", set_device),
-                                       (torch.cuda, "synchronize", synchronize),
-                                       (torch.cuda, "Event", VirtualEvent),
-                                       (torch.cuda, "current_stream", lambda device=None: None)):
+            for owner, name, value in stand_ins(self):
                 self._saved.append((owner, name, getattr(owner, name)))
                 setattr(owner, name, value)
         return super().__enter__()
@@ -249,7 +161,7 @@ class VirtualCUDA(TorchFunctionMode):
                 setattr(owner, name, value)
 
     def _generator_device(self, g: Any) -> torch.device:
-        return getattr(g, "virtual_device", None) or _as_device(g.device)
+        return getattr(g, "virtual_device", None) or as_device(g.device)
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = dict(kwargs or {})
@@ -280,7 +192,7 @@ class VirtualCUDA(TorchFunctionMode):
                 self._tag(out, self.device_of(args[0]))
             return out
         if func is torch.device and args and isinstance(args[0], int) and not isinstance(args[0], bool):
-            return _as_device(args[0])  # torch.device(1): the accelerator's device 1, which a CPU build has not
+            return as_device(args[0])  # torch.device(1): the accelerator's device 1, which a CPU build has not
         if name == "_parse_to":  # Module.to's argument parser: it reads the device, it creates nothing there
             return func(*args, **kwargs)
         if name in _QUIET or name.startswith("__") and name.endswith("__") and name[2:-2] in ("set", "delete"):
@@ -294,7 +206,7 @@ class VirtualCUDA(TorchFunctionMode):
         devs = [(t, self.device_of(t)) for t in tensors]
         target = None
         if "device" in kwargs and kwargs["device"] is not None:
-            target = _as_device(kwargs["device"])
+            target = as_device(kwargs["device"])
             kwargs["device"] = "cpu"
             if target.type == "cuda" and name in ("tensor", "as_tensor"):
                 self.uploads[name] += 1
@@ -371,7 +283,7 @@ class VirtualCUDA(TorchFunctionMode):
         if name == "cpu":
             target = CPU
         elif name == "cuda":
-            target = _as_device(rest[0] if rest else kwargs.pop("device", None) or "cuda")
+            target = as_device(rest[0] if rest else kwargs.pop("device", None) or "cuda")
             rest, kwargs = [], {k: v for k, v in kwargs.items() if k != "device"}
             func = torch.Tensor.to
         elif name == "type_as":
@@ -382,10 +294,10 @@ class VirtualCUDA(TorchFunctionMode):
                 target = self.device_of(rest[0])
                 rest[0] = rest[0].dtype
             elif rest and _is_device_arg(rest[0]):
-                target = _as_device(rest[0])
+                target = as_device(rest[0])
                 rest[0] = "cpu"
             if kwargs.get("device") is not None:
-                target = _as_device(kwargs["device"])
+                target = as_device(kwargs["device"])
                 kwargs["device"] = "cpu"
         if target.type == "cuda" and target.index is not None and target.index >= self.devices:
             raise DeviceMismatchError(f"{name}: {target} does not exist ({self.devices} virtual CUDA devices)")

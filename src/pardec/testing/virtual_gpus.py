@@ -6,7 +6,8 @@ say they live on ``cuda:<i>``; a CPU tensor meeting a CUDA one fails as on a GPU
 device, the forward ``auto`` picks there (``cudagraph``; ``hf`` for a target split with ``model.device_map``).
 Under ``torchrun --nproc_per_node R`` every rank sees the same ``N`` virtual devices and takes its own, as it would
 on the node. The rehearsal (:mod:`pardec.rehearse`) runs the evaluation recipes this way. Host reads of virtual CUDA
-tensors are counted and printed at the end (``virtual-gpus: ... host reads``) on stderr."""
+tensors and the graphs captured are counted and printed at the end (``virtual-gpus: ... host reads, ...``) on
+stderr."""
 
 from __future__ import annotations
 
@@ -36,17 +37,18 @@ def main(argv: Sequence[str] | None = None) -> None:
     import importlib
 
     from pardec.testing.devices import VirtualCUDA
-    from pardec.testing.graphs import eager_cuda_graphs
+    from pardec.testing.graphs import EagerGraph, eager_cuda_graphs
 
     app = importlib.import_module(f"pardec.{a.app}")
     sys.argv = [a.app, *a.overrides]
     vc = VirtualCUDA(devices=a.devices, memory=a.memory)
+    EagerGraph.captures = 0
     try:
         with vc, eager_cuda_graphs():
             app.main()
     finally:
         print(f"virtual-gpus: {a.devices} device(s), {sum(vc.syncs.values())} host reads, "
-              f"{sum(vc.uploads.values())} uploads", file=sys.stderr)
+              f"{sum(vc.uploads.values())} uploads, {EagerGraph.captures} CUDA graphs captured", file=sys.stderr)
 
 
 if __name__ == "__main__":
