@@ -43,6 +43,16 @@ def test_overrides_hydra_would_refuse_are_one_line(argv, message):
     assert str(e.value).startswith(message) and "\n" not in str(e.value), str(e.value)
 
 
+@pytest.mark.parametrize("argv,message", [
+    (["+experiment=heads_firp_tiny", "trainer=heads"], "trainer='heads' is now named 'drafter'"),
+    (["+kind=heads"], "kind='heads' is now named 'drafter'"),  # (what an experiment file's `- /kind: heads` meets)
+])
+def test_the_heads_kind_of_an_earlier_release_names_the_drafter_kind(argv, message):
+    with pytest.raises(ConfigError) as e:
+        check_overrides(argv, "train")
+    assert str(e.value) == message
+
+
 def test_good_overrides_and_flags_pass():
     check_overrides(["+method=jacobi", "model=tiny_random", "method.block_size=4", "hydra.run.dir=/tmp/x"],
                     "evaluate")
@@ -77,8 +87,8 @@ def test_the_deepspeed_launchers_local_rank_argument_is_taken_out(monkeypatch):
 def test_one_check_style_names_key_value_and_what_is_valid():
     from pardec.config import check_at_least, check_choice, check_range, check_types
 
-    with pytest.raises(ConfigError, match=r"^heads.type='eagle' is not valid; choose one of: medusa, firp$"):
-        check_choice("heads.type", "eagle", ("medusa", "firp"))
+    with pytest.raises(ConfigError, match=r"^drafter.type='eagle' is not valid; choose one of: medusa, firp$"):
+        check_choice("drafter.type", "eagle", ("medusa", "firp"))
     with pytest.raises(ConfigError, match=r"choose one of: zero2, zero3 or null$"):
         check_choice("trainer.deepspeed", "zero9", ("zero2", "zero3"), or_null=True)
     check_choice("trainer.deepspeed", None, ("zero2",), or_null=True)

@@ -57,8 +57,8 @@ def test_every_kind_is_builtin_and_configured_and_every_task_has_its_dataset_con
 def test_every_drafter_type_has_a_model_and_a_training_side_and_the_readme_names_their_files():
     from pardec.models.drafter_types import BUILTIN as MODEL_MODULES
     from pardec.models.drafter_types import EXPORT_BUILTIN, drafter_types, exported_types
-    from pardec.training.heads.types import BUILTIN as TRAINING_MODULES
-    from pardec.training.heads.types import heads_type
+    from pardec.training.drafter.types import BUILTIN as TRAINING_MODULES
+    from pardec.training.drafter.types import drafter_type
 
     models = {f"pardec.models.{f.stem}" for f in (SRC / "models").glob("*.py")
               if re.search(r'^@register_drafter\(', f.read_text(), re.M)}
@@ -70,14 +70,14 @@ def test_every_drafter_type_has_a_model_and_a_training_side_and_the_readme_names
     from pardec.plan.drafters import drafter_terms
 
     assert all(callable(drafter_terms(name)) for name in drafter_types())  # every type has its memory-plan terms
-    training = {f"pardec.training.heads.{f.stem}" for f in (SRC / "training" / "heads").glob("*.py")
-                if "@register_heads_type" in f.read_text()}
-    assert training == set(TRAINING_MODULES), "add the module to pardec.training.heads.types.BUILTIN"
+    training = {f"pardec.training.drafter.{f.stem}" for f in (SRC / "training" / "drafter").glob("*.py")
+                if "@register_drafter_type" in f.read_text()}
+    assert training == set(TRAINING_MODULES), "add the module to pardec.training.drafter.types.BUILTIN"
     for name in drafter_types():  # every model type trains, and every training side has its model
-        assert heads_type(name).name == name
+        assert drafter_type(name).name == name
         assert any((CONF_DIR / "experiment").glob(f"*{name}_*.yaml")), name  # heads_<type>_ or <type>_<name>
     bullet = README[README.index("- New drafter type"):README.index("- New experiment kind:")]
-    for named in ("src/pardec/models/", "@register_drafter", "drafter_types.BUILTIN", "src/pardec/training/heads/",
-                  "@register_heads_type", "types.BUILTIN", "<type>_<name>", "load_drafter", "@register_exporter",
+    for named in ("src/pardec/models/", "@register_drafter", "drafter_types.BUILTIN", "src/pardec/training/drafter/",
+                  "@register_drafter_type", "types.BUILTIN", "<type>_<name>", "load_drafter", "@register_exporter",
                   "EXPORT_BUILTIN", "src/pardec/plan/drafters/", "@plan_terms"):
         assert named in bullet, named

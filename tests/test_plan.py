@@ -150,8 +150,8 @@ def test_each_loss_peak_is_the_measured_one(loss, logit_bytes):
     import torch
 
     from pardec.metrics.memory import peak_bytes
-    from pardec.training.heads.dflash import slot_nll
-    from pardec.training.heads.eagle import soft_ce
+    from pardec.training.drafter.dflash import slot_nll
+    from pardec.training.drafter.eagle import soft_ce
     from pardec.training.losses import ar_loss, ce_sum, token_divergence
 
     r, t, v = 2, 256, 8192

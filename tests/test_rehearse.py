@@ -63,7 +63,7 @@ def test_the_rehearsal_changes_only_model_device_data_and_sizes(name, tmp_path):
     diff = config_diff(base, rehearsal)
     assert diff, "the rehearsal must shrink something"
     assert not [k for k in diff if swapped(k, recipe.app) is None], diff
-    for section in ("trainer", "method", "sampling", "collect", "heads", "adaptive", "bench", "perplexity"):
+    for section in ("trainer", "method", "sampling", "collect", "drafter", "adaptive", "bench", "perplexity"):
         if section in base:
             kept = {k: v for k, v in config_diff(base[section], rehearsal[section]).items()
                     if swapped(f"{section}.{k}", recipe.app) is None}

@@ -453,16 +453,16 @@ def test_run_stage_beats_while_its_process_runs(tmp_path, monkeypatch):
 
 # ------------------------------------------------------------------------------- a drafter trained over several runs
 def test_an_entry_continues_its_base_run_and_goes_stale_when_the_base_recipe_changes(monkeypatch):
-    """``base:``: the continuing recipe's training starts from the base's run (``heads.init_from``; its other stages
+    """``base:``: the continuing recipe's training starts from the base's run (``drafter.init_from``; its other stages
     and the base's own commands do not), and a change of the base's recipe changes the continuing one's hash."""
     from pardec.zoo.build import status
 
     known = zoo.entries()
     e = known["dflash"]
     assert e.base == "dflash_b4" and not known["dflash_b4"].kept and status(known["dflash_b4"]) == "not kept"
-    init = f"+heads.init_from={e.run_root}/dflash_b4/final"
+    init = f"+drafter.init_from={e.run_root}/dflash_b4/final"
     assert init in e.command("train") and init in e.command() and init not in e.command("eval")
-    assert not any(a.startswith("+heads.init_from") for a in known["dflash_b4"].command("train"))
+    assert not any(a.startswith("+drafter.init_from") for a in known["dflash_b4"].command("train"))
     assert [b.name for b in zoo.base_chain(e)] == ["dflash_b4"] and zoo.base_chain(known["dflash_b4"]) == []
     before = zoo.recipe_hash(e, training_only=True)
     changed = dict(known, dflash_b4=zoo.Entry(**{**vars(known["dflash_b4"]),
@@ -507,4 +507,52 @@ def test_the_build_trains_the_base_first_keeps_only_the_continuing_artifact_and_
     [(name, stages, bases)] = stored
     assert name == "top" and stages == {"train": {"wall_s": 1.0}}
     assert [b["name"] for b in bases] == ["b"] and bases[0]["stages"]["train"]["wall_s"] == 2.0
-    assert bases[0]["metrics"] == {"expected_tokens_per_forward": 1.5} and "+heads.init_from" not in bases[0]["command"]
+    assert bases[0]["metrics"] == {"expected_tokens_per_forward": 1.5} and "+drafter.init_from" not in bases[0]["command"]
+
+
+def _as_built_before_the_rename(e) -> dict:
+    """``e``'s composed recipe as the configs of the previous release spelled it (kind ``heads``, a ``heads:``
+    section): what ``python -m pardec.zoo rehash --at <commit>`` reads at a commit before the rename."""
+    from pardec.zoo import recipe_config
+
+    cfg = recipe_config(e)
+    cfg["heads"], cfg["kind"] = cfg.pop("drafter"), "heads"
+    return {"hash": "h0", "config": {**cfg, "stage": "all", "measure_memory": False}, "keep": e.keep,
+            "store": e.store}
+
+
+def test_rehash_carries_a_pure_rename_over_and_refuses_anything_more():
+    from pardec.zoo import entries
+    from pardec.zoo.rehash import check
+
+    e = entries()["eagle3"]
+    at = {"eagle3": _as_built_before_the_rename(e)}
+    assert check(e, at, {"recipe": {"sha256": "h0"}}) == ["heads: -> drafter:", "kind heads -> drafter"]
+    with pytest.raises(zoo.ZooError, match="not the one it was built from"):  # that commit's recipe is not the build's
+        check(e, at, {"recipe": {"sha256": "h1"}})
+    at["eagle3"]["config"]["trainer"] = {**at["eagle3"]["config"]["trainer"], "max_steps": 7}
+    with pytest.raises(zoo.ZooError, match=r"the recipe changed, not only its spelling: trainer\.max_steps: 7 -> "):
+        check(e, at, {"recipe": {"sha256": "h0"}})
+
+
+def test_a_run_that_continues_another_is_carried_over_only_with_its_base():
+    from pardec.zoo import entries
+    from pardec.zoo.rehash import check
+
+    recipes = entries()
+    e, base = recipes["dflash"], recipes[recipes["dflash"].base]
+    at = {e.name: _as_built_before_the_rename(e), base.name: _as_built_before_the_rename(base)}
+    assert check(e, at, {"recipe": {"sha256": "h0"}}) == ["heads: -> drafter:", "kind heads -> drafter"]
+    at[base.name]["config"]["heads"] = {**at[base.name]["config"]["heads"], "block_size": 16}
+    with pytest.raises(zoo.ZooError, match=rf"its base {base.name}: the recipe changed.*drafter\.block_size: 16 -> 4"):
+        check(e, at, {"recipe": {"sha256": "h0"}})
+
+
+def test_what_a_run_only_records_is_not_its_recipe():
+    from dataclasses import replace
+
+    from pardec.zoo import entries, recipe_hash
+
+    e = entries()["draft"]
+    assert recipe_hash(replace(e, overrides=[*e.overrides, "measure_memory=true"])) == recipe_hash(e)
+    assert recipe_hash(replace(e, overrides=[*e.overrides, "trainer.max_steps=3"])) != recipe_hash(e)

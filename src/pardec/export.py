@@ -40,7 +40,7 @@ from safetensors.torch import load_file, save_file
 from pardec.config import ConfigError
 from pardec.models.checkpoints import read_json
 from pardec.models.drafter_types import exported_types, exporter
-from pardec.models.heads import FORMAT, read_meta
+from pardec.models.drafters import FORMAT, read_meta
 
 
 def export_formats() -> tuple[str, ...]:

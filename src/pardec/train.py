@@ -1,7 +1,7 @@
 """`python -m train +experiment=<name> [stage=<stage>|all] [key=value ...]`: train what an experiment describes.
 
 Every experiment names its kind (``conf/kind/<kind>.yaml``), a registered :class:`~pardec.training.kinds.Kind`
-whose package under :mod:`pardec.training` holds its stages: ``cllm`` (collect | generate | train | eval), ``draft`` and ``heads``
+whose package under :mod:`pardec.training` holds its stages: ``cllm`` (collect | generate | train | eval), ``draft`` and ``drafter``
 (generate | train | eval), ``sdsat`` (mask | train | eval); ``stage=all`` runs them in order. This module only
 composes, validates, picks the kind and runs it; the summary goes to ``<run dir>/train_summary.json``.
 
@@ -31,6 +31,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from pardec import CONF_DIR
 from pardec.config import ConfigError, Ranks, shared_launch_id
+from pardec.config.cli import OLD_KEYS
 from pardec.jsonl import read_json
 from pardec.training.base import ranks_for
 from pardec.training.checkpoints import resume_checkpoint
@@ -42,8 +43,6 @@ log = logging.getLogger("pardec.train")
 OLD_OPTIONS = {("trainer", "distill"): "draft",
                **{("experiment", old): f"heads_{old}" for old in (
                    "medusa_tiny", "medusa_smollm2", "medusa_vicuna7b", "firp_tiny", "firp_smollm2", "firp_llama2_7b")}}
-#: ... and keys / sections (the longest matching prefix names the new spelling)
-OLD_KEYS = {"distill.loss": "trainer.loss", "distill": "completions", "drafter.kind": "heads.type", "drafter": "heads"}
 
 
 def _run_name() -> str:
@@ -92,7 +91,7 @@ def check_old_spellings(argv: list[str]) -> None:
 
 def check_old_sections(cfg: DictConfig) -> None:
     """Refuse an experiment (its own YAML file) with a section of the previous release's name, naming the new one."""
-    for old in ("distill", "drafter"):
+    for old in ("distill", "heads"):
         if isinstance(cfg.get(old), DictConfig):
             moved = ", ".join(f"`{k}` -> `{v}`" for k, v in OLD_KEYS.items() if k.split(".")[0] == old)
             raise ConfigError(f"experiment {cfg.get('experiment_name')!r} has a `{old}:` section, an old spelling: "

@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 
 from pardec.decoding.tree_search import save_tree
-from pardec.models.heads import new_drafter, save_drafter
+from pardec.models.drafters import new_drafter, save_drafter
 from tests.shared import fingerprint, once
 
 TREE_T = [[0], [1], [0, 0], [0, 1], [1, 0], [0, 0, 0]]
@@ -25,13 +25,13 @@ def fit_eagle3(model, sequences: list[list[int]], steps: int = 80, unroll: int =
                seed: int = 0):
     """An EAGLE-3 drafter for ``model`` over the tokens of ``sequences`` (its draft vocabulary), fitted with Adam in
     seconds to the target's argmax after each position (hard labels), unrolled ``unroll`` steps on its own outputs
-    by the training-time test of :mod:`pardec.training.heads.eagle`. Enough for drafts that are often right on those
+    by the training-time test of :mod:`pardec.training.drafter.eagle`. Enough for drafts that are often right on those
     contexts and rarely elsewhere."""
     from pardec.models.cached import CachedModel
     from pardec.models.eagle import new_eagle3
     from pardec.models.vocab import DraftVocab
-    from pardec.training.heads.eagle import shift_left, ttt_unroll
-    from pardec.training.heads.target import TargetPass
+    from pardec.training.drafter.eagle import shift_left, ttt_unroll
+    from pardec.training.drafter.target import TargetPass
 
     vocab = DraftVocab(sorted({t for s in sequences for t in s}), int(model.config.vocab_size))
     with torch.random.fork_rng(devices=[]):
@@ -67,15 +67,15 @@ def fit_eagle3(model, sequences: list[list[int]], steps: int = 80, unroll: int =
 def fit_dflash(model, sequences: list[list[int]], steps: int = 30, lr: float = 1e-2, seed: int = 0,
                prompt_len: int = 1, **options):
     """A DFlash drafter for ``model`` (2 layers, blocks of 4 unless ``options`` say otherwise) fitted with Adam in
-    seconds by :func:`pardec.training.heads.dflash.block_terms` (CE, the paper's decay) on the tokens of
+    seconds by :func:`pardec.training.drafter.dflash.block_terms` (CE, the paper's decay) on the tokens of
     ``sequences`` after their first ``prompt_len`` (every position an anchor), which are the target's own
     continuations: its drafts are often right on those contexts and rarely elsewhere. (30 steps at lr 1e-2 accept
     as deep on the tiny models as 120 at 3e-3, in a quarter of the time: every step's CE spans the whole
     vocabulary.)"""
     from pardec.models.cached import CachedModel
-    from pardec.models.heads import new_drafter
-    from pardec.training.heads.dflash import anchor_candidates, block_terms
-    from pardec.training.heads.target import TargetPass
+    from pardec.models.drafters import new_drafter
+    from pardec.training.drafter.dflash import anchor_candidates, block_terms
+    from pardec.training.drafter.target import TargetPass
 
     options = {"num_layers": 2, "block_size": 4, **options}
     # frozen float copies of the target's head and embedding: the shared test model gets no gradients (and an int8

@@ -13,7 +13,7 @@ from pardec.decoding import build_decoder
 from pardec.decoding.dflash import ContextCache
 from pardec.models.cached import CachedModel
 from pardec.models.dflash import DFlashConfig, default_layers
-from pardec.models.heads import load_drafter, new_drafter
+from pardec.models.drafters import load_drafter, new_drafter
 from pardec.testing.graphs import cpu_graphs
 from tests.conftest import tiny
 from tests.decoding.drafters import _eagle_sequences, drafter_dir

@@ -82,7 +82,7 @@ from pardec.decoding import METHODS, Stopper, build_decoder
 from pardec.decoding.sampling import warp
 from pardec.decoding.tree_search import save_tree
 from pardec.models.cached import CachedModel
-from pardec.models.heads import save_drafter
+from pardec.models.drafters import save_drafter
 from tests.decoding.drafters import drafter_params, fit_dflash, fit_eagle3
 from tests.decoding.test_distribution import DISTRIBUTION, SETTINGS, V, tiny_vocab
 from tests.shared import once

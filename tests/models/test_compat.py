@@ -12,7 +12,7 @@ from transformers import DynamicCache
 from pardec.models.cached import CachedModel
 from pardec.models.compat import NEW, OLD, cache_kwarg, output_cache
 from pardec.models.draft import build_draft
-from pardec.models.heads import new_drafter
+from pardec.models.drafters import new_drafter
 from pardec.models.pseudo import forward_pseudo, run_upper
 from tests.conftest import tiny
 

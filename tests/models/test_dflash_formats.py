@@ -25,7 +25,7 @@ from pardec.decoding import build_decoder
 from pardec.export import main as export_main
 from pardec.models.cached import CachedModel
 from pardec.models.dflash_formats import detect, load_dflash
-from pardec.models.heads import new_drafter, save_drafter
+from pardec.models.drafters import new_drafter, save_drafter
 from tests.conftest import VOCAB, tiny
 
 H, INTER, HEADS, KV, HD = 64, 128, 4, 2, 16  # tiny(layers=4)'s shape, which the draft layers share

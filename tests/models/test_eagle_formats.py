@@ -27,9 +27,9 @@ from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply
 
 from pardec.config import ConfigError
 from pardec.export import main as export_main
+from pardec.models.drafters import save_drafter
 from pardec.models.eagle import Eagle3Draft, default_layers, new_eagle3
 from pardec.models.eagle_formats import detect, load_eagle3
-from pardec.models.heads import save_drafter
 from pardec.models.vocab import DraftVocab
 from tests.conftest import VOCAB, tiny
 
@@ -370,7 +370,7 @@ def test_export_bad_input_is_one_line_and_writes_nothing(target, tmp_path, capsy
     elif case == "empty":
         drafter = str(tmp_path / "empty")
     elif case == "medusa":
-        from pardec.models.heads import new_drafter
+        from pardec.models.drafters import new_drafter
         drafter = str(save_drafter(new_drafter("medusa", cfg, num_heads=1), tmp_path / "medusa", cfg, "tiny_random"))
     elif case == "external":
         drafter = str(write_speculators(tmp_path / "external", published_weights(8)))

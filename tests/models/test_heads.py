@@ -9,7 +9,8 @@ import torch
 from pardec.config import ConfigError
 from pardec.decoding.tree import Tree
 from pardec.models.cached import CachedModel
-from pardec.models.heads import FirpProjections, MedusaHeads, load_drafter, new_drafter, save_drafter
+from pardec.models.drafters import load_drafter, new_drafter, save_drafter
+from pardec.models.heads import FirpProjections, MedusaHeads
 from pardec.models.pseudo import forward_pseudo
 from tests.conftest import tiny
 
@@ -235,7 +236,7 @@ def test_low_rank_medusa_heads_train_only_their_update_and_save_it_merged(tmp_pa
     torch.testing.assert_close(back(h), heads(h), rtol=1e-5, atol=1e-5)
     delta = back.heads[1][1].weight - head.weight
     assert torch.linalg.matrix_rank(delta).item() == 3
-    with pytest.raises(ConfigError, match="heads.head_rank=0 is out of range"):
+    with pytest.raises(ConfigError, match="drafter.head_rank=0 is out of range"):
         new_drafter("medusa", cfg, num_heads=2, head_rank=0, lm_head=head)
 
 

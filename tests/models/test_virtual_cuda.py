@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from pardec.models.cached import CachedModel
-from pardec.models.heads import new_drafter
+from pardec.models.drafters import new_drafter
 from pardec.models.pseudo import forward_pseudo, run_upper
 from pardec.testing import VirtualCUDA
 from tests.conftest import tiny

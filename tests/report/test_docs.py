@@ -194,7 +194,7 @@ def test_the_acceptance_plot_reads_the_newest_side_by_side_and_the_held_out_eval
     (results / "side_by_side_2026-11-28.json").write_text(json.dumps(
         {"date": "2026-11-28", "dtype": "fp32", "datasets": {"gsm8k": {"n_samples": 20, "methods": methods}}}))
     (results / "eagle3_smollm2_2026-11-28.json").write_text(json.dumps(
-        {"steps": 120, "heads_eval": {"kind": "eagle3", "overall": {"chain_acceptance": [0.37, 0.17]}}}))
+        {"steps": 120, "drafter_eval": {"kind": "eagle3", "overall": {"chain_acceptance": [0.37, 0.17]}}}))
     assert docs.plot_acceptance(root, out) == out and out.stat().st_size > 0
     assert docs._short("eagle3:path=/x/final:mode=chain") == "eagle3 mode=chain"
 

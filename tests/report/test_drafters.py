@@ -50,7 +50,7 @@ def _heads_run(root: Path, frac: float, top1: float) -> Path:
     (root / "train_summary.json").write_text(json.dumps({"stage": "train", "train": {
         "samples": int(1000 * frac), "corpus_fraction": frac, "steps": 4, "train_seconds": 120.0}}))
     acc = [[top1 / (d + 1) + 0.1 * r for r in range(10)] for d in range(3)]  # cumulative top-k per depth
-    (root / "heads_eval.json").write_text(json.dumps({
+    (root / "drafter_eval.json").write_text(json.dumps({
         "overall": {"topk_accuracy": acc}, "positions": 50,
         "trees": {"T16": {"expected_accept_length": 1.9}, "chain": {"expected_accept_length": 1.4},
                   "T63": {"expected_accept_length": 2.1 + frac}}}))
@@ -110,8 +110,8 @@ def test_report_puts_sdsat_runs_side_by_side(tmp_path):
 
 
 def _chain_run(root: Path, kind: str, expected: float) -> Path:
-    """A run of a chain drafter as training leaves it: EAGLE-3 logs ``kl``, DFlash ``ce``; ``heads_eval.json`` as
-    :func:`pardec.training.heads.trainer.evaluate_chain` writes it."""
+    """A run of a chain drafter as training leaves it: EAGLE-3 logs ``kl``, DFlash ``ce``; ``drafter_eval.json`` as
+    :func:`pardec.training.drafter.trainer.evaluate_chain` writes it."""
     root.mkdir(parents=True)
     loss = "kl" if kind == "eagle3" else "ce"
     hist = [{"step": s, "loss": 4.0 / s, loss: 4.0 / s, "top1": 0.1 * s,
@@ -125,7 +125,7 @@ def _chain_run(root: Path, kind: str, expected: float) -> Path:
         return {"steps": 3, "top1_agreement": [0.6 * scale, 0.4 * scale, 0.3 * scale],
                 "chain_acceptance": [0.5 * scale, 0.3 * scale, 0.2 * scale],
                 "expected_tokens_per_forward": 1 + scale}
-    (root / "heads_eval.json").write_text(json.dumps({
+    (root / "drafter_eval.json").write_text(json.dumps({
         "kind": kind, "steps": 3, "per_dataset": {"gsm8k": part(1.0), "mt_bench": part(0.5)},
         "overall": {**part(0.8), "expected_tokens_per_forward": expected}, "expected_tokens_per_forward": expected}))
     return root

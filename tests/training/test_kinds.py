@@ -20,13 +20,13 @@ from tests.training.test_train_app import _compose
 
 def test_kinds_registry_names_every_kind_and_suggests():
     kinds = load_kinds()
-    assert kinds.names() == ["cllm", "draft", "heads", "sdsat"]
+    assert kinds.names() == ["cllm", "draft", "drafter", "sdsat"]
     assert all(kinds.get(k).name == k for k in kinds.names())
     cfg = _compose(["+experiment=cllm_tiny"])
     with open_dict(cfg):
         cfg.kind = "clm"
     with pytest.raises(UnknownNameError, match=r"unknown experiment kind 'clm'. Did you mean 'cllm'\? Valid experiment "
-                                               r"kinds: cllm, draft, heads, sdsat"):
+                                               r"kinds: cllm, draft, drafter, sdsat"):
         validate(cfg)
 
 
@@ -34,23 +34,23 @@ def test_kinds_registry_names_every_kind_and_suggests():
     ("+experiment=medusa_tiny", "+experiment=heads_medusa_tiny"),
     ("trainer=distill", "trainer=draft"),
     ("distill.loss=ce", "trainer.loss=ce"),
-    ("drafter.kind=firp", "heads.type=firp"),
-    ("+drafter.layers=[1]", "+heads.layers=[1]"),
+    ("heads.type=firp", "drafter.type=firp"),
+    ("+heads.layers=[1]", "+drafter.layers=[1]"),
     ("distill.sources.0.max_prompts=3", "completions.sources.0.max_prompts=3"),
 ])
 def test_old_spellings_are_refused_naming_the_new_one(arg, new):
     with pytest.raises(ConfigError, match=re.escape(f"`{arg}` is an old spelling: write `{new}`")) as e:
         check_old_spellings(["stage=train", arg, "seed=1"])
     assert "\n" not in str(e.value)
-    check_old_spellings(["+experiment=heads_firp_tiny", "trainer=draft", "heads.type=firp", "stage=train"])
+    check_old_spellings(["+experiment=heads_firp_tiny", "trainer=draft", "drafter.type=firp", "stage=train"])
 
 
-@pytest.mark.parametrize("old, moved", [("drafter", "`drafter.kind` -> `heads.type`, `drafter` -> `heads`"),
+@pytest.mark.parametrize("old, moved", [("heads", "`heads` -> `drafter`"),
                                         ("distill", "`distill.loss` -> `trainer.loss`, `distill` -> `completions`")])
 def test_old_sections_in_an_experiment_file_are_refused(old, moved):
     cfg = _compose(["+experiment=heads_firp_tiny"])
-    with open_dict(cfg):  # an experiment written before the rename: a drafter / distill section
-        cfg[old] = {"kind": "firp", "layers": [1, 2]} if old == "drafter" else dict(cfg.completions)
+    with open_dict(cfg):  # an experiment written before the rename: a heads / distill section
+        cfg[old] = {"type": "firp", "layers": [1, 2]} if old == "heads" else dict(cfg.completions)
     with pytest.raises(ConfigError, match=re.escape(f"experiment 'heads_firp_tiny' has a `{old}:` section, an old "
                                                     f"spelling: rename it ({moved})")):
         validate(cfg)

@@ -1,5 +1,5 @@
 """The shared data stage under several ranks (threads stand in for processes, a threading barrier for the process
-group's): every rank returns from :func:`run_stage` only once rank 0's merge is complete, so the draft and heads
+group's): every rank returns from :func:`run_stage` only once rank 0's merge is complete, so the draft and drafter
 kinds, which load the corpus right after, never read it half written or missing."""
 
 from __future__ import annotations

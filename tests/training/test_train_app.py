@@ -59,19 +59,20 @@ def test_every_experiment_validates(name):
     if gpu_recipe:
         assert spec.model.device == "cpu" and spec.model.name not in ("smollm2_135m", "tiny_random")
     prefix = name.split("_")[0]
-    # one name: the prefix is the kind (EAGLE-3's and DFlash's drafters, heads.type eagle3 / dflash, are named by
-    # the method)
-    assert {"eagle3": "heads", "dflash": "heads"}.get(prefix, prefix) == _compose([f"+experiment={name}"]).kind
+    # one name: the prefix is the kind, or for kind drafter the drafter: heads_<medusa|firp> (Medusa's and FIRP's
+    # heads), eagle3_ / dflash_ (named by the method)
+    kind = {"eagle3": "drafter", "dflash": "drafter", "heads": "drafter"}.get(prefix, prefix)
+    assert kind == _compose([f"+experiment={name}"]).kind
     if name.startswith("draft_"):  # kind: draft (tests/training/draft/ covers it)
         assert spec.gen.out_dir.endswith(f"completions/{name}/train")
         return
-    if name.startswith(("eagle3_", "dflash_")):  # kind heads, heads.type eagle3 / dflash (tests/training/heads/)
-        assert spec.heads["type"] == prefix
+    if name.startswith(("eagle3_", "dflash_")):  # kind drafter, drafter.type eagle3 / dflash (tests/training/drafter/)
+        assert spec.drafter["type"] == prefix
         assert spec.gen.out_dir.endswith((f"completions/{name}/train", "completions/draft_smollm2/train"))
         return
-    if name.startswith("heads_"):  # kind: heads (tests/training/heads/ covers it)
+    if name.startswith("heads_"):  # kind: drafter (tests/training/drafter/ covers it)
         shared = "draft_" + name.split("_", 2)[2]  # the SmolLM2 ones reuse draft's data
-        assert spec.heads["type"] == name.split("_")[1]
+        assert spec.drafter["type"] == name.split("_")[1]
         assert spec.gen.out_dir.endswith((f"completions/{name}/train", f"completions/{shared}/train"))
         return
     if name.startswith("sdsat_"):  # kind: sdsat (tests/training/sdsat/ covers it)
@@ -130,9 +131,9 @@ def test_errors_name_the_choices():
 
 @pytest.mark.parametrize("name", ["draft_tiny", "heads_medusa_tiny", "draft_llama2_7b", "heads_firp_llama2_7b"])
 def test_zero3_is_refused_where_the_frozen_model_would_be_partitioned(name):
-    """draft / heads: the frozen teacher or target loads outside the engine, the drafter is saved from rank 0 whole:
+    """draft / drafter: the frozen teacher or target loads outside the engine, the drafter is saved from rank 0 whole:
     ZeRO-3 is refused at validation, before anything loads; ZeRO-2 is accepted."""
-    with pytest.raises(ConfigError, match=r"trainer.deepspeed=zero3 is not supported by the (draft|heads) kind.*zero2"):
+    with pytest.raises(ConfigError, match=r"trainer.deepspeed=zero3 is not supported by the (draft|drafter) kind.*zero2"):
         validate(_compose([f"+experiment={name}", "trainer.deepspeed=zero3", "device=cpu"]))
     assert validate(_compose([f"+experiment={name}", "trainer.deepspeed=zero2", "device=cpu"])).deepspeed.stem == "zero2"
 

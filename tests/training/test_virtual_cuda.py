@@ -13,15 +13,15 @@ import torch
 from pardec.models import adaptive
 from pardec.models.cached import CachedModel
 from pardec.models.draft import build_draft
-from pardec.models.heads import new_drafter
+from pardec.models.drafters import new_drafter
 from pardec.testing import VirtualCUDA
 from pardec.training.cllm.collect import jacobi_trajectories
 from pardec.training.cllm.data import CLLMCollator, TrajectoryDataset
 from pardec.training.cllm.trainer import CLLMConfig, CLLMTrainer
 from pardec.training.completions import CompletionCollator, CompletionDataset
 from pardec.training.draft.trainer import DraftConfig, DraftTrainer
-from pardec.training.heads.batches import RightPadCollator
-from pardec.training.heads.trainer import HeadsConfig, HeadsTrainer
+from pardec.training.drafter.batches import RightPadCollator
+from pardec.training.drafter.trainer import DrafterConfig, DrafterTrainer
 from pardec.training.sdsat.trainer import SDSATCollator, SDSATConfig, SDSATDataset, SDSATTrainer
 from tests.conftest import VOCAB, tiny
 
@@ -76,7 +76,7 @@ def _heads(kind):
         base = copy.deepcopy(tiny().model).requires_grad_(False)
         drafter = (new_drafter("medusa", base.config, num_heads=3, lm_head=base.lm_head) if kind == "medusa"
                    else new_drafter("firp", base.config, layers=[0, 1, 1]))
-        trainer = HeadsTrainer(model=drafter, args=_args(HeadsConfig, tmp_path), base=base,
+        trainer = DrafterTrainer(model=drafter, args=_args(DrafterConfig, tmp_path), base=base,
                                train_dataset=CompletionDataset(COMPLETIONS, max_length=64),
                                data_collator=RightPadCollator(0))
         return trainer, [drafter, base], RightPadCollator(0)

@@ -41,7 +41,10 @@ def fs_error(e: OSError) -> str:
 
 
 #: config group options of earlier releases -> their names now (``+method=eagle``: one line naming ``eagle3``)
-RENAMED_OPTIONS = {"method/eagle": "eagle3", "draft/eagle": "eagle3"}
+RENAMED_OPTIONS = {"method/eagle": "eagle3", "draft/eagle": "eagle3", "kind/heads": "drafter", "trainer/heads": "drafter"}
+#: training config keys / sections of earlier releases -> their names now (the longest matching prefix names the new
+#: spelling): ``python -m train`` refuses them naming the new one; ``python -m pardec.zoo rehash`` applies them
+OLD_KEYS = {"distill.loss": "trainer.loss", "distill": "completions", "heads": "drafter"}
 
 
 @contextmanager

@@ -31,7 +31,7 @@ import torch
 
 from pardec.config import ConfigError, SamplingConfig
 from pardec.decoding.base import Decoder, DraftClock, GenerationResult, Stopper, check_range, register_method
-from pardec.decoding.features import feature_prefill
+from pardec.decoding.features import begin_with_features
 from pardec.decoding.sampling import sample, warp
 from pardec.decoding.verify import verify_chain
 from pardec.models.cached import CachedModel
@@ -65,7 +65,7 @@ class ContextCache:
 
 
 def load_dflash_for(path: str, target_config) -> DFlashDraft:
-    """A DFlash drafter from ``path`` (a pardec ``heads.type: dflash`` run's ``final`` dir, or a published z-lab or
+    """A DFlash drafter from ``path`` (a pardec ``drafter.type: dflash`` run's ``final`` dir, or a published z-lab or
     ``speculators`` checkpoint: :mod:`pardec.models.dflash_formats`)."""
     from pardec.models.dflash_formats import load_dflash
 
@@ -138,13 +138,10 @@ class DFlash(Decoder):
     @torch.inference_mode()
     def generate(self, prompt_ids, max_new_tokens: int, stop: Stopper | None = None,
                  sampling: SamplingConfig | None = None) -> GenerationResult:
-        tgt = self.target
-        prefill, box = feature_prefill(tgt, self.layers)
-        self.clock = DraftClock()
-        st, last = self.begin(prompt_ids, max_new_tokens, stop, sampling, prefill)
-        dev = st.ids.device
+        st, last, features = begin_with_features(self, prompt_ids, max_new_tokens, stop, sampling)
+        tgt, dev = self.target, st.ids.device
         cache = ContextCache(self.drafter, st.ids.shape[1] + max_new_tokens + 1, dev, self.drafter.dtype)
-        self.clock.run(st, cache.append, box.pop("features"))
+        self.clock.run(st, cache.append, features)
         drafted = accepted = 0
         by_slot = [0] * self.n  # rounds whose draft at slot k + 1 was accepted
         rounds = 0

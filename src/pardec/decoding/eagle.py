@@ -42,7 +42,7 @@ from pardec.decoding.base import (
     check_range,
     register_method,
 )
-from pardec.decoding.features import feature_prefill
+from pardec.decoding.features import begin_with_features
 from pardec.decoding.sampling import sample, warp
 from pardec.decoding.tree import DeviceTree
 from pardec.decoding.verify import verify_chain, verify_tree
@@ -76,7 +76,7 @@ class _DraftCache:
 
 @register_method("eagle3", renamed_from=("eagle",))  # one name for EAGLE-3: method, drafter type, formats
 class Eagle(Decoder):
-    """``path``: the drafter: a pardec ``heads.type: eagle3`` run's ``final`` dir, or a published EAGLE-3 checkpoint
+    """``path``: the drafter: a pardec ``drafter.type: eagle3`` run's ``final`` dir, or a published EAGLE-3 checkpoint
     (the original release's or vLLM ``speculators``' layout; a dir or a Hub id: :mod:`pardec.models.eagle_formats`);
     ``mode``: ``tree`` | ``chain``;
     ``total_tokens``, ``depth``, ``top_k``: the dynamic tree's size (nodes including the root), expansion steps and
@@ -209,14 +209,11 @@ class Eagle(Decoder):
     @torch.inference_mode()
     def generate(self, prompt_ids, max_new_tokens: int, stop: Stopper | None = None,
                  sampling: SamplingConfig | None = None) -> GenerationResult:
-        tgt = self.target
-        prefill, box = feature_prefill(tgt, self.layers)
-        self.clock = DraftClock()
-        st, last = self.begin(prompt_ids, max_new_tokens, stop, sampling, prefill)
-        dev = st.ids.device
+        st, last, features = begin_with_features(self, prompt_ids, max_new_tokens, stop, sampling)
+        tgt, dev = self.target, st.ids.device
         cache = _DraftCache()
         first = torch.cat([st.ids[0, 1:], torch.full((1,), last, dtype=torch.long, device=dev)])
-        root, _ = self.clock.run(st, self._catch_up, cache, box.pop("features"), first, 0)
+        root, _ = self.clock.run(st, self._catch_up, cache, features, first, 0)
         drafted = accepted = 0
         while not st.out.done:
             room = st.out.room - 1  # the target's token after the drafts always comes too

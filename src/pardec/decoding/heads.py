@@ -43,7 +43,7 @@ from pardec.decoding.tree import Tree
 from pardec.decoding.tree_search import resolve_tree, truncate_paths
 from pardec.decoding.verify import TreeVerdict, read_verdict, verify_tree
 from pardec.models.cached import CachedModel
-from pardec.models.heads import load_drafter, read_meta
+from pardec.models.drafters import load_drafter, read_meta
 from pardec.models.pseudo import DECODING_ATTENTION, PSEUDO_ATTENTION, forward_pseudo
 
 log = logging.getLogger(__name__)

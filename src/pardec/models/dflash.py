@@ -40,8 +40,9 @@ from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaRMSNorm, LlamaRotaryEmbedding
 
 from pardec.config import ConfigError, check_choice
-from pardec.models.draft_layers import SavedConfig, SwiGLU, add_projections, rope_settings, rotate
+from pardec.models.draft_layers import SavedConfig, SwiGLU, add_projections
 from pardec.models.drafter_types import TargetParts, only, register_drafter
+from pardec.models.rotary import rope_settings, rotate
 
 KIND = "dflash"
 FUSIONS = ("concat", "layerwise")  # concat: the paper's; layerwise: DFlare's per-layer mix
@@ -186,7 +187,7 @@ class DFlashDraft(nn.Module):
             self.layer_mix = nn.Parameter(mix)
         self.rotary = LlamaRotaryEmbedding(config=c.llama())
 
-    # ------------------------------------------------------------------ drafter protocol (pardec.models.heads)
+    # ------------------------------------------------------------------ drafter protocol (pardec.models.drafter_types)
     @property
     def k(self) -> int:
         """Proposed tokens per round at the trained block size (drafter.json's ``k``)."""
@@ -204,11 +205,11 @@ class DFlashDraft(nn.Module):
                           **{"layer_ids": o.get("layers"), **(o.get("dflash") or {})})
 
     @classmethod
-    def from_heads(cls, base_config, heads: dict[str, Any], target: TargetParts | None = None) -> DFlashDraft:
-        """From a ``heads`` config section (``target``: the target's parts it starts from; none: a memory plan's
+    def from_section(cls, base_config, options: dict[str, Any], target: TargetParts | None = None) -> DFlashDraft:
+        """From a ``drafter`` config section (``target``: the target's parts it starts from; none: a memory plan's
         meta-device build)."""
-        return cls.fresh(base_config, target or TargetParts(), {"layers": heads.get("layers"), "dflash": {
-            k: heads[k] for k in ("num_layers", "block_size", "mask_token_id", "fusion") if k in heads}})
+        return cls.fresh(base_config, target or TargetParts(), {"layers": options.get("layers"), "dflash": {
+            k: options[k] for k in ("num_layers", "block_size", "mask_token_id", "fusion") if k in options}})
 
     @classmethod
     def from_saved(cls, meta: dict[str, Any], state: dict, base_config) -> DFlashDraft:

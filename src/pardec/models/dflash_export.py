@@ -36,7 +36,7 @@ class DFlashExporter(Exporter):
         if config.mask_token_id is None:
             notes.append("the drafter's mask slot is a learned embedding (mask_embedding, written with the weights; "
                          "mask_token_id null): pardec loads it back, but vLLM and SGLang embed a mask token id from "
-                         "the target's table and do not read it; to serve, train with heads.mask_token_id=<a spare "
+                         "the target's table and do not read it; to serve, train with drafter.mask_token_id=<a spare "
                          "row>")
         if config.fusion == "layerwise":
             notes.append("the drafter uses DFlare's layer-wise fusion (layer_mix, no fc): pardec loads it back, but "

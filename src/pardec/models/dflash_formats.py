@@ -77,7 +77,7 @@ def load_dflash(path_or_hub_id: str | Path, target_config, key: str = "draft.pat
     path = resolve(path_or_hub_id, key)
     fmt = detect(path, key)
     if fmt == "pardec":
-        from pardec.models.heads import load_drafter
+        from pardec.models.drafters import load_drafter
 
         drafter, meta = load_drafter(path, target_config, "dflash", key)
         return drafter, {**meta, "source_format": fmt, "path": str(path), "layer_ids": list(drafter.config.layer_ids)}

@@ -1,6 +1,6 @@
 """Pieces the hidden-state drafters share (EAGLE-3's :mod:`pardec.models.eagle`, DFlash's :mod:`pardec.models.dflash`):
-the rotary rotation, the target's rotary settings, a SwiGLU MLP with Llama/Qwen3 names and a scaled-dot-product
-attention over prepended keys/values. Nothing here knows a drafter; the lean forward uses the same rotation."""
+a SwiGLU MLP with Llama/Qwen3 names, the saved-config helper and the attention projections (the rotary embedding
+they share with the target's forward: :mod:`pardec.models.rotary`). Nothing here knows a drafter."""
 
 from __future__ import annotations
 
@@ -10,28 +10,6 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
-
-
-def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotary position embedding applied to ``x`` [.., D] with tables ``cos``/``sin`` (broadcast): the half-split
-    rotation of Llama/Qwen (``rotate_half``)."""
-    half = x.shape[-1] // 2
-    return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
-
-
-def rope_settings(config) -> tuple[float, dict | None]:
-    """(rope_theta, scaling part or None) of a transformers config (``rope_parameters`` on transformers 5, the
-    older ``rope_theta`` / ``rope_scaling`` fields otherwise)."""
-    rope = getattr(config, "rope_parameters", None) or {}
-    theta = float(rope.get("rope_theta", getattr(config, "rope_theta", 10000.0)))
-    return theta, rope_scaling(rope or getattr(config, "rope_scaling", None) or {})
-
-
-def rope_scaling(rope: dict) -> dict | None:
-    """A ``rope_parameters`` dict's scaling part (None when plain rotary)."""
-    if not rope or rope.get("rope_type", "default") == "default":
-        return None
-    return {k: v for k, v in rope.items() if k != "rope_theta"}
 
 
 class SwiGLU(nn.Module):

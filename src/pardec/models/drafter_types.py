@@ -1,17 +1,17 @@
-"""The drafter types' model side, one registry: ``heads.type`` = drafter.json's ``kind`` -> the model class.
+"""The drafter types' model side, one registry: ``drafter.type`` = drafter.json's ``kind`` -> the model class.
 
 Each registered class (``@register_drafter("<type>")``) is a ``torch.nn.Module`` with
 
 * ``kind`` (its type name), ``k`` (drafter.json's ``k``) and ``meta()`` (what drafter.json needs to rebuild it);
 * ``fresh(base_config, target, options)`` (a classmethod): an untrained drafter for a target with ``base_config``;
   ``target``: :class:`TargetParts`, what of the target a type starts from (its LM head, its embedding), and
-  ``options`` the type's settings (the ``heads`` section's keys it reads, e.g. ``num_heads``, ``layers``);
-* ``from_heads(base_config, heads, target=None)`` (a classmethod): the same from a ``heads`` config section (the
+  ``options`` the type's settings (the ``drafter`` section's keys it reads, e.g. ``num_heads``, ``layers``);
+* ``from_section(base_config, options, target=None)`` (a classmethod): the same from a ``drafter`` config section (the
   one mapping of its keys to the options; without ``target`` a memory plan builds it on the meta device);
 * ``from_saved(meta, state, base_config)`` (a classmethod): the module shaped as drafter.json says, before
   ``state`` (its safetensors) is loaded into it (a type whose buffers shape it reads them from ``state``).
 
-:func:`pardec.models.heads.new_drafter` and :func:`~pardec.models.heads.load_drafter` look the type up here and
+:func:`pardec.models.drafters.new_drafter` and :func:`~pardec.models.drafters.load_drafter` look the type up here and
 name no type. The built-in types register when their modules are imported (:data:`BUILTIN`, on first lookup); a
 plug-in type registers from its own module, imported before the lookup.
 
@@ -73,7 +73,7 @@ def _import(modules: tuple[str, ...]) -> None:
         importlib.import_module(module)
 
 
-def drafter_class(name: Any, key: str = "heads.type") -> type:
+def drafter_class(name: Any, key: str = "drafter.type") -> type:
     """The model class of drafter type ``name``; one line naming the valid types for another."""
     _import(BUILTIN)
     try:

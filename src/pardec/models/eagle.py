@@ -32,8 +32,9 @@ from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaRMSNorm, LlamaRotaryEmbedding
 
 from pardec.config import ConfigError
-from pardec.models.draft_layers import SavedConfig, SwiGLU, add_projections, rope_settings, rotate
+from pardec.models.draft_layers import SavedConfig, SwiGLU, add_projections
 from pardec.models.drafter_types import TargetParts, only, register_drafter
+from pardec.models.rotary import rope_settings, rotate
 from pardec.models.vocab import DraftVocab, scatter_logits
 
 KIND = "eagle3"
@@ -166,12 +167,12 @@ class Eagle3Draft(nn.Module):
                           None if target.lm_head is None else target.lm_head.weight)
 
     @classmethod
-    def from_heads(cls, base_config, heads: dict[str, Any], target: TargetParts | None = None) -> Eagle3Draft:
-        """From a ``heads`` config section (no corpus: the draft vocabulary's first ``draft_vocab_size`` ids stand in
+    def from_section(cls, base_config, options: dict[str, Any], target: TargetParts | None = None) -> Eagle3Draft:
+        """From a ``drafter`` config section (no corpus: the draft vocabulary's first ``draft_vocab_size`` ids stand in
         for the counted ones; a memory plan's meta-device build). Training counts its vocabulary first
-        (:func:`pardec.training.heads.eagle.eagle3_vocab`) and calls :meth:`fresh`."""
-        size = int(heads.get("draft_vocab_size", base_config.vocab_size))
-        return cls.fresh(base_config, target or TargetParts(), {"layers": heads.get("layers"),
+        (:func:`pardec.training.drafter.eagle.eagle3_vocab`) and calls :meth:`fresh`."""
+        size = int(options.get("draft_vocab_size", base_config.vocab_size))
+        return cls.fresh(base_config, target or TargetParts(), {"layers": options.get("layers"),
                                                       "vocab": DraftVocab(range(size), int(base_config.vocab_size))})
 
     @classmethod

@@ -1,6 +1,6 @@
 """EAGLE-3 drafters in the two published checkpoint formats, next to pardec's own (:mod:`pardec.models.heads`).
 
-* ``pardec``: ``drafter.json`` (``kind: eagle3``) + ``drafter.safetensors`` (:func:`pardec.models.heads.save_drafter`);
+* ``pardec``: ``drafter.json`` (``kind: eagle3``) + ``drafter.safetensors`` (:func:`pardec.models.drafters.save_drafter`);
 * ``eagle3``: the original release (SafeAILab/EAGLE, ``eagle/model/cnets.py`` / ``ea_model.py``): ``config.json``
   is a one-layer ``LlamaConfig`` (``architectures`` e.g. ``["LlamaForCausalLMEagle3"]``, ``vocab_size`` = the
   target's, ``draft_vocab_size``, optionally ``target_hidden_size``); weights ``pytorch_model.bin`` (a
@@ -83,7 +83,7 @@ def detect(path: str | Path, key: str = "draft.path") -> str:
 # ---------------------------------------------------------------------------------------------- load
 def load_eagle3(path_or_hub_id: str | Path, target_config, key: str = "draft.path") -> tuple[Eagle3Draft, dict]:
     """An EAGLE-3 drafter in any of :data:`FORMATS` for a target with ``target_config``: (the module, in fp32 as
-    :func:`pardec.models.heads.load_drafter` gives it, eval mode; meta). Every mismatch with the target (hidden
+    :func:`pardec.models.drafters.load_drafter` gives it, eval mode; meta). Every mismatch with the target (hidden
     size, vocabulary size, feature layers) and every inconsistency of the checkpoint (d2t vs t2d, missing,
     unexpected or misshapen weights, options pardec does not implement) raises one line naming both values.
 
@@ -93,7 +93,7 @@ def load_eagle3(path_or_hub_id: str | Path, target_config, key: str = "draft.pat
     path = resolve(path_or_hub_id, key)
     fmt = detect(path, key)
     if fmt == "pardec":
-        from pardec.models.heads import load_drafter
+        from pardec.models.drafters import load_drafter
 
         drafter, meta = load_drafter(path, target_config, "eagle3", key)
         return drafter, {**meta, "source_format": fmt, "path": str(path), "layer_ids": list(drafter.config.layer_ids)}

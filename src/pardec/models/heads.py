@@ -1,4 +1,5 @@
-"""Drafters trained on the target itself, which draft K future tokens from one target forward:
+"""Medusa's heads and FIRP's projections: drafters trained on the target itself, which draft K future tokens from one
+target forward (the other drafter types of that kind live beside them, registered the same way):
 
 * :class:`MedusaHeads` (Medusa-1, Cai et al. 2024): K heads on the last hidden state (after the final norm); head
   ``k`` (1-based) = ``ResBlock^n`` then its own ``Linear(H, V)``, and predicts the token ``k + 1`` positions after
@@ -17,33 +18,25 @@
   trained so, and load as ``pseudo``).
 
 * :class:`~pardec.models.eagle.Eagle3Draft` (EAGLE-3, Li et al. 2025): one decoder layer over the fused
-  low/mid/high target features and the token embedding, with a reduced draft vocabulary (``heads.type: eagle3``).
+  low/mid/high target features and the token embedding, with a reduced draft vocabulary (``drafter.type: eagle3``).
 * :class:`~pardec.models.dflash.DFlashDraft` (DFlash, Chen et al. 2026): a few target-width layers that fill a block
-  of mask slots in one forward from the fused features of several target layers (``heads.type: dflash``).
+  of mask slots in one forward from the fused features of several target layers (``drafter.type: dflash``).
 
-All save to a directory: ``drafter.json`` (kind, the base model's name and shape, K, layers, training facts) and
-``drafter.safetensors``. :func:`load_drafter` checks the shape against the target (hidden size, vocabulary,
-layer count) and raises one line naming both when they differ.
+Every drafter type saves and loads through :mod:`pardec.models.drafters` (``drafter.json`` + ``drafter.safetensors``).
 """
 
 from __future__ import annotations
 
-import json
 import math
-from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import load_file, save_file
 from torch import nn
 
 from pardec.config import ConfigError
-from pardec.jsonl import read_versioned
-from pardec.models.drafter_types import TargetParts, drafter_class, only, register_drafter
+from pardec.models.drafter_types import TargetParts, only, register_drafter
+from pardec.models.drafters import base_shape
 from pardec.models.pseudo import PSEUDO_ATTENTION
-
-FORMAT = "pardec-drafter"
-VERSION = 1
 
 
 class ResBlock(nn.Module):
@@ -91,7 +84,7 @@ class MedusaHeads(nn.Module):
         if num_heads < 1:
             raise ConfigError(f"medusa num_heads={num_heads} is out of range: it must be an integer >= 1")
         if head_rank is not None and not 1 <= head_rank <= min(hidden_size, vocab_size):
-            raise ConfigError(f"heads.head_rank={head_rank} is out of range: it must be an integer in 1.."
+            raise ConfigError(f"drafter.head_rank={head_rank} is out of range: it must be an integer in 1.."
                               f"{min(hidden_size, vocab_size)} (or null: a full head, as Medusa-1)")
         self.hidden_size, self.vocab_size, self.num_heads, self.num_blocks = hidden_size, vocab_size, num_heads, num_blocks
         self.head_rank = head_rank
@@ -137,23 +130,23 @@ class MedusaHeads(nn.Module):
     def fresh(cls, base_config, target: TargetParts, options: dict[str, Any]) -> MedusaHeads:
         """Each head's linear starts as the target's LM head (when given): Medusa's initialisation."""
         o = only(options, cls.kind, ("num_heads", "num_blocks", "head_rank"))
-        hidden, vocab, _ = _shape(base_config)
+        hidden, vocab, _ = base_shape(base_config)
         head = target.lm_head.weight if target.lm_head is not None else None
         heads = cls(hidden, vocab, o.get("num_heads", 3), o.get("num_blocks", 1), o.get("head_rank"), head)
         return heads.init_from(target.lm_head) if target.lm_head is not None else heads
 
     @classmethod
-    def from_heads(cls, base_config, heads: dict[str, Any], target: TargetParts | None = None) -> MedusaHeads:
-        """From a ``heads`` config section (``target``: the target's parts it starts from; none: a memory plan's
+    def from_section(cls, base_config, options: dict[str, Any], target: TargetParts | None = None) -> MedusaHeads:
+        """From a ``drafter`` config section (``target``: the target's parts it starts from; none: a memory plan's
         meta-device build)."""
-        return cls.fresh(base_config, target or TargetParts(), {"num_heads": heads.get("num_heads", 3),
-                                                      "num_blocks": heads.get("num_blocks", 1),
-                                                      "head_rank": heads.get("head_rank")})
+        return cls.fresh(base_config, target or TargetParts(), {"num_heads": options.get("num_heads", 3),
+                                                      "num_blocks": options.get("num_blocks", 1),
+                                                      "head_rank": options.get("head_rank")})
 
     @classmethod
     def from_saved(cls, meta: dict[str, Any], state: dict, base_config) -> MedusaHeads:
         """Full heads: a low-rank-trained drafter is saved merged (its ``head_rank`` is a training fact)."""
-        hidden, vocab, _ = _shape(base_config)
+        hidden, vocab, _ = base_shape(base_config)
         return cls(hidden, vocab, int(meta["num_heads"]), int(meta.get("num_blocks", 1)))
 
 
@@ -194,7 +187,7 @@ class FirpProjections(nn.Module):
     def fresh(cls, base_config, target: TargetParts, options: dict[str, Any]) -> FirpProjections:
         """Identity projections reading the states entering ``layers`` (checked against the target's layers)."""
         o = only(options, cls.kind, ("layers", "attention"))
-        hidden, vocab, n_layers = _shape(base_config)
+        hidden, vocab, n_layers = base_shape(base_config)
         layers = list(o.get("layers") or [])
         bad = [x for x in layers if not 0 <= x < n_layers]
         if bad:
@@ -202,76 +195,14 @@ class FirpProjections(nn.Module):
         return cls(hidden, vocab, layers, o.get("attention", "real"))
 
     @classmethod
-    def from_heads(cls, base_config, heads: dict[str, Any], target: TargetParts | None = None) -> FirpProjections:
-        """From a ``heads`` config section (``target``: the target's parts it starts from; none: a memory plan's
+    def from_section(cls, base_config, options: dict[str, Any], target: TargetParts | None = None) -> FirpProjections:
+        """From a ``drafter`` config section (``target``: the target's parts it starts from; none: a memory plan's
         meta-device build)."""
-        return cls.fresh(base_config, target or TargetParts(), {"layers": heads.get("layers"),
-                                                      "attention": heads.get("attention", "real")})
+        return cls.fresh(base_config, target or TargetParts(), {"layers": options.get("layers"),
+                                                      "attention": options.get("attention", "real")})
 
     @classmethod
     def from_saved(cls, meta: dict[str, Any], state: dict, base_config) -> FirpProjections:
         # drafters saved before the attention key existed were trained with pseudo attention
         return cls.fresh(base_config, TargetParts(), {"layers": list(meta["layers"]),
                                                       "attention": meta.get("attention", "pseudo")})
-
-
-Drafter = nn.Module  # any registered drafter model (pardec.models.drafter_types)
-
-
-def new_drafter(kind: str, base_config, *, lm_head: nn.Linear | None = None, embed: nn.Embedding | None = None,
-                **options: Any) -> Drafter:
-    """A fresh drafter of type ``kind`` (:mod:`pardec.models.drafter_types`) for a model with config
-    ``base_config``; ``lm_head``, ``embed``: the target's, which some types start from (Medusa's heads and EAGLE-3's
-    head its LM head, DFlash's mask embedding its mean embedding row); ``options``: the type's own (Medusa
-    ``num_heads``, ``num_blocks``; FIRP ``layers``, ``attention``; EAGLE-3 ``layers``, ``vocab``; DFlash ``layers``
-    and ``dflash``: :meth:`DFlashConfig.for_target` options)."""
-    return drafter_class(kind).fresh(base_config, TargetParts(lm_head=lm_head, embed=embed), options)
-
-
-def num_parameters(module: nn.Module) -> int:
-    return sum(p.numel() for p in module.parameters())
-
-
-def save_drafter(drafter: Drafter, out_dir: str | Path, base_config, base_name: str,
-                 extra: dict[str, Any] | None = None) -> Path:
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    hidden, vocab, n_layers = _shape(base_config)
-    meta = {"format": FORMAT, "version": VERSION, "kind": drafter.kind, "base_model": base_name,
-            "hidden_size": hidden, "vocab_size": vocab, "num_hidden_layers": n_layers, "k": drafter.k,
-            **drafter.meta(), "parameters": num_parameters(drafter), **(extra or {})}
-    saved = getattr(drafter, "saved_state", drafter.state_dict)()  # a type may save a merged form
-    state = {k: v.detach().contiguous().cpu() for k, v in saved.items()}
-    save_file(state, str(out / "drafter.safetensors"))
-    (out / "drafter.json").write_text(json.dumps(meta, indent=2) + "\n")
-    return out
-
-
-def read_meta(path: str | Path, key: str = "method.path") -> dict[str, Any]:
-    """``drafter.json`` of a drafter directory; one-line errors for a missing or foreign directory."""
-    f = Path(path) / "drafter.json"
-    if not f.is_file():
-        raise ConfigError(f"{key}={str(path)!r} holds no trained drafter (no drafter.json); train one with "
-                          f"python -m train +experiment=heads_medusa_smollm2 (or heads_firp_smollm2)")
-    return read_versioned(f, FORMAT, VERSION, ConfigError, key)
-
-
-def load_drafter(path: str | Path, base_config, kind: str, key: str = "method.path") -> tuple[Drafter, dict]:
-    """Load a saved drafter for a target with config ``base_config``; every mismatch is one line naming both."""
-    meta = read_meta(path, key)
-    if meta.get("kind") != kind:
-        raise ConfigError(f"{key}={str(path)!r} holds {meta.get('kind')!r} weights; this method needs {kind!r}")
-    hidden, vocab, n_layers = _shape(base_config)
-    for name, want in (("hidden_size", hidden), ("vocab_size", vocab), ("num_hidden_layers", n_layers)):
-        if meta.get(name) != want:
-            raise ConfigError(
-                f"{key}={str(path)!r} was trained for another model ({meta.get('base_model')!r}: {name} "
-                f"{meta.get(name)}); the target has {name} {want}")
-    state = load_file(str(Path(path) / "drafter.safetensors"))
-    drafter: Drafter = drafter_class(kind).from_saved(meta, state, base_config)
-    drafter.load_state_dict(state)
-    return drafter.eval(), meta
-
-
-def _shape(cfg) -> tuple[int, int, int]:
-    return int(cfg.hidden_size), int(cfg.vocab_size), int(cfg.num_hidden_layers)

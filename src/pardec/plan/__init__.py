@@ -19,7 +19,7 @@ decoding run (evaluation). Components (docs/plan.md has the derivations and thei
   is 16-bit or DeepSpeed runs (its partitions are fp32): 12 B; ``/ world`` under ZeRO-2/3;
 * gathered: ZeRO-3's all-gathered parameters, at most ``stage3_max_live_parameters`` (conf/deepspeed/zero3.json)
   x training-dtype bytes (an upper bound);
-* frozen: the frozen teacher (kind draft, ``trainer.teacher=online``) or base (kind heads) in the run's ``dtype``,
+* frozen: the frozen teacher (kind draft, ``trainer.teacher=online``) or base (kind drafter) in the run's ``dtype``,
   on every rank (outside the DeepSpeed engine);
 * activations: Korthikanti et al. 2022 ("Reducing Activation Recomputation in Large Transformer Models", eq. 2):
   one layer keeps ``s b h (34 + 5 a s / h)`` bytes at 16-bit (scaled by bytes/2 otherwise); the ``5 a s^2 b``

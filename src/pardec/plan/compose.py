@@ -95,7 +95,7 @@ def compose(name: str, overrides: Sequence[str] = ()) -> tuple[str, dict[str, An
             cfg = hydra_compose(app, overrides=[f"+{key}={name}", *overrides])
         except HydraException as e:  # a bad --set: one line
             raise ConfigError(f"recipe {name!r} with {list(overrides)}: {' '.join(str(e).split())}") from None
-    keep = ("model", "draft", "dataset", "dtype", "max_new_tokens", "method", "trainer", "kind", "heads", "collect",
+    keep = ("model", "draft", "dataset", "dtype", "max_new_tokens", "method", "trainer", "kind", "drafter", "collect",
             "perplexity", "completions", "eval", "ar_answer")  # (the last three: the data stages' plans)
     with _as_on_cuda():
         return app, {k: _plain(cfg, k) for k in keep if k in cfg}

@@ -55,7 +55,7 @@ def data_plans(recipe: str, cfg: dict[str, Any], a: Arch, world: int, prompt_tok
         prompt = _prompt(None, cfg.get("dataset"), prompt_tokens)
         out.append(_stage("collect", recipe, a, world, run_bytes, batch, prompt, new + block, batch * block,
                           f"Jacobi blocks of {block}"))
-    sections = {"draft": ("completions", "eval"), "heads": ("completions", "eval"), "cllm": ("completions",)}
+    sections = {"draft": ("completions", "eval"), "drafter": ("completions", "eval"), "cllm": ("completions",)}
     for key in sections.get(kind, ()):
         g = cfg.get(key) or {}
         if not g or (kind == "cllm" and (cfg.get("ar_answer") != "whole" or int(g.get("max_new_tokens", 0)) <= int(

@@ -31,8 +31,8 @@ LOSS_PEAK = {
     "ce_smoothed": 4.0,   # ar_loss with label smoothing (CLLM's AR term, epsilon 0.1)
     "ce_sum": 3.0,        # ce_sum over selected positions (SDSAT Eq. 9)
     "kl": 5.0,            # token_divergence, KL to a teacher's logits (CLLM consistency, draft, Medusa / FIRP)
-    "soft_ce": 3.0,       # EAGLE-3's CE to the target's probabilities per TTT step (training/heads/eagle.soft_ce)
-    "dflash": 3.0,        # DFlash's slot log-softmax, gather and argmax (training/heads/dflash.slot_nll)
+    "soft_ce": 3.0,       # EAGLE-3's CE to the target's probabilities per TTT step (training/drafter/eagle.soft_ce)
+    "dflash": 3.0,        # DFlash's slot log-softmax, gather and argmax (training/drafter/dflash.slot_nll)
 }
 
 

@@ -28,7 +28,7 @@ CASES: dict[str, tuple[str, ...]] = {
     "heads_medusa_tiny": COMPLETIONS,
     "heads_firp_tiny": COMPLETIONS,
     "eagle3_tiny": COMPLETIONS,
-    "dflash_tiny": (*COMPLETIONS, "heads.num_anchors=64"),
+    "dflash_tiny": (*COMPLETIONS, "drafter.num_anchors=64"),
     "sdsat_tiny": ("mask.sources.0.dataset.path={data}/long.jsonl", "mask.max_length=512"),
     "cllm_tiny": ("dataset.path={data}/short.jsonl", "completions.max_new_tokens=480", "collect.max_new_tokens=64",
                   "collect.block_size=16"),
@@ -80,7 +80,7 @@ def measure(name: str, work: Path, threads: int = 1, extra: Sequence[str] = ()) 
         raise RuntimeError(f"{name}: the train stage recorded no peak (glibc's mallinfo2 is needed on the CPU)")
     p = composed_plan(name, "train", OmegaConf.to_container(cfg, resolve=True), world=1)
     measured = peak["bytes"]
-    return {"experiment": name, "overrides": list(extra), "kind": p.kind, "type": (cfg.get("heads") or {}).get("type"),
+    return {"experiment": name, "overrides": list(extra), "kind": p.kind, "type": (cfg.get("drafter") or {}).get("type"),
             "measured_mb": round(measured / 1e6, 1), "planned_mb": round(p.total / 1e6, 1),
             "planned_without_overhead_mb": round((p.total - p.components["overhead"]) / 1e6, 1),
             "error": round((p.total - p.components["overhead"]) / measured - 1, 3),

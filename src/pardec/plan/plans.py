@@ -135,8 +135,8 @@ def _train_plan(name: str, cfg: dict[str, Any], world: int) -> Plan:
         teacher = b * seq * a.vocab * (run_bytes + 4 * DRAFT_TEACHER_COPIES)
         logits = loss_logits(b * seq, vocab, "kl", act_bytes) + (teacher if frozen else 0)
         notes.append(f"student: {n_layers} layers, {vocab}-token head")
-    elif kind == "heads":  # trainer.model_dtype is the frozen base's here; the drafter is built in fp32
-        h = cfg.get("heads") or {}
+    elif kind == "drafter":  # trainer.model_dtype is the frozen base's here; the drafter is built in fp32
+        h = cfg.get("drafter") or {}
         module = trainable = drafter_params(hub, h)
         train_bytes = 2 if (zero and bf16) else 4
         act_bytes = 2 if bf16 else 4

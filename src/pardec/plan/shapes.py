@@ -51,7 +51,7 @@ class Plan:
     """One recipe's per-GPU memory (``components`` in bytes)."""
 
     recipe: str
-    kind: str  # cllm | draft | heads | sdsat (training) | eval
+    kind: str  # cllm | draft | drafter | sdsat (training) | eval
     world: int  # training ranks; evaluation: GPUs the target is split over
     zero: int | None  # ZeRO stage (0 = plain DDP); None for evaluation
     model: str
@@ -148,8 +148,8 @@ def draft_params(hub_id: str, layers: int, vocab_size: int, freeze_embeddings: b
     return total, total - frozen
 
 
-def drafter_params(hub_id: str, heads: dict[str, Any]) -> int:
-    """The parameters of the drafter a ``heads`` section describes (its type's ``from_heads``,
+def drafter_params(hub_id: str, options: dict[str, Any]) -> int:
+    """The parameters of the drafter a ``drafter`` section describes (its type's ``from_section``,
     :mod:`pardec.models.drafter_types`, built on the meta device)."""
     import torch
 
@@ -157,5 +157,5 @@ def drafter_params(hub_id: str, heads: dict[str, Any]) -> int:
 
     cfg = _meta_model(hub_id).config
     with torch.device("meta"):
-        d = drafter_class(heads["type"]).from_heads(cfg, heads)
+        d = drafter_class(options["type"]).from_section(cfg, options)
     return sum(p.numel() for p in d.parameters())

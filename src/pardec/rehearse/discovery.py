@@ -28,7 +28,7 @@ MAX_STEPS = 2
 #: the keys a rehearsal may change (regular expressions over dotted keys of the composed config); every other key
 #: is the recipe's
 SWAP_KEYS = {
-    "model": (r"model(\..*)?", r"heads\.mask_token_id"),  # (a row of the real target's embedding)
+    "model": (r"model(\..*)?", r"drafter\.mask_token_id"),  # (a row of the real target's embedding)
     "draft": (r"draft(\..*)?",),  # evaluation only (in training, ``draft`` is the draft kind's shape: kept)
     "device": (r"device", r"threads"),  # (training's switch; an evaluation keeps its devices: virtual GPUs)
     "data": (r"dataset\.path", r"dataset\.extra\.train_path", r"(completions|eval|mask)\.sources\.\d+\.dataset\.path",

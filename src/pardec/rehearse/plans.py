@@ -79,7 +79,7 @@ def _model_swap(key: str, group: str, name: str, work: Path, saved: dict[str, di
 
 def named_layers(cfg: dict) -> list[int]:
     """Layer indices of the target a training recipe names (the draft kind's kept layers, FIRP's layers)."""
-    for section in ("draft", "heads"):
+    for section in ("draft", "drafter"):
         layers = (cfg.get(section) or {}).get("layers") if isinstance(cfg.get(section), dict) else None
         if layers:
             return list(layers)
@@ -140,7 +140,7 @@ def plan(recipe: Recipe, out: Path) -> Plan:
         # a draft vocabulary the recipe reduces to more ids than the tiny one has (32,000 of Llama-3's 128,256): the
         # tiny target keeps SmolLM2's whole tokenizer, so the recipe's draft shape is kept
         drafted = max((base.get("draft") or {}).get("vocab_size") or 0,
-                      (base.get("heads") or {}).get("draft_vocab_size") or 0)
+                      (base.get("drafter") or {}).get("draft_vocab_size") or 0)
         model = _model_swap("model", "model", recipe.model, work, saved, layers,
                             TINY_VOCAB if drafted <= TINY_VOCAB else None)
     data: list[str] = []
@@ -170,9 +170,9 @@ def plan(recipe: Recipe, out: Path) -> Plan:
             block = base["collect"]["block_size"]
             size += [f"collect.max_prompts={N_TRAIN}", f"collect.max_new_tokens={2 * block}"]
             expect["data"] = {base["collect"]["out_dir"]: N_TRAIN}
-        elif kind in ("draft", "heads"):
-            if (base.get("heads") or {}).get("mask_token_id") is not None:  # a row of the real vocabulary: row 0
-                model.append("heads.mask_token_id=0")                     # of the tiny one stands in
+        elif kind in ("draft", "drafter"):
+            if (base.get("drafter") or {}).get("mask_token_id") is not None:  # a row of the real vocabulary: row 0
+                model.append("drafter.mask_token_id=0")                     # of the tiny one stands in
             n = _sources(base, "completions", "max_prompts", N_TRAIN, files, data_dir, data, size)
             _sources(base, "eval", "max_prompts", N_EVAL, files, data_dir, data, size)
             size += [f"completions.max_new_tokens={MAX_NEW_TOKENS}", f"eval.max_new_tokens={MAX_NEW_TOKENS}"]

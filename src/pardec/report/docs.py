@@ -177,7 +177,8 @@ def _short(spec: str) -> str:
 def plot_acceptance(root: Path, out: Path) -> Path | None:
     """Acceptance by draft position, written to ``out``: left, in decoding (the newest ``side_by_side_*.json``, its
     first dataset: the share of verification rounds that accepted at least k drafts, per method); right, held out
-    (every ``eagle3_smollm2*.json`` / ``dflash_smollm2*.json`` with a ``heads_eval``: the chain acceptance by depth,
+    (every ``eagle3_smollm2*.json`` / ``dflash_smollm2*.json`` with a ``heads_eval``, the name those result files
+    record a run's ``drafter_eval.json`` under: the chain acceptance by depth,
     teacher-forced). None when there is no side-by-side file."""
     import matplotlib
 

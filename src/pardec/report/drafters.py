@@ -1,6 +1,7 @@
-"""Trained drafters side by side: distilled drafts (kind ``draft``), Medusa heads / FIRP projections (kind
-``heads``) or SDSAT models (kind ``sdsat``); training curves and held-out results of one or more runs, e.g. a
-corpus-size study (the same recipe at ``draft.corpus_fraction`` / ``heads.corpus_fraction`` / an sdsat completions
+"""Trained drafters side by side: distilled drafts (kind ``draft``), Medusa heads / FIRP projections / EAGLE-3 /
+DFlash (kind ``drafter``) or SDSAT models (kind ``sdsat``); training curves and held-out results of one or more
+runs, e.g. a
+corpus-size study (the same recipe at ``draft.corpus_fraction`` / ``drafter.corpus_fraction`` / an sdsat completions
 source's ``fraction`` 0.5 and 1):
 
     python -m pardec.report drafters --run full=outputs/train/runs/draft_smollm2/default \
@@ -10,12 +11,12 @@ source's ``fraction`` 0.5 and 1):
 Per run: its logged steps (``log_history.json``, else the newest checkpoint's state), its train summary
 (``train_summary.json`` of the train stage: samples, corpus fraction, steps, seconds) when there is one, and its
 held-out evaluation: a draft's ``draft_eval.json`` (teacher-forced top-1 agreement and expected acceptance at
-temperature 1, 1 - TVD, per held-out dataset; forward cost vs the target), or a drafter's ``heads_eval.json``
+temperature 1, 1 - TVD, per held-out dataset; forward cost vs the target), or a drafter's ``drafter_eval.json``
 (Medusa / FIRP: top-1 / top-5 per depth, expected tokens per step of the chain and the searched trees; EAGLE-3 /
 DFlash: top-1 agreement and chain acceptance per draft position, expected tokens per target forward), or an SDSAT
 model's ``sdsat_eval.json`` (held-out perplexity against the base per source, the adaptive token's top-1 against the
 model's own greedy token per depth, expected tokens per two-step loop). Writes ``report.md``, ``report.json``,
-``draft_curves.png`` (KL and top-1 agreement on the training batches against the optimizer step; a heads run logs
+``draft_curves.png`` (KL and top-1 agreement on the training batches against the optimizer step; a drafter run logs
 the mean over its depths, a DFlash run its cross-entropy in place of the KL), ``slot_curves.png`` (the same per
 draft position 1, 2, 4, 8, 15, against the step and the training minutes) and, for SDSAT runs,
 ``sdsat_curves.png`` (plain and masked losses).
@@ -53,7 +54,7 @@ def read_run(run_dir: Path) -> dict:
     train = summary.get("train") if summary and isinstance(summary.get("train"), dict) else None
     steps = [h for h in log_history(run_dir) if "loss" in h and "step" in h]
     return {"dir": str(run_dir), "history": steps, "train": train, "eval": load("draft_eval.json"),
-            "heads_eval": load("heads_eval.json"), "sdsat_eval": load("sdsat_eval.json")}
+            "drafter_eval": load("drafter_eval.json"), "sdsat_eval": load("sdsat_eval.json")}
 
 
 def _fmt(x, digits: int = 3) -> str:
@@ -85,16 +86,16 @@ def table(runs: dict[str, dict]) -> str:
 
 
 def heads_table(runs: dict[str, dict]) -> str:
-    """Heads runs (each with a ``heads_eval.json``): held-out top-1 / top-5 per depth, expected tokens per step of
+    """Heads runs (each with a ``drafter_eval.json``): held-out top-1 / top-5 per depth, expected tokens per step of
     the chain and of each searched tree."""
-    depth = max(len(r["heads_eval"]["overall"]["topk_accuracy"]) for r in runs.values())
-    trees = sorted({t for r in runs.values() for t in r["heads_eval"]["trees"]}, key=lambda t: (t != "chain", len(t), t))
+    depth = max(len(r["drafter_eval"]["overall"]["topk_accuracy"]) for r in runs.values())
+    trees = sorted({t for r in runs.values() for t in r["drafter_eval"]["trees"]}, key=lambda t: (t != "chain", len(t), t))
     head = ["run", "samples", "corpus fraction", "steps", "train min", "last logged kl", "last logged top-1",
             *[f"held-out top-1 step {d + 1}" for d in range(depth)],
             *[f"held-out top-5 step {d + 1}" for d in range(depth)], *[f"expected tokens/step {t}" for t in trees]]
     rows = []
     for label, r in runs.items():
-        t, e, last = r["train"] or {}, r["heads_eval"], (r["history"] or [{}])[-1]
+        t, e, last = r["train"] or {}, r["drafter_eval"], (r["history"] or [{}])[-1]
         acc = e["overall"]["topk_accuracy"]
         secs = t.get("train_seconds")
         row = [label, t.get("samples"), t.get("corpus_fraction"), t.get("steps") or last.get("step"),
@@ -107,18 +108,18 @@ def heads_table(runs: dict[str, dict]) -> str:
 
 
 def chain_table(runs: dict[str, dict]) -> str:
-    """EAGLE-3 / DFlash runs (a ``heads_eval.json`` of a chain drafter: :func:`pardec.training.heads.trainer.
+    """EAGLE-3 / DFlash runs (a ``drafter_eval.json`` of a chain drafter: :func:`pardec.training.drafter.trainer.
     evaluate_chain`): held-out top-1 agreement and chain acceptance per draft position, expected tokens per target
     forward pooled and per held-out dataset. Their logged loss is the KL (EAGLE-3) or the cross-entropy (DFlash)."""
-    depth = max(r["heads_eval"]["steps"] for r in runs.values())
-    datasets = sorted({d for r in runs.values() for d in r["heads_eval"].get("per_dataset", {})})
+    depth = max(r["drafter_eval"]["steps"] for r in runs.values())
+    datasets = sorted({d for r in runs.values() for d in r["drafter_eval"].get("per_dataset", {})})
     head = ["run", "kind", "samples", "corpus fraction", "steps", "train min", "last logged kl / ce",
             "last logged top-1", *[f"held-out top-1 position {d + 1}" for d in range(depth)],
             *[f"chain acceptance position {d + 1}" for d in range(depth)], "expected tokens/forward",
             *[f"expected tokens/forward {d}" for d in datasets]]
     rows = []
     for label, r in runs.items():
-        t, e, last = r["train"] or {}, r["heads_eval"], (r["history"] or [{}])[-1]
+        t, e, last = r["train"] or {}, r["drafter_eval"], (r["history"] or [{}])[-1]
         o, secs = e["overall"], t.get("train_seconds")
         rows.append([label, e["kind"], t.get("samples"), t.get("corpus_fraction"), t.get("steps") or last.get("step"),
                      None if secs is None else secs / 60, last.get("kl", last.get("ce")), last.get("top1"),
@@ -130,8 +131,8 @@ def chain_table(runs: dict[str, dict]) -> str:
 
 
 def _chain_drafter(run: dict) -> bool:
-    """A run whose ``heads_eval.json`` measured a chain drafter (EAGLE-3, DFlash) rather than trees of heads."""
-    return "trees" not in run["heads_eval"] and "chain_acceptance" in run["heads_eval"].get("overall", {})
+    """A run whose ``drafter_eval.json`` measured a chain drafter (EAGLE-3, DFlash) rather than trees of heads."""
+    return "trees" not in run["drafter_eval"] and "chain_acceptance" in run["drafter_eval"].get("overall", {})
 
 
 def sdsat_table(runs: dict[str, dict]) -> str:
@@ -164,7 +165,7 @@ def plot(runs: dict[str, dict], path: Path, curves: dict[str, str] = CURVES) -> 
     fig, axes = plt.subplots(1, len(curves), figsize=(5 * len(curves), 3.6))
     for ax, (key, ylabel) in zip(axes, curves.items()):
         for label, r in runs.items():
-            name = "top1" if key == "agreement" and r.get("heads_eval") else key  # a heads run's mean top-1
+            name = "top1" if key == "agreement" and r.get("drafter_eval") else key  # a drafter run's mean top-1
             if key == "kl" and not any("kl" in h for h in r["history"]):
                 name = "ce"  # DFlash logs its cross-entropy to the label instead
             pts = [(h["step"], float(h[name])) for h in r["history"] if name in h]
@@ -211,7 +212,7 @@ def slot_plot(runs: dict[str, dict], path: Path) -> bool:
 
 def main(argv: list[str] | None = None, prog: str | None = None) -> int:
     ap = argparse.ArgumentParser(prog=prog, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--run", action="append", required=True, metavar="LABEL=DIR", help="a draft or heads run dir (repeat)")
+    ap.add_argument("--run", action="append", required=True, metavar="LABEL=DIR", help="a draft, drafter or sdsat run dir (repeat)")
     ap.add_argument("--out", type=Path, default=Path("outputs/draft_report"))
     a = ap.parse_args(argv)
     runs = {}
@@ -221,8 +222,8 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
             ap.error(f"--run {item!r}: give LABEL=DIR with an existing run directory")
         runs[label] = read_run(Path(path))
     a.out.mkdir(parents=True, exist_ok=True)
-    chains = {k: r for k, r in runs.items() if r["heads_eval"] and _chain_drafter(r)}
-    heads = {k: r for k, r in runs.items() if r["heads_eval"] and k not in chains}
+    chains = {k: r for k, r in runs.items() if r["drafter_eval"] and _chain_drafter(r)}
+    heads = {k: r for k, r in runs.items() if r["drafter_eval"] and k not in chains}
     sdsat = {k: r for k, r in runs.items() if r["sdsat_eval"] and k not in heads and k not in chains}
     drafts = {k: r for k, r in runs.items() if k not in heads and k not in chains and k not in sdsat}
     tables = [f(group) for f, group in ((table, drafts), (heads_table, heads), (chain_table, chains),

@@ -1,7 +1,7 @@
 """The FIRP paper's analyses, Medusa vs FIRP on the same target (`make heads-report` runs it on the trained ones):
 
 1. per-step top-1 / top-5 accuracy of the drafts on held-out data (teacher-forced; from each drafter's
-   ``heads_eval.json``, written by the training recipe's eval stage),
+   ``drafter_eval.json``, written by the training recipe's eval stage),
 2. accepted tokens per target forward with trees T16 / T32 / T63 (the paper's Table 3 setting; from the bench
    runs' ``summary.json``: every ``medusa`` / ``firp`` run or ``bench.also`` role found under --bench),
 3. cosine similarity between FIRP's pseudo hidden states and the real hidden states of the same positions, layer by
@@ -9,7 +9,7 @@
 4. draft size in parameters (and as a share of the target's),
 5. FIRP's Fig. 7: per-step accuracy of the same projections when a pseudo state also sees the earlier pseudo states
    ("No masked", the paper's inference and decoding's default) and when it sees only the real states and itself
-   ("Masked"), from ``heads_eval.json``'s ``attention_views``.
+   ("Masked"), from ``drafter_eval.json``'s ``attention_views``.
 
     python -m pardec.report heads --medusa outputs/train/runs/heads_medusa_smollm2/default/final \
         --firp outputs/train/runs/heads_firp_smollm2/default/final [--bench outputs/bench/heads] \
@@ -42,11 +42,11 @@ ROOT = REPO_ROOT
 
 
 def load_eval(final: Path) -> dict:
-    """``heads_eval.json`` of a trained drafter (in its run dir, the parent of ``final``)."""
-    for f in (final / "heads_eval.json", final.parent / "heads_eval.json"):
+    """``drafter_eval.json`` of a trained drafter (in its run dir, the parent of ``final``)."""
+    for f in (final / "drafter_eval.json", final.parent / "drafter_eval.json"):
         if f.is_file():
             return json.loads(f.read_text())
-    raise FileNotFoundError(f"no heads_eval.json next to {final}: run the recipe's stage=eval first")
+    raise FileNotFoundError(f"no drafter_eval.json next to {final}: run the recipe's stage=eval first")
 
 
 def pseudo_cosine(model, proj, records: list[dict], n: int) -> dict:
@@ -108,7 +108,7 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> None:
 
     from pardec import CONF_DIR
     from pardec.config import ConfigError, ModelConfig, to_dataclass
-    from pardec.models.heads import load_drafter, read_meta
+    from pardec.models.drafters import load_drafter, read_meta
     from pardec.models.loading import load_model
 
     try:

@@ -14,7 +14,7 @@ def untrained_drafters(model, work: Path) -> tuple[object, dict[str, dict]]:
     adaptive token stands in as the last vocabulary id. They exercise the decoders (exactness, devices, host reads), not their speed."""
     from pardec.decoding.tree_search import save_tree
     from pardec.models.draft import build_draft
-    from pardec.models.heads import new_drafter, save_drafter
+    from pardec.models.drafters import new_drafter, save_drafter
 
     n = model.config.num_hidden_layers
     draft = build_draft(model, sorted({0, n - 1}), list(range(model.config.vocab_size)))

@@ -6,5 +6,5 @@
 * :mod:`.checkpoints`: checkpoints marked complete after their save, and the one a resume takes;
 * :mod:`.stages`: the resumable, sharded data-generation stage; :mod:`.completions`: the target's own completions;
   :mod:`.losses`: pure loss functions;
-* the kinds: :mod:`.cllm`, :mod:`.draft`, :mod:`.heads`, :mod:`.sdsat`.
+* the kinds: :mod:`.cllm`, :mod:`.draft`, :mod:`.drafter`, :mod:`.sdsat`.
 """

@@ -1,7 +1,7 @@
 """The target's own completions: its greedy completions of prompts from several sources; batched, resumable,
 shardable (:mod:`pardec.training.stages`). The one corpus every drafter is trained on: the draft kind (distilled
-draft models), the heads kind (Medusa heads, FIRP projections) and the sdsat kind (a ``{completions: <dir>}``
-source of the masked corpus) read it; on held-out prompts the draft and heads kinds evaluate on it.
+draft models), the drafter kind (Medusa heads, FIRP projections) and the sdsat kind (a ``{completions: <dir>}``
+source of the masked corpus) read it; on held-out prompts the draft and drafter kinds evaluate on it.
 
 Layout of an output directory (``completions.out_dir``)::
 
@@ -121,7 +121,7 @@ def generation_meta(cfg: GenerateConfig, model: dict, eos_ids: set[int]) -> dict
 def with_corpus_topk(cfg: GenerateConfig) -> GenerateConfig:
     """``cfg``, taking the teacher top-k of the corpus already in ``cfg.out_dir`` when it asks for none (and does not
     overwrite): a corpus that cached the target's top-k serves a kind that never reads them (one corpus for every
-    drafter: a heads run on the draft's corpus), and a resumed generation keeps recording them."""
+    drafter: a drafter run on the draft's corpus), and a resumed generation keeps recording them."""
     from dataclasses import replace
 
     f = Path(cfg.out_dir) / "meta.json"
@@ -245,7 +245,7 @@ def completion_stats(records: list[dict], kept: list[dict], expected: int) -> di
 
 def corpus_share(records: list[dict], fraction: float) -> list[dict]:
     """The first ``ceil(fraction * n)`` records (by prompt index) of each source's n: a smaller corpus with the same
-    mix, for studies of how a drafter scales with its data (``draft.corpus_fraction``, ``heads.corpus_fraction``, the
+    mix, for studies of how a drafter scales with its data (``draft.corpus_fraction``, ``drafter.corpus_fraction``, the
     sdsat kind's ``{completions: <dir>, fraction: f}`` source)."""
     import math
     from collections import defaultdict
@@ -296,7 +296,7 @@ def run_generation(cfg: GenerateConfig, lm, rank: int, world: int, barrier, key:
 
 
 def generate_stage(gen: GenerateConfig, model_cfg, ranks) -> dict | None:
-    """The ``generate`` stage of the draft and heads kinds: the target's greedy completions of ``gen.sources``
+    """The ``generate`` stage of the draft and drafter kinds: the target's greedy completions of ``gen.sources``
     (``ranks``: this process's :class:`~pardec.config.Ranks`)."""
     from pardec.models.loading import load_model
 
@@ -309,7 +309,7 @@ def generate_stage(gen: GenerateConfig, model_cfg, ranks) -> dict | None:
 
 
 class GeneratesCompletions:
-    """The ``generate`` stage of a kind trained on the target's own completions (draft, heads): a mixin of its
+    """The ``generate`` stage of a kind trained on the target's own completions (draft, drafter): a mixin of its
     :class:`~pardec.training.kinds.Kind`, whose spec holds ``gen`` (a :class:`GenerateConfig`)."""
 
     def stage_generate(self, spec, run_dir: Path, ranks) -> dict | None:
@@ -317,7 +317,7 @@ class GeneratesCompletions:
 
 
 def eval_sources(section: dict) -> list[GenerateConfig]:
-    """The ``eval`` generation section of a draft / heads experiment: one GenerateConfig per held-out source, each
+    """The ``eval`` generation section of a draft / drafter experiment: one GenerateConfig per held-out source, each
     in its own ``<eval.out_dir>/<dataset>``."""
     from dataclasses import replace
 

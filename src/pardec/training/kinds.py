@@ -20,7 +20,7 @@ from pardec.config import ConfigError, ModelConfig, check_choice, check_types, t
 from pardec.registry import Registry
 
 #: the built-in kinds, one package each (imported by :func:`load_kinds`)
-BUILTIN = ("cllm", "draft", "heads", "sdsat")
+BUILTIN = ("cllm", "draft", "drafter", "sdsat")
 #: keys of the ``trainer`` section handled by the app; every other key is a field of the kind's config
 APP_KEYS = ("lora", "deepspeed", "model_dtype", "resume_from_checkpoint")
 LORA_KEYS = ("enabled", "r", "alpha", "dropout", "target_modules")

@@ -30,7 +30,7 @@ PREFIX = "zoo:"
 ZOO_DIR = REPO_ROOT / "zoo"
 DEFAULT_TARGET = "smollm2"
 MANIFEST = "manifest.json"
-STAGES = ("generate", "train", "eval")  # the stages of the draft and heads kinds (an entry names others)
+STAGES = ("generate", "train", "eval")  # the stages of the draft and drafter kinds (an entry names others)
 
 
 class ZooError(ConfigError):
@@ -52,7 +52,7 @@ class Entry:
     run_root: str = "outputs/zoo"
     zoo: str = DEFAULT_TARGET  # the zoo's directory name under zoo/
     #: another entry of the same zoo whose trained run this one continues: its run's ``final/`` is this training's
-    #: ``heads.init_from`` (a drafter trained over several runs, each a recipe; the build runs the base first)
+    #: ``drafter.init_from`` (a drafter trained over several runs, each a recipe; the build runs the base first)
     base: str | None = None
     kept: bool = True  # False: a run that is only the base of another entry, never stored in the zoo
 
@@ -67,7 +67,7 @@ class Entry:
     def command(self, stage: str | None = None) -> list[str]:
         """``python -m train`` argv (after ``-m train``) for one stage of this recipe, in its run dir; training from
         a base starts from the base's run (``stage`` None: the whole recipe's command, with it)."""
-        init = [f"+heads.init_from={self.run_root}/{self.base}/final"] if self.base and stage in (None, "train") else []
+        init = [f"+drafter.init_from={self.run_root}/{self.base}/final"] if self.base and stage in (None, "train") else []
         return [f"+experiment={self.experiment}", *self.overrides, *init, *([f"stage={stage}"] if stage else []),
                 f"hydra.run.dir={self.run_root}/{self.name}"]  # relative: the build runs in the repository
 
@@ -144,11 +144,14 @@ def seal(root: Path, manifest: dict[str, Any]) -> dict[str, Any]:
     return m
 
 
-def recipe_hash(entry: Entry, training_only: bool = False) -> str:
-    """sha256 of the recipe as composed (experiment + the zoo's overrides; interpolations left unresolved, so the
-    hash does not depend on where the repository is) and of what is kept and how it is stored: what an artifact's
-    ``recipe.sha256`` must equal to match. ``training_only``: of the composed training config alone (a change of
-    the stored form needs no retraining)."""
+#: top-level keys of the composed training config that are not the recipe: where it runs and writes, which stage,
+#: and what the run records without changing what it trains (``measure_memory``: the stages' peak memory)
+NOT_RECIPE = ("hydra", "paths", "stage", "measure_memory")
+
+
+def recipe_config(entry: Entry) -> dict[str, Any]:
+    """The recipe as composed: experiment + the zoo's overrides, interpolations left unresolved (so it does not
+    depend on where the repository is), without :data:`NOT_RECIPE`."""
     from hydra import compose, initialize_config_dir
     from omegaconf import OmegaConf
 
@@ -157,8 +160,16 @@ def recipe_hash(entry: Entry, training_only: bool = False) -> str:
     with hydra_errors_in_one_line(), initialize_config_dir(str(CONF_DIR), version_base="1.3"):
         cfg = compose("train", overrides=[f"+experiment={entry.experiment}", *entry.overrides])
     plain = OmegaConf.to_container(cfg, resolve=False)
-    for key in ("hydra", "paths", "stage"):
+    for key in NOT_RECIPE:
         plain.pop(key, None)
+    return plain
+
+
+def recipe_hash(entry: Entry, training_only: bool = False) -> str:
+    """sha256 of the recipe as composed (:func:`recipe_config`) and of what is kept and how it is stored: what an
+    artifact's ``recipe.sha256`` must equal to match. ``training_only``: of the composed training config alone (a
+    change of the stored form needs no retraining)."""
+    plain = recipe_config(entry)
     what = {"config": plain} if training_only else {"config": plain, "keep": entry.keep, "store": entry.store}
     if entry.base is not None:  # a run that continues another: a change of the base's recipe makes this one stale
         what["base"] = recipe_hash(base_chain(entry)[-1], training_only=True)

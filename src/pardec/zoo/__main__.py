@@ -1,4 +1,4 @@
-"""``python -m pardec.zoo list|build|verify [names] [--zoo smollm2]``: the kept drafters (:mod:`pardec.zoo`)."""
+"""``python -m pardec.zoo list|build|verify|rehash [names] [--zoo smollm2]``: the kept drafters (:mod:`pardec.zoo`)."""
 
 from __future__ import annotations
 
@@ -79,11 +79,13 @@ def rows(zoo: str, names: list[str]) -> list[dict]:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m pardec.zoo", description=__doc__.splitlines()[0].split(": ", 1)[-1])
-    sub = ap.add_subparsers(dest="command", required=True, metavar="{list,build,verify}")
+    sub = ap.add_subparsers(dest="command", required=True, metavar="{list,build,verify,rehash}")
     for name, text in (("list", "what is kept: size, training time and host, held-out figures, whether it matches "
                                 "its recipe"),
                        ("build", "(re)train and store every missing or stale artifact (resumable; make zoo)"),
-                       ("verify", "check every stored file against its manifest's sha256")):
+                       ("verify", "check every stored file against its manifest's sha256"),
+                       ("rehash", "carry artifacts over a rename of config keys without retraining, where the recipe "
+                                  "at --at COMMIT (the one each was built from) is today's but for its spelling")):
         p = sub.add_parser(name, help=text, description=text)
         p.add_argument("names", nargs="*", help="artifacts (default: all of the zoo)")
         p.add_argument("--zoo", default=DEFAULT_TARGET, help=f"the zoo (conf/zoo/<zoo>.yaml; default {DEFAULT_TARGET})")
@@ -91,14 +93,32 @@ def main(argv: list[str] | None = None) -> int:
             p.add_argument("--force", action="store_true", help="rebuild even when up to date")
         if name == "list":
             p.add_argument("--json", action="store_true", help="print the rows as JSON")
+        if name == "rehash":
+            p.add_argument("--at", required=True, metavar="COMMIT",
+                           help="a commit where each artifact's recipe hash equals its manifest's")
     a = ap.parse_args(argv)
     try:
         names = check_names(a.names, a.zoo)
         if a.command == "verify":
             for name in names:
+                if not entries(a.zoo)[name].kept:  # (a base of others only: nothing stored)
+                    continue
                 m = verify(name, a.zoo)
                 print(f"{name}: ok ({len(m['files'])} files match manifest.json)")
             return 0
+        if a.command == "rehash":
+            from pardec.zoo.rehash import recipes_at, rehash
+
+            at, failed = recipes_at(a.at, a.zoo), 0
+            for name in names:
+                e = entries(a.zoo)[name]
+                if e.kept and (e.dir / MANIFEST).is_file():
+                    try:
+                        print(rehash(e, at, a.at))
+                    except ConfigError as err:  # (that one stays stale; the others go on)
+                        print(f"error: {err}", file=sys.stderr)
+                        failed += 1
+            return 1 if failed else 0
         if a.command == "build":
             from pardec.zoo.build import build_one
 

@@ -175,7 +175,7 @@ def data_section(run_dir: Path) -> dict[str, Any]:
         return OmegaConf.to_container(node, resolve=True)
 
     out: dict[str, Any] = {}
-    if "completions" in cfg:  # the draft and heads kinds: the target's completions (CLLM: its AR answers)
+    if "completions" in cfg:  # the draft and drafter kinds: the target's completions (CLLM: its AR answers)
         out["train"] = corpus(Path(cfg.completions.out_dir), plain(cfg.completions.sources))
     if "collect" in cfg:  # CLLM: the Jacobi trajectories collected from the same prompts (its consistency rows)
         out["trajectories"] = corpus(Path(cfg.collect.out_dir), [{"dataset": plain(cfg.dataset),
@@ -216,10 +216,10 @@ def compact(value: Any, depth: int = 0) -> Any:
 
 def eval_metrics(run_dir: Path) -> dict[str, Any] | None:
     """The recipe's held-out figures: its summary's ``eval`` section, and per held-out set what its evaluation file
-    (``heads_eval.json``, ``draft_eval.json``, ``cllm_eval.json``; SDSAT's ``sdsat_eval.json``: overall and per
+    (``drafter_eval.json``, ``draft_eval.json``, ``cllm_eval.json``; SDSAT's ``sdsat_eval.json``: overall and per
     source) holds."""
     summary = json.loads((run_dir / "train_summary.json").read_text()).get("eval")
-    f = next((run_dir / n for n in ("heads_eval.json", "draft_eval.json", "cllm_eval.json")
+    f = next((run_dir / n for n in ("drafter_eval.json", "draft_eval.json", "cllm_eval.json")
               if (run_dir / n).is_file()), None)
     if summary is not None and f is not None:
         per = json.loads(f.read_text()).get("per_dataset") or {}

@@ -14,7 +14,7 @@ from transformers import DynamicCache
 from pardec.config import KV_CACHES
 from pardec.models.cache.preallocated import PreallocatedCache, PreallocatedLayer
 from pardec.models.cached import CachedModel, NonFiniteLogitsError
-from pardec.models.heads import new_drafter
+from pardec.models.drafters import new_drafter
 from pardec.models.pseudo import forward_pseudo, run_upper
 from pardec.testing import VirtualCUDA
 from tests.conftest import tiny

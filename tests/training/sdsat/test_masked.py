@@ -324,7 +324,7 @@ def test_run_masking_completions_and_file(tmp_path):
 
 
 def test_completions_fraction(tmp_path):
-    """``fraction`` keeps the first share of each source's completions (by prompt index), like the draft and heads
+    """``fraction`` keeps the first share of each source's completions (by prompt index), like the draft and drafter
     kinds' ``corpus_fraction``; the whole corpus keeps the normal form older meta.json files recorded."""
     d = _distill_dir(tmp_path)
     assert parse_sources([{"completions": str(d), "fraction": 1.0}]) == [{"completions": str(d)}]

@@ -20,7 +20,7 @@ from pardec.decoding.sampling import select
 from pardec.decoding.tree import Tree
 from pardec.decoding.tree_search import resolve_tree, truncate_paths
 from pardec.models.cache import to_device
-from pardec.models.heads import load_drafter, read_meta
+from pardec.models.drafters import load_drafter, read_meta
 
 
 @register_batched("medusa")

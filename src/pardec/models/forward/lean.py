@@ -32,7 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pardec.models.draft_layers import rotate as _rotate
+from pardec.models.rotary import rotate as _rotate
 
 #: model types whose decoder layers are Llama's (pre-norm, rotary, GQA attention, SiLU-gated MLP)
 SUPPORTED_TYPES = ("llama", "mistral", "qwen2", "pardec_draft")

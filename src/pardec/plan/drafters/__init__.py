@@ -1,6 +1,6 @@
-"""The memory-plan terms of each drafter type a ``heads`` recipe trains, one module per type in this package, each
+"""The memory-plan terms of each drafter type a ``drafter`` recipe trains, one module per type in this package, each
 registering a function ``terms(h, a, tokens, seq, b, act_bytes, run_bytes, eager, ckpt) -> DrafterTerms`` under its
-``heads.type`` (``@plan_terms("<type>")``). Every module here is imported on first lookup: a new type's terms are a
+``drafter.type`` (``@plan_terms("<type>")``). Every module here is imported on first lookup: a new type's terms are a
 new file, no edit to the plan (:mod:`pardec.plan.plans` names no type)."""
 
 from __future__ import annotations
@@ -42,6 +42,6 @@ def drafter_terms(name) -> Callable[..., DrafterTerms]:
     for m in pkgutil.iter_modules(__path__):
         importlib.import_module(f"{__name__}.{m.name}")
     if name not in PLAN_TERMS:
-        raise ConfigError(f"heads.type={name!r} has no memory model in pardec.plan; it knows: "
+        raise ConfigError(f"drafter.type={name!r} has no memory model in pardec.plan; it knows: "
                           f"{', '.join(PLAN_TERMS.names())}")
     return PLAN_TERMS.get(name)

@@ -62,7 +62,7 @@ def target_pass(base, ids: torch.Tensor, layer_ids, logits: bool = True) -> Targ
 
 
 class FeatureCache:
-    """The frozen target's pass per training sequence, kept on disk (``heads.feature_cache``; the paper trains offline
+    """The frozen target's pass per training sequence, kept on disk (``drafter.feature_cache``; the paper trains offline
     on regenerated data too): the states entering the draft's target layers and, where the loss needs the target's
     distribution (EAGLE-3's soft labels, DFlash's ``loss: kl``), its final-normed state, from which the logits are
     recomputed by its LM head, in ``dtype`` (bf16 by default: half of fp32's bytes, the named difference from a live

@@ -1,4 +1,4 @@
-"""``heads.type: medusa``: Medusa-1's heads (Cai et al. 2024; the model: :class:`pardec.models.heads.MedusaHeads`),
+"""``drafter.type: medusa``: Medusa-1's heads (Cai et al. 2024; the model: :class:`pardec.models.heads.MedusaHeads`),
 self-distilled on the target's completions: head ``k`` (0-based) learns the target's distribution ``k + 2``
 positions ahead, weighted ``head_decay ** k`` (Medusa's ``medusa_decay_coefficient``: 0.8), each head's linear
 started from the target's LM head."""
@@ -13,7 +13,7 @@ import torch
 from pardec.config import check_at_least, check_range
 from pardec.models.drafter_types import TargetParts
 from pardec.models.heads import MedusaHeads
-from pardec.training.heads.types import HeadsType, register_heads_type
+from pardec.training.drafter.types import DrafterType, register_drafter_type
 
 
 @dataclass
@@ -27,22 +27,22 @@ class MedusaOptions:
                                                                   "plus a trained rank-r update, saved merged"})
 
     def __post_init__(self) -> None:
-        check_at_least("heads.num_heads", self.num_heads, 1, integer=True)
-        check_at_least("heads.num_blocks", self.num_blocks, 1, integer=True)
-        check_range("heads.head_decay", self.head_decay, 0, 1, integer=False, open_lo=True)
+        check_at_least("drafter.num_heads", self.num_heads, 1, integer=True)
+        check_at_least("drafter.num_blocks", self.num_blocks, 1, integer=True)
+        check_range("drafter.head_decay", self.head_decay, 0, 1, integer=False, open_lo=True)
         if self.head_rank is not None:
-            check_at_least("heads.head_rank", self.head_rank, 1, integer=True)
+            check_at_least("drafter.head_rank", self.head_rank, 1, integer=True)
 
 
-@register_heads_type
-class MedusaType(HeadsType):
+@register_drafter_type
+class MedusaType(DrafterType):
     name = "medusa"
     options = MedusaOptions
 
     def new(self, spec, base, lm, records: list[dict]) -> tuple[Any, dict]:
-        return MedusaHeads.from_heads(base.config, spec.heads, TargetParts(lm_head=base.lm_head)), {}
+        return MedusaHeads.from_section(base.config, spec.drafter, TargetParts(lm_head=base.lm_head)), {}
 
-    def facts(self, heads: dict, head_decay: float) -> dict[str, Any]:
+    def facts(self, options: dict, head_decay: float) -> dict[str, Any]:
         return {"head_decay": head_decay}
 
     def depth_weights(self, k: int, head_decay: float) -> list[float]:

@@ -1,4 +1,4 @@
-"""``heads.type: firp``: FIRP's projections (Wu et al. 2024; the model: :class:`pardec.models.heads.FirpProjections`),
+"""``drafter.type: firp``: FIRP's projections (Wu et al. 2024; the model: :class:`pardec.models.heads.FirpProjections`),
 one per pseudo step, each reading the state entering its target layer (``layers``: nondecreasing), trained on the
 target's completions with the divergence ``distance`` (the paper's Eq. 4: ``rkl``) under ``attention`` (what the
 pseudo states see: §3.3's ``real``)."""
@@ -12,7 +12,7 @@ from pardec.config import ConfigError, check_choice
 from pardec.models.cached import CachedModel
 from pardec.models.heads import FirpProjections
 from pardec.models.pseudo import DECODING_ATTENTION, PSEUDO_ATTENTION, forward_pseudo
-from pardec.training.heads.types import HeadsType, check_layer_list, register_heads_type
+from pardec.training.drafter.types import DrafterType, check_layer_list, register_drafter_type
 
 #: FIRP's loss, per (anchor, step): KL(P~ || P) with P~ the pseudo state's distribution and P the target's at the
 #: same future position (paper Eq. 4: ``rkl`` in :func:`pardec.training.losses.token_divergence`'s naming, where the
@@ -31,13 +31,13 @@ class FirpOptions:
     def __post_init__(self) -> None:
         layers = check_layer_list(self.layers, "one per pseudo step")
         if layers != sorted(layers):
-            raise ConfigError(f"heads.layers={layers} is not valid: the layers must be nondecreasing")
-        check_choice("heads.attention", self.attention, PSEUDO_ATTENTION)
-        check_choice("heads.distance", self.distance, FIRP_DISTANCES)
+            raise ConfigError(f"drafter.layers={layers} is not valid: the layers must be nondecreasing")
+        check_choice("drafter.attention", self.attention, PSEUDO_ATTENTION)
+        check_choice("drafter.distance", self.distance, FIRP_DISTANCES)
 
 
-@register_heads_type
-class FirpType(HeadsType):
+@register_drafter_type
+class FirpType(DrafterType):
     name = "firp"
     options = FirpOptions
     default_distance = "rkl"  # Eq. 4: KL(q || p)
@@ -46,13 +46,13 @@ class FirpType(HeadsType):
     view_names = {"pseudo": "No masked", "real": "Masked"}
 
     def new(self, spec, base, lm, records: list[dict]) -> tuple[Any, dict]:
-        return FirpProjections.from_heads(base.config, spec.heads), {}
+        return FirpProjections.from_section(base.config, spec.drafter), {}
 
-    def trainer_options(self, heads: dict, head_decay: float) -> dict[str, Any]:
-        return {"distance": heads["distance"]}
+    def trainer_options(self, options: dict, head_decay: float) -> dict[str, Any]:
+        return {"distance": options["distance"]}
 
-    def facts(self, heads: dict, head_decay: float) -> dict[str, Any]:
-        return {"distance": heads["distance"]}
+    def facts(self, options: dict, head_decay: float) -> dict[str, Any]:
+        return {"distance": options["distance"]}
 
     def depth_logits(self, base, call, drafter, ids, anchors, *, training: bool, attention: str | None = None,
                      checkpoint: bool = False):

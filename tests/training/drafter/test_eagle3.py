@@ -1,4 +1,4 @@
-"""EAGLE-3's training-time test (``heads.type: eagle3``, :mod:`pardec.training.heads.eagle`): the unrolled steps
+"""EAGLE-3's training-time test (``drafter.type: eagle3``, :mod:`pardec.training.drafter.eagle`): the unrolled steps
 against a step-by-step reference run as a decoder would run the draft, the loss against a hand computation (the
 draft-vocabulary restriction, the position mask, the 0.8^i weights, an all-masked batch), the vocabulary's
 determinism, then ``+experiment=eagle3_tiny`` end to end (generate -> train -> eval), resume, config errors."""
@@ -15,17 +15,17 @@ import torch
 from transformers import LlamaConfig
 
 from pardec.config import ConfigError
+from pardec.models.drafters import load_drafter, new_drafter
 from pardec.models.eagle import default_layers, new_eagle3
-from pardec.models.heads import load_drafter, new_drafter
 from pardec.models.vocab import DraftVocab
 from pardec.train import run, validate
 from pardec.training.completions import CompletionDataset
-from pardec.training.heads.batches import RightPadCollator, term_count
-from pardec.training.heads.eagle import acceptance, eagle3_vocab, ttt_mask, ttt_terms, ttt_unroll
-from pardec.training.heads.target import TargetPass, target_pass
-from pardec.training.heads.trainer import (
-    HeadsConfig,
-    HeadsTrainer,
+from pardec.training.drafter.batches import RightPadCollator, term_count
+from pardec.training.drafter.eagle import acceptance, eagle3_vocab, ttt_mask, ttt_terms, ttt_unroll
+from pardec.training.drafter.target import TargetPass, target_pass
+from pardec.training.drafter.trainer import (
+    DrafterConfig,
+    DrafterTrainer,
 )
 from tests.conftest import tiny
 from tests.training.test_train_app import _compose
@@ -170,8 +170,8 @@ def test_trainer_loss_normalises_by_the_window_and_logs_per_step(tmp_path):
     torch.testing.assert_close(drafter.lm_head.weight, model.lm_head.weight[vocab.ids])  # the target's rows
     ds = CompletionDataset(records, max_length=64)
     batch = RightPadCollator(0)([ds[0], ds[1]])
-    args = HeadsConfig(output_dir=str(tmp_path), use_cpu=True, report_to="none")
-    trainer = HeadsTrainer(model=drafter, args=args, train_dataset=ds, data_collator=RightPadCollator(0), base=model,
+    args = DrafterConfig(output_dir=str(tmp_path), use_cpu=True, report_to="none")
+    trainer = DrafterTrainer(model=drafter, args=args, train_dataset=ds, data_collator=RightPadCollator(0), base=model,
                            ttt_steps=3, step_decay=0.5)
     assert trainer.k == 3 and trainer.window_counts([batch]) == term_count(batch["loss_mask"], 3)
     drafter.train()
@@ -217,7 +217,7 @@ def test_vocabulary_is_the_same_for_any_record_order():
     lm = tiny(0)
     g = random.Random(0)
     records = [{"completion_ids": [g.randrange(0, 3000) for _ in range(50)]} for _ in range(20)]
-    spec = SimpleNamespace(heads={"draft_vocab_size": 64})
+    spec = SimpleNamespace(drafter={"draft_vocab_size": 64})
     vocab, facts = eagle3_vocab(spec, records, lm)
     shuffled = records[::-1]
     vocab2, facts2 = eagle3_vocab(spec, shuffled, lm)
@@ -239,7 +239,7 @@ def test_tiny_end_to_end(tmp_path):
     assert (meta["ttt_steps"], meta["step_decay"], meta["draft_vocab_size"]) == (3, 0.8, 512)
     assert drafter.config.draft_vocab_size == 512 and drafter.config.layer_ids == [0, 2, 3]
     assert 0.0 < meta["draft_vocab_coverage"] <= 1.0 and meta["steps"] == 2
-    ev = json.loads((run_dir / "heads_eval.json").read_text())
+    ev = json.loads((run_dir / "drafter_eval.json").read_text())
     o = ev["overall"]
     assert ev["kind"] == "eagle3" and ev["steps"] == 3 and ev["positions"] > 0 and "trees" not in ev
     assert len(o["conditional_acceptance"]) == len(o["topk_containment"]) == 3
@@ -251,14 +251,14 @@ def test_tiny_end_to_end(tmp_path):
 
 def test_config_errors(tmp_path):
     cases = [
-        (["heads.draft_vocab_size=1"], "heads.draft_vocab_size=1 is out of range: it must be an integer >= 2"),
-        (["heads.ttt_steps=0"], "heads.ttt_steps=0 is out of range: it must be an integer >= 1"),
-        (["heads.ttt_steps=1.5"], "heads.ttt_steps=1.5 must be int"),
-        (["heads.step_decay=0"], r"heads.step_decay=0\.0 is out of range: it must be a number in \(0, 1\]"),
-        (["heads.step_decay=1.5"], r"heads.step_decay=1.5 is out of range: it must be a number in \(0, 1\]"),
-        (["+heads.layers=[0,4]"], r"heads.layers=\[0, 4\] is out of range: the target tiny_random has layers 0..3"),
-        (["+heads.layers=[]"], r"heads.layers=\[\] is not valid: give a non-empty list"),
-        (["+heads.num_heads=3"], r"unknown key\(s\) \['num_heads'\] in heads \(type eagle3\); valid: type, "
+        (["drafter.draft_vocab_size=1"], "drafter.draft_vocab_size=1 is out of range: it must be an integer >= 2"),
+        (["drafter.ttt_steps=0"], "drafter.ttt_steps=0 is out of range: it must be an integer >= 1"),
+        (["drafter.ttt_steps=1.5"], "drafter.ttt_steps=1.5 must be int"),
+        (["drafter.step_decay=0"], r"drafter.step_decay=0\.0 is out of range: it must be a number in \(0, 1\]"),
+        (["drafter.step_decay=1.5"], r"drafter.step_decay=1.5 is out of range: it must be a number in \(0, 1\]"),
+        (["+drafter.layers=[0,4]"], r"drafter.layers=\[0, 4\] is out of range: the target tiny_random has layers 0..3"),
+        (["+drafter.layers=[]"], r"drafter.layers=\[\] is not valid: give a non-empty list"),
+        (["+drafter.num_heads=3"], r"unknown key\(s\) \['num_heads'\] in drafter \(type eagle3\); valid: type, "
                                  r"draft_vocab_size, ttt_steps, step_decay, layers"),
     ]
     for ov, pattern in cases:
@@ -266,11 +266,11 @@ def test_config_errors(tmp_path):
             run(_compose(_overrides(tmp_path, *ov)), tmp_path / "out" / "bad")
         assert "\n" not in str(e.value)
     assert not (tmp_path / "out").exists()
-    bare = validate(_compose(_overrides(tmp_path, "~heads.ttt_steps", "~heads.step_decay", "~heads.draft_vocab_size")))
-    assert bare.heads == {"type": "eagle3", "draft_vocab_size": 32000, "ttt_steps": 7, "step_decay": 0.8, "layers": None}
+    bare = validate(_compose(_overrides(tmp_path, "~drafter.ttt_steps", "~drafter.step_decay", "~drafter.draft_vocab_size")))
+    assert bare.drafter == {"type": "eagle3", "draft_vocab_size": 32000, "ttt_steps": 7, "step_decay": 0.8, "layers": None}
     spec = validate(_compose(["+experiment=eagle3_smollm2", f"paths.data_dir={tmp_path}/data",
                               f"paths.output_dir={tmp_path}/out"]))
-    assert spec.heads == {"type": "eagle3", "draft_vocab_size": 8192, "ttt_steps": 7, "step_decay": 0.8,
+    assert spec.drafter == {"type": "eagle3", "draft_vocab_size": 8192, "ttt_steps": 7, "step_decay": 0.8,
                           "layers": None}
     assert spec.gen.out_dir.endswith("completions/draft_smollm2/train")
     assert spec.trainer["adam_beta2"] == 0.95 and spec.trainer["max_grad_norm"] == 0.5 and spec.trainer["max_steps"] == 240
@@ -279,9 +279,9 @@ def test_config_errors(tmp_path):
     from pardec.models.preflight import read_config_json
 
     if read_config_json(spec.model) is not None:
-        with pytest.raises(ConfigError, match=r"heads.draft_vocab_size=60000 is out of range: it must be in "
+        with pytest.raises(ConfigError, match=r"drafter.draft_vocab_size=60000 is out of range: it must be in "
                                               r"\[2, 49152\] \(the target smollm2_135m's vocabulary\)"):
-            validate(_compose(["+experiment=eagle3_smollm2", "heads.draft_vocab_size=60000",
+            validate(_compose(["+experiment=eagle3_smollm2", "drafter.draft_vocab_size=60000",
                                f"paths.data_dir={tmp_path}/data", f"paths.output_dir={tmp_path}/out"]))
 
 
@@ -306,7 +306,7 @@ def test_the_target_pass_keeps_only_the_chosen_layers_states():
 
 @pytest.mark.slow  # two tiny trainings
 def test_training_continues_from_a_kept_drafter(tmp_path, monkeypatch):
-    """heads.init_from: a second run starts from the first's drafter (a directory or zoo:<name>: verified), keeps its
+    """drafter.init_from: a second run starts from the first's drafter (a directory or zoo:<name>: verified), keeps its
     vocabulary, and its drafter.json counts the steps and data of both runs; a drafter shaped otherwise is refused."""
     from pardec import zoo
 
@@ -315,11 +315,11 @@ def test_training_continues_from_a_kept_drafter(tmp_path, monkeypatch):
         run(_compose(_overrides(tmp_path, f"stage={stage}")), first)
     shutil.copytree(first / "final", tmp_path / "zoo" / "smollm2" / "e3")
     monkeypatch.setattr(zoo, "ZOO_DIR", tmp_path / "zoo")
-    with pytest.raises(ConfigError, match=r"heads.init_from: zoo:e3 is not in the zoo \(no "):
-        validate(_compose(_overrides(tmp_path, "+heads.init_from=zoo:e3")))
+    with pytest.raises(ConfigError, match=r"drafter.init_from: zoo:e3 is not in the zoo \(no "):
+        validate(_compose(_overrides(tmp_path, "+drafter.init_from=zoo:e3")))
     zoo.seal(tmp_path / "zoo" / "smollm2" / "e3", {"name": "e3", "target": {"name": "tiny_random"}})
     second = tmp_path / "out" / "second"
-    summary = run(_compose(_overrides(tmp_path, "stage=train", "+heads.init_from=zoo:e3")), second)
+    summary = run(_compose(_overrides(tmp_path, "stage=train", "+drafter.init_from=zoo:e3")), second)
     assert summary["train"]["total_steps"] == 4 and summary["train"]["init_from"] == str(tmp_path / "zoo/smollm2/e3")
     lm = tiny(0, layers=4)
     one, _ = load_drafter(first / "final", lm.model.config, "eagle3")
@@ -329,9 +329,9 @@ def test_training_continues_from_a_kept_drafter(tmp_path, monkeypatch):
     assert [r["steps"] for r in meta["history"]] == [2, 2] and meta["total_sequences"] == 2 * sum(
         r["sequences_per_step"] for r in meta["history"])
     assert not torch.equal(one.fc.weight, two.fc.weight)  # it trained on
-    with pytest.raises(ConfigError, match=r"heads.init_from=.*: its drafter is not shaped like this experiment's"):
-        run(_compose(_overrides(tmp_path, "stage=train", f"+heads.init_from={first / 'final'}",
-                                "heads.draft_vocab_size=256")), tmp_path / "out" / "third")
-    with pytest.raises(ConfigError, match=r"holds a 'eagle3' drafter; this experiment trains heads.type='medusa'"):
+    with pytest.raises(ConfigError, match=r"drafter.init_from=.*: its drafter is not shaped like this experiment's"):
+        run(_compose(_overrides(tmp_path, "stage=train", f"+drafter.init_from={first / 'final'}",
+                                "drafter.draft_vocab_size=256")), tmp_path / "out" / "third")
+    with pytest.raises(ConfigError, match=r"holds a 'eagle3' drafter; this experiment trains drafter.type='medusa'"):
         validate(_compose(["+experiment=heads_medusa_tiny", f"paths.data_dir={tmp_path}/data",
-                           f"paths.output_dir={tmp_path}/out", f"+heads.init_from={first / 'final'}"]))
+                           f"paths.output_dir={tmp_path}/out", f"+drafter.init_from={first / 'final'}"]))

@@ -1,25 +1,25 @@
-"""`HeadsConfig` + `HeadsTrainer`: train a drafter on the frozen target's own greedy completions, plus its held-out
+"""`DrafterConfig` + `DrafterTrainer`: train a drafter on the frozen target's own greedy completions, plus its held-out
 evaluation and tree search. What differs by drafter type (its construction, collator, loss, normaliser, logs and
-held-out evaluation) is the type's (:mod:`pardec.training.heads.types`: :mod:`.medusa`, :mod:`.firp`, :mod:`.eagle`,
+held-out evaluation) is the type's (:mod:`pardec.training.drafter.types`: :mod:`.medusa`, :mod:`.firp`, :mod:`.eagle`,
 :mod:`.dflash`); this module names no type.
 
 The trainer's model is the drafter (a plain ``nn.Module``); the target ("base") is frozen, kept outside the
 optimizer and the DeepSpeed engine (as DraftTrainer's teacher) and moved to the args' device. Each sample is
 ``prompt + completion[:-1]`` (:class:`~pardec.training.completions.CompletionDataset`, cut from the left to
-``max_length``), right-padded by :class:`~pardec.training.heads.batches.RightPadCollator`: pads sit at the end, so
+``max_length``), right-padded by :class:`~pardec.training.drafter.batches.RightPadCollator`: pads sit at the end, so
 no real token and no pseudo state ever attends to one and no key mask is needed.
 
 Loss (soft targets, temperature 1): for depth ``k`` (0-based) and position ``t``, a KL divergence between
 ``p_{t+k+1}``, the base's next-token distribution at position ``t + k + 1`` (detached), and ``q_{t,k}``, head ``k``
 (Medusa) / pseudo step ``k`` (FIRP) at anchor ``t``: both predict the token at ``t + k + 2``. Medusa: ``KL(p || q)``
-(self-distillation). FIRP: ``KL(q || p)`` by default (``heads.distance: rkl``; the paper's Eq. 4, KL(P~ || P) with P~
+(self-distillation). FIRP: ``KL(q || p)`` by default (``drafter.distance: rkl``; the paper's Eq. 4, KL(P~ || P) with P~
 the distribution from the pseudo state); ``fkl`` keeps pardec's earlier ``KL(p || q)``. A term counts where
 ``p_{t+k+1}`` predicts a completion token (the loss mask of position ``t + k + 1``; never a pad). Weights: Medusa
 ``head_decay ** k`` (Medusa-1's decay), FIRP 1 per step (the paper sums the steps). The weighted sum is divided by
 the number of (position, depth) terms in the whole gradient-accumulation window (summed over ranks), so
 accumulation gives the big-batch gradient.
 
-FIRP with ``heads.attention: real`` (the default; FIRP §3.3) is trained teacher-forced: pseudo step ``i`` of anchor
+FIRP with ``drafter.attention: real`` (the default; FIRP §3.3) is trained teacher-forced: pseudo step ``i`` of anchor
 ``t`` sees the real tokens up to ``t + i`` (its own position minus one) and itself, never another pseudo state, so
 its loss reaches projection ``i`` alone: the K projections are trained separately, in one forward (what still ties
 them: the global gradient-norm clip and the shared normaliser). ``attention: pseudo`` (pardec's earlier pattern)
@@ -29,18 +29,18 @@ token after the anchor); for FIRP in both views a pseudo state can have at decod
 (``pseudo``: it also sees the anchor's earlier pseudo states; decoding's default, the view the trees are searched on)
 and "Masked" (``real``: the real states and itself).
 
-DFlash (``heads.type: dflash``): the block loss of :mod:`pardec.training.heads.dflash` (K = the block's slots
-``block_size - 1``, anchors drawn by :class:`~pardec.training.heads.dflash.DFlashCollator`, normalised by the
+DFlash (``drafter.type: dflash``): the block loss of :mod:`pardec.training.drafter.dflash` (K = the block's slots
+``block_size - 1``, anchors drawn by :class:`~pardec.training.drafter.dflash.DFlashCollator`, normalised by the
 window's counted terms) and its own eval stage (held-out acceptance by block position).
 
-EAGLE-3 (``heads.type: eagle3``): the training-time-test loss of :mod:`pardec.training.heads.eagle` (K = the TTT
+EAGLE-3 (``drafter.type: eagle3``): the training-time-test loss of :mod:`pardec.training.drafter.eagle` (K = the TTT
 steps, weights ``step_decay ** k``, the same window normaliser), its vocabulary from the corpus
-(:func:`~pardec.training.heads.eagle.eagle3_vocab`)
+(:func:`~pardec.training.drafter.eagle.eagle3_vocab`)
 and its own eval stage (:func:`evaluate_chain`: held-out chain acceptance by depth, no trees).
 
 Logged beside loss / lr / grad_norm, per depth ``d = k + 1``: ``kl_d<d>`` (the mean training KL) and ``top1_d<d>``
 (teacher-forced top-1 agreement: student argmax == teacher argmax), plus their term-weighted means ``kl`` and
-``top1``; DFlash logs ``ce_d<d>`` and ``ce`` in place of the KL (:meth:`~pardec.training.heads.dflash.DFlashType.loss`).
+``top1``; DFlash logs ``ce_d<d>`` and ``ce`` in place of the KL (:meth:`~pardec.training.drafter.dflash.DFlashType.loss`).
 """
 
 from __future__ import annotations
@@ -53,9 +53,9 @@ import torch
 
 from pardec.config import ConfigError, Ranks
 from pardec.training.base import BaseConfig, BaseTrainer, fit, training_args, unwrap
-from pardec.training.heads.batches import held_out_windows
-from pardec.training.heads.target import FeatureCache, TargetPass, target_pass
-from pardec.training.heads.types import heads_type
+from pardec.training.drafter.batches import held_out_windows
+from pardec.training.drafter.target import FeatureCache, TargetPass, target_pass
+from pardec.training.drafter.types import drafter_type
 from pardec.training.losses import masked_sum, token_divergence
 
 log = logging.getLogger(__name__)
@@ -83,27 +83,27 @@ def depth_terms(teacher: torch.Tensor, student: torch.Tensor, mask: torch.Tensor
 
 # ------------------------------------------------------------------------------------------- trainer
 @dataclass
-class HeadsConfig(BaseConfig):
+class DrafterConfig(BaseConfig):
     head_decay: float = field(default=0.8, metadata={"help": "Medusa: head k (0-based) weighs head_decay**k"})
 
     @classmethod
     def check_values(cls, values: dict) -> None:
         super().check_values(values)
         if not 0.0 < values.get("head_decay", 0.8) <= 1.0:
-            raise ConfigError(f"heads.head_decay={values['head_decay']!r} is out of range: it must be in (0, 1]")
+            raise ConfigError(f"drafter.head_decay={values['head_decay']!r} is out of range: it must be in (0, 1]")
 
 
-class HeadsTrainer(BaseTrainer):
-    args: HeadsConfig
+class DrafterTrainer(BaseTrainer):
+    args: DrafterConfig
 
     def __init__(self, *args, base: torch.nn.Module, distance: str | None = None, ttt_steps: int = 7, step_decay:
                  float = 0.8, dflash: dict | None = None, features: FeatureCache | None = None, **kwargs):
         drafter = unwrap(kwargs["model"])
-        self.type = heads_type(drafter.kind)  # the drafter type's loss, normaliser and logs
+        self.type = drafter_type(drafter.kind)  # the drafter type's loss, normaliser and logs
         self.ttt_steps, self.step_decay = ttt_steps, step_decay  # EAGLE-3's training-time test
         self.dflash = dflash  # DFlash's block-loss options
         self.k = self.type.loss_k(drafter, self)  # the loss's terms per anchor (EAGLE-3: its TTT steps)
-        # the depth loss's divergence: the type's default (FIRP's Eq. 4: KL(q || p)) unless heads.distance says
+        # the depth loss's divergence: the type's default (FIRP's Eq. 4: KL(q || p)) unless drafter.distance says
         self.distance = distance or self.type.default_distance
         self.log_sums_size = 3 * self.k  # loss sums, agreement sums, counts per depth
         # what the per-depth loss in the logs is: a KL to the target's distribution (Medusa, FIRP, EAGLE-3), or
@@ -117,10 +117,10 @@ class HeadsTrainer(BaseTrainer):
             if hasattr(self.args, name):
                 setattr(self.args, name, False)
         self.base = base.to(self.args.device).eval().requires_grad_(False)  # not a submodule of the drafter
-        self.features = features  # heads.feature_cache: the target's states kept on disk
+        self.features = features  # drafter.feature_cache: the target's states kept on disk
 
     def target_pass(self, inputs: dict, layer_ids, logits: bool = True) -> TargetPass:
-        """The frozen target's pass over the batch (:func:`target_pass`), or read from ``heads.feature_cache``."""
+        """The frozen target's pass over the batch (:func:`target_pass`), or read from ``drafter.feature_cache``."""
         ids = inputs["input_ids"].to(self.args.device)
         if not self.features:
             return target_pass(self.base, ids, layer_ids, logits=logits)
@@ -187,7 +187,7 @@ def future_ranks(base, drafter, records: list[dict], attention: str | None = Non
     Returns (ranks [N, K], valid [N, K], {"anchors", "target_matches_record"}).
     """
 
-    htype = heads_type(drafter.kind)
+    htype = drafter_type(drafter.kind)
     k = drafter.k
     all_ranks, all_valid = [], []
     same = anchors_n = 0
@@ -224,31 +224,31 @@ def accuracy_report(ranks: torch.Tensor, valid: torch.Tensor, topk: int) -> dict
 # ------------------------------------------------------------------------------------------- app stages
 def _new_drafter(spec, base, lm=None, records=()):
     """A fresh drafter of the run's type for ``base`` (and the facts of its making): the type's own
-    (:meth:`~pardec.training.heads.types.HeadsType.new`)."""
-    return heads_type(spec.heads["type"]).new(spec, base, lm, list(records))
+    (:meth:`~pardec.training.drafter.types.DrafterType.new`)."""
+    return drafter_type(spec.drafter["type"]).new(spec, base, lm, list(records))
 
 
-def train_heads(spec, run_dir, ranks: Ranks) -> dict:
-    """The train stage of a ``kind: heads`` experiment (``spec``: :class:`~pardec.training.heads.HeadsSpec`): a
+def train_drafter(spec, run_dir, ranks: Ranks) -> dict:
+    """The train stage of a ``kind: drafter`` experiment (``spec``: :class:`~pardec.training.drafter.DrafterSpec`): a
     fresh drafter trained on ``load_completions(spec.gen.out_dir)`` (its first ``spec.corpus_fraction`` per source);
     saved with ``save_drafter`` to ``<run>/final``."""
     from transformers import PretrainedConfig
 
-    from pardec.models.heads import num_parameters, save_drafter
+    from pardec.models.drafters import num_parameters, save_drafter
     from pardec.models.loading import load_model, trainable
     from pardec.training.completions import CompletionDataset, corpus_share, load_completions
 
-    args = training_args(HeadsConfig, spec, run_dir, head_decay=spec.head_decay)  # before the model (ZeRO-3)
+    args = training_args(DrafterConfig, spec, run_dir, head_decay=spec.head_decay)  # before the model (ZeRO-3)
     records = corpus_share(load_completions(spec.gen.out_dir), spec.corpus_fraction)
     lm = load_model(trainable(spec.model, spec.model_dtype))  # the Trainer places the drafter
     base = lm.model.requires_grad_(False)
-    htype = heads_type(spec.heads["type"])
+    htype = drafter_type(spec.drafter["type"])
     with torch.random.fork_rng(devices=[]):  # random layers (EAGLE-3, DFlash): the same init on every rank and rerun
         torch.manual_seed(args.seed)
         drafter, made = _new_drafter(spec, base, lm, records)
-    history: list[dict] = []  # the runs this drafter was trained in before this one (heads.init_from)
+    history: list[dict] = []  # the runs this drafter was trained in before this one (drafter.init_from)
     if spec.init_from:
-        history, prior = continue_from(spec.init_from, drafter, base.config, spec.heads["type"])
+        history, prior = continue_from(spec.init_from, drafter, base.config, spec.drafter["type"])
         # what the drafter was made with is the trained one's (EAGLE-3's vocabulary: continue_from loaded its maps)
         made = {k: prior[k] for k in made if k in prior}
     # DeepSpeed's "auto" bucket sizes (conf/deepspeed/*.json: reduce_bucket_size) are filled from model.config's
@@ -258,11 +258,11 @@ def train_heads(spec, run_dir, ranks: Ranks) -> dict:
         drafter.config = PretrainedConfig(hidden_size=base.config.hidden_size)
     ds = CompletionDataset(records, args.max_length)
     pad = lm.tokenizer.pad_token_id
-    collator = htype.collator(0 if pad is None else pad, spec.heads, args.seed)
-    options = htype.trainer_options(spec.heads, spec.head_decay)
+    collator = htype.collator(0 if pad is None else pad, spec.drafter, args.seed)
+    options = htype.trainer_options(spec.drafter, spec.head_decay)
     features = spec.feature_cache and FeatureCache(spec.feature_cache, spec.model.identity(),
-                                                   drafter.config.layer_ids, final=htype.needs_target_logits(spec.heads))
-    trainer = HeadsTrainer(model=drafter, args=args, train_dataset=ds, data_collator=collator, base=base,
+                                                   drafter.config.layer_ids, final=htype.needs_target_logits(spec.drafter))
+    trainer = DrafterTrainer(model=drafter, args=args, train_dataset=ds, data_collator=collator, base=base,
                            features=features, **options)
     for callback in htype.callbacks(collator):
         trainer.add_callback(callback)
@@ -276,10 +276,10 @@ def train_heads(spec, run_dir, ranks: Ranks) -> dict:
                  **continuation_facts(history, {"experiment": spec.experiment, "steps": trained["steps"],
                                                 "samples": len(ds), "tokens": tokens, "sequences_per_step": per_step},
                                       spec.init_from),
-                 **htype.facts(spec.heads, spec.head_decay), **made}
+                 **htype.facts(spec.drafter, spec.head_decay), **made}
         if ranks.rank == 0:
             save_drafter(trainer.model, final, base.config, spec.model.name, extra=facts)
-        return {**facts, "truncated_samples": ds.n_truncated, "kind": spec.heads["type"],
+        return {**facts, "truncated_samples": ds.n_truncated, "kind": spec.drafter["type"],
                 "trainable_parameters": num_parameters(drafter), "final_drafter": str(final)}
 
     return fit(trainer, spec, run_dir, ranks, finish)
@@ -289,13 +289,13 @@ def continue_from(path: str, drafter, base_config, kind: str) -> tuple[list[dict
     """Load the trained drafter at ``path`` into the fresh ``drafter`` (every tensor, EAGLE-3's vocabulary maps
     included; one line naming the tensors whose shapes differ); returns (the runs it was trained in, its
     ``drafter.json``)."""
-    from pardec.models.heads import load_drafter
+    from pardec.models.drafters import load_drafter
 
-    prior, meta = load_drafter(path, base_config, kind, key="heads.init_from")
+    prior, meta = load_drafter(path, base_config, kind, key="drafter.init_from")
     want, have = drafter.state_dict(), prior.state_dict()
     bad = sorted(k for k in set(want) | set(have) if k not in want or k not in have or want[k].shape != have[k].shape)
     if bad:
-        raise ConfigError(f"heads.init_from={path}: its drafter is not shaped like this experiment's ({len(bad)} "
+        raise ConfigError(f"drafter.init_from={path}: its drafter is not shaped like this experiment's ({len(bad)} "
                           f"tensor(s) differ, e.g. {bad[0]}); give the settings it was trained with")
     drafter.load_state_dict(have)
     history = meta.get("history") or [{k: meta.get(k) for k in ("experiment", "steps", "samples", "tokens",
@@ -315,18 +315,18 @@ def continuation_facts(history: list[dict], this: dict, init_from: str | None) -
 
 def evaluate_chain(spec, run_dir, lm, drafter, final) -> dict:
     """The eval stage of the drafters that draft a chain (no tree search), per source and pooled, into
-    ``<run>/heads_eval.json``: EAGLE-3's held-out chain acceptance by depth
-    (:func:`pardec.training.heads.eagle.acceptance`; it drafts its tree dynamically), DFlash's acceptance by block
-    position (:func:`pardec.training.heads.dflash.acceptance`)."""
-    from pardec.models.heads import num_parameters
+    ``<run>/drafter_eval.json``: EAGLE-3's held-out chain acceptance by depth
+    (:func:`pardec.training.drafter.eagle.acceptance`; it drafts its tree dynamically), DFlash's acceptance by block
+    position (:func:`pardec.training.drafter.dflash.acceptance`)."""
+    from pardec.models.drafters import num_parameters
     from pardec.training.completions import load_completions, run_generation
-    from pardec.training.heads.heldout import merge_acceptance
+    from pardec.training.drafter.heldout import merge_acceptance
 
     kind = drafter.kind
     result: dict = {"drafter": str(final), "kind": kind, "target": spec.model.name,
                     "layer_ids": drafter.config.layer_ids, "parameters": num_parameters(drafter), "topk": spec.topk,
                     "per_dataset": {}}
-    settings, measure = heads_type(kind).chain_eval(spec, lm, drafter)
+    settings, measure = drafter_type(kind).chain_eval(spec, lm, drafter)
     result.update(settings)
     parts = []
     for g in spec.eval_gen:
@@ -337,19 +337,19 @@ def evaluate_chain(spec, run_dir, lm, drafter, final) -> dict:
     result["overall"] = merge_acceptance(parts)
     result["positions"] = result["overall"]["anchors"]
     result["expected_tokens_per_forward"] = result["overall"]["expected_tokens_per_forward"]
-    (run_dir / "heads_eval.json").write_text(json.dumps(result, indent=2) + "\n")
+    (run_dir / "drafter_eval.json").write_text(json.dumps(result, indent=2) + "\n")
     return result
 
 
-def evaluate_heads(spec, run_dir) -> dict:
+def evaluate_drafter(spec, run_dir) -> dict:
     """The eval stage: greedy target completions of each held-out source (resumable, own out dir), the ranks of the
     true future tokens under ``<run>/final`` at each depth, per-rank accuracies, and trees searched for
-    ``spec.budgets`` (``<run>/final/trees/T<budget>.json``); all into ``<run>/heads_eval.json``. FIRP is measured in
+    ``spec.budgets`` (``<run>/final/trees/T<budget>.json``); all into ``<run>/drafter_eval.json``. FIRP is measured in
     both attention views (``attention_views``: FIRP Fig. 7's No masked vs Masked); its main figures and trees are
     decoding's default view."""
 
     from pardec.decoding.tree_search import chain_paths, expected_accept_length, save_tree, search_tree
-    from pardec.models.heads import load_drafter, num_parameters
+    from pardec.models.drafters import load_drafter, num_parameters
     from pardec.models.loading import load_model
     from pardec.training.completions import load_completions, run_generation
 
@@ -357,14 +357,14 @@ def evaluate_heads(spec, run_dir) -> dict:
     if not (final / "drafter.json").is_file():
         raise FileNotFoundError(f"no trained drafter in {final}; run stage=train first")
     lm = load_model(spec.model)  # the run's dtype: fp32 on CPU, bf16 on GPU, as the decoders will run it
-    kind = spec.heads["type"]
+    kind = spec.drafter["type"]
     drafter, meta = load_drafter(final, lm.model.config, kind, key="final")
     drafter = drafter.to(lm.model.device)
-    if heads_type(kind).chain:
+    if drafter_type(kind).chain:
         return evaluate_chain(spec, run_dir, lm, drafter.to(lm.model.dtype), final)
     result: dict = {"drafter": str(final), "kind": kind, "target": spec.model.name, "k": drafter.k,
                     "parameters": num_parameters(drafter), "topk": spec.topk, "per_dataset": {}}
-    htype = heads_type(kind)
+    htype = drafter_type(kind)
     views = list(htype.eval_views)  # FIRP: decoding's view first (the main figures, the trees), then Fig. 7's other
     ranks_all, valid_all = {v: [] for v in views}, {v: [] for v in views}
     for g in spec.eval_gen:
@@ -396,5 +396,5 @@ def evaluate_heads(spec, run_dir) -> dict:
         f = save_tree(final / "trees" / f"T{b}.json", f"T{b}", paths, acc, {**source, "budget": b})
         result["trees"][f"T{b}"] = {"nodes": len(paths), "expected_accept_length": expected_accept_length(acc, paths),
                                     "file": str(f)}
-    (run_dir / "heads_eval.json").write_text(json.dumps(result, indent=2) + "\n")
+    (run_dir / "drafter_eval.json").write_text(json.dumps(result, indent=2) + "\n")
     return result

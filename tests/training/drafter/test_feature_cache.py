@@ -1,4 +1,4 @@
-"""``heads.feature_cache`` (:class:`pardec.training.heads.target.FeatureCache`): the frozen target's states kept on
+"""``drafter.feature_cache`` (:class:`pardec.training.drafter.target.FeatureCache`): the frozen target's states kept on
 disk per training sequence, read instead of a live pass. What a cached pass returns against the live one (padding,
 the logits recomputed from the kept final state), that a sequence is computed once and then read without running a
 layer, that a file cut short by a kill is not read, that another target or other layers get their own directory,
@@ -13,7 +13,7 @@ import torch
 
 from pardec.config import ConfigError
 from pardec.train import run
-from pardec.training.heads.target import FeatureCache, target_pass
+from pardec.training.drafter.target import FeatureCache, target_pass
 from tests.conftest import tiny
 from tests.training.test_train_app import _compose
 
@@ -104,7 +104,7 @@ def test_training_through_the_cache_keeps_each_sequence_once(tmp_path, experimen
     run_dir = tmp_path / "out" / "run"
     fc = tmp_path / "features"
     summary = run(_compose([f"+experiment={experiment}", f"paths.data_dir={tmp_path}/data",
-                            f"paths.output_dir={tmp_path}/out", f"+heads.feature_cache={fc}"]), run_dir)
+                            f"paths.output_dir={tmp_path}/out", f"+drafter.feature_cache={fc}"]), run_dir)
     (key,) = list(fc.iterdir())
     meta = json.loads((key / "meta.json").read_text())
     assert meta["final_state"] is (kind == "eagle3")  # EAGLE-3's soft labels need the target's logits; DFlash's CE not
@@ -113,16 +113,16 @@ def test_training_through_the_cache_keeps_each_sequence_once(tmp_path, experimen
     assert seen >= 2 and len(list(key.glob("*.safetensors"))) == seen
     logged = [h for h in json.loads((run_dir / "log_history.json").read_text()) if "loss" in h]
     assert logged and all(torch.isfinite(torch.tensor(h["loss"])) for h in logged)
-    assert (run_dir / "heads_eval.json").exists()
+    assert (run_dir / "drafter_eval.json").exists()
 
 
 def test_config_errors(tmp_path):
     base = [f"paths.data_dir={tmp_path}/data", f"paths.output_dir={tmp_path}/out"]
-    with pytest.raises(ConfigError, match=r"heads.feature_cache is not valid with heads.type='medusa': it keeps the "
+    with pytest.raises(ConfigError, match=r"drafter.feature_cache is not valid with drafter.type='medusa': it keeps the "
                                           r"target states that dflash, eagle3 train on") as e:
-        run(_compose(["+experiment=heads_medusa_tiny", *base, f"+heads.feature_cache={tmp_path}/fc"]),
+        run(_compose(["+experiment=heads_medusa_tiny", *base, f"+drafter.feature_cache={tmp_path}/fc"]),
             tmp_path / "out" / "bad")
     assert "\n" not in str(e.value)
-    with pytest.raises(ConfigError, match=r"heads.feature_cache=3 is not valid: give a directory"):
-        run(_compose(["+experiment=dflash_tiny", *base, "+heads.feature_cache=3"]), tmp_path / "out" / "bad")
+    with pytest.raises(ConfigError, match=r"drafter.feature_cache=3 is not valid: give a directory"):
+        run(_compose(["+experiment=dflash_tiny", *base, "+drafter.feature_cache=3"]), tmp_path / "out" / "bad")
     assert not (tmp_path / "out").exists() and not (tmp_path / "fc").exists()

@@ -1,10 +1,10 @@
-"""EAGLE-3's training-time test (TTT) loss and its held-out acceptance, for ``heads.type: eagle3``
+"""EAGLE-3's training-time test (TTT) loss and its held-out acceptance, for ``drafter.type: eagle3``
 (Li et al. 2025, §3.2 / Fig. 5; reference: SafeAILab/EAGLE ``eagle/traineagle3/cnets.py`` ``Model.forward`` and
 ``main.py``; the line numbers below are of that repository's HEAD).
 
-Batch: right-padded ``prompt + completion[:-1]`` (:class:`~pardec.training.heads.batches.RightPadCollator`), ids
+Batch: right-padded ``prompt + completion[:-1]`` (:class:`~pardec.training.drafter.batches.RightPadCollator`), ids
 ``x`` [B, T], ``loss_mask[j]``: token ``x_{j+1}`` is a completion token. One frozen target forward
-(:func:`~pardec.training.heads.target.target_pass`) gives the states entering ``layer_ids`` (concatenated [B, T, 3H]; cnets.py ``dataprepare``,
+(:func:`~pardec.training.drafter.target.target_pass`) gives the states entering ``layer_ids`` (concatenated [B, T, 3H]; cnets.py ``dataprepare``,
 l. 714-731) and the logits; the draft then unrolls ``S = ttt_steps`` steps over every anchor ``t`` at once
 (:func:`ttt_unroll`; reference ``self.length = 7``, l. 498, loop l. 790):
 
@@ -27,7 +27,7 @@ is a draft-vocabulary id (``t2d[argmax]``, l. 837) and ``loss_mask[t + 1 + i]`` 
 token; the reference's ``position_mask`` l. 839 multiplies by its own loss mask, which marks the assistant tokens).
 Steps weigh ``step_decay ** i`` (main.py l. 284-285: ``ploss_weight = [0.8 ** i ...]``). Normaliser: the
 (anchor, step) terms whose predicted token is a completion token, over the whole accumulation window
-(:func:`~pardec.training.heads.trainer.term_count`), so accumulation gives the big-batch gradient; terms whose
+(:func:`~pardec.training.drafter.trainer.term_count`), so accumulation gives the big-batch gradient; terms whose
 target argmax lies outside the draft vocabulary add 0 but stay in the normaliser (as the reference, whose
 ``position_mask`` zeroes them inside a mean over every position, l. 855). Gradients reach the draft only: the target,
 its embeddings and its features are computed without them.
@@ -42,10 +42,10 @@ from typing import Any
 import torch
 
 from pardec.config import ConfigError, check_at_least, check_range
-from pardec.training.heads.batches import held_out_windows, term_count
-from pardec.training.heads.heldout import summarise
-from pardec.training.heads.target import TargetPass, target_pass
-from pardec.training.heads.types import HeadsType, check_layer_list, register_heads_type
+from pardec.training.drafter.batches import held_out_windows, term_count
+from pardec.training.drafter.heldout import summarise
+from pardec.training.drafter.target import TargetPass, target_pass
+from pardec.training.drafter.types import DrafterType, check_layer_list, register_drafter_type
 
 log = logging.getLogger(__name__)
 
@@ -199,16 +199,16 @@ class Eagle3Options:
         "help": "the target layers whose states are fused (null: EAGLE-3's low/mid/high default)"})
 
     def __post_init__(self) -> None:
-        check_at_least("heads.draft_vocab_size", self.draft_vocab_size, 2, integer=True)
-        check_at_least("heads.ttt_steps", self.ttt_steps, 1, integer=True)
-        check_range("heads.step_decay", self.step_decay, 0, 1, integer=False, open_lo=True)
+        check_at_least("drafter.draft_vocab_size", self.draft_vocab_size, 2, integer=True)
+        check_at_least("drafter.ttt_steps", self.ttt_steps, 1, integer=True)
+        check_range("drafter.step_decay", self.step_decay, 0, 1, integer=False, open_lo=True)
         if self.layers is not None:
             check_layer_list(self.layers, "the fused features; null: EAGLE-3's low/mid/high default")
 
 
-@register_heads_type
-class Eagle3Type(HeadsType):
-    """``heads.type: eagle3``: one draft layer over the fused target features, trained with training-time test
+@register_drafter_type
+class Eagle3Type(DrafterType):
+    """``drafter.type: eagle3``: one draft layer over the fused target features, trained with training-time test
     (this module), its draft vocabulary the corpus's most common tokens (:func:`eagle3_vocab`)."""
 
     name = "eagle3"
@@ -216,22 +216,22 @@ class Eagle3Type(HeadsType):
     chain = True
     reads_target_states = True
 
-    def check_target(self, heads: dict, model) -> None:
-        super().check_target(heads, model)
-        check_vocab_size(heads["draft_vocab_size"], model)
+    def check_target(self, options: dict, model) -> None:
+        super().check_target(options, model)
+        check_vocab_size(options["draft_vocab_size"], model)
 
     def new(self, spec, base, lm, records: list[dict]) -> tuple[Any, dict]:
-        from pardec.models.heads import new_drafter
+        from pardec.models.drafters import new_drafter
 
         vocab, facts = eagle3_vocab(spec, records, lm)  # the head starts from the target's rows of the kept ids
-        return new_drafter(self.name, base.config, layers=spec.heads.get("layers"), lm_head=base.lm_head,
+        return new_drafter(self.name, base.config, layers=spec.drafter.get("layers"), lm_head=base.lm_head,
                            vocab=vocab), facts
 
-    def trainer_options(self, heads: dict, head_decay: float) -> dict[str, Any]:
-        return {"ttt_steps": heads["ttt_steps"], "step_decay": heads["step_decay"]}
+    def trainer_options(self, options: dict, head_decay: float) -> dict[str, Any]:
+        return {"ttt_steps": options["ttt_steps"], "step_decay": options["step_decay"]}
 
-    def facts(self, heads: dict, head_decay: float) -> dict[str, Any]:
-        return self.trainer_options(heads, head_decay)
+    def facts(self, options: dict, head_decay: float) -> dict[str, Any]:
+        return self.trainer_options(options, head_decay)
 
     def loss_k(self, drafter, trainer) -> int:
         return trainer.ttt_steps  # one loss term per training-time-test step, weighted step_decay ** i
@@ -251,23 +251,23 @@ class Eagle3Type(HeadsType):
 
     def chain_eval(self, spec, lm, drafter) -> tuple[dict, Any]:
         """(the held-out result's settings, records -> the chain's acceptance by depth)."""
-        steps = int(spec.heads["ttt_steps"])
+        steps = int(spec.drafter["ttt_steps"])
         return ({"steps": steps, "draft_vocab_size": drafter.config.draft_vocab_size},
                 lambda records: acceptance(lm.model, drafter, records, steps, spec.topk))
 
 
 def check_vocab_size(size: int, model) -> None:
-    """``heads.draft_vocab_size`` against the target's vocabulary when its config is at hand without loading it."""
+    """``drafter.draft_vocab_size`` against the target's vocabulary when its config is at hand without loading it."""
     from pardec.models.preflight import read_config_json
 
     vocab = None if model.source == "tiny_random" else (read_config_json(model) or {}).get("vocab_size")
     if vocab is not None and size > vocab:
-        raise ConfigError(f"heads.draft_vocab_size={size} is out of range: it must be in [2, {vocab}] (the target "
+        raise ConfigError(f"drafter.draft_vocab_size={size} is out of range: it must be in [2, {vocab}] (the target "
                           f"{model.name}'s vocabulary)")
 
 
 def eagle3_vocab(spec, records: list[dict], lm):
-    """EAGLE-3's draft vocabulary: ``heads.draft_vocab_size`` ids from the completion tokens' counts (specials, pad
+    """EAGLE-3's draft vocabulary: ``drafter.draft_vocab_size`` ids from the completion tokens' counts (specials, pad
     and EOS always kept; reference cnets.py ``process_data`` l. 457-469 and ``scandata`` l. 666-674:
     the corpus's most common tokens, counted over the assistant tokens). Every rank reads the same merged records and counts them the same way (a Counter's
     totals do not depend on order, ``choose_vocab`` breaks ties by id), so all ranks build the same vocabulary
@@ -280,10 +280,10 @@ def eagle3_vocab(spec, records: list[dict], lm):
     tok, target = lm.tokenizer, lm.model
     counts = Counter(t for r in records for t in r["completion_ids"])
     special = {*tok.all_special_ids, tok.pad_token_id, *lm.eos_ids}
-    size = spec.heads["draft_vocab_size"]
+    size = spec.drafter["draft_vocab_size"]
     vocab_size = int(target.config.vocab_size)
     if size > vocab_size:
-        raise ConfigError(f"heads.draft_vocab_size={size} is out of range: it must be in [2, {vocab_size}] "
+        raise ConfigError(f"drafter.draft_vocab_size={size} is out of range: it must be in [2, {vocab_size}] "
                           f"(the target's vocabulary)")
     ids = choose_vocab(counts, size, sorted(i for i in special if i is not None), vocab_size)
     kept = set(ids)

@@ -1,7 +1,7 @@
-"""The batches every heads type trains on and the held-out windows it is evaluated on: right-padded
+"""The batches every drafter type trains on and the held-out windows it is evaluated on: right-padded
 ``prompt + completion[:-1]`` samples (:class:`RightPadCollator`) and per-record teacher-forcing windows
 (:func:`held_out_windows`). Below the trainer and every type's loss (Medusa / FIRP in
-:mod:`pardec.training.heads.trainer`, :mod:`pardec.training.heads.eagle`, :mod:`pardec.training.heads.dflash`),
+:mod:`pardec.training.drafter.trainer`, :mod:`pardec.training.drafter.eagle`, :mod:`pardec.training.drafter.dflash`),
 which all import it."""
 
 from __future__ import annotations

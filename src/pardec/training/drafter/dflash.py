@@ -1,9 +1,9 @@
-"""DFlash's block loss and its held-out acceptance, for ``heads.type: dflash`` (Chen et al. 2026, arXiv 2602.06036;
+"""DFlash's block loss and its held-out acceptance, for ``drafter.type: dflash`` (Chen et al. 2026, arXiv 2602.06036;
 the facts and sources: ``docs/dflash_reference.md``; the draft: :mod:`pardec.models.dflash`).
 
 Batch: right-padded ``prompt + completion[:-1]`` with ``loss_mask[j]``: token ``x_{j+1}`` is a completion token
 (:class:`DFlashCollator`, which also samples the anchors). One frozen target forward gives the states entering the
-draft's target layers at every position (:func:`~pardec.training.heads.target.target_pass`); every draft layer's
+draft's target layers at every position (:func:`~pardec.training.drafter.target.target_pass`); every draft layer's
 context keys/values come from them once.
 
 * **Anchors** (the paper: "fixing the number of masked blocks per sequence and randomly sampling anchor positions
@@ -14,11 +14,11 @@ context keys/values come from them once.
 * **Blocks**: block ``j`` is ``[x_a, mask x (B - 1)]`` at positions ``a .. a + B - 1``; its queries see the context
   keys at positions ``< a`` and every slot of their own block, nothing of other blocks (``speculators``
   ``models/dflash/attention.py``); slot ``k >= 1`` predicts ``x_{a+k}``.
-* **Loss** (``heads.loss``): ``ce`` (default; z-lab: "we used CE loss for training the released DFlash models"),
+* **Loss** (``drafter.loss``): ``ce`` (default; z-lab: "we used CE loss for training the released DFlash models"),
   cross-entropy to the corpus token ``x_{a+k}``, which on pardec's corpus (the target's own greedy completions) is
   the target's greedy token; ``kl``: KL(target || draft) to the target's distribution at ``a + k - 1`` (the
   ``speculators`` option). A term counts where ``x_{a+k}`` is a completion token inside the sequence.
-* **Position weights** (``heads.weighting``): ``decay`` (default; the paper's Eq. 4): ``w_k = exp(-(k - 1) / gamma)``
+* **Position weights** (``drafter.weighting``): ``decay`` (default; the paper's Eq. 4): ``w_k = exp(-(k - 1) / gamma)``
   with ``gamma = 7`` for blocks of 16 (the paper's App. A.1 value as NeMo-Automodel and SpecForge's Qwen3-8B recipe
   carry it; ``speculators`` defaults to 4); ``dpace`` (beyond the paper: D-PACE, arXiv 2605.18810, as ``speculators``
   0.9 ``dpace_loss_decay`` computes it): from the batch's own detached per-slot probability of the label
@@ -41,9 +41,9 @@ from transformers import TrainerCallback
 from pardec.config import ConfigError, check_at_least, check_choice, check_range
 from pardec.models.dflash import FUSIONS, LAYER_INITS, DFlashDraft, init_from_target
 from pardec.models.drafter_types import TargetParts
-from pardec.training.heads.batches import RightPadCollator
-from pardec.training.heads.target import target_pass
-from pardec.training.heads.types import HeadsType, check_layer_list, register_heads_type
+from pardec.training.drafter.batches import RightPadCollator
+from pardec.training.drafter.target import target_pass
+from pardec.training.drafter.types import DrafterType, check_layer_list, register_drafter_type
 
 LOSSES = ("ce", "kl")
 WEIGHTINGS = ("decay", "dpace")
@@ -131,7 +131,7 @@ def block_mask(anchors: torch.Tensor, t: int, block: int) -> torch.Tensor:
 def block_outputs(drafter, target, embed, ids: torch.Tensor, anchors: torch.Tensor, block: int,
                   call=None) -> torch.Tensor:
     """The draft's outputs [B, A, block, H] for the blocks at ``anchors`` [B, A] of a batch whose target pass is
-    ``target`` (:class:`~pardec.training.heads.target.TargetPass`); ``call``: the (possibly wrapped) module."""
+    ``target`` (:class:`~pardec.training.drafter.target.TargetPass`); ``call``: the (possibly wrapped) module."""
     call = call or drafter
     b, t = ids.shape
     context = drafter.context_kv(target.features, torch.arange(t, device=ids.device))
@@ -206,9 +206,9 @@ def acceptance(base, drafter, records: list[dict], block: int, topk: int = 10, c
     second-to-last, the block ``[x_a, mask ...]`` over the target's features before ``a``; slot ``k``'s argmax is
     accepted when it equals ``x_{a+k}`` and slots ``1 .. k - 1`` were accepted (decoding's chain rule: the target's
     greedy tokens are the record's). A slot counts while its token is in the record. The figures of
-    :func:`pardec.training.heads.heldout.summarise` with ``steps = block - 1`` (``expected_tokens_per_forward`` =
+    :func:`pardec.training.drafter.heldout.summarise` with ``steps = block - 1`` (``expected_tokens_per_forward`` =
     1 + the mean accepted run)."""
-    from pardec.training.heads.heldout import summarise
+    from pardec.training.drafter.heldout import summarise
 
     device = next(base.parameters()).device
     s = block - 1
@@ -271,7 +271,7 @@ class DFlashOptions:
     mask_token_id: int | None = field(default=None, metadata={
         "help": "the mask slots' embedding row (null: a learned mask embedding)"})
     layer_init: str = field(default="random", metadata={
-        "help": "random (the paper's) or target: copies of the target's layers at heads.layers (LAYER_INITS)"})
+        "help": "random (the paper's) or target: copies of the target's layers at drafter.layers (LAYER_INITS)"})
     layers: list[int] | None = field(default=None, metadata={
         "help": "the target layers whose states are fused (null: DFlash's evenly spaced layers, one per draft layer; "
                 "layer_init=target: the target's first num_layers layers)"})
@@ -279,65 +279,65 @@ class DFlashOptions:
     def __post_init__(self) -> None:
         """Each range and choice; ``layer_init=target`` reads one target layer per draft layer."""
         for key, lo in (("num_layers", 1), ("block_size", 2), ("num_anchors", 1)):
-            check_at_least(f"heads.{key}", getattr(self, key), lo, integer=True)
-        check_range("heads.gamma", self.gamma, 0, 1e9, integer=False, open_lo=True)
-        check_range("heads.dpace_alpha", self.dpace_alpha, 0, 1, integer=False, open_lo=True)
-        check_choice("heads.loss", self.loss, LOSSES)
-        check_choice("heads.weighting", self.weighting, WEIGHTINGS)
-        check_choice("heads.fusion", self.fusion, FUSIONS)
+            check_at_least(f"drafter.{key}", getattr(self, key), lo, integer=True)
+        check_range("drafter.gamma", self.gamma, 0, 1e9, integer=False, open_lo=True)
+        check_range("drafter.dpace_alpha", self.dpace_alpha, 0, 1, integer=False, open_lo=True)
+        check_choice("drafter.loss", self.loss, LOSSES)
+        check_choice("drafter.weighting", self.weighting, WEIGHTINGS)
+        check_choice("drafter.fusion", self.fusion, FUSIONS)
         if self.mask_token_id is not None:
-            check_at_least("heads.mask_token_id", self.mask_token_id, 0, integer=True)
-        check_choice("heads.layer_init", self.layer_init, LAYER_INITS)
+            check_at_least("drafter.mask_token_id", self.mask_token_id, 0, integer=True)
+        check_choice("drafter.layer_init", self.layer_init, LAYER_INITS)
         if self.layers is not None:
             check_layer_list(self.layers, "the states entering them are fused; null: DFlash's evenly spaced layers, "
                                           "one per draft layer")
         if self.layer_init == "target":  # draft layer i is a copy of target layer layers[i] reading its own state
             if self.fusion != "layerwise":
-                raise ConfigError(f"heads.layer_init=target needs heads.fusion=layerwise (each draft layer reads the "
+                raise ConfigError(f"drafter.layer_init=target needs drafter.fusion=layerwise (each draft layer reads the "
                                   f"state entering the target layer it copies), not {self.fusion!r}")
             if self.layers is None:  # the target's first num_layers layers
                 self.layers = list(range(self.num_layers))
             elif len(self.layers) != self.num_layers:
-                raise ConfigError(f"heads.layers={self.layers} is not valid with heads.layer_init=target: give one "
+                raise ConfigError(f"drafter.layers={self.layers} is not valid with drafter.layer_init=target: give one "
                                   f"target layer per draft layer ({self.num_layers}; null: layers 0..{self.num_layers - 1})")
 
 
-@register_heads_type
-class DFlashType(HeadsType):
-    """``heads.type: dflash``: a few target-width layers filling a block of mask slots from the fused target states
+@register_drafter_type
+class DFlashType(DrafterType):
+    """``drafter.type: dflash``: a few target-width layers filling a block of mask slots from the fused target states
     (this module: the collator of anchored blocks, the block loss, the acceptance by block position)."""
 
     name = "dflash"
     options = DFlashOptions
     chain = True
     reads_target_states = True
-    logged_loss = "ce"  # DFlash's cross-entropy to the label (block_terms sums it whatever heads.loss trains on)
+    logged_loss = "ce"  # DFlash's cross-entropy to the label (block_terms sums it whatever drafter.loss trains on)
 
     def new(self, spec, base, lm, records: list[dict]) -> tuple[Any, dict]:
         """The mask embedding starts at the mean embedding row; ``layer_init: target`` copies the target's layers
         (calibrated on the first corpus sequences) unless the run continues a trained drafter."""
-        h = spec.heads
-        draft = DFlashDraft.from_heads(base.config, h, TargetParts(embed=base.model.embed_tokens))
+        h = spec.drafter
+        draft = DFlashDraft.from_section(base.config, h, TargetParts(embed=base.model.embed_tokens))
         if h.get("layer_init") == "target" and not spec.init_from:
             samples = [torch.tensor(list(r["prompt_ids"]) + list(r["completion_ids"]))
                        for r in list(records)[:CALIBRATION_SEQUENCES]]
             init_from_target(draft, base, samples)
         return draft, {}
 
-    def collator(self, pad_id: int, heads: dict, seed: int):
-        return DFlashCollator(pad_id, num_anchors=heads["num_anchors"], seed=seed)
+    def collator(self, pad_id: int, options: dict, seed: int):
+        return DFlashCollator(pad_id, num_anchors=options["num_anchors"], seed=seed)
 
     def callbacks(self, collator) -> list:
         return [EpochCallback(collator)]
 
-    def trainer_options(self, heads: dict, head_decay: float) -> dict[str, Any]:
-        return {"dflash": {k: heads[k] for k in ("num_anchors", "gamma", "loss", "weighting", "dpace_alpha")}}
+    def trainer_options(self, options: dict, head_decay: float) -> dict[str, Any]:
+        return {"dflash": {k: options[k] for k in ("num_anchors", "gamma", "loss", "weighting", "dpace_alpha")}}
 
-    def facts(self, heads: dict, head_decay: float) -> dict[str, Any]:
-        return {**self.trainer_options(heads, head_decay)["dflash"], "layer_init": heads["layer_init"]}
+    def facts(self, options: dict, head_decay: float) -> dict[str, Any]:
+        return {**self.trainer_options(options, head_decay)["dflash"], "layer_init": options["layer_init"]}
 
-    def needs_target_logits(self, heads: dict) -> bool:
-        return heads["loss"] == "kl"  # CE reads the corpus's tokens
+    def needs_target_logits(self, options: dict) -> bool:
+        return options["loss"] == "kl"  # CE reads the corpus's tokens
 
     def loss_k(self, drafter, trainer) -> int:
         return drafter.k  # the block's predicted slots
@@ -348,7 +348,7 @@ class DFlashType(HeadsType):
 
     def loss(self, trainer, model, drafter, inputs: dict, return_outputs: bool, num_items_in_batch):
         """DFlash's block loss (:func:`block_terms`): logged ``ce_d<d>`` is slot ``d``'s mean cross-entropy to the
-        label (also under ``heads.loss: kl``), ``top1_d<d>`` its argmax agreement with the label; ``ce`` and
+        label (also under ``drafter.loss: kl``), ``top1_d<d>`` its argmax agreement with the label; ``ce`` and
         ``top1`` their term-weighted means."""
         o, dev, k = trainer.dflash, trainer.args.device, trainer.k
         ids, mask = inputs["input_ids"].to(dev), inputs["loss_mask"].to(torch.bool).to(dev)

@@ -1,4 +1,4 @@
-"""DFlash's block loss (``heads.type: dflash``, :mod:`pardec.training.heads.dflash`): the anchors (which positions,
+"""DFlash's block loss (``drafter.type: dflash``, :mod:`pardec.training.drafter.dflash`): the anchors (which positions,
 how many, deterministic per sequence and epoch), the block attention mask, the labels and what counts, the paper's
 decay and D-PACE's weights against a hand computation, the loss against a plain per-block reference, then
 ``+experiment=dflash_tiny`` end to end (generate -> train -> eval) and config errors (resume: ``test_heads.py``)."""
@@ -13,9 +13,9 @@ import torch
 import torch.nn.functional as F
 
 from pardec.config import ConfigError
-from pardec.models.heads import load_drafter, new_drafter
+from pardec.models.drafters import load_drafter, new_drafter
 from pardec.train import run, validate
-from pardec.training.heads.dflash import (
+from pardec.training.drafter.dflash import (
     DFlashCollator,
     anchor_candidates,
     block_mask,
@@ -25,7 +25,7 @@ from pardec.training.heads.dflash import (
     position_weights,
     sample_anchors,
 )
-from pardec.training.heads.target import TargetPass
+from pardec.training.drafter.target import TargetPass
 from tests.conftest import tiny
 from tests.training.test_train_app import _compose
 
@@ -116,7 +116,7 @@ def test_tiny_end_to_end(tmp_path):
     c = drafter.config
     assert (c.num_hidden_layers, c.block_size, c.layer_ids, c.mask_token_id) == (2, 4, [0, 3], None)
     assert (meta["num_anchors"], meta["gamma"], meta["loss"], meta["weighting"]) == (8, 7.0, "ce", "decay")
-    ev = json.loads((run_dir / "heads_eval.json").read_text())
+    ev = json.loads((run_dir / "drafter_eval.json").read_text())
     o = ev["overall"]
     assert ev["kind"] == "dflash" and ev["block_size"] == 4 and ev["steps"] == 3 and ev["positions"] > 0
     assert len(o["conditional_acceptance"]) == 3
@@ -129,20 +129,20 @@ def test_tiny_end_to_end(tmp_path):
 
 def test_config_errors(tmp_path):
     cases = [
-        (["heads.block_size=1"], "heads.block_size=1 is out of range: it must be an integer >= 2"),
-        (["heads.num_layers=0"], "heads.num_layers=0 is out of range: it must be an integer >= 1"),
-        (["heads.num_anchors=0"], "heads.num_anchors=0 is out of range"),
-        (["heads.gamma=0"], r"heads.gamma=0\.0 is out of range"),
-        (["+heads.loss=mse"], r"heads.loss='mse' is not valid; choose one of: ce, kl"),
-        (["+heads.weighting=flat"], r"heads.weighting='flat' is not valid; choose one of: decay, dpace"),
-        (["+heads.fusion=mix"], r"heads.fusion='mix' is not valid; choose one of: concat, layerwise"),
-        (["+heads.dpace_alpha=0"], r"heads.dpace_alpha=0\.0 is out of range"),
-        (["+heads.layers=[0,4]"], r"heads.layers=\[0, 4\] is out of range: the target tiny_random has layers 0..3"),
-        (["+heads.draft_vocab_size=3"], r"unknown key\(s\) \['draft_vocab_size'\] in heads \(type dflash\)"),
-        (["+heads.layer_init=copy"], r"heads.layer_init='copy' is not valid; choose one of: random, target"),
-        (["+heads.layer_init=target"], r"heads.layer_init=target needs heads.fusion=layerwise"),
-        (["+heads.layer_init=target", "+heads.fusion=layerwise", "+heads.layers=[0,1,2]"],
-         r"heads.layers=\[0, 1, 2\] is not valid with heads.layer_init=target: give one target layer per draft layer"),
+        (["drafter.block_size=1"], "drafter.block_size=1 is out of range: it must be an integer >= 2"),
+        (["drafter.num_layers=0"], "drafter.num_layers=0 is out of range: it must be an integer >= 1"),
+        (["drafter.num_anchors=0"], "drafter.num_anchors=0 is out of range"),
+        (["drafter.gamma=0"], r"drafter.gamma=0\.0 is out of range"),
+        (["+drafter.loss=mse"], r"drafter.loss='mse' is not valid; choose one of: ce, kl"),
+        (["+drafter.weighting=flat"], r"drafter.weighting='flat' is not valid; choose one of: decay, dpace"),
+        (["+drafter.fusion=mix"], r"drafter.fusion='mix' is not valid; choose one of: concat, layerwise"),
+        (["+drafter.dpace_alpha=0"], r"drafter.dpace_alpha=0\.0 is out of range"),
+        (["+drafter.layers=[0,4]"], r"drafter.layers=\[0, 4\] is out of range: the target tiny_random has layers 0..3"),
+        (["+drafter.draft_vocab_size=3"], r"unknown key\(s\) \['draft_vocab_size'\] in drafter \(type dflash\)"),
+        (["+drafter.layer_init=copy"], r"drafter.layer_init='copy' is not valid; choose one of: random, target"),
+        (["+drafter.layer_init=target"], r"drafter.layer_init=target needs drafter.fusion=layerwise"),
+        (["+drafter.layer_init=target", "+drafter.fusion=layerwise", "+drafter.layers=[0,1,2]"],
+         r"drafter.layers=\[0, 1, 2\] is not valid with drafter.layer_init=target: give one target layer per draft layer"),
     ]
     for ov, pattern in cases:
         with pytest.raises(ConfigError, match=pattern) as e:
@@ -151,7 +151,7 @@ def test_config_errors(tmp_path):
     assert not (tmp_path / "out").exists()
     spec = validate(_compose(["+experiment=dflash_smollm2", f"paths.data_dir={tmp_path}/data",
                               f"paths.output_dir={tmp_path}/out"]))
-    assert spec.heads == {"type": "dflash", "num_layers": 5, "layers": None, "block_size": 16, "num_anchors": 32,
+    assert spec.drafter == {"type": "dflash", "num_layers": 5, "layers": None, "block_size": 16, "num_anchors": 32,
                           "gamma": 7.0, "loss": "ce", "weighting": "decay", "dpace_alpha": 0.5, "fusion": "concat",
                           "mask_token_id": None, "layer_init": "random"}
     assert spec.trainer["learning_rate"] == 6e-4 and spec.trainer["lr_scheduler_type"] == "cosine"
@@ -196,7 +196,7 @@ def test_layer_init_target_copies_the_target_layers_reading_their_own_states():
     mix on its own target state, so the context values are the target's own at that layer and the context keys
     point the target's way (k_norm rescales each head's key by one calibrated constant over its RMS)."""
     from pardec.models.dflash import init_from_target
-    from pardec.models.draft_layers import rotate
+    from pardec.models.rotary import rotate
 
     lm = tiny(0, layers=4)
     base = lm.model
@@ -234,18 +234,18 @@ def test_layer_init_target_copies_the_target_layers_reading_their_own_states():
 
 def test_tiny_end_to_end_from_the_target_layers(tmp_path):
     run_dir = tmp_path / "out" / "run"
-    summary = run(_compose(_overrides(tmp_path, "+heads.fusion=layerwise", "+heads.layer_init=target",
-                                      "+heads.layers=null")), run_dir)
+    summary = run(_compose(_overrides(tmp_path, "+drafter.fusion=layerwise", "+drafter.layer_init=target",
+                                      "+drafter.layers=null")), run_dir)
     assert summary["train"]["steps"] == 2 and summary["train"]["layer_init"] == "target"
     drafter, meta = load_drafter(run_dir / "final", tiny(0, layers=4).model.config, "dflash")
     assert drafter.config.layer_ids == [0, 1] and meta["layer_init"] == "target"
-    assert (run_dir / "heads_eval.json").exists()
+    assert (run_dir / "drafter_eval.json").exists()
 
 
 def test_a_pass_without_logits_stops_at_the_last_layer_the_draft_reads():
     """target_pass(logits=False): the same features as the full pass, no logits, and the layers after the last
     state the draft reads never run (what makes DFlash from the target's first layers cheap to train)."""
-    from pardec.training.heads.target import target_pass
+    from pardec.training.drafter.target import target_pass
 
     base = tiny(0, layers=4).model
     ids = torch.tensor([[4, 8, 15, 16, 23, 42]])

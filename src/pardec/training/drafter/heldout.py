@@ -1,5 +1,5 @@
 """Held-out acceptance by draft position, as counts and the figures made of them: shared by EAGLE-3's and DFlash's
-teacher-forced evaluations (``pardec.training.heads.eagle.acceptance``, ``pardec.training.heads.dflash.acceptance``)."""
+teacher-forced evaluations (``pardec.training.drafter.eagle.acceptance``, ``pardec.training.drafter.dflash.acceptance``)."""
 
 from __future__ import annotations
 

@@ -12,13 +12,13 @@ import torch.nn.functional as F
 
 from pardec.config import ConfigError, check_overrides
 from pardec.decoding.tree_search import resolve_tree
-from pardec.models.heads import load_drafter, new_drafter
+from pardec.models.drafters import load_drafter, new_drafter
 from pardec.train import run, validate
 from pardec.training.completions import CompletionDataset
-from pardec.training.heads.batches import RightPadCollator, term_count
-from pardec.training.heads.trainer import (
-    HeadsConfig,
-    HeadsTrainer,
+from pardec.training.drafter.batches import RightPadCollator, term_count
+from pardec.training.drafter.trainer import (
+    DrafterConfig,
+    DrafterTrainer,
     _new_drafter,
     future_ranks,
 )
@@ -98,8 +98,8 @@ def test_loss_matches_a_hand_computation(tmp_path, kind):
     batch = RightPadCollator(0)([ds[0], ds[1]])
     assert batch["input_ids"].shape == (2, 10) and batch["valid"][1].tolist() == [True] * 5 + [False] * 5
     assert not batch["loss_mask"][1, 5:].any()
-    args = HeadsConfig(output_dir=str(tmp_path), use_cpu=True, report_to="none", head_decay=0.5)
-    trainer = HeadsTrainer(model=drafter, args=args, train_dataset=ds, data_collator=RightPadCollator(0), base=model)
+    args = DrafterConfig(output_dir=str(tmp_path), use_cpu=True, report_to="none", head_decay=0.5)
+    trainer = DrafterTrainer(model=drafter, args=args, train_dataset=ds, data_collator=RightPadCollator(0), base=model)
     total, per, counts = _hand(kind, model, drafter, 0.5)
     n = sum(counts)
     assert n == term_count(batch["loss_mask"], 3) and counts == [9, 9, 8]  # anchors may sit in the prompt
@@ -127,7 +127,7 @@ def test_firp_kl_is_from_the_pseudo_distribution_to_the_targets(tmp_path):
     KL(P || P~) = 1/2 ln 4 + 1/4 ln 2 + 1/4 ln(1/3) = 5/4 ln 2 - 1/4 ln 3 = 0.8664340 - 0.2746531 = 0.5917809."""
     import math
 
-    from pardec.training.heads.trainer import depth_terms
+    from pardec.training.drafter.trainer import depth_terms
 
     p, q = [1 / 2, 1 / 4, 1 / 4], [1 / 8, 1 / 8, 3 / 4]
     teacher = torch.tensor([[[0.0, 0.0, 0.0], [math.log(x) for x in p]]])  # [B=1, n=2, V=3]: position 1 is P
@@ -136,9 +136,9 @@ def test_firp_kl_is_from_the_pseudo_distribution_to_the_targets(tmp_path):
     assert float(depth_terms(teacher, student, mask, 0, "rkl")[0]) == pytest.approx(0.5640290, abs=1e-6)
     assert float(depth_terms(teacher, student, mask, 0, "fkl")[0]) == pytest.approx(0.5917809, abs=1e-6)
     model = tiny(0).model
-    args = HeadsConfig(output_dir=str(tmp_path), use_cpu=True, report_to="none")
+    args = DrafterConfig(output_dir=str(tmp_path), use_cpu=True, report_to="none")
     for kind, want in (("firp", "rkl"), ("medusa", "fkl")):  # the trainer's default per kind
-        t = HeadsTrainer(model=_perturbed(kind, model), args=args, base=model, data_collator=RightPadCollator(0))
+        t = DrafterTrainer(model=_perturbed(kind, model), args=args, base=model, data_collator=RightPadCollator(0))
         assert t.distance == want
 
 
@@ -183,7 +183,7 @@ def test_tiny_end_to_end(tmp_path, name):
     lm = tiny(0, layers=3)
     drafter, meta = load_drafter(run_dir / "final", lm.model.config, name.split("_")[1])
     assert meta["steps"] == 2 and meta["samples"] == 6 and meta["tokens"] > 0 and meta["train_seconds"] >= 0
-    ev = json.loads((run_dir / "heads_eval.json").read_text())
+    ev = json.loads((run_dir / "drafter_eval.json").read_text())
     if name == "heads_firp_tiny":
         assert (meta["attention"], meta["distance"], drafter.attention) == ("real", "rkl", "real")
         # trained on real states (§3.3), measured in both of Fig. 7's views; the main figures are decoding's view
@@ -208,7 +208,7 @@ def test_tiny_end_to_end(tmp_path, name):
 
 def test_corpus_fraction_trains_on_the_first_share_of_the_corpus(tmp_path):
     run_dir = tmp_path / "out" / "run"
-    summary = run(_compose(_overrides(tmp_path, "heads_medusa_tiny", "heads.corpus_fraction=0.5")), run_dir)
+    summary = run(_compose(_overrides(tmp_path, "heads_medusa_tiny", "drafter.corpus_fraction=0.5")), run_dir)
     assert summary["generate"]["complete"] and summary["train"]["samples"] == 3  # of the 6 completions
     _, meta = load_drafter(run_dir / "final", tiny(0, layers=3).model.config, "medusa")
     assert meta["corpus_fraction"] == 0.5 and meta["samples"] == 3
@@ -241,40 +241,40 @@ def test_resume_continues_from_the_checkpoint(tmp_path, name, kind, layers):
 @pytest.mark.slow
 def test_config_errors(tmp_path):
     cases = [
-        ("heads_medusa_tiny", ["heads.type=eagle"], r"heads.type='eagle' is not valid; choose one of: dflash, eagle3, firp, medusa"),
-        ("heads_medusa_tiny", ["heads.num_heads=0"], "heads.num_heads=0 is out of range: it must be an integer >= 1"),
-        ("heads_medusa_tiny", ["heads.num_blocks=0"], "heads.num_blocks=0 is out of range"),
-        ("heads_medusa_tiny", ["heads.head_decay=0"], r"heads.head_decay=0\.0 is out of range: it must be a number in \(0, 1\]"),
-        ("heads_firp_tiny", ["heads.corpus_fraction=1.5"], r"heads.corpus_fraction=1.5 is out of range: it must be in \(0, 1\]"),
-        ("heads_medusa_tiny", ["+heads.layers=[1]"],
-         r"unknown key\(s\) \['layers'\] in heads \(type medusa\); valid: type, num_heads, num_blocks, head_decay"),
-        ("heads_firp_tiny", ["heads.layers=[0,3]"], r"heads.layers=\[0, 3\] is out of range: the target tiny_random "
+        ("heads_medusa_tiny", ["drafter.type=eagle"], r"drafter.type='eagle' is not valid; choose one of: dflash, eagle3, firp, medusa"),
+        ("heads_medusa_tiny", ["drafter.num_heads=0"], "drafter.num_heads=0 is out of range: it must be an integer >= 1"),
+        ("heads_medusa_tiny", ["drafter.num_blocks=0"], "drafter.num_blocks=0 is out of range"),
+        ("heads_medusa_tiny", ["drafter.head_decay=0"], r"drafter.head_decay=0\.0 is out of range: it must be a number in \(0, 1\]"),
+        ("heads_firp_tiny", ["drafter.corpus_fraction=1.5"], r"drafter.corpus_fraction=1.5 is out of range: it must be in \(0, 1\]"),
+        ("heads_medusa_tiny", ["+drafter.layers=[1]"],
+         r"unknown key\(s\) \['layers'\] in drafter \(type medusa\); valid: type, num_heads, num_blocks, head_decay"),
+        ("heads_firp_tiny", ["drafter.layers=[0,3]"], r"drafter.layers=\[0, 3\] is out of range: the target tiny_random "
                                                 r"has layers 0..2"),
-        ("heads_firp_tiny", ["heads.layers=[2,1]"], r"heads.layers=\[2, 1\] is not valid: the layers must be nondecreasing"),
-        ("heads_firp_tiny", ["heads.layers=[]"], "heads.layers=.* is not valid: give a non-empty list"),
-        ("heads_firp_tiny", ["+heads.num_heads=3"],
-         r"unknown key\(s\) \['num_heads'\] in heads \(type firp\); valid: type, layers, attention, distance"),
-        ("heads_firp_tiny", ["heads.attention=causal"],
-         r"heads.attention='causal' is not valid; choose one of: real, pseudo"),
-        ("heads_firp_tiny", ["heads.distance=jsd"], r"heads.distance='jsd' is not valid; choose one of: rkl, fkl"),
+        ("heads_firp_tiny", ["drafter.layers=[2,1]"], r"drafter.layers=\[2, 1\] is not valid: the layers must be nondecreasing"),
+        ("heads_firp_tiny", ["drafter.layers=[]"], "drafter.layers=.* is not valid: give a non-empty list"),
+        ("heads_firp_tiny", ["+drafter.num_heads=3"],
+         r"unknown key\(s\) \['num_heads'\] in drafter \(type firp\); valid: type, layers, attention, distance"),
+        ("heads_firp_tiny", ["drafter.attention=causal"],
+         r"drafter.attention='causal' is not valid; choose one of: real, pseudo"),
+        ("heads_firp_tiny", ["drafter.distance=jsd"], r"drafter.distance='jsd' is not valid; choose one of: rkl, fkl"),
         ("heads_firp_tiny", ["eval.topk=0"], "eval.topk=0 is out of range"),
         ("heads_firp_tiny", ["eval.budgets=[0]"], r"eval.budgets=\[0\] is not valid"),
-        ("heads_firp_tiny", ["+trainer.head_decay=0.5"], r"unknown key\(s\) \['head_decay'\] in trainer.*heads.head_decay"),
-        ("heads_firp_tiny", ["stage=collect"], "stage='collect' is not valid for a heads experiment; choose one of: generate"),
+        ("heads_firp_tiny", ["+trainer.head_decay=0.5"], r"unknown key\(s\) \['head_decay'\] in trainer.*drafter.head_decay"),
+        ("heads_firp_tiny", ["stage=collect"], "stage='collect' is not valid for a drafter experiment; choose one of: generate"),
     ]
     for name, ov, pattern in cases:
         with pytest.raises(ConfigError, match=pattern) as e:
             run(_compose(_overrides(tmp_path, name, *ov)), tmp_path / "out" / "bad")
         assert "\n" not in str(e.value)
     assert not (tmp_path / "out").exists() and not (tmp_path / "data").exists()  # nothing loaded or written
-    with pytest.raises(ConfigError, match="kind='medusa' is not valid; choose one of: cllm, draft, heads, sdsat"):
+    with pytest.raises(ConfigError, match="kind='medusa' is not valid; choose one of: cllm, draft, drafter, sdsat"):
         check_overrides(_overrides(tmp_path, "heads_firp_tiny", "kind=medusa"), "train")
     spec = validate(_compose(_overrides(tmp_path, "heads_firp_smollm2")))
-    assert spec.heads == {"type": "firp", "layers": [14, 19, 23], "attention": "real", "distance": "rkl"}
+    assert spec.drafter == {"type": "firp", "layers": [14, 19, 23], "attention": "real", "distance": "rkl"}
     assert spec.budgets == [16, 32, 63]
     assert spec.gen.out_dir.endswith("completions/draft_smollm2/train")
-    bare = validate(_compose(_overrides(tmp_path, "heads_firp_tiny", "~heads.attention", "~heads.distance")))
-    assert bare.heads == {"type": "firp", "layers": [1, 2], "attention": "real", "distance": "rkl"}  # the paper's
+    bare = validate(_compose(_overrides(tmp_path, "heads_firp_tiny", "~drafter.attention", "~drafter.distance")))
+    assert bare.drafter == {"type": "firp", "layers": [1, 2], "attention": "real", "distance": "rkl"}  # the paper's
     lm = tiny(0, layers=3)
     assert _new_drafter(bare, lm.model)[0].attention == "real"
 
