@@ -10,10 +10,20 @@ import torch
 
 from pardec.config import ConfigError, SamplingConfig
 from pardec.decoding import Stopper, build_decoder
-from pardec.decoding.kseq import kseq, kseq_factor, kseq_residual
+from pardec.decoding.kseq import kseq, kseq_factors, kseq_residuals
 from pardec.models.cached import CachedModel
 from tests.decoding.test_distribution import PROMPT, SETTINGS, N, exact_joint, tiny_vocab
 from tests.stats import chi_square_p
+
+
+def kseq_factor(p: torch.Tensor, q: torch.Tensor, m: int) -> float:
+    """:func:`kseq_factors` of one node, read back."""
+    return float(kseq_factors(p[None], q[None], m)[0])
+
+
+def kseq_residual(p: torch.Tensor, q: torch.Tensor, g: float, m: int) -> torch.Tensor:
+    """:func:`kseq_residuals` of one node."""
+    return kseq_residuals(p[None], q[None], torch.tensor([g], device=p.device), m)[0]
 
 
 def _kseq_factor(p: torch.Tensor, q: torch.Tensor, g: float, m: int) -> tuple[float, float]:

@@ -19,7 +19,7 @@ import pardec.decoding.tree as tree_mod
 from pardec.config import SamplingConfig
 from pardec.decoding import Stopper, build_decoder
 from pardec.decoding.heads import typical_accept
-from pardec.decoding.kseq import kseq_factor, kseq_factors, verify_tree_iid
+from pardec.decoding.kseq import kseq_factors, verify_tree_iid
 from pardec.decoding.sampling import sample, warp
 from pardec.decoding.tree import Tree
 from pardec.decoding.verify import verify_chain, verify_tree
@@ -27,6 +27,7 @@ from pardec.models.cached import CachedModel
 from pardec.testing import VirtualCUDA
 from tests.conftest import noisy, tiny
 from tests.decoding.drafters import drafter_params
+from tests.decoding.test_spectr import kseq_factor
 from tests.stats import chi_square_p
 
 V = 7

@@ -15,7 +15,6 @@ from pardec.models.cached import CachedModel
 from pardec.models.draft import build_draft
 from pardec.models.drafters import new_drafter
 from pardec.testing import VirtualCUDA
-from pardec.training.cllm.collect import jacobi_trajectories
 from pardec.training.cllm.data import CLLMCollator, TrajectoryDataset
 from pardec.training.cllm.trainer import CLLMConfig, CLLMTrainer
 from pardec.training.completions import CompletionCollator, CompletionDataset
@@ -24,6 +23,7 @@ from pardec.training.drafter.batches import RightPadCollator
 from pardec.training.drafter.trainer import DrafterConfig, DrafterTrainer
 from pardec.training.sdsat.trainer import SDSATCollator, SDSATConfig, SDSATDataset, SDSATTrainer
 from tests.conftest import VOCAB, tiny
+from tests.training.cllm.helpers import jacobi_trajectories
 
 COMPLETIONS = [{"prompt_ids": [700, 701, 702, 703, 704], "completion_ids": [10, 11, 12, 13, 14, 15]},
                {"prompt_ids": [800, 801, 802], "completion_ids": [20, 21, 22]}]

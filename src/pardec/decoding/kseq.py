@@ -92,16 +92,6 @@ def kseq_residuals(p: torch.Tensor, q: torch.Tensor, g: torch.Tensor, m: torch.T
     return _normalised(r, pd).to(p.dtype)
 
 
-def kseq_factor(p: torch.Tensor, q: torch.Tensor, m: int) -> float:
-    """:func:`kseq_factors` of one node, read back."""
-    return float(kseq_factors(p[None], q[None], m)[0])
-
-
-def kseq_residual(p: torch.Tensor, q: torch.Tensor, g: float, m: int) -> torch.Tensor:
-    """:func:`kseq_residuals` of one node."""
-    return kseq_residuals(p[None], q[None], torch.tensor([g], device=p.device), m)[0]
-
-
 def _kseq_first(p: torch.Tensor, q: torch.Tensor, draws: torch.Tensor, valid: torch.Tensor, m: torch.Tensor,
                 gen: torch.Generator | None) -> tuple[torch.Tensor, torch.Tensor]:
     """K-SEQ's tests for ``K`` nodes at once: ``draws`` [K, M] (``valid`` False on the padding). Returns (the first

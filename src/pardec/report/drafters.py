@@ -1,8 +1,7 @@
-"""Trained drafters side by side: distilled drafts (kind ``draft``), Medusa heads / FIRP projections / EAGLE-3 /
-DFlash (kind ``drafter``) or SDSAT models (kind ``sdsat``); training curves and held-out results of one or more
-runs, e.g. a
-corpus-size study (the same recipe at ``draft.corpus_fraction`` / ``drafter.corpus_fraction`` / an sdsat completions
-source's ``fraction`` 0.5 and 1):
+"""Trained drafters side by side: distilled drafts (kind ``draft``), Medusa heads / FIRP projections / EAGLE-3
+/ DFlash (kind ``drafter``) or SDSAT models (kind ``sdsat``); training curves and held-out results of one or
+more runs, e.g. a corpus-size study (the same recipe at ``draft.corpus_fraction`` / ``drafter.corpus_fraction`` / an
+sdsat completions source's ``fraction`` 0.5 and 1):
 
     python -m pardec.report drafters --run full=outputs/train/runs/draft_smollm2/default \
         --run half=outputs/train/runs/draft_smollm2/half [--out outputs/draft_report]

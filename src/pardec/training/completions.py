@@ -1,7 +1,8 @@
 """The target's own completions: its greedy completions of prompts from several sources; batched, resumable,
 shardable (:mod:`pardec.training.stages`). The one corpus every drafter is trained on: the draft kind (distilled
-draft models), the drafter kind (Medusa heads, FIRP projections) and the sdsat kind (a ``{completions: <dir>}``
-source of the masked corpus) read it; on held-out prompts the draft and drafter kinds evaluate on it.
+draft models), the drafter kind (Medusa heads, FIRP projections, EAGLE-3, DFlash) and the sdsat kind (a
+``{completions: <dir>}`` source of the masked corpus) read it; on held-out prompts the draft and drafter kinds
+evaluate on it.
 
 Layout of an output directory (``completions.out_dir``)::
 

@@ -12,12 +12,12 @@ from pardec.config import ConfigError
 from pardec.decoding import Stopper, build_decoder
 from pardec.models.cached import CachedModel
 from pardec.training.cllm.answers import check_same_teacher, extend_answers, whole_answers
-from pardec.training.cllm.collect import jacobi_trajectories
 from pardec.training.cllm.data import TrajectoryDataset
 from pardec.training.completions import GenerateConfig, generate, generation_meta, load_completions
 from pardec.training.losses import IGNORE_INDEX
 from pardec.training.stages import Prompt
 from tests.conftest import tiny
+from tests.training.cllm.helpers import jacobi_trajectories
 
 TEXTS = ["Hello", "def fibonacci(n):\n    return", "Natalia sold clips to 48 of her friends.", "1 2 3"]
 COLLECTED, WHOLE = 8, 16  # answer tokens collected (2 blocks of 4) / the whole answers' cap

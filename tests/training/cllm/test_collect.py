@@ -15,11 +15,11 @@ from pardec.training.cllm.collect import (
     collect,
     collection_meta,
     jacobi_stream,
-    jacobi_trajectories,
 )
 from pardec.training.cllm.trajectories import SCHEMA_VERSION, TrajectoryError, load_trajectories
 from pardec.training.stages import Prompt, read_part
 from tests.conftest import tiny
+from tests.training.cllm.helpers import jacobi_trajectories
 
 TEXTS = ["Hello", "def fibonacci(n):\n    return", "The quick brown fox jumps over the lazy dog. " * 3,
          "Natalia sold clips to 48 of her friends.", "1 2 3"]

@@ -9,7 +9,6 @@ import torch
 
 from pardec.decoding import Stopper, build_decoder
 from pardec.models.cached import CachedModel
-from pardec.training.cllm.collect import jacobi_trajectories
 from pardec.training.cllm.data import CLLMCollator, TrajectoryDataset, ar_answer
 from pardec.training.cllm.trainer import (
     CLLMConfig,
@@ -20,6 +19,7 @@ from pardec.training.cllm.trainer import (
 )
 from pardec.training.losses import ar_loss, consistency_loss
 from tests.conftest import tiny
+from tests.training.cllm.helpers import jacobi_trajectories
 
 TEXTS = ["Tom has 3 apples and buys 5 more.", "def add(a, b):", "Hi", "A box holds 12 pens. How many in 4 boxes?"]
 

@@ -173,27 +173,6 @@ def jacobi_stream(
             key_valid = _drop_padding_columns(cm, key_valid)
 
 
-def jacobi_trajectories(
-    cm: CachedModel,
-    prompts: list[list[int]],
-    block_size: int,
-    max_new_tokens: int,
-    eos_ids: set[int],
-    generators: list[torch.Generator],
-    max_iters: int | None = None,
-    batch_size: int | None = None,
-    guess_from: str = "context",
-) -> list[dict]:
-    """:func:`jacobi_stream` over a list of prompts (all in one batch unless ``batch_size``), results in order."""
-    if min((len(p) for p in prompts), default=1) < 1:
-        raise ValueError("empty prompt")
-    out: list[dict] = [{}] * len(prompts)
-    for i, r in jacobi_stream(cm, zip(range(len(prompts)), prompts, generators), batch_size or len(prompts),
-                              block_size, max_new_tokens, eos_ids, max_iters, guess_from):
-        out[i] = r
-    return out
-
-
 def _initial_guess(row: _Row, n: int, block_size: int, guess_from: str) -> torch.Tensor:
     """``n`` random tokens of the row's context (prompt + answer so far, or the prompt: ``guess_from``; its
     generator), then ``block_size - n`` copies of its last token: the positions past a short last block are never
