@@ -67,7 +67,7 @@ test-fast: setup  ## the fast tier for iteration: every test not marked slow or 
 gpu-smoke: setup  ## on a CUDA machine: every method fp32/bf16 (exactness, tokens/forward, speed vs ar), 2 steps of every kind, 2-GPU sharded evaluate
 	$(BIN)/python -m pardec.bench gpu-smoke $(SMOKE_ARGS)
 
-rehearse: setup  ## every paper recipe end to end on 2 gloo CPU ranks, tiny models of its family, evaluations on virtual GPUs (docs/rehearsal.md; 4.2 min on the 2-core Zen 4, 2026-11-30)
+rehearse: setup  ## every paper recipe end to end on 2 gloo CPU ranks, tiny models of its family, evaluations on virtual GPUs (docs/rehearsal.md; 3.8 min on the 2-core Zen 4, fresh clone, 2026-11-30)
 	$(BIN)/python -m pardec.rehearse --all --json outputs/rehearse/rehearsal.json $(REHEARSE_ARGS)
 
 ZOO_NAMES ?=
