@@ -59,8 +59,8 @@ def page_text(table: dict, name: str, title: str) -> str:
     the runs not finished yet."""
     host = table.get("host") or {}
     lines = [f"# {title}", "", INTRO, "",
-             f"Host: {host.get('cpu')}, {host.get('cores')} cores, torch {host.get('torch')}; the run's command, date, "
-             f"dtype, prompts and commit are in [results/{name}.json](results/{name}.json); the raw records (every "
+             f"Host: {host.get('cpu')}, {host.get('cores')} cores, torch {host.get('torch')}; dtype {table.get('dtype')} "
+             f"(`{table.get('command')}`); the run's command, date, dtype, prompts and commit are in [results/{name}.json](results/{name}.json); the raw records (every "
              f"prompt's tokens and timings, each run's summary) in [results/{name}/](results/{name}/)."]
     for bench in table["benchmarks"]:
         lines += ["", f"## {bench}", "", f"<!-- table: results/{name}.json#{bench} -->", "<!-- /table -->", "",
