@@ -2,6 +2,8 @@
 
 from pathlib import Path
 
+from omegaconf import OmegaConf
+
 __version__ = "0.1.0"
 
 #: repository root (``conf/``, ``data/``, ``outputs/`` live here in an editable install)
@@ -12,7 +14,7 @@ DATA_DIR = REPO_ROOT / "data"
 
 def on_cuda() -> bool:
     """Whether this process will run on a CUDA GPU (the GPU defaults below follow it)."""
-    import torch
+    import torch  # heavy: torch
 
     return torch.cuda.is_available()
 
@@ -24,8 +26,6 @@ def default_dtype() -> str:
 
 
 def _register_resolvers() -> None:
-    from omegaconf import OmegaConf
-
     for name, fn in {"pardec_root": lambda: str(REPO_ROOT), "pardec_default_dtype": default_dtype,
                      "pardec_on_cuda": on_cuda}.items():
         if not OmegaConf.has_resolver(name):

@@ -18,17 +18,15 @@ import sys
 import time
 from pathlib import Path
 
-from pardec import REPO_ROOT
+from hydra import compose, initialize_config_dir
+
+from pardec import CONF_DIR, REPO_ROOT
 
 ROOT = REPO_ROOT
 
 
 def draft_dir(draft: str) -> Path:
     """Where the ``draft=<draft>`` config points (resolved exactly as ``python -m evaluate`` would)."""
-    from hydra import compose, initialize_config_dir
-
-    from pardec import CONF_DIR
-
     with initialize_config_dir(str(CONF_DIR), version_base="1.3"):
         return Path(compose("evaluate", overrides=[f"draft={draft}"]).draft.path)
 
@@ -56,7 +54,7 @@ def main(argv: list[str] | None = None) -> None:
     if p.returncode:
         print(p.stdout, end="")
         sys.exit(p.returncode)
-    from pardec.evaluation import format_comparison
+    from pardec.evaluation import format_comparison  # heavy: torch, transformers
 
     s = json.loads((a.out / "summary.json").read_text())
     print(f"\n{s['model']} {s['dtype']}, {s['dataset']} x {s['n_samples']}, {s['max_new_tokens']} new tokens, "

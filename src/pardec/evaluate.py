@@ -12,10 +12,13 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+import hydra
+from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
 from pardec import CONF_DIR
-from pardec.config import ConfigError
+from pardec.config import ConfigError, exit_with_error, launcher_argv, run_hydra_app
+from pardec.decoding.base import METHODS, check_renamed
 from pardec.evaluation import run
 from pardec.evaluation.ranks import Ranks, check_launch, launch_name
 from pardec.metrics.sandbox import SandboxError
@@ -45,19 +48,12 @@ for _name, _fn in {"pardec_hydra_subdir": _hydra_subdir, "pardec_launch_name": l
 def check_renamed_params(argv: list[str]) -> None:
     """``method.heads=`` / ``method.projections=`` (the previous release's keys of Medusa's and FIRP's drafters) on the
     command line: one line naming ``method.path`` (Hydra would only say the key is not in the config)."""
-    from pardec.decoding.base import METHODS, check_renamed
-
     renamed = {old: new for name in METHODS.names() for old, new in METHODS.get(name).renamed.items()}
     given = dict(arg.lstrip("+~").partition("=")[::2] for arg in argv)
     check_renamed(renamed, {k[len("method."):]: v for k, v in given.items() if k.startswith("method.")})
 
 
 def main() -> None:
-    import hydra
-    from hydra.core.hydra_config import HydraConfig
-
-    from pardec.config import exit_with_error, launcher_argv, run_hydra_app
-
     sys.argv[1:] = launcher_argv(sys.argv[1:])  # the deepspeed launcher's --local_rank=N
 
     try:

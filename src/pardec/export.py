@@ -35,6 +35,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from huggingface_hub import hf_hub_download
 from safetensors.torch import load_file, save_file
 
 from pardec.config import ConfigError
@@ -186,8 +187,6 @@ def _verifier_architectures(verifier: str, meta: dict, notes: list[str]) -> list
         cfg = read_json(f, "--verifier")
     else:
         try:
-            from huggingface_hub import hf_hub_download
-
             cfg = json.loads(Path(hf_hub_download(verifier, "config.json")).read_text())
         except Exception as e:  # noqa: BLE001 (offline or no such repo: recorded by name only)
             notes.append(f"could not read --verifier {verifier!r}'s config.json ({type(e).__name__}); its "

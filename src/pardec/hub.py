@@ -11,6 +11,8 @@ import socket
 import threading
 from urllib.parse import urlparse
 
+from huggingface_hub import constants
+
 #: env vars that switch the hub off for models (transformers, huggingface_hub)
 MODEL_OFFLINE_VARS = ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")
 #: ... and for datasets (``datasets`` reads HF_DATASETS_OFFLINE, else HF_HUB_OFFLINE)
@@ -29,8 +31,6 @@ def offline_var(names: tuple[str, ...] = MODEL_OFFLINE_VARS) -> str | None:
 def hub_reachable(timeout: float = 3.0) -> bool:
     """Whether the hub endpoint (or the HTTPS proxy in front of it) accepts a TCP connection within ``timeout``
     seconds, name lookup included (run in a thread, so a hanging resolver cannot block longer)."""
-    from huggingface_hub import constants
-
     proxy = os.environ.get("HTTPS_PROXY") or os.environ.get("https_proxy")
     url = urlparse(proxy or constants.ENDPOINT)
     host, port = url.hostname, url.port or (443 if url.scheme == "https" else 80)

@@ -25,7 +25,7 @@ class Tracker:
 
     def __enter__(self) -> Tracker:
         if self.cfg.get("name") == "wandb":
-            import wandb
+            import wandb  # heavy: wandb
 
             self.run = wandb.init(
                 project=self.cfg.get("project", "pardec"),
@@ -59,7 +59,7 @@ class Tracker:
     def log_table(self, key: str, rows: list[dict]) -> None:
         if self.run is None or not rows:
             return
-        import wandb
+        import wandb  # heavy: wandb
 
         cols = sorted({k for r in rows for k in r})
         table = wandb.Table(columns=cols, data=[[_cell(r.get(c)) for c in cols] for r in rows])

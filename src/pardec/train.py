@@ -27,12 +27,17 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+import hydra
+import torch
+from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
 from pardec import CONF_DIR
-from pardec.config import ConfigError, Ranks, shared_launch_id
+from pardec.config import ConfigError, Ranks, exit_with_error, launcher_argv, run_hydra_app, shared_launch_id
 from pardec.config.cli import OLD_KEYS
 from pardec.jsonl import read_json
+from pardec.models.placement import set_tf32
+from pardec.runlock import die_with_parent, run_dir_lock
 from pardec.training.base import ranks_for
 from pardec.training.checkpoints import resume_checkpoint
 from pardec.training.kinds import Spec, experiments, load_kinds
@@ -116,11 +121,6 @@ def validate(cfg: DictConfig) -> Spec:
 
 def run(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
     """Run the stages ``cfg.stage`` names; returns (and on rank 0 writes) ``train_summary.json``."""
-    import torch
-
-    from pardec.models.placement import set_tf32
-    from pardec.runlock import die_with_parent, run_dir_lock
-
     spec = validate(cfg)
     ranks = ranks_for(spec.trainer)
     torch.set_num_threads(spec.threads)
@@ -157,11 +157,6 @@ def merge_stage_summaries(previous: dict[str, Any], current: dict[str, Any],
 
 
 def main() -> None:
-    import hydra
-    from hydra.core.hydra_config import HydraConfig
-
-    from pardec.config import exit_with_error, launcher_argv, run_hydra_app
-
     argv = launcher_argv(sys.argv[1:])
     sys.argv[1:] = argv
     try:

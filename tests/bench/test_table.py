@@ -114,13 +114,12 @@ def test_the_identity_names_each_zoo_artifact_by_its_manifest_so_a_rebuilt_draft
 def test_a_continuation_at_another_commit_continues_and_each_run_keeps_its_commits(tmp_path, monkeypatch):
     """A table of several hours is made in parts on one host: a later commit continues it, and every run lists
     the commits it ran at; the table names one commit only when every run used it."""
-    from pardec.zoo import build
 
     T.check_identity(tmp_path, {"host": {"cpu": "x"}, "dtype": "fp32", "n": 20})
-    monkeypatch.setattr(build, "git_state", lambda: {"commit": "a" * 40})
+    monkeypatch.setattr("pardec.bench.table_run.git_state", lambda: {"commit": "a" * 40})
     assert T.record_commit(tmp_path, "gsm8k") == "a" * 40
     T.record_commit(tmp_path, "gsm8k")  # the same commit again: listed once
-    monkeypatch.setattr(build, "git_state", lambda: {"commit": "b" * 40})
+    monkeypatch.setattr("pardec.bench.table_run.git_state", lambda: {"commit": "b" * 40})
     T.check_identity(tmp_path, {"host": {"cpu": "x"}, "dtype": "fp32", "n": 20})  # no commit in the identity
     T.record_commit(tmp_path, "gsm8k")
     T.record_commit(tmp_path, "spider")

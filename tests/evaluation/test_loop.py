@@ -51,7 +51,7 @@ def test_an_int8_run_says_how_its_int8_model_was_built_and_fp32_scores_it(tmp_pa
 
     scorers = []
     real = ppl_mod.completion_nll
-    monkeypatch.setattr(ppl_mod, "completion_nll", lambda m, *a: scorers.append(m) or real(m, *a))
+    monkeypatch.setattr("pardec.evaluation.loop.completion_nll", lambda m, *a: scorers.append(m) or real(m, *a))
     summary = run(cfg_of("+method=pld", "dtype=int8", "+model.int8_smooth=0.4", *TINY), tmp_path)
     assert summary["dtype"] == "int8"
     assert summary["int8_recipe"] == {"scheme": "per_token", "smooth_alpha": 0.4, "skip": []}

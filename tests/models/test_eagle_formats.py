@@ -406,7 +406,6 @@ def test_export_help(capsys):
 
 def test_hub_ids_resolve_through_snapshot_download(target, tmp_path, monkeypatch):
     """Users name Hub repositories; the tests stand a local directory in for the download."""
-    import huggingface_hub
 
     local = write_speculators(tmp_path / "snap", published_weights(9), layer_ids=[1, 2, 3])
     calls = []
@@ -417,7 +416,7 @@ def test_hub_ids_resolve_through_snapshot_download(target, tmp_path, monkeypatch
             raise OSError("404 Client Error: Repository Not Found\nmore detail")
         return str(local)
 
-    monkeypatch.setattr(huggingface_hub, "snapshot_download", fake)
+    monkeypatch.setattr("pardec.models.checkpoints.snapshot_download", fake)
     draft, meta = load_eagle3("someone/eagle3-draft", target.model.config)
     assert calls[0][0] == "someone/eagle3-draft" and "*.safetensors" in calls[0][1]["allow_patterns"]
     assert meta["path"] == str(local) and draft.config.layer_ids == [1, 2, 3]

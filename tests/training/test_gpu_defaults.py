@@ -53,7 +53,7 @@ def test_draft_teacher_runs_in_the_run_dtype_and_tf32_is_set(tmp_path, monkeypat
 
     loads = []
     real_load = loading.load_model
-    monkeypatch.setattr(loading, "load_model", lambda cfg, *a: loads.append(cfg.dtype) or real_load(cfg, *a))
+    monkeypatch.setattr(draft_trainer, "load_model", lambda cfg, *a: loads.append(cfg.dtype) or real_load(cfg, *a))
     base = ["+experiment=draft_tiny", f"paths.data_dir={tmp_path}/data", f"paths.output_dir={tmp_path}/out",
             "dtype=bf16", "threads=1"]
     run_dir = tmp_path / "run"

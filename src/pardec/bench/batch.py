@@ -24,16 +24,24 @@ continues where it stopped (measured cells are kept) and refuses to continue wit
 from __future__ import annotations
 
 import argparse
+import shutil
 import subprocess
 import sys
 import time
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from pardec import REPO_ROOT
+from hydra import compose, initialize_config_dir
+from tqdm import tqdm
+
+from pardec import CONF_DIR, REPO_ROOT, zoo
 from pardec.bench.speed import CPU_SIZED
 from pardec.config import ConfigError
 from pardec.config.schema import settings_diff
+from pardec.jsonl import read_json
+from pardec.metrics.busy import CpuMeter, free_cores
+from pardec.tasks.base import DataError, build_task, select_docs
 
 FILE = "batch.json"
 #: every batched method, the trained ones with the zoo's drafters (sps: the zoo's draft model unless draft= is given),
@@ -55,8 +63,8 @@ def parse_sizes(text: str) -> list[int]:
 
 def parse_methods(text: str) -> list[tuple[str, str, dict]]:
     """``ar,sps:gamma=4`` -> [(label, name, params)], each checked against the batched methods; ``ar`` first."""
-    from pardec.decoding.batch.engine import check_batched
-    from pardec.evaluation.spec import parse_also
+    from pardec.decoding.batch.engine import check_batched  # heavy: torch, transformers
+    from pardec.evaluation.spec import parse_also  # heavy: torch, transformers
 
     out = []
     for entry in [e for e in text.split(",") if e]:
@@ -109,12 +117,12 @@ def table(data: dict) -> str:
 
 
 def plot(data: dict, path: Path) -> None:
-    import matplotlib
+    import matplotlib  # heavy: matplotlib
 
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # heavy: matplotlib
 
-    from pardec.models.host import describe
+    from pardec.models.host import describe  # heavy: torch, transformers
 
     cells = with_ratios(data)["cells"]
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.2))
@@ -142,8 +150,6 @@ def plot(data: dict, path: Path) -> None:
 def load(out: Path, ident: dict, command: str = "") -> dict:
     """The run so far in ``out`` (or a new one, started by ``command``); refuses one started with another identity,
     naming the differences."""
-    from pardec.jsonl import read_json
-
     f = out / FILE
     if not f.is_file():
         return {"title": "Batched decoding: tokens/s and latency per batch size against batched ar",
@@ -178,7 +184,6 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
         if a.n < 1 or a.max_new_tokens < 1:
             raise ConfigError(f"--n {a.n} and --max-new-tokens {a.max_new_tokens} must be >= 1")
         spec = _spec(a, methods)
-        from pardec.tasks.base import DataError, build_task, select_docs
 
         try:  # a missing or empty dataset file: one line, before the models load
             spec.task = build_task(spec.dataset, timeout_s=spec.run.timeout_s)
@@ -195,11 +200,8 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
 
 
 def _spec(a: argparse.Namespace, methods: list[tuple[str, str, dict]]):
-    from hydra import compose, initialize_config_dir
-
-    from pardec import CONF_DIR
-    from pardec.decoding.batch import BATCHED
-    from pardec.evaluation.spec import validate
+    from pardec.decoding.batch import BATCHED  # heavy: torch, transformers
+    from pardec.evaluation.spec import validate  # heavy: torch, transformers
 
     draft = [] if any(o.startswith("draft") for o in a.overrides) or not any(
         BATCHED.get(name).needs_draft for _, name, _ in methods) else ZOO_DRAFT
@@ -207,7 +209,6 @@ def _spec(a: argparse.Namespace, methods: list[tuple[str, str, dict]]):
         cfg = compose("evaluate", overrides=["+method=ar", f"n_samples={a.n}", f"max_new_tokens={a.max_new_tokens}",
                                              *draft, *a.overrides])
     spec = validate(cfg)
-    from pardec import zoo
 
     for i, (label, name, params) in enumerate(methods):  # a drafter kept in the zoo: path=zoo:eagle3
         methods[i] = (label, name, {k: zoo.resolve(v, f"--methods entry {label!r}: method.{k}", spec.model.name)
@@ -220,17 +221,13 @@ def _spec(a: argparse.Namespace, methods: list[tuple[str, str, dict]]):
 
 
 def _threads(setting) -> None:
-    import torch
-
-    from pardec.metrics.busy import free_cores
+    import torch  # heavy: torch
 
     torch.set_num_threads(free_cores() if setting == "auto" else int(setting))
 
 
 def _identity(a, spec, methods) -> dict[str, Any]:
-    from dataclasses import asdict
-
-    from pardec.models.host import machine
+    from pardec.models.host import machine  # heavy: torch, transformers
 
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO_ROOT, capture_output=True,
                             text=True).stdout.strip() or None
@@ -244,13 +241,10 @@ def _identity(a, spec, methods) -> dict[str, Any]:
 
 
 def measure(a, spec, methods, sizes, data: dict) -> int:
-    from tqdm import tqdm
-
-    from pardec.decoding import Stopper
-    from pardec.decoding.batch import build_batched, run_batch
-    from pardec.evaluation.results import write_json
-    from pardec.metrics.busy import CpuMeter
-    from pardec.models.loading import load_model
+    from pardec.decoding import Stopper  # heavy: torch, transformers
+    from pardec.decoding.batch import build_batched, run_batch  # heavy: torch, transformers
+    from pardec.evaluation.results import write_json  # heavy: torch, transformers
+    from pardec.models.loading import load_model  # heavy: torch, transformers
 
     r = spec.run
     a.out.mkdir(parents=True, exist_ok=True)
@@ -304,10 +298,8 @@ def publish(out: Path, data: dict, root: Path, name: str) -> Path:
     """The run in ``out`` onto the pages: its result file and figure under ``docs/``, and its table with the host,
     the data link and the figure between the markers of ``docs/batch.md`` (refused when the run is not finished:
     every method at every batch size of its identity)."""
-    import shutil
-
-    from pardec.evaluation.results import write_json
-    from pardec.models.host import describe
+    from pardec.evaluation.results import write_json  # heavy: torch, transformers
+    from pardec.models.host import describe  # heavy: torch, transformers
 
     ident = data["identity"]
     want = len(ident["methods"]) * len({c["batch_size"] for c in data["cells"]})

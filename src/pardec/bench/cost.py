@@ -30,9 +30,12 @@ from pathlib import Path
 
 import torch
 
+from pardec.config import ATTN_IMPLEMENTATIONS, ModelConfig
 from pardec.models.cached import CachedModel
-from pardec.models.cost import CostTable
-from pardec.models.host import machine
+from pardec.models.cost import CostTable, table_key
+from pardec.models.host import describe, machine
+from pardec.models.loading import load_model, named_config
+from pardec.models.quant.int8 import parse_recipe
 
 
 def measure(model: torch.nn.Module, context: list[int], sizes: list[int], name: str, dtype: str,
@@ -67,8 +70,6 @@ def _options(spec: str) -> dict:
     if not rest:
         return {}
     if dtype == "int8":
-        from pardec.models.quant.int8 import parse_recipe
-
         return parse_recipe(rest)
     if dtype == "bf16" and rest == "unpacked":
         return {"cpu_prepack": False}
@@ -77,11 +78,6 @@ def _options(spec: str) -> dict:
 
 def main(argv: Sequence[str] | None = None, prog: str | None = None) -> dict[str, dict[str, CostTable]]:
     """The CLI; returns the measured tables per precision key, per model name."""
-    from pardec.config import ATTN_IMPLEMENTATIONS, ModelConfig
-    from pardec.models.cost import table_key
-    from pardec.models.host import describe
-    from pardec.models.loading import load_model, named_config
-
     ap = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n", 1)[1],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="smollm2_135m",

@@ -32,8 +32,11 @@ from collections import Counter
 from functools import partial
 from pathlib import Path
 
+import torch
+
 from pardec import REPO_ROOT
-from pardec.testing import untrained_drafters
+from pardec.config import FORWARD_IMPLS, ModelConfig
+from pardec.testing import count_cuda_syncs, untrained_drafters
 
 ROOT = REPO_ROOT
 PROMPTS = ["def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n",
@@ -44,8 +47,6 @@ KINDS = {"cllm": "cllm_tiny", "draft": "draft_tiny", "heads_medusa": "heads_medu
 
 
 def device_name(device: str) -> str:
-    import torch
-
     if device.startswith("cuda"):
         return f"{torch.cuda.get_device_name(0)} x{torch.cuda.device_count()} (CUDA {torch.version.cuda})"
     model = next((ln.split(":", 1)[1].strip() for ln in Path("/proc/cpuinfo").read_text().splitlines()
@@ -54,22 +55,16 @@ def device_name(device: str) -> str:
 
 
 def sync(device: str) -> None:
-    import torch
-
     if device.startswith("cuda"):
         torch.cuda.synchronize()
 
 
 def decoding(a, out: dict) -> list[dict]:
-    import torch
-
-    from pardec.config import ModelConfig
-    from pardec.decoding import METHODS, Stopper, build_decoder
-    from pardec.decoding.base import lossless_under_greedy
-    from pardec.models.cached import CachedModel
-    from pardec.models.loading import TORCH_DTYPES, load_model, named_config
-    from pardec.models.placement import set_tf32
-    from pardec.testing import count_cuda_syncs
+    from pardec.decoding import METHODS, Stopper, build_decoder  # heavy: transformers
+    from pardec.decoding.base import lossless_under_greedy  # heavy: transformers
+    from pardec.models.cached import CachedModel  # heavy: transformers
+    from pardec.models.loading import TORCH_DTYPES, load_model, named_config  # heavy: transformers
+    from pardec.models.placement import set_tf32  # heavy: transformers
 
     set_tf32(True)
     names = a.methods.split(",") if a.methods else METHODS.names()
@@ -172,8 +167,6 @@ def training(a, out: dict) -> list[dict]:
 
 
 def sharded(a, out: dict) -> dict:
-    import torch
-
     if not a.device.startswith("cuda") or torch.cuda.device_count() < 2:
         out["sharded_evaluate"] = {"skipped": "needs 2 CUDA devices"}
         return out["sharded_evaluate"]
@@ -216,8 +209,6 @@ def tables(out: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    import torch
-
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", choices=["cuda", "cpu"])
     ap.add_argument("--model", default="smollm2_135m", help="a conf/model name, or tiny_random")
@@ -240,7 +231,6 @@ def main(argv: list[str] | None = None) -> int:
     bad = [d for d in a.dtypes.split(",") if d not in ("fp32", "bf16")]
     if bad:
         ap.error(f"--dtypes {bad} not valid; choose from: fp32, bf16")
-    from pardec.config import FORWARD_IMPLS
 
     a.forward_impls = a.forward_impls or ("hf,lean,compiled,cudagraph" if a.device == "cuda" else "hf,lean,compiled")
 

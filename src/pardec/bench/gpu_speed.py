@@ -36,6 +36,8 @@ from pathlib import Path
 import torch
 
 from pardec import REPO_ROOT
+from pardec.config import ModelConfig
+from pardec.testing import count_cuda_syncs
 
 ROOT = REPO_ROOT
 #: (hidden, layers, heads, kv heads, intermediate): a tiny one (the script's own test, on the CPU), SmolLM2-135M,
@@ -51,7 +53,7 @@ def random_llama(shape: str, vocab: int, dtype: torch.dtype, device: str):
     :func:`pardec.models.loading.tiny_random_model`: that one fixes intermediate = 2 x hidden, kv heads = heads / 2
     and untied embeddings, which are not Llama-2-7B's, TinyLlama's or SmolLM2's shapes (it would need those three as
     parameters, and to build in a dtype on a device, to serve both)."""
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import LlamaConfig, LlamaForCausalLM  # heavy: transformers
 
     hidden, layers, heads, kv, inter = SHAPES[shape]
     config = LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=inter, num_hidden_layers=layers,
@@ -69,11 +71,10 @@ def random_llama(shape: str, vocab: int, dtype: torch.dtype, device: str):
 
 
 def run_shape(shape: str, a, tok) -> dict:
-    from pardec.bench.cost import measure
-    from pardec.decoding import Stopper, build_decoder
-    from pardec.decoding.base import sync
-    from pardec.models.cached import CachedModel
-    from pardec.testing import count_cuda_syncs
+    from pardec.bench.cost import measure  # heavy: transformers
+    from pardec.decoding import Stopper, build_decoder  # heavy: transformers
+    from pardec.decoding.base import sync  # heavy: transformers
+    from pardec.models.cached import CachedModel  # heavy: transformers
 
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[a.dtype]
     model = random_llama(shape, len(tok), dtype, a.device)
@@ -190,9 +191,8 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
         ap.error(f"--methods {bad} not valid; choose from: {', '.join(DRAFT_FREE)} (methods that need no drafter)")
     if a.device.startswith("cuda") and not torch.cuda.is_available():
         ap.error(f"--device {a.device!r}: no CUDA device is available here; --device cpu runs it as a test")
-    from pardec.config import ModelConfig
-    from pardec.models.loading import load_tokenizer
-    from pardec.models.placement import set_tf32
+    from pardec.models.loading import load_tokenizer  # heavy: transformers
+    from pardec.models.placement import set_tf32  # heavy: transformers
 
     set_tf32(a.tf32 == "on")
     tok = load_tokenizer(ModelConfig(name="tiny_random", source="tiny_random"))

@@ -25,7 +25,9 @@ import sys
 import time
 from pathlib import Path
 
-from pardec import REPO_ROOT
+from hydra import compose, initialize_config_dir
+
+from pardec import CONF_DIR, REPO_ROOT, zoo
 
 ROOT = REPO_ROOT
 OFFLINE_DATASETS = ("humaneval",)  # the others need dataset.path=<local file> here
@@ -38,7 +40,7 @@ CPU_SIZED = {"lookahead": "lookahead:window=4:level=4:guess_set=4",
 
 def parse_method(spec: str) -> tuple[str, list[str], str]:
     """``sps:adaptive=true`` -> ("sps", ["method.adaptive=true"], "sps_adaptive-true") (a label for dir names)."""
-    from pardec.evaluation.spec import split_method
+    from pardec.evaluation.spec import split_method  # heavy: torch, transformers
 
     name, *params = split_method(spec)
     return name, [f"method.{p}" for p in params], "_".join([name, *params]).replace("=", "-").replace(":", "-")
@@ -49,15 +51,11 @@ def draft_available(draft: str, extra: list[str] = ()) -> tuple[bool, str]:
     (e.g. ``draft.path=<run>/final``)."""
     if draft == "none":
         return False, "draft=none"
-    from hydra import compose, initialize_config_dir
-
-    from pardec import CONF_DIR
 
     with initialize_config_dir(str(CONF_DIR), version_base="1.3"):
         d = compose("evaluate", overrides=[f"draft={draft}", *(o for o in extra if o.startswith("draft."))]).draft
     if d.source != "local":
         return True, str(d.get("path") or d.source)
-    from pardec import zoo
 
     if zoo.is_ref(d.path):  # a draft kept in the zoo (checked in full when the run validates)
         kept, name = zoo.locate(d.path, "draft.path")
@@ -83,8 +81,8 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> None:
     ap.add_argument("extra", nargs="*", help="more Hydra overrides for every job")
     a = ap.parse_intermixed_args(argv)  # overrides may come before or after the options
 
-    import pardec.decoding  # noqa: F401  (registers the methods)
-    from pardec.decoding.base import METHODS
+    import pardec.decoding  # noqa: F401  (registers the methods; heavy: torch, transformers)
+    from pardec.decoding.base import METHODS  # heavy: torch, transformers
 
     for spec in a.methods.split(","):
         try:
@@ -125,7 +123,7 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> None:
     if not summaries:
         sys.exit("no runs")
     subprocess.run([sys.executable, "-m", "pardec.report", "runs", str(runs), "--out", str(a.out / "report")], check=True)
-    from pardec.report.runs import bench_table
+    from pardec.report.runs import bench_table  # heavy: matplotlib
 
     table = bench_table(summaries)
     (a.out / "table.md").write_text(table + "\n")

@@ -38,8 +38,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from pardec import REPO_ROOT
+from pardec import REPO_ROOT, zoo
 from pardec.bench.speed import CPU_SIZED
+from pardec.bench.table_publish import PublishError, log_wandb, publish
 from pardec.bench.table_run import (
     RUN_FILE,
     TableError,
@@ -49,7 +50,12 @@ from pardec.bench.table_run import (
     redo,
     started,
 )
+from pardec.decoding import METHODS
+from pardec.evaluation.results import is_failed, results_files
+from pardec.jsonl import read_json, read_jsonl
+from pardec.metrics.speed import record_is_repetitive
 from pardec.report.table import markdown, plot_benchmarks
+from pardec.zoo.build import host
 
 #: benchmark -> its dataset overrides (local copies under the data dir; HumanEval ships with its package)
 BENCHMARKS = {
@@ -77,8 +83,6 @@ BOOTSTRAP = 2000
 
 # ------------------------------------------------------------------------------------------- plan
 def zoo_has(name: str, zoo_name: str = "smollm2") -> bool:
-    from pardec import zoo
-
     return (zoo.ZOO_DIR / zoo_name / name / zoo.MANIFEST).is_file()
 
 
@@ -112,8 +116,6 @@ def plan(methods: str, has=zoo_has) -> tuple[list[str], list[tuple[str, str]], l
 def zoo_used(shared: list[str], own: list[tuple[str, str]], zoo_name: str = "smollm2") -> dict[str, str]:
     """The zoo artifacts the table decodes with, each by the sha256 of its manifest (which holds the sha256 of every
     weight file): an artifact rebuilt in the middle of a table is a different drafter."""
-    from pardec import zoo
-
     needs = dict(SHARED)
     names = sorted({needs[e] for e in shared if needs.get(e)} | {a for _, a in own})
     return {n: zoo.sha256_file(zoo.ZOO_DIR / zoo_name / n / zoo.MANIFEST) for n in names}
@@ -122,8 +124,6 @@ def zoo_used(shared: list[str], own: list[tuple[str, str]], zoo_name: str = "smo
 def identity(args: argparse.Namespace, shared: list[str], own: list[tuple[str, str]]) -> dict[str, Any]:
     """What a table run must keep across its processes: host, dtype, what it runs and the zoo artifacts it runs
     with (not the commit: each run records its own, :func:`record_commit`)."""
-    from pardec.zoo.build import host
-
     h = host()
     return {"host": {k: h[k] for k in ("cpu", "flags", "cores", "torch")}, "dtype": args.dtype, "n": args.n,
             "max_new_tokens": args.max_new_tokens, "model": args.model, "shared": shared,
@@ -135,9 +135,6 @@ def identity(args: argparse.Namespace, shared: list[str], own: list[tuple[str, s
 def run_status(run_dir: Path, n: int) -> str:
     """How far a table run is: ``done``, ``<k> of <n> prompts timed`` (the baseline's records so far), or ``not
     started``."""
-    from pardec.evaluation.results import results_files
-    from pardec.jsonl import read_jsonl
-
     if (run_dir / "summary.json").is_file():
         return "done"
     if not (run_dir / "run.json").is_file():
@@ -149,8 +146,6 @@ def run_status(run_dir: Path, n: int) -> str:
 def current_entry(entry: str) -> str:
     """A method entry (``name:key=value...``) under its method's name now: a table begun before a method was renamed
     (``eagle`` -> ``eagle3``) continues, and its rows keep one label."""
-    from pardec.decoding import METHODS
-
     name, sep, rest = entry.partition(":")
     return METHODS.current(name) + sep + rest
 
@@ -203,9 +198,6 @@ def cells(records: list[dict], summary: dict, max_new_tokens: int, sampled: bool
     exact match, quality, ended / looping shares, busy count. ``sampled``: a run at temperature > 0, whose outputs
     are draws (a lossless method's draws need not equal ``ar``'s: no exact match, no flag; its distribution is
     what ``make test-stat`` checks)."""
-    from pardec.evaluation.results import is_failed
-    from pardec.metrics.speed import record_is_repetitive
-
     ok = [r for r in records if not is_failed(r) and r.get("repeat", 0) == 0]
     base = {r["id"]: r for r in ok if r["role"] == "baseline"}
     roles: dict[str, list[dict]] = {}
@@ -247,8 +239,6 @@ def _one_commit(commits: dict[str, list[str]]) -> str:
 
 
 def aggregate(out: Path, runs: list[tuple[str, list[str]]], ident: dict, command: str) -> dict:
-    from pardec.jsonl import read_json, read_jsonl
-
     commits = read_json(out / RUN_FILE, TableError).get("commits", {})
 
     table: dict[str, Any] = {
@@ -373,12 +363,8 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
     print(f"written to {a.out}/table.json, table.md and plots/<benchmark>.png"
           + (f"; not finished yet: {', '.join(pending)}" if pending else ""))
     if a.wandb:
-        from pardec.bench.table_publish import log_wandb
-
         log_wandb(table, a.out)
     if a.publish:
-        from pardec.bench.table_publish import PublishError, publish
-
         try:
             written = publish(a.out, table, REPO_ROOT, a.name or f"table_{started(a.out)}", a.page,
                               allow_busy=a.allow_busy)

@@ -18,6 +18,9 @@ import re
 import shutil
 from pathlib import Path
 
+from pardec.report.docs import markdown_files, rewrite
+from pardec.tracking import Tracker
+
 INTRO = """\
 `python -m pardec.bench table` ([src/pardec/bench/table.py](../src/pardec/bench/table.py)) on one host: every
 decoder pardec has, the trained ones with the [zoo](zoo.md)'s drafters, one `evaluate` run per benchmark with
@@ -92,8 +95,6 @@ def publish(out: Path, table: dict, root: Path, name: str, page: str = "table.md
     ``out/plots``) under ``root/docs``; returns the files written. The README's links to a table the page showed
     before under another name follow the new name. A cell with prompts timed on a busy host is refused unless
     ``allow_busy`` (it is then published with its busy count)."""
-    from pardec.report.docs import markdown_files, rewrite
-
     if not table.get("benchmarks"):
         raise PublishError(f"nothing to publish from {out}: no run has finished yet")
     busy = busy_cells(table)
@@ -155,8 +156,6 @@ def wandb_rows(table: dict) -> dict[str, list[dict]]:
 def log_wandb(table: dict, run_dir: Path, logger: dict | None = None) -> None:
     """One W&B run (``logger``: the logger config; default offline, or as ``WANDB_MODE`` says) holding the table: its settings as the run's
     config, a W&B table per benchmark and ``all``."""
-    from pardec.tracking import Tracker
-
     config = {k: table.get(k) for k in ("command", "commit", "host", "dtype", "n", "max_new_tokens", "date", "zoo")}
     logger = logger or {"name": "wandb", "mode": os.environ.get("WANDB_MODE", "offline")}
     with Tracker(logger, run_dir, config, prefix="table",

@@ -12,6 +12,7 @@ from typing import Any
 from pardec.config.schema import settings_diff
 from pardec.evaluation.results import write_json
 from pardec.jsonl import read_json
+from pardec.zoo.build import git_state
 
 RUN_FILE = "table_run.json"
 
@@ -95,8 +96,6 @@ def redo(out: Path, names: list[str], zoo: dict[str, str], runs: dict[str, set[s
 def record_commit(out: Path, run: str) -> str | None:
     """The commit a run starts (or continues) at, kept in ``<out>/table_run.json``'s ``commits`` (a list per run:
     a run continued at another commit lists both)."""
-    from pardec.zoo.build import git_state  # (heavy: the zoo's store imports torch)
-
     f = out / RUN_FILE
     data = read_json(f, TableError)
     commit = git_state().get("commit")

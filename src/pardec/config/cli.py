@@ -10,6 +10,13 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import NoReturn
 
+from hydra import compose, initialize_config_dir
+from hydra.core.global_hydra import GlobalHydra
+from hydra.core.hydra_config import HydraConfig
+from hydra.errors import HydraException, MissingConfigException
+from omegaconf import OmegaConf, open_dict
+
+from pardec import CONF_DIR
 from pardec.config.checks import ConfigError
 
 
@@ -55,8 +62,6 @@ def hydra_errors_in_one_line() -> Iterator[None]:
     lines and suggest a stack trace. The app's composition is the check: no second one before it (a composition
     costs ~0.25 s). An error a Hydra app raises passes through (HYDRA_FULL_ERROR is set meanwhile), so the app's own
     unexpected errors show their whole traceback."""
-    from hydra.errors import HydraException, MissingConfigException
-
     before = os.environ.get("HYDRA_FULL_ERROR")
     os.environ["HYDRA_FULL_ERROR"] = "1"
     try:
@@ -97,10 +102,6 @@ def run_hydra_app(app) -> None:
 def check_overrides(argv: list[str], config_name: str) -> None:
     """Compose ``config_name`` with the overrides ``argv`` as Hydra would, raising what it would refuse as one
     :class:`ConfigError` line (:func:`hydra_errors_in_one_line`)."""
-    from hydra import compose, initialize_config_dir
-
-    from pardec import CONF_DIR
-
     with hydra_errors_in_one_line(), initialize_config_dir(str(CONF_DIR), version_base="1.3"):
         compose(config_name, overrides=list(argv))
 
@@ -109,13 +110,6 @@ def composed(app: str, overrides: list[str]):
     """The resolved config ``python -m <app> <overrides>`` runs with, as a DictConfig without its ``hydra`` section
     (``${hydra:runtime.choices...}`` resolved as a run resolves it); for tools and tests that compose a run's config
     outside the app. The app's resolvers must be registered: import ``pardec.train`` / ``pardec.evaluate`` first."""
-    from hydra import compose, initialize_config_dir
-    from hydra.core.global_hydra import GlobalHydra
-    from hydra.core.hydra_config import HydraConfig
-    from omegaconf import OmegaConf, open_dict
-
-    from pardec import CONF_DIR
-
     GlobalHydra.instance().clear()
     with initialize_config_dir(str(CONF_DIR), version_base="1.3"):
         cfg = compose(app, overrides=overrides, return_hydra_config=True)

@@ -62,8 +62,8 @@ class Ranks:
         and rank 0 then merges the whole corpus, while the others wait."""
         if self.world == 1:
             return None
-        import torch
-        import torch.distributed as dist
+        import torch  # heavy: torch
+        import torch.distributed as dist  # heavy: torch
 
         if not dist.is_initialized():
             cuda = torch.cuda.is_available()

@@ -36,6 +36,7 @@ from pardec.decoding.sampling import sample, warp
 from pardec.decoding.verify import verify_chain
 from pardec.models.cached import CachedModel
 from pardec.models.dflash import DFlashDraft
+from pardec.models.dflash_formats import load_dflash
 
 
 class ContextCache:
@@ -67,8 +68,6 @@ class ContextCache:
 def load_dflash_for(path: str, target_config) -> DFlashDraft:
     """A DFlash drafter from ``path`` (a pardec ``drafter.type: dflash`` run's ``final`` dir, or a published z-lab or
     ``speculators`` checkpoint: :mod:`pardec.models.dflash_formats`)."""
-    from pardec.models.dflash_formats import load_dflash
-
     return load_dflash(path, target_config, key="method.path")[0]
 
 

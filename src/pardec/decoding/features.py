@@ -7,6 +7,8 @@ from collections.abc import Callable
 
 import torch
 
+from pardec.decoding.base import DraftClock
+
 
 def feature_prefill(target, layers) -> tuple[Callable[[torch.Tensor], torch.Tensor], dict]:
     """(``prefill(ids)``: the target reset and run over the prompt, its last position's logits returned; a dict whose
@@ -27,8 +29,6 @@ def begin_with_features(decoder, prompt_ids, max_new_tokens: int, stop, sampling
     """A hidden-state drafter's generation set up: the draft clock reset, the prompt prefilled by the target keeping
     the features of ``decoder.layers`` (:func:`feature_prefill`), :meth:`~pardec.decoding.base.Decoder.begin`'s
     state. Returns (state, the last token, the prompt's features [T, len(layers) * H])."""
-    from pardec.decoding.base import DraftClock
-
     prefill, box = feature_prefill(decoder.target, decoder.layers)
     decoder.clock = DraftClock()
     st, last = decoder.begin(prompt_ids, max_new_tokens, stop, sampling, prefill)

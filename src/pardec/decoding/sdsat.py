@@ -60,6 +60,7 @@ from pardec.decoding.tree_search import load_tree, truncate_paths
 from pardec.decoding.verify import verify_tree
 from pardec.models.adaptive import adaptive_ids_of
 from pardec.models.cached import CachedModel, to_device
+from pardec.models.preflight import read_config_json
 
 # The reference code's nucleus trees (decoders/model/utils.py, tree_depth_{k}), written compactly: depths separated
 # by "/", each node a rank path whose leading zeros are left out ("10" at depth 3 is the path [0, 1, 0]).
@@ -144,8 +145,6 @@ class SDSAT(Decoder):
     @classmethod
     def check_model(cls, model: ModelConfig, params: dict) -> None:
         """Before the model loads: a model whose config.json is at hand must record adaptive tokens."""
-        from pardec.models.preflight import read_config_json
-
         if params.get("adaptive_ids") is not None:
             return
         config = {} if model.source == "tiny_random" else read_config_json(model)  # a tiny random model has none

@@ -13,14 +13,17 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Any
 
+from tqdm import tqdm
+
 from pardec.config import ConfigError
+from pardec.decoding.batch import build_batched, run_batch
+from pardec.decoding.batch.engine import check_batched, latency
 from pardec.evaluation.results import finite, first_divergence, is_failed, non_finite
+from pardec.metrics.busy import CpuMeter
 
 
 def check(spec) -> None:
     """What ``batch_size > 1`` needs, before anything loads (one line each)."""
-    from pardec.decoding.batch.engine import check_batched
-
     r = spec.run
     if r.batch_size == 1:
         return
@@ -51,12 +54,6 @@ def run_roles(spec, task, mine: list, roles: list, lm, draft_model, scorer, comp
               place: dict, max_len: int) -> dict[str, Any]:
     """Decode every not yet recorded prompt of ``mine`` ((index, doc) pairs) with every role as a batch; append a
     record per prompt; returns the summary's ``batch`` entry."""
-    from tqdm import tqdm
-
-    from pardec.decoding.batch import build_batched, run_batch
-    from pardec.decoding.batch.engine import latency
-    from pardec.metrics.busy import CpuMeter
-
     r = spec.run
     out: dict[str, Any] = {"batch_size": r.batch_size, "roles": {}}
     for role, name, params in roles:

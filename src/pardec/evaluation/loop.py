@@ -14,16 +14,23 @@ no margin is read there."""
 
 from __future__ import annotations
 
+import inspect
 import logging
 import statistics
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
+import torch
+from hydra.core.hydra_config import HydraConfig
+from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
+from tqdm import tqdm
 
 from pardec.config import SamplingConfig
+from pardec.decoding import METHODS, Stopper, build_decoder
 from pardec.evaluation import ranks as rk
+from pardec.evaluation.batched import run_roles
 from pardec.evaluation.results import (
     ResultsLog,
     check_new,
@@ -36,10 +43,19 @@ from pardec.evaluation.results import (
     write_json,
 )
 from pardec.evaluation.spec import PEERS, check_has_run, check_resume, run_identity, validate
-from pardec.evaluation.summary import running_speed, summarize
+from pardec.evaluation.summary import running_speed, scorer_dtype, summarize
 from pardec.evaluation.tables import format_table
+from pardec.metrics.busy import Contention, CpuMeter, free_cores
+from pardec.metrics.energy import EnergyMeter
+from pardec.metrics.perplexity import completion_nll
+from pardec.models.cached import CachedModel, NonFiniteLogitsError
+from pardec.models.cost import CostTable
+from pardec.models.loading import load_model, named_config
+from pardec.models.placement import set_tf32
 from pardec.models.quant.packed import is_packed
 from pardec.runlock import die_with_parent, run_dir_lock
+from pardec.tasks.base import build_task, select_docs
+from pardec.tracking import Tracker
 
 log = logging.getLogger("pardec.evaluate")  # the name its messages have always carried
 
@@ -58,8 +74,6 @@ def run(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
 
 
 def _locked(cfg: DictConfig, run_dir: Path, spec, ranks: rk.Ranks, identity: dict) -> dict[str, Any]:
-    from pardec.tasks.base import build_task, select_docs
-
     r = spec.run
     # before anything is written, on every rank: a refused run changes nothing
     if r.resume:
@@ -84,18 +98,6 @@ def _run(cfg: DictConfig, run_dir: Path, spec, ranks: rk.Ranks, task, docs: list
          results: ResultsLog) -> dict[str, Any]:
     """:func:`run` once the run dir is checked and the process group (several ranks) is up; returns the summary
     (rank 0; other ranks: {})."""
-    import torch
-    from tqdm import tqdm
-
-    from pardec.decoding import METHODS, Stopper, build_decoder
-    from pardec.metrics.busy import free_cores
-    from pardec.metrics.energy import EnergyMeter
-    from pardec.metrics.perplexity import completion_nll
-    from pardec.models.cached import CachedModel, NonFiniteLogitsError
-    from pardec.models.loading import load_model
-    from pardec.models.placement import set_tf32
-    from pardec.tracking import Tracker
-
     r = spec.run
     set_tf32(r.tf32)
     threads = free_cores() if r.threads == "auto" else int(r.threads)  # before the model loads: the host at rest
@@ -106,8 +108,6 @@ def _run(cfg: DictConfig, run_dir: Path, spec, ranks: rk.Ranks, task, docs: list
     chat = spec.dataset.use_chat(lm.chat)
     target = CachedModel(lm.model, name=spec.model.name, cache=r.kv_cache, forward_impl=r.forward_impl)
     if r.forward_padding:  # this machine's measured forward costs (python -m pardec.bench cost), when there are some
-        from pardec.models.cost import CostTable
-
         target.cost = CostTable.find(spec.model.name, spec.model.precision(), target.forward_impl,
                                      spec.model.attn_implementation)
         if target.cost is not None and ranks.rank == 0:
@@ -118,11 +118,6 @@ def _run(cfg: DictConfig, run_dir: Path, spec, ranks: rk.Ranks, task, docs: list
              if spec.draft else None)
     scorer = lm.model
     if spec.perplexity.get("enabled") and (spec.perplexity.get("model") or r.dtype == "int8"):
-        from dataclasses import replace
-
-        from pardec.evaluation.summary import scorer_dtype
-        from pardec.models.loading import named_config
-
         # an int8 run's completions are scored by the fp32 model: perplexity then compares across dtypes
         dtype = scorer_dtype(r.dtype)
         name = spec.perplexity.get("model")
@@ -154,8 +149,6 @@ def _run(cfg: DictConfig, run_dir: Path, spec, ranks: rk.Ranks, task, docs: list
 
     batch = None
     if r.batch_size > 1:  # every role decodes its prompts as one batch (pardec.evaluation.batched)
-        from pardec.evaluation.batched import run_roles
-
         batch = run_roles(spec, task, mine, roles, lm, draft.model if draft is not None else None,
                           scorer if spec.perplexity.get("enabled") else None, completion_nll, stopper, chat, results,
                           place, target.max_length)
@@ -253,9 +246,6 @@ def _run(cfg: DictConfig, run_dir: Path, spec, ranks: rk.Ranks, task, docs: list
     print(format_table(summary))
     group = None
     try:
-        from hydra.core.hydra_config import HydraConfig
-        from hydra.types import RunMode
-
         hc = HydraConfig.get()
         if hc.mode == RunMode.MULTIRUN:
             group = Path(hc.sweep.dir).name
@@ -278,10 +268,6 @@ def divergence_logits(model, task, doc, tok, chat, rec: dict, base: dict) -> dic
     (multi-turn tasks such as MT-Bench build it from the earlier turns' answers, which are then equal in both
     records: the baseline's ``text``) plus the baseline's tokens of that turn before the first differing one. A
     record that stops earlier than the baseline (or later) parts where the shorter one ends."""
-    import inspect
-
-    import torch
-
     turns, base_turns = rec["turn_tokens"], base["turn_tokens"]
     t = next(k for k in range(max(len(turns), len(base_turns)))
              if k >= len(turns) or k >= len(base_turns) or turns[k] != base_turns[k])
@@ -305,9 +291,6 @@ def run_document(task, doc, dec, tok, chat, stopper, sampling, max_new, max_len,
     is their sum, None if any turn was not measured; ``energy_by_device`` its split ({} when not measured).
     ``cpu`` (a :class:`~pardec.metrics.busy.CpuMeter`) reads what other processes took of the CPU meanwhile:
     ``others_cores``, ``steal_cores`` and ``busy`` (:mod:`pardec.metrics.busy`)."""
-    from pardec.metrics.busy import Contention, CpuMeter
-    from pardec.metrics.energy import EnergyMeter
-
     meter = meter or EnergyMeter()  # a meter without a monitor: every reading is None
     cpu = cpu or CpuMeter()
     contention = Contention(0.0, 0.0, 0.0, 0.0)  # summed over the turns; None parts where not measured

@@ -21,11 +21,16 @@ a GPU machine) and no NCCL watchdog over a wait that lasts as long as the slowes
 from __future__ import annotations
 
 import os
+import resource
 import socket
 from collections.abc import Mapping
 from typing import Any
 
+import torch
+import torch.distributed as dist
+
 from pardec.config import SYNC_TIMEOUT, ConfigError, Ranks, shared_launch_id
+from pardec.models.placement import resolve_device
 
 
 def launch_name(stamp: str, env: Mapping[str, str] | None = None) -> str:
@@ -64,10 +69,6 @@ def start(ranks: Ranks, device="auto") -> bool:
     its CUDA context and any tensor made on "cuda" land there, not on GPU 0."""
     if not ranks.multi:
         return False
-    import torch
-    import torch.distributed as dist
-
-    from pardec.models.placement import resolve_device
 
     gpu = resolve_device(str(device))  # (the spec's resolved device: pardec.models.placement.rank_devices)
     if gpu.type == "cuda" and gpu.index is not None:
@@ -83,7 +84,6 @@ def gather(ranks: Ranks, obj: Any) -> list[Any]:
     """``obj`` of every rank, by rank; returns only when every rank has called it (the end-of-run wait)."""
     if not ranks.multi:
         return [obj]
-    import torch.distributed as dist
 
     out: list[Any] = [None] * ranks.world
     dist.all_gather_object(out, obj)
@@ -92,8 +92,6 @@ def gather(ranks: Ranks, obj: Any) -> list[Any]:
 
 def finish(created: bool) -> None:
     if created:
-        import torch.distributed as dist
-
         dist.destroy_process_group()
 
 
@@ -111,10 +109,6 @@ def record_place(ranks: Ranks, device: str) -> dict[str, Any]:
 
 def rank_info(ranks: Ranks, device: str) -> dict[str, Any]:
     """What the summary's ``ranks`` lists for this process (peak memory is read at the end of the run)."""
-    import resource
-
-    import torch
-
     info: dict[str, Any] = {"rank": ranks.rank, "local_rank": ranks.local_rank, "host": socket.gethostname(),
                             "device": device,
                             "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}

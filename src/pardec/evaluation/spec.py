@@ -4,10 +4,11 @@ identity (:func:`run_identity`, ``run.json``), which a resumed run must match (:
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+import yaml
 from omegaconf import DictConfig, OmegaConf
 
 from pardec import zoo
@@ -22,8 +23,16 @@ from pardec.config import (
     settings_diff,
     to_dataclass,
 )
+from pardec.decoding.base import METHODS, check_attention, check_params
 from pardec.evaluation import batched
+from pardec.evaluation.results import results_files
 from pardec.jsonl import read_json
+from pardec.models.forward import FORWARDS
+from pardec.models.placement import rank_devices
+from pardec.models.preflight import check_available, check_same_tokenizer
+from pardec.registry import UnknownNameError
+from pardec.tasks.base import TASKS, build_task
+from pardec.tracking import LOGGERS
 
 RUN_KEYS = ("n_samples", "max_new_tokens", "threads", "seed", "resume", "timeout_s", "stop_at_eos", "repeats",
             "dtype", "tf32", "forward_padding", "kv_cache", "forward_impl", "draft_forward_impl", "batch_size")
@@ -51,8 +60,6 @@ def split_method(spec: str) -> list[str]:
 
 def parse_also(spec: str) -> tuple[str, dict]:
     """``"sps:adaptive=true:gamma=6"`` -> ("sps", {"adaptive": True, "gamma": 6}); values parsed as YAML scalars."""
-    import yaml
-
     name, *pairs = split_method(spec)
     params = {}
     for pair in pairs:
@@ -85,12 +92,6 @@ class EvalSpec:
 def validate(cfg: DictConfig) -> EvalSpec:
     """Check every name and value before anything heavy loads; errors name the bad value and the choices. A task
     that runs model output (code, SQL) also gets its sandbox checked here (:func:`check_scorer`)."""
-    import pardec.decoding  # noqa: F401
-    import pardec.tasks  # noqa: F401
-    from pardec.decoding.base import METHODS, check_attention
-    from pardec.tasks.base import TASKS
-    from pardec.tracking import LOGGERS
-
     if cfg.get("method") is None or cfg.method.get("name") is None:
         raise ConfigError(f"no method given: pass +method=<name>; valid methods: {', '.join(METHODS.names())}")
     mcfg = OmegaConf.to_container(cfg.method, resolve=True)
@@ -152,7 +153,6 @@ def resolve_model_path(cfg: ModelConfig, key: str, target: str | None) -> ModelC
     if cfg.source != "local":
         raise ConfigError(f"{key}.path={cfg.path!r} names a zoo artifact, which is a local directory: use "
                           f"{key}=local {key}.path={cfg.path} ({key}.source is {cfg.source!r})")
-    from dataclasses import replace
 
     return replace(cfg, path=zoo.resolve(cfg.path, f"{key}.path", target))
 
@@ -162,9 +162,6 @@ def check_placement(model: ModelConfig, draft: ModelConfig | None, run: RunConfi
     several processes a split target's rank owns a disjoint group of GPUs and its draft lives in it), and that each
     model's forward can run there: a target split with ``model.device_map`` runs ``hf`` only (``auto`` picks it),
     ``cudagraph`` needs CUDA."""
-    from pardec.models.forward import FORWARDS
-    from pardec.models.placement import rank_devices
-
     devices = rank_devices(model, draft)
     for key, cfg, impl, dev in (("forward_impl", model, run.forward_impl, devices[0]),
                                 ("draft_forward_impl", draft, run.draft_forward_impl or run.forward_impl, devices[1])):
@@ -186,9 +183,6 @@ def check_method(name: str, params: dict, draft: ModelConfig | None, where: str 
     """The class of method ``name``, checked without a model: the name, its parameters' names and types (from its
     signature), their ranges (its own ``__init__``) and its need of a draft. ``where`` starts the errors
     (``bench.also entry 'pld:num_pred=0': method.num_pred=0 is out of range ...``)."""
-    from pardec.decoding.base import METHODS, check_params
-    from pardec.registry import UnknownNameError
-
     try:
         cls = METHODS.get(name)
         check_params(cls, params)
@@ -205,8 +199,6 @@ def check_method(name: str, params: dict, draft: ModelConfig | None, where: str 
 def check_models(model: ModelConfig, draft: ModelConfig | None) -> None:
     """Without loading weights: the model (and draft) can be had (local dir exists, hub model cached or reachable)
     and the draft tokenizes like the target (only the tokenizers are loaded)."""
-    from pardec.models.preflight import check_available, check_same_tokenizer
-
     check_available(model, "model")
     if draft is not None:
         check_available(draft, "draft")
@@ -218,8 +210,6 @@ def check_scorer(dataset: DatasetConfig, run: RunConfig) -> None:
     canary (:meth:`~pardec.tasks.base.Task.check_sandbox`), before any model loads. A sandbox that cannot run a
     known-good program raises :class:`~pardec.metrics.sandbox.SandboxError` (one line naming the cause) instead of
     letting every completion score 0. Other tasks: nothing."""
-    from pardec.tasks.base import TASKS, build_task
-
     if TASKS.get(dataset.name).sandboxed:
         build_task(dataset, timeout_s=run.timeout_s).check_sandbox()
 
@@ -241,8 +231,6 @@ def check_has_run(run_dir: Path) -> None:
     """``resume=true`` needs a run to resume: ``run_dir`` holds a ``run.json`` or records (merged or any rank's
     part), else one line naming the dir (a new dir would silently start afresh). A dir named by a launch id
     (``torchrun-``/``deepspeed-``) is one a relaunch made anew: the error says to pass the old one."""
-    from pardec.evaluation.results import results_files
-
     if (run_dir / "run.json").is_file() or results_files(run_dir):
         return
     hint = "pass hydra.run.dir=<the killed run's dir>, or drop resume=true to start a new run"
@@ -257,8 +245,6 @@ def check_resume(run_dir: Path, identity: dict) -> None:
     run dir without records (merged or any rank's part) is not checked, and one without a run is refused
     (:func:`check_has_run`). Another number of processes is refused too: each rank's part file holds the documents
     of its index % world_size, so they would be redone or lost."""
-    from pardec.evaluation.results import results_files
-
     check_has_run(run_dir)
     if not results_files(run_dir):
         return  # no records yet: nothing to mix with

@@ -10,9 +10,19 @@ import statistics
 from dataclasses import asdict
 from typing import Any
 
+import torch
+
+from pardec.decoding import METHODS
+from pardec.decoding.base import lossless_under_greedy
 from pardec.evaluation.results import is_failed
 from pardec.evaluation.spec import PEERS, EvalSpec
+from pardec.metrics.busy import BUSY_CORES
+from pardec.metrics.energy import joules_per_token
+from pardec.metrics.passk import pass_at_k
+from pardec.metrics.perplexity import perplexity
 from pardec.metrics.sandbox import isolation
+from pardec.metrics.speed import nonrepetitive_speed, speed_summary, tokens_per_s
+from pardec.models.loading import int8_recipe
 
 #: A divergence from the baseline is a *near-tie* when the target's top-1 and top-2 logits there
 #: (``divergence_margin``, from one teacher-forced forward in the run's dtype) are less than NEAR_TIE_ULPS units in
@@ -64,8 +74,6 @@ def divergences(rows: list[dict], dtype: str) -> dict[str, int | None]:
 
 def running_speed(records: list[dict], method_role: str) -> str:
     """The progress bar's note: the method's tokens/s so far and its speedup over the baseline ("" before both ran)."""
-    from pardec.metrics.speed import tokens_per_s
-
     m = [x for x in records if x["role"] == method_role and not is_failed(x)]
     b = [x for x in records if x["role"] == "baseline" and not is_failed(x)]
     mt, bt = tokens_per_s(m) if m else None, tokens_per_s(b) if b else None
@@ -87,8 +95,6 @@ def perplexity_scorer(spec: EvalSpec) -> str | None:
 
 
 def _int8_recipe(model_cfg) -> dict | None:
-    from pardec.models.loading import int8_recipe
-
     return int8_recipe(model_cfg) if model_cfg.dtype == "int8" else None
 
 
@@ -96,12 +102,6 @@ def summarize(spec: EvalSpec, task, records: list[dict], method_role: str, model
               energy: dict | None = None) -> dict[str, Any]:
     """The run's summary. ``energy``: the meter's ``status()`` (``measured``, ``reason``, ``devices``); without it,
     what the records say (measured where some record has ``energy_j``)."""
-    from pardec.decoding import METHODS
-    from pardec.decoding.base import lossless_under_greedy
-    from pardec.metrics.energy import joules_per_token
-    from pardec.metrics.perplexity import perplexity
-    from pardec.metrics.speed import nonrepetitive_speed, speed_summary, tokens_per_s
-
     ok = [x for x in records if not is_failed(x)]
     device = next((str(x["device"]) for x in records if x.get("device")), None) or str(spec.devices[0])
     precision = matmul_precision(spec.model.dtype, spec.run.tf32, device)
@@ -217,8 +217,6 @@ def summarize(spec: EvalSpec, task, records: list[dict], method_role: str, model
     if rows["hf"]:
         summary["hf_exact_match_rate"] = peers["hf"]["exact_match_rate"]
     try:
-        import torch
-
         if torch.cuda.is_available():
             summary["peak_cuda_mb"] = torch.cuda.max_memory_allocated() / 2**20
     except RuntimeError:
@@ -233,8 +231,6 @@ def busy_summary(records: list[dict], rows: dict[str, list[dict]]) -> dict[str, 
     ``records`` (all roles), ``by_role`` (roles with any), ``measured`` (whether any record was measured) and the
     ``threshold_cores`` a record's ``busy`` mark used. A busy record's timing is disturbed: a table that publishes
     speed refuses a cell built on one unless told otherwise."""
-    from pardec.metrics.busy import BUSY_CORES
-
     by_role = {role: n for role, rs in rows.items() if (n := sum(bool(x.get("busy")) for x in rs))}
     return {"records": sum(bool(x.get("busy")) for x in records), "of": len(records), "by_role": by_role,
             "measured": any(x.get("busy") is not None for x in records), "threshold_cores": BUSY_CORES}
@@ -243,8 +239,6 @@ def busy_summary(records: list[dict], rows: dict[str, list[dict]]) -> dict[str, 
 def pass_at_k_summary(rows: list[dict], n: int) -> dict[str, float]:
     """pass@k for k in 1, 2, 5, 10, 100 up to ``n`` samples per prompt (the unbiased estimator of
     :func:`pardec.metrics.passk.pass_at_k`, averaged over the prompts with at least k samples; None: none has)."""
-    from pardec.metrics.passk import pass_at_k
-
     per_doc: dict[str, list[float]] = {}
     for x in rows:
         per_doc.setdefault(x["id"], []).append(float(x["score"].get("pass") or 0.0))

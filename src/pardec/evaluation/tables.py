@@ -4,7 +4,10 @@ its :func:`method_label`: the one renderer of a ``summary.json`` that every tabl
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
+
+from pardec.decoding.base import METHODS, method_params
 
 
 def _fmt(v: Any, spec: str = ".3g") -> str:
@@ -16,11 +19,6 @@ def _fmt(v: Any, spec: str = ".3g") -> str:
 def method_label(method: str, params: dict | None = None) -> str:
     """``method (key=value, ...)`` with the parameters that differ from the method's defaults (a long path, e.g.
     trained heads, by its last three parts): how every table names a run's method or a ``bench.also`` role."""
-    from pathlib import Path
-
-    import pardec.decoding  # noqa: F401  (registers the methods)
-    from pardec.decoding.base import METHODS, method_params
-
     if not params:
         return method
     defaults = {k: p.default for k, p in method_params(METHODS.get(method)).items()} if method in METHODS else {}

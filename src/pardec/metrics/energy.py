@@ -60,7 +60,7 @@ def _quiet_zeus() -> Iterator[None]:
 def _nvml_why() -> str:
     """Why NVML gives no GPU, in NVML's own words."""
     try:
-        import pynvml
+        import pynvml  # optional: pynvml
     except ImportError:
         return "NVML: nvidia-ml-py not installed"
     try:
@@ -76,8 +76,8 @@ def _nvml_why() -> str:
 
 def _probe_gpus(wanted: Iterable[int] | None) -> tuple[list[int], str, str | None]:
     """(GPU indices with an energy counter to monitor, what they are, why GPUs are not counted or None)."""
-    from zeus.device import get_gpus
-    from zeus.device.gpu.common import ZeusGPUInitError
+    from zeus.device import get_gpus  # heavy: zeus
+    from zeus.device.gpu.common import ZeusGPUInitError  # heavy: zeus
 
     try:
         gpus = get_gpus()
@@ -100,9 +100,9 @@ def _probe_gpus(wanted: Iterable[int] | None) -> tuple[list[int], str, str | Non
 
 def _probe_cpus() -> tuple[bool, str, str | None]:
     """(RAPL readable, what is counted, why the CPU is not counted or None)."""
-    from zeus.device import get_cpus
-    from zeus.device.cpu.common import ZeusCPUInitError, ZeusCPUNoPermissionError
-    from zeus.device.cpu.rapl import CONTAINER_RAPL_DIR, RAPL_DIR
+    from zeus.device import get_cpus  # heavy: zeus
+    from zeus.device.cpu.common import ZeusCPUInitError, ZeusCPUNoPermissionError  # heavy: zeus
+    from zeus.device.cpu.rapl import CONTAINER_RAPL_DIR, RAPL_DIR  # heavy: zeus
 
     try:
         cpus = get_cpus()
@@ -154,7 +154,7 @@ class EnergyMeter:
             return cls(None, "disabled (energy.enabled=false)")
         try:
             with _quiet_zeus():
-                from zeus.monitor import ZeusMonitor
+                from zeus.monitor import ZeusMonitor  # optional: zeus
         except ImportError as e:
             return cls(None, f"the Zeus library is missing ({type(e).__name__}: {e}); install it: pip install zeus")
         try:

@@ -16,6 +16,7 @@ import functools
 from collections.abc import Callable
 from typing import Any
 
+import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 
@@ -82,8 +83,6 @@ class StagePeak:
 
     def __enter__(self) -> StagePeak:
         if self.cuda:
-            import torch
-
             torch.cuda.reset_peak_memory_stats()
         elif self.host:
             self._mode = PeakMemory().__enter__()
@@ -91,8 +90,6 @@ class StagePeak:
 
     def __exit__(self, *exc) -> None:
         if self.cuda:
-            import torch
-
             self.bytes = int(torch.cuda.max_memory_allocated())
         elif self._mode is not None:
             self._mode.__exit__(*exc)

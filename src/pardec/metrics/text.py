@@ -9,7 +9,7 @@ ROUGE_KEYS = ("rouge1", "rouge2", "rougeL")
 
 @cache
 def _rouge_scorer():
-    from rouge_score import rouge_scorer
+    from rouge_score import rouge_scorer  # heavy: rouge_score
 
     return rouge_scorer.RougeScorer(list(ROUGE_KEYS), use_stemmer=True)
 
@@ -22,7 +22,7 @@ def rouge(prediction: str, reference: str) -> dict[str, float]:
 
 def bleu(predictions: list[str], references: list[str]) -> float:
     """Corpus sacreBLEU (default 13a tokenisation) of predictions against one reference each, 0-100."""
-    import sacrebleu
+    import sacrebleu  # heavy: sacrebleu
 
     if len(predictions) != len(references):
         raise ValueError(f"bleu: {len(predictions)} predictions but {len(references)} references")
@@ -31,6 +31,6 @@ def bleu(predictions: list[str], references: list[str]) -> float:
 
 def sentence_bleu(prediction: str, reference: str) -> float:
     """sacreBLEU of one sentence (smoothed; a per-document diagnostic, not the corpus score), 0-100."""
-    import sacrebleu
+    import sacrebleu  # heavy: sacrebleu
 
     return sacrebleu.sentence_bleu(prediction, [reference]).score

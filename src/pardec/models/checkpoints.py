@@ -9,6 +9,7 @@ import re
 from pathlib import Path
 
 import torch
+from huggingface_hub import snapshot_download
 from safetensors.torch import load_file
 
 from pardec.config import ConfigError
@@ -52,7 +53,6 @@ def resolve(path_or_hub_id: str | Path, key: str = "draft.path") -> Path:
     name = str(path_or_hub_id)
     if not _HUB_ID.match(name):
         raise ConfigError(f"{key}={name!r} is neither a local directory nor a Hub id (owner/name)")
-    from huggingface_hub import snapshot_download
 
     try:
         return Path(snapshot_download(name, allow_patterns=["*.json", "*.safetensors", "pytorch_model.bin"]))

@@ -40,7 +40,8 @@ from pardec.models.checkpoints import (
     resolve,
     rope_of,
 )
-from pardec.models.dflash import DFlashConfig, DFlashDraft
+from pardec.models.dflash import DFlashConfig, DFlashDraft, default_layers
+from pardec.models.drafters import load_drafter
 
 log = logging.getLogger(__name__)
 
@@ -77,8 +78,6 @@ def load_dflash(path_or_hub_id: str | Path, target_config, key: str = "draft.pat
     path = resolve(path_or_hub_id, key)
     fmt = detect(path, key)
     if fmt == "pardec":
-        from pardec.models.drafters import load_drafter
-
         drafter, meta = load_drafter(path, target_config, "dflash", key)
         return drafter, {**meta, "source_format": fmt, "path": str(path), "layer_ids": list(drafter.config.layer_ids)}
     where = f"{key}={str(path_or_hub_id)!r}"
@@ -157,8 +156,6 @@ def _config(cfg: dict, fmt: str, state: dict, target_config, where: str) -> DFla
         raise ConfigError(f"{where}: the draft's hidden_act={act!r} is not supported (pardec's draft MLP is 'silu')")
     n = int(layer["num_hidden_layers"])
     if layer_ids is None:
-        from pardec.models.dflash import default_layers
-
         layer_ids = default_layers(t_layers, n)
     fc = state.get("fc.weight")
     if fc is not None and fc.shape[1] != len(layer_ids) * t_hidden:

@@ -41,6 +41,7 @@ from pardec.models.checkpoints import (
     rope_of,
     weights_file,
 )
+from pardec.models.drafters import load_drafter
 from pardec.models.eagle import Eagle3Config, Eagle3Draft, default_layers
 from pardec.models.vocab import DraftVocab
 
@@ -93,8 +94,6 @@ def load_eagle3(path_or_hub_id: str | Path, target_config, key: str = "draft.pat
     path = resolve(path_or_hub_id, key)
     fmt = detect(path, key)
     if fmt == "pardec":
-        from pardec.models.drafters import load_drafter
-
         drafter, meta = load_drafter(path, target_config, "eagle3", key)
         return drafter, {**meta, "source_format": fmt, "path": str(path), "layer_ids": list(drafter.config.layer_ids)}
     cfg = read_json(path / "config.json", key)

@@ -14,6 +14,8 @@ from pathlib import Path
 
 import torch
 from filelock import FileLock
+from huggingface_hub import try_to_load_from_cache
+from omegaconf import OmegaConf
 from transformers import (
     AutoModelForCausalLM,
     AutoTokenizer,
@@ -22,10 +24,13 @@ from transformers import (
     PreTrainedTokenizerBase,
 )
 
-from pardec import DATA_DIR
-from pardec.config import ConfigError, ModelConfig
+from pardec import CONF_DIR, DATA_DIR
+from pardec.config import ConfigError, ModelConfig, to_dataclass
 from pardec.models.forward import invariant as _invariant  # noqa: F401  registers attn_implementation=invariant
 from pardec.models.placement import placement, resolve_device
+from pardec.models.quant.int8 import cache_key, quantize_cached
+from pardec.models.quant.packed import prepack
+from pardec.models.quant.smooth import calibration_ids
 
 log = logging.getLogger(__name__)
 
@@ -201,11 +206,6 @@ def load_tokenizer(cfg: ModelConfig) -> PreTrainedTokenizerBase:
 def named_config(name: str, dtype: str = "fp32") -> ModelConfig:
     """``conf/model/<name>.yaml`` outside a composed config: its interpolations of the run's top-level keys
     (``dtype: ${oc.select:dtype,fp32}``) resolve against ``dtype``, as they would inside one."""
-    from omegaconf import OmegaConf
-
-    from pardec import CONF_DIR
-    from pardec.config import to_dataclass
-
     f = CONF_DIR / "model" / f"{name}.yaml"
     if not f.is_file():
         raise FileNotFoundError(f"no model config {f}")
@@ -216,14 +216,10 @@ def named_config(name: str, dtype: str = "fp32") -> ModelConfig:
 def int8_cache_key(cfg: ModelConfig) -> str | None:
     """The key of ``cfg``'s cached int8 weights: its identity and the size + mtime of its weight files (a local
     drafter trained again gets a new key). None for a model built in memory (tiny_random: quantized each time)."""
-    from pardec.models.quant.int8 import cache_key
-
     if cfg.source == "tiny_random":
         return None
     where = weights_location(cfg)
     if cfg.source == "hub":
-        from huggingface_hub import try_to_load_from_cache
-
         found = try_to_load_from_cache(str(where), "config.json", revision=cfg.revision)
         where = Path(found).parent if isinstance(found, str) else None  # the snapshot dir names the commit
     files = [f for f in Path(where).iterdir() if f.suffix in (".safetensors", ".bin", ".json")] if where else []
@@ -337,7 +333,7 @@ def load_model(cfg: ModelConfig, device: torch.device | None = None) -> LoadedMo
             **placement(cfg),
         )
     if cfg.adapter:
-        from peft import PeftModel
+        from peft import PeftModel  # heavy: peft
 
         model = PeftModel.from_pretrained(model, cfg.adapter).merge_and_unload()
     if not cfg.device_map:  # (a dispatched model is already placed and in dtype)
@@ -345,14 +341,9 @@ def load_model(cfg: ModelConfig, device: torch.device | None = None) -> LoadedMo
     model = model.eval()
     model.config._attn_implementation = cfg.attn_implementation
     if cfg.dtype == "int8":
-        from pardec.models.quant.int8 import quantize_cached
-        from pardec.models.quant.smooth import calibration_ids
-
         calib = calibration_ids(tok) if cfg.int8_smooth is not None else None
         model = quantize_cached(model, int8_cache_key(cfg), **int8_recipe(cfg), calib=calib)
     if cfg.dtype == "bf16" and cfg.cpu_prepack and not cfg.device_map and device.type == "cpu":
-        from pardec.models.quant.packed import prepack
-
         prepack(model)
     if tok.pad_token_id is None:
         tok.pad_token = tok.eos_token

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from huggingface_hub import constants, try_to_load_from_cache
 from transformers import PreTrainedTokenizerBase
 
 from pardec.config import ConfigError, ModelConfig
@@ -16,14 +17,10 @@ from pardec.models.loading import cache_dir_for, load_tokenizer_only
 
 def hub_offline() -> bool:
     """Whether the Hugging Face hub is switched off for models (``HF_HUB_OFFLINE`` / ``TRANSFORMERS_OFFLINE``)."""
-    from huggingface_hub import constants
-
     return bool(constants.HF_HUB_OFFLINE) or offline_var(MODEL_OFFLINE_VARS) is not None
 
 
 def _hub_cached(repo: str, revision: str | None) -> bool:
-    from huggingface_hub import try_to_load_from_cache
-
     return isinstance(try_to_load_from_cache(repo, "config.json", revision=revision), str)
 
 
@@ -36,8 +33,6 @@ def read_config_json(cfg: ModelConfig) -> dict | None:
     elif cfg.source in ("gguf", "gguf_package"):
         f = cache_dir_for(cfg) / "config.json"
     elif cfg.source == "hub" and cfg.path:
-        from huggingface_hub import try_to_load_from_cache
-
         f = try_to_load_from_cache(cfg.path, "config.json", revision=cfg.revision)
     if not isinstance(f, (str, Path)) or not Path(f).is_file():
         return None

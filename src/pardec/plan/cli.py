@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import shlex
+import subprocess
 import sys
 from collections.abc import Sequence
+from datetime import date
 from pathlib import Path
 
-from pardec.config import ConfigError
+from pardec.config import ConfigError, exit_with_error
 from pardec.plan.compose import check_name, paper_recipes
 from pardec.plan.data_stages import stage_plans
 from pardec.plan.plans import plan
@@ -41,8 +44,6 @@ def table(plans: Sequence[Plan]) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    from pardec.config import exit_with_error
-
     parser = argparse.ArgumentParser(
         prog="python -m pardec.plan", description=__doc__.splitlines()[0],
         epilog="GB = 1e9 bytes, per GPU; overhead = 10% of the components. Formulas: docs/plan.md.")
@@ -89,10 +90,6 @@ def main(argv: Sequence[str] | None = None) -> None:
 def keep_result(ref: str, plans: Sequence[Plan], command: Sequence[str]) -> None:
     """Table ``NAME`` of result file ``FILE`` (``FILE#NAME``): the rows, the command and the commit it came from; the
     file's other tables are kept (one file holds a page's tables, each with its own command)."""
-    import shlex
-    import subprocess
-    from datetime import date
-
     path, _, name = ref.partition("#")
     if not name:
         raise SystemExit(f"--result {ref!r}: give FILE#NAME (the table's name in the file)")

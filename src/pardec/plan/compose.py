@@ -8,6 +8,11 @@ import re
 from collections.abc import Iterator, Sequence
 from typing import Any
 
+from hydra import compose as hydra_compose
+from hydra import initialize_config_dir
+from hydra.errors import HydraException
+from omegaconf import DictConfig, ListConfig, OmegaConf
+
 from pardec import CONF_DIR
 from pardec.config import ConfigError
 from pardec.plan.shapes import DEFAULT_WORLD
@@ -71,7 +76,7 @@ def launch_world(name: str) -> int:
 @contextlib.contextmanager
 def _as_on_cuda() -> Iterator[None]:
     """Resolve the GPU defaults (``dtype`` bf16, ``trainer.bf16`` true) whatever this machine has."""
-    import torch
+    import torch  # heavy: torch
 
     saved = torch.cuda.is_available
     torch.cuda.is_available = lambda: True  # what pardec.on_cuda() asks; only while the values resolve
@@ -83,10 +88,6 @@ def _as_on_cuda() -> Iterator[None]:
 
 def compose(name: str, overrides: Sequence[str] = ()) -> tuple[str, dict[str, Any]]:
     """(``train`` | ``evaluate``, the recipe's composed config as a plain dict, GPU defaults; no hydra keys)."""
-    from hydra import compose as hydra_compose
-    from hydra import initialize_config_dir
-    from hydra.errors import HydraException
-
     name = check_name(name)
     app = recipes()[name]
     key = "experiment" if app == "train" else "recipe"
@@ -104,8 +105,6 @@ def compose(name: str, overrides: Sequence[str] = ()) -> tuple[str, dict[str, An
 def _plain(cfg, key: str) -> Any:
     """``cfg[key]`` as plain Python, resolved leaf by leaf; a leaf that cannot resolve outside a Hydra run (the run
     dir, ``${hydra:...}``) becomes None: the plan never reads one."""
-    from omegaconf import DictConfig, ListConfig, OmegaConf
-
     node = OmegaConf.select(cfg, key, throw_on_resolution_failure=False)
     if isinstance(node, DictConfig):
         return {str(k): _plain(cfg, f"{key}.{k}") for k in node.keys()}

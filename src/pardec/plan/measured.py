@@ -16,9 +16,20 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import shlex
+import subprocess
+import sys
+import tempfile
 from collections.abc import Sequence
+from datetime import date
 from pathlib import Path
 from typing import Any
+
+from omegaconf import OmegaConf
+
+from pardec.config import composed
+from pardec.plan.drafters import dflash, firp, medusa
+from pardec.plan.plans import DRAFT_TEACHER_COPIES, STEP_COPIES, composed_plan
 
 #: the reduced size per tiny experiment: overrides (``{data}``: the directory :func:`write_data` fills)
 SIZE = ("model.chat=false", "trainer.max_length=512", "trainer.per_device_train_batch_size=4")
@@ -55,8 +66,7 @@ def write_data(out: Path) -> Path:
 def compose_case(name: str, work: Path, threads: int = 1, extra: Sequence[str] = ()):
     """The tiny experiment ``name`` at :data:`CASES`' size, its data and outputs under ``work`` (a DictConfig as the
     train app resolves it)."""
-    import pardec.train  # noqa: F401  (its resolvers)
-    from pardec.config import composed
+    import pardec.train  # noqa: F401  (its resolvers; heavy: torch, transformers)
 
     data = write_data(work / "inputs")
     overrides = [f"+experiment={name}", f"paths.data_dir={work}/data", f"paths.output_dir={work}/out",
@@ -68,10 +78,7 @@ def compose_case(name: str, work: Path, threads: int = 1, extra: Sequence[str] =
 def measure(name: str, work: Path, threads: int = 1, extra: Sequence[str] = ()) -> dict[str, Any]:
     """Run ``name``'s stages (data, train, eval) at the reduced size; the train stage's measured peak beside the plan
     of the same config (MB = 1e6 bytes)."""
-    from omegaconf import OmegaConf
-
-    from pardec.plan.plans import composed_plan
-    from pardec.train import run
+    from pardec.train import run  # heavy: torch, transformers
 
     cfg = compose_case(name, work, threads, extra)
     summary = run(cfg, work / "run")
@@ -88,11 +95,6 @@ def measure(name: str, work: Path, threads: int = 1, extra: Sequence[str] = ()) 
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    import shlex
-    import subprocess
-    import sys
-    import tempfile
-
     parser = argparse.ArgumentParser(prog="python -m pardec.plan.measured", description=__doc__.splitlines()[0])
     parser.add_argument("names", nargs="*", metavar="name",
                         help=f"tiny experiments (default all: {', '.join(CASES)})")
@@ -120,10 +122,8 @@ def main(argv: Sequence[str] | None = None) -> None:
         print(f"{r['experiment']:<18} {r['kind']:<6} {r['type'] or '-':<7} measured {r['measured_mb']:>8.1f} MB  "
               f"planned {r['planned_mb']:>8.1f} MB  error {r['error']:+.1%}", flush=True)
     if args.json:
-        from datetime import date
-
-        from pardec.models.host import machine
-        from pardec.zoo.build import git_state
+        from pardec.models.host import machine  # heavy: torch, transformers
+        from pardec.zoo.build import git_state  # heavy: torch
 
         out = {"title": "The memory plan against the measured peak of each training kind's train stage at a reduced "
                         "size on the CPU (python -m pardec.plan.measured)",
@@ -138,9 +138,6 @@ def main(argv: Sequence[str] | None = None) -> None:
 
 def factors() -> dict[str, Any]:
     """The plan's measured copy counts this table checks (fp32 copies of the logits)."""
-    from pardec.plan.drafters import dflash, firp, medusa
-    from pardec.plan.plans import DRAFT_TEACHER_COPIES, STEP_COPIES
-
     return {"step_copies": {**STEP_COPIES, "dflash": dflash.SLOT_COPIES, "draft_teacher": DRAFT_TEACHER_COPIES},
             "depth_base_copies": {"medusa": medusa.BASE_COPIES, "firp": firp.BASE_COPIES}}
 

@@ -8,7 +8,7 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from pardec.config import ConfigError
+from pardec.config import ConfigError, ModelConfig, to_dataclass
 from pardec.recipes import (
     shipped_config,
 )
@@ -85,8 +85,7 @@ _IN_MEMORY: dict[str, Any] = {}
 def in_memory(model: dict[str, Any]) -> str:
     """The key the plan's shape functions (:func:`arch`, :func:`draft_params`, ...) take for a model built in code
     (a ``model`` section of ``source: tiny_random``: the size a plan is measured at on the CPU)."""
-    from pardec.config import ModelConfig, to_dataclass
-    from pardec.models.loading import load_tokenizer_only, tiny_random_config
+    from pardec.models.loading import load_tokenizer_only, tiny_random_config  # heavy: torch, transformers
 
     cfg = to_dataclass(ModelConfig, model, "model")
     config = tiny_random_config(cfg, len(load_tokenizer_only(cfg)))
@@ -97,8 +96,8 @@ def in_memory(model: dict[str, Any]) -> str:
 
 @functools.cache
 def _meta_model(hub_id: str):
-    import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
+    import torch  # heavy: torch
+    from transformers import AutoConfig, AutoModelForCausalLM  # heavy: transformers
 
     if hub_id in _IN_MEMORY:
         cfg = _IN_MEMORY[hub_id]
@@ -124,7 +123,7 @@ def arch(hub_id: str) -> Arch:
 
 def lora_params(hub_id: str, r: int, targets: Sequence[str]) -> int:
     """LoRA adapter parameters: ``r x (in + out)`` for every Linear whose name ends in a target module."""
-    from torch import nn
+    from torch import nn  # heavy: torch
 
     return sum(r * (m.in_features + m.out_features) for n, m in _meta_model(hub_id).named_modules()
                if isinstance(m, nn.Linear) and n.split(".")[-1] in set(targets))
@@ -133,9 +132,9 @@ def lora_params(hub_id: str, r: int, targets: Sequence[str]) -> int:
 def draft_params(hub_id: str, layers: int, vocab_size: int, freeze_embeddings: bool) -> tuple[int, int]:
     """(all, trainable) parameters of kind draft's student: ``layers`` of the target's decoder layers, its embeddings
     and a head over ``vocab_size`` kept ids (:class:`pardec.models.draft.DraftForCausalLM`, built on the meta device)."""
-    import torch
+    import torch  # heavy: torch
 
-    from pardec.models.draft import DraftConfig, DraftForCausalLM
+    from pardec.models.draft import DraftConfig, DraftForCausalLM  # heavy: torch, transformers
 
     t = _meta_model(hub_id).config.to_dict()
     for k in ("model_type", "architectures", "_name_or_path", "transformers_version", "dtype", "torch_dtype"):
@@ -151,9 +150,9 @@ def draft_params(hub_id: str, layers: int, vocab_size: int, freeze_embeddings: b
 def drafter_params(hub_id: str, options: dict[str, Any]) -> int:
     """The parameters of the drafter a ``drafter`` section describes (its type's ``from_section``,
     :mod:`pardec.models.drafter_types`, built on the meta device)."""
-    import torch
+    import torch  # heavy: torch
 
-    from pardec.models.drafter_types import drafter_class
+    from pardec.models.drafter_types import drafter_class  # heavy: torch, transformers
 
     cfg = _meta_model(hub_id).config
     with torch.device("meta"):

@@ -8,6 +8,8 @@ import sys
 from dataclasses import asdict
 from pathlib import Path
 
+from tqdm import tqdm
+
 from pardec import REPO_ROOT
 from pardec.rehearse.discovery import discover, find
 from pardec.rehearse.plans import deepspeed_stage, plan, stages_of
@@ -41,7 +43,6 @@ def main(argv: list[str] | None = None) -> int:
             for what, ovs in p.overrides.items():
                 print(f"  {what:7s} {' '.join(ovs)}")
         return 0
-    from tqdm import tqdm
 
     results = []
     bar = tqdm(plans, desc="rehearse", unit="recipe", dynamic_ncols=True)

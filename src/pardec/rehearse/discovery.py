@@ -9,9 +9,10 @@ from dataclasses import dataclass
 from typing import Any
 
 import yaml
+from omegaconf import OmegaConf
 
 from pardec import CONF_DIR
-from pardec.config import ModelConfig
+from pardec.config import ModelConfig, composed
 from pardec.recipes import defaults, hub_id, option, recipes, shipped_config, trained_experiment
 
 #: targets that are already small: recipes on them are tests / CPU experiments, not paper recipes
@@ -85,11 +86,8 @@ def find(names: Iterable[str]) -> list[Recipe]:
 # ------------------------------------------------------------------------------------------- config
 def compose(app: str, overrides: list[str]) -> dict[str, Any]:
     """The resolved config ``python -m <app> <overrides>`` runs with (``hydra`` section left out), as a dict."""
-    from omegaconf import OmegaConf
-
-    import pardec.evaluate  # noqa: F401  (its resolvers)
-    import pardec.train  # noqa: F401
-    from pardec.config import composed
+    import pardec.evaluate  # noqa: F401  (its resolvers; heavy: torch, transformers)
+    import pardec.train  # noqa: F401  (heavy: torch, transformers)
 
     return OmegaConf.to_container(composed(app, overrides), resolve=True)
 

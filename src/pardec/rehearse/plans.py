@@ -20,6 +20,7 @@ from pardec.rehearse.discovery import (
     model_yaml,
     real_layers,
 )
+from pardec.training.kinds import load_kinds
 
 # ------------------------------------------------------------------------------------------- plans
 #: a split target's virtual devices each say they have this share of its loaded weights free: it fits on two, not on
@@ -213,6 +214,5 @@ def deepspeed_stage(p: Plan) -> str:
 def stages_of(p: Plan) -> list[str]:
     if p.recipe.app == "evaluate":
         return ["evaluate"]
-    from pardec.training.kinds import load_kinds
 
     return list(load_kinds().get(p.expect["kind"]).stages)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 import time
@@ -22,8 +23,6 @@ from pardec.rehearse.plans import SPLIT_FREE, Plan, deepspeed_stage, stages_of
 # ------------------------------------------------------------------------------------------- running
 def prepare(p: Plan) -> None:
     """Write the plan's tiny data files and save its on-disk tiny models (a fresh work dir each time)."""
-    import shutil
-
     if p.work.exists():
         shutil.rmtree(p.work)
     p.work.mkdir(parents=True)
@@ -32,7 +31,7 @@ def prepare(p: Plan) -> None:
         written = write_data(name, data_dir)
         assert str(written) == path, (written, path)
     for path, shape in p.saved_models.items():
-        from pardec.models.loading import load_model
+        from pardec.models.loading import load_model  # heavy: torch, transformers
 
         loaded = load_model(ModelConfig(name="tiny_random", source="tiny_random", device="cpu", vocab=TINY_VOCAB,
                                         **shape))

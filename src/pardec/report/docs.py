@@ -44,6 +44,10 @@ from pathlib import Path
 
 from pardec.report.leaderboard import plot_leaderboard, render_leaderboard
 from pardec.report.markdown import DocsError, _rel, markdown_table
+from pardec.report.pins import holds, pin_problems
+from pardec.report.table import benchmark_tables
+from pardec.zoo import ZooError, entries
+from pardec.zoo.__main__ import headline, stored_form
 
 REPO = Path(__file__).resolve().parents[3]
 
@@ -65,8 +69,6 @@ class Block:
 # --- render functions for the measured files' own shapes ------------------------------------------------------------
 
 def _table_result(data: dict) -> dict[str, dict]:
-    from pardec.report.table import benchmark_tables
-
     return benchmark_tables(data)
 
 
@@ -114,9 +116,6 @@ def render_zoo(zoo: str, md_file: Path, root: Path) -> str:
     """The kept drafters of ``zoo/<zoo>/``, one row each from its manifest: how a run reads it, what is stored and its
     size, what training cost on which host, and the held-out figure its recipe reports, overall, per held-out set and
     for the stored form where that is not the trained one."""
-    from pardec.zoo import ZooError, entries
-    from pardec.zoo.__main__ import headline, stored_form
-
     try:  # how a run reads each artifact now (its recipe's reads; a manifest keeps the reads of its build)
         reads = {name: e.reads for name, e in entries(zoo).items()}
     except ZooError:
@@ -180,12 +179,12 @@ def plot_acceptance(root: Path, out: Path) -> Path | None:
     (every ``eagle3_smollm2*.json`` / ``dflash_smollm2*.json`` with a ``heads_eval``, the name those result files
     record a run's ``drafter_eval.json`` under: the chain acceptance by depth,
     teacher-forced). None when there is no side-by-side file."""
-    import matplotlib
+    import matplotlib  # heavy: matplotlib
 
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # heavy: matplotlib
 
-    from pardec.report.plots import save_figure
+    from pardec.report.plots import save_figure  # heavy: matplotlib
 
     results = root / "docs" / "results"
     sides = sorted(((d.get("date", ""), p.name, d) for p in results.glob("side_by_side_*.json")
@@ -325,7 +324,6 @@ def unsourced(md_file: Path, root: Path) -> list[str]:
     numbers: set[float] = set()
     for p in cited_files(md_file, root):
         numbers |= _file_numbers(p)
-    from pardec.report.pins import holds
 
     return [fig for fig in prose_figures(md_file.read_text()) if not holds(fig, numbers)]
 
@@ -344,8 +342,6 @@ def check_figures(root: Path = REPO) -> list[str]:
 def check_pins(root: Path = REPO) -> list[str]:
     """Every pinned figure that does not resolve to its field or that the field does not hold, and every unpinned
     figure of a strict page (:mod:`pardec.report.pins`)."""
-    from pardec.report.pins import pin_problems
-
     return [p for f in prose_pages(root) for p in pin_problems(f, root, prose_figures, lambda v: _numbers(v, set()))]
 
 

@@ -28,6 +28,13 @@ import time
 from pathlib import Path
 
 import matplotlib
+from hydra import compose, initialize_config_dir
+
+from pardec import CONF_DIR
+from pardec.config import ConfigError, ModelConfig, to_dataclass
+from pardec.models.cached import CachedModel
+from pardec.models.drafters import load_drafter, read_meta
+from pardec.models.loading import load_model
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
@@ -52,8 +59,6 @@ def load_eval(final: Path) -> dict:
 def pseudo_cosine(model, proj, records: list[dict], n: int) -> dict:
     """Mean cosine(pseudo state, real state of the same position) per step and layer, over the completion
     positions of ``n`` records; layer ``l`` = entering decoder layer l, ``L`` = after the last layer."""
-    from pardec.models.cached import CachedModel
-
     cm = CachedModel(model)
     k, n_layers = proj.k, model.config.num_hidden_layers
     sums = torch.zeros(k, n_layers + 1, dtype=torch.float64)
@@ -104,12 +109,6 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> None:
     ap.add_argument("--out", type=Path, default=ROOT / "outputs" / "heads_report")
     a = ap.parse_args(argv)
     torch.set_num_threads(a.threads)
-    from hydra import compose, initialize_config_dir
-
-    from pardec import CONF_DIR
-    from pardec.config import ConfigError, ModelConfig, to_dataclass
-    from pardec.models.drafters import load_drafter, read_meta
-    from pardec.models.loading import load_model
 
     try:
         metas = {"medusa": read_meta(a.medusa, "--medusa"), "firp": read_meta(a.firp, "--firp")}

@@ -85,12 +85,12 @@ def render_leaderboard(md_file: Path, docs: Path) -> str:
 def plot_leaderboard(root: Path, out: Path) -> Path:
     """The CPU fp32 column of the leaderboard as a plot: each method's speed against ``ar`` over its tokens per target
     forward (methods without a tokens-per-forward figure are left out), written to ``out``."""
-    import matplotlib
+    import matplotlib  # heavy: matplotlib
 
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # heavy: matplotlib
 
-    from pardec.report.plots import save_figure
+    from pardec.report.plots import save_figure  # heavy: matplotlib
 
     best = best_entries(leaderboard_entries(root / "docs"))
     points = sorted((e["tokens_per_forward"], e["speedup"], m) for (m, h), e in best.items()

@@ -23,8 +23,6 @@ def _color(i: int, n: int) -> Any:
 def save_figure(fig: Any, path: Path, axes: Sequence[Any] = (), legend: dict | None = None) -> None:
     """The one way a report saves a figure: a light grid and (``legend``: its keyword arguments) a legend on each of
     ``axes``, a tight layout, PNG at 120 dpi, the figure closed."""
-    import matplotlib.pyplot as plt
-
     for ax in axes:
         ax.grid(alpha=0.3)
         if legend is not None:

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from pardec.report.markdown import markdown_table
+
 COLUMNS = ["method", "× ar (95% CI)", "median", "tok/fwd", "EM", "metric", "ended", "loops", "busy"]
 
 
@@ -59,8 +61,6 @@ def benchmark_tables(table: dict) -> dict[str, dict]:
 
 
 def markdown(table: dict) -> str:
-    from pardec.report.markdown import markdown_table
-
     host = table.get("host") or {}
     pending = f" Not finished yet: {', '.join(table['pending'])}." if table.get("pending") else ""
     lines = [f"Host: {host.get('cpu')} ({table['dtype']}, {table['n']} prompts, {table['max_new_tokens']} new tokens "
@@ -80,9 +80,9 @@ def plot_benchmarks(table: dict, out: Path) -> dict[str, list[str]]:
     (no label can cover another); the marker's shape is the method's exactness and its colour the task metric
     (a colour bar); a lossless method below EM 1.00 has a red edge. The caption names host, dtype, prompts, date and
     commit. Returns each benchmark's legend entries in order."""
-    from matplotlib.lines import Line2D
+    from matplotlib.lines import Line2D  # heavy: matplotlib
 
-    from pardec.report.plots import plt, save_figure  # (plots chooses the Agg backend)
+    from pardec.report.plots import plt, save_figure  # (plots chooses the Agg backend; heavy: matplotlib)
 
     out.mkdir(parents=True, exist_ok=True)
     host = (table.get("host") or {}).get("cpu")

@@ -14,8 +14,12 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, ClassVar
 
+import huggingface_hub.constants
+
+from pardec import hub
 from pardec.config import DatasetConfig
 from pardec.jsonl import read_jsonl as _read_jsonl
+from pardec.metrics.sandbox import check_programs
 from pardec.registry import Registry
 
 
@@ -68,8 +72,6 @@ class Task:
         sandboxed task's :meth:`score` before it scores. Here: :func:`~pardec.metrics.sandbox.run_program`'s canary;
         nothing for a task that runs no model output."""
         if self.sandboxed:
-            from pardec.metrics.sandbox import check_programs
-
             check_programs()
 
     def aggregate(self, scores: list[dict[str, Any]]) -> dict[str, Any]:
@@ -111,15 +113,13 @@ def load_hub(hub_id: str, config: str | None, split: str, task: str) -> list[dic
     """Rows of a Hugging Face hub dataset. Offline (``HF_DATASETS_OFFLINE`` / ``HF_HUB_OFFLINE`` set, or the hub not
     reachable) only the local cache is read, so a dataset that is not cached fails in seconds, not after ~30 s of
     retries; every failure is one line naming the dataset and the way out (``dataset.path=<file>``)."""
-    from pardec import hub
-
     var = hub.offline_var(hub.DATASET_OFFLINE_VARS)
     offline = f"offline mode is on ({var})" if var else None
     if offline is None and not hub.hub_reachable():
         offline = "the Hugging Face hub cannot be reached (no network)"
     try:
         with _datasets_offline(offline is not None):
-            import datasets
+            import datasets  # heavy: datasets
 
             ds = datasets.load_dataset(hub_id, config, split=split)
     except Exception as e:  # network, auth, missing split: all end the same way for the user
@@ -140,8 +140,7 @@ def _datasets_offline(on: bool) -> Iterator[None]:
     if not on:
         yield
         return
-    import datasets.config
-    import huggingface_hub.constants
+    import datasets.config  # heavy: datasets
 
     flags = [(datasets.config, "HF_HUB_OFFLINE"), (datasets.config, "HF_DATASETS_OFFLINE"),
              (huggingface_hub.constants, "HF_HUB_OFFLINE")]

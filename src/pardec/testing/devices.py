@@ -33,6 +33,8 @@ Usage::
 from __future__ import annotations
 
 import os
+import traceback
+import warnings
 from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
@@ -43,7 +45,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten
 from torch.utils.weak import WeakTensorKeyDictionary
 
-from pardec.testing.cuda_api import DeviceMismatchError, as_device
+from pardec.testing.cuda_api import DeviceMismatchError, as_device, stand_ins
 
 CPU = torch.device("cpu")
 _PACKAGE = str(Path(__file__).resolve().parents[1]) + os.sep  # sync sites are named relative to pardec's source
@@ -145,8 +147,6 @@ class VirtualCUDA(TorchFunctionMode):
     # ------------------------------------------------------------------------------------------ the mode
     def __enter__(self):
         if self.patch_cuda:
-            from pardec.testing.cuda_api import stand_ins
-
             for owner, name, value in stand_ins(self):
                 self._saved.append((owner, name, getattr(owner, name)))
                 setattr(owner, name, value)
@@ -241,8 +241,6 @@ class VirtualCUDA(TorchFunctionMode):
     def _sync(self, name: str) -> None:
         self.syncs[name] += 1
         if self.trace:
-            import traceback
-
             frames = [f for f in traceback.extract_stack()[:-2] if f.filename.startswith(_PACKAGE) and
                       not f.filename.endswith("testing/devices.py")]
             where = f"{frames[-1].filename[len(_PACKAGE):]}:{frames[-1].lineno}" if frames else "?"
@@ -337,7 +335,6 @@ def count_cuda_syncs(fn: Callable[[], Any], device: torch.device | str, sites: C
     (``file.py:line``). Slows ``fn``: never call it inside a timed region."""
     if torch.device(device).type != "cuda":
         return fn(), None
-    import warnings
 
     torch.cuda.set_sync_debug_mode("warn")
     try:

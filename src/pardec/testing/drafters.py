@@ -12,9 +12,9 @@ def untrained_drafters(model, work: Path) -> tuple[object, dict[str, dict]]:
     FIRP projections saved under ``work`` with a chain tree, an EAGLE-3 drafter over the whole vocabulary, a one-layer
     DFlash drafter with blocks of 8; SDSAT's
     adaptive token stands in as the last vocabulary id. They exercise the decoders (exactness, devices, host reads), not their speed."""
-    from pardec.decoding.tree_search import save_tree
-    from pardec.models.draft import build_draft
-    from pardec.models.drafters import new_drafter, save_drafter
+    from pardec.decoding.tree_search import save_tree  # heavy: torch, transformers
+    from pardec.models.draft import build_draft  # heavy: torch, transformers
+    from pardec.models.drafters import new_drafter, save_drafter  # heavy: torch, transformers
 
     n = model.config.num_hidden_layers
     draft = build_draft(model, sorted({0, n - 1}), list(range(model.config.vocab_size)))

@@ -12,8 +12,12 @@ stderr."""
 from __future__ import annotations
 
 import argparse
+import importlib
+import os
 import sys
 from collections.abc import Sequence
+
+from pardec.testing.devices import VirtualCUDA
 
 APPS = ("evaluate", "train")
 
@@ -30,14 +34,11 @@ def main(argv: Sequence[str] | None = None) -> None:
         ap.error(f"--devices={a.devices}: a node has at least one device")
     if a.memory < 1:
         ap.error(f"--memory={a.memory}: a device has some memory (bytes)")
-    import os
 
     # transformers loads weights in worker threads, which a torch function mode (thread-local) would not see
     os.environ["HF_DEACTIVATE_ASYNC_LOAD"] = "1"
-    import importlib
 
-    from pardec.testing.devices import VirtualCUDA
-    from pardec.testing.graphs import EagerGraph, eager_cuda_graphs
+    from pardec.testing.graphs import EagerGraph, eager_cuda_graphs  # heavy: transformers
 
     app = importlib.import_module(f"pardec.{a.app}")
     sys.argv = [a.app, *a.overrides]

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, fields
@@ -28,9 +29,14 @@ from typing import Any
 
 import torch
 from transformers import Trainer, TrainingArguments
+from transformers.integrations.deepspeed import unset_hf_deepspeed_config
 
 from pardec import on_cuda
 from pardec.config import ConfigError, Ranks, check_at_least
+from pardec.models.loading import load_model, trainable
+from pardec.tracking import Tracker
+from pardec.training import checkpoints
+from pardec.training.checkpoints import resume_checkpoint
 
 
 # ------------------------------------------------------------------------------------------- ranks
@@ -144,8 +150,6 @@ class BaseTrainer(Trainer):
 
     def _save_checkpoint(self, model, trial) -> None:
         """transformers' save, then (every rank done) rank 0 marks the checkpoint complete (:mod:`.checkpoints`)."""
-        from pardec.training import checkpoints
-
         checkpoints.begin_save(self, trial)
         super()._save_checkpoint(model, trial)
         checkpoints.end_save(self, trial)
@@ -185,7 +189,7 @@ def training_args(config_cls: type, spec, run_dir: Path, **extra):
         opts["use_cpu"] = True
     args = config_cls(**opts, deepspeed=str(spec.deepspeed) if spec.deepspeed else None)
     if spec.deepspeed:
-        import deepspeed
+        import deepspeed  # heavy: deepspeed
 
         _ = args.device  # torch.distributed, as the Trainer sets it up
         deepspeed.init_distributed()
@@ -197,7 +201,7 @@ def without_shm_allreduce() -> None:
     on first use, ~75 s of both cores of a 2-core machine, again for every checkout that shares the extension cache
     (the build's include paths differ), for a speed-up of the allreduce that CPU runs (tests, rehearsals) do not
     need. DeepSpeed reads the flag from its cached table of compatible ops (``deepspeed.ops.__compatible_ops__``)."""
-    import deepspeed.ops
+    import deepspeed.ops  # heavy: deepspeed
 
     deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
 
@@ -220,7 +224,6 @@ def single_process_env() -> None:
     dependency). Under torchrun / the deepspeed launcher (``WORLD_SIZE`` set) nothing changes."""
     if "WORLD_SIZE" in os.environ:
         return
-    import socket
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -233,7 +236,7 @@ def single_process_env() -> None:
 def apply_lora(model, lora: dict, **extra):
     """``model`` wrapped by peft with LoRA adapters as ``trainer.lora`` says (r, alpha, dropout, target_modules);
     ``extra``: more ``peft.LoraConfig`` fields (SDSAT: ``trainable_token_indices``, the new tokens' rows)."""
-    from peft import LoraConfig, get_peft_model
+    from peft import LoraConfig, get_peft_model  # heavy: peft
 
     return get_peft_model(model, LoraConfig(r=lora.get("r", 16), lora_alpha=lora.get("alpha", 32),
                                             lora_dropout=lora.get("dropout", 0.05), task_type="CAUSAL_LM",
@@ -245,8 +248,6 @@ def save_final(trainer, spec, run_dir: Path, final: Path, ranks: Ranks, prepare=
     merges it into a fresh copy of the base weights (works the same under ZeRO-3, where weights are sharded).
     ``prepare(base)``: called on that fresh LoadedModel before the merge, to give it what the training model had
     beyond the base weights (SDSAT: the adaptive tokens in the tokenizer and the embeddings)."""
-    from pardec.models.loading import load_model, trainable
-
     trainer.model.config.use_cache = True  # the Trainer turned it off for training; decoding wants it
     if not spec.lora:
         trainer.save_model(str(final))
@@ -254,8 +255,7 @@ def save_final(trainer, spec, run_dir: Path, final: Path, ranks: Ranks, prepare=
     adapter = run_dir / "adapter"
     trainer.save_model(str(adapter))
     if ranks.rank == 0:
-        from peft import PeftModel
-        from transformers.integrations.deepspeed import unset_hf_deepspeed_config
+        from peft import PeftModel  # heavy: peft
 
         unset_hf_deepspeed_config()  # training is over: load the base whole, not ZeRO-3 sharded (rank 0 alone)
         base = load_model(trainable(spec.model, spec.model_dtype))
@@ -272,9 +272,6 @@ def fit(trainer: Trainer, spec, run_dir: Path, ranks: Ranks,
     ``finish(<run dir>/final, trained)`` (``trained``: ``train_seconds`` and ``steps``; save the artifact, evaluate
     what the kind evaluates after training: its extra summary fields); rank 0 writes ``log_history.json`` (the loss curves the report scripts plot). Returns the
     summary: the Trainer's metrics, ``train_seconds``, ``steps`` and ``finish``'s fields."""
-    from pardec.tracking import Tracker
-    from pardec.training.checkpoints import resume_checkpoint
-
     logger = spec.logger if ranks.rank == 0 else {"name": "none"}  # one W&B run: rank 0's
     with Tracker(logger, run_dir, spec.config, "train", name=run_dir.name) as tracker:
         t0 = time.perf_counter()

@@ -36,16 +36,17 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import time
-from collections import Counter
+from collections import Counter, defaultdict
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import torch
 
 from pardec.config import ConfigError, DatasetConfig, to_dataclass
-from pardec.jsonl import read_json
+from pardec.jsonl import read_json, read_jsonl
 from pardec.training import stages
 from pardec.training.stages import Prompt
 
@@ -123,8 +124,6 @@ def with_corpus_topk(cfg: GenerateConfig) -> GenerateConfig:
     """``cfg``, taking the teacher top-k of the corpus already in ``cfg.out_dir`` when it asks for none (and does not
     overwrite): a corpus that cached the target's top-k serves a kind that never reads them (one corpus for every
     drafter: a drafter run on the draft's corpus), and a resumed generation keeps recording them."""
-    from dataclasses import replace
-
     f = Path(cfg.out_dir) / "meta.json"
     if cfg.teacher_topk or cfg.overwrite or not f.is_file():
         return cfg
@@ -172,7 +171,7 @@ def greedy_batch(model, prompts: list[list[int]], max_new_tokens: int, eos_ids: 
     """Greedy completions of a left-padded batch: per prompt (ids up to and including the first EOS, reason), and
     with ``topk`` > 0 a third item: (ids [n, k], log-probs [n, k]) of the target's raw next-token distribution at
     each of the n completion positions (generate's unprocessed logits, log-softmax in fp32)."""
-    from transformers import GenerationConfig
+    from transformers import GenerationConfig  # heavy: transformers
 
     ids, att, _ = left_pad(prompts, pad_id)  # [B, P]; att 0 = left padding
     width = ids.shape[1]
@@ -248,9 +247,6 @@ def corpus_share(records: list[dict], fraction: float) -> list[dict]:
     """The first ``ceil(fraction * n)`` records (by prompt index) of each source's n: a smaller corpus with the same
     mix, for studies of how a drafter scales with its data (``draft.corpus_fraction``, ``drafter.corpus_fraction``, the
     sdsat kind's ``{completions: <dir>, fraction: f}`` source)."""
-    import math
-    from collections import defaultdict
-
     if fraction >= 1.0:
         return records
     by_source: dict[str, list[dict]] = defaultdict(list)
@@ -269,8 +265,6 @@ def check_fraction(value, key: str) -> float:
 
 def load_completions(out_dir: str | Path, stage: str = "stage=generate") -> list[dict]:
     """The merged records of ``out_dir``, validated; a missing or unfinished generation names ``stage``."""
-    from pardec.jsonl import read_jsonl
-
     out = Path(out_dir)
     f, stats = out / MERGED, out / "stats.json"
     if not f.is_file():
@@ -299,7 +293,7 @@ def run_generation(cfg: GenerateConfig, lm, rank: int, world: int, barrier, key:
 def generate_stage(gen: GenerateConfig, model_cfg, ranks) -> dict | None:
     """The ``generate`` stage of the draft and drafter kinds: the target's greedy completions of ``gen.sources``
     (``ranks``: this process's :class:`~pardec.config.Ranks`)."""
-    from pardec.models.loading import load_model
+    from pardec.models.loading import load_model  # heavy: transformers
 
     barrier = ranks.barrier()  # first: it picks this rank's GPU
     lm = load_model(model_cfg)
@@ -320,8 +314,6 @@ class GeneratesCompletions:
 def eval_sources(section: dict) -> list[GenerateConfig]:
     """The ``eval`` generation section of a draft / drafter experiment: one GenerateConfig per held-out source, each
     in its own ``<eval.out_dir>/<dataset>``."""
-    from dataclasses import replace
-
     eval_all = generate_config(section, "eval")
     return [replace(eval_all, sources=[s], out_dir=str(Path(eval_all.out_dir) / s.dataset.name))
             for s in eval_all.sources]

@@ -104,9 +104,9 @@ class Kind:
 def stage_peak(spec: Spec):
     """The peak memory of a stage of ``spec``: on a CUDA device always (the allocator's own count), on the CPU with
     ``measure_memory=true`` (:class:`~pardec.metrics.memory.StagePeak`); what :mod:`pardec.plan` is checked against."""
-    import torch  # heavy: validation imports this module before any model loads
+    import torch  # heavy: validation imports this module before any model loads  (heavy: torch)
 
-    from pardec.metrics.memory import StagePeak
+    from pardec.metrics.memory import StagePeak  # heavy: torch
 
     cuda = spec.device != "cpu" and on_cuda() and torch.backends.cuda.is_built()
     return StagePeak(cuda=cuda, host=bool(spec.config.get("measure_memory")))
@@ -195,7 +195,7 @@ def known(section: dict, keys: tuple[str, ...], where: str) -> None:
 
 def target_layers(model: ModelConfig) -> int | None:
     """The target's layer count when its config is at hand without loading weights (else None)."""
-    from pardec.models.preflight import read_config_json
+    from pardec.models.preflight import read_config_json  # heavy: torch, transformers
 
     if model.source == "tiny_random":
         return model.layers

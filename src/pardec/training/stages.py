@@ -31,7 +31,8 @@ from typing import Any
 from tqdm import tqdm
 
 from pardec.config import DatasetConfig, settings_diff
-from pardec.jsonl import append_jsonl, read_json, read_jsonl
+from pardec.jsonl import append_jsonl, read_json, read_jsonl, record_at
+from pardec.tasks.base import build_task, select_docs
 
 log = logging.getLogger(__name__)
 
@@ -51,8 +52,6 @@ def dataset_prompts(cfg: DatasetConfig, tokenizer, model_chat: bool, max_prompts
                     prefix: str = "") -> list[tuple[str, list[int]]]:
     """The first ``max_prompts`` documents of a registered task as ``(prefix + doc id, prompt ids)``, built as the
     task builds them for evaluation (the chat template when ``cfg.use_chat(model_chat)``)."""
-    from pardec.tasks.base import build_task, select_docs
-
     task = build_task(cfg)
     chat = cfg.use_chat(model_chat)
     return [(f"{prefix}{d['id']}", list(task.prompt_ids(d, tokenizer, chat))) for d in select_docs(task, max_prompts)]
@@ -212,8 +211,6 @@ def run_stage(items: Sequence[Any], out_dir: str | Path, prepare: Callable[[int]
 def check_records(records: list[dict], path: Path, required: tuple[str, ...], version: int, hint: str) -> None:
     """Every record of the merged file ``path`` has the ``required`` fields and schema ``version``; else one line
     naming the file and line (``hint``: how to make the file again)."""
-    from pardec.jsonl import record_at
-
     for i, r in enumerate(records):
         missing = [k for k in required if k not in r]
         if missing:

@@ -21,8 +21,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import yaml
+from hydra import compose, initialize_config_dir
+from omegaconf import OmegaConf
+
 from pardec import CONF_DIR, REPO_ROOT
 from pardec.config import ConfigError
+from pardec.config.cli import hydra_errors_in_one_line
+from pardec.jsonl import read_versioned
 
 FORMAT = "pardec-zoo"
 VERSION = 1
@@ -78,8 +84,6 @@ def zoos() -> list[str]:
 
 def entries(zoo: str = DEFAULT_TARGET) -> dict[str, Entry]:
     """The recipes of ``conf/zoo/<zoo>.yaml`` by name."""
-    import yaml
-
     path = CONF_DIR / "zoo" / f"{zoo}.yaml"
     if not path.is_file():
         raise ZooError(f"zoo {zoo!r} has no recipes (no {path}); zoos: {', '.join(zoos()) or 'none'}")
@@ -152,11 +156,6 @@ NOT_RECIPE = ("hydra", "paths", "stage", "measure_memory")
 def recipe_config(entry: Entry) -> dict[str, Any]:
     """The recipe as composed: experiment + the zoo's overrides, interpolations left unresolved (so it does not
     depend on where the repository is), without :data:`NOT_RECIPE`."""
-    from hydra import compose, initialize_config_dir
-    from omegaconf import OmegaConf
-
-    from pardec.config.cli import hydra_errors_in_one_line
-
     with hydra_errors_in_one_line(), initialize_config_dir(str(CONF_DIR), version_base="1.3"):
         cfg = compose("train", overrides=[f"+experiment={entry.experiment}", *entry.overrides])
     plain = OmegaConf.to_container(cfg, resolve=False)
@@ -186,7 +185,6 @@ def read_manifest(name: str, zoo: str = DEFAULT_TARGET, key: str = "zoo") -> dic
         where = f.relative_to(REPO_ROOT) if f.is_relative_to(REPO_ROOT) else f
         raise ZooError(f"{key}: {PREFIX}{name} is not in the zoo (no {where}; kept: "
                        f"{', '.join(known) or 'none'}); {hint}")
-    from pardec.jsonl import read_versioned
 
     return read_versioned(f, FORMAT, VERSION, ZooError, f"{key}: {PREFIX}{name}'s manifest", hint)
 
@@ -235,6 +233,6 @@ def resolve(value: Any, key: str, target: str | None = None) -> Any:
         return value
     zoo, name = locate(value, key)
     m = verify(name, zoo, target, key)
-    from pardec.zoo.store import materialize
+    from pardec.zoo.store import materialize  # heavy: torch
 
     return str(materialize(ZOO_DIR / zoo / name, m))

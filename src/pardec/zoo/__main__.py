@@ -8,6 +8,7 @@ import sys
 
 from pardec.config import ConfigError
 from pardec.zoo import DEFAULT_TARGET, MANIFEST, check_names, entries, recipe_hash, verify
+from pardec.zoo.rehash import recipes_at, rehash
 
 
 def headline(metrics: dict | None) -> str:
@@ -59,7 +60,7 @@ def stored_form(store: dict) -> str:
 
 
 def rows(zoo: str, names: list[str]) -> list[dict]:
-    from pardec.zoo.build import status
+    from pardec.zoo.build import status  # heavy: torch
 
     out = []
     for name in names:
@@ -107,8 +108,6 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"{name}: ok ({len(m['files'])} files match manifest.json)")
             return 0
         if a.command == "rehash":
-            from pardec.zoo.rehash import recipes_at, rehash
-
             at, failed = recipes_at(a.at, a.zoo), 0
             for name in names:
                 e = entries(a.zoo)[name]
@@ -120,7 +119,7 @@ def main(argv: list[str] | None = None) -> int:
                         failed += 1
             return 1 if failed else 0
         if a.command == "build":
-            from pardec.zoo.build import build_one
+            from pardec.zoo.build import build_one  # heavy: torch
 
             for name in names:
                 build_one(entries(a.zoo)[name], force=a.force)

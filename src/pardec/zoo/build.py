@@ -21,9 +21,12 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
+import torch
+from omegaconf import OmegaConf
+
 from pardec import REPO_ROOT
 from pardec.zoo import MANIFEST, Entry, ZooError, base_chain, recipe_hash, seal, sha256_file, verify
-from pardec.zoo.store import TARGET_FORMS, check_store, pack
+from pardec.zoo.store import TARGET_FORMS, check_store, materialize, pack
 
 STAGES_FILE = "zoo_stages.json"
 
@@ -121,8 +124,6 @@ def run_stages(entry: Entry, recipe: str, log) -> dict[str, dict]:
 
 def eval_stored(entry: Entry, stored: Path, manifest: dict, log) -> dict[str, Any]:
     """The recipe's evaluation of the stored form (rebuilt as the loaders see it) in ``<run dir>-stored``."""
-    from pardec.zoo.store import materialize
-
     run_dir = entry.run_dir.with_name(entry.run_dir.name + "-stored")
     shutil.rmtree(run_dir, ignore_errors=True)
     (run_dir).mkdir(parents=True)
@@ -141,9 +142,7 @@ def git_state() -> dict[str, Any]:
 
 
 def host() -> dict[str, Any]:
-    import torch
-
-    from pardec.models.host import cpu_model
+    from pardec.models.host import cpu_model  # heavy: transformers
 
     flags = sorted({f for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags")
                     for f in line.split(":", 1)[1].split() if f.startswith(("avx", "amx", "fma"))}) \
@@ -154,8 +153,6 @@ def host() -> dict[str, Any]:
 
 def data_section(run_dir: Path) -> dict[str, Any]:
     """The training corpus and held-out sets the run read: sources, counts and the sha256 of each merged file."""
-    from omegaconf import OmegaConf
-
     cfg = OmegaConf.load(run_dir / ".hydra" / "config.yaml")  # the composed config of the last stage run
     OmegaConf.update(cfg, "paths.root_dir", str(REPO_ROOT), force_add=True)
     # outside the Hydra app, what conf/train.yaml reads from Hydra's runtime (${hydra:runtime.choices.experiment})
@@ -255,7 +252,7 @@ def build_one(entry: Entry, force: bool = False, log=print) -> dict[str, Any] | 
                       "data": data_section(base.run_dir), "metrics": eval_metrics(base.run_dir)})
     stages = run_stages(entry, recipe_hash(entry, training_only=True), log)
     final = entry.run_dir / "final"
-    from pardec.models.loading import named_config
+    from pardec.models.loading import named_config  # heavy: transformers
 
     target_cfg = named_config(entry.target)
     for stale in entry.dir.parent.glob(f".{entry.name}.tmp-*"):  # left by a build that stopped while packing
@@ -271,7 +268,7 @@ def _store(entry, recipe: str, stages: dict, final: Path, target_cfg, tmp: Path,
            bases: list[dict] | None = None) -> dict[str, Any]:
     """Pack ``final`` into ``tmp``, seal its manifest, evaluate the stored form, then swap it in for the entry.
     ``bases``: the runs it continues (their commands, stages, data and held-out figures), first trained first."""
-    from pardec.models.loading import weights_location
+    from pardec.models.loading import weights_location  # heavy: transformers
 
     store = pack(final, tmp, entry.keep, entry.store,
                  Path(weights_location(target_cfg)) if set(TARGET_FORMS) & set(entry.store) else None)

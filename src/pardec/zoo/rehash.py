@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from pardec import REPO_ROOT
+from pardec.config.cli import OLD_KEYS, RENAMED_OPTIONS
 from pardec.zoo import MANIFEST, NOT_RECIPE, Entry, ZooError, base_chain, recipe_config, recipe_hash
 
 #: what runs at the old commit (its own pardec): every artifact's hash and composed config, as that code made them
@@ -64,8 +65,6 @@ def recipes_at(commit: str, zoo: str) -> dict[str, dict[str, Any]]:
 def renamed(config: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
     """``config`` (a composed training config) in today's spellings: a section of an earlier name moved to its new
     one, an earlier kind's name replaced; without :data:`NOT_RECIPE`. Returns it and the renames applied."""
-    from pardec.config.cli import OLD_KEYS, RENAMED_OPTIONS
-
     out, applied = dict(config), []
     for key in NOT_RECIPE:
         out.pop(key, None)

@@ -169,7 +169,7 @@ def materialize(artifact: Path, manifest: dict) -> Path:
     store = manifest.get("store") or {}
     if not any(store.get(k) for k in TARGET_FORMS):
         return artifact
-    from pardec.models.loading import build_once, named_config, weights_location
+    from pardec.models.loading import build_once, named_config, weights_location  # heavy: transformers
 
     digest = hashlib.sha256("".join(v["sha256"] for _, v in sorted(manifest["files"].items())).encode()).hexdigest()[:12]
     out = DATA_DIR / "zoo" / artifact.parent.name / f"{manifest['name']}-{digest}"

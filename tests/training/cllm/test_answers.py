@@ -216,8 +216,7 @@ def test_ar_clean_defaults_to_collect_clean_and_sets_the_train_stages_rule(tmp_p
     """``ar_clean`` (default: ``collect.clean``) decides alone whether the train stage drops records whose whole
     answer loops; ``collect.clean`` keeps cleaning the collection."""
     from pardec.train import validate
-    from pardec.training import base
-    from pardec.training.cllm import CLLMKind, answers, trajectories
+    from pardec.training.cllm import CLLMKind
     from tests.training.test_train_app import _tiny
 
     class Stop(Exception):
@@ -229,9 +228,9 @@ def test_ar_clean_defaults_to_collect_clean_and_sets_the_train_stages_rule(tmp_p
         seen.append(repeats)
         raise Stop
 
-    monkeypatch.setattr(answers, "whole_answers", fake)
-    monkeypatch.setattr(base, "training_args", lambda cls, spec, run_dir: cls(output_dir=str(run_dir)))
-    monkeypatch.setattr(trajectories, "load_trajectories", lambda path: [{"id": "d0"}, {"id": "d1"}])
+    monkeypatch.setattr("pardec.training.cllm.whole_answers", fake)
+    monkeypatch.setattr("pardec.training.cllm.training_args", lambda cls, spec, run_dir: cls(output_dir=str(run_dir)))
+    monkeypatch.setattr("pardec.training.cllm.load_trajectories", lambda path: [{"id": "d0"}, {"id": "d1"}])
     kind = CLLMKind()
     for overrides, clean, expect in [((), False, None),
                                      (("collect.clean=true",), True, (8, 8)),

@@ -314,7 +314,6 @@ def test_train_collect_refuses_other_settings_before_the_model_loads(tmp_path, m
     from dataclasses import asdict, replace
 
     from pardec.config import Ranks
-    from pardec.models import loading
     from pardec.train import validate
     from pardec.training.cllm import CLLMKind
     from tests.training.test_train_app import _tiny
@@ -332,7 +331,7 @@ def test_train_collect_refuses_other_settings_before_the_model_loads(tmp_path, m
     def load_model(cfg):
         raise Loaded
 
-    monkeypatch.setattr(loading, "load_model", load_model)
+    monkeypatch.setattr("pardec.training.cllm.load_model", load_model)
     with pytest.raises(FileExistsError, match=r"model.seed was 5, now 0\); pass collect.overwrite=true"):
         CLLMKind().stage_collect(spec, tmp_path, Ranks())
     assert _hashes(out) == before

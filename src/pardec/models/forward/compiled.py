@@ -53,6 +53,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from pardec.models.forward import lean
+from pardec.models.quant.int8 import PerTokenLinear, _quantized_linear_type
+from pardec.models.quant.packed import PackedLinear
 
 #: linears with packed weights (fbgemm int8, oneDNN bf16), reachable from the compiled graph by index (dynamo
 #: cannot trace their packed weights)
@@ -96,9 +98,6 @@ def _lin(mod: nn.Module, x: torch.Tensor) -> torch.Tensor:
 def register_opaque(model: nn.Module) -> None:
     """Give every fbgemm int8 linear and every prepacked bf16 linear of ``model`` an index for
     :func:`_opaque_linear` (per-token int8 linears: their GEMM only)."""
-    from pardec.models.quant.int8 import PerTokenLinear, _quantized_linear_type
-    from pardec.models.quant.packed import PackedLinear
-
     kinds = (_quantized_linear_type(), PackedLinear, PerTokenLinear)
     for mod in model.modules():
         if isinstance(mod, kinds) and id(mod) not in _OPAQUE_INDEX:

@@ -31,6 +31,8 @@ import weakref
 
 import torch
 import torch.nn.functional as F
+from transformers import AttentionInterface
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 NAME = "invariant"
 
@@ -136,9 +138,6 @@ def attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, v
 def register() -> None:
     """Make ``attn_implementation="invariant"`` known to transformers (attention and mask interfaces; the masks are
     SDPA's: None when causal, else a 4D bool mask)."""
-    from transformers import AttentionInterface
-    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
-
     AttentionInterface.register(NAME, attention)
     AttentionMaskInterface.register(NAME, sdpa_mask)
 

@@ -59,6 +59,8 @@ from pathlib import Path
 
 import torch
 from filelock import FileLock
+from torch.ao.nn.quantized.dynamic import Linear
+from torch.ao.quantization import default_dynamic_qconfig, per_channel_dynamic_qconfig
 
 from pardec import DATA_DIR
 from pardec.config import INT8_WEIGHTS
@@ -73,8 +75,6 @@ _DEPRECATION = ("ignore", ".*(deprecated|will be removed).*")
 
 
 def _quantized_linear_type() -> type:
-    from torch.ao.nn.quantized.dynamic import Linear
-
     return Linear
 
 
@@ -197,8 +197,6 @@ OWN_LINEARS = {"weight_only": WeightOnlyLinear, "per_token": PerTokenLinear}
 def quantize(model: torch.nn.Module, scheme: str = "per_channel", skip: tuple[str, ...] = ()) -> torch.nn.Module:
     """Every ``nn.Linear`` of ``model`` -> int8 weights (``scheme``: :data:`INT8_WEIGHTS`), in place, except those
     whose name ends with one of ``skip`` (e.g. ``down_proj``: they stay fp32). CPU only."""
-    from torch.ao.quantization import default_dynamic_qconfig, per_channel_dynamic_qconfig
-
     if scheme not in INT8_WEIGHTS:
         raise ValueError(f"int8 weight scheme {scheme!r} is not one of {', '.join(INT8_WEIGHTS)}")
     if scheme in OWN_LINEARS:

@@ -27,6 +27,7 @@ import torch
 from torch import nn
 
 from pardec.models import host
+from pardec.models.quant.int8 import replace_linears
 
 
 def supported() -> bool:
@@ -60,8 +61,6 @@ class PackedLinear(nn.Module):
 def prepack(model: nn.Module) -> int:
     """Replace every bf16 CPU ``nn.Linear`` of ``model`` by a :class:`PackedLinear`, in place; the number of packed
     linears ``model`` then has (0 where :func:`supported` is false)."""
-    from pardec.models.quant.int8 import replace_linears
-
     if not supported():
         return 0
     replace_linears(model, (), lambda c: PackedLinear(c) if c.weight.dtype == torch.bfloat16

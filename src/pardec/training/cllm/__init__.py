@@ -32,9 +32,23 @@ from omegaconf import DictConfig, OmegaConf
 
 from pardec.config import ConfigError, DatasetConfig, check_types, to_dataclass
 from pardec.jsonl import read_json
-from pardec.training.cllm.answers import check_ar_answer
-from pardec.training.cllm.collect import CollectConfig
-from pardec.training.cllm.evaluate import EvalConfig, eval_config
+from pardec.models.cached import CachedModel
+from pardec.models.loading import load_model, trainable
+from pardec.training import stages
+from pardec.training.base import apply_lora, fit, save_final, training_args
+from pardec.training.cllm.answers import check_ar_answer, whole_answers
+from pardec.training.cllm.collect import CollectConfig, collect, collection_meta, prompts_from_dataset
+from pardec.training.cllm.data import CLLMCollator, TrajectoryDataset
+from pardec.training.cllm.evaluate import EvalConfig, eval_config, evaluate_cllm
+from pardec.training.cllm.trainer import CLLMConfig, CLLMTrainer, DecodingProxy
+from pardec.training.cllm.trajectories import load_trajectories
+from pardec.training.completions import (
+    check_settings,
+    generate_config,
+    generate_stage,
+    generation_meta,
+    with_corpus_topk,
+)
 from pardec.training.kinds import Kind, Spec, common_fields, register_kind
 
 log = logging.getLogger(__name__)
@@ -72,9 +86,6 @@ class CLLMKind(Kind):
     example = "cllm_tiny"
 
     def validate(self, cfg: DictConfig, name: str) -> CLLMSpec:
-        from pardec.training.cllm.trainer import CLLMConfig
-        from pardec.training.completions import generate_config
-
         _, completions = self.sections(cfg, "collect", "completions")
         ar_clean = cfg.get("ar_clean", cfg.collect.get("clean", False))
         check_types(CLLMSpec, {"ar_clean": ar_clean}, "")
@@ -91,11 +102,6 @@ class CLLMKind(Kind):
                         gen=generate_config(completions, "completions"), eval=ev)
 
     def stage_collect(self, spec: CLLMSpec, run_dir: Path, ranks) -> dict | None:
-        from pardec.models.cached import CachedModel
-        from pardec.models.loading import load_model
-        from pardec.training import stages
-        from pardec.training.cllm.collect import collect, collection_meta, prompts_from_dataset
-
         # the model (its weights, dtype, chat template choice) and the dataset (source, split, prompt style, extra)
         # fix the prompts and the EOS ids; a resumed collection must match them (checked now, before the model loads)
         identity = {"model": spec.model.identity(), "dataset": asdict(spec.dataset)}
@@ -115,13 +121,6 @@ class CLLMKind(Kind):
         return stats
 
     def stage_generate(self, spec: CLLMSpec, run_dir: Path, ranks) -> dict | None:
-        from pardec.training.completions import (
-            check_settings,
-            generate_stage,
-            generation_meta,
-            with_corpus_topk,
-        )
-
         if spec.ar_answer != "whole":
             why = f"ar_answer={spec.ar_answer}: the AR rows hold the collected answers"
         elif spec.gen.max_new_tokens <= spec.collect.max_new_tokens:
@@ -138,13 +137,6 @@ class CLLMKind(Kind):
         return generate_stage(spec.gen, spec.model, ranks)  # returns once rank 0 has merged, on every rank
 
     def stage_train(self, spec: CLLMSpec, run_dir: Path, ranks) -> dict[str, Any]:
-        from pardec.models.loading import load_model, trainable
-        from pardec.training.base import apply_lora, fit, save_final, training_args
-        from pardec.training.cllm.answers import whole_answers
-        from pardec.training.cllm.data import CLLMCollator, TrajectoryDataset
-        from pardec.training.cllm.trainer import CLLMConfig, CLLMTrainer, DecodingProxy
-        from pardec.training.cllm.trajectories import load_trajectories
-
         stats_file = spec.train_data / "stats.json"
         if stats_file.is_file() and not read_json(stats_file).get("complete", True):
             raise ConfigError(f"{spec.train_data} holds an unfinished collection ({stats_file}); "
@@ -184,8 +176,6 @@ class CLLMKind(Kind):
         return fit(trainer, spec, run_dir, ranks, finish)
 
     def stage_eval(self, spec: CLLMSpec, run_dir: Path, ranks) -> dict[str, Any]:
-        from pardec.training.cllm.evaluate import evaluate_cllm
-
         if not spec.eval.sources:  # stage=all without held-out prompts (stage=eval is refused in validate)
             log.info("stage eval: nothing to evaluate (eval.sources is empty)")
             return {"skipped": "eval.sources is empty"}

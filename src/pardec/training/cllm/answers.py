@@ -47,6 +47,8 @@ import logging
 from pathlib import Path
 
 from pardec.config import ConfigError, check_choice, settings_diff
+from pardec.training.cllm.augment import has_degenerate_repetition
+from pardec.training.completions import load_completions
 
 log = logging.getLogger(__name__)
 
@@ -72,8 +74,6 @@ def extend_answers(records: list[dict], completions: list[dict], cap: int,
     whose whole answer loops left out when ``repeats`` = (max n-gram, max repeats) is given) and the counts.
     ``completions``: corpus records (``prompt_ids``, ``completion_ids``, ``stop_reason``); ``cap``: the answer cap
     (``completions.max_new_tokens``); records that do not stop short of it are kept as collected."""
-    from pardec.training.cllm.augment import has_degenerate_repetition
-
     by_prompt: dict[tuple[int, ...], dict] = {}
     for c in completions:
         by_prompt.setdefault(tuple(c["prompt_ids"]), c)
@@ -140,8 +140,6 @@ def whole_answers(records: list[dict], train_data: Path, corpus: str | Path, cap
                   repeats: tuple[int, int] | None = None) -> tuple[list[dict], dict]:
     """``ar_answer=whole`` for the train stage: the records with ``ar_answer_ids`` and the counts
     (:func:`extend_answers`); the corpus in ``corpus`` is read only when some record stops short of ``cap``."""
-    from pardec.training.completions import load_completions
-
     if not any(stops_short(r, cap) for r in records):
         return extend_answers(records, [], cap, repeats)
     corpus = Path(corpus)

@@ -20,8 +20,13 @@ from typing import Any
 
 import torch
 from tqdm.auto import tqdm
+from transformers.integrations.deepspeed import unset_hf_deepspeed_config
 
-from pardec.config import ConfigError, check_at_least
+from pardec.config import ConfigError, ModelConfig, check_at_least
+from pardec.decoding.base import Stopper
+from pardec.decoding.jacobi import Jacobi
+from pardec.models.cached import CachedModel
+from pardec.models.loading import load_model
 from pardec.training.completions import Source, generate_config, source_prompts
 
 log = logging.getLogger(__name__)
@@ -60,10 +65,6 @@ def jacobi_runs(model, prompts: list[list[int]], block_size: int, max_new_tokens
                 desc: str | None = None) -> list:
     """Each prompt decoded greedily by ``jacobi`` with ``model`` (an HF causal LM; its train/eval mode restored);
     the decoder's :class:`~pardec.decoding.base.GenerationResult` per prompt."""
-    from pardec.decoding.base import Stopper
-    from pardec.decoding.jacobi import Jacobi
-    from pardec.models.cached import CachedModel
-
     was_training = model.training
     model.eval()
     try:
@@ -92,11 +93,6 @@ def summarize(runs: list) -> dict[str, Any]:
 
 def evaluate_cllm(spec, run_dir: Path) -> dict[str, Any]:
     """The eval stage (see the module doc); ``spec.eval`` has at least one source."""
-    from transformers.integrations.deepspeed import unset_hf_deepspeed_config
-
-    from pardec.config import ModelConfig
-    from pardec.models.loading import load_model
-
     ev: EvalConfig = spec.eval
     final = run_dir / "final"
     if not (final / "config.json").is_file():

@@ -22,7 +22,7 @@ from typing import Any
 from omegaconf import DictConfig
 
 from pardec.config import ConfigError, check_at_least
-from pardec.training.completions import GeneratesCompletions, check_fraction
+from pardec.training.completions import GeneratesCompletions, check_fraction, eval_sources, generate_config
 from pardec.training.kinds import Kind, Spec, check_layers, common_fields, known, register_kind
 
 #: keys of the ``draft`` section (the draft's shape)
@@ -55,8 +55,7 @@ class DraftKind(GeneratesCompletions, Kind):
     def validate(self, cfg: DictConfig, name: str) -> DraftSpec:
         """Check a draft config before anything heavy loads (the layer range against the target's config when it can
         be read without loading weights, else when the target loads)."""
-        from pardec.training.completions import eval_sources, generate_config
-        from pardec.training.draft.trainer import DraftConfig
+        from pardec.training.draft.trainer import DraftConfig  # heavy: transformers
 
         draft, completions, ev = self.sections(cfg, "draft", "completions", "eval")
         known(draft, DRAFT_KEYS, "draft")
@@ -78,12 +77,12 @@ class DraftKind(GeneratesCompletions, Kind):
                          eval_gen=eval_sources(ev), eval_context=context, eval_repeats=repeats)
 
     def stage_train(self, spec: DraftSpec, run_dir: Path, ranks) -> dict:
-        from pardec.training.draft.trainer import train_draft
+        from pardec.training.draft.trainer import train_draft  # heavy: transformers
 
         return train_draft(spec, run_dir, ranks)
 
     def stage_eval(self, spec: DraftSpec, run_dir: Path, ranks) -> dict:
-        from pardec.training.draft.trainer import evaluate_draft
+        from pardec.training.draft.trainer import evaluate_draft  # heavy: transformers
 
         result = evaluate_draft(spec, run_dir)
         print(json.dumps(result, indent=2))

@@ -35,14 +35,26 @@ from __future__ import annotations
 import json
 import statistics
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
 
-from pardec.config import ConfigError, Ranks, check_choice
+from pardec.config import ConfigError, ModelConfig, Ranks, check_choice
+from pardec.models.cached import CachedModel
+from pardec.models.draft import build_draft
+from pardec.models.loading import TORCH_DTYPES, load_model, trainable
+from pardec.models.vocab import choose_vocab
 from pardec.training.base import BaseConfig, BaseTrainer, fit, training_args, unwrap
-from pardec.training.completions import CompletionCollator, CompletionDataset, loss_window
+from pardec.training.completions import (
+    CompletionCollator,
+    CompletionDataset,
+    corpus_share,
+    load_completions,
+    loss_window,
+    run_generation,
+)
 from pardec.training.losses import masked_sum, token_divergence
 
 LOSSES = ("fkl", "tvd", "jsd", "ce")
@@ -193,8 +205,6 @@ def agreement(draft, target, records: list[dict], pad_id: int, batch_size: int =
 def forward_ms(model, context: list[int], repeats: int = 20, warmup: int = 3, tokens: int = 1) -> float:
     """Median wall time (ms) of a cached forward of the last ``tokens`` tokens of ``context`` after the others
     (the cache is cut back each time): a drafting step (1 token) or a verification forward (gamma + 1)."""
-    from pardec.models.cached import CachedModel
-
     cm = CachedModel(model)
     ids = torch.tensor([context])
     cm.prefill(ids[:, :-tokens])
@@ -216,13 +226,6 @@ def train_draft(spec, run_dir, ranks: Ranks) -> dict:
     """The train stage of a ``kind: draft`` experiment (``spec``: :class:`~pardec.training.draft.DraftSpec`):
     student = build_draft(target, layers, vocab chosen from the completions' token counts); final model to
     ``<run>/final``."""
-    from collections import Counter
-
-    from pardec.models.draft import build_draft
-    from pardec.models.loading import TORCH_DTYPES, load_model, trainable
-    from pardec.models.vocab import choose_vocab
-    from pardec.training.completions import corpus_share, load_completions
-
     args = training_args(DraftConfig, spec, run_dir)  # before the model, as ZeRO-3 requires
     records = corpus_share(load_completions(spec.gen.out_dir), spec.corpus_fraction)
     # the target once, in the run's dtype (the teacher's): at 7B a bf16 copy per rank on the host, not fp32's 27 GB;
@@ -265,10 +268,6 @@ def train_draft(spec, run_dir, ranks: Ranks) -> dict:
 def evaluate_draft(spec, run_dir) -> dict:
     """The eval stage: greedy target completions of each held-out source (resumable, own out dir), teacher-forced
     top-1 agreement of ``<run>/final`` vs the target on them, and both models' 1-token forward time."""
-
-    from pardec.config import ModelConfig
-    from pardec.models.loading import load_model
-    from pardec.training.completions import load_completions, run_generation
 
     final = run_dir / "final"
     if not (final / "config.json").is_file():

@@ -25,8 +25,9 @@ from typing import Any
 
 from omegaconf import DictConfig
 
+from pardec import zoo
 from pardec.config import ConfigError, check_at_least, is_int
-from pardec.training.completions import GeneratesCompletions, check_fraction
+from pardec.training.completions import GeneratesCompletions, check_fraction, eval_sources, generate_config
 from pardec.training.drafter.types import COMMON_KEYS, TYPES, drafter_type
 from pardec.training.kinds import Kind, Spec, common_fields, known, register_kind
 
@@ -53,8 +54,7 @@ class DrafterSpec(Spec):
 def check_init_from(value, kind: str, target: str) -> str:
     """``drafter.init_from``: a trained drafter of the same type to continue training (its directory, or
     ``zoo:<name>``: verified, made for this target), as the directory to load; refused in one line otherwise."""
-    from pardec import zoo
-    from pardec.models.drafters import read_meta
+    from pardec.models.drafters import read_meta  # heavy: transformers
 
     if not isinstance(value, str) or not value:
         raise ConfigError(f"drafter.init_from={value!r} is not valid: give a trained drafter's directory or zoo:<name>")
@@ -89,8 +89,7 @@ class DrafterKind(GeneratesCompletions, Kind):
     def validate(self, cfg: DictConfig, name: str) -> DrafterSpec:
         """Check a drafter config before anything heavy loads (FIRP layers against the target's layer count when its
         config can be read without loading weights, else when the drafter is built)."""
-        from pardec.training.completions import eval_sources, generate_config
-        from pardec.training.drafter.trainer import DrafterConfig
+        from pardec.training.drafter.trainer import DrafterConfig  # heavy: transformers
 
         options, completions, ev = self.sections(cfg, "drafter", "completions", "eval")
         kind = options.get("type")
@@ -117,12 +116,12 @@ class DrafterKind(GeneratesCompletions, Kind):
                            feature_cache=feature_cache)
 
     def stage_train(self, spec: DrafterSpec, run_dir: Path, ranks) -> dict:
-        from pardec.training.drafter.trainer import train_drafter
+        from pardec.training.drafter.trainer import train_drafter  # heavy: transformers
 
         return train_drafter(spec, run_dir, ranks)
 
     def stage_eval(self, spec: DrafterSpec, run_dir: Path, ranks) -> dict:
-        from pardec.training.drafter.trainer import evaluate_drafter
+        from pardec.training.drafter.trainer import evaluate_drafter  # heavy: transformers
 
         result = evaluate_drafter(spec, run_dir)
         if drafter_type(result["kind"]).chain:

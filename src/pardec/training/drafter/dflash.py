@@ -42,6 +42,7 @@ from pardec.config import ConfigError, check_at_least, check_choice, check_range
 from pardec.models.dflash import FUSIONS, LAYER_INITS, DFlashDraft, init_from_target
 from pardec.models.drafter_types import TargetParts
 from pardec.training.drafter.batches import RightPadCollator
+from pardec.training.drafter.heldout import summarise
 from pardec.training.drafter.target import target_pass
 from pardec.training.drafter.types import DrafterType, check_layer_list, register_drafter_type
 
@@ -208,8 +209,6 @@ def acceptance(base, drafter, records: list[dict], block: int, topk: int = 10, c
     greedy tokens are the record's). A slot counts while its token is in the record. The figures of
     :func:`pardec.training.drafter.heldout.summarise` with ``steps = block - 1`` (``expected_tokens_per_forward`` =
     1 + the mean accepted run)."""
-    from pardec.training.drafter.heldout import summarise
-
     device = next(base.parameters()).device
     s = block - 1
     acc_rows, valid_rows, top_rows, top1_rows = [], [], [], []

@@ -36,12 +36,16 @@ its embeddings and its features are computed without them.
 from __future__ import annotations
 
 import logging
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from pardec.config import ConfigError, check_at_least, check_range
+from pardec.models.drafters import new_drafter
+from pardec.models.preflight import read_config_json
+from pardec.models.vocab import DraftVocab, choose_vocab
 from pardec.training.drafter.batches import held_out_windows, term_count
 from pardec.training.drafter.heldout import summarise
 from pardec.training.drafter.target import TargetPass, target_pass
@@ -221,8 +225,6 @@ class Eagle3Type(DrafterType):
         check_vocab_size(options["draft_vocab_size"], model)
 
     def new(self, spec, base, lm, records: list[dict]) -> tuple[Any, dict]:
-        from pardec.models.drafters import new_drafter
-
         vocab, facts = eagle3_vocab(spec, records, lm)  # the head starts from the target's rows of the kept ids
         return new_drafter(self.name, base.config, layers=spec.drafter.get("layers"), lm_head=base.lm_head,
                            vocab=vocab), facts
@@ -258,8 +260,6 @@ class Eagle3Type(DrafterType):
 
 def check_vocab_size(size: int, model) -> None:
     """``drafter.draft_vocab_size`` against the target's vocabulary when its config is at hand without loading it."""
-    from pardec.models.preflight import read_config_json
-
     vocab = None if model.source == "tiny_random" else (read_config_json(model) or {}).get("vocab_size")
     if vocab is not None and size > vocab:
         raise ConfigError(f"drafter.draft_vocab_size={size} is out of range: it must be in [2, {vocab}] (the target "
@@ -273,10 +273,6 @@ def eagle3_vocab(spec, records: list[dict], lm):
     totals do not depend on order, ``choose_vocab`` breaks ties by id), so all ranks build the same vocabulary
     without a broadcast. Returns (DraftVocab, facts: the size and the share of completion tokens it covers, the
     reference's "top N token frequency ratio")."""
-    from collections import Counter
-
-    from pardec.models.vocab import DraftVocab, choose_vocab
-
     tok, target = lm.tokenizer, lm.model
     counts = Counter(t for r in records for t in r["completion_ids"])
     special = {*tok.all_special_ids, tok.pad_token_id, *lm.eos_ids}

@@ -50,10 +50,23 @@ import logging
 from dataclasses import dataclass, field
 
 import torch
+from transformers import PretrainedConfig
 
 from pardec.config import ConfigError, Ranks
+from pardec.decoding.tree_search import (
+    chain_paths,
+    expected_accept_length,
+    rank_accuracies,
+    save_tree,
+    search_tree,
+    topk_accuracy,
+)
+from pardec.models.drafters import load_drafter, num_parameters, save_drafter
+from pardec.models.loading import load_model, trainable
 from pardec.training.base import BaseConfig, BaseTrainer, fit, training_args, unwrap
+from pardec.training.completions import CompletionDataset, corpus_share, load_completions, run_generation
 from pardec.training.drafter.batches import held_out_windows
+from pardec.training.drafter.heldout import merge_acceptance
 from pardec.training.drafter.target import FeatureCache, TargetPass, target_pass
 from pardec.training.drafter.types import drafter_type
 from pardec.training.losses import masked_sum, token_divergence
@@ -214,8 +227,6 @@ def future_ranks(base, drafter, records: list[dict], attention: str | None = Non
 
 
 def accuracy_report(ranks: torch.Tensor, valid: torch.Tensor, topk: int) -> dict:
-    from pardec.decoding.tree_search import rank_accuracies, topk_accuracy
-
     acc = rank_accuracies(ranks, topk, valid)
     return {"positions": int(ranks.shape[0]), "valid_per_depth": valid.sum(0).tolist(),
             "rank_accuracy": acc, "topk_accuracy": topk_accuracy(acc)}
@@ -232,12 +243,6 @@ def train_drafter(spec, run_dir, ranks: Ranks) -> dict:
     """The train stage of a ``kind: drafter`` experiment (``spec``: :class:`~pardec.training.drafter.DrafterSpec`): a
     fresh drafter trained on ``load_completions(spec.gen.out_dir)`` (its first ``spec.corpus_fraction`` per source);
     saved with ``save_drafter`` to ``<run>/final``."""
-    from transformers import PretrainedConfig
-
-    from pardec.models.drafters import num_parameters, save_drafter
-    from pardec.models.loading import load_model, trainable
-    from pardec.training.completions import CompletionDataset, corpus_share, load_completions
-
     args = training_args(DrafterConfig, spec, run_dir, head_decay=spec.head_decay)  # before the model (ZeRO-3)
     records = corpus_share(load_completions(spec.gen.out_dir), spec.corpus_fraction)
     lm = load_model(trainable(spec.model, spec.model_dtype))  # the Trainer places the drafter
@@ -289,8 +294,6 @@ def continue_from(path: str, drafter, base_config, kind: str) -> tuple[list[dict
     """Load the trained drafter at ``path`` into the fresh ``drafter`` (every tensor, EAGLE-3's vocabulary maps
     included; one line naming the tensors whose shapes differ); returns (the runs it was trained in, its
     ``drafter.json``)."""
-    from pardec.models.drafters import load_drafter
-
     prior, meta = load_drafter(path, base_config, kind, key="drafter.init_from")
     want, have = drafter.state_dict(), prior.state_dict()
     bad = sorted(k for k in set(want) | set(have) if k not in want or k not in have or want[k].shape != have[k].shape)
@@ -318,10 +321,6 @@ def evaluate_chain(spec, run_dir, lm, drafter, final) -> dict:
     ``<run>/drafter_eval.json``: EAGLE-3's held-out chain acceptance by depth
     (:func:`pardec.training.drafter.eagle.acceptance`; it drafts its tree dynamically), DFlash's acceptance by block
     position (:func:`pardec.training.drafter.dflash.acceptance`)."""
-    from pardec.models.drafters import num_parameters
-    from pardec.training.completions import load_completions, run_generation
-    from pardec.training.drafter.heldout import merge_acceptance
-
     kind = drafter.kind
     result: dict = {"drafter": str(final), "kind": kind, "target": spec.model.name,
                     "layer_ids": drafter.config.layer_ids, "parameters": num_parameters(drafter), "topk": spec.topk,
@@ -347,11 +346,6 @@ def evaluate_drafter(spec, run_dir) -> dict:
     ``spec.budgets`` (``<run>/final/trees/T<budget>.json``); all into ``<run>/drafter_eval.json``. FIRP is measured in
     both attention views (``attention_views``: FIRP Fig. 7's No masked vs Masked); its main figures and trees are
     decoding's default view."""
-
-    from pardec.decoding.tree_search import chain_paths, expected_accept_length, save_tree, search_tree
-    from pardec.models.drafters import load_drafter, num_parameters
-    from pardec.models.loading import load_model
-    from pardec.training.completions import load_completions, run_generation
 
     final = run_dir / "final"
     if not (final / "drafter.json").is_file():

@@ -22,7 +22,7 @@ from typing import Any
 
 from omegaconf import DictConfig
 
-from pardec.config import ConfigError, check_at_least, to_dataclass
+from pardec.config import ConfigError, check_at_least, settings_diff, to_dataclass
 from pardec.training.kinds import Kind, Spec, common_fields, known, register_kind
 
 log = logging.getLogger(__name__)
@@ -53,8 +53,8 @@ class SDSATKind(Kind):
     def validate(self, cfg: DictConfig, name: str) -> SDSATSpec:
         """Check an sdsat config before anything heavy loads. ``stage=train`` without ``mask`` also checks the masked
         corpus in ``mask.out_dir`` now (finished, this schema version, built with these settings)."""
-        from pardec.training.sdsat import masked as mk
-        from pardec.training.sdsat.trainer import SDSATConfig
+        from pardec.training.sdsat import masked as mk  # heavy: torch, transformers
+        from pardec.training.sdsat.trainer import SDSATConfig  # heavy: torch, transformers
 
         adaptive, mask, ev = self.sections(cfg, "adaptive", "mask", "eval")
         known(adaptive, ADAPTIVE_KEYS, "adaptive")
@@ -87,8 +87,8 @@ class SDSATKind(Kind):
                          eval_max_docs=max_docs, eval_stride=stride, eval_k_max=k_max)
 
     def stage_mask(self, spec: SDSATSpec, run_dir: Path, ranks) -> dict | None:
-        from pardec.models.loading import load_tokenizer_only, model_chat
-        from pardec.training.sdsat.masked import run_masking
+        from pardec.models.loading import load_tokenizer_only, model_chat  # heavy: torch, transformers
+        from pardec.training.sdsat.masked import run_masking  # heavy: torch, transformers
 
         barrier = ranks.barrier()
         tok = load_tokenizer_only(spec.model)
@@ -100,14 +100,14 @@ class SDSATKind(Kind):
         return stats
 
     def stage_train(self, spec: SDSATSpec, run_dir: Path, ranks) -> dict:
-        from pardec.training.sdsat.trainer import train_sdsat
+        from pardec.training.sdsat.trainer import train_sdsat  # heavy: torch, transformers
 
         if spec.stage == "all":
             check_masked(spec.mask)  # what stage=train checks in validate
         return train_sdsat(spec, run_dir, ranks)
 
     def stage_eval(self, spec: SDSATSpec, run_dir: Path, ranks) -> dict:
-        from pardec.training.sdsat.trainer import evaluate_sdsat
+        from pardec.training.sdsat.trainer import evaluate_sdsat  # heavy: torch, transformers
 
         result = evaluate_sdsat(spec, run_dir)
         out = {k: result["overall"][k] for k in ("tokens", "ppl_base", "ppl_trained", "ppl_ratio")}
@@ -121,9 +121,8 @@ def check_masked(mask_cfg) -> None:
     """The masked corpus the train stage will read: finished, of this schema version (masked.check_masked_dir) and
     built with the configured masking settings (the model identity and the adaptive ids are checked when the model
     has its tokens)."""
-    from pardec.config import settings_diff
-    from pardec.models.adaptive import adaptive_tokens
-    from pardec.training.sdsat import masked as mk
+    from pardec.models.adaptive import adaptive_tokens  # heavy: torch, transformers
+    from pardec.training.sdsat import masked as mk  # heavy: torch, transformers
 
     meta = mk.check_masked_dir(mask_cfg.out_dir)
     want = mk.mask_meta(mask_cfg, meta.get("model"), adaptive_tokens(mask_cfg.max_span, mask_cfg.diverse),

@@ -44,7 +44,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from pardec.config import ConfigError, DatasetConfig, to_dataclass
+from pardec.jsonl import read_jsonl, record_at
 from pardec.models.adaptive import adaptive_tokens, add_adaptive_tokens
+from pardec.tasks.base import TASKS, DataError, Task, build_task, end_of_turn_id, select_docs
 from pardec.training import stages
 from pardec.training.completions import check_fraction, corpus_share, load_completions
 
@@ -160,13 +162,10 @@ def _completion_docs(out_dir: str, fraction: float = 1.0) -> list[Doc]:
 def _file_docs(path: str, max_docs: int | None, tokenizer) -> list[Doc]:
     """Records of a JSONL file: ``{"text": str}`` (tokenized without special tokens) or ``{"ids": [...],
     "start": k}``; id ``file:<stem>/<n>`` with n the record's 1-based number (its line, without blank lines)."""
-    from pardec.tasks.base import DataError, read_jsonl
-
     source = f"file:{Path(path).stem}"
-    from pardec.jsonl import record_at
 
     docs = []
-    rows = read_jsonl(path)
+    rows = read_jsonl(path, error=DataError)
     for n, r in enumerate(rows[:max_docs], 1):
         text, ids = (r.get("text"), r.get("ids")) if isinstance(r, dict) else (None, None)
         start = r.get("start", 0) if isinstance(r, dict) else 0
@@ -184,9 +183,6 @@ def _dataset_docs(dataset: dict, max_docs: int | None, tokenizer, chat: bool, wh
     """A task's documents as its prompt (as built for evaluation) + its reference answer; a chat prompt's answer
     ends with the template's end-of-turn token, as the model's own completions do when it stops (schema 2: schema 1
     left it out, so the human answers never trained an ending and the model learnt to go on after one)."""
-    import pardec.tasks  # noqa: F401  (registers the tasks)
-    from pardec.tasks.base import TASKS, Task, build_task, end_of_turn_id, select_docs
-
     cfg = DatasetConfig(**dataset)
     task = build_task(cfg)
     if type(task).reference_answer is Task.reference_answer:
@@ -320,8 +316,6 @@ def check_masked_dir(out_dir: str | Path, stage: str = STAGE) -> dict:
 
 def load_masked(out_dir: str | Path, stage: str = STAGE) -> tuple[dict, list[dict]]:
     """(meta, records) of a finished masked corpus, validated; errors are one line naming the file and ``stage``."""
-    from pardec.jsonl import read_jsonl
-
     meta = check_masked_dir(out_dir, stage)
     f = Path(out_dir) / MERGED
     if not f.is_file():

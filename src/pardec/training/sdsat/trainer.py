@@ -35,10 +35,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+from transformers.integrations import is_deepspeed_zero3_enabled
+from transformers.integrations.deepspeed import unset_hf_deepspeed_config
 
 import pardec.training.sdsat.masked as mk
-from pardec.config import ConfigError, Ranks
+from pardec.config import ConfigError, ModelConfig, Ranks
+from pardec.metrics.perplexity import completion_nll
 from pardec.models import adaptive
+from pardec.models.cached import CachedModel
+from pardec.models.loading import load_model, trainable
 from pardec.training.base import (
     BaseConfig,
     BaseTrainer,
@@ -169,8 +174,6 @@ def score_sequence(model, ids: list[int], start: int, adaptive_ids: list[int], d
     """One forward of ``ids`` plus adaptive blocks at the sampled anchors: the plain NLL (sum, count) of the label
     positions (``p >= max(start, 1)``) and per anchor the slot argmaxes [A, k] with the true tokens and the model's
     own teacher-forced argmax at the same positions (-1 where past the end)."""
-    from pardec.models.cached import CachedModel
-
     n = len(ids)
     anchors = sample_positions(n, start, stride)
     slots = [adaptive_ids[j] if diverse else adaptive_ids[0] for j in range(k)]
@@ -231,11 +234,9 @@ def attach_adaptive_any(model, tokenizer, tokens: list[str], max_span: int, dive
     """:func:`pardec.models.adaptive.attach_adaptive`, also under DeepSpeed ZeRO-3 (weights partitioned over the
     ranks): the embeddings grow first (transformers gathers them to resize), then the new rows are set with the
     whole embedding (and untied head) gathered; rank 0's values are kept on every rank."""
-    from transformers.integrations import is_deepspeed_zero3_enabled
-
     if not is_deepspeed_zero3_enabled():
         return adaptive.attach_adaptive(model, tokenizer, tokens, max_span, diverse)
-    import deepspeed
+    import deepspeed  # heavy: deepspeed
 
     adaptive.add_adaptive_tokens(tokenizer, tokens)
     if len(tokenizer) > model.config.vocab_size:
@@ -252,8 +253,6 @@ def train_sdsat(spec, run_dir, ranks: Ranks) -> dict:
     model with the adaptive tokens attached (ids checked against the masked corpus), fully fine-tuned or with LoRA
     (plus the adaptive tokens' embedding rows), on ``<mask.out_dir>/masked.jsonl``; final model + tokenizer (with
     the adaptive tokens and ``config.sdsat``) into ``<run>/final``."""
-    from pardec.models.loading import load_model, trainable
-
     args = training_args(SDSATConfig, spec, run_dir)  # before the model, as ZeRO-3 requires
     meta, records = mk.load_masked(spec.mask.out_dir)
     tokens = adaptive.adaptive_tokens(spec.max_span, spec.diverse)
@@ -291,12 +290,6 @@ def evaluate_sdsat(spec, run_dir) -> dict:
     """The eval stage: on the held-out ``eval.sources`` (at most ``eval.max_docs`` sequences each, cut like the
     training corpus), the plain-text perplexity under the base model and ``<run>/final`` (same tokens; their
     ratio), and the trained model's per-depth adaptive-token accuracy; all into ``<run>/sdsat_eval.json``."""
-
-    from transformers.integrations.deepspeed import unset_hf_deepspeed_config
-
-    from pardec.config import ModelConfig
-    from pardec.metrics.perplexity import completion_nll
-    from pardec.models.loading import load_model
 
     final = run_dir / "final"
     if not (final / "config.json").is_file():
