@@ -20,33 +20,26 @@ def _modules() -> dict[str, Path]:
     return out
 
 
+def _known(name: str, mods: dict[str, Path]) -> str | None:
+    """The module ``name`` is, or is in (``pardec.x.f`` -> ``pardec.x``), among ``mods``."""
+    while name and name not in mods:
+        name = name.rpartition(".")[0]
+    return name or None
+
+
 def _graph() -> dict[str, set[str]]:
     """module -> the pardec modules it imports (``from pkg import submodule`` counts as the submodule only: the
     package itself is imported first either way)."""
     mods = _modules()
 
-    def known(name: str) -> str | None:
-        while name and name not in mods:
-            name = name.rpartition(".")[0]
-        return name or None
-
     edges: dict[str, set[str]] = defaultdict(set)
     for name, path in mods.items():
-        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
         for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, ast.Import):
-                targets = [a.name for a in node.names]
-            elif isinstance(node, ast.ImportFrom):
-                base = node.module or ""
-                if node.level:
-                    up = package.split(".")[: len(package.split(".")) - node.level + 1]
-                    base = ".".join(up + ([node.module] if node.module else []))
-                subs = [f"{base}.{a.name}" for a in node.names if f"{base}.{a.name}" in mods]
-                targets = subs + ([base] if len(subs) < len(node.names) else [])
-            else:
+            if not isinstance(node, ast.Import | ast.ImportFrom):
                 continue
+            targets = _targets(node, name, path, mods)
             for t in targets:
-                t = known(t) if t.startswith("pardec") else None
+                t = _known(t, mods) if t.startswith("pardec") else None
                 if t and t != name:
                     edges[name].add(t)
     return edges
@@ -171,11 +164,6 @@ def _heavy_on_import(mods: dict[str, Path]) -> tuple[dict[str, set[str]], dict[s
     """module -> the heavy packages importing it brings (through the imports it runs, its packages' included)."""
     trees = {m: ast.parse(p.read_text()) for m, p in mods.items()}
 
-    def known(name: str) -> str | None:
-        while name and name not in mods:
-            name = name.rpartition(".")[0]
-        return name or None
-
     edges: dict[str, set[str]] = defaultdict(set)
     direct: dict[str, set[str]] = defaultdict(set)
     for m, tree in trees.items():
@@ -184,7 +172,7 @@ def _heavy_on_import(mods: dict[str, Path]) -> tuple[dict[str, set[str]], dict[s
         for node in _imports(tree, in_functions=False):
             for t in _targets(node, m, mods[m], mods):
                 if t.startswith("pardec"):
-                    edges[m].add(known(t))
+                    edges[m].add(_known(t, mods))
                 elif t.split(".")[0] in HEAVY:
                     direct[m].add(t.split(".")[0])
     heavy: dict[str, set[str]] = {}

@@ -63,8 +63,9 @@ def page_text(table: dict, name: str, title: str) -> str:
     host = table.get("host") or {}
     lines = [f"# {title}", "", INTRO, "",
              f"Host: {host.get('cpu')}, {host.get('cores')} cores, torch {host.get('torch')}; dtype {table.get('dtype')} "
-             f"(`{table.get('command')}`); the run's command, date, dtype, prompts and commit are in [results/{name}.json](results/{name}.json); the raw records (every "
-             f"prompt's tokens and timings, each run's summary) in [results/{name}/](results/{name}/)."]
+             f"(`{table.get('command')}`); the run's date, prompts, flags and commits are in "
+             f"[results/{name}.json](results/{name}.json); the raw records (every prompt's tokens and timings, each "
+             f"run's summary) in [results/{name}/](results/{name}/)."]
     for bench in table["benchmarks"]:
         lines += ["", f"## {bench}", "", f"<!-- table: results/{name}.json#{bench} -->", "<!-- /table -->", "",
                   f"![{bench}: speed against ar over tokens per target forward, one run](img/{name}_{bench}.png)"]
