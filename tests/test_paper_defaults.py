@@ -105,17 +105,18 @@ PAPER: dict[str, dict[str, tuple[object, str]]] = {
     "hf_generate": {},
 }
 
-#: keys with no paper value: pardec's own (paths, switches for pardec's variants, CPU conveniences)
+#: keys with no paper value: pardec's own (paths, switches for pardec's variants, CPU conveniences: ``int8_weights``,
+#: the drafter's linears under dtype=int8, a CPU mode no paper has)
 PARDEC_ONLY: dict[str, set[str]] = {
     "jacobi": {"max_iters", "record_trajectories"},
     "pld": {"min_ngram", "num_pred_by_cost"},
     "sps": {"gamma_min", "gamma_max", "gamma_by_cost"},
-    "medusa": {"path", "tree", "k"},
-    "medusa_typical": {"path", "tree", "k"},
-    "firp": {"path", "tree", "k"},
+    "medusa": {"path", "tree", "k", "int8_weights"},
+    "medusa_typical": {"path", "tree", "k", "int8_weights"},
+    "firp": {"path", "tree", "k", "int8_weights"},
     "sdsat": {"adaptive_ids"},
-    "eagle3": {"path"},
-    "dflash": {"path"},
+    "eagle3": {"path", "int8_weights"},
+    "dflash": {"path", "int8_weights"},
     "spectr": {"k", "gamma"},  # SpecTr §5 sweeps the number of drafts and their length: no single paper value
     "mjgd": {"K", "num_beams"},  # the MJSD code has no MJGD run
 }

@@ -37,6 +37,7 @@ from pardec.decoding.verify import verify_chain
 from pardec.models.cached import CachedModel
 from pardec.models.dflash import DFlashDraft
 from pardec.models.dflash_formats import load_dflash
+from pardec.models.drafters import check_int8_weights, place
 
 
 class ContextCache:
@@ -93,13 +94,16 @@ def block_shape(c, target_config, block_size: int | None, num_speculative_tokens
 class DFlash(Decoder):
     """``path``: the drafter (a dir or a Hub id); ``block_size``: the drafted block's width (null: the drafter's
     trained block size, the paper's 16); ``num_speculative_tokens``: drafts verified per round (null:
-    ``block_size - 1``, the reference's)."""
+    ``block_size - 1``, the reference's); ``int8_weights``: the drafter's int8 scheme when the target runs int8
+    (``pardec.models.drafters.place``; null: fp32)."""
 
     exactness = "distribution"
 
     def __init__(self, target: CachedModel, tokenizer=None, draft=None, path: str | None = None,
-                 block_size: int | None = None, num_speculative_tokens: int | None = None):
+                 block_size: int | None = None, num_speculative_tokens: int | None = None,
+                 int8_weights: str | None = "per_token"):
         drafter = draft if isinstance(draft, DFlashDraft) else None
+        check_int8_weights(int8_weights)
         super().__init__(target, tokenizer, None)
         if block_size is not None:
             check_range("block_size", block_size, 2, 1024)
@@ -115,7 +119,7 @@ class DFlash(Decoder):
             drafter = load_dflash_for(path, target.config)
         c = drafter.config
         self.width, self.n = block_shape(c, target.config, block_size, num_speculative_tokens)
-        self.drafter = drafter.to(target.device, target.dtype).eval()
+        self.drafter = place(drafter, target.model, target.device, int8_weights)
         self.layers = tuple(int(i) for i in c.layer_ids)
         self.embed = target.inner().embed_tokens
         self.clock = DraftClock()

@@ -47,6 +47,7 @@ from pardec.decoding.sampling import sample, warp
 from pardec.decoding.tree import DeviceTree
 from pardec.decoding.verify import verify_chain, verify_tree
 from pardec.models.cached import CachedModel, to_device
+from pardec.models.drafters import check_int8_weights, place
 from pardec.models.eagle import Eagle3Draft
 from pardec.models.eagle_formats import load_eagle3
 
@@ -80,16 +81,18 @@ class Eagle(Decoder):
     (the original release's or vLLM ``speculators``' layout; a dir or a Hub id: :mod:`pardec.models.eagle_formats`);
     ``mode``: ``tree`` | ``chain``;
     ``total_tokens``, ``depth``, ``top_k``: the dynamic tree's size (nodes including the root), expansion steps and
-    branching; ``num_speculative_tokens``: the chain's length."""
+    branching; ``num_speculative_tokens``: the chain's length; ``int8_weights``: the drafter's int8 scheme when the
+    target runs int8 (``pardec.models.drafters.place``; null: fp32)."""
 
     exactness = "distribution"
     custom_mask = True
 
     def __init__(self, target: CachedModel, tokenizer=None, draft=None, path: str | None = None,
                  mode: str = "tree", total_tokens: int = 60, depth: int = 7, top_k: int = 10,
-                 num_speculative_tokens: int = 3):
+                 num_speculative_tokens: int = 3, int8_weights: str | None = "per_token"):
         drafter = draft if isinstance(draft, Eagle3Draft) else None
         super().__init__(target, tokenizer, None)
+        check_int8_weights(int8_weights)
         check_choice("method.mode", mode, MODES)
         check_range("total_tokens", total_tokens, 1, 4096)
         check_range("depth", depth, 0, 64)
@@ -109,7 +112,7 @@ class Eagle(Decoder):
             raise ConfigError(f"the EAGLE-3 drafter reads features of width {c.target_hidden_size} and vocabulary "
                               f"{c.vocab_size}; the target has {target.config.hidden_size} and "
                               f"{target.config.vocab_size}")
-        self.drafter = drafter.to(target.device, target.dtype).eval()
+        self.drafter = place(drafter, target.model, target.device, int8_weights)
         self.layers = tuple(int(i) for i in c.layer_ids)
         self.embed = target.inner().embed_tokens
         self.clock = DraftClock()

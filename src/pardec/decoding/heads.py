@@ -43,22 +43,25 @@ from pardec.decoding.tree import Tree
 from pardec.decoding.tree_search import resolve_tree, truncate_paths
 from pardec.decoding.verify import TreeVerdict, read_verdict, verify_tree
 from pardec.models.cached import CachedModel
-from pardec.models.drafters import load_drafter, read_meta
+from pardec.models.drafters import check_int8_weights, load_drafter, place, read_meta
 from pardec.models.pseudo import DECODING_ATTENTION, PSEUDO_ATTENTION, forward_pseudo
 
 log = logging.getLogger(__name__)
 
 
 class TreeDrafter(Decoder):
-    """The shared loop; subclasses say how one forward yields the target's logits and the next drafts."""
+    """The shared loop; subclasses say how one forward yields the target's logits and the next drafts.
+    ``int8_weights``: the drafter's int8 scheme when the target runs int8 (``pardec.models.drafters.place``; null:
+    the target's float dtype)."""
 
     exactness = "distribution"
     custom_mask = True
     kind: ClassVar[str] = ""
 
     def __init__(self, target: CachedModel, tokenizer=None, draft=None, path: str | None = None,
-                 tree: str = "chain", k: int | None = None):
+                 tree: str = "chain", k: int | None = None, int8_weights: str | None = None):
         super().__init__(target, tokenizer, draft)
+        check_int8_weights(int8_weights)
         if path is None:
             raise ConfigError(f"method {self.name!r} needs trained {self.kind} weights: method.path=<dir> "
                               f"(train them with python -m train +experiment={self.kind}_smollm2)")
@@ -75,7 +78,8 @@ class TreeDrafter(Decoder):
         self._rank_trees: dict[tuple[int, torch.device], tuple[Tree, torch.Tensor, int]] = {}
         if target is not None:
             self.drafter, self.meta = load_drafter(path, target.config, self.kind, key=key)
-            self.drafter.to(target.head_device, target.dtype)  # it reads what the LM head reads
+            # it reads what the LM head reads
+            self.drafter = place(self.drafter, target.model, target.head_device, int8_weights)
 
     # ------------------------------------------------------------------ per method
     def _forward(self, ids: torch.Tensor, positions=None, attend=None, last_only: bool = False):
@@ -146,8 +150,8 @@ class Medusa(TreeDrafter):
     renamed = {"heads": "path"}
 
     def __init__(self, target: CachedModel, tokenizer=None, draft=None, path: str | None = None,
-                 tree: str = "chain", k: int | None = None):
-        super().__init__(target, tokenizer, draft, path, tree, k)
+                 tree: str = "chain", k: int | None = None, int8_weights: str | None = "per_token"):
+        super().__init__(target, tokenizer, draft, path, tree, k, int8_weights)
 
     def _forward(self, ids, positions=None, attend=None, last_only=False):
         out = self.target.forward(ids, positions=positions, attend=attend, last_only=last_only,
@@ -166,8 +170,9 @@ class MedusaTypical(Medusa):
 
     def __init__(self, target: CachedModel, tokenizer=None, draft=None, path: str | None = None,
                  tree: str = "chain", k: int | None = None, posterior_threshold: float = 0.09,
-                 posterior_alpha: float = 0.3, next_token: Literal["greedy", "sample", "typical"] = "greedy"):
-        super().__init__(target, tokenizer, draft, path, tree, k)
+                 posterior_alpha: float = 0.3, next_token: Literal["greedy", "sample", "typical"] = "greedy",
+                 int8_weights: str | None = "per_token"):
+        super().__init__(target, tokenizer, draft, path, tree, k, int8_weights)
         check_range("posterior_threshold", posterior_threshold, 0.0, 1.0, integer=False)
         check_range("posterior_alpha", posterior_alpha, 0.0, 1.0, integer=False)
         check_choice("method.next_token", next_token, NEXT_TOKEN)
@@ -227,9 +232,10 @@ class Firp(TreeDrafter):
     renamed = {"projections": "path"}
 
     def __init__(self, target: CachedModel, tokenizer=None, draft=None, path: str | None = None,
-                 tree: str = "chain", k: int | None = None, attention: str = DECODING_ATTENTION):
+                 tree: str = "chain", k: int | None = None, attention: str = DECODING_ATTENTION,
+                 int8_weights: str | None = None):
         check_choice("method.attention", attention, PSEUDO_ATTENTION)
-        super().__init__(target, tokenizer, draft, path, tree, k)
+        super().__init__(target, tokenizer, draft, path, tree, k, int8_weights)
         self.attention = attention
         self.layers = self.drafter.layers[: self.k] if target is not None else None
         if target is not None:

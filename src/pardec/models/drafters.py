@@ -6,6 +6,7 @@ size, vocabulary, layer count) and raises one line naming both when they differ.
 
 from __future__ import annotations
 
+import copy
 import json
 from pathlib import Path
 from typing import Any
@@ -13,9 +14,10 @@ from typing import Any
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from pardec.config import ConfigError
+from pardec.config import INT8_WEIGHTS, ConfigError, check_choice
 from pardec.jsonl import read_versioned
 from pardec.models.drafter_types import TargetParts, drafter_class
+from pardec.models.quant.int8 import is_int8, quantize
 
 FORMAT = "pardec-drafter"
 VERSION = 1
@@ -82,3 +84,21 @@ def load_drafter(path: str | Path, base_config, kind: str, key: str = "method.pa
     drafter: Drafter = drafter_class(kind).from_saved(meta, state, base_config)
     drafter.load_state_dict(state)
     return drafter.eval(), meta
+
+
+def check_int8_weights(value: str | None, key: str = "method.int8_weights") -> str | None:
+    """``value`` if it names an int8 scheme (:data:`~pardec.config.INT8_WEIGHTS`) or is None, else one line naming
+    the choices (checked before any model loads)."""
+    check_choice(key, value, INT8_WEIGHTS, or_null=True)
+    return value
+
+
+def place(drafter: Drafter, target: nn.Module, device, int8_weights: str | None) -> Drafter:
+    """``drafter`` on ``device`` in ``target``'s dtype, in eval mode, for decoding. When ``target`` runs int8 linears
+    (``dtype=int8``) and ``int8_weights`` names a scheme, the drafter's linears run int8 too, as a draft model's do
+    in that mode (``conf/draft/local.yaml``): a copy is quantized (the given drafter stays as it was). Its drafts
+    may change; the output does not (the target verifies them). None keeps the drafter in the target's float dtype."""
+    drafter = drafter.to(device, target.dtype).eval()
+    if int8_weights is not None and is_int8(target):
+        drafter = quantize(copy.deepcopy(drafter), check_int8_weights(int8_weights))
+    return drafter

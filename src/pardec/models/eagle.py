@@ -148,6 +148,11 @@ class Eagle3Draft(nn.Module):
 
     # ------------------------------------------------------------------ drafter protocol (pardec.models.heads)
     @property
+    def dtype(self) -> torch.dtype:
+        """The float dtype it computes in (its final norm's: the linears may be int8, ``pardec.models.drafters.place``)."""
+        return self.norm.weight.dtype
+
+    @property
     def k(self) -> int:
         """Fused target layers (drafter.json's ``k``; the draft's depth is a decoding setting)."""
         return len(self.config.layer_ids)
@@ -184,7 +189,7 @@ class Eagle3Draft(nn.Module):
     # ------------------------------------------------------------------ compute
     def fuse(self, features: torch.Tensor) -> torch.Tensor:
         """[.., n * H_t] target features (``CachedModel.forward(hidden_layer=layer_ids)``) -> [.., H]."""
-        return self.fc(features.to(self.fc.weight.dtype))
+        return self.fc(features.to(self.dtype))
 
     def forward(self, emb: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor, past: KV | None = None,
                 mask: torch.Tensor | None = None) -> tuple[torch.Tensor, KV]:
@@ -194,8 +199,8 @@ class Eagle3Draft(nn.Module):
         ``past`` and the new entries). Returns (outputs [B, T, H], the new entries' keys/values)."""
         layer = self.layers[0]
         a = layer.self_attn
-        w = a.q_proj.weight
-        emb, hidden = emb.to(w.dtype), hidden.to(w.dtype)
+        dtype = self.dtype
+        emb, hidden = emb.to(dtype), hidden.to(dtype)
         bsz, t, _ = hidden.shape
         if positions.dim() == 1:
             positions = positions[None].expand(bsz, t)
@@ -206,7 +211,7 @@ class Eagle3Draft(nn.Module):
         k = a.k_proj(x).view(bsz, t, a.kv_heads, a.head_dim).transpose(1, 2)
         v = a.v_proj(x).view(bsz, t, a.kv_heads, a.head_dim).transpose(1, 2)
         cos, sin = self.rotary(x, positions)
-        cos, sin = cos[:, None].to(w.dtype), sin[:, None].to(w.dtype)
+        cos, sin = cos[:, None].to(dtype), sin[:, None].to(dtype)
         q, k = rotate(q, cos, sin), rotate(k, cos, sin)
         keys, values = (k, v) if past is None else (torch.cat([past[0], k], 2), torch.cat([past[1], v], 2))
         s = keys.shape[2] - t

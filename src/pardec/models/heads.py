@@ -178,7 +178,8 @@ class FirpProjections(nn.Module):
     def forward(self, i: int, hidden: torch.Tensor) -> torch.Tensor:
         """Projection ``i`` (0-based: the pseudo state ``i + 1`` positions ahead of its anchor)."""
         p = self.proj[i]
-        return p(hidden.to(p.weight.device, p.weight.dtype))  # a split target hands states from any of its devices
+        return p(hidden.to(p.bias.device, p.bias.dtype))  # a split target hands states from any of its devices (the
+        # bias: a float tensor also when the linear is int8, pardec.models.drafters.place)
 
     def meta(self) -> dict[str, Any]:
         return {"layers": self.layers, "attention": self.attention}

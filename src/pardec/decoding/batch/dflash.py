@@ -17,17 +17,19 @@ from pardec.decoding.batch.engine import BatchedMethod, Row, register_batched
 from pardec.decoding.dflash import block_shape, load_dflash_for
 from pardec.decoding.sampling import sample, select, warp
 from pardec.models.cache import to_device
+from pardec.models.drafters import check_int8_weights, place
 from pardec.models.ragged import RaggedKV
 
 
 @register_batched("dflash")
 class BatchedDFlash(BatchedMethod):
-    """``path``, ``block_size``, ``num_speculative_tokens``: as batch-1 ``dflash``'s (null: the drafter's trained
+    """``path``, ``block_size``, ``num_speculative_tokens``, ``int8_weights``: as batch-1 ``dflash``'s (null: the drafter's trained
     block, ``block_size - 1`` drafts)."""
 
     def __init__(self, target, tokenizer=None, draft=None, path: str | None = None, block_size: int | None = None,
-                 num_speculative_tokens: int | None = None):
+                 num_speculative_tokens: int | None = None, int8_weights: str | None = "per_token"):
         super().__init__(target, tokenizer, draft)
+        check_int8_weights(int8_weights)
         if block_size is not None:
             check_range("block_size", block_size, 2, 1024)
         if num_speculative_tokens is not None:
@@ -38,7 +40,7 @@ class BatchedDFlash(BatchedMethod):
         drafter = load_dflash_for(path, cfg)
         c = drafter.config
         self.block, self.n = block_shape(c, cfg, block_size, num_speculative_tokens)
-        self.drafter = drafter.to(target.device, target.model.dtype).eval()
+        self.drafter = place(drafter, target.model, target.device, int8_weights)
         self.layers = tuple(int(i) for i in c.layer_ids)
         self.embed = target.model.model.embed_tokens
         self.context = RaggedKV(int(c.num_hidden_layers), target.max_rows, target.capacity, "dflash context")

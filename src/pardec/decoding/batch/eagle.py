@@ -19,6 +19,7 @@ from pardec.decoding.base import check_range
 from pardec.decoding.batch.engine import BatchedMethod, Row, register_batched
 from pardec.decoding.sampling import sample, select, warp
 from pardec.models.cache import to_device
+from pardec.models.drafters import check_int8_weights, place
 from pardec.models.eagle_formats import load_eagle3
 from pardec.models.ragged import RaggedKV
 
@@ -26,11 +27,12 @@ from pardec.models.ragged import RaggedKV
 @register_batched("eagle3")
 class BatchedEagle3(BatchedMethod):
     """``path``: the drafter (as batch-1 ``eagle3`` reads it); ``mode``: ``chain`` (the only one batched);
-    ``num_speculative_tokens``: the chain's length (default 3, as batch-1's)."""
+    ``num_speculative_tokens``: the chain's length (default 3, as batch-1's); ``int8_weights``: as batch-1's."""
 
     def __init__(self, target, tokenizer=None, draft=None, path: str | None = None, mode: str = "chain",
-                 num_speculative_tokens: int = 3):
+                 num_speculative_tokens: int = 3, int8_weights: str | None = "per_token"):
         super().__init__(target, tokenizer, draft)
+        check_int8_weights(int8_weights)
         self.check_options({"mode": mode})
         check_range("num_speculative_tokens", num_speculative_tokens, 1, 64)
         if path is None:
@@ -41,7 +43,7 @@ class BatchedEagle3(BatchedMethod):
         if c.target_hidden_size != int(cfg.hidden_size) or c.vocab_size != int(cfg.vocab_size):
             raise ConfigError(f"the EAGLE-3 drafter reads features of width {c.target_hidden_size} and vocabulary "
                               f"{c.vocab_size}; the target has {cfg.hidden_size} and {cfg.vocab_size}")
-        self.drafter = drafter.to(target.device, target.model.dtype).eval()
+        self.drafter = place(drafter, target.model, target.device, int8_weights)
         self.layers = tuple(int(i) for i in c.layer_ids)
         self.embed = target.model.model.embed_tokens
         self.k = num_speculative_tokens

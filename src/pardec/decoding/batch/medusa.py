@@ -20,16 +20,17 @@ from pardec.decoding.sampling import select
 from pardec.decoding.tree import Tree
 from pardec.decoding.tree_search import resolve_tree, truncate_paths
 from pardec.models.cache import to_device
-from pardec.models.drafters import load_drafter, read_meta
+from pardec.models.drafters import check_int8_weights, load_drafter, place, read_meta
 
 
 @register_batched("medusa")
 class BatchedMedusa(BatchedMethod):
-    """``path``, ``tree``, ``k``: as batch-1 ``medusa``'s."""
+    """``path``, ``tree``, ``k``, ``int8_weights``: as batch-1 ``medusa``'s."""
 
     def __init__(self, target, tokenizer=None, draft=None, path: str | None = None, tree: str = "chain",
-                 k: int | None = None):
+                 k: int | None = None, int8_weights: str | None = "per_token"):
         super().__init__(target, tokenizer, draft)
+        check_int8_weights(int8_weights)
         if path is None:
             raise ConfigError("method 'medusa' needs trained medusa weights: method.path=<dir> (or zoo:medusa)")
         meta = read_meta(path, "method.path")
@@ -41,7 +42,7 @@ class BatchedMedusa(BatchedMethod):
         self.tree_name, paths = resolve_tree(tree, [Path(path) / "trees"], int(meta["k"]))
         self.ranks = Tree.from_paths(truncate_paths(paths, self.k))
         self.drafter, _ = load_drafter(path, target.model.config, "medusa", key="method.path")
-        self.drafter.to(target.device, target.model.dtype)
+        self.drafter = place(self.drafter, target.model, target.device, int8_weights)
         self.layer = int(target.model.config.num_hidden_layers)  # the final norm's output: what the heads read
         ranks = self.ranks
         self.at = torch.tensor([[int(d) - 1 for d in ranks.depth[1:]], ranks.labels[1:]], dtype=torch.long)

@@ -1,0 +1,70 @@
+"""dtype=int8: the hidden-state drafters' linears run int8 too (``method.int8_weights``,
+``pardec.models.drafters.place``), batch-1 and batched, while the output stays int8 ``ar``'s token for token; fp32
+targets and ``int8_weights=null`` keep them in floats; a bad scheme is refused before any drafter loads."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pardec.config import ConfigError, ModelConfig
+from pardec.decoding import build_decoder
+from pardec.decoding.batch import build_batched, run_batch
+from pardec.models.cached import CachedModel
+from pardec.models.loading import load_model
+from pardec.models.quant.int8 import is_int8, weight_scheme
+from tests.conftest import tiny
+from tests.decoding.drafters import drafter_params
+
+PROMPTS = [[1, 504, 1812], [3, 9, 27, 81, 243]]
+
+
+def _target(dtype: str):
+    extra = {"int8_weights": "per_token", "int8_smooth": None, "int8_skip": []} if dtype == "int8" else {}
+    attention = "invariant" if dtype == "int8" else "sdpa"  # int8: every verified row bitwise ar's one-token step
+    return load_model(ModelConfig(name="tiny_random", source="tiny_random", device="cpu", dtype=dtype,
+                                  attn_implementation=attention, **extra)).model
+
+
+@pytest.fixture(scope="module")
+def int8_target():
+    return _target("int8")
+
+
+@pytest.mark.parametrize("method", ["dflash", "eagle3", "medusa"])
+def test_an_int8_target_gets_an_int8_drafter_and_the_output_stays_ar(method, int8_target):
+    m = int8_target
+    params = drafter_params(method, m)
+    if method == "eagle3":
+        params["mode"] = "chain"
+    ar = [build_decoder("ar", CachedModel(m)).generate(p, 16).tokens for p in PROMPTS]
+    dec = build_decoder(method, CachedModel(m), **params)
+    assert weight_scheme(dec.drafter) == "per_token"  # the method's default (conf/method/<method>.yaml)
+    assert [dec.generate(p, 16).tokens for p in PROMPTS] == ar
+    floats = build_decoder(method, CachedModel(m), **params, int8_weights=None)
+    assert not is_int8(floats.drafter)
+    assert [floats.generate(p, 16).tokens for p in PROMPTS] == ar
+    batched = build_batched(method, m, 2, 64, **params)
+    assert weight_scheme(batched.drafter) == "per_token"
+    assert [r.tokens for r in run_batch(batched, PROMPTS, 16).results] == ar
+
+
+def test_a_float_target_keeps_its_drafter_in_floats_and_a_given_drafter_is_copied(int8_target):
+    lm = tiny(0)
+    dec = build_decoder("dflash", CachedModel(lm.model), **drafter_params("dflash", lm.model))
+    assert not is_int8(dec.drafter) and dec.drafter.dtype == torch.float32
+    given = dec.drafter
+    on_int8 = build_decoder("dflash", CachedModel(int8_target), draft=given, int8_weights="weight_only")
+    assert weight_scheme(on_int8.drafter) == "weight_only"
+    assert not is_int8(given)  # the drafter handed in is not quantized in place
+
+
+@pytest.mark.parametrize("method", ["dflash", "eagle3", "medusa", "firp"])
+def test_a_bad_scheme_is_refused_naming_the_choices(method):
+    lm = tiny(0)
+    with pytest.raises(ConfigError, match=r"method.int8_weights='int4' is not valid; choose one of: weight_only, "
+                                          r"per_channel, per_tensor, per_token or null"):
+        build_decoder(method, CachedModel(lm.model), path="/nonexistent", int8_weights="int4")
+    if method != "firp":
+        with pytest.raises(ConfigError, match=r"method.int8_weights='int4'"):
+            build_batched(method, lm.model, 2, 64, path="/nonexistent", int8_weights="int4")
