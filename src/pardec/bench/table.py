@@ -71,7 +71,10 @@ SHARED = [("jacobi", None), ("lookahead", None), (CPU_SIZED["lookahead"], None),
           ("mjgd", "draft"), ("bild", "draft"), ("medusa:path=zoo:medusa", "medusa"),
           ("medusa_typical:path=zoo:medusa", "medusa"), ("firp:path=zoo:firp", "firp"),
           ("eagle3:path=zoo:eagle3:mode=chain", "eagle3"), ("eagle3:path=zoo:eagle3", "eagle3"),
-          ("dflash:path=zoo:dflash", "dflash")]
+          ("dflash:path=zoo:dflash", "dflash"),
+          # the zoo's DFlash drafts blocks of 8 (as trained); blocks of 4 were its fastest width on 2 CPU cores, in fp32
+          # and int8 (docs/dflash.md "Drafters in int8"): a CPU-sized role beside the trained width
+          ("dflash:path=zoo:dflash:block_size=4", "dflash")]
 #: decoders of their own fine-tuned model: (method, the zoo artifact that is the model)
 OWN_MODEL = [("jacobi", "cllm"), ("sdsat", "sdsat")]
 #: benchmarks whose task metric needs a judge (a network service): a fine-tuned model's answers there are scored by
