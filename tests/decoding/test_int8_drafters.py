@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pardec.config import ConfigError, ModelConfig
+from pardec.config import ConfigError
 from pardec.decoding import build_decoder
 from pardec.decoding.batch import build_batched, run_batch
 from pardec.models.cached import CachedModel
@@ -15,20 +15,15 @@ from pardec.models.loading import load_model
 from pardec.models.quant.int8 import is_int8, weight_scheme
 from tests.conftest import tiny
 from tests.decoding.drafters import drafter_params
+from tests.models.forward.test_invariant import _cfg
 
 PROMPTS = [[1, 504, 1812], [3, 9, 27, 81, 243]]
 
 
-def _target(dtype: str):
-    extra = {"int8_weights": "per_token", "int8_smooth": None, "int8_skip": []} if dtype == "int8" else {}
-    attention = "invariant" if dtype == "int8" else "sdpa"  # int8: every verified row bitwise ar's one-token step
-    return load_model(ModelConfig(name="tiny_random", source="tiny_random", device="cpu", dtype=dtype,
-                                  attn_implementation=attention, **extra)).model
-
-
 @pytest.fixture(scope="module")
 def int8_target():
-    return _target("int8")
+    """Per-token int8 with invariant attention: every verified row bitwise ``ar``'s one-token step."""
+    return load_model(_cfg("invariant", "int8", hidden=64)).model  # tiny(0)'s shape: its drafter fits
 
 
 @pytest.mark.parametrize("method", ["dflash", "eagle3", "medusa"])
@@ -40,7 +35,9 @@ def test_an_int8_target_gets_an_int8_drafter_and_the_output_stays_ar(method, int
     ar = [build_decoder("ar", CachedModel(m)).generate(p, 16).tokens for p in PROMPTS]
     dec = build_decoder(method, CachedModel(m), **params)
     assert weight_scheme(dec.drafter) == "per_token"  # the method's default (conf/method/<method>.yaml)
-    assert [dec.generate(p, 16).tokens for p in PROMPTS] == ar
+    runs = [dec.generate(p, 16) for p in PROMPTS]
+    assert [r.tokens for r in runs] == ar
+    assert sum(r.draft_accepted for r in runs) > 0  # the int8 drafter's drafts were accepted, not only the target's
     floats = build_decoder(method, CachedModel(m), **params, int8_weights=None)
     assert not is_int8(floats.drafter)
     assert [floats.generate(p, 16).tokens for p in PROMPTS] == ar

@@ -86,11 +86,10 @@ def load_drafter(path: str | Path, base_config, kind: str, key: str = "method.pa
     return drafter.eval(), meta
 
 
-def check_int8_weights(value: str | None, key: str = "method.int8_weights") -> str | None:
-    """``value`` if it names an int8 scheme (:data:`~pardec.config.INT8_WEIGHTS`) or is None, else one line naming
-    the choices (checked before any model loads)."""
+def check_int8_weights(value: str | None, key: str = "method.int8_weights") -> None:
+    """One line naming the choices unless ``value`` names an int8 scheme (:data:`~pardec.config.INT8_WEIGHTS`) or
+    is None: what a decoder checks before any model loads."""
     check_choice(key, value, INT8_WEIGHTS, or_null=True)
-    return value
 
 
 def place(drafter: Drafter, target: nn.Module, device, int8_weights: str | None) -> Drafter:
@@ -100,5 +99,5 @@ def place(drafter: Drafter, target: nn.Module, device, int8_weights: str | None)
     may change; the output does not (the target verifies them). None keeps the drafter in the target's float dtype."""
     drafter = drafter.to(device, target.dtype).eval()
     if int8_weights is not None and is_int8(target):
-        drafter = quantize(copy.deepcopy(drafter), check_int8_weights(int8_weights))
+        drafter = quantize(copy.deepcopy(drafter), int8_weights)
     return drafter
