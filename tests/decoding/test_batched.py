@@ -55,7 +55,9 @@ CASES = {"ar": ("ar", None, {}), "pld": ("pld", None, {"num_pred": 5}),
          "sps_noisy": ("sps", "noisy", {"gamma": 3}),  # partial acceptance: rows accept different counts
          "sps_self": ("sps", "self", {"gamma": 3}),  # every draft accepted: the draft is fed two tokens next round
          "jacobi": ("jacobi", None, {"block_size": 4}),  # rows start blocks at different rounds
-         "eagle3": ("eagle3", None, {"num_speculative_tokens": 3}),  # the chain, its drafter's own ragged cache
+         "eagle3": ("eagle3", None, {"mode": "chain", "num_speculative_tokens": 3}),  # its drafter's own ragged cache
+         # EAGLE-2's dynamic tree: every row's tree of one size and its own shape, verified under its own mask
+         "eagle3_tree": ("eagle3", None, {"total_tokens": 8, "depth": 3, "top_k": 2}),
          "dflash": ("dflash", None, {}),  # blocks of 4: 3 drafts a row
          "medusa": ("medusa", None, {}),  # a tree per row (tests/decoding/drafters.py's tree T), compacted per row
          # a trie of another shape per row, beside a window in another phase per row (rows admitted later)
@@ -90,11 +92,16 @@ def test_every_row_equals_its_batch_one_ar_output(case, batch_size):
     single = build_decoder(method, CachedModel(lm.model), lm.tokenizer,
                            None if lm_draft is None else CachedModel(lm_draft),
                            **_single_params(method, lm, params))
-    assert [r.accepted for r in run.results] == [single.generate(p, N_NEW, stop).accepted for p in prompts]
+    alone = [single.generate(p, N_NEW, stop).accepted for p in prompts]
+    if case == "eagle3_tree":  # batch-1 cuts a tree's depth to the room left; a row's tree keeps it (module doc)
+        alone, ours = [a[:-1] for a in alone], [r.accepted[:-1] for r in run.results]
+    else:
+        ours = [r.accepted for r in run.results]
+    assert ours == alone
 
 
 def _single_params(method: str, lm, params: dict) -> dict:
-    out = {**params, **({"mode": "chain"} if method == "eagle3" else {})}
+    out = dict(params)
     if method in ("eagle3", "dflash", "medusa"):
         out.update(drafter_params(method, lm.model))
     return out
@@ -215,7 +222,8 @@ def test_invariant_int8_rows_equal_batch_one_int8_ar(case):
     assert [r.tokens for r in run.results] == ref
 
 
-@pytest.mark.parametrize("case", ["ar", "pld", "sps_noisy", "jacobi", "eagle3", "dflash", "medusa", "lookahead"])
+@pytest.mark.parametrize("case", ["ar", "pld", "sps_noisy", "jacobi", "eagle3", "eagle3_tree", "dflash", "medusa",
+                                  "lookahead"])
 def test_one_host_read_per_round_on_a_gpu(case):
     """On a (virtual) CUDA device: the same tokens as on the CPU, host reads = one per admission (its first token) +
     one per round, and the finiteness flags copied without a wait."""
@@ -257,8 +265,10 @@ def test_bad_input_is_refused_before_any_model_is_wrapped():
         run_batch(m, [[1, 2], []], 4)
     with pytest.raises(ConfigError, match="method.guess_from"):
         build_batched("jacobi", lm.model, 2, 64, guess_from="nowhere")
-    with pytest.raises(ConfigError, match=r"method.mode='tree': batched eagle3 drafts chains"):
-        build_batched("eagle3", lm.model, 2, 64, path="unused", mode="tree")
+    with pytest.raises(ConfigError, match=r"method.mode='beam' is not valid; choose one of: tree, chain"):
+        build_batched("eagle3", lm.model, 2, 64, path="unused", mode="beam")
+    with pytest.raises(ConfigError, match=r"method.top_k"):
+        build_batched("eagle3", lm.model, 2, 64, path="unused", top_k=0)
     with pytest.raises(ConfigError, match="needs an EAGLE-3 drafter"):
         build_batched("eagle3", lm.model, 2, 64)
     with pytest.raises(ConfigError, match="needs a DFlash drafter"):

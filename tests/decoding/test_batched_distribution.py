@@ -27,9 +27,12 @@ from tests.decoding.test_distribution_deep import (
 from tests.stats import chi_square_p
 
 N = {"t1": 2000, "warped": 2400}
-#: drafts 3 deep; eagle3 and dflash with the deep test's fitted drafters (eagle_deep, dflash_deep)
+#: drafts 3 deep; eagle3 and dflash with the deep test's fitted drafters (eagle_deep, dflash_deep); eagle3's tree
+#: as the deep test's (each row's own shape, verified by the batch's tree rule under per-row buffers)
 PARAMS = {"ar": {}, "pld": {"max_ngram": 3, "num_pred": 4}, "sps": {"gamma": 3}, "jacobi": {"block_size": 4},
-          "eagle3": {"num_speculative_tokens": 3}, "dflash": {"num_speculative_tokens": 3}, "medusa": {},
+          "eagle3": {"mode": "chain", "num_speculative_tokens": 3},
+          "eagle3_tree": {"mode": "tree", "total_tokens": 12, "depth": 3, "top_k": 3},
+          "dflash": {"num_speculative_tokens": 3}, "medusa": {},
           # the trie of its pool per row (each row's own shape), verified row by row
           "lookahead": {"level": 4, "window": 3, "guess_set": 3, "pool_from_prompt": True, "pool_from_output": True}}
 OTHERS = [[1, 2], [4, 4, 4, 4, 4, 4, 4, 4, 4, 4, 4], [7, 3, 7]]  # neighbours of other lengths
@@ -37,12 +40,13 @@ OTHERS = [[1, 2], [4, 4, 4, 4, 4, 4, 4, 4, 4, 4, 4], [7, 3, 7]]  # neighbours of
 
 @pytest.mark.stat  # N = 2000-2400 rows per case and setting
 @pytest.mark.parametrize("setting", ["t1", "warped"])
-@pytest.mark.parametrize("method", list(PARAMS))
-def test_each_rows_triples_follow_the_target_distribution(method, setting, one_thread):
+@pytest.mark.parametrize("case", list(PARAMS))
+def test_each_rows_triples_follow_the_target_distribution(case, setting, one_thread):
+    method = case.removesuffix("_tree")
     n, s0 = N[setting], SETTINGS[setting]
     draft = near_draft() if method == "sps" else None
     fitted = {"eagle3": eagle_deep, "dflash": dflash_deep}
-    params = {**PARAMS[method], **({"path": fitted[method]()} if method in fitted else {}),
+    params = {**PARAMS[case], **({"path": fitted[method]()} if method in fitted else {}),
               **(drafter_params("medusa", tiny_vocab(0)) if method == "medusa" else {})}  # (untrained heads)
     dec = build_batched(method, tiny_vocab(0), 8, 32, None, draft, **params)
     prompts = [PROMPT if i % 2 == 0 else OTHERS[(i // 2) % len(OTHERS)] for i in range(2 * n)]

@@ -98,3 +98,35 @@ def test_branches_left_in_the_cache_are_invisible_to_each_other():
     torch.testing.assert_close(got_a, _full_logits(lm.model, prefix + a + [14])[-1], rtol=1e-4, atol=1e-5)
     with pytest.raises(ValueError, match="attend has shape"):
         cm.forward(torch.tensor([[1, 2]]), attend=torch.ones(2, 5, dtype=torch.bool))
+
+
+def test_device_buffers_of_a_batch_of_trees_are_each_trees_own():
+    """:func:`device_buffers` over trees of one size and different shapes: each row's ancestor mask, children and
+    slots are its tree's, and the batch's tree rule on them picks each row's path as the one-tree rule does."""
+    from pardec.config import SamplingConfig
+    from pardec.decoding.batch.verify import verify_trees
+    from pardec.decoding.tree import device_buffers
+    from pardec.decoding.verify import verify_tree
+
+    shapes = [[-1, 0, 0, 1, 3], [-1, 0, 1, 2, 0], [-1, 0, 0, 0, 2]]  # a branch, a chain + a sibling, a fan
+    labels = [[-1, 5, 6, 7, 8], [-1, 5, 7, 9, 6], [-1, 4, 5, 6, 7]]
+    trees = [Tree.from_parents(p, lab) for p, lab in zip(shapes, labels)]
+    parent = torch.tensor([[max(p, 0) for p in ps] for ps in shapes])
+    depth = torch.stack([t.depth for t in trees])
+    rank = torch.tensor([[0] + [t.children[p].index(i) for i, p in enumerate(ps) if i] for t, ps in zip(trees, shapes)])
+    buf = device_buffers(parent, depth, rank, 3, 4)
+    for b, t in enumerate(trees):
+        assert torch.equal(buf.attend[b], t.attend)
+        for node, kids in enumerate(t.children):
+            assert buf.kids[b, node, buf.kid_ok[b, node]].tolist() == kids
+    logits = torch.randn(3, 5, 10)
+    for b in range(3):  # make row b accept its first child's path at every node
+        for node, kids in enumerate(trees[b].children):
+            if kids:
+                logits[b, node, labels[b][kids[0]]] = 10.0
+    greedy = SamplingConfig(temperature=0.0)
+    got = verify_trees(buf, torch.tensor(labels), logits, greedy, None)
+    for b, t in enumerate(trees):
+        v = verify_tree(t, logits[b], greedy, None)
+        assert got[b] == (v.path, v.tokens)
+    assert [len(path) for path, _ in got] == [4, 4, 2]

@@ -44,10 +44,10 @@ from pardec.metrics.busy import CpuMeter, free_cores
 from pardec.tasks.base import DataError, build_task, select_docs
 
 FILE = "batch.json"
-#: every batched method, the trained ones with the zoo's drafters (sps: the zoo's draft model unless draft= is given),
-#: lookahead at its CPU-sized window
-DEFAULT_METHODS = ("ar,pld,sps,jacobi,eagle3:path=zoo:eagle3,dflash:path=zoo:dflash,medusa:path=zoo:medusa,"
-                   + CPU_SIZED["lookahead"])
+#: every batched method, the trained ones with the zoo's drafters (sps: the zoo's draft model unless draft= is given;
+#: eagle3 in both modes: its chain and the paper's 60-node tree), lookahead at its CPU-sized window
+DEFAULT_METHODS = ("ar,pld,sps,jacobi,eagle3:path=zoo:eagle3:mode=chain,eagle3:path=zoo:eagle3,dflash:path=zoo:dflash,"
+                   "medusa:path=zoo:medusa," + CPU_SIZED["lookahead"])
 ZOO_DRAFT = ["draft=local", "draft.name=zoo_draft", "draft.path=zoo:draft"]
 
 

@@ -31,6 +31,8 @@ drafting reads nothing back, and each step's one host read is the verification's
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from pardec.config import ConfigError, SamplingConfig, check_choice
@@ -75,6 +77,73 @@ class _DraftCache:
         return (torch.cat([b[0] for b in base] + ks, 2), torch.cat([b[1] for b in base] + vs, 2))
 
 
+def check_eagle3(mode: str, total_tokens: int, depth: int, top_k: int, num_speculative_tokens: int,
+                 int8_weights: str | None) -> None:
+    """``eagle3``'s options (batch-1 and batched), refused in one line before anything loads."""
+    check_int8_weights(int8_weights)
+    check_choice("method.mode", mode, MODES)
+    check_range("total_tokens", total_tokens, 1, 4096)
+    check_range("depth", depth, 0, 64)
+    check_range("top_k", top_k, 1, 64)
+    check_range("num_speculative_tokens", num_speculative_tokens, 1, 64)
+
+
+Level = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def dynamic_tree(drafter: Eagle3Draft, roots: torch.Tensor, levels: int, top_k: int, total_tokens: int,
+                 level: Level) -> tuple[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], int]:
+    """EAGLE-2's dynamic tree (module doc) for ``n`` rows at once, from the drafter's outputs at their last stable
+    entries ``roots`` [n, H], with at most ``levels`` levels below the root. ``level(i, tokens [n, k], hidden
+    [n, k, H], seen [n, k, m + k])`` runs the drafter over level ``i``'s frontier (``k`` entries a row, at the
+    position after the row's stable entries + ``i``, each seeing those entries, the ``m`` tree entries fed before
+    where ``seen`` says, and itself) and returns its outputs [n, k, H]. Returns the trees' (parent, depth, rank,
+    labels), each [n, N] (the root first, its parent given as 0 and its label -1), and their branching; made on the
+    device, nothing read back."""
+    d, dev, n = drafter, roots.device, roots.shape[0]
+    if levels == 0 or total_tokens == 1:
+        z = torch.zeros(n, 1, dtype=torch.long, device=dev)
+        return (z, z, z, z - 1), 1
+    logp = torch.log_softmax(d.logits(roots).float(), -1)  # [n, V']
+    k = min(top_k, logp.shape[-1])
+    top = logp.topk(k)
+    scores, tokens = top.values, d.to_target(top.indices)
+    ranks = torch.arange(k, device=dev).expand(n, k)
+    s_all, t_all, p_all, r_all = [scores], [tokens], [torch.full((n, k), -1, device=dev)], [ranks]
+    lv_all = [torch.ones(n, k, dtype=torch.long, device=dev)]
+    slots, hidden, toks = ranks, roots[:, None].expand(n, k, roots.shape[-1]), tokens
+    eye = torch.eye(k, dtype=torch.bool, device=dev).expand(n, k, k)
+    seen, offset = eye, k  # seen [n, k, entries so far]: a frontier entry's ancestors, and itself
+    for i in range(levels - 1):
+        out = level(i, toks, hidden, seen)
+        lp = torch.log_softmax(d.logits(out).float(), -1).topk(k)  # [n, k, k]
+        cum = (scores[..., None] + lp.values).reshape(n, k * k)
+        kids = d.to_target(lp.indices).reshape(n, k * k)
+        s_all.append(cum)
+        t_all.append(kids)
+        p_all.append(slots[..., None].expand(n, k, k).reshape(n, k * k))
+        r_all.append(ranks.repeat(1, k))
+        lv_all.append(torch.full((n, k * k), i + 2, dtype=torch.long, device=dev))
+        best = cum.topk(k)
+        parent = best.indices // k
+        scores, toks, slots = best.values, kids.gather(1, best.indices), offset + best.indices
+        hidden = out.gather(1, parent[..., None].expand(n, k, out.shape[-1]))
+        seen = torch.cat([seen.gather(1, parent[..., None].expand(n, k, seen.shape[-1])), eye], 2)
+        offset += k * k
+    s_all, t_all, p_all, r_all, lv_all = (torch.cat(x, 1) for x in (s_all, t_all, p_all, r_all, lv_all))
+    size = min(total_tokens - 1, s_all.shape[1])
+    # the best ``size`` by score; among equal scores the earlier slot first (a parent precedes its children, and
+    # never scores less than they do: the kept set is closed under parents), then back in slot order
+    keep = torch.sort(s_all, dim=1, descending=True, stable=True).indices[:, :size].sort(1).values
+    node = torch.full(s_all.shape, -1, dtype=torch.long, device=dev)
+    node.scatter_(1, keep, torch.arange(1, size + 1, device=dev).expand(n, size))
+    par = p_all.gather(1, keep)
+    parent = torch.where(par < 0, 0, node.gather(1, par.clamp(min=0)))
+    zero = torch.zeros(n, 1, dtype=torch.long, device=dev)
+    return (torch.cat([zero, parent], 1), torch.cat([zero, lv_all.gather(1, keep)], 1),
+            torch.cat([zero, r_all.gather(1, keep)], 1), torch.cat([zero - 1, t_all.gather(1, keep)], 1)), k
+
+
 @register_method("eagle3", renamed_from=("eagle",))  # one name for EAGLE-3: method, drafter type, formats
 class Eagle(Decoder):
     """``path``: the drafter: a pardec ``drafter.type: eagle3`` run's ``final`` dir, or a published EAGLE-3 checkpoint
@@ -92,12 +161,7 @@ class Eagle(Decoder):
                  num_speculative_tokens: int = 3, int8_weights: str | None = "per_token"):
         drafter = draft if isinstance(draft, Eagle3Draft) else None
         super().__init__(target, tokenizer, None)
-        check_int8_weights(int8_weights)
-        check_choice("method.mode", mode, MODES)
-        check_range("total_tokens", total_tokens, 1, 4096)
-        check_range("depth", depth, 0, 64)
-        check_range("top_k", top_k, 1, 64)
-        check_range("num_speculative_tokens", num_speculative_tokens, 1, 64)
+        check_eagle3(mode, total_tokens, depth, top_k, num_speculative_tokens, int8_weights)
         if drafter is None and path is None:
             raise ConfigError("method 'eagle3' needs an EAGLE-3 drafter: method.path=<dir> (train one with "
                               "python -m train +experiment=eagle3_smollm2)")
@@ -131,56 +195,23 @@ class Eagle(Decoder):
     def _tree(self, cache: _DraftCache, root: torch.Tensor, base: int, levels: int) -> tuple[DeviceTree, int]:
         """EAGLE-2's dynamic tree of candidates from the last stable entry's output ``root`` [H] (module doc), with
         at most ``levels`` levels below the root; built on the device."""
-        d, k, dev = self.drafter, self.top_k, root.device
-        if levels == 0 or self.total_tokens == 1:
-            z = torch.zeros(1, dtype=torch.long, device=dev)
-            return DeviceTree(z, z, z, z - 1, 1, 0), 0
-        logp = torch.log_softmax(d.logits(root).float(), -1)
-        k = min(k, logp.shape[-1])
-        top = logp.topk(k)
-        scores, tokens = top.values, d.to_target(top.indices)
-        ranks = torch.arange(k, device=dev)
-        s_all, t_all, p_all, r_all = [scores], [tokens], [torch.full((k,), -1, device=dev)], [ranks]
-        lv_all = [torch.ones(k, dtype=torch.long, device=dev)]
-        slots, hidden, toks = ranks, root.expand(k, -1), tokens
-        seen = torch.eye(k, dtype=torch.bool, device=dev)  # [k, entries so far]: a frontier entry's ancestors
-        ks, vs, forwards, offset = [], [], 0, k
-        stable = torch.ones(k, cache.length, dtype=torch.bool, device=dev)
-        for i in range(levels - 1):
-            pos = torch.full((k,), base + i, dtype=torch.long, device=dev)
-            out, (kk, vv) = d(self.embed(toks)[None], hidden[None], pos, past=cache.with_(ks, vs),
-                              mask=torch.cat([stable, seen], 1))
-            forwards += 1
+        d = self.drafter
+        ks: list[torch.Tensor] = []
+        vs: list[torch.Tensor] = []
+        stable = torch.ones(1, cache.length, dtype=torch.bool, device=root.device)
+
+        def level(i: int, toks: torch.Tensor, hidden: torch.Tensor, seen: torch.Tensor) -> torch.Tensor:
+            k = toks.shape[1]
+            pos = torch.full((k,), base + i, dtype=torch.long, device=toks.device)
+            out, (kk, vv) = d(self.embed(toks), hidden, pos, past=cache.with_(ks, vs),
+                              mask=torch.cat([stable.expand(k, -1), seen[0]], 1))
             ks.append(kk)
             vs.append(vv)
-            lp = torch.log_softmax(d.logits(out[0]).float(), -1).topk(k)  # [k, k]
-            cum = (scores[:, None] + lp.values).reshape(-1)
-            kids = d.to_target(lp.indices).reshape(-1)
-            s_all.append(cum)
-            t_all.append(kids)
-            p_all.append(slots[:, None].expand(k, k).reshape(-1))
-            r_all.append(ranks.repeat(k))
-            lv_all.append(torch.full((k * k,), i + 2, dtype=torch.long, device=dev))
-            best = cum.topk(k)
-            parent = best.indices // k
-            scores, toks, slots = best.values, kids[best.indices], offset + best.indices
-            hidden = out[0].index_select(0, parent)
-            seen = torch.cat([seen.index_select(0, parent), torch.eye(k, dtype=torch.bool, device=dev)], 1)
-            offset += k * k
-        s_all, t_all, p_all, r_all, lv_all = (torch.cat(x) for x in (s_all, t_all, p_all, r_all, lv_all))
-        n = min(self.total_tokens - 1, s_all.numel())
-        # the best n by score; among equal scores the earlier slot first (a parent precedes its children, and never
-        # scores less than they do: the kept set is closed under parents), then back in slot order
-        keep = torch.sort(s_all, descending=True, stable=True).indices[:n].sort().values
-        node = torch.full((s_all.numel(),), -1, dtype=torch.long, device=dev)
-        node[keep] = torch.arange(1, n + 1, device=dev)
-        par = p_all.index_select(0, keep)
-        parent = torch.where(par < 0, 0, node.index_select(0, par.clamp(min=0)))
-        zero = torch.zeros(1, dtype=torch.long, device=dev)
-        tree = DeviceTree(torch.cat([zero, parent]), torch.cat([zero, lv_all.index_select(0, keep)]),
-                          torch.cat([zero, r_all.index_select(0, keep)]), torch.cat([zero - 1, t_all.index_select(0, keep)]),
-                          k, levels)
-        return tree, forwards
+            return out
+
+        (parent, depth, rank, labels), width = dynamic_tree(d, root[None], levels, self.top_k, self.total_tokens,
+                                                             level)
+        return DeviceTree(parent[0], depth[0], rank[0], labels[0], width, levels), len(ks)
 
     def _chain(self, cache: _DraftCache, root: torch.Tensor, base: int, n: int, s: SamplingConfig,
                gen: torch.Generator | None) -> tuple[torch.Tensor, torch.Tensor | None, int]:

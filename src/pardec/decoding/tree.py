@@ -31,7 +31,7 @@ on purpose: its tensors belong to the run that made them.)
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import torch
 
@@ -247,21 +247,9 @@ class DeviceTree:
 
     def __init__(self, parent: torch.Tensor, depth: torch.Tensor, rank: torch.Tensor, labels: torch.Tensor,
                  width: int, max_depth: int):
-        n, dev = parent.numel(), parent.device
-        self.labels, self._n = labels, n
-        eye = torch.eye(n, dtype=torch.bool, device=dev)
-        attend = eye
-        for _ in range(max_depth):  # a node sees what its parent sees, and itself
-            attend = eye | attend.index_select(0, parent)
-        nodes = torch.arange(n, device=dev)
-        kids = torch.zeros(n, width, dtype=torch.long, device=dev)
-        ok = torch.zeros(n, width, dtype=torch.bool, device=dev)
-        kids.index_put_((parent[1:], rank[1:]), nodes[1:])
-        ok.index_put_((parent[1:], rank[1:]), torch.ones(n - 1, dtype=torch.bool, device=dev))  # (no host scalar)
-        # every node is a row of ``inner`` (a leaf's row has no valid child): the shapes need no host count
-        slot = torch.stack([parent, rank], 1)
-        slot[0].zero_()
-        self._buf = TreeBuffers(attend, depth, parent, nodes, kids, ok, nodes, slot)
+        self.labels, self._n = labels, parent.numel()
+        rows = device_buffers(parent[None], depth[None], rank[None], width, max_depth)
+        self._buf = TreeBuffers(*(getattr(rows, f.name)[0] for f in fields(TreeBuffers)))
         self.max_depth = max_depth  # (a bound: the tree may be shallower)
 
     def __len__(self) -> int:
@@ -290,3 +278,28 @@ class DeviceTree:
 
     def tokens(self, root_token: int, device: torch.device | str | None = None) -> torch.Tensor:
         return torch.cat([self.labels.new_full((1,), int(root_token)), self.labels[1:]])
+
+
+def device_buffers(parent: torch.Tensor, depth: torch.Tensor, rank: torch.Tensor, width: int, max_depth: int
+                   ) -> TreeBuffers:
+    """The buffers of ``n`` trees of ``N`` nodes each, made on their device from [n, N] long tensors (``parent``:
+    parents before children, the root's given as 0; ``depth``; ``rank``: a node's slot among its parent's children,
+    ``< width``, siblings distinct) without a host read: every field with a leading row dimension ([n, N, N] mask,
+    [n, N, width] children). Every node is a row of ``inner`` (a leaf's row has no valid child), so the shapes need
+    no host count; ``max_depth`` bounds the depth (the ancestor mask takes that many gathers)."""
+    n, size = parent.shape
+    dev = parent.device
+    eye = torch.eye(size, dtype=torch.bool, device=dev).expand(n, size, size)
+    up = parent[:, :, None].expand(n, size, size)
+    attend = eye
+    for _ in range(max_depth):  # a node sees what its parent sees, and itself
+        attend = eye | attend.gather(1, up)
+    nodes = torch.arange(size, device=dev).expand(n, size)
+    kids = torch.zeros(n, size, width, dtype=torch.long, device=dev)
+    ok = torch.zeros(n, size, width, dtype=torch.bool, device=dev)
+    at = (torch.arange(n, device=dev)[:, None].expand(n, size - 1), parent[:, 1:], rank[:, 1:])
+    kids.index_put_(at, nodes[:, 1:])
+    ok.index_put_(at, torch.ones(n, size - 1, dtype=torch.bool, device=dev))  # (no host scalar)
+    slot = torch.stack([parent, rank], 2)
+    slot[:, 0].zero_()
+    return TreeBuffers(attend, depth, parent, nodes, kids, ok, nodes, slot)

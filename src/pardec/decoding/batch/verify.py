@@ -7,6 +7,8 @@ neighbours."""
 
 from __future__ import annotations
 
+from dataclasses import fields
+
 import torch
 
 from pardec.config import SamplingConfig
@@ -58,42 +60,48 @@ def verify_rows(draft: torch.Tensor, ks: list[int], logits: torch.Tensor, s: Sam
 
 def verify_trees(buf: TreeBuffers, labels: torch.Tensor, logits: torch.Tensor, s: SamplingConfig,
                  gen: torch.Generator | None) -> list[tuple[list[int], list[int]]]:
-    """A tree of one shape (``buf``: :meth:`Tree.on`'s buffers) per row, its nodes' tokens ``labels`` [n, N] (the
-    root's unused) and deterministic children (top-k candidates: no ``q``), verified against ``logits`` [n, N, V]
-    as :func:`pardec.decoding.verify.verify_tree` verifies one: greedy, the deepest path whose every token is the
-    target's argmax; sampled, each node's children tried in order, child ``x_j`` accepted with ``p(x_j) / (1 -
-    p(x_1) - ... - p(x_{j-1}))``, then a token from ``p`` without the rejected children at the path's end. One host
-    read for every row. Returns per row (the accepted path's nodes, root first; the committed tokens)."""
+    """A tree per row, its nodes' tokens ``labels`` [n, N] (the root's unused) and deterministic children (top-k
+    candidates: no ``q``), verified against ``logits`` [n, N, V] as :func:`pardec.decoding.verify.verify_tree`
+    verifies one: greedy, the deepest path whose every token is the target's argmax; sampled, each node's children
+    tried in order, child ``x_j`` accepted with ``p(x_j) / (1 - p(x_1) - ... - p(x_{j-1}))``, then a token from
+    ``p`` without the rejected children at the path's end. ``buf``: one shape for every row (:meth:`Tree.on`'s
+    buffers) or one per row (:func:`~pardec.decoding.tree.device_buffers`: a leading row dimension, the trees of
+    one size). One host read for every row. Returns per row (the accepted path's nodes, root first; the committed
+    tokens)."""
     n, size = labels.shape
     dev = logits.device
     labels = to_device(labels, dev)
-    parent = buf.parent[None].expand(n, size)
+    if buf.parent.dim() == 1:  # one shape: every buffer seen per row
+        buf = TreeBuffers(*(getattr(buf, f.name)[None].expand(n, *getattr(buf, f.name).shape)
+                            for f in fields(TreeBuffers)))
+    rows = torch.arange(n, device=dev)
+    by_row = rows[:, None]
     if s.greedy:
         pred = logits.argmax(-1)  # [n, N]
-        ok = labels == pred.gather(1, parent)
+        ok = labels == pred.gather(1, buf.parent)
     else:
         probs = warp(logits, s)  # [n, N, V]
-        inner = probs[:, buf.inner]  # [n, I, V]
-        x = labels.clamp(min=0)[:, buf.kids]  # [n, I, C] (padding: token 0, masked by kid_ok)
-        px = inner.gather(2, x) * buf.kid_ok  # p(x_j)
+        n_inner, width = buf.kids.shape[1:]
+        inner = probs[by_row, buf.inner]  # [n, I, V]
+        x = labels.clamp(min=0).gather(1, buf.kids.reshape(n, -1)).reshape(n, n_inner, width)  # [n, I, C]
+        px = inner.gather(2, x) * buf.kid_ok  # p(x_j) (padding: token 0, masked by kid_ok)
         left = inner.sum(-1)[..., None] - (px.cumsum(2) - px)  # the mass not yet rejected
         acc = buf.kid_ok & (torch.rand(px.shape, generator=gen, device=dev) * left < px)
         first = acc & (acc.long().cumsum(2) == 1)  # each node's first accepted child
-        ok = first[:, buf.slot[:, 0], buf.slot[:, 1]] if buf.inner.numel() else torch.zeros_like(labels, dtype=torch.bool)
+        ok = first[by_row, buf.slot[..., 0], buf.slot[..., 1]] if n_inner else torch.zeros_like(labels, dtype=torch.bool)
     ok[:, :1] = True  # the root (a fill kernel: an int index would upload a host scalar, a sync on CUDA)
-    on_path = ~(buf.attend[None] & ~ok[:, None, :]).any(-1)  # [n, N] the node and all its ancestors passed
-    end = torch.where(on_path, buf.depth[None], -1).argmax(1)  # [n] the deepest such node
-    mask = buf.attend[end]  # [n, N] the path to it
-    rows = torch.arange(n, device=dev)
+    on_path = ~(buf.attend & ~ok[:, None, :]).any(-1)  # [n, N] the node and all its ancestors passed
+    end = torch.where(on_path, buf.depth, -1).argmax(1)  # [n] the deepest such node
+    mask = buf.attend[rows, end]  # [n, N] the path to it
     if s.greedy:
         token = pred[rows, end]
     else:
         p_end = probs[rows, end]  # [n, V]
-        r_end = buf.row[end]  # [n] its row among the inner nodes (-1: a leaf)
-        if buf.inner.numel():
-            rejected = buf.kid_ok[r_end.clamp(min=0)] & (r_end >= 0)[:, None]  # [n, C] its children, all rejected
-            keep = torch.ones_like(p_end).scatter_reduce(1, x[rows, r_end.clamp(min=0)], (~rejected).to(p_end.dtype),
-                                                         reduce="amin")
+        r_end = buf.row[rows, end]  # [n] its row among the inner nodes (-1: a leaf)
+        if n_inner:
+            at = r_end.clamp(min=0)
+            rejected = buf.kid_ok[rows, at] & (r_end >= 0)[:, None]  # [n, C] its children, all rejected
+            keep = torch.ones_like(p_end).scatter_reduce(1, x[rows, at], (~rejected).to(p_end.dtype), reduce="amin")
             p_end = _normalised(p_end * keep, p_end)
         token = sample(p_end, gen)[:, 0]
     got = torch.cat([mask.long(), token[:, None], labels], 1).tolist()
