@@ -22,10 +22,10 @@ def _color(i: int, n: int) -> Any:
 
 def save_figure(fig: Any, path: Path, axes: Sequence[Any] = (), legend: dict | None = None) -> None:
     """The one way a report saves a figure: a light grid and (``legend``: its keyword arguments) a legend on each of
-    ``axes``, a tight layout, PNG at 120 dpi, the figure closed."""
+    ``axes`` that has labelled series, a tight layout, PNG at 120 dpi, the figure closed."""
     for ax in axes:
         ax.grid(alpha=0.3)
-        if legend is not None:
+        if legend is not None and ax.get_legend_handles_labels()[0]:
             ax.legend(**legend)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
