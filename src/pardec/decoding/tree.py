@@ -31,6 +31,7 @@ on purpose: its tensors belong to the run that made them.)
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from dataclasses import dataclass, fields
 
 import torch
@@ -82,6 +83,10 @@ class TreeBuffers:
     kid_ok: torch.Tensor  # [I, C] bool: False on the padding
     row: torch.Tensor  # [N] long: a node's row in ``inner`` (-1: a leaf)
     slot: torch.Tensor  # [N, 2] long: (row of the node's parent, the node's rank among its siblings); root (0, 0)
+
+    def map(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> TreeBuffers:
+        """The same buffers, each through ``fn`` (one tree's of a batch's, or one shape's seen per row)."""
+        return TreeBuffers(*(fn(getattr(self, f.name)) for f in fields(self)))
 
 
 def _buffers(parents: list[int], st: _Structure, device: torch.device) -> TreeBuffers:
@@ -249,7 +254,7 @@ class DeviceTree:
                  width: int, max_depth: int):
         self.labels, self._n = labels, parent.numel()
         rows = device_buffers(parent[None], depth[None], rank[None], width, max_depth)
-        self._buf = TreeBuffers(*(getattr(rows, f.name)[0] for f in fields(TreeBuffers)))
+        self._buf = rows.map(lambda t: t[0])
         self.max_depth = max_depth  # (a bound: the tree may be shallower)
 
     def __len__(self) -> int:

@@ -25,6 +25,7 @@ from __future__ import annotations
 import torch
 
 from pardec.config import ConfigError
+from pardec.decoding.base import method_params
 from pardec.decoding.batch.engine import BatchedMethod, Row, register_batched
 from pardec.decoding.batch.verify import verify_trees
 from pardec.decoding.eagle import check_eagle3, dynamic_tree
@@ -64,9 +65,9 @@ class BatchedEagle3(BatchedMethod):
 
     @classmethod
     def check_options(cls, params: dict) -> None:
-        check_eagle3(params.get("mode", "tree"), params.get("total_tokens", 60), params.get("depth", 7),
-                     params.get("top_k", 10), params.get("num_speculative_tokens", 3),
-                     params.get("int8_weights", "per_token"))
+        p = {k: v.default for k, v in method_params(cls).items() if k != "path"} | params
+        check_eagle3(p["mode"], p["total_tokens"], p["depth"], p["top_k"], p["num_speculative_tokens"],
+                     p["int8_weights"])
 
     @property
     def width(self) -> int:

@@ -7,8 +7,6 @@ neighbours."""
 
 from __future__ import annotations
 
-from dataclasses import fields
-
 import torch
 
 from pardec.config import SamplingConfig
@@ -72,8 +70,7 @@ def verify_trees(buf: TreeBuffers, labels: torch.Tensor, logits: torch.Tensor, s
     dev = logits.device
     labels = to_device(labels, dev)
     if buf.parent.dim() == 1:  # one shape: every buffer seen per row
-        buf = TreeBuffers(*(getattr(buf, f.name)[None].expand(n, *getattr(buf, f.name).shape)
-                            for f in fields(TreeBuffers)))
+        buf = buf.map(lambda t: t[None].expand(n, *t.shape))
     rows = torch.arange(n, device=dev)
     by_row = rows[:, None]
     if s.greedy:
