@@ -1,7 +1,8 @@
 """Whether a ragged batch's rows are bitwise batch-1 ``ar``'s: prompts of different lengths prefilled into one
 :class:`~pardec.models.ragged.RaggedModel` and decoded greedily side by side, each step's logits compared with
-batch-1 ``ar``'s one-token steps of the same prompt (the lean forward, SDPA attention), per batched attention
-(``sdpa``: one masked call over the batch; ``invariant``: one call per query row, ``model.attn_implementation``).
+batch-1 ``ar``'s one-token steps of the same prompt with the same attention (``sdpa``: one masked call over the
+batch, batch 1 on the lean forward; ``invariant``: every query row an item of its own, batch 1 on transformers'
+forward; ``model.attn_implementation``).
 
     python scripts/ragged_invariance.py [--model smollm2_135m] [--dtype int8] [--steps 12] [--out FILE]
 
@@ -32,17 +33,16 @@ def compare(model_name: str, dtype: str, steps: int) -> dict:
 
     lm = load_model(replace(named_config(model_name, dtype), device="cpu"))
     prompts = [lm.tokenizer(t)["input_ids"] for t in PROMPTS]
-    lm.model.config._attn_implementation = "sdpa"
-    ref = []
-    for p in prompts:  # batch-1 ar: prefill, then one token a step
-        cm = CachedModel(lm.model, forward_impl="lean")
-        logits = [cm.prefill(torch.tensor([p]))[0]]
-        for _ in range(steps):
-            logits.append(cm.forward(torch.tensor([[int(logits[-1].argmax())]])).logits[0, -1])
-        ref.append(logits)
     out = {}
     for attention in ("sdpa", "invariant"):
         lm.model.config._attn_implementation = attention
+        ref = []
+        for p in prompts:  # batch-1 ar: prefill, then one token a step
+            cm = CachedModel(lm.model, forward_impl="lean" if attention == "sdpa" else "hf")
+            logits = [cm.prefill(torch.tensor([p]))[0]]
+            for _ in range(steps):
+                logits.append(cm.forward(torch.tensor([[int(logits[-1].argmax())]])).logits[0, -1])
+            ref.append(logits)
         rag = RaggedModel(lm.model, len(prompts), 256)
         got = [[rag.add(p)[0]] for p in prompts]
         for _ in range(steps):

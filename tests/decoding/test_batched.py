@@ -181,7 +181,7 @@ def _int8(attention: str):
 def test_invariant_ragged_rows_are_bitwise_batch_one_one_token_steps():
     """``model.attn_implementation=invariant`` over a ragged batch of int8 rows: every query row of a round (a chain
     of several new tokens, then a tree) gives bitwise the logits of batch-1 ``ar``'s one-token step at that position
-    (the lean forward, SDPA), whatever the other rows hold."""
+    (transformers' forward with the same attention), whatever the other rows hold."""
     lm = tiny(0)
     prompts = _prompts(lm)[:3]
     m = _int8("invariant")
@@ -192,14 +192,13 @@ def test_invariant_ragged_rows_are_bitwise_batch_one_one_token_steps():
     tree = torch.tensor([[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 0, 1, 1]], dtype=torch.bool)
     ids = torch.tensor([[4, 8, 9, 2], [7, 6, 5, 4], [1, 2, 3, 4]])
     treed = rag.forward(ids, depths=torch.tensor([0, 1, 1, 2]), attend=tree)
-    m.config._attn_implementation = "sdpa"  # batch-1 ar: the lean forward's one-token steps
-    for b, p in enumerate(prompts):
-        one = CachedModel(m, forward_impl="lean")
+    for b, p in enumerate(prompts):  # batch-1 ar: one-token steps
+        one = CachedModel(m)
         assert torch.equal(one.prefill(torch.tensor([p]))[0], firsts[b])
         for j, tok in enumerate(chains[b].tolist()):
             assert torch.equal(one.forward(torch.tensor([[tok]])).logits[0, 0], got[b, j]), (b, j)
         for path in ([0, 1], [0, 2, 3]):  # each root-to-node path of the tree, one token at a time
-            alone = CachedModel(m, forward_impl="lean")
+            alone = CachedModel(m)
             alone.prefill(torch.tensor([p + chains[b].tolist()]))
             for node in path:
                 step = alone.forward(ids[b : b + 1, node : node + 1]).logits[0, 0]
@@ -208,13 +207,12 @@ def test_invariant_ragged_rows_are_bitwise_batch_one_one_token_steps():
 
 @pytest.mark.parametrize("case", ["pld", "medusa", "lookahead"])
 def test_invariant_int8_rows_equal_batch_one_int8_ar(case):
-    """int8 with invariant attention: every batched method's rows equal batch-1 int8 ``ar`` (lean, SDPA) token for
-    token by construction (each verified position computed as ``ar``'s one-token step)."""
+    """int8 with invariant attention: every batched method's rows equal batch-1 int8 ``ar`` with the same attention
+    token for token by construction (each verified position computed as ``ar``'s one-token step)."""
     lm = tiny(0)
     prompts = _prompts(lm)
-    m = _int8("sdpa")
-    ref = [build_decoder("ar", CachedModel(m, forward_impl="lean")).generate(p, N_NEW).tokens for p in prompts]
-    m.config._attn_implementation = "invariant"
+    m = _int8("invariant")
+    ref = [build_decoder("ar", CachedModel(m)).generate(p, N_NEW).tokens for p in prompts]
     method, _, params = CASES[case]
     if method == "medusa":
         params = {**drafter_params("medusa", m), **params}

@@ -19,13 +19,12 @@ slots), so the active rows stay one contiguous view (continuous batching).
 The forward is :mod:`pardec.models.forward.lean`'s (embed, decoder layers, final norm and head) with this cache's
 attention: Llama-family models, plain or int8 linears (``lean.unsupported`` names what else is refused).
 
-With ``model.attn_implementation=invariant`` the attention is batch-invariant (:mod:`pardec.models.forward.invariant`'s
-idea on this cache): a prompt is prefilled by the causal call batch-1 prefill makes, and in a round every query row
-of every batch row attends through its own ``scaled_dot_product_attention`` call, unmasked, over exactly the keys it
-may see in cache order (its row's prefix sliced, a tree node's ancestors gathered after it), which is the call a
-batch-1 one-token step makes at that position. With per-token int8 linears (row by row themselves) every row's
-logits are then bitwise batch-1 ``ar``'s, whatever its neighbours; the cost is one call per query row and layer,
-and one host read of the mask per forward: a CPU exactness mode."""
+With ``model.attn_implementation=invariant`` the attention is batch-invariant: :func:`pardec.models.forward.invariant.attend`
+on this cache, every query row of every batch row (a prompt's too) an item of its own over exactly the keys it may
+see in cache order (its row's prefix, a tree node's ancestors gathered after it), which is what a batch-1 one-token
+step computes at that position. With per-token int8 linears (row by row themselves) every row's logits are then
+bitwise batch-1 ``ar``'s, whatever its neighbours; the cost is one host read of the mask per forward: a CPU
+exactness mode."""
 
 from __future__ import annotations
 
@@ -37,7 +36,7 @@ from torch import nn
 
 from pardec.models.cache import to_device
 from pardec.models.finite import FiniteCheck
-from pardec.models.forward import lean
+from pardec.models.forward import invariant, lean
 from pardec.models.masks import additive_mask
 
 
@@ -268,13 +267,14 @@ class RaggedModel(RaggedKV):
         mask = w.additive(self.model.dtype)
         h, cos, sin = lean.embed(self.model, ids, positions)
 
-        plan = None if not self.invariant or alone else _per_row(w.visible)
+        plans = []  # invariant attention's plan of this forward (read from the mask at its first layer)
 
         def attend_fn(a, q, k, v):
             ks, vs = self.write(a.layer_idx, w, k, v)
             gqa = q.shape[1] != ks.shape[1]
             if self.invariant:
-                return _invariant(q, ks.to(q.dtype), vs.to(q.dtype), a.scaling, gqa, plan)
+                plans[:] = plans or invariant.plan_rows(w.visible.cpu(), q.shape[-1], q.device)
+                return invariant.attend(q, ks.to(q.dtype), vs.to(q.dtype), plans, a.scaling).transpose(1, 2)
             # grouped-query attention inside SDPA, masked: the same values as repeating the keys/values per head
             # (bitwise, measured), without the copy of the whole batch's cache per layer (23x faster at 16 rows)
             return F.scaled_dot_product_attention(q, ks.to(q.dtype), vs.to(q.dtype), attn_mask=mask, scale=a.scaling,
@@ -294,33 +294,3 @@ class RaggedModel(RaggedKV):
             return logits
         final = lean._rms(self.model.model.norm, full) if self.num_layers in capture else full
         return logits, lean.captured(seen, final, capture, self.num_layers)
-
-
-def _per_row(visible: torch.Tensor) -> list[tuple[int, int, slice | torch.Tensor]]:
-    """(batch row, query row, the keys it sees: a prefix as a slice, else their slots) for every query of a round,
-    from ``visible`` [n, T, W] (one host read)."""
-    plan = []
-    for b, rows in enumerate(visible.tolist()):
-        for t, seen in enumerate(rows):
-            slots = [i for i, ok in enumerate(seen) if ok]
-            prefix = slots == list(range(len(slots)))
-            plan.append((b, t, slice(0, len(slots)) if prefix else torch.tensor(slots, device=visible.device)))
-    return plan
-
-
-def _invariant(q: torch.Tensor, ks: torch.Tensor, vs: torch.Tensor, scale: float, gqa: bool,
-               plan: list[tuple[int, int, slice | torch.Tensor]] | None) -> torch.Tensor:
-    """Batch-invariant attention (the module docstring): ``plan`` None, a prompt prefilled alone (the causal call of
-    batch-1 prefill); else one unmasked call per query row over exactly the keys it sees."""
-    if plan is None:
-        t = q.shape[2]
-        return F.scaled_dot_product_attention(q, ks[:, :, :t], vs[:, :, :t], is_causal=t > 1, scale=scale,
-                                              enable_gqa=gqa)
-    out = torch.empty_like(q)
-    for b, t, keys in plan:
-        kb, vb = ks[b : b + 1], vs[b : b + 1]
-        kb, vb = (kb[:, :, keys], vb[:, :, keys]) if isinstance(keys, slice) else (kb.index_select(2, keys),
-                                                                                   vb.index_select(2, keys))
-        out[b : b + 1, :, t : t + 1] = F.scaled_dot_product_attention(q[b : b + 1, :, t : t + 1], kb, vb, scale=scale,
-                                                                      enable_gqa=gqa)
-    return out

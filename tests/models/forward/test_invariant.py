@@ -58,12 +58,16 @@ def test_every_lossless_method_equals_int8_ar_bitwise():
         assert got == want, method
 
 
+def _alone(q, k, v, n):
+    """Row ``q`` [1, Hq, 1, D] over the first ``n`` keys as the one-row step at that position attends."""
+    plan = invariant.plan_rows(torch.ones(1, 1, n, dtype=torch.bool), q.shape[-1], "cpu")
+    return invariant.attend(q, k[:, :, :n], v[:, :, :n], plan, None)[0, 0]
+
+
 def test_tree_rows_share_a_scratch_buffer_and_see_exactly_their_keys():
     """Gathered rows (tree nodes) reuse one buffer per forward and layer: each copies only what it lacks of its
     leading run of the cache and its tail keys. Rows with longer and shorter runs, a slice row and an empty row in
-    one mask: every row's output is bitwise that of SDPA over exactly its keys, gathered anew."""
-    import torch.nn.functional as F
-
+    one mask: every row's output is bitwise that of a one-row step over exactly its keys, gathered anew."""
     g = torch.Generator().manual_seed(3)
     q, k, v = (torch.randn(1, 4, s, 8, generator=g) for s in (6, 10, 10))
     keys = [[0, 1, 2, 3, 4, 7], [0, 1, 2, 3, 4, 6, 8], [0, 1, 2, 6], [0, 1, 2, 3, 4, 5, 6, 7], [], [0, 1, 2, 3, 4, 5, 9]]
@@ -71,17 +75,62 @@ def test_tree_rows_share_a_scratch_buffer_and_see_exactly_their_keys():
     for i, row in enumerate(keys):
         mask[0, 0, i, row] = True
     invariant._LAST.update(mask=None, key=None, plan=None)
-    plan = invariant._plan(mask, 1, 6, 10, "cpu", first=True)[0]
-    assert [(n, None if at is None else (at[0], at[1].tolist())) for n, at in plan] == [
-        (6, (5, [7])), (7, (5, [6, 8])), (4, (3, [6])), (8, None), (0, None), (7, (6, [9]))]
+    plan = invariant._plan(mask, 1, 6, 10, 8, "cpu", first=True)[0]
+    assert [(i, n, p, tail.tolist()) for i, n, p, tail in plan.gathered] == [
+        (0, 6, 5, [7]), (1, 7, 5, [6, 8]), (2, 4, 3, [6]), (5, 7, 6, [9])]
+    calls = [(c.start, c.keys, c.rows.tolist(), c.seen) for c in plan.prefix.calls]
+    assert calls == [(0, 22, [3], [8])] and plan.empty == [4]  # 22 + 2 + 8 keys: a multiple of 16
     out, _ = invariant.attention(torch.nn.Module(), q, k, v, mask)
     for i, row in enumerate(keys):
         if not row:
             assert not out[0, i].any()
             continue
         at = torch.tensor(row)
-        ref = F.scaled_dot_product_attention(q[:, :, i : i + 1], k.index_select(2, at), v.index_select(2, at))
-        assert torch.equal(out[0, i], ref[0, :, 0]), i
+        ref = _alone(q[:, :, i : i + 1], k.index_select(2, at), v.index_select(2, at), len(row))
+        assert torch.equal(out[0, i], ref), i
+
+
+def test_buckets_make_every_thread_scratch_equally_aligned():
+    """keys + 2 + head_dim a multiple of 16 floats; the longest shared bucket is at most the kernel's 512-key block."""
+    assert invariant.chunk(64) == 510 and invariant.chunk(128) == 510 and invariant.chunk(8) == 502
+    assert [invariant.bucket(n, 64) for n in (1, 14, 15, 30, 31, 509, 510)] == [14, 14, 30, 30, 46, 510, 510]
+    for d in (8, 32, 64, 80, 128):
+        for n in range(1, invariant.chunk(d) + 1):
+            b = invariant.bucket(n, d)
+            assert n <= b <= invariant.chunk(d) and (b + 2 + d) % 16 == 0
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3])
+@pytest.mark.parametrize("heads,kv_heads,dim", [(9, 3, 64), (4, 4, 32), (4, 2, 8)])
+def test_a_row_of_a_many_row_forward_is_bitwise_its_one_row_step(threads, heads, kv_heads, dim, monkeypatch):
+    """The property the mode exists for, on SDPA's CPU kernel over several threads: rows at every context (short,
+    at a bucket's edge, at the shared chunk's edge, over two and three chunks, a forward whose rows cross from one
+    chunk count to the next) computed in one forward of up to 40 rows equal, bit for bit, the one-row step at their
+    position; and they are SDPA's attention up to rounding. Keys read past the cache's length (a bucket's masked
+    tail) come from the spare slots of the buffer the cache view lies in, or from zeros where there are none. Rows
+    over several chunks are merged a few at a time here (as a long prompt's are, 512 at a time)."""
+    import torch.nn.functional as F
+
+    monkeypatch.setattr(invariant, "_SLICE", 3)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        g = torch.Generator().manual_seed(heads * dim)
+        buf_k, buf_v = (torch.randn(1, kv_heads, 1200, dim, generator=g) for _ in range(2))
+        for ctx, t in [(0, 1), (5, 11), (13, 3), (100, 40), (497, 17), (509, 3), (600, 5), (1000, 8), (1019, 4)]:
+            k, v = buf_k[:, :, : ctx + t], buf_v[:, :, : ctx + t]  # a cache view with spare slots after it
+            q = torch.randn(1, heads, t, dim, generator=g)
+            rows, _ = invariant.attention(torch.nn.Module(), q, k, v, None)
+            for i in range(t):
+                n = ctx + i + 1
+                tight = (k[:, :, :n].clone(), v[:, :, :n].clone())  # no spare slots: padded
+                for kk, vv in ((k, v), tight):
+                    assert torch.equal(rows[0, i], _alone(q[:, :, i : i + 1], kk, vv, n)), (ctx, t, i)
+            ref = F.scaled_dot_product_attention(q, k, v, is_causal=False, enable_gqa=heads != kv_heads,
+                                                 attn_mask=invariant._allowed(None, 1, t, ctx + t, "cpu")[:, None])
+            assert torch.allclose(rows, ref.transpose(1, 2), atol=1e-5, rtol=0)
+    finally:
+        torch.set_num_threads(before)
 
 
 def test_the_allowed_keys_of_each_mask_form():
