@@ -46,6 +46,7 @@ def register_base(commit: str) -> str:
         f.write(_git("show", f"{full}:{SOURCE}"))
     spec = importlib.util.spec_from_file_location("invariant_base", f.name)
     mod = importlib.util.module_from_spec(spec)
+    sys.modules["invariant_base"] = mod  # (dataclasses look their module up there)
     spec.loader.exec_module(mod)  # (it registers itself as "invariant" on import: registered again below)
     AttentionInterface.register("invariant_base", mod.attention)
     AttentionMaskInterface.register("invariant_base", sdpa_mask)

@@ -92,7 +92,7 @@ def _allowed(mask: torch.Tensor | None, batch: int, rows: int, keys: int, device
 
 
 _PAD = 32  # a merge's per-row values padded to this many: elementwise ops then run their vector loop on every one
-_SLICE = 512  # rows merged per op (512 * 32 values: below ATen's parallel grain, so one loop over them)
+_SLICE = 512  # rows x chunks merged per op (512 * 32 values: below ATen's parallel grain, so one loop over them)
 
 
 @dataclass
@@ -105,6 +105,8 @@ class _Call:
     seen: list[int]
     direct: tuple[torch.Tensor, torch.Tensor] | None  # (picks of this call's results, their rows): one-chunk rows
     merged: tuple[torch.Tensor, torch.Tensor] | None  # (picks, their places among the schedule's merged rows)
+    first: int | None = None  # the rows are first, first + 1, ...: read and written as a slice
+    at: int | None = None  # every row is merged, at places at, at + 1, ... among the merged rows
     masks: dict = field(default_factory=dict)
 
     def mask(self, groups: int, dtype: torch.dtype, device) -> torch.Tensor | None:
@@ -117,6 +119,11 @@ class _Call:
             self.masks[groups, dtype] = torch.zeros(hidden.shape, dtype=dtype, device=device).masked_fill(
                 hidden, float("-inf"))[None, :, None]
         return self.masks[groups, dtype]
+
+
+def _first(xs: list[int]) -> int | None:
+    """``xs[0]`` if ``xs`` is ``xs[0], xs[0] + 1, ...``, else None."""
+    return xs[0] if xs == list(range(xs[0], xs[0] + len(xs))) else None
 
 
 class _Schedule:
@@ -149,9 +156,13 @@ class _Schedule:
             def pick(js, to):
                 return None if not js else (torch.tensor(js, device=device), torch.tensor(to, device=device))
 
-            self.calls.append(_Call(start, keys, torch.tensor([row for row, _ in members], device=device),
-                                    [n for _, n in members], pick(own, [members[j][0] for j in own]),
-                                    pick(many, [where[members[j][0]] for j in many])))
+            rows = [row for row, _ in members]
+            places = [where[row] for row in rows] if not own else []
+            self.calls.append(_Call(start, keys, torch.tensor(rows, device=device), [n for _, n in members],
+                                    pick(own, [members[j][0] for j in own]),
+                                    pick(many, [where[members[j][0]] for j in many]), _first(rows),
+                                    _first(places) if places else None))
+        self.merged_first = _first(merged) if merged else None
 
     def run(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float | None,
             out: torch.Tensor) -> None:
@@ -159,14 +170,24 @@ class _Schedule:
         [T, Hq, Dv]."""
         if not self.calls:
             return
-        hq = q.shape[0]
+        hq, many = q.shape[0], self.merged.numel()
         keys, values = _keys(keys, self.width), _keys(values, self.width)
-        if self.merged.numel():
-            outs = out.new_zeros(self.chunks, self.merged.numel(), hq, out.shape[-1])
-            lses = torch.zeros(self.chunks, self.merged.numel(), -(-hq // _PAD) * _PAD, device=out.device)
-            lses[:, :, :hq] = float("-inf")  # (a chunk a row does not have weighs exactly 0)
+        if many:  # each merged row's chunks, in chunk order; a chunk a row does not have weighs exactly 0
+            outs = out.new_zeros(self.chunks, many, hq, out.shape[-1])
+            lses = torch.zeros(self.chunks, many, -(-hq // _PAD) * _PAD, device=out.device)
+            lses[:, :, :hq] = float("-inf")
         for call in self.calls:
-            o, lse = _call(q, keys, values, call, scale)
+            o, lse = _call(q, keys, values, call, scale)  # [Hkv, r, groups, Dv], [Hkv, r, groups]
+            r = call.rows.numel()
+            if call.merged is None and call.first is not None:  # a run of rows, each done: written in place
+                out[call.first : call.first + r].view(r, o.shape[0], o.shape[2], -1).copy_(o.transpose(0, 1))
+                continue
+            if call.merged is not None and call.direct is None and call.at is not None:  # a run of merged rows
+                c, at = call.start // self.size, call.at
+                outs[c, at : at + r].view(r, o.shape[0], o.shape[2], -1).copy_(o.transpose(0, 1))
+                lses[c, at : at + r, :hq].view(r, o.shape[0], o.shape[2]).copy_(lse.transpose(0, 1))
+                continue
+            o = _rows(o)
             if call.direct is not None:
                 picks, rows = call.direct
                 out.index_copy_(0, rows, o if call.merged is None else o.index_select(0, picks))
@@ -174,29 +195,32 @@ class _Schedule:
                 picks, at = call.merged
                 c = call.start // self.size
                 outs[c].index_copy_(0, at, o.index_select(0, picks))
-                lses[c, :, :hq].index_copy_(0, at, lse.index_select(0, picks).float())
-        if self.merged.numel():
-            out.index_copy_(0, self.merged, _merge(outs, lses, hq))
+                lses[c, :, :hq].index_copy_(0, at, _rows(lse).index_select(0, picks).float())
+        if many:
+            merged = _merge(outs, lses, hq)
+            if self.merged_first is not None:
+                out[self.merged_first : self.merged_first + many] = merged
+            else:
+                out.index_copy_(0, self.merged, merged)
 
 
 def _merge(outs: torch.Tensor, lses: torch.Tensor, heads: int) -> torch.Tensor:
     """Each row's attention from its chunks' outputs ``outs`` [C, R, Hq, Dv] and log-sum-exps ``lses`` [C, R, P]
-    (P >= Hq, a multiple of 32): weights exp(lse - max) / their sum, in chunk order. Every op is elementwise over
-    whole rows of 32 values, so a row's result does not depend on how many rows are merged with it."""
+    (P >= Hq, a multiple of 32): weights exp(lse - max) / their sum, summed in chunk order. Each op is elementwise
+    (the exp over whole rows of 32 values, fewer than ATen's parallel grain at a time, so every value takes the same
+    vector loop), so a row's result does not depend on how many rows are merged with it."""
+    step = max(1, _SLICE // lses.shape[0])
     parts = []
-    for s in range(0, outs.shape[1], _SLICE):
-        o, lse = outs[:, s : s + _SLICE], lses[:, s : s + _SLICE]
-        top = lse[0]
-        for c in range(1, lse.shape[0]):
-            top = torch.maximum(top, lse[c])
-        weights = [torch.exp(lse[c] - top) for c in range(lse.shape[0])]
-        total = weights[0]
-        for w in weights[1:]:
-            total = total + w
-        acc = None
-        for c, w in enumerate(weights):
-            term = (w / total)[:, :heads, None].to(o.dtype) * o[c]
-            acc = term if acc is None else acc + term
+    for s in range(0, outs.shape[1], step):
+        o, lse = outs[:, s : s + step], lses[:, s : s + step]
+        w = torch.exp(lse - lse.amax(0))
+        total = w[0]
+        for c in range(1, w.shape[0]):
+            total = total + w[c]
+        terms = (w / total)[:, :, :heads, None].to(o.dtype) * o
+        acc = terms[0]
+        for c in range(1, terms.shape[0]):
+            acc = acc + terms[c]
         parts.append(acc)
     return parts[0] if len(parts) == 1 else torch.cat(parts)
 
@@ -205,11 +229,12 @@ def _call(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, call: _Call
           ) -> tuple[torch.Tensor, torch.Tensor]:
     """Rows ``call.rows`` of ``q`` [Hq, T, D] over ``call.keys`` keys of ``keys``/``values`` [Hkv, S, D] from
     ``call.start`` on, one kernel call whose batch is the key/value heads and whose heads are (row, query head of that
-    key head); -> (out [r, Hq, Dv], log-sum-exp [r, Hq])."""
+    key head); -> (out [Hkv, r, groups, Dv], log-sum-exp [Hkv, r, groups]): query head ``g * groups + j``."""
     hq, _, d = q.shape
     hkv = keys.shape[0]
     groups, r = hq // hkv, call.rows.numel()
-    qs = q.index_select(1, call.rows).view(hkv, groups, r, d).transpose(1, 2).reshape(hkv, r * groups, 1, d)
+    picked = q[:, call.first : call.first + r] if call.first is not None else q.index_select(1, call.rows)
+    qs = picked.view(hkv, groups, r, d).transpose(1, 2).reshape(hkv, r * groups, 1, d)
     span = slice(call.start, call.start + call.keys)
     k = keys[:, None, span].expand(hkv, r * groups, call.keys, d)
     v = values[:, None, span].expand(hkv, r * groups, call.keys, values.shape[-1])
@@ -222,8 +247,12 @@ def _call(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, call: _Call
         scores = scores if mask is None else scores + mask
         lse = scores.logsumexp(-1)
         o = (scores - lse[..., None]).exp() @ v
-    return (o.view(hkv, r, groups, -1).transpose(0, 1).reshape(r, hq, -1),
-            lse.view(hkv, r, groups).transpose(0, 1).reshape(r, hq))
+    return o.view(hkv, r, groups, -1), lse.view(hkv, r, groups)
+
+
+def _rows(x: torch.Tensor) -> torch.Tensor:
+    """[Hkv, r, groups, ...] -> [r, Hq, ...] (query head g * groups + j)."""
+    return x.transpose(0, 1).reshape(x.shape[1], x.shape[0] * x.shape[2], *x.shape[3:])
 
 
 @dataclass
