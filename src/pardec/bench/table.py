@@ -244,8 +244,10 @@ def _one_commit(commits: dict[str, list[str]]) -> str:
 def aggregate(out: Path, runs: list[tuple[str, list[str]]], ident: dict, command: str) -> dict:
     commits = read_json(out / RUN_FILE, TableError).get("commits", {})
 
+    every = set(ident["shared"]) >= {e for e, _ in SHARED} and len(ident.get("own_model", [])) == len(OWN_MODEL)
     table: dict[str, Any] = {
-        "title": "Every decoder on every benchmark: one run per benchmark, speed against ar beside quality",
+        "title": ("Every decoder" if every else "The decoders chosen by --methods")
+        + " on every benchmark: one run per benchmark, speed against ar beside quality",
         "date": time.strftime("%Y-%m-%d"), "command": command, "commit": _one_commit(commits),
         "commits": commits, "host": ident["host"], "zoo": ident.get("zoo", {}),
         "dtype": ident["dtype"], "n": ident["n"], "max_new_tokens": ident["max_new_tokens"],
@@ -370,7 +372,7 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
     if a.publish:
         try:
             written = publish(a.out, table, REPO_ROOT, a.name or f"table_{started(a.out)}", a.page,
-                              allow_busy=a.allow_busy)
+                              title=table["title"], allow_busy=a.allow_busy)
         except PublishError as e:
             print(f"error: {e}", file=sys.stderr)
             return 2

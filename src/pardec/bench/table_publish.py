@@ -23,7 +23,7 @@ from pardec.tracking import Tracker
 
 INTRO = """\
 `python -m pardec.bench table` ([src/pardec/bench/table.py](../src/pardec/bench/table.py)) on one host: every
-decoder pardec has, the trained ones with the [zoo](zoo.md)'s drafters, one `evaluate` run per benchmark with
+decoder pardec has (or those its `--methods` names), the trained ones with the [zoo](zoo.md)'s drafters, one `evaluate` run per benchmark with
 `ar` the baseline and every other method a role in it (`bench.also`; transformers' `hf`, `hf_pld`, `hf_assisted`
 beside it), interleaved per prompt after a warm-up, greedy, the same prompts for all. `jacobi@cllm` and
 `sdsat@sdsat` decode the zoo's fine-tuned models in runs of their own, against `ar` on the same model (`ar@cllm`,
