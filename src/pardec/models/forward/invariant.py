@@ -16,26 +16,27 @@ bitwise the ones the one-row step computes and ``tokens`` methods equal ``ar`` b
 near-ties (tested bitwise on the tiny model, measured on SmolLM2 in docs/cpu_speed.md). fp32 and bf16 linears are
 small-M GEMMs, not batch-invariant: there this attention removes one source of last-bit differences, not all.
 
-How, on PyTorch's CPU flash-attention kernel (``scaled_dot_product_attention``): it computes each (batch, head)
-item alone, one query row against blocks of at most 512 keys, in a scratch buffer of the thread that runs it. The
-items of one call are spread over the threads by their count, so which thread computes a row depends on its
-neighbours, and the threads' scratch buffers start at offsets of ``keys + 2 + head_dim`` floats from each other:
-unless that is a multiple of 16 floats (64 bytes), they sit at different alignments and the BLAS calls inside sum
-in another order (measured: a head computed by the second thread differs in its last bits from the same head on the
-first). So a row that sees ``n <= chunk(head_dim)`` keys (``chunk``: the longest length <= 512 of that residue, 510
-for head_dim 64) attends over the first ``bucket(n)`` keys (``n`` rounded up to that residue), the extra ones masked
-(their weights are exactly 0; their values, stale slots of the cache or zeros, are finite), and all rows of one
-bucket go in one call whose batch is the key/value heads and whose heads are (row, query head) (grouped-query
-attention by a stride-0 view, no copy of the cache). A row over more keys is attended by a call of its own over
-exactly its keys (the key blocks' partial results then stay inside the kernel; one call per such row and layer, its
-heads spread over the threads the same way every time). Rows that see other keys than a prefix of the cache (a tree
-node: the prefix and its ancestors) are gathered into a scratch buffer in cache order, one row at a time (the
-buffer keeps the cache's leading keys, so each row copies only its few ancestors after them), and attended like a
-prefix of that buffer. The mask is read once per forward (each row's allowed keys, kept for the forward's other
-layers, :func:`_plan`). On a GPU it works but syncs every forward and promises nothing: use ``sdpa`` there. The lean
-and compiled forwards run their own attention and refuse it. Registered with transformers' attention and mask
-interfaces on import (:func:`register`); :class:`pardec.models.ragged.RaggedModel` (batched decoding) runs the same
-:func:`attend`.
+How, on PyTorch's CPU flash-attention kernel (``_scaled_dot_product_flash_attention_for_cpu``): it computes each
+(batch, head) item alone, one query row against blocks of at most 512 keys, in a scratch buffer of the thread that
+runs it. The items of one call are spread over the threads by their count, so which thread computes a row depends
+on its neighbours, and the threads' scratch buffers start ``keys + 2 + head_dim`` floats apart: unless that is a
+multiple of 16 floats (64 bytes), they sit at different alignments and the BLAS calls inside sum in another order
+(measured: a head computed by the second thread differs in its last bits from the same head on the first). So
+(:class:`_Schedule`) a row attends over chunks of ``chunk(head_dim)`` keys at fixed places (510 for head_dim 64: the
+longest length <= 512 of that residue) and then over its last ``m`` keys within ``bucket(m)`` (``m`` rounded up to
+the residue; the extra keys masked: their weights are exactly 0, and their values, spare slots of the cache or
+zeros, are finite). All rows of one (chunk, length) go in one call whose batch is the key/value heads and whose
+heads are (row, query head) (grouped-query attention by a stride-0 view, no copy of the cache); a row over several
+chunks merges their outputs by their log-sum-exps in chunk order, elementwise (:func:`_merge`). Rows that see other
+keys than a prefix of the cache (a tree node: the prefix and its ancestors) are gathered into a scratch buffer in
+cache order, one row at a time (the buffer keeps the cache's leading keys, so each row copies only its few
+ancestors after them), and attended like a prefix of it. The mask is read once per forward (each row's allowed
+keys, kept for the forward's other layers, :func:`_plan`). The cost against one call per row: an 11-row verification
+13-19% cheaper, a one-row step the same up to 510 keys and 8% dearer at 800 (docs/cpu_speed.md "Batched invariant
+attention"). On a GPU it works (plain ops stand in for the CPU kernel) but syncs every forward and promises
+nothing: use ``sdpa`` there. The lean and compiled forwards run their own attention and refuse it. Registered with
+transformers' attention and mask interfaces on import (:func:`register`); :class:`pardec.models.ragged.RaggedModel`
+(batched decoding) runs the same :func:`attend`.
 """
 
 from __future__ import annotations
@@ -295,7 +296,10 @@ def plan_rows(allowed: torch.Tensor, head_dim: int, device) -> list[RowPlan]:
 
 def _keys(x: torch.Tensor, n: int) -> torch.Tensor:
     """The first ``n`` keys of ``x`` [heads, S, dim], read past ``S`` where the memory behind the view holds them
-    (a cache's spare slots, or the next head's: finite values that a bucket's mask hides), else padded with zeros."""
+    (a cache's spare slots, or the next head's), else padded with zeros. A bucket's mask hides them, so they must only
+    be finite (0 * inf is NaN): pardec's caches (preallocated, ragged) zero their buffers when they make them, and
+    transformers' dynamic cache holds exactly its keys (padded here); NaN logits would be caught by
+    :mod:`pardec.models.finite`."""
     heads, s, dim = x.shape
     if n <= s:
         return x
