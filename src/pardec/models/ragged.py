@@ -225,7 +225,7 @@ class RaggedModel(RaggedKV):
             raise ValueError("empty prompt")
         row = self.new_row()
         try:
-            out = self._forward(ids, row, last_only=True, hidden_layer=hidden_layer, alone=True)
+            out = self._forward(ids, row, last_only=True, hidden_layer=hidden_layer)
         except BaseException:
             self.lengths.pop()
             raise
@@ -253,9 +253,8 @@ class RaggedModel(RaggedKV):
 
     def _forward(self, ids: torch.Tensor, first: int, depths=None, attend=None, last_only: bool = False,
                  logits_at: torch.Tensor | None = None, widths: list[int] | None = None,
-                 hidden_layer: tuple[int, ...] | None = None, alone: bool = False):
-        """Rows ``first .. first+n-1`` (their lengths advance by ``widths``, default T); ``alone``: a new row's
-        prompt (one row, nothing cached)."""
+                 hidden_layer: tuple[int, ...] | None = None):
+        """Rows ``first .. first+n-1`` (their lengths advance by ``widths``, default T)."""
         self._finite.pending()
         n, t = ids.shape
         dev = self.device
