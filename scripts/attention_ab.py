@@ -42,12 +42,13 @@ def register_base(commit: str) -> str:
     from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
     full = _git("rev-parse", commit)
-    with tempfile.NamedTemporaryFile("w", suffix=".py", delete=False) as f:
-        f.write(_git("show", f"{full}:{SOURCE}"))
-    spec = importlib.util.spec_from_file_location("invariant_base", f.name)
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules["invariant_base"] = mod  # (dataclasses look their module up there)
-    spec.loader.exec_module(mod)  # (it registers itself as "invariant" on import: registered again below)
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "invariant_base.py"
+        path.write_text(_git("show", f"{full}:{SOURCE}"))
+        spec = importlib.util.spec_from_file_location("invariant_base", path)
+        mod = importlib.util.module_from_spec(spec)
+        sys.modules["invariant_base"] = mod  # (dataclasses look their module up there)
+        spec.loader.exec_module(mod)  # (it registers itself as "invariant" on import: registered again below)
     AttentionInterface.register("invariant_base", mod.attention)
     AttentionMaskInterface.register("invariant_base", sdpa_mask)
     from pardec.models.forward import invariant
