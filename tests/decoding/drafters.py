@@ -168,3 +168,18 @@ def drafter_params(method: str, model, tree: str = "T") -> dict:
     if method in ("eagle3", "dflash"):
         return {"path": str(drafter_dir(model, method))}
     return {KEYS[method]: str(drafter_dir(model, "firp" if method == "firp" else "medusa")), "tree": tree}
+
+
+def vocab_dir(ids: list[int], vocab_size: int) -> str:
+    """A directory holding only a draft vocabulary's maps (``d2t``, ``t2d`` in ``drafter.safetensors``, as an EAGLE-3
+    drafter keeps them): what ``dflash``'s ``draft_vocab`` reads."""
+    from safetensors.torch import save_file
+
+    from pardec.models.vocab import DraftVocab
+
+    vocab = DraftVocab(sorted(set(ids)), vocab_size)
+    out = _ROOT / f"vocab-{vocab_size}-{'-'.join(map(str, vocab.ids.tolist()))[:80]}-{len(vocab)}"
+    if not out.is_dir():
+        out.mkdir(parents=True)
+        save_file({"d2t": vocab.d2t, "t2d": vocab.t2d}, str(out / "drafter.safetensors"))
+    return str(out)

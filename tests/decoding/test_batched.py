@@ -16,7 +16,7 @@ from pardec.models.cached import CachedModel
 from pardec.models.ragged import RaggedModel
 from pardec.testing import VirtualCUDA
 from tests.conftest import noisy, tiny
-from tests.decoding.drafters import drafter_params
+from tests.decoding.drafters import drafter_params, vocab_dir
 
 TEXTS = ["def fibonacci(n):\n    return",
          "The capital of France is Paris. The capital of Spain is Madrid. The capital of Italy is",
@@ -105,6 +105,19 @@ def _single_params(method: str, lm, params: dict) -> dict:
     if method in ("eagle3", "dflash", "medusa"):
         out.update(drafter_params(method, lm.model))
     return out
+
+
+def test_a_dflash_draft_vocabulary_over_a_batch_drafts_and_accepts_as_batch_one():
+    lm = tiny(0)
+    prompts = _prompts(lm)
+    stop = _early_stop(lm, prompts)
+    ref = _reference(lm, prompts, stop)
+    v = int(lm.model.config.vocab_size)
+    params = {"draft_vocab": vocab_dir(sorted(set(range(0, v, 2)) | set(ref[0])), v)}
+    run = run_batch(_batched("dflash", 3, **params), prompts, N_NEW, stop)
+    assert [r.tokens for r in run.results] == ref
+    single = build_decoder("dflash", CachedModel(lm.model), lm.tokenizer, None, **_single_params("dflash", lm, params))
+    assert [r.accepted for r in run.results] == [single.generate(p, N_NEW, stop).accepted for p in prompts]
 
 
 def test_rows_accept_different_counts_in_one_round():

@@ -23,6 +23,7 @@ from tests.decoding.test_distribution_deep import (
     eagle_deep,
     exact_joints,
     near_draft,
+    vocab_deep,
 )
 from tests.stats import chi_square_p
 
@@ -33,6 +34,8 @@ PARAMS = {"ar": {}, "pld": {"max_ngram": 3, "num_pred": 4}, "sps": {"gamma": 3},
           "eagle3": {"mode": "chain", "num_speculative_tokens": 3},
           "eagle3_tree": {"mode": "tree", "total_tokens": 12, "depth": 3, "top_k": 3},
           "dflash": {"num_speculative_tokens": 3}, "medusa": {},
+          # the same drafter over a draft vocabulary without the cycle's token 9 (q = 0 there)
+          "dflash_vocab": {"num_speculative_tokens": 3},
           # the trie of its pool per row (each row's own shape), verified row by row
           "lookahead": {"level": 4, "window": 3, "guess_set": 3, "pool_from_prompt": True, "pool_from_output": True}}
 OTHERS = [[1, 2], [4, 4, 4, 4, 4, 4, 4, 4, 4, 4, 4], [7, 3, 7]]  # neighbours of other lengths
@@ -42,12 +45,13 @@ OTHERS = [[1, 2], [4, 4, 4, 4, 4, 4, 4, 4, 4, 4, 4], [7, 3, 7]]  # neighbours of
 @pytest.mark.parametrize("setting", ["t1", "warped"])
 @pytest.mark.parametrize("case", list(PARAMS))
 def test_each_rows_triples_follow_the_target_distribution(case, setting, one_thread):
-    method = case.removesuffix("_tree")
+    method = case.removesuffix("_tree").removesuffix("_vocab")
     n, s0 = N[setting], SETTINGS[setting]
     draft = near_draft() if method == "sps" else None
     fitted = {"eagle3": eagle_deep, "dflash": dflash_deep}
     params = {**PARAMS[case], **({"path": fitted[method]()} if method in fitted else {}),
-              **(drafter_params("medusa", tiny_vocab(0)) if method == "medusa" else {})}  # (untrained heads)
+              **(drafter_params("medusa", tiny_vocab(0)) if method == "medusa" else {}),  # (untrained heads)
+              **({"draft_vocab": vocab_deep()} if case == "dflash_vocab" else {})}
     dec = build_batched(method, tiny_vocab(0), 8, 32, None, draft, **params)
     prompts = [PROMPT if i % 2 == 0 else OTHERS[(i // 2) % len(OTHERS)] for i in range(2 * n)]
     s = SamplingConfig(temperature=s0.temperature, top_k=s0.top_k, top_p=s0.top_p, seed=17)

@@ -14,9 +14,10 @@ from pardec.decoding.dflash import ContextCache
 from pardec.models.cached import CachedModel
 from pardec.models.dflash import DFlashConfig, default_layers
 from pardec.models.drafters import load_drafter, new_drafter
+from pardec.models.vocab import DraftVocab
 from pardec.testing.graphs import cpu_graphs
 from tests.conftest import tiny
-from tests.decoding.drafters import _eagle_sequences, drafter_dir
+from tests.decoding.drafters import _eagle_sequences, drafter_dir, vocab_dir
 
 SETTINGS = [{}, {"block_size": 3}, {"num_speculative_tokens": 1}]
 
@@ -142,3 +143,64 @@ def test_sampled_dflash_runs_and_reports_its_rounds(fitted):
     # the prompt's context, one block per round (none when only the target's token fits), the accepted tokens'
     # context after every round but the last
     assert 2 * rounds - 1 <= res.draft_forwards <= 2 * rounds
+
+
+def _kept(lm, seqs) -> list[int]:
+    """A draft vocabulary of about half the tiny vocabulary: every id of the fitted contexts, then every third id."""
+    v = int(lm.model.config.vocab_size)
+    return sorted(set(seqs[0][:40]) | set(seqs[1][:40]) | set(range(0, v, 3)))
+
+
+@torch.inference_mode()
+def test_a_draft_vocabulary_drafts_its_ids_through_the_target_heads_rows_and_the_output_stays_ar(fitted):
+    lm, path, seqs = fitted
+    v = int(lm.model.config.vocab_size)
+    ids = _kept(lm, seqs)
+    assert 8 < len(ids) < v
+    cm = CachedModel(lm.model, forward_impl="lean")
+    ar = build_decoder("ar", cm, lm.tokenizer)
+    whole = build_decoder("dflash", cm, lm.tokenizer, None, path=str(path))
+    small = build_decoder("dflash", cm, lm.tokenizer, whole.drafter, draft_vocab=vocab_dir(ids, v))
+    assert not hasattr(whole.drafter, "lm_head") and not whole.drafter.config.reduced  # the given one unchanged
+    d = small.drafter
+    assert d.config.draft_vocab_size == len(ids) and d.lm_head.weight.shape == (len(ids), d.config.hidden_size)
+    for prompt in (seqs[0][:3], seqs[1][:5]):
+        res = small.generate(prompt, 30)
+        assert res.tokens == ar.generate(prompt, 30).tokens
+        assert res.extras["draft_vocab_size"] == len(ids)
+        assert max(res.accepted) >= 3, res.accepted  # the fitted contexts' ids are kept: drafts accepted deep
+    # the mechanism: the kept ids' logits are the whole head's, the drafts the whole argmax over the kept ids
+    cache = ContextCache(whole.drafter, 64, torch.device("cpu"), torch.float32)
+    feats = cm.forward(torch.tensor([seqs[0][:12]]), hidden_layer=whole.layers).hidden[0]
+    cache.append(feats)
+    x = whole.drafter.block_inputs(cm.inner().embed_tokens, torch.tensor([seqs[0][12]]), 4)
+    out = whole.drafter(x, torch.arange(12, 16), cache.view())[0, 1:]
+    full = whole.drafter.logits(out, cm.lm_head)  # [3, V]
+    mine = d.logits(out, cm.lm_head)  # [3, K]
+    kept = torch.tensor(ids)
+    torch.testing.assert_close(mine, full[:, kept])
+    assert torch.equal(d.to_target(mine.argmax(-1)), kept[full[:, kept].argmax(-1)])
+    spread = d.full_logits(mine)
+    assert spread.shape == full.shape and torch.equal(spread[:, kept], mine)
+    assert bool((spread[:, [i for i in range(v) if i not in ids]] == torch.finfo(spread.dtype).min).all())
+    sampled = small.generate(seqs[0][:3], 20, sampling=SamplingConfig(temperature=1.0, seed=4))
+    assert len(sampled.tokens) == 20
+
+
+def test_a_bad_draft_vocabulary_is_one_line_before_any_model(fitted, tmp_path):
+    lm, path, seqs = fitted
+    v = int(lm.model.config.vocab_size)
+    with pytest.raises(ConfigError, match=r"method.draft_vocab='.*empty' holds no drafter weights \(drafter"):
+        build_decoder("dflash", None, None, None, path=str(path), draft_vocab=str(tmp_path / "empty"))
+    with pytest.raises(ConfigError, match=r"has no draft vocabulary \(no d2t map\): name a drafter with one"):
+        build_decoder("dflash", None, None, None, path=str(path), draft_vocab=str(path))  # DFlash's own: none
+    other = vocab_dir(list(range(0, v + 8, 2)), v + 8)
+    with pytest.raises(ConfigError, match=rf"a draft vocabulary over {v + 8} ids does not fit a drafter for a "
+                                          rf"vocabulary of {v}"):
+        build_decoder("dflash", CachedModel(lm.model), None, None, path=str(path), draft_vocab=other)
+    d, _ = load_drafter(path, lm.model.config, "dflash")
+    small = build_decoder("dflash", CachedModel(lm.model), None, d, draft_vocab=vocab_dir(_kept(lm, seqs), v))
+    from pardec.models.dflash import restrict_vocab
+
+    with pytest.raises(ConfigError, match="already predicts over a reduced vocabulary"):
+        restrict_vocab(small.drafter, DraftVocab(range(4), v), lm.model.lm_head)

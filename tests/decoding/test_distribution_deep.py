@@ -25,7 +25,9 @@ Each case runs with parameters that reach its deep paths, and the test asserts t
 * ``eagle3`` (a small dynamic tree) and ``eagle3_chain`` (drafts sampled from the drafter's recorded q): a fitted
   EAGLE-3 drafter (:func:`eagle_deep`) accepted >= 2 deep and rejected below the root;
 * ``dflash`` (a block of 4, each slot's draft sampled from its recorded q): a fitted DFlash drafter
-  (:func:`dflash_deep`) accepted >= 2 deep and rejected below the root;
+  (:func:`dflash_deep`) accepted >= 2 deep and rejected below the root; ``dflash_vocab`` the same drafter over a
+  draft vocabulary without tokens 9 and 15 (:func:`vocab_deep`: its q is 0 at the cycle's token 9, which only the
+  residual can give);
 * ``lookahead`` / ``pld``: pool / prompt n-grams accepted >= 2 deep.
 
 Set-up. The prompt is the target's own 3-cycle (0 -> 5 -> 9 -> 0, each step with probability 0.45-0.8 at
@@ -83,7 +85,7 @@ from pardec.decoding.sampling import warp
 from pardec.decoding.tree_search import save_tree
 from pardec.models.cached import CachedModel
 from pardec.models.drafters import save_drafter
-from tests.decoding.drafters import drafter_params, fit_dflash, fit_eagle3
+from tests.decoding.drafters import drafter_params, fit_dflash, fit_eagle3, vocab_dir
 from tests.decoding.test_distribution import DISTRIBUTION, SETTINGS, V, tiny_vocab
 from tests.shared import once
 from tests.stats import chi_square_p
@@ -94,7 +96,7 @@ PROMPT = [0, 5, 9, 0, 5, 9, 0]  # the target's 3-cycle (see the module doc)
 N = {"t1": 2000, "warped": 2400}  # the power the module doc states
 FLOOR = 1e-9  # prefixes below this probability are left out of the exact joints
 #: case -> the method it runs
-METHOD_OF = {"sdsat_k5": "sdsat", "eagle3_chain": "eagle3"}
+METHOD_OF = {"sdsat_k5": "sdsat", "eagle3_chain": "eagle3", "dflash_vocab": "dflash"}
 PARAMS = {
     "sps": {"gamma": 3},  # tokens 2-4 drafted in the first round, token 5 its bonus
     "pld": {"max_ngram": 3, "num_pred": 4},
@@ -113,6 +115,7 @@ PARAMS = {
     "eagle3": {"total_tokens": 12, "depth": 3, "top_k": 3},
     "eagle3_chain": {"mode": "chain", "num_speculative_tokens": 3},
     "dflash": {"num_speculative_tokens": 3},  # a fitted DFlash drafter (dflash_deep), blocks of 4
+    "dflash_vocab": {"num_speculative_tokens": 3},  # + draft_vocab: vocab_deep()
 }
 LENGTH = {"sdsat": 7, "sdsat_k5": 7}
 GROUPS_OF = {"sdsat": ((2, 3, 4), (4, 5, 6)), "sdsat_k5": ((2, 3, 4), (4, 5, 6))}
@@ -176,6 +179,11 @@ def dflash_deep() -> str:
     return str(once("deep-dflash", lambda d: save_drafter(
         fit_dflash(model, target_samples().tolist(), steps=150, lr=3e-3, prompt_len=len(PROMPT) - 2), d, model.config,
         "v16")))
+
+
+def vocab_deep() -> str:
+    """A draft vocabulary of the 16-token model without tokens 9 and 15 (``dflash_vocab``)."""
+    return vocab_dir([i for i in range(V) if i not in (9, 15)], V)
 
 
 @functools.cache
@@ -395,6 +403,8 @@ def test_later_token_triples_follow_the_target_distribution(case, setting, monke
               **PARAMS.get(case, {})}
     if case == "sdsat":
         params["tree"] = depth2_tree()
+    if case == "dflash_vocab":
+        params["draft_vocab"] = vocab_deep()
     dec = build_decoder(method, CachedModel(target, forward_impl="lean"), None, draft, **params)
     probe = instrument(method, dec, monkeypatch)
     obs: dict[tuple[int, ...], Counter] = {g: Counter() for g in groups}

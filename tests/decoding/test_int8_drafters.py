@@ -1,6 +1,7 @@
 """dtype=int8: the hidden-state drafters' linears run int8 too (``method.int8_weights``,
 ``pardec.models.drafters.place``), batch-1 and batched, while the output stays int8 ``ar``'s token for token; fp32
-targets and ``int8_weights=null`` keep them in floats; a bad scheme is refused before any drafter loads."""
+targets and ``int8_weights=null`` keep them in floats; a bad scheme is refused before any drafter loads. A DFlash
+draft vocabulary on an int8 target is the target's int8 head's rows, each kept logit bitwise the whole head's."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from pardec.models.cached import CachedModel
 from pardec.models.loading import load_model
 from pardec.models.quant.int8 import is_int8, weight_scheme
 from tests.conftest import tiny
-from tests.decoding.drafters import drafter_params
+from tests.decoding.drafters import drafter_params, vocab_dir
 from tests.models.forward.test_invariant import _cfg
 
 PROMPTS = [[1, 504, 1812], [3, 9, 27, 81, 243]]
@@ -43,6 +44,24 @@ def test_an_int8_target_gets_an_int8_drafter_and_the_output_stays_ar(method, int
     assert [floats.generate(p, 16).tokens for p in PROMPTS] == ar
     batched = build_batched(method, m, 2, 64, **params)
     assert weight_scheme(batched.drafter) == "per_token"
+    assert [r.tokens for r in run_batch(batched, PROMPTS, 16).results] == ar
+
+
+def test_an_int8_dflash_draft_vocabulary_is_the_int8_heads_rows(int8_target):
+    m = int8_target
+    v = int(m.config.vocab_size)
+    ids = sorted(set(range(0, v, 2)) | {t for p in PROMPTS for t in p})
+    params = {**drafter_params("dflash", m), "draft_vocab": vocab_dir(ids, v)}
+    dec = build_decoder("dflash", CachedModel(m), **params)
+    head = dec.drafter.lm_head
+    assert type(head) is type(m.lm_head) and head.weight.dtype == torch.int8
+    x = torch.randn(3, m.config.hidden_size, generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        assert torch.equal(head(x), m.lm_head(x)[:, ids])
+    ar = [build_decoder("ar", CachedModel(m)).generate(p, 16).tokens for p in PROMPTS]
+    assert [dec.generate(p, 16).tokens for p in PROMPTS] == ar
+    batched = build_batched("dflash", m, 2, 64, **params)
+    assert batched.drafter.config.draft_vocab_size == len(ids)
     assert [r.tokens for r in run_batch(batched, PROMPTS, 16).results] == ar
 
 

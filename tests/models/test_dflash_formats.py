@@ -6,7 +6,9 @@
   outputs from 0; ``speculators``: ``speculators_model_type: dflash`` with ``aux_hidden_state_layer_ids``) load
   into a draft whose block logits equal an independent reference forward written below from the reference's
   description, and decode exactly (greedy equals ``ar``);
-* a pardec drafter exported to each layout loads back with the identical state dict and decodes identically;
+* a pardec drafter exported to each layout loads back with the identical state dict and decodes identically; one
+  over a reduced draft vocabulary (its own head and EAGLE-3's id maps) exports to ``speculators``' layout, loads
+  back and decodes exactly, and is refused by z-lab's, which has none;
 * bad checkpoints and bad export input: one line naming the bad value, nothing written.
 """
 
@@ -24,8 +26,10 @@ from pardec.config import ConfigError
 from pardec.decoding import build_decoder
 from pardec.export import main as export_main
 from pardec.models.cached import CachedModel
+from pardec.models.dflash import restrict_vocab
 from pardec.models.dflash_formats import detect, load_dflash
 from pardec.models.drafters import new_drafter, save_drafter
+from pardec.models.vocab import DraftVocab
 from tests.conftest import VOCAB, tiny
 
 H, INTER, HEADS, KV, HD = 64, 128, 4, 2, 16  # tiny(layers=4)'s shape, which the draft layers share
@@ -199,7 +203,8 @@ def test_an_export_loads_back_identically(target, tmp_path, capsys, fmt, options
     ("sliding", r"the drafter has sliding-window layers \(\['sliding_attention'\]\)"),
     ("missing", r"model\.safetensors does not fit a DFlash draft of 2 layers: missing layers\.1\.mlp\.up_proj\.weight"),
     ("fc", r"fc\.weight reads 192 features; 2 target layers \[1, 3\] of width 64 give 128"),
-    ("vocab", rf"reduced draft vocabulary \(draft_vocab_size 4096 of {V}\)"),
+    ("vocab", rf"draft_vocab_size 4096 of {V} needs the draft's own head and id map; the weights lack lm_head\.weight, "
+              r"d2t"),
     ("eagle", r"holds a speculators 'eagle3' checkpoint; only 'dflash' loads here"),
     ("nothing", r"is not a DFlash checkpoint: found notes\.txt"),
 ])
@@ -242,3 +247,42 @@ def test_export_refuses_what_does_not_fit(target, tmp_path, capsys):
         with pytest.raises(SystemExit) as e:
             export_main([str(src), *argv, "--out", str(out)])
         assert e.value.code == 2 and needle in capsys.readouterr().err and not out.exists()
+
+
+def test_a_reduced_draft_vocabulary_exports_to_speculators_and_loads_back(target, tmp_path, capsys):
+    cfg = target.model.config
+    torch.manual_seed(3)
+    whole = new_drafter("dflash", cfg, embed=target.model.model.embed_tokens,
+                        dflash={"num_layers": 2, "block_size": BLOCK, "mask_token_id": MASK_ID})
+    ids = sorted(set(range(0, V, 5)) | set(range(40)))
+    d = restrict_vocab(whole, DraftVocab(ids, V), target.model.lm_head)
+    assert d.config.reduced and d.lm_head.weight.shape == (len(ids), H) and not whole.config.reduced
+    src = save_drafter(d, tmp_path / "pardec", cfg, "tiny_random")
+    mine, _ = load_dflash(str(src), cfg)
+    assert mine.vocab.ids.tolist() == ids
+    out = tmp_path / "out"
+    assert export_main([str(src), "--format", "speculators", "--out", str(out)]) == 0
+    c = json.loads((out / "config.json").read_text())
+    assert c["draft_vocab_size"] == len(ids)
+    state = load_file(str(out / "model.safetensors"))
+    assert {"lm_head.weight", "d2t", "t2d"} <= set(state) and state["d2t"].dtype == torch.long
+    back, meta = load_dflash(str(out), cfg)
+    assert meta["source_format"] == "speculators" and back.config.draft_vocab_size == len(ids)
+    for k, v in d.state_dict().items():
+        assert torch.equal(back.state_dict()[k].to(v.dtype), v), k
+    cm = CachedModel(target.model, forward_impl="lean")
+    prompt = [5, 6, 7, 8]
+    ref = build_decoder("ar", cm).generate(prompt, 12).tokens
+    res = build_decoder("dflash", cm, None, back).generate(prompt, 12)
+    assert res.tokens == ref and res.extras["draft_vocab_size"] == len(ids)
+    assert res.tokens == build_decoder("dflash", cm, None, d).generate(prompt, 12).tokens
+    bad = tmp_path / "bad"
+    with pytest.raises(SystemExit) as e:
+        export_main([str(src), "--format", "dflash", "--out", str(bad)])
+    assert e.value.code == 2 and "the z-lab layout has none; export --format speculators" in capsys.readouterr().err
+    assert not bad.exists()
+    state["d2t"] = state["d2t"][:-1].contiguous()
+    del state["t2d"]  # (t2d is optional: without it, d2t alone says the ids)
+    save_file(state, str(out / "model.safetensors"))
+    with pytest.raises(ConfigError, match=r"d2t maps \d+ ids; config.json says draft_vocab_size"):
+        load_dflash(str(out), cfg)

@@ -23,6 +23,10 @@ committed tokens' fused features (preallocated for the prompt and ``max_new_toke
 Exactness: ``distribution`` (greedy output equals ``ar``; sampled output is distributed as the target's). Drafting
 reads nothing back; each round's one host read is the verification's. ``block_size`` below the trained one drafts
 from a shorter block (fewer mask slots: cheaper on a CPU, off the training distribution); above it is refused.
+``draft_vocab`` (beyond the paper: EAGLE-3's reduced draft vocabulary applied at decoding) drafts over another
+drafter's vocabulary through the target head's rows at its ids (:func:`~pardec.models.dflash.restrict_vocab`): a
+head K/V as costly, each kept id's logit the whole head's; under sampling the drafts' ``q`` is 0 outside it, which
+the verification's rule allows (the output's distribution is unchanged).
 """
 
 from __future__ import annotations
@@ -35,9 +39,10 @@ from pardec.decoding.features import begin_with_features
 from pardec.decoding.sampling import sample, warp
 from pardec.decoding.verify import verify_chain
 from pardec.models.cached import CachedModel
-from pardec.models.dflash import DFlashDraft
+from pardec.models.dflash import DFlashDraft, restrict_vocab
 from pardec.models.dflash_formats import load_dflash
 from pardec.models.drafters import check_int8_weights, place
+from pardec.models.vocab import DraftVocab, read_vocab
 
 
 class ContextCache:
@@ -72,6 +77,20 @@ def load_dflash_for(path: str, target_config) -> DFlashDraft:
     return load_dflash(path, target_config, key="method.path")[0]
 
 
+def draft_vocab_of(path: str | None, key: str = "method.draft_vocab") -> DraftVocab | None:
+    """``method.draft_vocab``: the vocabulary of the drafter at ``path`` (a directory; ``zoo:<name>`` is resolved
+    before), read before any model loads; None: the DFlash drafter's own."""
+    return None if path is None else read_vocab(path, key)
+
+
+def decoding_drafter(drafter: DFlashDraft, target_model, device, int8_weights: str | None,
+            vocab: DraftVocab | None) -> DFlashDraft:
+    """The drafter for decoding: placed as the target runs (:func:`~pardec.models.drafters.place`), then, given a
+    ``vocab``, restricted to it through the target's head (:func:`~pardec.models.dflash.restrict_vocab`)."""
+    placed = place(drafter, target_model, device, int8_weights)
+    return placed if vocab is None else restrict_vocab(placed, vocab, target_model.get_output_embeddings())
+
+
 def block_shape(c, target_config, block_size: int | None, num_speculative_tokens: int | None) -> tuple[int, int]:
     """(the drafted block's width, the drafts verified per round) of a drafter with config ``c`` on a target with
     ``target_config``, from the method's ``block_size`` / ``num_speculative_tokens`` (null: the trained block,
@@ -95,15 +114,17 @@ class DFlash(Decoder):
     """``path``: the drafter (a dir or a Hub id); ``block_size``: the drafted block's width (null: the drafter's
     trained block size, the paper's 16); ``num_speculative_tokens``: drafts verified per round (null:
     ``block_size - 1``, the reference's); ``int8_weights``: the drafter's int8 scheme when the target runs int8
-    (``pardec.models.drafters.place``; null: fp32)."""
+    (``pardec.models.drafters.place``; null: fp32); ``draft_vocab``: a drafter whose draft vocabulary the drafts are
+    restricted to (a directory or ``zoo:<name>``, e.g. ``zoo:eagle3``; null: the drafter's own, module docstring)."""
 
     exactness = "distribution"
 
     def __init__(self, target: CachedModel, tokenizer=None, draft=None, path: str | None = None,
                  block_size: int | None = None, num_speculative_tokens: int | None = None,
-                 int8_weights: str | None = "per_token"):
+                 int8_weights: str | None = "per_token", draft_vocab: str | None = None):
         drafter = draft if isinstance(draft, DFlashDraft) else None
         check_int8_weights(int8_weights)
+        vocab = draft_vocab_of(draft_vocab)
         super().__init__(target, tokenizer, None)
         if block_size is not None:
             check_range("block_size", block_size, 2, 1024)
@@ -112,14 +133,14 @@ class DFlash(Decoder):
         if drafter is None and path is None:
             raise ConfigError("method 'dflash' needs a DFlash drafter: method.path=<dir or hub id> (train one with "
                               "python -m train +experiment=dflash_smollm2)")
-        self.block_size, self.num_speculative_tokens = block_size, num_speculative_tokens
+        self.block_size, self.num_speculative_tokens, self.draft_vocab = block_size, num_speculative_tokens, draft_vocab
         if target is None:
             return
         if drafter is None:
             drafter = load_dflash_for(path, target.config)
         c = drafter.config
         self.width, self.n = block_shape(c, target.config, block_size, num_speculative_tokens)
-        self.drafter = place(drafter, target.model, target.device, int8_weights)
+        self.drafter = decoding_drafter(drafter, target.model, target.device, int8_weights, vocab)
         self.layers = tuple(int(i) for i in c.layer_ids)
         self.embed = target.inner().embed_tokens
         self.clock = DraftClock()
@@ -132,10 +153,10 @@ class DFlash(Decoder):
         x = d.block_inputs(self.embed, last, self.width)  # [1, W, H]
         pos = torch.arange(start, start + self.width, device=last.device)
         out = d(x, pos, cache.view())
-        logits = d.logits(out[0, 1 : n + 1], self.target.lm_head)  # [n, V]
+        logits = d.logits(out[0, 1 : n + 1], self.target.lm_head)  # [n, V] (or [n, K]: a draft vocabulary)
         if s.greedy:
-            return logits.argmax(-1), None, 1
-        q = warp(logits, s)
+            return d.to_target(logits.argmax(-1)), None, 1
+        q = warp(d.full_logits(logits), s)
         return sample(q, gen)[:, 0], q, 1
 
     @torch.inference_mode()
@@ -171,6 +192,7 @@ class DFlash(Decoder):
                 break
             self.clock.run(st, cache.append, out.hidden[0, : len(tokens)])
         extras = {"block_size": self.width, "num_speculative_tokens": self.n, "rounds": rounds,
-                  "accepted_by_slot": by_slot}
+                  "accepted_by_slot": by_slot,
+                  "draft_vocab_size": self.drafter.config.draft_vocab_size or self.drafter.config.vocab_size}
         return self._result(st, extras, draft_forwards=self.clock.forwards, draft_s=self.clock.seconds,
                             drafted=drafted, draft_accepted=accepted)

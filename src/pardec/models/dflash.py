@@ -15,7 +15,11 @@ one forward:
   token (SmolLM2), a learned ``mask_embedding`` vector saved with the drafter. Block queries attend to every
   context key and to **every** slot of their own block (non-causal inside the block).
 * **output**: ``norm`` then the target's own LM head (shared, never stored); slot ``k`` predicts the token at
-  ``start + k`` (in place), slot 0 is not predicted.
+  ``start + k`` (in place), slot 0 is not predicted. With a **reduced draft vocabulary** (``draft_vocab_size``
+  ids, ``speculators``' optional layout: an own ``lm_head`` [K, H] and EAGLE-3's ``d2t``/``t2d`` maps,
+  :mod:`pardec.models.vocab`) the draft's logits are over those K ids (:meth:`DFlashDraft.to_target`,
+  :meth:`DFlashDraft.full_logits`); :func:`restrict_vocab` gives a drafter such a head made of the target head's
+  rows at a vocabulary's ids (decoding over fewer ids: the same logits at those ids, a cheaper head).
 
 ``fusion="layerwise"`` (beyond the paper: DFlare, Tan et al. 2026, arXiv 2606.02091; reference Tencent/AngelSlim
 ``qwen_dflare.py``): no ``fc``; draft layer ``l`` reads ``hidden_norm(sum_k softmax(layer_mix[l])_k f_k)``, its own
@@ -30,7 +34,8 @@ checkpoints (``fc``, ``hidden_norm``, ``layers.{i}.self_attn.{q,k,v,o}_proj``, `
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import copy
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -42,7 +47,9 @@ from transformers.models.llama.modeling_llama import LlamaRMSNorm, LlamaRotaryEm
 from pardec.config import ConfigError, check_choice
 from pardec.models.draft_layers import SavedConfig, SwiGLU, add_projections
 from pardec.models.drafter_types import TargetParts, only, register_drafter
+from pardec.models.quant.int8 import linear_rows
 from pardec.models.rotary import rope_settings, rotate
+from pardec.models.vocab import DraftVocab, scatter_logits
 
 KIND = "dflash"
 FUSIONS = ("concat", "layerwise")  # concat: the paper's; layerwise: DFlare's per-layer mix
@@ -91,10 +98,14 @@ class DFlashConfig(SavedConfig):
     rope_theta: float = 10000.0
     rope_scaling: dict | None = None
     max_position_embeddings: int = 4096
+    draft_vocab_size: int | None = None  # None: the target's whole vocabulary through its own head
     extra: dict = field(default_factory=dict)  # fields of a loaded checkpoint's config pardec does not use
 
     def __post_init__(self) -> None:
         check_choice("dflash fusion", self.fusion, FUSIONS)
+        if self.draft_vocab_size is not None and not 2 <= int(self.draft_vocab_size) <= self.vocab_size:
+            raise ConfigError(f"dflash draft_vocab_size={self.draft_vocab_size} is out of range: it must be in "
+                              f"[2, {self.vocab_size}] (null: the target's whole vocabulary)")
         if self.block_size < 2:
             raise ConfigError(f"dflash block_size={self.block_size} is out of range: it must be an integer >= 2 "
                               f"(the last verified token and at least one mask slot)")
@@ -132,6 +143,11 @@ class DFlashConfig(SavedConfig):
                            head_dim=self.head_dim, rms_norm_eps=self.rms_norm_eps,
                            max_position_embeddings=self.max_position_embeddings, rope_parameters=rope)
 
+    @property
+    def reduced(self) -> bool:
+        """Whether the draft predicts over fewer ids than the target's vocabulary (its own ``lm_head``)."""
+        return self.draft_vocab_size is not None and int(self.draft_vocab_size) < self.vocab_size
+
 
 
 class _Attention(nn.Module):
@@ -166,7 +182,7 @@ class DFlashDraft(nn.Module):
 
     kind = KIND
 
-    def __init__(self, config: DFlashConfig):
+    def __init__(self, config: DFlashConfig, vocab: DraftVocab | None = None):
         super().__init__()
         c = self.config = config
         n_feat = len(c.layer_ids)
@@ -186,6 +202,14 @@ class DFlashDraft(nn.Module):
                 mix[i, int(i * n_feat / c.num_hidden_layers)] = 2.0
             self.layer_mix = nn.Parameter(mix)
         self.rotary = LlamaRotaryEmbedding(config=c.llama())
+        if c.reduced:  # speculators' reduced draft vocabulary: an own head over K ids and EAGLE-3's id maps
+            vocab = vocab or DraftVocab(range(c.draft_vocab_size), c.vocab_size)  # (a shape-only build)
+            if len(vocab) != c.draft_vocab_size or vocab.vocab_size != c.vocab_size:
+                raise ConfigError(f"dflash: a draft vocabulary of {len(vocab)} of {vocab.vocab_size} ids does not fit "
+                                  f"draft_vocab_size={c.draft_vocab_size} of vocab_size={c.vocab_size}")
+            self.lm_head = nn.Linear(c.hidden_size, c.draft_vocab_size, bias=False)
+            self.register_buffer("d2t", vocab.d2t)
+            self.register_buffer("t2d", vocab.t2d)
 
     # ------------------------------------------------------------------ drafter protocol (pardec.models.drafter_types)
     @property
@@ -213,7 +237,14 @@ class DFlashDraft(nn.Module):
 
     @classmethod
     def from_saved(cls, meta: dict[str, Any], state: dict, base_config) -> DFlashDraft:
-        return cls(DFlashConfig.from_dict(meta["dflash"]))
+        c = DFlashConfig.from_dict(meta["dflash"])
+        return cls(c, DraftVocab.from_maps(state["d2t"], state.get("t2d"), c.vocab_size) if c.reduced else None)
+
+    @property
+    def vocab(self) -> DraftVocab:
+        """The ids the draft predicts (the target's whole vocabulary unless :attr:`DFlashConfig.reduced`)."""
+        c = self.config
+        return DraftVocab.from_maps(self.d2t, self.t2d, c.vocab_size) if c.reduced else DraftVocab.full(c.vocab_size)
 
     # ------------------------------------------------------------------ compute
     @property
@@ -276,12 +307,48 @@ class DFlashDraft(nn.Module):
         return x
 
     def logits(self, out: torch.Tensor, lm_head: nn.Module) -> torch.Tensor:
-        """Logits [.., V] of outputs [.., H] through ``norm`` and the target's ``lm_head``."""
+        """Logits of outputs [.., H] through ``norm`` and the target's ``lm_head`` ([.., V]), or the draft's own head
+        when its vocabulary is reduced ([.., K] over draft ids: :meth:`to_target`, :meth:`full_logits`)."""
         h = self.norm(out)
-        w = getattr(lm_head, "weight", None)
+        head = self.lm_head if self.config.reduced else lm_head
+        w = getattr(head, "weight", None)
         if w is not None and w.is_floating_point():
             h = h.to(w.dtype)
-        return lm_head(h)
+        return head(h)
+
+    def to_target(self, draft_ids: torch.Tensor) -> torch.Tensor:
+        """Target ids of ids in :meth:`logits`' last dimension."""
+        return draft_ids + self.d2t[draft_ids] if self.config.reduced else draft_ids
+
+    def full_logits(self, logits: torch.Tensor) -> torch.Tensor:
+        """:meth:`logits`' output as [.., V] target-vocabulary logits (ids the draft does not predict:
+        ``finfo.min``, probability exactly 0 after a softmax)."""
+        if not self.config.reduced:
+            return logits
+        ids = self.d2t + torch.arange(self.config.draft_vocab_size, device=self.d2t.device)
+        return scatter_logits(logits, ids.to(logits.device), self.config.vocab_size)
+
+
+def restrict_vocab(drafter: DFlashDraft, vocab: DraftVocab, lm_head: nn.Module) -> DFlashDraft:
+    """A copy of ``drafter`` (whole-vocabulary) whose logits are over ``vocab``'s ids only, through ``lm_head``'s rows
+    at those ids (:func:`~pardec.models.quant.int8.linear_rows`: each kept id's logit the whole head's, bitwise
+    with pardec's int8 heads): the same drafts wherever the whole vocabulary's argmax is a kept id, for a head
+    ``K / V`` as costly. The copy shares ``drafter``'s other weights."""
+    c = drafter.config
+    if c.reduced:
+        raise ConfigError(f"dflash: the drafter already predicts over a reduced vocabulary of {c.draft_vocab_size} "
+                          f"ids; a further restriction (method.draft_vocab) is not supported")
+    if vocab.vocab_size != c.vocab_size:
+        raise ConfigError(f"dflash: a draft vocabulary over {vocab.vocab_size} ids does not fit a drafter for a "
+                          f"vocabulary of {c.vocab_size}")
+    new = copy.copy(drafter)  # a new module object with registries of its own, holding the same tensors
+    new.__dict__.update(_modules=dict(drafter._modules), _parameters=dict(drafter._parameters),
+                        _buffers=dict(drafter._buffers))
+    new.config = replace(c, draft_vocab_size=len(vocab))
+    new.lm_head = linear_rows(lm_head, vocab.ids)
+    new.register_buffer("d2t", vocab.d2t.to(new.lm_head.weight.device))
+    new.register_buffer("t2d", vocab.t2d.to(new.lm_head.weight.device))
+    return new
 
 
 def new_dflash(target_config, embed: torch.Tensor | None = None, **options) -> DFlashDraft:

@@ -41,6 +41,10 @@ class DFlashExporter(Exporter):
         if config.fusion == "layerwise":
             notes.append("the drafter uses DFlare's layer-wise fusion (layer_mix, no fc): pardec loads it back, but "
                          "vLLM's and SGLang's DFlash drafts fuse with fc and do not read it")
+        if fmt == "dflash" and config.reduced:
+            raise ConfigError(f"the drafter predicts over a reduced draft vocabulary ({config.draft_vocab_size} of "
+                              f"{config.vocab_size} ids, its own lm_head): the z-lab layout has none; export "
+                              f"--format speculators")
         if fmt == "dflash":
             cfg_json = zlab_config_json(config, dtype, int(meta["num_hidden_layers"]))
         else:

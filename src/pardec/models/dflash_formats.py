@@ -17,8 +17,10 @@ and their sources are in ``docs/dflash_reference.md`` §4.
 A drafter with a learned mask embedding (pardec's, for targets without a spare mask row such as SmolLM2) stores it as
 ``mask_embedding`` [H] in both external layouts, with ``mask_token_id`` null in the config: pardec reads it back;
 the engines' loaders expect a mask token id (the export names this; ``docs/dflash.md``). A reduced draft vocabulary
-(``speculators``' optional ``d2t``/``t2d`` + own ``lm_head``) is refused: pardec's DFlash draft shares the target's
-head.
+(``speculators``' optional ``draft_vocab_size`` < the target's, with its own ``lm_head.weight`` [K, H] and EAGLE-3's
+``d2t``/``t2d`` maps) loads into a draft with its own head (:class:`~pardec.models.dflash.DFlashDraft`) and
+exports back the same way; the z-lab layout has none (its drafts share the target's head), so such a draft is
+refused there.
 """
 
 from __future__ import annotations
@@ -42,6 +44,7 @@ from pardec.models.checkpoints import (
 )
 from pardec.models.dflash import DFlashConfig, DFlashDraft, default_layers
 from pardec.models.drafters import load_drafter
+from pardec.models.vocab import DraftVocab
 
 log = logging.getLogger(__name__)
 
@@ -83,11 +86,11 @@ def load_dflash(path_or_hub_id: str | Path, target_config, key: str = "draft.pat
     where = f"{key}={str(path_or_hub_id)!r}"
     cfg = read_json(path / "config.json", key)
     state, weights_name = read_weights(path, "speculators", where)
-    ignored = sorted(k for k in state if k in IGNORED_KEYS)
+    config = _config(cfg, fmt, state, target_config, where)
+    ignored = sorted(k for k in state if k in IGNORED_KEYS and not (config.reduced and k == "lm_head.weight"))
     for k in ignored:
         del state[k]
-    config = _config(cfg, fmt, state, target_config, where)
-    drafter = DFlashDraft(config)
+    drafter = DFlashDraft(config, _vocab(state, config, where))
     want = {k: tuple(v.shape) for k, v in drafter.state_dict().items()}
     have = {k: tuple(v.shape) for k, v in state.items()}
     missing, unexpected = sorted(set(want) - set(have)), sorted(set(have) - set(want))
@@ -100,7 +103,7 @@ def load_dflash(path_or_hub_id: str | Path, target_config, key: str = "draft.pat
     if wrong:
         raise ConfigError(f"{where}: {weights_name} has misshapen weights: {', '.join(wrong)}")
     dtype = state["norm.weight"].dtype
-    drafter.load_state_dict({k: v.float() for k, v in state.items()})
+    drafter.load_state_dict({k: v.float() if v.is_floating_point() else v for k, v in state.items()})
     meta = {"source_format": fmt, "path": str(path), "dflash": config.to_dict(), "layer_ids": list(config.layer_ids),
             "dtype": dtype_name(dtype), "ignored_keys": ignored}
     log.info("%s: loaded a DFlash drafter (%s format, %d layers, block %d, target layers %s)", where, fmt,
@@ -123,15 +126,16 @@ def _config(cfg: dict, fmt: str, state: dict, target_config, where: str) -> DFla
         mask_id = cfg.get("mask_token_id")
         block = cfg.get("block_size")
         draft_vocab = cfg.get("draft_vocab_size")
-        if draft_vocab is not None and int(draft_vocab) != t_vocab:
-            raise ConfigError(f"{where}: the drafter has a reduced draft vocabulary (draft_vocab_size {draft_vocab} of "
-                              f"{t_vocab}); pardec's DFlash draft shares the target's head over the whole vocabulary")
+        if draft_vocab is not None and not 2 <= int(draft_vocab) <= t_vocab:
+            raise ConfigError(f"{where}: draft_vocab_size {draft_vocab} is out of range for a target vocabulary of "
+                              f"{t_vocab} ids")
         if cfg.get("sliding_window_non_causal") or layer.get("sliding_window"):
             _refuse_sliding(layer, where)
     else:
         layer = cfg
         ids = dcfg.get("target_layer_ids", cfg.get("target_layer_ids"))
         layer_ids = None if ids is None else [int(i) + 1 for i in ids]  # z-lab: layer outputs from 0
+        draft_vocab = None  # (z-lab's drafts share the target's head)
         mask_id = dcfg.get("mask_token_id", cfg.get("mask_token_id"))
         block = dcfg.get("block_size", cfg.get("block_size"))
         n_target = cfg.get("num_target_layers")
@@ -178,7 +182,28 @@ def _config(cfg: dict, fmt: str, state: dict, target_config, where: str) -> DFla
         layer_ids=layer_ids, block_size=int(block), mask_token_id=None if "mask_embedding" in state else int(mask_id),
         fusion="layerwise" if "layer_mix" in state else "concat", rms_norm_eps=float(layer.get("rms_norm_eps", 1e-6)),
         rope_theta=theta, rope_scaling=scaling,
-        max_position_embeddings=int(layer.get("max_position_embeddings") or 4096))
+        max_position_embeddings=int(layer.get("max_position_embeddings") or 4096),
+        draft_vocab_size=None if draft_vocab is None or int(draft_vocab) == t_vocab else int(draft_vocab))
+
+
+def _vocab(state: dict, config: DFlashConfig, where: str) -> DraftVocab | None:
+    """The reduced draft vocabulary of a checkpoint's ``d2t`` (and ``t2d``), checked; None for a whole-vocabulary
+    draft."""
+    if not config.reduced:
+        return None
+    if "d2t" not in state or "lm_head.weight" not in state:
+        missing = [k for k in ("lm_head.weight", "d2t") if k not in state]
+        raise ConfigError(f"{where}: draft_vocab_size {config.draft_vocab_size} of {config.vocab_size} needs the draft's "
+                          f"own head and id map; the weights lack {', '.join(missing)}")
+    try:
+        vocab = DraftVocab.from_maps(state["d2t"], state.get("t2d"), config.vocab_size)
+    except ValueError as e:
+        raise ConfigError(f"{where}: {e}") from None
+    if len(vocab) != config.draft_vocab_size:
+        raise ConfigError(f"{where}: d2t maps {len(vocab)} ids; config.json says draft_vocab_size "
+                          f"{config.draft_vocab_size}")
+    state.setdefault("t2d", vocab.t2d)
+    return vocab
 
 
 def _refuse_sliding(layer: dict, where: str) -> None:
@@ -222,7 +247,8 @@ def speculators_config_json(c: DFlashConfig, dtype: torch.dtype, verifier: str |
     name = dtype_name(dtype)
     return {"architectures": [SPECULATORS_ARCHITECTURE], "speculators_model_type": "dflash",
             "speculators_version": SPECULATORS_VERSION, "transformer_layer_config": qwen3_layer_dict(c, dtype),
-            "draft_vocab_size": c.vocab_size, "block_size": c.block_size, "target_hidden_size": c.target_hidden_size,
+            "draft_vocab_size": c.draft_vocab_size or c.vocab_size, "block_size": c.block_size,
+            "target_hidden_size": c.target_hidden_size,
             "aux_hidden_state_layer_ids": list(c.layer_ids), "mask_token_id": c.mask_token_id,
             "sliding_window_non_causal": False, "sample_from_anchor": False,
             "speculators_config": {

@@ -12,15 +12,23 @@
   :meth:`DraftVocab.full_logits` (scattered into [.., V], every other id ``finfo.min``: probability exactly 0 after
   a softmax); the target's logits restrict to the kept ids by ``target_logits[..., vocab.ids]`` (training targets).
 
-pardec's distilled draft model (:mod:`pardec.models.draft`) and the EAGLE-3 / DFlash drafters share these.
+pardec's distilled draft model (:mod:`pardec.models.draft`) and the EAGLE-3 / DFlash drafters share these;
+:func:`read_vocab` reads a kept drafter's maps (a DFlash drafter decoded over another drafter's vocabulary).
 """
 
 from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Iterable
+from pathlib import Path
 
 import torch
+from safetensors import safe_open
+
+from pardec.config import ConfigError
+
+#: the weight files a drafter directory keeps its maps in (pardec's, then speculators' / EAGLE-3's)
+MAP_FILES = ("drafter.safetensors", "model.safetensors")
 
 
 def choose_vocab(token_counts: Counter | dict[int, int], size: int, always: Iterable[int], vocab_size: int) -> list[int]:
@@ -112,3 +120,31 @@ class DraftVocab:
             return draft_logits
         return scatter_logits(draft_logits, ids if ids is not None else self.ids.to(draft_logits.device),
                               self.vocab_size)
+
+
+def read_vocab(path: str | Path, key: str, vocab_size: int | None = None) -> DraftVocab:
+    """The draft vocabulary a drafter directory keeps (``d2t``, with ``t2d`` when present, in ``drafter.safetensors``
+    or ``model.safetensors``: an EAGLE-3 drafter, pardec's or speculators'); ``vocab_size``: the target's, checked
+    when given. Anything else is one line naming ``key``, the directory and what it lacks."""
+    d = Path(path)
+    f = next((d / n for n in MAP_FILES if (d / n).is_file()), None)
+    if f is None:
+        raise ConfigError(f"{key}={str(path)!r} holds no drafter weights ({' or '.join(MAP_FILES)}): name a drafter "
+                          f"with a draft vocabulary (an EAGLE-3 drafter, e.g. zoo:eagle3)")
+    try:
+        with safe_open(str(f), framework="pt") as st:
+            names = set(st.keys())
+            if "d2t" not in names:
+                raise ConfigError(f"{key}={str(path)!r}: {f.name} has no draft vocabulary (no d2t map): name a drafter "
+                                  f"with one (an EAGLE-3 drafter, e.g. zoo:eagle3)")
+            d2t = st.get_tensor("d2t")
+            t2d = st.get_tensor("t2d") if "t2d" in names else None
+    except ConfigError:
+        raise
+    except Exception as e:  # noqa: BLE001 (a truncated or foreign file: one line)
+        raise ConfigError(f"{key}={str(path)!r}: cannot read {f.name} ({type(e).__name__})") from None
+    try:
+        vocab = DraftVocab.from_maps(d2t, t2d, vocab_size)
+    except ValueError as e:
+        raise ConfigError(f"{key}={str(path)!r}: {e}") from None
+    return vocab

@@ -288,6 +288,35 @@ def test_weight_only_and_per_token_int8_linears_are_batch_invariant(scheme):
             assert _build(method, CachedModel(lm.model), tok, draft="noisy").generate(ids, 24, stop).tokens == want, method
 
 
+@pytest.mark.parametrize("scheme", ["fp32", "weight_only", "per_token", "per_channel"])
+def test_a_linears_rows_give_its_outputs_at_those_rows(scheme):
+    """linear_rows (a head over a draft vocabulary): pardec's int8 linears keep their int8 rows and scales, so each
+    kept output is bitwise the whole linear's; an nn.Linear's rows and fbgemm's dequantized rows give the same
+    outputs up to rounding."""
+    torch.manual_seed(1)
+    lin = torch.nn.Sequential(torch.nn.Linear(64, 48, bias=True))
+    if scheme != "fp32":
+        lin = int8.quantize(lin, scheme)
+    ids = torch.tensor([0, 3, 4, 17, 47])
+    rows = int8.linear_rows(lin[0], ids)
+    x = torch.randn(5, 64)
+    x[2] *= 30
+    with torch.no_grad():
+        want, got = lin(x)[:, ids], rows(x)
+        if scheme == "per_channel":  # (its activation scale is the whole input's: compare with its weights' rows)
+            q = lin[0]
+            want = torch.nn.functional.linear(x, q.weight().dequantize()[ids], q.bias()[ids])
+    assert got.shape == (5, 5)
+    if scheme in ("weight_only", "per_token"):
+        assert type(rows) is type(lin[0]) and rows.weight.dtype == torch.int8
+        assert torch.equal(got, want)
+    else:
+        assert type(rows) is torch.nn.Linear
+        torch.testing.assert_close(got, want)
+    with pytest.raises(TypeError, match="LayerNorm is not a linear layer"):
+        int8.linear_rows(torch.nn.LayerNorm(4), ids)
+
+
 @pytest.mark.parametrize("flags", [["avx2", "fma"], ["avx2", "avx512f", "avx512_vnni"]])
 def test_per_token_int8_is_the_integer_product_of_per_row_scales(monkeypatch, flags):
     """A per_token linear computes, for each row, (its int8 activations) x (the int8 weights) in integers, scaled by

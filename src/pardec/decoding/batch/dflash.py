@@ -14,22 +14,24 @@ import torch
 from pardec.config import ConfigError
 from pardec.decoding.base import check_range
 from pardec.decoding.batch.engine import BatchedMethod, Row, register_batched
-from pardec.decoding.dflash import block_shape, load_dflash_for
+from pardec.decoding.dflash import block_shape, decoding_drafter, draft_vocab_of, load_dflash_for
 from pardec.decoding.sampling import sample, select, warp
 from pardec.models.cache import to_device
-from pardec.models.drafters import check_int8_weights, place
+from pardec.models.drafters import check_int8_weights
 from pardec.models.ragged import RaggedKV
 
 
 @register_batched("dflash")
 class BatchedDFlash(BatchedMethod):
-    """``path``, ``block_size``, ``num_speculative_tokens``, ``int8_weights``: as batch-1 ``dflash``'s (null: the drafter's trained
-    block, ``block_size - 1`` drafts)."""
+    """``path``, ``block_size``, ``num_speculative_tokens``, ``int8_weights``, ``draft_vocab``: as batch-1
+    ``dflash``'s (null: the drafter's trained block, ``block_size - 1`` drafts, its own vocabulary)."""
 
     def __init__(self, target, tokenizer=None, draft=None, path: str | None = None, block_size: int | None = None,
-                 num_speculative_tokens: int | None = None, int8_weights: str | None = "per_token"):
+                 num_speculative_tokens: int | None = None, int8_weights: str | None = "per_token",
+                 draft_vocab: str | None = None):
         super().__init__(target, tokenizer, draft)
         check_int8_weights(int8_weights)
+        vocab = draft_vocab_of(draft_vocab)
         if block_size is not None:
             check_range("block_size", block_size, 2, 1024)
         if num_speculative_tokens is not None:
@@ -40,7 +42,7 @@ class BatchedDFlash(BatchedMethod):
         drafter = load_dflash_for(path, cfg)
         c = drafter.config
         self.block, self.n = block_shape(c, cfg, block_size, num_speculative_tokens)
-        self.drafter = place(drafter, target.model, target.device, int8_weights)
+        self.drafter = decoding_drafter(drafter, target.model, target.device, int8_weights, vocab)
         self.layers = tuple(int(i) for i in c.layer_ids)
         self.embed = target.model.model.embed_tokens
         self.context = RaggedKV(int(c.num_hidden_layers), target.max_rows, target.capacity, "dflash context")
@@ -76,10 +78,10 @@ class BatchedDFlash(BatchedMethod):
         views, mask, lens = self.context.past(0, n, self.block, dev, every)
         pos = lens[:, None] + torch.arange(self.block, device=dev)
         out = d(d.block_inputs(self.embed, last, self.block), pos, views, mask)
-        logits = d.logits(out[:, 1 : k + 1], self.target.model.lm_head)  # [n, k, V]
+        logits = d.logits(out[:, 1 : k + 1], self.target.model.lm_head)  # [n, k, V] (or [n, k, K])
         if self.s.greedy:
-            return logits.argmax(-1), None
-        q = warp(logits, self.s)
+            return d.to_target(logits.argmax(-1)), None
+        q = warp(d.full_logits(logits), self.s)
         return sample(q, self.gen)[..., 0], q
 
     def round(self, rows: list[Row]) -> None:

@@ -176,6 +176,36 @@ class PerTokenLinear(WeightOnlyLinear):
         return y if self.bias is None else y + self.bias.to(x.dtype)
 
 
+@torch.no_grad()
+def linear_rows(lin: torch.nn.Module, ids: torch.Tensor) -> torch.nn.Module:
+    """A linear computing only output rows ``ids`` [K] of ``lin`` (a head restricted to a draft vocabulary): an
+    ``nn.Linear`` of its rows (the same outputs up to the GEMM's summation order), or one of pardec's int8 linears
+    keeping their int8 rows and per-row scales, whose kept outputs are bitwise ``lin``'s (integer sums, per-row
+    weight scales, per-token activation scales or none). fbgemm's dynamic linears, whose activation scale is shared,
+    give an ``nn.Linear`` of their dequantized rows."""
+    ids = ids.to(torch.long)
+    if isinstance(lin, WeightOnlyLinear):  # (PerTokenLinear included)
+        new = type(lin)(lin.in_features, len(ids), lin.bias is not None)
+        idx = ids.to(lin.weight.device)
+        new.weight = lin.weight.index_select(0, idx).clone()
+        new.scales = lin.scales.index_select(0, idx).clone()
+        if lin.bias is not None:
+            new.bias = lin.bias.index_select(0, idx).clone()
+        return new
+    if isinstance(lin, _quantized_linear_type()):
+        weight, bias = lin.weight().dequantize(), lin.bias()
+    elif isinstance(getattr(lin, "weight", None), torch.Tensor) and lin.weight.dim() == 2:
+        weight, bias = lin.weight, getattr(lin, "bias", None)
+    else:
+        raise TypeError(f"linear_rows: {type(lin).__name__} is not a linear layer")
+    idx = ids.to(weight.device)
+    new = torch.nn.Linear(weight.shape[1], len(ids), bias=bias is not None, device=weight.device, dtype=weight.dtype)
+    new.weight.copy_(weight.index_select(0, idx))
+    if bias is not None:
+        new.bias.copy_(bias.index_select(0, idx))
+    return new
+
+
 def is_int8(model: torch.nn.Module) -> bool:
     """Whether ``model`` runs int8 linears (it was loaded with ``dtype=int8``)."""
     kinds = (_quantized_linear_type(), WeightOnlyLinear)  # PerTokenLinear is a WeightOnlyLinear
