@@ -84,7 +84,7 @@ def draft_vocab_of(path: str | None, key: str = "method.draft_vocab") -> DraftVo
 
 
 def decoding_drafter(drafter: DFlashDraft, target_model, device, int8_weights: str | None,
-            vocab: DraftVocab | None) -> DFlashDraft:
+                     vocab: DraftVocab | None) -> DFlashDraft:
     """The drafter for decoding: placed as the target runs (:func:`~pardec.models.drafters.place`), then, given a
     ``vocab``, restricted to it through the target's head (:func:`~pardec.models.dflash.restrict_vocab`)."""
     placed = place(drafter, target_model, device, int8_weights)
