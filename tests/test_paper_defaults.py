@@ -116,7 +116,7 @@ PARDEC_ONLY: dict[str, set[str]] = {
     "firp": {"path", "tree", "k", "int8_weights"},
     "sdsat": {"adaptive_ids"},
     "eagle3": {"path", "int8_weights"},
-    "dflash": {"path", "int8_weights", "draft_vocab"},
+    "dflash": {"path", "int8_weights", "draft_vocab", "compile"},
     "spectr": {"k", "gamma"},  # SpecTr §5 sweeps the number of drafts and their length: no single paper value
     "mjgd": {"K", "num_beams"},  # the MJSD code has no MJGD run
 }

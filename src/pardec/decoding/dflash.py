@@ -40,20 +40,24 @@ from pardec.decoding.sampling import sample, warp
 from pardec.decoding.verify import verify_chain
 from pardec.models.cached import CachedModel
 from pardec.models.dflash import DFlashDraft, restrict_vocab
+from pardec.models.dflash_compiled import check_compilable, draft_round
 from pardec.models.dflash_formats import load_dflash
 from pardec.models.drafters import check_int8_weights, place
 from pardec.models.vocab import DraftVocab, read_vocab
 
 
 class ContextCache:
-    """Every draft layer's context keys/values, preallocated ``[1, kv, capacity, d]``; ``length`` entries filled."""
+    """Every draft layer's context keys/values, preallocated ``[1, kv, capacity + spare, d]``; ``length`` entries
+    filled (``spare``: slots past the capacity a compiled round writes its padding rows to,
+    :mod:`pardec.models.dflash_compiled`)."""
 
-    def __init__(self, drafter: DFlashDraft, capacity: int, device, dtype):
+    def __init__(self, drafter: DFlashDraft, capacity: int, device, dtype, spare: int = 0):
         c = drafter.config
-        shape = (1, c.num_key_value_heads, capacity, c.head_dim)
-        self.k = [torch.empty(shape, device=device, dtype=dtype) for _ in range(c.num_hidden_layers)]
-        self.v = [torch.empty(shape, device=device, dtype=dtype) for _ in range(c.num_hidden_layers)]
-        self.drafter, self.length, self.capacity = drafter, 0, capacity
+        shape = (1, c.num_key_value_heads, capacity + spare, c.head_dim)
+        self.k = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(c.num_hidden_layers)]
+        self.v = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(c.num_hidden_layers)]
+        self.drafter, self.length, self.capacity, self.spare = drafter, 0, capacity, spare
+        self.feature_width = len(c.layer_ids) * c.target_hidden_size
 
     def append(self, features: torch.Tensor) -> tuple[int]:
         """Context entries for ``features`` [n, K * H_t] at the next ``n`` positions; returns (draft forwards,)."""
@@ -115,13 +119,15 @@ class DFlash(Decoder):
     trained block size, the paper's 16); ``num_speculative_tokens``: drafts verified per round (null:
     ``block_size - 1``, the reference's); ``int8_weights``: the drafter's int8 scheme when the target runs int8
     (``pardec.models.drafters.place``; null: fp32); ``draft_vocab``: a drafter whose draft vocabulary the drafts are
-    restricted to (a directory or ``zoo:<name>``, e.g. ``zoo:eagle3``; null: the drafter's own, module docstring)."""
+    restricted to (a directory or ``zoo:<name>``, e.g. ``zoo:eagle3``; null: the drafter's own, module docstring);
+    ``compile``: each round's drafter work (the committed tokens' context entries, then the block) as one
+    ``torch.compile`` graph (:mod:`pardec.models.dflash_compiled`; one drafter pass a round instead of two)."""
 
     exactness = "distribution"
 
     def __init__(self, target: CachedModel, tokenizer=None, draft=None, path: str | None = None,
                  block_size: int | None = None, num_speculative_tokens: int | None = None,
-                 int8_weights: str | None = "per_token", draft_vocab: str | None = None):
+                 int8_weights: str | None = "per_token", draft_vocab: str | None = None, compile: bool = False):
         drafter = draft if isinstance(draft, DFlashDraft) else None
         check_int8_weights(int8_weights)
         vocab = draft_vocab_of(draft_vocab)
@@ -134,6 +140,7 @@ class DFlash(Decoder):
             raise ConfigError("method 'dflash' needs a DFlash drafter: method.path=<dir or hub id> (train one with "
                               "python -m train +experiment=dflash_smollm2)")
         self.block_size, self.num_speculative_tokens, self.draft_vocab = block_size, num_speculative_tokens, draft_vocab
+        self.compile = compile
         if target is None:
             return
         if drafter is None:
@@ -141,19 +148,27 @@ class DFlash(Decoder):
         c = drafter.config
         self.width, self.n = block_shape(c, target.config, block_size, num_speculative_tokens)
         self.drafter = decoding_drafter(drafter, target.model, target.device, int8_weights, vocab)
+        why = check_compilable(self.drafter) if compile else None
+        if why is not None:
+            raise ConfigError(f"method.compile=true: {why} (or method.compile=false)")
         self.layers = tuple(int(i) for i in c.layer_ids)
         self.embed = target.inner().embed_tokens
+        self.head = target.model.get_output_embeddings()  # (a module: what a compiled round traces)
         self.clock = DraftClock()
 
     def _propose(self, cache: ContextCache, last: torch.Tensor, start: int, n: int, s: SamplingConfig,
-                 gen: torch.Generator | None) -> tuple[torch.Tensor, torch.Tensor | None, int]:
+                 gen: torch.Generator | None, pending: torch.Tensor | None = None,
+                 ) -> tuple[torch.Tensor, torch.Tensor | None, int]:
         """The block after ``last`` [1] at ``start``: (drafts [n], their warped distributions [n, V] under sampling
-        (None greedy), forwards)."""
+        (None greedy), forwards); compiled, ``pending``'s context entries are appended first, in the same graph."""
         d = self.drafter
         x = d.block_inputs(self.embed, last, self.width)  # [1, W, H]
-        pos = torch.arange(start, start + self.width, device=last.device)
-        out = d(x, pos, cache.view())
-        logits = d.logits(out[0, 1 : n + 1], self.target.lm_head)  # [n, V] (or [n, K]: a draft vocabulary)
+        if self.compile:
+            logits = draft_round(d, self.head, cache, pending, x)[:n]
+        else:
+            pos = torch.arange(start, start + self.width, device=last.device)
+            out = d(x, pos, cache.view())
+            logits = d.logits(out[0, 1 : n + 1], self.target.lm_head)  # [n, V] (or [n, K]: a draft vocabulary)
         if s.greedy:
             return d.to_target(logits.argmax(-1)), None, 1
         q = warp(d.full_logits(logits), s)
@@ -164,8 +179,10 @@ class DFlash(Decoder):
                  sampling: SamplingConfig | None = None) -> GenerationResult:
         st, last, features = begin_with_features(self, prompt_ids, max_new_tokens, stop, sampling)
         tgt, dev = self.target, st.ids.device
-        cache = ContextCache(self.drafter, st.ids.shape[1] + max_new_tokens + 1, dev, self.drafter.dtype)
+        cache = ContextCache(self.drafter, st.ids.shape[1] + max_new_tokens + 1, dev, self.drafter.dtype,
+                             self.width if self.compile else 0)
         self.clock.run(st, cache.append, features)
+        pending = None  # compiled: the committed tokens' features, appended by the next round's graph
         drafted = accepted = 0
         by_slot = [0] * self.n  # rounds whose draft at slot k + 1 was accepted
         rounds = 0
@@ -176,7 +193,8 @@ class DFlash(Decoder):
             if n == 0:
                 draft, q = torch.zeros(0, dtype=torch.long, device=dev), None
             else:
-                draft, q, _ = self.clock.run(st, self._propose, cache, last_t, base, n, st.s, st.gen)
+                draft, q, _ = self.clock.run(st, self._propose, cache, last_t, base, n, st.s, st.gen, pending)
+                pending = None
             out = tgt.forward(torch.cat([last_t, draft])[None], hidden_layer=self.layers)
             st.target_forwards += 1
             tokens = verify_chain(draft, out.logits[0], st.s, st.gen, q)
@@ -190,7 +208,10 @@ class DFlash(Decoder):
             last = tokens[-1]
             if st.out.done:
                 break
-            self.clock.run(st, cache.append, out.hidden[0, : len(tokens)])
+            if self.compile:
+                pending = out.hidden[0, : len(tokens)]
+            else:
+                self.clock.run(st, cache.append, out.hidden[0, : len(tokens)])
         extras = {"block_size": self.width, "num_speculative_tokens": self.n, "rounds": rounds,
                   "accepted_by_slot": by_slot,
                   "draft_vocab_size": self.drafter.config.draft_vocab_size or self.drafter.config.vocab_size}

@@ -45,7 +45,7 @@ from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaRMSNorm, LlamaRotaryEmbedding
 
 from pardec.config import ConfigError, check_choice
-from pardec.models.draft_layers import SavedConfig, SwiGLU, add_projections
+from pardec.models.draft_layers import SavedConfig, SwiGLU, add_projections, call
 from pardec.models.drafter_types import TargetParts, only, register_drafter
 from pardec.models.quant.int8 import linear_rows
 from pardec.models.rotary import rope_settings, rotate
@@ -157,11 +157,11 @@ class _Attention(nn.Module):
         self.q_norm = LlamaRMSNorm(c.head_dim, eps=c.rms_norm_eps)  # Qwen3's per-head norms
         self.k_norm = LlamaRMSNorm(c.head_dim, eps=c.rms_norm_eps)
 
-    def kv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> KV:
+    def kv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, lin=call) -> KV:
         """Keys (normed, rotated) and values [B, kv, T, d] of inputs ``x`` [B, T, H]."""
         b, t, _ = x.shape
-        k = self.k_norm(self.k_proj(x).view(b, t, self.kv_heads, self.head_dim)).transpose(1, 2)
-        v = self.v_proj(x).view(b, t, self.kv_heads, self.head_dim).transpose(1, 2)
+        k = self.k_norm(lin(self.k_proj, x).view(b, t, self.kv_heads, self.head_dim)).transpose(1, 2)
+        v = lin(self.v_proj, x).view(b, t, self.kv_heads, self.head_dim).transpose(1, 2)
         return rotate(k, cos, sin), v
 
 
@@ -251,28 +251,32 @@ class DFlashDraft(nn.Module):
     def dtype(self) -> torch.dtype:
         return self.norm.weight.dtype
 
-    def _tables(self, like: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def rotary_tables(self, like: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rotary cos/sin [B, 1, S, d] in ``like``'s dtype for ``positions`` [S] or [B, S]."""
         if positions.dim() == 1:
             positions = positions[None].expand(like.shape[0], -1)
         cos, sin = self.rotary(like, positions)
         return cos[:, None].to(like.dtype), sin[:, None].to(like.dtype)
 
-    def fused(self, features: torch.Tensor) -> list[torch.Tensor]:
+    def fused(self, features: torch.Tensor, lin=call) -> list[torch.Tensor]:
         """[B, S, K * H_t] target features -> each draft layer's context feature [B, S, H] (the same tensor for
-        every layer unless ``fusion == "layerwise"``)."""
+        every layer unless ``fusion == "layerwise"``). ``lin(module, x)`` (here and in :meth:`context_kv`,
+        :meth:`forward`, :meth:`logits`): how each linear is applied (a compiled graph passes its own:
+        :mod:`pardec.models.dflash_compiled`)."""
         f = features.to(self.dtype)
         if self.config.fusion == "concat":
-            return [self.hidden_norm(self.fc(f))] * len(self.layers)
+            return [self.hidden_norm(lin(self.fc, f))] * len(self.layers)
         b, s, _ = f.shape
         states = f.view(b, s, len(self.config.layer_ids), -1)
         return [self.hidden_norm(torch.einsum("bskh,k->bsh", states, m.softmax(-1))) for m in self.layer_mix]
 
-    def context_kv(self, features: torch.Tensor, positions: torch.Tensor) -> list[KV]:
+    def context_kv(self, features: torch.Tensor, positions: torch.Tensor, lin=call,
+                   tables: tuple[torch.Tensor, torch.Tensor] | None = None) -> list[KV]:
         """Every layer's keys/values [B, kv, S, d] of context tokens with target ``features`` [B, S, K * H_t] at
-        ``positions`` [S] or [B, S]."""
-        ctx = self.fused(features)
-        cos, sin = self._tables(ctx[0], positions.to(ctx[0].device))
-        return [layer.self_attn.kv(c, cos, sin) for layer, c in zip(self.layers, ctx)]
+        ``positions`` [S] or [B, S] (``tables``: their rotary cos/sin, computed when None)."""
+        ctx = self.fused(features, lin)
+        cos, sin = tables or self.rotary_tables(ctx[0], positions.to(ctx[0].device))
+        return [layer.self_attn.kv(c, cos, sin, lin) for layer, c in zip(self.layers, ctx)]
 
     def block_inputs(self, embed: nn.Module, first: torch.Tensor, width: int) -> torch.Tensor:
         """The inputs [.., width, H] of blocks whose slot 0 holds token ids ``first`` [..] (the target's embedding
@@ -286,27 +290,28 @@ class DFlashDraft(nn.Module):
         return torch.cat([e0[..., None, :], rest.to(e0.dtype)], dim=-2)
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, context: list[KV], mask: torch.Tensor | None = None,
-                ) -> torch.Tensor:
+                lin=call, tables: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         """Block slots ``x`` [B, Q, H] at ``positions`` [Q] or [B, Q] over every layer's ``context`` keys/values
-        [B, kv, S, d]; ``mask`` bool [Q, S + Q] or [B, Q, S + Q] (True: attended) or None (every context key and
-        every slot). Returns the last layer's outputs [B, Q, H] (before ``norm``)."""
+        [B, kv, S, d]; ``mask`` bool [Q, S + Q] or [B, Q, S + Q] (True: attended; or an additive float mask of that
+        shape) or None (every context key and every slot); ``tables``: the positions' rotary cos/sin (computed when
+        None). Returns the last layer's outputs [B, Q, H] (before ``norm``)."""
         x = x.to(self.dtype)
         b, q, _ = x.shape
-        cos, sin = self._tables(x, positions.to(x.device))
+        cos, sin = tables or self.rotary_tables(x, positions.to(x.device))
         if mask is not None:
             mask = (mask[None] if mask.dim() == 2 else mask)[:, None].to(x.device)
         for layer, (ck, cv) in zip(self.layers, context):
             a = layer.self_attn
             h = layer.input_layernorm(x)
-            qs = rotate(a.q_norm(a.q_proj(h).view(b, q, a.heads, a.head_dim)).transpose(1, 2), cos, sin)
-            k, v = a.kv(h, cos, sin)
+            qs = rotate(a.q_norm(lin(a.q_proj, h).view(b, q, a.heads, a.head_dim)).transpose(1, 2), cos, sin)
+            k, v = a.kv(h, cos, sin, lin)
             o = F.scaled_dot_product_attention(qs, torch.cat([ck, k], 2), torch.cat([cv, v], 2), attn_mask=mask,
                                                enable_gqa=a.heads != a.kv_heads)
-            x = x + a.o_proj(o.transpose(1, 2).reshape(b, q, -1))
-            x = x + layer.mlp(layer.post_attention_layernorm(x))
+            x = x + lin(a.o_proj, o.transpose(1, 2).reshape(b, q, -1))
+            x = x + layer.mlp(layer.post_attention_layernorm(x), lin)
         return x
 
-    def logits(self, out: torch.Tensor, lm_head: nn.Module) -> torch.Tensor:
+    def logits(self, out: torch.Tensor, lm_head: nn.Module, lin=call) -> torch.Tensor:
         """Logits of outputs [.., H] through ``norm`` and the target's ``lm_head`` ([.., V]), or the draft's own head
         when its vocabulary is reduced ([.., K] over draft ids: :meth:`to_target`, :meth:`full_logits`)."""
         h = self.norm(out)
@@ -314,7 +319,7 @@ class DFlashDraft(nn.Module):
         w = getattr(head, "weight", None)
         if w is not None and w.is_floating_point():
             h = h.to(w.dtype)
-        return head(h)
+        return lin(head, h)
 
     def to_target(self, draft_ids: torch.Tensor) -> torch.Tensor:
         """Target ids of ids in :meth:`logits`' last dimension."""

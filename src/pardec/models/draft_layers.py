@@ -12,6 +12,12 @@ import torch.nn.functional as F
 from torch import nn
 
 
+def call(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """``module(x)``: the drafters' default ``lin`` (through the module's ``__call__``, so its hooks run:
+    DeepSpeed ZeRO-3 gathers a module's partitioned weights in one)."""
+    return module(x)
+
+
 class SwiGLU(nn.Module):
     """``down(silu(gate(x)) * up(x))``, no biases (Llama / Qwen3 MLP; module names as theirs)."""
 
@@ -21,8 +27,9 @@ class SwiGLU(nn.Module):
         self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+    def forward(self, x: torch.Tensor, lin=call) -> torch.Tensor:
+        """``lin(module, x)``: how each linear is applied (a compiled graph passes its own)."""
+        return lin(self.down_proj, F.silu(lin(self.gate_proj, x)) * lin(self.up_proj, x))
 
 
 class SavedConfig:

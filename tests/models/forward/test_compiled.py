@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from torch import nn
 
 from pardec.config import ModelConfig
 from pardec.models.cached import CachedModel
@@ -123,3 +124,21 @@ def test_cudagraph_refuses_a_model_off_cuda_and_names_compiled():
         CachedModel(m, forward_impl="cudagraph")
     with pytest.raises(ValueError, match="choose one of: auto, hf, lean, compiled, cudagraph"):
         CachedModel(m, forward_impl="graphs")
+
+
+
+def test_an_opaque_linear_carries_its_width_in_the_graph():
+    """Inductor caches compiled graphs on disk by their text, and another process may have registered another
+    linear at the same index: the op's output width is an argument in the graph (so in the cache key), not read
+    from the registry while tracing (a DFlash round with a 8,192-row head once loaded a graph compiled for the
+    49,152-row head at that index)."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from pardec.models.forward.compiled import graph_linear, register_opaque
+    from pardec.models.quant.int8 import PerTokenLinear
+
+    lin = PerTokenLinear.of(nn.Linear(8, 24))
+    register_opaque(lin)
+    gm = make_fx(lambda x: graph_linear(lin, x))(torch.randn(3, 8))
+    calls = [n for n in gm.graph.nodes if n.target is torch.ops.pardec.opaque_linear.default]
+    assert len(calls) == 1 and calls[0].args[2] == 24

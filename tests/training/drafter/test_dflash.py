@@ -211,7 +211,7 @@ def test_layer_init_target_copies_the_target_layers_reading_their_own_states():
     states = base(ids, output_hidden_states=True).hidden_states
     feats = torch.cat([states[1], states[2]], -1)
     context = d.context_kv(feats, torch.arange(ids.shape[1]))
-    cos, sin = d._tables(states[1], torch.arange(ids.shape[1]))
+    cos, sin = d.rotary_tables(states[1], torch.arange(ids.shape[1]))
     for i, j in enumerate([1, 2]):
         mine, theirs = d.layers[i], base.model.layers[j]
         assert torch.equal(mine.mlp.down_proj.weight, theirs.mlp.down_proj.weight)

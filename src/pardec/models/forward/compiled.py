@@ -63,13 +63,16 @@ _OPAQUE_INDEX: dict[int, int] = {}
 
 
 @torch.library.custom_op("pardec::opaque_linear", mutates_args=())
-def _opaque_linear(x: torch.Tensor, index: int) -> torch.Tensor:
+def _opaque_linear(x: torch.Tensor, index: int, out_features: int) -> torch.Tensor:
     return _OPAQUE_LINEARS[index](x)
 
 
 @_opaque_linear.register_fake
-def _(x: torch.Tensor, index: int) -> torch.Tensor:
-    return x.new_empty((*x.shape[:-1], _OPAQUE_LINEARS[index].out_features))
+def _(x: torch.Tensor, index: int, out_features: int) -> torch.Tensor:
+    # the width is an argument, not read from the registry: inductor caches compiled graphs on disk by their text,
+    # and another process may have registered another linear at this index (a graph made there with its width
+    # baked in would load here)
+    return x.new_empty((*x.shape[:-1], out_features))
 
 
 class _Gemm(nn.Module):
@@ -84,15 +87,16 @@ class _Gemm(nn.Module):
         return self.gemm(x)
 
 
-def _lin(mod: nn.Module, x: torch.Tensor) -> torch.Tensor:
+def graph_linear(mod: nn.Module, x: torch.Tensor) -> torch.Tensor:
     if type(mod) is nn.Linear:
         return F.linear(x, mod.weight, mod.bias)
     index = _OPAQUE_INDEX.get(id(mod))
     if index is None:
         return mod(x)  # (weight-only int8 linears trace as they are)
+    width = _OPAQUE_LINEARS[index].out_features
     if isinstance(_OPAQUE_LINEARS[index], _Gemm):
-        return mod(x, gemm=lambda unit: _opaque_linear(unit, index))
-    return _opaque_linear(x, index)
+        return mod(x, gemm=lambda unit: _opaque_linear(unit, index, width))
+    return _opaque_linear(x, index, width)
 
 
 def register_opaque(model: nn.Module) -> None:
@@ -110,8 +114,12 @@ def unsupported(model: nn.Module) -> str | None:
     why = lean.unsupported(model)
     if why is not None:
         return why
-    dev = next(model.parameters()).device
-    if dev.type == "cpu" and not (shutil.which("c++") or shutil.which("g++") or shutil.which("clang++")):
+    return compiler_missing(next(model.parameters()).device)
+
+
+def compiler_missing(device: torch.device) -> str | None:
+    """Why ``torch.compile`` cannot run on ``device`` here (None: it can): on a CPU, inductor needs a C++ compiler."""
+    if device.type == "cpu" and not (shutil.which("c++") or shutil.which("g++") or shutil.which("clang++")):
         return "torch.compile on CPU needs a C++ compiler (c++, g++ or clang++) on PATH"
     return None
 
@@ -141,14 +149,14 @@ def _decode(model: nn.Module, ids: torch.Tensor, positions: torch.Tensor, keys: 
     at = slots[1:]
 
     attend = _buffer_attend(keys, values, at, mask)
-    return lean.head(model, lean.decoder_layers(model, h, cos, sin, attend, _lin), _lin)
+    return lean.head(model, lean.decoder_layers(model, h, cos, sin, attend, graph_linear), graph_linear)
 
 
 #: each model's compiled step (weakly keyed: a model that is gone takes its graph with it)
 _compiled: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
-def _own_compiled(fn, store: weakref.WeakKeyDictionary, model: nn.Module):
+def own_compiled(fn, store: weakref.WeakKeyDictionary, model: nn.Module):
     """``fn`` compiled for ``model`` alone (:func:`_step_fn` says why a code object of its own)."""
     compiled_fn = store.get(model)
     if compiled_fn is None:
@@ -166,7 +174,7 @@ def _step_fn(model: nn.Module):
     own (dynamo keeps its graphs per code object): no model can run another's graph, even one of the same shape.
     What the skipped guards would have caught, and the caller must not do: replace a model's modules or change its
     dtype after its first compiled step (pardec quantizes and packs at load, before any step)."""
-    return _own_compiled(_decode, _compiled, model)
+    return own_compiled(_decode, _compiled, model)
 
 
 #: each model's compiled :func:`_rows`
@@ -176,7 +184,7 @@ _compiled_rows: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 def _rows_fn(model: nn.Module):
     """``model``'s compiled :func:`_rows` (one compile for every row count and buffer capacity: both are marked
     dynamic; a new ``capture`` layer compiles again)."""
-    return _own_compiled(_rows, _compiled_rows, model)
+    return own_compiled(_rows, _compiled_rows, model)
 
 
 _serial = itertools.count()
@@ -300,9 +308,9 @@ def _rows(model: nn.Module, ids: torch.Tensor, positions: torch.Tensor, keys: li
     h, cos, sin = lean.embed(model, ids, positions)
     seen: dict[int, torch.Tensor] = {}
     attend = _buffer_attend(keys, values, at, mask)
-    h = lean.decoder_layers(model, h, cos, sin, attend, _lin,
+    h = lean.decoder_layers(model, h, cos, sin, attend, graph_linear,
                             on_layer=seen.__setitem__ if capture is not None else None)
-    normed, logits = lean.norm_head(model, h, _lin, keep)
+    normed, logits = lean.norm_head(model, h, graph_linear, keep)
     if capture is None:
         return logits
     return logits, lean.captured(seen, normed, capture, len(model.model.layers))
