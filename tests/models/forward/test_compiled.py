@@ -38,14 +38,14 @@ def test_compiled_gives_the_logits_of_the_lean_forward():
 @pytest.mark.parametrize("scheme", ["per_channel", "per_token"])
 def test_compiled_runs_int8_linears_as_an_opaque_op(scheme):
     """fbgemm's dynamic linears run whole as an opaque op; a per-token linear's GEMM alone (its scaling traced)."""
-    from pardec.models.forward.compiled import _OPAQUE_INDEX, _OPAQUE_LINEARS, _Gemm
+    from pardec.models.forward.compiled import _OPAQUE_LINEARS, _Gemm
     from pardec.models.loading import load_model
 
     m = load_model(ModelConfig(name="tiny_random", source="tiny_random", device="cpu", dtype="int8",
                                int8_weights=scheme, int8_smooth=None, int8_skip=[])).model
     for a, b in zip(_script(CachedModel(m, forward_impl="lean")), _script(CachedModel(m, forward_impl="compiled"))):
         _close(a, b)
-    opaque = _OPAQUE_LINEARS[_OPAQUE_INDEX[id(m.lm_head)]]
+    opaque = _OPAQUE_LINEARS[m.lm_head._opaque[0]]
     assert isinstance(opaque, _Gemm) == (scheme == "per_token")
 
 
@@ -127,14 +127,18 @@ def test_cudagraph_refuses_a_model_off_cuda_and_names_compiled():
 
 
 
-def test_an_opaque_linear_carries_its_width_in_the_graph():
+def test_an_opaque_linear_carries_its_width_in_the_graph_and_later_registrations_do_not_recompile():
     """Inductor caches compiled graphs on disk by their text, and another process may have registered another
     linear at the same index: the op's output width is an argument in the graph (so in the cache key), not read
     from the registry while tracing (a DFlash round with a 8,192-row head once loaded a graph compiled for the
-    49,152-row head at that index)."""
+    49,152-row head at that index). Nor does a graph read the registry's size: linears registered after it was
+    compiled (another role's drafter) do not compile it again. A copy of a registered linear gets its own index."""
+    import copy
+
+    from torch._dynamo.utils import counters
     from torch.fx.experimental.proxy_tensor import make_fx
 
-    from pardec.models.forward.compiled import graph_linear, register_opaque
+    from pardec.models.forward.compiled import _OPAQUE_LINEARS, graph_linear, register_opaque
     from pardec.models.quant.int8 import PerTokenLinear
 
     lin = PerTokenLinear.of(nn.Linear(8, 24))
@@ -142,3 +146,16 @@ def test_an_opaque_linear_carries_its_width_in_the_graph():
     gm = make_fx(lambda x: graph_linear(lin, x))(torch.randn(3, 8))
     calls = [n for n in gm.graph.nodes if n.target is torch.ops.pardec.opaque_linear.default]
     assert len(calls) == 1 and calls[0].args[2] == 24
+
+    torch._dynamo.reset()
+    counters.clear()
+    f = torch.compile(lambda x: graph_linear(lin, x * 2.0), fullgraph=True)
+    x = torch.randn(3, 8)
+    torch.testing.assert_close(f(x), lin(x * 2.0))
+    twin = copy.deepcopy(lin)
+    register_opaque(twin)
+    register_opaque(PerTokenLinear.of(nn.Linear(8, 16)))
+    assert twin._opaque[0] != lin._opaque[0] and _OPAQUE_LINEARS[twin._opaque[0]].gemm.__self__ is twin
+    torch.testing.assert_close(f(x), lin(x * 2.0))
+    assert counters["stats"]["unique_graphs"] == 1
+    torch._dynamo.reset()

@@ -59,7 +59,8 @@ from pardec.models.quant.packed import PackedLinear
 #: linears with packed weights (fbgemm int8, oneDNN bf16), reachable from the compiled graph by index (dynamo
 #: cannot trace their packed weights)
 _OPAQUE_LINEARS: list[nn.Module] = []
-_OPAQUE_INDEX: dict[int, int] = {}
+#: the module each index was given to (what :func:`register_opaque` checks a module's tag against)
+_OPAQUE_OWNERS: list[nn.Module] = []
 
 
 @torch.library.custom_op("pardec::opaque_linear", mutates_args=())
@@ -88,25 +89,34 @@ class _Gemm(nn.Module):
 
 
 def graph_linear(mod: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """``mod`` applied to ``x`` inside a compiled graph: a plain linear traced, a registered packed one
+    (:func:`register_opaque`) through :func:`_opaque_linear`. What it reads is the module's own ``_opaque`` tag,
+    never the registry: dynamo would guard a graph on the registry's size, so that every linear registered later
+    (another role's drafter) would compile the graph again."""
     if type(mod) is nn.Linear:
         return F.linear(x, mod.weight, mod.bias)
-    index = _OPAQUE_INDEX.get(id(mod))
-    if index is None:
+    tag = getattr(mod, "_opaque", None)
+    if tag is None:
         return mod(x)  # (weight-only int8 linears trace as they are)
-    width = _OPAQUE_LINEARS[index].out_features
-    if isinstance(_OPAQUE_LINEARS[index], _Gemm):
+    index, width, gemm_only = tag
+    if gemm_only:
         return mod(x, gemm=lambda unit: _opaque_linear(unit, index, width))
     return _opaque_linear(x, index, width)
 
 
 def register_opaque(model: nn.Module) -> None:
     """Give every fbgemm int8 linear and every prepacked bf16 linear of ``model`` an index for
-    :func:`_opaque_linear` (per-token int8 linears: their GEMM only)."""
+    :func:`_opaque_linear` (per-token int8 linears: their GEMM only), kept on the module as its ``_opaque`` tag
+    (index, output width, whether the GEMM alone is opaque)."""
     kinds = (_quantized_linear_type(), PackedLinear, PerTokenLinear)
     for mod in model.modules():
-        if isinstance(mod, kinds) and id(mod) not in _OPAQUE_INDEX:
-            _OPAQUE_INDEX[id(mod)] = len(_OPAQUE_LINEARS)
-            _OPAQUE_LINEARS.append(_Gemm(mod) if isinstance(mod, PerTokenLinear) else mod)
+        tag = getattr(mod, "_opaque", None)
+        # (a copy of a registered module carries its original's tag: it gets an index of its own)
+        if isinstance(mod, kinds) and (tag is None or _OPAQUE_OWNERS[tag[0]] is not mod):
+            gemm_only = isinstance(mod, PerTokenLinear)
+            mod._opaque = (len(_OPAQUE_LINEARS), int(mod.out_features), gemm_only)
+            _OPAQUE_LINEARS.append(_Gemm(mod) if gemm_only else mod)
+            _OPAQUE_OWNERS.append(mod)
 
 
 def unsupported(model: nn.Module) -> str | None:
