@@ -339,3 +339,27 @@ def test_a_run_uses_its_own_forwards_cost_table_and_says_which(tmp_path, monkeyp
     assert run(cfg_of("+method=pld", "forward_impl=hf", *TINY), tmp_path / "hf")["cost_table"] == "fp32"
     # forward_impl=auto (the default) resolves before the table is looked up: lean's table on this CPU
     assert run(cfg_of("+method=pld", *TINY), tmp_path / "auto")["cost_table"] == "fp32-lean"
+
+
+def test_the_warm_up_keeps_the_decoders_that_carry_nothing(tmp_path, monkeypatch):
+    """After the warm-up, only decoders that carry state from one generation to the next (``carried()`` not None:
+    Ouroboros's warm_start pool) are built again; the others keep what their warm-up built (a compiled DFlash
+    round's graph, compiled once per drafter, would otherwise compile again inside the first timed prompt)."""
+    import pardec.evaluation.loop as loop
+
+    built: list[str] = []
+    real = loop.build_decoder
+
+    def counting(name, *args, **kwargs):
+        built.append(name)
+        return real(name, *args, **kwargs)
+
+    monkeypatch.setattr(loop, "build_decoder", counting)
+    run(cfg_of("+method=pld", *TINY, "bench.include_hf=false", "max_new_tokens=8", "perplexity.enabled=false",
+               "bench.warmup=1"), tmp_path / "run")
+    assert sorted(built) == ["ar", "pld"]  # once each: neither carries anything
+    built.clear()
+    run(cfg_of("+method=ouroboros", "method.warm_start=true", "method.gamma=4", "method.window=4", "method.level=4",
+               "method.guess_set=4", "draft=tiny_random", *TINY[:2], "bench.include_hf=false", "max_new_tokens=8",
+               "perplexity.enabled=false", "bench.warmup=1"), tmp_path / "ouro")
+    assert sorted(built) == ["ar", "ouroboros", "ouroboros"]  # the pool's owner again after the warm-up

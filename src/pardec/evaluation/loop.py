@@ -139,8 +139,12 @@ def _run(cfg: DictConfig, run_dir: Path, spec, ranks: rk.Ranks, task, docs: list
         roles += [(role, name, {}) for role, name in PEERS.items()
                   if name not in (spec.method, roles[0][1]) and (draft is not None or not METHODS.get(name).needs_draft)]
     roles += spec.also
-    def fresh_decoders() -> dict:
-        return {role: build_decoder(name, target, tok, draft, **params) for role, name, params in roles}
+    def fresh_decoders(old: dict | None = None) -> dict:
+        """Every role's decoder; given the ``old`` ones, new ones only for those that carry something from one
+        generation to the next (:meth:`~pardec.decoding.base.Decoder.carried`): the others keep what their first
+        generations built (a compiled DFlash round's graph)."""
+        return {role: old[role] if old is not None and old[role].carried() is None
+                else build_decoder(name, target, tok, draft, **params) for role, name, params in roles}
 
     decoders = fresh_decoders()
     method_role = "method" if len(roles) > 1 and roles[1][0] == "method" else "baseline"
@@ -163,7 +167,7 @@ def _run(cfg: DictConfig, run_dir: Path, spec, ranks: rk.Ranks, task, docs: list
             log.warning("warm-up stopped: %s", e)
         # the warm-up prompt is the first timed one: decoders that keep state across prompts (Ouroboros's
         # warm_start pool) must not start the timed run with what they learnt from it
-        decoders = fresh_decoders()
+        decoders = fresh_decoders(decoders)
 
     desc = f"{spec.method} on {spec.dataset.name}" + (f" [rank {ranks.rank}/{ranks.world}]" if ranks.multi else "")
     bar = tqdm(mine, desc=desc, unit="prompt", dynamic_ncols=True, position=ranks.rank if ranks.multi else None)
