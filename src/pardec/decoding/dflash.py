@@ -54,6 +54,8 @@ class ContextCache:
     def __init__(self, drafter: DFlashDraft, capacity: int, device, dtype, spare: int = 0):
         c = drafter.config
         shape = (1, c.num_key_value_heads, capacity + spare, c.head_dim)
+        # zeros, not empty: a compiled round attends over the whole buffer, its unwritten slots masked (a weight of
+        # exactly 0 times uninitialised memory could be 0 * NaN)
         self.k = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(c.num_hidden_layers)]
         self.v = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(c.num_hidden_layers)]
         self.drafter, self.length, self.capacity, self.spare = drafter, 0, capacity, spare
