@@ -40,9 +40,10 @@ from pardec.decoding.sampling import sample, warp
 from pardec.decoding.verify import verify_chain
 from pardec.models.cached import CachedModel
 from pardec.models.dflash import DFlashDraft, restrict_vocab
-from pardec.models.dflash_compiled import check_compilable, draft_round
+from pardec.models.dflash_compiled import draft_round
 from pardec.models.dflash_formats import load_dflash
 from pardec.models.drafters import check_int8_weights, place
+from pardec.models.forward.compiled import compiler_missing
 from pardec.models.vocab import DraftVocab, read_vocab
 
 
@@ -64,14 +65,18 @@ class ContextCache:
     def append(self, features: torch.Tensor) -> tuple[int]:
         """Context entries for ``features`` [n, K * H_t] at the next ``n`` positions; returns (draft forwards,)."""
         n = features.shape[0]
-        if self.length + n > self.capacity:
-            raise RuntimeError(f"dflash context cache: {self.length} + {n} entries exceed its {self.capacity}")
+        self.check_room(n)
         pos = torch.arange(self.length, self.length + n, device=features.device)
         for i, (k, v) in enumerate(self.drafter.context_kv(features[None], pos)):
             self.k[i][:, :, self.length : self.length + n] = k
             self.v[i][:, :, self.length : self.length + n] = v
         self.length += n
         return (1,)
+
+    def check_room(self, n: int) -> None:
+        """Refuse ``n`` more entries past the capacity."""
+        if self.length + n > self.capacity:
+            raise RuntimeError(f"dflash context cache: {self.length} + {n} entries exceed its {self.capacity}")
 
     def view(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
         return [(k[:, :, : self.length], v[:, :, : self.length]) for k, v in zip(self.k, self.v)]
@@ -150,7 +155,7 @@ class DFlash(Decoder):
         c = drafter.config
         self.width, self.n = block_shape(c, target.config, block_size, num_speculative_tokens)
         self.drafter = decoding_drafter(drafter, target.model, target.device, int8_weights, vocab)
-        why = check_compilable(self.drafter) if compile else None
+        why = compiler_missing(next(self.drafter.parameters()).device) if compile else None
         if why is not None:
             raise ConfigError(f"method.compile=true: {why} (or method.compile=false)")
         self.layers = tuple(int(i) for i in c.layer_ids)

@@ -30,7 +30,7 @@ import torch
 from torch import nn
 
 from pardec.models.dflash import DFlashDraft
-from pardec.models.forward.compiled import compiler_missing, graph_linear, own_compiled, register_opaque
+from pardec.models.forward.compiled import graph_linear, own_compiled, register_opaque
 
 #: per drafter: {(id(head), width): the store own_compiled keeps that triple's function in}
 _stores: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -54,14 +54,15 @@ def _round(drafter: DFlashDraft, head: nn.Module, features: torch.Tensor, tables
 
 
 def _round_fn(drafter: DFlashDraft, head: nn.Module, width: int):
+    """The compiled :func:`_round` of this drafter, head and width; their packed linears are registered when it
+    is made (once, not every round)."""
     per = _stores.setdefault(drafter, {})
-    store = per.setdefault((id(head), width), weakref.WeakKeyDictionary())
-    return own_compiled(_round, store, drafter)
-
-
-def check_compilable(drafter: DFlashDraft) -> str | None:
-    """Why :func:`draft_round` cannot run ``drafter`` here (None: it can)."""
-    return compiler_missing(next(drafter.parameters()).device)
+    key = (id(head), width)
+    if key not in per:
+        register_opaque(drafter)
+        register_opaque(head)
+        per[key] = weakref.WeakKeyDictionary()
+    return own_compiled(_round, per[key], drafter)
 
 
 def draft_round(drafter: DFlashDraft, head: nn.Module, cache, pending: torch.Tensor | None, x: torch.Tensor
@@ -73,13 +74,10 @@ def draft_round(drafter: DFlashDraft, head: nn.Module, cache, pending: torch.Ten
     width = x.shape[1]
     if cache.spare < width:
         raise RuntimeError(f"dflash compiled round: the context cache has {cache.spare} spare slots, the block {width}")
-    register_opaque(drafter)
-    register_opaque(head)
     m = 0 if pending is None else pending.shape[0]
     if m > width:
         raise RuntimeError(f"dflash compiled round: {m} committed tokens exceed the block width {width}")
-    if cache.length + m > cache.capacity:
-        raise RuntimeError(f"dflash context cache: {cache.length} + {m} entries exceed its {cache.capacity}")
+    cache.check_room(m)
     dev = x.device
     features = torch.zeros((1, width, cache.feature_width), dtype=drafter.dtype, device=dev)
     if m:
