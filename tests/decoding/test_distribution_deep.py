@@ -27,7 +27,7 @@ Each case runs with parameters that reach its deep paths, and the test asserts t
 * ``dflash`` (a block of 4, each slot's draft sampled from its recorded q): a fitted DFlash drafter
   (:func:`dflash_deep`) accepted >= 2 deep and rejected below the root; ``dflash_vocab`` the same drafter over a
   draft vocabulary without tokens 9 and 15 (:func:`vocab_deep`: its q is 0 at the cycle's token 9, which only the
-  residual can give);
+  residual can give); ``dflash_compiled`` the same drafter with ``compile=true`` (each round one compiled graph);
 * ``lookahead`` / ``pld``: pool / prompt n-grams accepted >= 2 deep.
 
 Set-up. The prompt is the target's own 3-cycle (0 -> 5 -> 9 -> 0, each step with probability 0.45-0.8 at
@@ -96,7 +96,7 @@ PROMPT = [0, 5, 9, 0, 5, 9, 0]  # the target's 3-cycle (see the module doc)
 N = {"t1": 2000, "warped": 2400}  # the power the module doc states
 FLOOR = 1e-9  # prefixes below this probability are left out of the exact joints
 #: case -> the method it runs
-METHOD_OF = {"sdsat_k5": "sdsat", "eagle3_chain": "eagle3", "dflash_vocab": "dflash"}
+METHOD_OF = {"sdsat_k5": "sdsat", "eagle3_chain": "eagle3", "dflash_vocab": "dflash", "dflash_compiled": "dflash"}
 PARAMS = {
     "sps": {"gamma": 3},  # tokens 2-4 drafted in the first round, token 5 its bonus
     "pld": {"max_ngram": 3, "num_pred": 4},
@@ -116,6 +116,7 @@ PARAMS = {
     "eagle3_chain": {"mode": "chain", "num_speculative_tokens": 3},
     "dflash": {"num_speculative_tokens": 3},  # a fitted DFlash drafter (dflash_deep), blocks of 4
     "dflash_vocab": {"num_speculative_tokens": 3},  # + draft_vocab: vocab_deep()
+    "dflash_compiled": {"num_speculative_tokens": 3, "compile": True},  # the round as one compiled graph
 }
 LENGTH = {"sdsat": 7, "sdsat_k5": 7}
 GROUPS_OF = {"sdsat": ((2, 3, 4), (4, 5, 6)), "sdsat_k5": ((2, 3, 4), (4, 5, 6))}
