@@ -103,6 +103,9 @@ def test_frozen_models_and_trainable_drafters():
     lora = P.plan("sdsat_codellama7b", overrides=["trainer.lora.enabled=true"])
     assert lora.trainable == 32 * 16 * (4 * (4096 + 4096) + 2 * (4096 + 11008) + (11008 + 4096))
     assert lora.total < P.plan("sdsat_codellama7b").total
+    dflash, reduced = P.plan("dflash_llama31_8b"), P.plan("dflash_llama31_8b", overrides=["+drafter.draft_vocab_size=32000"])
+    assert reduced.trainable - dflash.trainable == 32000 * 4096  # its own head over 32000 ids
+    assert reduced.components["logits"] < dflash.components["logits"] / 3  # the slots' logits over 32000 of 128256
 
 
 def test_activation_formula_follows_korthikanti_with_the_gated_mlp():

@@ -222,18 +222,24 @@ class DFlashDraft(nn.Module):
 
     @classmethod
     def fresh(cls, base_config, target: TargetParts, options: dict[str, Any]) -> DFlashDraft:
-        """:func:`new_dflash` (options ``layers`` and ``dflash``: :meth:`DFlashConfig.for_target`'s); the mask
-        embedding starts at the target embedding's mean row."""
-        o = only(options, cls.kind, ("layers", "dflash"))
+        """:func:`new_dflash` (options ``layers`` and ``dflash``: :meth:`DFlashConfig.for_target`'s; ``vocab``: a
+        reduced draft vocabulary, whose own head starts from the target head's rows); the mask embedding starts at
+        the target embedding's mean row."""
+        o = only(options, cls.kind, ("layers", "dflash", "vocab"))
         return new_dflash(base_config, None if target.embed is None else target.embed.weight,
+                          vocab=o.get("vocab"), lm_head=None if target.lm_head is None else target.lm_head.weight,
                           **{"layer_ids": o.get("layers"), **(o.get("dflash") or {})})
 
     @classmethod
     def from_section(cls, base_config, options: dict[str, Any], target: TargetParts | None = None) -> DFlashDraft:
         """From a ``drafter`` config section (``target``: the target's parts it starts from; none: a memory plan's
-        meta-device build)."""
-        return cls.fresh(base_config, target or TargetParts(), {"layers": options.get("layers"), "dflash": {
-            k: options[k] for k in ("num_layers", "block_size", "mask_token_id", "fusion") if k in options}})
+        meta-device build). With ``draft_vocab_size`` the vocabulary's first ids stand in for the counted ones
+        (training counts its vocabulary first: :func:`pardec.training.drafter.vocab.corpus_vocab`)."""
+        size = options.get("draft_vocab_size")
+        vocab = None if size is None else DraftVocab(range(int(size)), int(base_config.vocab_size))
+        return cls.fresh(base_config, target or TargetParts(), {"layers": options.get("layers"), "vocab": vocab,
+                         "dflash": {k: options[k] for k in ("num_layers", "block_size", "mask_token_id", "fusion")
+                                    if k in options}})
 
     @classmethod
     def from_saved(cls, meta: dict[str, Any], state: dict, base_config) -> DFlashDraft:
@@ -356,12 +362,20 @@ def restrict_vocab(drafter: DFlashDraft, vocab: DraftVocab, lm_head: nn.Module) 
     return new
 
 
-def new_dflash(target_config, embed: torch.Tensor | None = None, **options) -> DFlashDraft:
+def new_dflash(target_config, embed: torch.Tensor | None = None, vocab: DraftVocab | None = None,
+               lm_head: torch.Tensor | None = None, **options) -> DFlashDraft:
     """A fresh DFlash draft for a target with ``target_config`` (``options``: :meth:`DFlashConfig.for_target`'s);
     ``embed``: the target's embedding weight [V, H], whose mean row starts the learned mask embedding. Every norm
-    starts at ones, the final ``norm`` included (the reference's ``Qwen3RMSNorm`` init)."""
-    draft = DFlashDraft(DFlashConfig.for_target(target_config, **options))
+    starts at ones, the final ``norm`` included (the reference's ``Qwen3RMSNorm`` init). ``vocab``: a reduced draft
+    vocabulary (``speculators``' layout): an own head over its ids, started from ``lm_head`` (the target's LM head
+    weight [V, H]) rows at those ids, as EAGLE-3's head starts; None: the target's own head, shared."""
+    config = DFlashConfig.for_target(target_config, **options)
+    if vocab is not None and len(vocab) < config.vocab_size:
+        config = replace(config, draft_vocab_size=len(vocab))
+    draft = DFlashDraft(config, vocab if config.reduced else None)
     with torch.no_grad():
+        if config.reduced and lm_head is not None and lm_head.shape[1] == config.hidden_size:
+            draft.lm_head.weight.copy_(lm_head.detach()[vocab.ids.to(lm_head.device)].to(draft.lm_head.weight))
         if hasattr(draft, "mask_embedding"):
             if embed is not None and embed.is_floating_point() and embed.shape[-1] == draft.config.hidden_size:
                 draft.mask_embedding.copy_(embed.detach().float().mean(0).to(draft.mask_embedding))

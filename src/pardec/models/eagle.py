@@ -175,7 +175,7 @@ class Eagle3Draft(nn.Module):
     def from_section(cls, base_config, options: dict[str, Any], target: TargetParts | None = None) -> Eagle3Draft:
         """From a ``drafter`` config section (no corpus: the draft vocabulary's first ``draft_vocab_size`` ids stand in
         for the counted ones; a memory plan's meta-device build). Training counts its vocabulary first
-        (:func:`pardec.training.drafter.eagle.eagle3_vocab`) and calls :meth:`fresh`."""
+        (:func:`pardec.training.drafter.vocab.corpus_vocab`) and calls :meth:`fresh`."""
         size = int(options.get("draft_vocab_size", base_config.vocab_size))
         return cls.fresh(base_config, target or TargetParts(), {"layers": options.get("layers"),
                                                       "vocab": DraftVocab(range(size), int(base_config.vocab_size))})

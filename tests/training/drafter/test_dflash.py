@@ -13,7 +13,10 @@ import torch
 import torch.nn.functional as F
 
 from pardec.config import ConfigError
+from pardec.decoding import build_decoder
+from pardec.models.cached import CachedModel
 from pardec.models.drafters import load_drafter, new_drafter
+from pardec.models.vocab import DraftVocab
 from pardec.train import run, validate
 from pardec.training.drafter.dflash import (
     DFlashCollator,
@@ -103,6 +106,72 @@ def test_the_loss_equals_a_plain_per_block_reference():
     assert terms.count.tolist() == [2, 2]
 
 
+@pytest.mark.parametrize("loss", ["ce", "kl"])
+def test_a_reduced_head_trains_over_its_own_ids(loss):
+    """drafter.draft_vocab_size: an own head over K ids, started from the target head's rows; block_terms = the
+    per-block reference over those K logits (kl: the target's distribution restricted to them); a label outside
+    them adds no term, stays counted, and is a miss in the top-1."""
+    lm = tiny(0, layers=4)
+    embed, head = lm.model.model.embed_tokens, lm.model.lm_head
+    ids = torch.tensor([[4, 8, 15, 16, 23, 42, 7, 9]])
+    keep = [0, 1, 2, 4, 7, 8, 9, 15, 16, 23]  # 42 (slot 1's label at anchor 4) is not a draft id
+    vocab = DraftVocab(keep, lm.model.config.vocab_size)
+    torch.manual_seed(0)
+    d = new_drafter("dflash", lm.model.config, embed=embed, lm_head=head, vocab=vocab,
+                    dflash={"num_layers": 2, "block_size": 3})
+    assert d.config.reduced and d.config.draft_vocab_size == len(keep)
+    assert torch.equal(d.lm_head.weight, head.weight[vocab.ids]) and d.lm_head.weight.requires_grad
+    feats = torch.randn(1, 8, 2 * d.config.hidden_size)
+    target_logits = torch.randn(1, 8, lm.model.config.vocab_size)
+    tp = TargetPass(feats, target_logits, None)
+    anchors, valid = torch.tensor([[2, 4]]), torch.tensor([[True, True]])
+    mask = torch.ones_like(ids, dtype=torch.bool)
+    terms = block_terms(d, tp, embed, head, ids, mask, anchors, valid, 3, gamma=7.0, loss=loss)
+    want, agree = 0.0, [0, 0]
+    for a in (2, 4):
+        ctx = d.context_kv(feats[:, :a], torch.arange(a))
+        out = d(d.block_inputs(embed, ids[:, a], 3), torch.arange(a, a + 3), ctx)
+        logq = d.logits(out[0, 1:], head).log_softmax(-1)  # [2, K]
+        assert logq.shape[-1] == len(keep)
+        for k in (1, 2):
+            label = int(ids[0, a + k])
+            agree[k - 1] += keep[int(logq[k - 1].argmax())] == label
+            if loss == "kl":
+                logp = target_logits[0, a + k - 1, keep].log_softmax(-1)
+                want += (logp.exp() * (logp - logq[k - 1])).sum() * math.exp(-(k - 1) / 7)
+            elif label in keep:
+                want += -logq[k - 1, keep.index(label)] * math.exp(-(k - 1) / 7)
+    torch.testing.assert_close(terms.total, torch.as_tensor(want, dtype=terms.total.dtype), rtol=1e-4, atol=1e-4)
+    assert terms.count.tolist() == [2, 2] and terms.agree.tolist() == agree
+
+
+def test_a_reduced_head_grows_on_a_whole_vocabulary_drafter(tmp_path):
+    """drafter.init_from a whole-vocabulary drafter with drafter.draft_vocab_size: every trained tensor is the
+    prior's, the head the target's rows at the counted ids; the drafter saves and loads reduced, records the vocabulary
+    it was made with, and decodes exactly as ar (greedy, fp32)."""
+    first = tmp_path / "out" / "first"
+    summary = run(_compose(_overrides(tmp_path)), first)
+    assert summary["train"]["steps"] == 2
+    second = tmp_path / "out" / "second"
+    summary = run(_compose(_overrides(tmp_path, f"+drafter.init_from={first}/final", "+drafter.draft_vocab_size=64")),
+                  second)
+    lm = tiny(0, layers=4)
+    prior, _ = load_drafter(first / "final", lm.model.config, "dflash")
+    d, meta = load_drafter(second / "final", lm.model.config, "dflash")
+    assert d.config.reduced and d.config.draft_vocab_size == 64 and meta["draft_vocab_size"] == 64
+    assert 0 < meta["draft_vocab_coverage"] <= 1 and meta["total_steps"] == 4
+    assert set(lm.eos_ids) <= set(d.vocab.ids.tolist())
+    state = prior.state_dict()
+    for k, v in d.state_dict().items():  # every tensor but the new head's is the prior's, trained on
+        assert k in ("lm_head.weight", "d2t", "t2d") or v.shape == state[k].shape
+    ev = json.loads((second / "drafter_eval.json").read_text())
+    assert ev["positions"] > 0 and len(ev["overall"]["conditional_acceptance"]) == 3
+    cm = CachedModel(lm.model, forward_impl="lean")
+    ar = build_decoder("ar", cm)
+    for prompt in ([3, 1, 4, 1, 5], [9, 2, 6]):
+        assert build_decoder("dflash", cm, None, d).generate(prompt, 20).tokens == ar.generate(prompt, 20).tokens
+
+
 def _overrides(tmp_path, *extra: str) -> list[str]:
     return ["+experiment=dflash_tiny", f"paths.data_dir={tmp_path}/data", f"paths.output_dir={tmp_path}/out", *extra]
 
@@ -138,7 +207,7 @@ def test_config_errors(tmp_path):
         (["+drafter.fusion=mix"], r"drafter.fusion='mix' is not valid; choose one of: concat, layerwise"),
         (["+drafter.dpace_alpha=0"], r"drafter.dpace_alpha=0\.0 is out of range"),
         (["+drafter.layers=[0,4]"], r"drafter.layers=\[0, 4\] is out of range: the target tiny_random has layers 0..3"),
-        (["+drafter.draft_vocab_size=3"], r"unknown key\(s\) \['draft_vocab_size'\] in drafter \(type dflash\)"),
+        (["+drafter.draft_vocab_size=1"], r"drafter.draft_vocab_size=1 is out of range: it must be an integer >= 2"),
         (["+drafter.layer_init=copy"], r"drafter.layer_init='copy' is not valid; choose one of: random, target"),
         (["+drafter.layer_init=target"], r"drafter.layer_init=target needs drafter.fusion=layerwise"),
         (["+drafter.layer_init=target", "+drafter.fusion=layerwise", "+drafter.layers=[0,1,2]"],
@@ -153,7 +222,7 @@ def test_config_errors(tmp_path):
                               f"paths.output_dir={tmp_path}/out"]))
     assert spec.drafter == {"type": "dflash", "num_layers": 5, "layers": None, "block_size": 16, "num_anchors": 32,
                           "gamma": 7.0, "loss": "ce", "weighting": "decay", "dpace_alpha": 0.5, "fusion": "concat",
-                          "mask_token_id": None, "layer_init": "random"}
+                          "mask_token_id": None, "layer_init": "random", "draft_vocab_size": None}
     assert spec.trainer["learning_rate"] == 6e-4 and spec.trainer["lr_scheduler_type"] == "cosine"
 
 

@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 import random
 import shutil
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -21,12 +20,13 @@ from pardec.models.vocab import DraftVocab
 from pardec.train import run, validate
 from pardec.training.completions import CompletionDataset
 from pardec.training.drafter.batches import RightPadCollator, term_count
-from pardec.training.drafter.eagle import acceptance, eagle3_vocab, ttt_mask, ttt_terms, ttt_unroll
+from pardec.training.drafter.eagle import acceptance, ttt_mask, ttt_terms, ttt_unroll
 from pardec.training.drafter.target import TargetPass, target_pass
 from pardec.training.drafter.trainer import (
     DrafterConfig,
     DrafterTrainer,
 )
+from pardec.training.drafter.vocab import corpus_vocab
 from tests.conftest import tiny
 from tests.training.test_train_app import _compose
 
@@ -217,10 +217,8 @@ def test_vocabulary_is_the_same_for_any_record_order():
     lm = tiny(0)
     g = random.Random(0)
     records = [{"completion_ids": [g.randrange(0, 3000) for _ in range(50)]} for _ in range(20)]
-    spec = SimpleNamespace(drafter={"draft_vocab_size": 64})
-    vocab, facts = eagle3_vocab(spec, records, lm)
-    shuffled = records[::-1]
-    vocab2, facts2 = eagle3_vocab(spec, shuffled, lm)
+    vocab, facts = corpus_vocab(64, records, lm)
+    vocab2, facts2 = corpus_vocab(64, records[::-1], lm)
     assert torch.equal(vocab.ids, vocab2.ids) and facts == facts2 and len(vocab) == 64
     assert set(lm.eos_ids) <= set(vocab.ids.tolist())
     assert 0.0 < facts["draft_vocab_coverage"] < 1.0 and facts["corpus_completion_tokens"] == 1000

@@ -18,6 +18,12 @@ context keys/values come from them once.
   cross-entropy to the corpus token ``x_{a+k}``, which on pardec's corpus (the target's own greedy completions) is
   the target's greedy token; ``kl``: KL(target || draft) to the target's distribution at ``a + k - 1`` (the
   ``speculators`` option). A term counts where ``x_{a+k}`` is a completion token inside the sequence.
+* **Head** (``drafter.draft_vocab_size``): null (the paper's) is the target's frozen LM head over its whole
+  vocabulary; ``K`` (beyond the paper; ``speculators``' reduced layout) an own head over the training corpus's ``K``
+  most common completion tokens (EAGLE-3's choice), started from the target head's rows and trained, so each slot's
+  softmax runs over ``K`` ids: a label outside them adds no term but stays in the normaliser and counts as a miss
+  in the logged top-1 (pardec's EAGLE-3 rule); ``kl`` restricts the target's distribution to the ``K`` ids. A
+  whole-vocabulary drafter continued with a reduced head (``drafter.init_from``) starts that head the same way.
 * **Position weights** (``drafter.weighting``): ``decay`` (default; the paper's Eq. 4): ``w_k = exp(-(k - 1) / gamma)``
   with ``gamma = 7`` for blocks of 16 (the paper's App. A.1 value as NeMo-Automodel and SpecForge's Qwen3-8B recipe
   carry it; ``speculators`` defaults to 4); ``dpace`` (beyond the paper: D-PACE, arXiv 2605.18810, as ``speculators``
@@ -45,6 +51,7 @@ from pardec.training.drafter.batches import RightPadCollator
 from pardec.training.drafter.heldout import summarise
 from pardec.training.drafter.target import target_pass
 from pardec.training.drafter.types import DrafterType, check_layer_list, register_drafter_type
+from pardec.training.drafter.vocab import check_vocab_size, corpus_vocab
 
 LOSSES = ("ce", "kl")
 WEIGHTINGS = ("decay", "dpace")
@@ -180,23 +187,38 @@ def block_terms(drafter, target, embed, lm_head, ids: torch.Tensor, loss_mask: t
     """DFlash's loss terms of one batch (module docstring)."""
     out = block_outputs(drafter, target, embed, ids, anchors, block, call)[:, :, 1:]  # slots 1 .. block - 1
     labels, counted = label_grid(ids, loss_mask, anchors, valid, block)
-    logq, nll = slot_nll(drafter.logits(out, lm_head), labels)
+    kept, index = draft_labels(drafter, labels)
+    logq, nll = slot_nll(drafter.logits(out, lm_head), index)
+    nll = torch.where(kept, nll, torch.zeros_like(nll))  # a label the reduced head cannot name: no term (EAGLE-3's rule)
     if loss == "ce":
         per = nll
-    else:  # KL(p || q) to the target's distribution at a + k - 1
+    else:  # KL(p || q) to the target's distribution at a + k - 1 (restricted to a reduced head's ids)
         t = ids.shape[1]
         src = (anchors[..., None] + torch.arange(block - 1, device=ids.device)).clamp(max=t - 1)
         with torch.no_grad():
             logp = target.logits.gather(1, src.flatten(1)[..., None].expand(-1, -1, target.logits.shape[-1]))
+            if drafter.config.reduced:
+                logp = logp[..., drafter.to_target(torch.arange(logq.shape[-1], device=logp.device))]
             logp = logp.view(*src.shape, -1).float().log_softmax(-1)
         per = (logp.exp() * (logp - logq)).sum(-1)
-    w = position_weights(weighting, nll, counted, gamma, alpha)
+    # D-PACE reads a label the head cannot name as probability 0
+    w = position_weights(weighting, torch.where(kept, nll, torch.full_like(nll, float("inf"))), counted, gamma, alpha)
     total = (per * w).sum()
     with torch.no_grad():
         ce_sum = (nll * counted).sum((0, 1)).double().cpu()
-        agree = ((logq.argmax(-1) == labels) & counted).sum((0, 1)).double().cpu()
+        agree = ((drafter.to_target(logq.argmax(-1)) == labels) & counted).sum((0, 1)).double().cpu()
         count = counted.sum((0, 1)).double().cpu()
     return BlockTerms(total, ce_sum, agree, count)
+
+
+def draft_labels(drafter, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(whether each target-id label is one of the draft's ids, its index in :meth:`DFlashDraft.logits`' last
+    dimension: the label itself for a whole-vocabulary drafter, its draft id (0 where it has none) for a reduced
+    head)."""
+    if not drafter.config.reduced:
+        return torch.ones_like(labels, dtype=torch.bool), labels
+    t2d = drafter.t2d.to(labels.device)
+    return t2d[labels], (t2d.long().cumsum(0) - 1).clamp(min=0)[labels]
 
 
 # ------------------------------------------------------------------------------------------- evaluation
@@ -229,7 +251,7 @@ def acceptance(base, drafter, records: list[dict], block: int, topk: int = 10, c
             pos = anchors[:, None] + torch.arange(1, block)[None]
             valid = pos <= n - 1
             true = truth[pos.clamp(max=n - 1)]
-            top = logits.topk(min(topk, logits.shape[-1]), -1).indices
+            top = drafter.to_target(logits.topk(min(topk, logits.shape[-1]), -1).indices.to(device)).cpu()
             hit = top[..., 0] == true
             acc_rows.append(hit.long().cumprod(1).bool())
             valid_rows.append(valid)
@@ -274,6 +296,9 @@ class DFlashOptions:
     layers: list[int] | None = field(default=None, metadata={
         "help": "the target layers whose states are fused (null: DFlash's evenly spaced layers, one per draft layer; "
                 "layer_init=target: the target's first num_layers layers)"})
+    draft_vocab_size: int | None = field(default=None, metadata={
+        "help": "null: the target's whole vocabulary through its frozen head (the paper's); K: an own head over the "
+                "corpus's K most common tokens (speculators' layout, EAGLE-3's choice of ids)"})
 
     def __post_init__(self) -> None:
         """Each range and choice; ``layer_init=target`` reads one target layer per draft layer."""
@@ -284,8 +309,9 @@ class DFlashOptions:
         check_choice("drafter.loss", self.loss, LOSSES)
         check_choice("drafter.weighting", self.weighting, WEIGHTINGS)
         check_choice("drafter.fusion", self.fusion, FUSIONS)
-        if self.mask_token_id is not None:
-            check_at_least("drafter.mask_token_id", self.mask_token_id, 0, integer=True)
+        for key in ("mask_token_id", "draft_vocab_size"):
+            if getattr(self, key) is not None:
+                check_at_least(f"drafter.{key}", getattr(self, key), 0 if key == "mask_token_id" else 2, integer=True)
         check_choice("drafter.layer_init", self.layer_init, LAYER_INITS)
         if self.layers is not None:
             check_layer_list(self.layers, "the states entering them are fused; null: DFlash's evenly spaced layers, "
@@ -316,12 +342,24 @@ class DFlashType(DrafterType):
         """The mask embedding starts at the mean embedding row; ``layer_init: target`` copies the target's layers
         (calibrated on the first corpus sequences) unless the run continues a trained drafter."""
         h = spec.drafter
-        draft = DFlashDraft.from_section(base.config, h, TargetParts(embed=base.model.embed_tokens))
+        vocab, made = (None, {}) if h.get("draft_vocab_size") is None else corpus_vocab(h["draft_vocab_size"], records, lm)
+        draft = DFlashDraft.fresh(base.config, TargetParts(embed=base.model.embed_tokens, lm_head=base.lm_head), {
+            "layers": h.get("layers"), "vocab": vocab,
+            "dflash": {k: h[k] for k in ("num_layers", "block_size", "mask_token_id", "fusion") if k in h}})
         if h.get("layer_init") == "target" and not spec.init_from:
             samples = [torch.tensor(list(r["prompt_ids"]) + list(r["completion_ids"]))
                        for r in list(records)[:CALIBRATION_SEQUENCES]]
             init_from_target(draft, base, samples)
-        return draft, {}
+        return draft, made
+
+    def check_target(self, options: dict, model) -> None:
+        super().check_target(options, model)
+        if options.get("draft_vocab_size") is not None:
+            check_vocab_size(options["draft_vocab_size"], model)
+
+    def fresh_on_continue(self, drafter, prior) -> set[str]:
+        """A reduced head (and its id maps) grown on a whole-vocabulary drafter starts from the target head's rows."""
+        return {"lm_head.weight", "d2t", "t2d"} if drafter.config.reduced and not prior.config.reduced else set()
 
     def collator(self, pad_id: int, options: dict, seed: int):
         return DFlashCollator(pad_id, num_anchors=options["num_anchors"], seed=seed)

@@ -35,23 +35,18 @@ its embeddings and its features are computed without them.
 
 from __future__ import annotations
 
-import logging
-from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from pardec.config import ConfigError, check_at_least, check_range
+from pardec.config import check_at_least, check_range
 from pardec.models.drafters import new_drafter
-from pardec.models.preflight import read_config_json
-from pardec.models.vocab import DraftVocab, choose_vocab
 from pardec.training.drafter.batches import held_out_windows, term_count
 from pardec.training.drafter.heldout import summarise
 from pardec.training.drafter.target import TargetPass, target_pass
 from pardec.training.drafter.types import DrafterType, check_layer_list, register_drafter_type
-
-log = logging.getLogger(__name__)
+from pardec.training.drafter.vocab import check_vocab_size, corpus_vocab
 
 
 def shift_left(x: torch.Tensor, n: int) -> torch.Tensor:
@@ -213,7 +208,7 @@ class Eagle3Options:
 @register_drafter_type
 class Eagle3Type(DrafterType):
     """``drafter.type: eagle3``: one draft layer over the fused target features, trained with training-time test
-    (this module), its draft vocabulary the corpus's most common tokens (:func:`eagle3_vocab`)."""
+    (this module), its draft vocabulary the corpus's most common tokens (:func:`~pardec.training.drafter.vocab.corpus_vocab`)."""
 
     name = "eagle3"
     options = Eagle3Options
@@ -225,7 +220,7 @@ class Eagle3Type(DrafterType):
         check_vocab_size(options["draft_vocab_size"], model)
 
     def new(self, spec, base, lm, records: list[dict]) -> tuple[Any, dict]:
-        vocab, facts = eagle3_vocab(spec, records, lm)  # the head starts from the target's rows of the kept ids
+        vocab, facts = corpus_vocab(spec.drafter["draft_vocab_size"], records, lm)  # the head starts from the target's rows of the kept ids
         return new_drafter(self.name, base.config, layers=spec.drafter.get("layers"), lm_head=base.lm_head,
                            vocab=vocab), facts
 
@@ -256,36 +251,3 @@ class Eagle3Type(DrafterType):
         steps = int(spec.drafter["ttt_steps"])
         return ({"steps": steps, "draft_vocab_size": drafter.config.draft_vocab_size},
                 lambda records: acceptance(lm.model, drafter, records, steps, spec.topk))
-
-
-def check_vocab_size(size: int, model) -> None:
-    """``drafter.draft_vocab_size`` against the target's vocabulary when its config is at hand without loading it."""
-    vocab = None if model.source == "tiny_random" else (read_config_json(model) or {}).get("vocab_size")
-    if vocab is not None and size > vocab:
-        raise ConfigError(f"drafter.draft_vocab_size={size} is out of range: it must be in [2, {vocab}] (the target "
-                          f"{model.name}'s vocabulary)")
-
-
-def eagle3_vocab(spec, records: list[dict], lm):
-    """EAGLE-3's draft vocabulary: ``drafter.draft_vocab_size`` ids from the completion tokens' counts (specials, pad
-    and EOS always kept; reference cnets.py ``process_data`` l. 457-469 and ``scandata`` l. 666-674:
-    the corpus's most common tokens, counted over the assistant tokens). Every rank reads the same merged records and counts them the same way (a Counter's
-    totals do not depend on order, ``choose_vocab`` breaks ties by id), so all ranks build the same vocabulary
-    without a broadcast. Returns (DraftVocab, facts: the size and the share of completion tokens it covers, the
-    reference's "top N token frequency ratio")."""
-    tok, target = lm.tokenizer, lm.model
-    counts = Counter(t for r in records for t in r["completion_ids"])
-    special = {*tok.all_special_ids, tok.pad_token_id, *lm.eos_ids}
-    size = spec.drafter["draft_vocab_size"]
-    vocab_size = int(target.config.vocab_size)
-    if size > vocab_size:
-        raise ConfigError(f"drafter.draft_vocab_size={size} is out of range: it must be in [2, {vocab_size}] "
-                          f"(the target's vocabulary)")
-    ids = choose_vocab(counts, size, sorted(i for i in special if i is not None), vocab_size)
-    kept = set(ids)
-    total = sum(counts.values())
-    covered = sum(c for t, c in counts.items() if t in kept) / max(1, total)
-    log.info("eagle3 draft vocabulary: top %d token frequency ratio %.2f%% (%d distinct of %d completion tokens)",
-             size, 100 * covered, len(counts), total)
-    return DraftVocab(ids, vocab_size), {"draft_vocab_size": size, "draft_vocab_coverage": covered,
-                                         "corpus_distinct_tokens": len(counts), "corpus_completion_tokens": total}

@@ -35,7 +35,7 @@ window's counted terms) and its own eval stage (held-out acceptance by block pos
 
 EAGLE-3 (``drafter.type: eagle3``): the training-time-test loss of :mod:`pardec.training.drafter.eagle` (K = the TTT
 steps, weights ``step_decay ** k``, the same window normaliser), its vocabulary from the corpus
-(:func:`~pardec.training.drafter.eagle.eagle3_vocab`)
+(:func:`~pardec.training.drafter.vocab.corpus_vocab`)
 and its own eval stage (:func:`evaluate_chain`: held-out chain acceptance by depth, no trees).
 
 Logged beside loss / lr / grad_norm, per depth ``d = k + 1``: ``kl_d<d>`` (the mean training KL) and ``top1_d<d>``
@@ -253,9 +253,10 @@ def train_drafter(spec, run_dir, ranks: Ranks) -> dict:
         drafter, made = _new_drafter(spec, base, lm, records)
     history: list[dict] = []  # the runs this drafter was trained in before this one (drafter.init_from)
     if spec.init_from:
-        history, prior = continue_from(spec.init_from, drafter, base.config, spec.drafter["type"])
-        # what the drafter was made with is the trained one's (EAGLE-3's vocabulary: continue_from loaded its maps)
-        made = {k: prior[k] for k in made if k in prior}
+        history, prior, fresh = continue_from(spec.init_from, drafter, base.config, spec.drafter["type"])
+        # what the drafter was made with is the trained one's (EAGLE-3's vocabulary: continue_from loaded its maps),
+        # unless this run made it afresh (a reduced head grown on a whole-vocabulary DFlash drafter)
+        made = made if fresh else {k: prior[k] for k in made if k in prior}
     # DeepSpeed's "auto" bucket sizes (conf/deepspeed/*.json: reduce_bucket_size) are filled from model.config's
     # hidden_size (transformers' HfTrainerDeepSpeedConfig); a drafter without a config of its own (a plain module)
     # gets the target's (EAGLE-3's and DFlash's drafts keep their own, whose hidden_size is the target's)
@@ -290,20 +291,23 @@ def train_drafter(spec, run_dir, ranks: Ranks) -> dict:
     return fit(trainer, spec, run_dir, ranks, finish)
 
 
-def continue_from(path: str, drafter, base_config, kind: str) -> tuple[list[dict], dict]:
+def continue_from(path: str, drafter, base_config, kind: str) -> tuple[list[dict], dict, set[str]]:
     """Load the trained drafter at ``path`` into the fresh ``drafter`` (every tensor, EAGLE-3's vocabulary maps
-    included; one line naming the tensors whose shapes differ); returns (the runs it was trained in, its
-    ``drafter.json``)."""
+    included, but those the type keeps fresh for a drafter that has none:
+    :meth:`~pardec.training.drafter.types.DrafterType.fresh_on_continue`; one line naming the tensors whose shapes
+    differ); returns (the runs it was trained in, its ``drafter.json``, the tensors kept fresh)."""
     prior, meta = load_drafter(path, base_config, kind, key="drafter.init_from")
     want, have = drafter.state_dict(), prior.state_dict()
-    bad = sorted(k for k in set(want) | set(have) if k not in want or k not in have or want[k].shape != have[k].shape)
+    fresh = drafter_type(kind).fresh_on_continue(drafter, prior)
+    bad = sorted(k for k in set(want) | set(have) if k not in fresh
+                 and (k not in want or k not in have or want[k].shape != have[k].shape))
     if bad:
         raise ConfigError(f"drafter.init_from={path}: its drafter is not shaped like this experiment's ({len(bad)} "
                           f"tensor(s) differ, e.g. {bad[0]}); give the settings it was trained with")
-    drafter.load_state_dict(have)
+    drafter.load_state_dict({k: v for k, v in have.items() if k not in fresh}, strict=not fresh)
     history = meta.get("history") or [{k: meta.get(k) for k in ("experiment", "steps", "samples", "tokens",
                                                                  "sequences_per_step")}]
-    return history, meta
+    return history, meta, fresh
 
 
 def continuation_facts(history: list[dict], this: dict, init_from: str | None) -> dict:

@@ -76,6 +76,11 @@ class DrafterType:
         target (its tokenizer and EOS ids), ``records``: the training completions."""
         raise NotImplementedError
 
+    def fresh_on_continue(self, drafter, prior) -> set[str]:
+        """The tensors of a fresh ``drafter`` that ``drafter.init_from``'s trained ``prior`` does not hold and that
+        keep their fresh values (none by default: every tensor must match)."""
+        return set()
+
     def collator(self, pad_id: int, options: dict, seed: int):
         return RightPadCollator(pad_id)
 
