@@ -231,12 +231,14 @@ class DFlashDraft(nn.Module):
                           **{"layer_ids": o.get("layers"), **(o.get("dflash") or {})})
 
     @classmethod
-    def from_section(cls, base_config, options: dict[str, Any], target: TargetParts | None = None) -> DFlashDraft:
+    def from_section(cls, base_config, options: dict[str, Any], target: TargetParts | None = None,
+                     vocab: DraftVocab | None = None) -> DFlashDraft:
         """From a ``drafter`` config section (``target``: the target's parts it starts from; none: a memory plan's
-        meta-device build). With ``draft_vocab_size`` the vocabulary's first ids stand in for the counted ones
-        (training counts its vocabulary first: :func:`pardec.training.drafter.vocab.corpus_vocab`)."""
+        meta-device build). With ``draft_vocab_size``, ``vocab`` is its ids (training counts them:
+        :func:`pardec.training.drafter.vocab.corpus_vocab`); without one the first ids stand in (a memory plan)."""
         size = options.get("draft_vocab_size")
-        vocab = None if size is None else DraftVocab(range(int(size)), int(base_config.vocab_size))
+        if size is not None and vocab is None:
+            vocab = DraftVocab(range(int(size)), int(base_config.vocab_size))
         return cls.fresh(base_config, target or TargetParts(), {"layers": options.get("layers"), "vocab": vocab,
                          "dflash": {k: options[k] for k in ("num_layers", "block_size", "mask_token_id", "fusion")
                                     if k in options}})

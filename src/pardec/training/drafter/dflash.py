@@ -339,13 +339,14 @@ class DFlashType(DrafterType):
     logged_loss = "ce"  # DFlash's cross-entropy to the label (block_terms sums it whatever drafter.loss trains on)
 
     def new(self, spec, base, lm, records: list[dict]) -> tuple[Any, dict]:
-        """The mask embedding starts at the mean embedding row; ``layer_init: target`` copies the target's layers
-        (calibrated on the first corpus sequences) unless the run continues a trained drafter."""
+        """The mask embedding starts at the mean embedding row; a reduced head (``draft_vocab_size``) is over the
+        corpus's most common tokens (:func:`~pardec.training.drafter.vocab.corpus_vocab`, whose facts drafter.json
+        keeps), started from the target head's rows; ``layer_init: target`` copies the target's layers (calibrated on
+        the first corpus sequences) unless the run continues a trained drafter."""
         h = spec.drafter
         vocab, made = (None, {}) if h.get("draft_vocab_size") is None else corpus_vocab(h["draft_vocab_size"], records, lm)
-        draft = DFlashDraft.fresh(base.config, TargetParts(embed=base.model.embed_tokens, lm_head=base.lm_head), {
-            "layers": h.get("layers"), "vocab": vocab,
-            "dflash": {k: h[k] for k in ("num_layers", "block_size", "mask_token_id", "fusion") if k in h}})
+        draft = DFlashDraft.from_section(base.config, h, TargetParts(embed=base.model.embed_tokens,
+                                                                     lm_head=base.lm_head), vocab)
         if h.get("layer_init") == "target" and not spec.init_from:
             samples = [torch.tensor(list(r["prompt_ids"]) + list(r["completion_ids"]))
                        for r in list(records)[:CALIBRATION_SEQUENCES]]
