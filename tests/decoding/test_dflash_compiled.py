@@ -13,7 +13,8 @@ from pardec.decoding.batch import build_batched
 from pardec.decoding.dflash import ContextCache
 from pardec.models.cached import CachedModel
 from pardec.models.dflash_compiled import draft_round
-from pardec.models.drafters import load_drafter
+from pardec.models.drafters import load_drafter, new_drafter
+from pardec.models.vocab import DraftVocab
 from tests.conftest import tiny
 from tests.decoding.drafters import _eagle_sequences, drafter_dir, drafter_params, vocab_dir
 
@@ -87,6 +88,26 @@ def test_compiled_dflash_on_an_int8_target_equals_int8_ar():
     dec = build_decoder("dflash", CachedModel(m), **params, compile=True)
     for p in PROMPTS:
         assert dec.generate(p, 16).tokens == build_decoder("ar", CachedModel(m)).generate(p, 16).tokens
+
+
+def test_a_drafter_with_its_own_reduced_head_equals_ar_eager_compiled_and_on_an_int8_target():
+    """A drafter trained with its own head over fewer ids (``drafter.draft_vocab_size``): eager and compiled, on an
+    fp32 target and an int8 one (its head quantized with its other linears), the output is ``ar``'s."""
+    from tests.decoding.test_int8_drafters import PROMPTS, _cfg, load_model
+
+    base = tiny(0).model
+    v = int(base.config.vocab_size)
+    kept = sorted({int(t) for p in PROMPTS for t in p} | set(range(0, v, 2)))
+    torch.manual_seed(0)
+    d = new_drafter("dflash", base.config, embed=base.get_input_embeddings(), lm_head=base.get_output_embeddings(),
+                    vocab=DraftVocab(kept, v), dflash={"num_layers": 2, "block_size": 4})
+    assert d.config.reduced and torch.equal(d.lm_head.weight, base.get_output_embeddings().weight[kept])
+    for m in (base, load_model(_cfg("invariant", "int8", hidden=64)).model):  # the int8 target: tiny(0)'s shape
+        ar = build_decoder("ar", CachedModel(m))
+        for compile in (False, True):
+            dec = build_decoder("dflash", CachedModel(m), None, d, compile=compile)
+            for p in PROMPTS:
+                assert dec.generate(p, 16).tokens == ar.generate(p, 16).tokens, compile
 
 
 def test_bad_compile_values_are_refused(fitted):
