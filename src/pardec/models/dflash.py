@@ -375,9 +375,9 @@ def new_dflash(target_config, embed: torch.Tensor | None = None, vocab: DraftVoc
     if vocab is not None and len(vocab) < config.vocab_size:
         config = replace(config, draft_vocab_size=len(vocab))
     draft = DFlashDraft(config, vocab if config.reduced else None)
+    if config.reduced:
+        vocab.start_head(draft.lm_head, lm_head)
     with torch.no_grad():
-        if config.reduced and lm_head is not None and lm_head.shape[1] == config.hidden_size:
-            draft.lm_head.weight.copy_(lm_head.detach()[vocab.ids.to(lm_head.device)].to(draft.lm_head.weight))
         if hasattr(draft, "mask_embedding"):
             if embed is not None and embed.is_floating_point() and embed.shape[-1] == draft.config.hidden_size:
                 draft.mask_embedding.copy_(embed.detach().float().mean(0).to(draft.mask_embedding))

@@ -250,7 +250,5 @@ def new_eagle3(target_config, vocab: DraftVocab | None = None, layer_ids=None, l
     whose rows of the kept ids initialise the draft's head (as EAGLE-3's training loads the target's head)."""
     vocab = vocab or DraftVocab.full(int(target_config.vocab_size))
     draft = Eagle3Draft(Eagle3Config.for_target(target_config, len(vocab), layer_ids), vocab)
-    if lm_head is not None and lm_head.shape[1] == draft.config.hidden_size:
-        with torch.no_grad():
-            draft.lm_head.weight.copy_(lm_head.detach()[vocab.ids.to(lm_head.device)].to(draft.lm_head.weight))
+    vocab.start_head(draft.lm_head, lm_head)
     return draft

@@ -108,6 +108,13 @@ class DraftVocab:
         m[self.ids] = True
         return m
 
+    @torch.no_grad()
+    def start_head(self, head: torch.nn.Linear, weight: torch.Tensor | None) -> None:
+        """Start a draft's own ``head`` [K, H] as the rows at the kept ids of a target head ``weight`` [V, H] (as
+        EAGLE-3's training loads the target's head); left as it is when there is no ``weight`` of that width."""
+        if weight is not None and weight.shape[1] == head.weight.shape[1]:
+            head.weight.copy_(weight.detach()[self.ids.to(weight.device)].to(head.weight))
+
     def to_target(self, draft_ids: torch.Tensor, d2t: torch.Tensor | None = None) -> torch.Tensor:
         """Target ids of draft ids (any shape); ``d2t``: the offsets already on ``draft_ids``' device (a drafter's
         buffer), else this vocabulary's are moved there."""

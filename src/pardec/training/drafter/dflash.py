@@ -309,9 +309,10 @@ class DFlashOptions:
         check_choice("drafter.loss", self.loss, LOSSES)
         check_choice("drafter.weighting", self.weighting, WEIGHTINGS)
         check_choice("drafter.fusion", self.fusion, FUSIONS)
-        for key in ("mask_token_id", "draft_vocab_size"):
-            if getattr(self, key) is not None:
-                check_at_least(f"drafter.{key}", getattr(self, key), 0 if key == "mask_token_id" else 2, integer=True)
+        if self.mask_token_id is not None:
+            check_at_least("drafter.mask_token_id", self.mask_token_id, 0, integer=True)
+        if self.draft_vocab_size is not None:
+            check_at_least("drafter.draft_vocab_size", self.draft_vocab_size, 2, integer=True)
         check_choice("drafter.layer_init", self.layer_init, LAYER_INITS)
         if self.layers is not None:
             check_layer_list(self.layers, "the states entering them are fused; null: DFlash's evenly spaced layers, "
