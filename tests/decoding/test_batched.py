@@ -62,7 +62,10 @@ CASES = {"ar": ("ar", None, {}), "pld": ("pld", None, {"num_pred": 5}),
          "medusa": ("medusa", None, {}),  # a tree per row (tests/decoding/drafters.py's tree T), compacted per row
          # a trie of another shape per row, beside a window in another phase per row (rows admitted later)
          "lookahead": ("lookahead", None, {"level": 3, "window": 3, "guess_set": 3, "pool_from_output": True}),
-         "lookahead_n2": ("lookahead", None, {"level": 2, "window": 2, "guess_set": 2, "pool_from_prompt": True})}
+         "lookahead_n2": ("lookahead", None, {"level": 2, "window": 2, "guess_set": 2, "pool_from_prompt": True}),
+         # the target drafts for itself (adaptive tokens after each row's drafts; an untrained model's drafts:
+         # tests/decoding/test_batched_sdsat.py forces them)
+         "sdsat": ("sdsat", None, {"k": 3, "variant": "fused", "tree": "caterpillar", "adaptive_ids": [511]})}
 
 
 @pytest.mark.parametrize("batch_size", [2, 4])
@@ -81,8 +84,8 @@ def test_every_row_equals_its_batch_one_ar_output(case, batch_size):
     for r in run.results:
         assert r.target_forwards == len(r.accepted) and sum(r.accepted) == len(r.tokens)
         assert 0 < r.prefill_s <= r.total_s <= run.wall_s
-    if case not in ("ar", "jacobi", "medusa", "lookahead_n2"):  # (Jacobi on an untrained model, untrained heads,
-        # level-2 n-grams: ~1 token a forward)
+    if case not in ("ar", "jacobi", "medusa", "lookahead_n2", "sdsat"):  # (Jacobi on an untrained model, untrained
+        # heads, level-2 n-grams, an untrained model's adaptive tokens: ~1 token a forward)
         accepted = [a for r in run.results for a in r.accepted[1:]]
         assert max(accepted) >= 3  # drafts were accepted several deep
         if case == "sps_self":
@@ -98,6 +101,33 @@ def test_every_row_equals_its_batch_one_ar_output(case, batch_size):
     else:
         ours = [r.accepted for r in run.results]
     assert ours == alone
+
+
+@pytest.mark.parametrize("variant", ["bild", "mjsd"])
+def test_bild_rows_equal_batch_one_bild(variant):
+    """BiLD is approximate: under greedy decoding each row's output is batch-1 ``bild``'s on its prompt, token for
+    token and round for round, while the rows' chains fall back at different steps and are rolled back in different
+    rounds (and the output is not ``ar``'s)."""
+    lm = tiny(0)
+    prompts = _prompts(lm)
+    stop = _early_stop(lm, prompts)
+    params = {"fallback_threshold": BILD_FALLBACK, "rollback_threshold": BILD_ROLLBACK, "max_draft": 4,
+              "variant": variant}
+    run = run_batch(_batched("bild", 3, "noisy", **params), prompts, N_NEW, stop)
+    single = build_decoder("bild", CachedModel(lm.model), lm.tokenizer, CachedModel(noisy(0)), **params)
+    alone = [single.generate(p, N_NEW, stop) for p in prompts]
+    assert [r.tokens for r in run.results] == [a.tokens for a in alone]
+    assert [(r.accepted, r.drafted, r.draft_accepted) for r in run.results] == \
+        [(a.accepted, a.drafted, a.draft_accepted) for a in alone]
+    # the mechanism at work: fallbacks before max_draft, rollbacks, and drafts the target would not have chosen
+    assert 0 < sum(a.extras["fallback_rate"] for a in alone) < len(alone)
+    assert sum(a.extras["rollback_rate"] for a in alone) > 0
+    assert [r.tokens for r in run.results] != _reference(lm, prompts, stop)
+
+
+#: tiny(0)'s distributions are nearly flat (largest probability ~2.2e-4 of 8192 ids, cross-entropies ~8.5 nats): at
+#: these thresholds about half the noisy draft's chains fall back before max_draft and half are rolled back
+BILD_FALLBACK, BILD_ROLLBACK = 2.2e-4, 8.45
 
 
 def _single_params(method: str, lm, params: dict) -> dict:
@@ -234,7 +264,7 @@ def test_invariant_int8_rows_equal_batch_one_int8_ar(case):
 
 
 @pytest.mark.parametrize("case", ["ar", "pld", "sps_noisy", "jacobi", "eagle3", "eagle3_tree", "dflash", "medusa",
-                                  "lookahead"])
+                                  "lookahead", "sdsat"])
 def test_one_host_read_per_round_on_a_gpu(case):
     """On a (virtual) CUDA device: the same tokens as on the CPU, host reads = one per admission (its first token) +
     one per round, and the finiteness flags copied without a wait."""
@@ -261,7 +291,7 @@ def test_bad_input_is_refused_before_any_model_is_wrapped():
     with pytest.raises(ConfigError, match=r"batch_size=0 must be an integer >= 1"):
         build_batched("ar", lm.model, 0, 64)
     with pytest.raises(ConfigError, match=r"method 'ouroboros' has no batched implementation: batch_size > 1 runs "
-                                          r"ar, dflash, eagle3, jacobi, lookahead, medusa, pld, sps"):
+                                          r"ar, bild, dflash, eagle3, jacobi, lookahead, medusa, pld, sdsat, sps"):
         build_batched("ouroboros", lm.model, 2, 64)
     with pytest.raises(KeyError, match="unknown method 'nope'"):
         build_batched("nope", lm.model, 2, 64)
@@ -286,7 +316,11 @@ def test_bad_input_is_refused_before_any_model_is_wrapped():
         build_batched("dflash", lm.model, 2, 64)
     with pytest.raises(ConfigError, match="level"):
         build_batched("lookahead", lm.model, 2, 64, level=1)
-    assert BATCHED.names() == ["ar", "dflash", "eagle3", "jacobi", "lookahead", "medusa", "pld", "sps"]
+    with pytest.raises(ConfigError, match=r"method.variant='both' is not valid; choose one of: bild, mjsd"):
+        build_batched("bild", lm.model, 2, 64, draft=noisy(0), variant="both")
+    with pytest.raises(ConfigError, match="fallback_threshold"):
+        build_batched("bild", lm.model, 2, 64, draft=noisy(0), fallback_threshold=1.5)
+    assert BATCHED.names() == ["ar", "bild", "dflash", "eagle3", "jacobi", "lookahead", "medusa", "pld", "sdsat", "sps"]
 
 
 @pytest.mark.parametrize("method", ["ar", "pld"])

@@ -11,9 +11,13 @@ from collections import Counter
 import pytest
 
 from pardec.config import SamplingConfig
+from pardec.decoding import build_decoder
 from pardec.decoding.batch import build_batched, run_batch
+from pardec.models.cached import CachedModel
+from pardec.models.ragged import RaggedModel
 from tests.decoding.drafters import drafter_params
-from tests.decoding.test_distribution import SETTINGS, tiny_vocab
+from tests.decoding.test_batched_sdsat import _forced
+from tests.decoding.test_distribution import SETTINGS, V, tiny_vocab
 from tests.decoding.test_distribution_deep import (
     GROUPS,
     PROMPT,
@@ -37,7 +41,9 @@ PARAMS = {"ar": {}, "pld": {"max_ngram": 3, "num_pred": 4}, "sps": {"gamma": 3},
           # the same drafter over a draft vocabulary without the cycle's token 9 (q = 0 there)
           "dflash_vocab": {"num_speculative_tokens": 3},
           # the trie of its pool per row (each row's own shape), verified row by row
-          "lookahead": {"level": 4, "window": 3, "guess_set": 3, "pool_from_prompt": True, "pool_from_output": True}}
+          "lookahead": {"level": 4, "window": 3, "guess_set": 3, "pool_from_prompt": True, "pool_from_output": True},
+          # the target's own chain of drafts from adaptive tokens after each row's drafts (id 15 stands in for one)
+          "sdsat": {"k": 3, "variant": "fused", "tree": "caterpillar", "top_k": 1, "adaptive_ids": [15]}}
 OTHERS = [[1, 2], [4, 4, 4, 4, 4, 4, 4, 4, 4, 4, 4], [7, 3, 7]]  # neighbours of other lengths
 
 
@@ -52,8 +58,15 @@ def test_each_rows_triples_follow_the_target_distribution(case, setting, one_thr
     params = {**PARAMS[case], **({"path": fitted[method]()} if method in fitted else {}),
               **(drafter_params("medusa", tiny_vocab(0)) if method == "medusa" else {}),  # (untrained heads)
               **({"draft_vocab": vocab_deep()} if case == "dflash_vocab" else {})}
-    dec = build_batched(method, tiny_vocab(0), 8, 32, None, draft, **params)
     prompts = [PROMPT if i % 2 == 0 else OTHERS[(i // 2) % len(OTHERS)] for i in range(2 * n)]
+    if method == "sdsat":  # an untrained model's adaptive rows draft nothing right: each row's kept drafts are
+        # forced to the target's greedy continuation of its prompt (a function of its position, so still exact)
+        greedy = {tuple(p): build_decoder("ar", CachedModel(tiny_vocab(0))).generate(p, T + 4).tokens
+                  for p in [PROMPT, *OTHERS]}
+        forced = _forced([greedy[tuple(p)] for p in prompts], None, {}, V)
+        dec = forced(RaggedModel(tiny_vocab(0), 8, 32), None, None, **params)
+    else:
+        dec = build_batched(method, tiny_vocab(0), 8, 32, None, draft, **params)
     s = SamplingConfig(temperature=s0.temperature, top_k=s0.top_k, top_p=s0.top_p, seed=17)
     run = run_batch(dec, prompts, T, sampling=s)
     obs = {g: Counter() for g in GROUPS}

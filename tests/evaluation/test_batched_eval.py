@@ -75,12 +75,14 @@ def test_resume_after_a_kill_redoes_and_duplicates_nothing(tmp_path):
 
 @pytest.mark.parametrize(("overrides", "message"), [
     (["+method=mjgd", "batch_size=2"], r"method: method 'mjgd' has no batched implementation: batch_size > 1 "
-                                       r"runs ar, dflash, eagle3, jacobi, lookahead, medusa, pld, sps"),
+                                       r"runs ar, bild, dflash, eagle3, jacobi, lookahead, medusa, pld, sdsat, sps"),
     (["+method=pld", "batch_size=2", "bench.include_hf=true"], r"bench.include_hf=true adds transformers' decoders"),
     (["+method=pld", "batch_size=2", "repeats=2"], r"batch_size=2 with repeats=2"),
     (["+method=pld", "batch_size=2", 'bench.also=["mjgd"]'], r"bench.also entry 'mjgd': method 'mjgd' "
                                                                r"has no batched implementation"),
     (["+method=pld", "batch_size=0"], r"batch_size=0 is out of range: it must be an integer >= 1"),
+    (["+method=sdsat", "method.adaptive_ids=[511]", "batch_size=2", "sampling.temperature=0.7"],
+     r"method: method.tree=official with method.top_k=10 drafts a nucleus tree under sampling"),
     (["+method=pld", "batch_size=2", "forward_impl=compiled"], r"forward_impl=compiled / draft_forward_impl=None are "
                                                                r"batch-1 forwards"),
 ])

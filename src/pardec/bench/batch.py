@@ -9,7 +9,7 @@ tokens equal batch-1 ``ar``'s (greedy; 1.00 expected of every lossless method in
 competed for the CPU meanwhile (:mod:`pardec.metrics.busy`). The crossover of a method: the smallest batch size at
 which its tokens/s fall below batched ``ar``'s at the same size.
 
-    python -m pardec.bench batch [--methods ar,pld,sps,jacobi,eagle3:path=zoo:eagle3,dflash:path=zoo:dflash,...]
+    python -m pardec.bench batch [--methods ar,pld,sps,bild,jacobi,eagle3:path=zoo:eagle3,dflash:path=zoo:dflash,...]
         [--batch-sizes 1,2,4,8,16] [--n 16] [--max-new-tokens 128] [--out DIR]
         [overrides: model=smollm2_135m dataset=gsm8k dataset.path=FILE dtype=fp32 draft=... threads=2 ...]
 
@@ -44,10 +44,11 @@ from pardec.metrics.busy import CpuMeter, free_cores
 from pardec.tasks.base import DataError, build_task, select_docs
 
 FILE = "batch.json"
-#: every batched method, the trained ones with the zoo's drafters (sps: the zoo's draft model unless draft= is given;
-#: eagle3 in both modes: its chain and the paper's 60-node tree), lookahead at its CPU-sized window
-DEFAULT_METHODS = ("ar,pld,sps,jacobi,eagle3:path=zoo:eagle3:mode=chain,eagle3:path=zoo:eagle3,dflash:path=zoo:dflash,"
-                   "medusa:path=zoo:medusa," + CPU_SIZED["lookahead"])
+#: every batched method over the shipped target, the trained ones with the zoo's drafters (sps, bild: the zoo's draft
+#: model unless draft= is given; eagle3 in both modes: its chain and the paper's 60-node tree), lookahead at its
+#: CPU-sized window; sdsat decodes its own fine-tuned model: a run of its own (model=local model.path=zoo:sdsat)
+DEFAULT_METHODS = ("ar,pld,sps,bild,jacobi,eagle3:path=zoo:eagle3:mode=chain,eagle3:path=zoo:eagle3,"
+                   "dflash:path=zoo:dflash,medusa:path=zoo:medusa," + CPU_SIZED["lookahead"])
 ZOO_DRAFT = ["draft=local", "draft.name=zoo_draft", "draft.path=zoo:draft"]
 
 

@@ -52,12 +52,45 @@ def rollback_point(draft: torch.Tensor, logits: torch.Tensor, threshold: float,
 def rollback_count(draft: torch.Tensor, logits: torch.Tensor, threshold: float,
                    warped: SamplingConfig | None = None) -> torch.Tensor:
     """:func:`rollback_point` as a [1] long tensor on the logits' device (no host read)."""
-    m = draft.numel()
+    return surviving(draft[None], logits[None], threshold, warped)
+
+
+def surviving(draft: torch.Tensor, logits: torch.Tensor, threshold: float, warped: SamplingConfig | None = None,
+              valid: torch.Tensor | None = None) -> torch.Tensor:
+    """:func:`rollback_count` of a batch of drafts: ``draft`` [n, m], ``logits`` [n, >= m, V], ``valid`` [n, m]
+    (False: padding, which ends a row's surviving prefix). Returns [n] long on the logits' device."""
+    n, m = draft.shape
     if m == 0:
-        return torch.zeros(1, dtype=torch.long, device=logits.device)
-    logp = torch.log(warp(logits[:m], warped)) if warped is not None else torch.log_softmax(logits[:m].float(), -1)
-    nll = -logp.gather(-1, draft.to(logits.device)[:, None])[:, 0]
-    return (nll <= threshold).long().cumprod(0).sum().view(1)  # the surviving prefix
+        return torch.zeros(n, dtype=torch.long, device=logits.device)
+    scored = logits[:, :m]
+    logp = torch.log(warp(scored, warped)) if warped is not None else torch.log_softmax(scored.float(), -1)
+    ok = -logp.gather(-1, draft.to(logits.device)[..., None])[..., 0] <= threshold
+    if valid is not None:
+        ok &= valid
+    return ok.long().cumprod(1).sum(1)  # the surviving prefix
+
+
+def confidence(logits: torch.Tensor, warped: SamplingConfig | None = None) -> torch.Tensor:
+    """The draft's confidence in its next token: the largest probability of ``logits`` [..., V] (plain softmax, or
+    the distribution ``warped`` warps). Returns [...] on their device."""
+    probs = warp(logits, warped) if warped is not None else torch.softmax(logits.float(), -1)
+    return probs.max(-1).values
+
+
+def check_bild(fallback_threshold: float, rollback_threshold: float, max_draft: int, variant: str) -> None:
+    """``bild``'s options (batch-1 and batched), before any model loads."""
+    check_range("fallback_threshold", fallback_threshold, 0.0, 1.0, integer=False)
+    check_range("rollback_threshold", rollback_threshold, 0.0, 1e6, integer=False, open_lo=True)
+    check_range("max_draft", max_draft, 1, 256)
+    check_choice("method.variant", variant, VARIANTS)
+
+
+def warping(variant: str, s: SamplingConfig) -> SamplingConfig | None:
+    """The distributions the confidence and the cross-entropy are taken from: None (plain softmax) for ``bild``; the
+    run's top-k / top-p at its temperature (1 under greedy decoding) for ``mjsd``."""
+    if variant == "bild":
+        return None
+    return SamplingConfig(temperature=1.0 if s.greedy else s.temperature, top_k=s.top_k, top_p=s.top_p)
 
 
 @register_method("bild")
@@ -68,23 +101,12 @@ class BigLittleDecoder(Decoder):
     def __init__(self, target, tokenizer=None, draft=None, fallback_threshold: float = 0.9,
                  rollback_threshold: float = 2.0, max_draft: int = 10, variant: Literal["bild", "mjsd"] = "bild"):
         super().__init__(target, tokenizer, draft)
-        check_range("fallback_threshold", fallback_threshold, 0.0, 1.0, integer=False)
-        check_range("rollback_threshold", rollback_threshold, 0.0, 1e6, integer=False, open_lo=True)
-        check_range("max_draft", max_draft, 1, 256)
-        check_choice("method.variant", variant, VARIANTS)
+        check_bild(fallback_threshold, rollback_threshold, max_draft, variant)
         self.fallback, self.rollback, self.max_draft = fallback_threshold, rollback_threshold, max_draft
         self.variant = variant
 
-    def warping(self, s: SamplingConfig) -> SamplingConfig | None:
-        """The distributions the confidence and the cross-entropy are taken from: None (plain softmax) for
-        ``bild``; the run's top-k / top-p at its temperature (1 under greedy decoding) for ``mjsd``."""
-        if self.variant == "bild":
-            return None
-        return SamplingConfig(temperature=1.0 if s.greedy else s.temperature, top_k=s.top_k, top_p=s.top_p)
-
     def confident(self, logits: torch.Tensor, warped: SamplingConfig | None = None) -> bool:
-        probs = warp(logits, warped) if warped is not None else torch.softmax(logits.float(), -1)
-        return float(probs.max()) >= self.fallback
+        return float(confidence(logits, warped)) >= self.fallback
 
     @torch.inference_mode()
     def generate(self, prompt_ids, max_new_tokens, stop=None, sampling=None) -> GenerationResult:
@@ -93,7 +115,7 @@ class BigLittleDecoder(Decoder):
         prompt = st.ids[0].tolist()
         draft_forwards = drafted = accepted = fallbacks = rollbacks = 0
         clock = Clock(st.ids.device)  # the draft's time, without a host sync per round
-        warped = self.warping(st.s)
+        warped = warping(self.variant, st.s)
         while not st.out.done:
             k = min(self.max_draft, st.out.room - 1)  # the target adds one token of its own
             toks = torch.zeros(0, dtype=torch.long, device=st.ids.device)

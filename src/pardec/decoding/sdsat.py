@@ -109,6 +109,37 @@ TRAIN_HINT = ("train one with `python -m train +experiment=sdsat_smollm2` and pa
               "model.path=<run dir>/final (or give method.adaptive_ids)")
 
 
+def adaptive_of(config, name: str, adaptive_ids: list | None, k: int) -> list[int]:
+    """The adaptive ids a model decodes with: ``method.adaptive_ids`` or its config's (written by training), checked
+    against its vocabulary and ``k``."""
+    adaptive = list(adaptive_ids) if adaptive_ids is not None else adaptive_ids_of(config)
+    if adaptive is None:
+        raise ConfigError(f"model {name!r} has no SDSAT adaptive token (no `sdsat` in its config): {TRAIN_HINT}")
+    vocab = int(config.vocab_size)
+    bad = [i for i in adaptive if i >= vocab]
+    if bad:
+        raise ConfigError(f"adaptive ids {bad} are outside the model's vocabulary (size {vocab})")
+    check_k(adaptive, k)
+    return adaptive
+
+
+def check_k(adaptive: list[int], k: int) -> None:
+    """SDSAT-D's ``L`` distinct adaptive tokens draft at most ``k = L``; one repeated id drafts any ``k``."""
+    if len(adaptive) > 1 and k > len(adaptive):
+        raise ConfigError(f"method.k={k} is out of range: this model's {len(adaptive)} distinct adaptive "
+                          f"tokens (SDSAT-D, L={len(adaptive)}) draft at most k={len(adaptive)}")
+
+
+def adaptive_chain(adaptive: list[int], n: int) -> list[int]:
+    """The ids of ``n`` appended adaptive tokens: one id repeated, or SDSAT-D's a_1..a_n."""
+    return [adaptive[0]] * n if len(adaptive) == 1 else adaptive[:n]
+
+
+def without_adaptive(rows: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """Draft logits [..., V] of adaptive rows with the adaptive ids (``index``, on their device) excluded."""
+    return rows.float().index_fill(-1, index, float("-inf"))
+
+
 @register_method("sdsat")
 class SDSAT(Decoder):
     exactness = "distribution"
@@ -129,17 +160,9 @@ class SDSAT(Decoder):
         self.variant = variant
         self.adaptive: list[int] | None = list(adaptive_ids) if adaptive_ids is not None else None
         if target is not None:
-            self.adaptive = self.adaptive or adaptive_ids_of(target.config)
-            if self.adaptive is None:
-                raise ConfigError(f"model {target.name!r} has no SDSAT adaptive token (no `sdsat` in its config): "
-                                  f"{TRAIN_HINT}")
-            vocab = int(target.config.vocab_size)
-            bad = [i for i in self.adaptive if i >= vocab]
-            if bad:
-                raise ConfigError(f"adaptive ids {bad} are outside the model's vocabulary (size {vocab})")
-        if self.adaptive is not None and len(self.adaptive) > 1 and k > len(self.adaptive):
-            raise ConfigError(f"method.k={k} is out of range: this model's {len(self.adaptive)} distinct adaptive "
-                              f"tokens (SDSAT-D, L={len(self.adaptive)}) draft at most k={len(self.adaptive)}")
+            self.adaptive = adaptive_of(target.config, target.name, adaptive_ids, k)
+        elif self.adaptive is not None:
+            check_k(self.adaptive, k)
         self.tree_name, self.paths = str(tree), resolve_shape(tree, k)  # the sampling tree; greedy drafts a chain
 
     @classmethod
@@ -154,14 +177,13 @@ class SDSAT(Decoder):
 
     # ------------------------------------------------------------------ drafting
     def _adaptive_chain(self, n: int) -> list[int]:
-        """The ids of ``n`` appended adaptive tokens: one id repeated, or SDSAT-D's a_1..a_n."""
-        return [self.adaptive[0]] * n if len(self.adaptive) == 1 else self.adaptive[:n]
+        return adaptive_chain(self.adaptive, n)
 
     def draft_logits(self, rows: torch.Tensor, before: list[int], token: torch.Tensor) -> torch.Tensor:
         """[k, V] draft logits from the adaptive rows (adaptive ids excluded). The rows follow ``token`` [1], on the
         device and not yet read back (the prefill's first token, or a verification's bonus token), which follows
         the new tokens ``before``: the drafts continue ``before + [token]``. A seam for tests (oracle drafts)."""
-        return rows.float().index_fill(1, self._adaptive_index(rows.device), float("-inf"))
+        return without_adaptive(rows, self._adaptive_index(rows.device))
 
     def _adaptive_index(self, device: torch.device) -> torch.Tensor:
         """The adaptive ids as an index on ``device``, uploaded once (a list index is uploaded on every call,

@@ -45,7 +45,7 @@ def check(spec) -> None:
                                                                                spec.method_params),
                                 *((f"bench.also entry {role[5:]!r}", name, params) for role, name, params in spec.also)]:
         try:
-            check_batched(name, r.batch_size, params)
+            check_batched(name, r.batch_size, params, spec.sampling)
         except ConfigError as e:
             raise ConfigError(f"{where}: {e}") from None
 

@@ -217,19 +217,27 @@ class RaggedModel(RaggedKV):
         self._finite = FiniteCheck()  # NaN/inf in the logits raise (pardec.models.finite)
 
     @torch.inference_mode()
-    def add(self, ids: torch.Tensor | list[int], hidden_layer: tuple[int, ...] | None = None):
+    def add(self, ids: torch.Tensor | list[int], hidden_layer: tuple[int, ...] | None = None,
+            logits_from: int | None = None):
         """A new row (index ``rows``) with the prompt ``ids`` [T], prefilled alone; returns its last logits [1, V]
-        (with ``hidden_layer``: and the hidden states entering those layers at every prompt position, [T, n * H])."""
+        (with ``hidden_layer``: and the hidden states entering those layers at every prompt position, [T, n * H];
+        with ``logits_from``: the logits at positions ``logits_from .. T - 1`` instead, [T - logits_from, V])."""
         ids = to_device(torch.as_tensor(ids, dtype=torch.long).reshape(1, -1), self.device)
-        if ids.shape[1] == 0:
+        t = ids.shape[1]
+        if t == 0:
             raise ValueError("empty prompt")
+        if logits_from is not None and not 0 <= logits_from < t:
+            raise ValueError(f"add: logits_from={logits_from} must be in 0..{t - 1}")
+        at = None if logits_from is None else torch.arange(logits_from, t, device=self.device)[None]
         row = self.new_row()
         try:
-            out = self._forward(ids, row, last_only=True, hidden_layer=hidden_layer)
+            out = self._forward(ids, row, last_only=at is None, logits_at=at, hidden_layer=hidden_layer)
         except BaseException:
             self.lengths.pop()
             raise
-        return (out[0][:, -1], out[1][0]) if hidden_layer is not None else out[:, -1]
+        logits = (out[0] if hidden_layer is not None else out)[0]
+        logits = logits if at is not None else logits[-1:]
+        return (logits, out[1][0]) if hidden_layer is not None else logits
 
     @torch.inference_mode()
     def forward(self, ids: torch.Tensor, depths: torch.Tensor | None = None, attend: torch.Tensor | None = None,

@@ -6,11 +6,12 @@
 * :mod:`~pardec.decoding.batch.methods`: ``ar``, ``pld``, ``sps`` and ``jacobi`` over a batch;
   :mod:`~pardec.decoding.batch.eagle`: ``eagle3``'s chain; :mod:`~pardec.decoding.batch.dflash`: ``dflash``;
   :mod:`~pardec.decoding.batch.medusa`: ``medusa`` (a tree per row); :mod:`~pardec.decoding.batch.lookahead`:
-  ``lookahead`` (a window, a pool and a trie of its own shape per row).
+  ``lookahead`` (a window, a pool and a trie of its own shape per row); :mod:`~pardec.decoding.batch.bild`:
+  ``bild``; :mod:`~pardec.decoding.batch.sdsat`: ``sdsat``'s chains.
 
 The cache is :class:`pardec.models.ragged.RaggedModel`: each row its own length, so rows accept different numbers
 of draft tokens per round without re-padding the batch, finished rows leave and waiting prompts take their place.
 """
 
-from pardec.decoding.batch import dflash, eagle, lookahead, medusa, methods  # noqa: F401  (register the batched methods)
+from pardec.decoding.batch import bild, dflash, eagle, lookahead, medusa, methods, sdsat  # noqa: F401  (register)
 from pardec.decoding.batch.engine import BATCHED, BatchedMethod, BatchRun, Row, build_batched, run_batch  # noqa: F401

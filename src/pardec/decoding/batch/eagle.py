@@ -64,7 +64,7 @@ class BatchedEagle3(BatchedMethod):
         self.roots: torch.Tensor | None = None  # [rows, H]: each row's drafter output at its last stable entry
 
     @classmethod
-    def check_options(cls, params: dict) -> None:
+    def check_options(cls, params: dict, sampling=None) -> None:
         p = {k: v.default for k, v in method_params(cls).items() if k != "path"} | params
         check_eagle3(p["mode"], p["total_tokens"], p["depth"], p["top_k"], p["num_speculative_tokens"],
                      p["int8_weights"])

@@ -83,8 +83,9 @@ class BatchedMethod:
         return 1
 
     @classmethod
-    def check_options(cls, params: dict[str, Any]) -> None:
-        """What the batched form refuses of values its batch-1 method takes (one line), before any model loads."""
+    def check_options(cls, params: dict[str, Any], sampling: SamplingConfig | None = None) -> None:
+        """What the batched form refuses of values its batch-1 method takes (one line), before any model loads
+        (``sampling``: the run's, where known)."""
 
     def start(self, s: SamplingConfig, gen: torch.Generator | None) -> None:
         self.s, self.gen = s, gen
@@ -110,21 +111,30 @@ class BatchedMethod:
     # ---------------------------------------------------------------- shared steps
     def verify(self, rows: list[Row], draft: torch.Tensor, ks: list[int], q: torch.Tensor | None = None,
                extra: Callable[[torch.Tensor], torch.Tensor] | None = None,
-               hidden_layer: tuple[int, ...] | None = None) -> Verified:
+               hidden_layer: tuple[int, ...] | None = None, rule: Rule | None = None) -> Verified:
         """One target forward over ``[last, *draft[b]]`` per row (``draft`` [n, K], row b's first ``ks[b]`` real):
         commit each row's accepted prefix + the target's token, keep exactly those in the cache. ``extra(logits)``
         [n, X]: ids read back in the same host read; ``hidden_layer``: also the target's hidden states entering
-        those layers."""
+        those layers; ``rule(draft, ks, logits)``: what each row commits, in one host read (default: speculative
+        verification, :func:`~pardec.decoding.batch.verify.verify_rows`)."""
         lasts = torch.tensor([[r.last] for r in rows], dtype=torch.long)
         ids = torch.cat([to_device(lasts, draft.device), draft], 1)
         base = list(self.target.lengths)
         out = self.target.forward(ids, hidden_layer=hidden_layer)
         logits, hidden = out if hidden_layer is not None else (out, None)
-        acc, more = verify_rows(draft, ks, logits, self.s, self.gen, q, None if extra is None else extra(logits))
+        if rule is not None:
+            acc, more = rule(draft, ks, logits), []
+        else:
+            acc, more = verify_rows(draft, ks, logits, self.s, self.gen, q, None if extra is None else extra(logits))
         self.target.set_lengths([b0 + len(a) for b0, a in zip(base, acc)])
         for r, a, kb in zip(rows, acc, ks):
             r.commit(a, kb)
         return Verified(acc, more, hidden)
+
+
+Rule = Callable[[torch.Tensor, list[int], torch.Tensor], list[list[int]]]
+"""A verification rule of a batch of chains: (draft [n, K], real lengths, logits [n, K+1, V]) -> each row's
+committed tokens (one host read)."""
 
 
 class Verified(NamedTuple):
@@ -149,8 +159,10 @@ def register_batched(name: str) -> Callable[[type[BatchedMethod]], type[BatchedM
     return deco
 
 
-def check_batched(name: str, batch_size: int, params: dict[str, Any]) -> type[BatchedMethod]:
-    """The batched method ``name`` for ``batch_size`` rows with ``params``, checked before any model loads."""
+def check_batched(name: str, batch_size: int, params: dict[str, Any], sampling: SamplingConfig | None = None
+                  ) -> type[BatchedMethod]:
+    """The batched method ``name`` for ``batch_size`` rows with ``params`` (and the run's ``sampling``, where known),
+    checked before any model loads."""
     if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
         raise ConfigError(f"batch_size={batch_size!r} must be an integer >= 1")
     if name not in BATCHED:
@@ -159,7 +171,7 @@ def check_batched(name: str, batch_size: int, params: dict[str, Any]) -> type[Ba
                           f"{', '.join(BATCHED.names())}")
     cls = BATCHED.get(name)
     check_params(cls, batched_params(name, params))
-    cls.check_options(batched_params(name, params))
+    cls.check_options(batched_params(name, params), sampling)
     return cls
 
 

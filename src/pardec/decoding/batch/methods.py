@@ -6,8 +6,8 @@ Each round is one target forward for every active row; a row's draft is as long 
 it (``pld``: its own lookup, cut to the room left; ``sps``: ``gamma``, cut to the room left), shorter drafts padded
 to the longest. ``eagle3``'s chain, ``dflash``, ``medusa`` and ``lookahead``: :mod:`pardec.decoding.batch.eagle`,
 :mod:`pardec.decoding.batch.dflash`, :mod:`pardec.decoding.batch.medusa`, :mod:`pardec.decoding.batch.lookahead`.
-Left out of batching so far (docs/batch.md): ``eagle3``'s dynamic tree (a shape per row), ``firp``, ``sdsat``,
-``mjsd``, ``spectr``, ``ouroboros``, ``bild``."""
+``bild``, ``sdsat``: :mod:`pardec.decoding.batch.bild`, :mod:`pardec.decoding.batch.sdsat`. Left out of
+batching so far (docs/batch.md): ``firp``, ``mjsd``, ``spectr``, ``ouroboros``, ``sdsat``'s sampled trees."""
 
 from __future__ import annotations
 
@@ -18,6 +18,7 @@ from pardec.decoding.batch.engine import BatchedMethod, Row, register_batched
 from pardec.decoding.jacobi import check_guess_from, initial_guess
 from pardec.decoding.pld import lookup
 from pardec.decoding.sampling import sample, select, warp
+from pardec.models.ragged import RaggedModel
 
 
 @register_batched("ar")
@@ -74,12 +75,7 @@ class BatchedSPS(BatchedMethod):
         if k == 0:  # every row has room for the target's token only
             self.verify(rows, torch.zeros(len(rows), 0, dtype=torch.long), ks)
             return
-        pending = [r.tail(n) for r, n in zip(rows, self.draft.lengths)]  # what the draft lacks of each row
-        w = max(len(p) for p in pending)
-        fed = [n + len(p) for n, p in zip(self.draft.lengths, pending)]  # = each row's length
-        at = torch.tensor([[len(p) - 1] for p in pending], dtype=torch.long)
-        logits = self.draft.forward(torch.tensor([p + [0] * (w - len(p)) for p in pending], dtype=torch.long),
-                                    widths=[len(p) for p in pending], logits_at=at)[:, 0]
+        logits, fed = catch_up_rows(self.draft, rows)
         toks, qs = [], []
         for j in range(k):
             if j:
@@ -92,6 +88,18 @@ class BatchedSPS(BatchedMethod):
         acc = self.verify(rows, torch.stack(toks, 1), ks, torch.stack(qs, 1) if qs else None).tokens
         # the draft holds each row's old sequence + d_1..d_{k-1}: keep what the new sequence shares with it
         self.draft.set_lengths([f + min(len(a) - 1, k - 1) for f, a in zip(fed, acc)])
+
+
+def catch_up_rows(draft: RaggedModel, rows: list[Row]) -> tuple[torch.Tensor, list[int]]:
+    """Feed a draft model what it lacks of each row (one or more tokens per row, in one forward): (its logits after
+    each row's last token [n, V], each row's length now, which the draft holds)."""
+    pending = [r.tail(n) for r, n in zip(rows, draft.lengths)]
+    w = max(len(p) for p in pending)
+    fed = [r.length for r in rows]
+    at = torch.tensor([[len(p) - 1] for p in pending], dtype=torch.long)
+    logits = draft.forward(torch.tensor([p + [0] * (w - len(p)) for p in pending], dtype=torch.long),
+                           widths=[len(p) for p in pending], logits_at=at)[:, 0]
+    return logits, fed
 
 
 @register_batched("jacobi")
