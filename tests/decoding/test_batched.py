@@ -46,7 +46,7 @@ def _early_stop(lm, prompts) -> Stopper:
 def _batched(method: str, batch_size: int, draft: str | None = None, **params):
     lm = tiny(0)
     model = {"self": lm.model, "noisy": noisy(0)}[draft] if draft else None
-    if method in ("eagle3", "dflash", "medusa"):  # drafters of tests/decoding/drafters.py (eagle3, dflash: fitted
+    if method in ("eagle3", "dflash", "medusa", "firp"):  # drafters of tests/decoding/drafters.py (eagle3, dflash: fitted
         params = {**drafter_params(method, lm.model), **params}  # to the target's own continuations)
     return build_batched(method, lm.model, batch_size, 64, lm.tokenizer, model, **params)
 
@@ -60,6 +60,8 @@ CASES = {"ar": ("ar", None, {}), "pld": ("pld", None, {"num_pred": 5}),
          "eagle3_tree": ("eagle3", None, {"total_tokens": 8, "depth": 3, "top_k": 2}),
          "dflash": ("dflash", None, {}),  # blocks of 4: 3 drafts a row
          "medusa": ("medusa", None, {}),  # a tree per row (tests/decoding/drafters.py's tree T), compacted per row
+         # pseudo states born from each row's accepted node after the verification (the paper's "No masked")
+         "firp": ("firp", None, {}), "firp_real": ("firp", None, {"attention": "real"}),
          # a trie of another shape per row, beside a window in another phase per row (rows admitted later)
          "lookahead": ("lookahead", None, {"level": 3, "window": 3, "guess_set": 3, "pool_from_output": True}),
          "lookahead_n2": ("lookahead", None, {"level": 2, "window": 2, "guess_set": 2, "pool_from_prompt": True}),
@@ -84,8 +86,8 @@ def test_every_row_equals_its_batch_one_ar_output(case, batch_size):
     for r in run.results:
         assert r.target_forwards == len(r.accepted) and sum(r.accepted) == len(r.tokens)
         assert 0 < r.prefill_s <= r.total_s <= run.wall_s
-    if case not in ("ar", "jacobi", "medusa", "lookahead_n2", "sdsat"):  # (Jacobi on an untrained model, untrained
-        # heads, level-2 n-grams, an untrained model's adaptive tokens: ~1 token a forward)
+    if case not in ("ar", "jacobi", "medusa", "firp", "firp_real", "lookahead_n2", "sdsat"):  # (Jacobi on an
+        # untrained model, untrained heads and projections, level-2 n-grams, an untrained model's adaptive tokens)
         accepted = [a for r in run.results for a in r.accepted[1:]]
         assert max(accepted) >= 3  # drafts were accepted several deep
         if case == "sps_self":
@@ -125,6 +127,39 @@ def test_bild_rows_equal_batch_one_bild(variant):
     assert [r.tokens for r in run.results] != _reference(lm, prompts, stop)
 
 
+@pytest.mark.parametrize("attention", ["pseudo", "real"])
+def test_firp_rows_draft_what_batch_one_drafts(attention):
+    """Each row's pseudo-state drafts after every round (born from its accepted node after the verification) equal
+    the drafts batch-1 ``firp`` keeps from its verification forward, to rounding (another layout of the same keys)."""
+    lm = tiny(0)
+    prompts = _prompts(lm)
+    params = {**drafter_params("firp", lm.model), "attention": attention}
+    m = build_batched("firp", lm.model, 3, 64, lm.tokenizer, **params)
+    ours: dict[int, list] = {i: [] for i in range(len(prompts))}
+    admit, round_ = m.admit, m.round
+
+    def admitting(row):
+        admit(row)
+        ours[row.index].append(m.drafts[m.target.rows - 1].clone())
+
+    def rounding(rows):
+        round_(rows)
+        for b, r in enumerate(rows):
+            ours[r.index].append(m.drafts[b].clone())
+
+    m.admit, m.round = admitting, rounding
+    run_batch(m, prompts, N_NEW)
+    for i, p in enumerate(prompts):
+        single = build_decoder("firp", CachedModel(lm.model), lm.tokenizer, **params)
+        theirs, drafts = [], single._drafts
+        single._drafts = lambda state, node, drafts=drafts, theirs=theirs: theirs.append(drafts(state, node)) or \
+            theirs[-1]
+        single.generate(p, N_NEW)
+        assert len(ours[i]) == len(theirs) > 3, i  # (batch-1 also drafts after its last round)
+        for j, (a, b) in enumerate(zip(ours[i], theirs)):
+            assert torch.allclose(a, b, atol=1e-4, rtol=1e-4), (i, j, float((a - b).abs().max()))
+
+
 #: tiny(0)'s distributions are nearly flat (largest probability ~2.2e-4 of 8192 ids, cross-entropies ~8.5 nats): at
 #: these thresholds about half the noisy draft's chains fall back before max_draft and half are rolled back
 BILD_FALLBACK, BILD_ROLLBACK = 2.2e-4, 8.45
@@ -132,7 +167,7 @@ BILD_FALLBACK, BILD_ROLLBACK = 2.2e-4, 8.45
 
 def _single_params(method: str, lm, params: dict) -> dict:
     out = dict(params)
-    if method in ("eagle3", "dflash", "medusa"):
+    if method in ("eagle3", "dflash", "medusa", "firp"):
         out.update(drafter_params(method, lm.model))
     return out
 
@@ -264,7 +299,7 @@ def test_invariant_int8_rows_equal_batch_one_int8_ar(case):
 
 
 @pytest.mark.parametrize("case", ["ar", "pld", "sps_noisy", "jacobi", "eagle3", "eagle3_tree", "dflash", "medusa",
-                                  "lookahead", "sdsat"])
+                                  "lookahead", "sdsat", "firp"])
 def test_one_host_read_per_round_on_a_gpu(case):
     """On a (virtual) CUDA device: the same tokens as on the CPU, host reads = one per admission (its first token) +
     one per round, and the finiteness flags copied without a wait."""
@@ -291,7 +326,7 @@ def test_bad_input_is_refused_before_any_model_is_wrapped():
     with pytest.raises(ConfigError, match=r"batch_size=0 must be an integer >= 1"):
         build_batched("ar", lm.model, 0, 64)
     with pytest.raises(ConfigError, match=r"method 'ouroboros' has no batched implementation: batch_size > 1 runs "
-                                          r"ar, bild, dflash, eagle3, jacobi, lookahead, medusa, pld, sdsat, sps"):
+                                          r"ar, bild, dflash, eagle3, firp, jacobi, lookahead, medusa, pld, sdsat, sps"):
         build_batched("ouroboros", lm.model, 2, 64)
     with pytest.raises(KeyError, match="unknown method 'nope'"):
         build_batched("nope", lm.model, 2, 64)
@@ -320,7 +355,8 @@ def test_bad_input_is_refused_before_any_model_is_wrapped():
         build_batched("bild", lm.model, 2, 64, draft=noisy(0), variant="both")
     with pytest.raises(ConfigError, match="fallback_threshold"):
         build_batched("bild", lm.model, 2, 64, draft=noisy(0), fallback_threshold=1.5)
-    assert BATCHED.names() == ["ar", "bild", "dflash", "eagle3", "jacobi", "lookahead", "medusa", "pld", "sdsat", "sps"]
+    assert BATCHED.names() == ["ar", "bild", "dflash", "eagle3", "firp", "jacobi", "lookahead", "medusa", "pld", "sdsat",
+                               "sps"]
 
 
 @pytest.mark.parametrize("method", ["ar", "pld"])

@@ -37,7 +37,7 @@ N = {"t1": 2000, "warped": 2400}
 PARAMS = {"ar": {}, "pld": {"max_ngram": 3, "num_pred": 4}, "sps": {"gamma": 3}, "jacobi": {"block_size": 4},
           "eagle3": {"mode": "chain", "num_speculative_tokens": 3},
           "eagle3_tree": {"mode": "tree", "total_tokens": 12, "depth": 3, "top_k": 3},
-          "dflash": {"num_speculative_tokens": 3}, "medusa": {},
+          "dflash": {"num_speculative_tokens": 3}, "medusa": {}, "firp": {},
           # the same drafter over a draft vocabulary without the cycle's token 9 (q = 0 there)
           "dflash_vocab": {"num_speculative_tokens": 3},
           # the trie of its pool per row (each row's own shape), verified row by row
@@ -56,7 +56,7 @@ def test_each_rows_triples_follow_the_target_distribution(case, setting, one_thr
     draft = near_draft() if method == "sps" else None
     fitted = {"eagle3": eagle_deep, "dflash": dflash_deep}
     params = {**PARAMS[case], **({"path": fitted[method]()} if method in fitted else {}),
-              **(drafter_params("medusa", tiny_vocab(0)) if method == "medusa" else {}),  # (untrained heads)
+              **(drafter_params(method, tiny_vocab(0)) if method in ("medusa", "firp") else {}),  # (untrained)
               **({"draft_vocab": vocab_deep()} if case == "dflash_vocab" else {})}
     prompts = [PROMPT if i % 2 == 0 else OTHERS[(i // 2) % len(OTHERS)] for i in range(2 * n)]
     if method == "sdsat":  # an untrained model's adaptive rows draft nothing right: each row's kept drafts are
@@ -76,7 +76,7 @@ def test_each_rows_triples_follow_the_target_distribution(case, setting, one_thr
         deep += any(a >= 3 for a in res.accepted[1:])  # >= 2 drafted tokens accepted in one forward
         for g in GROUPS:
             obs[g][tuple(res.tokens[j - 1] for j in g)] += 1
-    if method not in ("ar", "jacobi", "medusa"):  # (medusa: untrained heads, rarely right twice in a row)
+    if method not in ("ar", "jacobi", "medusa", "firp"):  # (untrained heads / projections: rarely right twice in a row)
         assert deep >= n // 30, deep
     exact = exact_joints(setting, T, GROUPS)
     for g in GROUPS:

@@ -48,7 +48,7 @@ FILE = "batch.json"
 #: model unless draft= is given; eagle3 in both modes: its chain and the paper's 60-node tree), lookahead at its
 #: CPU-sized window; sdsat decodes its own fine-tuned model: a run of its own (model=local model.path=zoo:sdsat)
 DEFAULT_METHODS = ("ar,pld,sps,bild,jacobi,eagle3:path=zoo:eagle3:mode=chain,eagle3:path=zoo:eagle3,"
-                   "dflash:path=zoo:dflash,medusa:path=zoo:medusa," + CPU_SIZED["lookahead"])
+                   "dflash:path=zoo:dflash,medusa:path=zoo:medusa,firp:path=zoo:firp," + CPU_SIZED["lookahead"])
 ZOO_DRAFT = ["draft=local", "draft.name=zoo_draft", "draft.path=zoo:draft"]
 
 

@@ -5,7 +5,8 @@
 * :mod:`~pardec.decoding.batch.verify`: chain verification of every row's draft in one forward and one host read;
 * :mod:`~pardec.decoding.batch.methods`: ``ar``, ``pld``, ``sps`` and ``jacobi`` over a batch;
   :mod:`~pardec.decoding.batch.eagle`: ``eagle3``'s chain; :mod:`~pardec.decoding.batch.dflash`: ``dflash``;
-  :mod:`~pardec.decoding.batch.medusa`: ``medusa`` (a tree per row); :mod:`~pardec.decoding.batch.lookahead`:
+  :mod:`~pardec.decoding.batch.medusa`: ``medusa`` (a tree per row), :mod:`~pardec.decoding.batch.firp`: ``firp``
+  (its loop, pseudo states per row); :mod:`~pardec.decoding.batch.lookahead`:
   ``lookahead`` (a window, a pool and a trie of its own shape per row); :mod:`~pardec.decoding.batch.bild`:
   ``bild``; :mod:`~pardec.decoding.batch.sdsat`: ``sdsat``'s chains.
 
@@ -13,5 +14,5 @@ The cache is :class:`pardec.models.ragged.RaggedModel`: each row its own length,
 of draft tokens per round without re-padding the batch, finished rows leave and waiting prompts take their place.
 """
 
-from pardec.decoding.batch import bild, dflash, eagle, lookahead, medusa, methods, sdsat  # noqa: F401  (register)
+from pardec.decoding.batch import bild, dflash, eagle, firp, lookahead, medusa, methods, sdsat  # noqa: F401
 from pardec.decoding.batch.engine import BATCHED, BatchedMethod, BatchRun, Row, build_batched, run_batch  # noqa: F401

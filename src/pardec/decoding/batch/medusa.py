@@ -1,14 +1,17 @@
-"""``medusa`` over a batch: every row's candidate tree (one shape, the method's rank tree; each row's own tokens, the
-top-ranked of its own heads' distributions) verified in one target forward for every row, the tree rule applied to
-every row at once (:func:`~pardec.decoding.batch.verify.verify_trees`), each row's cache compacted to its accepted
-path (:meth:`~pardec.models.ragged.RaggedKV.keep_rows`), and the heads run on each row's last accepted node for the
-next round, as batch-1 ``medusa`` does (:mod:`pardec.decoding.heads`). A row's tree is not cut to the room it has
-left (batch-1 cuts it): tokens past the limit are dropped by the row's output, which then ends. Greedy: every row's
-output equals its batch-1 ``ar`` output; sampled: the target's distribution, per row."""
+"""``medusa`` and ``firp`` over a batch (:class:`BatchedTreeDrafter`, batch-1's :class:`~pardec.decoding.heads.
+TreeDrafter`): every row's candidate tree (one shape, the method's rank tree; each row's own tokens, the top-ranked
+of its own draft distributions) verified in one target forward for every row, the tree rule applied to every row at
+once (:func:`~pardec.decoding.batch.verify.verify_trees`), each row's cache compacted to its accepted path
+(:meth:`~pardec.models.ragged.RaggedKV.keep_rows`), and the next drafts made from each row's last accepted node, as
+batch-1 makes them (:mod:`pardec.decoding.heads`): ``medusa``'s heads on its final hidden state; ``firp``'s pseudo
+states (:mod:`pardec.decoding.batch.firp`). A row's tree is not cut to the room it has left (batch-1 cuts it): tokens
+past the limit are dropped by the row's output, which then ends. Greedy: every row's output equals its batch-1 ``ar``
+output; sampled: the target's distribution, per row."""
 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import ClassVar
 
 import torch
 
@@ -23,42 +26,53 @@ from pardec.models.cache import to_device
 from pardec.models.drafters import check_int8_weights, load_drafter, place, read_meta
 
 
-@register_batched("medusa")
-class BatchedMedusa(BatchedMethod):
-    """``path``, ``tree``, ``k``, ``int8_weights``: as batch-1 ``medusa``'s."""
+class BatchedTreeDrafter(BatchedMethod):
+    """The shared loop; a subclass says which hidden states the target's forward captures (:attr:`capture`) and how
+    a row's drafts come from them (:meth:`_drafts`)."""
+
+    kind: ClassVar[str] = ""
 
     def __init__(self, target, tokenizer=None, draft=None, path: str | None = None, tree: str = "chain",
                  k: int | None = None, int8_weights: str | None = "per_token"):
         super().__init__(target, tokenizer, draft)
         check_int8_weights(int8_weights)
         if path is None:
-            raise ConfigError("method 'medusa' needs trained medusa weights: method.path=<dir> (or zoo:medusa)")
+            raise ConfigError(f"method {self.kind!r} needs trained {self.kind} weights: method.path=<dir> "
+                              f"(or zoo:{self.kind})")
         meta = read_meta(path, "method.path")
-        if meta.get("kind") != "medusa":
-            raise ConfigError(f"method.path={path!r} holds {meta.get('kind')!r} weights; this method needs 'medusa'")
+        if meta.get("kind") != self.kind:
+            raise ConfigError(f"method.path={path!r} holds {meta.get('kind')!r} weights; this method needs "
+                              f"{self.kind!r}")
         if k is not None:
             check_range("k", k, 1, int(meta["k"]))
         self.k = k or int(meta["k"])
         self.tree_name, paths = resolve_tree(tree, [Path(path) / "trees"], int(meta["k"]))
         self.ranks = Tree.from_paths(truncate_paths(paths, self.k))
-        self.drafter, _ = load_drafter(path, target.model.config, "medusa", key="method.path")
+        self.drafter, _ = load_drafter(path, target.model.config, self.kind, key="method.path")
         self.drafter = place(self.drafter, target.model, target.device, int8_weights)
-        self.layer = int(target.model.config.num_hidden_layers)  # the final norm's output: what the heads read
         ranks = self.ranks
         self.at = torch.tensor([[int(d) - 1 for d in ranks.depth[1:]], ranks.labels[1:]], dtype=torch.long)
         self.need = max(ranks.labels[1:], default=-1) + 1
-        self.drafts: torch.Tensor | None = None  # [rows, k, V]: each row's heads at its last accepted node
+        self.drafts: torch.Tensor | None = None  # [rows, k, V]: each row's drafts after its last accepted node
 
     @property
     def width(self) -> int:
         return len(self.ranks)
 
-    def _heads(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.drafter(hidden)[..., : self.k, :]  # [.., k, V]
+    @property
+    def capture(self) -> tuple[int, ...]:
+        """The layers whose entering hidden states (the final norm's output for ``num_hidden_layers``) the drafts
+        are made from."""
+        raise NotImplementedError
+
+    def _drafts(self, first: int, hidden: torch.Tensor) -> torch.Tensor:
+        """Draft logits [n, k, V] of rows ``first ..`` from the captured states of their last cached position
+        [n, len(capture) * H] (the cache holds exactly each row's committed tokens but the last)."""
+        raise NotImplementedError
 
     def admit(self, row: Row) -> None:
-        logits, hidden = self.target.add(row.prompt, hidden_layer=(self.layer,))
-        drafts = self._heads(hidden[-1])
+        logits, hidden = self.target.add(row.prompt, hidden_layer=self.capture)
+        drafts = self._drafts(self.target.rows - 1, hidden[-1:])[0]
         if self.drafts is None:
             self.drafts = drafts.new_zeros(self.target.max_rows, *drafts.shape)
         self.drafts[self.target.rows - 1] = drafts
@@ -82,11 +96,25 @@ class BatchedMedusa(BatchedMethod):
         last = to_device(torch.tensor([[r.last] for r in rows], dtype=torch.long), dev)
         base = list(self.target.lengths)
         logits, hidden = self.target.forward(torch.cat([last, cands], 1), depths=buf.depth, attend=buf.attend,
-                                             hidden_layer=(self.layer,))
+                                             hidden_layer=self.capture)
         labels = torch.cat([torch.full((n, 1), -1, dtype=torch.long, device=dev), cands], 1)
         verdicts = verify_trees(buf, labels, logits, self.s, self.gen)
         self.target.keep_rows(base, [path for path, _ in verdicts])
         ends = to_device(torch.tensor([path[-1] for path, _ in verdicts]), dev)
-        self.drafts[:n] = self._heads(hidden[torch.arange(n, device=dev), ends])
+        self.drafts[:n] = self._drafts(0, hidden[torch.arange(n, device=dev), ends])
         for r, (_, tokens) in zip(rows, verdicts):
             r.commit(tokens, len(self.ranks) - 1)
+
+
+@register_batched("medusa")
+class BatchedMedusa(BatchedTreeDrafter):
+    """``path``, ``tree``, ``k``, ``int8_weights``: as batch-1 ``medusa``'s."""
+
+    kind = "medusa"
+
+    @property
+    def capture(self) -> tuple[int, ...]:
+        return (int(self.target.model.config.num_hidden_layers),)  # the final norm's output: what the heads read
+
+    def _drafts(self, first: int, hidden: torch.Tensor) -> torch.Tensor:
+        return self.drafter(hidden)[..., : self.k, :]  # [n, k, V]

@@ -6,8 +6,9 @@ Each round is one target forward for every active row; a row's draft is as long 
 it (``pld``: its own lookup, cut to the room left; ``sps``: ``gamma``, cut to the room left), shorter drafts padded
 to the longest. ``eagle3``'s chain, ``dflash``, ``medusa`` and ``lookahead``: :mod:`pardec.decoding.batch.eagle`,
 :mod:`pardec.decoding.batch.dflash`, :mod:`pardec.decoding.batch.medusa`, :mod:`pardec.decoding.batch.lookahead`.
-``bild``, ``sdsat``: :mod:`pardec.decoding.batch.bild`, :mod:`pardec.decoding.batch.sdsat`. Left out of
-batching so far (docs/batch.md): ``firp``, ``mjsd``, ``spectr``, ``ouroboros``, ``sdsat``'s sampled trees."""
+``bild``, ``sdsat``, ``firp``: :mod:`pardec.decoding.batch.bild`, :mod:`pardec.decoding.batch.sdsat`,
+:mod:`pardec.decoding.batch.firp`. Left out of batching so far (docs/batch.md): ``mjsd``, ``spectr``, ``ouroboros``,
+``sdsat``'s sampled trees."""
 
 from __future__ import annotations
 

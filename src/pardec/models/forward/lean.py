@@ -110,20 +110,26 @@ def decoder_layers(model: nn.Module, h: torch.Tensor, cos: torch.Tensor, sin: to
     """Every decoder layer over ``h`` [B, T, hidden]; ``attend(self_attn, q, k, v)`` stores the new keys/values
     where its cache keeps them and returns the attention output [B, heads, T, head_dim]; ``lin(module, x)`` runs a
     projection; ``on_layer(i, h)``, if given, sees the hidden states entering layer ``i``."""
-    bsz, t = h.shape[:2]
     for i, layer in enumerate(model.model.layers):
         if on_layer is not None:
             on_layer(i, h)
-        a, mlp = layer.self_attn, layer.mlp
-        x = _rms(layer.input_layernorm, h)
-        q = lin(a.q_proj, x).view(bsz, t, -1, a.head_dim).transpose(1, 2)
-        k = lin(a.k_proj, x).view(bsz, t, -1, a.head_dim).transpose(1, 2)
-        v = lin(a.v_proj, x).view(bsz, t, -1, a.head_dim).transpose(1, 2)
-        o = attend(a, _rotate(q, cos, sin), _rotate(k, cos, sin), v)
-        h = h + lin(a.o_proj, o.transpose(1, 2).reshape(bsz, t, -1))
-        x = _rms(layer.post_attention_layernorm, h)
-        h = h + lin(mlp.down_proj, F.silu(lin(mlp.gate_proj, x)) * lin(mlp.up_proj, x))
+        h = decoder_layer(layer, h, cos, sin, attend, lin)
     return h
+
+
+def decoder_layer(layer: nn.Module, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attend, lin=_lin
+                  ) -> torch.Tensor:
+    """One decoder layer over ``h`` [B, T, hidden] (:func:`decoder_layers`' step; the same arguments)."""
+    bsz, t = h.shape[:2]
+    a, mlp = layer.self_attn, layer.mlp
+    x = _rms(layer.input_layernorm, h)
+    q = lin(a.q_proj, x).view(bsz, t, -1, a.head_dim).transpose(1, 2)
+    k = lin(a.k_proj, x).view(bsz, t, -1, a.head_dim).transpose(1, 2)
+    v = lin(a.v_proj, x).view(bsz, t, -1, a.head_dim).transpose(1, 2)
+    o = attend(a, _rotate(q, cos, sin), _rotate(k, cos, sin), v)
+    h = h + lin(a.o_proj, o.transpose(1, 2).reshape(bsz, t, -1))
+    x = _rms(layer.post_attention_layernorm, h)
+    return h + lin(mlp.down_proj, F.silu(lin(mlp.gate_proj, x)) * lin(mlp.up_proj, x))
 
 
 def head(model: nn.Module, h: torch.Tensor, lin=_lin) -> torch.Tensor:
