@@ -43,11 +43,14 @@ def _early_stop(lm, prompts) -> Stopper:
     return Stopper(lm.tokenizer, eos_ids={ref[3]})
 
 
+TRAINED = ("eagle3", "dflash", "medusa", "medusa_typical", "firp")  # the methods that read a drafter
+
+
 def _batched(method: str, batch_size: int, draft: str | None = None, **params):
     lm = tiny(0)
     model = {"self": lm.model, "noisy": noisy(0)}[draft] if draft else None
-    if method in ("eagle3", "dflash", "medusa", "firp"):  # drafters of tests/decoding/drafters.py (eagle3, dflash: fitted
-        params = {**drafter_params(method, lm.model), **params}  # to the target's own continuations)
+    if method in TRAINED:  # drafters of tests/decoding/drafters.py (eagle3, dflash: fitted to the target's own
+        params = {**drafter_params(method, lm.model), **params}  # continuations)
     return build_batched(method, lm.model, batch_size, 64, lm.tokenizer, model, **params)
 
 
@@ -62,6 +65,7 @@ CASES = {"ar": ("ar", None, {}), "pld": ("pld", None, {"num_pred": 5}),
          "medusa": ("medusa", None, {}),  # a tree per row (tests/decoding/drafters.py's tree T), compacted per row
          # pseudo states born from each row's accepted node after the verification (the paper's "No masked")
          "firp": ("firp", None, {}), "firp_real": ("firp", None, {"attention": "real"}),
+         "medusa_typical": ("medusa_typical", None, {}),  # greedy: the shared tree rule
          # a trie of another shape per row, beside a window in another phase per row (rows admitted later)
          "lookahead": ("lookahead", None, {"level": 3, "window": 3, "guess_set": 3, "pool_from_output": True}),
          "lookahead_n2": ("lookahead", None, {"level": 2, "window": 2, "guess_set": 2, "pool_from_prompt": True}),
@@ -86,8 +90,9 @@ def test_every_row_equals_its_batch_one_ar_output(case, batch_size):
     for r in run.results:
         assert r.target_forwards == len(r.accepted) and sum(r.accepted) == len(r.tokens)
         assert 0 < r.prefill_s <= r.total_s <= run.wall_s
-    if case not in ("ar", "jacobi", "medusa", "firp", "firp_real", "lookahead_n2", "sdsat"):  # (Jacobi on an
-        # untrained model, untrained heads and projections, level-2 n-grams, an untrained model's adaptive tokens)
+    if case not in ("ar", "jacobi", "medusa", "medusa_typical", "firp", "firp_real", "lookahead_n2", "sdsat"):
+        # (not: Jacobi on an untrained model, untrained heads and projections, level-2 n-grams, an untrained model's
+        # adaptive tokens)
         accepted = [a for r in run.results for a in r.accepted[1:]]
         assert max(accepted) >= 3  # drafts were accepted several deep
         if case == "sps_self":
@@ -125,6 +130,31 @@ def test_bild_rows_equal_batch_one_bild(variant):
     assert 0 < sum(a.extras["fallback_rate"] for a in alone) < len(alone)
     assert sum(a.extras["rollback_rate"] for a in alone) > 0
     assert [r.tokens for r in run.results] != _reference(lm, prompts, stop)
+
+
+@pytest.mark.parametrize("bar", ["paper", "zero"])
+def test_sampled_medusa_typical_rows_accept_as_batch_one(bar):
+    """Medusa's typical acceptance under sampling, with the paper's next token (the target's argmax) and top-k 1 (so
+    the prefill's token is the argmax too): a deterministic rule, so each row's output equals batch-1
+    ``medusa_typical``'s on its prompt, token for token and round for round, its tree cut to the room it has left as
+    batch-1 cuts it (its accepted drafts need not be ``ar``'s)."""
+    from pardec.config import SamplingConfig
+
+    lm = tiny(0)
+    prompts = _prompts(lm)
+    s = SamplingConfig(temperature=1.0, top_k=1, seed=3)
+    params = drafter_params("medusa_typical", lm.model)
+    if bar == "zero":  # every candidate passes: the deepest path every round
+        params |= {"posterior_threshold": 0.0, "posterior_alpha": 0.0}
+    run = run_batch(build_batched("medusa_typical", lm.model, 3, 64, lm.tokenizer, **params), prompts, N_NEW,
+                    sampling=s)
+    single = build_decoder("medusa_typical", CachedModel(lm.model), lm.tokenizer, **params)
+    alone = [single.generate(p, N_NEW, sampling=s) for p in prompts]
+    assert [(r.tokens, r.accepted) for r in run.results] == [(a.tokens, a.accepted) for a in alone]
+    accepted = {a for r in run.results for a in r.accepted[1:]}
+    assert max(accepted) >= 3 and (bar == "zero" or len(accepted) >= 2), accepted
+    with pytest.raises(ConfigError, match="method.next_token"):
+        build_batched("medusa_typical", lm.model, 2, 64, **{**params, "next_token": "best"})
 
 
 @pytest.mark.parametrize("attention", ["pseudo", "real"])
@@ -167,7 +197,7 @@ BILD_FALLBACK, BILD_ROLLBACK = 2.2e-4, 8.45
 
 def _single_params(method: str, lm, params: dict) -> dict:
     out = dict(params)
-    if method in ("eagle3", "dflash", "medusa", "firp"):
+    if method in TRAINED:
         out.update(drafter_params(method, lm.model))
     return out
 
@@ -326,7 +356,7 @@ def test_bad_input_is_refused_before_any_model_is_wrapped():
     with pytest.raises(ConfigError, match=r"batch_size=0 must be an integer >= 1"):
         build_batched("ar", lm.model, 0, 64)
     with pytest.raises(ConfigError, match=r"method 'ouroboros' has no batched implementation: batch_size > 1 runs "
-                                          r"ar, bild, dflash, eagle3, firp, jacobi, lookahead, medusa, pld, sdsat, sps"):
+                                          r"ar, bild, dflash, eagle3, firp, jacobi, lookahead, medusa, medusa_typical, pld, sdsat, sps"):
         build_batched("ouroboros", lm.model, 2, 64)
     with pytest.raises(KeyError, match="unknown method 'nope'"):
         build_batched("nope", lm.model, 2, 64)
@@ -355,8 +385,32 @@ def test_bad_input_is_refused_before_any_model_is_wrapped():
         build_batched("bild", lm.model, 2, 64, draft=noisy(0), variant="both")
     with pytest.raises(ConfigError, match="fallback_threshold"):
         build_batched("bild", lm.model, 2, 64, draft=noisy(0), fallback_threshold=1.5)
-    assert BATCHED.names() == ["ar", "bild", "dflash", "eagle3", "firp", "jacobi", "lookahead", "medusa", "pld", "sdsat",
-                               "sps"]
+    assert BATCHED.names() == ["ar", "bild", "dflash", "eagle3", "firp", "jacobi", "lookahead", "medusa",
+                               "medusa_typical", "pld", "sdsat", "sps"]
+
+
+@pytest.mark.slow  # TorchInductor compiles (one graph serves every row count, width and capacity)
+def test_compiled_rows_equal_batch_one_ar():
+    """``forward_impl=compiled``: every forward after a prefill runs as one compiled graph over the whole buffers;
+    chains (``pld``, rows accepting different counts) and a tree with a hidden-state capture (``medusa``) keep every
+    row's greedy output equal to its batch-1 ``ar`` output, and rows leave and join as in the lean forward."""
+    lm = tiny(0)
+    prompts = _prompts(lm)
+    stop = _early_stop(lm, prompts)
+    ref = _reference(lm, prompts, stop)
+    for case in ("pld", "medusa"):
+        method, _, params = CASES[case]
+        params = {**drafter_params(method, lm.model), **params} if method == "medusa" else params
+        m = build_batched(method, lm.model, 3, 16, lm.tokenizer, forward_impl="compiled", **params)
+        assert m.target.compiled
+        run = run_batch(m, prompts, N_NEW, stop)
+        assert [r.tokens for r in run.results] == ref, case
+        assert m.target.capacity > 16  # the buffers grew past the first capacity: the graph took the new size
+    with pytest.raises(ValueError, match=r"forward_impl='graph' is not valid for a batch; choose one of: lean, "
+                                         r"compiled"):
+        build_batched("ar", lm.model, 2, 64, forward_impl="graph")
+    with pytest.raises(ValueError, match=r"forward_impl=compiled cannot run .* its attention is invariant"):
+        build_batched("ar", _int8("invariant"), 2, 64, forward_impl="compiled")
 
 
 @pytest.mark.parametrize("method", ["ar", "pld"])

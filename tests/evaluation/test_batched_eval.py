@@ -75,7 +75,7 @@ def test_resume_after_a_kill_redoes_and_duplicates_nothing(tmp_path):
 
 @pytest.mark.parametrize(("overrides", "message"), [
     (["+method=mjgd", "batch_size=2"], r"method: method 'mjgd' has no batched implementation: batch_size > 1 "
-                                       r"runs ar, bild, dflash, eagle3, firp, jacobi, lookahead, medusa, pld, sdsat, sps"),
+                                       r"runs ar, bild, dflash, eagle3, firp, jacobi, lookahead, medusa, medusa_typical, pld, sdsat, sps"),
     (["+method=pld", "batch_size=2", "bench.include_hf=true"], r"bench.include_hf=true adds transformers' decoders"),
     (["+method=pld", "batch_size=2", "repeats=2"], r"batch_size=2 with repeats=2"),
     (["+method=pld", "batch_size=2", 'bench.also=["mjgd"]'], r"bench.also entry 'mjgd': method 'mjgd' "
@@ -83,8 +83,10 @@ def test_resume_after_a_kill_redoes_and_duplicates_nothing(tmp_path):
     (["+method=pld", "batch_size=0"], r"batch_size=0 is out of range: it must be an integer >= 1"),
     (["+method=sdsat", "method.adaptive_ids=[511]", "batch_size=2", "sampling.temperature=0.7"],
      r"method: method.tree=official with method.top_k=10 drafts a nucleus tree under sampling"),
-    (["+method=pld", "batch_size=2", "forward_impl=compiled"], r"forward_impl=compiled / draft_forward_impl=None are "
-                                                               r"batch-1 forwards"),
+    (["+method=pld", "batch_size=2", "draft_forward_impl=compiled"], r"forward_impl=auto / draft_forward_impl="
+                                                                     r"compiled are batch-1 forwards"),
+    (["+method=pld", "batch_size=2", "forward_impl=compiled", "model.attn_implementation=invariant"],
+     r"forward_impl=compiled and model.attn_implementation=invariant: the invariant attention"),
 ])
 def test_what_batching_cannot_run_is_refused_before_any_model_loads(tmp_path, monkeypatch, overrides, message):
     import pardec.models.loading as loading

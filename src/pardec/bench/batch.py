@@ -141,6 +141,7 @@ def plot(data: dict, path: Path) -> None:
         ax.legend(fontsize=8)
     ident = data["identity"]
     mode = f" ({ident['attention']} attention)" if ident.get("attention") else ""
+    mode += " (compiled forward)" if ident.get("forward") else ""
     fig.suptitle(f"{ident['model']} {ident['dtype']}{mode}, {ident['dataset']} (n={ident['n']}, {ident['max_new_tokens']} "
                  f"new tokens) -- {describe(ident['host'])}, {data['date']}", fontsize=8)
     fig.tight_layout()
@@ -202,6 +203,7 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
 
 def _spec(a: argparse.Namespace, methods: list[tuple[str, str, dict]]):
     from pardec.decoding.batch import BATCHED  # heavy: torch, transformers
+    from pardec.evaluation.batched import check_forward  # heavy: torch, transformers
     from pardec.evaluation.spec import validate  # heavy: torch, transformers
 
     draft = [] if any(o.startswith("draft") for o in a.overrides) or not any(
@@ -210,6 +212,7 @@ def _spec(a: argparse.Namespace, methods: list[tuple[str, str, dict]]):
         cfg = compose("evaluate", overrides=["+method=ar", f"n_samples={a.n}", f"max_new_tokens={a.max_new_tokens}",
                                              *draft, *a.overrides])
     spec = validate(cfg)
+    check_forward(spec, "pardec.bench batch")
 
     for i, (label, name, params) in enumerate(methods):  # a drafter kept in the zoo: path=zoo:eagle3
         methods[i] = (label, name, {k: zoo.resolve(v, f"--methods entry {label!r}: method.{k}", spec.model.name)
@@ -238,12 +241,14 @@ def _identity(a, spec, methods) -> dict[str, Any]:
             "sampling": asdict(spec.sampling),
             # the batched attention where it is not the default (invariant: exact int8 rows), so a run in one mode
             # is neither continued nor published as the other
-            **({"attention": spec.model.attn_implementation} if spec.model.attn_implementation != "sdpa" else {})}
+            **({"attention": spec.model.attn_implementation} if spec.model.attn_implementation != "sdpa" else {}),
+            **({"forward": "compiled"} if spec.run.forward_impl == "compiled" else {})}
 
 
 def measure(a, spec, methods, sizes, data: dict) -> int:
     from pardec.decoding import Stopper  # heavy: torch, transformers
     from pardec.decoding.batch import build_batched, run_batch  # heavy: torch, transformers
+    from pardec.evaluation.batched import batch_forward  # heavy: torch, transformers
     from pardec.evaluation.results import write_json  # heavy: torch, transformers
     from pardec.models.loading import load_model  # heavy: torch, transformers
 
@@ -259,7 +264,7 @@ def measure(a, spec, methods, sizes, data: dict) -> int:
     todo = [(b, m) for b in sizes for m in methods if (m[0], b) not in done]
     for b, (label, name, params) in tqdm(todo, desc="batch cells", unit="cell"):
         dec = build_batched(name, lm.model, b, max(map(len, prompts)) + a.max_new_tokens + 64, lm.tokenizer, draft,
-                            **params)
+                            batch_forward(spec.run.forward_impl), **params)
         run_batch(dec, prompts[: min(len(prompts), b)], a.warmup_tokens, stop, spec.sampling)  # warm-up
         with CpuMeter().window() as competed:
             run = run_batch(dec, prompts, a.max_new_tokens, stop, spec.sampling)
@@ -289,9 +294,9 @@ def measure(a, spec, methods, sizes, data: dict) -> int:
 
 
 def markers(ident: dict) -> tuple[str, str]:
-    """The pair of comments around a run's block in ``docs/batch.md``: one block per dataset, dtype and (where it is
-    not the default) attention."""
-    key = " ".join(filter(None, (ident["dataset"], ident["dtype"], ident.get("attention"))))
+    """The pair of comments around a run's block in ``docs/batch.md``: one block per dataset, dtype and (where they
+    are not the defaults) attention and forward."""
+    key = " ".join(filter(None, (ident["dataset"], ident["dtype"], ident.get("attention"), ident.get("forward"))))
     return f"<!-- batch-table {key} -->", f"<!-- /batch-table {key} -->"
 
 
@@ -318,6 +323,7 @@ def publish(out: Path, data: dict, root: Path, name: str) -> Path:
     head, rest = text.split(start, 1)
     _, tail = rest.split(end, 1)
     mode = f" ({ident['attention']} attention)" if ident.get("attention") else ""
+    mode += " (compiled forward)" if ident.get("forward") else ""
     body = (f"{ident['model']} {ident['dtype']}{mode} on {ident['dataset']}, {ident['n']} prompts, {ident['max_new_tokens']} "
             f"new tokens, {data['date']}; host: {describe(ident['host'])}.\n\n{table(data)}\n\n"
             f"<sub>Data: [results/{name}.json](results/{name}.json)</sub>\n\n"

@@ -173,9 +173,7 @@ class MedusaTypical(Medusa):
                  posterior_alpha: float = 0.3, next_token: Literal["greedy", "sample", "typical"] = "greedy",
                  int8_weights: str | None = "per_token"):
         super().__init__(target, tokenizer, draft, path, tree, k, int8_weights)
-        check_range("posterior_threshold", posterior_threshold, 0.0, 1.0, integer=False)
-        check_range("posterior_alpha", posterior_alpha, 0.0, 1.0, integer=False)
-        check_choice("method.next_token", next_token, NEXT_TOKEN)
+        check_typical(posterior_threshold, posterior_alpha, next_token)
         self.threshold, self.alpha, self.next_token = posterior_threshold, posterior_alpha, next_token
 
     def _accept(self, tree, logits, st):
@@ -187,15 +185,23 @@ class MedusaTypical(Medusa):
 NEXT_TOKEN = ("greedy", "sample", "typical")
 
 
+def check_typical(posterior_threshold: float, posterior_alpha: float, next_token: str) -> None:
+    """``medusa_typical``'s options (batch-1 and batched)."""
+    check_range("posterior_threshold", posterior_threshold, 0.0, 1.0, integer=False)
+    check_range("posterior_alpha", posterior_alpha, 0.0, 1.0, integer=False)
+    check_choice("method.next_token", next_token, NEXT_TOKEN)
+
+
 def typical_accept(tree: Tree, logits: torch.Tensor, s: SamplingConfig, gen: torch.Generator | None,
-                   threshold: float, alpha: float, next_token: str = "greedy") -> TreeVerdict:
+                   threshold: float, alpha: float, next_token: str = "greedy", depth: int | None = None) -> TreeVerdict:
     """Medusa's typical acceptance (Sec. 2.3.1): node n passes when its parent's target probability of its token
     (temperature only) exceeds ``min(threshold, alpha * exp(-H))``, H the entropy there. Among the nodes whose whole
     path passes, the deepest wins; among equally deep ones the most likely path (the largest sum of its tokens' log
     probabilities, as the reference's ``evaluate_posterior``), the first in node order among exact ties. One more
     token follows at the winner: the target's argmax (``greedy``, the paper's), a sample of the target's warped
     distribution (``sample``) or of its typical-filtered one (``typical``: tokens under the bar there dropped).
-    Everything is decided on the device; one host read."""
+    ``depth``: nodes deeper never pass (the tree as if cut there). Everything is decided on the device; one host
+    read."""
     dev = logits.device
     buf, labels = tree.on(dev), tree.label_tensor(dev)
     probs = torch.softmax(logits.float() / s.temperature, dim=-1)  # [N, V]
@@ -204,6 +210,8 @@ def typical_accept(tree: Tree, logits: torch.Tensor, s: SamplingConfig, gen: tor
     p = probs[buf.parent, labels.clamp(min=0)]  # [N] each node's probability under its parent's row (root: unused)
     ok = p > bar.index_select(0, buf.parent)
     ok[0].fill_(True)  # (a fill kernel: `ok[0] = True` uploads a host scalar, a sync on CUDA)
+    if depth is not None:
+        ok &= buf.depth <= depth
     logp = p.clamp_min(1e-30).log().double()
     logp[0] = 0.0
     passes = ~(buf.attend & ~ok).any(-1)  # [N] the whole path passes

@@ -20,6 +20,12 @@ from pardec.decoding.batch import build_batched, run_batch
 from pardec.decoding.batch.engine import check_batched, latency
 from pardec.evaluation.results import finite, first_divergence, is_failed, non_finite
 from pardec.metrics.busy import CpuMeter
+from pardec.models.ragged import BATCH_FORWARDS
+
+
+def batch_forward(forward_impl: str) -> str:
+    """The ragged batch's forward for a run's ``forward_impl`` (auto: the lean one)."""
+    return "lean" if forward_impl == "auto" else forward_impl
 
 
 def check(spec) -> None:
@@ -33,10 +39,7 @@ def check(spec) -> None:
     if r.repeats != 1:
         raise ConfigError(f"batch_size={r.batch_size} with repeats={r.repeats}: a batched run times the whole batch "
                           f"once; set repeats=1")
-    if r.forward_impl not in ("auto", "lean") or (r.draft_forward_impl or "auto") not in ("auto", "lean"):
-        raise ConfigError(f"batch_size={r.batch_size} runs pardec's lean forward over a ragged batch cache; "
-                          f"forward_impl={r.forward_impl} / draft_forward_impl={r.draft_forward_impl} are batch-1 "
-                          f"forwards: leave them at auto (or lean)")
+    check_forward(spec, f"batch_size={r.batch_size}")
     if spec.model.attn_implementation not in ("sdpa", "eager", "invariant"):  # (invariant: pardec.models.ragged's)
         raise ConfigError(f"batch_size={r.batch_size} runs pardec's lean forward over a ragged batch cache, which "
                           f"takes model.attn_implementation sdpa, eager or invariant, not "
@@ -48,6 +51,19 @@ def check(spec) -> None:
             check_batched(name, r.batch_size, params, spec.sampling)
         except ConfigError as e:
             raise ConfigError(f"{where}: {e}") from None
+
+
+def check_forward(spec, what: str) -> None:
+    """The forwards a ragged batch runs (``what`` names the run in the message), before anything loads."""
+    r = spec.run
+    if r.forward_impl not in ("auto", *BATCH_FORWARDS) or (r.draft_forward_impl or "auto") not in ("auto", "lean"):
+        raise ConfigError(f"{what} runs pardec's lean or compiled forward over a ragged batch cache (a draft model "
+                          f"the lean one); forward_impl={r.forward_impl} / draft_forward_impl={r.draft_forward_impl} "
+                          f"are batch-1 forwards: leave them at auto, or forward_impl=compiled")
+    if r.forward_impl == "compiled" and spec.model.attn_implementation == "invariant":
+        raise ConfigError(f"{what} with forward_impl=compiled and model.attn_implementation=invariant: the invariant "
+                          f"attention reads its plan on the host every forward and does not compile; use one or the "
+                          f"other")
 
 
 def run_roles(spec, task, mine: list, roles: list, lm, draft_model, scorer, completion_nll, stopper, chat, results,
@@ -69,7 +85,7 @@ def run_roles(spec, task, mine: list, roles: list, lm, draft_model, scorer, comp
         contention = None
         first = [list(task.prompt_ids(doc, lm.tokenizer, chat, [])) for doc in todo]
         dec = build_batched(name, lm.model, r.batch_size, max(map(len, first)) + r.max_new_tokens + 64, lm.tokenizer,
-                            draft_model, **params)  # (its cache grows for longer later turns)
+                            draft_model, batch_forward(r.forward_impl), **params)  # (its cache grows for longer turns)
         if spec.bench.warmup:  # the batch's first prompts, a few tokens, untimed
             run_batch(dec, first[: r.batch_size], spec.bench.warmup_tokens, stopper, spec.sampling)
         bar = tqdm(total=len(todo) * task.n_turns, desc=f"{name} on {spec.dataset.name} (batch {r.batch_size})",

@@ -36,7 +36,7 @@ from torch import nn
 
 from pardec.models.cache import to_device
 from pardec.models.finite import FiniteCheck
-from pardec.models.forward import invariant, lean
+from pardec.models.forward import compiled, invariant, lean
 from pardec.models.masks import additive_mask
 
 
@@ -201,16 +201,32 @@ class RaggedKV:
         self.capacity = cap
 
 
+#: the forwards a ragged batch runs: the lean one (eager), or every forward after the prefill as one compiled graph
+#: over the whole buffers (:func:`pardec.models.forward.compiled.ragged_step`)
+BATCH_FORWARDS = ("lean", "compiled")
+
+
 class RaggedModel(RaggedKV):
     """A Llama-family model over a :class:`RaggedKV` of at most ``rows`` rows (the module docstring)."""
 
-    def __init__(self, model: nn.Module, rows: int, capacity: int, name: str | None = None):
+    def __init__(self, model: nn.Module, rows: int, capacity: int, name: str | None = None,
+                 forward_impl: str = "lean"):
         name = name or getattr(model.config, "_name_or_path", "") or type(model).__name__
         why = lean.unsupported(model, attention=("sdpa", "eager", "invariant"))
         if why is not None:
             raise ValueError(f"batched decoding runs pardec's lean forward, which cannot run {name!r}: {why}")
         super().__init__(int(model.config.num_hidden_layers), rows, capacity, name)
         self.invariant = getattr(model.config, "_attn_implementation", None) == "invariant"
+        if forward_impl not in BATCH_FORWARDS:
+            raise ValueError(f"forward_impl={forward_impl!r} is not valid for a batch; choose one of: "
+                             f"{', '.join(BATCH_FORWARDS)}")
+        self.compiled = forward_impl == "compiled"
+        if self.compiled:
+            why = "its attention is invariant (one host read per forward)" if self.invariant else \
+                compiled.unsupported(model)
+            if why is not None:
+                raise ValueError(f"forward_impl=compiled cannot run {name!r} over a batch: {why}")
+            compiled.register_opaque(model)
         self.model = model.eval()
         self.device = next(model.parameters()).device
         self.num_layers = int(model.config.num_hidden_layers)
@@ -271,6 +287,8 @@ class RaggedModel(RaggedKV):
         w = self.window(first, n, t, dev, attend)
         offs = torch.arange(t, device=dev) if depths is None else to_device(torch.as_tensor(depths), dev).long()
         positions = w.lens[:, None] + (offs if offs.dim() == 2 else offs[None])  # [n, T]
+        if self.compiled and first == 0 and not last_only and all(k is not None for k in self.keys):
+            return self._compiled(ids, positions, w, base, widths, logits_at, capture)
         mask = w.additive(self.model.dtype)
         h, cos, sin = lean.embed(self.model, ids, positions)
 
@@ -301,3 +319,18 @@ class RaggedModel(RaggedKV):
             return logits
         final = lean._rms(self.model.model.norm, full) if self.num_layers in capture else full
         return logits, lean.captured(seen, final, capture, self.num_layers)
+
+    def _compiled(self, ids, positions, w: Window, base, widths, logits_at, capture):
+        """:meth:`_forward` of every active row as one compiled graph over the whole buffers
+        (:func:`~pardec.models.forward.compiled.ragged_step`: the mask admits each row's visible slots)."""
+        n, t = ids.shape
+        visible = torch.zeros(n, t, self.capacity, dtype=torch.bool, device=self.device)
+        visible[..., : w.width] = w.visible
+        out = compiled.ragged_step(self.model, ids, positions, self.keys, self.values, w.slots,
+                                   additive_mask(visible, self.model.dtype), capture)
+        logits, hidden = out if capture is not None else (out, None)
+        self.advance(w, widths)
+        if logits_at is not None:
+            logits = logits.gather(1, to_device(logits_at, self.device)[..., None].expand(-1, -1, logits.shape[-1]))
+        self._finite.check(logits, self.name, base, t, False, None)
+        return logits if capture is None else (logits, hidden)

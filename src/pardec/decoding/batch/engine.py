@@ -185,13 +185,14 @@ def batched_params(name: str, params: dict[str, Any]) -> dict[str, Any]:
 
 
 def build_batched(name: str, model: torch.nn.Module, batch_size: int, capacity: int, tokenizer=None,
-                  draft: torch.nn.Module | None = None, **params: Any) -> BatchedMethod:
+                  draft: torch.nn.Module | None = None, forward_impl: str = "lean", **params: Any) -> BatchedMethod:
     """The batched method ``name`` over ``model`` (and ``draft``) for ``batch_size`` rows of ``capacity`` positions
-    (the batch cache grows past it if needed)."""
+    (the batch cache grows past it if needed); ``forward_impl``: the target's forwards after each prefill, ``lean``
+    (eager) or ``compiled`` (:data:`~pardec.models.ragged.BATCH_FORWARDS`; a draft model runs the lean one)."""
     cls = check_batched(name, batch_size, params)
     if cls.needs_draft and draft is None:
         raise ConfigError(f"method {name!r} needs a draft model: pass draft=<name>")
-    target = RaggedModel(model, batch_size, capacity)
+    target = RaggedModel(model, batch_size, capacity, forward_impl=forward_impl)
     return cls(target, tokenizer, RaggedModel(draft, batch_size, capacity) if cls.needs_draft else None,
                **batched_params(name, params))
 

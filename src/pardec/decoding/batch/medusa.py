@@ -19,6 +19,7 @@ from pardec.config import ConfigError
 from pardec.decoding.base import check_range
 from pardec.decoding.batch.engine import BatchedMethod, Row, register_batched
 from pardec.decoding.batch.verify import verify_trees
+from pardec.decoding.heads import check_typical, typical_accept
 from pardec.decoding.sampling import select
 from pardec.decoding.tree import Tree
 from pardec.decoding.tree_search import resolve_tree, truncate_paths
@@ -70,6 +71,11 @@ class BatchedTreeDrafter(BatchedMethod):
         [n, len(capture) * H] (the cache holds exactly each row's committed tokens but the last)."""
         raise NotImplementedError
 
+    def _verify(self, rows: list[Row], buf, labels: torch.Tensor, logits: torch.Tensor
+                ) -> list[tuple[list[int], list[int]]]:
+        """Every row's (accepted path, committed tokens): the shared tree rule, one host read."""
+        return verify_trees(buf, labels, logits, self.s, self.gen)
+
     def admit(self, row: Row) -> None:
         logits, hidden = self.target.add(row.prompt, hidden_layer=self.capture)
         drafts = self._drafts(self.target.rows - 1, hidden[-1:])[0]
@@ -98,7 +104,7 @@ class BatchedTreeDrafter(BatchedMethod):
         logits, hidden = self.target.forward(torch.cat([last, cands], 1), depths=buf.depth, attend=buf.attend,
                                              hidden_layer=self.capture)
         labels = torch.cat([torch.full((n, 1), -1, dtype=torch.long, device=dev), cands], 1)
-        verdicts = verify_trees(buf, labels, logits, self.s, self.gen)
+        verdicts = self._verify(rows, buf, labels, logits)
         self.target.keep_rows(base, [path for path, _ in verdicts])
         ends = to_device(torch.tensor([path[-1] for path, _ in verdicts]), dev)
         self.drafts[:n] = self._drafts(0, hidden[torch.arange(n, device=dev), ends])
@@ -118,3 +124,27 @@ class BatchedMedusa(BatchedTreeDrafter):
 
     def _drafts(self, first: int, hidden: torch.Tensor) -> torch.Tensor:
         return self.drafter(hidden)[..., : self.k, :]  # [n, k, V]
+
+
+@register_batched("medusa_typical")
+class BatchedMedusaTypical(BatchedMedusa):
+    """``posterior_threshold``, ``posterior_alpha``, ``next_token`` and the rest: as batch-1 ``medusa_typical``'s.
+    Greedy: the shared tree rule (exact); sampled: Medusa's typical acceptance row by row
+    (:func:`~pardec.decoding.heads.typical_accept` on each row's tree, one host read per row)."""
+
+    def __init__(self, target, tokenizer=None, draft=None, path: str | None = None, tree: str = "chain",
+                 k: int | None = None, posterior_threshold: float = 0.09, posterior_alpha: float = 0.3,
+                 next_token: str = "greedy", int8_weights: str | None = "per_token"):
+        check_typical(posterior_threshold, posterior_alpha, next_token)
+        super().__init__(target, tokenizer, draft, path, tree, k, int8_weights)
+        self.threshold, self.alpha, self.next_token = posterior_threshold, posterior_alpha, next_token
+
+    def _verify(self, rows, buf, labels, logits):
+        if self.s.greedy:
+            return super()._verify(rows, buf, labels, logits)
+        out = []
+        for b, r in enumerate(rows):  # a row's tree as batch-1 cuts it to the room left (a lossy rule: it matters)
+            v = typical_accept(self.ranks.relabel(labels[b]), logits[b], self.s, self.gen, self.threshold,
+                               self.alpha, self.next_token, depth=min(self.k, r.out.room - 1))
+            out.append((v.path, v.tokens))
+        return out

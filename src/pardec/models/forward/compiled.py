@@ -376,3 +376,46 @@ def rows_step(model: nn.Module, ids: torch.Tensor, positions: torch.Tensor, mask
         out = run(ids, positions, at, full, keep)
     cache.advance(width)
     return out
+
+
+def _ragged(model: nn.Module, ids: torch.Tensor, positions: torch.Tensor, keys: list[torch.Tensor],
+            values: list[torch.Tensor], slots: torch.Tensor, mask: torch.Tensor, capture: tuple[int, ...] | None):
+    """Logits [n, T, V] of ``ids`` [n, T] for rows ``0 .. n-1`` of a ragged batch cache (each layer's buffer
+    ``[rows, kv_heads, capacity, head_dim]``, :mod:`pardec.models.ragged`): writes row ``b``'s keys/values at its
+    slots ``slots[b]`` in place and attends over its row's whole buffer through the additive ``mask`` [n, 1, T,
+    capacity]; with ``capture``, also the hidden states entering those layers, as :func:`_rows`."""
+    n = ids.shape[0]
+    h, cos, sin = lean.embed(model, ids, positions)
+    rows = torch.arange(n, device=ids.device)[:, None].expand_as(slots)
+    seen: dict[int, torch.Tensor] = {}
+
+    def attend(a, q, k, v):
+        kb, vb = keys[a.layer_idx], values[a.layer_idx]
+        kb[rows, :, slots] = k.transpose(1, 2).to(kb.dtype)
+        vb[rows, :, slots] = v.transpose(1, 2).to(vb.dtype)
+        return F.scaled_dot_product_attention(q, kb[:n].to(q.dtype), vb[:n].to(q.dtype), attn_mask=mask,
+                                              scale=a.scaling, enable_gqa=q.shape[1] != kb.shape[1])
+
+    h = lean.decoder_layers(model, h, cos, sin, attend, graph_linear,
+                            on_layer=seen.__setitem__ if capture is not None else None)
+    normed, logits = lean.norm_head(model, h, graph_linear)
+    if capture is None:
+        return logits
+    return logits, lean.captured(seen, normed, capture, len(model.model.layers))
+
+
+#: each model's compiled :func:`_ragged`
+_compiled_ragged: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def ragged_step(model: nn.Module, ids: torch.Tensor, positions: torch.Tensor, keys: list[torch.Tensor],
+                values: list[torch.Tensor], slots: torch.Tensor, mask: torch.Tensor,
+                capture: tuple[int, ...] | None = None):
+    """:func:`_ragged` compiled for ``model``: one compile for every row count, new-token count and capacity (all
+    marked dynamic; a new ``capture`` compiles again)."""
+    fn = own_compiled(_ragged, _compiled_ragged, model)
+    for t, dims in ((ids, (0, 1)), (positions, (0, 1)), (slots, (0, 1)), (mask, (0, 2, 3)),
+                    *((b, (2,)) for b in (*keys, *values))):
+        for d in dims:
+            torch._dynamo.maybe_mark_dynamic(t, d)
+    return fn(model, ids, positions, keys, values, slots, mask, capture)
