@@ -404,16 +404,22 @@ def _ragged(model: nn.Module, ids: torch.Tensor, positions: torch.Tensor, keys: 
     return logits, lean.captured(seen, normed, capture, len(model.model.layers))
 
 
-#: each model's compiled :func:`_ragged`
+#: each model's compiled :func:`_ragged`, one per kind of forward (:func:`ragged_step`)
 _compiled_ragged: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def ragged_step(model: nn.Module, ids: torch.Tensor, positions: torch.Tensor, keys: list[torch.Tensor],
                 values: list[torch.Tensor], slots: torch.Tensor, mask: torch.Tensor,
                 capture: tuple[int, ...] | None = None):
-    """:func:`_ragged` compiled for ``model``: one compile for every row count, new-token count and capacity (all
-    marked dynamic; a new ``capture`` compiles again)."""
-    fn = own_compiled(_ragged, _compiled_ragged, model)
+    """:func:`_ragged` compiled for ``model``. Row counts, new-token counts and capacities are dynamic dimensions,
+    but dynamo specializes a dimension of size 1 and compiles each ``capture`` apart, and a batch meets every such
+    kind (one row left at a batch's end, one new token per row for ``ar``, a drafter's capture): each kind gets a
+    function of its own (so its own recompile budget), one compile each."""
+    kinds = _compiled_ragged.setdefault(model, {})
+    kind = (ids.shape[0] == 1, ids.shape[1] == 1, capture)
+    if kind not in kinds:
+        kinds[kind] = own_compiled(_ragged, weakref.WeakKeyDictionary(), model)  # (a code object of its own)
+    fn = kinds[kind]
     for t, dims in ((ids, (0, 1)), (positions, (0, 1)), (slots, (0, 1)), (mask, (0, 2, 3)),
                     *((b, (2,)) for b in (*keys, *values))):
         for d in dims:
