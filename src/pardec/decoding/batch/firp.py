@@ -37,8 +37,9 @@ class BatchedFirp(BatchedTreeDrafter):
         super().__init__(target, tokenizer, draft, path, tree, k, int8_weights)
         self.layers = [int(x) for x in self.drafter.layers[: self.k]]
         self.births = tuple(sorted(set(self.layers)))
-        own = torch.arange(self.k)
-        # pseudo state i sees pseudo state i' of its row: i' <= i ("pseudo"), or itself only ("real")
+        own = torch.arange(self.k, device=target.device)
+        # pseudo state i sees pseudo state i' of its row: i' <= i ("pseudo"), or itself only ("real"); on the device
+        # every round's mask is built on
         self.sees = own[None, :] <= own[:, None] if attention == "pseudo" else own[None, :] == own[:, None]
 
     @property
