@@ -7,7 +7,7 @@ TORCH_VERSION ?= 2.13.0
 UV_VERSION ?= 0.13.9
 PYTEST_ARGS ?=
 
-.PHONY: help setup demo test test-stat test-fast gpu-smoke rehearse zoo table table-publish bench bench-mjsd bench-heads bench-sdsat bench-cllm lint clean
+.PHONY: help setup demo test test-heavy test-stat test-fast gpu-smoke rehearse zoo table table-publish bench bench-mjsd bench-heads bench-sdsat bench-cllm lint clean
 
 help:  ## list targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-10s %s\n", $$1, $$2}'
@@ -55,14 +55,17 @@ demo: setup  ## pld (+ sps with the distilled draft if trained) vs ar and HF gen
 # PYTHONDONTWRITEBYTECODE says): setup compiled only what pardec imports, and each process the tests start
 # would otherwise compile the rest again (into __pycache__/, which git ignores)
 PYTEST := PYTHONDONTWRITEBYTECODE= $(BIN)/python -m pytest -q -n 2 --dist worksteal --durations=15
-test: setup  ## every test but the decoders' chi-square runs (CPU, offline; see docs/reference.md#test-suite-time)
-	$(PYTEST) -m "not stat" $(PYTEST_ARGS)
+test: setup  ## every test but the heavy tier and the decoders' chi-square runs (CPU, offline; see docs/reference.md#test-suite-time)
+	$(PYTEST) -m "not stat and not heavy" $(PYTEST_ARGS)
+
+test-heavy: setup  ## the costliest checks: TorchInductor compiles, measured memory plans, DeepSpeed launches, the real SmolLM2 and the zoo's drafters (CI runs it)
+	$(PYTEST) -m heavy $(PYTEST_ARGS)
 
 test-stat: setup  ## the decoders' distribution tests: thousands of sampled decodes per case, chi-square against the exact joint (6 min on 2 cores; CI runs it)
 	$(PYTEST) -m stat $(PYTEST_ARGS)
 
-test-fast: setup  ## the fast tier for iteration: every test not marked slow or stat (~2.5 min on 2 cores)
-	$(PYTEST) -m "not slow and not stat" $(PYTEST_ARGS)
+test-fast: setup  ## the fast tier for iteration: every test not marked slow, heavy or stat (~2.5 min on 2 cores)
+	$(PYTEST) -m "not slow and not stat and not heavy" $(PYTEST_ARGS)
 
 gpu-smoke: setup  ## on a CUDA machine: every method fp32/bf16 (exactness, tokens/forward, speed vs ar), 2 steps of every kind, 2-GPU sharded evaluate
 	$(BIN)/python -m pardec.bench gpu-smoke $(SMOKE_ARGS)

@@ -16,7 +16,7 @@ from pardec.metrics import memory
 from pardec.plan.measured import CASES, TOLERANCE
 
 
-@pytest.mark.slow  # a whole tiny experiment at sequences of 512 tokens in a fresh process (~10 s)
+@pytest.mark.heavy  # a whole tiny experiment at sequences of 512 tokens in a fresh process (~10 s)
 @pytest.mark.skipif(not memory.available(), reason="needs glibc's mallinfo2")
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_the_plan_is_within_15_percent_of_the_measured_peak(name, tmp_path):

@@ -8,7 +8,7 @@ from pardec.models.cached import CachedModel
 from pardec.models.loading import SMOLLM2, load_model
 from pardec.tasks.base import build_task
 
-pytestmark = pytest.mark.slow  # the real model
+pytestmark = pytest.mark.heavy  # the real model
 
 
 @pytest.fixture(scope="module")

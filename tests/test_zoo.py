@@ -210,7 +210,7 @@ def test_every_kept_manifest_is_complete_and_every_file_matches_it(zoo_name, nam
     assert sum(f["bytes"] for f in m["files"].values()) < 100e6
 
 
-@pytest.mark.slow  # the real model
+@pytest.mark.heavy  # the real model
 @pytest.mark.parametrize("zoo_name, name", KEPT)
 def test_every_kept_drafter_loads_and_decodes_exactly(zoo_name, name):
     from pardec.config import DatasetConfig, ModelConfig

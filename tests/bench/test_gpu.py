@@ -12,7 +12,7 @@ from pardec.bench import gpu_smoke as smoke
 from pardec.bench import gpu_speed as speed
 
 
-@pytest.mark.slow
+@pytest.mark.heavy  # every method, both dtypes, a sharded evaluate
 def test_gpu_smoke_runs_on_cpu(tmp_path):
     from pardec.decoding import METHODS
 

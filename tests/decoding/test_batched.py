@@ -17,6 +17,7 @@ from pardec.models.ragged import RaggedModel
 from pardec.testing import VirtualCUDA
 from tests.conftest import noisy, tiny
 from tests.decoding.drafters import drafter_params, vocab_dir
+from tests.models.forward.test_compiled import needs_compiler
 
 TEXTS = ["def fibonacci(n):\n    return",
          "The capital of France is Paris. The capital of Spain is Madrid. The capital of Italy is",
@@ -71,7 +72,9 @@ CASES = {"ar": ("ar", None, {}), "pld": ("pld", None, {"num_pred": 5}),
          "lookahead_n2": ("lookahead", None, {"level": 2, "window": 2, "guess_set": 2, "pool_from_prompt": True}),
          # the target drafts for itself (adaptive tokens after each row's drafts; an untrained model's drafts:
          # tests/decoding/test_batched_sdsat.py forces them)
-         "sdsat": ("sdsat", None, {"k": 3, "variant": "fused", "tree": "caterpillar", "adaptive_ids": [511]})}
+         "sdsat": ("sdsat", None, {"k": 3, "variant": "fused", "tree": "caterpillar", "adaptive_ids": [511]}),
+         # k draft rows per request (the draft's cache holds batch_size * k rows), a trie of its own size per row
+         "spectr": ("spectr", "noisy", {"k": 3, "gamma": 3})}
 
 
 @pytest.mark.parametrize("batch_size", [2, 4])
@@ -329,10 +332,11 @@ def test_invariant_int8_rows_equal_batch_one_int8_ar(case):
 
 
 @pytest.mark.parametrize("case", ["ar", "pld", "sps_noisy", "jacobi", "eagle3", "eagle3_tree", "dflash", "medusa",
-                                  "lookahead", "sdsat", "firp"])
+                                  "lookahead", "sdsat", "firp", "spectr"])
 def test_one_host_read_per_round_on_a_gpu(case):
     """On a (virtual) CUDA device: the same tokens as on the CPU, host reads = one per admission (its first token) +
-    one per round, and the finiteness flags copied without a wait."""
+    one per round (``spectr``: two, as batch-1's: its sequences, then the verification), and the finiteness flags
+    copied without a wait."""
     lm = tiny(0)
     prompts = _prompts(lm)[:4]
     method, draft, params = CASES[case]
@@ -347,7 +351,7 @@ def test_one_host_read_per_round_on_a_gpu(case):
         # tests/decoding/test_verify_device.py
         reads = sum(n for k, n in vc.syncs.items() if k not in ("cuda.synchronize", "cuda.Event.synchronize"))
     assert [r.tokens for r in on_cuda.results] == [r.tokens for r in on_cpu.results]
-    assert reads == len(prompts) + on_cuda.rounds, dict(vc.syncs)
+    assert reads == len(prompts) + (2 if case == "spectr" else 1) * on_cuda.rounds, dict(vc.syncs)
     assert vc.async_copies["to cpu"] >= on_cuda.rounds
 
 
@@ -356,7 +360,7 @@ def test_bad_input_is_refused_before_any_model_is_wrapped():
     with pytest.raises(ConfigError, match=r"batch_size=0 must be an integer >= 1"):
         build_batched("ar", lm.model, 0, 64)
     with pytest.raises(ConfigError, match=r"method 'ouroboros' has no batched implementation: batch_size > 1 runs "
-                                          r"ar, bild, dflash, eagle3, firp, jacobi, lookahead, medusa, medusa_typical, pld, sdsat, sps"):
+                                          r"ar, bild, dflash, eagle3, firp, jacobi, lookahead, medusa, medusa_typical, pld, sdsat, spectr, sps"):
         build_batched("ouroboros", lm.model, 2, 64)
     with pytest.raises(KeyError, match="unknown method 'nope'"):
         build_batched("nope", lm.model, 2, 64)
@@ -386,10 +390,10 @@ def test_bad_input_is_refused_before_any_model_is_wrapped():
     with pytest.raises(ConfigError, match="fallback_threshold"):
         build_batched("bild", lm.model, 2, 64, draft=noisy(0), fallback_threshold=1.5)
     assert BATCHED.names() == ["ar", "bild", "dflash", "eagle3", "firp", "jacobi", "lookahead", "medusa",
-                               "medusa_typical", "pld", "sdsat", "sps"]
+                               "medusa_typical", "pld", "sdsat", "spectr", "sps"]
 
 
-@pytest.mark.slow  # TorchInductor compiles (one graph serves every row count, width and capacity)
+@needs_compiler  # TorchInductor compiles (one graph serves every row count, width and capacity)
 def test_compiled_rows_equal_batch_one_ar():
     """``forward_impl=compiled``: every forward after a prefill runs as one compiled graph over the whole buffers; a
     tree with a hidden-state capture (``medusa``, its rows compacted to their accepted paths) keeps every row's greedy

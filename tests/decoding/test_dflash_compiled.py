@@ -17,6 +17,7 @@ from pardec.models.drafters import load_drafter, new_drafter
 from pardec.models.vocab import DraftVocab
 from tests.conftest import tiny
 from tests.decoding.drafters import _eagle_sequences, drafter_dir, drafter_params, vocab_dir
+from tests.models.forward.test_compiled import needs_compiler
 
 
 @pytest.fixture(scope="module")
@@ -32,6 +33,7 @@ def fresh_dynamo():
 
 
 @torch.inference_mode()
+@needs_compiler
 def test_a_compiled_round_equals_the_eager_passes(fitted):
     """Round by round (nothing committed, one token, several, a whole block), the compiled round's logits and the
     context entries it wrote equal the eager ``context_kv`` + block forward + head."""
@@ -62,6 +64,7 @@ def test_a_compiled_round_equals_the_eager_passes(fitted):
             torch.testing.assert_close(v, v2, rtol=1e-5, atol=1e-5)
 
 
+@needs_compiler
 def test_compiled_dflash_equals_ar_in_one_drafter_pass_a_round(fitted):
     lm, path, seqs = fitted
     cm = CachedModel(lm.model, forward_impl="lean")
@@ -80,6 +83,7 @@ def test_compiled_dflash_equals_ar_in_one_drafter_pass_a_round(fitted):
     assert len(sampled.tokens) == 20
 
 
+@needs_compiler
 def test_compiled_dflash_on_an_int8_target_equals_int8_ar():
     from tests.decoding.test_int8_drafters import PROMPTS, _cfg, load_model
 
@@ -90,6 +94,7 @@ def test_compiled_dflash_on_an_int8_target_equals_int8_ar():
         assert dec.generate(p, 16).tokens == build_decoder("ar", CachedModel(m)).generate(p, 16).tokens
 
 
+@needs_compiler
 def test_a_drafter_with_its_own_reduced_head_equals_ar_eager_compiled_and_on_an_int8_target():
     """A drafter trained with its own head over fewer ids (``drafter.draft_vocab_size``): eager and compiled, on an
     fp32 target and an int8 one (its head quantized with its other linears), the output is ``ar``'s."""

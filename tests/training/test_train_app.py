@@ -210,7 +210,7 @@ def _sharded_stages(tmp_path: Path) -> None:
     assert [r["index"] for r in load_trajectories(traj)] == list(range(6))
 
 
-@pytest.mark.slow
+@pytest.mark.heavy  # torchrun: two gloo ranks, then a plain launch
 def test_the_deepspeed_launcher_zero2_and_a_plain_python_launch(tmp_path):
     """The README's launch lines on CPU: `deepspeed --num_gpus 2 --module train ...` (it appends --local_rank=N; both
     ranks find one run dir, the experiment's `default`) and `python -m train ... trainer.deepspeed=zero2` with
@@ -279,7 +279,7 @@ def test_shared_launch_ids():
     assert shared_launch_id({"TORCHELASTIC_RUN_ID": "none"}) is None and shared_launch_id({}) is None
 
 
-@pytest.mark.slow
+@pytest.mark.heavy  # torchrun: two gloo ranks
 def test_deepspeed_zero3_loads_a_local_model_sharded(tmp_path):
     """ZeRO-3 with a from_pretrained model (zero.Init while loading), LoRA, merged into final/ by rank 0."""
     local = load_model(ModelConfig(name="tiny_random", source="tiny_random", device="cpu"))

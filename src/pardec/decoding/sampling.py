@@ -43,8 +43,14 @@ def sample(probs: torch.Tensor, gen: torch.Generator | None) -> torch.Tensor:
     cumulative sum equals its predecessor's). No host read (no sync on a GPU), and one random number per draw:
     the exponential race that ``torch.multinomial`` runs needs one per vocabulary entry, ~1 ms a draw at 49k
     tokens on a CPU core."""
+    return sample_at(probs, torch.rand(probs.shape[:-1] + (1,), generator=gen, dtype=torch.float64,
+                                       device=probs.device))
+
+
+def sample_at(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """:func:`sample`'s draw from each row of ``probs`` [..., V] at given uniforms ``u`` [..., 1] (float64 in
+    [0, 1)): [..., 1] long. Rows that must draw as another decoder's rows draw (the same uniforms) use it."""
     cum = probs.double().cumsum(-1)
-    u = torch.rand(probs.shape[:-1] + (1,), generator=gen, dtype=torch.float64, device=probs.device)
     return torch.searchsorted(cum, u * cum[..., -1:], right=True).clamp_(max=probs.shape[-1] - 1)
 
 

@@ -85,6 +85,19 @@ class RaggedKV:
         return self.rows - 1
 
     @torch.inference_mode()
+    def clone_row(self, row: int) -> int:
+        """A new active row holding a copy of row ``row``'s cached positions (branches of one request, each grown in
+        a row of its own); its index."""
+        if not 0 <= row < self.rows:
+            raise ValueError(f"clone_row: row {row} is not one of the {self.rows} active rows")
+        n = self.lengths[row]
+        new = self.new_row()
+        for buf in self._buffers():
+            buf[new, :, :n].copy_(buf[row, :, :n])
+        self.lengths[new] = n
+        return new
+
+    @torch.inference_mode()
     def drop(self, row: int) -> None:
         """Row ``row`` leaves; the last row takes its place (its cached slots copied once)."""
         if not 0 <= row < self.rows:

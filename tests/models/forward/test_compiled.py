@@ -15,8 +15,8 @@ from tests.conftest import tiny
 from tests.models.forward.test_lean import _close, _script, assert_lossless_under
 
 #: the marks of a test that compiles with TorchInductor: it generates C++ on the CPU (without a compiler the feature
-#: refuses, tested below, and these cannot run), and compiling takes tens of seconds a test (the slow tier)
-COMPILES = (pytest.mark.slow,
+#: refuses, tested below, and these cannot run), and compiling takes tens of seconds a test (the heavy tier)
+COMPILES = (pytest.mark.heavy,
             pytest.mark.skipif(not any(compiled.shutil.which(c) for c in ("c++", "g++", "clang++")),
                                reason="no C++ compiler on PATH: forward_impl=compiled refuses to run here"))
 

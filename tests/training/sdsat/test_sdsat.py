@@ -242,7 +242,7 @@ def test_bad_input_is_refused_before_any_model_loads(tmp_path, monkeypatch):
     assert not (tmp_path / "out").exists()
 
 
-@pytest.mark.slow
+@pytest.mark.heavy  # torchrun: two gloo ranks
 def test_deepspeed_zero3_two_ranks_on_cpu(tmp_path):
     """torchrun, 2 CPU ranks, gloo, ZeRO-3 (a from_pretrained model, sharded while loading): the adaptive token is
     attached to the partitioned embeddings, trained, and final/ holds it whole."""

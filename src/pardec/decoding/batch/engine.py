@@ -87,6 +87,12 @@ class BatchedMethod:
         """What the batched form refuses of values its batch-1 method takes (one line), before any model loads
         (``sampling``: the run's, where known)."""
 
+    @classmethod
+    def draft_rows(cls, batch_size: int, params: dict[str, Any]) -> int:
+        """Rows of the draft model's ragged cache for ``batch_size`` requests (a method that grows several draft
+        branches per request in rows of their own takes more)."""
+        return batch_size
+
     def start(self, s: SamplingConfig, gen: torch.Generator | None) -> None:
         self.s, self.gen = s, gen
 
@@ -193,8 +199,10 @@ def build_batched(name: str, model: torch.nn.Module, batch_size: int, capacity: 
     if cls.needs_draft and draft is None:
         raise ConfigError(f"method {name!r} needs a draft model: pass draft=<name>")
     target = RaggedModel(model, batch_size, capacity, forward_impl=forward_impl)
-    return cls(target, tokenizer, RaggedModel(draft, batch_size, capacity) if cls.needs_draft else None,
-               **batched_params(name, params))
+    params = batched_params(name, params)
+    return cls(target, tokenizer,
+               RaggedModel(draft, cls.draft_rows(batch_size, params), capacity) if cls.needs_draft else None,
+               **params)
 
 
 @dataclass
