@@ -196,7 +196,10 @@ def test_eval_kv_cache_and_weights():
 def test_an_eval_plan_holds_a_kv_cache_row_per_batched_prompt():
     one = P.plan("mjsd_llama2_13b_cnn_dm", prompt_tokens=500)
     eight = P.plan("mjsd_llama2_13b_cnn_dm", prompt_tokens=500, batch=8)
-    assert eight.components["kv"] == pytest.approx(8 * one.components["kv"])  # target and draft caches
+    target_row, draft_row = 2 * 40 * 40 * 128 * 2, 2 * 2 * 12 * 64 * 2  # Llama-2-13B, llama-68m: bytes per token
+    context = one.components["kv"] / (target_row + 8 * draft_row)  # batch 1: the draft's cache x 8 beams
+    # batched mjsd searches every prompt's beams without keeping them in the cache: one draft row per prompt
+    assert eight.components["kv"] == pytest.approx(context * 8 * (target_row + draft_row))
     assert eight.components["weights"] == one.components["weights"]
     assert eight.components["activations"] == one.components["activations"]  # prompts prefilled one at a time
     assert any("batch 8" in n for n in eight.notes)
@@ -204,6 +207,18 @@ def test_an_eval_plan_holds_a_kv_cache_row_per_batched_prompt():
         P.plan("mjsd_llama2_13b_cnn_dm", batch=0)
     with pytest.raises(ConfigError, match="plans an evaluation decoding several prompts at once"):
         P.plan("cllm_gsm8k", batch=4)
+
+
+def test_the_draft_cache_rows_are_what_the_batched_method_takes():
+    """Over a batch, the draft's cache rows are the batched method's (BatchedMethod.draft_rows): spectr grows each
+    prompt's k sequences in k rows, mjsd keeps no beam in the cache; batch 1: one row (MJSD: one per beam)."""
+    rows = P.plans._draft_rows
+    assert rows({"name": "spectr", "k": 3, "gamma": 4}, 4) == 12
+    assert rows({"name": "spectr"}, 2) == 8  # its default k = 4
+    assert rows({"name": "mjsd", "num_beams": 8}, 4) == 4
+    assert rows({"name": "mjsd", "num_beams": 8}, 1) == 8
+    assert rows({"name": "sps", "gamma": 5}, 4) == 4
+    assert rows({"name": "mjgd", "num_beams": 4}, 4) == 16  # (no batched form: evaluate refuses it at batch > 1)
 
 
 def test_cli_prints_the_table_and_writes_json(tmp_path, capsys):

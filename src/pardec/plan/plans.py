@@ -192,7 +192,7 @@ def _eval_plan(name: str, cfg: dict[str, Any], gpus: int, prompt_tokens: int | N
         d = arch(_hub_of(draft, "draft"))
         d_bytes = DTYPE_BYTES[draft.get("dtype") or cfg["dtype"]]
         draft_w = d.params * d_bytes
-        draft_kv = batch * context * d.kv_bytes_per_token(d_bytes) * int(method.get("num_beams", 1) or 1)
+        draft_kv = _draft_rows(method, batch) * context * d.kv_bytes_per_token(d_bytes)
         notes.append(f"draft {d.hub_id} ({d.params / 1e9:.2f}B) on the first GPU")
     if batch > 1:
         notes.append(f"batch {batch}: the KV caches hold {batch} rows; prompts prefilled one at a time")
@@ -207,6 +207,20 @@ def _eval_plan(name: str, cfg: dict[str, Any], gpus: int, prompt_tokens: int | N
                 weights, kv, draft_w, draft_kv, a, prompt, context, t_bytes, g,
                 bool((cfg.get("perplexity") or {}).get("enabled", True)), batch).values()) <= cap * GB), None)
     return p
+
+
+def _draft_rows(method: dict[str, Any], batch: int) -> int:
+    """Rows of the draft's KV cache: one per prompt (MJSD: one per beam); over a batch, what the batched method takes
+    (:meth:`~pardec.decoding.batch.engine.BatchedMethod.draft_rows`: ``spectr`` grows its ``k`` sequences in rows of
+    their own)."""
+    params = {k: v for k, v in method.items() if k != "name"}
+    if batch == 1 or not method.get("name"):
+        return batch * int(method.get("num_beams", 1) or 1)
+    from pardec.decoding.batch.engine import BATCHED, batched_params  # heavy: torch (a batch only)
+    name = method["name"]
+    if name not in BATCHED:
+        return batch * int(method.get("num_beams", 1) or 1)
+    return BATCHED.get(name).draft_rows(batch, batched_params(name, params))
 
 
 def _eval_components(weights: float, kv: float, draft_w: float, draft_kv: float, a: Arch, prompt: int, context: int,
