@@ -20,7 +20,7 @@ def _cell(method: str, b: int, tps: float) -> dict:
 def test_sizes_and_methods_are_checked_before_anything_loads():
     assert [m[1] for m in batch.parse_methods(batch.DEFAULT_METHODS)] == ["ar", "pld", "sps", "bild", "jacobi", "eagle3",
                                                                           "eagle3", "dflash", "medusa", "firp",
-                                                                          "lookahead"]
+                                                                          "spectr", "mjsd", "lookahead"]
     modes = [m[2].get("mode", "tree") for m in batch.parse_methods(batch.DEFAULT_METHODS) if m[1] == "eagle3"]
     assert modes == ["chain", "tree"]  # EAGLE-3's chain and its paper's tree
     assert batch.parse_sizes("8,1,2,2") == [1, 2, 8]
@@ -100,3 +100,22 @@ def test_a_method_that_needs_a_draft_is_refused_without_one(tmp_path, capsys):
                        "draft=none"]) == 2
     assert "--methods entry 'sps' needs a draft model" in capsys.readouterr().err
     assert not list(tmp_path.iterdir())
+
+
+def test_each_cell_warms_up_a_full_batch_and_a_lone_row_before_its_clock(tmp_path, monkeypatch):
+    """A batch's tail runs single rows, which a compiled forward compiles apart (compiled.ragged_step's kinds): the
+    warm-up meets both before the timed run."""
+    import pardec.decoding.batch as batched
+
+    calls = []
+    real = batched.run_batch
+
+    def recording(dec, prompts, max_new_tokens, *a, **kw):
+        calls.append((dec.target.max_rows, len(prompts), max_new_tokens))
+        return real(dec, prompts, max_new_tokens, *a, **kw)
+
+    monkeypatch.setattr(batched, "run_batch", recording)
+    assert batch.main(["--methods", "ar", "--batch-sizes", "1,2", "--n", "3", "--max-new-tokens", "5",
+                       "--warmup-tokens", "2", "--out", str(tmp_path), "model=tiny_random", "dataset=humaneval",
+                       "threads=1"]) == 0
+    assert calls == [(1, 1, 2), (1, 3, 5), (2, 2, 2), (2, 1, 2), (2, 3, 5)]
