@@ -75,7 +75,8 @@ def test_resume_after_a_kill_redoes_and_duplicates_nothing(tmp_path):
 
 @pytest.mark.parametrize(("overrides", "message"), [
     (["+method=mjgd", "batch_size=2"], r"method: method 'mjgd' has no batched implementation: batch_size > 1 "
-                                       r"runs ar, bild, dflash, eagle3, firp, jacobi, lookahead, medusa, medusa_typical, pld, sdsat, spectr, sps"),
+                                       r"runs ar, bild, dflash, eagle3, firp, jacobi, lookahead, medusa, medusa_typical, mjsd, pld, sdsat, "
+                                       r"spectr, sps"),
     (["+method=pld", "batch_size=2", "bench.include_hf=true"], r"bench.include_hf=true adds transformers' decoders"),
     (["+method=pld", "batch_size=2", "repeats=2"], r"batch_size=2 with repeats=2"),
     (["+method=pld", "batch_size=2", 'bench.also=["mjgd"]'], r"bench.also entry 'mjgd': method 'mjgd' "

@@ -196,7 +196,26 @@ class Beam:
 def beam_search(first_logits: torch.Tensor, steps: int, num_beams: int, branches: Branches, propose: SamplingConfig,
                 gen: torch.Generator | None, temperature: float = 1.0, root: int = -1,
                 weights: SamplingConfig | None = None) -> list[Beam]:
-    """``steps`` tokens by beam search from ``first_logits`` [V] (the distribution after the prefix).
+    """``steps`` tokens by beam search from ``first_logits`` [V] (the distribution after the prefix): :func:`beam_rows`
+    for one prompt, every new token but the last step's fed as one layer of ``branches``
+    (:meth:`Branches.grow_layer`; ``root``: the node the beams hang from), whose nodes the beams then record
+    (:meth:`Branches.settle_layers` learns the fed nodes' parents from the search's one read). Returns the beams, best
+    joint likelihood first."""
+
+    def feed(tokens: torch.Tensor, rows: torch.Tensor, step: int) -> torch.Tensor:
+        return branches.grow_layer(tokens[0], rows[0] if step else None, root)[None]
+
+    table = beam_rows(first_logits[None], steps, num_beams, feed, propose, gen, temperature, weights)[0]
+    firsts = branches.settle_layers([[int(r) for r in t[2]] for t in table[1:-1]])
+    return beams_of(table, firsts)
+
+
+def beam_rows(first_logits: torch.Tensor, steps: int, num_beams: int,
+              feed: Callable[[torch.Tensor, torch.Tensor, int], torch.Tensor], propose: SamplingConfig,
+              gen: torch.Generator | None, temperature: float = 1.0, weights: SamplingConfig | None = None
+              ) -> list[list[list[list[float]]]]:
+    """A beam search of ``steps`` tokens for each of ``n`` prompts at once, from ``first_logits`` [n, V] (each
+    prompt's distribution after its prefix).
 
     Each step expands every beam ``b`` with every token ``v``: candidate score ``score_b + log p_b(v)``, where
     ``p_b`` is the softmax of the beam's logits at ``temperature`` (the joint likelihood the beams carry).
@@ -205,50 +224,59 @@ def beam_search(first_logits: torch.Tensor, steps: int, num_beams: int, branches
     the survivors keep their joint likelihood (not renormalised per beam), ``2 * num_beams`` candidates are drawn
     without replacement from one softmax over all beams' survivors, i.e. with probability ``w(b, v) / sum w`` where
     ``w(b, v) = exp(score_b) p_b(v)`` for a kept ``v`` and 0 otherwise, and the ``num_beams`` drawn ones with the best
-    joint likelihood become the new beams. Every new beam records in ``select`` the log of that probability for its
-    candidate (the probability of one draw, as the MJSD code's ``seq_scores``; under greedy decoding computed all the
-    same, with ``weights``' top-k / top-p, None: none). New beams inherit their parent's tokens, nodes, prefix
-    likelihoods and selection probabilities (reordered with the beam indices), and every new token but the last
-    step's is fed as one layer of ``branches`` (:meth:`Branches.grow_layer`; ``root``: the node the beams hang from).
-    Returns the beams, best joint likelihood first.
+    joint likelihood become the new beams. Every new beam records the log of that probability for its candidate (the
+    probability of one draw, as the MJSD code's ``seq_scores``; under greedy decoding computed all the same, with
+    ``weights``' top-k / top-p, None: none). ``feed(tokens, rows, step)`` [n, B] each: the new beams' tokens and the
+    rows of the beams they extend; returns their logits [n, B, V] (called for every step but the last).
 
-    The search runs on the device with one host read at its end (the beam indices, tokens and scores of every step;
-    :meth:`Branches.settle_layers` then learns the fed nodes' parents). A candidate that cannot be a beam (an
-    infinite joint likelihood under beam search, a weight of 0 under beam sampling: fewer candidates than beams) stays
-    a row with score -inf, fed like the others and never picked again, and is dropped after the read."""
-    logits = first_logits[None]  # [B, V]
-    score = torch.zeros(1, device=first_logits.device)  # [B] joint log-likelihood of each beam
-    steps_read = []  # per step: [5, B] joint, selection, parent row, token, real
+    The search runs on the device with one host read at its end. Returns per prompt its table: per step
+    [joint, selection, parent row, token, real], each a list over the step's beams (:func:`beams_of` reads the beams
+    from it). A candidate that cannot be a beam (an infinite joint likelihood under beam search, a weight of 0 under
+    beam sampling: fewer candidates than beams) stays a row with score -inf, fed like the others and never picked
+    again, and is dropped by :func:`beams_of`."""
+    n = first_logits.shape[0]
+    logits = first_logits[:, None]  # [n, B, V]
+    score = torch.zeros(n, 1, device=first_logits.device)  # [n, B] joint log-likelihood of each beam
+    steps_read = []  # per step: [n, 5, B] joint, selection, parent row, token, real
     for step in range(steps):
-        logp = torch.log_softmax(logits.float() / max(temperature, 1e-8), dim=-1)  # [B, V]
+        logp = torch.log_softmax(logits.float() / max(temperature, 1e-8), dim=-1)  # [n, B, V]
         vocab = logp.shape[-1]
-        cand = score[:, None] + logp  # [B, V] joint log-likelihood of every candidate
+        cand = score[..., None] + logp  # [n, B, V] joint log-likelihood of every candidate
         cut = weights if propose.greedy else propose  # the top-k / top-p that remove candidates from the draw
         kept = cand if cut is None else cand.masked_fill(warp(logits, cut) == 0, float("-inf"))
-        log_sel = torch.log_softmax(kept.reshape(-1), dim=-1)  # [B*V] one draw's probability of each candidate
-        flat = cand.reshape(-1)
+        log_sel = torch.log_softmax(kept.reshape(n, -1), dim=-1)  # [n, B*V] one draw's probability of each candidate
+        flat = cand.reshape(n, -1)
         if propose.greedy:  # the best candidates (the infinite ones, past the finite ones, dropped after the read)
-            picks = torch.topk(flat, min(num_beams, flat.numel())).indices
-            real = torch.isfinite(flat[picks])
+            picks = torch.topk(flat, min(num_beams, flat.shape[1]), dim=-1).indices
+            real = torch.isfinite(flat.gather(1, picks))
         else:  # HF's beam sampling: 2 x num_beams draws without replacement, the num_beams best joints kept
             drawn, real = sample_without_replacement(log_sel.exp(), 2 * num_beams, gen)
-            best = torch.topk(flat[drawn].masked_fill(~real, float("-inf")), min(num_beams, drawn.numel())).indices
-            picks, real = drawn[best], real[best]
-        score = flat[picks].masked_fill(~real, float("-inf"))  # best first (topk's order)
+            best = torch.topk(flat.gather(1, drawn).masked_fill(~real, float("-inf")),
+                              min(num_beams, drawn.shape[1]), dim=-1).indices
+            picks, real = drawn.gather(1, best), real.gather(1, best)
+        score = flat.gather(1, picks).masked_fill(~real, float("-inf"))  # best first (topk's order)
         rows, tokens = picks // vocab, picks % vocab
         # float64 keeps the float32 values and the indices exact in the one read below
-        steps_read.append(torch.stack([score.double(), log_sel[picks].double(), rows.double(), tokens.double(),
-                                       real.double()]))
+        steps_read.append(torch.stack([score.double(), log_sel.gather(1, picks).double(), rows.double(),
+                                       tokens.double(), real.double()], 1))
         if step < steps - 1:
-            logits = branches.grow_layer(tokens, rows if step else None, root)
-    flat_read = torch.cat([t.flatten() for t in steps_read]).tolist()  # the one host read
-    table, at = [], 0
-    for t in steps_read:  # [steps][5][B]
-        b = t.shape[1]
-        table.append([flat_read[at + k * b: at + (k + 1) * b] for k in range(5)])
-        at += 5 * b
-    firsts = branches.settle_layers([[int(r) for r in t[2]] for t in table[1:-1]])
-    beams = []
+            logits = feed(tokens, rows, step)
+    read = torch.cat([t.flatten(1) for t in steps_read], 1).tolist()  # the one host read
+    tables = []
+    for flat_read in read:
+        table, at = [], 0
+        for t in steps_read:  # [steps][5][B]
+            b = t.shape[2]
+            table.append([flat_read[at + k * b: at + (k + 1) * b] for k in range(5)])
+            at += 5 * b
+        tables.append(table)
+    return tables
+
+
+def beams_of(table: list[list[list[float]]], firsts: list[int] | None = None) -> list[Beam]:
+    """The real beams of one prompt's :func:`beam_rows` table, best joint likelihood first; with ``firsts`` (the
+    first :class:`Branches` node of each fed layer) each beam's fed nodes too."""
+    steps, beams = len(table), []
     for i, ok in enumerate(table[-1][4]):
         if not ok:
             continue
@@ -258,7 +286,7 @@ def beam_search(first_logits: torch.Tensor, steps: int, num_beams: int, branches
             beam.tokens.append(int(token))
             beam.joint.append(joint)
             beam.select.append(sel)
-            if step < steps - 1:
+            if firsts is not None and step < steps - 1:
                 beam.nodes.append(firsts[step] + row)
             row = int(parent)
         for seq in (beam.tokens, beam.joint, beam.select, beam.nodes):

@@ -77,8 +77,6 @@ def joint_accept(tree: Tree, target_logp: torch.Tensor, draft_logq: dict[int, fl
     ``p``), the root (0) if none. ``target_logp`` [N, V]: the target's log-probabilities after each node (-inf where
     its distribution is 0); ``draft_logq``: node -> ``log q`` of the node's path. With ``next_tokens`` [N] (the
     target's token after every node, on the device), returns (node, the token after it), both from one host read."""
-    logp = [0.0] * len(tree)
-    best, best_key = 0, (0, -math.inf)
     nodes = range(1, len(tree))
     index = to_device(torch.tensor([[tree.parents[i] for i in nodes], [tree.labels[i] for i in nodes]],
                                    dtype=torch.long), target_logp.device)  # (a list index would upload, blocking)
@@ -86,15 +84,24 @@ def joint_accept(tree: Tree, target_logp: torch.Tensor, draft_logq: dict[int, fl
     if next_tokens is not None:  # float64 keeps the token ids exact beside the log-probabilities
         step = torch.cat([step, next_tokens.double()])
     read = step.tolist()  # the one host read
-    for i, lp in zip(nodes, read):
+    best = pick_joint(tree, read[: len(tree) - 1], draft_logq, log_tau)
+    if next_tokens is None:
+        return best
+    return best, int(read[len(tree) - 1 + best])
+
+
+def pick_joint(tree: Tree, step_logp: list[float], draft_logq: dict[int, float], log_tau: float) -> int:
+    """:func:`joint_accept`'s choice on the host: ``step_logp[i - 1]`` the target's log-probability of node ``i``'s
+    token after its parent (nodes 1..N-1)."""
+    logp = [0.0] * len(tree)
+    best, best_key = 0, (0, -math.inf)
+    for i, lp in zip(range(1, len(tree)), step_logp):
         logp[i] = logp[tree.parents[i]] + lp
         ok = log_ratio(logp[i], draft_logq[i]) > log_tau  # strict: the paper's tau < min(1, p/q)
         key = (int(tree.depth[i]), logp[i])
         if ok and key > best_key:
             best, best_key = i, key
-    if next_tokens is None:
-        return best
-    return best, int(read[len(tree) - 1 + best])
+    return best
 
 
 def target_logp(logits: torch.Tensor, scoring: SamplingConfig, warped: bool) -> torch.Tensor:
@@ -117,6 +124,32 @@ def joint_verdict(tree: Tree, logits: torch.Tensor, draft_logq: dict[int, float]
     return TreeVerdict(path, [tree.labels[j] for j in path[1:]] + [nxt])
 
 
+def check_mjsd(gamma: int, num_beams: int, width: int, tau: float, top_k: int, top_p: float, ratio: str) -> None:
+    """MJSD's parameters (batch-1 and batched), each refused in one line."""
+    check_range("gamma", gamma, 1, 64)
+    check_range("num_beams", num_beams, 1, 64)
+    check_range("width", width, 1, num_beams)
+    if not (isinstance(tau, (int, float)) and not isinstance(tau, bool) and 0.0 <= tau < 1.0):
+        raise ConfigError(f"method.tau={tau!r} is out of range: it must be a number in [0.0, 1.0) (the threshold "
+                          f"on min(1, p/q); the paper's code rejects every draft at tau >= 1)")
+    check_range("top_k", top_k, 0, 1 << 20)
+    check_range("top_p", top_p, 0.0, 1.0, integer=False, open_lo=True)
+    check_choice("method.ratio", ratio, RATIOS)
+
+
+def scoring_of(s: SamplingConfig, top_k: int, top_p: float) -> SamplingConfig:
+    """The distributions of the draft's proposals and of the ratio: the run's temperature (1 under greedy decoding)
+    with the method's top-k / top-p."""
+    return SamplingConfig(temperature=1.0 if s.greedy else s.temperature, top_k=top_k, top_p=top_p)
+
+
+def draft_logq(beams: list[Beam], warped: bool) -> dict[tuple[int, ...], float]:
+    """``log q`` of every drafted prefix of ``beams`` for the ratio: the selection probability (``warped``) or the
+    joint likelihood (``raw``) its beams carry."""
+    return {tuple(b.tokens[: i + 1]): b.select[i] if warped else b.joint[i] for b in beams
+            for i in range(len(b.tokens))}
+
+
 @register_method("mjsd")
 class MJSD(Decoder):
     exactness = "approximate"
@@ -126,15 +159,7 @@ class MJSD(Decoder):
     def __init__(self, target, tokenizer=None, draft=None, gamma: int = 4, num_beams: int = 8, width: int = 1,
                  tau: float = 0.1, top_k: int = 20, top_p: float = 0.9, ratio: Literal["warped", "raw"] = "warped"):
         super().__init__(target, tokenizer, draft)
-        check_range("gamma", gamma, 1, 64)
-        check_range("num_beams", num_beams, 1, 64)
-        check_range("width", width, 1, num_beams)
-        if not (isinstance(tau, (int, float)) and not isinstance(tau, bool) and 0.0 <= tau < 1.0):
-            raise ConfigError(f"method.tau={tau!r} is out of range: it must be a number in [0.0, 1.0) (the threshold "
-                              f"on min(1, p/q); the paper's code rejects every draft at tau >= 1)")
-        check_range("top_k", top_k, 0, 1 << 20)
-        check_range("top_p", top_p, 0.0, 1.0, integer=False, open_lo=True)
-        check_choice("method.ratio", ratio, RATIOS)
+        check_mjsd(gamma, num_beams, width, tau, top_k, top_p, ratio)
         self.gamma, self.num_beams, self.width, self.tau = gamma, num_beams, width, tau
         self.top_k, self.top_p, self.ratio = top_k, top_p, ratio
 
@@ -150,9 +175,7 @@ class MJSD(Decoder):
         return beams, br, 1 + br.forwards
 
     def scoring(self, s: SamplingConfig) -> SamplingConfig:
-        """The distributions of the draft's proposals and of the ratio: the run's temperature (1 under greedy
-        decoding) with the method's top-k / top-p."""
-        return SamplingConfig(temperature=1.0 if s.greedy else s.temperature, top_k=self.top_k, top_p=self.top_p)
+        return scoring_of(s, self.top_k, self.top_p)
 
     @torch.inference_mode()
     def generate(self, prompt_ids, max_new_tokens, stop=None, sampling=None) -> GenerationResult:
@@ -172,12 +195,8 @@ class MJSD(Decoder):
             beams, br, _ = clock.run(st, self.propose, prompt + st.out.tokens, n, st)
             verified = beams[: self.width]
             tree = Tree.from_paths([b.tokens for b in verified])
-            logq, node_of = {}, {}
-            for b in verified:
-                for i in range(len(b.tokens)):
-                    logq[tuple(b.tokens[: i + 1])] = b.select[i] if warped else b.joint[i]
-                    if i < len(b.nodes):
-                        node_of[tuple(b.tokens[: i + 1])] = b.nodes[i]
+            logq = draft_logq(verified, warped)
+            node_of = {tuple(b.tokens[: i + 1]): b.nodes[i] for b in verified for i in range(len(b.nodes))}
             rule = functools.partial(joint_verdict, tree, log_tau=log_tau, scoring=scoring, warped=warped, s=st.s,
                                      gen=st.gen, draft_logq={i: logq[tree.label_path(i)] for i in range(1, len(tree))})
             acc = self._verify_tree(st, last, tree, rule=rule)[1].tokens

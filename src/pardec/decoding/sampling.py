@@ -56,14 +56,14 @@ def sample_at(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
 
 def sample_without_replacement(weights: torch.Tensor, n: int, gen: torch.Generator | None
                                ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``n`` draws without replacement from ``weights`` [V] (non-negative), in draw order: (indices [n], which of
-    them are real draws [n] bool), both on their device. ``torch.multinomial(weights, n, replacement=False)``'s own
-    exponential race (the same use of the generator, the same draws), without its validity checks, and without
-    the host read it needs to know how many weights are positive: when fewer than ``n`` are, the rest of the
-    indices are zero-weight entries, flagged False, for the caller to drop after its own read."""
+    """``n`` draws without replacement from each row of ``weights`` [..., V] (non-negative), in draw order: (indices
+    [..., n], which of them are real draws [..., n] bool), on their device. ``torch.multinomial(weights, n,
+    replacement=False)``'s own exponential race (the same use of the generator, the same draws), without its validity
+    checks, and without the host read it needs to know how many weights are positive: when fewer than ``n`` are, the
+    rest of the indices are zero-weight entries, flagged False, for the caller to drop after its own read."""
     race = torch.empty_like(weights).exponential_(generator=gen)
-    drawn = torch.topk(weights / race, min(n, weights.numel())).indices
-    return drawn, weights[drawn] > 0
+    drawn = torch.topk(weights / race, min(n, weights.shape[-1]), dim=-1).indices
+    return drawn, weights.gather(-1, drawn) > 0
 
 
 def make_generator(s: SamplingConfig, device: torch.device) -> torch.Generator | None:

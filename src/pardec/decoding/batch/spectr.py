@@ -31,10 +31,10 @@ import torch
 from pardec.decoding.base import check_range
 from pardec.decoding.batch.engine import BatchedMethod, Row, register_batched
 from pardec.decoding.batch.methods import catch_up_rows
-from pardec.decoding.batch.verify import verify_trees
+from pardec.decoding.batch.verify import padded_trees, verify_trees
 from pardec.decoding.kseq import verify_tree_iid
 from pardec.decoding.sampling import sample, sample_at, warp
-from pardec.decoding.tree import Tree, device_buffers
+from pardec.decoding.tree import Tree
 from pardec.models.cache import to_device
 
 
@@ -107,26 +107,13 @@ class BatchedSpecTr(BatchedMethod):
             return
         seqs, qs, fed = self._draft(rows, m)
         trees = [Tree.from_paths([s[:nb] for s in seq]) for seq, nb in zip(seqs, ns)]
-        size = max(map(len, trees))
-        parent, depth, rank, labels = [], [], [], []
-        for t in trees:  # each trie, then padding nodes under the root (labels -1: never accepted)
-            kids = t.children
-            ranks = [0] + [kids[p].index(i) for i, p in enumerate(t.parents) if i]
-            pad = size - len(t)
-            parent.append([0] + t.parents[1:] + [0] * pad)
-            depth.append(t.depth.tolist() + [1] * pad)
-            rank.append(ranks + list(range(len(kids[0]), len(kids[0]) + pad)))
-            labels.append([-1] + [int(x) for x in t.labels[1:]] + [-1] * pad)
-        host = torch.tensor([parent, depth, rank, labels], dtype=torch.long)
-        parent_t, depth_t, rank_t, labels_t = to_device(host, dev).unbind(0)
-        width = max(max(r) for r in rank) + 1
-        buf = device_buffers(parent_t, depth_t, rank_t, width, self.gamma)
+        buf, labels = padded_trees(trees, dev, self.gamma)
         last = to_device(torch.tensor([[r.last] for r in rows], dtype=torch.long), dev)
         base = list(self.target.lengths)
-        logits = self.target.forward(torch.cat([last, labels_t[:, 1:].clamp(min=0)], 1), depths=depth_t,
+        logits = self.target.forward(torch.cat([last, labels[:, 1:].clamp(min=0)], 1), depths=buf.depth,
                                      attend=buf.attend)
         if self.s.greedy:
-            verdicts = verify_trees(buf, labels_t, logits, self.s, self.gen)
+            verdicts = verify_trees(buf, labels, logits, self.s, self.gen)
         else:
             verdicts = []
             for b, (t, seq) in enumerate(zip(trees, seqs)):

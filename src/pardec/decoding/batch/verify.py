@@ -11,7 +11,7 @@ import torch
 
 from pardec.config import SamplingConfig
 from pardec.decoding.sampling import sample, warp
-from pardec.decoding.tree import TreeBuffers
+from pardec.decoding.tree import Tree, TreeBuffers, device_buffers
 from pardec.decoding.verify import _normalised
 from pardec.models.cache import to_device
 
@@ -107,3 +107,24 @@ def verify_trees(buf: TreeBuffers, labels: torch.Tensor, logits: torch.Tensor, s
         path = [i for i in range(size) if g[i]]
         out.append((path, [g[size + 1 + i] for i in path[1:]] + [g[size]]))
     return out
+
+
+def padded_trees(trees: list[Tree], device: torch.device, max_depth: int) -> tuple[TreeBuffers, torch.Tensor]:
+    """One tree per row, of different sizes, as trees of the largest size: each tree's nodes first (their indices
+    unchanged), then padding nodes under the root that see only it and themselves and carry label -1 (never
+    accepted: no token equals it). Returns the per-row buffers (:func:`~pardec.decoding.tree.device_buffers`, made
+    from one upload) and the labels [n, N] (-1 at the root and the padding; a forward feeds 0 there)."""
+    size = max(map(len, trees))
+    parent, depth, rank, labels = [], [], [], []
+    for t in trees:
+        kids = t.children
+        pad = size - len(t)
+        parent.append([0] + t.parents[1:] + [0] * pad)
+        depth.append(t.depth.tolist() + [1] * pad)
+        rank.append([0] + [kids[p].index(i) for i, p in enumerate(t.parents) if i]
+                    + list(range(len(kids[0]), len(kids[0]) + pad)))
+        labels.append([-1] + [int(x) for x in t.labels[1:]] + [-1] * pad)
+    width = max(max(r) for r in rank) + 1
+    parent_t, depth_t, rank_t, labels_t = to_device(torch.tensor([parent, depth, rank, labels], dtype=torch.long),
+                                                    device).unbind(0)
+    return device_buffers(parent_t, depth_t, rank_t, width, max(max_depth, 1)), labels_t
