@@ -15,6 +15,7 @@ from pardec.decoding.batch import BATCHED, build_batched, run_batch
 from pardec.models.cached import CachedModel
 from pardec.models.ragged import RaggedModel
 from pardec.testing import VirtualCUDA
+from pardec.testing.graphs import EagerGraph, eager_cuda_graphs
 from tests.conftest import noisy, tiny
 from tests.decoding.drafters import drafter_params, vocab_dir
 from tests.models.forward.test_compiled import needs_compiler
@@ -388,6 +389,32 @@ def test_one_host_read_per_round_on_a_gpu(case):
     else:
         assert reads == len(prompts) + on_cuda.rounds, dict(vc.syncs)
     assert vc.async_copies["to cpu"] >= on_cuda.rounds
+
+
+@pytest.mark.parametrize("case", ["ar", "sps_noisy", "eagle3_tree", "medusa"])
+def test_graphed_rows_equal_batch_one_ar(case):
+    """forward_impl=cudagraph over a batch, on a virtual GPU with the capture an eager stand-in that keeps a graph's
+    contract and the functions uncompiled (pardec.testing.graphs): every row equals its batch-1 ``ar`` output; the
+    active rows are padded to a power of two (3 rows -> 4; 2 or 1 as rows leave at the end), one graph per padded
+    row count, width and capture, the padding rows rows of the buffers past the active ones."""
+    lm = tiny(0)
+    prompts = _prompts(lm)
+    stop = _early_stop(lm, prompts)
+    ref = _reference(lm, prompts, stop)
+    method, draft, params = CASES[case]
+    params = {**(drafter_params(method, lm.model) if method in TRAINED else {}), **params}  # (fitted on the CPU)
+    noisy(0)
+    with VirtualCUDA() as vc, eager_cuda_graphs() as graphs:
+        vc.place(lm.model)
+        vc.place(noisy(0))
+        dec = build_batched(method, lm.model, 3, 64, lm.tokenizer, {"noisy": noisy(0)}.get(draft),
+                            forward_impl="cudagraph", **params)
+        run = run_batch(dec, prompts, N_NEW, stop)
+        shapes = [key[1][0] for by_buffers in [graphs.by_model[lm.model][1]] for g in by_buffers.values()
+                  for key in g]
+    assert [r.tokens for r in run.results] == ref
+    assert 4 in {rows for rows, _ in shapes} <= {1, 2, 4}  # the padded row counts, never 3
+    assert EagerGraph.captures >= len(set(shapes))
 
 
 def test_bad_input_is_refused_before_any_model_is_wrapped():

@@ -57,13 +57,13 @@ def check_forward(spec, what: str) -> None:
     """The forwards a ragged batch runs (``what`` names the run in the message), before anything loads."""
     r = spec.run
     if r.forward_impl not in ("auto", *BATCH_FORWARDS) or (r.draft_forward_impl or "auto") not in ("auto", "lean"):
-        raise ConfigError(f"{what} runs pardec's lean or compiled forward over a ragged batch cache (a draft model "
-                          f"the lean one); forward_impl={r.forward_impl} / draft_forward_impl={r.draft_forward_impl} "
-                          f"are batch-1 forwards: leave them at auto, or forward_impl=compiled")
-    if r.forward_impl == "compiled" and spec.model.attn_implementation == "invariant":
-        raise ConfigError(f"{what} with forward_impl=compiled and model.attn_implementation=invariant: the invariant "
-                          f"attention reads its plan on the host every forward and does not compile; use one or the "
-                          f"other")
+        raise ConfigError(f"{what} runs pardec's lean, compiled or cudagraph forward over a ragged batch cache (a "
+                          f"draft model the lean one); forward_impl={r.forward_impl} / draft_forward_impl="
+                          f"{r.draft_forward_impl} are batch-1 forwards: leave them at auto, or forward_impl=compiled")
+    if r.forward_impl in ("compiled", "cudagraph") and spec.model.attn_implementation == "invariant":
+        raise ConfigError(f"{what} with forward_impl={r.forward_impl} and model.attn_implementation=invariant: the "
+                          f"invariant attention reads its plan on the host every forward and does not compile; use "
+                          f"one or the other")
 
 
 def run_roles(spec, task, mine: list, roles: list, lm, draft_model, scorer, completion_nll, stopper, chat, results,

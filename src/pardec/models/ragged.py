@@ -66,6 +66,7 @@ class RaggedKV:
             raise ValueError(f"a batch cache needs rows >= 1 and capacity >= 1; got rows={rows}, capacity={capacity}")
         self.name = name
         self.max_rows, self.capacity = rows, capacity
+        self.buffer_rows = rows  # rows of each buffer: the active ones and, under graphs, padding rows past them
         self.keys: list[torch.Tensor | None] = [None] * layers
         self.values: list[torch.Tensor | None] = [None] * layers
         self.lengths: list[int] = []
@@ -184,7 +185,7 @@ class RaggedKV:
         """Write the new keys/values [n, kv_heads, T, d] of ``layer`` where ``w`` says; returns the rows' keys and
         values over the window's width [n, kv_heads, W, d] (views)."""
         if self.keys[layer] is None:
-            shape = (self.max_rows, k.shape[1], self.capacity, k.shape[3])
+            shape = (self.buffer_rows, k.shape[1], self.capacity, k.shape[3])
             self.keys[layer] = torch.zeros(shape, dtype=k.dtype, device=k.device)
             self.values[layer] = torch.zeros(shape, dtype=v.dtype, device=v.device)
         kb, vb = self.keys[layer], self.values[layer]
@@ -215,15 +216,16 @@ class RaggedKV:
 
 
 #: the forwards a ragged batch runs: the lean one (eager), or every forward after the prefill as one compiled graph
-#: over the whole buffers (:func:`pardec.models.forward.compiled.ragged_step`)
-BATCH_FORWARDS = ("lean", "compiled")
+#: over the whole buffers (:func:`pardec.models.forward.compiled.ragged_step`), or that graph captured as a CUDA
+#: graph per padded row count and width (:meth:`RaggedModel._graphed`)
+BATCH_FORWARDS = ("lean", "compiled", "cudagraph")
 
 
 class RaggedModel(RaggedKV):
     """A Llama-family model over a :class:`RaggedKV` of at most ``rows`` rows (the module docstring)."""
 
     def __init__(self, model: nn.Module, rows: int, capacity: int, name: str | None = None,
-                 forward_impl: str = "lean"):
+                 forward_impl: str = "lean", graphs: compiled.Graphs | None = None):
         name = name or getattr(model.config, "_name_or_path", "") or type(model).__name__
         why = lean.unsupported(model, attention=("sdpa", "eager", "invariant"))
         if why is not None:
@@ -233,15 +235,21 @@ class RaggedModel(RaggedKV):
         if forward_impl not in BATCH_FORWARDS:
             raise ValueError(f"forward_impl={forward_impl!r} is not valid for a batch; choose one of: "
                              f"{', '.join(BATCH_FORWARDS)}")
-        self.compiled = forward_impl == "compiled"
+        self.compiled = forward_impl in ("compiled", "cudagraph")
+        self.device = next(model.parameters()).device
         if self.compiled:
             why = "its attention is invariant (one host read per forward)" if self.invariant else \
                 compiled.unsupported(model)
+            if why is None and forward_impl == "cudagraph" and graphs is None and self.device.type != "cuda":
+                why = f"it is on {self.device} (CUDA graphs need a GPU; use forward_impl=compiled)"
             if why is not None:
-                raise ValueError(f"forward_impl=compiled cannot run {name!r} over a batch: {why}")
+                raise ValueError(f"forward_impl={forward_impl} cannot run {name!r} over a batch: {why}")
             compiled.register_opaque(model)
+        #: forward_impl=cudagraph: the graphs replayed (default the process's CUDA graphs; tests inject a stand-in)
+        self.graphs = (graphs or compiled.CUDA_GRAPHS) if forward_impl == "cudagraph" else None
+        if self.graphs is not None:  # a batch of n active rows replays the graph of graph_rows(n) rows
+            self.buffer_rows = compiled.graph_rows(rows)
         self.model = model.eval()
-        self.device = next(model.parameters()).device
         self.num_layers = int(model.config.num_hidden_layers)
         self._finite = FiniteCheck()  # NaN/inf in the logits raise (pardec.models.finite)
 
@@ -333,14 +341,38 @@ class RaggedModel(RaggedKV):
         final = lean._rms(self.model.model.norm, full) if self.num_layers in capture else full
         return logits, lean.captured(seen, final, capture, self.num_layers)
 
+    def _graphed(self, rows: int, ids, positions, slots, visible, capture):
+        """``forward_impl=cudagraph``: the compiled ragged forward replayed as a graph captured for ``rows`` rows
+        (the active ones padded to a power of two, as the engines pad a batch to its captured sizes), ``T`` new
+        tokens and these buffers. The padding rows are inactive rows of the buffers: they write at their slots
+        ``0 .. T-1`` (a slot an inactive row's next prompt overwrites) and see their first slot; their outputs are
+        dropped. Returns the active rows' outputs."""
+        n, t = ids.shape
+        pad = rows - n
+        if pad:
+            zeros = ids.new_zeros(pad, t)
+            ids, positions = torch.cat([ids, zeros]), torch.cat([positions, zeros])
+            slots = torch.cat([slots, torch.arange(t, device=self.device).expand(pad, t)])
+            visible[n:, :, 0] = True
+        fn = self.graphs.ragged_fn(self.model)
+        keys, values = self.keys, self.values
+        out = self.graphs(self.model, ("ragged", capture), keys, values,
+                          lambda: lambda i, p, s, m: fn(self.model, i, p, keys, values, s, m, capture),
+                          (ids, positions, slots, additive_mask(visible, self.model.dtype)))
+        return tuple(o[:n] for o in out) if isinstance(out, tuple) else out[:n]
+
     def _compiled(self, ids, positions, w: Window, base, widths, logits_at, capture):
         """:meth:`_forward` of every active row as one compiled graph over the whole buffers
         (:func:`~pardec.models.forward.compiled.ragged_step`: the mask admits each row's visible slots)."""
         n, t = ids.shape
-        visible = torch.zeros(n, t, self.capacity, dtype=torch.bool, device=self.device)
-        visible[..., : w.width] = w.visible
-        out = compiled.ragged_step(self.model, ids, positions, self.keys, self.values, w.slots,
-                                   additive_mask(visible, self.model.dtype), capture)
+        rows = n if self.graphs is None else compiled.graph_rows(n)  # (<= buffer_rows)
+        visible = torch.zeros(rows, t, self.capacity, dtype=torch.bool, device=self.device)
+        visible[:n, :, : w.width] = w.visible
+        if self.graphs is None:
+            out = compiled.ragged_step(self.model, ids, positions, self.keys, self.values, w.slots,
+                                       additive_mask(visible, self.model.dtype), capture)
+        else:
+            out = self._graphed(rows, ids, positions, w.slots, visible, capture)
         logits, hidden = out if capture is not None else (out, None)
         self.advance(w, widths)
         if logits_at is not None:

@@ -257,6 +257,10 @@ class Graphs:
     def rows_fn(self, model: nn.Module):
         return _rows_fn(model) if self.compile else _rows
 
+    def ragged_fn(self, model: nn.Module):
+        """What a ragged batch's graph runs: :func:`ragged_step` (compiled per kind), or :func:`_ragged` uncompiled."""
+        return ragged_step if self.compile else _ragged
+
     def __call__(self, model: nn.Module, what: tuple, keys: list[torch.Tensor], values: list[torch.Tensor], make_fn,
                  inputs: tuple[torch.Tensor, ...]):
         """Replay (capturing it first if new) ``model``'s graph ``what`` (a kind and the inputs' shapes) over the
