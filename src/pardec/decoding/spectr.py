@@ -26,6 +26,31 @@ from pardec.decoding.sampling import sample, warp
 from pardec.decoding.tree import Tree
 
 
+def iid_inputs(seqs: list[list[int]], length: int, qs: list[torch.Tensor], greedy: bool
+               ) -> tuple[dict[tuple[int, ...], torch.Tensor], dict[tuple[int, ...], list[int]]]:
+    """K-SEQ's inputs by drafted prefix, from ``seqs`` (each drawn ``length`` deep; ``qs[step][j]`` the distribution
+    sequence ``j`` drew its token ``step`` from): per prefix, the distribution its sequences drew their next token
+    from (the first of them's; under greedy decoding not the greedy chain's, sequence 0) and those tokens in draw
+    order."""
+    q_of: dict[tuple[int, ...], torch.Tensor] = {}
+    draws: dict[tuple[int, ...], list[int]] = {}
+    for step in range(length):
+        for j, s_j in enumerate(seqs):
+            key = tuple(s_j[:step])
+            if key not in q_of and not (greedy and j == 0):
+                q_of[key] = qs[step][j]
+            draws.setdefault(key, []).append(s_j[step])
+    return q_of, draws
+
+
+def on_nodes(tree: Tree, q_of: dict, draws: dict) -> dict[str, dict]:
+    """:func:`iid_inputs` by node of ``tree`` (the trie of those sequences): ``verify_tree_iid``'s ``q`` and
+    ``draws``."""
+    prefix = [tree.label_path(i) for i in range(len(tree))]
+    return {"q": {i: q_of[key] for i, key in enumerate(prefix) if key in q_of},
+            "draws": {i: draws[key] for i, key in enumerate(prefix) if key in draws}}
+
+
 @register_method("spectr")
 class SpecTr(Decoder):
     exactness = "distribution"
@@ -75,17 +100,11 @@ class SpecTr(Decoder):
                 logits, parents = br.grow(x, parents)
                 nodes.append(parents)
         seqs = toks.tolist()  # the round's one draft read
-        q_of: dict[tuple[int, ...], torch.Tensor] = {}
-        draws: dict[tuple[int, ...], list[int]] = {}
+        q_of, draws = iid_inputs(seqs, length, qs, greedy)
         node_of: dict[tuple[int, ...], int] = {(): -1}
-        for step in range(length):
+        for step in range(length - 1):
             for j, s_j in enumerate(seqs):
-                key = tuple(s_j[:step])
-                if key not in q_of and not (greedy and j == 0):
-                    q_of[key] = qs[step][j]
-                draws.setdefault(key, []).append(s_j[step])
-                if step < length - 1:
-                    node_of.setdefault(key + (s_j[step],), nodes[step][j])
+                node_of.setdefault(tuple(s_j[: step + 1]), nodes[step][j])
         return seqs, q_of, draws, br, node_of, 1 + br.forwards
 
     @torch.inference_mode()
@@ -103,10 +122,7 @@ class SpecTr(Decoder):
                 continue
             seqs, q, draws, br, node_of, _ = clock.run(st, self.propose, prompt + st.out.tokens, n, st)
             tree = Tree.from_paths(seqs)
-            prefix = [tree.label_path(i) for i in range(len(tree))]
-            rule = functools.partial(verify_tree_iid, tree, s=st.s, gen=st.gen,
-                                     q={i: q[key] for i, key in enumerate(prefix) if key in q},
-                                     draws={i: draws[key] for i, key in enumerate(prefix) if key in draws})
+            rule = functools.partial(verify_tree_iid, tree, s=st.s, gen=st.gen, **on_nodes(tree, q, draws))
             acc = self._verify_tree(st, last, tree, rule=rule)[1].tokens
             n_acc = len(acc) - 1
             kept = acc[: min(n_acc, n - 1)]

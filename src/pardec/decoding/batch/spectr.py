@@ -34,6 +34,7 @@ from pardec.decoding.batch.methods import catch_up_rows
 from pardec.decoding.batch.verify import padded_trees, verify_trees
 from pardec.decoding.kseq import verify_tree_iid
 from pardec.decoding.sampling import sample, sample_at, warp
+from pardec.decoding.spectr import iid_inputs, on_nodes
 from pardec.decoding.tree import Tree
 from pardec.models.cache import to_device
 
@@ -117,8 +118,8 @@ class BatchedSpecTr(BatchedMethod):
         else:
             verdicts = []
             for b, (t, seq) in enumerate(zip(trees, seqs)):
-                q, draws = self._iid(t, seq, ns[b], [x[b] for x in qs])
-                v = verify_tree_iid(t, logits[b, : len(t)], self.s, self.gen, q, draws)
+                inputs = on_nodes(t, *iid_inputs(seq, ns[b], [x[b] for x in qs], greedy=False))
+                v = verify_tree_iid(t, logits[b, : len(t)], self.s, self.gen, **inputs)
                 verdicts.append((v.path, v.tokens))
         self.target.keep_rows(base, [path for path, _ in verdicts])
         keep = []
@@ -130,19 +131,3 @@ class BatchedSpecTr(BatchedMethod):
         self.draft.set_lengths(keep)
         for r, (_, tokens), nb in zip(rows, verdicts, ns):
             r.commit(tokens, nb)
-
-    @staticmethod
-    def _iid(tree: Tree, seq: list[list[int]], nb: int, qs: list[torch.Tensor]
-             ) -> tuple[dict[int, torch.Tensor], dict[int, list[int]]]:
-        """A request's K-SEQ inputs on its trie (batch-1 ``spectr``'s): per node, the distribution its sequences drew
-        their next token from (the first of them's row) and those tokens in draw order."""
-        q_of: dict[tuple[int, ...], torch.Tensor] = {}
-        draws: dict[tuple[int, ...], list[int]] = {}
-        for step in range(nb):
-            for j, s in enumerate(seq):
-                key = tuple(s[:step])
-                q_of.setdefault(key, qs[step][j])
-                draws.setdefault(key, []).append(s[step])
-        prefix = [tree.label_path(i) for i in range(len(tree))]
-        return ({i: q_of[p] for i, p in enumerate(prefix) if p in q_of},
-                {i: draws[p] for i, p in enumerate(prefix) if p in draws})
