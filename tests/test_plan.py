@@ -218,7 +218,7 @@ def test_the_draft_cache_rows_are_what_the_batched_method_takes():
     assert rows({"name": "mjsd", "num_beams": 8}, 4) == 4
     assert rows({"name": "mjsd", "num_beams": 8}, 1) == 8
     assert rows({"name": "sps", "gamma": 5}, 4) == 4
-    assert rows({"name": "mjgd", "num_beams": 4}, 4) == 16  # (no batched form: evaluate refuses it at batch > 1)
+    assert rows({"name": "ouroboros", "gamma": 12}, 4) == 4  # (no batched form: evaluate refuses it at batch > 1)
 
 
 def test_cli_prints_the_table_and_writes_json(tmp_path, capsys):

@@ -155,6 +155,22 @@ def test_mjsd_rows_equal_batch_one_mjsd(params):
     assert max(a for r in run.results for a in r.accepted[1:]) >= 3
 
 
+@pytest.mark.parametrize("params", [{"K": 3, "num_beams": 2}, {"K": 4, "num_beams": 3}])
+def test_mjgd_rows_equal_batch_one_mjgd(params):
+    """MJGD (the target's own beam search, committing its best beam each round) over a batch: each row's tokens,
+    commits and target forwards are batch-1 ``mjgd``'s, while the rows' beams are searched together and rows near
+    their limit search fewer steps."""
+    lm = tiny(0)
+    prompts = _prompts(lm)
+    stop = _early_stop(lm, prompts)
+    run = run_batch(_batched("mjgd", 3, **params), prompts, N_NEW, stop)
+    single = build_decoder("mjgd", CachedModel(lm.model), lm.tokenizer, **params)
+    alone = [single.generate(p, N_NEW, stop) for p in prompts]
+    assert [(r.tokens, r.accepted, r.target_forwards) for r in run.results] == \
+        [(a.tokens, a.accepted, a.target_forwards) for a in alone]
+    assert [r.tokens for r in run.results] != _reference(lm, prompts, stop)  # the joint likelihood chose
+
+
 def test_sampled_mjsd_rows_draw_beams_per_row_and_repeat_with_the_seed():
     """Beam sampling over a batch (2 x num_beams draws without replacement per row, pardec.decoding.drafting.beam_rows):
     rows run to their limit, accept drafted tokens, and the same seed draws the same rows again."""
@@ -422,8 +438,8 @@ def test_bad_input_is_refused_before_any_model_is_wrapped():
     with pytest.raises(ConfigError, match=r"batch_size=0 must be an integer >= 1"):
         build_batched("ar", lm.model, 0, 64)
     with pytest.raises(ConfigError, match=r"method 'ouroboros' has no batched implementation: batch_size > 1 runs "
-                                          r"ar, bild, dflash, eagle3, firp, jacobi, lookahead, medusa, medusa_typical, mjsd, pld, sdsat, spectr, "
-                                          r"sps"):
+                                          r"ar, bild, dflash, eagle3, firp, jacobi, lookahead, medusa, medusa_typical, mjgd, mjsd, pld, sdsat, "
+                                          r"spectr, sps"):
         build_batched("ouroboros", lm.model, 2, 64)
     with pytest.raises(KeyError, match="unknown method 'nope'"):
         build_batched("nope", lm.model, 2, 64)
@@ -453,7 +469,7 @@ def test_bad_input_is_refused_before_any_model_is_wrapped():
     with pytest.raises(ConfigError, match="fallback_threshold"):
         build_batched("bild", lm.model, 2, 64, draft=noisy(0), fallback_threshold=1.5)
     assert BATCHED.names() == ["ar", "bild", "dflash", "eagle3", "firp", "jacobi", "lookahead", "medusa",
-                               "medusa_typical", "mjsd", "pld", "sdsat", "spectr", "sps"]
+                               "medusa_typical", "mjgd", "mjsd", "pld", "sdsat", "spectr", "sps"]
 
 
 @needs_compiler  # TorchInductor compiles (one graph serves every row count, width and capacity)

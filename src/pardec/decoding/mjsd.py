@@ -137,6 +137,12 @@ def check_mjsd(gamma: int, num_beams: int, width: int, tau: float, top_k: int, t
     check_choice("method.ratio", ratio, RATIOS)
 
 
+def check_mjgd(K: int, num_beams: int) -> None:
+    """MJGD's parameters (batch-1 and batched), each refused in one line."""
+    check_range("K", K, 1, 64)
+    check_range("num_beams", num_beams, 1, 64)
+
+
 def scoring_of(s: SamplingConfig, top_k: int, top_p: float) -> SamplingConfig:
     """The distributions of the draft's proposals and of the ratio: the run's temperature (1 under greedy decoding)
     with the method's top-k / top-p."""
@@ -225,8 +231,7 @@ class MJGD(Decoder):
 
     def __init__(self, target, tokenizer=None, draft=None, K: int = 4, num_beams: int = 4):
         super().__init__(target, tokenizer, draft)
-        check_range("K", K, 1, 64)
-        check_range("num_beams", num_beams, 1, 64)
+        check_mjgd(K, num_beams)
         self.K, self.num_beams = K, num_beams
 
     @torch.inference_mode()

@@ -9,8 +9,8 @@
   (its loop, pseudo states per row); :mod:`~pardec.decoding.batch.lookahead`:
   ``lookahead`` (a window, a pool and a trie of its own shape per row); :mod:`~pardec.decoding.batch.bild`:
   ``bild``; :mod:`~pardec.decoding.batch.sdsat`: ``sdsat``'s chains; :mod:`~pardec.decoding.batch.spectr`:
-  ``spectr`` (``k`` draft rows per request); :mod:`~pardec.decoding.batch.mjsd`: ``mjsd`` (every request's beams
-  searched together).
+  ``spectr`` (``k`` draft rows per request); :mod:`~pardec.decoding.batch.mjsd`: ``mjsd`` and ``mjgd`` (every
+  request's beams searched together).
 
 The cache is :class:`pardec.models.ragged.RaggedModel`: each row its own length, so rows accept different numbers
 of draft tokens per round without re-padding the batch, finished rows leave and waiting prompts take their place.

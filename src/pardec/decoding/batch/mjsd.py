@@ -1,4 +1,4 @@
-"""``mjsd`` over a batch: every request's draft beams searched together, every request's verified beams checked by
+"""``mjsd`` (and ``mjgd``, the target's own beam search it approximates) over a batch: every request's draft beams searched together, every request's verified beams checked by
 the joint-likelihood rule after one target forward.
 
 A round, as batch-1 ``mjsd`` runs it for one request (:mod:`pardec.decoding.mjsd`):
@@ -24,6 +24,7 @@ for it. ``exactness = "approximate"``, as batch-1's: each row's output is batch-
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Literal
 
 import torch
@@ -32,10 +33,39 @@ from pardec.decoding.batch.engine import BatchedMethod, Row, register_batched
 from pardec.decoding.batch.methods import catch_up_rows
 from pardec.decoding.batch.verify import padded_trees
 from pardec.decoding.drafting import beam_rows, beams_of
-from pardec.decoding.mjsd import check_mjsd, draft_logq, pick_joint, scoring_of, target_logp
+from pardec.decoding.mjsd import check_mjgd, check_mjsd, draft_logq, pick_joint, scoring_of, target_logp
 from pardec.decoding.sampling import select
 from pardec.decoding.tree import Tree
 from pardec.models.cache import to_device
+from pardec.models.ragged import RaggedModel
+
+
+def chains_after(model: RaggedModel, held: list[int]) -> Callable[[torch.Tensor, torch.Tensor, int], torch.Tensor]:
+    """:func:`~pardec.decoding.drafting.beam_rows`'s ``feed`` over a ragged batch whose rows hold ``held`` positions:
+    at step ``s`` each row is fed its beams' ``s`` tokens so far, each beam a chain of its own after the row's
+    prefix (one tree forward, a block-diagonal mask), and cut back to ``held`` after it; no beam stays in the
+    cache."""
+    paths: list[torch.Tensor] = []  # the beams' tokens so far [n, B, s]
+
+    def feed(tokens: torch.Tensor, parents: torch.Tensor, step: int) -> torch.Tensor:
+        n, beams = tokens.shape
+        dev = tokens.device
+        if paths:
+            old = paths.pop()
+            tokens = torch.cat([old.gather(1, parents[..., None].expand(n, beams, old.shape[2])), tokens[..., None]], 2)
+        else:
+            tokens = tokens[..., None]
+        paths.append(tokens)
+        s = tokens.shape[2]
+        chain = torch.ones(s, s, dtype=torch.bool, device=dev).tril()
+        attend = torch.block_diag(*[chain] * beams)
+        depths = torch.arange(s, device=dev).repeat(beams)
+        at = (torch.arange(beams, device=dev) * s + s - 1)[None].expand(n, beams)
+        logits = model.forward(tokens.reshape(n, beams * s), depths=depths, attend=attend, logits_at=at)
+        model.set_lengths(held)  # the beams' entries leave
+        return logits
+
+    return feed
 
 
 @register_batched("mjsd")
@@ -56,31 +86,9 @@ class BatchedMJSD(BatchedMethod):
     def _search(self, rows: list[Row], ns: list[int]):
         """Every request's beams of ``ns[b]`` tokens (best first), searched together."""
         first, fed = catch_up_rows(self.draft, rows)
-        m = max(ns)
-        n, dev = len(rows), first.device
         scoring = scoring_of(self.s, self.top_k, self.top_p)
-        paths: list[torch.Tensor] = []  # the beams' tokens so far [n, B, s]
-
-        def feed(tokens: torch.Tensor, parents: torch.Tensor, step: int) -> torch.Tensor:
-            beams = tokens.shape[1]
-            if paths:
-                old = paths.pop()
-                tokens = torch.cat([old.gather(1, parents[..., None].expand(n, beams, old.shape[2])),
-                                    tokens[..., None]], 2)
-            else:
-                tokens = tokens[..., None]
-            paths.append(tokens)
-            s = tokens.shape[2]
-            chain = torch.ones(s, s, dtype=torch.bool, device=dev).tril()
-            attend = torch.block_diag(*[chain] * beams)  # each beam a chain of its own after the row's prefix
-            depths = torch.arange(s, device=dev).repeat(beams)
-            at = (torch.arange(beams, device=dev) * s + s - 1)[None].expand(n, beams)
-            logits = self.draft.forward(tokens.reshape(n, beams * s), depths=depths, attend=attend, logits_at=at)
-            self.draft.set_lengths(fed)  # the beams' entries leave
-            return logits
-
-        tables = beam_rows(first, m, self.num_beams, feed, self.s if self.s.greedy else scoring, self.gen,
-                           scoring.temperature, weights=scoring)
+        tables = beam_rows(first, max(ns), self.num_beams, chains_after(self.draft, fed),
+                           self.s if self.s.greedy else scoring, self.gen, scoring.temperature, weights=scoring)
         return [beams_of(t[:nb]) if nb else [] for t, nb in zip(tables, ns)], scoring
 
     def round(self, rows: list[Row]) -> None:
@@ -120,3 +128,30 @@ class BatchedMJSD(BatchedMethod):
         self.target.keep_rows(base, paths)
         for r, tokens, nb in zip(rows, committed, ns):
             r.commit(tokens, nb)
+
+
+@register_batched("mjgd")
+class BatchedMJGD(BatchedMethod):
+    """``K``, ``num_beams``: as batch-1 ``mjgd``'s. Each round every row's target beam search of ``K`` tokens runs
+    together (:func:`chains_after` over the target: its beams are fed as chains and leave the cache), then each row
+    commits its best beam; its tokens enter the cache with the next round's first forward, which also gives the
+    next search's first distribution (batch-1 keeps the chosen beam's nodes instead). Target forwards per round: one
+    plus one per beam step, as batch-1 counts them."""
+
+    def __init__(self, target, tokenizer=None, draft=None, K: int = 4, num_beams: int = 4):
+        super().__init__(target, tokenizer, draft)
+        check_mjgd(K, num_beams)
+        self.K, self.num_beams = K, num_beams
+
+    @property
+    def width(self) -> int:
+        return self.num_beams * (self.K - 1) + self.K
+
+    def round(self, rows: list[Row]) -> None:
+        ks = [min(self.K, r.out.room) for r in rows]
+        first, held = catch_up_rows(self.target, rows)  # the rows' last committed tokens
+        temp = 1.0 if self.s.greedy else self.s.temperature
+        tables = beam_rows(first, max(ks), self.num_beams, chains_after(self.target, held), self.s, self.gen, temp)
+        for r, table, k in zip(rows, tables, ks):
+            r.commit(beams_of(table[:k])[0].tokens)
+            r.forwards += k - 1  # the beam steps (the commit counted the first forward)
