@@ -1,5 +1,6 @@
-"""``mjsd`` (and ``mjgd``, the target's own beam search it approximates) over a batch: every request's draft beams searched together, every request's verified beams checked by
-the joint-likelihood rule after one target forward.
+"""``mjsd`` over a batch (and ``mjgd``, the target's own beam search it approximates: :class:`BatchedMJGD`): every
+request's draft beams searched together, every request's verified beams checked by the joint-likelihood rule after
+one target forward.
 
 A round, as batch-1 ``mjsd`` runs it for one request (:mod:`pardec.decoding.mjsd`):
 
