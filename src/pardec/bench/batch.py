@@ -140,8 +140,7 @@ def plot(data: dict, path: Path) -> None:
         ax.set_title(title, fontsize=10)
         ax.legend(fontsize=8)
     ident = data["identity"]
-    mode = f" ({ident['attention']} attention)" if ident.get("attention") else ""
-    mode += " (compiled forward)" if ident.get("forward") else ""
+    mode = _mode(ident)
     fig.suptitle(f"{ident['model']} {ident['dtype']}{mode}, {ident['dataset']} (n={ident['n']}, {ident['max_new_tokens']} "
                  f"new tokens) -- {describe(ident['host'])}, {data['date']}", fontsize=8)
     fig.tight_layout()
@@ -242,7 +241,13 @@ def _identity(a, spec, methods) -> dict[str, Any]:
             # the batched attention where it is not the default (invariant: exact int8 rows), so a run in one mode
             # is neither continued nor published as the other
             **({"attention": spec.model.attn_implementation} if spec.model.attn_implementation != "sdpa" else {}),
-            **({"forward": "compiled"} if spec.run.forward_impl == "compiled" else {})}
+            **({"forward": spec.run.forward_impl} if spec.run.forward_impl in ("compiled", "cudagraph") else {})}
+
+
+def _mode(ident: dict) -> str:
+    """A run's attention and forward where they are not the defaults, for its captions."""
+    return "".join(f" ({ident[k]} {what})" for k, what in (("attention", "attention"), ("forward", "forward"))
+                   if ident.get(k))
 
 
 def measure(a, spec, methods, sizes, data: dict) -> int:
@@ -326,8 +331,7 @@ def publish(out: Path, data: dict, root: Path, name: str) -> Path:
         raise ConfigError(f"{page} has no {start} ... {end} block to fill (add the pair where this run's table goes)")
     head, rest = text.split(start, 1)
     _, tail = rest.split(end, 1)
-    mode = f" ({ident['attention']} attention)" if ident.get("attention") else ""
-    mode += " (compiled forward)" if ident.get("forward") else ""
+    mode = _mode(ident)
     body = (f"{ident['model']} {ident['dtype']}{mode} on {ident['dataset']}, {ident['n']} prompts, {ident['max_new_tokens']} "
             f"new tokens, {data['date']}; host: {describe(ident['host'])}.\n\n{table(data)}\n\n"
             f"<sub>Data: [results/{name}.json](results/{name}.json)</sub>\n\n"
