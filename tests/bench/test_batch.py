@@ -29,8 +29,8 @@ def test_sizes_and_methods_are_checked_before_anything_loads():
             batch.parse_sizes(bad)
     assert [m[0] for m in batch.parse_methods("pld,sps:gamma=3")] == ["ar", "pld", "sps:gamma=3"]
     assert batch.parse_methods("sps:gamma=3")[1][2] == {"gamma": 3}
-    with pytest.raises(ConfigError, match="method 'ouroboros' has no batched implementation"):
-        batch.parse_methods("ar,ouroboros")
+    with pytest.raises(ConfigError, match="method 'hf_pld' has no batched implementation"):
+        batch.parse_methods("ar,hf_pld")
     with pytest.raises(ConfigError, match=r"method 'sps' has no parameter\(s\) \['adaptive'\]"):
         batch.parse_methods("sps:adaptive=true")
 

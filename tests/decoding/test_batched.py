@@ -56,6 +56,7 @@ def _batched(method: str, batch_size: int, draft: str | None = None, **params):
     return build_batched(method, lm.model, batch_size, 64, lm.tokenizer, model, **params)
 
 
+OUROBOROS = {"gamma": 3, "window": 3, "guess_set": 3, "level": 3, "top_k_phrases": 2}
 CASES = {"ar": ("ar", None, {}), "pld": ("pld", None, {"num_pred": 5}),
          "sps_noisy": ("sps", "noisy", {"gamma": 3}),  # partial acceptance: rows accept different counts
          "sps_self": ("sps", "self", {"gamma": 3}),  # every draft accepted: the draft is fed two tokens next round
@@ -75,7 +76,11 @@ CASES = {"ar": ("ar", None, {}), "pld": ("pld", None, {"num_pred": 5}),
          # tests/decoding/test_batched_sdsat.py forces them)
          "sdsat": ("sdsat", None, {"k": 3, "variant": "fused", "tree": "caterpillar", "adaptive_ids": [511]}),
          # k draft rows per request (the draft's cache holds batch_size * k rows), a trie of its own size per row
-         "spectr": ("spectr", "noisy", {"k": 3, "gamma": 3})}
+         "spectr": ("spectr", "noisy", {"k": 3, "gamma": 3}),
+         # the draft's own lookahead per row (rows finish drafting at different forwards), a tree of draft and
+         # phrases per row; a pool per request (warm_start off: each row's rounds are batch-1's), or one for the run
+         "ouroboros": ("ouroboros", "noisy", {**OUROBOROS, "warm_start": False}),
+         "ouroboros_warm": ("ouroboros", "self", OUROBOROS)}
 
 
 @pytest.mark.parametrize("batch_size", [2, 4])
@@ -101,6 +106,10 @@ def test_every_row_equals_its_batch_one_ar_output(case, batch_size):
         assert max(accepted) >= 3  # drafts were accepted several deep
         if case == "sps_self":
             assert all(r.draft_accepted == r.drafted for r in run.results)
+    if case == "ouroboros_warm":  # one pool for the run: each row's rounds depend on its neighbours (module doc);
+        # pool phrases lengthened drafts and were accepted (more than the draft's gamma tokens + the target's)
+        assert max(a for r in run.results for a in r.accepted) > params["gamma"] + 1
+        return
     # each row drafted and accepted as the batch-1 method does on its prompt alone
     lm_draft = {"self": lm.model, "noisy": noisy(0)}.get(draft)
     single = build_decoder(method, CachedModel(lm.model), lm.tokenizer,
@@ -381,11 +390,12 @@ def test_invariant_int8_rows_equal_batch_one_int8_ar(case):
 
 
 @pytest.mark.parametrize("case", ["ar", "pld", "sps_noisy", "jacobi", "eagle3", "eagle3_tree", "dflash", "medusa",
-                                  "lookahead", "sdsat", "firp", "spectr", "mjsd"])
+                                  "lookahead", "sdsat", "firp", "spectr", "mjsd", "ouroboros_warm"])
 def test_one_host_read_per_round_on_a_gpu(case):
     """On a (virtual) CUDA device: the same tokens as on the CPU, host reads = one per admission (its first token) +
-    one per round (``spectr``, ``mjsd``: two, as batch-1's: the drafts, then the verification), and the finiteness
-    flags copied without a wait."""
+    one per round (``spectr``, ``mjsd``: two, as batch-1's: the drafts, then the verification; ``ouroboros``: one
+    per draft forward of the batch, as batch-1's per draft forward, + one), and the finiteness flags copied without
+    a wait."""
     lm = tiny(0)
     prompts = _prompts(lm)[:4]
     method, draft, params = {**CASES, "mjsd": ("mjsd", "noisy", {"gamma": 3, "num_beams": 3, "width": 2})}[case]
@@ -400,7 +410,9 @@ def test_one_host_read_per_round_on_a_gpu(case):
         # tests/decoding/test_verify_device.py
         reads = sum(n for k, n in vc.syncs.items() if k not in ("cuda.synchronize", "cuda.Event.synchronize"))
     assert [r.tokens for r in on_cuda.results] == [r.tokens for r in on_cpu.results]
-    if case in ("spectr", "mjsd"):  # (a round in which no row has room for a draft verifies alone: one read)
+    if case == "ouroboros_warm":
+        assert reads == len(prompts) + on_cuda.rounds + m.draft_forwards, dict(vc.syncs)
+    elif case in ("spectr", "mjsd"):  # (a round in which no row has room for a draft verifies alone: one read)
         assert len(prompts) + on_cuda.rounds < reads <= len(prompts) + 2 * on_cuda.rounds, dict(vc.syncs)
     else:
         assert reads == len(prompts) + on_cuda.rounds, dict(vc.syncs)
@@ -437,10 +449,10 @@ def test_bad_input_is_refused_before_any_model_is_wrapped():
     lm = tiny(0)
     with pytest.raises(ConfigError, match=r"batch_size=0 must be an integer >= 1"):
         build_batched("ar", lm.model, 0, 64)
-    with pytest.raises(ConfigError, match=r"method 'ouroboros' has no batched implementation: batch_size > 1 runs "
-                                          r"ar, bild, dflash, eagle3, firp, jacobi, lookahead, medusa, medusa_typical, mjgd, mjsd, pld, sdsat, "
-                                          r"spectr, sps"):
-        build_batched("ouroboros", lm.model, 2, 64)
+    with pytest.raises(ConfigError, match=r"method 'hf_pld' has no batched implementation: batch_size > 1 runs "
+                                          r"ar, bild, dflash, eagle3, firp, jacobi, lookahead, medusa, medusa_typical, "
+                                          r"mjgd, mjsd, ouroboros, pld, sdsat, spectr, sps"):
+        build_batched("hf_pld", lm.model, 2, 64)
     with pytest.raises(KeyError, match="unknown method 'nope'"):
         build_batched("nope", lm.model, 2, 64)
     with pytest.raises(ConfigError, match=r"method 'sps' has no parameter\(s\) \['adaptive'\]; valid: gamma"):
@@ -469,7 +481,7 @@ def test_bad_input_is_refused_before_any_model_is_wrapped():
     with pytest.raises(ConfigError, match="fallback_threshold"):
         build_batched("bild", lm.model, 2, 64, draft=noisy(0), fallback_threshold=1.5)
     assert BATCHED.names() == ["ar", "bild", "dflash", "eagle3", "firp", "jacobi", "lookahead", "medusa",
-                               "medusa_typical", "mjgd", "mjsd", "pld", "sdsat", "spectr", "sps"]
+                               "medusa_typical", "mjgd", "mjsd", "ouroboros", "pld", "sdsat", "spectr", "sps"]
 
 
 @needs_compiler  # TorchInductor compiles (one graph serves every row count, width and capacity)

@@ -45,7 +45,9 @@ PARAMS = {"ar": {}, "pld": {"max_ngram": 3, "num_pred": 4}, "sps": {"gamma": 3},
           # the target's own chain of drafts from adaptive tokens after each row's drafts (id 15 stands in for one)
           "sdsat": {"k": 3, "variant": "fused", "tree": "caterpillar", "top_k": 1, "adaptive_ids": [15]},
           # k i.i.d. sequences per row in k draft rows of its own, K-SEQ on each row's trie
-          "spectr": {"k": 3, "gamma": 3}}
+          "spectr": {"k": 3, "gamma": 3},
+          # the draft's own lookahead per row, then its chain and the pool's phrases as a tree per row (q on the chain)
+          "ouroboros": {"gamma": 3, "window": 3, "guess_set": 3, "level": 3, "top_k_phrases": 2}}
 OTHERS = [[1, 2], [4, 4, 4, 4, 4, 4, 4, 4, 4, 4, 4], [7, 3, 7]]  # neighbours of other lengths
 
 
@@ -55,7 +57,7 @@ OTHERS = [[1, 2], [4, 4, 4, 4, 4, 4, 4, 4, 4, 4, 4], [7, 3, 7]]  # neighbours of
 def test_each_rows_triples_follow_the_target_distribution(case, setting, one_thread):
     method = case.removesuffix("_tree").removesuffix("_vocab")
     n, s0 = N[setting], SETTINGS[setting]
-    draft = near_draft() if method in ("sps", "spectr") else None
+    draft = near_draft() if method in ("sps", "spectr", "ouroboros") else None
     fitted = {"eagle3": eagle_deep, "dflash": dflash_deep}
     params = {**PARAMS[case], **({"path": fitted[method]()} if method in fitted else {}),
               **(drafter_params(method, tiny_vocab(0)) if method in ("medusa", "firp") else {}),  # (untrained)

@@ -73,9 +73,9 @@ def _pred(dec_level: int, pred: list[int], phrase_harvest: str, draft: list[int]
     ``draft[j-1]``)."""
     dec = Ouroboros.__new__(Ouroboros)
     dec.level, dec.phrase_harvest = dec_level, phrase_harvest
-    dec.pool = NGramPool(dec_level, 5)
-    dec._harvest_rejected(draft, pred, accepted)
-    return dec.pool
+    pool = NGramPool(dec_level, 5)
+    dec.harvest(pool, draft, pred, accepted)
+    return pool
 
 
 def test_harvest_stores_the_targets_full_length_phrases():
@@ -165,13 +165,13 @@ def test_verified_phrases_flag(setup, monkeypatch):
     lm, cm, ids = setup
     calls = {True: 0, False: 0}
     for flag in (True, False):
-        original = Ouroboros._harvest_rejected
+        original = Ouroboros.harvest
 
         def counting(self, *a, _flag=flag, _orig=original):
             calls[_flag] += 1
             return _orig(self, *a)
 
-        monkeypatch.setattr(Ouroboros, "_harvest_rejected", counting)
+        monkeypatch.setattr(Ouroboros, "harvest", counting)
         _, r = _run(cm, lm.tokenizer, ids, 30, gamma=4, verified_phrases=flag)
         monkeypatch.undo()
         assert r.drafted > r.draft_accepted  # some drafts were rejected

@@ -74,13 +74,13 @@ def test_resume_after_a_kill_redoes_and_duplicates_nothing(tmp_path):
 
 
 @pytest.mark.parametrize(("overrides", "message"), [
-    (["+method=ouroboros", "draft=tiny_random", "batch_size=2"], r"method: method 'ouroboros' has no batched implementation: batch_size > "
-                                            r"1 runs ar, bild, dflash, eagle3, firp, jacobi, lookahead, medusa, "
-                                            r"medusa_typical, mjgd, mjsd, pld, sdsat, spectr, sps"),
+    (["+method=hf_pld", "batch_size=2"], r"method: method 'hf_pld' has no batched implementation: batch_size > "
+                                         r"1 runs ar, bild, dflash, eagle3, firp, jacobi, lookahead, medusa, "
+                                         r"medusa_typical, mjgd, mjsd, ouroboros, pld, sdsat, spectr, sps"),
     (["+method=pld", "batch_size=2", "bench.include_hf=true"], r"bench.include_hf=true adds transformers' decoders"),
     (["+method=pld", "batch_size=2", "repeats=2"], r"batch_size=2 with repeats=2"),
-    (["+method=pld", "draft=tiny_random", "batch_size=2", 'bench.also=["ouroboros"]'], r"bench.also entry 'ouroboros': method 'ouroboros' "
-                                                               r"has no batched implementation"),
+    (["+method=pld", "batch_size=2", 'bench.also=["hf_pld"]'], r"bench.also entry 'hf_pld': method 'hf_pld' "
+                                                                r"has no batched implementation"),
     (["+method=pld", "batch_size=0"], r"batch_size=0 is out of range: it must be an integer >= 1"),
     (["+method=sdsat", "method.adaptive_ids=[511]", "batch_size=2", "sampling.temperature=0.7"],
      r"method: method.tree=official with method.top_k=10 drafts a nucleus tree under sampling"),

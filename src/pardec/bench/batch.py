@@ -45,10 +45,11 @@ from pardec.tasks.base import DataError, build_task, select_docs
 
 FILE = "batch.json"
 #: every batched method over the shipped target, the trained ones with the zoo's drafters (sps, bild: the zoo's draft
-#: model unless draft= is given; eagle3 in both modes: its chain and the paper's 60-node tree), lookahead at its
-#: CPU-sized window; sdsat decodes its own fine-tuned model: a run of its own (model=local model.path=zoo:sdsat)
+#: model unless draft= is given; eagle3 in both modes: its chain and the paper's 60-node tree), lookahead and
+#: ouroboros at their CPU-sized windows; sdsat decodes its own fine-tuned model: a run of its own (model=local model.path=zoo:sdsat)
 DEFAULT_METHODS = ("ar,pld,sps,bild,jacobi,eagle3:path=zoo:eagle3:mode=chain,eagle3:path=zoo:eagle3,"
-                   "dflash:path=zoo:dflash,medusa:path=zoo:medusa,firp:path=zoo:firp,spectr,mjsd," + CPU_SIZED["lookahead"])
+                   "dflash:path=zoo:dflash,medusa:path=zoo:medusa,firp:path=zoo:firp,spectr,mjsd," + CPU_SIZED["lookahead"]
+                   + "," + CPU_SIZED["ouroboros"])
 ZOO_DRAFT = ["draft=local", "draft.name=zoo_draft", "draft.path=zoo:draft"]
 
 

@@ -17,9 +17,9 @@ forward that runs both branches.
   loop accepts): positions are always counted from the new root.
 * :func:`check_ranges`, :func:`prompt_filler`, :func:`candidate_tree`: the two methods' parameter ranges, the
   window's initial guesses, and the verification branch built from the pool.
-* :func:`lookahead_forward`: one forward of a model over ``[prefix, candidate tree, window]`` -- the
-  verification branch (a :class:`~pardec.decoding.tree.Tree` of candidates rooted at the last prefix
-  token) and the lookahead branch under one mask, invisible to each other -- then the cache keeps only the
+* :func:`lookahead_inputs`, :func:`lookahead_forward`: one forward of a model over ``[prefix, candidate tree,
+  window]`` -- the verification branch (a :class:`~pardec.decoding.tree.Tree` of candidates rooted at the last
+  prefix token) and the lookahead branch under one mask, invisible to each other -- then the cache keeps only the
   prefix (the caller keeps the accepted path with :func:`keep_path`).
 """
 
@@ -157,31 +157,39 @@ class LookaheadWindow:
         return harvested
 
 
+def lookahead_inputs(prefix: list[int], tree: Tree, window: LookaheadWindow | None
+                     ) -> tuple[list[int], list[int], torch.Tensor, list[int]]:
+    """The new tokens of one forward over ``prefix[:-1]`` (causal), the candidate ``tree`` rooted at ``prefix[-1]``
+    and the ``window`` (both branches see the whole prefix, not each other): (tokens, their offsets from the cache's
+    length, attend among them [T, T], the columns whose logits the caller reads: the tree's nodes, then the window's
+    top level)."""
+    root, n = len(prefix) - 1, len(tree)
+    tokens = list(prefix[:-1]) + tree.tokens(prefix[-1]).tolist()
+    offsets = list(range(root)) + tree.positions(root).tolist()
+    w_tokens, w_pos, w_attend = window.inputs(root) if window is not None else ([], [], None)
+    m = len(w_tokens)
+    total = root + n + m
+    attend = torch.zeros(total, total, dtype=torch.bool)
+    attend[:root, :root] = torch.ones(root, root, dtype=torch.bool).tril()
+    attend[root:, :root] = True  # tree and window see the prefix
+    attend[root : root + n, root : root + n] = tree.attend
+    if m:
+        attend[root + n :, root] = True  # the root (column 0 of level 0)
+        attend[root + n :, root + n :] = w_attend
+    top = window.top() if window is not None else slice(0, 0)
+    wanted = list(range(root, root + n)) + [root + n + i for i in range(top.start, top.stop)]
+    return tokens + w_tokens, offsets + w_pos, attend, wanted
+
+
 def lookahead_forward(model: CachedModel, prefix: list[int], tree: Tree,
                       window: LookaheadWindow | None) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """One forward over ``prefix[:-1]`` (causal), the candidate ``tree`` rooted at ``prefix[-1]``, and the
-    ``window`` (both branches see the whole prefix, not each other). Returns (logits of the tree's nodes [N, V],
-    logits of the window's top level [T, V] -- the root's first when ``window.top_has_root`` -- or None without a
-    window). Keep the accepted path with :func:`keep_path`."""
-    p, n = len(prefix), len(tree)
-    base = model.length
-    root_pos = base + p - 1
-    tokens = list(prefix[:-1]) + tree.tokens(prefix[-1]).tolist()
-    positions = list(range(base, root_pos)) + tree.positions(root_pos).tolist()
-    w_tokens, w_pos, w_attend = window.inputs(root_pos) if window is not None else ([], [], None)
-    m = len(w_tokens)
-    total = p - 1 + n + m
-    attend = torch.zeros(total, total, dtype=torch.bool)
-    attend[: p - 1, : p - 1] = torch.ones(p - 1, p - 1, dtype=torch.bool).tril()
-    attend[p - 1 :, : p - 1] = True  # tree and window see the prefix
-    attend[p - 1 : p - 1 + n, p - 1 : p - 1 + n] = tree.attend
-    if m:
-        attend[p - 1 + n :, p - 1] = True  # the root (column 0 of level 0)
-        attend[p - 1 + n :, p - 1 + n :] = w_attend
-    ids = to_device(torch.tensor([tokens + w_tokens]), model.device)
-    pos = to_device(torch.tensor([positions + w_pos]), model.device)
-    top = window.top() if window is not None else slice(0, 0)
-    wanted = list(range(p - 1, p - 1 + n)) + [p - 1 + n + i for i in range(top.start, top.stop)]
+    """One forward of ``model`` over :func:`lookahead_inputs`. Returns (logits of the tree's nodes [N, V], logits of
+    the window's top level [T, V] -- the root's first when ``window.top_has_root`` -- or None without a window).
+    Keep the accepted path with :func:`keep_path`."""
+    tokens, offsets, attend, wanted = lookahead_inputs(prefix, tree, window)
+    base, n = model.length, len(tree)
+    ids = to_device(torch.tensor([tokens]), model.device)
+    pos = to_device(torch.tensor([[base + o for o in offsets]]), model.device)
     logits = model.forward(ids, positions=pos, attend=attend, logits_at=wanted).logits[0]
     if window is None:
         return logits[:n], None

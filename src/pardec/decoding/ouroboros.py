@@ -70,20 +70,16 @@ from pardec.decoding.tree import Tree
 from pardec.decoding.verify import verify_tree
 
 
-@register_method("ouroboros")
-class Ouroboros(Decoder):
-    exactness = "distribution"
-    custom_mask = True
-    needs_draft = True
+class OuroborosState:
+    """What batch-1 and batched ``ouroboros`` share: the parameters (checked once) and the phrase rules of Sec. 3.2-3.3
+    on a pool (the run's, or a request's without ``warm_start`` over a batch)."""
 
     #: ``phrase_harvest`` choices: the official ``add_extra_ngram`` rule, and pardec's earlier one
     HARVESTS = ("target", "confirmed_runs")
 
-    def __init__(self, target, tokenizer=None, draft=None, gamma: int = 12, window: int = 20, guess_set: int = 20,
-                 level: int = 7, top_k_phrases: int = 3, accelerated_drafting: bool = True,
-                 lengthening: bool = True, verified_phrases: bool = True, phrase_harvest: str = "target",
-                 refine_phrases: bool = True, warm_start: bool = True):
-        super().__init__(target, tokenizer, draft)
+    def set_ouroboros(self, gamma: int, window: int, guess_set: int, level: int, top_k_phrases: int,
+                      accelerated_drafting: bool, lengthening: bool, verified_phrases: bool, phrase_harvest: str,
+                      refine_phrases: bool, warm_start: bool) -> None:
         check_ranges(gamma=gamma, window=window, guess_set=guess_set, level=level, top_k_phrases=top_k_phrases)
         if lengthening and top_k_phrases == 0:
             raise ConfigError("method.top_k_phrases=0 with method.lengthening=true: lengthening needs >= 1 phrase "
@@ -96,6 +92,94 @@ class Ouroboros(Decoder):
         self.verified_phrases, self.phrase_harvest = verified_phrases, phrase_harvest
         self.refine_phrases, self.warm_start = refine_phrases, warm_start
         self.pool = NGramPool(level, guess_set)
+
+    def new_window(self, prompt: list[int], seed: int) -> LookaheadWindow | None:
+        """The draft's lookahead window for a prompt (random prompt tokens), or None without accelerated drafting."""
+        return LookaheadWindow(self.window, self.level, prompt_filler(prompt, seed)) if self.accelerated_drafting \
+            else None
+
+    def lengthening_phrases(self, pool: NGramPool, draft: list[int], room: int) -> list[tuple[int, ...]]:
+        """The ``top_k_phrases`` most recent pool phrases continuing the draft's last token, cut to ``room``."""
+        if not self.lengthening or room <= 0:
+            return []
+        return [p[:room] for p in pool.get(draft[-1], self.top_k_phrases)]
+
+    def whole_phrases(self, pool: NGramPool, draft: list[int], phrases: list[tuple[int, ...]]
+                      ) -> list[tuple[int, ...]]:
+        """The lengthening ``phrases`` verified uncut (one cut by the budget is left alone), which
+        ``refine_phrases`` refines after the verification."""
+        verified = set(phrases)
+        return [p for p in pool.get(draft[-1], self.top_k_phrases) if p in verified] if self.refine_phrases else []
+
+    def learn(self, pool: NGramPool, tree: Tree, draft: list[int], whole: list[tuple[int, ...]], pred: list[int],
+              accepted: int) -> int:
+        """Sec. 3.3 after a verification of ``tree`` (the ``draft`` chain and its phrases; ``pred[j]``: the target's
+        argmax at node j; ``accepted``: draft tokens accepted): ``whole`` refined, the rejected suffix harvested.
+        Returns the phrases refined."""
+        refined = self.refine(pool, tree, len(draft), whole, draft[-1], pred) if whole else 0
+        if self.verified_phrases and accepted < len(draft):
+            self.harvest(pool, draft, pred, accepted)
+        return refined
+
+    def harvest(self, pool: NGramPool, draft: list[int], pred: list[int], accepted: int) -> None:
+        """Sec. 3.3: phrases from the rejected draft suffix into ``pool``. ``pred[j]``: the target's argmax at node j
+        (node j >= 1 holds ``draft[j-1]``; ``pred[len(draft)]`` follows the whole draft); ``draft[accepted]`` is the
+        first rejected token."""
+        k = len(draft)
+        if self.phrase_harvest == "confirmed_runs":
+            run: list[int] = []
+            key = None
+            for j in range(accepted + 1, k):
+                if pred[j] == draft[j]:
+                    if not run:
+                        key = draft[j - 1]
+                    run.append(draft[j])
+                    continue
+                if len(run) >= 2:
+                    pool.add(key, run)
+                run = []
+            if len(run) >= 2:
+                pool.add(key, run)
+            return
+        want = self.level - 1
+        for s in range(accepted, k):  # key: rejected-suffix token draft[s]; the target's tokens after it
+            phrase: list[int] = []
+            for j in range(s + 1, min(s + want, k) + 1):  # node j's argmax is the target's token after draft[j-1]
+                phrase.append(pred[j])
+                if j < k and draft[j] != pred[j]:  # the target corrects the draft here: the phrase ends
+                    break
+            if len(phrase) == want:
+                pool.add(draft[s], phrase)
+
+    def refine(self, pool: NGramPool, tree: Tree, k: int, phrases: list[tuple[int, ...]], key: int, pred: list[int]
+               ) -> int:
+        """Sec. 3.3 (official ``update_in_place``): each ``pool`` phrase verified whole after the draft (``phrases``)
+        becomes, in place, the target's version of it: its argmax after the draft (node ``k``), then after each of
+        the phrase's prefixes. Returns the phrases changed."""
+        changed = 0
+        for phrase in phrases:
+            node, fixed = k, [pred[k]]
+            for tok in phrase[:-1]:
+                node = next(c for c in tree.children[node] if tree.labels[c] == tok)
+                fixed.append(pred[node])
+            if tuple(fixed) != phrase and pool.replace(key, phrase, fixed):
+                changed += 1
+        return changed
+
+
+@register_method("ouroboros")
+class Ouroboros(OuroborosState, Decoder):
+    exactness = "distribution"
+    custom_mask = True
+    needs_draft = True
+
+    def __init__(self, target, tokenizer=None, draft=None, gamma: int = 12, window: int = 20, guess_set: int = 20,
+                 level: int = 7, top_k_phrases: int = 3, accelerated_drafting: bool = True,
+                 lengthening: bool = True, verified_phrases: bool = True, phrase_harvest: str = "target",
+                 refine_phrases: bool = True, warm_start: bool = True):
+        super().__init__(target, tokenizer, draft)
+        self.set_ouroboros(gamma, window, guess_set, level, top_k_phrases, accelerated_drafting, lengthening,
+                           verified_phrases, phrase_harvest, refine_phrases, warm_start)
 
     def carried(self) -> NGramPool | None:
         return copy.deepcopy(self.pool) if self.warm_start else None
@@ -131,59 +215,9 @@ class Ouroboros(Decoder):
         return toks[:k], qs[:k], forwards
 
     # ------------------------------------------------------------------------------------------- rounds
-    def pool_phrases(self, draft: list[int]) -> list[tuple[int, ...]]:
-        """The ``top_k_phrases`` most recent pool phrases continuing the draft's last token."""
-        return self.pool.get(draft[-1], self.top_k_phrases)
-
     def phrases_for(self, draft: list[int], room: int) -> list[tuple[int, ...]]:
-        """Pool phrases continuing the draft's last token, cut to ``room`` tokens; tests override it."""
-        if not self.lengthening or room <= 0:
-            return []
-        return [p[:room] for p in self.pool_phrases(draft)]
-
-    def _harvest_rejected(self, draft: list[int], pred: list[int], accepted: int) -> None:
-        """Sec. 3.3: phrases from the rejected draft suffix into the pool. ``pred[j]``: the target's argmax at node j
-        (node j >= 1 holds ``draft[j-1]``; ``pred[len(draft)]`` follows the whole draft); ``draft[accepted]`` is the
-        first rejected token."""
-        k = len(draft)
-        if self.phrase_harvest == "confirmed_runs":
-            run: list[int] = []
-            key = None
-            for j in range(accepted + 1, k):
-                if pred[j] == draft[j]:
-                    if not run:
-                        key = draft[j - 1]
-                    run.append(draft[j])
-                    continue
-                if len(run) >= 2:
-                    self.pool.add(key, run)
-                run = []
-            if len(run) >= 2:
-                self.pool.add(key, run)
-            return
-        want = self.level - 1
-        for s in range(accepted, k):  # key: rejected-suffix token draft[s]; the target's tokens after it
-            phrase: list[int] = []
-            for j in range(s + 1, min(s + want, k) + 1):  # node j's argmax is the target's token after draft[j-1]
-                phrase.append(pred[j])
-                if j < k and draft[j] != pred[j]:  # the target corrects the draft here: the phrase ends
-                    break
-            if len(phrase) == want:
-                self.pool.add(draft[s], phrase)
-
-    def _refine(self, tree: Tree, k: int, phrases: list[tuple[int, ...]], key: int, pred: list[int]) -> int:
-        """Sec. 3.3 (official ``update_in_place``): each pool phrase verified whole after the draft (``phrases``)
-        becomes, in place, the target's version of it: its argmax after the draft (node ``k``), then after each of
-        the phrase's prefixes. Returns the phrases changed."""
-        changed = 0
-        for phrase in phrases:
-            node, fixed = k, [pred[k]]
-            for tok in phrase[:-1]:
-                node = next(c for c in tree.children[node] if tree.labels[c] == tok)
-                fixed.append(pred[node])
-            if tuple(fixed) != phrase and self.pool.replace(key, phrase, fixed):
-                changed += 1
-        return changed
+        """The lengthening phrases of the run's pool; tests override it."""
+        return self.lengthening_phrases(self.pool, draft, room)
 
     @torch.inference_mode()
     def generate(self, prompt_ids, max_new_tokens, stop=None, sampling=None) -> GenerationResult:
@@ -192,8 +226,7 @@ class Ouroboros(Decoder):
             self.pool.clear()
         self.draft.reset()
         prompt = st.ids[0].tolist()
-        window = (LookaheadWindow(self.window, self.level, prompt_filler(prompt, st.s.seed))
-                  if self.accelerated_drafting else None)
+        window = self.new_window(prompt, st.s.seed)
         drafted = from_draft = from_phrases = rounds = refined = 0
         clock = DraftClock()
         while not st.out.done:
@@ -204,8 +237,7 @@ class Ouroboros(Decoder):
                 continue
             toks, qs, _ = clock.run(st, self.draft_phrases, prompt + st.out.tokens, k, st, window)
             phrases = self.phrases_for(toks, room - len(toks))
-            verified = set(phrases)
-            whole = [p for p in self.pool_phrases(toks) if p in verified] if self.refine_phrases else []
+            whole = self.whole_phrases(self.pool, toks, phrases)
             tree = Tree.from_paths([toks] + [toks + list(p) for p in phrases])  # nodes 1..k: the draft chain
             q = {i: qs[i] for i in range(len(qs))} if qs else None  # node i's child (draft token i+1) came from q
             # the target's token after every node, when the pool may need it: read with the verdict, one host read
@@ -217,11 +249,7 @@ class Ouroboros(Decoder):
             drafted += len(toks)
             from_draft += min(n_acc, len(toks))
             from_phrases += max(0, n_acc - len(toks))
-            if whole or (self.verified_phrases and n_acc < len(toks)):
-                if whole:  # pool phrases verified uncut (one cut by the budget is left alone)
-                    refined += self._refine(tree, len(toks), whole, toks[-1], pred)
-                if self.verified_phrases and n_acc < len(toks):
-                    self._harvest_rejected(toks, pred, n_acc)
+            refined += self.learn(self.pool, tree, toks, whole, pred, n_acc)
             rounds += 1
             last = acc[-1]
         n_new = len(st.out.tokens)

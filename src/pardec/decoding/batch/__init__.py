@@ -10,11 +10,24 @@
   ``lookahead`` (a window, a pool and a trie of its own shape per row); :mod:`~pardec.decoding.batch.bild`:
   ``bild``; :mod:`~pardec.decoding.batch.sdsat`: ``sdsat``'s chains; :mod:`~pardec.decoding.batch.spectr`:
   ``spectr`` (``k`` draft rows per request); :mod:`~pardec.decoding.batch.mjsd`: ``mjsd`` and ``mjgd`` (every
-  request's beams searched together).
+  request's beams searched together); :mod:`~pardec.decoding.batch.ouroboros`: ``ouroboros`` (the draft's own
+  lookahead per row, a tree of draft and phrases per row).
 
 The cache is :class:`pardec.models.ragged.RaggedModel`: each row its own length, so rows accept different numbers
 of draft tokens per round without re-padding the batch, finished rows leave and waiting prompts take their place.
 """
 
-from pardec.decoding.batch import bild, dflash, eagle, firp, lookahead, medusa, methods, mjsd, sdsat, spectr  # noqa: F401
+from pardec.decoding.batch import (  # noqa: F401
+    bild,
+    dflash,
+    eagle,
+    firp,
+    lookahead,
+    medusa,
+    methods,
+    mjsd,
+    ouroboros,
+    sdsat,
+    spectr,
+)
 from pardec.decoding.batch.engine import BATCHED, BatchedMethod, BatchRun, Row, build_batched, run_batch  # noqa: F401

@@ -15,12 +15,14 @@ from __future__ import annotations
 
 import torch
 
+from pardec.config import SamplingConfig
 from pardec.decoding.batch.engine import BatchedMethod, Row, register_batched
 from pardec.decoding.lookahead import LookaheadState
-from pardec.decoding.ngram import LookaheadWindow, candidate_tree
+from pardec.decoding.ngram import LookaheadWindow, candidate_tree, lookahead_inputs
 from pardec.decoding.tree import Tree
 from pardec.decoding.verify import verify_tree
 from pardec.models.cache import to_device
+from pardec.models.ragged import RaggedModel
 
 
 def greedy_path(tree: Tree, pred: list[int]) -> tuple[list[int], list[int]]:
@@ -34,6 +36,59 @@ def greedy_path(tree: Tree, pred: list[int]) -> tuple[list[int], list[int]]:
         if nxt is None:
             return path, [tree.labels[c] for c in path[1:]] + [pred[node]]
         path.append(nxt)
+
+
+def forward_rows(model: RaggedModel, made: list[tuple[list[int], list[int], torch.Tensor, list[int]] | None]
+                 ) -> torch.Tensor:
+    """One forward of every row's new tokens under its own mask (``made[b]``: the tokens, offsets, attend and read
+    columns of :func:`~pardec.decoding.ngram.lookahead_inputs`; None: the row takes no part), the rows padded to the
+    widest (a padded position sees only the cache and itself, and nothing reads it). Returns the logits at each
+    row's read columns [n, K, V] (padded columns: column 0's)."""
+    n = len(made)
+    t = max(len(m[0]) for m in made if m is not None)
+    k = max(len(m[3]) for m in made if m is not None)
+    ids = torch.zeros(n, t, dtype=torch.long)
+    depths = torch.zeros(n, t, dtype=torch.long)
+    attend = torch.eye(t, dtype=torch.bool).repeat(n, 1, 1)  # padding: the cache and itself
+    at = torch.zeros(n, k, dtype=torch.long)
+    for b, m in enumerate(made):
+        if m is None:
+            continue
+        toks, offs, att, wanted = m
+        w = len(toks)
+        ids[b, :w], depths[b, :w], attend[b, :w, :w] = torch.tensor(toks), torch.tensor(offs), att
+        at[b, : len(wanted)] = torch.tensor(wanted)
+    dev = model.device
+    return model.forward(ids, depths=to_device(depths, dev), attend=to_device(attend, dev),
+                         logits_at=to_device(at, dev))
+
+
+def read_verdicts(trees: list[Tree | None], wanted: list[list[int] | None], logits: torch.Tensor, lead: list[int],
+                  s: SamplingConfig, gen: torch.Generator | None) -> list[tuple[list[int], list[int], list[int]] | None]:
+    """Each row's (accepted path of its tree, root first; committed tokens; the window's next guesses) from
+    :func:`forward_rows`' ``logits``: greedy, one host read for every row; sampled, each row's tree through
+    :func:`~pardec.decoding.verify.verify_tree` (one read per row: the trees differ in shape). The guesses are the
+    argmax at the window's top level (``lead``: ``[0]`` when it holds the root, level 2), under greedy and sampling
+    alike, as batch-1 lookahead takes them. A row without a tree (None) gets None."""
+    if s.greedy:
+        pred = logits.argmax(-1).tolist()  # the one host read
+        out = []
+        for tree, w, p in zip(trees, wanted, pred):
+            if tree is None:
+                out.append(None)
+                continue
+            path, tokens = greedy_path(tree, p[: len(tree)])
+            out.append((path, tokens, [p[i] for i in lead] + p[len(tree) : len(w)]))
+        return out
+    out = []
+    for b, (tree, w) in enumerate(zip(trees, wanted)):
+        if tree is None:
+            out.append(None)
+            continue
+        cols = to_device(torch.tensor(lead + list(range(len(tree), len(w))), dtype=torch.long), logits.device)
+        v = verify_tree(tree, logits[b, : len(tree)], s, gen, extra=logits[b, cols].argmax(-1))
+        out.append((v.path, v.tokens, v.extra))
+    return out
 
 
 @register_batched("lookahead")
@@ -60,48 +115,14 @@ class BatchedLookahead(LookaheadState, BatchedMethod):
         """Row ``row``'s (trie, new tokens, their offsets from its length, attend among them, the columns whose
         logits verification and the window read: the trie's nodes, then the window's top level)."""
         tree = candidate_tree(row.state["pool"], row.last, self.guess_set, row.out.room - 1)  # the target adds one
-        win: LookaheadWindow = row.state["window"]
-        n = len(tree)
-        w_tokens, w_pos, w_attend = win.inputs(0)  # (offsets: the root sits at the row's length)
-        attend = torch.zeros(n + len(w_tokens), n + len(w_tokens), dtype=torch.bool)
-        attend[:n, :n] = tree.attend
-        attend[n:, 0] = True  # the window sees the root
-        attend[n:, n:] = w_attend
-        top = win.top()
-        wanted = list(range(n)) + [n + i for i in range(top.start, top.stop)]
-        return tree, tree.tokens(row.last).tolist() + w_tokens, tree.positions(0).tolist() + w_pos, attend, wanted
+        return (tree, *lookahead_inputs([row.last], tree, row.state["window"]))
 
     def round(self, rows: list[Row]) -> None:
         made = [self._inputs(r) for r in rows]
-        t = max(len(m[1]) for m in made)
-        k = max(len(m[4]) for m in made)
-        ids = torch.zeros(len(rows), t, dtype=torch.long)
-        depths = torch.zeros(len(rows), t, dtype=torch.long)
-        attend = torch.eye(t, dtype=torch.bool).repeat(len(rows), 1, 1)  # padding: the cache and itself
-        at = torch.zeros(len(rows), k, dtype=torch.long)
-        for b, (_, toks, offs, att, wanted) in enumerate(made):
-            m = len(toks)
-            ids[b, :m], depths[b, :m], attend[b, :m, :m] = torch.tensor(toks), torch.tensor(offs), att
-            at[b, : len(wanted)] = torch.tensor(wanted)
-        dev = self.target.device
         base = list(self.target.lengths)
-        logits = self.target.forward(ids, depths=to_device(depths, dev), attend=to_device(attend, dev),
-                                     logits_at=to_device(at, dev))  # [n, K, V]
-        # the window's next guesses: the target's argmax at its top level (the root's first when the top level
-        # holds the root: level 2), as batch-1 lookahead takes them under greedy and sampling alike
+        logits = forward_rows(self.target, [m[1:] for m in made])  # [n, K, V]
         lead = [0] if rows[0].state["window"].top_has_root else []  # (the same for every row: level == 2)
-        if self.s.greedy:
-            pred = logits.argmax(-1).tolist()  # the round's one host read
-            verdicts = []
-            for (tree, *_, wanted), p in zip(made, pred):
-                path, tokens = greedy_path(tree, p[: len(tree)])
-                verdicts.append((path, tokens, [p[i] for i in lead] + p[len(tree) : len(wanted)]))
-        else:
-            verdicts = []
-            for b, (tree, *_, wanted) in enumerate(made):
-                cols = to_device(torch.tensor(lead + list(range(len(tree), len(wanted)))), dev)
-                v = verify_tree(tree, logits[b, : len(tree)], self.s, self.gen, extra=logits[b, cols].argmax(-1))
-                verdicts.append((v.path, v.tokens, v.extra))
+        verdicts = read_verdicts([m[0] for m in made], [m[4] for m in made], logits, lead, self.s, self.gen)
         self.target.keep_rows(base, [path for path, _, _ in verdicts])
         for r, (tree, *_), (_, tokens, top) in zip(rows, made, verdicts):
             root = r.last
