@@ -16,7 +16,7 @@ from pardec.decoding.batch import build_batched, run_batch
 from pardec.models.cached import CachedModel
 from pardec.models.ragged import RaggedModel
 from tests.decoding.drafters import drafter_params
-from tests.decoding.test_batched_sdsat import _forced
+from tests.decoding.test_batched_sdsat import _forced, _forced_trees
 from tests.decoding.test_distribution import SETTINGS, V, tiny_vocab
 from tests.decoding.test_distribution_deep import (
     GROUPS,
@@ -44,6 +44,9 @@ PARAMS = {"ar": {}, "pld": {"max_ngram": 3, "num_pred": 4}, "sps": {"gamma": 3},
           "lookahead": {"level": 4, "window": 3, "guess_set": 3, "pool_from_prompt": True, "pool_from_output": True},
           # the target's own chain of drafts from adaptive tokens after each row's drafts (id 15 stands in for one)
           "sdsat": {"k": 3, "variant": "fused", "tree": "caterpillar", "top_k": 1, "adaptive_ids": [15]},
+          # its nucleus trees: the caterpillar of three tokens a depth, each row's tree and adaptive chain in one
+          # forward (its lists forced: the main chain the target's greedy continuation, two leaves a depth)
+          "sdsat_tree": {"k": 3, "variant": "fused", "tree": "caterpillar", "top_k": 3, "adaptive_ids": [15]},
           # k i.i.d. sequences per row in k draft rows of its own, K-SEQ on each row's trie
           "spectr": {"k": 3, "gamma": 3},
           # the draft's own lookahead per row, then its chain and the pool's phrases as a tree per row (q on the chain)
@@ -67,7 +70,8 @@ def test_each_rows_triples_follow_the_target_distribution(case, setting, one_thr
         # forced to the target's greedy continuation of its prompt (a function of its position, so still exact)
         greedy = {tuple(p): build_decoder("ar", CachedModel(tiny_vocab(0))).generate(p, T + 4).tokens
                   for p in [PROMPT, *OTHERS]}
-        forced = _forced([greedy[tuple(p)] for p in prompts], None, {}, V)
+        refs = [greedy[tuple(p)] for p in prompts]
+        forced = _forced_trees(refs, V) if case == "sdsat_tree" else _forced(refs, None, {}, V)
         dec = forced(RaggedModel(tiny_vocab(0), 8, 32), None, None, **params)
     else:
         dec = build_batched(method, tiny_vocab(0), 8, 32, None, draft, **params)

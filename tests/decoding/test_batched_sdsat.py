@@ -1,7 +1,8 @@
 """Batched ``sdsat`` (:mod:`pardec.decoding.batch.sdsat`): with forced (oracle) drafts, right or wrong at one
 depth, every row equals its batch-1 ``ar`` output and accepts, round for round, what batch-1 ``sdsat`` accepts with
 the same drafts, in both variants; with the model's own drafts each row drafts what batch-1 drafts (its adaptive rows
-read at its own offsets); sampled trees are refused before any model loads."""
+read at its own offsets); sampled nucleus trees (the target's warp at top-k 1: deterministic) give every row its
+``ar`` output and batch-1's rounds; bad input refused before any model loads."""
 
 from __future__ import annotations
 
@@ -49,6 +50,31 @@ def _forced(refs: list[list[int]], wrong_at: int | None, log: dict, vocab: int):
                 self._force(r)
 
     return Forced
+
+
+def _forced_trees(refs: list[list[int]], vocab: int, width: int = 3):
+    """Batched sdsat of sampled caterpillar trees whose kept candidate lists are forced: at each depth the row's
+    reference token (the main chain) and the ``width - 1`` ids after it (leaves), all inside the nucleus."""
+
+    class ForcedTrees(BatchedSDSAT):
+        def _force(self, r):
+            if r.state.get("lists") is None:
+                return
+            i, ref = len(r.out.tokens), refs[r.index]
+            main = [ref[i + j] if i + j < len(ref) else 0 for j in range(self.k)]
+            r.state["lists"] = [[[(t + w) % vocab for w in range(width)] for t in main], [[1] * width] * self.k,
+                                [[t] * width for t in main]]
+
+        def admit(self, row):
+            super().admit(row)
+            self._force(row)
+
+        def round(self, rows):
+            super().round(rows)
+            for r in rows:
+                self._force(r)
+
+    return ForcedTrees
 
 
 @pytest.mark.parametrize("wrong_at", [None, 2])
@@ -108,25 +134,52 @@ def test_each_row_drafts_what_batch_one_drafts(variant):
     for i, p in enumerate(prompts):
         single = build_decoder("sdsat", CachedModel(lm.model), lm.tokenizer, **params)
         chains = []
-        tree = single._tree
-        single._tree = lambda got, s, tree=tree, chains=chains: (chains.append([row[0] for row in got[0]]),
+        tree = single.tree_from_lists
+        single.tree_from_lists = lambda got, s, tree=tree, chains=chains: (chains.append([row[0] for row in got[0]]),
                                                                   tree(got, s))[1]
         single.generate(p, N_NEW)
         assert seen[i] == chains and len(chains) >= 3, i
 
 
-def test_sampled_trees_are_refused_before_any_model_loads():
+@pytest.mark.parametrize(("tree", "k", "top_k"), [("official", 5, 10), ("caterpillar", K, 3)])
+def test_sampled_nucleus_trees_rows_equal_batch_one(tree, k, top_k):
+    """Sampled decoding with batch-1's nucleus trees (the reference code's for k = 5, the caterpillar with three
+    tokens a depth), each row's tree and adaptive chain padded into one forward: under the target's warp at top-k 1
+    (every sample its argmax, so a row's output is deterministic) each row equals its batch-1 ``ar`` output and
+    drafts, accepts and commits round for round what batch-1 ``sdsat`` does under the same sampling."""
+    lm = tiny(0)
+    prompts = _prompts(lm)
+    stop = _early_stop(lm, prompts)
+    ref = _reference(lm, prompts, stop)
+    s = SamplingConfig(temperature=1.0, top_k=1, seed=3)
+    params = {"k": k, "variant": "fused", "tree": tree, "top_k": top_k, "adaptive_ids": [ADAPTIVE]}
+    sizes = []
+
+    class Sizes(BatchedSDSAT):  # the trees the rows verify
+        def _round_trees(self, rows):
+            single = self.single.tree_from_lists
+            self.single.tree_from_lists = lambda got, s: (lambda t: (sizes.append(len(t[0])), t)[1])(single(got, s))
+            super()._round_trees(rows)
+            self.single.tree_from_lists = single
+
+    run = run_batch(Sizes(RaggedModel(lm.model, 3, 64), lm.tokenizer, None, **params), prompts, N_NEW, stop,
+                    sampling=s)
+    assert [r.tokens for r in run.results] == ref
+    single = build_decoder("sdsat", CachedModel(lm.model), lm.tokenizer, **params)
+    alone = [single.generate(p, N_NEW, stop, s) for p in prompts]
+    assert [r.accepted for r in run.results] == [a.accepted for a in alone]
+    assert [(r.drafted, r.draft_accepted) for r in run.results] == [(a.drafted, a.draft_accepted) for a in alone]
+    assert max(sizes) > k + 1  # trees, not chains (k + 1 nodes)
+
+
+def test_bad_input_is_refused_before_any_model_loads():
     s = SamplingConfig(temperature=1.0, seed=0)
-    with pytest.raises(ConfigError, match=r"method.tree=official with method.top_k=10 drafts a nucleus tree under "
-                                          r"sampling, which batched sdsat does not"):
-        check_batched("sdsat", 2, {}, s)
-    check_batched("sdsat", 2, {"tree": "caterpillar", "top_k": 1}, s)
-    check_batched("sdsat", 2, {}, SamplingConfig())  # greedy: the main chain
+    for params in ({}, {"tree": "caterpillar", "top_k": 1}):  # nucleus trees, the argmax chain
+        check_batched("sdsat", 2, params, s)
     with pytest.raises(ConfigError, match="method.variant"):
         build_batched("sdsat", tiny(0).model, 2, 64, variant="three_step", adaptive_ids=[ADAPTIVE])
     with pytest.raises(ConfigError, match="has no SDSAT adaptive token"):
         build_batched("sdsat", tiny(0).model, 2, 64)
-    dec = build_batched("sdsat", tiny(0).model, 2, 64, adaptive_ids=[ADAPTIVE])
-    with pytest.raises(ConfigError, match="drafts a nucleus tree"):
-        run_batch(dec, [[1, 2]], 4, sampling=s)
+    with pytest.raises(ConfigError, match="method.tree=official has no tree for method.k=3"):
+        build_batched("sdsat", tiny(0).model, 2, 64, k=3, adaptive_ids=[ADAPTIVE])
     assert SDSAT.exactness == BatchedSDSAT.exactness == "distribution"

@@ -82,8 +82,6 @@ def test_resume_after_a_kill_redoes_and_duplicates_nothing(tmp_path):
     (["+method=pld", "batch_size=2", 'bench.also=["hf_pld"]'], r"bench.also entry 'hf_pld': method 'hf_pld' "
                                                                 r"has no batched implementation"),
     (["+method=pld", "batch_size=0"], r"batch_size=0 is out of range: it must be an integer >= 1"),
-    (["+method=sdsat", "method.adaptive_ids=[511]", "batch_size=2", "sampling.temperature=0.7"],
-     r"method: method.tree=official with method.top_k=10 drafts a nucleus tree under sampling"),
     (["+method=pld", "batch_size=2", "draft_forward_impl=compiled"], r"forward_impl=auto / draft_forward_impl="
                                                                      r"compiled are batch-1 forwards"),
     (["+method=pld", "batch_size=2", "forward_impl=compiled", "model.attn_implementation=invariant"],

@@ -193,7 +193,7 @@ class SDSAT(Decoder):
             cached = self._adaptive_on = to_device(torch.tensor(self.adaptive, dtype=torch.long), device)
         return cached
 
-    def _lists(self, drafts: torch.Tensor, s: SamplingConfig) -> torch.Tensor:
+    def candidate_lists(self, drafts: torch.Tensor, s: SamplingConfig) -> torch.Tensor:
         """What building the candidates needs on the host, on the drafts' device: [P, d, K] ids, row-wise in the
         drafts [d, V] (so the first rows serve a shallower tree). Greedy (or a caterpillar with ``top_k`` 1): each
         depth's argmax [1, d, 1]. Else each depth's ``top_k`` most likely tokens at the run's temperature and
@@ -212,21 +212,21 @@ class SDSAT(Decoder):
         return torch.stack(parts)
 
     def _lists_maker(self, rows: torch.Tensor, before: list[int], s: SamplingConfig, box: dict):
-        """``make(token)``: the flat :meth:`_lists` of the drafts that the adaptive ``rows`` make after ``before +
+        """``make(token)``: the flat :meth:`candidate_lists` of the drafts that the adaptive ``rows`` make after ``before +
         [token]`` (``token`` still on the device); the [P, d, K] tensor is left in ``box["lists"]``."""
 
         def make(token: torch.Tensor) -> torch.Tensor:
-            box["lists"] = self._lists(self.draft_logits(rows, before, token), s)
+            box["lists"] = self.candidate_lists(self.draft_logits(rows, before, token), s)
             return box["lists"].reshape(-1)
 
         return make
 
     def candidates(self, drafts: torch.Tensor, s: SamplingConfig) -> tuple[Tree, int]:
         """(candidate tree, index of the main chain's last node) from draft logits [d, V] (one host read)."""
-        return self._tree(self._lists(drafts, s).tolist(), s)
+        return self.tree_from_lists(self.candidate_lists(drafts, s).tolist(), s)
 
-    def _tree(self, got: list, s: SamplingConfig) -> tuple[Tree, int]:
-        """(candidate tree, index of the main chain's last node) from :meth:`_lists`' values [P][d][K]."""
+    def tree_from_lists(self, got: list, s: SamplingConfig) -> tuple[Tree, int]:
+        """(candidate tree, index of the main chain's last node) from :meth:`candidate_lists`' values [P][d][K]."""
         if s.greedy:  # the main chain alone
             return Tree.chain([row[0] for row in got[0]]), len(got[0])
         if self.paths is None:
@@ -263,7 +263,7 @@ class SDSAT(Decoder):
     @torch.inference_mode()
     def generate(self, prompt_ids, max_new_tokens: int, stop: Stopper | None = None,
                  sampling: SamplingConfig | None = None) -> GenerationResult:
-        """One host read per target forward: the next candidates' values (:meth:`_lists` of the adaptive rows)
+        """One host read per target forward: the next candidates' values (:meth:`candidate_lists` of the adaptive rows)
         ride on the read of the forward that produced them (the prefill's first token, or the verification)."""
         box: dict = {}
 
@@ -281,19 +281,19 @@ class SDSAT(Decoder):
             return self._lists_maker(box["rows"], [], sampling or SamplingConfig(), box)(token)
 
         st, last = self.begin(prompt_ids, max_new_tokens, stop, sampling, prefill, extra=first_lists)
-        lists = _unflatten(st.extra, box["lists"].shape)  # the next candidates' values, or None (no drafts)
+        lists = unflatten_lists(st.extra, box["lists"].shape)  # the next candidates' values, or None (no drafts)
         drafted = accepted = nodes = 0
         loops = 0
         while not st.out.done:
             depth = min(self.k, st.out.room - 1) if lists is not None else 0
             if depth > 0:
-                tree, anchor = self._tree([part[:depth] for part in lists], st.s)
+                tree, anchor = self.tree_from_lists([part[:depth] for part in lists], st.s)
             else:
                 tree, anchor = Tree.chain([]), 0
             # adaptive tokens after the main chain: always when there are no drafts (two-step's first forward),
             # every time in the fused variant; not when no token could follow the main chain
             n_adapt = self.k if (depth == 0 or self.fused) and st.out.room > depth + 1 else 0
-            full = tree if not n_adapt else _with_chain(tree, anchor, self._adaptive_chain(n_adapt))
+            full = tree if not n_adapt else with_chain(tree, anchor, self._adaptive_chain(n_adapt))
             if all(p == i - 1 for i, p in enumerate(full.parents[1:], 1)):  # a chain (greedy): plain causal
                 logits = self.target.forward(full.tokens(last)[None]).logits[0]
             else:
@@ -312,20 +312,20 @@ class SDSAT(Decoder):
             nodes += len(tree) - 1
             accepted += len(verdict.path) - 1
             last = verdict.tokens[-1]
-            lists = (_unflatten(verdict.extra, box["lists"].shape) if nxt is not None and verdict.path[-1] == anchor
+            lists = (unflatten_lists(verdict.extra, box["lists"].shape) if nxt is not None and verdict.path[-1] == anchor
                      else None)
         extras = {"k": self.k, "variant": self.variant, "tree": self.tree_name, "verifications": loops,
                   "tree_nodes": nodes, "node_acceptance": accepted / nodes if nodes else None}
         return self._result(st, extras, drafted=drafted, draft_accepted=accepted)
 
 
-def _unflatten(values: list[int], shape: torch.Size) -> list:
+def unflatten_lists(values: list[int], shape: torch.Size) -> list:
     """Flat host values back into nested lists of ``shape`` [P, d, K]."""
     p, d, k = shape
     return [[values[(i * d + j) * k:(i * d + j + 1) * k] for j in range(d)] for i in range(p)]
 
 
-def _with_chain(tree: Tree, anchor: int, labels: list[int]) -> Tree:
+def with_chain(tree: Tree, anchor: int, labels: list[int]) -> Tree:
     """``tree`` with a chain of ``labels`` hanging from node ``anchor`` (node indices len(tree)..)."""
     parents, labs = list(tree.parents), list(tree.labels)
     for lab in labels:

@@ -6,10 +6,10 @@
 * :mod:`~pardec.decoding.batch.methods`: ``ar``, ``pld``, ``sps`` and ``jacobi`` over a batch;
   :mod:`~pardec.decoding.batch.eagle`: ``eagle3``'s chain; :mod:`~pardec.decoding.batch.dflash`: ``dflash``;
   :mod:`~pardec.decoding.batch.medusa`: ``medusa`` (a tree per row), :mod:`~pardec.decoding.batch.firp`: ``firp``
-  (its loop, pseudo states per row); :mod:`~pardec.decoding.batch.lookahead`:
-  ``lookahead`` (a window, a pool and a trie of its own shape per row); :mod:`~pardec.decoding.batch.bild`:
-  ``bild``; :mod:`~pardec.decoding.batch.sdsat`: ``sdsat``'s chains; :mod:`~pardec.decoding.batch.spectr`:
-  ``spectr`` (``k`` draft rows per request); :mod:`~pardec.decoding.batch.mjsd`: ``mjsd`` and ``mjgd`` (every
+  (its loop, pseudo states per row); :mod:`~pardec.decoding.batch.lookahead`: ``lookahead`` (a window, a pool
+  and a trie of its own shape per row); :mod:`~pardec.decoding.batch.bild`: ``bild``;
+  :mod:`~pardec.decoding.batch.sdsat`: ``sdsat`` (chains, sampled nucleus trees);
+  :mod:`~pardec.decoding.batch.spectr`: ``spectr`` (``k`` draft rows per request); :mod:`~pardec.decoding.batch.mjsd`: ``mjsd`` and ``mjgd`` (every
   request's beams searched together); :mod:`~pardec.decoding.batch.ouroboros`: ``ouroboros`` (the draft's own
   lookahead per row, a tree of draft and phrases per row).
 

@@ -8,8 +8,8 @@ to the longest. ``eagle3``'s chain, ``dflash``, ``medusa`` and ``lookahead``: :m
 :mod:`pardec.decoding.batch.dflash`, :mod:`pardec.decoding.batch.medusa`, :mod:`pardec.decoding.batch.lookahead`.
 ``bild``, ``sdsat``, ``firp``: :mod:`pardec.decoding.batch.bild`, :mod:`pardec.decoding.batch.sdsat`,
 :mod:`pardec.decoding.batch.firp`; ``spectr``: :mod:`pardec.decoding.batch.spectr`; ``mjsd``, ``mjgd``:
-:mod:`pardec.decoding.batch.mjsd`; ``ouroboros``: :mod:`pardec.decoding.batch.ouroboros`. Left out of batching so
-far (docs/batch.md): ``sdsat``'s sampled trees."""
+:mod:`pardec.decoding.batch.mjsd`; ``ouroboros``: :mod:`pardec.decoding.batch.ouroboros`. Not batched
+(docs/batch.md): transformers' peers."""
 
 from __future__ import annotations
 

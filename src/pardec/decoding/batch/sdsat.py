@@ -1,6 +1,5 @@
-"""``sdsat`` over a batch, its chain candidates: greedy decoding (the paper's greedy decoder, the main chain alone),
-or sampling with ``tree=caterpillar top_k=1`` (the argmax chain); the nucleus trees of sampled decoding are batch-1
-only (refused before any model loads).
+"""``sdsat`` over a batch: its chain candidates (greedy decoding, the paper's greedy decoder: the main chain alone;
+or sampling with ``tree=caterpillar top_k=1``, the argmax chain) and the nucleus trees of sampled decoding.
 
 As batch-1 ``sdsat`` (:mod:`pardec.decoding.sdsat`), the target drafts for itself: a row's forward holds its last
 token, its drafts (when it has some) and ``k`` adaptive tokens after them (always when it has no drafts, and in every
@@ -8,45 +7,57 @@ forward of ``variant=fused``), laid out per row and padded to the widest row; th
 the adaptive tokens never stay in the cache, and their logits (the adaptive ids excluded) give the row's next
 drafts, which it keeps only if it accepted all of its drafts (they were computed after them). One target forward
 and one host read per round for every row: the next drafts ride on the verification's read. Greedy: each row's
-output equals its batch-1 ``ar`` output; sampled: the target's distribution per row."""
+output equals its batch-1 ``ar`` output; sampled: the target's distribution per row.
+
+Sampled nucleus trees (``tree=official``, a tree file, or the caterpillar with ``top_k > 1``): each row keeps the
+host values batch-1 builds its candidates from (each depth's ranked tokens inside the nucleus,
+:meth:`~pardec.decoding.sdsat.SDSAT.candidate_lists`), builds batch-1's tree from them with the adaptive chain after
+its main chain, and every row's tree goes through one target forward padded to the largest
+(:func:`~pardec.decoding.batch.verify.padded_trees`); each row's tree is verified by the shared tree rule and its
+next lists ride on that read (one host read per row, as batched sampled ``lookahead`` and ``medusa_typical``)."""
 
 from __future__ import annotations
 
 import torch
 
-from pardec.config import ConfigError, SamplingConfig
-from pardec.decoding.base import method_params
+from pardec.config import SamplingConfig
 from pardec.decoding.batch.engine import BatchedMethod, Row, register_batched
+from pardec.decoding.batch.verify import padded_trees
 from pardec.decoding.sampling import select
-from pardec.decoding.sdsat import SDSAT, adaptive_chain, adaptive_of, without_adaptive
+from pardec.decoding.sdsat import (
+    SDSAT,
+    adaptive_chain,
+    adaptive_of,
+    unflatten_lists,
+    with_chain,
+    without_adaptive,
+)
+from pardec.decoding.tree import Tree
+from pardec.decoding.verify import verify_tree
 from pardec.models.cache import to_device
 
 
 @register_batched("sdsat")
 class BatchedSDSAT(BatchedMethod):
-    """``k``, ``variant``, ``top_k``, ``top_p``, ``tree``, ``adaptive_ids``: as batch-1 ``sdsat``'s; sampled
-    decoding takes the chain (``tree=caterpillar top_k=1``) only."""
+    """``k``, ``variant``, ``top_k``, ``top_p``, ``tree``, ``adaptive_ids``: as batch-1 ``sdsat``'s."""
 
     def __init__(self, target, tokenizer=None, draft=None, k: int = 5, variant: str = "two_step", top_k: int = 10,
                  top_p: float = 0.95, tree: str = "official", adaptive_ids: list | None = None):
         super().__init__(target, tokenizer, draft)
-        SDSAT(None, k=k, variant=variant, top_k=top_k, top_p=top_p, tree=tree, adaptive_ids=adaptive_ids)  # checks
+        # batch-1's rules (its checks; the candidate lists and trees of sampled decoding)
+        self.single = SDSAT(None, k=k, variant=variant, top_k=top_k, top_p=top_p, tree=tree, adaptive_ids=adaptive_ids)
         self.k, self.fused, self.tree, self.top_k = k, variant == "fused", tree, top_k
+        self.trees = False  # sampled nucleus trees (set by start)
         self.adaptive = adaptive_of(target.model.config, target.name, adaptive_ids, k)
         self.index = to_device(torch.tensor(self.adaptive, dtype=torch.long), target.device)
-
-    @classmethod
-    def check_options(cls, params: dict, sampling: SamplingConfig | None = None) -> None:
-        p = {k: v.default for k, v in method_params(cls).items()} | params
-        _check_chain(p["tree"], p["top_k"], sampling)
 
     @property
     def width(self) -> int:
         return 2 * self.k + 1
 
     def start(self, s: SamplingConfig, gen: torch.Generator | None) -> None:
-        _check_chain(self.tree, self.top_k, s)
         super().start(s, gen)
+        self.trees = not s.greedy and not (str(self.tree) == "caterpillar" and self.top_k <= 1)
 
     def _drafts(self, rows: torch.Tensor) -> torch.Tensor:
         """The next drafts [..., k] from adaptive rows' logits [..., k, V]: each depth's most likely token."""
@@ -56,11 +67,21 @@ class BatchedSDSAT(BatchedMethod):
         n = len(row.prompt)
         logits = self.target.add(row.prompt + adaptive_chain(self.adaptive, self.k), logits_from=n - 1)
         self.target.set_lengths(self.target.lengths[:-1] + [n])  # the adaptive tokens never stay
-        got = torch.cat([select(logits[:1], self.s, self.gen), self._drafts(logits[1:])]).tolist()  # one read
-        row.last, row.state["drafts"] = got[0], got[1:]
+        first = select(logits[:1], self.s, self.gen)
+        if self.trees:  # the next candidates' values
+            lists = self.single.candidate_lists(without_adaptive(logits[1:], self.index), self.s)
+            got = torch.cat([first, lists.reshape(-1)]).tolist()  # one read
+            row.state["lists"] = unflatten_lists(got[1:], lists.shape)
+        else:
+            got = torch.cat([first, self._drafts(logits[1:])]).tolist()  # one read
+            row.state["drafts"] = got[1:]
+        row.last = got[0]
         row.out.commit([row.last])
 
     def round(self, rows: list[Row]) -> None:
+        if self.trees:
+            self._round_trees(rows)
+            return
         seqs, depths, adapts = [], [], []
         for r in rows:
             drafts = r.state["drafts"]
@@ -83,9 +104,34 @@ class BatchedSDSAT(BatchedMethod):
             r.state["drafts"] = x if n_adapt and len(a) - 1 == d else None
 
 
-def _check_chain(tree: str, top_k: int, sampling: SamplingConfig | None) -> None:
-    """Sampled decoding drafts a chain only with the caterpillar of one token per depth."""
-    if sampling is not None and not sampling.greedy and not (str(tree) == "caterpillar" and top_k <= 1):
-        raise ConfigError(f"method.tree={tree} with method.top_k={top_k} drafts a nucleus tree under sampling, which "
-                          f"batched sdsat does not: it drafts chains (greedy, or method.tree=caterpillar "
-                          f"method.top_k=1); use batch_size=1 for the tree")
+    def _round_trees(self, rows: list[Row]) -> None:
+        """Sampled nucleus trees: each row's tree (and adaptive chain) in one target forward, verified row by row."""
+        made = []
+        for r in rows:
+            lists = r.state["lists"]
+            depth = min(self.k, r.out.room - 1) if lists is not None else 0
+            tree, anchor = (self.single.tree_from_lists([part[:depth] for part in lists], self.s) if depth > 0
+                            else (Tree.chain([]), 0))
+            n_adapt = self.k if (depth == 0 or self.fused) and r.out.room > depth + 1 else 0
+            full = with_chain(tree, anchor, adaptive_chain(self.adaptive, n_adapt)) if n_adapt else tree
+            made.append((tree, anchor, depth, n_adapt, full))
+        dev = self.target.device
+        buf, labels = padded_trees([m[4] for m in made], dev, max(int(m[4].depth.max()) for m in made))
+        last = to_device(torch.tensor([[r.last] for r in rows], dtype=torch.long), dev)
+        base = list(self.target.lengths)
+        logits = self.target.forward(torch.cat([last, labels[:, 1:].clamp(min=0)], 1), depths=buf.depth,
+                                     attend=buf.attend)
+        verdicts = []
+        for b, (r, (tree, anchor, _, n_adapt, _)) in enumerate(zip(rows, made)):
+            lists = None  # the next candidates: used only if the whole main chain is accepted (read all the same)
+            if n_adapt:
+                adaptive = logits[b, len(tree) : len(tree) + n_adapt]
+                lists = self.single.candidate_lists(without_adaptive(adaptive, self.index), self.s)
+            v = verify_tree(tree, logits[b, : len(tree)], self.s, self.gen,
+                            extra=None if lists is None else lists.reshape(-1))  # the row's one host read
+            r.state["lists"] = (unflatten_lists(v.extra, lists.shape) if lists is not None and v.path[-1] == anchor
+                                else None)
+            verdicts.append(v)
+        self.target.keep_rows(base, [v.path for v in verdicts])
+        for r, v, m in zip(rows, verdicts, made):
+            r.commit(v.tokens, m[2])
