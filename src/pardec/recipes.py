@@ -52,6 +52,19 @@ def option(name: str, group: str) -> str:
     return str(picked[0]) if picked and picked[0] is not None else "none"
 
 
+def stray_method_keys(name: str, keys: list[str]) -> str:
+    """Where ``keys``, the parameters a run's method refused, were set by evaluation recipe ``name``'s own
+    ``method:`` section for its method (a method group swapped on the command line keeps the recipe's body): a note
+    naming them and how to drop them (empty when the recipe set none of them)."""
+    body = (yaml.safe_load(recipe_file(name).read_text()) or {}).get("method") or {}
+    stray = [k for k in keys if k in body]
+    if not stray:
+        return ""
+    owner = option(name, "method")
+    return (f" (recipe {name} sets {', '.join(f'method.{k}' for k in stray)} for method {owner}; drop them with "
+            f"{' '.join(f'~method.{k}' for k in stray)}, or keep method={owner})")
+
+
 def trained_experiment(name: str) -> str | None:
     """The training experiment whose run an evaluation recipe reads (a value under
     ``.../train/runs/<experiment>/``: ``model.path``, a method's trained artifact), or None."""

@@ -194,3 +194,30 @@ def test_cli_cfg_job_prints_the_recipe(tmp_path):
     assert (cfg["model"]["path"], cfg["model"]["device_map"], cfg["draft"]["path"]) == ("01-ai/Yi-34B", "auto",
                                                                                      "01-ai/Yi-6B")
     assert cfg["dtype"] == cfg["model"]["dtype"] == "fp16" and cfg["max_new_tokens"] == 512
+
+
+def test_a_method_swapped_under_a_recipe_names_the_recipes_parameters(monkeypatch):
+    """``+recipe=ouroboros_... method=pld``: Hydra keeps the recipe's ``method:`` body over the new method group, and
+    the refusal says so in its one line: the keys the recipe set, for which method, and how to drop them."""
+    from hydra import compose, initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+    from hydra.core.hydra_config import HydraConfig
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # (past the placement check)
+    GlobalHydra.instance().clear()
+    with initialize_config_dir(str(CONF_DIR), version_base="1.3"):
+        cfg = compose("evaluate", overrides=["+recipe=ouroboros_yi34b_gsm8k", "method=pld", "threads=1"],
+                      return_hydra_config=True)
+    HydraConfig.instance().set_config(cfg)  # a run's runtime choices (the recipe), as `python -m evaluate` has them
+    try:
+        with pytest.raises(ConfigError, match=r"method 'pld' has no parameter\(s\) \['gamma', .*\]; valid: max_ngram.* "
+                                              r"\(recipe ouroboros_yi34b_gsm8k sets method.gamma, method.window, "
+                                              r"method.guess_set, method.level, method.top_k_phrases, "
+                                              r"method.warm_start for method ouroboros; drop them with ~method.gamma "
+                                              r".*~method.warm_start, or keep method=ouroboros\)$") as e:
+            validate(cfg)
+    finally:
+        HydraConfig.instance().cfg = None
+    assert "\n" not in str(e.value)
+    with pytest.raises(ConfigError, match=r"has no parameter\(s\) \['gamma'\]; valid: [a-z_, ]+$"):
+        validate(cfg_of("+method=pld", "+method.gamma=4"))  # no recipe: no note

@@ -23,7 +23,7 @@ from pardec.config import (
     settings_diff,
     to_dataclass,
 )
-from pardec.decoding.base import METHODS, check_attention, check_params
+from pardec.decoding.base import METHODS, check_attention, check_params, method_params
 from pardec.evaluation import batched
 from pardec.evaluation.results import results_files
 from pardec.jsonl import read_json
@@ -119,7 +119,10 @@ def validate(cfg: DictConfig) -> EvalSpec:
     sampling = to_dataclass(SamplingConfig, cfg.get("sampling"), "sampling")
     bench = to_dataclass(BenchConfig, cfg.get("bench"), "bench")
     devices = check_placement(model, draft, run)  # before anything reads a drafter or probes the hub
-    check_method(name, mcfg, draft)
+    try:
+        check_method(name, mcfg, draft)
+    except ConfigError as e:
+        raise ConfigError(f"{e}{_recipe_note(mcfg, name)}") from None
     check_method(bench.baseline, {}, draft, f"bench.baseline={bench.baseline!r}")
     also = []
     for entry in bench.also:
@@ -177,6 +180,23 @@ def check_placement(model: ModelConfig, draft: ModelConfig | None, run: RunConfi
             raise ConfigError(f"{key}={impl} replays CUDA graphs but {cfg.name!r} runs on {dev}; use {key}=auto "
                               f"or compiled")
     return devices
+
+
+def _recipe_note(params: dict, name: str) -> str:
+    """Where the run's recipe (``+recipe=...``) set method parameters that method ``name`` does not take: a note for
+    its error (:func:`pardec.recipes.stray_method_keys`); empty otherwise."""
+    from hydra.core.hydra_config import HydraConfig  # heavy: hydra
+
+    from pardec import recipes
+
+    try:
+        recipe = HydraConfig.get().runtime.choices.get("recipe")
+    except ValueError:  # (no Hydra run: a config composed by a tool)
+        return ""
+    if not recipe or recipe not in recipes.recipes():
+        return ""
+    taken = method_params(METHODS.get(name))
+    return recipes.stray_method_keys(recipe, [k for k in params if k not in taken])
 
 
 def check_method(name: str, params: dict, draft: ModelConfig | None, where: str = "") -> type:
