@@ -24,30 +24,42 @@ from tests.decoding.test_sdsat import ADAPTIVE, _oracle
 K = 3
 
 
+class _Forcing(BatchedSDSAT):
+    """Batched sdsat whose kept drafts (or candidate lists) each row's ``force`` replaces after its admission and after
+    every round."""
+
+    def force(self, r) -> None:
+        raise NotImplementedError
+
+    def admit(self, row):
+        super().admit(row)
+        self.force(row)
+
+    def round(self, rows):
+        super().round(rows)
+        for r in rows:
+            self.force(r)
+
+
+def _continuation(ref: list[int], i: int, k: int) -> list[int]:
+    return [ref[i + j] if i + j < len(ref) else 0 for j in range(k)]
+
+
 def _forced(refs: list[list[int]], wrong_at: int | None, log: dict, vocab: int):
     """Batched sdsat whose kept drafts are replaced by each row's reference continuation (as
     tests/decoding/test_sdsat.py's oracle drafts after the committed tokens); ``log[row]`` gets the drafts the model
     made, with the output length they follow."""
 
-    class Forced(BatchedSDSAT):
-        def _force(self, r):
+    class Forced(_Forcing):
+        def force(self, r):
             if r.state["drafts"] is None:
                 return
-            i, ref = len(r.out.tokens), refs[r.index]
+            i = len(r.out.tokens)
             log.setdefault(r.index, []).append((i, r.state["drafts"]))
-            got = [ref[i + j] if i + j < len(ref) else 0 for j in range(self.k)]
+            got = _continuation(refs[r.index], i, self.k)
             if wrong_at is not None:
                 got[wrong_at - 1] = (got[wrong_at - 1] + 1) % (vocab - 1)  # (the batch-1 oracle's wrong token)
             r.state["drafts"] = got
-
-        def admit(self, row):
-            super().admit(row)
-            self._force(row)
-
-        def round(self, rows):
-            super().round(rows)
-            for r in rows:
-                self._force(r)
 
     return Forced
 
@@ -56,23 +68,13 @@ def _forced_trees(refs: list[list[int]], vocab: int, width: int = 3):
     """Batched sdsat of sampled caterpillar trees whose kept candidate lists are forced: at each depth the row's
     reference token (the main chain) and the ``width - 1`` ids after it (leaves), all inside the nucleus."""
 
-    class ForcedTrees(BatchedSDSAT):
-        def _force(self, r):
+    class ForcedTrees(_Forcing):
+        def force(self, r):
             if r.state.get("lists") is None:
                 return
-            i, ref = len(r.out.tokens), refs[r.index]
-            main = [ref[i + j] if i + j < len(ref) else 0 for j in range(self.k)]
+            main = _continuation(refs[r.index], len(r.out.tokens), self.k)
             r.state["lists"] = [[[(t + w) % vocab for w in range(width)] for t in main], [[1] * width] * self.k,
                                 [[t] * width for t in main]]
-
-        def admit(self, row):
-            super().admit(row)
-            self._force(row)
-
-        def round(self, rows):
-            super().round(rows)
-            for r in rows:
-                self._force(r)
 
     return ForcedTrees
 
