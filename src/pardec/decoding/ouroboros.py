@@ -71,15 +71,17 @@ from pardec.decoding.verify import verify_tree
 
 
 class OuroborosState:
-    """What batch-1 and batched ``ouroboros`` share: the parameters (checked once) and the phrase rules of Sec. 3.2-3.3
-    on a pool (the run's, or a request's without ``warm_start`` over a batch)."""
+    """What batch-1 and batched ``ouroboros`` share: the parameters (their defaults, checked once) and the phrase
+    rules of Sec. 3.2-3.3 on a pool (the run's, or a request's without ``warm_start`` over a batch)."""
 
     #: ``phrase_harvest`` choices: the official ``add_extra_ngram`` rule, and pardec's earlier one
     HARVESTS = ("target", "confirmed_runs")
 
-    def set_ouroboros(self, gamma: int, window: int, guess_set: int, level: int, top_k_phrases: int,
-                      accelerated_drafting: bool, lengthening: bool, verified_phrases: bool, phrase_harvest: str,
-                      refine_phrases: bool, warm_start: bool) -> None:
+    def __init__(self, target, tokenizer=None, draft=None, gamma: int = 12, window: int = 20, guess_set: int = 20,
+                 level: int = 7, top_k_phrases: int = 3, accelerated_drafting: bool = True,
+                 lengthening: bool = True, verified_phrases: bool = True, phrase_harvest: str = "target",
+                 refine_phrases: bool = True, warm_start: bool = True):
+        super().__init__(target, tokenizer, draft)  # (the decoder's: batch-1's or the batched one's)
         check_ranges(gamma=gamma, window=window, guess_set=guess_set, level=level, top_k_phrases=top_k_phrases)
         if lengthening and top_k_phrases == 0:
             raise ConfigError("method.top_k_phrases=0 with method.lengthening=true: lengthening needs >= 1 phrase "
@@ -172,14 +174,6 @@ class Ouroboros(OuroborosState, Decoder):
     exactness = "distribution"
     custom_mask = True
     needs_draft = True
-
-    def __init__(self, target, tokenizer=None, draft=None, gamma: int = 12, window: int = 20, guess_set: int = 20,
-                 level: int = 7, top_k_phrases: int = 3, accelerated_drafting: bool = True,
-                 lengthening: bool = True, verified_phrases: bool = True, phrase_harvest: str = "target",
-                 refine_phrases: bool = True, warm_start: bool = True):
-        super().__init__(target, tokenizer, draft)
-        self.set_ouroboros(gamma, window, guess_set, level, top_k_phrases, accelerated_drafting, lengthening,
-                           verified_phrases, phrase_harvest, refine_phrases, warm_start)
 
     def carried(self) -> NGramPool | None:
         return copy.deepcopy(self.pool) if self.warm_start else None

@@ -50,17 +50,10 @@ def shared_prefix(a: list[int], b: list[int], most: int) -> int:
 
 @register_batched("ouroboros")
 class BatchedOuroboros(OuroborosState, BatchedMethod):
-    """Every parameter as batch-1 ``ouroboros``'s. ``draft_forwards``: the draft forwards the method ran (one per
-    drafting step of the whole batch)."""
+    """Every parameter as batch-1 ``ouroboros``'s (:class:`~pardec.decoding.ouroboros.OuroborosState`).
+    ``draft_forwards``: the draft forwards the method ran (one per drafting step of the whole batch)."""
 
-    def __init__(self, target, tokenizer=None, draft=None, gamma: int = 12, window: int = 20, guess_set: int = 20,
-                 level: int = 7, top_k_phrases: int = 3, accelerated_drafting: bool = True,
-                 lengthening: bool = True, verified_phrases: bool = True, phrase_harvest: str = "target",
-                 refine_phrases: bool = True, warm_start: bool = True):
-        super().__init__(target, tokenizer, draft)
-        self.set_ouroboros(gamma, window, guess_set, level, top_k_phrases, accelerated_drafting, lengthening,
-                           verified_phrases, phrase_harvest, refine_phrases, warm_start)
-        self.draft_forwards = 0
+    draft_forwards = 0
 
     @property
     def width(self) -> int:
