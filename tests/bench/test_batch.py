@@ -20,7 +20,7 @@ def _cell(method: str, b: int, tps: float) -> dict:
 def test_sizes_and_methods_are_checked_before_anything_loads():
     assert [m[1] for m in batch.parse_methods(batch.DEFAULT_METHODS)] == ["ar", "pld", "sps", "bild", "jacobi", "eagle3",
                                                                           "eagle3", "dflash", "medusa", "firp",
-                                                                          "spectr", "mjsd", "lookahead"]
+                                                                          "spectr", "mjsd", "lookahead", "ouroboros"]
     modes = [m[2].get("mode", "tree") for m in batch.parse_methods(batch.DEFAULT_METHODS) if m[1] == "eagle3"]
     assert modes == ["chain", "tree"]  # EAGLE-3's chain and its paper's tree
     assert batch.parse_sizes("8,1,2,2") == [1, 2, 8]

@@ -33,10 +33,6 @@ class BatchedBiLD(BatchedMethod):
         self.fallback, self.rollback, self.max_draft = fallback_threshold, rollback_threshold, max_draft
         self.variant = variant
 
-    @property
-    def width(self) -> int:
-        return self.max_draft + 1
-
     def _chains(self, rows: list[Row], ks: list[int]) -> tuple[torch.Tensor, list[int], list[int], int]:
         """Every row's chain: (tokens [n, steps] on the draft's device, each row's chain length, the rows' lengths
         the draft held before the chain, the chain tokens fed to the draft)."""

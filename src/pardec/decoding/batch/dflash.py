@@ -51,10 +51,6 @@ class BatchedDFlash(BatchedMethod):
         self.embed = target.model.model.embed_tokens
         self.context = RaggedKV(int(c.num_hidden_layers), target.max_rows, target.capacity, "dflash context")
 
-    @property
-    def width(self) -> int:
-        return self.n + 1
-
     def _append(self, first: int, features: torch.Tensor, widths: list[int] | None = None) -> None:
         """Context entries of rows ``first ..`` for ``features`` [n, T, K * H_t] after each row's own."""
         n, t = features.shape[:2]

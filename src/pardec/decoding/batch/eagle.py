@@ -69,10 +69,6 @@ class BatchedEagle3(BatchedMethod):
         check_eagle3(p["mode"], p["total_tokens"], p["depth"], p["top_k"], p["num_speculative_tokens"],
                      p["int8_weights"])
 
-    @property
-    def width(self) -> int:
-        return self.total_tokens if self.mode == "tree" else self.k + 1
-
     def _feed(self, first: int, tokens: torch.Tensor, hidden: torch.Tensor, widths: list[int] | None = None,
               level: tuple[torch.Tensor, int, torch.Tensor] | None = None) -> torch.Tensor:
         """Drafter entries for rows ``first ..``: ``tokens`` [n, T] (embedded here), ``hidden`` [n, T, H] (fused

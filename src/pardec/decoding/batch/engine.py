@@ -77,11 +77,6 @@ class BatchedMethod:
         self.s = SamplingConfig()
         self.gen: torch.Generator | None = None
 
-    @property
-    def width(self) -> int:
-        """The most new positions a round adds to a row's cache (the batch cache's headroom)."""
-        return 1
-
     @classmethod
     def check_options(cls, params: dict[str, Any], sampling: SamplingConfig | None = None) -> None:
         """What the batched form refuses of values its batch-1 method takes (one line), before any model loads

@@ -100,13 +100,6 @@ class BatchedLookahead(LookaheadState, BatchedMethod):
         super().__init__(target, tokenizer, draft)
         self.set_lookahead(level, window, guess_set, pool_from_prompt, pool_from_output)
 
-    @property
-    def width(self) -> int:
-        # the trie (root + guess_set candidates of level - 1 tokens) and the window (level 0's W + N - 3 guesses
-        # and W per level above it)
-        n, w = self.level, self.window
-        return 1 + self.guess_set * (n - 1) + (w + n - 3) + (n - 2) * w
-
     def admit(self, row: Row) -> None:
         super().admit(row)
         row.state["pool"], row.state["window"] = self.begin_request(row.prompt, self.s.seed)

@@ -57,10 +57,6 @@ class BatchedTreeDrafter(BatchedMethod):
         self.drafts: torch.Tensor | None = None  # [rows, k, V]: each row's drafts after its last accepted node
 
     @property
-    def width(self) -> int:
-        return len(self.ranks)
-
-    @property
     def capture(self) -> tuple[int, ...]:
         """The layers whose entering hidden states (the final norm's output for ``num_hidden_layers``) the drafts
         are made from."""

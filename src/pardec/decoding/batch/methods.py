@@ -45,10 +45,6 @@ class BatchedPLD(BatchedMethod):
         check_at_least("method.num_pred", num_pred, 1)
         self.max_ngram, self.min_ngram, self.num_pred = max_ngram, min_ngram, num_pred
 
-    @property
-    def width(self) -> int:
-        return self.num_pred + 1
-
     def round(self, rows: list[Row]) -> None:
         drafts = [lookup(torch.tensor(r.tail(0)), self.max_ngram, self.min_ngram, self.num_pred)[: r.out.room - 1]
                   .tolist() for r in rows]
@@ -66,10 +62,6 @@ class BatchedSPS(BatchedMethod):
         super().__init__(target, tokenizer, draft)
         check_at_least("method.gamma", gamma, 1, integer=True)
         self.gamma = gamma
-
-    @property
-    def width(self) -> int:
-        return self.gamma + 1
 
     def round(self, rows: list[Row]) -> None:
         ks = [min(self.gamma, r.out.room - 1) for r in rows]
@@ -119,10 +111,6 @@ class BatchedJacobi(BatchedMethod):
         if max_iters is not None and max_iters < 1:
             raise ConfigError(f"method.max_iters={max_iters} is out of range: it must be >= 1 (or null)")
         self.block_size, self.max_iters, self.guess_from = block_size, max_iters or block_size, guess_from
-
-    @property
-    def width(self) -> int:
-        return self.block_size
 
     def round(self, rows: list[Row]) -> None:
         for r in rows:

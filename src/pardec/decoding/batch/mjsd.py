@@ -80,10 +80,6 @@ class BatchedMJSD(BatchedMethod):
         self.gamma, self.num_beams, self.verified, self.tau = gamma, num_beams, width, tau
         self.top_k, self.top_p, self.ratio = top_k, top_p, ratio
 
-    @property
-    def width(self) -> int:
-        return 1 + self.verified * self.gamma  # the widest trie: the cache's headroom
-
     def _search(self, rows: list[Row], ns: list[int]):
         """Every request's beams of ``ns[b]`` tokens (best first), searched together."""
         first, fed = catch_up_rows(self.draft, rows)
@@ -143,10 +139,6 @@ class BatchedMJGD(BatchedMethod):
         super().__init__(target, tokenizer, draft)
         check_mjgd(K, num_beams)
         self.K, self.num_beams = K, num_beams
-
-    @property
-    def width(self) -> int:
-        return self.num_beams * (self.K - 1) + self.K
 
     def round(self, rows: list[Row]) -> None:
         ks = [min(self.K, r.out.room) for r in rows]

@@ -55,10 +55,6 @@ class BatchedOuroboros(OuroborosState, BatchedMethod):
 
     draft_forwards = 0
 
-    @property
-    def width(self) -> int:
-        return 1 + self.gamma + self.top_k_phrases * (self.level - 1)  # the draft chain and its phrases
-
     def admit(self, row: Row) -> None:
         super().admit(row)  # the draft's row holds the prompt
         row.state["held"] = list(row.prompt)  # the tokens of the draft row's cache, on the host

@@ -51,10 +51,6 @@ class BatchedSDSAT(BatchedMethod):
         self.adaptive = adaptive_of(target.model.config, target.name, adaptive_ids, k)
         self.index = to_device(torch.tensor(self.adaptive, dtype=torch.long), target.device)
 
-    @property
-    def width(self) -> int:
-        return 2 * self.k + 1
-
     def start(self, s: SamplingConfig, gen: torch.Generator | None) -> None:
         super().start(s, gen)
         self.trees = not s.greedy and not (str(self.tree) == "caterpillar" and self.top_k <= 1)

@@ -53,10 +53,6 @@ class BatchedSpecTr(BatchedMethod):
     def draft_rows(cls, batch_size: int, params: dict[str, Any]) -> int:
         return batch_size * params.get("k", inspect.signature(cls.__init__).parameters["k"].default)
 
-    @property
-    def width(self) -> int:
-        return 1 + self.k * self.gamma
-
     def admit(self, row: Row) -> None:
         super().admit(row)  # the draft's first row of the request holds its prompt
         first = self.draft.rows - 1
