@@ -9,9 +9,10 @@ from pathlib import Path
 from typing import Any
 
 import yaml
+from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
-from pardec import zoo
+from pardec import recipes, zoo
 from pardec.config import (
     BenchConfig,
     ConfigError,
@@ -185,10 +186,6 @@ def check_placement(model: ModelConfig, draft: ModelConfig | None, run: RunConfi
 def _recipe_note(params: dict, name: str) -> str:
     """Where the run's recipe (``+recipe=...``) set method parameters that method ``name`` does not take: a note for
     its error (:func:`pardec.recipes.stray_method_keys`); empty otherwise."""
-    from hydra.core.hydra_config import HydraConfig  # heavy: hydra
-
-    from pardec import recipes
-
     try:
         recipe = HydraConfig.get().runtime.choices.get("recipe")
     except ValueError:  # (no Hydra run: a config composed by a tool)
