@@ -212,8 +212,8 @@ class SDSAT(Decoder):
         return torch.stack(parts)
 
     def _lists_maker(self, rows: torch.Tensor, before: list[int], s: SamplingConfig, box: dict):
-        """``make(token)``: the flat :meth:`candidate_lists` of the drafts that the adaptive ``rows`` make after ``before +
-        [token]`` (``token`` still on the device); the [P, d, K] tensor is left in ``box["lists"]``."""
+        """``make(token)``: the flat :meth:`candidate_lists` of the drafts that the adaptive ``rows`` make after
+        ``before + [token]`` (``token`` still on the device); the [P, d, K] tensor is left in ``box["lists"]``."""
 
         def make(token: torch.Tensor) -> torch.Tensor:
             box["lists"] = self.candidate_lists(self.draft_logits(rows, before, token), s)
@@ -263,8 +263,8 @@ class SDSAT(Decoder):
     @torch.inference_mode()
     def generate(self, prompt_ids, max_new_tokens: int, stop: Stopper | None = None,
                  sampling: SamplingConfig | None = None) -> GenerationResult:
-        """One host read per target forward: the next candidates' values (:meth:`candidate_lists` of the adaptive rows)
-        ride on the read of the forward that produced them (the prefill's first token, or the verification)."""
+        """One host read per target forward: the next candidates' values (:meth:`candidate_lists` of the adaptive
+        rows) ride on the read of the forward that produced them (the prefill's first token, or the verification)."""
         box: dict = {}
 
         def prefill(ids: torch.Tensor) -> torch.Tensor:

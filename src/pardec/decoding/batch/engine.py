@@ -24,8 +24,9 @@ import torch
 
 from pardec.config import ConfigError, SamplingConfig
 from pardec.decoding.base import METHODS, GenerationResult, Output, Stopper, check_params, method_params, sync
-from pardec.decoding.batch.verify import verify_rows
+from pardec.decoding.batch.verify import padded_trees, verify_rows
 from pardec.decoding.sampling import make_generator, select
+from pardec.decoding.tree import Tree, TreeBuffers
 from pardec.models.cache import to_device
 from pardec.models.ragged import RaggedModel
 from pardec.registry import Registry
@@ -131,6 +132,20 @@ class BatchedMethod:
         for r, a, kb in zip(rows, acc, ks):
             r.commit(a, kb)
         return Verified(acc, more, hidden)
+
+    def forward_trees(self, rows: list[Row], trees: list[Tree], max_depth: int
+                      ) -> tuple[TreeBuffers, torch.Tensor, list[int], torch.Tensor]:
+        """One target forward over every row's tree (rooted at its last token), the trees padded to the largest
+        (:func:`~pardec.decoding.batch.verify.padded_trees`, ``max_depth`` their deepest), each row under its own
+        ancestor mask. Returns (the per-row buffers, the labels [n, N], the rows' lengths before it, the logits
+        [n, N, V]); the caller keeps each row's accepted path (``target.keep_rows(base, paths)``)."""
+        dev = self.target.device
+        buf, labels = padded_trees(trees, dev, max_depth)
+        last = to_device(torch.tensor([[r.last] for r in rows], dtype=torch.long), dev)
+        base = list(self.target.lengths)
+        logits = self.target.forward(torch.cat([last, labels[:, 1:].clamp(min=0)], 1), depths=buf.depth,
+                                     attend=buf.attend)
+        return buf, labels, base, logits
 
 
 Rule = Callable[[torch.Tensor, list[int], torch.Tensor], list[list[int]]]

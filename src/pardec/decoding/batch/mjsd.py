@@ -32,12 +32,10 @@ import torch
 
 from pardec.decoding.batch.engine import BatchedMethod, Row, register_batched
 from pardec.decoding.batch.methods import catch_up_rows
-from pardec.decoding.batch.verify import padded_trees
 from pardec.decoding.drafting import beam_rows, beams_of
 from pardec.decoding.mjsd import check_mjgd, check_mjsd, draft_logq, pick_joint, scoring_of, target_logp
 from pardec.decoding.sampling import select
 from pardec.decoding.tree import Tree
-from pardec.models.cache import to_device
 from pardec.models.ragged import RaggedModel
 
 
@@ -104,11 +102,7 @@ class BatchedMJSD(BatchedMethod):
             logq = draft_logq(verified, warped)
             trees.append(tree)
             logqs.append({i: logq[tree.label_path(i)] for i in range(1, len(tree))})
-        buf, labels = padded_trees(trees, dev, self.gamma)
-        last = to_device(torch.tensor([[r.last] for r in rows], dtype=torch.long), dev)
-        base = list(self.target.lengths)
-        logits = self.target.forward(torch.cat([last, labels[:, 1:].clamp(min=0)], 1), depths=buf.depth,
-                                     attend=buf.attend)  # [n, N, V]
+        buf, labels, base, logits = self.forward_trees(rows, trees, self.gamma)  # [n, N, V]
         size = labels.shape[1]
         logp = target_logp(logits, scoring, warped)  # [n, N, V]
         by_row = torch.arange(n, device=dev)[:, None]

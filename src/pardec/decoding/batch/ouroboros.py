@@ -33,13 +33,11 @@ import torch
 
 from pardec.decoding.batch.engine import BatchedMethod, Row, register_batched
 from pardec.decoding.batch.lookahead import forward_rows, greedy_path, read_verdicts
-from pardec.decoding.batch.verify import padded_trees
 from pardec.decoding.ngram import NGramPool, candidate_tree, lookahead_inputs
 from pardec.decoding.ouroboros import OuroborosState
 from pardec.decoding.sampling import warp
 from pardec.decoding.tree import Tree
 from pardec.decoding.verify import verify_tree
-from pardec.models.cache import to_device
 
 
 def shared_prefix(a: list[int], b: list[int], most: int) -> int:
@@ -131,12 +129,7 @@ class BatchedOuroboros(OuroborosState, BatchedMethod):
             phrases = self.lengthening_phrases(pool, t, room - len(t)) if t else []
             wholes.append(self.whole_phrases(pool, t, phrases) if t else [])
             trees.append(Tree.from_paths([t] + [t + list(p) for p in phrases]))  # nodes 1..k: the draft chain
-        dev = self.target.device
-        buf, labels = padded_trees(trees, dev, max(int(t.depth.max()) for t in trees))
-        last = to_device(torch.tensor([[r.last] for r in rows], dtype=torch.long), dev)
-        base = list(self.target.lengths)
-        logits = self.target.forward(torch.cat([last, labels[:, 1:].clamp(min=0)], 1), depths=buf.depth,
-                                     attend=buf.attend)
+        _, _, base, logits = self.forward_trees(rows, trees, max(int(t.depth.max()) for t in trees))
         if self.s.greedy:
             verdicts = []
             for t, p in zip(trees, logits.argmax(-1).tolist()):  # the round's one host read

@@ -22,7 +22,6 @@ import torch
 
 from pardec.config import SamplingConfig
 from pardec.decoding.batch.engine import BatchedMethod, Row, register_batched
-from pardec.decoding.batch.verify import padded_trees
 from pardec.decoding.sampling import select
 from pardec.decoding.sdsat import (
     SDSAT,
@@ -111,12 +110,8 @@ class BatchedSDSAT(BatchedMethod):
             n_adapt = self.k if (depth == 0 or self.fused) and r.out.room > depth + 1 else 0
             full = with_chain(tree, anchor, adaptive_chain(self.adaptive, n_adapt)) if n_adapt else tree
             made.append((tree, anchor, depth, n_adapt, full))
-        dev = self.target.device
-        buf, labels = padded_trees([m[4] for m in made], dev, max(int(m[4].depth.max()) for m in made))
-        last = to_device(torch.tensor([[r.last] for r in rows], dtype=torch.long), dev)
-        base = list(self.target.lengths)
-        logits = self.target.forward(torch.cat([last, labels[:, 1:].clamp(min=0)], 1), depths=buf.depth,
-                                     attend=buf.attend)
+        fulls = [m[4] for m in made]
+        _, _, base, logits = self.forward_trees(rows, fulls, max(int(f.depth.max()) for f in fulls))
         verdicts = []
         for b, (r, (tree, anchor, _, n_adapt, _)) in enumerate(zip(rows, made)):
             lists = None  # the next candidates: used only if the whole main chain is accepted (read all the same)

@@ -31,12 +31,11 @@ import torch
 from pardec.decoding.base import check_range
 from pardec.decoding.batch.engine import BatchedMethod, Row, register_batched
 from pardec.decoding.batch.methods import catch_up_rows
-from pardec.decoding.batch.verify import padded_trees, verify_trees
+from pardec.decoding.batch.verify import verify_trees
 from pardec.decoding.kseq import verify_tree_iid
 from pardec.decoding.sampling import sample, sample_at, warp
 from pardec.decoding.spectr import iid_inputs, on_nodes
 from pardec.decoding.tree import Tree
-from pardec.models.cache import to_device
 
 
 @register_batched("spectr")
@@ -96,7 +95,7 @@ class BatchedSpecTr(BatchedMethod):
         return toks.tolist(), qs, fed  # the round's one draft read
 
     def round(self, rows: list[Row]) -> None:
-        n, k, dev = len(rows), self.k, self.target.device
+        n, k = len(rows), self.k
         ns = [max(0, min(self.gamma, r.out.room - 1)) for r in rows]  # the target adds one token of its own
         m = max(ns)
         if m == 0:
@@ -104,11 +103,7 @@ class BatchedSpecTr(BatchedMethod):
             return
         seqs, qs, fed = self._draft(rows, m)
         trees = [Tree.from_paths([s[:nb] for s in seq]) for seq, nb in zip(seqs, ns)]
-        buf, labels = padded_trees(trees, dev, self.gamma)
-        last = to_device(torch.tensor([[r.last] for r in rows], dtype=torch.long), dev)
-        base = list(self.target.lengths)
-        logits = self.target.forward(torch.cat([last, labels[:, 1:].clamp(min=0)], 1), depths=buf.depth,
-                                     attend=buf.attend)
+        buf, labels, base, logits = self.forward_trees(rows, trees, self.gamma)
         if self.s.greedy:
             verdicts = verify_trees(buf, labels, logits, self.s, self.gen)
         else:
