@@ -67,6 +67,72 @@ def test_cells_hold_per_prompt_speed_with_an_interval_and_flag_an_inexact_lossle
     assert sampled["pld"]["speedup_mean"] == pytest.approx(3.0)
 
 
+def test_each_method_is_compared_with_the_fastest_transformers_peer_prompt_by_prompt(tmp_path):
+    from pardec.report import docs
+
+    # against ar, pld and hf_pld tie (means 2.0); prompt by prompt pld is the faster: b's loop weighs hf_pld's mean up
+    records = [_rec("a", "baseline", 10.0, [1], 1), _rec("b", "baseline", 10.0, [1], 1),
+               _rec("a", "hf_pld", 10.0, [1], 1), _rec("b", "hf_pld", 10 / 3, [1], 1),
+               _rec("a", "hf", 10.0, [1], 1), _rec("b", "hf", 10.0, [1], 1),
+               _rec("a", "also:pld", 10 / 1.5, [1], 1), _rec("b", "also:pld", 10 / 2.5, [1], 1)]
+    summary = {"baseline": "ar", "peers": {"hf": {"method": "hf_generate", "exactness": "tokens"},
+                                           "hf_pld": {"method": "hf_pld", "exactness": "tokens"},
+                                           "also:pld": {"method": "pld", "exactness": "tokens"}}}
+    cells = T.cells(records, summary, max_new_tokens=10)
+    assert cells["pld"]["speedup_mean"] == pytest.approx(2.0) == cells["hf_pld"]["speedup_mean"]
+    v = cells["pld"]["vs_peer"]
+    assert v["peer"] == "hf_pld" and v["n"] == 2 and v["mean"] == pytest.approx((1.5 + 2.5 / 3) / 2)
+    assert v["ci95"][0] <= v["mean"] <= v["ci95"][1] and v["median"] == pytest.approx(v["mean"])
+    assert cells["hf"]["vs_peer"] is None and cells["hf_pld"]["vs_peer"] is None and cells["ar"]["vs_peer"] is None
+    own = T.cells([r for r in records if not r["role"].startswith("hf")], summary, max_new_tokens=10)
+    assert own["pld"]["vs_peer"] is None  # a run without transformers' peers (a fine-tuned model's)
+
+    table = {"date": "2026-12-01", "commit": "abc", "host": {"cpu": "x"}, "dtype": "int8", "n": 2,
+             "max_new_tokens": 8, "benchmarks": {"gsm8k": {"metric": "correct", "methods": cells}}}
+    path = tmp_path / "table_2026-12-01.json"
+    path.write_text(json.dumps(table))
+    t = docs.tables_of(path)["gsm8k"]
+    assert t["columns"][3] == "× hf_pld (95% CI)"
+    rows = {r[0]: r for r in t["rows"]}
+    assert rows["pld"][3].startswith("1.17 (") and rows["hf_pld"][3] == "–" and rows["ar"][3] == "–"
+
+
+def test_a_published_table_is_rederived_from_its_raw_records_and_refused_where_a_cell_would_change(tmp_path, capsys):
+    import gzip
+
+    records = [_rec("a", "baseline", 2.0, [1, 2], 2), _rec("b", "baseline", 4.0, [1, 2], 2),
+               _rec("a", "hf_pld", 1.0, [1, 2], 1), _rec("b", "hf_pld", 4.0, [1, 2], 2),
+               _rec("a", "also:pld", 1.0, [1, 2], 1), _rec("b", "also:pld", 2.0, [1, 2], 1)]
+    summary = {"baseline": "ar", "metric_name": "correct", "peers": {
+        "hf_pld": {"method": "hf_pld", "exactness": "tokens"}, "also:pld": {"method": "pld", "exactness": "tokens"}}}
+    raw = tmp_path / "table_x"
+    raw.mkdir()
+    with gzip.open(raw / "gsm8k.results.jsonl.gz", "wt") as f:
+        f.write("".join(json.dumps(r) + "\n" for r in records))
+    with gzip.open(raw / "gsm8k.summary.json.gz", "wt") as f:
+        json.dump(summary, f)
+    published = {label: {k: v for k, v in c.items() if k != "vs_peer"}  # as a table before the field existed
+                 for label, c in T.cells(records, summary, max_new_tokens=8).items()}
+    table = {"date": "2026-12-01", "commit": "abc", "dtype": "int8", "n": 2, "max_new_tokens": 8,
+             "sampling": {"temperature": 0.0},
+             "benchmarks": {"gsm8k": {"metric": "correct", "methods": published, "timed_s": 14.0}}}
+    result = tmp_path / "table_x.json"
+    result.write_text(json.dumps(table))
+    assert T.main(["--rederive", str(result)]) == 0
+    assert "added vs_peer" in capsys.readouterr().out
+    new = json.loads(result.read_text())
+    assert new["benchmarks"]["gsm8k"]["methods"]["pld"]["vs_peer"]["mean"] == pytest.approx(1.5)  # 1/1, 4/2
+    assert new["benchmarks"]["gsm8k"]["methods"]["pld"]["speedup_mean"] == published["pld"]["speedup_mean"]
+    assert new["rederived"][0]["added"] == ["vs_peer"] and new["benchmarks"]["gsm8k"]["timed_s"] == 14.0
+
+    table["benchmarks"]["gsm8k"]["methods"]["pld"]["speedup_mean"] = 9.9  # not what its records say
+    result.write_text(json.dumps(table))
+    assert T.main(["--rederive", str(result)]) == 2
+    assert "gsm8k/pld does not come out as published from its records (['speedup_mean'])" in capsys.readouterr().err
+    assert json.loads(result.read_text()) == table  # nothing written
+    assert T.main(["--rederive", str(tmp_path / "none.json")]) == 2
+
+
 def test_the_sampled_table_runs_at_its_temperature_in_a_directory_of_its_own(tmp_path, monkeypatch):
     a = argparse.Namespace(benchmarks="gsm8k", n=3, max_new_tokens=8, dtype="fp32", threads=1, model="smollm2_135m",
                            extra=[], temperature=1.0)

@@ -16,9 +16,9 @@ torch), dtype or set of methods, or with a zoo artifact rebuilt since (its manif
 line. ``--out`` defaults to ``data/table/<model>-<dtype>`` (``data/`` outlives ``outputs/``); ``--aggregate``
 writes the table from the runs finished so far. The table, ``<out>/table.json`` (results as
 data: command, commit, host, dtype, date, n) and ``<out>/table.md``, holds per benchmark and method: the speed
-against `ar` (the mean of the per-prompt ratios with a 95% bootstrap interval, and the median), tokens per target
-forward, the exact-match rate against `ar` (a lossless method below 1.00 is flagged, not averaged in), the task's
-quality metric, the shares of answers that ended before the token limit and that loop (a token repeated 10 times in a
+against `ar` (the mean of the per-prompt ratios with a 95% bootstrap interval, and the median), the speed against
+the run's fastest transformers peer prompt by prompt (``vs_peer``: :func:`paired`), tokens per target forward, the
+exact-match rate against `ar` (a lossless method below 1.00 is flagged, not averaged in), the task's quality metric, the shares of answers that ended before the token limit and that loop (a token repeated 10 times in a
 row), and how many of its timed prompts ran on a busy host (:mod:`pardec.metrics.busy`);
 ``<out>/plots/<benchmark>.png`` draws each benchmark (:func:`pardec.report.table.plot_benchmarks`); ``--publish``
 puts it on the pages (``docs/table.md``, its result file, raw records and figures: :mod:`pardec.bench.table_publish`).
@@ -28,6 +28,7 @@ A method whose zoo artifact is missing is left out with a note (``make zoo`` bui
 from __future__ import annotations
 
 import argparse
+import gzip
 import json
 import random
 import re
@@ -52,6 +53,7 @@ from pardec.bench.table_run import (
 )
 from pardec.decoding import METHODS
 from pardec.evaluation.results import is_failed, results_files
+from pardec.evaluation.spec import PEERS
 from pardec.jsonl import read_json, read_jsonl
 from pardec.metrics.speed import record_is_repetitive
 from pardec.report.table import markdown, plot_benchmarks
@@ -210,7 +212,7 @@ def cells(records: list[dict], summary: dict, max_new_tokens: int, sampled: bool
                          "exact_match_rate": 1.0, "perplexity": summary.get("baseline_perplexity")}}
     for role, p in summary.get("peers", {}).items():
         info[role] = p
-    out = {}
+    out, role_of = {}, {}
     for role, rs in roles.items():
         p = info.get(role, {})
         ratios = [base[r["id"]]["wall_s"] / r["wall_s"] for r in rs if r["id"] in base and r["wall_s"] > 0]
@@ -218,6 +220,7 @@ def cells(records: list[dict], summary: dict, max_new_tokens: int, sampled: bool
         ci = bootstrap_ci(ratios)
         em = None if sampled else p.get("exact_match_rate")
         label = "ar" if role == "baseline" else current_entry(role.removeprefix("also:"))
+        role_of[label] = role
         out[label] = {
             "method": p.get("method", label), "exactness": p.get("exactness"), "n": len(rs),
             "speedup_mean": statistics.fmean(ratios) if ratios else None,
@@ -232,7 +235,33 @@ def cells(records: list[dict], summary: dict, max_new_tokens: int, sampled: bool
             "loop_share": statistics.fmean(record_is_repetitive(r) for r in rs),
             "busy": sum(bool(r.get("busy")) for r in rs),
         }
+    peer = best_peer(out)
+    for label, c in out.items():
+        c["vs_peer"] = None
+        if peer is not None and label != "ar" and c["method"] not in PEERS.values():
+            c["vs_peer"] = paired(roles[role_of[label]], roles[role_of[peer]], peer)
     return out
+
+
+def best_peer(cells: dict[str, dict]) -> str | None:
+    """The run's fastest transformers peer (``hf``, ``hf_pld``, ``hf_assisted``: the highest mean speed against
+    ``ar``), or None when the run has none (a fine-tuned model's own run)."""
+    peers = [(c["speedup_mean"], label) for label, c in cells.items()
+             if c["method"] in PEERS.values() and c["speedup_mean"] is not None]
+    return max(peers)[1] if peers else None
+
+
+def paired(records: list[dict], peer_records: list[dict], peer: str) -> dict | None:
+    """A method against a peer prompt by prompt: the mean of ``peer wall / method wall`` over the prompts both decoded
+    (> 1: the method is the faster), its 95% bootstrap interval and median. Means of each one's ratio to ``ar`` do
+    not order two methods (a few looping prompts can weigh one mean up); this ratio of the same prompts does."""
+    walls = {r["id"]: r["wall_s"] for r in peer_records if r["wall_s"] > 0}
+    ratios = [walls[r["id"]] / r["wall_s"] for r in records if r["id"] in walls and r["wall_s"] > 0]
+    if not ratios:
+        return None
+    ci = bootstrap_ci(ratios)
+    return {"peer": peer, "n": len(ratios), "mean": statistics.fmean(ratios), "ci95": list(ci) if ci else None,
+            "median": statistics.median(ratios)}
 
 
 def _one_commit(commits: dict[str, list[str]]) -> str:
@@ -258,16 +287,59 @@ def aggregate(out: Path, runs: list[tuple[str, list[str]]], ident: dict, command
             table.setdefault("pending", []).append(name)
             continue
         summary = json.loads((run_dir / "summary.json").read_text())
-        records = read_jsonl(run_dir / "results.jsonl", torn_ok=True)
-        bench, _, model = name.partition("@")
-        entry = table["benchmarks"].setdefault(bench, {"metric": summary.get("metric_name"), "methods": {},
-                                                       "timed_s": 0.0})
-        entry["timed_s"] += sum(r.get("wall_s") or 0.0 for r in records)  # every role's timed decoding (not the warm-up)
-        for label, cell in cells(records, summary, ident["max_new_tokens"], bool(ident.get("temperature"))).items():
-            if model:
-                label = f"{label}@{model}"
-            entry["methods"][label] = cell
+        add_run(table, name, read_jsonl(run_dir / "results.jsonl", torn_ok=True), summary)
     return table
+
+
+def add_run(table: dict, name: str, records: list[dict], summary: dict) -> None:
+    """One finished run's cells into ``table`` (``<benchmark>[@<fine-tuned model>]``: its methods get ``@model``)."""
+    bench, _, model = name.partition("@")
+    entry = table["benchmarks"].setdefault(bench, {"metric": summary.get("metric_name"), "methods": {},
+                                                   "timed_s": 0.0})
+    entry["timed_s"] += sum(r.get("wall_s") or 0.0 for r in records)  # every role's timed decoding (not the warm-up)
+    sampled = bool((table.get("sampling") or {}).get("temperature"))
+    for label, cell in cells(records, summary, table["max_new_tokens"], sampled).items():
+        entry["methods"][f"{label}@{model}" if model else label] = cell
+
+
+def rederive(result: Path) -> list[str]:
+    """A published table's cells computed anew from its published raw records (``<name>/<run>.*.gz``), after the
+    cell's definition gained a field: every field the file held before must come out equal (the same records, the
+    same seeded bootstrap), or nothing is written; the new fields are added and the file records when
+    (``rederived``). Returns the fields added."""
+    old = json.loads(result.read_text())
+    raw = result.with_suffix("")
+    runs = sorted(p.name.removesuffix(".summary.json.gz") for p in raw.glob("*.summary.json.gz"))
+    if not runs:
+        raise TableError(f"{result}: no raw records under {raw}/ to derive the cells from")
+    new = {**old, "benchmarks": {}}
+    for name in runs:
+        with gzip.open(raw / f"{name}.summary.json.gz", "rt") as f:
+            summary = json.load(f)
+        with gzip.open(raw / f"{name}.results.jsonl.gz", "rt") as f:
+            records = [json.loads(line) for line in f if line.strip()]
+        add_run(new, name, records, summary)
+    added = set()
+    for bench, b in old["benchmarks"].items():
+        moved = [k for k, v in b.items() if k != "methods" and new["benchmarks"].get(bench, {}).get(k) != v]
+        if moved:
+            raise TableError(f"{result}: {bench}'s {moved} do not come out as published from its records; "
+                             "nothing written")
+        for label, cell in b["methods"].items():
+            fresh = new["benchmarks"].get(bench, {}).get("methods", {}).get(label)
+            if fresh is None or any(fresh.get(k) != v for k, v in cell.items()):
+                raise TableError(f"{result}: {bench}/{label} does not come out as published from its records "
+                                 f"({fresh and [k for k, v in cell.items() if fresh.get(k) != v]}); nothing written")
+            added |= set(fresh) - set(cell)
+    for bench, b in old["benchmarks"].items():  # the published order of benchmarks and methods
+        fresh = new["benchmarks"].pop(bench)
+        new["benchmarks"][bench] = {**fresh, "methods": {label: fresh["methods"][label] for label in b["methods"]}}
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO_ROOT, capture_output=True,
+                            text=True).stdout.strip() or None
+    new["rederived"] = [*old.get("rederived", []),
+                        {"date": time.strftime("%Y-%m-%d"), "commit": commit, "added": sorted(added)}]
+    result.write_text(json.dumps(new, indent=1) + "\n")
+    return sorted(added)
 
 
 # ------------------------------------------------------------------------------------------- command
@@ -302,8 +374,20 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
                     help="--publish cells with prompts timed on a busy host (their busy count shown); refused otherwise")
     ap.add_argument("--name", default=None, help="the publication's name (default: table_<date the table started>)")
     ap.add_argument("--page", default="table.md", help="the page under docs/ that shows the table (default: table.md)")
+    ap.add_argument("--rederive", type=Path, default=None, metavar="RESULT_JSON",
+                    help="compute a published table's cells anew from its published raw records (after a new field "
+                         "joined the cells: the fields it held must come out equal), then run nothing")
     ap.add_argument("extra", nargs="*", help="more Hydra overrides for every run")
     a = ap.parse_intermixed_args(argv)
+    if a.rederive is not None:
+        try:
+            added = rederive(a.rederive)
+        except (TableError, OSError, json.JSONDecodeError) as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
+        print(f"{a.rederive}: every cell as published; added {', '.join(added) or 'nothing'} "
+              "(python -m pardec.report docs renders the pages)")
+        return 0
     if not 0.0 <= a.temperature <= 100.0:
         ap.error(f"--temperature={a.temperature} is out of range: 0 (greedy) or a positive temperature")
     a.out = a.out or REPO_ROOT / "data" / "table" / (f"{a.model}-{a.dtype}" + (f"-t{a.temperature:g}"

@@ -32,8 +32,10 @@ finished yet under `pending`, the commit each run ran at under `commits`, and th
 (each by its manifest's sha256) under `zoo`. `python -m pardec.bench table --publish` writes this page.
 
 Columns: speed against `ar` (the mean of the per-prompt ratios with its bootstrap interval, the middle ninety-five
-percent; the median), tokens per target forward, the exact-match rate against `ar` (a lossless method whose outputs
-differ is flagged ⚠), the task metric, the share of answers that ended before the token limit and of those that
+percent; the median), the speed against the run's fastest transformers peer prompt by prompt (`× hf_pld`: the mean
+of the peer's time over the method's on each prompt, with its interval; means against `ar` do not order two
+methods, since a few looping prompts can weigh one up), tokens per target forward, the exact-match rate against `ar`
+(a lossless method whose outputs differ is flagged ⚠), the task metric, the share of answers that ended before the token limit and of those that
 loop (a token repeated ten times in a row), and the prompts timed while another process competed for the CPU
 (busy)."""
 

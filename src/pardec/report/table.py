@@ -1,5 +1,6 @@
 """The tables of a ``python -m pardec.bench table`` result (``table.json``; published as
-``docs/results/table_<date>.json``): one per benchmark (every method's cell) and ``speed``, the leaderboard (a row
+``docs/results/table_<date>.json``): one per benchmark (every method's cell, with its paired speed against the
+run's fastest transformers peer where the run has peers) and ``speed``, the leaderboard (a row
 per method, a column per benchmark: speed against ``ar`` with its 95% interval, and the task metric where the outputs
 are not the base model's ``ar``'s: a lossy method, or a fine-tuned model (``@``); on a judged benchmark without its
 judge, the answers' perplexity under the base model). ``pardec.report docs`` renders them from a marker
@@ -24,14 +25,24 @@ def speed(c: dict) -> str:
     return f"{_num(c['speedup_mean'])} ({_num(ci[0])}–{_num(ci[1])})" if ci else _num(c["speedup_mean"])
 
 
+def against_peer(v: dict | None) -> str:
+    """A method's paired speed against the run's fastest transformers peer (``vs_peer``): mean (interval)."""
+    if not v:
+        return "–"
+    return f"{_num(v['mean'])} ({_num(v['ci95'][0])}–{_num(v['ci95'][1])})" if v.get("ci95") else _num(v["mean"])
+
+
 def benchmark_tables(table: dict) -> dict[str, dict]:
     """``{<benchmark>: {columns, rows}, "speed": {columns, rows}}`` of a table result."""
     out = {}
     benches = table.get("benchmarks") or {}
     for bench, b in benches.items():
         ppl = any(c.get("perplexity") is not None for c in b["methods"].values())  # a judged task's proxy
-        cols = [*COLUMNS[:5], b.get("metric") or "metric", *(["ppl (base)"] if ppl else []), *COLUMNS[6:]]
-        rows = [[label, speed(c), _num(c["speedup_median"]), _num(c["tokens_per_forward"]),
+        peer = next((c["vs_peer"]["peer"] for c in b["methods"].values() if c.get("vs_peer")), None)
+        cols = [*COLUMNS[:3], *([f"× {peer} (95% CI)"] if peer else []), *COLUMNS[3:5], b.get("metric") or "metric",
+                *(["ppl (base)"] if ppl else []), *COLUMNS[6:]]
+        rows = [[label, speed(c), _num(c["speedup_median"]), *([against_peer(c.get("vs_peer"))] if peer else []),
+                 _num(c["tokens_per_forward"]),
                  _num(c["exact_match_rate"]) + (" ⚠" if c.get("flagged") else ""), _num(c["metric"], ".3f"),
                  *([_num(c.get("perplexity"))] if ppl else []), _num(c["ended_share"]), _num(c["loop_share"]),
                  str(c["busy"])] for label, c in b["methods"].items()]
