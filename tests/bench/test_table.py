@@ -97,6 +97,48 @@ def test_each_method_is_compared_with_the_fastest_transformers_peer_prompt_by_pr
     assert rows["pld"][3].startswith("1.17 (") and rows["hf_pld"][3] == "–" and rows["ar"][3] == "–"
 
 
+def test_a_quality_loss_beyond_the_papers_tolerance_is_flagged_against_the_base_models_ar(tmp_path):
+    from pardec.report import docs
+
+    def rec(id_, role, score):
+        return {**_rec(id_, role, 1.0, [1], 1), "score": {"rougeL": score}}
+
+    ids = [str(i) for i in range(10)]
+    base = [0.30, 0.20, 0.25, 0.35, 0.22, 0.28, 0.31, 0.19, 0.26, 0.24]
+    records = [rec(i, "baseline", b) for i, b in zip(ids, base)]
+    records += [rec(i, "also:bild", b - 0.005) for i, b in zip(ids, base)]  # 0.5 points: within BiLD's 1 point
+    records += [rec(i, "also:mjsd", b - 0.05) for i, b in zip(ids, base)]  # 5 points below on every prompt
+    records += [rec(i, "also:pld", b) for i, b in zip(ids, base)]  # lossless: ar's outputs, no quality cell
+    summary = {"baseline": "ar", "metric_name": "rougeL", "peers": {
+        "also:bild": {"method": "bild", "exactness": "approximate", "metric": 0.255},
+        "also:mjsd": {"method": "mjsd", "exactness": "approximate", "metric": 0.215},
+        "also:pld": {"method": "pld", "exactness": "distribution", "exact_match_rate": 1.0}}}
+    cells = T.cells(records, summary, max_new_tokens=10)
+    bild, mjsd = cells["bild"]["quality"], cells["mjsd"]["quality"]
+    assert bild["mean_diff"] == pytest.approx(-0.005) and bild["tolerance"] == 0.01 and not bild["flagged"]
+    assert mjsd["mean_diff"] == pytest.approx(-0.05) and mjsd["ci95"][1] < 0 and mjsd["flagged"]
+    assert cells["pld"]["quality"] is None and cells["ar"]["quality"] is None
+
+    tuned = [rec(i, "baseline", b - 0.1) for i, b in zip(ids, base)] + [rec(i, "also:jacobi", b - 0.1)
+                                                                        for i, b in zip(ids, base)]
+    on_model = T.cells(tuned, {"baseline": "ar", "metric_name": "rougeL", "peers": {
+        "also:jacobi": {"method": "jacobi", "exactness": "distribution", "exact_match_rate": 1.0}}},
+        max_new_tokens=10, base_scores=dict(zip(ids, base)))  # a fine-tuned model: against the base model's ar
+    assert on_model["ar"]["quality"]["flagged"] and on_model["jacobi"]["quality"]["mean_diff"] == pytest.approx(-0.1)
+
+    table = {"date": "2026-12-01", "commit": "abc", "host": {"cpu": "x"}, "dtype": "int8", "n": 10,
+             "max_new_tokens": 10, "benchmarks": {"cnn_dm": {"metric": "rougeL", "methods": cells}}}
+    path = tmp_path / "table_2026-12-01.json"
+    path.write_text(json.dumps(table))
+    tables = docs.tables_of(path)
+    col = tables["cnn_dm"]["columns"].index("Δ rougeL vs ar (95% CI)")
+    rows = {r[0]: r for r in tables["cnn_dm"]["rows"]}
+    assert rows["mjsd"][col].startswith("-0.050 (") and rows["mjsd"][col].endswith("⚠")
+    assert not rows["bild"][col].endswith("⚠") and rows["pld"][col] == "–"
+    speed = {r[0]: r[1] for r in tables["speed"]["rows"]}
+    assert speed["mjsd"].endswith("; rougeL 0.215 ⚠") and speed["bild"].endswith("; rougeL 0.255")
+
+
 def test_a_published_table_is_rederived_from_its_raw_records_and_refused_where_a_cell_would_change(tmp_path, capsys):
     import gzip
 

@@ -198,11 +198,14 @@ def bootstrap_ci(values: list[float], n: int = BOOTSTRAP, seed: int = 0) -> tupl
     return means[int(0.025 * n)], means[int(0.975 * n) - 1]
 
 
-def cells(records: list[dict], summary: dict, max_new_tokens: int, sampled: bool = False) -> dict[str, dict]:
+def cells(records: list[dict], summary: dict, max_new_tokens: int, sampled: bool = False,
+          base_scores: dict[str, float] | None = None) -> dict[str, dict]:
     """The table's cells of one run (one per role): speed against the run's ``ar`` per prompt, tokens per forward,
     exact match, quality, ended / looping shares, busy count. ``sampled``: a run at temperature > 0, whose outputs
     are draws (a lossless method's draws need not equal ``ar``'s: no exact match, no flag; its distribution is
-    what ``make test-stat`` checks)."""
+    what ``make test-stat`` checks). ``base_scores``: the base model's ``ar`` per prompt on the task metric, given
+    for a fine-tuned model's run (every role's outputs then differ from the base's) and taken from the run's own
+    ``ar`` otherwise (:func:`quality`)."""
     ok = [r for r in records if not is_failed(r) and r.get("repeat", 0) == 0]
     base = {r["id"]: r for r in ok if r["role"] == "baseline"}
     roles: dict[str, list[dict]] = {}
@@ -236,11 +239,42 @@ def cells(records: list[dict], summary: dict, max_new_tokens: int, sampled: bool
             "busy": sum(bool(r.get("busy")) for r in rs),
         }
     peer = best_peer(out)
+    metric = summary.get("metric_name")
+    own = scores(roles.get("baseline", []), metric)
     for label, c in out.items():
         c["vs_peer"] = None
         if peer is not None and label != "ar" and c["method"] not in PEERS.values():
             c["vs_peer"] = paired(roles[role_of[label]], roles[role_of[peer]], peer)
+        changes = base_scores is not None or c["exactness"] not in LOSSLESS or (sampled and label != "ar")
+        c["quality"] = None
+        if changes and metric:
+            c["quality"] = quality(scores(roles[role_of[label]], metric), own if base_scores is None else base_scores,
+                                   METHODS.get(c["method"]).quality_tolerance if c["method"] in METHODS else 0.0)
     return out
+
+
+def scores(records: list[dict], metric: str | None) -> dict[str, float]:
+    """Each prompt's task metric in ``records`` (prompts without one left out: MT-Bench without its judge)."""
+    out = {}
+    for r in records:
+        v = (r.get("score") or {}).get(metric)
+        if isinstance(v, (int, float)) and not isinstance(v, bool):
+            out[r["id"]] = float(v)
+    return out
+
+
+def quality(method: dict[str, float], base: dict[str, float], tolerance: float) -> dict | None:
+    """A method's task metric against the base model's ``ar`` on the same prompts: the mean of the per-prompt
+    differences (method - ar) with its 95% bootstrap interval; ``flagged`` when the whole interval lies below
+    ``-tolerance`` (the method's paper's stated quality loss: ``Decoder.quality_tolerance``), i.e. the prompts show
+    a loss beyond it. An interval that reaches past it without lying wholly beyond is shown, not flagged: 20 prompts
+    cannot tell it."""
+    diffs = [method[i] - base[i] for i in method if i in base]
+    if not diffs:
+        return None
+    ci = bootstrap_ci(diffs)
+    return {"n": len(diffs), "mean_diff": statistics.fmean(diffs), "ci95": list(ci) if ci else None,
+            "tolerance": tolerance, "flagged": bool(ci and ci[1] < -tolerance)}
 
 
 def best_peer(cells: dict[str, dict]) -> str | None:
@@ -281,24 +315,31 @@ def aggregate(out: Path, runs: list[tuple[str, list[str]]], ident: dict, command
         "commits": commits, "host": ident["host"], "zoo": ident.get("zoo", {}),
         "dtype": ident["dtype"], "n": ident["n"], "max_new_tokens": ident["max_new_tokens"],
         "sampling": {"temperature": ident.get("temperature", 0.0)}, "benchmarks": {}}
+    bases: dict[str, dict[str, float]] = {}
     for name, _ in runs:
         run_dir = out / "runs" / name
         if not (run_dir / "summary.json").is_file():
             table.setdefault("pending", []).append(name)
             continue
         summary = json.loads((run_dir / "summary.json").read_text())
-        add_run(table, name, read_jsonl(run_dir / "results.jsonl", torn_ok=True), summary)
+        add_run(table, name, read_jsonl(run_dir / "results.jsonl", torn_ok=True), summary, bases)
     return table
 
 
-def add_run(table: dict, name: str, records: list[dict], summary: dict) -> None:
-    """One finished run's cells into ``table`` (``<benchmark>[@<fine-tuned model>]``: its methods get ``@model``)."""
+def add_run(table: dict, name: str, records: list[dict], summary: dict, bases: dict[str, dict[str, float]]) -> None:
+    """One finished run's cells into ``table`` (``<benchmark>[@<fine-tuned model>]``: its methods get ``@model``).
+    ``bases``: the base model's ``ar`` scores per benchmark, filled by each benchmark's shared run (which comes
+    before its fine-tuned models' runs) and read by those."""
     bench, _, model = name.partition("@")
     entry = table["benchmarks"].setdefault(bench, {"metric": summary.get("metric_name"), "methods": {},
                                                    "timed_s": 0.0})
     entry["timed_s"] += sum(r.get("wall_s") or 0.0 for r in records)  # every role's timed decoding (not the warm-up)
     sampled = bool((table.get("sampling") or {}).get("temperature"))
-    for label, cell in cells(records, summary, table["max_new_tokens"], sampled).items():
+    if not model:
+        bases[bench] = scores([r for r in records if r["role"] == "baseline" and not is_failed(r)
+                               and r.get("repeat", 0) == 0], summary.get("metric_name"))
+    base = bases.get(bench, {}) if model else None
+    for label, cell in cells(records, summary, table["max_new_tokens"], sampled, base).items():
         entry["methods"][f"{label}@{model}" if model else label] = cell
 
 
@@ -312,13 +353,13 @@ def rederive(result: Path) -> list[str]:
     runs = sorted(p.name.removesuffix(".summary.json.gz") for p in raw.glob("*.summary.json.gz"))
     if not runs:
         raise TableError(f"{result}: no raw records under {raw}/ to derive the cells from")
-    new = {**old, "benchmarks": {}}
+    new, bases = {**old, "benchmarks": {}}, {}
     for name in runs:
         with gzip.open(raw / f"{name}.summary.json.gz", "rt") as f:
             summary = json.load(f)
         with gzip.open(raw / f"{name}.results.jsonl.gz", "rt") as f:
             records = [json.loads(line) for line in f if line.strip()]
-        add_run(new, name, records, summary)
+        add_run(new, name, records, summary, bases)
     added = set()
     for bench, b in old["benchmarks"].items():
         moved = [k for k, v in b.items() if k != "methods" and new["benchmarks"].get(bench, {}).get(k) != v]

@@ -35,7 +35,9 @@ Columns: speed against `ar` (the mean of the per-prompt ratios with its bootstra
 percent; the median), the speed against the run's fastest transformers peer prompt by prompt (`× hf_pld`: the mean
 of the peer's time over the method's on each prompt, with its interval; means against `ar` do not order two
 methods, since a few looping prompts can weigh one up), tokens per target forward, the exact-match rate against `ar`
-(a lossless method whose outputs differ is flagged ⚠), the task metric, the share of answers that ended before the token limit and of those that
+(a lossless method whose outputs differ is flagged ⚠), the task metric and, where the outputs are not the base
+model's `ar`'s (a lossy method, a fine-tuned model), its per-prompt difference from that `ar`'s with its interval
+(⚠: the interval lies wholly below minus the method's paper's stated tolerance, `Decoder.quality_tolerance`), the share of answers that ended before the token limit and of those that
 loop (a token repeated ten times in a row), and the prompts timed while another process competed for the CPU
 (busy)."""
 

@@ -181,6 +181,10 @@ class Decoder:
     name: ClassVar[str] = ""
     #: what the method guarantees (see :data:`EXACTNESS`); tests hold every method to it
     exactness: ClassVar[str] = "approximate"
+    #: how far below the target's own task metric (absolute, on a 0-1 metric) the method's paper says its outputs may
+    #: fall; 0 where the paper states none (a lossless method, or "without quality loss"). The table flags a loss
+    #: beyond it (:func:`pardec.bench.table.quality`)
+    quality_tolerance: ClassVar[float] = 0.0
     #: parameters of an earlier release -> their names now (refused in one line naming the new one)
     renamed: ClassVar[dict[str, str]] = {}
     needs_draft: ClassVar[bool] = False

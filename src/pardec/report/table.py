@@ -32,6 +32,15 @@ def against_peer(v: dict | None) -> str:
     return f"{_num(v['mean'])} ({_num(v['ci95'][0])}–{_num(v['ci95'][1])})" if v.get("ci95") else _num(v["mean"])
 
 
+def against_ar(q: dict | None) -> str:
+    """A lossy or fine-tuned method's task metric minus the base ``ar``'s, prompt by prompt: mean (interval), ⚠ when
+    the interval lies wholly beyond the method's stated tolerance (``quality``)."""
+    if not q:
+        return "–"
+    ci = f" ({_num(q['ci95'][0], '+.3f')}–{_num(q['ci95'][1], '+.3f')})" if q.get("ci95") else ""
+    return _num(q["mean_diff"], "+.3f") + ci + (" ⚠" if q.get("flagged") else "")
+
+
 def benchmark_tables(table: dict) -> dict[str, dict]:
     """``{<benchmark>: {columns, rows}, "speed": {columns, rows}}`` of a table result."""
     out = {}
@@ -39,11 +48,14 @@ def benchmark_tables(table: dict) -> dict[str, dict]:
     for bench, b in benches.items():
         ppl = any(c.get("perplexity") is not None for c in b["methods"].values())  # a judged task's proxy
         peer = next((c["vs_peer"]["peer"] for c in b["methods"].values() if c.get("vs_peer")), None)
-        cols = [*COLUMNS[:3], *([f"× {peer} (95% CI)"] if peer else []), *COLUMNS[3:5], b.get("metric") or "metric",
-                *(["ppl (base)"] if ppl else []), *COLUMNS[6:]]
+        judged = any(c.get("quality") for c in b["methods"].values())
+        metric = b.get("metric") or "metric"
+        cols = [*COLUMNS[:3], *([f"× {peer} (95% CI)"] if peer else []), *COLUMNS[3:5], metric,
+                *([f"Δ {metric} vs ar (95% CI)"] if judged else []), *(["ppl (base)"] if ppl else []), *COLUMNS[6:]]
         rows = [[label, speed(c), _num(c["speedup_median"]), *([against_peer(c.get("vs_peer"))] if peer else []),
                  _num(c["tokens_per_forward"]),
                  _num(c["exact_match_rate"]) + (" ⚠" if c.get("flagged") else ""), _num(c["metric"], ".3f"),
+                 *([against_ar(c.get("quality"))] if judged else []),
                  *([_num(c.get("perplexity"))] if ppl else []), _num(c["ended_share"]), _num(c["loop_share"]),
                  str(c["busy"])] for label, c in b["methods"].items()]
         out[bench] = {"columns": cols, "rows": rows}
@@ -60,7 +72,8 @@ def benchmark_tables(table: dict) -> dict[str, dict]:
             # quality where the outputs are not ar's: a lossy method, or any method on a fine-tuned model (@)
             changes = c.get("exactness") not in ("tokens", "distribution") or "@" in m
             if changes and c.get("metric") is not None:
-                cell += f"; {b.get('metric')} {_num(c['metric'], '.3f')}"
+                cell += f"; {b.get('metric')} {_num(c['metric'], '.3f')}" + (" ⚠" if (c.get("quality") or {}).get(
+                    "flagged") else "")
             elif changes and c.get("perplexity") is not None:
                 cell += f"; ppl {_num(c['perplexity'])}"
             if c.get("busy"):
