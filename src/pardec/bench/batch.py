@@ -96,21 +96,27 @@ def with_ratios(data: dict) -> dict:
     """``data`` with each cell's speed against batched ``ar`` at its batch size (``vs_ar``) and against ``ar`` at
     batch 1 (``vs_ar_at_1``): the table's ratios as fields, which the pages' figures point at."""
     ar = {c["batch_size"]: c["tokens_per_s"] for c in data["cells"] if c["method"] == "ar"}
+    ar_decode = next((c.get("decode_tokens_per_s") for c in data["cells"] if c["method"] == "ar" and
+                      c["batch_size"] == 1), None)
     cells = [{**c, "vs_ar": c["tokens_per_s"] / ar[c["batch_size"]] if ar.get(c["batch_size"]) else None,
-              "vs_ar_at_1": c["tokens_per_s"] / ar[1] if ar.get(1) else None} for c in data["cells"]]
+              "vs_ar_at_1": c["tokens_per_s"] / ar[1] if ar.get(1) else None,
+              "decode_vs_ar_at_1": c["decode_tokens_per_s"] / ar_decode
+              if ar_decode and c.get("decode_tokens_per_s") is not None else None} for c in data["cells"]]
     return {**data, "cells": cells, "crossover": crossover(data["cells"])}
 
 
 def table(data: dict) -> str:
     rated = with_ratios(data)
-    lines = ["| method | batch | tokens/s | vs ar at batch | vs ar at 1 | latency mean / p50 / p95 s | tokens per "
-             "forward | EM vs ar | busy |", "|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| method | batch | tokens/s | vs ar at batch | vs ar at 1 | decode tokens/s (vs ar at 1) | latency mean / "
+             "p50 / p95 s | tokens per forward | EM vs ar | busy |", "|---|---|---|---|---|---|---|---|---|---|"]
     for c in sorted(rated["cells"], key=lambda c: (c["method"] != "ar", c["method"], c["batch_size"])):
         lat = c["latency"]
         same = "" if c["vs_ar"] is None else f"{c['vs_ar']:.2f}x"
         one = "" if c["vs_ar_at_1"] is None else f"{c['vs_ar_at_1']:.2f}x"
         em = "" if c["exact_match"] is None else f"{c['exact_match']:.2f}"
-        lines.append(f"| {c['method']} | {c['batch_size']} | {c['tokens_per_s']:.1f} | {same} | {one} | "
+        decode = "" if c.get("decode_tokens_per_s") is None else f"{c['decode_tokens_per_s']:.1f}" + (
+            "" if c["decode_vs_ar_at_1"] is None else f" ({c['decode_vs_ar_at_1']:.2f}x)")
+        lines.append(f"| {c['method']} | {c['batch_size']} | {c['tokens_per_s']:.1f} | {same} | {one} | {decode} | "
                      f"{lat['mean']:.1f} / {lat['p50']:.1f} / {lat['p95']:.1f} | {c['tokens_per_forward']:.2f} | "
                      f"{em} | {'yes' if c['busy'].get('busy') else ''} |")
     top = max((c["batch_size"] for c in rated["cells"]), default=0)
@@ -285,6 +291,7 @@ def measure(a, spec, methods, sizes, data: dict) -> int:
         same = None if ref is None or not spec.sampling.greedy else sum(x == y for x, y in zip(tokens, ref)) / len(ref)
         data["cells"].append({
             "method": label, "batch_size": b, "tokens_per_s": run.tokens_per_s, "wall_s": run.wall_s,
+            "prefill_s": run.prefill_s, "decode_tokens_per_s": run.decode_tokens_per_s,
             "tokens": run.tokens, "rounds": run.rounds, "latency": run.latency(),
             "tokens_per_forward": run.tokens / max(1, sum(res.target_forwards for res in run.results)),
             "exact_match": same, "busy": competed.record()})

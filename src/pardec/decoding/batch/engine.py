@@ -223,6 +223,8 @@ class BatchRun:
     wall_s: float
     rounds: int
     batch_size: int
+    #: of ``wall_s``, the time spent admitting requests: each prompt's prefill and first token
+    prefill_s: float = 0.0
     extras: dict[str, Any] = field(default_factory=dict)
 
     @property
@@ -232,6 +234,13 @@ class BatchRun:
     @property
     def tokens_per_s(self) -> float:
         return self.tokens / self.wall_s if self.wall_s > 0 else 0.0
+
+    @property
+    def decode_tokens_per_s(self) -> float:
+        """The tokens after each request's first over the time outside admissions: what the rounds make, without the
+        prefills, which a batch does not share (each prompt is prefilled alone)."""
+        rounds_s = self.wall_s - self.prefill_s
+        return (self.tokens - len(self.results)) / rounds_s if rounds_s > 0 else 0.0
 
     def latency(self) -> dict[str, float | None]:
         """Per-request latency from submission to the last token, seconds: mean, p50, p95."""
@@ -262,7 +271,7 @@ def run_batch(method: BatchedMethod, prompts: list[list[int]], max_new_tokens: i
     queue = deque(enumerate(prompts))
     active: list[Row] = []
     results: list[GenerationResult | None] = [None] * len(prompts)
-    rounds = 0
+    rounds, prefill = 0, 0.0
     sync(device)
     t0 = time.perf_counter()
 
@@ -284,8 +293,10 @@ def run_batch(method: BatchedMethod, prompts: list[list[int]], max_new_tokens: i
         while queue and len(active) < method.target.max_rows:
             i, prompt = queue.popleft()
             row = Row(i, [int(t) for t in prompt], Output(max_new_tokens, stop or Stopper()))
-            method.admit(row)
+            admitted = time.perf_counter()
+            method.admit(row)  # (its one host read: the clock reads after the device is done)
             row.first_s = time.perf_counter() - t0
+            prefill += t0 + row.first_s - admitted
             active.append(row)
         leave()
         if active:
@@ -293,4 +304,4 @@ def run_batch(method: BatchedMethod, prompts: list[list[int]], max_new_tokens: i
             rounds += 1
             leave()
     sync(device)
-    return BatchRun(results, time.perf_counter() - t0, rounds, method.target.max_rows)
+    return BatchRun(results, time.perf_counter() - t0, rounds, method.target.max_rows, prefill)
