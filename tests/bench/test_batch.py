@@ -82,12 +82,13 @@ def test_end_to_end_on_the_tiny_model(tmp_path, capsys):
     assert "| sps:gamma=2 | 2 |" in text and "[results/batch_test.json](results/batch_test.json)" in text
     published = json.loads((root / "docs" / "results" / "batch_test.json").read_text())
     assert published["cells"][0]["vs_ar"] == 1.0 and published["crossover"] == batch.crossover(data["cells"])
-    ratios = ("vs_ar", "vs_ar_at_1", "decode_vs_ar_at_1")
+    ratios = ("vs_ar", "vs_ar_at_1", "decode_vs_ar_at_1", "prefill_share")
     assert [{k: v for k, v in c.items() if k not in ratios} for c in published["cells"]] == data["cells"]
     for c in data["cells"]:  # the rounds' rate leaves out the prefills (admissions) and each request's first token
         assert 0 < c["prefill_s"] < c["wall_s"]
         assert c["decode_tokens_per_s"] == pytest.approx((c["tokens"] - 3) / (c["wall_s"] - c["prefill_s"]))
     assert published["cells"][0]["decode_vs_ar_at_1"] == 1.0
+    assert published["cells"][0]["prefill_share"] == pytest.approx(data["cells"][0]["prefill_s"] / data["cells"][0]["wall_s"])
     assert (root / "docs" / "img" / "batch_test.png").is_file()
     with pytest.raises(ConfigError, match="has no <!-- batch-table humaneval int8 --> ... <!-- /batch-table humaneval "
                                           "int8 --> block to fill"):

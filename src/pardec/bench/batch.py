@@ -94,14 +94,17 @@ def crossover(cells: list[dict]) -> dict[str, int | None]:
 
 def with_ratios(data: dict) -> dict:
     """``data`` with each cell's speed against batched ``ar`` at its batch size (``vs_ar``) and against ``ar`` at
-    batch 1 (``vs_ar_at_1``): the table's ratios as fields, which the pages' figures point at."""
+    batch 1 (``vs_ar_at_1``; its rounds' rate against batch-1 ``ar``'s: ``decode_vs_ar_at_1``) and the share of its
+    time in prefills (``prefill_share``): the table's ratios as fields, which the pages' figures point at."""
     ar = {c["batch_size"]: c["tokens_per_s"] for c in data["cells"] if c["method"] == "ar"}
     ar_decode = next((c.get("decode_tokens_per_s") for c in data["cells"] if c["method"] == "ar" and
                       c["batch_size"] == 1), None)
     cells = [{**c, "vs_ar": c["tokens_per_s"] / ar[c["batch_size"]] if ar.get(c["batch_size"]) else None,
               "vs_ar_at_1": c["tokens_per_s"] / ar[1] if ar.get(1) else None,
               "decode_vs_ar_at_1": c["decode_tokens_per_s"] / ar_decode
-              if ar_decode and c.get("decode_tokens_per_s") is not None else None} for c in data["cells"]]
+              if ar_decode and c.get("decode_tokens_per_s") is not None else None,
+              "prefill_share": c["prefill_s"] / c["wall_s"] if c.get("prefill_s") is not None and c["wall_s"] else None}
+             for c in data["cells"]]
     return {**data, "cells": cells, "crossover": crossover(data["cells"])}
 
 
