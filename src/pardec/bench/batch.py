@@ -110,8 +110,9 @@ def with_ratios(data: dict) -> dict:
 
 def table(data: dict) -> str:
     rated = with_ratios(data)
-    lines = ["| method | batch | tokens/s | vs ar at batch | vs ar at 1 | decode tokens/s (vs ar at 1) | latency mean / "
-             "p50 / p95 s | tokens per forward | EM vs ar | busy |", "|---|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| method | batch | tokens/s | vs ar at batch | vs ar at 1 | decode tokens/s (vs ar at 1) | "
+             "latency mean / p50 / p95 s | tokens per forward | EM vs ar | busy |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for c in sorted(rated["cells"], key=lambda c: (c["method"] != "ar", c["method"], c["batch_size"])):
         lat = c["latency"]
         same = "" if c["vs_ar"] is None else f"{c['vs_ar']:.2f}x"

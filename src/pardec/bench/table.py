@@ -18,8 +18,10 @@ writes the table from the runs finished so far. The table, ``<out>/table.json`` 
 data: command, commit, host, dtype, date, n) and ``<out>/table.md``, holds per benchmark and method: the speed
 against `ar` (the mean of the per-prompt ratios with a 95% bootstrap interval, and the median), the speed against
 the run's fastest transformers peer prompt by prompt (``vs_peer``: :func:`paired`), tokens per target forward, the
-exact-match rate against `ar` (a lossless method below 1.00 is flagged, not averaged in), the task's quality metric, the shares of answers that ended before the token limit and that loop (a token repeated 10 times in a
-row), and how many of its timed prompts ran on a busy host (:mod:`pardec.metrics.busy`);
+exact-match rate against `ar` (a lossless method below 1.00 is flagged, not averaged in), the task's quality metric
+(and where the outputs are not the base model's ``ar``'s, its difference from them: :func:`quality`), the shares of
+answers that ended before the token limit and that loop (a token repeated 10 times in a row), and how many of its
+timed prompts ran on a busy host (:mod:`pardec.metrics.busy`);
 ``<out>/plots/<benchmark>.png`` draws each benchmark (:func:`pardec.report.table.plot_benchmarks`); ``--publish``
 puts it on the pages (``docs/table.md``, its result file, raw records and figures: :mod:`pardec.bench.table_publish`).
 A method whose zoo artifact is missing is left out with a note (``make zoo`` builds it).
@@ -206,7 +208,7 @@ def cells(records: list[dict], summary: dict, max_new_tokens: int, sampled: bool
     what ``make test-stat`` checks). ``base_scores``: the base model's ``ar`` per prompt on the task metric, given
     for a fine-tuned model's run (every role's outputs then differ from the base's) and taken from the run's own
     ``ar`` otherwise (:func:`quality`)."""
-    ok = [r for r in records if not is_failed(r) and r.get("repeat", 0) == 0]
+    ok = counted(records)
     base = {r["id"]: r for r in ok if r["role"] == "baseline"}
     roles: dict[str, list[dict]] = {}
     for r in ok:
@@ -251,6 +253,11 @@ def cells(records: list[dict], summary: dict, max_new_tokens: int, sampled: bool
             c["quality"] = quality(scores(roles[role_of[label]], metric), own if base_scores is None else base_scores,
                                    METHODS.get(c["method"]).quality_tolerance if c["method"] in METHODS else 0.0)
     return out
+
+
+def counted(records: list[dict]) -> list[dict]:
+    """The records a cell counts: each prompt's first repeat, failed ones left out."""
+    return [r for r in records if not is_failed(r) and r.get("repeat", 0) == 0]
 
 
 def scores(records: list[dict], metric: str | None) -> dict[str, float]:
@@ -336,8 +343,7 @@ def add_run(table: dict, name: str, records: list[dict], summary: dict, bases: d
     entry["timed_s"] += sum(r.get("wall_s") or 0.0 for r in records)  # every role's timed decoding (not the warm-up)
     sampled = bool((table.get("sampling") or {}).get("temperature"))
     if not model:
-        bases[bench] = scores([r for r in records if r["role"] == "baseline" and not is_failed(r)
-                               and r.get("repeat", 0) == 0], summary.get("metric_name"))
+        bases[bench] = scores([r for r in counted(records) if r["role"] == "baseline"], summary.get("metric_name"))
     base = bases.get(bench, {}) if model else None
     for label, cell in cells(records, summary, table["max_new_tokens"], sampled, base).items():
         entry["methods"][f"{label}@{model}" if model else label] = cell

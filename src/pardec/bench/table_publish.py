@@ -37,8 +37,8 @@ of the peer's time over the method's on each prompt, with its interval; means ag
 methods, since a few looping prompts can weigh one up), tokens per target forward, the exact-match rate against `ar`
 (a lossless method whose outputs differ is flagged ⚠), the task metric and, where the outputs are not the base
 model's `ar`'s (a lossy method, a fine-tuned model), its per-prompt difference from that `ar`'s with its interval
-(⚠: the interval lies wholly below minus the method's paper's stated tolerance, `Decoder.quality_tolerance`), the share of answers that ended before the token limit and of those that
-loop (a token repeated ten times in a row), and the prompts timed while another process competed for the CPU
+(⚠: the interval lies wholly below minus the method's paper's stated tolerance, `Decoder.quality_tolerance`), the
+share of answers that ended before the token limit and of those that loop (a token repeated ten times in a row), and the prompts timed while another process competed for the CPU
 (busy)."""
 
 #: the name a page gives its publication: the first table marker's result file
