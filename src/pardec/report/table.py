@@ -20,25 +20,24 @@ def _num(x, fmt: str = ".2f") -> str:
     return "–" if x is None else format(x, fmt)
 
 
+def _with_ci(mean, ci, fmt: str = ".2f") -> str:
+    """``mean (low–high)``, or the mean alone without an interval."""
+    return f"{_num(mean, fmt)} ({_num(ci[0], fmt)}–{_num(ci[1], fmt)})" if ci else _num(mean, fmt)
+
+
 def speed(c: dict) -> str:
-    ci = c.get("speedup_ci95")
-    return f"{_num(c['speedup_mean'])} ({_num(ci[0])}–{_num(ci[1])})" if ci else _num(c["speedup_mean"])
+    return _with_ci(c["speedup_mean"], c.get("speedup_ci95"))
 
 
 def against_peer(v: dict | None) -> str:
     """A method's paired speed against the run's fastest transformers peer (``vs_peer``): mean (interval)."""
-    if not v:
-        return "–"
-    return f"{_num(v['mean'])} ({_num(v['ci95'][0])}–{_num(v['ci95'][1])})" if v.get("ci95") else _num(v["mean"])
+    return _with_ci(v["mean"], v.get("ci95")) if v else "–"
 
 
 def against_ar(q: dict | None) -> str:
     """A lossy or fine-tuned method's task metric minus the base ``ar``'s, prompt by prompt: mean (interval), ⚠ when
     the interval lies wholly beyond the method's stated tolerance (``quality``)."""
-    if not q:
-        return "–"
-    ci = f" ({_num(q['ci95'][0], '+.3f')}–{_num(q['ci95'][1], '+.3f')})" if q.get("ci95") else ""
-    return _num(q["mean_diff"], "+.3f") + ci + (" ⚠" if q.get("flagged") else "")
+    return _with_ci(q["mean_diff"], q.get("ci95"), "+.3f") + (" ⚠" if q.get("flagged") else "") if q else "–"
 
 
 def benchmark_tables(table: dict) -> dict[str, dict]:

@@ -133,13 +133,16 @@ class BatchedMethod:
             r.commit(a, kb)
         return Verified(acc, more, hidden)
 
-    def forward_trees(self, rows: list[Row], trees: list[Tree], max_depth: int
+    def forward_trees(self, rows: list[Row], trees: list[Tree], max_depth: int | None = None
                       ) -> tuple[TreeBuffers, torch.Tensor, list[int], torch.Tensor]:
         """One target forward over every row's tree (rooted at its last token), the trees padded to the largest
-        (:func:`~pardec.decoding.batch.verify.padded_trees`, ``max_depth`` their deepest), each row under its own
+        (:func:`~pardec.decoding.batch.verify.padded_trees`, ``max_depth`` their deepest: by default the deepest
+        tree's depth), each row under its own
         ancestor mask. Returns (the per-row buffers, the labels [n, N], the rows' lengths before it, the logits
         [n, N, V]); the caller keeps each row's accepted path (``target.keep_rows(base, paths)``)."""
         dev = self.target.device
+        if max_depth is None:
+            max_depth = max(int(t.depth.max()) for t in trees)
         buf, labels = padded_trees(trees, dev, max_depth)
         last = to_device(torch.tensor([[r.last] for r in rows], dtype=torch.long), dev)
         base = list(self.target.lengths)

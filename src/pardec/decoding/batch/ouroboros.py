@@ -129,7 +129,7 @@ class BatchedOuroboros(OuroborosState, BatchedMethod):
             phrases = self.lengthening_phrases(pool, t, room - len(t)) if t else []
             wholes.append(self.whole_phrases(pool, t, phrases) if t else [])
             trees.append(Tree.from_paths([t] + [t + list(p) for p in phrases]))  # nodes 1..k: the draft chain
-        _, _, base, logits = self.forward_trees(rows, trees, max(int(t.depth.max()) for t in trees))
+        _, _, base, logits = self.forward_trees(rows, trees)
         if self.s.greedy:
             verdicts = []
             for t, p in zip(trees, logits.argmax(-1).tolist()):  # the round's one host read

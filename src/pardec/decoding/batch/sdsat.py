@@ -110,8 +110,7 @@ class BatchedSDSAT(BatchedMethod):
             n_adapt = self.k if (depth == 0 or self.fused) and r.out.room > depth + 1 else 0
             full = with_chain(tree, anchor, adaptive_chain(self.adaptive, n_adapt)) if n_adapt else tree
             made.append((tree, anchor, depth, n_adapt, full))
-        fulls = [m[4] for m in made]
-        _, _, base, logits = self.forward_trees(rows, fulls, max(int(f.depth.max()) for f in fulls))
+        _, _, base, logits = self.forward_trees(rows, [m[4] for m in made])
         verdicts = []
         for b, (r, (tree, anchor, _, n_adapt, _)) in enumerate(zip(rows, made)):
             lists = None  # the next candidates: used only if the whole main chain is accepted (read all the same)
