@@ -137,24 +137,30 @@ def plot(data: dict, path: Path) -> None:
     from pardec.models.host import describe  # heavy: torch, transformers
 
     cells = with_ratios(data)["cells"]
-    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.2))
-    for m in dict.fromkeys(c["method"] for c in cells):
+    methods = list(dict.fromkeys(c["method"] for c in cells))
+    cols = min(3, len(methods))
+    rows = -(-len(methods) // cols)  # one legend under both panels: it covers no line
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.2 + 0.25 * rows))
+    for m in methods:
         mine = sorted((c for c in cells if c["method"] == m), key=lambda c: c["batch_size"])
         xs = [c["batch_size"] for c in mine]
         left.plot(xs, [c["tokens_per_s"] for c in mine], marker="o", label=m)
         both = [(c["batch_size"], c["vs_ar"]) for c in mine if c["vs_ar"] is not None]
         right.plot([b for b, _ in both], [v for _, v in both], marker="o", label=m)
     right.axhline(1.0, color="grey", lw=0.8, ls="--")
+    sizes = sorted({c["batch_size"] for c in cells})
     for ax, title in ((left, "aggregate tokens/s"), (right, "tokens/s vs batched ar at the same batch size")):
         ax.set_xscale("log", base=2)
+        ax.set_xticks(sizes, [str(b) for b in sizes])
+        ax.minorticks_off()
         ax.set_xlabel("batch size")
         ax.set_title(title, fontsize=10)
-        ax.legend(fontsize=8)
+    fig.legend(*left.get_legend_handles_labels(), loc="lower center", ncol=cols, fontsize=8, frameon=False)
     ident = data["identity"]
     mode = _mode(ident)
     fig.suptitle(f"{ident['model']} {ident['dtype']}{mode}, {ident['dataset']} (n={ident['n']}, {ident['max_new_tokens']} "
                  f"new tokens) -- {describe(ident['host'])}, {data['date']}", fontsize=8)
-    fig.tight_layout()
+    fig.tight_layout(rect=(0, (0.17 * rows + 0.08) / (4.2 + 0.25 * rows), 1, 1))
     fig.savefig(path, dpi=120)
     plt.close(fig)
 
