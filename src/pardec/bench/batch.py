@@ -41,6 +41,7 @@ from pardec.config import ConfigError
 from pardec.config.schema import settings_diff
 from pardec.jsonl import read_json
 from pardec.metrics.busy import CpuMeter, free_cores
+from pardec.report.batch import run_mode
 from pardec.tasks.base import DataError, build_task, select_docs
 
 FILE = "batch.json"
@@ -157,7 +158,7 @@ def plot(data: dict, path: Path) -> None:
         ax.set_title(title, fontsize=10)
     fig.legend(*left.get_legend_handles_labels(), loc="lower center", ncol=cols, fontsize=8, frameon=False)
     ident = data["identity"]
-    mode = _mode(ident)
+    mode = run_mode(ident)
     fig.suptitle(f"{ident['model']} {ident['dtype']}{mode}, {ident['dataset']} (n={ident['n']}, {ident['max_new_tokens']} "
                  f"new tokens) -- {describe(ident['host'])}, {data['date']}", fontsize=8)
     fig.tight_layout(rect=(0, (0.17 * rows + 0.08) / (4.2 + 0.25 * rows), 1, 1))
@@ -261,12 +262,6 @@ def _identity(a, spec, methods) -> dict[str, Any]:
             **({"forward": spec.run.forward_impl} if spec.run.forward_impl in ("compiled", "cudagraph") else {})}
 
 
-def _mode(ident: dict) -> str:
-    """A run's attention and forward where they are not the defaults, for its captions."""
-    return "".join(f" ({ident[k]} {what})" for k, what in (("attention", "attention"), ("forward", "forward"))
-                   if ident.get(k))
-
-
 def measure(a, spec, methods, sizes, data: dict) -> int:
     from pardec.decoding import Stopper  # heavy: torch, transformers
     from pardec.decoding.batch import build_batched, run_batch  # heavy: torch, transformers
@@ -349,7 +344,7 @@ def publish(out: Path, data: dict, root: Path, name: str) -> Path:
         raise ConfigError(f"{page} has no {start} ... {end} block to fill (add the pair where this run's table goes)")
     head, rest = text.split(start, 1)
     _, tail = rest.split(end, 1)
-    mode = _mode(ident)
+    mode = run_mode(ident)
     body = (f"{ident['model']} {ident['dtype']}{mode} on {ident['dataset']}, {ident['n']} prompts, {ident['max_new_tokens']} "
             f"new tokens, {data['date']}; host: {describe(ident['host'])}.\n\n{table(data)}\n\n"
             f"<sub>Data: [results/{name}.json](results/{name}.json)</sub>\n\n"

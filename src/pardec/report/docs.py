@@ -20,6 +20,8 @@ A markdown file marks a generated block with a pair of comments; what lies betwe
   page quotes a method's defaults and their citations without a copy that could drift from the file);
 * ``<!-- results-index -->`` ... ``<!-- /results-index -->``: every result file, grouped by topic, with its title,
   date and whether it was transcribed (docs/README.md);
+* ``<!-- batch-crossover -->`` ... ``<!-- /batch-crossover -->``: every published batch run and each method's
+  crossover batch size (:mod:`pardec.report.batch`, docs/batch.md);
 * ``<!-- leaderboard -->`` ... ``<!-- /leaderboard -->``: one row per method, a column per host class (CPU fp32, CPU
   fastest mode, GPU), each cell the entry with the highest speedup against ``ar`` among every result file's
   ``"leaderboard"`` list whose outputs equalled ``ar``'s (exact-match rate 1, or not counted: lossy methods; all
@@ -42,6 +44,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from pardec.report.batch import CROSSOVER, render_crossover
 from pardec.report.leaderboard import plot_leaderboard, render_leaderboard
 from pardec.report.markdown import DocsError, _rel, markdown_table
 from pardec.report.pins import holds, pin_problems
@@ -236,6 +239,8 @@ def blocks(md_file: Path, root: Path) -> list[Block]:
             for m in ZOO.finditer(text)]
     out += [Block(md_file, f"{name}: results index", m["body"], render_index(md_file, docs))
             for m in INDEX.finditer(text)]
+    out += [Block(md_file, f"{name}: batch crossover", m["body"], render_crossover(md_file, docs))
+            for m in CROSSOVER.finditer(text)]
     return out
 
 
@@ -248,6 +253,7 @@ def rewrite(md_file: Path, root: Path) -> bool:
     new = LEADER.sub(lambda m: m[1] + render_leaderboard(md_file, docs) + m[3], new)
     new = ZOO.sub(lambda m: m[1] + render_zoo(m["zoo"], md_file, root) + m[4], new)
     new = INDEX.sub(lambda m: m[1] + render_index(md_file, docs) + m[3], new)
+    new = CROSSOVER.sub(lambda m: m[1] + render_crossover(md_file, docs) + m[3], new)
     if new != text:
         md_file.write_text(new)
     return new != text
