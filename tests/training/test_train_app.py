@@ -93,7 +93,7 @@ def test_every_experiment_validates(name):
         assert spec.lora == {"enabled": True, "r": 32, "alpha": 64, "dropout": 0.05, "target_modules": [
             "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]} and budget.lora is None
         diff = {k: (budget.trainer.get(k), v) for k, v in spec.trainer.items() if budget.trainer.get(k) != v}
-        assert diff == {"learning_rate": (2e-4, 1e-3)}
+        assert diff == {"learning_rate": (2e-4, 1e-3), "bf16": (True, False)}  # fp32: hosts without bf16 too
     if name == "cllm_gsm8k_smollm2_copies":  # the SmolLM2 recipe with its named collection overrides, nothing else
         base = validate(_compose(["+experiment=cllm_gsm8k_smollm2"]))
         assert (spec.collect.augment, spec.collect.guess_from, spec.collect.max_prompts) == ("copies", "prompt", 480)
