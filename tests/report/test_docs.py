@@ -6,6 +6,7 @@ from pathlib import Path
 import pytest
 
 from pardec.report import docs
+from pardec.report.markdown import method_label
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -196,7 +197,8 @@ def test_the_acceptance_plot_reads_the_newest_side_by_side_and_the_held_out_eval
     (results / "eagle3_smollm2_2026-11-28.json").write_text(json.dumps(
         {"steps": 120, "drafter_eval": {"kind": "eagle3", "overall": {"chain_acceptance": [0.37, 0.17]}}}))
     assert docs.plot_acceptance(root, out) == out and out.stat().st_size > 0
-    assert docs._short("eagle3:path=/x/final:mode=chain") == "eagle3 mode=chain"
+    assert method_label("eagle3:path=/x/final:mode=chain") == method_label("eagle3:path=zoo:eagle3:mode=chain") == \
+        "eagle3 mode=chain"
 
 
 def test_a_pinned_figure_is_its_fields_and_the_readme_pins_every_figure(tmp_path, capsys):

@@ -13,7 +13,7 @@ import json
 import re
 from pathlib import Path
 
-from pardec.report.markdown import DocsError, _rel, markdown_table
+from pardec.report.markdown import DocsError, _rel, markdown_table, method_label
 
 CROSSOVER = re.compile(r"(<!-- batch-crossover -->\n)(?P<body>.*?)(<!-- /batch-crossover -->)", re.S)
 
@@ -31,13 +31,6 @@ def host_class(host: dict) -> str:
     return f"{host.get('gpu') or host.get('cpu', '?')}, {vec}"
 
 
-def _method(spec: str) -> str:
-    """A bench method spec without its drafter path: ``eagle3:path=zoo:eagle3:mode=chain`` -> ``eagle3 mode=chain``."""
-    name, _, rest = spec.partition(":")
-    opts = re.sub(r"(^|:)path=zoo:[^:]+", "", rest).strip(":")
-    return " ".join([name, *filter(None, opts.split(":"))])
-
-
 def render_crossover(md_file: Path, docs: Path) -> str:
     """One row per published batch run (newest first): date, dataset, dtype and mode, prompts x new tokens, host,
     batch sizes, batched ``ar`` at its largest batch against batch 1, each method's crossover ("never": above
@@ -52,9 +45,9 @@ def render_crossover(md_file: Path, docs: Path) -> str:
         sizes = sorted({c["batch_size"] for c in cells})
         top = [c for c in cells if c["method"] == "ar" and c["batch_size"] == sizes[-1]]
         ar_top = f"{top[0]['vs_ar_at_1']:.2f}× at {sizes[-1]}" if top and top[0].get("vs_ar_at_1") else "–"
-        cross = ", ".join(f"{_method(m)}: {b if b is not None else f'never (up to {sizes[-1]})'}"
+        cross = ", ".join(f"{method_label(m)}: {b if b is not None else f'never (up to {sizes[-1]})'}"
                           for m, b in data["crossover"].items())
-        differ = sorted({_method(c["method"]) for c in cells if c.get("exact_match") is not None
+        differ = sorted({method_label(c["method"]) for c in cells if c.get("exact_match") is not None
                          and c["exact_match"] < 1})
         rows.append((data.get("date", ""), f.name, [
             f"[{data.get('date', '?')}]({_rel(f, md_file)})", ident["dataset"], f"{ident['dtype']}{run_mode(ident)}",

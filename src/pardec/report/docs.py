@@ -46,7 +46,7 @@ from pathlib import Path
 
 from pardec.report.batch import CROSSOVER, render_crossover
 from pardec.report.leaderboard import plot_leaderboard, render_leaderboard
-from pardec.report.markdown import DocsError, _rel, markdown_table
+from pardec.report.markdown import DocsError, _rel, markdown_table, method_label
 from pardec.report.pins import holds, pin_problems
 from pardec.report.table import benchmark_tables
 from pardec.zoo import ZooError, entries
@@ -169,13 +169,6 @@ def render_index(md_file: Path, docs: Path) -> str:
                             date or "-", "yes" if m.get("transcribed") else "no"] for topic, date, f, m in rows]) + "\n"
 
 
-def _short(spec: str) -> str:
-    """A bench method spec without its drafter paths: ``eagle3:path=<dir>:mode=chain`` -> ``eagle3 mode=chain``."""
-    name, *opts = spec.split(":")
-    keep = [o for o in opts if o.split("=")[0] not in ("path", "draft")]
-    return " ".join([name, *keep])
-
-
 def plot_acceptance(root: Path, out: Path) -> Path | None:
     """Acceptance by draft position, written to ``out``: left, in decoding (the newest ``side_by_side_*.json``, its
     first dataset: the share of verification rounds that accepted at least k drafts, per method); right, held out
@@ -200,7 +193,7 @@ def plot_acceptance(root: Path, out: Path) -> Path | None:
     for spec, m in figures["methods"].items():
         acc = m.get("acceptance_by_position")
         if acc:
-            left.plot(range(1, len(acc) + 1), acc, marker="o", ms=3, label=_short(spec))
+            left.plot(range(1, len(acc) + 1), acc, marker="o", ms=3, label=method_label(spec))
     left.set_xlabel("draft position k")
     left.set_ylabel("share of rounds accepting >= k drafts")
     left.set_title(f"decoding, {dataset} ({side['date']}, {side['dtype']}, n = {figures['n_samples']})", fontsize=9)

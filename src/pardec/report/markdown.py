@@ -23,3 +23,12 @@ def markdown_table(columns: Sequence[str], rows: Sequence[Sequence[object]], cen
     lines = ["| " + " | ".join(columns) + " |", rule]
     lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
     return "\n".join(lines)
+
+
+def method_label(spec: str) -> str:
+    """A bench method spec without its drafter paths, for a label: ``eagle3:path=zoo:eagle3:mode=chain`` ->
+    ``eagle3 mode=chain`` (parameters split as :func:`pardec.evaluation.spec.split_method` splits them)."""
+    from pardec.evaluation.spec import split_method  # heavy: hydra, omegaconf
+
+    name, *params = split_method(spec)
+    return " ".join([name, *(p for p in params if p.split("=")[0] not in ("path", "draft"))])
