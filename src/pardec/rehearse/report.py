@@ -58,15 +58,9 @@ def render(doc: dict[str, Any]) -> str:
 
 
 def host() -> dict[str, Any]:
-    cpu = platform.processor()
-    flags: list[str] = []
-    try:
-        info = Path("/proc/cpuinfo").read_text()
-        cpu = next((line.split(":", 1)[1].strip() for line in info.splitlines() if line.startswith("model name")), cpu)
-        flag_line = next((line for line in info.splitlines() if line.startswith("flags")), "")
-        flags = sorted({f for f in flag_line.split() if f.startswith(("avx", "amx"))})
-    except OSError:
-        pass
+    from pardec.models.host import cpu_flags, cpu_model  # heavy: transformers
+
+    cpu, flags = cpu_model(), cpu_flags()
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO_ROOT, capture_output=True,
                             text=True).stdout.strip()
     dirty = bool(subprocess.run(["git", "status", "--porcelain"], cwd=REPO_ROOT, capture_output=True,

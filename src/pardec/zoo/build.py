@@ -142,12 +142,9 @@ def git_state() -> dict[str, Any]:
 
 
 def host() -> dict[str, Any]:
-    from pardec.models.host import cpu_model  # heavy: transformers
+    from pardec.models.host import cpu_flags, cpu_model  # heavy: transformers
 
-    flags = sorted({f for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags")
-                    for f in line.split(":", 1)[1].split() if f.startswith(("avx", "amx", "fma"))}) \
-        if Path("/proc/cpuinfo").is_file() else []
-    return {"cpu": cpu_model(), "flags": flags, "cores": os.cpu_count(), "torch": torch.__version__,
+    return {"cpu": cpu_model(), "flags": cpu_flags(), "cores": os.cpu_count(), "torch": torch.__version__,
             "python": sys.version.split()[0]}
 
 
