@@ -5,12 +5,15 @@ computed at once; the block is one non-causal forward; bad settings are refused.
 
 from __future__ import annotations
 
+import shutil
+
 import pytest
 import torch
 
 from pardec.config import ConfigError, SamplingConfig
 from pardec.decoding import build_decoder
 from pardec.decoding.dflash import ContextCache
+from pardec.decoding.tree_search import save_tree
 from pardec.models.cached import CachedModel
 from pardec.models.dflash import DFlashConfig, default_layers
 from pardec.models.drafters import load_drafter, new_drafter
@@ -204,3 +207,51 @@ def test_a_bad_draft_vocabulary_is_one_line_before_any_model(fitted, tmp_path):
 
     with pytest.raises(ConfigError, match="already predicts over a reduced vocabulary"):
         restrict_vocab(small.drafter, DraftVocab(range(4), v), lm.model.lm_head)
+
+
+#: rank paths over a block of 4's three slots: two candidates for slot 1, the top-1 chain three deep
+TREE = [[0], [1], [0, 0], [0, 1], [1, 0], [0, 0, 0]]
+
+
+@pytest.mark.parametrize("impl", ["hf", "lean"])
+def test_greedy_dflash_over_a_rank_tree_equals_ar_and_its_chain_tree_equals_the_chain(fitted, impl, tmp_path):
+    """``method.tree``: the slots' top-ranked tokens as a static tree, verified in one forward: exact, accepted
+    deep on the fitted contexts, cut to fewer slots when fewer are asked for; a tree of the top-1 chain decodes
+    exactly as the chain mode does, forward for forward."""
+    lm, path, seqs = fitted
+    cm = CachedModel(lm.model, forward_impl=impl)
+    ar = build_decoder("ar", cm, lm.tokenizer)
+    tree = str(save_tree(tmp_path / "T6.json", "T6", TREE))
+    chain = str(save_tree(tmp_path / "C3.json", "C3", [[0], [0, 0], [0, 0, 0]]))
+    fresh = torch.randint(0, lm.model.config.vocab_size, (6,), generator=torch.Generator().manual_seed(9)).tolist()
+    for prompt in (seqs[0][:3], seqs[1][:5], fresh):
+        ref = ar.generate(prompt, 30).tokens
+        res = build_decoder("dflash", cm, lm.tokenizer, None, path=str(path), tree=tree).generate(prompt, 30)
+        assert res.tokens == ref, prompt
+        assert (res.extras["tree"], res.extras["tree_nodes"]) == ("T6", 6)
+        assert res.extras["rounds"] == res.target_forwards - 1 and res.drafted <= 6 * res.extras["rounds"]
+        if prompt is not fresh:
+            assert max(res.accepted) >= 3, res.accepted
+        one = build_decoder("dflash", cm, lm.tokenizer, None, path=str(path), tree=tree, num_speculative_tokens=1)
+        cut = one.generate(prompt, 30)
+        assert cut.tokens == ref and cut.extras["tree_nodes"] == 2 and max(cut.accepted) <= 2
+        as_chain = build_decoder("dflash", cm, lm.tokenizer, None, path=str(path), tree=chain).generate(prompt, 30)
+        plain = build_decoder("dflash", cm, lm.tokenizer, None, path=str(path)).generate(prompt, 30)
+        assert as_chain.tokens == ref and as_chain.accepted == plain.accepted
+
+
+def test_a_rank_tree_in_trees_by_name_and_bad_trees_one_line(fitted, tmp_path):
+    lm, path, seqs = fitted
+    mine = tmp_path / "drafter"
+    shutil.copytree(path, mine)
+    save_tree(mine / "trees" / "T6.json", "T6", TREE)  # where the drafter's eval stage writes its searched trees
+    cm = CachedModel(lm.model, forward_impl="lean")
+    res = build_decoder("dflash", cm, None, None, path=str(mine), tree="T6").generate(seqs[0][:3], 20)
+    assert res.tokens == build_decoder("ar", cm).generate(seqs[0][:3], 20).tokens and res.extras["tree"] == "T6"
+    with pytest.raises(ConfigError, match=r"method.tree='T9' is not a tree file or a known name; choose chain, a "
+                                          r"JSON file, or one of: T6"):
+        build_decoder("dflash", None, None, None, path=str(mine), tree="T9")  # before any model
+    deep = str(save_tree(tmp_path / "D4.json", "D4", [[0], [0, 0], [0, 0, 0], [0, 0, 0, 0]]))
+    with pytest.raises(ConfigError, match="deeper|depth"):  # a block of 4 drafts 3 slots
+        build_decoder("dflash", CachedModel(lm.model), None, None, path=str(path), tree=deep)
+

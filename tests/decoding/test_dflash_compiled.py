@@ -11,12 +11,14 @@ from pardec.config import ConfigError, SamplingConfig
 from pardec.decoding import build_decoder
 from pardec.decoding.batch import build_batched
 from pardec.decoding.dflash import ContextCache
+from pardec.decoding.tree_search import save_tree
 from pardec.models.cached import CachedModel
 from pardec.models.dflash_compiled import draft_round
 from pardec.models.drafters import load_drafter, new_drafter
 from pardec.models.vocab import DraftVocab
 from tests.conftest import tiny
 from tests.decoding.drafters import _eagle_sequences, drafter_dir, drafter_params, vocab_dir
+from tests.decoding.test_dflash import TREE
 from tests.models.forward.test_compiled import needs_compiler
 
 
@@ -65,13 +67,17 @@ def test_a_compiled_round_equals_the_eager_passes(fitted):
 
 
 @needs_compiler
-def test_compiled_dflash_equals_ar_in_one_drafter_pass_a_round(fitted):
+def test_compiled_dflash_equals_ar_in_one_drafter_pass_a_round(fitted, tmp_path):
+    """Chain and rank tree (``method.tree``: the accepted path's features are the next round's pending entries),
+    the whole vocabulary and a draft vocabulary."""
     lm, path, seqs = fitted
     cm = CachedModel(lm.model, forward_impl="lean")
     ar = build_decoder("ar", cm, lm.tokenizer)
     v = int(lm.model.config.vocab_size)
     kept = sorted(set(seqs[0][:40]) | set(seqs[1][:40]) | set(range(0, v, 3)))
-    for params in ({}, {"block_size": 3}, {"draft_vocab": vocab_dir(kept, v)}):
+    tree = str(save_tree(tmp_path / "T6.json", "T6", TREE))
+    for params in ({}, {"block_size": 3}, {"draft_vocab": vocab_dir(kept, v)}, {"tree": tree},
+                   {"tree": tree, "draft_vocab": vocab_dir(kept, v)}):
         dec = build_decoder("dflash", cm, lm.tokenizer, None, path=str(path), compile=True, **params)
         for prompt in (seqs[0][:3], seqs[1][:5]):
             res = dec.generate(prompt, 30)
@@ -121,3 +127,5 @@ def test_bad_compile_values_are_refused(fitted):
         build_decoder("dflash", CachedModel(lm.model), None, None, path=str(path), compile="yes")
     with pytest.raises(ConfigError, match=r"method.compile=true is batch-1 only"):
         build_batched("dflash", lm.model, 2, 64, path=str(path), compile=True)
+    with pytest.raises(ConfigError, match=r"method.tree='T6' is batch-1 only"):
+        build_batched("dflash", lm.model, 2, 64, path=str(path), tree="T6")

@@ -28,6 +28,7 @@ Each case runs with parameters that reach its deep paths, and the test asserts t
   (:func:`dflash_deep`) accepted >= 2 deep and rejected below the root; ``dflash_vocab`` the same drafter over a
   draft vocabulary without tokens 9 and 15 (:func:`vocab_deep`: its q is 0 at the cycle's token 9, which only the
   residual can give); ``dflash_compiled`` the same drafter with ``compile=true`` (each round one compiled graph);
+  ``dflash_tree`` the same drafter's slots' top ranks as a static tree (:func:`depth3_tree`);
 * ``lookahead`` / ``pld``: pool / prompt n-grams accepted >= 2 deep.
 
 Set-up. The prompt is the target's own 3-cycle (0 -> 5 -> 9 -> 0, each step with probability 0.45-0.8 at
@@ -96,7 +97,8 @@ PROMPT = [0, 5, 9, 0, 5, 9, 0]  # the target's 3-cycle (see the module doc)
 N = {"t1": 2000, "warped": 2400}  # the power the module doc states
 FLOOR = 1e-9  # prefixes below this probability are left out of the exact joints
 #: case -> the method it runs
-METHOD_OF = {"sdsat_k5": "sdsat", "eagle3_chain": "eagle3", "dflash_vocab": "dflash", "dflash_compiled": "dflash"}
+METHOD_OF = {"sdsat_k5": "sdsat", "eagle3_chain": "eagle3", "dflash_vocab": "dflash", "dflash_compiled": "dflash",
+             "dflash_tree": "dflash"}
 PARAMS = {
     "sps": {"gamma": 3},  # tokens 2-4 drafted in the first round, token 5 its bonus
     "pld": {"max_ngram": 3, "num_pred": 4},
@@ -117,6 +119,7 @@ PARAMS = {
     "dflash": {"num_speculative_tokens": 3},  # a fitted DFlash drafter (dflash_deep), blocks of 4
     "dflash_vocab": {"num_speculative_tokens": 3},  # + draft_vocab: vocab_deep()
     "dflash_compiled": {"num_speculative_tokens": 3, "compile": True},  # the round as one compiled graph
+    "dflash_tree": {"num_speculative_tokens": 3},  # + tree: depth3_tree(), the slots' top ranks
 }
 LENGTH = {"sdsat": 7, "sdsat_k5": 7}
 GROUPS_OF = {"sdsat": ((2, 3, 4), (4, 5, 6)), "sdsat_k5": ((2, 3, 4), (4, 5, 6))}
@@ -192,6 +195,13 @@ def depth2_tree() -> str:
     """A tree file of rank paths, 2 deep (sdsat's ``tree``)."""
     return str(save_tree(Path(tempfile.mkdtemp(prefix="pardec-deep-")) / "D2.json", "D2",
                          [[0], [1], [0, 0], [0, 1], [1, 0]]))
+
+
+@functools.cache
+def depth3_tree() -> str:
+    """A tree file of rank paths, 3 deep (``dflash_tree``: candidates from the block's three slots)."""
+    return str(save_tree(Path(tempfile.mkdtemp(prefix="pardec-deep-")) / "D3.json", "D3",
+                         [[0], [1], [0, 0], [0, 1], [1, 0], [0, 0, 0], [0, 1, 0]]))
 
 
 def oracle(committed: list[int], depth: int) -> torch.Tensor:
@@ -290,7 +300,7 @@ def _tree(probe: Probe, fn, side: str = "target"):
 def instrument(method: str, dec, monkeypatch) -> Probe:
     probe = Probe()
     monkeypatch.setattr(base_mod, "verify_chain_reading", _chain_reading(probe, base_mod.verify_chain_reading))
-    for mod in (base_mod, heads_mod, lookahead_mod, sdsat_mod, eagle_mod):
+    for mod in (base_mod, heads_mod, lookahead_mod, sdsat_mod, eagle_mod, dflash_mod):
         monkeypatch.setattr(mod, "verify_tree", _tree(probe, mod.verify_tree))
     monkeypatch.setattr(eagle_mod, "verify_chain", _chain(probe, eagle_mod.verify_chain))
     monkeypatch.setattr(dflash_mod, "verify_chain", _chain(probe, dflash_mod.verify_chain))
@@ -406,6 +416,8 @@ def test_later_token_triples_follow_the_target_distribution(case, setting, monke
         params["tree"] = depth2_tree()
     if case == "dflash_vocab":
         params["draft_vocab"] = vocab_deep()
+    if case == "dflash_tree":
+        params["tree"] = depth3_tree()
     dec = build_decoder(method, CachedModel(target, forward_impl="lean"), None, draft, **params)
     probe = instrument(method, dec, monkeypatch)
     obs: dict[tuple[int, ...], Counter] = {g: Counter() for g in groups}

@@ -22,6 +22,7 @@ from pardec.decoding.heads import typical_accept
 from pardec.decoding.kseq import kseq_factors, verify_tree_iid
 from pardec.decoding.sampling import sample, warp
 from pardec.decoding.tree import Tree
+from pardec.decoding.tree_search import save_tree
 from pardec.decoding.verify import verify_chain, verify_tree
 from pardec.models.cached import CachedModel
 from pardec.testing import VirtualCUDA
@@ -420,16 +421,20 @@ def test_ouroboros_reads_the_host_once_per_forward_of_either_model(s):
     ("spectr", 2, 0),  # the k sequences grown on the device, read once per round, + the verification (before: 4.7)
     ("eagle3", 1, 0),  # the dynamic tree built on the device (DeviceTree): the verification's read only
     ("dflash", 1, 0),  # the block drafted on the device: the verification's read only
+    ("dflash_tree", 1, 0),  # the slots' top ranks relabel the rank tree on the device: the verification's read only
 ])
-def test_reads_per_forward(method, per_target, per_draft, s):
+def test_reads_per_forward(method, per_target, per_draft, s, tmp_path):
     """Host reads of whole generations on a virtual GPU, against each method's budget per forward of the target
     and of the draft (+2: the prompt and the prefill's first token). Found with ``VirtualCUDA(trace=True)``."""
     noisy(0)
+    params = {"tree": str(save_tree(tmp_path / "T.json", "T", [[0], [1], [0, 0], [0, 1], [0, 0, 0]]))} \
+        if method == "dflash_tree" else {}
+    method = method.removesuffix("_tree")
     drafter_params(method, tiny(0).model)  # (a drafter fitted on the CPU, before the model is placed)
     with VirtualCUDA(trace=True) as vc:
         vc.place(tiny(0).model)
         vc.place(noisy(0))
-        _, run = _generate(method, s, n=24)
+        _, run = _generate(method, s, n=24, **params)
         res = run()
     assert len(res.tokens) == 24
     reads = sum(n for name, n in vc.syncs.items() if name not in ("cuda.Event.synchronize", "cuda.synchronize"))
@@ -479,22 +484,26 @@ def test_confirm_keeps_accepted_proposals_as_host_values_and_drops_the_rest():
 
 
 @pytest.mark.parametrize("method", ["ar", "pld", "sps", "lookahead", "jacobi", "medusa", "firp", "sdsat", "mjsd",
-                                    "mjgd", "spectr", "bild", "ouroboros", "eagle3", "dflash"])
+                                    "mjgd", "spectr", "bild", "ouroboros", "eagle3", "dflash", "dflash_tree"])
 @pytest.mark.slow
-def test_no_blocking_upload_per_step(method):
+def test_no_blocking_upload_per_step(method, tmp_path):
     """Host tensors reach the device through pinned memory without blocking (``pardec.models.cached.to_device``):
     a plain upload from pageable memory makes the host wait for the stream, which the H200 smoke counted as one to
     two syncs per step (ids, positions, masks, tree labels, drafts made on the host). Left: the prompt's upload,
     the cache's rare growth and, for tree drafters, a rank tree per depth (built once), a handful per generation
     whatever its length."""
     noisy(0)
+    params = {"tree": str(save_tree(tmp_path / "T.json", "T", [[0], [1], [0, 0], [0, 1], [0, 0, 0]]))} \
+        if method == "dflash_tree" else {}
+    method = method.removesuffix("_tree")
     drafter_params(method, tiny(0).model)  # (a drafter fitted on the CPU, before the model is placed)
     with VirtualCUDA() as vc:
         vc.place(tiny(0).model)
         vc.place(noisy(0))
-        dec, run = _generate(method, GREEDY, n=24)
+        dec, run = _generate(method, GREEDY, n=24, **params)
         before = sum(vc.uploads.values())  # (loading a drafter's weights onto the device is not a step)
         res = run()
     assert len(res.tokens) == 24
-    per_shape = dec.k + 1 if method in ("medusa", "firp") else 0  # (the heads' rank trees, one per depth, once)
+    # (the rank trees, one per depth, built once: the heads' k + 1, DFlash's as the room left cuts it at the end)
+    per_shape = dec.k + 1 if method in ("medusa", "firp") else 4 if params else 0
     assert sum(vc.uploads.values()) - before <= 4 + per_shape, dict(vc.uploads)

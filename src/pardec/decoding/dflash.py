@@ -23,7 +23,13 @@ committed tokens' fused features (preallocated for the prompt and ``max_new_toke
 Exactness: ``distribution`` (greedy output equals ``ar``; sampled output is distributed as the target's). Drafting
 reads nothing back; each round's one host read is the verification's. ``block_size`` below the trained one drafts
 from a shorter block (fewer mask slots: cheaper on a CPU, off the training distribution); above it is refused.
-``draft_vocab`` (beyond the paper: EAGLE-3's reduced draft vocabulary applied at decoding) drafts over another
+``tree`` (beyond the paper, whose reference verifies the block as a chain): the slots' distributions are K ranked
+candidate lists, as Medusa's heads are (each slot reads the context and the anchor token, not the drafts before it),
+so a static tree of their ranks (``<path>/trees/T<budget>.json``, searched by the drafter's eval stage from its
+held-out rank accuracies, or a tree file) is verified in one target forward instead (the shared tree rule:
+:func:`~pardec.decoding.verify.verify_tree`; deterministic candidates, so exactness stays ``distribution``); the
+accepted path's features join the context cache. ``draft_vocab`` (beyond the paper: EAGLE-3's reduced draft
+vocabulary applied at decoding) drafts over another
 drafter's vocabulary through the target head's rows at its ids (:func:`~pardec.models.dflash.restrict_vocab`): a
 head K/V as costly, each kept id's logit the whole head's; under sampling the drafts' ``q`` is 0 outside it, which
 the verification's rule allows (the output's distribution is unchanged).
@@ -31,14 +37,17 @@ the verification's rule allows (the output's distribution is unchanged).
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 
 from pardec.config import ConfigError, SamplingConfig
 from pardec.decoding.base import Decoder, DraftClock, GenerationResult, Stopper, check_range, register_method
 from pardec.decoding.features import begin_with_features
 from pardec.decoding.sampling import sample, warp
-from pardec.decoding.verify import verify_chain
-from pardec.models.cached import CachedModel
+from pardec.decoding.tree_search import RankTree, resolve_tree, truncate_paths
+from pardec.decoding.verify import verify_chain, verify_tree
+from pardec.models.cached import CachedModel, to_device
 from pardec.models.dflash import DFlashDraft, restrict_vocab
 from pardec.models.dflash_compiled import draft_round
 from pardec.models.dflash_formats import load_dflash
@@ -128,13 +137,16 @@ class DFlash(Decoder):
     (``pardec.models.drafters.place``; null: fp32); ``draft_vocab``: a drafter whose draft vocabulary the drafts are
     restricted to (a directory or ``zoo:<name>``, e.g. ``zoo:eagle3``; null: the drafter's own, module docstring);
     ``compile``: each round's drafter work (the committed tokens' context entries, then the block) as one
-    ``torch.compile`` graph (:mod:`pardec.models.dflash_compiled`; one drafter pass a round instead of two)."""
+    ``torch.compile`` graph (:mod:`pardec.models.dflash_compiled`; one drafter pass a round instead of two);
+    ``tree``: ``chain`` (the paper's) or a static tree over the slots' ranks, a name in ``<path>/trees`` or a tree
+    file (module docstring), cut to ``num_speculative_tokens`` slots."""
 
     exactness = "distribution"
 
     def __init__(self, target: CachedModel, tokenizer=None, draft=None, path: str | None = None,
                  block_size: int | None = None, num_speculative_tokens: int | None = None,
-                 int8_weights: str | None = "per_token", draft_vocab: str | None = None, compile: bool = False):
+                 int8_weights: str | None = "per_token", draft_vocab: str | None = None, compile: bool = False,
+                 tree: str = "chain"):
         drafter = draft if isinstance(draft, DFlashDraft) else None
         check_int8_weights(int8_weights)
         vocab = draft_vocab_of(draft_vocab)
@@ -148,12 +160,18 @@ class DFlash(Decoder):
                               "python -m train +experiment=dflash_smollm2)")
         self.block_size, self.num_speculative_tokens, self.draft_vocab = block_size, num_speculative_tokens, draft_vocab
         self.compile = compile
+        tree_dirs = [Path(path) / "trees"] if path is not None else []
+        # checked before any model loads (every tree is valid at some depth: the drafter's block bounds it below)
+        self.tree_name, paths = resolve_tree(tree, tree_dirs, 1023)
         if target is None:
             return
         if drafter is None:
             drafter = load_dflash_for(path, target.config)
         c = drafter.config
         self.width, self.n = block_shape(c, target.config, block_size, num_speculative_tokens)
+        # a tree deeper than the drafter's block is refused; one deeper than the slots asked for is cut to them
+        self.ranks = None if self.tree_name == "chain" else \
+            RankTree(truncate_paths(resolve_tree(tree, tree_dirs, c.block_size - 1)[1], self.n))
         self.drafter = decoding_drafter(drafter, target.model, target.device, int8_weights, vocab)
         why = compiler_missing(next(self.drafter.parameters()).device) if compile else None
         if why is not None:
@@ -163,23 +181,50 @@ class DFlash(Decoder):
         self.head = target.model.get_output_embeddings()  # (a module: what a compiled round traces)
         self.clock = DraftClock()
 
-    def _propose(self, cache: ContextCache, last: torch.Tensor, start: int, n: int, s: SamplingConfig,
-                 gen: torch.Generator | None, pending: torch.Tensor | None = None,
-                 ) -> tuple[torch.Tensor, torch.Tensor | None, int]:
-        """The block after ``last`` [1] at ``start``: (drafts [n], their warped distributions [n, V] under sampling
-        (None greedy), forwards); compiled, ``pending``'s context entries are appended first, in the same graph."""
+    def _slots(self, cache: ContextCache, last: torch.Tensor, start: int, n: int,
+               pending: torch.Tensor | None = None) -> torch.Tensor:
+        """The block after ``last`` [1] at ``start``: slots 1 .. n's logits [n, V] (or [n, K]: a draft vocabulary);
+        compiled, ``pending``'s context entries are appended first, in the same graph."""
         d = self.drafter
         x = d.block_inputs(self.embed, last, self.width)  # [1, W, H]
         if self.compile:
-            logits = draft_round(d, self.head, cache, pending, x)[:n]
-        else:
-            pos = torch.arange(start, start + self.width, device=last.device)
-            out = d(x, pos, cache.view())
-            logits = d.logits(out[0, 1 : n + 1], self.target.lm_head)  # [n, V] (or [n, K]: a draft vocabulary)
+            return draft_round(d, self.head, cache, pending, x)[:n]
+        pos = torch.arange(start, start + self.width, device=last.device)
+        out = d(x, pos, cache.view())
+        return d.logits(out[0, 1 : n + 1], self.target.lm_head)
+
+    def _propose(self, cache: ContextCache, last: torch.Tensor, start: int, n: int, s: SamplingConfig,
+                 gen: torch.Generator | None, pending: torch.Tensor | None = None,
+                 ) -> tuple[torch.Tensor, torch.Tensor | None, int]:
+        """(the drafts [n] of :meth:`_slots`, their warped distributions [n, V] under sampling (None greedy),
+        forwards)."""
+        d = self.drafter
+        logits = self._slots(cache, last, start, n, pending)
         if s.greedy:
             return d.to_target(logits.argmax(-1)), None, 1
         q = warp(d.full_logits(logits), s)
         return sample(q, gen)[:, 0], q, 1
+
+    def _tree_round(self, st, cache: ContextCache, last: int, pending: torch.Tensor | None,
+                    ) -> tuple[list[int], torch.Tensor, int]:
+        """One round over the rank tree: (the committed tokens, the accepted path's features [len, K * H_t], the
+        tree's drafted nodes)."""
+        tgt, dev = self.target, st.ids.device
+        depth = min(self.n, st.out.room - 1)
+        base = tgt.length
+
+        def propose():
+            slots = self._slots(cache, torch.full((1,), last, dtype=torch.long, device=dev), base, depth, pending)
+            return self.ranks.candidates(slots, depth, self.drafter.to_target), 1
+
+        tree = self.clock.run(st, propose)[0] if depth > 0 else self.ranks.cut(0, dev)[0]
+        out = tgt.forward(tree.tokens(last, dev)[None], tree.positions(base, dev), tree.on(dev).attend,
+                          hidden_layer=self.layers)
+        st.target_forwards += 1
+        verdict = verify_tree(tree, out.logits[0], st.s, st.gen)
+        tgt.keep(verdict.path)
+        path = to_device(torch.tensor(verdict.path), dev)  # (not a blocking upload: pinned)
+        return verdict.tokens, out.hidden[0].index_select(0, path), len(tree) - 1
 
     @torch.inference_mode()
     def generate(self, prompt_ids, max_new_tokens: int, stop: Stopper | None = None,
@@ -189,6 +234,8 @@ class DFlash(Decoder):
         cache = ContextCache(self.drafter, st.ids.shape[1] + max_new_tokens + 1, dev, self.drafter.dtype,
                              self.width if self.compile else 0)
         self.clock.run(st, cache.append, features)
+        if self.ranks is not None:
+            return self._generate_tree(st, cache, last)
         pending = None  # compiled: the committed tokens' features, appended by the next round's graph
         drafted = accepted = 0
         by_slot = [0] * self.n  # rounds whose draft at slot k + 1 was accepted
@@ -224,3 +271,30 @@ class DFlash(Decoder):
                   "draft_vocab_size": self.drafter.config.draft_vocab_size or self.drafter.config.vocab_size}
         return self._result(st, extras, draft_forwards=self.clock.forwards, draft_s=self.clock.seconds,
                             drafted=drafted, draft_accepted=accepted)
+
+    def _generate_tree(self, st, cache: ContextCache, last: int) -> GenerationResult:
+        pending = None
+        drafted = accepted = rounds = 0
+        by_slot = [0] * self.n  # rounds whose accepted path reached slot k + 1
+        while not st.out.done:
+            tokens, features, nodes = self._tree_round(st, cache, last, pending)
+            drafted += nodes
+            accepted += len(tokens) - 1
+            rounds += 1
+            for k in range(len(tokens) - 1):
+                by_slot[k] += 1
+            st.out.commit(tokens)
+            last = tokens[-1]
+            if st.out.done:
+                break
+            if self.compile:
+                pending = features
+            else:
+                self.clock.run(st, cache.append, features)
+        extras = {"block_size": self.width, "num_speculative_tokens": self.n, "rounds": rounds,
+                  "accepted_by_slot": by_slot, "tree": self.tree_name,
+                  "tree_nodes": len(self.ranks.cut(self.n, "cpu")[0]) - 1,
+                  "draft_vocab_size": self.drafter.config.draft_vocab_size or self.drafter.config.vocab_size}
+        return self._result(st, extras, draft_forwards=self.clock.forwards, draft_s=self.clock.seconds,
+                            drafted=drafted, draft_accepted=accepted)
+

@@ -40,7 +40,7 @@ from pardec.config import ConfigError, SamplingConfig, check_choice
 from pardec.decoding.base import Decoder, GenerationResult, Stopper, _Run, check_range, register_method
 from pardec.decoding.sampling import sample, warp
 from pardec.decoding.tree import Tree
-from pardec.decoding.tree_search import resolve_tree, truncate_paths
+from pardec.decoding.tree_search import RankTree, resolve_tree, truncate_paths
 from pardec.decoding.verify import TreeVerdict, read_verdict, verify_tree
 from pardec.models.cached import CachedModel
 from pardec.models.drafters import check_int8_weights, load_drafter, place, read_meta
@@ -75,7 +75,7 @@ class TreeDrafter(Decoder):
         # a tree deeper than the drafter's K is an error; one deeper than a smaller ``k`` asked for is cut to it
         self.tree_name, paths = resolve_tree(tree, [Path(path) / "trees"], int(meta["k"]))
         self.paths = truncate_paths(paths, self.k)
-        self._rank_trees: dict[tuple[int, torch.device], tuple[Tree, torch.Tensor, int]] = {}
+        self.ranks = RankTree(self.paths)
         if target is not None:
             self.drafter, self.meta = load_drafter(path, target.config, self.kind, key=key)
             # it reads what the LM head reads
@@ -93,25 +93,9 @@ class TreeDrafter(Decoder):
         return verify_tree(tree, logits, st.s, st.gen)
 
     # ------------------------------------------------------------------ shared
-    def _ranks(self, depth: int, device: torch.device) -> tuple[Tree, torch.Tensor, int]:
-        """The rank tree cut to ``depth`` (built once per depth: its device buffers too, shared by every step's
-        relabelled tree), the (depth - 1, rank) of each non-root node [2, N-1] on ``device``, the ranks needed."""
-        key = (depth, device)
-        if key not in self._rank_trees:
-            ranks = Tree.from_paths(truncate_paths(self.paths, depth))
-            at = torch.tensor([[int(d) - 1 for d in ranks.depth[1:]], ranks.labels[1:]], dtype=torch.long)
-            self._rank_trees[key] = (ranks, at.to(device), max(ranks.labels[1:], default=-1) + 1)
-        return self._rank_trees[key]
-
     def candidates(self, drafts: torch.Tensor, depth: int) -> Tree:
-        """The tree of top-ranked draft tokens: the rank paths (cut to ``depth``) with ranks replaced by tokens,
-        as a [N] tensor on the drafts' device (nothing read back: siblings hold distinct ranks of one
-        distribution, hence distinct tokens)."""
-        ranks, at, need = self._ranks(depth, drafts.device)
-        if len(ranks) == 1:
-            return ranks
-        top = drafts[: max(1, depth)].topk(min(need, drafts.shape[-1]), dim=-1).indices  # [depth, need]
-        return ranks.relabel(torch.cat([top.new_full((1,), -1), top[at[0], at[1]]]))
+        """The tree of the drafts' top-ranked tokens, the rank paths cut to ``depth`` (:class:`RankTree`)."""
+        return self.ranks.candidates(drafts, depth)
 
     @torch.inference_mode()
     def generate(self, prompt_ids, max_new_tokens: int, stop: Stopper | None = None,

@@ -36,6 +36,7 @@ from typing import Any
 import torch
 
 from pardec.config import ConfigError
+from pardec.decoding.tree import Tree
 
 TREE_FORMAT = "pardec-tree"
 TREE_VERSION = 1
@@ -378,3 +379,38 @@ def resolve_tree(
     raise ConfigError(
         f"{key}={spec!r} is not a tree file or a known name; choose chain, a JSON file, or {choices} (in {dirs})"
     )
+
+
+# ---------------------------------------------------------------------------------------------- candidates
+class RankTree:
+    """A static tree of rank ``paths`` over K ranked candidate lists (Medusa's heads, FIRP's projections, DFlash's
+    slots) and, each step, the tree of tokens it makes of K distributions: path ``(r1, ..., rd)``'s node holds the
+    ``r_d``-th ranked token of distribution ``d``."""
+
+    def __init__(self, paths: list[list[int]]):
+        self.paths = paths
+        self._cut: dict[tuple[int, torch.device], tuple[Tree, torch.Tensor, int]] = {}
+
+    def cut(self, depth: int, device: torch.device | str) -> tuple[Tree, torch.Tensor, int]:
+        """The rank tree cut to ``depth`` (built once per depth and device: its device buffers too, shared by every
+        step's relabelled tree), the (depth - 1, rank) of each non-root node [2, N-1] on ``device``, the ranks
+        needed."""
+        key = (depth, torch.device(device))
+        if key not in self._cut:
+            ranks = Tree.from_paths(truncate_paths(self.paths, depth))
+            at = torch.tensor([[int(d) - 1 for d in ranks.depth[1:]], ranks.labels[1:]], dtype=torch.long)
+            self._cut[key] = (ranks, at.to(device), max(ranks.labels[1:], default=-1) + 1)
+        return self._cut[key]
+
+    def candidates(self, drafts: torch.Tensor, depth: int, to_target=None) -> Tree:
+        """The tree of top-ranked tokens of ``drafts`` [K, V] (cut to ``depth``), its labels a [N] tensor on the
+        drafts' device (nothing read back: siblings hold distinct ranks of one distribution, hence distinct
+        tokens). ``to_target``: maps the drafts' ids to the target's (a reduced draft vocabulary)."""
+        ranks, at, need = self.cut(depth, drafts.device)
+        if len(ranks) == 1:
+            return ranks
+        top = drafts[: max(1, depth)].topk(min(need, drafts.shape[-1]), dim=-1).indices  # [depth, need]
+        if to_target is not None:
+            top = to_target(top)
+        return ranks.relabel(torch.cat([top.new_full((1,), -1), top[at[0], at[1]]]))
+

@@ -14,6 +14,7 @@ import torch.nn.functional as F
 
 from pardec.config import ConfigError
 from pardec.decoding import build_decoder
+from pardec.decoding.tree_search import load_tree
 from pardec.models.cached import CachedModel
 from pardec.models.drafters import load_drafter, new_drafter
 from pardec.models.vocab import DraftVocab
@@ -190,6 +191,19 @@ def test_tiny_end_to_end(tmp_path):
     assert ev["kind"] == "dflash" and ev["block_size"] == 4 and ev["steps"] == 3 and ev["positions"] > 0
     assert len(o["conditional_acceptance"]) == 3
     assert o["expected_tokens_per_forward"] == pytest.approx(1 + sum(o["chain_acceptance"]))
+    # each slot's rank accuracies (rank 0: its top-1 agreement), pooled over the sources, and the trees searched
+    # from them into final/trees, which method.tree loads
+    ranks = o["rank_accuracy"]
+    assert len(ranks) == 3 and all(len(r) == ev["topk"] for r in ranks)
+    assert [r[0] for r in ranks] == pytest.approx(o["top1_agreement"])
+    assert [sum(r) for r in ranks] == pytest.approx(o["topk_containment"])
+    parts = list(ev["per_dataset"].values())
+    assert o["counts"]["rank"] == [[sum(p["counts"]["rank"][d][r] for p in parts) for r in range(ev["topk"])]
+                                   for d in range(3)]
+    for b in (16, 32, 63):
+        tree = load_tree(run_dir / "final" / "trees" / f"T{b}.json", 3)
+        assert 1 <= len(tree.paths) <= b and ev["trees"][f"T{b}"]["nodes"] == len(tree.paths)
+    assert ev["trees"]["chain"]["expected_accept_length"] <= ev["trees"]["T63"]["expected_accept_length"]
     # the logged per-slot loss is the cross-entropy to the label, named so (the other types log a KL)
     logged = [h for h in json.loads((run_dir / "log_history.json").read_text()) if "top1" in h]
     assert logged and all({"ce", "ce_d1", "ce_d3", "top1_d3"} <= set(h) and "kl" not in h and "kl_d1" not in h

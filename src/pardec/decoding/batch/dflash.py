@@ -24,15 +24,18 @@ from pardec.models.ragged import RaggedKV
 @register_batched("dflash")
 class BatchedDFlash(BatchedMethod):
     """``path``, ``block_size``, ``num_speculative_tokens``, ``int8_weights``, ``draft_vocab``: as batch-1
-    ``dflash``'s (null: the drafter's trained block, ``block_size - 1`` drafts, its own vocabulary); ``compile``:
-    batch-1 only (refused when true)."""
+    ``dflash``'s (null: the drafter's trained block, ``block_size - 1`` drafts, its own vocabulary); ``compile`` and a
+    ``tree`` other than ``chain``: batch-1 only (refused)."""
 
     def __init__(self, target, tokenizer=None, draft=None, path: str | None = None, block_size: int | None = None,
                  num_speculative_tokens: int | None = None, int8_weights: str | None = "per_token",
-                 draft_vocab: str | None = None, compile: bool = False):
+                 draft_vocab: str | None = None, compile: bool = False, tree: str = "chain"):
         if compile is not False:
             raise ConfigError(f"method.compile={str(compile).lower()} is batch-1 only: the compiled DFlash round "
                               f"runs one row (batch_size=1, or method.compile=false)")
+        if tree != "chain":
+            raise ConfigError(f"method.tree={tree!r} is batch-1 only: a batched DFlash verifies each row's block as a "
+                              f"chain (batch_size=1, or method.tree=chain)")
         super().__init__(target, tokenizer, draft)
         check_int8_weights(int8_weights)
         vocab = draft_vocab_of(draft_vocab)

@@ -21,8 +21,7 @@ from pardec.decoding.batch.engine import BatchedMethod, Row, register_batched
 from pardec.decoding.batch.verify import verify_trees
 from pardec.decoding.heads import check_typical, typical_accept
 from pardec.decoding.sampling import select
-from pardec.decoding.tree import Tree
-from pardec.decoding.tree_search import resolve_tree, truncate_paths
+from pardec.decoding.tree_search import RankTree, resolve_tree
 from pardec.models.cache import to_device
 from pardec.models.drafters import check_int8_weights, load_drafter, place, read_meta
 
@@ -48,12 +47,9 @@ class BatchedTreeDrafter(BatchedMethod):
             check_range("k", k, 1, int(meta["k"]))
         self.k = k or int(meta["k"])
         self.tree_name, paths = resolve_tree(tree, [Path(path) / "trees"], int(meta["k"]))
-        self.ranks = Tree.from_paths(truncate_paths(paths, self.k))
+        self.ranks, self.at, self.need = RankTree(paths).cut(self.k, "cpu")
         self.drafter, _ = load_drafter(path, target.model.config, self.kind, key="method.path")
         self.drafter = place(self.drafter, target.model, target.device, int8_weights)
-        ranks = self.ranks
-        self.at = torch.tensor([[int(d) - 1 for d in ranks.depth[1:]], ranks.labels[1:]], dtype=torch.long)
-        self.need = max(ranks.labels[1:], default=-1) + 1
         self.drafts: torch.Tensor | None = None  # [rows, k, V]: each row's drafts after its last accepted node
 
     @property

@@ -230,10 +230,13 @@ def acceptance(base, drafter, records: list[dict], block: int, topk: int = 10, c
     accepted when it equals ``x_{a+k}`` and slots ``1 .. k - 1`` were accepted (decoding's chain rule: the target's
     greedy tokens are the record's). A slot counts while its token is in the record. The figures of
     :func:`pardec.training.drafter.heldout.summarise` with ``steps = block - 1`` (``expected_tokens_per_forward`` =
-    1 + the mean accepted run)."""
+    1 + the mean accepted run), and each slot's rank accuracies (how often the record's token is the slot's rank-r
+    draft, r < ``topk``, whatever the slots before it drafted: the independence model of a static tree's search,
+    :func:`pardec.decoding.tree_search.search_tree`)."""
     device = next(base.parameters()).device
     s = block - 1
     acc_rows, valid_rows, top_rows, top1_rows = [], [], [], []
+    rank = torch.zeros(s, topk, dtype=torch.long)  # [slot, r]: anchors whose true token is the slot's rank-r draft
     same = anchors_n = 0
     for r in records:
         full = list(r["prompt_ids"]) + list(r["completion_ids"])
@@ -255,7 +258,9 @@ def acceptance(base, drafter, records: list[dict], block: int, topk: int = 10, c
             hit = top[..., 0] == true
             acc_rows.append(hit.long().cumprod(1).bool())
             valid_rows.append(valid)
-            top_rows.append((top == true[..., None]).any(-1))
+            at = (top == true[..., None]) & valid[..., None]  # [A, S, topk]
+            rank[:, : at.shape[-1]] += at.sum(0)
+            top_rows.append(at.any(-1))
             top1_rows.append(hit)
             same += int((tp.logits[0, a[0]].argmax(-1).cpu() == truth[anchors + 1]).sum())
             anchors_n += len(anchors)
@@ -266,7 +271,8 @@ def acceptance(base, drafter, records: list[dict], block: int, topk: int = 10, c
     prev = torch.cat([valid[:, :1], acc[:, :-1]], 1)
     counts = {"valid": valid.sum(0).tolist(), "accepted": (acc & valid).sum(0).tolist(),
               "reached": (prev & valid).sum(0).tolist(), "topk": (top & valid).sum(0).tolist(),
-              "top1": (top1 & valid).sum(0).tolist(), "anchors": anchors_n, "target_matches": same}
+              "top1": (top1 & valid).sum(0).tolist(), "rank": rank.tolist(), "anchors": anchors_n,
+              "target_matches": same}
     return summarise(counts, s, topk)
 
 

@@ -12,17 +12,24 @@ def summarise(counts: dict, steps: int, topk: int) -> dict:
         return [counts[key][d] / max(den[d], 1) for d in range(steps)]
 
     chain = rate("accepted")
+    ranks = {"rank_accuracy": [[c / max(valid[d], 1) for c in counts["rank"][d]] for d in range(steps)]} \
+        if "rank" in counts else {}
     return {"anchors": counts["anchors"], "steps": steps, "topk": topk, "valid_per_depth": valid,
             "conditional_acceptance": rate("accepted", counts["reached"]), "chain_acceptance": chain,
             "expected_tokens_per_forward": 1.0 + sum(chain), "topk_containment": rate("topk"),
             "top1_agreement": rate("top1"),
-            "target_matches_record": counts["target_matches"] / max(counts["anchors"], 1), "counts": counts}
+            "target_matches_record": counts["target_matches"] / max(counts["anchors"], 1), **ranks, "counts": counts}
 
 
 def merge_acceptance(parts: list[dict]) -> dict:
     """Pool per-dataset ``acceptance`` results (their counts summed)."""
     steps, topk = parts[0]["steps"], parts[0]["topk"]
-    keys = parts[0]["counts"]
-    counts = {k: (sum(p["counts"][k] for p in parts) if isinstance(v, int)
-                  else [sum(p["counts"][k][d] for p in parts) for d in range(steps)]) for k, v in keys.items()}
+    counts = {k: _sum([p["counts"][k] for p in parts]) for k in parts[0]["counts"]}
     return summarise(counts, steps, topk)
+
+
+def _sum(values: list):
+    """Elementwise sum of equally shaped counts (ints, or lists of them, nested)."""
+    if isinstance(values[0], list):
+        return [_sum(list(col)) for col in zip(*values, strict=True)]
+    return sum(values)

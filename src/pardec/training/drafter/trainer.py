@@ -48,6 +48,7 @@ from __future__ import annotations
 import json
 import logging
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 from transformers import PretrainedConfig
@@ -321,10 +322,10 @@ def continuation_facts(history: list[dict], this: dict, init_from: str | None) -
 
 
 def evaluate_chain(spec, run_dir, lm, drafter, final) -> dict:
-    """The eval stage of the drafters that draft a chain (no tree search), per source and pooled, into
-    ``<run>/drafter_eval.json``: EAGLE-3's held-out chain acceptance by depth
-    (:func:`pardec.training.drafter.eagle.acceptance`; it drafts its tree dynamically), DFlash's acceptance by block
-    position (:func:`pardec.training.drafter.dflash.acceptance`)."""
+    """The eval stage of the drafters that draft a chain, per source and pooled, into ``<run>/drafter_eval.json``:
+    EAGLE-3's held-out chain acceptance by depth (:func:`pardec.training.drafter.eagle.acceptance`; it drafts its
+    tree dynamically), DFlash's acceptance by block position (:func:`pardec.training.drafter.dflash.acceptance`) and
+    the static trees searched over its slots' ranks (:func:`write_trees`; beyond the paper, which verifies a chain)."""
     kind = drafter.kind
     result: dict = {"drafter": str(final), "kind": kind, "target": spec.model.name,
                     "layer_ids": drafter.config.layer_ids, "parameters": num_parameters(drafter), "topk": spec.topk,
@@ -340,6 +341,8 @@ def evaluate_chain(spec, run_dir, lm, drafter, final) -> dict:
     result["overall"] = merge_acceptance(parts)
     result["positions"] = result["overall"]["anchors"]
     result["expected_tokens_per_forward"] = result["overall"]["expected_tokens_per_forward"]
+    if "rank_accuracy" in result["overall"]:  # DFlash: its slots are static candidates (method.tree)
+        result["trees"] = write_trees(spec, final, kind, result["overall"]["rank_accuracy"], result["positions"])
     (run_dir / "drafter_eval.json").write_text(json.dumps(result, indent=2) + "\n")
     return result
 
@@ -384,15 +387,21 @@ def evaluate_drafter(spec, run_dir) -> dict:
     overall = accuracy_report(ranks, valid, spec.topk)
     result["overall"] = overall
     result["positions"] = overall["positions"]
-    acc = overall["rank_accuracy"]
-    result["trees"] = {"chain": {"nodes": drafter.k,
-                                 "expected_accept_length": expected_accept_length(acc, chain_paths(drafter.k))}}
+    result["trees"] = write_trees(spec, final, kind, overall["rank_accuracy"], overall["positions"])
+    (run_dir / "drafter_eval.json").write_text(json.dumps(result, indent=2) + "\n")
+    return result
+
+
+def write_trees(spec, final: Path, kind: str, acc: list[list[float]], positions: int) -> dict:
+    """The static trees searched for ``spec.budgets`` from held-out rank accuracies ``acc`` [depth][rank]
+    (``<final>/trees/T<budget>.json``, what ``method.tree=T<budget>`` loads), and the chain's figure beside them."""
+    depth = len(acc)
+    trees = {"chain": {"nodes": depth, "expected_accept_length": expected_accept_length(acc, chain_paths(depth))}}
     source = {"drafter": str(final), "kind": kind, "target": spec.model.name, "experiment": spec.experiment,
-              "positions": overall["positions"], "topk": spec.topk}
+              "positions": positions, "topk": spec.topk}
     for b in spec.budgets:
         paths = search_tree(acc, b)
         f = save_tree(final / "trees" / f"T{b}.json", f"T{b}", paths, acc, {**source, "budget": b})
-        result["trees"][f"T{b}"] = {"nodes": len(paths), "expected_accept_length": expected_accept_length(acc, paths),
-                                    "file": str(f)}
-    (run_dir / "drafter_eval.json").write_text(json.dumps(result, indent=2) + "\n")
-    return result
+        trees[f"T{b}"] = {"nodes": len(paths), "expected_accept_length": expected_accept_length(acc, paths),
+                          "file": str(f)}
+    return trees
