@@ -205,6 +205,24 @@ class DFlash(Decoder):
         q = warp(d.full_logits(logits), s)
         return sample(q, gen)[:, 0], q, 1
 
+    def _chain_round(self, st, cache: ContextCache, last: int, pending: torch.Tensor | None,
+                     ) -> tuple[list[int], torch.Tensor, int]:
+        """One round of the chain (the paper's): (the committed tokens, their features [len, K * H_t] (``last``'s and
+        the accepted drafts'), the drafts verified)."""
+        tgt, dev = self.target, st.ids.device
+        n = min(self.n, st.out.room - 1)  # the target's token after the drafts always comes too
+        base = tgt.length
+        last_t = torch.full((1,), last, dtype=torch.long, device=dev)
+        if n == 0:
+            draft, q = torch.zeros(0, dtype=torch.long, device=dev), None
+        else:
+            draft, q, _ = self.clock.run(st, self._propose, cache, last_t, base, n, st.s, st.gen, pending)
+        out = tgt.forward(torch.cat([last_t, draft])[None], hidden_layer=self.layers)
+        st.target_forwards += 1
+        tokens = verify_chain(draft, out.logits[0], st.s, st.gen, q)
+        tgt.truncate(base + len(tokens))
+        return tokens, out.hidden[0, : len(tokens)], n
+
     def _tree_round(self, st, cache: ContextCache, last: int, pending: torch.Tensor | None,
                     ) -> tuple[list[int], torch.Tensor, int]:
         """One round over the rank tree: (the committed tokens, the accepted path's features [len, K * H_t], the
@@ -230,54 +248,16 @@ class DFlash(Decoder):
     def generate(self, prompt_ids, max_new_tokens: int, stop: Stopper | None = None,
                  sampling: SamplingConfig | None = None) -> GenerationResult:
         st, last, features = begin_with_features(self, prompt_ids, max_new_tokens, stop, sampling)
-        tgt, dev = self.target, st.ids.device
-        cache = ContextCache(self.drafter, st.ids.shape[1] + max_new_tokens + 1, dev, self.drafter.dtype,
+        cache = ContextCache(self.drafter, st.ids.shape[1] + max_new_tokens + 1, st.ids.device, self.drafter.dtype,
                              self.width if self.compile else 0)
         self.clock.run(st, cache.append, features)
-        if self.ranks is not None:
-            return self._generate_tree(st, cache, last)
+        one_round = self._chain_round if self.ranks is None else self._tree_round
         pending = None  # compiled: the committed tokens' features, appended by the next round's graph
-        drafted = accepted = 0
-        by_slot = [0] * self.n  # rounds whose draft at slot k + 1 was accepted
-        rounds = 0
-        while not st.out.done:
-            n = min(self.n, st.out.room - 1)  # the target's token after the drafts always comes too
-            base = tgt.length
-            last_t = torch.full((1,), last, dtype=torch.long, device=dev)
-            if n == 0:
-                draft, q = torch.zeros(0, dtype=torch.long, device=dev), None
-            else:
-                draft, q, _ = self.clock.run(st, self._propose, cache, last_t, base, n, st.s, st.gen, pending)
-                pending = None
-            out = tgt.forward(torch.cat([last_t, draft])[None], hidden_layer=self.layers)
-            st.target_forwards += 1
-            tokens = verify_chain(draft, out.logits[0], st.s, st.gen, q)
-            tgt.truncate(base + len(tokens))
-            drafted += n
-            accepted += len(tokens) - 1
-            rounds += 1
-            for k in range(len(tokens) - 1):
-                by_slot[k] += 1
-            st.out.commit(tokens)
-            last = tokens[-1]
-            if st.out.done:
-                break
-            if self.compile:
-                pending = out.hidden[0, : len(tokens)]
-            else:
-                self.clock.run(st, cache.append, out.hidden[0, : len(tokens)])
-        extras = {"block_size": self.width, "num_speculative_tokens": self.n, "rounds": rounds,
-                  "accepted_by_slot": by_slot,
-                  "draft_vocab_size": self.drafter.config.draft_vocab_size or self.drafter.config.vocab_size}
-        return self._result(st, extras, draft_forwards=self.clock.forwards, draft_s=self.clock.seconds,
-                            drafted=drafted, draft_accepted=accepted)
-
-    def _generate_tree(self, st, cache: ContextCache, last: int) -> GenerationResult:
-        pending = None
         drafted = accepted = rounds = 0
-        by_slot = [0] * self.n  # rounds whose accepted path reached slot k + 1
+        by_slot = [0] * self.n  # rounds that accepted a draft at slot k + 1 (a tree: a path that deep)
         while not st.out.done:
-            tokens, features, nodes = self._tree_round(st, cache, last, pending)
+            tokens, features, nodes = one_round(st, cache, last, pending)
+            pending = None
             drafted += nodes
             accepted += len(tokens) - 1
             rounds += 1
@@ -292,9 +272,9 @@ class DFlash(Decoder):
             else:
                 self.clock.run(st, cache.append, features)
         extras = {"block_size": self.width, "num_speculative_tokens": self.n, "rounds": rounds,
-                  "accepted_by_slot": by_slot, "tree": self.tree_name,
-                  "tree_nodes": len(self.ranks.cut(self.n, "cpu")[0]) - 1,
+                  "accepted_by_slot": by_slot,
                   "draft_vocab_size": self.drafter.config.draft_vocab_size or self.drafter.config.vocab_size}
+        if self.ranks is not None:
+            extras.update(tree=self.tree_name, tree_nodes=len(self.ranks.cut(self.n, "cpu")[0]) - 1)
         return self._result(st, extras, draft_forwards=self.clock.forwards, draft_s=self.clock.seconds,
                             drafted=drafted, draft_accepted=accepted)
-
