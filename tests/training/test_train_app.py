@@ -182,14 +182,17 @@ def test_tiny_end_to_end_with_lora_then_resume(tmp_path):
     assert ev_summary["fast_forward"] == ev["overall"]["trained"]["fast_forward"]
     assert ev_summary["base_fast_forward"] == ev["overall"]["base"]["fast_forward"]
 
-    # full fine-tuning with checkpoints, then resumed from the latest one; collection is reused as is
-    run(_tiny(tmp_path, "stage=all", "trainer.save_strategy=steps", "trainer.save_steps=1"), run_dir)
+    # full fine-tuning with checkpoints, then resumed from the latest one; collection is reused as is; the start's
+    # evaluation (eval_on_start) runs once, not again at the step a resumed run starts from
+    run(_tiny(tmp_path, "stage=all", "trainer.save_strategy=steps", "trainer.save_steps=1",
+              "+trainer.eval_on_start=true"), run_dir)
     assert len(load_trajectories(tmp_path / "data" / "trajectories" / "cllm_tiny")) == 6
     assert json.loads((run_dir / "final" / "config.json").read_text())["use_cache"] is True
     run(_tiny(tmp_path, "stage=train", "trainer.max_steps=3", "trainer.save_strategy=steps", "trainer.save_steps=1",
-              "trainer.resume_from_checkpoint=true"), run_dir)
+              "trainer.resume_from_checkpoint=true", "+trainer.eval_on_start=true"), run_dir)
     state = json.loads((run_dir / "checkpoint-3" / "trainer_state.json").read_text())
     assert [h["step"] for h in state["log_history"] if "loss" in h] == [1, 2, 3]
+    assert [h["step"] for h in state["log_history"] if "eval_ff_proxy" in h] == [0, 1, 2, 3]
 
 
 def _torchrun(tmp_path: Path, *overrides: str) -> None:

@@ -276,7 +276,10 @@ def fit(trainer: Trainer, spec, run_dir: Path, ranks: Ranks,
     with Tracker(logger, run_dir, spec.config, "train", name=run_dir.name) as tracker:
         t0 = time.perf_counter()
         # the newest complete checkpoint (pardec.train.run has checked it before the model loaded)
-        result = trainer.train(resume_from_checkpoint=resume_checkpoint(spec.resume, run_dir, warn=ranks.rank == 0))
+        resume = resume_checkpoint(spec.resume, run_dir, warn=ranks.rank == 0)
+        if resume is not None:  # the start's evaluation is in the checkpoint's log history: not again at its step
+            trainer.args.eval_on_start = False
+        result = trainer.train(resume_from_checkpoint=resume)
         trained = {"train_seconds": round(time.perf_counter() - t0, 1), "steps": trainer.state.global_step}
         extra = finish(run_dir / "final", trained)
         if ranks.rank == 0:
