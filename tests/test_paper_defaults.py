@@ -98,6 +98,7 @@ PAPER: dict[str, dict[str, tuple[object, str]]] = {
     "dflash": {
         "block_size": (None, "the drafter's trained block: the paper's 16 (z-lab's released -b16 drafters)"),
         "num_speculative_tokens": (None, "block_size - 1: z-lab dflash_generate verifies the whole block"),
+        "tree": ("chain", "z-lab dflash_generate verifies the block as one chain (a tree is pardec's option)"),
     },
     "spectr": {},
     "mjgd": {},
