@@ -162,7 +162,7 @@ class DFlash(Decoder):
         self.compile = compile
         tree_dirs = [Path(path) / "trees"] if path is not None else []
         # checked before any model loads (every tree is valid at some depth: the drafter's block bounds it below)
-        self.tree_name, paths = resolve_tree(tree, tree_dirs, 1023)
+        self.tree_name, _ = resolve_tree(tree, tree_dirs, 1023)
         if target is None:
             return
         if drafter is None:

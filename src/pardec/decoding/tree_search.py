@@ -413,4 +413,3 @@ class RankTree:
         if to_target is not None:
             top = to_target(top)
         return ranks.relabel(torch.cat([top.new_full((1,), -1), top[at[0], at[1]]]))
-

@@ -235,8 +235,10 @@ def acceptance(base, drafter, records: list[dict], block: int, topk: int = 10, c
     :func:`pardec.decoding.tree_search.search_tree`)."""
     device = next(base.parameters()).device
     s = block - 1
-    acc_rows, valid_rows, top_rows, top1_rows = [], [], [], []
-    rank = torch.zeros(s, topk, dtype=torch.long)  # [slot, r]: anchors whose true token is the slot's rank-r draft
+    acc_rows, valid_rows = [], []
+    # [slot, r]: counted anchors whose true token is the slot's rank-r draft (the top-k ids are distinct: at most one
+    # r per anchor, so rank 0 is the top-1 agreement and the row's sum the top-k containment)
+    rank = torch.zeros(s, topk, dtype=torch.long)
     same = anchors_n = 0
     for r in records:
         full = list(r["prompt_ids"]) + list(r["completion_ids"])
@@ -260,18 +262,16 @@ def acceptance(base, drafter, records: list[dict], block: int, topk: int = 10, c
             valid_rows.append(valid)
             at = (top == true[..., None]) & valid[..., None]  # [A, S, topk]
             rank[:, : at.shape[-1]] += at.sum(0)
-            top_rows.append(at.any(-1))
-            top1_rows.append(hit)
             same += int((tp.logits[0, a[0]].argmax(-1).cpu() == truth[anchors + 1]).sum())
             anchors_n += len(anchors)
     if not acc_rows:
-        acc = valid = top = top1 = torch.zeros(0, s, dtype=torch.bool)
+        acc = valid = torch.zeros(0, s, dtype=torch.bool)
     else:
-        acc, valid, top, top1 = (torch.cat(x) for x in (acc_rows, valid_rows, top_rows, top1_rows))
+        acc, valid = torch.cat(acc_rows), torch.cat(valid_rows)
     prev = torch.cat([valid[:, :1], acc[:, :-1]], 1)
     counts = {"valid": valid.sum(0).tolist(), "accepted": (acc & valid).sum(0).tolist(),
-              "reached": (prev & valid).sum(0).tolist(), "topk": (top & valid).sum(0).tolist(),
-              "top1": (top1 & valid).sum(0).tolist(), "rank": rank.tolist(), "anchors": anchors_n,
+              "reached": (prev & valid).sum(0).tolist(), "topk": rank.sum(1).tolist(),
+              "top1": rank[:, 0].tolist(), "rank": rank.tolist(), "anchors": anchors_n,
               "target_matches": same}
     return summarise(counts, s, topk)
 
