@@ -14,11 +14,13 @@ import torch.nn.functional as F
 
 from pardec.config import ConfigError
 from pardec.decoding import build_decoder
+from pardec.decoding.base import Stopper
 from pardec.decoding.tree_search import load_tree
 from pardec.models.cached import CachedModel
 from pardec.models.drafters import load_drafter, new_drafter
 from pardec.models.vocab import DraftVocab
 from pardec.train import run, validate
+from pardec.training.completions import load_completions
 from pardec.training.drafter.dflash import (
     DFlashCollator,
     anchor_candidates,
@@ -204,6 +206,13 @@ def test_tiny_end_to_end(tmp_path):
         tree = load_tree(run_dir / "final" / "trees" / f"T{b}.json", 3)
         assert 1 <= len(tree.paths) <= b and ev["trees"][f"T{b}"]["nodes"] == len(tree.paths)
     assert ev["trees"]["chain"]["expected_accept_length"] <= ev["trees"]["T63"]["expected_accept_length"]
+    # the held-out walk is what greedy decoding of the eval prompts makes: the same tokens per target forward
+    records = load_completions(tmp_path / "data" / "completions" / "dflash_tiny" / "eval" / "gsm8k")
+    dec = build_decoder("dflash", CachedModel(lm.model), None, drafter)
+    made = [dec.generate(r["prompt_ids"], 8, Stopper(eos_ids=lm.eos_ids)) for r in records]
+    assert [m.tokens for m in made] == [r["completion_ids"] for r in records]
+    tokens, forwards = sum(len(m.tokens) for m in made), sum(m.target_forwards for m in made)
+    assert forwards < tokens and o["decoding_tokens_per_forward"] == pytest.approx(tokens / forwards)  # drafts taken
     # the logged per-slot loss is the cross-entropy to the label, named so (the other types log a KL)
     logged = [h for h in json.loads((run_dir / "log_history.json").read_text()) if "top1" in h]
     assert logged and all({"ce", "ce_d1", "ce_d3", "top1_d3"} <= set(h) and "kl" not in h and "kl_d1" not in h

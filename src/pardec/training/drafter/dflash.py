@@ -48,7 +48,7 @@ from pardec.config import ConfigError, check_at_least, check_choice, check_range
 from pardec.models.dflash import FUSIONS, LAYER_INITS, DFlashDraft, init_from_target
 from pardec.models.drafter_types import TargetParts
 from pardec.training.drafter.batches import RightPadCollator
-from pardec.training.drafter.heldout import summarise
+from pardec.training.drafter.heldout import summarise, walk
 from pardec.training.drafter.target import target_pass
 from pardec.training.drafter.types import DrafterType, check_layer_list, register_drafter_type
 from pardec.training.drafter.vocab import check_vocab_size, corpus_vocab
@@ -239,7 +239,7 @@ def acceptance(base, drafter, records: list[dict], block: int, topk: int = 10, c
     # [slot, r]: counted anchors whose true token is the slot's rank-r draft (the top-k ids are distinct: at most one
     # r per anchor, so rank 0 is the top-1 agreement and the row's sum the top-k containment)
     rank = torch.zeros(s, topk, dtype=torch.long)
-    same = anchors_n = 0
+    same = anchors_n = path_tokens = path_forwards = 0
     for r in records:
         full = list(r["prompt_ids"]) + list(r["completion_ids"])
         p, n = len(r["prompt_ids"]), len(full)
@@ -248,6 +248,7 @@ def acceptance(base, drafter, records: list[dict], block: int, topk: int = 10, c
         ids = torch.tensor([full[:-1]], device=device)
         tp = target_pass(base, ids, drafter.config.layer_ids)
         truth = torch.tensor(full)
+        first = len(acc_rows)
         for lo in range(p, n - 1, chunk):
             anchors = torch.arange(lo, min(lo + chunk, n - 1))
             a = anchors.to(device)[None]
@@ -264,6 +265,8 @@ def acceptance(base, drafter, records: list[dict], block: int, topk: int = 10, c
             rank[:, : at.shape[-1]] += at.sum(0)
             same += int((tp.logits[0, a[0]].argmax(-1).cpu() == truth[anchors + 1]).sum())
             anchors_n += len(anchors)
+        runs = torch.cat([a & v for a, v in zip(acc_rows[first:], valid_rows[first:])]).sum(1)
+        path_tokens, path_forwards = path_tokens + n - p, path_forwards + walk(runs.tolist())
     if not acc_rows:
         acc = valid = torch.zeros(0, s, dtype=torch.bool)
     else:
@@ -272,7 +275,7 @@ def acceptance(base, drafter, records: list[dict], block: int, topk: int = 10, c
     counts = {"valid": valid.sum(0).tolist(), "accepted": (acc & valid).sum(0).tolist(),
               "reached": (prev & valid).sum(0).tolist(), "topk": rank.sum(1).tolist(),
               "top1": rank[:, 0].tolist(), "rank": rank.tolist(), "anchors": anchors_n,
-              "target_matches": same}
+              "target_matches": same, "path_tokens": path_tokens, "path_forwards": path_forwards}
     return summarise(counts, s, topk)
 
 

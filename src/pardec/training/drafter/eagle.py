@@ -43,7 +43,7 @@ import torch
 from pardec.config import check_at_least, check_range
 from pardec.models.drafters import new_drafter
 from pardec.training.drafter.batches import held_out_windows, term_count
-from pardec.training.drafter.heldout import summarise
+from pardec.training.drafter.heldout import summarise, walk
 from pardec.training.drafter.target import TargetPass, target_pass
 from pardec.training.drafter.types import DrafterType, check_layer_list, register_drafter_type
 from pardec.training.drafter.vocab import check_vocab_size, corpus_vocab
@@ -155,7 +155,7 @@ def acceptance(base, drafter, records: list[dict], steps: int, topk: int = 10) -
     device = next(base.parameters()).device
     layer_ids = drafter.config.layer_ids
     acc_rows, valid_rows, top_rows, top1_rows = [], [], [], []
-    same = anchors_n = 0
+    same = anchors_n = path_tokens = path_forwards = 0
     for full, ids, anchors in held_out_windows(records, device):
         n = len(full)
         tp = target_pass(base, ids, layer_ids)
@@ -173,6 +173,9 @@ def acceptance(base, drafter, records: list[dict], steps: int, topk: int = 10) -
         top1_rows.append(hit)
         same += int((tp.logits[0, anchors.to(device)].argmax(-1).cpu() == torch.tensor(full)[anchors + 1]).sum())
         anchors_n += len(anchors)
+        # the completion's tokens (n - 1 - anchors[0]: the first anchor is the prompt's last token)
+        path_tokens += n - 1 - int(anchors[0])
+        path_forwards += walk((acc_rows[-1] & valid).sum(1).tolist())
     if not acc_rows:
         acc = valid = top = top1 = torch.zeros(0, steps, dtype=torch.bool)
     else:
@@ -180,7 +183,8 @@ def acceptance(base, drafter, records: list[dict], steps: int, topk: int = 10) -
     prev = torch.cat([valid[:, :1], acc[:, :-1]], 1)  # accepted up to depth d - 1 (depth 1: every anchor)
     counts = {"valid": valid.sum(0).tolist(), "accepted": (acc & valid).sum(0).tolist(),
               "reached": (prev & valid).sum(0).tolist(), "topk": (top & valid).sum(0).tolist(),
-              "top1": (top1 & valid).sum(0).tolist(), "anchors": anchors_n, "target_matches": same}
+              "top1": (top1 & valid).sum(0).tolist(), "anchors": anchors_n, "target_matches": same,
+              "path_tokens": path_tokens, "path_forwards": path_forwards}
     return summarise(counts, steps, topk)
 
 

@@ -18,7 +18,30 @@ def summarise(counts: dict, steps: int, topk: int) -> dict:
             "conditional_acceptance": rate("accepted", counts["reached"]), "chain_acceptance": chain,
             "expected_tokens_per_forward": 1.0 + sum(chain), "topk_containment": rate("topk"),
             "top1_agreement": rate("top1"),
-            "target_matches_record": counts["target_matches"] / max(counts["anchors"], 1), **ranks, "counts": counts}
+            "target_matches_record": counts["target_matches"] / max(counts["anchors"], 1), **ranks, **path(counts),
+            "counts": counts}
+
+
+def path(counts: dict) -> dict:
+    """``decoding_tokens_per_forward``: the tokens per target forward (prefill included, as decoding counts them)
+    that greedy chain decoding of the records would make, from ``path_tokens`` / ``path_forwards`` (counts of
+    :func:`walk`); absent from counts that predate them."""
+    if "path_forwards" not in counts:
+        return {}
+    return {"decoding_tokens_per_forward": counts["path_tokens"] / max(counts["path_forwards"], 1)}
+
+
+def walk(runs: list[int]) -> int:
+    """The target forwards greedy chain decoding makes along one record, prefill included, given ``runs[i]``: the
+    accepted run of a block drafted at the record's ``i``-th anchor (anchor 0: the first round's, right after the
+    prefill). A round commits its run and the target's next token, so the next round drafts ``run + 1`` anchors on:
+    decoding visits only the anchors after a rejection, where the every-anchor average of
+    ``expected_tokens_per_forward`` counts them all (the two differ when hard positions cluster)."""
+    i = forwards = 0
+    while i < len(runs):
+        i += runs[i] + 1
+        forwards += 1
+    return forwards + 1
 
 
 def merge_acceptance(parts: list[dict]) -> dict:

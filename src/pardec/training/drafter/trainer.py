@@ -341,6 +341,8 @@ def evaluate_chain(spec, run_dir, lm, drafter, final) -> dict:
     result["overall"] = merge_acceptance(parts)
     result["positions"] = result["overall"]["anchors"]
     result["expected_tokens_per_forward"] = result["overall"]["expected_tokens_per_forward"]
+    # what greedy chain decoding of the held-out answers would make (heldout.walk): the figure decoding reports
+    result["decoding_tokens_per_forward"] = result["overall"]["decoding_tokens_per_forward"]
     if "rank_accuracy" in result["overall"]:  # DFlash: its slots are static candidates (method.tree)
         result["trees"] = write_trees(spec, final, kind, result["overall"]["rank_accuracy"], result["positions"])
     (run_dir / "drafter_eval.json").write_text(json.dumps(result, indent=2) + "\n")
