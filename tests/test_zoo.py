@@ -210,10 +210,32 @@ def test_every_kept_manifest_is_complete_and_every_file_matches_it(zoo_name, nam
     assert sum(f["bytes"] for f in m["files"].values()) < 100e6
 
 
+#: GSM8K-style questions written for the test (a fresh clone holds no GSM8K file)
+QUESTIONS = [
+    {"question": "A baker makes 12 loaves an hour for 5 hours and sells 38 of them. How many loaves are left?",
+     "answer": "He makes 12 * 5 = <<12*5=60>>60 loaves. 60 - 38 = <<60-38=22>>22 are left.\n#### 22"},
+    {"question": "Tom has 3 boxes of 14 pencils and gives 9 pencils away. How many pencils does he have now?",
+     "answer": "He has 3 * 14 = <<3*14=42>>42 pencils. 42 - 9 = <<42-9=33>>33.\n#### 33"},
+]
+
+
+def domain_dataset(manifest: dict, tmp_path: Path):
+    """Prompts of the artifact's own domain: GSM8K-style questions where its corpus is GSM8K alone (CLLM trains one
+    model per domain, and fast-forwards little outside it), else HumanEval (the corpora that hold code)."""
+    from pardec.config import DatasetConfig
+
+    sources = manifest["data"]["train"]["sources"]
+    if all(s.get("dataset", {}).get("name") == "gsm8k" for s in sources):
+        f = tmp_path / "gsm8k.jsonl"
+        f.write_text("".join(json.dumps(q) + "\n" for q in QUESTIONS))
+        return DatasetConfig(name="gsm8k", path=str(f), split="test")
+    return DatasetConfig(name="humaneval")
+
+
 @pytest.mark.heavy  # the real model
 @pytest.mark.parametrize("zoo_name, name", KEPT)
-def test_every_kept_drafter_loads_and_decodes_exactly(zoo_name, name):
-    from pardec.config import DatasetConfig, ModelConfig
+def test_every_kept_drafter_loads_and_decodes_exactly(zoo_name, name, tmp_path):
+    from pardec.config import ModelConfig
     from pardec.decoding import METHODS, Stopper, build_decoder
     from pardec.models.cached import CachedModel
     from pardec.models.loading import load_model, named_config
@@ -233,7 +255,7 @@ def test_every_kept_drafter_loads_and_decodes_exactly(zoo_name, name):
     if (Path(path) / "trees" / "T16.json").is_file():
         params["tree"] = "T16"
     tok, cm = lm.tokenizer, CachedModel(lm.model)
-    task = build_task(DatasetConfig(name="humaneval"))
+    task = build_task(domain_dataset(m, tmp_path))
     stop = Stopper(tok, [tok.eos_token_id], task.stop_strings(True))
     for doc in task.docs()[:2]:
         ids = task.prompt_ids(doc, tok, True, [])
