@@ -21,7 +21,7 @@ from pardec.train import run, validate
 from pardec.training.completions import CompletionDataset
 from pardec.training.drafter.batches import RightPadCollator, term_count
 from pardec.training.drafter.eagle import acceptance, ttt_mask, ttt_terms, ttt_unroll
-from pardec.training.drafter.heldout import path, walk
+from pardec.training.drafter.heldout import walk, walk_figures
 from pardec.training.drafter.target import TargetPass, target_pass
 from pardec.training.drafter.trainer import (
     DrafterConfig,
@@ -213,16 +213,16 @@ def test_acceptance_is_a_chain_of_the_greedy_tokens():
     hits = sum(int(greedy[t]) == full[t + 2] for t in range(4, 9))
     assert c["accepted"][0] == hits and c["top1"][0] == hits
     # decoding's walk over the record: its 6 completion tokens; the prefill, then a round per visited anchor
-    assert c["path_tokens"] == 6 and 3 <= c["path_forwards"] <= 6  # runs of at most 3: at least two rounds
-    assert res["decoding_tokens_per_forward"] == c["path_tokens"] / c["path_forwards"]
+    assert c["walk_tokens"] == 6 and 3 <= c["walk_forwards"] <= 6  # runs of at most 3: at least two rounds
+    assert res["decoding_tokens_per_forward"] == c["walk_tokens"] / c["walk_forwards"]
 
 
 def test_the_decoding_walk_visits_the_anchor_after_each_rejection():
     # anchor 0 accepts 2 (the round commits 3 tokens: the next round drafts at anchor 3), anchor 3 none, anchor 4 one
     assert walk([2, 9, 9, 0, 1, 9]) == 1 + 3
     assert walk([0, 0, 0]) == 1 + 3 and walk([]) == 1  # every draft rejected: one token a round; prefill only
-    counts = {"path_tokens": 12, "path_forwards": 4}
-    assert path(counts) == {"decoding_tokens_per_forward": 3.0} and path({}) == {}
+    counts = {"walk_tokens": 12, "walk_forwards": 4}
+    assert walk_figures(counts) == {"decoding_tokens_per_forward": 3.0} and walk_figures({}) == {}
 
 
 def test_vocabulary_is_the_same_for_any_record_order():

@@ -239,7 +239,7 @@ def acceptance(base, drafter, records: list[dict], block: int, topk: int = 10, c
     # [slot, r]: counted anchors whose true token is the slot's rank-r draft (the top-k ids are distinct: at most one
     # r per anchor, so rank 0 is the top-1 agreement and the row's sum the top-k containment)
     rank = torch.zeros(s, topk, dtype=torch.long)
-    same = anchors_n = path_tokens = path_forwards = 0
+    same = anchors_n = walk_tokens = walk_forwards = 0
     for r in records:
         full = list(r["prompt_ids"]) + list(r["completion_ids"])
         p, n = len(r["prompt_ids"]), len(full)
@@ -266,7 +266,7 @@ def acceptance(base, drafter, records: list[dict], block: int, topk: int = 10, c
             same += int((tp.logits[0, a[0]].argmax(-1).cpu() == truth[anchors + 1]).sum())
             anchors_n += len(anchors)
         runs = torch.cat([a & v for a, v in zip(acc_rows[first:], valid_rows[first:])]).sum(1)
-        path_tokens, path_forwards = path_tokens + n - p, path_forwards + walk(runs.tolist())
+        walk_tokens, walk_forwards = walk_tokens + n - p, walk_forwards + walk(runs.tolist())
     if not acc_rows:
         acc = valid = torch.zeros(0, s, dtype=torch.bool)
     else:
@@ -275,7 +275,7 @@ def acceptance(base, drafter, records: list[dict], block: int, topk: int = 10, c
     counts = {"valid": valid.sum(0).tolist(), "accepted": (acc & valid).sum(0).tolist(),
               "reached": (prev & valid).sum(0).tolist(), "topk": rank.sum(1).tolist(),
               "top1": rank[:, 0].tolist(), "rank": rank.tolist(), "anchors": anchors_n,
-              "target_matches": same, "path_tokens": path_tokens, "path_forwards": path_forwards}
+              "target_matches": same, "walk_tokens": walk_tokens, "walk_forwards": walk_forwards}
     return summarise(counts, s, topk)
 
 

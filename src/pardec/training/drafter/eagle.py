@@ -155,7 +155,7 @@ def acceptance(base, drafter, records: list[dict], steps: int, topk: int = 10) -
     device = next(base.parameters()).device
     layer_ids = drafter.config.layer_ids
     acc_rows, valid_rows, top_rows, top1_rows = [], [], [], []
-    same = anchors_n = path_tokens = path_forwards = 0
+    same = anchors_n = walk_tokens = walk_forwards = 0
     for full, ids, anchors in held_out_windows(records, device):
         n = len(full)
         tp = target_pass(base, ids, layer_ids)
@@ -174,8 +174,8 @@ def acceptance(base, drafter, records: list[dict], steps: int, topk: int = 10) -
         same += int((tp.logits[0, anchors.to(device)].argmax(-1).cpu() == torch.tensor(full)[anchors + 1]).sum())
         anchors_n += len(anchors)
         # the completion's tokens (n - 1 - anchors[0]: the first anchor is the prompt's last token)
-        path_tokens += n - 1 - int(anchors[0])
-        path_forwards += walk((acc_rows[-1] & valid).sum(1).tolist())
+        walk_tokens += n - 1 - int(anchors[0])
+        walk_forwards += walk((acc_rows[-1] & valid).sum(1).tolist())
     if not acc_rows:
         acc = valid = top = top1 = torch.zeros(0, steps, dtype=torch.bool)
     else:
@@ -184,7 +184,7 @@ def acceptance(base, drafter, records: list[dict], steps: int, topk: int = 10) -
     counts = {"valid": valid.sum(0).tolist(), "accepted": (acc & valid).sum(0).tolist(),
               "reached": (prev & valid).sum(0).tolist(), "topk": (top & valid).sum(0).tolist(),
               "top1": (top1 & valid).sum(0).tolist(), "anchors": anchors_n, "target_matches": same,
-              "path_tokens": path_tokens, "path_forwards": path_forwards}
+              "walk_tokens": walk_tokens, "walk_forwards": walk_forwards}
     return summarise(counts, steps, topk)
 
 

@@ -18,17 +18,17 @@ def summarise(counts: dict, steps: int, topk: int) -> dict:
             "conditional_acceptance": rate("accepted", counts["reached"]), "chain_acceptance": chain,
             "expected_tokens_per_forward": 1.0 + sum(chain), "topk_containment": rate("topk"),
             "top1_agreement": rate("top1"),
-            "target_matches_record": counts["target_matches"] / max(counts["anchors"], 1), **ranks, **path(counts),
+            "target_matches_record": counts["target_matches"] / max(counts["anchors"], 1), **ranks, **walk_figures(counts),
             "counts": counts}
 
 
-def path(counts: dict) -> dict:
+def walk_figures(counts: dict) -> dict:
     """``decoding_tokens_per_forward``: the tokens per target forward (prefill included, as decoding counts them)
-    that greedy chain decoding of the records would make, from ``path_tokens`` / ``path_forwards`` (counts of
+    that greedy chain decoding of the records would make, from ``walk_tokens`` / ``walk_forwards`` (counts of
     :func:`walk`); absent from counts that predate them."""
-    if "path_forwards" not in counts:
+    if "walk_forwards" not in counts:
         return {}
-    return {"decoding_tokens_per_forward": counts["path_tokens"] / max(counts["path_forwards"], 1)}
+    return {"decoding_tokens_per_forward": counts["walk_tokens"] / max(counts["walk_forwards"], 1)}
 
 
 def walk(runs: list[int]) -> int:
