@@ -248,7 +248,7 @@ def acceptance(base, drafter, records: list[dict], block: int, topk: int = 10, c
         ids = torch.tensor([full[:-1]], device=device)
         tp = target_pass(base, ids, drafter.config.layer_ids)
         truth = torch.tensor(full)
-        first = len(acc_rows)
+        runs: list[int] = []  # each anchor's accepted run, in order (the walk's input)
         for lo in range(p, n - 1, chunk):
             anchors = torch.arange(lo, min(lo + chunk, n - 1))
             a = anchors.to(device)[None]
@@ -261,12 +261,12 @@ def acceptance(base, drafter, records: list[dict], block: int, topk: int = 10, c
             hit = top[..., 0] == true
             acc_rows.append(hit.long().cumprod(1).bool())
             valid_rows.append(valid)
+            runs += (acc_rows[-1] & valid).sum(1).tolist()
             at = (top == true[..., None]) & valid[..., None]  # [A, S, topk]
             rank[:, : at.shape[-1]] += at.sum(0)
             same += int((tp.logits[0, a[0]].argmax(-1).cpu() == truth[anchors + 1]).sum())
             anchors_n += len(anchors)
-        runs = torch.cat([a & v for a, v in zip(acc_rows[first:], valid_rows[first:])]).sum(1)
-        walk_tokens, walk_forwards = walk_tokens + n - p, walk_forwards + walk(runs.tolist())
+        walk_tokens, walk_forwards = walk_tokens + n - p, walk_forwards + walk(runs)
     if not acc_rows:
         acc = valid = torch.zeros(0, s, dtype=torch.bool)
     else:
