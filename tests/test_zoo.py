@@ -532,6 +532,59 @@ def test_the_build_trains_the_base_first_keeps_only_the_continuing_artifact_and_
     assert bases[0]["metrics"] == {"expected_tokens_per_forward": 1.5} and "+drafter.init_from" not in bases[0]["command"]
 
 
+def test_a_base_kept_in_the_zoo_is_continued_from_its_stored_form_not_trained_again(tmp_path, monkeypatch):
+    """A kept artifact built from exactly a base's recipe (whatever its name: the entry that was kept before a
+    continuation took its name) becomes that base's run: its stored form is the run's ``final/``, the runs before
+    it are not trained, and the manifest's ``bases`` are the artifact's own plus its record, marked where it came
+    from; a resumed build reuses the seed, and a base whose recipe changed since is trained."""
+    from pardec.zoo import build
+
+    run_root = str(tmp_path / "runs")
+    first = zoo.Entry(name="a", target="t", experiment="x", run_root=run_root, kept=False)
+    mid = zoo.Entry(name="b", target="t", experiment="x", run_root=run_root, base="a", kept=False)
+    top = zoo.Entry(name="top", target="t", experiment="x", run_root=run_root, base="b")
+    hashes = {"a": "ha", "b": "hb", "top": "ht"}
+    monkeypatch.setattr(zoo, "entries", lambda z=zoo.DEFAULT_TARGET: {"a": first, "b": mid, "top": top})
+    monkeypatch.setattr(build, "recipe_hash", lambda e, training_only=False: hashes[e.name] + ("-t" * training_only))
+    kept = tmp_path / "zoo" / top.zoo / "top"
+    kept.mkdir(parents=True)
+    (kept / "drafter.json").write_text("{}")
+    manifest = {"name": "top", "recipe": {"sha256": "hb"}, "stages": {"train": {"wall_s": 7.0}}, "date": "d0",
+                "commit": "c0", "host": {"cpu": "cpu0"}, "store": {"dtype": "bf16"}, "metrics": {"e": 2.0},
+                "bases": [{"name": "a", "stages": {"train": {"wall_s": 9.0}}}]}
+    (kept / "manifest.json").write_text(json.dumps(manifest))
+    monkeypatch.setattr(build, "ZOO_DIR", tmp_path / "zoo")
+    monkeypatch.setattr(build, "verify", lambda name, z: json.loads((tmp_path / "zoo" / z / name / "manifest.json")
+                                                                     .read_text()))
+    monkeypatch.setattr(build, "materialize", lambda artifact, m: artifact)
+    ran, stored = [], []
+    monkeypatch.setattr(build, "run_stages", lambda e, recipe, log: ran.append(e.name) or {"train": {"wall_s": 1.0}})
+    monkeypatch.setattr(build, "data_section", lambda run_dir: {})
+    monkeypatch.setattr(build, "eval_metrics", lambda run_dir: {})
+    monkeypatch.setattr(build, "check_store", lambda store, where: None)
+    monkeypatch.setattr(build, "status", lambda e, recipe=None: "stale")
+    monkeypatch.setattr("pardec.models.loading.named_config", lambda name: None)
+    monkeypatch.setattr(build, "_store", lambda e, recipe, stages, final, cfg, tmp, log, bases=None:
+                        stored.append(bases) or {})
+    build.build_one(top, log=lambda m: None)
+    assert ran == ["top"]  # neither a nor b trained again
+    [bases] = stored
+    assert [b["name"] for b in bases] == ["a", "b"] and bases[0]["stages"]["train"]["wall_s"] == 9.0
+    assert bases[1]["stages"] == {"train": {"wall_s": 7.0}} and bases[1]["metrics"] == {"e": 2.0}
+    assert bases[1]["seeded_from"]["artifact"] == f"zoo/{top.zoo}/top" and bases[1]["seeded_from"]["commit"] == "c0"
+    assert (mid.run_dir / "final" / "drafter.json").is_file() and not (mid.run_dir / "final" / "manifest.json").exists()
+    done = json.loads((mid.run_dir / build.STAGES_FILE).read_text())
+    assert done["recipe_sha256"] == "hb-t" and set(done["stages"]) == set(mid.stages)
+    # resumed (or the artifact since replaced by the continuation): the seed is reused, not copied again
+    (kept / "manifest.json").write_text(json.dumps({**manifest, "recipe": {"sha256": "ht"}}))
+    ran.clear(), stored.clear()
+    build.build_one(top, log=lambda m: None)
+    assert ran == ["top"] and [b["name"] for b in stored[0]] == ["a", "b"]
+    hashes["b"] = "hb2"  # the base's recipe changed: its seeded run no longer counts, and nothing kept matches it
+    ran.clear(), stored.clear()
+    build.build_one(top, log=lambda m: None)
+    assert ran == ["a", "b", "top"]
+
 def _as_built_before_the_rename(e) -> dict:
     """``e``'s composed recipe as the configs of the previous release spelled it (kind ``heads``, a ``heads:``
     section): what ``python -m pardec.zoo rehash --at <commit>`` reads at a commit before the rename."""

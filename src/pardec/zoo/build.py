@@ -25,10 +25,11 @@ import torch
 from omegaconf import OmegaConf
 
 from pardec import REPO_ROOT
-from pardec.zoo import MANIFEST, Entry, ZooError, base_chain, recipe_hash, seal, sha256_file, verify
+from pardec.zoo import MANIFEST, ZOO_DIR, Entry, ZooError, base_chain, recipe_hash, seal, sha256_file, verify
 from pardec.zoo.store import TARGET_FORMS, check_store, materialize, pack
 
 STAGES_FILE = "zoo_stages.json"
+SEEDED_FILE = "zoo_seeded.json"  # a base run made of a kept artifact: the records of the runs it holds
 
 
 def status(entry: Entry, recipe: str | None = None) -> str:
@@ -225,6 +226,54 @@ def eval_metrics(run_dir: Path) -> dict[str, Any] | None:
     return summary
 
 
+def stored_run(base: Entry) -> tuple[str, dict[str, Any]] | None:
+    """A kept artifact of the zoo built from exactly ``base``'s recipe (its manifest's ``recipe.sha256``: the same
+    composed config, runs it continues, kept files and stored form), whatever its name, if its files verify."""
+    want = recipe_hash(base)
+    for f in sorted((ZOO_DIR / base.zoo).glob(f"*/{MANIFEST}")):
+        m = json.loads(f.read_text())
+        if m.get("recipe", {}).get("sha256") == want:
+            try:
+                return f.parent.name, verify(f.parent.name, base.zoo)
+            except ZooError:  # altered files: not a run to continue
+                continue
+    return None
+
+
+def seed_run(base: Entry, name: str, m: dict[str, Any]) -> list[dict[str, Any]]:
+    """``base``'s run made of the kept artifact ``name`` (manifest ``m``, built from ``base``'s recipe): its stored
+    form (as loaders read it) becomes ``<base run>/final`` and every stage of the base counts as done (a later build
+    resumes from it), so a continuation trains without retraining its bases. Returns the records of the runs it
+    holds, first trained first: the artifact's own ``bases`` and itself, with where it came from."""
+    stages = {s: {**m.get("stages", {}).get(s, {}), "seeded_from": f"zoo/{base.zoo}/{name}"} for s in base.stages}
+    shutil.rmtree(base.run_dir, ignore_errors=True)
+    base.run_dir.mkdir(parents=True)
+    shutil.copytree(materialize(ZOO_DIR / base.zoo / name, m), base.run_dir / "final",
+                    ignore=shutil.ignore_patterns(MANIFEST, ".*"))
+    (base.run_dir / STAGES_FILE).write_text(json.dumps(
+        {"recipe_sha256": recipe_hash(base, training_only=True), "stages": stages}, indent=2) + "\n")
+    record = {"name": base.name, "recipe": {"experiment": base.experiment, "overrides": base.overrides,
+                                            "sha256": recipe_hash(base, training_only=True)},
+              "command": shlex.join(["python", "-m", "train", *base.command()]), "stages": m.get("stages", {}),
+              "data": m.get("data"), "metrics": m.get("metrics"),
+              "seeded_from": {"artifact": f"zoo/{base.zoo}/{name}", "date": m.get("date"), "commit": m.get("commit"),
+                              "host": (m.get("host") or {}).get("cpu"), "store": m.get("store"),
+                              "metrics_stored": m.get("metrics_stored")}}
+    records = [*m.get("bases", []), record]
+    (base.run_dir / SEEDED_FILE).write_text(json.dumps(records, indent=2) + "\n")  # written last: the seed is whole
+    return records
+
+
+def seeded_records(base: Entry) -> list[dict[str, Any]] | None:
+    """The records :func:`seed_run` left in ``base``'s run dir, if that run was seeded under its current recipe."""
+    stages, records = base.run_dir / STAGES_FILE, base.run_dir / SEEDED_FILE
+    if not records.is_file() or not stages.is_file():
+        return None
+    if json.loads(stages.read_text()).get("recipe_sha256") != recipe_hash(base, training_only=True):
+        return None
+    return json.loads(records.read_text())
+
+
 def build_one(entry: Entry, force: bool = False, log=print) -> dict[str, Any] | None:
     """Build ``entry`` unless it is already stored from its current recipe (``force``: anyway); returns the new
     manifest (None when nothing was built)."""
@@ -239,8 +288,15 @@ def build_one(entry: Entry, force: bool = False, log=print) -> dict[str, Any] | 
         log(f"[zoo] {entry.name}: up to date")
         return None
     log(f"[zoo] {entry.name}: {state}; building")
-    bases = []
-    for base in base_chain(entry):  # the runs it continues, first trained first, each resumable like its own
+    bases, chain = [], base_chain(entry)
+    for i in reversed(range(len(chain))):  # a base made of a kept artifact: the runs up to it are not trained again
+        if (records := seeded_records(chain[i])) is None and (found := stored_run(chain[i])) is not None:
+            log(f"[zoo] {entry.name}: continues {chain[i].name}, kept in the zoo as {found[0]} (its stored form)")
+            records = seed_run(chain[i], *found)
+        if records is not None:
+            bases, chain = records, chain[i + 1:]
+            break
+    for base in chain:  # the runs it continues, first trained first, each resumable like its own
         log(f"[zoo] {entry.name}: continues {base.name}")
         base_stages = run_stages(base, recipe_hash(base, training_only=True), log)
         bases.append({"name": base.name, "recipe": {"experiment": base.experiment, "overrides": base.overrides,
