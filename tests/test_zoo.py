@@ -480,13 +480,15 @@ def test_an_entry_continues_its_base_run_and_goes_stale_when_the_base_recipe_cha
     from pardec.zoo.build import status
 
     known = zoo.entries()
-    e = known["dflash"]
-    assert e.base == "dflash_b4" and not known["dflash_b4"].kept and status(known["dflash_b4"]) == "not kept"
-    init = f"+drafter.init_from={e.run_root}/dflash_b4/final"
+    e = known["dflash"]  # three runs: blocks of 4, blocks of 8, the grown corpus
+    assert e.base == "dflash_b8" and known["dflash_b8"].base == "dflash_b4"
+    assert not known["dflash_b4"].kept and status(known["dflash_b4"]) == "not kept" and not known["dflash_b8"].kept
+    init = f"+drafter.init_from={e.run_root}/dflash_b8/final"
     assert init in e.command("train") and init in e.command() and init not in e.command("eval")
+    assert f"+drafter.init_from={e.run_root}/dflash_b4/final" in known["dflash_b8"].command("train")
     assert not any(a.startswith("+drafter.init_from") for a in known["dflash_b4"].command("train"))
-    assert [b.name for b in zoo.base_chain(e)] == ["dflash_b4"] and zoo.base_chain(known["dflash_b4"]) == []
-    before = zoo.recipe_hash(e, training_only=True)
+    assert [b.name for b in zoo.base_chain(e)] == ["dflash_b4", "dflash_b8"] and zoo.base_chain(known["dflash_b4"]) == []
+    before = zoo.recipe_hash(e, training_only=True)  # the first run's recipe changes the last one's, through the second
     changed = dict(known, dflash_b4=zoo.Entry(**{**vars(known["dflash_b4"]),
                                                 "overrides": [*known["dflash_b4"].overrides, "trainer.max_steps=10"]}))
     monkeypatch.setattr(zoo, "entries", lambda z=zoo.DEFAULT_TARGET: changed)
@@ -615,7 +617,7 @@ def test_a_run_that_continues_another_is_carried_over_only_with_its_base():
     from pardec.zoo.rehash import check
 
     recipes = entries()
-    e, base = recipes["dflash"], recipes[recipes["dflash"].base]
+    e, base = recipes["dflash_b8"], recipes[recipes["dflash_b8"].base]  # (the run the rename found kept as dflash)
     at = {e.name: _as_built_before_the_rename(e), base.name: _as_built_before_the_rename(base)}
     assert check(e, at, {"recipe": {"sha256": "h0"}}) == ["heads: -> drafter:", "kind heads -> drafter"]
     at[base.name]["config"]["heads"] = {**at[base.name]["config"]["heads"], "block_size": 16}
