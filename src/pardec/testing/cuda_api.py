@@ -1,8 +1,8 @@
-"""The ``torch.cuda`` functions :class:`~pardec.testing.devices.VirtualCUDA` stands in for while it is active (on a
-CPU build they would fail: no CUDA runtime), answered for its virtual devices as a GPU node would answer them:
-availability and count, the current device, generators that say their device, RNG states per device, host syncs
-(counted), events on the host clock, free memory as the mode says (allocation counters read 0: nothing is allocated
-on a virtual device)."""
+"""The ``torch.cuda`` and ``torch.accelerator`` functions :class:`~pardec.testing.devices.VirtualCUDA` stands in for
+while it is active (on a CPU build they would fail: no CUDA runtime), answered for its virtual devices as a GPU node
+would answer them: availability and count, the current device, generators that say their device, RNG states per
+device, host syncs (counted), events on the host clock, free memory as the mode says (allocation counters read 0:
+nothing is allocated on a virtual device)."""
 
 from __future__ import annotations
 
@@ -97,4 +97,13 @@ def stand_ins(mode) -> list[tuple[Any, str, Any]]:
             (cuda, "max_memory_allocated", lambda device=None: 0), (cuda, "memory_allocated", lambda device=None: 0),
             (cuda, "memory_reserved", lambda device=None: 0), (cuda, "reset_peak_memory_stats", lambda device=None: None),
             (cuda, "synchronize", synchronize), (cuda, "Event", VirtualEvent),
-            (cuda, "current_stream", lambda device=None: None)]
+            (cuda, "current_stream", lambda device=None: None),
+            # torch.accelerator, the device-generic API libraries ask first (accelerate >= 1.16 sizes device_map="auto"
+            # by it): the virtual devices are the machine's accelerator
+            (torch.accelerator, "current_accelerator", lambda check_available=False: torch.device("cuda")),
+            (torch.accelerator, "is_available", lambda: True),
+            (torch.accelerator, "device_count", lambda: mode.devices),
+            (torch.accelerator, "current_device_index", lambda: mode.current),
+            (torch.accelerator, "get_memory_info", mem_get_info), (torch.accelerator, "synchronize", synchronize),
+            # (an optimizer's step asks whether the stream is capturing a graph: never, on a virtual device)
+            (torch.accelerator, "current_stream", lambda device=None: SimpleNamespace(is_capturing=lambda: False))]
