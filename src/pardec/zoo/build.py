@@ -294,6 +294,7 @@ def build_one(entry: Entry, force: bool = False, log=print) -> dict[str, Any] | 
             log(f"[zoo] {entry.name}: continues {chain[i].name}, kept in the zoo as {found[0]} (its stored form)")
             records = seed_run(chain[i], *found)
         if records is not None:
+            log(f"[zoo] {entry.name}: {chain[i].name}'s run is {records[-1]['seeded_from']['artifact']}'s stored form")
             bases, chain = records, chain[i + 1:]
             break
     for base in chain:  # the runs it continues, first trained first, each resumable like its own
