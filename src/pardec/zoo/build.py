@@ -290,11 +290,12 @@ def build_one(entry: Entry, force: bool = False, log=print) -> dict[str, Any] | 
     log(f"[zoo] {entry.name}: {state}; building")
     bases, chain = [], base_chain(entry)
     for i in reversed(range(len(chain))):  # a base made of a kept artifact: the runs up to it are not trained again
-        if (records := seeded_records(chain[i])) is None and (found := stored_run(chain[i])) is not None:
+        if (records := seeded_records(chain[i])) is not None:
+            log(f"[zoo] {entry.name}: {chain[i].name}'s run is {records[-1]['seeded_from']['artifact']}'s stored form")
+        elif (found := stored_run(chain[i])) is not None:
             log(f"[zoo] {entry.name}: continues {chain[i].name}, kept in the zoo as {found[0]} (its stored form)")
             records = seed_run(chain[i], *found)
         if records is not None:
-            log(f"[zoo] {entry.name}: {chain[i].name}'s run is {records[-1]['seeded_from']['artifact']}'s stored form")
             bases, chain = records, chain[i + 1:]
             break
     for base in chain:  # the runs it continues, first trained first, each resumable like its own
