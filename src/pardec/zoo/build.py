@@ -226,6 +226,14 @@ def eval_metrics(run_dir: Path) -> dict[str, Any] | None:
     return summary
 
 
+def base_record(base: Entry, stages: dict, data: Any, metrics: Any) -> dict[str, Any]:
+    """What a manifest's ``bases`` keeps of one run the artifact continues."""
+    return {"name": base.name, "recipe": {"experiment": base.experiment, "overrides": base.overrides,
+                                          "sha256": recipe_hash(base, training_only=True)},
+            "command": shlex.join(["python", "-m", "train", *base.command()]), "stages": stages, "data": data,
+            "metrics": metrics}
+
+
 def stored_run(base: Entry) -> tuple[str, dict[str, Any]] | None:
     """A kept artifact of the zoo built from exactly ``base``'s recipe (its manifest's ``recipe.sha256``: the same
     composed config, runs it continues, kept files and stored form), whatever its name, if its files verify."""
@@ -252,10 +260,7 @@ def seed_run(base: Entry, name: str, m: dict[str, Any]) -> list[dict[str, Any]]:
                     ignore=shutil.ignore_patterns(MANIFEST, ".*"))
     (base.run_dir / STAGES_FILE).write_text(json.dumps(
         {"recipe_sha256": recipe_hash(base, training_only=True), "stages": stages}, indent=2) + "\n")
-    record = {"name": base.name, "recipe": {"experiment": base.experiment, "overrides": base.overrides,
-                                            "sha256": recipe_hash(base, training_only=True)},
-              "command": shlex.join(["python", "-m", "train", *base.command()]), "stages": m.get("stages", {}),
-              "data": m.get("data"), "metrics": m.get("metrics"),
+    record = {**base_record(base, m.get("stages", {}), m.get("data"), m.get("metrics")),
               "seeded_from": {"artifact": f"zoo/{base.zoo}/{name}", "date": m.get("date"), "commit": m.get("commit"),
                               "host": (m.get("host") or {}).get("cpu"), "store": m.get("store"),
                               "metrics_stored": m.get("metrics_stored")}}
@@ -301,10 +306,7 @@ def build_one(entry: Entry, force: bool = False, log=print) -> dict[str, Any] | 
     for base in chain:  # the runs it continues, first trained first, each resumable like its own
         log(f"[zoo] {entry.name}: continues {base.name}")
         base_stages = run_stages(base, recipe_hash(base, training_only=True), log)
-        bases.append({"name": base.name, "recipe": {"experiment": base.experiment, "overrides": base.overrides,
-                                                     "sha256": recipe_hash(base, training_only=True)},
-                      "command": shlex.join(["python", "-m", "train", *base.command()]), "stages": base_stages,
-                      "data": data_section(base.run_dir), "metrics": eval_metrics(base.run_dir)})
+        bases.append(base_record(base, base_stages, data_section(base.run_dir), eval_metrics(base.run_dir)))
     stages = run_stages(entry, recipe_hash(entry, training_only=True), log)
     final = entry.run_dir / "final"
     from pardec.models.loading import named_config  # heavy: transformers
