@@ -45,7 +45,7 @@ from pathlib import Path
 
 import torch
 
-from pardec.config import ConfigError, DatasetConfig, to_dataclass
+from pardec.config import DTYPES, ConfigError, DatasetConfig, check_choice, to_dataclass
 from pardec.jsonl import read_json, read_jsonl
 from pardec.training import stages
 from pardec.training.stages import Prompt
@@ -71,11 +71,17 @@ class GenerateConfig:
     overwrite: bool = False  # wipe out_dir when its meta.json is from other settings
     sources: list[Source] = field(default_factory=list)
     teacher_topk: int = 0  # > 0: also store the target's top-k log-probs at every completion position
+    # the generating target's dtype (null: the run's model.dtype): the target that writes the corpus may run in
+    # another precision than the one whose features a drafter trains on (the papers regenerate their data with the
+    # target in bf16); the corpus's meta.json records it, so a resumed generation must use the same
+    dtype: str | None = None
 
     def __post_init__(self) -> None:
         for key in ("max_new_tokens", "batch_size"):
             if getattr(self, key) < 1:
                 raise ConfigError(f"{key}={getattr(self, key)!r} is out of range: it must be >= 1")
+        if self.dtype is not None:
+            check_choice("completions.dtype", self.dtype, DTYPES)
         if not isinstance(self.teacher_topk, int) or self.teacher_topk < 0:
             raise ConfigError(f"teacher_topk={self.teacher_topk!r} is out of range: it must be an integer >= 0 "
                               "(0: completions only)")
@@ -290,13 +296,18 @@ def run_generation(cfg: GenerateConfig, lm, rank: int, world: int, barrier, key:
                     stop_after, key)
 
 
+def generating_model(gen: GenerateConfig, model_cfg):
+    """The model config that writes ``gen``'s corpus: ``model_cfg`` at ``gen.dtype`` when one is set."""
+    return model_cfg if gen.dtype in (None, model_cfg.dtype) else replace(model_cfg, dtype=gen.dtype)
+
+
 def generate_stage(gen: GenerateConfig, model_cfg, ranks) -> dict | None:
     """The ``generate`` stage of the draft and drafter kinds: the target's greedy completions of ``gen.sources``
     (``ranks``: this process's :class:`~pardec.config.Ranks`)."""
     from pardec.models.loading import load_model  # heavy: transformers
 
     barrier = ranks.barrier()  # first: it picks this rank's GPU
-    lm = load_model(model_cfg)
+    lm = load_model(generating_model(gen, model_cfg))
     stats = run_generation(gen, lm, ranks.rank, ranks.world, barrier)
     if stats:
         log.info("completions: %s", json.dumps(stats))
@@ -315,6 +326,9 @@ def eval_sources(section: dict) -> list[GenerateConfig]:
     """The ``eval`` generation section of a draft / drafter experiment: one GenerateConfig per held-out source, each
     in its own ``<eval.out_dir>/<dataset>``."""
     eval_all = generate_config(section, "eval")
+    if eval_all.dtype is not None:
+        raise ConfigError(f"eval.dtype={eval_all.dtype!r} is not an option: held-out completions are the trained run's "
+                          "own target's (model.dtype); only completions.dtype sets the corpus's generating dtype")
     return [replace(eval_all, sources=[s], out_dir=str(Path(eval_all.out_dir) / s.dataset.name))
             for s in eval_all.sources]
 

@@ -9,7 +9,7 @@ import math
 import os
 import subprocess
 import sys
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 
 import pytest
@@ -99,6 +99,26 @@ def test_generate_stores_the_teacher_and_records_it_in_meta(tmp_path):
         generate(_gen(tmp_path), lm.model, 0, set(), prompts, generation_meta(_gen(tmp_path), {"name": "tiny"}, set()))
     with pytest.raises(ConfigError, match=r"teacher_topk=-1 is out of range.*>= 0"):
         _gen(tmp_path, teacher_topk=-1)
+
+
+def test_the_corpus_is_written_by_the_target_at_completions_dtype(tmp_path):
+    from pardec.training.completions import generating_model
+
+    fp32 = ModelConfig(name="tiny", source="tiny_random", path="x", dtype="fp32")
+    assert generating_model(_gen(tmp_path), fp32) is fp32
+    assert generating_model(_gen(tmp_path, dtype="fp32"), fp32) is fp32
+    bf16 = generating_model(_gen(tmp_path, dtype="bf16"), fp32)
+    assert bf16.dtype == "bf16" and {**bf16.identity(), "dtype": "fp32"} == fp32.identity()
+    lm = tiny()
+    lm16 = load_model(replace(lm.cfg, dtype="bf16"))
+    assert next(lm16.model.parameters()).dtype == torch.bfloat16
+    cfg = _gen(tmp_path, dtype="bf16")
+    meta = generation_meta(cfg, lm16.cfg.identity(), set())
+    assert meta["model"]["dtype"] == "bf16"
+    generate(cfg, lm16.model, 0, set(), _prompts(lm.tokenizer), meta)
+    with pytest.raises(FileExistsError, match=r"other settings.*bf16"):  # an fp32 target may not continue it
+        generate(_gen(tmp_path), lm.model, 0, set(), _prompts(lm.tokenizer),
+                 generation_meta(_gen(tmp_path), lm.cfg.identity(), set()))
 
 
 def _gen(tmp_path, **kw) -> GenerateConfig:
@@ -411,6 +431,8 @@ def test_config_errors():
                          ["trainer.loss=rkl", "trainer.loss='rkl' is not valid"],
                          ["trainer.teacher=stored", "trainer.teacher='stored' is not valid.*online, cached"],
                          ["completions.teacher_topk=-2", "teacher_topk=-2 is out of range"],
+                         ["+completions.dtype=fp8", r"completions.dtype='fp8' is not valid.*fp32, bf16"],
+                         ["+eval.dtype=bf16", r"eval.dtype='bf16' is not an option.*completions.dtype"],
                          ["draft.corpus_fraction=0", r"draft.corpus_fraction=0 is out of range.*\(0, 1\]"],
                          ["draft.corpus_fraction=1.5", "corpus_fraction=1.5 is out of range"],
                          ["completions.sources=[]", "completions.sources is empty"],
