@@ -61,6 +61,8 @@ class Entry:
     #: ``drafter.init_from`` (a drafter trained over several runs, each a recipe; the build runs the base first)
     base: str | None = None
     kept: bool = True  # False: a run that is only the base of another entry, never stored in the zoo
+    #: keep the generate stage's corpus in the zoo too (pardec.zoo.corpus): one that takes several builds to write
+    keep_corpus: bool = False
 
     @property
     def dir(self) -> Path:
@@ -88,7 +90,7 @@ def entries(zoo: str = DEFAULT_TARGET) -> dict[str, Entry]:
     if not path.is_file():
         raise ZooError(f"zoo {zoo!r} has no recipes (no {path}); zoos: {', '.join(zoos()) or 'none'}")
     raw = yaml.safe_load(path.read_text())
-    keys = {"experiment", "overrides", "keep", "store", "reads", "stages", "base", "kept"}
+    keys = {"experiment", "overrides", "keep", "store", "reads", "stages", "base", "kept", "keep_corpus"}
     out = {}
     for name, e in (raw.get("artifacts") or {}).items():
         unknown = set(e) - keys

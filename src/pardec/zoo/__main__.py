@@ -1,4 +1,4 @@
-"""``python -m pardec.zoo list|build|verify|rehash [names] [--zoo smollm2]``: the kept drafters (:mod:`pardec.zoo`)."""
+"""``python -m pardec.zoo list|build|verify|rehash|keep-corpus [names] [--zoo smollm2]``: the kept drafters (:mod:`pardec.zoo`)."""
 
 from __future__ import annotations
 
@@ -80,13 +80,15 @@ def rows(zoo: str, names: list[str]) -> list[dict]:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m pardec.zoo", description=__doc__.splitlines()[0].split(": ", 1)[-1])
-    sub = ap.add_subparsers(dest="command", required=True, metavar="{list,build,verify,rehash}")
+    sub = ap.add_subparsers(dest="command", required=True, metavar="{list,build,verify,rehash,keep-corpus}")
     for name, text in (("list", "what is kept: size, training time and host, held-out figures, whether it matches "
                                 "its recipe"),
                        ("build", "(re)train and store every missing or stale artifact (resumable; make zoo)"),
                        ("verify", "check every stored file against its manifest's sha256"),
                        ("rehash", "carry artifacts over a rename of config keys without retraining, where the recipe "
-                                  "at --at COMMIT (the one each was built from) is today's but for its spelling")):
+                                  "at --at COMMIT (the one each was built from) is today's but for its spelling"),
+                       ("keep-corpus", "keep the completions written so far for artifacts with keep_corpus (also while "
+                                       "their generation runs): the next build on any machine goes on from them")):
         p = sub.add_parser(name, help=text, description=text)
         p.add_argument("names", nargs="*", help="artifacts (default: all of the zoo)")
         p.add_argument("--zoo", default=DEFAULT_TARGET, help=f"the zoo (conf/zoo/<zoo>.yaml; default {DEFAULT_TARGET})")
@@ -118,6 +120,18 @@ def main(argv: list[str] | None = None) -> int:
                         print(f"error: {err}", file=sys.stderr)
                         failed += 1
             return 1 if failed else 0
+        if a.command == "keep-corpus":
+            from pardec.zoo import corpus  # heavy: hydra, torch
+
+            chosen = [entries(a.zoo)[n] for n in names if entries(a.zoo)[n].keep_corpus]
+            if not chosen:
+                raise ConfigError(f"none of {', '.join(names)} keeps its corpus (keep_corpus: true in "
+                                  f"conf/zoo/{a.zoo}.yaml); those that do: "
+                                  f"{', '.join(n for n, e in entries(a.zoo).items() if e.keep_corpus) or 'none'}")
+            for e in chosen:
+                out = corpus.out_dir_of(e)
+                corpus.keep(out, corpus.kept_dir(e, out))
+            return 0
         if a.command == "build":
             from pardec.zoo.build import build_one  # heavy: torch
 

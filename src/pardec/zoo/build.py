@@ -25,7 +25,18 @@ import torch
 from omegaconf import OmegaConf
 
 from pardec import REPO_ROOT
-from pardec.zoo import MANIFEST, ZOO_DIR, Entry, ZooError, base_chain, recipe_hash, seal, sha256_file, verify
+from pardec.zoo import (
+    MANIFEST,
+    ZOO_DIR,
+    Entry,
+    ZooError,
+    base_chain,
+    corpus,
+    recipe_hash,
+    seal,
+    sha256_file,
+    verify,
+)
 from pardec.zoo.store import TARGET_FORMS, check_store, materialize, pack
 
 STAGES_FILE = "zoo_stages.json"
@@ -112,7 +123,13 @@ def run_stages(entry: Entry, recipe: str, log) -> dict[str, dict]:
             running["wall_s"] = seconds
             save()
 
+        kept = stage == "generate" and getattr(entry, "keep_corpus", False)
+        if kept:  # the corpus written by earlier builds, kept in the zoo: only the rest is generated
+            out_dir = corpus.out_dir_of(entry)
+            corpus.restore(corpus.kept_dir(entry, out_dir), out_dir, log)
         result = run_stage(entry, stage, train_argv(entry, stage, run_dir), log, beat)
+        if kept:
+            corpus.keep(out_dir, corpus.kept_dir(entry, out_dir), log)
         done["killed"].remove(running)
         if earlier:
             result = {**result, "wall_s": round(result["wall_s"] + sum(r["wall_s"] for r in earlier), 1),
