@@ -3,11 +3,12 @@
 to write than one sitting on the machine allows is written over several builds instead of from nothing each time.
 
 A kept corpus is the generation's ``meta.json`` (model identity and dtype, sources, token limit: what a resumed
-generation must match; the repository's own path in it as :data:`HERE`), ``records.jsonl.gz`` (every complete record so far, as the generation wrote them) and
-``kept.json`` (the count and the sha256 of the records file). :func:`keep` packs the run's ``completions.out_dir``
-(after the generate stage, or mid-generation: ``python -m pardec.zoo keep-corpus <name>``); :func:`restore`, before
-the generate stage, writes the kept records back as their own work log (``part-zoo.jsonl``), which the generation
-counts as done and the merge reads like any other rank's: the rest is generated, nothing twice.
+generation must match; the repository's own path in it written :data:`HERE`), ``records.jsonl.gz`` (every complete
+record so far, as the generation wrote them) and ``kept.json`` (the count and the sha256 of the records file).
+:func:`keep` packs the run's ``completions.out_dir`` (after the generate stage, or mid-generation: ``python -m
+pardec.zoo keep-corpus <name>``); :func:`restore`, before the generate stage, writes the kept records back as their
+own work log (``part-zoo.jsonl``), which the generation counts as done and the merge reads like any other rank's: the
+rest is generated, nothing twice.
 """
 
 from __future__ import annotations
@@ -117,11 +118,12 @@ def restore(src: Path, out_dir: Path, log=print) -> int:
     have = {r["id"] for r in records_of(out_dir)} if out_dir.is_dir() else set()
     with gzip.open(src / RECORDS, "rt", encoding="utf-8") as f:
         kept = [json.loads(line) for line in f]
-    if not {r["id"] for r in kept} - have:
+    added = len({r["id"] for r in kept} - have)
+    if not added:
         return 0
     out_dir.mkdir(parents=True, exist_ok=True)
     if not (out_dir / META).is_file():
         (out_dir / META).write_text(meta)
     write_merged(out_dir / KEPT_PART, kept)  # atomic: a kill leaves the old log or the new one
-    log(f"[zoo] restored {len(set(r['id'] for r in kept) - have)} completions into {out_dir} from {src}")
-    return len({r["id"] for r in kept} - have)
+    log(f"[zoo] restored {added} completions into {out_dir} from {src}")
+    return added
