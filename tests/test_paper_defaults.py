@@ -111,7 +111,7 @@ PAPER: dict[str, dict[str, tuple[object, str]]] = {
 PARDEC_ONLY: dict[str, set[str]] = {
     "jacobi": {"max_iters", "record_trajectories"},
     "pld": {"min_ngram", "num_pred_by_cost"},
-    "sps": {"gamma_min", "gamma_max", "gamma_by_cost"},
+    "sps": {"gamma_min", "gamma_max", "gamma_by_cost", "confidence_threshold"},
     "medusa": {"path", "tree", "k", "int8_weights"},
     "medusa_typical": {"path", "tree", "k", "int8_weights"},
     "firp": {"path", "tree", "k", "int8_weights"},

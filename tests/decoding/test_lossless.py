@@ -24,7 +24,8 @@ PROMPTS = {
 }
 PARAMS = {"jacobi": [{"block_size": 16}, {"block_size": 5}, {"block_size": 1}, {"block_size": 7, "max_iters": 2}],
           "pld": [{}, {"max_ngram": 1, "num_pred": 3}, {"max_ngram": 4, "min_ngram": 2, "num_pred": 20}],
-          "sps": [{"gamma": 4}, {"gamma": 1}, {"gamma": 9}, {"gamma": 3, "adaptive": True, "gamma_max": 8}],
+          "sps": [{"gamma": 4}, {"gamma": 1}, {"gamma": 9}, {"gamma": 3, "adaptive": True, "gamma_max": 8},
+                  {"gamma": 6, "confidence_threshold": 0.5}],
           "lookahead": [{}, {"level": 2, "window": 1, "guess_set": 1}, {"level": 4, "window": 3, "guess_set": 2,
                                                                           "pool_from_prompt": True}],
           # the paper's switches (all on, tests/test_paper_defaults.py) at a CPU-sized window: its W 20 / N 7 window

@@ -1,4 +1,4 @@
-"""`sps` specifics: adaptive gamma, draft-forward accounting, draft-cache resynchronisation, bad parameters."""
+"""`sps` specifics: adaptive gamma, drafts cut where the draft is unsure, draft-forward accounting, draft-cache resynchronisation, bad parameters."""
 
 from __future__ import annotations
 
@@ -49,8 +49,23 @@ def test_draft_cache_resynchronises_with_the_committed_sequence():
     assert 0 < res.draft_accepted < res.drafted
 
 
+def test_an_unsure_draft_ends_the_round_at_the_token_it_is_unsure_of():
+    plain, lm = _sps("random", gamma=5)
+    res = plain.generate(PROMPT, 30, Stopper(lm.tokenizer))
+    assert res.extras["mean_gamma"] > 4  # 5 a round (the last one cut to the room left)
+    # an untrained draft over a 512-token vocabulary: no next token near probability 0.9, so every round drafts one
+    unsure, lm = _sps("random", gamma=5, confidence_threshold=0.9)
+    cut = unsure.generate(PROMPT, 30, Stopper(lm.tokenizer))
+    assert cut.tokens == res.tokens
+    assert cut.extras["mean_gamma"] == 1 and cut.drafted > 20
+    assert cut.draft_forwards == cut.drafted  # each round: the catch-up forward, its one token, no further step
+    sure, lm = _sps("self", gamma=4, confidence_threshold=1e-6)  # never unsure: the plain rounds
+    assert sure.generate(PROMPT, 21, Stopper(lm.tokenizer)).accepted == [1, 5, 5, 5, 5]
+
+
 @pytest.mark.parametrize("params,needle", [
     ({"gamma": 0}, "method.gamma=0 is out of range"),
+    ({"confidence_threshold": 1.5}, "method.confidence_threshold=1.5 is out of range"),
     ({"gamma_max": 0}, "method.gamma_max=0 is out of range"),
     ({"gamma": 20, "adaptive": True}, "must lie in [gamma_min, gamma_max]"),
 ])

@@ -34,7 +34,7 @@ import torch
 
 from pardec.config import SamplingConfig, check_choice
 from pardec.decoding.base import Clock, Decoder, GenerationResult, check_range, register_method
-from pardec.decoding.drafting import draft_chain
+from pardec.decoding.drafting import confidence, draft_chain
 from pardec.decoding.sampling import select, warp
 
 VARIANTS = ("bild", "mjsd")
@@ -68,13 +68,6 @@ def surviving(draft: torch.Tensor, logits: torch.Tensor, threshold: float, warpe
     if valid is not None:
         ok &= valid
     return ok.long().cumprod(1).sum(1)  # the surviving prefix
-
-
-def confidence(logits: torch.Tensor, warped: SamplingConfig | None = None) -> torch.Tensor:
-    """The draft's confidence in its next token: the largest probability of ``logits`` [..., V] (plain softmax, or
-    the distribution ``warped`` warps). Returns [...] on their device."""
-    probs = warp(logits, warped) if warped is not None else torch.softmax(logits.float(), -1)
-    return probs.max(-1).values
 
 
 def check_bild(fallback_threshold: float, rollback_threshold: float, max_draft: int, variant: str) -> None:

@@ -35,6 +35,13 @@ class DraftChain:
     stopped: bool = False  # the ``stop`` test ended the chain (BiLD's fallback)
 
 
+def confidence(logits: torch.Tensor, warped: SamplingConfig | None = None) -> torch.Tensor:
+    """The draft's confidence in its next token: the largest probability of ``logits`` [..., V] (plain softmax, or
+    the distribution ``warped`` warps). Returns [...] on their device."""
+    probs = warp(logits, warped) if warped is not None else torch.softmax(logits.float(), -1)
+    return probs.max(-1).values
+
+
 def catch_up(draft: CachedModel, seq: list[int]) -> torch.Tensor:
     """Resynchronise ``draft``'s cache with ``seq`` (prompt + committed: :meth:`CachedModel.sync` keeps the
     common prefix) in one forward; returns its logits [V] for the token after ``seq``."""

@@ -18,6 +18,12 @@ is), the draft's cost per forward from its own clock in this run (from the secon
 runs the prompt through the draft), and the acceptance rate ``a`` from this
 generation's rounds (accepted / (accepted + rejections), with one of each as a prior). The first two rounds
 use ``gamma``. Exactness is untouched: only the draft's length changes.
+
+``confidence_threshold`` (beyond the paper, whose draft always proposes gamma tokens; transformers' assisted
+generation's ``assistant_confidence_threshold``, 0.4 there): a round's draft ends at the first token the draft gives
+less than this probability (the largest of its plain softmax), that token still drafted, so a draft that is unsure
+spends neither its own forwards nor the target's rows on the tokens after it; 0 (the default): off. The test reads
+the draft's logits on the host once per drafted token. It depends on the draft alone, so exactness is untouched.
 """
 
 from __future__ import annotations
@@ -25,8 +31,8 @@ from __future__ import annotations
 import torch
 
 from pardec.config import ConfigError, check_at_least
-from pardec.decoding.base import Decoder, DraftClock, GenerationResult, register_method
-from pardec.decoding.drafting import draft_chain
+from pardec.decoding.base import Decoder, DraftClock, GenerationResult, check_range, register_method
+from pardec.decoding.drafting import confidence, draft_chain
 from pardec.models.cost import best_draft_length
 
 
@@ -36,8 +42,11 @@ class SpeculativeSampling(Decoder):
     needs_draft = True
 
     def __init__(self, target, tokenizer=None, draft=None, gamma: int = 4, adaptive: bool = False,
-                 gamma_min: int = 1, gamma_max: int = 12, gamma_by_cost: bool = False):
+                 gamma_min: int = 1, gamma_max: int = 12, gamma_by_cost: bool = False,
+                 confidence_threshold: float = 0.0):
         super().__init__(target, tokenizer, draft)
+        check_range("confidence_threshold", confidence_threshold, 0.0, 1.0, integer=False)
+        self.confidence_threshold = confidence_threshold
         for key, v in (("gamma", gamma), ("gamma_min", gamma_min), ("gamma_max", gamma_max)):
             check_at_least(f"method.{key}", v, 1, integer=True)
         if adaptive and gamma_by_cost:
@@ -57,7 +66,11 @@ class SpeculativeSampling(Decoder):
     def propose(self, seq: list[int], k: int, st) -> tuple[torch.Tensor, torch.Tensor | None, int]:
         """Draft ``k`` tokens after ``seq`` (prompt + committed). Returns (tokens [k], q [k, V] or None under
         greedy, draft forwards)."""
-        chain = draft_chain(self.draft, seq, k, st.s, st.gen)
+        unsure = None
+        if self.confidence_threshold > 0:
+            def unsure(logits: torch.Tensor) -> bool:
+                return float(confidence(logits)) < self.confidence_threshold
+        chain = draft_chain(self.draft, seq, k, st.s, st.gen, stop=unsure, keep_unsure=True)
         return chain.tokens, chain.q, chain.forwards
 
     @torch.inference_mode()
@@ -79,6 +92,7 @@ class SpeculativeSampling(Decoder):
                 last = self._step_alone(st, last)
                 continue
             toks, q, _ = clock.run(st, self.propose, prompt + st.out.tokens, k, st)
+            k = len(toks)  # fewer when the draft was unsure (confidence_threshold)
             _, acc, _ = self._verify_chain(st, last, toks, q)
             n_acc = len(acc) - 1
             self.draft.confirm(acc[:n_acc])  # the draft's log keeps them as host values: no read-back next round

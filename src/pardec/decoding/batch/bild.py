@@ -17,7 +17,8 @@ import torch
 
 from pardec.decoding.batch.engine import BatchedMethod, Row, register_batched
 from pardec.decoding.batch.methods import catch_up_rows
-from pardec.decoding.bild import check_bild, confidence, surviving, warping
+from pardec.decoding.bild import check_bild, surviving, warping
+from pardec.decoding.drafting import confidence
 from pardec.decoding.sampling import sample, select, warp
 from pardec.models.cache import to_device
 
