@@ -105,6 +105,17 @@ def append_jsonl(path: str | Path, records: Iterable[dict]) -> None:
         os.fsync(f.fileno())
 
 
+def write_jsonl(path: str | Path, records: Iterable[dict]) -> None:
+    """``records`` as JSONL at ``path``, atomically (a temporary file renamed over it): a kill leaves the old file or
+    the new one."""
+    path = Path(path)
+    tmp = path.with_name(path.name + ".tmp")
+    with tmp.open("w", encoding="utf-8") as f:
+        for r in records:
+            f.write(json.dumps(r, separators=(",", ":"), allow_nan=False) + "\n")
+    tmp.replace(path)
+
+
 def read_versioned(path: str | Path, fmt: str, version: int, error: type[Exception], where: str,
                    hint: str = "") -> dict:
     """A JSON file that names its ``format`` and ``version`` (drafter.json, a zoo manifest): one ``error`` line

@@ -31,7 +31,7 @@ from typing import Any
 from tqdm import tqdm
 
 from pardec.config import DatasetConfig, settings_diff
-from pardec.jsonl import append_jsonl, read_json, read_jsonl, record_at
+from pardec.jsonl import append_jsonl, read_json, read_jsonl, record_at, write_jsonl
 from pardec.tasks.base import build_task, select_docs
 
 log = logging.getLogger(__name__)
@@ -224,9 +224,5 @@ def version_error(where: str, found: Any, version: int, hint: str) -> str:
 
 
 def write_merged(path: Path, records: list[dict]) -> None:
-    """``records`` as JSONL at ``path``, atomically (a temporary file renamed over it)."""
-    tmp = path.with_name(path.name + ".tmp")
-    with tmp.open("w", encoding="utf-8") as f:
-        for r in records:
-            f.write(json.dumps(r, separators=(",", ":"), allow_nan=False) + "\n")
-    tmp.replace(path)
+    """``records`` as JSONL at ``path``, atomically (:func:`pardec.jsonl.write_jsonl`)."""
+    write_jsonl(path, records)

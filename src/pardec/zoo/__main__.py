@@ -7,7 +7,7 @@ import json
 import sys
 
 from pardec.config import ConfigError
-from pardec.zoo import DEFAULT_TARGET, MANIFEST, check_names, entries, recipe_hash, verify
+from pardec.zoo import DEFAULT_TARGET, MANIFEST, check_names, corpus, entries, recipe_hash, verify
 from pardec.zoo.rehash import recipes_at, rehash
 
 
@@ -121,8 +121,6 @@ def main(argv: list[str] | None = None) -> int:
                         failed += 1
             return 1 if failed else 0
         if a.command == "keep-corpus":
-            from pardec.zoo import corpus  # heavy: hydra, torch
-
             chosen = [entries(a.zoo)[n] for n in names if entries(a.zoo)[n].keep_corpus]
             if not chosen:
                 raise ConfigError(f"none of {', '.join(names)} keeps its corpus (keep_corpus: true in "

@@ -20,11 +20,12 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
+from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
-from pardec import REPO_ROOT
-from pardec.jsonl import read_json
-from pardec.training.stages import read_part, write_merged
+from pardec import CONF_DIR, REPO_ROOT, zoo
+from pardec.config.cli import hydra_errors_in_one_line
+from pardec.jsonl import read_json, read_jsonl, write_jsonl
 
 KEPT_PART = "part-zoo.jsonl"  # the restored records' work log in the out_dir (matches the stage's part-*.jsonl)
 RECORDS, META, KEPT = "records.jsonl.gz", "meta.json", "kept.json"
@@ -41,11 +42,6 @@ def local(meta_text: str) -> str:
 
 def out_dir_of(entry) -> Path:
     """The entry's ``completions.out_dir`` as its generate stage resolves it (paths under the repository)."""
-    from hydra import compose, initialize_config_dir
-
-    from pardec import CONF_DIR
-    from pardec.config.cli import hydra_errors_in_one_line
-
     with hydra_errors_in_one_line(), initialize_config_dir(str(CONF_DIR), version_base="1.3"):
         cfg = compose("train", overrides=[f"+experiment={entry.experiment}", *entry.overrides])
     OmegaConf.update(cfg, "paths.root_dir", str(REPO_ROOT), force_add=True)
@@ -55,8 +51,6 @@ def out_dir_of(entry) -> Path:
 
 def kept_dir(entry, out_dir: Path) -> Path:
     """Where ``out_dir``'s corpus is kept: ``zoo/<zoo>/corpora/<its parent's name>/<its name>``."""
-    from pardec import zoo
-
     return zoo.ZOO_DIR / entry.zoo / "corpora" / out_dir.parent.name / out_dir.name
 
 
@@ -64,15 +58,13 @@ def records_of(out_dir: Path) -> list[dict]:
     """Every complete record of ``out_dir``'s work logs, once per id (the first written), by prompt index."""
     by_id: dict[str, dict] = {}
     for p in sorted(out_dir.glob("part-*.jsonl")):
-        for r in read_part(p):
+        for r in read_jsonl(p, error=zoo.ZooError, missing_ok=True, torn_ok=True):  # a line cut by a kill: left out
             by_id.setdefault(r["id"], r)
     return sorted(by_id.values(), key=lambda r: r.get("index", 0))
 
 
 def keep(out_dir: Path, dest: Path, log=print) -> dict[str, Any] | None:
     """Pack ``out_dir``'s records and meta into ``dest`` (replaced in one rename); None when it holds none."""
-    from pardec.zoo import sha256_file
-
     meta = out_dir / META
     records = records_of(out_dir) if meta.is_file() else []
     if not records:
@@ -85,7 +77,7 @@ def keep(out_dir: Path, dest: Path, log=print) -> dict[str, Any] | None:
     with gzip.open(tmp / RECORDS, "wt", encoding="utf-8", compresslevel=9) as f:
         for r in records:
             f.write(json.dumps(r, separators=(",", ":"), allow_nan=False) + "\n")
-    info = {"records": len(records), "sha256": sha256_file(tmp / RECORDS),
+    info = {"records": len(records), "sha256": zoo.sha256_file(tmp / RECORDS),
             "date": datetime.now(timezone.utc).isoformat(timespec="seconds")}
     (tmp / KEPT).write_text(json.dumps(info, indent=2) + "\n")
     old = dest.with_name(f".{dest.name}.old")
@@ -103,13 +95,11 @@ def restore(src: Path, out_dir: Path, log=print) -> int:
     it adds. Nothing is kept at ``src``: 0. An ``out_dir`` generated with other settings is left as it is (the
     generation then refuses or grows it, as it would anyway); a kept file that does not match ``kept.json`` is
     refused."""
-    from pardec.zoo import ZooError, sha256_file
-
     if not (src / KEPT).is_file():
         return 0
     info = read_json(src / KEPT)
-    if sha256_file(src / RECORDS) != info["sha256"]:
-        raise ZooError(f"the kept corpus {src} does not match its {KEPT} (sha256 of {RECORDS}); restore it with "
+    if zoo.sha256_file(src / RECORDS) != info["sha256"]:
+        raise zoo.ZooError(f"the kept corpus {src} does not match its {KEPT} (sha256 of {RECORDS}); restore it with "
                        f"`git checkout -- {src}` or delete it to generate the corpus again")
     meta = local((src / META).read_text())
     if (out_dir / META).is_file() and read_json(out_dir / META) != json.loads(meta):
@@ -124,6 +114,6 @@ def restore(src: Path, out_dir: Path, log=print) -> int:
     out_dir.mkdir(parents=True, exist_ok=True)
     if not (out_dir / META).is_file():
         (out_dir / META).write_text(meta)
-    write_merged(out_dir / KEPT_PART, kept)  # atomic: a kill leaves the old log or the new one
+    write_jsonl(out_dir / KEPT_PART, kept)  # atomic: a kill leaves the old log or the new one
     log(f"[zoo] restored {added} completions into {out_dir} from {src}")
     return added
