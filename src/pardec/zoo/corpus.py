@@ -99,8 +99,8 @@ def restore(src: Path, out_dir: Path, log=print) -> int:
         return 0
     info = read_json(src / KEPT)
     if zoo.sha256_file(src / RECORDS) != info["sha256"]:
-        raise zoo.ZooError(f"the kept corpus {src} does not match its {KEPT} (sha256 of {RECORDS}); restore it with "
-                       f"`git checkout -- {src}` or delete it to generate the corpus again")
+        raise zoo.ZooError(f"the kept corpus {src} does not match its {KEPT} (sha256 of {RECORDS}); restore it "
+                           f"with `git checkout -- {src}` or delete it to generate the corpus again")
     meta = local((src / META).read_text())
     if (out_dir / META).is_file() and read_json(out_dir / META) != json.loads(meta):
         log(f"[zoo] {out_dir} was generated with other settings than the corpus kept in {src}: not restored")
