@@ -395,7 +395,7 @@ def test_the_headline_and_stored_form_of_a_fine_tuned_target():
 
 
 class _StubEntry:
-    name, stages = "stub", ("train", "eval")
+    name, stages, keep_corpus = "stub", ("train", "eval"), False
 
     def __init__(self, run_dir):
         self.run_dir = run_dir

@@ -97,7 +97,8 @@ PROMPT = [0, 5, 9, 0, 5, 9, 0]  # the target's 3-cycle (see the module doc)
 N = {"t1": 2000, "warped": 2400}  # the power the module doc states
 FLOOR = 1e-9  # prefixes below this probability are left out of the exact joints
 #: case -> the method it runs
-METHOD_OF = {"sps_unsure": "sps", "sdsat_k5": "sdsat", "eagle3_chain": "eagle3", "dflash_vocab": "dflash", "dflash_compiled": "dflash",
+METHOD_OF = {"sps_unsure": "sps", "sdsat_k5": "sdsat", "eagle3_chain": "eagle3", "dflash_vocab": "dflash",
+             "dflash_compiled": "dflash",
              "dflash_tree": "dflash"}
 PARAMS = {
     "sps": {"gamma": 3},  # tokens 2-4 drafted in the first round, token 5 its bonus

@@ -155,12 +155,16 @@ def seal(root: Path, manifest: dict[str, Any]) -> dict[str, Any]:
 NOT_RECIPE = ("hydra", "paths", "stage", "measure_memory")
 
 
-def recipe_config(entry: Entry) -> dict[str, Any]:
-    """The recipe as composed: experiment + the zoo's overrides, interpolations left unresolved (so it does not
-    depend on where the repository is), without :data:`NOT_RECIPE`."""
+def composed(entry: Entry):
+    """The entry's training config as Hydra composes it: experiment + the zoo's overrides (a DictConfig)."""
     with hydra_errors_in_one_line(), initialize_config_dir(str(CONF_DIR), version_base="1.3"):
-        cfg = compose("train", overrides=[f"+experiment={entry.experiment}", *entry.overrides])
-    plain = OmegaConf.to_container(cfg, resolve=False)
+        return compose("train", overrides=[f"+experiment={entry.experiment}", *entry.overrides])
+
+
+def recipe_config(entry: Entry) -> dict[str, Any]:
+    """The recipe as composed (:func:`composed`), interpolations left unresolved (so it does not depend on where the
+    repository is), without :data:`NOT_RECIPE`."""
+    plain = OmegaConf.to_container(composed(entry), resolve=False)
     for key in NOT_RECIPE:
         plain.pop(key, None)
     return plain

@@ -123,7 +123,7 @@ def run_stages(entry: Entry, recipe: str, log) -> dict[str, dict]:
             running["wall_s"] = seconds
             save()
 
-        kept = stage == "generate" and getattr(entry, "keep_corpus", False)
+        kept = stage == "generate" and entry.keep_corpus
         if kept:  # the corpus written by earlier builds, kept in the zoo: only the rest is generated
             out_dir = corpus.out_dir_of(entry)
             corpus.restore(corpus.kept_dir(entry, out_dir), out_dir, log)

@@ -20,11 +20,9 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
-from pardec import CONF_DIR, REPO_ROOT, zoo
-from pardec.config.cli import hydra_errors_in_one_line
+from pardec import REPO_ROOT, zoo
 from pardec.jsonl import read_json, read_jsonl, write_jsonl
 
 KEPT_PART = "part-zoo.jsonl"  # the restored records' work log in the out_dir (matches the stage's part-*.jsonl)
@@ -42,8 +40,7 @@ def local(meta_text: str) -> str:
 
 def out_dir_of(entry) -> Path:
     """The entry's ``completions.out_dir`` as its generate stage resolves it (paths under the repository)."""
-    with hydra_errors_in_one_line(), initialize_config_dir(str(CONF_DIR), version_base="1.3"):
-        cfg = compose("train", overrides=[f"+experiment={entry.experiment}", *entry.overrides])
+    cfg = zoo.composed(entry)
     OmegaConf.update(cfg, "paths.root_dir", str(REPO_ROOT), force_add=True)
     OmegaConf.update(cfg, "experiment_name", entry.experiment, force_add=True)  # Hydra's runtime choice, outside it
     return Path(cfg.completions.out_dir)
