@@ -15,6 +15,7 @@ from pardec.bench import table as T
 def test_the_plan_leaves_out_what_the_zoo_lacks_and_refuses_an_unknown_method():
     shared, own, notes = T.plan("all", has=lambda name: name in {"draft", "eagle3"})
     assert "sps" in shared and "eagle3:path=zoo:eagle3:mode=chain" in shared and "pld" in shared
+    assert "sps:confidence_threshold=0.4" in shared  # the CPU-sized role beside the paper's gamma
     assert not any(m.startswith("dflash") for m in shared) and own == []
     assert any("the zoo has no 'dflash' (make zoo ZOO_NAMES=dflash)" in n for n in notes)
     shared, own, _ = T.plan("pld,jacobi@cllm", has=lambda name: True)

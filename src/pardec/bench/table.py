@@ -71,8 +71,8 @@ BENCHMARKS = {
 }
 #: every decoder on the shared target, as ``bench.also`` entries, with the zoo artifact each needs (None: none)
 SHARED = [("jacobi", None), ("lookahead", None), (CPU_SIZED["lookahead"], None), ("pld", None), ("sps", "draft"),
-          ("ouroboros", "draft"), (CPU_SIZED["ouroboros"], "draft"), ("spectr", "draft"), ("mjsd", "draft"),
-          ("mjgd", "draft"), ("bild", "draft"), ("medusa:path=zoo:medusa", "medusa"),
+          (CPU_SIZED["sps"], "draft"), ("ouroboros", "draft"), (CPU_SIZED["ouroboros"], "draft"), ("spectr", "draft"),
+          ("mjsd", "draft"), ("mjgd", "draft"), ("bild", "draft"), ("medusa:path=zoo:medusa", "medusa"),
           ("medusa_typical:path=zoo:medusa", "medusa"), ("firp:path=zoo:firp", "firp"),
           ("eagle3:path=zoo:eagle3:mode=chain", "eagle3"), ("eagle3:path=zoo:eagle3", "eagle3"),
           ("dflash:path=zoo:dflash", "dflash"),
