@@ -7,6 +7,8 @@ import os
 from collections.abc import Sequence
 from pathlib import Path
 
+MISSING = "–"  # a cell with no value (None)
+
 
 class DocsError(ValueError):
     """A marked block that cannot be rendered: names the bad value and the valid choices."""
@@ -17,11 +19,11 @@ def _rel(target: Path, md_file: Path) -> str:
 
 
 def markdown_table(columns: Sequence[str], rows: Sequence[Sequence[object]], centered: bool = False) -> str:
-    """A markdown table of ``rows`` under ``columns`` (cells as ``str(cell)``), no trailing newline; ``centered``:
+    """A markdown table of ``rows`` under ``columns`` (cells as ``str(cell)``, ``None`` as MISSING), no trailing newline; ``centered``:
     every column after the first centred."""
     rule = "|" + "|".join(["---"] + [":-:" if centered else "---"] * (len(columns) - 1)) + "|"
     lines = ["| " + " | ".join(columns) + " |", rule]
-    lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
+    lines += ["| " + " | ".join(MISSING if c is None else str(c) for c in row) + " |" for row in rows]
     return "\n".join(lines)
 
 

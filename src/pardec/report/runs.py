@@ -25,11 +25,9 @@ from pathlib import Path
 from typing import Any
 
 from pardec.evaluation.tables import comparison_rows
-from pardec.report.markdown import markdown_table
+from pardec.report.markdown import MISSING, markdown_table
 from pardec.report.plots import plot_accepted_hist, plot_speedup, plot_speedup_vs_tpf
 from pardec.report.run_dirs import ReportWarning, load_runs
-
-MISSING = "–"
 
 # ------------------------------------------------------------------------------------------- table
 
